@@ -1,0 +1,1 @@
+"""spotvisord: the control plane that keeps a spot pool and its training job alive."""

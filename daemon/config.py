@@ -1,0 +1,279 @@
+"""spotvisord configuration: one pydantic schema, read from YAML.
+
+The file has one section per part of the architecture (``pool``, ``job``,
+``rendezvous``, ``agent``, ``daemon``, ``providers``, ``offers``, ``chaos``).
+Unknown keys are errors (a typo must not silently become a default).
+
+``load_config(path)`` raises :class:`ConfigError` whose ``problems`` are one line
+each, ``<field path>: <what is wrong> (<how to fix it>)``; ``spotvisord
+check-config`` prints them and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.batch import ElasticBatch, BatchError
+
+__all__ = [
+    "ConfigError",
+    "Config",
+    "PoolSpec",
+    "JobSpec",
+    "RendezvousSpec",
+    "AgentSpec",
+    "DaemonSpec",
+    "LocalProviderSpec",
+    "ProvidersSpec",
+    "OfferSpec",
+    "ChaosEvent",
+    "load_config",
+    "format_problems",
+]
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used. ``problems``: one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveS = Annotated[float, Field(gt=0)]
+
+
+class PoolSpec(_Spec):
+    """Pool size in nodes. The reconciler keeps ``target_nodes`` running."""
+
+    name: str = Field("default", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    min_nodes: int = Field(1, ge=1)
+    target_nodes: int = Field(1, ge=1)
+    max_nodes: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "PoolSpec":
+        if not self.min_nodes <= self.target_nodes <= self.max_nodes:
+            raise ValueError(
+                f"need min_nodes <= target_nodes <= max_nodes, got "
+                f"{self.min_nodes} / {self.target_nodes} / {self.max_nodes} "
+                "(fix the three sizes)"
+            )
+        return self
+
+
+class JobSpec(_Spec):
+    """The training job every node runs under ``torchrun``.
+
+    ``module`` is run as ``python -m MODULE`` by each worker; spotvisor adds the
+    flags below (``--target-steps`` ...) and then ``args``.
+    """
+
+    id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    module: str = "trainer.run"
+    args: list[str] = []
+    target_steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(12, ge=1)
+    micro_batch_size: int = Field(2, ge=1)
+    checkpoint_uri: str = "file://{state_dir}/checkpoints"
+    checkpoint_interval_steps: int = Field(20, ge=1)
+    s3_endpoint_url: str | None = None
+    hold_timeout_s: PositiveS = 90.0
+
+    @model_validator(mode="after")
+    def _batch(self) -> "JobSpec":
+        try:
+            ElasticBatch(self.global_batch_size, self.micro_batch_size)
+        except BatchError as exc:
+            raise ValueError(str(exc)) from None
+        scheme = self.checkpoint_uri.split("://", 1)[0] if "://" in self.checkpoint_uri else ""
+        if scheme not in ("file", "s3"):
+            raise ValueError(
+                f"checkpoint_uri {self.checkpoint_uri!r} has no supported scheme "
+                "(use file:///path or s3://bucket/prefix)"
+            )
+        return self
+
+    def valid_world_sizes(self, max_world_size: int) -> list[int]:
+        return ElasticBatch(self.global_batch_size, self.micro_batch_size).valid_world_sizes(
+            max_world_size
+        )
+
+
+class RendezvousSpec(_Spec):
+    """The c10d rendezvous store (its own process) and torchrun's timeouts.
+
+    Defaults are tuned for fast local re-rendezvous (torch defaults: last call
+    30 s, keep-alive 5 s x 3); see ELASTIC.md.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(29400, ge=1, le=65535)
+    last_call_timeout_s: PositiveS = 3.0
+    keep_alive_interval_s: PositiveS = 1.0
+    keep_alive_max_attempt: int = Field(3, ge=1)
+    join_timeout_s: PositiveS = 600.0
+    max_restarts: int = Field(1000, ge=0)
+
+
+class AgentSpec(_Spec):
+    poll_interval_s: PositiveS = 1.0
+    heartbeat_interval_s: PositiveS = 1.0
+    metadata_timeout_s: PositiveS = 2.0
+
+
+class DaemonSpec(_Spec):
+    state_dir: str = ".spotvisor"
+    socket: str | None = None
+    agent_host: str = "127.0.0.1"
+    agent_port: int = Field(0, ge=0, le=65535)
+    heartbeat_timeout_s: PositiveS = 20.0
+    launch_timeout_s: PositiveS = 180.0
+    rejoin_timeout_s: PositiveS = 90.0
+    reconcile_interval_s: PositiveS = 1.0
+
+    def state_path(self) -> Path:
+        return Path(os.path.expanduser(self.state_dir)).resolve()
+
+    def socket_path(self) -> Path:
+        if self.socket:
+            return Path(os.path.expanduser(self.socket)).resolve()
+        return self.state_path() / "spotvisord.sock"
+
+
+class LocalProviderSpec(_Spec):
+    """The embedded provider: an instance is a process group on this machine."""
+
+    launch_delay_s: float = Field(1.0, ge=0)
+    metadata_dialect: Literal["aws"] = "aws"
+    spot_price_usd_h: float = Field(0.0, ge=0)
+
+
+class ProvidersSpec(_Spec):
+    local: LocalProviderSpec | None = LocalProviderSpec()
+
+
+class OfferSpec(_Spec):
+    """One way to buy a node: provider, place, instance type, GPUs, price cap."""
+
+    provider: Literal["local"] = "local"
+    region: str = "local"
+    zone: str | None = None
+    instance_type: str = "local.cpu"
+    gpu_type: str = "none"
+    gpus_per_node: int = Field(1, ge=1, le=64)
+    max_price_usd_h: float | None = Field(None, ge=0)
+
+
+class ChaosEvent(_Spec):
+    """A fault the local provider injects.
+
+    ``notice``: publish an interruption notice on the node's metadata endpoint,
+    then SIGKILL its process group ``lead_s`` later (as the cloud would).
+    ``kill``: SIGKILL the node's process group with no notice.
+
+    ``node`` is the ordinal of the node in launch order (1 = first launched).
+    The event fires when the job has reached ``at_step`` (or ``at_s`` seconds
+    after the job first started); with ``wait_full_pool`` it also waits until the
+    job runs at the pool's target size, so a demo's shape does not depend on the
+    machine's speed.
+    """
+
+    action: Literal["notice", "kill"]
+    node: int = Field(ge=1)
+    at_step: int | None = Field(None, ge=0)
+    at_s: float | None = Field(None, ge=0)
+    lead_s: float = Field(30.0, ge=0)
+    wait_full_pool: bool = True
+
+    @model_validator(mode="after")
+    def _when(self) -> "ChaosEvent":
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError("give exactly one of at_step or at_s (when the fault fires)")
+        return self
+
+
+class Config(_Spec):
+    pool: PoolSpec = PoolSpec()
+    job: JobSpec = JobSpec()
+    rendezvous: RendezvousSpec = RendezvousSpec()
+    agent: AgentSpec = AgentSpec()
+    daemon: DaemonSpec = DaemonSpec()
+    providers: ProvidersSpec = ProvidersSpec()
+    offers: list[OfferSpec] = Field(default_factory=lambda: [OfferSpec()], min_length=1)
+    chaos: list[ChaosEvent] = []
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Config":
+        for i, offer in enumerate(self.offers):
+            if getattr(self.providers, offer.provider, None) is None:
+                raise ValueError(
+                    f"offers.{i}.provider: {offer.provider!r} has no providers.{offer.provider} "
+                    "section (add one or remove the offer)"
+                )
+        max_world = self.pool.max_nodes * max(o.gpus_per_node for o in self.offers)
+        valid = self.job.valid_world_sizes(max_world)
+        if not valid:
+            raise ValueError(
+                f"job.global_batch_size {self.job.global_batch_size} with micro_batch_size "
+                f"{self.job.micro_batch_size} allows no world size up to {max_world} "
+                "(make global_batch_size a multiple of micro_batch_size x world size)"
+            )
+        for i, ev in enumerate(self.chaos):
+            if ev.action == "notice" and ev.lead_s <= 0:
+                raise ValueError(f"chaos.{i}.lead_s: a notice needs a lead time > 0 (or use action: kill)")
+        return self
+
+    def checkpoint_uri(self) -> str:
+        return self.job.checkpoint_uri.replace("{state_dir}", str(self.daemon.state_path()))
+
+
+def format_problems(exc: ValidationError) -> list[str]:
+    """One line per pydantic error: ``field.path: message``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling against configs/local.yaml)"
+        elif err["type"] == "missing":
+            msg = "required (add it)"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return lines
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML config.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or fails the schema; ``problems``
+            has one line per problem naming the field path and the fix.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError([f"{p}: cannot read ({exc.strerror}); give the path of a YAML config"]) from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError([f"{p}:{where} not valid YAML ({getattr(exc, 'problem', exc)})"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping of sections (pool:, job:, ...)"])
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_problems(exc)) from None
