@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv if missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-quick install install-systemd clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: on these machines it is a CPU build from local disk; then the
+# project with the same pin as a constraint, so nothing pulls a CUDA build in.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/spotvisord demo --config configs/local.yaml --summary-json demo-summary.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m 'not slow'
+
+clean:
+	rm -rf .spotvisor demo-summary.json .pytest_cache

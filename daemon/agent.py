@@ -1,0 +1,413 @@
+"""spotvisor-agent: the node agent that runs on every spot instance.
+
+It has four jobs, each an owned task in one ``TaskGroup``:
+
+- ``metadata``: poll the cloud's metadata endpoint (default every 1 s) for an
+  interruption notice; on a new one, write it to the notice file at once (the
+  trainer ranks read it at their next step boundary) and report it to the daemon.
+- ``heartbeat``: tell the daemon the node is alive (and the trainer's step); the
+  reply carries the daemon's commands: start the trainer, request a checkpoint
+  (kind ``rejoin`` or ``checkpoint``), stop the trainer.
+- ``status``: tail the trainer's status file and forward what matters
+  (``started``, ``checkpoint_committed``, ``holding``, ``completed``). When the
+  checkpoint that answers this node's interruption notice is committed, the node
+  leaves the job by SIGTERM to its torchrun agent (never by its workers exiting 0:
+  that would close the rendezvous for good, pytorch#123678).
+- ``trainer``: start and supervise ``torchrun --nnodes=MIN:MAX`` as a c10d
+  rendezvous client of the rendezvous store.
+
+Node-local contract with the trainer (see ``docs/architecture.md``):
+``SPOTVISOR_NOTICE_FILE`` (JSON list of notices, replaced atomically),
+``SPOTVISOR_STATUS_FILE`` (JSON lines appended by the trainer),
+``SPOTVISOR_LOG_DIR`` (per-rank step logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from daemon.logs import configure_logging
+from daemon.metadata.aws import AwsImds
+from daemon.metadata.base import MetadataUnavailable, Notice
+
+__all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
+
+log = structlog.get_logger("spotvisor.agent")
+
+# Status lines worth the daemon's attention (``step`` lines only update the heartbeat).
+_FORWARDED = frozenset({"started", "checkpoint_committed", "holding", "completed"})
+
+
+class NoticeFile:
+    """The notice file: a JSON list of pending notices, replaced atomically.
+
+    Each notice: ``{"id", "kind": "interruption"|"rejoin"|"checkpoint", "time",
+    "deadline"}`` (unix seconds; deadline may be null).
+    """
+
+    __slots__ = ("path", "_notices")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._notices: dict[str, dict[str, Any]] = {}
+        self._write()
+
+    def add(self, notice: dict[str, Any]) -> bool:
+        """Add a notice; False if one with the same id is already pending."""
+        if notice["id"] in self._notices:
+            return False
+        self._notices[notice["id"]] = notice
+        self._write()
+        return True
+
+    def remove(self, ids: list[str] | tuple[str, ...]) -> None:
+        if any(i in self._notices for i in ids):
+            for i in ids:
+                self._notices.pop(i, None)
+            self._write()
+
+    def pending(self) -> list[dict[str, Any]]:
+        return list(self._notices.values())
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(list(self._notices.values()), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+class StatusTail:
+    """Reads whole new JSON lines from the trainer's status file."""
+
+    __slots__ = ("path", "_offset")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self._offset += end + 1
+        out = []
+        for raw in chunk[: end + 1].splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                log.warning("status_line_unparsable", line=raw[:200])
+                continue
+            if isinstance(line, dict):
+                out.append(line)
+        return out
+
+
+class NodeAgent:
+    """One node's agent. Construct (no I/O), then ``await run()`` until cancelled.
+
+    Args:
+        daemon_url: the daemon's agent port, e.g. ``http://10.0.0.2:7480``.
+        token: this node's bearer token (issued by the daemon at launch).
+        node_id: this node's id in the pool.
+        metadata: the metadata dialect client (polls the cloud's endpoint).
+        workdir: node-local directory for the notice/status files and logs.
+    """
+
+    def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: AwsImds, workdir: Path,
+                 poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0) -> None:
+        self.daemon_url = daemon_url.rstrip("/")
+        self.token = token
+        self.node_id = node_id
+        self.metadata = metadata
+        self.workdir = Path(workdir)
+        self.poll_interval_s = poll_interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.notices: NoticeFile | None = None
+        self.status_path = self.workdir / "status.jsonl"
+        self.log_dir = self.workdir / "logs"
+        self._session: aiohttp.ClientSession | None = None
+        self._job: dict[str, Any] = {}
+        self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._trainer_state = "not_started"  # not_started | running | exited
+        self._exit_code: int | None = None
+        self._step: int | None = None
+        self._interruption: dict[str, Any] | None = None  # this node's own notice, once seen
+        self._seen_notice_ids: set[str] = set()
+
+    # -- lifecycle ------------------------------------------------------------
+    async def run(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        self.notices = NoticeFile(self.workdir / "notices.json")
+        self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=aiohttp.ClientTimeout(total=10),
+        )
+        try:
+            self._job = await self._register()
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
+                tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
+                tg.create_task(self._status_loop(), name=f"agent:status:{self.node_id}")
+                tg.create_task(self._outbox_loop(), name=f"agent:outbox:{self.node_id}")
+        finally:
+            await asyncio.shield(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        await self._stop_trainer()
+        await self.metadata.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- daemon API -------------------------------------------------------------
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self._session is not None
+        async with self._session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body}) as r:
+            if r.status == 401:
+                raise PermissionError("the daemon refused this node's token")
+            r.raise_for_status()
+            return await r.json()
+
+    async def _register(self) -> dict[str, Any]:
+        delay = 0.2
+        while True:
+            try:
+                reply = await self._post("/v1/agent/register", {"pid": os.getpid()})
+                log.info("agent_registered", node_id=self.node_id)
+                return reply["job"]
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("daemon_unreachable", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _report(self, kind: str, **data: Any) -> None:
+        self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
+
+    async def _outbox_loop(self) -> None:
+        """Deliver reports in order, retrying while the daemon is unreachable."""
+        delay = 0.2
+        while True:
+            first = await self._outbox.get()
+            batch = [first]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get_nowait())
+            while True:
+                try:
+                    await self._post("/v1/agent/events", {"events": batch})
+                    delay = 0.2
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    log.warning("report_failed", error=str(exc), retry_in_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+
+    # -- loops --------------------------------------------------------------------
+    async def _metadata_loop(self) -> None:
+        failures = 0
+        while True:
+            try:
+                notice = await self.metadata.poll()
+                failures = 0
+            except MetadataUnavailable as exc:
+                failures += 1
+                log.warning("metadata_unavailable", error=str(exc), streak=failures)
+                notice = None
+            if notice is not None and notice.id not in self._seen_notice_ids:
+                self._on_interruption(notice)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def _on_interruption(self, notice: Notice) -> None:
+        assert self.notices is not None
+        self._seen_notice_ids.add(notice.id)
+        seen_at = time.time()
+        deadline = notice.deadline.timestamp() if notice.deadline is not None else None
+        entry = {"id": notice.id, "kind": "interruption", "time": seen_at, "deadline": deadline}
+        self.notices.add(entry)  # first: the trainer acts on the file, not on the daemon
+        self._interruption = entry
+        log.warning("interruption_notice", node_id=self.node_id, deadline=deadline, action=notice.action)
+        self._report("interruption_notice", notice=notice.to_dict(), seen_at=seen_at, deadline=deadline)
+        if self._trainer_state != "running":
+            return
+        if deadline is not None:
+            asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.time() - 3.0), self._leave_if_still_running, entry["id"]
+            )
+
+    def _leave_if_still_running(self, notice_id: str) -> None:
+        # The deadline is near and no commit answered the notice: leave cleanly anyway.
+        if self._trainer_state == "running" and self._proc is not None and self._proc.returncode is None:
+            log.warning("leaving_before_commit", node_id=self.node_id, notice_id=notice_id)
+            self._proc.send_signal(signal.SIGTERM)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                reply = await self._post(
+                    "/v1/agent/heartbeat",
+                    {"step": self._step, "trainer": {"state": self._trainer_state, "exit_code": self._exit_code}},
+                )
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("heartbeat_failed", error=str(exc))
+            else:
+                await self._apply(reply)
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _apply(self, reply: dict[str, Any]) -> None:
+        assert self.notices is not None
+        for cmd in reply.get("commands", []):
+            if cmd.get("kind") == "checkpoint":
+                kind = "rejoin" if cmd.get("reason") == "rejoin" else "checkpoint"
+                self.notices.add({"id": cmd["id"], "kind": kind, "time": time.time(), "deadline": None})
+                log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind)
+        if reply.get("start_trainer") and self._trainer_state == "not_started" and self._interruption is None:
+            await self._start_trainer()
+        if reply.get("stop_trainer"):
+            await self._stop_trainer()
+
+    async def _status_loop(self) -> None:
+        tail = StatusTail(self.status_path)
+        while True:
+            for line in tail.read_new():
+                self._on_status(line)
+            if self._proc is not None and self._trainer_state == "running" and self._proc.returncode is not None:
+                for line in tail.read_new():
+                    self._on_status(line)
+                self._trainer_state = "exited"
+                self._exit_code = self._proc.returncode
+                log.info("trainer_exited", node_id=self.node_id, exit_code=self._exit_code)
+                self._report("trainer_exited", exit_code=self._exit_code)
+            await asyncio.sleep(0.2)
+
+    def _on_status(self, line: dict[str, Any]) -> None:
+        assert self.notices is not None
+        event = line.get("event")
+        if isinstance(line.get("step"), int):
+            self._step = line["step"]
+        if event not in _FORWARDED:
+            return
+        self._report("trainer_status", line=line)
+        if event == "checkpoint_committed":
+            ids = list(line.get("notice_ids") or [])
+            self.notices.remove(ids)
+            mine = self._interruption
+            if mine is not None and (mine["id"] in ids or line.get("time", 0) >= mine["time"]):
+                if self._proc is not None and self._proc.returncode is None:
+                    log.info("leaving_job", node_id=self.node_id, step=line.get("step"))
+                    self._proc.send_signal(signal.SIGTERM)
+
+    # -- trainer --------------------------------------------------------------------
+    async def _start_trainer(self) -> None:
+        job = self._job
+        env = dict(os.environ)
+        env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        env.update(job.get("env", {}))
+        env.update(
+            SPOTVISOR_NOTICE_FILE=str(self.workdir / "notices.json"),
+            SPOTVISOR_STATUS_FILE=str(self.status_path),
+            SPOTVISOR_LOG_DIR=str(self.log_dir),
+            SPOTVISOR_NODE_ID=self.node_id,
+        )
+        out = open(self.workdir / "trainer.log", "ab")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, *job["argv"], stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, env=env, cwd=job.get("cwd") or None,
+            )
+        finally:
+            out.close()
+        self._trainer_state = "running"
+        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid)
+
+    async def _stop_trainer(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(40):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spotvisor-agent", description="spotvisor node agent")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the agent on this node")
+    r.add_argument("--daemon-url", required=True)
+    r.add_argument("--node-id", required=True)
+    r.add_argument("--metadata-url", default="http://169.254.169.254")
+    r.add_argument("--dialect", default="aws", choices=["aws"])
+    r.add_argument("--workdir", default="/var/lib/spotvisor-agent")
+    r.add_argument("--poll-interval-s", type=float, default=1.0)
+    r.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    r.add_argument("--metadata-timeout-s", type=float, default=2.0)
+    return p.parse_args(argv)
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    token = os.environ.get("SPOTVISOR_AGENT_TOKEN", "")
+    if not token:
+        print("spotvisor-agent: SPOTVISOR_AGENT_TOKEN is not set (the daemon issues it at launch)", file=sys.stderr)
+        return 2
+    agent = NodeAgent(
+        daemon_url=args.daemon_url, token=token, node_id=args.node_id,
+        metadata=AwsImds(args.metadata_url, timeout_s=args.metadata_timeout_s),
+        workdir=Path(args.workdir), poll_interval_s=args.poll_interval_s,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(agent.run(), name=f"agent:{args.node_id}")
+    waiter = asyncio.create_task(stop.wait(), name="agent:signal")
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+            return 0
+        return 0
+    finally:
+        for t in (task, waiter):
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    configure_logging()
+    try:
+        return asyncio.run(_amain(args))
+    except PermissionError as exc:
+        print(f"spotvisor-agent: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

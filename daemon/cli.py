@@ -1,0 +1,230 @@
+"""spotvisord: the daemon's command line.
+
+- ``spotvisord check-config FILE`` — validate; one line per problem, exit 2.
+- ``spotvisord run --config FILE`` — the service (systemd ``spotvisord.service``).
+- ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
+  target on the local provider with its chaos schedule, print events as they
+  happen and a summary at the end (``make demo``).
+- ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
+  (``spotvisor-rendezvous.service``).
+
+Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import structlog
+
+from daemon.config import Config, ConfigError, load_config
+from daemon.logs import configure_logging
+from daemon.model import Event
+from daemon.providers.base import create_provider
+from daemon.store import Store
+
+__all__ = ["main", "running_daemon", "format_event"]
+
+log = structlog.get_logger("spotvisor.cli")
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(config: Config, *, with_chaos: bool = True) -> AsyncIterator["Supervisor"]:
+    """Store + provider + supervisor + APIs (+ chaos), closed in reverse order."""
+    from daemon.api import ApiServer
+    from daemon.chaos import run_chaos
+    from daemon.supervisor import Supervisor
+
+    state = config.daemon.state_path()
+    state.mkdir(parents=True, exist_ok=True)
+    store = Store(state / "spotvisord.db").open()
+    agent_args = [
+        "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
+        "--heartbeat-interval-s", f"{config.agent.heartbeat_interval_s:g}",
+        "--metadata-timeout-s", f"{config.agent.metadata_timeout_s:g}",
+    ]
+    assert config.providers.local is not None
+    provider = create_provider("local", spec=config.providers.local, state_dir=state, agent_args=agent_args)
+    sup = Supervisor(config, provider=provider, store=store)
+    api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
+                    socket_path=str(config.daemon.socket_path()))
+    try:
+        await api.start()
+        assert api.agent_url is not None
+        await sup.start(agent_url=api.agent_url)
+        if with_chaos and config.chaos:
+            sup.spawn(run_chaos(sup, list(config.chaos)), "chaos")
+        yield sup
+    finally:
+        await sup.aclose()
+        await api.aclose()
+        store.close()
+
+
+@contextlib.contextmanager
+def rendezvous_process(config: Config):
+    """Start the rendezvous store as its own process for a one-shot run."""
+    rdzv = config.rendezvous
+    from daemon.rendezvous import wait_until_listening
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.rendezvous", "--host", rdzv.host, "--port", str(rdzv.port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        if not wait_until_listening(rdzv.host, rdzv.port, 30.0) or proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.poll() is not None else ""
+            raise RuntimeError(
+                f"rendezvous store did not start on {rdzv.host}:{rdzv.port} ({err or 'timeout'}); "
+                "is the port taken? set rendezvous.port"
+            )
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def format_event(ev: Event, t0: float) -> str:
+    """One readable line for a person watching a run."""
+    d = dict(ev.data)
+    skip = {"trainer_time", "seen_at", "raw"}
+    fields = " ".join(f"{k}={_short(v)}" for k, v in d.items() if k not in skip and v not in (None, [], ""))
+    return f"[{ev.time - t0:7.1f}s] #{ev.seq:<4} {ev.kind:<24} {ev.node or '':<10} {fields}"
+
+
+def _short(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
+                out: Callable[[str], None]) -> int:
+    from daemon.summary import summarize
+
+    t0 = time.time()
+    with rendezvous_process(config):
+        async with running_daemon(config) as sup:
+            sup.subscribe(lambda ev: out(format_event(ev, t0)))
+            out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
+                f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await sup.wait_completed()
+                    await sup.wait_released()
+            except TimeoutError:
+                out(f"spotvisor demo: the job did not complete within {timeout_s:g} s "
+                    f"(step {sup.job.step}); see {config.daemon.state_path()}/nodes/*/trainer.log")
+                return 1
+            events = sup.store.events()
+    summary = summarize(config.daemon.state_path() / "nodes", events, target_steps=config.job.target_steps,
+                        global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
+    out("summary:")
+    for k, v in summary.items():
+        out(f"  {k:<26} {v}")
+    if summary_json is not None:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = summary_json.with_name(summary_json.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(summary_json)
+        out(f"summary written to {summary_json}")
+    return 0 if summary["steps_completed"] == config.job.target_steps else 1
+
+
+async def _run(config: Config) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with running_daemon(config) as sup:
+            log.info("spotvisord_ready", pool=config.pool.name, socket=str(config.daemon.socket_path()),
+                     agent_url=sup.agent_url)
+            waiter = asyncio.create_task(stop.wait(), name="signal")
+            released = asyncio.create_task(sup.wait_released(), name="released")
+            try:
+                await asyncio.wait({waiter, released}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                released.cancel()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def _with_run_dir(config: Config) -> Config:
+    """A demo starts from nothing: its own state dir under the configured one."""
+    run_dir = config.daemon.state_path() / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    daemon = config.daemon.model_copy(update={"state_dir": str(run_dir), "socket": config.daemon.socket})
+    return config.model_copy(update={"daemon": daemon})
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spotvisord", description="spotvisor daemon")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check-config", help="validate a config file")
+    c.add_argument("file")
+    r = sub.add_parser("run", help="run the daemon (systemd service)")
+    r.add_argument("--config", required=True)
+    d = sub.add_parser("demo", help="run the job on the local provider with its chaos schedule")
+    d.add_argument("--config", default="configs/local.yaml")
+    d.add_argument("--summary-json", type=Path)
+    d.add_argument("--timeout-s", type=float, default=900.0)
+    d.add_argument("--rendezvous-port", type=int, help="override rendezvous.port")
+    z = sub.add_parser("rendezvous", help="run the c10d rendezvous store")
+    z.add_argument("--host", default="0.0.0.0")
+    z.add_argument("--port", type=int, default=29400)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "rendezvous":
+        from daemon.rendezvous import main as rdzv_main
+
+        return rdzv_main(["--host", args.host, "--port", str(args.port)])
+    path = args.file if args.cmd == "check-config" else args.config
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"{path}: {line}", file=sys.stderr)
+        return 2
+    if args.cmd == "check-config":
+        print(f"{path}: ok (pool {config.pool.name}: {config.pool.min_nodes}..{config.pool.max_nodes} nodes, "
+              f"{len(config.offers)} offer(s), valid world sizes {config.job.valid_world_sizes(64)})")
+        return 0
+    configure_logging(level="WARNING" if args.cmd == "demo" else None)
+    if args.cmd == "run":
+        return asyncio.run(_run(config))
+    if args.rendezvous_port:
+        config = config.model_copy(
+            update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
+    config = _with_run_dir(config)
+    try:
+        return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
+    except RuntimeError as exc:
+        print(f"spotvisord demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

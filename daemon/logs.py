@@ -1,0 +1,39 @@
+"""structlog set-up for the daemon, the agent and the CLIs (never for trainer/).
+
+Logs go to stderr as ``key=value`` lines (``SPOTVISOR_LOG_FORMAT=json`` for JSON,
+e.g. under journald); ``SPOTVISOR_LOG_LEVEL`` sets the level (default INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+__all__ = ["configure_logging"]
+
+
+def configure_logging(level: str | None = None, *, stream=None) -> None:
+    """Configure structlog and the stdlib root logger once per process entry point."""
+    name = (level or os.environ.get("SPOTVISOR_LOG_LEVEL", "INFO")).upper()
+    lvl = getattr(logging, name, logging.INFO)
+    out = stream or sys.stderr
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if os.environ.get("SPOTVISOR_LOG_FORMAT") == "json"
+        else structlog.processors.KeyValueRenderer(key_order=["timestamp", "level", "event"], drop_missing=True)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=lvl, stream=out, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

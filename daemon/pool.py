@@ -1,0 +1,210 @@
+"""The pool reconciler's decisions, as a pure function.
+
+``plan(desired, observed, offers, history, now=..., timeouts=...)`` looks at the
+pool as it is and returns the actions that bring it to what it should be. It
+does no I/O and reads no clock, so every decision is a table-driven test; the
+daemon's applier is the only code that calls providers.
+
+Order of the returned actions: removals (lost, timed out, drained past their
+deadline, surplus) before launches, so capacity accounting is never optimistic.
+
+Example: target 3 nodes; node a is ``running``, b got an interruption notice
+(``draining``), c is ``running``. Active capacity is 2 (a draining node does not
+count), so plan returns ``[Launch(offer=cheapest not in backoff)]`` at once, before
+b is gone: the replacement boots while b flushes its checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+from daemon.model import NodeState
+
+__all__ = [
+    "Desired",
+    "NodeView",
+    "Offer",
+    "History",
+    "Timeouts",
+    "Launch",
+    "Terminate",
+    "MarkLost",
+    "Action",
+    "plan",
+    "rank_offers",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Desired:
+    """What the pool should have. ``valid_world_sizes``: None = any."""
+
+    nodes: int
+    valid_world_sizes: frozenset[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """The planner's view of a node; times are unix seconds."""
+
+    id: str
+    state: NodeState
+    offer_index: int
+    gpus: int
+    created_at: float
+    last_heartbeat: float | None = None
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A way to buy a node. ``price_usd_h``: current spot price (None = unknown)."""
+
+    index: int
+    provider: str
+    region: str
+    zone: str | None
+    instance_type: str
+    gpus_per_node: int
+    price_usd_h: float | None = None
+    max_price_usd_h: float | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.provider}/{self.region}/{self.zone or '-'}/{self.instance_type}"
+
+    def usd_per_gpu_h(self) -> float:
+        if self.price_usd_h is None:
+            return float("inf")
+        return self.price_usd_h / self.gpus_per_node
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What recent outcomes say about offers: ``backoff_until[offer_index]`` (unix s)."""
+
+    backoff_until: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds. ``drain_grace_s``: how long past its notice deadline a draining node may linger."""
+
+    heartbeat_timeout_s: float = 20.0
+    launch_timeout_s: float = 180.0
+    drain_grace_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    offer_index: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Terminate:
+    node_id: str
+    reason: str
+    # the state the node ends in: terminated (planned) or failed (never came up)
+    final_state: NodeState = NodeState.TERMINATED
+
+
+@dataclass(frozen=True, slots=True)
+class MarkLost:
+    node_id: str
+    reason: str
+
+
+Action = Union[Launch, Terminate, MarkLost]
+
+_COUNTED = frozenset(
+    {NodeState.REQUESTED, NodeState.LAUNCHING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING}
+)
+# Removed first when shrinking: nodes not yet part of the job, youngest first.
+_SURPLUS_ORDER = {
+    NodeState.REQUESTED: 0,
+    NodeState.LAUNCHING: 1,
+    NodeState.READY: 2,
+    NodeState.ADMITTING: 3,
+    NodeState.RUNNING: 4,
+}
+
+
+def rank_offers(offers: Sequence[Offer], history: History, *, now: float) -> list[Offer]:
+    """Offers usable now, cheapest per GPU-hour first (config order breaks ties).
+
+    An offer is unusable while in backoff, or when its spot price is above its cap.
+    """
+    usable = [
+        o
+        for o in offers
+        if history.backoff_until.get(o.index, 0.0) <= now
+        and not (o.max_price_usd_h is not None and o.price_usd_h is not None and o.price_usd_h > o.max_price_usd_h)
+    ]
+    return sorted(usable, key=lambda o: (o.usd_per_gpu_h(), o.index))
+
+
+def plan(
+    desired: Desired,
+    observed: Sequence[NodeView],
+    offers: Sequence[Offer],
+    history: History,
+    *,
+    now: float,
+    timeouts: Timeouts = Timeouts(),
+) -> list[Action]:
+    """Actions that move ``observed`` towards ``desired``. Pure; see the module docstring."""
+    removals: list[Action] = []
+    removed: set[str] = set()
+    for n in observed:
+        if n.state.is_terminal():
+            continue
+        if n.state is NodeState.LAUNCHING and now - n.created_at > timeouts.launch_timeout_s:
+            removals.append(Terminate(n.id, "launch_timeout", NodeState.FAILED))
+            removed.add(n.id)
+        elif (
+            n.state in (NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING)
+            and n.last_heartbeat is not None
+            and now - n.last_heartbeat > timeouts.heartbeat_timeout_s
+        ):
+            removals.append(MarkLost(n.id, "heartbeat_lost"))
+            removed.add(n.id)
+        elif n.state is NodeState.DRAINING and n.deadline is not None and now > n.deadline + timeouts.drain_grace_s:
+            removals.append(Terminate(n.id, "drain_deadline_passed"))
+            removed.add(n.id)
+
+    active = [n for n in observed if n.state in _COUNTED and n.id not in removed]
+    surplus = len(active) - desired.nodes
+    if surplus > 0:
+        victims = sorted(active, key=lambda n: (_SURPLUS_ORDER[n.state], -n.created_at))[:surplus]
+        removals += [Terminate(v.id, "scale_in") for v in victims]
+        return removals
+
+    launches: list[Action] = []
+    world = sum(n.gpus for n in active)
+    by_index = {o.index: o for o in offers}
+    ranked = rank_offers(offers, history, now=now)
+    for _ in range(-surplus):
+        choice = _first_valid(ranked, world, desired.valid_world_sizes)
+        if choice is None:
+            break
+        launches.append(Launch(choice.index, "below_target"))
+        world += by_index[choice.index].gpus_per_node
+    return removals + launches
+
+
+def _first_valid(ranked: Sequence[Offer], world: int, valid: frozenset[int] | None) -> Offer | None:
+    """The best offer whose GPUs keep the world size valid; else the best one at all.
+
+    A node that makes the world size invalid still helps once its peer arrives
+    (e.g. valid {2, 4}: 2 → 3 → 4), so it is launched; the daemon only *admits*
+    nodes into the job in valid combinations.
+    """
+    if not ranked:
+        return None
+    if valid is not None:
+        for o in ranked:
+            if world + o.gpus_per_node in valid:
+                return o
+    return ranked[0]

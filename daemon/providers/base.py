@@ -1,0 +1,139 @@
+"""The Provider contract: how the daemon buys, finds and releases spot capacity.
+
+Every method is a coroutine and must not block the event loop (SDK calls go
+through ``asyncio.to_thread``). Cancelling a call may leave the cloud-side
+operation done or not done; ``describe(tag)`` is the source of truth afterwards,
+which is why every instance carries the pool tag.
+
+Errors form one tree; SDK errors are translated at the adapter edge (``from exc``):
+
+- :class:`CapacityError` — no capacity for this offer now: try the next offer and
+  back this one off.
+- :class:`QuotaError` — an account limit: fatal for this provider until changed.
+- :class:`AuthError` — credentials missing or refused: fatal, one clear message.
+- :class:`TransientError` — throttling, 5xx, timeouts: retry (tenacity) with jitter.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Callable
+
+from daemon.pool import Offer
+
+__all__ = [
+    "ProviderError",
+    "CapacityError",
+    "QuotaError",
+    "AuthError",
+    "TransientError",
+    "Instance",
+    "NodeSpec",
+    "Provider",
+    "register_provider",
+    "create_provider",
+]
+
+
+class ProviderError(Exception):
+    """Base of every provider failure."""
+
+
+class CapacityError(ProviderError):
+    """The offer has no spot capacity now (retry elsewhere, back this offer off)."""
+
+
+class QuotaError(ProviderError):
+    """An account quota or limit stops the launch (no retry helps)."""
+
+
+class AuthError(ProviderError):
+    """Credentials are missing or refused (no retry helps)."""
+
+
+class TransientError(ProviderError):
+    """Throttling, a 5xx or a timeout: the same call may succeed on retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """What a new node needs to join: its identity and where the daemon is.
+
+    ``token``: the node agent's own bearer token for the daemon's agent port.
+    ``tags``: key → value, always including ``spotvisor-pool``.
+    """
+
+    node_id: str
+    pool: str
+    token: str
+    daemon_url: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """A provider's instance. ``state``: pending | running | gone; times unix seconds."""
+
+    id: str
+    node_id: str
+    provider: str
+    state: str
+    zone: str | None = None
+    instance_type: str | None = None
+    launched_at: float | None = None
+
+
+class Provider(abc.ABC):
+    """A source of spot instances."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
+        """Start one spot instance for ``offer``, tagged with ``node.pool``.
+
+        Returns as soon as the provider accepted the request (the instance may still
+        be booting). Raises CapacityError, QuotaError, AuthError, TransientError.
+        """
+
+    @abc.abstractmethod
+    async def terminate(self, instance_id: str) -> None:
+        """Release an instance; idempotent (an unknown or gone instance is not an error)."""
+
+    @abc.abstractmethod
+    async def describe(self, tag: str) -> list[Instance]:
+        """Instances of pool ``tag`` that are pending or running."""
+
+    @abc.abstractmethod
+    async def spot_price(self, offer: Offer) -> float | None:
+        """Current spot price of ``offer`` in USD/hour, or None when unknown."""
+
+    async def aclose(self) -> None:
+        """Release the provider's own resources (clients, helper tasks). Idempotent."""
+
+
+_REGISTRY: dict[str, Callable[..., Provider]] = {}
+
+
+def register_provider(name: str) -> Callable[[Callable[..., Provider]], Callable[..., Provider]]:
+    """Class decorator: make a provider constructible by name. Clashing names are errors."""
+
+    def deco(factory: Callable[..., Provider]) -> Callable[..., Provider]:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"provider {name!r} is already registered by {_REGISTRY[name]!r}")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def create_provider(name: str, **kwargs: object) -> Provider:
+    """Build a registered provider. Raises ValueError for an unknown name."""
+    if name == "local" and name not in _REGISTRY:
+        import daemon.providers.local  # noqa: F401  (registers itself)
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown provider {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return factory(**kwargs)

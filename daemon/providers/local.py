@@ -1,0 +1,248 @@
+"""The embedded provider: an "instance" is a process group on this machine.
+
+Each instance is a node agent (``python -m daemon.agent run``) in its own session
+(so its process group can be killed as a whole, like a VM being reclaimed), with
+its own working directory under ``<state_dir>/nodes/<node_id>/`` and its own
+metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
+(:class:`daemon.metadata.fake_aws.FakeImds`).
+
+Chaos hooks, used by :mod:`daemon.chaos`: :meth:`LocalProvider.publish_interruption`
+publishes a spot interruption notice on the instance's metadata endpoint and
+SIGKILLs the process group when the notice's time comes, as EC2 would;
+:meth:`LocalProvider.kill` SIGKILLs it at once, with no notice.
+
+The instances are children of the daemon: they end with it (``aclose``). A local
+pool does not survive a daemon restart; cloud providers' instances do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+import structlog
+
+from daemon.config import LocalProviderSpec
+from daemon.metadata.fake_aws import FakeImds
+from daemon.pool import Offer
+from daemon.providers.base import Instance, NodeSpec, Provider, register_provider
+
+__all__ = ["LocalProvider"]
+
+log = structlog.get_logger("spotvisor.provider.local")
+
+_INSTANCE_ENV = "SPOTVISOR_LOCAL_INSTANCE_ID"
+
+
+def _kill_instance_processes(root_pid: int, instance_id: str) -> None:
+    """SIGKILL every process of a local instance at once, as a VM being reclaimed.
+
+    torchrun starts its workers in sessions of their own (``start_new_session``),
+    so killing the agent's process group is not enough: collect the agent's
+    descendants and any process carrying this instance's id in its environment
+    (orphans re-parented to init), then kill them all.
+    """
+    victims: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(root_pid)
+        victims[root.pid] = root
+        victims.update((c.pid, c) for c in root.children(recursive=True))
+    except psutil.NoSuchProcess:
+        pass
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid in victims or proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(_INSTANCE_ENV) == instance_id:
+                victims[proc.pid] = proc
+        except (psutil.Error, OSError):
+            continue
+    for proc in victims.values():
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+@dataclass(slots=True)
+class _LocalInstance:
+    id: str
+    node: NodeSpec
+    offer: Offer
+    workdir: Path
+    launched_at: float
+    imds: FakeImds | None = None
+    proc: asyncio.subprocess.Process | None = None
+    state: str = "pending"  # pending | running | gone
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+@register_provider("local")
+class LocalProvider(Provider):
+    """Process-group instances; see the module docstring.
+
+    Args:
+        spec: ``launch_delay_s`` (seconds between launch and the agent starting),
+            ``spot_price_usd_h``.
+        state_dir: where instance working directories go.
+        agent_args: extra arguments for every agent (e.g. poll interval).
+    """
+
+    name = "local"
+
+    def __init__(self, *, spec: LocalProviderSpec, state_dir: Path, agent_args: list[str] | None = None) -> None:
+        self.spec = spec
+        self.state_dir = Path(state_dir)
+        self.agent_args = list(agent_args or [])
+        self._instances: dict[str, _LocalInstance] = {}
+        self._seq = 0
+        self._closed = False
+
+    # -- contract -------------------------------------------------------------
+    async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
+        if self._closed:
+            raise RuntimeError("LocalProvider is closed")
+        self._seq += 1
+        iid = f"local-{os.getpid()}-{self._seq:04d}"
+        workdir = self.state_dir / "nodes" / node.node_id
+        workdir.mkdir(parents=True, exist_ok=True)
+        inst = _LocalInstance(iid, node, offer, workdir, time.time())
+        self._instances[iid] = inst
+        self._spawn(inst, self._boot(inst), f"local:boot:{node.node_id}")
+        log.info("instance_launch_accepted", instance_id=iid, node_id=node.node_id)
+        return self._view(inst)
+
+    async def terminate(self, instance_id: str) -> None:
+        inst = self._instances.get(instance_id)
+        if inst is None or inst.state == "gone":
+            return
+        await self._kill(inst, reason="terminate")
+
+    async def describe(self, tag: str) -> list[Instance]:
+        return [
+            self._view(i)
+            for i in self._instances.values()
+            if i.node.pool == tag and self._refresh(i) != "gone"
+        ]
+
+    async def spot_price(self, offer: Offer) -> float | None:
+        return self.spec.spot_price_usd_h
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for inst in list(self._instances.values()):
+            await self._kill(inst, reason="provider_closed")
+
+    # -- chaos hooks ----------------------------------------------------------
+    async def publish_interruption(self, instance_id: str, *, lead_s: float, action: str = "terminate") -> datetime:
+        """Publish a spot interruption notice; SIGKILL the instance ``lead_s`` seconds later.
+
+        Returns the notice's deadline (aware UTC). Raises KeyError for an unknown or
+        gone instance, RuntimeError if it has not booted yet (no metadata endpoint).
+        """
+        inst = self._live(instance_id)
+        if inst.imds is None:
+            raise RuntimeError(f"instance {instance_id} has not booted yet")
+        deadline = datetime.fromtimestamp(time.time() + lead_s, tz=timezone.utc)
+        inst.imds.publish_interruption(action=action, time=deadline)
+        self._spawn(inst, self._kill_at(inst, lead_s), f"local:reclaim:{inst.node.node_id}")
+        log.info("interruption_published", instance_id=instance_id, lead_s=lead_s)
+        return deadline
+
+    async def kill(self, instance_id: str) -> None:
+        """SIGKILL the instance's process group now, with no notice."""
+        await self._kill(self._live(instance_id), reason="chaos_kill")
+
+    def workdir(self, instance_id: str) -> Path:
+        return self._instances[instance_id].workdir
+
+    # -- internals ------------------------------------------------------------
+    def _live(self, instance_id: str) -> _LocalInstance:
+        inst = self._instances.get(instance_id)
+        if inst is None or self._refresh(inst) == "gone":
+            raise KeyError(f"no live local instance {instance_id}")
+        return inst
+
+    def _spawn(self, inst: _LocalInstance, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        inst.tasks.add(task)
+        task.add_done_callback(inst.tasks.discard)
+
+    async def _boot(self, inst: _LocalInstance) -> None:
+        await asyncio.sleep(self.spec.launch_delay_s)  # simulated boot time
+        if inst.state == "gone":
+            return
+        inst.imds = FakeImds(
+            instance_id=inst.id,
+            instance_type=inst.offer.instance_type,
+            availability_zone=inst.offer.zone or "local-a",
+        )
+        await inst.imds.start()
+        log_file = open(inst.workdir / "instance.log", "ab")
+        try:
+            env = dict(os.environ)
+            env["SPOTVISOR_AGENT_TOKEN"] = inst.node.token
+            env[_INSTANCE_ENV] = inst.id  # marks every process of this "VM", see _kill_instance_processes
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            inst.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "daemon.agent", "run",
+                "--daemon-url", inst.node.daemon_url,
+                "--node-id", inst.node.node_id,
+                "--metadata-url", inst.imds.url,
+                "--workdir", str(inst.workdir),
+                *self.agent_args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group: killpg == the VM going away
+                env=env,
+            )
+        finally:
+            log_file.close()
+        inst.state = "running"
+        log.info("instance_running", instance_id=inst.id, pid=inst.proc.pid)
+
+    async def _kill_at(self, inst: _LocalInstance, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)  # the notice's lead time, as the cloud gives it
+        await self._kill(inst, reason="spot_reclaimed")
+
+    async def _kill(self, inst: _LocalInstance, *, reason: str) -> None:
+        was = inst.state
+        inst.state = "gone"
+        current = asyncio.current_task()
+        for t in list(inst.tasks):
+            if t is not current:
+                t.cancel()
+        if inst.proc is not None and inst.proc.returncode is None:
+            _kill_instance_processes(inst.proc.pid, inst.id)
+            await inst.proc.wait()
+        if inst.imds is not None:
+            await inst.imds.aclose()
+        if was != "gone":
+            log.info("instance_gone", instance_id=inst.id, reason=reason)
+
+    def _refresh(self, inst: _LocalInstance) -> str:
+        if inst.state == "running" and inst.proc is not None and inst.proc.returncode is not None:
+            inst.state = "gone"
+        return inst.state
+
+    def _view(self, inst: _LocalInstance) -> Instance:
+        return Instance(
+            id=inst.id,
+            node_id=inst.node.node_id,
+            provider=self.name,
+            state=inst.state,
+            zone=inst.offer.zone,
+            instance_type=inst.offer.instance_type,
+            launched_at=inst.launched_at,
+        )

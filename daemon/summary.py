@@ -1,0 +1,160 @@
+"""The run summary: what the trainer really did, from its own logs.
+
+Inputs, all written by the trainer or the daemon while the job ran, never the
+chaos schedule:
+
+- per-rank step logs (``<node workdir>/logs/steps-<attempt>-rank<R>.jsonl``): for
+  every optimizer step, the global sample positions that rank trained on;
+- the trainer status lines (``<node workdir>/status.jsonl``): ``started``,
+  ``checkpoint_committed``, ``holding``, ``completed``;
+- the daemon's events (interruption notices as the agents saw them, nodes lost).
+
+**Lineage.** Each worker-group incarnation (an *attempt*) resumes from a
+committed checkpoint, so the steps that shaped the final model are, for each
+step number, its last execution. Executions that a later attempt redid are
+*lost steps*; they count as lost *on notice* when their attempt ended by a
+notice-driven commit and hold. ``samples_seen_twice``/``samples_skipped`` are
+counted over the lineage: every global position in ``[0, steps × global batch)``
+must appear exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from daemon.model import Event, EventKind
+
+__all__ = ["summarize", "read_jsonl"]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(path) as f:
+            for raw in f:
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    continue  # a line cut by a SIGKILL
+                if isinstance(obj, dict):
+                    out.append(obj)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, global_batch_size: int,
+              wall_s: float | None = None) -> dict[str, Any]:
+    """Build the demo summary (keys: see README "make demo")."""
+    events = list(events)
+    steps: list[dict[str, Any]] = []
+    status: list[dict[str, Any]] = []
+    for node_dir in sorted(p for p in nodes_dir.iterdir() if p.is_dir()) if nodes_dir.exists() else []:
+        for f in sorted((node_dir / "logs").glob("steps-*.jsonl")):
+            steps += read_jsonl(f)
+        status += read_jsonl(node_dir / "status.jsonl")
+
+    # attempts in the order they started
+    started: dict[str, float] = {}
+    for s in status:
+        if s.get("event") == "started":
+            a = str(s.get("attempt"))
+            started[a] = min(started.get(a, s["time"]), s["time"])
+    for r in steps:
+        a = str(r.get("attempt"))
+        started.setdefault(a, r.get("time", 0.0))
+    order = sorted(started, key=started.get)  # type: ignore[arg-type]
+    rank_of = {a: i for i, a in enumerate(order)}
+
+    # executions: (attempt, step) → positions (all ranks) and rank-0 loss
+    execs: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in steps:
+        key = (str(r.get("attempt")), int(r["step"]))
+        e = execs.setdefault(key, {"positions": [], "loss": None, "world_size": r.get("world_size")})
+        e["positions"] += list(r.get("positions") or [])
+        if r.get("rank") == 0:
+            e["loss"] = r.get("loss")
+    last_exec: dict[int, str] = {}
+    for (attempt, step) in sorted(execs, key=lambda k: (rank_of.get(k[0], -1), k[1])):
+        last_exec[step] = attempt
+    lineage_steps = sorted(last_exec)
+
+    lost_by_attempt: Counter[str] = Counter(a for (a, s) in execs if last_exec.get(s) != a)
+    ended_on_notice = _attempts_ended_on_notice(status, execs)
+    lost_total = sum(lost_by_attempt.values())
+    lost_on_notice = sum(n for a, n in lost_by_attempt.items() if a in ended_on_notice)
+
+    seen: Counter[int] = Counter()
+    for step in lineage_steps:
+        seen.update(execs[(last_exec[step], step)]["positions"])
+    done = len(lineage_steps)
+    expected = range(done * global_batch_size)
+    twice = sum(c - 1 for c in seen.values() if c > 1)
+    skipped = sum(1 for p in expected if p not in seen)
+
+    world_sizes: list[int] = []
+    for a in order:
+        ws = next((s.get("world_size") for s in status if str(s.get("attempt")) == a and s.get("event") == "started"),
+                  None)
+        if ws is not None and (not world_sizes or world_sizes[-1] != ws):
+            world_sizes.append(ws)
+
+    commits = {int(s["step"]) for s in status if s.get("event") == "checkpoint_committed"}
+    notices = [e for e in events if e.kind == EventKind.INTERRUPTION_NOTICE.value]
+    commit_lines = sorted((s for s in status if s.get("event") == "checkpoint_committed"), key=lambda s: s["time"])
+    start_lines = sorted((s for s in status if s.get("event") == "started"), key=lambda s: s["time"])
+    to_commit, to_resume, answered = [], [], 0
+    for n in notices:
+        nid, seen_at = n.data.get("notice_id"), n.data.get("seen_at") or n.time
+        commit = next((c for c in commit_lines if nid in (c.get("notice_ids") or [])), None)
+        if commit is None:
+            continue
+        answered += 1
+        to_commit.append(round(commit["time"] - seen_at, 2))
+        resume = next((s for s in start_lines if s["time"] > commit["time"]), None)
+        if resume is not None:
+            to_resume.append(round(resume["time"] - seen_at, 2))
+
+    first = execs.get((last_exec[lineage_steps[0]], lineage_steps[0])) if lineage_steps else None
+    last = execs.get((last_exec[lineage_steps[-1]], lineage_steps[-1])) if lineage_steps else None
+    summary = {
+        "target_steps": target_steps,
+        "steps_completed": done,
+        "preemptions_with_notice": answered,
+        "nodes_lost_without_notice": sum(1 for e in events if e.kind == EventKind.NODE_LOST.value),
+        "lost_steps_on_notice": lost_on_notice,
+        "lost_steps_total": lost_total,
+        "world_sizes": world_sizes,
+        "checkpoints_committed": len(commits),
+        "notice_to_commit_s": to_commit,
+        "notice_to_resume_s": to_resume,
+        "loss_first": first["loss"] if first else None,
+        "loss_last": last["loss"] if last else None,
+        "samples_seen_twice": twice,
+        "samples_skipped": skipped,
+        "restarts": max(0, len(order) - 1),
+    }
+    if wall_s is not None:
+        summary["wall_s"] = round(wall_s, 1)
+    return summary
+
+
+def _attempts_ended_on_notice(status: list[dict[str, Any]], execs: dict[tuple[str, int], Any]) -> set[str]:
+    """Attempts whose last act was a notice-driven commit followed by a hold."""
+    by_attempt: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in status:
+        by_attempt[str(s.get("attempt"))].append(s)
+    out = set()
+    for a, lines in by_attempt.items():
+        lines.sort(key=lambda s: s["time"])
+        holds = [s for s in lines if s.get("event") == "holding"]
+        if not holds:
+            continue
+        hold_step = int(holds[-1].get("step", -1))
+        last_step = max((s for (att, s) in execs if att == a), default=-1)
+        if last_step <= hold_step:
+            out.add(a)
+    return out

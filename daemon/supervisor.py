@@ -1,0 +1,533 @@
+"""The daemon's core: pool reconciliation, job admission, and the event log.
+
+One :class:`Supervisor` per pool/job. It owns:
+
+- the **store** (events with persisted ``seq``, node rows);
+- the **reconcile loop**: observe (``describe(tag)``, heartbeats) → :func:`daemon.pool.plan`
+  → apply (the only code that calls the provider);
+- **admission**: the first nodes start the job together; a node that registers
+  while the job runs is admitted only after the job committed a ``rejoin``
+  checkpoint and is holding at that step, so growing the world loses no steps
+  (DESIGN.md, loop step 7);
+- the **agent API** handlers (register, heartbeat, reports) and the views that
+  ``spotctl`` reads.
+
+Example (target 3, one worker each): n1 n2 n3 run at world size 3. n2's agent
+reports an interruption notice → n2 ``draining`` and the planner launches n4 at
+once; the trainer commits at step S, n2 leaves, n1 n3 resume at world size 2
+from S. n4 registers → ``checkpoint_requested(rejoin)`` on n1 n3 → they commit
+(or find S already committed) and hold → n4 admitted, starts torchrun → world
+size 3 resumes from the same step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import structlog
+
+from daemon.config import Config
+from daemon.model import Event, EventKind, JobState, Node, NodeState
+from daemon.pool import Desired, History, Launch, MarkLost, NodeView, Offer, Terminate, Timeouts, plan
+from daemon.providers.base import CapacityError, NodeSpec, Provider, ProviderError
+from daemon.store import Store
+
+__all__ = ["Supervisor", "JobView"]
+
+log = structlog.get_logger("spotvisor.daemon")
+
+_IN_JOB = frozenset({NodeState.RUNNING})
+_LIVE = frozenset(
+    {NodeState.LAUNCHING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING}
+)
+_BACKOFF_S = 60.0
+
+
+@dataclass(slots=True)
+class JobView:
+    """What the daemon knows of the training job (from the trainer's own reports)."""
+
+    state: JobState = JobState.PENDING
+    step: int | None = None
+    world_size: int | None = None
+    last_commit_step: int | None = None
+    last_commit_time: float | None = None
+    started_at: float | None = None
+    attempts: set[str] = field(default_factory=set)
+    commits: set[tuple[str, int]] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Rejoin:
+    id: str
+    nodes: set[str]
+    requested_at: float
+    answered: bool = False
+
+
+class Supervisor:
+    """The control plane for one pool. Constructor does no I/O.
+
+    Lifecycle: ``await start(agent_url=...)`` (opens the store, recovers nodes,
+    starts the reconcile loop), then ``aclose()`` (idempotent; stops tasks,
+    releases local capacity, closes the store).
+    """
+
+    def __init__(self, config: Config, *, provider: Provider, store: Store,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.provider = provider
+        self.store = store
+        self.clock = clock
+        self.pool = config.pool.name
+        self.job = JobView()
+        self.nodes: dict[str, Node] = {}
+        self.desired_nodes = config.pool.target_nodes
+        self.agent_url: str | None = None
+        self._commands: dict[str, list[dict[str, Any]]] = {}
+        self._rejoin: _Rejoin | None = None
+        self._backoff: dict[int, float] = {}
+        self._prices: dict[int, float | None] = {}
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listeners: list[Callable[[Event], None]] = []
+        self._first_ready_at: float | None = None
+        self._released = asyncio.Event()
+        self._completed = asyncio.Event()
+        self._closed = False
+        self.run_nonce = ""
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self, *, agent_url: str) -> None:
+        self.agent_url = agent_url
+        self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
+        self.store.set("run_nonce", self.run_nonce)
+        for node in self.store.nodes():
+            self.nodes[node.id] = node
+        for i, offer in enumerate(self.config.offers):
+            self._prices[i] = await self.provider.spot_price(self._offer(i))
+        self.spawn(self._reconcile_loop(), "reconcile")
+        log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.provider.aclose()
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        """Start an owned task; a crash is logged, never silent; cancelled on aclose()."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"{name}:{self.pool}")
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("task_crashed", task=t.get_name(), error=repr(t.exception()))
+
+        task.add_done_callback(done)
+        return task
+
+    # -- events -----------------------------------------------------------------------
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self._listeners.append(listener)
+
+    def record(self, kind: EventKind | str, node: str | None = None, **data: Any) -> Event:
+        """Append an event to the store (assigns ``seq``) and tell listeners."""
+        ev = self.store.append_event(kind.value if isinstance(kind, EventKind) else kind, node, data)
+        for fn in self._listeners:
+            try:
+                fn(ev)
+            except Exception as exc:  # a listener must not break the daemon
+                log.warning("listener_failed", error=repr(exc))
+        self.spawn(self._notify_changed(), "notify")
+        return ev
+
+    async def _notify_changed(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_for_events(self, since: int, timeout_s: float) -> None:
+        """Return when an event newer than ``since`` exists, or after ``timeout_s``."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.store.last_seq() > since), timeout_s)
+            except TimeoutError:
+                pass
+
+    async def wait_completed(self) -> None:
+        await self._completed.wait()
+
+    async def wait_released(self) -> None:
+        await self._released.wait()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- reconcile ----------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        interval = self.config.daemon.reconcile_interval_s
+        while True:
+            try:
+                await self.reconcile_once()
+            except ProviderError as exc:
+                log.error("reconcile_provider_error", error=str(exc))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
+
+    async def reconcile_once(self) -> None:
+        """One pass: observe, plan, apply, admit."""
+        now = self.clock()
+        await self._observe_instances()
+        actions = plan(
+            Desired(self.desired_nodes, frozenset(self.valid_world_sizes())),
+            [self._view(n) for n in self.nodes.values()],
+            [self._offer(i) for i in range(len(self.config.offers))],
+            History(backoff_until=dict(self._backoff)),
+            now=now,
+            timeouts=Timeouts(
+                heartbeat_timeout_s=self.config.daemon.heartbeat_timeout_s,
+                launch_timeout_s=self.config.daemon.launch_timeout_s,
+            ),
+        )
+        for action in actions:
+            await self._apply(action)
+        self._admit(now)
+        if (
+            self.job.state.is_terminal()
+            and self.desired_nodes == 0
+            and not self._released.is_set()
+            and all(n.state.is_terminal() for n in self.nodes.values())
+        ):
+            self.record(EventKind.POOL_RELEASED, reason=f"job_{self.job.state.value}")
+            self._released.set()
+
+    async def _observe_instances(self) -> None:
+        alive = {i.id for i in await self.provider.describe(self.pool)}
+        for node in list(self.nodes.values()):
+            if node.state not in _LIVE or node.instance_id is None or node.instance_id in alive:
+                continue
+            if node.state is NodeState.DRAINING:
+                self._set_state(node, NodeState.TERMINATED, "instance gone after notice")
+                self.record(EventKind.NODE_TERMINATED, node.id, reason="spot_reclaimed")
+            else:
+                self._set_state(node, NodeState.LOST, "instance gone without notice")
+                self.record(EventKind.NODE_LOST, node.id, reason="instance_gone", last_step=node.step)
+
+    async def _apply(self, action: Launch | Terminate | MarkLost) -> None:
+        if isinstance(action, Launch):
+            self._launch(action.offer_index, action.reason)
+        elif isinstance(action, MarkLost):
+            node = self.nodes[action.node_id]
+            self._set_state(node, NodeState.LOST, action.reason)
+            self.record(EventKind.NODE_LOST, node.id, reason=action.reason, last_step=node.step)
+            if node.instance_id:
+                await self.provider.terminate(node.instance_id)
+        elif isinstance(action, Terminate):
+            node = self.nodes[action.node_id]
+            if node.instance_id:
+                await self.provider.terminate(node.instance_id)
+            self._set_state(node, action.final_state, action.reason)
+            self.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason)
+
+    def _launch(self, offer_index: int, reason: str) -> None:
+        ordinal = max((n.ordinal for n in self.nodes.values()), default=0) + 1
+        offer = self.config.offers[offer_index]
+        node = Node(
+            id=f"{self.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, offer_index=offer_index,
+            region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
+            price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24),
+        )
+        self.nodes[node.id] = node
+        self.store.put_node(node)
+        self.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=self._offer(offer_index).key, reason=reason)
+        self.spawn(self._launch_call(node), f"launch:{node.id}")
+
+    async def _launch_call(self, node: Node) -> None:
+        assert self.agent_url is not None
+        spec = NodeSpec(node_id=node.id, pool=self.pool, token=node.token, daemon_url=self.agent_url,
+                        tags={"spotvisor-pool": self.pool, "spotvisor-node": node.id})
+        offer = self._offer(node.offer_index)
+        try:
+            inst = await self.provider.launch(offer, spec)
+        except CapacityError as exc:
+            self._backoff[node.offer_index] = self.clock() + _BACKOFF_S
+            self._set_state(node, NodeState.FAILED, str(exc))
+            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key)
+        except ProviderError as exc:
+            self._set_state(node, NodeState.FAILED, str(exc))
+            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc))
+        else:
+            node.instance_id = inst.id
+            self._set_state(node, NodeState.LAUNCHING)
+            self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
+                        price_usd_h=node.price_usd_h)
+        self.wake()
+
+    # -- admission --------------------------------------------------------------------------
+    def valid_world_sizes(self) -> list[int]:
+        max_world = self.config.pool.max_nodes * max(o.gpus_per_node for o in self.config.offers)
+        return self.config.job.valid_world_sizes(max_world)
+
+    def _admit(self, now: float) -> None:
+        if self.job.state.is_terminal():
+            return
+        ready = sorted((n for n in self.nodes.values() if n.state is NodeState.READY), key=lambda n: n.ordinal)
+        running = [n for n in self.nodes.values() if n.state in _IN_JOB]
+        admitting = [n for n in self.nodes.values() if n.state is NodeState.ADMITTING]
+        valid = set(self.valid_world_sizes())
+        world = sum(n.gpus for n in running)
+
+        if self.job.state is JobState.PENDING:
+            if not ready:
+                return
+            if self._first_ready_at is None:
+                self._first_ready_at = now
+            enough = len(ready) >= self.config.pool.target_nodes
+            waited = now - self._first_ready_at > self.config.daemon.rejoin_timeout_s
+            if enough or (waited and len(ready) >= self.config.pool.min_nodes):
+                chosen = _largest_valid(ready, 0, valid)
+                if chosen:
+                    for n in chosen:
+                        self._start_node(n, "job_start")
+                    self.job.state = JobState.RUNNING
+            return
+
+        if admitting:
+            rj = self._rejoin
+            timed_out = rj is not None and now - rj.requested_at > self.config.daemon.rejoin_timeout_s
+            if rj is None or rj.answered or timed_out or not running:
+                if timed_out and not (rj and rj.answered):
+                    log.warning("rejoin_checkpoint_timeout", request_id=rj.id if rj else None)
+                for n in admitting:
+                    self._start_node(n, "rejoin")
+                self._rejoin = None
+            return
+
+        if not ready:
+            return
+        chosen = _largest_valid(ready, world, valid)
+        if not chosen:
+            return
+        if not running:
+            for n in chosen:
+                self._start_node(n, "no_survivors")
+            return
+        rid = f"rejoin-{secrets.token_hex(4)}"
+        self._rejoin = _Rejoin(rid, {n.id for n in chosen}, now)
+        for n in chosen:
+            self._set_state(n, NodeState.ADMITTING)
+        for n in running:
+            self._commands.setdefault(n.id, []).append({"kind": "checkpoint", "reason": "rejoin", "id": rid})
+        self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
+                     for_nodes=sorted(self._rejoin.nodes))
+
+    def _start_node(self, node: Node, reason: str) -> None:
+        self._set_state(node, NodeState.RUNNING)
+        self.record(EventKind.NODE_ADMITTED, node.id, reason=reason)
+
+    # -- agent API ----------------------------------------------------------------------------
+    def authenticate(self, node_id: str, token: str) -> Node | None:
+        node = self.nodes.get(node_id)
+        if node is None or not hmac.compare_digest(node.token, token):
+            return None
+        return node
+
+    def on_register(self, node: Node) -> dict[str, Any]:
+        """An agent came up: the node is ``ready``; returns the job spec it runs."""
+        self._seen(node)
+        return {"job": self.job_spec(node)}
+
+    def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
+        self._seen(node)
+        step = body.get("step")
+        if isinstance(step, int):
+            node.step = step
+            if self.job.step is None or step > self.job.step:
+                self.job.step = step
+        commands = self._commands.pop(node.id, [])
+        return {
+            "commands": commands,
+            "start_trainer": node.state is NodeState.RUNNING and not self.job.state.is_terminal(),
+            "stop_trainer": False,
+        }
+
+    def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
+        self._seen(node)
+        for r in reports:
+            kind = r.get("kind")
+            if kind == "interruption_notice":
+                self._on_notice(node, r)
+            elif kind == "trainer_status" and isinstance(r.get("line"), dict):
+                self._on_trainer_status(node, r["line"])
+            elif kind == "trainer_exited":
+                self.record(EventKind.TRAINER_EXITED, node.id, exit_code=r.get("exit_code"))
+            else:
+                log.warning("unknown_report", node_id=node.id, kind=kind)
+
+    def _seen(self, node: Node) -> None:
+        node.last_heartbeat = self.clock()
+        if node.state is NodeState.LAUNCHING:
+            node.ready_at = node.last_heartbeat
+            self._set_state(node, NodeState.READY)
+            self.record(EventKind.NODE_READY, node.id, boot_s=round(node.ready_at - node.created_at, 2))
+            self.wake()
+
+    def _on_notice(self, node: Node, r: dict[str, Any]) -> None:
+        notice = r.get("notice") or {}
+        node.deadline = r.get("deadline")
+        self.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=notice.get("id"),
+                    action=notice.get("action"), deadline=notice.get("deadline"), seen_at=r.get("seen_at"),
+                    provider=notice.get("provider"))
+        if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
+            self._set_state(node, NodeState.DRAINING, "interruption notice")
+        if self._rejoin is not None:
+            self._rejoin.nodes.discard(node.id)
+        self.wake()
+
+    def _on_trainer_status(self, node: Node, line: dict[str, Any]) -> None:
+        event = line.get("event")
+        attempt = str(line.get("attempt"))
+        if event == "started":
+            if attempt in self.job.attempts:
+                return
+            self.job.attempts.add(attempt)
+            if self.job.started_at is None:
+                self.job.started_at = self.clock()
+            world = line.get("world_size")
+            if world != self.job.world_size:
+                self.record(EventKind.WORLD_SIZE_CHANGED, None, old=self.job.world_size, new=world)
+                self.job.world_size = world
+            self.job.step = line.get("step")
+            self.record(EventKind.JOB_RESUMED, node.id, attempt=attempt, step=line.get("step"),
+                        resumed_from=line.get("resumed_from"), world_size=world, trainer_time=line.get("time"))
+        elif event == "checkpoint_committed":
+            key = (attempt, int(line.get("step", -1)))
+            if key in self.job.commits:
+                return
+            self.job.commits.add(key)
+            self.job.last_commit_step = key[1]
+            self.job.last_commit_time = line.get("time")
+            ids = list(line.get("notice_ids") or [])
+            self.record(EventKind.CHECKPOINT_COMMITTED, node.id, step=key[1], attempt=attempt,
+                        reason=line.get("reason"), seconds=line.get("seconds"), bytes=line.get("bytes"),
+                        notice_ids=ids, kinds=line.get("kinds") or [], trainer_time=line.get("time"))
+            if self._rejoin is not None and self._rejoin.id in ids:
+                self._rejoin.answered = True
+                self.wake()
+        elif event == "completed":
+            if self.job.state is JobState.COMPLETED:
+                return
+            self.job.state = JobState.COMPLETED
+            self.job.step = line.get("step")
+            self.record(EventKind.JOB_COMPLETED, node.id, step=line.get("step"), attempt=attempt)
+            self.desired_nodes = 0
+            self._completed.set()
+            self.wake()
+
+    # -- job spec -------------------------------------------------------------------------------
+    def job_spec(self, node: Node) -> dict[str, Any]:
+        """The torchrun command line (after ``python``) and environment for ``node``."""
+        c, rdzv, job = self.config, self.config.rendezvous, self.config.job
+        rdzv_conf = ",".join(
+            [
+                "is_host=false",  # the rendezvous store runs on the control node, never on a spot node
+                f"last_call_timeout={rdzv.last_call_timeout_s:g}",
+                f"keep_alive_interval={rdzv.keep_alive_interval_s:g}",
+                f"keep_alive_max_attempt={rdzv.keep_alive_max_attempt}",
+                f"join_timeout={rdzv.join_timeout_s:g}",
+            ]
+        )
+        argv = [
+            "-m", "torch.distributed.run",
+            f"--nnodes={c.pool.min_nodes}:{c.pool.max_nodes}",
+            f"--nproc-per-node={node.gpus}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
+            f"--rdzv-id={job.id}-{self.run_nonce}",
+            f"--rdzv-conf={rdzv_conf}",
+            f"--max-restarts={rdzv.max_restarts}",
+            "--monitor-interval=0.5",
+            "-m", job.module,
+            "--target-steps", str(job.target_steps),
+            "--global-batch-size", str(job.global_batch_size),
+            "--micro-batch-size", str(job.micro_batch_size),
+            "--checkpoint-uri", c.checkpoint_uri(),
+            "--checkpoint-interval", str(job.checkpoint_interval_steps),
+            "--hold-timeout-s", f"{job.hold_timeout_s:g}",
+            *job.args,
+        ]
+        env = {
+            # pytorch#135712: a node joining a surviving group otherwise deadlocks (ELASTIC.md)
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if job.s3_endpoint_url:
+            env["SPOTVISOR_S3_ENDPOINT_URL"] = job.s3_endpoint_url
+        return {"argv": argv, "env": env}
+
+    # -- views ------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        return {
+            "pool": {"name": self.pool, "target_nodes": self.desired_nodes, "min_nodes": self.config.pool.min_nodes,
+                     "max_nodes": self.config.pool.max_nodes},
+            "job": {
+                "id": self.config.job.id, "state": self.job.state.value, "step": self.job.step,
+                "target_steps": self.config.job.target_steps, "world_size": self.job.world_size,
+                "last_commit_step": self.job.last_commit_step, "last_commit_time": self.job.last_commit_time,
+                "restarts": max(0, len(self.job.attempts) - 1),
+            },
+            "nodes": [
+                {
+                    "id": n.id, "provider": n.provider, "zone": n.zone, "instance_type": n.instance_type,
+                    "gpus": n.gpus, "state": n.state.value, "instance_id": n.instance_id,
+                    "uptime_s": None if n.ready_at is None or n.state.is_terminal() else round(now - n.ready_at, 1),
+                    "price_usd_h": n.price_usd_h, "step": n.step, "detail": n.detail,
+                }
+                for n in sorted(self.nodes.values(), key=lambda n: n.ordinal)
+            ],
+        }
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _set_state(self, node: Node, state: NodeState, detail: str = "") -> None:
+        self.store.set_node_state(node, state, detail=detail)
+
+    def _offer(self, i: int) -> Offer:
+        o = self.config.offers[i]
+        return Offer(index=i, provider=o.provider, region=o.region, zone=o.zone, instance_type=o.instance_type,
+                     gpus_per_node=o.gpus_per_node, price_usd_h=self._prices.get(i),
+                     max_price_usd_h=o.max_price_usd_h)
+
+    def _view(self, n: Node) -> NodeView:
+        return NodeView(id=n.id, state=n.state, offer_index=n.offer_index, gpus=n.gpus, created_at=n.created_at,
+                        last_heartbeat=n.last_heartbeat, deadline=n.deadline)
+
+
+def _largest_valid(candidates: list[Node], world: int, valid: set[int]) -> list[Node]:
+    """The longest prefix of ``candidates`` that, added to ``world``, is a valid world size."""
+    best: list[Node] = []
+    total = world
+    for i, n in enumerate(candidates):
+        total += n.gpus
+        if total in valid:
+            best = candidates[: i + 1]
+    return best

@@ -1,0 +1,338 @@
+"""Notice-driven checkpoint decisions, taken by all ranks at the same step.
+
+The node agent writes ``$SPOTVISOR_NOTICE_FILE`` (atomic tmp + rename), a JSON
+list of notices::
+
+    [{"id": "n-abc", "kind": "interruption", "time": 1700000000.0, "deadline": 1700000120.0}]
+
+Only the ranks on the noticed node can see it, and a collective save entered by
+some ranks only hangs. So at every step boundary every rank calls
+:meth:`PreemptionGuard.check`, which all-reduces (MAX) the local flags
+``[need_checkpoint, need_hold]``; only when something is needed do the ranks
+``all_gather_object`` the notice ids, so each rank holds the same union and the
+commit records it. Example with two nodes::
+
+    step 41: node B's agent writes an interruption notice n-1
+    step 42 boundary: B's ranks see n-1 -> flags [1, 1]; A's ranks [0, 0]
+                      all-reduce MAX -> [1, 1] on every rank, ids gathered: (n-1,)
+                      every rank commits step 42 with notice_ids (n-1,), then holds
+    B is taken -> A's next hold all-reduce fails (gloo, ~3 s) -> worker exits non-zero
+                -> torchrun re-rendezvous at the smaller world -> resume from step 42
+
+Ids already handled (the committed manifest keeps them in ``extra["notice_ids"]``)
+are ignored, so a restarted worker never acts on the same notice twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NOTICE_FILE_ENV",
+    "NoticeKind",
+    "Notice",
+    "Decision",
+    "parse_notices",
+    "read_notice_file",
+    "PreemptionGuard",
+]
+
+log = logging.getLogger(__name__)
+
+NOTICE_FILE_ENV = "SPOTVISOR_NOTICE_FILE"
+#: How many handled notice ids are remembered (oldest dropped first).
+MAX_HANDLED_IDS = 200
+
+
+class NoticeKind(str, enum.Enum):
+    """What a notice asks of the job."""
+
+    #: This node will be taken: commit, then hold until the restart.
+    INTERRUPTION = "interruption"
+    #: A new node waits to be admitted: commit, then hold until the restart.
+    REJOIN = "rejoin"
+    #: Commit and keep training.
+    CHECKPOINT = "checkpoint"
+
+    @property
+    def needs_hold(self) -> bool:
+        return self in (NoticeKind.INTERRUPTION, NoticeKind.REJOIN)
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """One entry of the notice file. ``time``/``deadline`` are unix seconds."""
+
+    id: str
+    kind: NoticeKind
+    time: float | None = None
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What all ranks do at this step boundary (identical on every rank).
+
+    ``kinds[i]`` is the kind of ``notice_ids[i]``.
+    """
+
+    checkpoint: bool = False
+    hold: bool = False
+    notice_ids: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.checkpoint or self.hold
+
+
+class NoticeFileError(ValueError):
+    """The notice file's content is not a JSON list."""
+
+
+def _float_or_none(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def parse_notices(text: str | bytes) -> tuple[list[Notice], list[str]]:
+    """Parse the notice file's content.
+
+    Returns:
+        ``(notices, problems)``: the valid notices in file order, and one line per
+        entry that was dropped (unknown kind, missing id).
+
+    Raises:
+        NoticeFileError: the content is not a JSON list.
+    """
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NoticeFileError(f"not JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise NoticeFileError(f"expected a JSON list, got {type(data).__name__}")
+    notices: list[Notice] = []
+    problems: list[str] = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            problems.append(f"entry {i}: not an object")
+            continue
+        nid = entry.get("id")
+        if not isinstance(nid, str) or not nid:
+            problems.append(f"entry {i}: missing id")
+            continue
+        try:
+            kind = NoticeKind(entry.get("kind"))
+        except ValueError:
+            problems.append(f"entry {i} ({nid}): unknown kind {entry.get('kind')!r}")
+            continue
+        notices.append(
+            Notice(
+                id=nid,
+                kind=kind,
+                time=_float_or_none(entry.get("time")),
+                deadline=_float_or_none(entry.get("deadline")),
+            )
+        )
+    return notices, problems
+
+
+def read_notice_file(path: str | os.PathLike[str]) -> list[Notice]:
+    """The notices in ``path``; a missing file means none.
+
+    Raises:
+        NoticeFileError: the file exists but is not a JSON list.
+        OSError: the file exists but cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return []
+    if not raw.strip():
+        return []
+    notices, _ = parse_notices(raw)
+    return notices
+
+
+def _dist_world() -> int:
+    """World size of the default group, or 1 when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _collective_device() -> torch.device:
+    """Where small collective tensors must live for the default group's backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class PreemptionGuard:
+    """Reads the notice file at each step boundary and agrees on a decision.
+
+    Args:
+        notice_file: path of the notice file; default ``$SPOTVISOR_NOTICE_FILE``;
+            None/empty means no notices ever (still collective: peers may have some).
+        handled_ids: notice ids already acted on (from the resumed manifest).
+        max_handled: how many handled ids to remember.
+
+    ``check`` and ``hold`` are collective: every rank of the default process group
+    must call them at the same point. Without an initialized process group (or at
+    world size 1) they act locally.
+    """
+
+    __slots__ = ("notice_file", "_handled", "_max_handled", "_warned", "_warned_entries")
+
+    def __init__(
+        self,
+        notice_file: str | os.PathLike[str] | None = None,
+        *,
+        handled_ids: Iterable[str] = (),
+        max_handled: int = MAX_HANDLED_IDS,
+    ) -> None:
+        if notice_file is None:
+            notice_file = os.environ.get(NOTICE_FILE_ENV) or None
+        if max_handled < 1:
+            raise ValueError(f"max_handled must be >= 1, got {max_handled}")
+        self.notice_file = os.fspath(notice_file) if notice_file else None
+        self._max_handled = max_handled
+        self._handled: dict[str, None] = {}
+        self._warned = False
+        self._warned_entries: set[str] = set()
+        self.mark_handled(handled_ids)
+
+    @property
+    def handled_ids(self) -> list[str]:
+        """Handled notice ids, oldest first (at most ``max_handled``)."""
+        return list(self._handled)
+
+    def mark_handled(self, ids: Iterable[str]) -> None:
+        for nid in ids:
+            self._handled.pop(nid, None)
+            self._handled[nid] = None
+        while len(self._handled) > self._max_handled:
+            del self._handled[next(iter(self._handled))]
+
+    def pending(self) -> list[Notice]:
+        """Local unhandled notices (not collective). A bad file counts as none."""
+        if not self.notice_file:
+            return []
+        try:
+            with open(self.notice_file, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self._warn_once(f"cannot read notice file {self.notice_file}: {exc}")
+            return []
+        if not raw.strip():
+            return []
+        try:
+            notices, problems = parse_notices(raw)
+        except NoticeFileError as exc:
+            self._warn_once(f"ignoring notice file {self.notice_file}: {exc}")
+            return []
+        self._warned = False  # a later bad file is worth a new warning
+        for problem in problems:
+            if problem not in self._warned_entries:
+                self._warned_entries.add(problem)
+                log.warning("ignoring notice entry in %s: %s", self.notice_file, problem)
+        seen: set[str] = set()
+        out = []
+        for n in notices:
+            if n.id in self._handled or n.id in seen:
+                continue
+            seen.add(n.id)
+            out.append(n)
+        return out
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("%s", message)
+
+    def check(self) -> Decision:
+        """Decide, on every rank alike, whether to commit and whether to hold.
+
+        Collective (one all-reduce of two ints; plus an ``all_gather_object``
+        only when some rank has a notice). Blocks until every rank has called it.
+
+        Raises:
+            RuntimeError: (from torch.distributed) a peer left; let it propagate.
+        """
+        local = self.pending()
+        need_ckpt = int(bool(local))
+        need_hold = int(any(n.kind.needs_hold for n in local))
+        if _dist_world() <= 1:
+            if not local:
+                return Decision()
+            return Decision(
+                checkpoint=True,
+                hold=bool(need_hold),
+                notice_ids=tuple(n.id for n in local),
+                kinds=tuple(n.kind.value for n in local),
+            )
+        flags = torch.tensor([need_ckpt, need_hold], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        need_ckpt, need_hold = (int(v) for v in flags.tolist())
+        if not need_ckpt:
+            return Decision()
+        gathered: list[list[tuple[str, str]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [(n.id, n.kind.value) for n in local])
+        union: dict[str, str] = {}
+        for part in gathered:
+            for nid, kind in part or ():
+                union.setdefault(nid, kind)
+        return Decision(
+            checkpoint=True,
+            hold=bool(need_hold),
+            notice_ids=tuple(union),
+            kinds=tuple(union.values()),
+        )
+
+    def hold(self, timeout_s: float, poll_s: float = 0.25) -> None:
+        """Stay at this step boundary until the restart comes, or ``timeout_s`` passes.
+
+        Collective keep-alive: each iteration all-reduces (MAX) a "resume" flag that
+        rank 0 raises once ``timeout_s`` has elapsed, then sleeps ``poll_s``; all ranks
+        return in the same iteration. The usual ends are not a return:
+
+        - a peer leaves (its node was taken): the all-reduce raises (gloo: ~3 s).
+          Let it propagate so the worker exits non-zero and torchrun restarts the
+          group (exiting 0 mid-job closes the rendezvous for good, pytorch#123678);
+        - torchrun restarts the group (a node joined): SIGTERM, default handling.
+
+        Raises:
+            ValueError: negative ``timeout_s`` or non-positive ``poll_s``.
+            RuntimeError: (from torch.distributed) a peer left.
+        """
+        if timeout_s < 0 or poll_s <= 0:
+            raise ValueError(f"bad hold timeout_s={timeout_s} / poll_s={poll_s}")
+        deadline = time.monotonic() + timeout_s
+        if _dist_world() <= 1:
+            while (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(poll_s, left))
+            return
+        is_leader = dist.get_rank() == 0
+        device = _collective_device()
+        while True:
+            flag = torch.tensor(
+                [1 if is_leader and time.monotonic() >= deadline else 0],
+                dtype=torch.int64,
+                device=device,
+            )
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag.item()):
+                return
+            time.sleep(poll_s)

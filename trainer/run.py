@@ -1,0 +1,622 @@
+"""Reference trainer: ``python -m trainer.run`` on every rank (torchrun) or alone.
+
+Trains a small GPT-2 (transformers) on bytes with DDP, a constant global batch,
+notice-driven checkpoint commits and resume at any valid world size. The node
+agent starts it under ``torchrun --nnodes=MIN:MAX``; torchrun restarts the workers
+on every membership change, and each new incarnation ("attempt") resumes from the
+newest committed checkpoint.
+
+One step boundary, on every rank alike::
+
+    decision = guard.check()                      # collective: all ranks agree
+    commit if notice / periodic / final           # rank 0 writes, barrier, status line
+    hold if interruption / rejoin                 # keep-alive until restarted
+    train one step (grad accumulation, DDP)       # positions = step * G + ...
+
+Node-local outputs: the status file (``$SPOTVISOR_STATUS_FILE``, appended by
+LOCAL_RANK 0 only) and per-rank step logs under ``$SPOTVISOR_LOG_DIR``. Exit codes: 0 only when the target step is committed; 2 for
+a configuration the job can never run (bad world size, data, checkpoint mismatch);
+anything else non-zero for a failure torchrun should restart (a peer left).
+
+The parts a future in-process resize replaces are kept apart: process-group
+set-up (:func:`setup_distributed`), model/optimizer state (:class:`TrainState`,
+:func:`state_to_bytes`, :func:`load_state`) and the data position
+(:func:`data_position`, :class:`~trainer.sampler.ElasticSampler`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import math
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.batch import BatchError, BatchPlan, ElasticBatch
+from trainer.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointError,
+    CorruptCheckpointError,
+    Manifest,
+    commit,
+    discard,
+    gc,
+    latest_committed,
+    load_shard,
+    open_store,
+    step_dir,
+    write_shard,
+)
+from trainer.data import VOCAB_SIZE, DataError, TokenDataset, encode, load_corpus
+from trainer.guard import Decision, PreemptionGuard
+from trainer.sampler import ElasticSampler
+
+__all__ = ["main", "build_parser", "setup_distributed", "DistContext", "TrainState"]
+
+log = logging.getLogger("trainer.run")
+
+STATUS_FILE_ENV = "SPOTVISOR_STATUS_FILE"
+LOG_DIR_ENV = "SPOTVISOR_LOG_DIR"
+S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
+MODEL_SHARD = "model.pt"
+PROGRESS_EVERY = 10
+
+
+class ConfigError(Exception):
+    """A configuration this job can never run with; exit 2, one line on stderr."""
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.run",
+        description="spotvisor reference trainer: byte-level GPT-2, elastic DDP, committed checkpoints.",
+    )
+    p.add_argument("--target-steps", type=_positive, required=True, help="optimizer steps to train in total")
+    p.add_argument("--global-batch-size", type=_positive, default=32, help="samples per optimizer step (constant across resizes)")
+    p.add_argument("--micro-batch-size", type=_positive, default=8, help="samples per forward/backward on one rank")
+    p.add_argument("--checkpoint-uri", required=True, help="file:///abs/path, s3://bucket/prefix, or a local path")
+    p.add_argument("--checkpoint-interval", type=_non_negative, default=50, help="periodic commit every N steps (0: none)")
+    p.add_argument("--hold-timeout-s", type=float, default=90.0, help="how long to hold after a notice commit before training on")
+    p.add_argument("--keep-checkpoints", type=_positive, default=3, help="committed checkpoints kept by gc")
+    p.add_argument("--seq-len", type=_positive, default=64)
+    p.add_argument("--n-layer", type=_positive, default=4)
+    p.add_argument("--n-embd", type=_positive, default=128)
+    p.add_argument("--n-head", type=_positive, default=4)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--data", action="append", default=[], metavar="PATH",
+                   help=".txt or .jsonl ({\"text\": ...} lines) file; repeatable; default: CPython's help texts")
+    return p
+
+
+def _normalize_uri(uri: str) -> str:
+    if "://" in uri:
+        return uri
+    return Path(uri).resolve().as_uri()
+
+
+# --------------------------------------------------------------------------- process group
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """Who this process is. ``initialized``: a process group exists (torchrun)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str | None
+    device: torch.device
+    initialized: bool
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_leader(self) -> bool:
+        return self.local_rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` from torchrun's environment, or ``(0, 0, 1)``."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
+    return 0, 0, 1
+
+
+def setup_distributed() -> DistContext:
+    """Join torchrun's process group (nccl on CUDA, else gloo); plain process without torchrun."""
+    rank, local_rank, world = env_world()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if "RANK" not in os.environ:
+        return DistContext(0, 0, 1, None, device, False)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend=backend, **({"device_id": device} if cuda else {}))
+    return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True)
+
+
+def teardown_distributed(ctx: DistContext) -> None:
+    if ctx.initialized and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def new_attempt_id(ctx: DistContext) -> str:
+    """A fresh id for this worker-group incarnation, identical on every rank."""
+    box = [uuid.uuid4().hex[:12] if ctx.is_leader else None]
+    if ctx.initialized and ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.initialized and ctx.world_size > 1:
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(slots=True)
+class TrainState:
+    """What a checkpoint holds: the model, its optimizer and the steps completed."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        vocab_size=VOCAB_SIZE,
+        n_positions=args.seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(args.seed)
+    return GPT2LMHeadModel(config)
+
+
+def build_state(args: argparse.Namespace, device: torch.device) -> TrainState:
+    model = build_model(args).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return TrainState(model=model, optimizer=optimizer, step=0)
+
+
+def state_to_bytes(state: TrainState) -> bytes:
+    buf = io.BytesIO()
+    torch.save(
+        {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step},
+        buf,
+    )
+    return buf.getvalue()
+
+
+def load_state(state: TrainState, data: bytes, device: torch.device) -> None:
+    blob = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    state.model.load_state_dict(blob["model"])
+    state.optimizer.load_state_dict(blob["optimizer"])
+    state.step = int(blob["step"])
+
+
+def data_position(step: int, global_batch_size: int, seed: int, dataset_len: int) -> dict[str, int]:
+    """The manifest's ``data_position``: where the sample stream resumes."""
+    consumed = step * global_batch_size
+    return {
+        "consumed_samples": consumed,
+        "seed": seed,
+        "dataset_len": dataset_len,
+        "epoch": consumed // dataset_len,
+    }
+
+
+# --------------------------------------------------------------------------- node-local outputs
+
+
+class StatusWriter:
+    """Appends one JSON object per line to ``$SPOTVISOR_STATUS_FILE`` (LOCAL_RANK 0 only)."""
+
+    __slots__ = ("path", "ctx", "attempt")
+
+    def __init__(self, path: str | None, ctx: DistContext, attempt: str) -> None:
+        self.path = path if (path and ctx.is_local_leader) else None
+        self.ctx = ctx
+        self.attempt = attempt
+
+    def emit(self, event: str, step: int, **fields: Any) -> None:
+        if self.path is None:
+            return
+        record = {
+            "event": event,
+            "time": time.time(),
+            "attempt": self.attempt,
+            "rank": self.ctx.rank,
+            "world_size": self.ctx.world_size,
+            "step": step,
+            **fields,
+        }
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+
+
+class StepLog:
+    """``$SPOTVISOR_LOG_DIR/steps-<attempt>-rank<RANK>.jsonl``: what each rank trained on."""
+
+    __slots__ = ("_f", "ctx", "attempt")
+
+    def __init__(self, log_dir: str | None, ctx: DistContext, attempt: str) -> None:
+        self.ctx = ctx
+        self.attempt = attempt
+        self._f = None
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            path = Path(log_dir) / f"steps-{attempt}-rank{ctx.rank}.jsonl"
+            self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, step: int, positions: list[int], loss: float) -> None:
+        if self._f is None:
+            return
+        record = {
+            "attempt": self.attempt,
+            "rank": self.ctx.rank,
+            "world_size": self.ctx.world_size,
+            "step": step,
+            "positions": positions,
+            "loss": loss,
+            "time": time.time(),
+        }
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+# --------------------------------------------------------------------------- the job
+
+
+class Job:
+    """One incarnation of the training job on one rank (built by :func:`main`)."""
+
+    def __init__(
+        self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor
+    ) -> None:
+        self.args = args
+        self.ctx = ctx
+        self.plan = plan
+        self.G = plan.global_batch_size
+        self.attempt = new_attempt_id(ctx)
+        self.store = open_store(args.checkpoint_uri, s3_endpoint_url=os.environ.get(S3_ENDPOINT_ENV) or None)
+        self.status = StatusWriter(os.environ.get(STATUS_FILE_ENV), ctx, self.attempt)
+        self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), ctx, self.attempt)
+        self.dataset = TokenDataset(tokens, args.seq_len)
+        self.seed = args.seed
+        self.state = build_state(args, ctx.device)
+        self.last_committed: Manifest | None = None
+        self.guard = PreemptionGuard()
+        self.ddp: torch.nn.Module = self.state.model
+
+    # -- resume
+
+    def _find_resume_point(self) -> tuple[Manifest | None, bytes | None]:
+        """Rank 0: the newest committed checkpoint whose shard verifies (corrupt ones discarded)."""
+        while True:
+            manifest = latest_committed(self.store)
+            if manifest is None:
+                return None, None
+            try:
+                return manifest, load_shard(self.store, manifest, MODEL_SHARD)
+            except CorruptCheckpointError as exc:
+                log.error("discarding corrupt checkpoint step %d: %s", manifest.step, exc)
+                discard(self.store, manifest.step)
+
+    def resume(self) -> None:
+        data = None
+        manifest = None
+        if self.ctx.is_leader:
+            manifest, data = self._find_resume_point()
+        if self.ctx.initialized and self.ctx.world_size > 1:
+            box = [manifest]
+            dist.broadcast_object_list(box, src=0)
+            manifest = box[0]
+            if manifest is not None and not self.ctx.is_leader:
+                data = load_shard(self.store, manifest, MODEL_SHARD)
+        if manifest is None:
+            log.info("no committed checkpoint in %s: starting at step 0", self.store.uri)
+        else:
+            self._check_compatible(manifest)
+            load_state(self.state, data, self.ctx.device)
+            if self.state.step != manifest.step:
+                raise CheckpointError(f"shard step {self.state.step} != manifest step {manifest.step}")
+            self.guard.mark_handled(manifest.extra.get("notice_ids", ()))
+            log.info("resumed from step %d (written at world size %d, now %d)",
+                     manifest.step, manifest.world_size, self.ctx.world_size)
+        self.last_committed = manifest
+        self.sampler = ElasticSampler(len(self.dataset), self.seed)
+
+    def _check_compatible(self, manifest: Manifest) -> None:
+        if manifest.global_batch_size != self.G:
+            raise ConfigError(
+                f"checkpoint step {manifest.step} in {self.store.uri} was trained with global_batch_size "
+                f"{manifest.global_batch_size}, not {self.G}: the data position would not be exact"
+            )
+        pos = manifest.data_position
+        seed = pos.get("seed", self.seed)
+        if seed != self.seed:
+            log.warning("checkpoint seed %s differs from --seed %s: keeping the checkpoint's", seed, self.seed)
+            self.seed = int(seed)
+        n = pos.get("dataset_len")
+        if n is not None and n != len(self.dataset):
+            log.warning("dataset has %d samples, checkpoint was written with %d: the sample order changes",
+                        len(self.dataset), n)
+
+    # -- commit
+
+    def commit(self, *, reason: str, decision: Decision) -> None:
+        """Collective: rank 0 writes shard + manifest; all ranks pass; status line; gc."""
+        step = self.state.step
+        self.guard.mark_handled(decision.notice_ids)
+        _barrier(self.ctx)
+        t0 = time.time()
+        result = torch.zeros(3, dtype=torch.float64)  # ok, bytes, reused
+        error: BaseException | None = None
+        if self.ctx.is_leader:
+            try:
+                nbytes, reused = self._write_checkpoint(step, reason)
+                result[:] = torch.tensor([1.0, float(nbytes), float(reused)], dtype=torch.float64)
+            except Exception as exc:  # re-raised below, after the peers learn of it
+                error = exc
+        if self.ctx.initialized and self.ctx.world_size > 1:
+            t = result.to(self.ctx.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)  # only rank 0 contributes: a broadcast + barrier
+            result = t.cpu()
+        if error is not None:
+            raise error
+        ok, nbytes, reused = result.tolist()
+        if not ok:
+            raise CheckpointError(f"rank 0 failed to commit step {step}; see its log")
+        seconds = time.time() - t0
+        self.status.emit(
+            "checkpoint_committed",
+            step,
+            notice_ids=list(decision.notice_ids),
+            kinds=list(decision.kinds),
+            seconds=round(seconds, 4),
+            bytes=int(nbytes),
+            reason=reason,
+            reused=bool(reused),
+        )
+        if self.ctx.is_leader:
+            log.info("committed step %d (%s, %.2f s, %d bytes%s)", step, reason, seconds, int(nbytes),
+                     ", already stored" if reused else "")
+            try:
+                gc(self.store, keep=self.args.keep_checkpoints)
+            except CheckpointError as exc:
+                log.warning("checkpoint gc failed: %s", exc)
+
+    def _manifest_extra(self, reason: str) -> dict:
+        return {"notice_ids": self.guard.handled_ids, "attempt": self.attempt, "reason": reason}
+
+    def _write_checkpoint(self, step: int, reason: str) -> tuple[int, bool]:
+        """Rank 0. Returns (bytes of the checkpoint, whether it was already committed)."""
+        last = self.last_committed
+        if last is not None and last.step == step:
+            # Already committed (e.g. resumed here, or periodic + notice at one boundary):
+            # don't write the state again, but make the manifest record the handled
+            # notices, or a worker restarted here would act on them once more.
+            known = set(last.extra.get("notice_ids", ()))
+            if not set(self.guard.handled_ids) <= known:
+                last = dataclasses.replace(last, extra={**last.extra, **self._manifest_extra(reason)},
+                                           time=time.time())
+                # Same shards, richer extra: replacing manifest.json is one atomic put.
+                self.store.put_bytes(f"{step_dir(step)}/{MANIFEST_NAME}", last.to_json().encode())
+                self.last_committed = last
+            return sum(s.size for s in last.shards), True
+        data = state_to_bytes(self.state)
+        info = write_shard(self.store, step, MODEL_SHARD, data)
+        manifest = Manifest(
+            step=step,
+            world_size=self.ctx.world_size,
+            global_batch_size=self.G,
+            data_position=data_position(step, self.G, self.seed, len(self.dataset)),
+            shards=(info,),
+            time=time.time(),
+            extra=self._manifest_extra(reason),
+        )
+        commit(self.store, manifest)
+        self.last_committed = manifest
+        return info.size, False
+
+    # -- train
+
+    def wrap(self) -> None:
+        if self.ctx.initialized and self.ctx.world_size > 1:
+            kwargs = {"device_ids": [self.ctx.device.index]} if self.ctx.device.type == "cuda" else {}
+            self.ddp = DDP(self.state.model, **kwargs)
+        else:
+            self.ddp = self.state.model
+
+    def train_step(self) -> tuple[float, float, list[int]]:
+        """One optimizer step. Returns (global mean loss, this rank's mean loss, positions)."""
+        step = self.state.step
+        micro = self.sampler.positions_for(step, self.plan, self.ctx.rank)
+        model, opt = self.ddp, self.state.optimizer
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.ctx.device)
+        for i, mb in enumerate(micro):
+            x, y = self.dataset.batch([self.sampler.index(p) for p in mb])
+            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if (last or not isinstance(model, DDP)) else model.no_sync()
+            with sync:
+                logits = model(input_ids=x, use_cache=False).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+                (loss / len(micro)).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.state.model.parameters(), 1.0)
+        opt.step()
+        local = total / len(micro)
+        glob = local.clone()
+        if self.ctx.initialized and self.ctx.world_size > 1:
+            dist.all_reduce(glob, op=dist.ReduceOp.SUM)
+            glob /= self.ctx.world_size
+        self.state.step += 1
+        return float(glob.item()), float(local.item()), [p for mb in micro for p in mb]
+
+    def run(self) -> None:
+        args, target = self.args, self.args.target_steps
+        resumed_from = self.last_committed.step if self.last_committed else None
+        self.status.emit("started", self.state.step, resumed_from=resumed_from,
+                         global_batch_size=self.G, micro_batch_size=self.plan.micro_batch_size,
+                         grad_accum_steps=self.plan.grad_accum_steps)
+        if self.ctx.is_leader:
+            log.info("attempt %s: world %d, global batch %d = %d x %d accum x %d ranks, %d samples, step %d/%d",
+                     self.attempt, self.ctx.world_size, self.G, self.plan.micro_batch_size,
+                     self.plan.grad_accum_steps, self.ctx.world_size, len(self.dataset), self.state.step, target)
+        start_step = self.state.step
+        t_window, n_window = time.perf_counter(), 0
+        while True:
+            step = self.state.step
+            decision = self.guard.check()
+            final = step >= target
+            periodic = (args.checkpoint_interval > 0 and step > start_step
+                        and step % args.checkpoint_interval == 0)
+            if final or decision.checkpoint or periodic:
+                reason = "final" if final else ("notice" if decision.checkpoint else "periodic")
+                self.commit(reason=reason, decision=decision)
+            if final:
+                break
+            if decision.hold:
+                self.status.emit("holding", step, notice_ids=list(decision.notice_ids),
+                                 kinds=list(decision.kinds), timeout_s=args.hold_timeout_s)
+                if self.ctx.is_leader:
+                    log.info("holding at step %d for a restart (notices %s, timeout %.0f s)",
+                             step, ",".join(decision.notice_ids), args.hold_timeout_s)
+                self.guard.hold(args.hold_timeout_s)
+                if self.ctx.is_leader:
+                    log.warning("no restart within %.0f s of holding: training on", args.hold_timeout_s)
+                t_window, n_window = time.perf_counter(), 0
+            loss, local_loss, positions = self.train_step()
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {self.state.step}")
+            self.steplog.write(self.state.step, positions, local_loss)
+            self.status.emit("step", self.state.step, loss=loss)
+            n_window += 1
+            if self.ctx.is_leader and (self.state.step % PROGRESS_EVERY == 0 or self.state.step == target):
+                dt = (time.perf_counter() - t_window) / max(n_window, 1)
+                log.info("step %d/%d loss %.4f %.3f s/step world %d", self.state.step, target, loss, dt,
+                         self.ctx.world_size)
+                t_window, n_window = time.perf_counter(), 0
+        self.status.emit("completed", self.state.step)
+        if self.ctx.is_leader:
+            log.info("completed: step %d committed", self.state.step)
+
+    def close(self) -> None:
+        self.steplog.close()
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _configure_threads() -> None:
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    try:
+        n = int(omp) if omp else 1
+    except ValueError:
+        n = 1
+    torch.set_num_threads(max(1, n))
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.checkpoint_uri = _normalize_uri(args.checkpoint_uri)
+    rank, _, world = env_world()
+    _configure_logging(rank)
+    _configure_threads()
+    try:
+        # Refuse before joining the group: every rank sees the same WORLD_SIZE.
+        plan = ElasticBatch(args.global_batch_size, args.micro_batch_size).plan(world)
+        tokens = encode(load_corpus(args.data))
+        if tokens.numel() < args.seq_len + 1:
+            raise DataError(f"corpus has {tokens.numel()} tokens, fewer than seq_len + 1 = {args.seq_len + 1}")
+    except (BatchError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ctx = setup_distributed()
+    job = None
+    try:
+        job = Job(args, ctx, plan, tokens)
+        job.resume()
+        job.wrap()
+        job.run()
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if job is not None:
+            job.close()
+    _barrier(ctx)
+    teardown_distributed(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
