@@ -310,8 +310,10 @@ class NodeAgent:
         if event == "checkpoint_committed":
             ids = list(line.get("notice_ids") or [])
             self.notices.remove(ids)
+            # Leave only on the commit that answers this node's notice: the trainer
+            # holds after it, so no step computed after the commit is thrown away.
             mine = self._interruption
-            if mine is not None and (mine["id"] in ids or line.get("time", 0) >= mine["time"]):
+            if mine is not None and mine["id"] in ids:
                 if self._proc is not None and self._proc.returncode is None:
                     log.info("leaving_job", node_id=self.node_id, step=line.get("step"))
                     self._proc.send_signal(signal.SIGTERM)

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=_positive, default=3, help="committed checkpoints kept by gc")
     p.add_argument("--seq-len", type=_positive, default=64)
     p.add_argument("--n-layer", type=_positive, default=4)
-    p.add_argument("--n-embd", type=_positive, default=128)
+    p.add_argument("--n-embd", type=_positive, default=256)
     p.add_argument("--n-head", type=_positive, default=4)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
