@@ -30,3 +30,8 @@ test-quick: $(STAMP)
 
 clean:
 	rm -rf .spotvisor demo-summary.json .pytest_cache
+
+# Installs the three units (needs root); see systemd/*.service for what each runs.
+install-systemd:
+	install -m 0644 systemd/spotvisord.service systemd/spotvisor-rendezvous.service systemd/spotvisor-agent.service /etc/systemd/system/
+	systemctl daemon-reload

@@ -171,7 +171,8 @@ async def _run(config: Config) -> int:
 def _with_run_dir(config: Config) -> Config:
     """A demo starts from nothing: its own state dir under the configured one."""
     run_dir = config.daemon.state_path() / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
-    daemon = config.daemon.model_copy(update={"state_dir": str(run_dir), "socket": config.daemon.socket})
+    # the control socket stays where spotctl looks for it (the configured state dir)
+    daemon = config.daemon.model_copy(update={"state_dir": str(run_dir), "socket": str(config.daemon.socket_path())})
     return config.model_copy(update={"daemon": daemon})
 
 

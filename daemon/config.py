@@ -262,11 +262,17 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read ({exc.strerror}); give the path of a YAML config"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"{p}: not UTF-8 text (bad byte at offset {exc.start}); give the path of a YAML config"]
+        ) from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
+        if raw is None:  # an empty file (or only comments): all defaults; but [] / 0 / "" are not mappings
+            raw = {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -91,7 +91,7 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
     for step in lineage_steps:
         seen.update(execs[(last_exec[step], step)]["positions"])
     done = len(lineage_steps)
-    expected = range(done * global_batch_size)
+    expected = range((lineage_steps[-1] if lineage_steps else 0) * global_batch_size)
     twice = sum(c - 1 for c in seen.values() if c > 1)
     skipped = sum(1 for p in expected if p not in seen)
 

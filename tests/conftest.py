@@ -35,3 +35,101 @@ def s3_server() -> Iterator[str]:
             yield f"http://{host}:{port}"
         finally:
             server.stop()
+
+
+# -- a real daemon (Supervisor + ApiServer) in the test's event loop -------------------------
+
+import asyncio  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import AsyncIterator, Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from daemon.providers.base import Instance, NodeSpec, Provider  # noqa: E402
+
+
+class RecordingProvider(Provider):
+    """A test provider: ``launch`` records and returns a running instance at once,
+    ``describe`` lists launched-and-not-terminated ones, ``spot_price`` is 0.5 USD/h."""
+
+    name = "test"
+
+    def __init__(self) -> None:
+        self.launched: list[tuple[NodeSpec, Instance]] = []
+        self.terminated: set[str] = set()
+
+    async def launch(self, offer, node: NodeSpec) -> Instance:  # type: ignore[override]
+        inst = Instance(id=f"i-{len(self.launched) + 1:04d}", node_id=node.node_id, provider=offer.provider,
+                        state="running", zone=offer.zone, instance_type=offer.instance_type,
+                        launched_at=time.time())
+        self.launched.append((node, inst))
+        return inst
+
+    async def terminate(self, instance_id: str) -> None:
+        self.terminated.add(instance_id)
+
+    async def describe(self, tag: str) -> list[Instance]:
+        return [i for spec, i in self.launched if spec.pool == tag and i.id not in self.terminated]
+
+    async def spot_price(self, offer) -> float | None:  # type: ignore[override]
+        return 0.5
+
+
+@dataclass
+class DaemonHarness:
+    sup: "object"  # daemon.supervisor.Supervisor
+    api: "object"  # daemon.api.ApiServer
+    provider: RecordingProvider
+    config: "object"  # daemon.config.Config
+    socket_path: str
+    tmp_path: Path
+
+    async def until(self, pred: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
+        """Wait until ``pred()`` is true: re-checked on every new event, at least every 20 ms."""
+        sup = self.sup
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not pred():
+                    await sup.wait_for_events(sup.store.last_seq(), timeout_s=0.02)  # type: ignore[attr-defined]
+        except TimeoutError:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}") from None
+
+    def events(self, kind: str) -> list:
+        return self.sup.store.events(kinds=[kind])  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
+    """Store + RecordingProvider + Supervisor + ApiServer, started; pool target 1 (max 2).
+
+    The control socket lives in a short ``/tmp`` directory (unix socket paths are
+    limited to ~100 characters).
+    """
+    from daemon.api import ApiServer
+    from daemon.config import Config
+    from daemon.store import Store
+    from daemon.supervisor import Supervisor
+
+    sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
+    socket_path = f"{sockdir}/d.sock"
+    config = Config.model_validate({
+        "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "job1", "module": "standin_trainer"},
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05},
+    })
+    store = Store(tmp_path / "state" / "spotvisord.db").open()
+    provider = RecordingProvider()
+    sup = Supervisor(config, provider=provider, store=store)
+    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=socket_path)
+    try:
+        await api.start()
+        assert api.agent_url is not None
+        await sup.start(agent_url=api.agent_url)
+        yield DaemonHarness(sup, api, provider, config, socket_path, tmp_path)
+    finally:
+        await sup.aclose()
+        await api.aclose()
+        store.close()
+        shutil.rmtree(sockdir, ignore_errors=True)

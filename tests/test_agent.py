@@ -1,0 +1,288 @@
+"""The node agent (daemon/agent.py) against the real daemon in the same event loop.
+
+Supervisor + ApiServer (the ``spot_daemon`` fixture) + NodeAgent + FakeImds, with a
+trainer stand-in that is a real subprocess: it appends status lines to
+``$SPOTVISOR_STATUS_FILE``, answers each new entry of ``$SPOTVISOR_NOTICE_FILE``
+with ``checkpoint_committed`` + ``holding`` naming it, and then waits, so a SIGTERM
+from the agent ends it by the signal.
+
+No sleeps as synchronization: every wait is a condition re-checked on each new
+event (``DaemonHarness.until``), bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import textwrap
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import aiohttp
+import pytest
+
+from daemon.agent import NodeAgent
+from daemon.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImds
+from daemon.metadata.fake_aws import FakeImds
+from daemon.model import NodeState
+
+STANDIN = textwrap.dedent(
+    """\
+    import json, os, sys, time
+
+    status = os.environ["SPOTVISOR_STATUS_FILE"]
+    notices = os.environ["SPOTVISOR_NOTICE_FILE"]
+    gate = os.environ.get("STANDIN_GATE")  # if set: commit only once this file exists
+    step = 7
+
+    def emit(event, **fields):
+        rec = {"event": event, "time": time.time(), "attempt": "standin-1", "rank": 0,
+               "world_size": 1, "step": step, **fields}
+        with open(status, "a") as f:
+            f.write(json.dumps(rec) + "\\n")
+
+    emit("started", resumed_from=None)
+    handled = set()
+    while True:  # a trainer's step boundaries; default SIGTERM handling ends it
+        try:
+            with open(notices) as f:
+                pending = json.load(f)
+        except (OSError, ValueError):
+            pending = []
+        new = [n for n in pending if n["id"] not in handled]
+        if new and (not gate or os.path.exists(gate)):
+            step += 1
+            ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
+            emit("checkpoint_committed", notice_ids=ids, kinds=kinds, reason="notice", seconds=0.01, bytes=10)
+            emit("holding", notice_ids=ids, kinds=kinds, timeout_s=90)
+            handled.update(ids)
+        time.sleep(0.02)
+    """
+)
+
+
+class Clock:
+    """A monotonic clock the test moves by hand (shared by FakeImds and AwsImds)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def fake(clock: Clock) -> AsyncIterator[FakeImds]:
+    async with FakeImds(instance_id="i-0001", clock=clock) as imds:
+        yield imds
+
+
+@contextlib.asynccontextmanager
+async def running_agent(h, fake: FakeImds, clock: Clock, monkeypatch: pytest.MonkeyPatch, *,
+                        env: dict[str, str] | None = None, token_ttl_s: int = 21600) -> AsyncIterator[NodeAgent]:
+    """The pool's first node with a real agent (and the stand-in as its trainer).
+
+    On exit: cancel the agent and check it shut down cleanly (trainer gone, sessions closed).
+    """
+    script = h.tmp_path / "standin_trainer.py"
+    script.write_text(STANDIN)
+    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(script)], "env": dict(env or {})})
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = next(iter(h.sup.nodes.values()))
+    agent = NodeAgent(
+        daemon_url=h.api.agent_url, token=node.token, node_id=node.id,
+        metadata=AwsImds(fake.url, token_ttl_s=token_ttl_s, clock=clock),
+        workdir=h.tmp_path / "node", poll_interval_s=0.05, heartbeat_interval_s=0.05,
+    )
+    task = asyncio.create_task(agent.run(), name="test-agent")
+    try:
+        yield agent
+        assert not task.done(), f"the agent stopped on its own: {task}"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    assert agent._proc is None or agent._proc.returncode is not None, "trainer left running"
+    assert agent._session is not None and agent._session.closed
+
+
+def notice_file(agent: NodeAgent) -> list[dict[str, Any]]:
+    return json.loads((agent.workdir / "notices.json").read_text())
+
+
+def the_node(h):
+    return next(iter(h.sup.nodes.values()))
+
+
+def trainer_running(agent: NodeAgent) -> bool:
+    return agent._proc is not None and agent._trainer_state == "running"
+
+
+async def test_token_expiry_is_not_an_error(spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    gate = h.tmp_path / "never"  # the stand-in does not answer: the notice stays in the file
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)},
+                             token_ttl_s=60) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        assert fake.token_puts == 1
+        clock.advance(61)  # past the token's TTL, between polls
+        await h.until(lambda: fake.token_puts >= 2, what="a fresh token after expiry")
+        # and an endpoint that forgot the token (401) is refreshed too, not an error
+        fake.forget_tokens()
+        await h.until(lambda: ("GET", INSTANCE_ACTION_PATH, 401) in fake.request_log, what="a 401")
+        i = fake.request_log.index(("GET", INSTANCE_ACTION_PATH, 401))
+        await h.until(lambda: ("GET", INSTANCE_ACTION_PATH, 404) in fake.request_log[i:], what="read after 401")
+        assert ("PUT", TOKEN_PATH, 200) in fake.request_log[i:]
+        assert not h.events("interruption_notice")
+
+        deadline = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(minutes=2)
+        fake.publish_interruption("terminate", time=deadline)
+        await h.until(lambda: h.events("interruption_notice"), what="interruption_notice")
+
+        node = the_node(h)
+        (ev,) = h.events("interruption_notice")
+        assert ev.node == node.id
+        assert ev.data["action"] == "terminate"
+        assert fake.token_puts > 1
+        assert node.state is NodeState.DRAINING
+        (entry,) = notice_file(agent)
+        assert entry["id"] == ev.data["notice_id"]
+        assert entry["kind"] == "interruption"
+        assert entry["deadline"] == deadline.timestamp()
+
+
+async def test_interruption_commit_then_sigterm(spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    async with running_agent(h, fake, clock, monkeypatch) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        proc = agent._proc
+        assert proc is not None
+        fake.publish_interruption("terminate")
+        await h.until(lambda: h.events("trainer_exited"), timeout_s=10, what="trainer exit after commit")
+
+        (notice,) = h.events("interruption_notice")
+        nid = notice.data["notice_id"]
+        commits = h.events("checkpoint_committed")
+        assert [c.data["notice_ids"] for c in commits] == [[nid]]
+        assert commits[0].data["kinds"] == ["interruption"]
+        # the agent ended it by SIGTERM (the stand-in has no handler: it dies by the signal)
+        assert proc.returncode == -signal.SIGTERM
+        (exited,) = h.events("trainer_exited")
+        assert exited.data["exit_code"] == -signal.SIGTERM
+        assert exited.seq > commits[0].seq
+        assert the_node(h).state is NodeState.DRAINING
+        assert notice_file(agent) == []  # answered: removed from the notice file
+        status = [json.loads(x) for x in agent.status_path.read_text().splitlines()]
+        assert [s["event"] for s in status] == ["started", "checkpoint_committed", "holding"]
+
+
+async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    gate = h.tmp_path / "commit-ok"
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)}) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        n1 = the_node(h)
+        assert n1.state is NodeState.RUNNING
+
+        # grow the pool: a second node launches and its (simulated) agent registers
+        h.sup.desired_nodes = 2
+        h.sup.wake()
+        await h.until(lambda: len(h.sup.nodes) == 2 and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
+                      what="second node launched")
+        n2 = h.sup.nodes["test-2"]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
+            async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id}) as r:
+                assert r.status == 200
+        await h.until(lambda: h.events("checkpoint_requested"), what="rejoin checkpoint request")
+        (req,) = h.events("checkpoint_requested")
+        rid = req.data["request_id"]
+        assert req.data["reason"] == "rejoin" and req.data["for_nodes"] == [n2.id]
+        assert n2.state is NodeState.ADMITTING
+
+        def pending_ids() -> list[tuple[str, str]]:
+            return [(n["id"], n["kind"]) for n in notice_file(agent)]
+
+        await h.until(lambda: pending_ids() == [(rid, "rejoin")], what="rejoin in the notice file")
+
+        gate.touch()  # let the stand-in commit it
+        await h.until(lambda: pending_ids() == [], what="rejoin removed after its commit")
+        await h.until(lambda: n2.state is NodeState.RUNNING, what="second node admitted")
+        commits = h.events("checkpoint_committed")
+        assert [c.data["notice_ids"] for c in commits] == [[rid]]
+        assert commits[0].data["kinds"] == ["rejoin"]
+        # a rejoin commit is not this node's interruption: the trainer keeps running
+        assert agent._proc is not None and agent._proc.returncode is None
+        assert not h.events("trainer_exited")
+        assert n1.state is NodeState.RUNNING
+
+
+async def test_plain_checkpoint_command(spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    gate = h.tmp_path / "commit-ok"
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)}) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        node = the_node(h)
+        h.sup._commands.setdefault(node.id, []).append({"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
+        await h.until(lambda: [n["kind"] for n in notice_file(agent)] == ["checkpoint"], what="checkpoint notice")
+        assert notice_file(agent)[0]["id"] == "ck-1"
+        gate.touch()
+        await h.until(lambda: notice_file(agent) == [] and h.events("checkpoint_committed"), what="commit")
+        assert h.events("checkpoint_committed")[0].data["notice_ids"] == ["ck-1"]
+        assert agent._proc is not None and agent._proc.returncode is None
+
+
+async def test_metadata_errors_are_not_notices(spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    async with running_agent(h, fake, clock, monkeypatch) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        fake.fail_next(3, status=500)
+        n = len(fake.request_log)
+        await h.until(lambda: [s for _, _, s in fake.request_log[n:]].count(500) == 3, what="three 500s")
+        i = max(k for k, (_, _, s) in enumerate(fake.request_log) if s == 500)
+        await h.until(lambda: ("GET", INSTANCE_ACTION_PATH, 404) in fake.request_log[i:], what="polling on")
+        assert not h.events("interruption_notice")
+        assert the_node(h).state is NodeState.RUNNING
+        assert notice_file(agent) == []
+
+        fake.publish_interruption("terminate")
+        await h.until(lambda: h.events("interruption_notice"), what="the real notice")
+        assert the_node(h).state is NodeState.DRAINING
+
+
+async def test_bad_token_is_401(spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = the_node(h)
+    url = h.api.agent_url
+    async with aiohttp.ClientSession() as s:
+        for path in ("/v1/agent/register", "/v1/agent/heartbeat", "/v1/agent/events"):
+            body = {"node_id": node.id, "events": []}
+            async with s.post(url + path, json=body, headers={"Authorization": "Bearer wrong"}) as r:
+                assert r.status == 401, path
+            async with s.post(url + path, json=body) as r:  # no token at all
+                assert r.status == 401, path
+        # the right token for another node id is refused too
+        async with s.post(url + "/v1/agent/heartbeat", json={"node_id": "test-99"},
+                          headers={"Authorization": f"Bearer {node.token}"}) as r:
+            assert r.status == 401
+        async with s.post(url + "/v1/agent/heartbeat", json={"node_id": node.id},
+                          headers={"Authorization": f"Bearer {node.token}"}) as r:
+            assert r.status == 200
+    assert node.state in (NodeState.READY, NodeState.RUNNING)  # only the good request counted
+
+    # an agent holding a bad token stops with a clear error instead of retrying forever
+    agent = NodeAgent(daemon_url=url, token="wrong", node_id=node.id, metadata=AwsImds(fake.url, clock=clock),
+                      workdir=h.tmp_path / "bad-node", poll_interval_s=0.05, heartbeat_interval_s=0.05)
+    with pytest.raises(PermissionError, match="token"):
+        await asyncio.wait_for(agent.run(), 5)

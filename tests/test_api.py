@@ -1,0 +1,146 @@
+"""spotctl (daemon/ctl.py) against the control socket of a real daemon (daemon/api.py).
+
+The daemon (Supervisor + ApiServer, ``spot_daemon`` fixture) runs in the test's
+event loop; spotctl runs as a real subprocess through ``asyncio`` so the loop keeps
+serving while it talks to the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+
+from daemon.model import NodeState
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.ctl", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def running_node(h) -> None:
+    """Let the first node come up: it launches, its 'agent' registers, the job starts on it."""
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = next(iter(h.sup.nodes.values()))
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
+        async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": node.id}) as r:
+            assert r.status == 200
+    await h.until(lambda: node.state is NodeState.RUNNING, what="node running")
+
+
+async def test_status_json(spot_daemon) -> None:
+    h = spot_daemon
+    await running_node(h)
+    rc, out, err = await spotctl("--socket", h.socket_path, "status", "--json")
+    assert rc == 0, err
+    status = json.loads(out)
+    assert status["job"]["id"] == "job1"
+    assert status["job"]["state"] == "running"
+    assert {"state", "step", "target_steps", "world_size", "last_commit_step", "restarts"} <= set(status["job"])
+    assert status["pool"]["name"] == "test" and status["pool"]["target_nodes"] == 1
+    (node,) = status["nodes"]
+    assert {"id", "provider", "zone", "instance_type", "gpus", "state", "uptime_s", "price_usd_h"} <= set(node)
+    assert node["id"] == "test-1"
+    assert node["provider"] == "local" and node["instance_type"] == "local.cpu" and node["gpus"] == 1
+    assert node["state"] == "running"
+    assert isinstance(node["uptime_s"], (int, float)) and node["uptime_s"] >= 0
+    assert node["price_usd_h"] == 0.5  # from the provider's spot_price
+
+    # the same with the options after the subcommand, and the human table
+    rc, out2, err = await spotctl("status", "--json", "--socket", h.socket_path)
+    assert rc == 0, err
+    assert json.loads(out2)["nodes"][0]["id"] == "test-1"
+    rc, text, err = await spotctl("--socket", h.socket_path, "status")
+    assert rc == 0, err
+    assert text.startswith("job job1  RUNNING")
+    assert "test-1" in text and "running" in text
+
+
+async def test_events_since_and_kind(spot_daemon) -> None:
+    h = spot_daemon
+    await running_node(h)
+    h.sup.record("checkpoint_requested", None, reason="test", request_id="a")
+    h.sup.record("checkpoint_requested", None, reason="test", request_id="b")
+    every = h.sup.store.events()
+    rc, out, err = await spotctl("--socket", h.socket_path, "events", "--json")
+    assert rc == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [e["seq"] for e in lines] == [e.seq for e in every]
+    assert set(lines[0]) == {"seq", "time", "kind", "node", "data"}
+
+    first_req = h.events("checkpoint_requested")[0].seq
+    rc, out, err = await spotctl("--socket", h.socket_path, "events", "--json", "--since", str(first_req),
+                                 "--kind", "checkpoint_requested")
+    assert rc == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [(e["kind"], e["data"]["request_id"]) for e in lines] == [("checkpoint_requested", "b")]
+    assert all(e["seq"] > first_req for e in lines)
+
+    # --since alone: exactly the events after N, in order
+    mid = every[len(every) // 2].seq
+    rc, out, err = await spotctl("--socket", h.socket_path, "events", "--json", "--since", str(mid))
+    assert rc == 0, err
+    assert [json.loads(x)["seq"] for x in out.splitlines()] == [e.seq for e in every if e.seq > mid]
+
+    # repeated --kind; the readable form is one line per event
+    rc, out, err = await spotctl("--socket", h.socket_path, "events", "--kind", "node_ready", "--kind",
+                                 "node_admitted")
+    assert rc == 0, err
+    rows = out.splitlines()
+    assert len(rows) == 2
+    assert "node_ready" in rows[0] and "node_admitted" in rows[1] and "test-1" in rows[0]
+
+
+async def test_status_without_daemon() -> None:
+    sock = f"{tempfile.gettempdir()}/sv-none-{id(object())}/d.sock"
+    rc, out, err = await spotctl("--socket", sock, "status")
+    assert rc == 1
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert sock in lines[0] and lines[0].startswith("spotctl: ")
+    assert "Traceback" not in err
+
+
+async def test_events_follow_streams_new_events(spot_daemon) -> None:
+    h = spot_daemon
+    await running_node(h)
+    before = h.sup.record("checkpoint_requested", None, reason="test", request_id="before")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.ctl", "--socket", h.socket_path, "events", "-f", "--json",
+        "--since", str(before.seq - 1), "--kind", "checkpoint_requested", cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 10))
+        assert first["seq"] == before.seq  # the stream is up
+        h.sup.record("node_ready", "test-9")  # filtered out by --kind
+        after = h.sup.record("checkpoint_requested", None, reason="test", request_id="after")
+        line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 10))
+        assert line["seq"] == after.seq and line["data"]["request_id"] == "after"
+        assert proc.returncode is None  # still following
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+    # the daemon's stream handler notices the gone reader on its next write
+    h.sup.record("checkpoint_requested", None, reason="test", request_id="late")

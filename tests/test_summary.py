@@ -1,0 +1,88 @@
+"""The demo summary counts what the trainer did, from its logs (daemon/summary.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from daemon.model import Event
+from daemon.summary import summarize
+
+G = 4  # global batch size in these synthetic runs
+
+
+def _write(node_dir: Path, attempt: str, world: int, steps: range, t0: float, *, status: list[dict]) -> None:
+    logs = node_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    per_rank = G // world
+    for rank in range(world):
+        with open(logs / f"steps-{attempt}-rank{rank}.jsonl", "a") as f:
+            for i, s in enumerate(steps):
+                pos = list(range((s - 1) * G + rank * per_rank, (s - 1) * G + (rank + 1) * per_rank))
+                f.write(json.dumps({"attempt": attempt, "rank": rank, "world_size": world, "step": s,
+                                    "positions": pos, "loss": 5.0 - s * 0.1, "time": t0 + i}) + "\n")
+    with open(node_dir / "status.jsonl", "a") as f:
+        for line in status:
+            f.write(json.dumps({"attempt": attempt, "world_size": world, "rank": 0, **line}) + "\n")
+
+
+def test_lineage_counts_lost_steps_and_exact_positions(tmp_path: Path) -> None:
+    n = tmp_path / "nodes" / "n1"
+    # attempt a: steps 1..12 at world 2; notice commit at 12 then hold -> 0 lost on notice
+    _write(n, "a", 2, range(1, 13), 100.0, status=[
+        {"event": "started", "time": 99.0, "step": 0},
+        {"event": "checkpoint_committed", "time": 112.5, "step": 10, "notice_ids": []},
+        {"event": "checkpoint_committed", "time": 113.0, "step": 12, "notice_ids": ["n-1"]},
+        {"event": "holding", "time": 113.1, "step": 12},
+    ])
+    # attempt b: resumes at 12 at world 1, runs to 17, killed (last periodic commit at 15)
+    _write(n, "b", 1, range(13, 18), 200.0, status=[
+        {"event": "started", "time": 199.0, "step": 12},
+        {"event": "checkpoint_committed", "time": 203.0, "step": 15, "notice_ids": []},
+    ])
+    # attempt c: resumes at 15 at world 2 and finishes at 20
+    _write(n, "c", 2, range(16, 21), 300.0, status=[
+        {"event": "started", "time": 299.0, "step": 15},
+        {"event": "checkpoint_committed", "time": 305.0, "step": 20, "notice_ids": []},
+    ])
+    events = [
+        Event(1, 112.0, "interruption_notice", "n2", {"notice_id": "n-1", "seen_at": 112.2}),
+        Event(2, 204.0, "node_lost", "n3", {}),
+    ]
+    s = summarize(tmp_path / "nodes", events, target_steps=20, global_batch_size=G)
+    assert s["steps_completed"] == 20
+    assert s["lost_steps_total"] == 2  # steps 16, 17 of attempt b were redone by c
+    assert s["lost_steps_on_notice"] == 0
+    assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
+    assert s["world_sizes"] == [2, 1, 2]
+    assert s["preemptions_with_notice"] == 1 and s["nodes_lost_without_notice"] == 1
+    assert s["notice_to_commit_s"] == [0.8]
+    assert s["notice_to_resume_s"] == [86.8]
+    assert s["checkpoints_committed"] == 4  # steps 10, 12, 15, 20
+    assert s["loss_last"] < s["loss_first"]
+
+
+def test_steps_lost_after_a_notice_commit_are_counted_on_notice(tmp_path: Path) -> None:
+    n = tmp_path / "nodes" / "n1"
+    # attempt a held after its notice commit at 5 but logged steps 6-7 first (hold at 7); b resumed from 5
+    _write(n, "a", 1, range(1, 8), 100.0, status=[
+        {"event": "started", "time": 99.0, "step": 0},
+        {"event": "checkpoint_committed", "time": 105.0, "step": 5, "notice_ids": ["x"]},
+        {"event": "holding", "time": 105.1, "step": 7},
+    ])
+    _write(n, "b", 1, range(6, 11), 200.0, status=[{"event": "started", "time": 199.0, "step": 5}])
+    s = summarize(tmp_path / "nodes", [], target_steps=10, global_batch_size=G)
+    assert s["lost_steps_total"] == 2
+    assert s["lost_steps_on_notice"] == 2
+
+
+def test_a_skipped_sample_is_reported(tmp_path: Path) -> None:
+    n = tmp_path / "nodes" / "n1"
+    _write(n, "a", 1, range(1, 4), 100.0, status=[{"event": "started", "time": 99.0, "step": 0}])
+    # corrupt: drop step 2's log line for the only rank
+    f = n / "logs" / "steps-a-rank0.jsonl"
+    lines = [l for l in f.read_text().splitlines() if json.loads(l)["step"] != 2]
+    f.write_text("\n".join(lines) + "\n")
+    s = summarize(tmp_path / "nodes", [], target_steps=3, global_batch_size=G)
+    assert s["steps_completed"] == 2
+    assert s["samples_skipped"] == G  # positions of the missing step (range covers 2 steps' worth)
