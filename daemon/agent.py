@@ -276,7 +276,10 @@ class NodeAgent:
     async def _apply(self, reply: dict[str, Any]) -> None:
         assert self.notices is not None
         for cmd in reply.get("commands", []):
-            if cmd.get("kind") == "checkpoint":
+            if cmd.get("kind") == "cancel":
+                self.notices.remove([cmd["id"]])
+                log.info("checkpoint_request_cancelled", node_id=self.node_id, request_id=cmd["id"])
+            elif cmd.get("kind") == "checkpoint":
                 kind = "rejoin" if cmd.get("reason") == "rejoin" else "checkpoint"
                 self.notices.add({"id": cmd["id"], "kind": kind, "time": time.time(), "deadline": None})
                 log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind)

@@ -23,11 +23,21 @@ __all__ = ["run_chaos", "ready_to_fire"]
 log = structlog.get_logger("spotvisor.chaos")
 
 
-def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float) -> bool:
-    """Pure check of an event's trigger against the supervisor's view."""
+def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tuple[float, str] | None = None) -> bool:
+    """Pure check of an event's trigger against the supervisor's view.
+
+    ``previous``: (time, node id) of the last event fired. With ``wait_full_pool``
+    the next event also waits until that one is absorbed: its node is gone and the
+    job resumed after it, so two faults never land in one resize by accident.
+    """
     job = sup.job
     if job.started_at is None or job.state.is_terminal():
         return False
+    if ev.wait_full_pool and previous is not None:
+        fired_at, node_id = previous
+        prev = sup.nodes.get(node_id)
+        if (prev is not None and not prev.state.is_terminal()) or (job.resumed_at or 0) <= fired_at:
+            return False
     if ev.at_step is not None and (job.step is None or job.step < ev.at_step):
         return False
     if ev.at_s is not None and now - job.started_at < ev.at_s:
@@ -49,8 +59,9 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
     if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
         log.warning("chaos_unsupported", provider=provider.name)
         return
+    previous: tuple[float, str] | None = None
     for i, ev in enumerate(events):
-        while not ready_to_fire(ev, sup, sup.clock()):
+        while not ready_to_fire(ev, sup, sup.clock(), previous=previous):
             if sup.job.state.is_terminal():
                 return
             await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
@@ -60,6 +71,7 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             sup.record(EventKind.CHAOS_INJECTED, None, index=i, action=ev.action, skipped=True,
                        reason=f"node #{ev.node} is not running")
             continue
+        previous = (sup.clock(), node.id)
         if ev.action == "notice":
             deadline = await provider.publish_interruption(node.instance_id, lead_s=ev.lead_s)
             sup.record(EventKind.CHAOS_INJECTED, node.id, index=i, action="notice", lead_s=ev.lead_s,

@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(path)
     except ConfigError as exc:
-        for line in exc.problems:
-            print(f"{path}: {line}", file=sys.stderr)
+        for line in exc.problems:  # file-level problems already name the file
+            print(line if line.startswith(f"{path}:") else f"{path}: {line}", file=sys.stderr)
         return 2
     if args.cmd == "check-config":
         print(f"{path}: ok (pool {config.pool.name}: {config.pool.min_nodes}..{config.pool.max_nodes} nodes, "

@@ -152,4 +152,5 @@ class Node:
     last_heartbeat: float | None = None
     deadline: float | None = None
     step: int | None = None
+    trainer: str = "not_started"  # the agent's view of its torchrun: not_started | running | exited
     detail: str = ""

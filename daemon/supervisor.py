@@ -58,6 +58,7 @@ class JobView:
     last_commit_step: int | None = None
     last_commit_time: float | None = None
     started_at: float | None = None
+    resumed_at: float | None = None
     attempts: set[str] = field(default_factory=set)
     commits: set[tuple[str, int]] = field(default_factory=set)
 
@@ -310,18 +311,29 @@ class Supervisor:
                     self.job.state = JobState.RUNNING
             return
 
+        # A node still in the job while it drains will leave by itself after its
+        # notice commit. Admitting a node now would let torchrun form a round that
+        # counts the leaving node (its workers never start: the round hangs), and
+        # the survivors' restart on its leave would not be at the rejoin commit.
+        # So: first let it leave, then ask for the rejoin checkpoint.
+        leaving = [n for n in self.nodes.values() if n.state is NodeState.DRAINING and n.trainer == "running"]
         if admitting:
             rj = self._rejoin
+            if leaving and rj is not None and not rj.answered:
+                log.info("rejoin_deferred", request_id=rj.id, leaving=[n.id for n in leaving])
+                self._cancel_rejoin(running, back_to_ready=admitting)
+                return
             timed_out = rj is not None and now - rj.requested_at > self.config.daemon.rejoin_timeout_s
             if rj is None or rj.answered or timed_out or not running:
-                if timed_out and not (rj and rj.answered):
-                    log.warning("rejoin_checkpoint_timeout", request_id=rj.id if rj else None)
+                if timed_out and rj is not None and not rj.answered:
+                    log.warning("rejoin_checkpoint_timeout", request_id=rj.id)
+                    self._cancel_rejoin(running, back_to_ready=[])
                 for n in admitting:
                     self._start_node(n, "rejoin")
                 self._rejoin = None
             return
 
-        if not ready:
+        if not ready or leaving:
             return
         chosen = _largest_valid(ready, world, valid)
         if not chosen:
@@ -338,6 +350,17 @@ class Supervisor:
             self._commands.setdefault(n.id, []).append({"kind": "checkpoint", "reason": "rejoin", "id": rid})
         self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
                      for_nodes=sorted(self._rejoin.nodes))
+
+    def _cancel_rejoin(self, running: list[Node], *, back_to_ready: list[Node]) -> None:
+        """Withdraw the pending rejoin request from the running nodes' notice files."""
+        rj = self._rejoin
+        if rj is None:
+            return
+        for n in running:
+            self._commands.setdefault(n.id, []).append({"kind": "cancel", "id": rj.id})
+        for n in back_to_ready:
+            self._set_state(n, NodeState.READY, "rejoin deferred")
+        self._rejoin = None
 
     def _start_node(self, node: Node, reason: str) -> None:
         self._set_state(node, NodeState.RUNNING)
@@ -357,6 +380,12 @@ class Supervisor:
 
     def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         self._seen(node)
+        trainer = body.get("trainer")
+        if isinstance(trainer, dict) and trainer.get("state") in ("not_started", "running", "exited"):
+            if trainer["state"] != node.trainer:
+                node.trainer = trainer["state"]
+                self.store.put_node(node)
+                self.wake()
         step = body.get("step")
         if isinstance(step, int):
             node.step = step
@@ -378,7 +407,10 @@ class Supervisor:
             elif kind == "trainer_status" and isinstance(r.get("line"), dict):
                 self._on_trainer_status(node, r["line"])
             elif kind == "trainer_exited":
+                node.trainer = "exited"
+                self.store.put_node(node)
                 self.record(EventKind.TRAINER_EXITED, node.id, exit_code=r.get("exit_code"))
+                self.wake()
             else:
                 log.warning("unknown_report", node_id=node.id, kind=kind)
 
@@ -416,6 +448,7 @@ class Supervisor:
                 self.record(EventKind.WORLD_SIZE_CHANGED, None, old=self.job.world_size, new=world)
                 self.job.world_size = world
             self.job.step = line.get("step")
+            self.job.resumed_at = self.clock()
             self.record(EventKind.JOB_RESUMED, node.id, attempt=attempt, step=line.get("step"),
                         resumed_from=line.get("resumed_from"), world_size=world, trainer_time=line.get("time"))
         elif event == "checkpoint_committed":

@@ -39,6 +39,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-uri", required=True, help="file:///abs/path, s3://bucket/prefix, or a local path")
     p.add_argument("--checkpoint-interval", type=_non_negative, default=50, help="periodic commit every N steps (0: none)")
     p.add_argument("--hold-timeout-s", type=float, default=90.0, help="how long to hold after a notice commit before training on")
+    p.add_argument("--pg-timeout-s", type=float, default=120.0,
+                   help="process-group set-up and collective timeout (seconds)")
     p.add_argument("--keep-checkpoints", type=_positive, default=3, help="committed checkpoints kept by gc")
     p.add_argument("--seq-len", type=_positive, default=64)
     p.add_argument("--n-layer", type=_positive, default=4)
@@ -157,8 +160,13 @@ def env_world() -> tuple[int, int, int]:
     return 0, 0, 1
 
 
-def setup_distributed() -> DistContext:
-    """Join torchrun's process group (nccl on CUDA, else gloo); plain process without torchrun."""
+def setup_distributed(timeout_s: float = 120.0) -> DistContext:
+    """Join torchrun's process group (nccl on CUDA, else gloo); plain process without torchrun.
+
+    ``timeout_s`` bounds the group's set-up and every collective: a rendezvous round
+    that counted a node which then never started its workers fails here (and
+    torchrun re-rendezvouses) instead of waiting torch's default 30 minutes.
+    """
     rank, local_rank, world = env_world()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -169,7 +177,8 @@ def setup_distributed() -> DistContext:
     if "RANK" not in os.environ:
         return DistContext(0, 0, 1, None, device, False)
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend=backend, **({"device_id": device} if cuda else {}))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            **({"device_id": device} if cuda else {}))
     return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True)
 
 
@@ -600,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BatchError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ctx = setup_distributed()
+    ctx = setup_distributed(args.pg_timeout_s)
     job = None
     try:
         job = Job(args, ctx, plan, tokens)

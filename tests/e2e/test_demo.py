@@ -30,19 +30,19 @@ def _free_port() -> int:
 def _config(tmp: Path, *, with_kill: bool) -> Path:
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     raw["job"].update(
-        target_steps=60,
+        target_steps=200,
         checkpoint_interval_steps=10,
-        args=["--seq-len", "32", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"],
+        args=["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "4"],
     )
     raw["rendezvous"]["port"] = _free_port()
     raw["daemon"]["state_dir"] = str(tmp / "state")
     raw["daemon"]["socket"] = str(tmp / "d.sock")
     raw["chaos"] = [
-        {"action": "notice", "node": 2, "at_step": 10, "lead_s": 20},
-        {"action": "notice", "node": 3, "at_step": 25, "lead_s": 20},
+        {"action": "notice", "node": 2, "at_step": 20, "lead_s": 20},
+        {"action": "notice", "node": 3, "at_step": 60, "lead_s": 20},
     ]
     if with_kill:
-        raw["chaos"].append({"action": "kill", "node": 1, "at_step": 44})
+        raw["chaos"].append({"action": "kill", "node": 1, "at_step": 105})
     path = tmp / "demo.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -63,7 +63,7 @@ def test_shortened_demo_survives_notices_and_a_kill(tmp_path: Path) -> None:
                 "notice_to_commit_s", "notice_to_resume_s", "loss_first", "loss_last",
                 "samples_seen_twice", "samples_skipped"):
         assert key in s, key
-    assert s["steps_completed"] == s["target_steps"] == 60
+    assert s["steps_completed"] == s["target_steps"] == 200
     assert s["lost_steps_on_notice"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     assert s["preemptions_with_notice"] == 2
