@@ -95,7 +95,7 @@ class Supervisor:
         self._backoff: dict[int, float] = {}
         self._prices: dict[int, float | None] = {}
         self._wake = asyncio.Event()
-        self._changed = asyncio.Condition()
+        self._event_added = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listeners: list[Callable[[Event], None]] = []
         self._first_ready_at: float | None = None
@@ -155,20 +155,18 @@ class Supervisor:
                 fn(ev)
             except Exception as exc:  # a listener must not break the daemon
                 log.warning("listener_failed", error=repr(exc))
-        self.spawn(self._notify_changed(), "notify")
+        # wake every waiter of this generation, then start the next one
+        self._event_added.set()
+        self._event_added = asyncio.Event()
         return ev
-
-    async def _notify_changed(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     async def wait_for_events(self, since: int, timeout_s: float) -> None:
         """Return when an event newer than ``since`` exists, or after ``timeout_s``."""
-        async with self._changed:
+        while self.store.last_seq() <= since:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.store.last_seq() > since), timeout_s)
+                await asyncio.wait_for(self._event_added.wait(), timeout_s)
             except TimeoutError:
-                pass
+                return
 
     async def wait_completed(self) -> None:
         await self._completed.wait()

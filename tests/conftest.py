@@ -133,3 +133,16 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
         await api.aclose()
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+class ManualClock:
+    """A monotonic clock a test moves by hand (shared by FakeImds and AwsImds)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds

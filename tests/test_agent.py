@@ -28,6 +28,7 @@ from daemon.agent import NodeAgent
 from daemon.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImds
 from daemon.metadata.fake_aws import FakeImds
 from daemon.model import NodeState
+from conftest import ManualClock as Clock
 
 STANDIN = textwrap.dedent(
     """\
@@ -62,19 +63,6 @@ STANDIN = textwrap.dedent(
         time.sleep(0.02)
     """
 )
-
-
-class Clock:
-    """A monotonic clock the test moves by hand (shared by FakeImds and AwsImds)."""
-
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 @pytest.fixture

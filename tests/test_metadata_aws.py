@@ -32,21 +32,9 @@ from daemon.metadata.aws import (
     AwsImds,
 )
 from daemon.metadata.fake_aws import FakeImds
+from conftest import ManualClock as Clock
 
 DEADLINE = datetime(2017, 9, 18, 8, 22, tzinfo=timezone.utc)
-
-
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 @pytest.fixture
