@@ -37,10 +37,11 @@ from typing import Any
 
 import aiohttp
 import structlog
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from daemon.logs import configure_logging
-from daemon.metadata.aws import AwsImds
-from daemon.metadata.base import MetadataUnavailable, Notice
+from daemon.metadata.base import MetadataDialect, MetadataUnavailable, Notice
+from daemon.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
 
 __all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
 
@@ -133,8 +134,9 @@ class NodeAgent:
         workdir: node-local directory for the notice/status files and logs.
     """
 
-    def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: AwsImds, workdir: Path,
-                 poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0) -> None:
+    def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: MetadataDialect, workdir: Path,
+                 poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
+                 metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0) -> None:
         self.daemon_url = daemon_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -142,6 +144,11 @@ class NodeAgent:
         self.workdir = Path(workdir)
         self.poll_interval_s = poll_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.metadata_alarm_after = metadata_alarm_after
+        self.metadata_max_backoff_s = metadata_max_backoff_s
+        self.metadata_failures = 0  # consecutive failed polls (the current streak)
+        self._metadata_alarmed = False
+        self._notice: Notice | None = None
         self.notices: NoticeFile | None = None
         self.status_path = self.workdir / "status.jsonl"
         self.log_dir = self.workdir / "logs"
@@ -154,6 +161,7 @@ class NodeAgent:
         self._step: int | None = None
         self._interruption: dict[str, Any] | None = None  # this node's own notice, once seen
         self._seen_notice_ids: set[str] = set()
+        self._background: set[asyncio.Future[None]] = set()
 
     # -- lifecycle ------------------------------------------------------------
     async def run(self) -> None:
@@ -224,18 +232,40 @@ class NodeAgent:
 
     # -- loops --------------------------------------------------------------------
     async def _metadata_loop(self) -> None:
-        failures = 0
+        """Poll for notices; transport errors back off (tenacity) and never become notices."""
+        hanging = getattr(self.metadata, "wait_s", 0) > 0  # GCP: the hanging GET is the wait
         while True:
-            try:
-                notice = await self.metadata.poll()
-                failures = 0
-            except MetadataUnavailable as exc:
-                failures += 1
-                log.warning("metadata_unavailable", error=str(exc), streak=failures)
-                notice = None
+            notice = await self._poll_metadata()
             if notice is not None and notice.id not in self._seen_notice_ids:
                 self._on_interruption(notice)
-            await asyncio.sleep(self.poll_interval_s)
+            if not hanging:
+                await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll_metadata(self) -> Notice | None:
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(MetadataUnavailable),
+            wait=wait_exponential_jitter(multiplier=self.poll_interval_s, max=self.metadata_max_backoff_s, jitter=0.5),
+            before_sleep=self._metadata_failed,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                notice = await self.metadata.poll()
+        if self._metadata_alarmed:
+            log.info("metadata_recovered", node_id=self.node_id, after_failures=self.metadata_failures)
+            self._report("metadata_recovered", failures=self.metadata_failures)
+        self.metadata_failures = 0
+        self._metadata_alarmed = False
+        return notice
+
+    def _metadata_failed(self, state: RetryCallState) -> None:
+        self.metadata_failures = state.attempt_number
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("metadata_unavailable", node_id=self.node_id, error=str(exc), streak=self.metadata_failures)
+        if self.metadata_failures >= self.metadata_alarm_after and not self._metadata_alarmed:
+            self._metadata_alarmed = True
+            self._report("metadata_unreachable", failures=self.metadata_failures, error=str(exc),
+                         url=getattr(self.metadata, "base_url", None))
 
     def _on_interruption(self, notice: Notice) -> None:
         assert self.notices is not None
@@ -245,6 +275,7 @@ class NodeAgent:
         entry = {"id": notice.id, "kind": "interruption", "time": seen_at, "deadline": deadline}
         self.notices.add(entry)  # first: the trainer acts on the file, not on the daemon
         self._interruption = entry
+        self._notice = notice
         log.warning("interruption_notice", node_id=self.node_id, deadline=deadline, action=notice.action)
         self._report("interruption_notice", notice=notice.to_dict(), seen_at=seen_at, deadline=deadline)
         if self._trainer_state != "running":
@@ -320,6 +351,19 @@ class NodeAgent:
                 if self._proc is not None and self._proc.returncode is None:
                     log.info("leaving_job", node_id=self.node_id, step=line.get("step"))
                     self._proc.send_signal(signal.SIGTERM)
+                acknowledge = getattr(self.metadata, "acknowledge", None)
+                if acknowledge is not None and self._notice is not None:
+                    # Azure: tell the platform it may act now (only after the commit)
+                    task = asyncio.ensure_future(self._acknowledge(acknowledge, self._notice))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    async def _acknowledge(self, acknowledge, notice: Notice) -> None:
+        try:
+            await acknowledge(notice)
+            log.info("notice_acknowledged", node_id=self.node_id, notice_id=notice.id)
+        except MetadataUnavailable as exc:
+            log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
 
     # -- trainer --------------------------------------------------------------------
     async def _start_trainer(self) -> None:
@@ -363,13 +407,58 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     r = sub.add_parser("run", help="run the agent on this node")
     r.add_argument("--daemon-url", required=True)
     r.add_argument("--node-id", required=True)
-    r.add_argument("--metadata-url", default="http://169.254.169.254")
-    r.add_argument("--dialect", default="aws", choices=["aws"])
+    r.add_argument("--metadata-url", help="the metadata endpoint (default: the dialect's own)")
+    r.add_argument("--dialect", default="aws", choices=DIALECTS)
+    r.add_argument("--metadata-alarm-after", type=int, default=5,
+                   help="failed polls in a row before a metadata_unreachable alarm")
     r.add_argument("--workdir", default="/var/lib/spotvisor-agent")
     r.add_argument("--poll-interval-s", type=float, default=1.0)
     r.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     r.add_argument("--metadata-timeout-s", type=float, default=2.0)
+    q = sub.add_parser("probe", help="poll the metadata endpoint once and print the notice as JSON (or null)")
+    q.add_argument("--dialect", required=True, choices=DIALECTS)
+    q.add_argument("--metadata-url", help="the metadata endpoint (default: the dialect's own)")
+    q.add_argument("--timeout-s", type=float, default=2.0)
+    q.add_argument("--watch", action="store_true", help="keep polling; print each new notice")
+    q.add_argument("--interval-s", type=float, default=1.0, help="with --watch: seconds between polls")
     return p.parse_args(argv)
+
+
+def _notice_line(notice: Notice | None) -> str:
+    if notice is None:
+        return "null"
+    d = notice.to_dict()
+    return json.dumps({k: d.get(k) for k in ("provider", "kind", "action", "deadline", "id")})
+
+
+async def _probe(args: argparse.Namespace) -> int:
+    """Operators' check of a node: exit 0 with the notice or null; 1 if the endpoint fails."""
+    url = args.metadata_url or DEFAULT_URLS[args.dialect]
+    client = make_client(args.dialect, url, timeout_s=args.timeout_s)
+    seen: set[str] = set()
+    try:
+        while True:
+            try:
+                notice = await client.poll()
+            except MetadataUnavailable as exc:
+                print(f"spotvisor-agent probe: {url}: {exc}", file=sys.stderr)
+                return 1
+            if not args.watch:
+                print(_notice_line(notice), flush=True)
+                return 0
+            if notice is not None and notice.id not in seen:
+                seen.add(notice.id)
+                print(_notice_line(notice), flush=True)
+            await asyncio.sleep(args.interval_s)
+    finally:
+        await client.aclose()
+
+
+def _client(dialect: str, url: str | None, timeout_s: float, poll_interval_s: float) -> MetadataDialect:
+    kwargs: dict[str, Any] = {"timeout_s": timeout_s}
+    if dialect == "gcp":
+        kwargs["wait_s"] = max(5.0, poll_interval_s)  # hanging GETs instead of tight polling
+    return make_client(dialect, url or DEFAULT_URLS[dialect], **kwargs)
 
 
 async def _amain(args: argparse.Namespace) -> int:
@@ -379,9 +468,9 @@ async def _amain(args: argparse.Namespace) -> int:
         return 2
     agent = NodeAgent(
         daemon_url=args.daemon_url, token=token, node_id=args.node_id,
-        metadata=AwsImds(args.metadata_url, timeout_s=args.metadata_timeout_s),
+        metadata=_client(args.dialect, args.metadata_url, args.metadata_timeout_s, args.poll_interval_s),
         workdir=Path(args.workdir), poll_interval_s=args.poll_interval_s,
-        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_interval_s=args.heartbeat_interval_s, metadata_alarm_after=args.metadata_alarm_after,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -406,6 +495,11 @@ async def _amain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.cmd == "probe":
+        try:
+            return asyncio.run(_probe(args))
+        except KeyboardInterrupt:
+            return 130
     configure_logging()
     try:
         return asyncio.run(_amain(args))

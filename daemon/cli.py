@@ -100,7 +100,7 @@ def rendezvous_process(config: Config):
 def format_event(ev: Event, t0: float) -> str:
     """One readable line for a person watching a run."""
     d = dict(ev.data)
-    skip = {"trainer_time", "seen_at", "raw"}
+    skip = {"trainer_time", "seen_at", "raw", "notice_published_at", "notice_seen_at"}
     fields = " ".join(f"{k}={_short(v)}" for k, v in d.items() if k not in skip and v not in (None, [], ""))
     return f"[{ev.time - t0:7.1f}s] #{ev.seq:<4} {ev.kind:<24} {ev.node or '':<10} {fields}"
 

@@ -154,7 +154,9 @@ class LocalProviderSpec(_Spec):
     """The embedded provider: an instance is a process group on this machine."""
 
     launch_delay_s: float = Field(1.0, ge=0)
-    metadata_dialect: Literal["aws"] = "aws"
+    # each simulated node's metadata endpoint speaks one cloud's dialect, cycled
+    # over the nodes in launch order (e.g. [aws, aliyun, gcp, azure] mixes clouds)
+    metadata_dialects: list[Literal["aws", "aliyun", "gcp", "azure"]] = Field(["aws"], min_length=1)
     spot_price_usd_h: float = Field(0.0, ge=0)
 
 

@@ -108,7 +108,8 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
     start_lines = sorted((s for s in status if s.get("event") == "started"), key=lambda s: s["time"])
     to_commit, to_resume, answered = [], [], 0
     for n in notices:
-        nid, seen_at = n.data.get("notice_id"), n.data.get("seen_at") or n.time
+        nid = n.data.get("notice_id")
+        seen_at = n.data.get("notice_seen_at") or n.data.get("seen_at") or n.time
         commit = next((c for c in commit_lines if nid in (c.get("notice_ids") or [])), None)
         if commit is None:
             continue

@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 
 from daemon.config import Config
+from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Event, EventKind, JobState, Node, NodeState
 from daemon.pool import Desired, History, Launch, MarkLost, NodeView, Offer, Terminate, Timeouts, plan
 from daemon.providers.base import CapacityError, NodeSpec, Provider, ProviderError
@@ -423,14 +424,29 @@ class Supervisor:
     def _on_notice(self, node: Node, r: dict[str, Any]) -> None:
         notice = r.get("notice") or {}
         node.deadline = r.get("deadline")
+        seen_at = r.get("seen_at")
+        published_at = self._published_at(node, notice.get("provider"), node.deadline)
         self.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=notice.get("id"),
-                    action=notice.get("action"), deadline=notice.get("deadline"), seen_at=r.get("seen_at"),
-                    provider=notice.get("provider"))
+                    action=notice.get("action"), deadline=notice.get("deadline"), provider=notice.get("provider"),
+                    notice_published_at=published_at, notice_seen_at=seen_at,
+                    detection_latency_s=None if published_at is None or seen_at is None
+                    else round(seen_at - published_at, 3))
         if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
             self._set_state(node, NodeState.DRAINING, "interruption notice")
         if self._rejoin is not None:
             self._rejoin.nodes.discard(node.id)
         self.wake()
+
+    def _published_at(self, node: Node, provider: str | None, deadline: float | None) -> float | None:
+        """When the notice appeared: from the provider when it knows (the local fakes),
+        else the deadline minus the cloud's documented lead."""
+        known = getattr(self.provider, "notice_published_at", None)
+        if known is not None and node.instance_id is not None:
+            at = known(node.instance_id)
+            if at is not None:
+                return at
+        lead = DOCUMENTED_LEAD_S.get(provider or "")
+        return None if deadline is None or lead is None else deadline - lead
 
     def _on_trainer_status(self, node: Node, line: dict[str, Any]) -> None:
         event = line.get("event")

@@ -46,7 +46,7 @@ def test_lineage_counts_lost_steps_and_exact_positions(tmp_path: Path) -> None:
         {"event": "checkpoint_committed", "time": 305.0, "step": 20, "notice_ids": []},
     ])
     events = [
-        Event(1, 112.0, "interruption_notice", "n2", {"notice_id": "n-1", "seen_at": 112.2}),
+        Event(1, 112.0, "interruption_notice", "n2", {"notice_id": "n-1", "notice_seen_at": 112.2}),
         Event(2, 204.0, "node_lost", "n3", {}),
     ]
     s = summarize(tmp_path / "nodes", events, target_steps=20, global_batch_size=G)

@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import time as _time
 import json
 import secrets
 import time
@@ -112,6 +113,7 @@ class FakeImds:
             "placement/availability-zone": availability_zone,
         }
         self._items: dict[str, str] = {}  # published notice items, by meta-data path
+        self.published_at: float | None = None  # unix time of the current interruption notice
         self._tokens: dict[str, float] = {}  # token -> expiry (clock seconds)
         self._faults: list[tuple[int, str | None]] = []  # (status, path or None=any), in order
         self._hangs = 0
@@ -195,6 +197,7 @@ class FakeImds:
             self._items["spot/termination-time"] = stamp
         else:
             self._items.pop("spot/termination-time", None)
+        self.published_at = _time.time()
 
     def publish_rebalance(self, notice_time: datetime | None = None) -> None:
         """Make ``events/recommendations/rebalance`` appear (default time: now)."""
@@ -208,6 +211,7 @@ class FakeImds:
     def clear(self) -> None:
         """Remove every published notice (interruption, termination-time, rebalance, raw)."""
         self._items.clear()
+        self.published_at = None
 
     # -- fault injection ---------------------------------------------------------------
 

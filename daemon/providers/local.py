@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import psutil
 import structlog
 
 from daemon.config import LocalProviderSpec
-from daemon.metadata.fake_aws import FakeImds
+from daemon.metadata.registry import make_fake
 from daemon.pool import Offer
 from daemon.providers.base import Instance, NodeSpec, Provider, register_provider
 
@@ -79,7 +80,8 @@ class _LocalInstance:
     offer: Offer
     workdir: Path
     launched_at: float
-    imds: FakeImds | None = None
+    dialect: str = "aws"
+    imds: Any = None  # the fake metadata endpoint of ``dialect``
     proc: asyncio.subprocess.Process | None = None
     state: str = "pending"  # pending | running | gone
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -114,7 +116,8 @@ class LocalProvider(Provider):
         iid = f"local-{os.getpid()}-{self._seq:04d}"
         workdir = self.state_dir / "nodes" / node.node_id
         workdir.mkdir(parents=True, exist_ok=True)
-        inst = _LocalInstance(iid, node, offer, workdir, time.time())
+        dialects = self.spec.metadata_dialects
+        inst = _LocalInstance(iid, node, offer, workdir, time.time(), dialect=dialects[(self._seq - 1) % len(dialects)])
         self._instances[iid] = inst
         self._spawn(inst, self._boot(inst), f"local:boot:{node.node_id}")
         log.info("instance_launch_accepted", instance_id=iid, node_id=node.node_id)
@@ -159,6 +162,14 @@ class LocalProvider(Provider):
         log.info("interruption_published", instance_id=instance_id, lead_s=lead_s)
         return deadline
 
+    def notice_published_at(self, instance_id: str) -> float | None:
+        """Unix time the current notice appeared on the instance's endpoint (None: none)."""
+        inst = self._instances.get(instance_id)
+        return None if inst is None or inst.imds is None else inst.imds.published_at
+
+    def dialect(self, instance_id: str) -> str:
+        return self._instances[instance_id].dialect
+
     async def kill(self, instance_id: str) -> None:
         """SIGKILL the instance's process group now, with no notice."""
         await self._kill(self._live(instance_id), reason="chaos_kill")
@@ -182,11 +193,7 @@ class LocalProvider(Provider):
         await asyncio.sleep(self.spec.launch_delay_s)  # simulated boot time
         if inst.state == "gone":
             return
-        inst.imds = FakeImds(
-            instance_id=inst.id,
-            instance_type=inst.offer.instance_type,
-            availability_zone=inst.offer.zone or "local-a",
-        )
+        inst.imds = make_fake(inst.dialect)
         await inst.imds.start()
         log_file = open(inst.workdir / "instance.log", "ab")
         try:
@@ -198,6 +205,7 @@ class LocalProvider(Provider):
                 sys.executable, "-m", "daemon.agent", "run",
                 "--daemon-url", inst.node.daemon_url,
                 "--node-id", inst.node.node_id,
+                "--dialect", inst.dialect,
                 "--metadata-url", inst.imds.url,
                 "--workdir", str(inst.workdir),
                 *self.agent_args,
