@@ -496,6 +496,7 @@ async def _amain(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.cmd == "probe":
+        configure_logging(level="WARNING")  # stdout carries only the JSON lines
         try:
             return asyncio.run(_probe(args))
         except KeyboardInterrupt:

@@ -111,6 +111,8 @@ class EventKind(str, Enum):
     GPU_UNDERUTILIZED = "gpu_underutilized"
     CHAOS_INJECTED = "chaos_injected"
     TRAINER_EXITED = "trainer_exited"
+    METADATA_UNREACHABLE = "metadata_unreachable"  # alarm: a streak of failed metadata polls
+    METADATA_RECOVERED = "metadata_recovered"
 
 
 @dataclass(frozen=True, slots=True)

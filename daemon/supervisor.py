@@ -405,6 +405,11 @@ class Supervisor:
                 self._on_notice(node, r)
             elif kind == "trainer_status" and isinstance(r.get("line"), dict):
                 self._on_trainer_status(node, r["line"])
+            elif kind == "metadata_unreachable":
+                self.record(EventKind.METADATA_UNREACHABLE, node.id, failures=r.get("failures"),
+                            error=r.get("error"), url=r.get("url"))
+            elif kind == "metadata_recovered":
+                self.record(EventKind.METADATA_RECOVERED, node.id, failures=r.get("failures"))
             elif kind == "trainer_exited":
                 node.trainer = "exited"
                 self.store.put_node(node)

@@ -78,7 +78,8 @@ async def fake(clock: Clock) -> AsyncIterator[FakeImds]:
 
 @contextlib.asynccontextmanager
 async def running_agent(h, fake: FakeImds, clock: Clock, monkeypatch: pytest.MonkeyPatch, *,
-                        env: dict[str, str] | None = None, token_ttl_s: int = 21600) -> AsyncIterator[NodeAgent]:
+                        env: dict[str, str] | None = None, token_ttl_s: int = 21600,
+                        alarm_after: int = 5) -> AsyncIterator[NodeAgent]:
     """The pool's first node with a real agent (and the stand-in as its trainer).
 
     On exit: cancel the agent and check it shut down cleanly (trainer gone, sessions closed).
@@ -92,6 +93,7 @@ async def running_agent(h, fake: FakeImds, clock: Clock, monkeypatch: pytest.Mon
         daemon_url=h.api.agent_url, token=node.token, node_id=node.id,
         metadata=AwsImds(fake.url, token_ttl_s=token_ttl_s, clock=clock),
         workdir=h.tmp_path / "node", poll_interval_s=0.05, heartbeat_interval_s=0.05,
+        metadata_alarm_after=alarm_after, metadata_max_backoff_s=0.2,
     )
     task = asyncio.create_task(agent.run(), name="test-agent")
     try:
@@ -246,6 +248,21 @@ async def test_metadata_errors_are_not_notices(spot_daemon, fake, clock, monkeyp
         fake.publish_interruption("terminate")
         await h.until(lambda: h.events("interruption_notice"), what="the real notice")
         assert the_node(h).state is NodeState.DRAINING
+
+
+async def test_a_streak_of_metadata_errors_raises_one_alarm_then_recovers(
+        spot_daemon, fake, clock, monkeypatch) -> None:
+    h = spot_daemon
+    async with running_agent(h, fake, clock, monkeypatch, alarm_after=3) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        fake.fail_next(6, status=503, path=INSTANCE_ACTION_PATH)
+        await h.until(lambda: h.events("metadata_unreachable"), what="the alarm")
+        await h.until(lambda: h.events("metadata_recovered"), what="the recovery")
+        assert len(h.events("metadata_unreachable")) == 1  # one alarm per streak, not one per failure
+        assert h.events("metadata_unreachable")[0].data["failures"] == 3
+        assert not h.events("interruption_notice")
+        fake.publish_interruption("terminate")
+        await h.until(lambda: h.events("interruption_notice"), what="the real notice after the outage")
 
 
 async def test_bad_token_is_401(spot_daemon, fake, clock, monkeypatch) -> None:

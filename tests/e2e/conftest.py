@@ -1,0 +1,54 @@
+"""Fixtures for end-to-end runs of ``spotvisord demo`` (real torchrun, real agents)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A small model so a run is dominated by the resizes, not the training.
+SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "4"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """``run_demo(chaos=[...], **job)`` → the summary dict of a demo run from configs/local.yaml."""
+
+    def run(*, chaos: list[dict[str, Any]], dialects: list[str] | None = None, timeout_s: float = 420,
+            **job: Any) -> dict[str, Any]:
+        raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+        raw["job"].update({"checkpoint_interval_steps": 10, "args": SMALL_MODEL, **job})
+        raw["rendezvous"]["port"] = _free_port()
+        raw["daemon"]["state_dir"] = str(tmp_path / "state")
+        raw["daemon"]["socket"] = str(tmp_path / "d.sock")
+        if dialects:
+            raw["providers"]["local"]["metadata_dialects"] = dialects
+        raw["chaos"] = chaos
+        cfg = tmp_path / "demo.yaml"
+        cfg.write_text(yaml.safe_dump(raw))
+        out = tmp_path / "summary.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "daemon.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
+             "--timeout-s", str(timeout_s)],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
+        )
+        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+        summary = json.loads(out.read_text())
+        summary["_stdout"] = proc.stdout
+        return summary
+
+    return run

@@ -1,0 +1,374 @@
+"""GCP metadata dialect (daemon/metadata/gcp.py) against its local fake (fake_gcp.py),
+and the fake itself checked directly with aiohttp against the Compute Engine documents.
+
+No sleeps as synchronization: a hanging GET is known to be parked through
+``FakeGcpMetadata.wait_watchers``; timeouts come from requests the fake never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+
+import aiohttp
+import pytest
+
+from daemon.metadata import MetadataDialect, MetadataUnavailable, NoticeKind, notice_id
+from daemon.metadata.fake_gcp import PROJECT_NUMBER, FakeGcpMetadata
+from daemon.metadata.gcp import (
+    FLAVOR_HEADER,
+    MAINTENANCE_EVENT_PATH,
+    PREEMPTED_PATH,
+    GcpMetadata,
+)
+from conftest import ManualClock as Clock
+
+GOOGLE = {FLAVOR_HEADER: "Google"}
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeGcpMetadata]:
+    async with FakeGcpMetadata(instance_id="4242") as md:
+        yield md
+
+
+@pytest.fixture
+async def client(fake: FakeGcpMetadata) -> AsyncIterator[GcpMetadata]:
+    async with GcpMetadata(fake.url, timeout_s=2.0) as md:
+        yield md
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def preempted_gets(fake: FakeGcpMetadata) -> list[tuple[str, int]]:
+    """``(path_qs, status)`` of the requests for ``instance/preempted``."""
+    return [(pq, s) for _, pq, s in fake.request_log if pq.startswith(PREEMPTED_PATH)]
+
+
+# -- the dialect: plain polls ----------------------------------------------------------------
+
+
+async def test_false_is_none_over_many_polls(fake: FakeGcpMetadata, client: GcpMetadata) -> None:
+    for _ in range(20):
+        assert await client.poll() is None
+    assert preempted_gets(fake) == [(PREEMPTED_PATH, 200)] * 20  # wait_s=0: no hanging GETs
+
+
+async def test_true_is_an_interruption_notice(fake: FakeGcpMetadata, client: GcpMetadata) -> None:
+    assert await client.poll() is None
+    before = datetime.now(timezone.utc)
+    fake.publish_interruption()
+    notice = await client.poll()
+    after = datetime.now(timezone.utc)
+    assert notice is not None
+    assert notice.provider == "gcp"
+    assert notice.kind is NoticeKind.INTERRUPTION
+    assert notice.action == "terminate"
+    assert notice.raw == "TRUE"
+    assert notice.deadline is not None and notice.deadline.tzinfo is not None
+    assert before + timedelta(seconds=30) <= notice.deadline <= after + timedelta(seconds=30)
+    assert notice.id == notice_id("gcp", NoticeKind.INTERRUPTION, "TRUE")
+    assert fake.published_at is not None and fake.published_action == "terminate"
+
+    fake.clear()
+    assert await client.poll() is None
+    assert fake.published_at is None
+
+
+async def test_notice_is_stable_across_polls(fake: FakeGcpMetadata) -> None:
+    clock = Clock()
+    async with GcpMetadata(fake.url, clock=clock) as client:
+        fake.publish_interruption()
+        first = await client.poll()
+        assert client.preempted_seen_at == 1000.0
+        clock.advance(5)
+        second = await client.poll()
+        third = await client.poll()
+        assert first is not None and first == second == third  # same id and same deadline
+        assert client.preempted_seen_at == 1000.0  # first sighting, not the latest
+        fake.clear()
+        assert await client.poll() is None
+        assert client.preempted_seen_at is None
+
+
+async def test_maintenance_event(fake: FakeGcpMetadata, client: GcpMetadata) -> None:
+    assert await client.poll_maintenance() == "NONE"
+    for event in ("MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE", "NONE"):
+        fake.publish_maintenance(event)
+        assert await client.poll_maintenance() == event
+    assert await client.poll() is None  # maintenance is not a preemption
+    fake.publish_raw("instance/maintenance-event", "<html>oops</html>")
+    with pytest.raises(MetadataUnavailable, match="maintenance-event"):
+        await client.poll_maintenance()
+
+
+async def test_static_items(client: GcpMetadata) -> None:
+    assert await client.get_metadata("instance/id") == "4242"
+    assert await client.get_metadata("instance/machine-type") == (
+        f"projects/{PROJECT_NUMBER}/machineTypes/a2-highgpu-1g"
+    )
+    assert await client.get_metadata("instance/zone") == f"projects/{PROJECT_NUMBER}/zones/us-central1-a"
+    assert await client.get_metadata("instance/no-such-item") is None
+
+
+# -- the dialect: hanging GETs ---------------------------------------------------------------
+
+
+async def test_publish_during_hanging_get_is_seen_promptly(fake: FakeGcpMetadata) -> None:
+    loop = asyncio.get_running_loop()
+    async with GcpMetadata(fake.url, wait_s=5, timeout_s=2.0) as client:
+        assert await client.poll() is None  # plain GET: learns FALSE and its ETag
+        pending = asyncio.create_task(client.poll())
+        await asyncio.wait_for(fake.wait_watchers(1), timeout=2)  # parked on the server
+        assert not pending.done()
+        started = loop.time()
+        fake.publish_interruption()
+        notice = await asyncio.wait_for(pending, timeout=3)
+        assert loop.time() - started < 1.0  # nowhere near wait_s
+        assert notice is not None and notice.raw == "TRUE"
+        first, hanging = preempted_gets(fake)
+        assert first == (PREEMPTED_PATH, 200)
+        assert hanging[1] == 200
+        assert "wait_for_change=true" in hanging[0]
+        assert "timeout_sec=5" in hanging[0] and "last_etag=" in hanging[0]
+
+        # Already preempted: no more hanging, the same notice at once.
+        started = loop.time()
+        again = await client.poll()
+        assert again == notice and loop.time() - started < 1.0
+        assert fake.watchers == 0
+
+
+async def test_hanging_get_expiry_is_none_not_an_error(fake: FakeGcpMetadata) -> None:
+    loop = asyncio.get_running_loop()
+    async with GcpMetadata(fake.url, wait_s=1, timeout_s=2.0) as client:
+        assert await client.poll() is None
+        started = loop.time()
+        assert await client.poll() is None  # timeout_sec=1 expired: current value, FALSE
+        assert 0.9 <= loop.time() - started < 2.5
+        fake.publish_interruption()
+        assert await client.poll() is not None  # last_etag differs: returns at once
+
+
+async def test_change_between_polls_is_not_missed(fake: FakeGcpMetadata) -> None:
+    """last_etag makes the next hanging GET return at once if the value changed meanwhile."""
+    loop = asyncio.get_running_loop()
+    async with GcpMetadata(fake.url, wait_s=5) as client:
+        assert await client.poll() is None
+        fake.publish_interruption()  # no request in flight
+        started = loop.time()
+        assert await client.poll() is not None
+        assert loop.time() - started < 1.0
+
+
+# -- no answer is never a notice -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [503, 500, 403])
+async def test_error_status_is_unavailable(fake: FakeGcpMetadata, client: GcpMetadata, status: int) -> None:
+    fake.fail_next(1, status=status, path=PREEMPTED_PATH)
+    with pytest.raises(MetadataUnavailable, match=str(status)):
+        await client.poll()
+    fake.publish_interruption()
+    assert await client.poll() is not None  # the fault was one request
+
+
+async def test_hang_is_unavailable_then_recovers(fake: FakeGcpMetadata) -> None:
+    async with GcpMetadata(fake.url, timeout_s=0.1) as client:
+        fake.hang_next(1)
+        with pytest.raises(MetadataUnavailable, match="timed out"):
+            await client.poll()
+        fake.publish_interruption()
+        assert await client.poll() is not None
+
+
+async def test_hanging_get_that_never_answers_is_unavailable(fake: FakeGcpMetadata) -> None:
+    """A hanging GET is bounded by timeout_sec + timeout_s, then the next one still works."""
+    loop = asyncio.get_running_loop()
+    async with GcpMetadata(fake.url, wait_s=0.5, timeout_s=0.1) as client:
+        assert await client.poll() is None
+        fake.hang_next(1)
+        started = loop.time()
+        with pytest.raises(MetadataUnavailable, match="timed out after 1.1 s"):
+            await client.poll()
+        assert loop.time() - started < 2.0
+        fake.publish_interruption()
+        assert await client.poll() is not None
+
+
+@pytest.mark.parametrize("body", ["", "true", "YES", "<html>", "TRUE FALSE"])
+async def test_garbage_body_is_unavailable(fake: FakeGcpMetadata, client: GcpMetadata, body: str) -> None:
+    fake.publish_raw("instance/preempted", body)
+    with pytest.raises(MetadataUnavailable, match="preempted"):
+        await client.poll()
+    fake.publish_interruption()
+    assert await client.poll() is not None
+
+
+async def test_connection_refused_is_unavailable() -> None:
+    with socket.socket() as sock:  # a port that was free a moment ago and has no listener
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with GcpMetadata(f"http://127.0.0.1:{port}", timeout_s=2.0) as client:
+        with pytest.raises(MetadataUnavailable) as info:
+            await client.poll()
+    assert isinstance(info.value.__cause__, aiohttp.ClientError)
+
+
+# -- construction and lifetime ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"timeout_s": -1.0}, "timeout_s"),
+        ({"wait_s": -1.0}, "wait_s"),
+        ({"wait_s": float("nan")}, "wait_s"),
+        ({"wait_s": float("inf")}, "wait_s"),
+    ],
+)
+def test_bad_options(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GcpMetadata(**kwargs)  # type: ignore[arg-type]
+
+
+async def test_conforms_to_dialect() -> None:
+    md = GcpMetadata()
+    assert isinstance(md, MetadataDialect)
+    assert md.provider == "gcp" and md.base_url == "http://metadata.google.internal"
+    await md.aclose()  # never used: nothing to close, no I/O
+
+
+async def test_borrowed_session_is_not_closed(fake: FakeGcpMetadata, http: aiohttp.ClientSession) -> None:
+    client = GcpMetadata(fake.url, session=http)
+    assert await client.poll() is None
+    await client.aclose()
+    await client.aclose()  # idempotent
+    assert not http.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.poll()
+
+
+# -- the fake, checked directly ---------------------------------------------------------------
+
+
+async def test_fake_requires_metadata_flavor(fake: FakeGcpMetadata, http: aiohttp.ClientSession) -> None:
+    async with http.get(fake.url + PREEMPTED_PATH) as resp:
+        assert resp.status == 403
+    async with http.get(fake.url + PREEMPTED_PATH, headers={FLAVOR_HEADER: "google"}) as resp:
+        assert resp.status == 403
+    async with http.get(fake.url + PREEMPTED_PATH, headers={**GOOGLE, "X-Forwarded-For": "10.0.0.1"}) as resp:
+        assert resp.status == 403
+    async with http.get(fake.url + PREEMPTED_PATH, headers=GOOGLE) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/plain"
+        assert resp.headers[FLAVOR_HEADER] == "Google"
+        assert await resp.text() == "FALSE"
+
+
+async def test_fake_serves_documents(fake: FakeGcpMetadata, http: aiohttp.ClientSession) -> None:
+    async def get(path: str, **params: str) -> tuple[int, str, str | None]:
+        async with http.get(fake.url + path, headers=GOOGLE, params=params) as resp:
+            return resp.status, await resp.text(), resp.headers.get("ETag")
+
+    status, body, etag_false = await get(PREEMPTED_PATH)
+    assert (status, body) == (200, "FALSE") and etag_false and len(etag_false) == 16
+    assert (await get(MAINTENANCE_EVENT_PATH))[:2] == (200, "NONE")
+    assert (await get("/computeMetadata/v1/instance/id"))[:2] == (200, "4242")
+    assert (await get("/computeMetadata/v1/instance/nothing"))[0] == 404
+    assert (await get("/elsewhere"))[0] == 404
+
+    fake.publish_interruption()
+    status, body, etag_true = await get(PREEMPTED_PATH)
+    assert (status, body) == (200, "TRUE") and etag_true != etag_false
+    # last_etag differs from the current one: a hanging GET answers at once.
+    answer = await get(PREEMPTED_PATH, wait_for_change="true", last_etag=etag_false, timeout_sec="30")
+    assert answer[:2] == (200, "TRUE")
+    assert (await get(PREEMPTED_PATH, wait_for_change="true", timeout_sec="1.5"))[0] == 400
+
+
+async def test_fake_hanging_get_without_last_etag_waits_for_next_change(
+    fake: FakeGcpMetadata, http: aiohttp.ClientSession
+) -> None:
+    async def hang() -> str:
+        params = {"wait_for_change": "true"}
+        async with http.get(fake.url + PREEMPTED_PATH, headers=GOOGLE, params=params) as resp:
+            assert resp.status == 200
+            return await resp.text()
+
+    pending = asyncio.create_task(hang())
+    await asyncio.wait_for(fake.wait_watchers(1), timeout=2)
+    fake.publish_interruption()
+    assert await asyncio.wait_for(pending, timeout=2) == "TRUE"
+
+
+async def test_fake_timeout_sec_returns_current_value(
+    fake: FakeGcpMetadata, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(fake.url + PREEMPTED_PATH, headers=GOOGLE) as resp:
+        etag = resp.headers["ETag"]
+    async with http.get(
+        fake.url + PREEMPTED_PATH,
+        headers=GOOGLE,
+        params={"wait_for_change": "true", "last_etag": etag, "timeout_sec": "0"},
+    ) as resp:
+        assert resp.status == 200 and await resp.text() == "FALSE" and resp.headers["ETag"] == etag
+
+
+async def test_fake_lifecycle_releases_hanging_requests(http: aiohttp.ClientSession) -> None:
+    fake = FakeGcpMetadata()
+    with pytest.raises(RuntimeError, match="start"):
+        _ = fake.url
+    await fake.aclose()  # before start: fine
+    await fake.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        await fake.start()
+    url = fake.url
+
+    async def watch() -> int:
+        async with http.get(url + PREEMPTED_PATH, headers=GOOGLE, params={"wait_for_change": "true"}) as resp:
+            return resp.status
+
+    fake.hang_next(1)
+    async with GcpMetadata(url, timeout_s=5.0) as client:
+        held = asyncio.create_task(client.poll())
+        await asyncio.wait_for(fake.wait_hanging(), timeout=2)
+        watching = asyncio.create_task(watch())
+        await asyncio.wait_for(fake.wait_watchers(1), timeout=2)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await fake.aclose()  # answers both parked requests, then stops
+        assert loop.time() - started < 0.9  # did not wait out the 1 s shutdown timeout
+        await fake.aclose()
+        assert await watching == 503
+        with pytest.raises(MetadataUnavailable, match="503"):
+            await held
+
+
+def test_fake_rejects_bad_input() -> None:
+    fake = FakeGcpMetadata()
+    with pytest.raises(ValueError, match="action"):
+        fake.publish_interruption(action="")
+    with pytest.raises(ValueError, match="aware"):
+        fake.publish_interruption(time=datetime(2026, 1, 1, 0, 0))
+    with pytest.raises(ValueError, match="event"):
+        fake.publish_maintenance("REBOOT")
+    with pytest.raises(ValueError):
+        fake.fail_next(1, status=200)
+    with pytest.raises(ValueError):
+        fake.hang_next(-1)
+
+
+async def test_fake_fail_next_by_path(fake: FakeGcpMetadata, client: GcpMetadata) -> None:
+    fake.fail_next(1, status=503, path="/computeMetadata/v1/instance/id")
+    assert await client.poll() is None  # instance/preempted unaffected
+    with pytest.raises(MetadataUnavailable, match="503"):
+        await client.get_metadata("instance/id")
+    assert await client.get_metadata("instance/id") == "4242"
