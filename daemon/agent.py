@@ -234,12 +234,25 @@ class NodeAgent:
     async def _metadata_loop(self) -> None:
         """Poll for notices; transport errors back off (tenacity) and never become notices."""
         hanging = getattr(self.metadata, "wait_s", 0) > 0  # GCP: the hanging GET is the wait
+        poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
         while True:
             notice = await self._poll_metadata()
             if notice is not None and notice.id not in self._seen_notice_ids:
                 self._on_interruption(notice)
+            if poll_rebalance is not None:
+                await self._check_rebalance(poll_rebalance)
             if not hanging:
                 await asyncio.sleep(self.poll_interval_s)
+
+    async def _check_rebalance(self, poll_rebalance) -> None:
+        try:
+            rb = await poll_rebalance()
+        except MetadataUnavailable:
+            return  # the interruption poll's streak and alarm cover the endpoint's health
+        if rb is not None and rb.id not in self._seen_notice_ids:
+            self._seen_notice_ids.add(rb.id)
+            log.info("rebalance_recommendation", node_id=self.node_id)
+            self._report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
 
     async def _poll_metadata(self) -> Notice | None:
         retrying = AsyncRetrying(
@@ -307,7 +320,14 @@ class NodeAgent:
     async def _apply(self, reply: dict[str, Any]) -> None:
         assert self.notices is not None
         for cmd in reply.get("commands", []):
-            if cmd.get("kind") == "cancel":
+            if cmd.get("kind") == "drain":
+                # the daemon asks this node to leave (e.g. rebalance "replace"): act
+                # exactly as on an interruption notice, with no deadline
+                entry = {"id": cmd["id"], "kind": "interruption", "time": time.time(), "deadline": None}
+                if self.notices.add(entry):
+                    self._interruption = entry
+                    log.info("drain_requested", node_id=self.node_id, request_id=cmd["id"])
+            elif cmd.get("kind") == "cancel":
                 self.notices.remove([cmd["id"]])
                 log.info("checkpoint_request_cancelled", node_id=self.node_id, request_id=cmd["id"])
             elif cmd.get("kind") == "checkpoint":
@@ -411,6 +431,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--dialect", default="aws", choices=DIALECTS)
     r.add_argument("--metadata-alarm-after", type=int, default=5,
                    help="failed polls in a row before a metadata_unreachable alarm")
+    r.add_argument("--metadata-max-backoff-s", type=float, default=5.0,
+                   help="cap of the exponential backoff between failed polls")
     r.add_argument("--workdir", default="/var/lib/spotvisor-agent")
     r.add_argument("--poll-interval-s", type=float, default=1.0)
     r.add_argument("--heartbeat-interval-s", type=float, default=1.0)
@@ -471,6 +493,7 @@ async def _amain(args: argparse.Namespace) -> int:
         metadata=_client(args.dialect, args.metadata_url, args.metadata_timeout_s, args.poll_interval_s),
         workdir=Path(args.workdir), poll_interval_s=args.poll_interval_s,
         heartbeat_interval_s=args.heartbeat_interval_s, metadata_alarm_after=args.metadata_alarm_after,
+        metadata_max_backoff_s=args.metadata_max_backoff_s,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -52,6 +52,8 @@ async def running_daemon(config: Config, *, with_chaos: bool = True) -> AsyncIte
         "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
         "--heartbeat-interval-s", f"{config.agent.heartbeat_interval_s:g}",
         "--metadata-timeout-s", f"{config.agent.metadata_timeout_s:g}",
+        "--metadata-alarm-after", str(config.agent.metadata_alarm_after),
+        "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
     assert config.providers.local is not None
     provider = create_provider("local", spec=config.providers.local, state_dir=state, agent_args=agent_args)

@@ -59,6 +59,10 @@ class PoolSpec(_Spec):
     min_nodes: int = Field(1, ge=1)
     target_nodes: int = Field(1, ge=1)
     max_nodes: int = Field(1, ge=1)
+    # what a rebalance recommendation (elevated risk of interruption) triggers:
+    # ignore | checkpoint (commit now, keep running) | replace (launch a replacement
+    # now; drain this node once the replacement is ready)
+    rebalance_policy: Literal["ignore", "checkpoint", "replace"] = "checkpoint"
 
     @model_validator(mode="after")
     def _sizes(self) -> "PoolSpec":
@@ -126,9 +130,15 @@ class RendezvousSpec(_Spec):
 
 
 class AgentSpec(_Spec):
+    """Node agent timing. ``metadata_alarm_after``: failed metadata polls in a row
+    before the agent raises a ``metadata_unreachable`` alarm (a failed poll is never
+    a notice; it is retried with exponential backoff capped at ``metadata_max_backoff_s``)."""
+
     poll_interval_s: PositiveS = 1.0
     heartbeat_interval_s: PositiveS = 1.0
     metadata_timeout_s: PositiveS = 2.0
+    metadata_alarm_after: int = Field(5, ge=1)
+    metadata_max_backoff_s: PositiveS = 5.0
 
 
 class DaemonSpec(_Spec):

@@ -155,4 +155,5 @@ class Node:
     deadline: float | None = None
     step: int | None = None
     trainer: str = "not_started"  # the agent's view of its torchrun: not_started | running | exited
+    replacing: bool = False  # rebalance policy "replace": a replacement is launched, then this node drains
     detail: str = ""

@@ -55,6 +55,11 @@ class NodeView:
     created_at: float
     last_heartbeat: float | None = None
     deadline: float | None = None
+    # a rebalance recommendation with policy ``replace``: keeps running, but is
+    # not counted as capacity, so its replacement is launched now
+    replacing: bool = False
+    # its trainer has left the job (after a drain or a notice commit)
+    trainer_exited: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +175,15 @@ def plan(
         ):
             removals.append(MarkLost(n.id, "heartbeat_lost"))
             removed.add(n.id)
+        elif n.state is NodeState.DRAINING and n.trainer_exited:
+            # it has left the job: release it now rather than pay until the cloud takes it
+            removals.append(Terminate(n.id, "drained"))
+            removed.add(n.id)
         elif n.state is NodeState.DRAINING and n.deadline is not None and now > n.deadline + timeouts.drain_grace_s:
             removals.append(Terminate(n.id, "drain_deadline_passed"))
             removed.add(n.id)
 
-    active = [n for n in observed if n.state in _COUNTED and n.id not in removed]
+    active = [n for n in observed if n.state in _COUNTED and n.id not in removed and not n.replacing]
     surplus = len(active) - desired.nodes
     if surplus > 0:
         victims = sorted(active, key=lambda n: (_SURPLUS_ORDER[n.state], -n.created_at))[:surplus]

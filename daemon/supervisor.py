@@ -121,13 +121,13 @@ class Supervisor:
         if self._closed:
             return
         self._closed = True
-        for t in list(self._tasks):
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        for t in list(self._tasks):
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=10.0)
+            for t in stuck:
+                log.error("task_ignored_cancel", task=t.get_name())
         await self.provider.aclose()
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
@@ -164,9 +164,7 @@ class Supervisor:
     async def wait_for_events(self, since: int, timeout_s: float) -> None:
         """Return when an event newer than ``since`` exists, or after ``timeout_s``."""
         while self.store.last_seq() <= since:
-            try:
-                await asyncio.wait_for(self._event_added.wait(), timeout_s)
-            except TimeoutError:
+            if not await _wait_event(self._event_added, timeout_s):
                 return
 
     async def wait_completed(self) -> None:
@@ -187,10 +185,7 @@ class Supervisor:
             except ProviderError as exc:
                 log.error("reconcile_provider_error", error=str(exc))
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
+            await _wait_event(self._wake, interval)
 
     async def reconcile_once(self) -> None:
         """One pass: observe, plan, apply, admit."""
@@ -310,6 +305,13 @@ class Supervisor:
                     self.job.state = JobState.RUNNING
             return
 
+        # Rebalance policy "replace": once the replacement is up, drain the node at risk.
+        replacing = [n for n in running if n.replacing]
+        if replacing and ready:
+            for n in replacing:
+                self.drain(n, "rebalance_replaced")
+            return
+
         # A node still in the job while it drains will leave by itself after its
         # notice commit. Admitting a node now would let torchrun form a round that
         # counts the leaving node (its workers never start: the round hangs), and
@@ -349,6 +351,18 @@ class Supervisor:
             self._commands.setdefault(n.id, []).append({"kind": "checkpoint", "reason": "rejoin", "id": rid})
         self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
                      for_nodes=sorted(self._rejoin.nodes))
+
+    def drain(self, node: Node, reason: str) -> None:
+        """Make ``node`` leave the job cleanly: its trainer commits a checkpoint and holds,
+        then its agent stops torchrun (a daemon-initiated interruption; no cloud notice)."""
+        if node.state.is_terminal() or node.state is NodeState.DRAINING:
+            return
+        rid = f"drain-{secrets.token_hex(4)}"
+        self._set_state(node, NodeState.DRAINING, reason)
+        if node.trainer == "running":
+            self._commands.setdefault(node.id, []).append({"kind": "drain", "id": rid})
+            self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="drain", request_id=rid, why=reason)
+        self.wake()
 
     def _cancel_rejoin(self, running: list[Node], *, back_to_ready: list[Node]) -> None:
         """Withdraw the pending rejoin request from the running nodes' notice files."""
@@ -405,6 +419,8 @@ class Supervisor:
                 self._on_notice(node, r)
             elif kind == "trainer_status" and isinstance(r.get("line"), dict):
                 self._on_trainer_status(node, r["line"])
+            elif kind == "rebalance_recommendation":
+                self._on_rebalance(node, r)
             elif kind == "metadata_unreachable":
                 self.record(EventKind.METADATA_UNREACHABLE, node.id, failures=r.get("failures"),
                             error=r.get("error"), url=r.get("url"))
@@ -441,6 +457,28 @@ class Supervisor:
         if self._rejoin is not None:
             self._rejoin.nodes.discard(node.id)
         self.wake()
+
+    def _on_rebalance(self, node: Node, r: dict[str, Any]) -> None:
+        """A rebalance recommendation: the pool's policy decides (see PoolSpec.rebalance_policy).
+
+        ``checkpoint``: the job commits now and keeps running, so a notice that follows
+        finds little to flush. ``replace``: the node stops counting as capacity, a
+        replacement launches now, and the node is drained once the replacement is ready.
+        """
+        notice = r.get("notice") or {}
+        policy = self.config.pool.rebalance_policy
+        self.record(EventKind.REBALANCE_RECOMMENDATION, node.id, notice_id=notice.get("id"), policy=policy,
+                    provider=notice.get("provider"), notice_seen_at=r.get("seen_at"))
+        if node.state is not NodeState.RUNNING or policy == "ignore":
+            return
+        if policy == "checkpoint":
+            rid = f"rebalance-{notice.get('id')}"
+            self._commands.setdefault(node.id, []).append({"kind": "checkpoint", "reason": "rebalance", "id": rid})
+            self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="rebalance", request_id=rid)
+        elif not node.replacing:
+            node.replacing = True
+            self.store.put_node(node)
+            self.wake()
 
     def _published_at(self, node: Node, provider: str | None, deadline: float | None) -> float | None:
         """When the notice appeared: from the provider when it knows (the local fakes),
@@ -571,7 +609,23 @@ class Supervisor:
 
     def _view(self, n: Node) -> NodeView:
         return NodeView(id=n.id, state=n.state, offer_index=n.offer_index, gpus=n.gpus, created_at=n.created_at,
-                        last_heartbeat=n.last_heartbeat, deadline=n.deadline)
+                        last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
+                        trainer_exited=n.trainer != "running")
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for ``event`` at most ``timeout_s`` seconds; True if it was set.
+
+    ``asyncio.timeout`` rather than ``asyncio.wait_for``: on Python 3.11, wait_for
+    can swallow a cancellation that arrives as the event is set (gh-86296), and a
+    loop that loses its cancel never stops.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
 
 
 def _largest_valid(candidates: list[Node], world: int, valid: set[int]) -> list[Node]:

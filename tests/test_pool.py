@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -374,6 +375,37 @@ CASES = [
         target=3,
         observed=[node("a", S.RUNNING), node("b", S.ADMITTING), node("c", S.LAUNCHING, age_s=10)],
         expected=[],
+    ),
+]
+
+
+# --- rebalance "replace" and drained nodes ----------------------------------------------
+CASES += [
+    Case(
+        "replacing_node_is_not_capacity_so_its_replacement_launches_now",
+        target=2,
+        observed=[node("a", S.RUNNING), dataclasses.replace(node("b", S.RUNNING), replacing=True)],
+        expected=[up()],
+    ),
+    Case(
+        "replacing_node_with_its_replacement_up_launches_nothing_more",
+        target=2,
+        observed=[node("a", S.RUNNING), dataclasses.replace(node("b", S.RUNNING), replacing=True),
+                  node("c", S.READY)],
+        expected=[],
+    ),
+    Case(
+        "draining_node_that_left_the_job_is_released_and_replaced",
+        target=2,
+        observed=[node("a", S.RUNNING),
+                  dataclasses.replace(node("b", S.DRAINING, deadline_in_s=100), trainer_exited=True)],
+        expected=[Terminate("b", "drained"), up()],
+    ),
+    Case(
+        "draining_node_still_in_the_job_is_kept_until_it_leaves",
+        target=2,
+        observed=[node("a", S.RUNNING), node("b", S.DRAINING, deadline_in_s=100)],
+        expected=[up()],
     ),
 ]
 
