@@ -358,6 +358,9 @@ class Supervisor:
         if node.state.is_terminal() or node.state is NodeState.DRAINING:
             return
         rid = f"drain-{secrets.token_hex(4)}"
+        # a drain that never completes (a hung trainer) must not block admission
+        # forever: past this deadline (+ grace) the planner terminates the node
+        node.deadline = self.clock() + self.config.daemon.rejoin_timeout_s
         self._set_state(node, NodeState.DRAINING, reason)
         if node.trainer == "running":
             self._commands.setdefault(node.id, []).append({"kind": "drain", "id": rid})
