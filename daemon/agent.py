@@ -176,6 +176,9 @@ class NodeAgent:
             self._job = await self._register()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
+                poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
+                if poll_rebalance is not None:
+                    tg.create_task(self._rebalance_loop(poll_rebalance), name=f"agent:rebalance:{self.node_id}")
                 tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
                 tg.create_task(self._status_loop(), name=f"agent:status:{self.node_id}")
                 tg.create_task(self._outbox_loop(), name=f"agent:outbox:{self.node_id}")
@@ -233,26 +236,30 @@ class NodeAgent:
     # -- loops --------------------------------------------------------------------
     async def _metadata_loop(self) -> None:
         """Poll for notices; transport errors back off (tenacity) and never become notices."""
-        hanging = getattr(self.metadata, "wait_s", 0) > 0  # GCP: the hanging GET is the wait
-        poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             notice = await self._poll_metadata()
             if notice is not None and notice.id not in self._seen_notice_ids:
                 self._on_interruption(notice)
-            if poll_rebalance is not None:
-                await self._check_rebalance(poll_rebalance)
-            if not hanging:
-                await asyncio.sleep(self.poll_interval_s)
+            # Keep the pace: a hanging GET (GCP) already waited; a plain poll sleeps the
+            # rest of the interval (GCP also answers at once after a preemption).
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (loop.time() - started)))
 
-    async def _check_rebalance(self, poll_rebalance) -> None:
-        try:
-            rb = await poll_rebalance()
-        except MetadataUnavailable:
-            return  # the interruption poll's streak and alarm cover the endpoint's health
-        if rb is not None and rb.id not in self._seen_notice_ids:
-            self._seen_notice_ids.add(rb.id)
-            log.info("rebalance_recommendation", node_id=self.node_id)
-            self._report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
+    async def _rebalance_loop(self, poll_rebalance) -> None:
+        """Rebalance recommendations (AWS), polled beside the notice so a slow answer
+        here never delays the interruption poll. Its errors are the notice poll's to
+        alarm on: the same endpoint answers both."""
+        while True:
+            try:
+                rb = await poll_rebalance()
+            except MetadataUnavailable:
+                rb = None
+            if rb is not None and rb.id not in self._seen_notice_ids:
+                self._seen_notice_ids.add(rb.id)
+                log.info("rebalance_recommendation", node_id=self.node_id)
+                self._report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
+            await asyncio.sleep(self.poll_interval_s)
 
     async def _poll_metadata(self) -> Notice | None:
         retrying = AsyncRetrying(

@@ -116,7 +116,7 @@ class FakeImds:
         self.published_at: float | None = None  # unix time of the current interruption notice
         self._tokens: dict[str, float] = {}  # token -> expiry (clock seconds)
         self._faults: list[tuple[int, str | None]] = []  # (status, path or None=any), in order
-        self._hangs = 0
+        self._hangs: list[str | None] = []  # path or None=any, in order
         self._release = asyncio.Event()
         self._hung = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -231,11 +231,14 @@ class FakeImds:
             raise ValueError(f"status must be an HTTP error status (400..599), got {status}")
         self._faults.extend([(status, path)] * n)
 
-    def hang_next(self, n: int = 1) -> None:
-        """Never answer the next ``n`` requests (until :meth:`aclose`): client timeouts."""
+    def hang_next(self, n: int = 1, *, path: str | None = None) -> None:
+        """Never answer the next ``n`` requests (until :meth:`aclose`): client timeouts.
+
+        ``path``: only requests for this exact path; None = any request.
+        """
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        self._hangs += n
+        self._hangs.extend([path] * n)
 
     async def wait_hanging(self) -> None:
         """Return once a request held by :meth:`hang_next` has arrived."""
@@ -248,11 +251,12 @@ class FakeImds:
     # -- handlers --------------------------------------------------------------------
 
     async def _intercept(self, request: web.Request) -> web.Response | None:
-        if self._hangs:
-            self._hangs -= 1
-            self._hung.set()
-            await self._release.wait()
-            return self._answer(request, 503, "shutting down")
+        for i, path in enumerate(self._hangs):
+            if path is None or path == request.path:
+                del self._hangs[i]
+                self._hung.set()
+                await self._release.wait()
+                return self._answer(request, 503, "shutting down")
         for i, (status, path) in enumerate(self._faults):
             if path is None or path == request.path:
                 del self._faults[i]
