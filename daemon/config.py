@@ -29,6 +29,8 @@ __all__ = [
     "AgentSpec",
     "DaemonSpec",
     "LocalProviderSpec",
+    "AwsProviderSpec",
+    "AliyunProviderSpec",
     "ProvidersSpec",
     "OfferSpec",
     "ChaosEvent",
@@ -170,14 +172,50 @@ class LocalProviderSpec(_Spec):
     spot_price_usd_h: float = Field(0.0, ge=0)
 
 
+class AwsProviderSpec(_Spec):
+    """AWS EC2 spot capacity (boto3). Credentials come from boto3's standard chain
+    (environment, profile, instance role), never from this file.
+
+    ``subnet_ids``: availability zone → subnet id (an offer's zone picks its subnet).
+    ``endpoint_url``: only for tests or VPC endpoints.
+    """
+
+    image_id: str = Field(pattern=r"^ami-[0-9a-f]+$")
+    subnet_ids: dict[str, str] = {}
+    security_group_ids: list[str] = []
+    iam_instance_profile: str | None = None
+    key_name: str | None = None
+    launch_method: Literal["run_instances", "create_fleet"] = "run_instances"
+    endpoint_url: str | None = None
+    agent_metadata_dialect: Literal["aws"] = "aws"
+
+
+class AliyunProviderSpec(_Spec):
+    """Alibaba Cloud ECS preemptible (spot) capacity (aliyun-python-sdk-ecs).
+    Credentials come from the SDK's chain (``ALIBABA_CLOUD_ACCESS_KEY_ID`` /
+    ``ALIBABA_CLOUD_ACCESS_KEY_SECRET``, profile, RAM role), never from this file.
+
+    ``vswitch_ids``: zone id → vSwitch id. ``endpoint``: only for tests
+    (``127.0.0.1:PORT``, plain HTTP).
+    """
+
+    image_id: str
+    security_group_id: str
+    vswitch_ids: dict[str, str] = {}
+    spot_strategy: Literal["SpotAsPriceGo", "SpotWithPriceLimit"] = "SpotWithPriceLimit"
+    endpoint: str | None = None
+
+
 class ProvidersSpec(_Spec):
     local: LocalProviderSpec | None = LocalProviderSpec()
+    aws: AwsProviderSpec | None = None
+    aliyun: AliyunProviderSpec | None = None
 
 
 class OfferSpec(_Spec):
     """One way to buy a node: provider, place, instance type, GPUs, price cap."""
 
-    provider: Literal["local"] = "local"
+    provider: Literal["local", "aws", "aliyun"] = "local"
     region: str = "local"
     zone: str | None = None
     instance_type: str = "local.cpu"
