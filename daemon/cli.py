@@ -55,9 +55,11 @@ async def running_daemon(config: Config, *, with_chaos: bool = True) -> AsyncIte
         "--metadata-alarm-after", str(config.agent.metadata_alarm_after),
         "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
-    assert config.providers.local is not None
-    provider = create_provider("local", spec=config.providers.local, state_dir=state, agent_args=agent_args)
-    sup = Supervisor(config, provider=provider, store=store)
+    providers = {
+        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
+        for name in sorted({o.provider for o in config.offers})
+    }
+    sup = Supervisor(config, providers=providers, store=store)
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
                     socket_path=str(config.daemon.socket_path()))
     try:

@@ -77,7 +77,11 @@ class Offer:
 
     @property
     def key(self) -> str:
-        return f"{self.provider}/{self.region}/{self.zone or '-'}/{self.instance_type}"
+        return f"{self.zone_key}/{self.instance_type}"
+
+    @property
+    def zone_key(self) -> str:
+        return f"{self.provider}/{self.region}/{self.zone or '-'}"
 
     def usd_per_gpu_h(self) -> float:
         if self.price_usd_h is None:
@@ -87,9 +91,16 @@ class Offer:
 
 @dataclass(frozen=True, slots=True)
 class History:
-    """What recent outcomes say about offers: ``backoff_until[offer_index]`` (unix s)."""
+    """What recent outcomes say about offers.
+
+    ``backoff_until[offer_index]``: unix s until which the offer is not used (capacity
+    errors; ``inf`` for a provider disabled by a quota or auth error).
+    ``avoid_zones``: zone keys (``Offer.zone_key``) just preempted: offers there are
+    ranked last, not excluded, so the first replacement goes elsewhere when it can.
+    """
 
     backoff_until: Mapping[int, float] = field(default_factory=dict)
+    avoid_zones: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +148,12 @@ _SURPLUS_ORDER = {
 
 
 def rank_offers(offers: Sequence[Offer], history: History, *, now: float) -> list[Offer]:
-    """Offers usable now, cheapest per GPU-hour first (config order breaks ties).
+    """Offers usable now, cheapest per GPU-hour first (config order breaks ties);
+    offers in a just-preempted zone come after all others.
 
     An offer is unusable while in backoff, or when its spot price is above its cap.
+    Example: a notice in aws/us-east-1/us-east-1a → the replacement is the cheapest
+    offer outside us-east-1a, or us-east-1a itself if nothing else is usable.
     """
     usable = [
         o
@@ -147,7 +161,7 @@ def rank_offers(offers: Sequence[Offer], history: History, *, now: float) -> lis
         if history.backoff_until.get(o.index, 0.0) <= now
         and not (o.max_price_usd_h is not None and o.price_usd_h is not None and o.price_usd_h > o.max_price_usd_h)
     ]
-    return sorted(usable, key=lambda o: (o.usd_per_gpu_h(), o.index))
+    return sorted(usable, key=lambda o: (o.zone_key in history.avoid_zones, o.usd_per_gpu_h(), o.index))
 
 
 def plan(

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import structlog
 
@@ -35,7 +36,7 @@ from daemon.config import Config
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Event, EventKind, JobState, Node, NodeState
 from daemon.pool import Desired, History, Launch, MarkLost, NodeView, Offer, Terminate, Timeouts, plan
-from daemon.providers.base import CapacityError, NodeSpec, Provider, ProviderError
+from daemon.providers.base import AuthError, CapacityError, NodeSpec, Provider, ProviderError, QuotaError
 from daemon.store import Store
 
 __all__ = ["Supervisor", "JobView"]
@@ -46,7 +47,22 @@ _IN_JOB = frozenset({NodeState.RUNNING})
 _LIVE = frozenset(
     {NodeState.LAUNCHING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING}
 )
-_BACKOFF_S = 60.0
+_AVOID_ZONE_S = 300.0
+_PRICE_REFRESH_S = 300.0
+
+
+def capacity_backoff_s(failures: int, rng: random.Random) -> float:
+    """How long an offer that ran out of capacity sits out, in seconds.
+
+    SkyPilot's managed-jobs schedule: 60 s x 1.6^(failures-1), capped at 300 s, with
+    +-40 % jitter so many pools do not retry in step.
+    """
+    base = min(300.0, 60.0 * 1.6 ** max(0, failures - 1))
+    return base * (1.0 + rng.uniform(-0.4, 0.4))
+
+
+def _zone_key(provider: str, region: str, zone: str | None) -> str:
+    return f"{provider}/{region}/{zone or '-'}"
 
 
 @dataclass(slots=True)
@@ -80,10 +96,15 @@ class Supervisor:
     releases local capacity, closes the store).
     """
 
-    def __init__(self, config: Config, *, provider: Provider, store: Store,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: Config, *, store: Store, provider: Provider | None = None,
+                 providers: Mapping[str, Provider] | None = None,
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+        if provider is None and not providers:
+            raise ValueError("Supervisor needs a provider (or providers by name)")
         self.config = config
-        self.provider = provider
+        # offers name their provider; ``provider`` (if given) serves any name not in ``providers``
+        self.providers: dict[str, Provider] = dict(providers or {})
+        self._default_provider = provider
         self.store = store
         self.clock = clock
         self.pool = config.pool.name
@@ -94,6 +115,9 @@ class Supervisor:
         self._commands: dict[str, list[dict[str, Any]]] = {}
         self._rejoin: _Rejoin | None = None
         self._backoff: dict[int, float] = {}
+        self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
+        self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
+        self._rng = rng or random.Random()
         self._prices: dict[int, float | None] = {}
         self._wake = asyncio.Event()
         self._event_added = asyncio.Event()
@@ -112,9 +136,9 @@ class Supervisor:
         self.store.set("run_nonce", self.run_nonce)
         for node in self.store.nodes():
             self.nodes[node.id] = node
-        for i, offer in enumerate(self.config.offers):
-            self._prices[i] = await self.provider.spot_price(self._offer(i))
+        await self._refresh_prices()
         self.spawn(self._reconcile_loop(), "reconcile")
+        self.spawn(self._price_loop(), "prices")
         log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
 
     async def aclose(self) -> None:
@@ -128,7 +152,8 @@ class Supervisor:
             _, stuck = await asyncio.wait(tasks, timeout=10.0)
             for t in stuck:
                 log.error("task_ignored_cancel", task=t.get_name())
-        await self.provider.aclose()
+        for p in self._all_providers():
+            await p.aclose()
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         """Start an owned task; a crash is logged, never silent; cancelled on aclose()."""
@@ -195,7 +220,8 @@ class Supervisor:
             Desired(self.desired_nodes, frozenset(self.valid_world_sizes())),
             [self._view(n) for n in self.nodes.values()],
             [self._offer(i) for i in range(len(self.config.offers))],
-            History(backoff_until=dict(self._backoff)),
+            History(backoff_until=dict(self._backoff),
+                    avoid_zones=frozenset(z for z, until in self._avoid_zone.items() if until > now)),
             now=now,
             timeouts=Timeouts(
                 heartbeat_timeout_s=self.config.daemon.heartbeat_timeout_s,
@@ -215,9 +241,13 @@ class Supervisor:
             self._released.set()
 
     async def _observe_instances(self) -> None:
-        alive = {i.id for i in await self.provider.describe(self.pool)}
+        alive: dict[int, set[str]] = {}
+        for p in self._all_providers():
+            alive[id(p)] = {i.id for i in await p.describe(self.pool)}
         for node in list(self.nodes.values()):
-            if node.state not in _LIVE or node.instance_id is None or node.instance_id in alive:
+            if node.state not in _LIVE or node.instance_id is None:
+                continue
+            if node.instance_id in alive.get(id(self.provider_for(node.provider)), set()):
                 continue
             if node.state is NodeState.DRAINING:
                 self._set_state(node, NodeState.TERMINATED, "instance gone after notice")
@@ -234,11 +264,11 @@ class Supervisor:
             self._set_state(node, NodeState.LOST, action.reason)
             self.record(EventKind.NODE_LOST, node.id, reason=action.reason, last_step=node.step)
             if node.instance_id:
-                await self.provider.terminate(node.instance_id)
+                await self.provider_for(node.provider).terminate(node.instance_id)
         elif isinstance(action, Terminate):
             node = self.nodes[action.node_id]
             if node.instance_id:
-                await self.provider.terminate(node.instance_id)
+                await self.provider_for(node.provider).terminate(node.instance_id)
             self._set_state(node, action.final_state, action.reason)
             self.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason)
 
@@ -261,15 +291,31 @@ class Supervisor:
                         tags={"spotvisor-pool": self.pool, "spotvisor-node": node.id})
         offer = self._offer(node.offer_index)
         try:
-            inst = await self.provider.launch(offer, spec)
+            inst = await self.provider_for(offer.provider).launch(offer, spec)
         except CapacityError as exc:
-            self._backoff[node.offer_index] = self.clock() + _BACKOFF_S
+            n = self._capacity_failures.get(node.offer_index, 0) + 1
+            self._capacity_failures[node.offer_index] = n
+            wait = capacity_backoff_s(n, self._rng)
+            self._backoff[node.offer_index] = self.clock() + wait
             self._set_state(node, NodeState.FAILED, str(exc))
-            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key)
+            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
+                        backoff_s=round(wait, 1), failures=n)
+        except (QuotaError, AuthError) as exc:
+            # no retry helps: every offer of this provider is out until the daemon restarts
+            for o in range(len(self.config.offers)):
+                if self.config.offers[o].provider == offer.provider:
+                    self._backoff[o] = float("inf")
+            self._set_state(node, NodeState.FAILED, str(exc))
+            log.error("provider_disabled", provider=offer.provider, error=type(exc).__name__, message=str(exc))
+            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
+                        offer=offer.key, provider_disabled=offer.provider)
         except ProviderError as exc:
+            self._backoff[node.offer_index] = self.clock() + capacity_backoff_s(1, self._rng)
             self._set_state(node, NodeState.FAILED, str(exc))
-            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc))
+            self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
+                        offer=offer.key)
         else:
+            self._capacity_failures.pop(node.offer_index, None)
             node.instance_id = inst.id
             self._set_state(node, NodeState.LAUNCHING)
             self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
@@ -457,6 +503,8 @@ class Supervisor:
                     else round(seen_at - published_at, 3))
         if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
             self._set_state(node, NodeState.DRAINING, "interruption notice")
+        # the replacement prefers another zone (SkyPilot's EAGER_NEXT_REGION, first retry)
+        self._avoid_zone[_zone_key(node.provider, node.region, node.zone)] = self.clock() + _AVOID_ZONE_S
         if self._rejoin is not None:
             self._rejoin.nodes.discard(node.id)
         self.wake()
@@ -486,7 +534,7 @@ class Supervisor:
     def _published_at(self, node: Node, provider: str | None, deadline: float | None) -> float | None:
         """When the notice appeared: from the provider when it knows (the local fakes),
         else the deadline minus the cloud's documented lead."""
-        known = getattr(self.provider, "notice_published_at", None)
+        known = getattr(self.provider_for(node.provider), "notice_published_at", None)
         if known is not None and node.instance_id is not None:
             at = known(node.instance_id)
             if at is not None:
@@ -601,6 +649,36 @@ class Supervisor:
         }
 
     # -- helpers ----------------------------------------------------------------------------------
+    @property
+    def provider(self) -> Provider:
+        """The provider of the local pool (chaos hooks), else the default one."""
+        return self.providers.get("local") or self._default_provider or next(iter(self.providers.values()))
+
+    def provider_for(self, name: str) -> Provider:
+        p = self.providers.get(name) or self._default_provider
+        if p is None:
+            raise ProviderError(f"no provider {name!r} is configured (add providers.{name})")
+        return p
+
+    def _all_providers(self) -> list[Provider]:
+        seen: dict[int, Provider] = {}
+        for p in [*self.providers.values(), *([self._default_provider] if self._default_provider else [])]:
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    async def _refresh_prices(self) -> None:
+        for i in range(len(self.config.offers)):
+            o = self.config.offers[i]
+            try:
+                self._prices[i] = await self.provider_for(o.provider).spot_price(self._offer(i))
+            except ProviderError as exc:
+                log.warning("spot_price_failed", offer=self._offer(i).key, error=str(exc))
+
+    async def _price_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_PRICE_REFRESH_S)  # a refresh period, not synchronisation
+            await self._refresh_prices()
+
     def _set_state(self, node: Node, state: NodeState, detail: str = "") -> None:
         self.store.set_node_state(node, state, detail=detail)
 

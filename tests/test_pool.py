@@ -476,3 +476,26 @@ def test_rank_offers_order_and_filters() -> None:
     ]
     ranked = rank_offers(offers, History(backoff_until={1: NOW + 1}), now=NOW)
     assert [o.index for o in ranked] == [5, 0, 4, 3]
+
+
+def test_just_preempted_zone_is_ranked_last_not_excluded() -> None:
+    a, b = offer(0, price=1.0), offer(1, price=2.0)  # zones local-0 (cheaper), local-1
+    hist = History(avoid_zones=frozenset({a.zone_key}))
+    assert [o.index for o in rank_offers([a, b], hist, now=NOW)] == [1, 0]
+    # the only offer left is still used: a replacement in the same zone beats none
+    assert plan(Desired(1), [], [a], hist, now=NOW, timeouts=TIMEOUTS) == [up(offer_index=0)]
+
+
+def test_capacity_backoff_follows_the_skypilot_schedule() -> None:
+    import random
+
+    from daemon.supervisor import capacity_backoff_s
+
+    class Mid(random.Random):
+        def uniform(self, a: float, b: float) -> float:
+            return (a + b) / 2  # no jitter
+
+    assert [round(capacity_backoff_s(n, Mid()), 1) for n in (1, 2, 3, 4, 5)] == [60.0, 96.0, 153.6, 245.8, 300.0]
+    rng = random.Random(0)
+    samples = [capacity_backoff_s(1, rng) for _ in range(200)]
+    assert 36.0 <= min(samples) < 45.0 and 75.0 < max(samples) <= 84.0  # +-40 % jitter

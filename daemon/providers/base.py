@@ -130,8 +130,10 @@ def register_provider(name: str) -> Callable[[Callable[..., Provider]], Callable
 
 def create_provider(name: str, **kwargs: object) -> Provider:
     """Build a registered provider. Raises ValueError for an unknown name."""
-    if name == "local" and name not in _REGISTRY:
-        import daemon.providers.local  # noqa: F401  (registers itself)
+    if name in ("local", "aws", "aliyun") and name not in _REGISTRY:
+        import importlib
+
+        importlib.import_module(f"daemon.providers.{name}")  # registers itself
     try:
         factory = _REGISTRY[name]
     except KeyError:
