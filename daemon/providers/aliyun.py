@@ -1,0 +1,485 @@
+"""Alibaba Cloud ECS preemptible (spot) instances behind the Provider contract.
+
+The adapter speaks the ECS RPC API (version 2014-05-26) through
+``aliyun-python-sdk-ecs``; every SDK call is blocking and runs in a thread
+(``asyncio.to_thread``). Documents followed:
+
+- RunInstances (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-runinstances):
+  a spot instance is ``InstanceChargeType=PostPaid`` with ``SpotStrategy``
+  ``SpotAsPriceGo`` (pay the market price, capped at the pay-as-you-go price) or
+  ``SpotWithPriceLimit`` + ``SpotPriceLimit`` (USD or CNY per hour, the account's
+  currency); ``SpotDuration=0`` (no protection period: cheapest, may be reclaimed at
+  any time with the 5-minute notice), ``SpotInterruptionBehavior=Terminate``.
+  ``ClientToken`` makes the call idempotent: a retry after a timeout returns the
+  instance of the first call instead of buying a second one.
+- DescribeInstances (api-describeinstances): filter by ``Tag.N.Key/Value``, paged by
+  ``PageNumber``/``PageSize`` (at most 100); statuses Pending, Starting, Running,
+  Stopping, Stopped (a released instance is no longer listed).
+- DeleteInstances (api-deleteinstances): ``Force=true`` releases a running instance.
+- DescribeSpotPriceHistory (api-describespotpricehistory): ``SpotPrices.SpotPriceType[]``
+  with ``SpotPrice`` per hour in the response's ``Currency``.
+- Error codes: the tables of those pages plus the common ones (``Throttling``,
+  ``InternalError``, ``SignatureDoesNotMatch``, ``InvalidAccessKeyId.NotFound``,
+  ``Forbidden.RAM``). The SDK raises ``ServerException(code, message, http_status,
+  request_id)`` for an error answer and ``ClientException`` for transport and
+  credential problems (``SDK.HttpError`` wraps connection errors and read timeouts).
+
+Credentials (never in the config, never logged), first match wins: the constructor's
+``access_key_id``/``access_key_secret``; ``ALIBABA_CLOUD_ACCESS_KEY_ID`` /
+``ALIBABA_CLOUD_ACCESS_KEY_SECRET`` (+ ``ALIBABA_CLOUD_SECURITY_TOKEN`` for STS);
+``ALIYUN_ACCESS_KEY_ID`` / ``ALIYUN_ACCESS_KEY_SECRET`` (what aliyun-python-sdk-core
+reads itself); an ``access_key`` profile in ``~/.alibabacloud/credentials``
+(``ALIBABA_CLOUD_CREDENTIALS_FILE``, profile ``ALIBABA_CLOUD_PROFILE`` or ``default``);
+an ECS RAM role named by ``ALIBABA_CLOUD_ECS_METADATA``. None → :class:`AuthError`.
+
+Example (SkyPilot-style walk-through): offer 1 (cn-hangzhou-g) answers
+``OperationDenied.NoStock`` → CapacityError, the pool backs it off; offer 2
+(cn-hangzhou-h) answers ``Throttling`` twice → retried with jitter, the third call
+returns ``i-...``; the read times out after ECS created the instance → the retry
+carries the same ClientToken and ECS returns the same ``i-...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import configparser
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aliyunsdkcore.acs_exception.exceptions import ClientException, ServerException
+from aliyunsdkcore.auth.credentials import EcsRamRoleCredential, StsTokenCredential
+from aliyunsdkcore.client import AcsClient
+from aliyunsdkcore.request import RpcRequest
+from aliyunsdkecs.request.v20140526.DeleteInstancesRequest import DeleteInstancesRequest
+from aliyunsdkecs.request.v20140526.DescribeInstancesRequest import DescribeInstancesRequest
+from aliyunsdkecs.request.v20140526.DescribeSpotPriceHistoryRequest import DescribeSpotPriceHistoryRequest
+from aliyunsdkecs.request.v20140526.RunInstancesRequest import RunInstancesRequest
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from daemon.config import AliyunProviderSpec
+from daemon.pool import Offer
+from daemon.providers.base import (
+    AuthError,
+    CapacityError,
+    Instance,
+    NodeSpec,
+    Provider,
+    ProviderError,
+    QuotaError,
+    TransientError,
+    register_provider,
+)
+from daemon.providers.bootstrap import render_user_data
+
+__all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "POOL_TAG", "NODE_TAG"]
+
+log = structlog.get_logger("spotvisor.provider.aliyun")
+
+POOL_TAG = "spotvisor-pool"
+NODE_TAG = "spotvisor-node"
+#: DescribeInstances statuses that count as "pending or running" for the contract.
+_LIVE_STATUS = {"Pending": "pending", "Starting": "pending", "Running": "running"}
+_PAGE_SIZE = 100  # DescribeInstances' maximum
+_MAX_TAGS = 20  # RunInstances accepts Tag.1 .. Tag.20
+
+_CAPACITY_CODES = frozenset({
+    "OperationDenied.NoStock", "Zone.NotOnSale", "InvalidInstanceType.ZoneNotSupported",
+    "InvalidResourceType.NotSupported", "OperationDenied.NoSpotStock",
+})
+_AUTH_CODES = frozenset({
+    "InvalidAccessKeyId.NotFound", "InvalidAccessKeyId.Inactive", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "InvalidAccessKeySecret", "IncompleteSignature", "Forbidden.RAM",
+    "Forbidden", "Forbidden.AccessKeyDisabled", "InvalidSecurityToken.Expired",
+    "InvalidSecurityToken.MismatchWithAccessKey", "SDK.InvalidCredential",
+})
+_TRANSIENT_CODES = frozenset({
+    "InternalError", "ServiceUnavailable", "UnknownError", "ServiceUnavailable.Timeout",
+    "IncorrectInstanceStatus.Initializing", "LastTokenProcessing", "SDK.HttpError", "SDK.ServerUnreachable",
+})
+_NOT_FOUND_CODES = frozenset({"InvalidInstanceId.NotFound", "InvalidInstanceIds.NotFound"})
+
+
+class PriceError(CapacityError):
+    """``InvalidSpotPriceLimit.LowerThanPublicPrice``: the offer's ``max_price_usd_h`` is
+    below the current spot price. A CapacityError, so the pool tries the next offer and
+    backs this one off until the market price falls again."""
+
+
+def translate_error(exc: Exception) -> ProviderError:
+    """Map an SDK exception onto the provider error tree (no secret in the message).
+
+    Capacity: ``OperationDenied.NoStock``, ``Zone.NotOnSale``,
+    ``InvalidInstanceType.ZoneNotSupported``, ``InvalidResourceType.NotSupported``;
+    ``InvalidSpotPriceLimit.LowerThanPublicPrice`` → :class:`PriceError`. Quota:
+    ``QuotaExceed.*`` / ``*.QuotaExceed*``. Auth: bad key id or signature, RAM denial,
+    missing credentials. Transient: ``Throttling*``, ``InternalError``,
+    ``ServiceUnavailable``, any 5xx, transport errors and timeouts. Anything else is a
+    plain :class:`ProviderError` (a request the adapter got wrong: no retry helps).
+    """
+    if isinstance(exc, ServerException):
+        code, status = exc.get_error_code() or "", exc.get_http_status() or 0
+        what = f"ECS {code} (HTTP {status}, request {exc.get_request_id()}): {exc.get_error_msg()}"
+    elif isinstance(exc, ClientException):
+        code, status = exc.get_error_code() or "", 0
+        # a transport error's text can quote the signed URL (AccessKeyId, Signature): cut the query
+        detail = re.sub(r"\?[^\s'\")]*", "?<query>", str(exc.get_error_msg()))
+        what = f"ECS client {code}: {detail}"
+    else:
+        return TransientError(f"ECS call failed: {type(exc).__name__}: {exc}")
+    err = _classify(code, status, what)
+    err.code = code  # type: ignore[attr-defined]  (the ECS error code, for callers that need it)
+    return err
+
+
+def _classify(code: str, status: int, what: str) -> ProviderError:
+    if code == "InvalidSpotPriceLimit.LowerThanPublicPrice":
+        return PriceError(what)
+    if code in _CAPACITY_CODES:
+        return CapacityError(what)
+    if code.startswith("QuotaExceed") or ".QuotaExceed" in code or code.startswith("QuotaExceeded"):
+        return QuotaError(what)
+    if code in _AUTH_CODES or code.startswith("Forbidden.RAM"):
+        if code in ("SignatureDoesNotMatch", "InvalidAccessKeySecret"):
+            what = f"ECS {code}: the AccessKeySecret does not match the AccessKeyId"
+        return AuthError(what)
+    if code.startswith("Throttling") or code in _TRANSIENT_CODES or status >= 500:
+        return TransientError(what)
+    return ProviderError(what)
+
+
+def client_token(node: NodeSpec) -> str:
+    """RunInstances' idempotency token for this launch (ASCII, at most 64 characters).
+
+    The same node launched again (a retry after a timeout) gets the same token, so ECS
+    answers the first call's instance. Node ids repeat across daemon runs
+    (``<pool>-<ordinal>``), so the token also carries a hash of the node's own random
+    token: a later node with a reused id is a new purchase. The hash is one-way; the
+    node token itself never leaves the user-data.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node.node_id)[:40]
+    digest = hashlib.sha256(f"{node.node_id}\0{node.token}".encode()).hexdigest()[:16]
+    return f"sv-{safe}-{digest}"
+
+
+def region_of_zone(zone: str) -> str:
+    """``cn-hangzhou-g`` → ``cn-hangzhou``; ``us-west-1a`` → ``us-west-1`` (naming
+    convention of the zone list in "Regions and zones"; a heuristic, UNCONFIRMED for
+    every future region)."""
+    m = re.fullmatch(r"(.*\d)[a-z]", zone) or re.fullmatch(r"(.*)-[a-z]", zone)
+    return m.group(1) if m else zone
+
+
+def _parse_time(text: str | None) -> float | None:
+    """ECS times: ``2017-12-10T04:04Z`` (DescribeInstances) or ``...T04:04:05Z``."""
+    if not text:
+        return None
+    for fmt in ("%Y-%m-%dT%H:%MZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc).timestamp()
+        except ValueError:
+            continue
+    return None
+
+
+@register_provider("aliyun")
+class AliyunProvider(Provider):
+    """ECS spot instances; see the module docstring.
+
+    Args:
+        spec: image, security group, zone → vSwitch map, spot strategy, test endpoint.
+        access_key_id, access_key_secret: explicit credentials (both or neither);
+            default: the credential chain of the module docstring.
+        regions: regions ``describe`` searches besides those in use; default: the
+            regions of ``spec.vswitch_ids``' zones.
+        retry_attempts: tries per call on TransientError (1 = no retry).
+        retry_wait_s: base of the jittered exponential wait between tries, seconds.
+        read_timeout_s, connect_timeout_s: per HTTP request, seconds.
+        price_cache_s: how long a spot price is reused, seconds.
+
+    Blocking: none on the event loop. Cancellation: a cancelled call may still finish
+    in its worker thread; ``describe`` is the truth afterwards (instances are tagged).
+    """
+
+    name = "aliyun"
+
+    def __init__(self, *, spec: AliyunProviderSpec, access_key_id: str | None = None,
+                 access_key_secret: str | None = None, regions: list[str] | None = None,
+                 retry_attempts: int = 4, retry_wait_s: float = 0.5, read_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 5.0, price_cache_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, **_ignored: Any) -> None:
+        if (access_key_id is None) != (access_key_secret is None):
+            raise ValueError("AliyunProvider: pass both access_key_id and access_key_secret, or neither")
+        if retry_attempts < 1:
+            raise ValueError(f"retry_attempts must be >= 1, got {retry_attempts}")
+        for label, value in (("retry_wait_s", retry_wait_s), ("read_timeout_s", read_timeout_s),
+                             ("connect_timeout_s", connect_timeout_s), ("price_cache_s", price_cache_s)):
+            if value < 0 or (label.endswith("timeout_s") and value == 0):
+                raise ValueError(f"{label} must be positive, got {value}")
+        self.spec = spec
+        self._ak_id = access_key_id
+        self._ak_secret = access_key_secret
+        self._regions = set(regions or ()) | {region_of_zone(z) for z in spec.vswitch_ids}
+        self._retry_attempts = retry_attempts
+        self._retry_wait_s = retry_wait_s
+        self._read_timeout_s = read_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._price_cache_s = price_cache_s
+        self._clock = clock
+        self._clients: dict[str, AcsClient] = {}
+        self._instance_region: dict[str, str] = {}
+        self._prices: dict[str, tuple[float, float | None]] = {}  # offer key -> (fetched_at, price)
+        self._currency_warned = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"AliyunProvider(regions={sorted(self._regions)!r}, endpoint={self.spec.endpoint!r})"
+
+    # -- contract -------------------------------------------------------------------
+    async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
+        """RunInstances for one spot instance of ``offer``, tagged with the pool and node.
+
+        Raises CapacityError (PriceError for a price limit under the market price),
+        QuotaError, AuthError, TransientError (after ``retry_attempts`` tries; each retry
+        reuses the ClientToken, so at most one instance is bought), ValueError when the
+        offer's zone has no vSwitch in the spec.
+        """
+        zone = offer.zone or self._default_zone(offer.region)
+        vswitch = self.spec.vswitch_ids.get(zone)
+        if vswitch is None:
+            raise ValueError(f"aliyun: no vSwitch for zone {zone!r} in providers.aliyun.vswitch_ids")
+        tags = {**node.tags, POOL_TAG: node.pool, NODE_TAG: node.node_id}
+        if len(tags) > _MAX_TAGS:
+            raise ValueError(f"aliyun: at most {_MAX_TAGS} tags per instance, got {len(tags)}")
+        user_data = base64.b64encode(render_user_data(node, dialect="aliyun").encode()).decode()
+        token = client_token(node)
+
+        def build() -> RpcRequest:
+            req = RunInstancesRequest()
+            req.set_InstanceChargeType("PostPaid")
+            strategy = self.spec.spot_strategy
+            if strategy == "SpotWithPriceLimit" and offer.max_price_usd_h is None:
+                strategy = "SpotAsPriceGo"
+            req.set_SpotStrategy(strategy)
+            if strategy == "SpotWithPriceLimit":
+                req.set_SpotPriceLimit(offer.max_price_usd_h)
+            req.set_SpotDuration(0)
+            req.set_SpotInterruptionBehavior("Terminate")
+            req.set_ImageId(self.spec.image_id)
+            req.set_InstanceType(offer.instance_type)
+            req.set_ZoneId(zone)
+            req.set_SecurityGroupId(self.spec.security_group_id)
+            req.set_VSwitchId(vswitch)
+            req.set_UserData(user_data)
+            req.set_Tags([{"Key": k, "Value": v} for k, v in tags.items()])
+            req.set_Amount(1)
+            req.set_ClientToken(token)
+            return req
+
+        body = await self._call(offer.region, build)
+        ids = body.get("InstanceIdSets", {}).get("InstanceIdSet", [])
+        if not ids:
+            raise CapacityError(f"ECS RunInstances returned no instance for {offer.key}")
+        iid = ids[0]
+        self._instance_region[iid] = offer.region
+        log.info("instance_launch_accepted", instance_id=iid, node_id=node.node_id, offer=offer.key)
+        return Instance(id=iid, node_id=node.node_id, provider=self.name, state="pending", zone=zone,
+                        instance_type=offer.instance_type, launched_at=time.time())
+
+    async def terminate(self, instance_id: str) -> None:
+        """DeleteInstances with ``Force=true``; an unknown or released id is fine.
+
+        The region is the one the instance was launched or described in; an id this
+        provider has not seen is tried in every known region. Raises AuthError,
+        TransientError.
+        """
+        regions = [self._instance_region[instance_id]] if instance_id in self._instance_region \
+            else sorted(self._regions)
+
+        def build() -> RpcRequest:
+            req = DeleteInstancesRequest()
+            req.set_InstanceIds([instance_id])
+            req.set_Force(True)
+            return req
+
+        for region in regions:
+            try:
+                await self._call(region, build)
+            except ProviderError as exc:
+                if getattr(exc, "code", None) in _NOT_FOUND_CODES:
+                    continue
+                raise
+            log.info("instance_terminated", instance_id=instance_id, region=region)
+            break
+        self._instance_region.pop(instance_id, None)
+
+    async def describe(self, tag: str) -> list[Instance]:
+        """Pending/Starting/Running instances tagged ``spotvisor-pool=tag`` in every
+        region in use (paged). Raises AuthError, TransientError."""
+        out: list[Instance] = []
+        for region in sorted(self._regions):
+            page = 1
+            while True:
+                def build(page: int = page) -> RpcRequest:
+                    req = DescribeInstancesRequest()
+                    req.set_Tags([{"Key": POOL_TAG, "Value": tag}])
+                    req.set_PageSize(_PAGE_SIZE)
+                    req.set_PageNumber(page)
+                    return req
+
+                body = await self._call(region, build)
+                items = body.get("Instances", {}).get("Instance", [])
+                for item in items:
+                    inst = self._instance_from(item)
+                    if inst is not None:
+                        self._instance_region[inst.id] = region
+                        out.append(inst)
+                if not items or page * _PAGE_SIZE >= int(body.get("TotalCount", 0)):
+                    break
+                page += 1
+        return out
+
+    async def spot_price(self, offer: Offer) -> float | None:
+        """Newest ``SpotPrice`` from DescribeSpotPriceHistory (vpc, SpotDuration 0), cached
+        ``price_cache_s``; None when the history is empty.
+
+        The price is per hour in the response's ``Currency``: USD on the international
+        site, CNY on the China site (aliyun.com accounts). It is returned as is -- a
+        CNY price is NOT converted (no exchange rate here) and a warning is logged once;
+        price caps for such accounts must be written in CNY. Raises AuthError,
+        TransientError.
+        """
+        cached = self._prices.get(offer.key)
+        now = self._clock()
+        if cached is not None and now - cached[0] < self._price_cache_s:
+            return cached[1]
+
+        def build() -> RpcRequest:
+            req = DescribeSpotPriceHistoryRequest()
+            req.set_InstanceType(offer.instance_type)
+            req.set_NetworkType("vpc")
+            req.set_SpotDuration(0)
+            if offer.zone:
+                req.set_ZoneId(offer.zone)
+            return req
+
+        body = await self._call(offer.region, build)
+        rows = body.get("SpotPrices", {}).get("SpotPriceType", [])
+        price: float | None = None
+        if rows:
+            newest = max(r.get("Timestamp", "") for r in rows)
+            price = min(float(r["SpotPrice"]) for r in rows if r.get("Timestamp", "") == newest)
+        currency = body.get("Currency", "USD")
+        if currency != "USD" and not self._currency_warned:
+            self._currency_warned = True
+            log.warning("spot_price_currency_not_usd", currency=currency, offer=offer.key)
+        self._prices[offer.key] = (now, price)
+        return price
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            session = getattr(client, "session", None)
+            if session is not None:
+                await asyncio.to_thread(session.close)
+
+    # -- internals --------------------------------------------------------------------
+    def _default_zone(self, region: str) -> str:
+        zones = sorted(z for z in self.spec.vswitch_ids if region_of_zone(z) == region)
+        if not zones:
+            raise ValueError(f"aliyun: offer in {region!r} has no zone and no vSwitch in that region")
+        return zones[0]
+
+    def _instance_from(self, item: dict[str, Any]) -> Instance | None:
+        state = _LIVE_STATUS.get(item.get("Status", ""))
+        if state is None:
+            return None
+        tags = {t.get("TagKey"): t.get("TagValue") for t in item.get("Tags", {}).get("Tag", [])}
+        return Instance(id=item["InstanceId"], node_id=tags.get(NODE_TAG) or "", provider=self.name,
+                        state=state, zone=item.get("ZoneId"), instance_type=item.get("InstanceType"),
+                        launched_at=_parse_time(item.get("CreationTime")))
+
+    def _credentials(self) -> dict[str, Any]:
+        """AcsClient keyword arguments for the first credential the chain finds."""
+        env = os.environ
+        if self._ak_id is not None:
+            return {"ak": self._ak_id, "secret": self._ak_secret}
+        ak, sk = env.get("ALIBABA_CLOUD_ACCESS_KEY_ID"), env.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
+        if ak and sk:
+            sts = env.get("ALIBABA_CLOUD_SECURITY_TOKEN")
+            return {"credential": StsTokenCredential(ak, sk, sts)} if sts else {"ak": ak, "secret": sk}
+        ak, sk = env.get("ALIYUN_ACCESS_KEY_ID"), env.get("ALIYUN_ACCESS_KEY_SECRET")
+        if ak and sk:
+            return {"ak": ak, "secret": sk}
+        path = Path(env.get("ALIBABA_CLOUD_CREDENTIALS_FILE") or Path.home() / ".alibabacloud" / "credentials")
+        profile = env.get("ALIBABA_CLOUD_PROFILE", "default")
+        if path.is_file():
+            parser = configparser.ConfigParser()
+            try:
+                parser.read(path)
+            except configparser.Error as exc:
+                raise AuthError(f"aliyun: cannot parse credentials file {path}") from exc
+            if parser.has_section(profile) and parser[profile].get("type", "access_key") == "access_key":
+                ak, sk = parser[profile].get("access_key_id"), parser[profile].get("access_key_secret")
+                if ak and sk:
+                    return {"ak": ak, "secret": sk}
+        role = env.get("ALIBABA_CLOUD_ECS_METADATA")
+        if role:
+            return {"credential": EcsRamRoleCredential(role)}
+        raise AuthError("aliyun: no credentials (set ALIBABA_CLOUD_ACCESS_KEY_ID and "
+                        "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, "
+                        "or ALIBABA_CLOUD_ECS_METADATA)")
+
+    def _client(self, region: str) -> AcsClient:
+        if self._closed:
+            raise RuntimeError("AliyunProvider is closed")
+        client = self._clients.get(region)
+        if client is None:
+            try:
+                client = AcsClient(region_id=region, auto_retry=False, timeout=self._read_timeout_s,
+                                   connect_timeout=self._connect_timeout_s, **self._credentials())
+            except ClientException as exc:
+                raise translate_error(exc) from exc
+            self._clients[region] = client
+            self._regions.add(region)
+        return client
+
+    async def _call(self, region: str, build: Callable[[], RpcRequest]) -> dict[str, Any]:
+        """One API call with retries on TransientError; ``build`` makes a fresh request
+        per try (the SDK re-signs it: new nonce and timestamp, same ClientToken)."""
+        client = self._client(region)
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(TransientError),
+            stop=stop_after_attempt(self._retry_attempts),
+            wait=wait_random_exponential(multiplier=self._retry_wait_s, max=max(self._retry_wait_s * 8, 0.001)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                req = build()
+                if self.spec.endpoint:
+                    req.set_endpoint(self.spec.endpoint)
+                    req.set_protocol_type("http")
+                try:
+                    raw = await asyncio.to_thread(client.do_action_with_exception, req)
+                except (ServerException, ClientException) as exc:
+                    err = translate_error(exc)
+                    log.info("ecs_call_failed", action=req.get_action_name(), region=region,
+                             error=type(err).__name__, code=exc.get_error_code(),
+                             attempt=attempt.retry_state.attempt_number)
+                    raise err from exc
+                except OSError as exc:
+                    raise TransientError(f"ECS {req.get_action_name()}: {type(exc).__name__}") from exc
+                return json.loads(raw)
+        raise AssertionError("unreachable")  # pragma: no cover
