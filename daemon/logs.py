@@ -37,3 +37,6 @@ def configure_logging(level: str | None = None, *, stream=None) -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=lvl, stream=out, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # aliyunsdkcore logs every failed call at ERROR with the signed URL (AccessKeyId,
+    # Signature); the provider reports the error itself, without the query string.
+    logging.getLogger("aliyunsdkcore").setLevel(logging.CRITICAL)
