@@ -146,3 +146,21 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
+
+
+@pytest.fixture(scope="session")
+def ec2_server(s3_server: str) -> str:
+    """A moto server for EC2 on 127.0.0.1; yields its endpoint URL.
+
+    moto serves every service on one endpoint (and its state is per process), so this
+    is the ``s3_server`` endpoint; dummy credentials and us-east-1 are set while it runs.
+    Tag instances with a unique pool per test to keep tests independent.
+
+    moto builds a region's EC2 state on its first request there (seconds); that is
+    done here, once, so tests can use sub-second client timeouts.
+    """
+    import boto3
+
+    for region in ("us-east-1", "us-west-2"):
+        boto3.client("ec2", region_name=region, endpoint_url=s3_server).describe_instances()
+    return s3_server

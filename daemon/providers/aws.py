@@ -1,0 +1,547 @@
+"""AWS EC2 spot capacity behind the Provider contract (boto3).
+
+Every boto3 call runs in a worker thread (``asyncio.to_thread``) on a client made
+with botocore's own retries switched off (``total_max_attempts=1``): retries belong to
+this module's tenacity layer, which retries :class:`TransientError` only, with
+exponential jitter, then gives up with :class:`TransientError`.
+
+Launch is idempotent per node. ``RunInstances`` / ``CreateFleet`` carry a
+``ClientToken`` derived from ``node.node_id``
+(https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html), so a
+retry after a timeout returns the instance the first request created instead of
+a second one. Fakes do not all honour it (moto 5 ignores ``ClientToken``), and a
+token outlives the instance, so before each *retry* the provider also looks the
+node up by its ``spotvisor-node`` tag and returns the instance it finds.
+
+SDK errors are translated here, at the edge (``from exc``) — see
+:func:`map_client_error` and https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html:
+
+- capacity: InsufficientInstanceCapacity, InsufficientCapacity, UnfulfillableCapacity,
+  InsufficientHostCapacity → :class:`CapacityError`; SpotMaxPriceTooLow → :class:`PriceError`
+  (a CapacityError: the next offer may be cheaper or allow a higher cap);
+- quota: MaxSpotInstanceCountExceeded, InstanceLimitExceeded, VcpuLimitExceeded → :class:`QuotaError`;
+- auth: AuthFailure, UnauthorizedOperation, expired/invalid tokens, no credentials → :class:`AuthError`
+  (one message naming the code, the call and the region; never a credential);
+- transient: RequestLimitExceeded and other throttling, InternalError, Unavailable, any other
+  5xx, read/connect timeouts, connection failures → :class:`TransientError`;
+- anything else (a bad AMI id, a bad parameter) → plain :class:`ProviderError`: a
+  configuration problem no retry or other offer fixes.
+
+Credentials come from boto3's default chain only and are never logged.
+
+Cancellation: cancelling a call abandons the worker thread's request, which may
+still complete cloud-side; ``describe(tag)`` is the source of truth afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from daemon.config import AwsProviderSpec
+from daemon.pool import Offer
+from daemon.providers.base import (
+    AuthError,
+    CapacityError,
+    Instance,
+    NodeSpec,
+    Provider,
+    ProviderError,
+    QuotaError,
+    TransientError,
+    register_provider,
+)
+from daemon.providers.bootstrap import render_user_data
+
+__all__ = ["AwsProvider", "PriceError", "client_token", "map_client_error"]
+
+log = structlog.get_logger("spotvisor.provider.aws")
+
+T = TypeVar("T")
+
+POOL_TAG = "spotvisor-pool"
+NODE_TAG = "spotvisor-node"
+_LIVE_STATES = ("pending", "running")
+
+_CAPACITY_CODES = frozenset({
+    "InsufficientInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity",
+    "InsufficientHostCapacity",
+})
+_PRICE_CODES = frozenset({"SpotMaxPriceTooLow"})
+_QUOTA_CODES = frozenset({
+    "MaxSpotInstanceCountExceeded", "InstanceLimitExceeded", "VcpuLimitExceeded",
+    "MaxSpotFleetRequestCountExceeded", "MaxFleetCountExceeded",
+})
+_AUTH_CODES = frozenset({
+    "AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "SignatureDoesNotMatch",
+    "ExpiredToken", "RequestExpired", "OptInRequired", "Blocked", "PendingVerification",
+})
+_TRANSIENT_CODES = frozenset({
+    "RequestLimitExceeded", "Throttling", "ThrottlingException", "RequestThrottled",
+    "InternalError", "InternalFailure", "Unavailable", "ServiceUnavailable",
+})
+_NOT_FOUND_CODES = frozenset({"InvalidInstanceID.NotFound"})
+
+
+class PriceError(CapacityError):
+    """``SpotMaxPriceTooLow``: the offer's price cap is under the current spot price.
+
+    A CapacityError, so the daemon treats it the same way: try the next offer and back
+    this one off (the price may drop, or another offer may have a cap that fits).
+    """
+
+
+def client_token(node_id: str) -> str:
+    """The idempotency token of ``node_id``'s launch: deterministic, 64 ASCII chars at most.
+
+    https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html
+    """
+    return "spotvisor-" + hashlib.sha256(node_id.encode()).hexdigest()[:48]
+
+
+def _error_code(exc: botocore.exceptions.ClientError) -> str:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    # The Query API may prefix codes with "Client." / "Server." (e.g. Client.UnauthorizedOperation).
+    for prefix in ("Client.", "Server."):
+        if code.startswith(prefix):
+            code = code[len(prefix):]
+    return code
+
+
+def map_client_error(code: str, message: str, *, status: int | None, what: str) -> ProviderError:
+    """Translate an EC2 error code (and HTTP status) into the provider error tree.
+
+    Pure; ``what`` names the call for the message (e.g. ``"RunInstances in us-east-1"``).
+    Auth errors drop the server's message (it may be long, encoded, or echo request data).
+    """
+    if code in _PRICE_CODES:
+        return PriceError(f"{code}: {what}: {message}")
+    if code in _CAPACITY_CODES:
+        return CapacityError(f"{code}: {what}: {message}")
+    if code in _QUOTA_CODES:
+        return QuotaError(f"{code}: {what}: {message}")
+    if code in _AUTH_CODES:
+        return AuthError(
+            f"AWS refused the credentials ({code}) for {what}; check the credential chain "
+            "(AWS_PROFILE / environment / instance role) and the IAM policy")
+    if code in _TRANSIENT_CODES or (status is not None and status >= 500):
+        return TransientError(f"{code or 'HTTP ' + str(status)}: {what}: {message}")
+    return ProviderError(f"{code or 'HTTP ' + str(status)}: {what}: {message}")
+
+
+def _translate(exc: BaseException, what: str) -> ProviderError | None:
+    """A provider error for a botocore exception, or None when it is not one of botocore's."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        message = str(exc.response.get("Error", {}).get("Message", ""))[:500]
+        return map_client_error(_error_code(exc), message, status=status, what=what)
+    if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError,
+                        botocore.exceptions.CredentialRetrievalError)):
+        return AuthError(f"no usable AWS credentials for {what} ({type(exc).__name__}); "
+                         "configure boto3's credential chain (environment, profile or instance role)")
+    if isinstance(exc, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)):
+        # ReadTimeoutError, ConnectTimeoutError, EndpointConnectionError, ConnectionClosedError, ...
+        return TransientError(f"{type(exc).__name__}: {what}")
+    return None
+
+
+def _view(raw: dict[str, Any], provider: str) -> Instance:
+    tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}
+    state = raw.get("State", {}).get("Name", "")
+    launched = raw.get("LaunchTime")
+    return Instance(
+        id=raw["InstanceId"],
+        node_id=tags.get(NODE_TAG, ""),
+        provider=provider,
+        state=state if state in _LIVE_STATES else "gone",
+        zone=raw.get("Placement", {}).get("AvailabilityZone"),
+        instance_type=raw.get("InstanceType"),
+        launched_at=launched.timestamp() if launched is not None else None,
+    )
+
+
+@register_provider("aws")
+class AwsProvider(Provider):
+    """EC2 spot instances; see the module docstring.
+
+    Args:
+        spec: AMI, subnets per zone, security groups, instance profile, key pair,
+            ``launch_method`` (``run_instances`` | ``create_fleet``), ``endpoint_url``.
+        region: a region always searched by ``describe`` (besides every region this
+            provider launched in). Offers carry their own region for launches.
+        regions: more regions to search (e.g. every offer's region, so a restarted
+            daemon finds its instances before launching anything).
+        retry_attempts: tries per call, first included (TransientError only).
+        retry_initial_s, retry_max_s: exponential-jitter wait between tries, seconds.
+        connect_timeout_s, read_timeout_s: per HTTP request, seconds.
+        price_ttl_s: how long a spot price is cached, seconds.
+
+    Other keywords (``state_dir``, ``agent_args``: the daemon passes them to every
+    provider) are ignored. The constructor does no I/O; clients are made on first use.
+    """
+
+    name = "aws"
+
+    def __init__(self, *, spec: AwsProviderSpec, region: str | None = None, regions: Iterable[str] = (),
+                 retry_attempts: int = 4, retry_initial_s: float = 0.5, retry_max_s: float = 8.0,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0, price_ttl_s: float = 60.0,
+                 **_ignored: object) -> None:
+        if retry_attempts < 1:
+            raise ValueError(f"retry_attempts must be >= 1, got {retry_attempts}")
+        for label, value in (("retry_initial_s", retry_initial_s), ("retry_max_s", retry_max_s),
+                             ("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s),
+                             ("price_ttl_s", price_ttl_s)):
+            if value < 0:
+                raise ValueError(f"{label} must be >= 0, got {value}")
+        self.spec = spec
+        self._default_region = region
+        self._regions: set[str] = set(regions) | ({region} if region else set())
+        self._retry_attempts = retry_attempts
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._price_ttl_s = price_ttl_s
+        self._botocore_config = botocore.config.Config(
+            # total_max_attempts=1: no botocore retry at all (its ``max_attempts`` counts
+            # *retries*, so max_attempts=1 would still retry once behind our back).
+            retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+        )
+        self._session: boto3.session.Session | None = None
+        self._clients: dict[str, Any] = {}
+        self._client_lock = asyncio.Lock()
+        self._instance_region: dict[str, str] = {}
+        self._prices: dict[tuple[str, str | None, str], tuple[float, float | None]] = {}
+        self._closed = False
+
+    # -- contract -------------------------------------------------------------
+    async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
+        """Start one spot instance (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_RunInstances.html,
+        or https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_CreateFleet.html with
+        ``launch_method="create_fleet"``), tagged with every ``node.tags`` entry plus the pool
+        and node tags. Returns when EC2 accepted it (state ``pending`` usually).
+
+        Raises:
+            CapacityError (PriceError for SpotMaxPriceTooLow): try the next offer.
+            QuotaError, AuthError: no retry helps.
+            TransientError: still failing after ``retry_attempts`` tries.
+            ProviderError: a configuration error (bad AMI, subnet, parameter).
+            ValueError: a node field cannot go into the user-data (see ``render_user_data``).
+        """
+        region = offer.region
+        self._regions.add(region)
+        attempt = 0
+
+        async def once() -> Instance:  # one try; its calls are single attempts (no nested retries)
+            nonlocal attempt
+            attempt += 1
+            if attempt > 1:  # the previous try may have created it (timeout after the request landed)
+                existing = await self._find_node(region, node)
+                if existing is not None:
+                    log.info("aws_launch_found_existing", node_id=node.node_id, instance_id=existing.id)
+                    if self.spec.launch_method == "create_fleet":
+                        await self._delete_template(region, client_token(node.node_id))
+                    return existing
+            if self.spec.launch_method == "create_fleet":
+                return await self._launch_fleet(region, offer, node)
+            return await self._run_instances(region, offer, node)
+
+        inst = await self._retrying(once, what=f"launch {node.node_id}")
+        self._instance_region[inst.id] = region
+        log.info("aws_launch_accepted", node_id=node.node_id, instance_id=inst.id, region=region,
+                 zone=inst.zone, instance_type=inst.instance_type, method=self.spec.launch_method)
+        return inst
+
+    async def terminate(self, instance_id: str) -> None:
+        """Terminate (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_TerminateInstances.html).
+
+        Idempotent: an instance unknown in every searched region, or already gone, is fine.
+        Raises AuthError, TransientError, ProviderError.
+        """
+        known = self._instance_region.get(instance_id)
+        regions = [known] if known else sorted(self._search_regions())
+        for region in regions:
+            try:
+                await self._call(region, "terminate_instances", InstanceIds=[instance_id])
+            except ProviderError as exc:
+                if isinstance(exc.__cause__, botocore.exceptions.ClientError) and \
+                        _error_code(exc.__cause__) in _NOT_FOUND_CODES:
+                    continue
+                raise
+            log.info("aws_terminate_requested", instance_id=instance_id, region=region)
+            return
+        log.info("aws_terminate_unknown_instance", instance_id=instance_id, regions=regions)
+
+    async def describe(self, tag: str) -> list[Instance]:
+        """Pending or running instances tagged ``spotvisor-pool=tag`` in every searched region
+        (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeInstances.html), paginated.
+
+        Raises AuthError, TransientError, ProviderError.
+        """
+        filters = [{"Name": f"tag:{POOL_TAG}", "Values": [tag]},
+                   {"Name": "instance-state-name", "Values": list(_LIVE_STATES)}]
+        regions = sorted(self._search_regions())
+        per_region = await asyncio.gather(*(self._describe_region(r, filters) for r in regions))
+        return [inst for found in per_region for inst in found]
+
+    async def spot_price(self, offer: Offer) -> float | None:
+        """Newest spot price of the offer's type (and zone, when set) in USD/hour, cached
+        ``price_ttl_s`` (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeSpotPriceHistory.html).
+
+        None when EC2 has no price for it. Raises AuthError, TransientError, ProviderError.
+        """
+        key = (offer.region, offer.zone, offer.instance_type)
+        now = time.monotonic()
+        cached = self._prices.get(key)
+        if cached is not None and now - cached[0] < self._price_ttl_s:
+            return cached[1]
+        self._regions.add(offer.region)
+        kwargs: dict[str, Any] = {"InstanceTypes": [offer.instance_type], "ProductDescriptions": ["Linux/UNIX"],
+                                  "StartTime": time.time(), "MaxResults": 20}
+        if offer.zone:
+            kwargs["AvailabilityZone"] = offer.zone
+        resp = await self._call(offer.region, "describe_spot_price_history", **kwargs)
+        rows = [r for r in resp.get("SpotPriceHistory", [])
+                if r.get("InstanceType") == offer.instance_type
+                and (not offer.zone or r.get("AvailabilityZone") == offer.zone)]
+        price: float | None = None
+        if rows:
+            newest = max(rows, key=lambda r: r["Timestamp"])
+            price = float(newest["SpotPrice"])
+        self._prices[key] = (now, price)
+        return price
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            try:
+                await asyncio.to_thread(client.close)
+            except Exception as exc:  # closing is best effort; the process may be exiting
+                log.warning("aws_client_close_failed", error=type(exc).__name__)
+
+    # -- launch paths ---------------------------------------------------------
+    def _tags(self, node: NodeSpec) -> list[dict[str, str]]:
+        tags = dict(node.tags)
+        tags.setdefault(POOL_TAG, node.pool)
+        tags.setdefault(NODE_TAG, node.node_id)
+        return [{"Key": k, "Value": v} for k, v in tags.items()]
+
+    async def _run_instances(self, region: str, offer: Offer, node: NodeSpec) -> Instance:
+        spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
+        if offer.max_price_usd_h is not None:
+            spot["MaxPrice"] = str(offer.max_price_usd_h)
+        kwargs: dict[str, Any] = {
+            "ImageId": self.spec.image_id,
+            "InstanceType": offer.instance_type,
+            "MinCount": 1,
+            "MaxCount": 1,
+            "UserData": render_user_data(node, dialect=self.spec.agent_metadata_dialect),  # boto3 base64-encodes
+            "InstanceMarketOptions": {"MarketType": "spot", "SpotOptions": spot},
+            "TagSpecifications": [{"ResourceType": "instance", "Tags": self._tags(node)}],
+            "ClientToken": client_token(node.node_id),
+        }
+        if offer.zone:
+            kwargs["Placement"] = {"AvailabilityZone": offer.zone}
+            if offer.zone in self.spec.subnet_ids:
+                kwargs["SubnetId"] = self.spec.subnet_ids[offer.zone]
+        if self.spec.security_group_ids:
+            kwargs["SecurityGroupIds"] = list(self.spec.security_group_ids)
+        if self.spec.iam_instance_profile:
+            kwargs["IamInstanceProfile"] = self._profile()
+        if self.spec.key_name:
+            kwargs["KeyName"] = self.spec.key_name
+        resp = await self._call_once(region, "run_instances", **kwargs)
+        return _view(resp["Instances"][0], self.name)
+
+    async def _launch_fleet(self, region: str, offer: Offer, node: NodeSpec) -> Instance:
+        """An instant fleet over a per-node launch template (user-data and tags live in it).
+
+        Capacity failures come back in the response's ``Errors[]``, not as an exception.
+        The template is deleted afterwards (best effort); a retry reuses it.
+        """
+        token = client_token(node.node_id)
+        template = token  # valid launch template name: [a-zA-Z0-9().-/_], ≤ 128
+        user_data = render_user_data(node, dialect=self.spec.agent_metadata_dialect)
+        data: dict[str, Any] = {
+            "ImageId": self.spec.image_id,
+            "UserData": base64.b64encode(user_data.encode()).decode(),  # templates take it encoded
+            "TagSpecifications": [{"ResourceType": "instance", "Tags": self._tags(node)}],
+        }
+        if self.spec.security_group_ids:
+            data["SecurityGroupIds"] = list(self.spec.security_group_ids)
+        if self.spec.iam_instance_profile:
+            data["IamInstanceProfile"] = self._profile()
+        if self.spec.key_name:
+            data["KeyName"] = self.spec.key_name
+        try:
+            await self._call_once(region, "create_launch_template", LaunchTemplateName=template,
+                             LaunchTemplateData=data, ClientToken=token)
+        except ProviderError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, botocore.exceptions.ClientError)
+                    and _error_code(cause) == "InvalidLaunchTemplateName.AlreadyExistsException"):
+                raise
+        override: dict[str, Any] = {"InstanceType": offer.instance_type}
+        if offer.zone in self.spec.subnet_ids:
+            override["SubnetId"] = self.spec.subnet_ids[offer.zone]  # the subnet fixes the zone
+        elif offer.zone:
+            override["AvailabilityZone"] = offer.zone
+        if offer.max_price_usd_h is not None:
+            override["MaxPrice"] = str(offer.max_price_usd_h)
+        definitive = False
+        try:
+            resp = await self._call_once(
+                region, "create_fleet", Type="instant", ClientToken=token,
+                SpotOptions={"AllocationStrategy": "price-capacity-optimized",
+                             "InstanceInterruptionBehavior": "terminate"},
+                LaunchTemplateConfigs=[{
+                    "LaunchTemplateSpecification": {"LaunchTemplateName": template, "Version": "$Latest"},
+                    "Overrides": [override],
+                }],
+                TargetCapacitySpecification={"TotalTargetCapacity": 1, "SpotTargetCapacity": 1,
+                                             "DefaultTargetCapacityType": "spot"},
+            )
+            definitive = True
+        finally:
+            if definitive:
+                await self._delete_template(region, template)
+        ids = [i for group in resp.get("Instances", []) for i in group.get("InstanceIds", [])]
+        if ids:
+            found = await self._describe_region(region, [], instance_ids=ids[:1], retry=False)
+            if found:
+                return found[0]
+            return Instance(id=ids[0], node_id=node.node_id, provider=self.name, state="pending",
+                            zone=offer.zone, instance_type=offer.instance_type, launched_at=time.time())
+        errors = resp.get("Errors", [])
+        what = f"CreateFleet in {region}"
+        if not errors:
+            raise CapacityError(f"{what}: the fleet launched no instance and reported no error")
+        # Prefer the most actionable: auth/quota beat capacity beat the rest.
+        mapped = [map_client_error(str(e.get("ErrorCode", "")), str(e.get("ErrorMessage", ""))[:500],
+                                   status=None, what=what) for e in errors]
+        for kind in (AuthError, QuotaError, CapacityError, TransientError):
+            for err in mapped:
+                if isinstance(err, kind):
+                    raise err
+        raise mapped[0]
+
+    async def _delete_template(self, region: str, template: str) -> None:
+        try:
+            await self._call_once(region, "delete_launch_template", LaunchTemplateName=template)
+        except ProviderError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, botocore.exceptions.ClientError) and _error_code(cause) in (
+                    "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound"):
+                return
+            log.warning("aws_launch_template_delete_failed", template=template, error=str(exc))
+
+    def _profile(self) -> dict[str, str]:
+        profile = self.spec.iam_instance_profile or ""
+        return {"Arn": profile} if profile.startswith("arn:") else {"Name": profile}
+
+    async def _find_node(self, region: str, node: NodeSpec) -> Instance | None:
+        filters = [{"Name": f"tag:{NODE_TAG}", "Values": [node.node_id]},
+                   {"Name": f"tag:{POOL_TAG}", "Values": [node.pool]},
+                   {"Name": "instance-state-name", "Values": list(_LIVE_STATES)}]
+        found = await self._describe_region(region, filters, retry=False)
+        return found[0] if found else None
+
+    # -- plumbing -------------------------------------------------------------
+    def _search_regions(self) -> set[str]:
+        regions = set(self._regions)
+        if not regions:
+            fallback = self._default_region or boto3.session.Session().region_name
+            if fallback:
+                regions.add(fallback)
+        return regions
+
+    async def _describe_region(self, region: str, filters: list[dict[str, Any]], *,
+                               instance_ids: list[str] | None = None, retry: bool = True) -> list[Instance]:
+        out: list[Instance] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {}
+            if filters:
+                kwargs["Filters"] = filters
+            if instance_ids:
+                kwargs["InstanceIds"] = instance_ids
+            else:
+                kwargs["MaxResults"] = 500  # not allowed together with InstanceIds
+            if token:
+                kwargs["NextToken"] = token
+            if retry:
+                resp = await self._call(region, "describe_instances", **kwargs)
+            else:
+                resp = await self._call_once(region, "describe_instances", **kwargs)
+            for reservation in resp.get("Reservations", []):
+                for raw in reservation.get("Instances", []):
+                    inst = _view(raw, self.name)
+                    self._instance_region[inst.id] = region
+                    out.append(inst)
+            token = resp.get("NextToken")
+            if not token:
+                return out
+
+    async def _client(self, region: str) -> Any:
+        if self._closed:
+            raise RuntimeError("AwsProvider is closed")
+        client = self._clients.get(region)
+        if client is not None:
+            return client
+        async with self._client_lock:
+            if region not in self._clients:
+                def make() -> Any:
+                    if self._session is None:
+                        self._session = boto3.session.Session()
+                    return self._session.client("ec2", region_name=region, endpoint_url=self.spec.endpoint_url,
+                                                config=self._botocore_config)
+                self._clients[region] = await asyncio.to_thread(make)
+            return self._clients[region]
+
+    async def _call_once(self, region: str, op: str, **kwargs: Any) -> dict[str, Any]:
+        """One boto3 call in a worker thread; botocore errors come out translated."""
+        client = await self._client(region)
+        what = f"{client.meta.method_to_api_mapping.get(op, op)} in {region}"
+        try:
+            return await asyncio.to_thread(getattr(client, op), **kwargs)
+        except Exception as exc:
+            mapped = _translate(exc, what)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    async def _call(self, region: str, op: str, **kwargs: Any) -> dict[str, Any]:
+        return await self._retrying(lambda: self._call_once(region, op, **kwargs), what=op)
+
+    async def _retrying(self, fn: Callable[[], Awaitable[T]], *, what: str) -> T:
+        """Run ``fn`` until it succeeds, retrying TransientError only (exponential jitter)."""
+
+        def before_sleep(state: Any) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("aws_call_retry", call=what, attempt=state.attempt_number, error=str(exc))
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(TransientError),
+            stop=stop_after_attempt(self._retry_attempts),
+            wait=wait_exponential_jitter(multiplier=self._retry_initial_s, max=self._retry_max_s,
+                                         jitter=self._retry_initial_s),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await fn()
+        raise TransientError(f"{what}: no attempt ran")  # pragma: no cover  (reraise=True raises the last error)

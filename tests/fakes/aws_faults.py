@@ -1,0 +1,223 @@
+"""A fault-injecting HTTP proxy in front of moto's EC2 server.
+
+moto never answers with capacity, quota, throttling or auth errors, and never times
+out. This proxy forwards every request unchanged (method, path, query, headers,
+body) to moto and returns moto's answer, except for requests whose EC2 ``Action``
+(from the form body, else the query string) has an armed fault:
+
+- :meth:`AwsFaultProxy.fail_next`: answer with an EC2 error response, the documented
+  shape (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html#api-error-response)::
+
+      <?xml version="1.0" encoding="UTF-8"?>
+      <Response><Errors><Error><Code>..</Code><Message>..</Message></Error></Errors><RequestID>..</RequestID></Response>
+
+  and the given HTTP status (client errors 4xx, server errors 5xx; e.g.
+  InsufficientInstanceCapacity is a server error, RequestLimitExceeded 503).
+- :meth:`AwsFaultProxy.delay_next`: forward to moto first (the request takes effect:
+  the instance exists), then hold the answer ``seconds`` — past the client's read
+  timeout, the "timeout after the request reached EC2" case. ``after_forward=False``
+  holds it before forwarding instead.
+- :meth:`AwsFaultProxy.reply_next`: answer with a given body and status (e.g. a 200
+  CreateFleet response whose ``Errors[]`` lists capacity failures).
+
+The proxy runs its own event loop in a background thread, so both sync boto3 calls
+made by a test and ``asyncio.to_thread`` calls made by a provider can reach it.
+Every request's action and form parameters are recorded in :attr:`requests`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs
+from xml.sax.saxutils import escape
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["AwsFaultProxy", "ec2_error_xml"]
+
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
+               "upgrade", "proxy-authorization", "proxy-authenticate"}
+
+
+def ec2_error_xml(code: str, message: str, request_id: str | None = None) -> str:
+    """An EC2 Query API error body (see the module docstring for the doc)."""
+    rid = request_id or str(uuid.uuid4())
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Response><Errors><Error><Code>{escape(code)}</Code><Message>{escape(message)}</Message>"
+            f"</Error></Errors><RequestID>{rid}</RequestID></Response>")
+
+
+@dataclass
+class _Fault:
+    kind: str  # fail | delay | reply
+    remaining: int
+    status: int = 200
+    body: str = ""
+    seconds: float = 0.0
+    after_forward: bool = True
+
+
+@dataclass
+class Seen:
+    """One request the proxy received: its EC2 action, form parameters, and what it did."""
+
+    action: str
+    params: dict[str, str]
+    fault: str | None = None  # fail | delay | reply | None (forwarded untouched)
+
+
+@dataclass
+class AwsFaultProxy:
+    """See the module docstring. ``start()`` → use ``url`` → ``close()`` (idempotent)."""
+
+    upstream: str
+    requests: list[Seen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._faults: dict[str, list[_Fault]] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._closing: asyncio.Event | None = None
+        self.url: str | None = None
+
+    # -- arming ---------------------------------------------------------------
+    def fail_next(self, action: str, code: str, status: int, n: int = 1, message: str | None = None) -> None:
+        """Answer the next ``n`` ``action`` requests with an EC2 error ``code`` and HTTP ``status``."""
+        body = ec2_error_xml(code, message or f"injected {code} (spotvisor test fault)")
+        self._arm(action, _Fault("fail", n, status=status, body=body))
+
+    def delay_next(self, action: str, seconds: float, n: int = 1, after_forward: bool = True) -> None:
+        """Hold the next ``n`` ``action`` answers ``seconds`` (after forwarding them, by default)."""
+        self._arm(action, _Fault("delay", n, seconds=seconds, after_forward=after_forward))
+
+    def reply_next(self, action: str, body: str, status: int = 200, n: int = 1) -> None:
+        """Answer the next ``n`` ``action`` requests with ``body`` (XML) and ``status``, not forwarding."""
+        self._arm(action, _Fault("reply", n, status=status, body=body))
+
+    def reset(self) -> None:
+        with self._lock:
+            self._faults.clear()
+            self.requests.clear()
+
+    def actions(self, action: str) -> list[Seen]:
+        """The recorded requests for ``action``, oldest first."""
+        with self._lock:
+            return [s for s in self.requests if s.action == action]
+
+    def _arm(self, action: str, fault: _Fault) -> None:
+        if fault.remaining < 1:
+            raise ValueError(f"n must be >= 1, got {fault.remaining}")
+        with self._lock:
+            self._faults.setdefault(action, []).append(fault)
+
+    def _take(self, action: str) -> _Fault | None:
+        with self._lock:
+            queue = self._faults.get(action)
+            if not queue:
+                return None
+            fault = queue[0]
+            fault.remaining -= 1
+            if fault.remaining == 0:
+                queue.pop(0)
+            return fault
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> str:
+        """Start the proxy on 127.0.0.1 (random port) in a background thread; returns its URL."""
+        if self._thread is not None:
+            raise RuntimeError("AwsFaultProxy already started")
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._astart())
+            except BaseException as exc:  # reported to start()
+                errors.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._astop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="aws-fault-proxy", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise RuntimeError("AwsFaultProxy failed to start") from errors[0]
+        assert self.url is not None
+        return self.url
+
+    def close(self) -> None:
+        """Stop the proxy: held (delayed) answers are released at once. Idempotent."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+    async def _astart(self) -> None:
+        self._closing = asyncio.Event()
+        self._session = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def _astop(self) -> None:
+        if self._closing is not None:
+            self._closing.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- handling -------------------------------------------------------------
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()} if body else {}
+        if "Action" not in params:
+            params.update({k: v for k, v in request.query.items()})
+        action = params.get("Action", "")
+        fault = self._take(action)
+        with self._lock:
+            self.requests.append(Seen(action, params, fault.kind if fault else None))
+        if fault is not None and fault.kind in ("fail", "reply"):
+            return web.Response(status=fault.status, body=fault.body.encode(), content_type="text/xml")
+        if fault is not None and not fault.after_forward:
+            await self._hold(fault.seconds)
+        status, headers, payload = await self._forward(request, body)
+        if fault is not None and fault.after_forward:
+            await self._hold(fault.seconds)
+        return web.Response(status=status, headers=headers, body=payload)
+
+    async def _hold(self, seconds: float) -> None:
+        assert self._closing is not None
+        try:
+            await asyncio.wait_for(self._closing.wait(), timeout=seconds)  # the injected delay itself
+        except TimeoutError:
+            pass
+
+    async def _forward(self, request: web.Request, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
+                                         data=body, allow_redirects=False) as resp:
+            payload = await resp.read()
+            out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
+            return resp.status, out, payload
