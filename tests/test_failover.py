@@ -1,0 +1,135 @@
+"""Failover across clouds through the real daemon and the real SDKs: AWS (boto3 →
+fault proxy → moto) and Alibaba (aliyun-python-sdk-ecs → FakeEcs)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from conftest import DaemonHarness
+from daemon.api import ApiServer
+from daemon.config import Config
+from daemon.model import NodeState
+from daemon.providers.aliyun import AliyunProvider
+from daemon.providers.aws import AwsProvider
+from daemon.store import Store
+from daemon.supervisor import Supervisor
+from fakes.aws_faults import AwsFaultProxy
+from fakes.ecs import FakeEcs
+
+AK_ID, AK_SECRET = "LTAI-failover", "failover-secret"
+ALIYUN_TYPE = "ecs.gn7i-c32g1.32xlarge"  # 4 GPUs: a different GPU count than the AWS offers
+
+
+@pytest.fixture
+def faults(ec2_server: str):
+    proxy = AwsFaultProxy(ec2_server)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+async def ecs():
+    async with FakeEcs(access_key_id=AK_ID, access_key_secret=AK_SECRET) as fake:
+        yield fake
+
+
+@pytest.fixture
+async def daemon(request: pytest.FixtureRequest, tmp_path: Path, faults: AwsFaultProxy, ecs: FakeEcs):
+    """A daemon with both cloud providers; ``request.param`` = list of offer providers to configure."""
+    kinds = getattr(request, "param", ["aws", "aws", "aliyun"])
+    offers = []
+    for i, kind in enumerate(kinds):
+        if kind == "aws":
+            offers.append({"provider": "aws", "region": "us-east-1", "zone": f"us-east-1{'ab'[i % 2]}",
+                           "instance_type": "p4d.24xlarge", "gpu_type": "A100-40GB", "gpus_per_node": 8})
+        else:
+            offers.append({"provider": "aliyun", "region": "cn-hangzhou", "zone": "cn-hangzhou-h",
+                           "instance_type": ALIYUN_TYPE, "gpu_type": "A10-24GB", "gpus_per_node": 4})
+    sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
+    config = Config.model_validate({
+        "pool": {"name": f"fo-{uuid.uuid4().hex[:8]}", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1},  # valid world sizes 1, 2, 4, 8, 16
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
+                   "reconcile_interval_s": 0.05},
+        "providers": {
+            "local": None,
+            "aws": {"image_id": "ami-03cf127a", "endpoint_url": faults.url},
+            "aliyun": {"image_id": "m-test", "security_group_id": "sg-test",
+                       "vswitch_ids": {"cn-hangzhou-h": "vsw-h"}, "endpoint": ecs.endpoint},
+        },
+        "offers": offers,
+    })
+    providers = {
+        "aws": AwsProvider(spec=config.providers.aws, region="us-east-1", retry_attempts=2, retry_initial_s=0.01,
+                           retry_max_s=0.05, read_timeout_s=5.0),
+        "aliyun": AliyunProvider(spec=config.providers.aliyun, access_key_id=AK_ID, access_key_secret=AK_SECRET,
+                                 retry_wait_s=0.0),
+    }
+    store = Store(tmp_path / "state" / "spotvisord.db").open()
+    sup = Supervisor(config, providers=providers, store=store)
+    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=f"{sockdir}/d.sock")
+    try:
+        await api.start()
+        yield DaemonHarness(sup, api, None, config, f"{sockdir}/d.sock", tmp_path)  # type: ignore[arg-type]
+    finally:
+        await sup.aclose()
+        await api.aclose()
+        store.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+async def test_aws_out_of_capacity_fails_over_to_alibaba_and_the_job_follows_its_gpus(
+        daemon: DaemonHarness, faults: AwsFaultProxy, ecs: FakeEcs) -> None:
+    h = daemon
+    faults.fail_next("RunInstances", "InsufficientInstanceCapacity", 500, n=2)
+    await h.sup.start(agent_url=h.api.agent_url)
+    await h.until(lambda: any(n.provider == "aliyun" and n.state is NodeState.LAUNCHING
+                              for n in h.sup.nodes.values()), timeout_s=20, what="the Alibaba launch")
+
+    failed = h.events("node_launch_failed")
+    assert [(e.data["error"], e.data["offer"].split("/")[0]) for e in failed] == [("capacity", "aws")] * 2
+    assert {e.data["offer"] for e in failed} == {"aws/us-east-1/us-east-1a/p4d.24xlarge",
+                                                  "aws/us-east-1/us-east-1b/p4d.24xlarge"}
+    assert all(e.data["backoff_s"] >= 36 for e in failed)  # both AWS offers now sit out
+    assert len(ecs.calls("RunInstances")) == 1
+
+    node = next(n for n in h.sup.nodes.values() if n.provider == "aliyun")
+    argv = h.sup.job_spec(node)["argv"]
+    assert "--nproc-per-node=4" in argv  # nproc_per_node follows the replacement's GPU count
+    h.sup.on_register(node)
+    await h.until(lambda: node.state is NodeState.RUNNING, what="admitted")
+    h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
+        "event": "started", "attempt": "a1", "world_size": 4, "step": 0, "time": time.time()}}])
+    assert h.sup.job.world_size == 4
+
+
+@pytest.mark.parametrize("daemon", [["aliyun"]], indirect=True)
+async def test_the_daemon_answers_status_while_a_launch_is_in_flight(daemon: DaemonHarness, ecs: FakeEcs) -> None:
+    """SDK calls run in threads: a slow cloud API never stalls the event loop."""
+    h = daemon
+    ecs.delay_next("RunInstances", 3.0)
+    await h.sup.start(agent_url=h.api.agent_url)
+    await h.until(lambda: h.events("node_launch_requested"), what="a launch")
+    timings = []
+    conn = aiohttp.UnixConnector(path=h.socket_path)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            async with s.get("http://spotvisord/v1/status") as r:
+                assert r.status == 200
+                await r.json()
+            timings.append(time.perf_counter() - t0)
+            assert not h.events("node_launched"), "the slow launch should still be in flight"
+    assert max(timings) < 0.1, timings
+    await h.until(lambda: h.events("node_launched"), timeout_s=10, what="the slow launch to finish")
