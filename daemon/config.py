@@ -65,6 +65,8 @@ class PoolSpec(_Spec):
     # ignore | checkpoint (commit now, keep running) | replace (launch a replacement
     # now; drain this node once the replacement is ready)
     rebalance_policy: Literal["ignore", "checkpoint", "replace"] = "checkpoint"
+    # allow offers with ``market: on_demand``, used only while no spot offer is usable
+    on_demand_fallback: bool = False
 
     @model_validator(mode="after")
     def _sizes(self) -> "PoolSpec":
@@ -222,6 +224,7 @@ class OfferSpec(_Spec):
     gpu_type: str = "none"
     gpus_per_node: int = Field(1, ge=1, le=64)
     max_price_usd_h: float | None = Field(None, ge=0)
+    market: Literal["spot", "on_demand"] = "spot"
 
 
 class ChaosEvent(_Spec):
@@ -265,6 +268,13 @@ class Config(_Spec):
     @model_validator(mode="after")
     def _cross(self) -> "Config":
         for i, offer in enumerate(self.offers):
+            if offer.market == "on_demand" and not self.pool.on_demand_fallback:
+                raise ValueError(
+                    f"offers.{i}.market: on_demand offers are a fallback that is off "
+                    "(set pool.on_demand_fallback: true, or remove the offer)"
+                )
+            if offer.provider == "local" and offer.market == "on_demand":
+                raise ValueError(f"offers.{i}.market: the local provider has no on-demand market (use spot)")
             if getattr(self.providers, offer.provider, None) is None:
                 raise ValueError(
                     f"offers.{i}.provider: {offer.provider!r} has no providers.{offer.provider} "

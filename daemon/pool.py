@@ -16,10 +16,11 @@ b is gone: the replacement boots while b flushes its checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from dataclasses import dataclass
+from typing import Sequence, Union
 
 from daemon.model import NodeState
+from daemon.offers import History, Offer, rank_offers
 
 __all__ = [
     "Desired",
@@ -60,47 +61,6 @@ class NodeView:
     replacing: bool = False
     # its trainer has left the job (after a drain or a notice commit)
     trainer_exited: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Offer:
-    """A way to buy a node. ``price_usd_h``: current spot price (None = unknown)."""
-
-    index: int
-    provider: str
-    region: str
-    zone: str | None
-    instance_type: str
-    gpus_per_node: int
-    price_usd_h: float | None = None
-    max_price_usd_h: float | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.zone_key}/{self.instance_type}"
-
-    @property
-    def zone_key(self) -> str:
-        return f"{self.provider}/{self.region}/{self.zone or '-'}"
-
-    def usd_per_gpu_h(self) -> float:
-        if self.price_usd_h is None:
-            return float("inf")
-        return self.price_usd_h / self.gpus_per_node
-
-
-@dataclass(frozen=True, slots=True)
-class History:
-    """What recent outcomes say about offers.
-
-    ``backoff_until[offer_index]``: unix s until which the offer is not used (capacity
-    errors; ``inf`` for a provider disabled by a quota or auth error).
-    ``avoid_zones``: zone keys (``Offer.zone_key``) just preempted: offers there are
-    ranked last, not excluded, so the first replacement goes elsewhere when it can.
-    """
-
-    backoff_until: Mapping[int, float] = field(default_factory=dict)
-    avoid_zones: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +105,6 @@ _SURPLUS_ORDER = {
     NodeState.ADMITTING: 3,
     NodeState.RUNNING: 4,
 }
-
-
-def rank_offers(offers: Sequence[Offer], history: History, *, now: float) -> list[Offer]:
-    """Offers usable now, cheapest per GPU-hour first (config order breaks ties);
-    offers in a just-preempted zone come after all others.
-
-    An offer is unusable while in backoff, or when its spot price is above its cap.
-    Example: a notice in aws/us-east-1/us-east-1a → the replacement is the cheapest
-    offer outside us-east-1a, or us-east-1a itself if nothing else is usable.
-    """
-    usable = [
-        o
-        for o in offers
-        if history.backoff_until.get(o.index, 0.0) <= now
-        and not (o.max_price_usd_h is not None and o.price_usd_h is not None and o.price_usd_h > o.max_price_usd_h)
-    ]
-    return sorted(usable, key=lambda o: (o.zone_key in history.avoid_zones, o.usd_per_gpu_h(), o.index))
 
 
 def plan(

@@ -35,7 +35,8 @@ import structlog
 from daemon.config import Config
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Event, EventKind, JobState, Node, NodeState
-from daemon.pool import Desired, History, Launch, MarkLost, NodeView, Offer, Terminate, Timeouts, plan
+from daemon.offers import History, Offer, capacity_backoff_s
+from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
 from daemon.providers.base import AuthError, CapacityError, NodeSpec, Provider, ProviderError, QuotaError
 from daemon.store import Store
 
@@ -49,16 +50,6 @@ _LIVE = frozenset(
 )
 _AVOID_ZONE_S = 300.0
 _PRICE_REFRESH_S = 300.0
-
-
-def capacity_backoff_s(failures: int, rng: random.Random) -> float:
-    """How long an offer that ran out of capacity sits out, in seconds.
-
-    SkyPilot's managed-jobs schedule: 60 s x 1.6^(failures-1), capped at 300 s, with
-    +-40 % jitter so many pools do not retry in step.
-    """
-    base = min(300.0, 60.0 * 1.6 ** max(0, failures - 1))
-    return base * (1.0 + rng.uniform(-0.4, 0.4))
 
 
 def _zone_key(provider: str, region: str, zone: str | None) -> str:
@@ -686,7 +677,7 @@ class Supervisor:
         o = self.config.offers[i]
         return Offer(index=i, provider=o.provider, region=o.region, zone=o.zone, instance_type=o.instance_type,
                      gpus_per_node=o.gpus_per_node, price_usd_h=self._prices.get(i),
-                     max_price_usd_h=o.max_price_usd_h)
+                     max_price_usd_h=o.max_price_usd_h, on_demand=o.market == "on_demand")
 
     def _view(self, n: Node) -> NodeView:
         return NodeView(id=n.id, state=n.state, offer_index=n.offer_index, gpus=n.gpus, created_at=n.created_at,

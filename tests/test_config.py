@@ -247,3 +247,13 @@ def test_checkpoint_uri_relative_state_dir_is_resolved(tmp_path: Path, monkeypat
 def test_checkpoint_uri_without_placeholder_unchanged(tmp_path: Path) -> None:
     c = Config(job=JobSpec(checkpoint_uri="s3://bucket/run-1"), daemon=DaemonSpec(state_dir=str(tmp_path)))
     assert c.checkpoint_uri() == "s3://bucket/run-1"
+
+
+def test_on_demand_offer_needs_the_fallback_switched_on() -> None:
+    from daemon.config import Config, ConfigError, format_problems  # noqa: F401
+    import pydantic
+
+    offers = [{"provider": "local"}, {"provider": "local", "market": "on_demand"}]
+    with pytest.raises(pydantic.ValidationError) as exc:
+        Config.model_validate({"offers": offers})
+    assert "pool.on_demand_fallback" in " ".join(format_problems(exc.value))

@@ -489,7 +489,7 @@ def test_just_preempted_zone_is_ranked_last_not_excluded() -> None:
 def test_capacity_backoff_follows_the_skypilot_schedule() -> None:
     import random
 
-    from daemon.supervisor import capacity_backoff_s
+    from daemon.offers import capacity_backoff_s
 
     class Mid(random.Random):
         def uniform(self, a: float, b: float) -> float:
@@ -499,3 +499,12 @@ def test_capacity_backoff_follows_the_skypilot_schedule() -> None:
     rng = random.Random(0)
     samples = [capacity_backoff_s(1, rng) for _ in range(200)]
     assert 36.0 <= min(samples) < 45.0 and 75.0 < max(samples) <= 84.0  # +-40 % jitter
+
+
+def test_on_demand_offers_are_used_only_when_no_spot_offer_is() -> None:
+    import dataclasses as dc
+
+    spot, od = offer(0, price=3.0), dc.replace(offer(1, price=1.0), on_demand=True)  # on-demand cheaper here
+    assert [o.index for o in rank_offers([spot, od], History(), now=NOW)] == [0]
+    out = History(backoff_until={0: NOW + 60})
+    assert [o.index for o in rank_offers([spot, od], out, now=NOW)] == [1]

@@ -328,3 +328,12 @@ async def test_aclose_is_idempotent(make_provider) -> None:
     await provider.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await provider.describe("p")
+
+
+async def test_on_demand_fallback_offer_is_no_spot(fake, make_provider, node_spec) -> None:
+    import dataclasses
+
+    await make_provider().launch(dataclasses.replace(_offer(max_price=1.25), on_demand=True), node_spec())
+    (params,) = fake.calls("RunInstances")
+    assert params["SpotStrategy"] == "NoSpot"
+    assert not {"SpotPriceLimit", "SpotDuration", "SpotInterruptionBehavior"} & set(params)

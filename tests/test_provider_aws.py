@@ -385,3 +385,13 @@ async def test_closed_provider_refuses(spec) -> None:
     await prov.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await prov.describe("p")
+
+
+async def test_on_demand_fallback_offer_launches_without_spot_options(provider, faults, node_spec, ec2) -> None:
+    import dataclasses
+
+    inst = await provider.launch(dataclasses.replace(_offer(), on_demand=True), node_spec())
+    (req,) = faults.actions("RunInstances")
+    assert not any(k.startswith("InstanceMarketOptions") for k in req.params)
+    raw = ec2.describe_instances(InstanceIds=[inst.id])["Reservations"][0]["Instances"][0]
+    assert raw.get("InstanceLifecycle") != "spot"

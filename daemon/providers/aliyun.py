@@ -265,14 +265,15 @@ class AliyunProvider(Provider):
         def build() -> RpcRequest:
             req = RunInstancesRequest()
             req.set_InstanceChargeType("PostPaid")
-            strategy = self.spec.spot_strategy
+            strategy = "NoSpot" if offer.on_demand else self.spec.spot_strategy  # NoSpot: pay-as-you-go
             if strategy == "SpotWithPriceLimit" and offer.max_price_usd_h is None:
                 strategy = "SpotAsPriceGo"
             req.set_SpotStrategy(strategy)
             if strategy == "SpotWithPriceLimit":
                 req.set_SpotPriceLimit(offer.max_price_usd_h)
-            req.set_SpotDuration(0)
-            req.set_SpotInterruptionBehavior("Terminate")
+            if strategy != "NoSpot":
+                req.set_SpotDuration(0)
+                req.set_SpotInterruptionBehavior("Terminate")
             req.set_ImageId(self.spec.image_id)
             req.set_InstanceType(offer.instance_type)
             req.set_ZoneId(zone)

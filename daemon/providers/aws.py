@@ -249,10 +249,10 @@ class AwsProvider(Provider):
                 existing = await self._find_node(region, node)
                 if existing is not None:
                     log.info("aws_launch_found_existing", node_id=node.node_id, instance_id=existing.id)
-                    if self.spec.launch_method == "create_fleet":
+                    if self.spec.launch_method == "create_fleet" and not offer.on_demand:
                         await self._delete_template(region, client_token(node.node_id))
                     return existing
-            if self.spec.launch_method == "create_fleet":
+            if self.spec.launch_method == "create_fleet" and not offer.on_demand:
                 return await self._launch_fleet(region, offer, node)
             return await self._run_instances(region, offer, node)
 
@@ -349,10 +349,11 @@ class AwsProvider(Provider):
             "MinCount": 1,
             "MaxCount": 1,
             "UserData": render_user_data(node, dialect=self.spec.agent_metadata_dialect),  # boto3 base64-encodes
-            "InstanceMarketOptions": {"MarketType": "spot", "SpotOptions": spot},
             "TagSpecifications": [{"ResourceType": "instance", "Tags": self._tags(node)}],
             "ClientToken": client_token(node.node_id),
         }
+        if not offer.on_demand:  # the on-demand fallback launches without market options
+            kwargs["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
         if offer.zone:
             kwargs["Placement"] = {"AvailabilityZone": offer.zone}
             if offer.zone in self.spec.subnet_ids:

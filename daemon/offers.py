@@ -1,0 +1,95 @@
+"""Offers: the ways to buy a node, and how they are ranked.
+
+An offer (from the config's ``offers:``) names a provider, a place (region, zone),
+an instance type, its GPUs and a price cap. :func:`rank_offers` orders the usable
+ones for the planner:
+
+1. offers in capacity backoff are out (:func:`capacity_backoff_s`), as are offers
+   whose current spot price is above their cap;
+2. on-demand offers are a fallback, used only when no spot offer is usable;
+3. offers in a zone that just preempted a node come last (SkyPilot's
+   EAGER_NEXT_REGION: the first retry goes elsewhere when it can);
+4. then cheapest per GPU-hour, config order breaking ties.
+
+World-size validity (ElasticBatch) is the planner's part: it picks the best-ranked
+offer whose GPUs keep the world size valid.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+__all__ = ["Offer", "History", "rank_offers", "capacity_backoff_s"]
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A way to buy a node. ``price_usd_h``: current spot price (None = unknown)."""
+
+    index: int
+    provider: str
+    region: str
+    zone: str | None
+    instance_type: str
+    gpus_per_node: int
+    price_usd_h: float | None = None
+    max_price_usd_h: float | None = None
+    on_demand: bool = False  # an on-demand fallback offer (used only when no spot offer is usable)
+
+    @property
+    def key(self) -> str:
+        return f"{self.zone_key}/{self.instance_type}"
+
+    @property
+    def zone_key(self) -> str:
+        return f"{self.provider}/{self.region}/{self.zone or '-'}"
+
+    def usd_per_gpu_h(self) -> float:
+        if self.price_usd_h is None:
+            return float("inf")
+        return self.price_usd_h / self.gpus_per_node
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What recent outcomes say about offers.
+
+    ``backoff_until[offer_index]``: unix s until which the offer is not used (capacity
+    errors; ``inf`` for a provider disabled by a quota or auth error).
+    ``avoid_zones``: zone keys (``Offer.zone_key``) just preempted: offers there are
+    ranked last, not excluded, so the first replacement goes elsewhere when it can.
+    """
+
+    backoff_until: Mapping[int, float] = field(default_factory=dict)
+    avoid_zones: frozenset[str] = frozenset()
+
+
+def rank_offers(offers: Sequence[Offer], history: History, *, now: float) -> list[Offer]:
+    """Offers usable now, cheapest per GPU-hour first (config order breaks ties);
+    offers in a just-preempted zone come after all others.
+
+    An offer is unusable while in backoff, or when its spot price is above its cap.
+    Example: a notice in aws/us-east-1/us-east-1a → the replacement is the cheapest
+    offer outside us-east-1a, or us-east-1a itself if nothing else is usable.
+    """
+    usable = [
+        o
+        for o in offers
+        if history.backoff_until.get(o.index, 0.0) <= now
+        and not (o.max_price_usd_h is not None and o.price_usd_h is not None and o.price_usd_h > o.max_price_usd_h)
+    ]
+    # on-demand offers are a fallback: only when no spot offer can be used now
+    spot = [o for o in usable if not o.on_demand]
+    return sorted(spot or usable, key=lambda o: (o.zone_key in history.avoid_zones, o.usd_per_gpu_h(), o.index))
+
+
+def capacity_backoff_s(failures: int, rng: random.Random) -> float:
+    """How long an offer that ran out of capacity sits out, in seconds.
+
+    SkyPilot's managed-jobs schedule: 60 s x 1.6^(failures-1), capped at 300 s, with
+    +-40 % jitter so many pools do not retry in step.
+    """
+    base = min(300.0, 60.0 * 1.6 ** max(0, failures - 1))
+    return base * (1.0 + rng.uniform(-0.4, 0.4))
