@@ -34,14 +34,20 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
 import aiohttp
 
-from daemon.metadata.aws import TOKEN_REFRESH_FRACTION, TOKEN_REFRESH_MARGIN_S
 from daemon.metadata.base import MetadataUnavailable, Notice, NoticeKind, parse_utc
+from daemon.metadata.http import (
+    TOKEN_REFRESH_FRACTION,  # noqa: F401 - kept importable here (refresh policy, see daemon.metadata.http)
+    TOKEN_REFRESH_MARGIN_S,  # noqa: F401
+    HttpDialect,
+    MetadataToken,
+    check_token_ttl,
+    text_or_none,
+)
 
 __all__ = [
     "AliyunMetadata",
@@ -71,7 +77,7 @@ TERMINATE_ACTION = "terminate"
 _TOKEN_REJECTED = frozenset({401, 403})
 
 
-class AliyunMetadata:
+class AliyunMetadata(HttpDialect):
     """ECS metadata client implementing the metadata dialect (``provider = "aliyun"``).
 
     The constructor does no I/O. An HTTP session is created on first use unless one
@@ -94,19 +100,7 @@ class AliyunMetadata:
             empty ``base_url``.
     """
 
-    __slots__ = (
-        "_base_url",
-        "_hardened",
-        "_token_ttl_s",
-        "_timeout",
-        "_session",
-        "_owns_session",
-        "_clock",
-        "_token",
-        "_token_refresh_at",
-        "_token_lock",
-        "_closed",
-    )
+    __slots__ = ("_hardened", "_token")
 
     provider = "aliyun"
 
@@ -120,45 +114,29 @@ class AliyunMetadata:
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not base_url:
-            raise ValueError("base_url must be a non-empty URL, e.g. 'http://100.100.100.200'")
-        if isinstance(token_ttl_s, bool) or not isinstance(token_ttl_s, int):
-            raise ValueError(f"token_ttl_s must be an int in 1..21600, got {token_ttl_s!r}")
-        if not MIN_TOKEN_TTL_S <= token_ttl_s <= MAX_TOKEN_TTL_S:
-            raise ValueError(f"token_ttl_s must be in 1..21600 seconds, got {token_ttl_s}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        self._base_url = base_url.rstrip("/")
+        super().__init__(
+            base_url,
+            example_url=DEFAULT_BASE_URL,
+            timeout_s=timeout_s,
+            session=session,
+            clock=clock,
+            validate=lambda: check_token_ttl(token_ttl_s, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S),
+        )
         self._hardened = bool(hardened)
-        self._token_ttl_s = token_ttl_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session = session
-        self._owns_session = session is None
-        self._clock = clock
-        self._token: str | None = None
-        self._token_refresh_at = 0.0
-        self._token_lock = asyncio.Lock()
-        self._closed = False
-
-    # -- lifecycle ---------------------------------------------------------------
-
-    async def __aenter__(self) -> AliyunMetadata:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+        # Same refresh policy as the AWS dialect (see daemon.metadata.http.MetadataToken).
+        self._token = MetadataToken(
+            self,
+            path=TOKEN_PATH,
+            ttl_header=TTL_HEADER,
+            token_header=TOKEN_HEADER,
+            ttl_s=token_ttl_s,
+            rejected=_TOKEN_REJECTED,
+        )
 
     async def aclose(self) -> None:
         """Drop the token and close the session if this object created it. Idempotent."""
-        self._closed = True
-        self._token = None
-        session, self._session = self._session, None
-        if session is not None and self._owns_session and not session.closed:
-            await session.close()
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
+        self._token.clear()
+        await super().aclose()
 
     @property
     def hardened(self) -> bool:
@@ -199,94 +177,21 @@ class AliyunMetadata:
         """
         return await self._read(META_DATA_PREFIX + item.lstrip("/"))
 
-    # -- HTTP ----------------------------------------------------------------------
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError("AliyunMetadata is closed; create a new one")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
-
     async def _read(self, path: str) -> str | None:
         """GET ``path``: body on 200, None on 404.
 
         Hardened mode: a 401/403 means the token expired or was forgotten: drop it,
         fetch a new one and retry once. A second rejection is an error.
         """
-        if not self._hardened:
-            status, body = await self._request("GET", path, headers={})
-            if status in _TOKEN_REJECTED:
-                raise MetadataUnavailable(
-                    f"GET {path}: HTTP {status} in normal mode "
-                    "(does the instance require security hardening mode?)"
-                )
-            return _result(path, status, body)
-        for attempt in (1, 2):
-            token = await self._ensure_token()
-            status, body = await self._request("GET", path, headers={TOKEN_HEADER: token})
-            if status not in _TOKEN_REJECTED:
-                return _result(path, status, body)
-            self._drop_token(token)
-            if attempt == 2:
-                raise MetadataUnavailable(f"GET {path}: {status} again after a fresh token")
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _ensure_token(self) -> str:
-        """Return a token that is not due for refresh, fetching one if needed."""
-        token = self._token
-        if token is not None and self._clock() < self._token_refresh_at:
-            return token
-        async with self._token_lock:
-            token = self._token  # another task may have refreshed it meanwhile
-            if token is not None and self._clock() < self._token_refresh_at:
-                return token
-            return await self._fetch_token()
-
-    async def _fetch_token(self) -> str:
-        ttl = self._token_ttl_s
-        requested_at = self._clock()  # before the PUT: the token's life starts no earlier
-        status, body = await self._request("PUT", TOKEN_PATH, headers={TTL_HEADER: str(ttl)})
-        if status != 200:
-            raise MetadataUnavailable(f"PUT {TOKEN_PATH}: HTTP {status}: {body[:200]!r}")
-        if not body:
-            raise MetadataUnavailable(f"PUT {TOKEN_PATH}: empty token")
-        # Same policy as the AWS dialect: the earlier of 90 % of the TTL and 15 s
-        # before expiry (short TTLs mean a fresh token per read).
-        lifetime = min(TOKEN_REFRESH_FRACTION * ttl, ttl - TOKEN_REFRESH_MARGIN_S)
-        self._token = body
-        self._token_refresh_at = requested_at + max(0.0, lifetime)
-        return body
-
-    def _drop_token(self, token: str) -> None:
-        # Only the token the failed request used; a concurrent task may hold a newer one.
-        if self._token == token:
-            self._token = None
-
-    async def _request(self, method: str, path: str, *, headers: dict[str, str]) -> tuple[int, str]:
-        """One HTTP exchange; transport failures become :class:`MetadataUnavailable`."""
-        session = self._get_session()
-        try:
-            async with session.request(
-                method,
-                self._base_url + path,
-                headers=headers,
-                timeout=self._timeout,
-                allow_redirects=False,
-            ) as resp:
-                return resp.status, await resp.text(encoding="utf-8", errors="replace")
-        except asyncio.TimeoutError as exc:
-            raise MetadataUnavailable(f"{method} {path}: timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise MetadataUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-
-
-def _result(path: str, status: int, body: str) -> str | None:
-    if status == 200:
-        return body
-    if status == 404:
-        return None
-    raise MetadataUnavailable(f"GET {path}: HTTP {status}: {body[:200]!r}")
+        if self._hardened:
+            return text_or_none(path, await self._token.get(path))
+        reply = await self._request("GET", path, headers={})
+        if reply.status in _TOKEN_REJECTED:
+            raise MetadataUnavailable(
+                f"GET {path}: HTTP {reply.status} in normal mode "
+                "(does the instance require security hardening mode?)"
+            )
+        return text_or_none(path, reply)
 
 
 def _parse_termination_time(raw: str) -> Notice:

@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -45,6 +44,14 @@ from daemon.metadata.base import (
     Notice,
     NoticeKind,
     parse_utc,
+)
+from daemon.metadata.http import (
+    TOKEN_REFRESH_FRACTION,  # noqa: F401 - re-exported (refresh policy, see daemon.metadata.http)
+    TOKEN_REFRESH_MARGIN_S,  # noqa: F401
+    HttpDialect,
+    MetadataToken,
+    check_token_ttl,
+    text_or_none,
 )
 
 __all__ = [
@@ -69,15 +76,12 @@ TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 MIN_TOKEN_TTL_S = 1
 MAX_TOKEN_TTL_S = 21600
-#: Refresh the token this long before it expires, or at 90 % of its TTL, whichever is earlier.
-TOKEN_REFRESH_MARGIN_S = 15.0
-TOKEN_REFRESH_FRACTION = 0.9
 
 #: Actions the spot interruption document lists. Others are accepted (see ``_parse_instance_action``).
 KNOWN_ACTIONS = frozenset({"terminate", "stop", "hibernate"})
 
 
-class AwsImds:
+class AwsImds(HttpDialect):
     """IMDSv2 client implementing the metadata dialect (``provider = "aws"``).
 
     The constructor does no I/O. An HTTP session is created on first use unless one
@@ -99,18 +103,7 @@ class AwsImds:
             empty ``base_url``.
     """
 
-    __slots__ = (
-        "_base_url",
-        "_token_ttl_s",
-        "_timeout",
-        "_session",
-        "_owns_session",
-        "_clock",
-        "_token",
-        "_token_refresh_at",
-        "_token_lock",
-        "_closed",
-    )
+    __slots__ = ("_token",)
 
     provider = "aws"
 
@@ -123,44 +116,22 @@ class AwsImds:
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not base_url:
-            raise ValueError("base_url must be a non-empty URL, e.g. 'http://169.254.169.254'")
-        if isinstance(token_ttl_s, bool) or not isinstance(token_ttl_s, int):
-            raise ValueError(f"token_ttl_s must be an int in 1..21600, got {token_ttl_s!r}")
-        if not MIN_TOKEN_TTL_S <= token_ttl_s <= MAX_TOKEN_TTL_S:
-            raise ValueError(f"token_ttl_s must be in 1..21600 seconds, got {token_ttl_s}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        self._base_url = base_url.rstrip("/")
-        self._token_ttl_s = token_ttl_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session = session
-        self._owns_session = session is None
-        self._clock = clock
-        self._token: str | None = None
-        self._token_refresh_at = 0.0
-        self._token_lock = asyncio.Lock()
-        self._closed = False
-
-    # -- lifecycle ---------------------------------------------------------------
-
-    async def __aenter__(self) -> AwsImds:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+        super().__init__(
+            base_url,
+            example_url=DEFAULT_BASE_URL,
+            timeout_s=timeout_s,
+            session=session,
+            clock=clock,
+            validate=lambda: check_token_ttl(token_ttl_s, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S),
+        )
+        self._token = MetadataToken(
+            self, path=TOKEN_PATH, ttl_header=TTL_HEADER, token_header=TOKEN_HEADER, ttl_s=token_ttl_s
+        )
 
     async def aclose(self) -> None:
         """Drop the token and close the session if this object created it. Idempotent."""
-        self._closed = True
-        self._token = None
-        session, self._session = self._session, None
-        if session is not None and self._owns_session and not session.closed:
-            await session.close()
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
+        self._token.clear()
+        await super().aclose()
 
     # -- the dialect ---------------------------------------------------------------
 
@@ -213,83 +184,13 @@ class AwsImds:
         """
         return await self._read(META_DATA_PREFIX + item.lstrip("/"))
 
-    # -- HTTP ----------------------------------------------------------------------
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError("AwsImds is closed; create a new one")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
-
     async def _read(self, path: str) -> str | None:
         """GET ``path`` with a valid token: body on 200, None on 404.
 
         A 401 means the token expired or the endpoint forgot it (restart): drop it,
         fetch a new one and retry once. A second 401 is an error.
         """
-        for attempt in (1, 2):
-            token = await self._ensure_token()
-            status, body = await self._request("GET", path, headers={TOKEN_HEADER: token})
-            if status == 200:
-                return body
-            if status == 404:
-                return None
-            if status == 401:
-                self._drop_token(token)
-                if attempt == 1:
-                    continue
-                raise MetadataUnavailable(f"GET {path}: 401 again after a fresh token")
-            raise MetadataUnavailable(f"GET {path}: HTTP {status}: {body[:200]!r}")
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _ensure_token(self) -> str:
-        """Return a token that is not due for refresh, fetching one if needed."""
-        token = self._token
-        if token is not None and self._clock() < self._token_refresh_at:
-            return token
-        async with self._token_lock:
-            # Another task may have refreshed it while we waited for the lock.
-            token = self._token
-            if token is not None and self._clock() < self._token_refresh_at:
-                return token
-            return await self._fetch_token()
-
-    async def _fetch_token(self) -> str:
-        ttl = self._token_ttl_s
-        requested_at = self._clock()  # before the PUT: the token's life starts no earlier
-        status, body = await self._request("PUT", TOKEN_PATH, headers={TTL_HEADER: str(ttl)})
-        if status != 200:
-            raise MetadataUnavailable(f"PUT {TOKEN_PATH}: HTTP {status}: {body[:200]!r}")
-        if not body:
-            raise MetadataUnavailable(f"PUT {TOKEN_PATH}: empty token")
-        # Refresh at 90 % of the TTL or 15 s before expiry, whichever is earlier
-        # (for TTLs under ~15 s that means a fresh token for every read).
-        lifetime = min(TOKEN_REFRESH_FRACTION * ttl, ttl - TOKEN_REFRESH_MARGIN_S)
-        self._token = body
-        self._token_refresh_at = requested_at + max(0.0, lifetime)
-        return body
-
-    def _drop_token(self, token: str) -> None:
-        # Only drop the token the failed request used; a concurrent task may already
-        # hold a newer one.
-        if self._token == token:
-            self._token = None
-
-    async def _request(self, method: str, path: str, *, headers: dict[str, str]) -> tuple[int, str]:
-        """One HTTP exchange; transport failures become :class:`MetadataUnavailable`."""
-        session = self._get_session()
-        url = self._base_url + path
-        try:
-            async with session.request(
-                method, url, headers=headers, timeout=self._timeout, allow_redirects=False
-            ) as resp:
-                body = await resp.text(encoding="utf-8", errors="replace")
-                return resp.status, body
-        except asyncio.TimeoutError as exc:
-            raise MetadataUnavailable(f"{method} {path}: timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise MetadataUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        return text_or_none(path, await self._token.get(path))
 
 
 def _load_object(raw: str, what: str) -> dict[str, Any]:

@@ -51,7 +51,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -63,6 +62,7 @@ import aiohttp
 import structlog
 
 from daemon.metadata.base import MetadataUnavailable, Notice, NoticeKind, notice_id
+from daemon.metadata.http import HttpDialect, Reply
 
 __all__ = [
     "AzureScheduledEvents",
@@ -109,7 +109,7 @@ def parse_rfc1123(text: str) -> datetime:
     return parsed.astimezone(timezone.utc)
 
 
-class AzureScheduledEvents:
+class AzureScheduledEvents(HttpDialect):
     """Scheduled Events client implementing the metadata dialect (``provider = "azure"``).
 
     The constructor does no I/O. An HTTP session is created on first use unless one
@@ -136,17 +136,11 @@ class AzureScheduledEvents:
     """
 
     __slots__ = (
-        "_base_url",
         "_resource_name",
         "_api_version",
-        "_timeout",
-        "_session",
-        "_owns_session",
-        "_clock",
         "_deadlines",
         "_first_seen",
         "_logged",
-        "_closed",
         "last_incarnation",
     )
 
@@ -162,48 +156,23 @@ class AzureScheduledEvents:
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not base_url:
-            raise ValueError("base_url must be a non-empty URL, e.g. 'http://169.254.169.254'")
-        if not isinstance(api_version, str) or not api_version:
-            raise ValueError(f"api_version must be a non-empty string, got {api_version!r}")
-        if resource_name is not None and (not isinstance(resource_name, str) or not resource_name):
-            raise ValueError(f"resource_name must be None or a non-empty string, got {resource_name!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        self._base_url = base_url.rstrip("/")
+        super().__init__(
+            base_url,
+            example_url=DEFAULT_BASE_URL,
+            timeout_s=timeout_s,
+            session=session,
+            clock=clock,
+            validate=lambda: _check_args(api_version, resource_name),
+        )
         self._resource_name = resource_name
         self._api_version = api_version
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session = session
-        self._owns_session = session is None
-        self._clock = clock
         # Per EventId still in the document: the deadline last derived for it (kept
         # when NotBefore goes blank on Started) and when it was first seen (clock s).
         self._deadlines: dict[str, datetime] = {}
         self._first_seen: dict[str, float] = {}
         self._logged: set[tuple[str, str, str]] = set()  # ignored events already logged
-        self._closed = False
         self.last_incarnation: int | None = None
         """``DocumentIncarnation`` of the last document parsed (None before the first)."""
-
-    # -- lifecycle ---------------------------------------------------------------
-
-    async def __aenter__(self) -> AzureScheduledEvents:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the session if this object created it. Idempotent."""
-        self._closed = True
-        session, self._session = self._session, None
-        if session is not None and self._owns_session and not session.closed:
-            await session.close()
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
 
     @property
     def url(self) -> str:
@@ -236,7 +205,7 @@ class AzureScheduledEvents:
 
         Cancellation: safe at any await; nothing is left half-done.
         """
-        status, body = await self._request("GET")
+        status, body, _ = await self._send("GET")
         if status != 200:
             raise MetadataUnavailable(f"GET {SCHEDULED_EVENTS_PATH}: HTTP {status}: {body[:200]!r}")
         return self._parse_document(body)
@@ -255,7 +224,7 @@ class AzureScheduledEvents:
         """
         event_id = _event_id_of(notice)
         payload = json.dumps({"StartRequests": [{"EventId": event_id}]})
-        status, body = await self._request("POST", data=payload)
+        status, body, _ = await self._send("POST", data=payload)
         if status != 200:
             raise MetadataUnavailable(
                 f"POST {SCHEDULED_EVENTS_PATH} (EventId {event_id}): HTTP {status}: {body[:200]!r}"
@@ -264,37 +233,18 @@ class AzureScheduledEvents:
 
     # -- HTTP ----------------------------------------------------------------------
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError("AzureScheduledEvents is closed; create a new one")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
-
-    async def _request(self, method: str, *, data: str | None = None) -> tuple[int, str]:
-        """One HTTP exchange; transport failures become :class:`MetadataUnavailable`."""
-        session = self._get_session()
+    async def _send(self, method: str, *, data: str | None = None) -> Reply:
+        """One exchange with the Scheduled Events URL (``Metadata: true``, ``api-version``)."""
         headers = {METADATA_HEADER[0]: METADATA_HEADER[1]}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        try:
-            async with session.request(
-                method,
-                self._base_url + SCHEDULED_EVENTS_PATH,
-                params={"api-version": self._api_version},
-                headers=headers,
-                data=data,
-                timeout=self._timeout,
-                allow_redirects=False,
-            ) as resp:
-                body = await resp.text(encoding="utf-8", errors="replace")
-                return resp.status, body
-        except asyncio.TimeoutError as exc:
-            raise MetadataUnavailable(f"{method} {SCHEDULED_EVENTS_PATH}: timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise MetadataUnavailable(
-                f"{method} {SCHEDULED_EVENTS_PATH}: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await self._request(
+            method,
+            SCHEDULED_EVENTS_PATH,
+            headers=headers,
+            params={"api-version": self._api_version},
+            data=data,
+        )
 
     # -- parsing -------------------------------------------------------------------
 
@@ -394,6 +344,13 @@ class AzureScheduledEvents:
             resources=event.get("Resources"),
             not_before=event.get("NotBefore"),
         )
+
+
+def _check_args(api_version: str, resource_name: str | None) -> None:
+    if not isinstance(api_version, str) or not api_version:
+        raise ValueError(f"api_version must be a non-empty string, got {api_version!r}")
+    if resource_name is not None and (not isinstance(resource_name, str) or not resource_name):
+        raise ValueError(f"resource_name must be None or a non-empty string, got {resource_name!r}")
 
 
 def _event_id_of(notice: Notice) -> str:

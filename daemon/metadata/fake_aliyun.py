@@ -36,13 +36,9 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import secrets
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-
-from aiohttp import web
 
 from daemon.metadata.aliyun import (
     MAX_TOKEN_TTL_S,
@@ -51,6 +47,7 @@ from daemon.metadata.aliyun import (
     TOKEN_PATH,
     TTL_HEADER,
 )
+from daemon.metadata.fake_base import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _stamp
 
 __all__ = ["FakeAliyunMetadata", "INTERRUPTION_LEAD", "TERMINATION_ITEM"]
 
@@ -58,22 +55,11 @@ __all__ = ["FakeAliyunMetadata", "INTERRUPTION_LEAD", "TERMINATION_ITEM"]
 INTERRUPTION_LEAD = timedelta(minutes=5)
 TERMINATION_ITEM = "instance/spot/termination-time"
 
-_TEXT = "text/plain"
 
-
-def _stamp(when: datetime) -> str:
-    """ECS time format: ``yyyy-MM-ddTHH:mm:ssZ`` (UTC, whole seconds)."""
-    if when.tzinfo is None or when.utcoffset() is None:
-        raise ValueError(f"time must be timezone-aware (UTC), got {when!r}")
-    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-class FakeAliyunMetadata:
+class FakeAliyunMetadata(TokenMetadataEndpoint):
     """An aiohttp server on ``host`` speaking the ECS metadata protocol.
 
-    Lifecycle: the constructor does no I/O; ``await start()`` binds (``port=0`` picks
-    a free port) and sets :attr:`url`; ``await aclose()`` stops it, is idempotent and
-    safe after a failed start. Also an async context manager.
+    Lifecycle and test hooks: see :class:`~daemon.metadata.fake_base.FakeEndpoint`.
 
     Args:
         instance_id, instance_type, region_id, zone_id: values of the
@@ -84,7 +70,11 @@ class FakeAliyunMetadata:
             is still 401.
         host, port: where to listen; port 0 = ephemeral.
         clock: monotonic seconds, used for token expiry; tests pass a settable one.
+
+    ``request_log`` holds ``(method, path, status)`` of every answered request.
     """
+
+    PROTOCOL = TokenProtocol(TOKEN_PATH, TTL_HEADER, TOKEN_HEADER, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S)
 
     def __init__(
         self,
@@ -98,81 +88,21 @@ class FakeAliyunMetadata:
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {port}")
-        self._host = host
-        self._port = port
-        self._clock = clock
-        self._hardened = bool(hardened)
-        self._static: dict[str, str] = {
+        static = {
             "instance-id": instance_id,
             "instance/instance-type": instance_type,
             "region-id": region_id,
             "zone-id": zone_id,
         }
-        self._items: dict[str, str] = {}  # published items, by meta-data path
-        self._tokens: dict[str, float] = {}  # token -> expiry (clock seconds)
-        self._faults: list[tuple[int, str | None]] = []  # (status, path or None=any)
-        self._hangs = 0
-        self._release = asyncio.Event()
-        self._hung = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self._url: str | None = None
-        self.token_puts = 0
-        """Successful token PUTs served so far."""
-        self.request_log: list[tuple[str, str, int]] = []
-        """``(method, path, status)`` of every answered request, oldest first."""
-        self.published_at: float | None = None
-        """``time.time()`` when the current interruption notice was published; None if none."""
-
-    # -- lifecycle -------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:41234``. Only after :meth:`start`."""
-        if self._url is None:
-            raise RuntimeError("FakeAliyunMetadata is not started; call 'await fake.start()' first")
-        return self._url
+        super().__init__(static=static, host=host, port=port, clock=clock)
+        self._hardened = bool(hardened)
 
     @property
     def hardened(self) -> bool:
         return self._hardened
 
-    async def start(self) -> FakeAliyunMetadata:
-        """Bind and serve. Raises RuntimeError if already started."""
-        if self._runner is not None:
-            raise RuntimeError("FakeAliyunMetadata is already started")
-        app = web.Application()
-        app.router.add_route("PUT", TOKEN_PATH, self._handle_token)
-        app.router.add_route("GET", "/latest/meta-data/{item:.*}", self._handle_get)
-        app.router.add_route("*", "/{tail:.*}", self._handle_other)
-        self._release = asyncio.Event()
-        self._hung = asyncio.Event()
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        self._runner = runner
-        try:
-            await runner.setup()
-            await web.TCPSite(runner, self._host, self._port).start()
-        except BaseException:
-            await self.aclose()
-            raise
-        host, port = runner.addresses[0][:2]
-        self._url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-        return self
-
-    async def aclose(self) -> None:
-        """Stop serving (releases hung requests first). Idempotent."""
-        self._release.set()
-        runner, self._runner = self._runner, None
-        self._url = None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def __aenter__(self) -> FakeAliyunMetadata:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+    def _token_required(self) -> bool:
+        return self._hardened
 
     # -- what the "cloud" publishes --------------------------------------------------------
 
@@ -199,110 +129,6 @@ class FakeAliyunMetadata:
         self._items[key] = body
         if key == TERMINATION_ITEM:
             self.published_at = _now()
-
-    def clear(self) -> None:
-        """Remove every published item (the notice included)."""
-        self._items.clear()
-        self.published_at = None
-
-    # -- fault injection ---------------------------------------------------------------
-
-    def fail_next(self, n: int = 1, status: int = 500, *, path: str | None = None) -> None:
-        """Answer the next ``n`` requests with ``status``.
-
-        Args:
-            n: how many requests.
-            status: an HTTP error status, 400..599.
-            path: only requests for this exact path (e.g.
-                ``"/latest/meta-data/instance/spot/termination-time"``); None = any
-                request, token PUTs included.
-        """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if not 400 <= status <= 599:
-            raise ValueError(f"status must be an HTTP error status (400..599), got {status}")
-        self._faults.extend([(status, path)] * n)
-
-    def hang_next(self, n: int = 1) -> None:
-        """Never answer the next ``n`` requests (until :meth:`aclose`): client timeouts."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self._hangs += n
-
-    async def wait_hanging(self) -> None:
-        """Return once a request held by :meth:`hang_next` has arrived."""
-        await self._hung.wait()
-
-    def forget_tokens(self) -> None:
-        """Invalidate every issued token, as a restarted metadata server would."""
-        self._tokens.clear()
-
-    # -- handlers --------------------------------------------------------------------
-
-    async def _intercept(self, request: web.Request) -> web.Response | None:
-        if self._hangs:
-            self._hangs -= 1
-            self._hung.set()
-            await self._release.wait()
-            return self._answer(request, 503, "shutting down")
-        for i, (status, path) in enumerate(self._faults):
-            if path is None or path == request.path:
-                del self._faults[i]
-                return self._answer(request, status, f"injected fault {status}")
-        return None
-
-    def _answer(self, request: web.Request, status: int, body: str) -> web.Response:
-        self.request_log.append((request.method, request.path, status))
-        return web.Response(status=status, text=body, content_type=_TEXT)
-
-    async def _handle_token(self, request: web.Request) -> web.Response:
-        fault = await self._intercept(request)
-        if fault is not None:
-            return fault
-        raw_ttl = request.headers.get(TTL_HEADER)
-        ttl = int(raw_ttl) if raw_ttl is not None and raw_ttl.strip().isdecimal() else -1
-        if not MIN_TOKEN_TTL_S <= ttl <= MAX_TOKEN_TTL_S:
-            return self._answer(request, 400, "Bad Request")
-        now = self._clock()
-        self._tokens = {t: exp for t, exp in self._tokens.items() if exp > now}
-        token = secrets.token_urlsafe(42)
-        self._tokens[token] = now + ttl
-        self.token_puts += 1
-        return self._answer(request, 200, token)
-
-    def _token_ok(self, request: web.Request) -> bool:
-        token = request.headers.get(TOKEN_HEADER)
-        if token is None:
-            return not self._hardened
-        expiry = self._tokens.get(token)
-        if expiry is None:
-            return False
-        if self._clock() >= expiry:
-            del self._tokens[token]
-            return False
-        return True
-
-    async def _handle_get(self, request: web.Request) -> web.Response:
-        fault = await self._intercept(request)
-        if fault is not None:
-            return fault
-        if not self._token_ok(request):
-            return self._answer(request, 401, "Unauthorized")
-        item = request.match_info["item"].strip("/")
-        value = self._items.get(item, self._static.get(item))
-        if value is None:
-            return self._answer(request, 404, "Not Found")
-        return self._answer(request, 200, value)
-
-    async def _handle_other(self, request: web.Request) -> web.Response:
-        fault = await self._intercept(request)
-        if fault is not None:
-            return fault
-        if request.path == TOKEN_PATH:
-            return self._answer(request, 405, "Method Not Allowed")
-        if request.method == "GET" and not self._token_ok(request):
-            return self._answer(request, 401, "Unauthorized")
-        return self._answer(request, 404, "Not Found")
 
 
 def _now() -> float:

@@ -53,7 +53,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import time
@@ -66,6 +65,7 @@ from typing import Any
 from aiohttp import web
 
 from daemon.metadata.azure import METADATA_HEADER, PREEMPT, PREEMPT_MIN_NOTICE, SCHEDULED_EVENTS_PATH
+from daemon.metadata.fake_base import FakeEndpoint
 
 __all__ = ["FakeAzureScheduledEvents", "SUPPORTED_API_VERSIONS", "EVENT_TYPES", "format_rfc1123"]
 
@@ -94,18 +94,19 @@ def format_rfc1123(when: datetime) -> str:
     return format_datetime(when.astimezone(timezone.utc).replace(microsecond=0), usegmt=True)
 
 
-class FakeAzureScheduledEvents:
+class FakeAzureScheduledEvents(FakeEndpoint):
     """An aiohttp server on ``host`` speaking Azure Scheduled Events.
 
-    Lifecycle: the constructor does no I/O; ``await start()`` binds (``port=0`` picks
-    a free port) and sets :attr:`url`; ``await aclose()`` stops it and is idempotent
-    and safe after a failed start. Also an async context manager.
+    Lifecycle and test hooks: see :class:`~daemon.metadata.fake_base.FakeEndpoint`.
 
     Args:
         vm_name: this VM's name, put in ``Resources`` of published interruptions.
         host, port: where to listen; port 0 = ephemeral.
         clock: monotonic seconds; stamps ``request_log`` entries. Wall times
             (``NotBefore``, ``published_at``) use the real clock.
+
+    ``request_log`` holds ``(method, path, status, clock())`` of every answered request;
+    injected faults answer a JSON ``{"error": ...}`` body.
     """
 
     def __init__(
@@ -118,72 +119,17 @@ class FakeAzureScheduledEvents:
     ) -> None:
         if not isinstance(vm_name, str) or not vm_name:
             raise ValueError(f"vm_name must be a non-empty string, got {vm_name!r}")
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {port}")
+        super().__init__(host=host, port=port, clock=clock)
         self.vm_name = vm_name
-        self._host = host
-        self._port = port
-        self._clock = clock
         self._events: list[dict[str, Any]] = []
         self._incarnation = 1
         self._raw: str | None = None  # publish_raw body, served instead of the document
-        self._faults: list[tuple[int, str | None]] = []  # (status, path or None=any), in order
-        self._hangs = 0
-        self._release = asyncio.Event()
-        self._hung = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self._url: str | None = None
         self.acknowledged: list[str] = []
         """EventIds approved by a successful ``StartRequests`` POST, in order (repeats kept)."""
-        self.published_at: float | None = None
-        """``time.time()`` of the last publish (None before one, and after :meth:`clear`)."""
-        self.request_log: list[tuple[str, str, int, float]] = []
-        """``(method, path, status, clock())`` of every answered request, oldest first."""
 
-    # -- lifecycle -------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:41234``. Only after :meth:`start`."""
-        if self._url is None:
-            raise RuntimeError("FakeAzureScheduledEvents is not started; call 'await fake.start()' first")
-        return self._url
-
-    async def start(self) -> FakeAzureScheduledEvents:
-        """Bind and serve. Raises RuntimeError if already started."""
-        if self._runner is not None:
-            raise RuntimeError("FakeAzureScheduledEvents is already started")
-        app = web.Application()
+    def _setup(self, app: web.Application) -> None:
         app.router.add_route("*", SCHEDULED_EVENTS_PATH, self._handle_events)
         app.router.add_route("*", "/{tail:.*}", self._handle_other)
-        self._release = asyncio.Event()
-        self._hung = asyncio.Event()
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        self._runner = runner
-        try:
-            await runner.setup()
-            site = web.TCPSite(runner, self._host, self._port)
-            await site.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        host, port = runner.addresses[0][:2]
-        self._url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-        return self
-
-    async def aclose(self) -> None:
-        """Stop serving (releases hung requests first). Idempotent."""
-        self._release.set()
-        runner, self._runner = self._runner, None
-        self._url = None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def __aenter__(self) -> FakeAzureScheduledEvents:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # -- what the "cloud" publishes --------------------------------------------------------
 
@@ -287,33 +233,6 @@ class FakeAzureScheduledEvents:
         self._raw = None
         self.published_at = None
 
-    # -- fault injection ---------------------------------------------------------------
-
-    def fail_next(self, n: int = 1, status: int = 500, *, path: str | None = None) -> None:
-        """Answer the next ``n`` requests with ``status`` (JSON ``{"error": ...}`` body).
-
-        Args:
-            n: how many requests.
-            status: an HTTP error status, 400..599.
-            path: only requests for this exact path (e.g. ``"/metadata/scheduledevents"``);
-                None = any request.
-        """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if not 400 <= status <= 599:
-            raise ValueError(f"status must be an HTTP error status (400..599), got {status}")
-        self._faults.extend([(status, path)] * n)
-
-    def hang_next(self, n: int = 1) -> None:
-        """Never answer the next ``n`` requests (until :meth:`aclose`): client timeouts."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self._hangs += n
-
-    async def wait_hanging(self) -> None:
-        """Return once a request held by :meth:`hang_next` has arrived."""
-        await self._hung.wait()
-
     # -- handlers --------------------------------------------------------------------
 
     def _answer(self, request: web.Request, status: int, body: Any = None) -> web.Response:
@@ -323,17 +242,8 @@ class FakeAzureScheduledEvents:
         text = body if isinstance(body, str) else json.dumps(body)
         return web.Response(status=status, text=text, content_type=_JSON)
 
-    async def _intercept(self, request: web.Request) -> web.Response | None:
-        if self._hangs:
-            self._hangs -= 1
-            self._hung.set()
-            await self._release.wait()
-            return self._answer(request, 503, {"error": "shutting down"})
-        for i, (status, path) in enumerate(self._faults):
-            if path is None or path == request.path:
-                del self._faults[i]
-                return self._answer(request, status, {"error": f"injected fault {status}"})
-        return None
+    def _error_body(self, message: str) -> Any:
+        return {"error": message}
 
     def _reject(self, request: web.Request) -> web.Response | None:
         """The checks every IMDS request passes: proxy header, Metadata header, query."""
@@ -365,9 +275,6 @@ class FakeAzureScheduledEvents:
         return None
 
     async def _handle_events(self, request: web.Request) -> web.Response:
-        fault = await self._intercept(request)
-        if fault is not None:
-            return fault
         rejected = self._reject(request)
         if rejected is not None:
             return rejected
@@ -420,9 +327,6 @@ class FakeAzureScheduledEvents:
         return self._answer(request, 200)
 
     async def _handle_other(self, request: web.Request) -> web.Response:
-        fault = await self._intercept(request)
-        if fault is not None:
-            return fault
         rejected = self._reject(request)
         if rejected is not None:
             return rejected

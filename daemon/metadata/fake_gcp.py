@@ -50,6 +50,7 @@ from datetime import datetime
 
 from aiohttp import web
 
+from daemon.metadata.fake_base import FakeEndpoint
 from daemon.metadata.gcp import FLAVOR_HEADER, FLAVOR_VALUE, MAINTENANCE_EVENTS, METADATA_PREFIX
 
 __all__ = ["FakeGcpMetadata", "PROJECT_NUMBER"]
@@ -66,7 +67,7 @@ def _etag(item: str, value: str) -> str:
     return hashlib.sha256(f"{item}\0{value}".encode("utf-8")).hexdigest()[:16]
 
 
-class FakeGcpMetadata:
+class FakeGcpMetadata(FakeEndpoint):
     """An aiohttp server on ``host`` speaking the Compute Engine metadata protocol.
 
     Lifecycle: the constructor does no I/O; ``await start()`` binds (``port=0`` picks
@@ -81,6 +82,8 @@ class FakeGcpMetadata:
         host, port: where to listen; port 0 = ephemeral.
         clock: monotonic seconds, stamped into :attr:`published_clock` so tests can
             measure how long a client took to see a publish.
+
+    ``request_log`` holds ``(method, path_qs, status)`` of every answered request.
     """
 
     def __init__(
@@ -93,11 +96,7 @@ class FakeGcpMetadata:
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {port}")
-        self._host = host
-        self._port = port
-        self._clock = clock
+        super().__init__(host=host, port=port, clock=clock)
         self._items: dict[str, str] = {
             "instance/id": instance_id,
             "instance/machine-type": f"projects/{PROJECT_NUMBER}/machineTypes/{machine_type}",
@@ -106,79 +105,34 @@ class FakeGcpMetadata:
             _MAINTENANCE: "NONE",
         }
         self._defaults = dict(self._items)
-        self._faults: list[tuple[int, str | None]] = []  # (status, path or None=any), in order
-        self._hangs = 0
         self._closing = False
         self._changed = asyncio.Event()  # replaced after every change; set = "look again"
-        self._release = asyncio.Event()
-        self._hung = asyncio.Event()
         self._watchers = 0
         self._watchers_changed = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self._url: str | None = None
-        self.published_at: float | None = None
-        """``time.time()`` of the last :meth:`publish_interruption` (None: none yet)."""
         self.published_clock: float | None = None
         """``clock()`` of the last :meth:`publish_interruption`."""
         self.published_action: str | None = None
         """The ``action`` given to the last publish (GCP does not serve it)."""
-        self.request_log: list[tuple[str, str, int]] = []
-        """``(method, path_qs, status)`` of every answered request, oldest first."""
 
     # -- lifecycle -------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:41234``. Only after :meth:`start`."""
-        if self._url is None:
-            raise RuntimeError("FakeGcpMetadata is not started; call 'await fake.start()' first")
-        return self._url
 
     @property
     def watchers(self) -> int:
         """Hanging GETs (``wait_for_change=true``) parked right now."""
         return self._watchers
 
-    async def start(self) -> FakeGcpMetadata:
-        """Bind and serve. Raises RuntimeError if already started."""
-        if self._runner is not None:
-            raise RuntimeError("FakeGcpMetadata is already started")
-        app = web.Application()
+    def _setup(self, app: web.Application) -> None:
         app.router.add_route("GET", METADATA_PREFIX + "{item:.*}", self._handle_get)
         app.router.add_route("*", "/{tail:.*}", self._handle_other)
         self._closing = False
         self._changed = asyncio.Event()
-        self._release = asyncio.Event()
-        self._hung = asyncio.Event()
         self._watchers_changed = asyncio.Event()
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        self._runner = runner
-        try:
-            await runner.setup()
-            site = web.TCPSite(runner, self._host, self._port)
-            await site.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        host, port = runner.addresses[0][:2]
-        self._url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-        return self
 
     async def aclose(self) -> None:
         """Answer parked requests (503), then stop serving. Idempotent."""
         self._closing = True
-        self._release.set()
         self._changed.set()
-        runner, self._runner = self._runner, None
-        self._url = None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def __aenter__(self) -> FakeGcpMetadata:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+        await super().aclose()
 
     # -- what the "cloud" publishes --------------------------------------------------------
 
@@ -237,32 +191,7 @@ class FakeGcpMetadata:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    # -- fault injection ---------------------------------------------------------------
-
-    def fail_next(self, n: int = 1, status: int = 500, *, path: str | None = None) -> None:
-        """Answer the next ``n`` requests with ``status``.
-
-        Args:
-            n: how many requests.
-            status: an HTTP error status, 400..599.
-            path: only requests for this exact path (e.g.
-                ``"/computeMetadata/v1/instance/preempted"``); None = any request.
-        """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if not 400 <= status <= 599:
-            raise ValueError(f"status must be an HTTP error status (400..599), got {status}")
-        self._faults.extend([(status, path)] * n)
-
-    def hang_next(self, n: int = 1) -> None:
-        """Never answer the next ``n`` requests (until :meth:`aclose`): client timeouts."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self._hangs += n
-
-    async def wait_hanging(self) -> None:
-        """Return once a request held by :meth:`hang_next` has arrived."""
-        await self._hung.wait()
+    # -- test hooks --------------------------------------------------------------------
 
     async def wait_watchers(self, n: int = 1) -> None:
         """Return once at least ``n`` hanging GETs are parked waiting for a change."""
@@ -286,15 +215,9 @@ class FakeGcpMetadata:
         return resp
 
     async def _intercept(self, request: web.Request) -> web.Response | None:
-        if self._hangs:
-            self._hangs -= 1
-            self._hung.set()
-            await self._release.wait()
-            return self._answer(request, 503, "shutting down")
-        for i, (status, path) in enumerate(self._faults):
-            if path is None or path == request.path:
-                del self._faults[i]
-                return self._answer(request, status, f"injected fault {status}")
+        refused = await super()._intercept(request)
+        if refused is not None:
+            return refused
         if "X-Forwarded-For" in request.headers:
             return self._answer(request, 403, "Forbidden: X-Forwarded-For is not allowed")
         if request.headers.get(FLAVOR_HEADER) != FLAVOR_VALUE:
@@ -302,9 +225,6 @@ class FakeGcpMetadata:
         return None
 
     async def _handle_get(self, request: web.Request) -> web.Response:
-        refused = await self._intercept(request)
-        if refused is not None:
-            return refused
         item = request.match_info["item"].strip("/")
         if item not in self._items:
             return self._answer(request, 404, "Not Found")
@@ -345,9 +265,6 @@ class FakeGcpMetadata:
         return self._answer(request, 200, value, _etag(item, value))
 
     async def _handle_other(self, request: web.Request) -> web.Response:
-        refused = await self._intercept(request)
-        if refused is not None:
-            return refused
         if request.method != "GET":
             return self._answer(request, 405, "Method Not Allowed")
         return self._answer(request, 404, "Not Found")

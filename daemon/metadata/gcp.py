@@ -35,7 +35,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 import time
@@ -45,6 +44,7 @@ from datetime import datetime, timedelta, timezone
 import aiohttp
 
 from daemon.metadata.base import MetadataUnavailable, Notice, NoticeKind
+from daemon.metadata.http import HttpDialect
 
 __all__ = [
     "GcpMetadata",
@@ -77,7 +77,7 @@ MAINTENANCE_EVENTS = frozenset(
 _TOKEN = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
-class GcpMetadata:
+class GcpMetadata(HttpDialect):
     """Compute Engine metadata client implementing the dialect (``provider = "gcp"``).
 
     Polling modes:
@@ -117,18 +117,13 @@ class GcpMetadata:
     """
 
     __slots__ = (
-        "_base_url",
         "_timeout_s",
         "_wait_s",
         "_timeout_sec",
-        "_session",
-        "_owns_session",
-        "_clock",
         "_etag",
         "_last_value",
         "_seen_wall",
         "_seen_at",
-        "_closed",
     )
 
     provider = "gcp"
@@ -142,43 +137,16 @@ class GcpMetadata:
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not base_url:
-            raise ValueError("base_url must be a non-empty URL, e.g. 'http://metadata.google.internal'")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        super().__init__(base_url, example_url=DEFAULT_BASE_URL, timeout_s=timeout_s, session=session, clock=clock)
         if not wait_s >= 0 or math.isinf(wait_s):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {wait_s!r}")
-        self._base_url = base_url.rstrip("/")
         self._timeout_s = float(timeout_s)
         self._wait_s = float(wait_s)
         self._timeout_sec = math.ceil(wait_s)  # what the server is told, whole seconds
-        self._session = session
-        self._owns_session = session is None
-        self._clock = clock
         self._etag: str | None = None
         self._last_value: str | None = None
         self._seen_wall: datetime | None = None
         self._seen_at: float | None = None
-        self._closed = False
-
-    # -- lifecycle ---------------------------------------------------------------
-
-    async def __aenter__(self) -> GcpMetadata:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the session if this object created it. Idempotent."""
-        self._closed = True
-        session, self._session = self._session, None
-        if session is not None and self._owns_session and not session.closed:
-            await session.close()
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
 
     @property
     def wait_s(self) -> float:
@@ -281,13 +249,6 @@ class GcpMetadata:
 
     # -- HTTP ----------------------------------------------------------------------
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError("GcpMetadata is closed; create a new one")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
-        return self._session
-
     async def _get(
         self, path: str, *, params: dict[str, str], timeout_s: float, allow_404: bool = False
     ) -> tuple[str, str | None]:
@@ -296,24 +257,11 @@ class GcpMetadata:
         Transport failures and any other status become :class:`MetadataUnavailable`
         (404 becomes ``_NotFound`` when ``allow_404``).
         """
-        session = self._get_session()
-        try:
-            async with session.get(
-                self._base_url + path,
-                params=params,
-                headers={FLAVOR_HEADER: FLAVOR_VALUE},
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-                allow_redirects=False,
-            ) as resp:
-                body = await resp.text(encoding="utf-8", errors="replace")
-                status = resp.status
-                etag = resp.headers.get("ETag")
-        except asyncio.TimeoutError as exc:
-            raise MetadataUnavailable(f"GET {path}: timed out after {timeout_s:g} s") from exc
-        except aiohttp.ClientError as exc:
-            raise MetadataUnavailable(f"GET {path}: {type(exc).__name__}: {exc}") from exc
+        status, body, headers = await self._request(
+            "GET", path, headers={FLAVOR_HEADER: FLAVOR_VALUE}, params=params, timeout_s=timeout_s
+        )
         if status == 200:
-            return body, etag or None
+            return body, headers.get("ETag") or None
         if status == 404 and allow_404:
             raise _NotFound(path)
         raise MetadataUnavailable(f"GET {path}: HTTP {status}: {body[:200]!r}")
