@@ -6,7 +6,9 @@
 - **Control socket** (unix, mode 0660): what ``spotctl`` reads.
   ``GET /v1/status`` → job line + nodes; ``GET /v1/events?since=SEQ&kind=K&follow=1``
   → NDJSON, one event per line; with ``follow`` the response stays open and
-  streams new events as they are recorded.
+  streams new events as they are recorded. ``POST /v1/checkpoint`` → the job
+  commits at its next step boundary (409 if no trainer runs);
+  ``POST /v1/nodes/{id}/drain`` → the node leaves the job cleanly (404 unknown, 409 gone).
 """
 
 from __future__ import annotations
@@ -93,11 +95,34 @@ async def _events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def _checkpoint(request: web.Request) -> web.Response:
+    rid = request.app[SUPERVISOR].request_checkpoint("manual")
+    if rid is None:
+        return web.json_response({"error": "no node is running the job's trainer; nothing to checkpoint"},
+                                 status=409)
+    return web.json_response({"request_id": rid})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    sup = request.app[SUPERVISOR]
+    node_id = request.match_info["node_id"]
+    node = sup.nodes.get(node_id)
+    if node is None:
+        known = ", ".join(n.id for n in sup.nodes.values() if not n.state.is_terminal()) or "none"
+        return web.json_response({"error": f"no node {node_id!r} (live nodes: {known})"}, status=404)
+    if node.state.is_terminal():
+        return web.json_response({"error": f"node {node_id} is already {node.state.value}"}, status=409)
+    sup.drain(node, "operator")
+    return web.json_response({"node": node.id, "state": node.state.value})
+
+
 def control_app(sup: Supervisor) -> web.Application:
     app = web.Application()
     app[SUPERVISOR] = sup
     app.router.add_get("/v1/status", _status)
     app.router.add_get("/v1/events", _events)
+    app.router.add_post("/v1/checkpoint", _checkpoint)
+    app.router.add_post("/v1/nodes/{node_id}/drain", _drain)
     return app
 
 

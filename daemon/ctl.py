@@ -3,6 +3,8 @@
     spotctl status [--json]                    job line + nodes table
     spotctl nodes [--json]                     nodes table only
     spotctl events [-f] [--since SEQ] [--kind K ...] [--json]
+    spotctl checkpoint                         commit a checkpoint now; training goes on
+    spotctl drain NODE                         the node commits, then leaves the job cleanly
 
 The socket is ``--socket PATH``, else ``$SPOTVISOR_SOCKET``, else the daemon
 socket of ``--config FILE``, else ``.spotvisor/spotvisord.sock`` (the local
@@ -34,6 +36,10 @@ _SYSTEMD_SOCKET = Path("/run/spotvisord/spotvisord.sock")
 
 class Unreachable(Exception):
     pass
+
+
+class Refused(Exception):
+    """The daemon answered with a 4xx: a usage problem (exit 2)."""
 
 
 def _socket_path(args: argparse.Namespace) -> Path:
@@ -111,12 +117,17 @@ def render_event(ev: dict[str, Any]) -> str:
     return stamp + line[line.index("]") + 1:]
 
 
-async def _request(sock: Path, path: str, *, stream: bool = False, out=None) -> Any:
+async def _request(sock: Path, path: str, *, stream: bool = False, out=None, method: str = "GET") -> Any:
     conn = aiohttp.UnixConnector(path=str(sock))
     timeout = aiohttp.ClientTimeout(total=None if stream else 10, sock_connect=5)
     try:
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-            async with s.get(f"http://spotvisord{path}") as r:
+            async with s.request(method, f"http://spotvisord{path}") as r:
+                if 400 <= r.status < 500:
+                    try:
+                        raise Refused((await r.json())["error"])
+                    except (ValueError, KeyError, aiohttp.ContentTypeError):
+                        raise Refused(f"spotvisord answered {r.status}") from None
                 if r.status != 200:
                     raise Unreachable(f"spotvisord answered {r.status}: {(await r.text()).strip()}")
                 if not stream:
@@ -153,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     e.add_argument("--since", type=int, default=0, metavar="SEQ", help="only events after SEQ")
     e.add_argument("--kind", action="append", default=[], help="only this kind (repeatable)")
+    sub.add_parser("checkpoint", parents=[common], help="commit a checkpoint now (the job keeps training)")
+    d = sub.add_parser("drain", parents=[common], help="make a node leave the job cleanly (commit, then leave)")
+    d.add_argument("node", help="node id, as `spotctl nodes` shows it")
     return p
 
 
@@ -164,6 +178,16 @@ async def _amain(args: argparse.Namespace) -> int:
             print(json.dumps(status, indent=2))
         else:
             print(render_status(status) if args.cmd == "status" else render_nodes(status))
+        return 0
+    if args.cmd == "checkpoint":
+        reply = await _request(sock, "/v1/checkpoint", method="POST")
+        print(json.dumps(reply) if args.json else f"checkpoint requested ({reply['request_id']}): "
+              "the job commits at its next step boundary")
+        return 0
+    if args.cmd == "drain":
+        reply = await _request(sock, f"/v1/nodes/{args.node}/drain", method="POST")
+        print(json.dumps(reply) if args.json else f"{reply['node']}: {reply['state']} "
+              "(its trainer commits, then the node leaves the job)")
         return 0
     query = f"?since={args.since}" + "".join(f"&kind={k}" for k in args.kind) + ("&follow=1" if args.follow else "")
 
@@ -181,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except Unreachable as exc:
         print(f"spotctl: {exc}", file=sys.stderr)
         return 1
+    except Refused as exc:
+        print(f"spotctl: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `spotctl events -f | head`

@@ -389,6 +389,20 @@ class Supervisor:
         self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
                      for_nodes=sorted(self._rejoin.nodes))
 
+    def request_checkpoint(self, reason: str = "manual") -> str | None:
+        """Ask the job to commit a checkpoint at its next step boundary and keep training.
+
+        Returns the request id, or None when no node is running the job's trainer.
+        """
+        running = [n for n in self.nodes.values() if n.state is NodeState.RUNNING and n.trainer == "running"]
+        if not running:
+            return None
+        rid = f"{reason}-{secrets.token_hex(4)}"
+        for n in running:  # one rank seeing it is enough (the guard all-reduces); all get it
+            self._commands.setdefault(n.id, []).append({"kind": "checkpoint", "reason": reason, "id": rid})
+        self.record(EventKind.CHECKPOINT_REQUESTED, None, reason=reason, request_id=rid)
+        return rid
+
     def drain(self, node: Node, reason: str) -> None:
         """Make ``node`` leave the job cleanly: its trainer commits a checkpoint and holds,
         then its agent stops torchrun (a daemon-initiated interruption; no cloud notice)."""

@@ -144,3 +144,27 @@ async def test_events_follow_streams_new_events(spot_daemon) -> None:
         await proc.wait()
     # the daemon's stream handler notices the gone reader on its next write
     h.sup.record("checkpoint_requested", None, reason="test", request_id="late")
+
+
+async def test_checkpoint_and_drain_verbs(spot_daemon) -> None:
+    h = spot_daemon
+    sock = ["--socket", h.socket_path]
+    rc, out, err = await spotctl("checkpoint", *sock)
+    assert rc == 2 and "nothing to checkpoint" in err and "Traceback" not in err  # no trainer runs yet
+
+    await running_node(h)
+    node = next(iter(h.sup.nodes.values()))
+    h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})
+    rc, out, err = await spotctl("checkpoint", "--json", *sock)
+    assert rc == 0, err
+    rid = json.loads(out)["request_id"]
+    cmds = h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
+    assert cmds == [{"kind": "checkpoint", "reason": "manual", "id": rid}]
+
+    rc, out, err = await spotctl("drain", "no-such-node", *sock)
+    assert rc == 2 and "no node 'no-such-node'" in err and node.id in err
+    rc, out, err = await spotctl("drain", node.id, *sock)
+    assert rc == 0, err
+    assert node.state is NodeState.DRAINING and f"{node.id}: draining" in out
+    cmds = h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
+    assert [c["kind"] for c in cmds] == ["drain"]
