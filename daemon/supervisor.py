@@ -37,7 +37,7 @@ from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Event, EventKind, JobState, Node, NodeState
 from daemon.offers import History, Offer, capacity_backoff_s
 from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
-from daemon.providers.base import AuthError, CapacityError, NodeSpec, Provider, ProviderError, QuotaError
+from daemon.providers.base import NODE_TAG, POOL_TAG, AuthError, CapacityError, NodeSpec, Provider, ProviderError, QuotaError
 from daemon.store import Store
 
 __all__ = ["Supervisor", "JobView"]
@@ -279,7 +279,7 @@ class Supervisor:
     async def _launch_call(self, node: Node) -> None:
         assert self.agent_url is not None
         spec = NodeSpec(node_id=node.id, pool=self.pool, token=node.token, daemon_url=self.agent_url,
-                        tags={"spotvisor-pool": self.pool, "spotvisor-node": node.id})
+                        tags={POOL_TAG: self.pool, NODE_TAG: node.id})
         offer = self._offer(node.offer_index)
         try:
             inst = await self.provider_for(offer.provider).launch(offer, spec)

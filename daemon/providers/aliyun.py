@@ -69,9 +69,12 @@ from daemon.config import AliyunProviderSpec
 from daemon.pool import Offer
 from daemon.providers.base import (
     AuthError,
+    NODE_TAG,
+    POOL_TAG,
     CapacityError,
     Instance,
     NodeSpec,
+    PriceError,
     Provider,
     ProviderError,
     QuotaError,
@@ -84,8 +87,6 @@ __all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "P
 
 log = structlog.get_logger("spotvisor.provider.aliyun")
 
-POOL_TAG = "spotvisor-pool"
-NODE_TAG = "spotvisor-node"
 #: DescribeInstances statuses that count as "pending or running" for the contract.
 _LIVE_STATUS = {"Pending": "pending", "Starting": "pending", "Running": "running"}
 _PAGE_SIZE = 100  # DescribeInstances' maximum
@@ -107,11 +108,6 @@ _TRANSIENT_CODES = frozenset({
 })
 _NOT_FOUND_CODES = frozenset({"InvalidInstanceId.NotFound", "InvalidInstanceIds.NotFound"})
 
-
-class PriceError(CapacityError):
-    """``InvalidSpotPriceLimit.LowerThanPublicPrice``: the offer's ``max_price_usd_h`` is
-    below the current spot price. A CapacityError, so the pool tries the next offer and
-    backs this one off until the market price falls again."""
 
 
 def translate_error(exc: Exception) -> ProviderError:

@@ -52,9 +52,12 @@ from daemon.config import AwsProviderSpec
 from daemon.pool import Offer
 from daemon.providers.base import (
     AuthError,
+    NODE_TAG,
+    POOL_TAG,
     CapacityError,
     Instance,
     NodeSpec,
+    PriceError,
     Provider,
     ProviderError,
     QuotaError,
@@ -69,8 +72,6 @@ log = structlog.get_logger("spotvisor.provider.aws")
 
 T = TypeVar("T")
 
-POOL_TAG = "spotvisor-pool"
-NODE_TAG = "spotvisor-node"
 _LIVE_STATES = ("pending", "running")
 
 _CAPACITY_CODES = frozenset({
@@ -92,13 +93,6 @@ _TRANSIENT_CODES = frozenset({
 })
 _NOT_FOUND_CODES = frozenset({"InvalidInstanceID.NotFound"})
 
-
-class PriceError(CapacityError):
-    """``SpotMaxPriceTooLow``: the offer's price cap is under the current spot price.
-
-    A CapacityError, so the daemon treats it the same way: try the next offer and back
-    this one off (the price may drop, or another offer may have a cap that fits).
-    """
 
 
 def client_token(node_id: str) -> str:

@@ -22,9 +22,16 @@ from typing import Callable
 
 from daemon.pool import Offer
 
+# Tags every instance carries, so a restarted daemon finds its pool again (describe(tag)).
+POOL_TAG = "spotvisor-pool"
+NODE_TAG = "spotvisor-node"
+
 __all__ = [
+    "POOL_TAG",
+    "NODE_TAG",
     "ProviderError",
     "CapacityError",
+    "PriceError",
     "QuotaError",
     "AuthError",
     "TransientError",
@@ -42,6 +49,12 @@ class ProviderError(Exception):
 
 class CapacityError(ProviderError):
     """The offer has no spot capacity now (retry elsewhere, back this offer off)."""
+
+
+class PriceError(CapacityError):
+    """The offer's price cap is under the current spot price (AWS ``SpotMaxPriceTooLow``,
+    Alibaba ``InvalidSpotPriceLimit.LowerThanPublicPrice``). A CapacityError, so the pool
+    tries the next offer and backs this one off until the price falls again."""
 
 
 class QuotaError(ProviderError):
