@@ -402,6 +402,7 @@ class NodeAgent:
             SPOTVISOR_NOTICE_FILE=str(self.workdir / "notices.json"),
             SPOTVISOR_STATUS_FILE=str(self.status_path),
             SPOTVISOR_LOG_DIR=str(self.log_dir),
+            SPOTVISOR_SCRATCH_DIR=str(self.workdir / "scratch"),
             SPOTVISOR_NODE_ID=self.node_id,
         )
         out = open(self.workdir / "trainer.log", "ab")

@@ -45,24 +45,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import math
 import os
 import re
-import tempfile
 import time
-import urllib.parse
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import boto3
 import structlog
-from boto3.exceptions import Boto3Error
-from boto3.s3.transfer import TransferConfig
-from botocore.exceptions import BotoCoreError, ClientError
+
+from trainer.storage import (
+    CheckpointError,
+    CheckpointStore,
+    FileStore,
+    ObjectNotFoundError,
+    S3Store,
+    StorageError,
+    check_key,
+    open_store,
+)
 
 __all__ = [
     "CheckpointError",
@@ -80,6 +83,9 @@ __all__ = [
     "open_store",
     "step_dir",
     "write_shard",
+    "write_dir",
+    "fetch_dir",
+    "file_sha256",
     "commit",
     "scan",
     "list_committed",
@@ -97,22 +103,10 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 _STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_MIB = 1024 * 1024
 
 
 # --------------------------------------------------------------------------- errors
 
-
-class CheckpointError(Exception):
-    """Base of every error raised by this module."""
-
-
-class StorageError(CheckpointError):
-    """The storage backend failed (I/O, network, auth); ``__cause__`` holds the SDK/OS error."""
-
-
-class ObjectNotFoundError(StorageError):
-    """A key that was read does not exist in the store."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -291,319 +285,11 @@ class StepDir:
         return self.manifest is not None
 
 
-# --------------------------------------------------------------------------- stores
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key:
-        raise ValueError(f"bad store key {key!r}: must be a relative '/'-separated path")
-    if any(part in ("", ".", "..") for part in key.split("/")):
-        raise ValueError(f"bad store key {key!r}: empty, '.' or '..' component")
-
-
 def _check_shard_name(name: str) -> None:
     if not isinstance(name, str):
         raise ValueError(f"shard name must be a str, got {name!r}")
-    _check_key(name)
+    check_key(name)
 
-
-class CheckpointStore(ABC):
-    """A flat key -> bytes store under a root URI; keys are relative '/'-separated paths.
-
-    All methods block until the backend answers. Constructors do no network I/O.
-    """
-
-    uri: str
-
-    @abstractmethod
-    def put_bytes(self, key: str, data: bytes) -> None:
-        """Store ``data`` at ``key``, replacing what was there; readers see old or new, never a mix.
-
-        Raises:
-            ValueError: malformed key.
-            StorageError: the backend failed.
-        """
-
-    @abstractmethod
-    def get_bytes(self, key: str) -> bytes:
-        """The bytes at ``key``.
-
-        Raises:
-            ObjectNotFoundError: no such key (a StorageError).
-            StorageError: the backend failed.
-        """
-
-    @abstractmethod
-    def list(self, prefix: str = "") -> dict[str, int]:
-        """Every key starting with ``prefix`` (plain string prefix) -> its size in bytes.
-
-        Raises:
-            StorageError: the backend failed.
-        """
-
-    @abstractmethod
-    def delete(self, keys: Iterable[str]) -> None:
-        """Delete ``keys``; keys already absent are ignored.
-
-        Raises:
-            StorageError: the backend failed for at least one key.
-        """
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.uri!r})"
-
-
-class FileStore(CheckpointStore):
-    """A directory on a local or shared (NFS, Lustre) file system.
-
-    ``put_bytes`` writes a temporary file in the target directory, fsyncs it,
-    ``os.replace``-s it over the key and fsyncs the directory, so a crash leaves
-    the old content or the new, never a torn file under the key's name.
-
-    Args:
-        root: ``file:///abs/path`` or an absolute path.
-
-    Raises:
-        ValueError: at construction, for a relative path or a ``file://`` URI with a host.
-    """
-
-    _TMP_MARK = ".tmp-"
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        if isinstance(root, str) and root.startswith("file:"):
-            parsed = urllib.parse.urlparse(root)
-            if parsed.netloc not in ("", "localhost"):
-                raise ValueError(f"file URI {root!r} has host {parsed.netloc!r}: use file:///abs/path")
-            path = urllib.parse.unquote(parsed.path)
-        else:
-            path = os.fspath(root)
-        if not os.path.isabs(path):
-            raise ValueError(f"checkpoint directory {path!r} must be absolute (file:///abs/path)")
-        self.root = Path(path)
-        self.uri = self.root.as_uri()
-
-    def _path(self, key: str) -> Path:
-        _check_key(key)
-        return self.root.joinpath(*key.split("/"))
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp_name = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}{self._TMP_MARK}", dir=path.parent)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, path)
-            tmp_name = None
-            _fsync_dir(path.parent)
-        except OSError as exc:
-            raise StorageError(f"writing {self.uri}/{key}: {exc}") from exc
-        finally:
-            if tmp_name is not None:
-                try:
-                    os.unlink(tmp_name)
-                except OSError:
-                    pass
-
-    def get_bytes(self, key: str) -> bytes:
-        path = self._path(key)
-        try:
-            return path.read_bytes()
-        except FileNotFoundError as exc:
-            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from exc
-        except OSError as exc:
-            raise StorageError(f"reading {self.uri}/{key}: {exc}") from exc
-
-    def list(self, prefix: str = "") -> dict[str, int]:
-        # Walk only the deepest directory the prefix names, then filter by string prefix.
-        base_parts = prefix.split("/")[:-1]
-        if any(part in ("", ".", "..") for part in base_parts):
-            raise ValueError(f"bad list prefix {prefix!r}: empty, '.' or '..' component")
-        start = self.root.joinpath(*base_parts) if base_parts else self.root
-        out: dict[str, int] = {}
-        try:
-            for dirpath, _dirnames, filenames in os.walk(start):
-                rel_dir = Path(dirpath).relative_to(self.root).as_posix()
-                for name in filenames:
-                    key = name if rel_dir == "." else f"{rel_dir}/{name}"
-                    if not key.startswith(prefix):
-                        continue
-                    try:
-                        out[key] = os.stat(os.path.join(dirpath, name)).st_size
-                    except FileNotFoundError:  # deleted while we walked
-                        continue
-        except OSError as exc:
-            raise StorageError(f"listing {self.uri}/{prefix}: {exc}") from exc
-        return out
-
-    def delete(self, keys: Iterable[str]) -> None:
-        parents: set[Path] = set()
-        for key in keys:
-            path = self._path(key)
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise StorageError(f"deleting {self.uri}/{key}: {exc}") from exc
-            parents.add(path.parent)
-        # Remove directories left empty, deepest first, never the root itself.
-        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
-            while parent != self.root and self.root in parent.parents:
-                try:
-                    parent.rmdir()
-                except OSError:  # not empty (or already gone): stop climbing
-                    break
-                parent = parent.parent
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms/file systems cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class S3Store(CheckpointStore):
-    """An S3 (or S3-compatible: MinIO, OSS in S3 mode) bucket and key prefix.
-
-    S3 has no atomic rename; a single PUT (or a completed multipart upload) is
-    atomic, which is all the protocol needs: shards first, manifest object last.
-    Objects above ``multipart_threshold`` bytes go up in parts of
-    ``multipart_chunksize`` bytes through boto3's ``upload_fileobj``.
-
-    Args:
-        uri: ``s3://bucket`` or ``s3://bucket/prefix``.
-        endpoint_url: e.g. ``http://127.0.0.1:9000``; None for AWS.
-        client: a ready boto3 S3 client (``endpoint_url`` is then ignored).
-        multipart_threshold: bytes; S3 requires parts of >= 5 MiB except the last.
-        multipart_chunksize: bytes per part.
-        max_concurrency: parallel part transfers per object.
-        list_page_size: keys per ListObjectsV2 page (max 1000).
-
-    Credentials and region come from boto3's usual chain (env, profile, instance role).
-
-    Raises:
-        ValueError: at construction, for a URI without a bucket or bad sizes.
-    """
-
-    def __init__(
-        self,
-        uri: str,
-        *,
-        endpoint_url: str | None = None,
-        client: object | None = None,
-        multipart_threshold: int = 64 * _MIB,
-        multipart_chunksize: int = 64 * _MIB,
-        max_concurrency: int = 10,
-        list_page_size: int = 1000,
-    ) -> None:
-        parsed = urllib.parse.urlparse(uri)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise ValueError(f"S3 URI {uri!r} must look like s3://bucket/prefix")
-        if multipart_threshold < 1 or multipart_chunksize < 1 or max_concurrency < 1:
-            raise ValueError(
-                f"multipart_threshold ({multipart_threshold}), multipart_chunksize "
-                f"({multipart_chunksize}) and max_concurrency ({max_concurrency}) must be >= 1"
-            )
-        if not 1 <= list_page_size <= 1000:
-            raise ValueError(f"list_page_size must be in 1..1000, got {list_page_size}")
-        self.bucket = parsed.netloc
-        self.prefix = parsed.path.strip("/")
-        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self.endpoint_url = endpoint_url
-        self._client = client if client is not None else boto3.client("s3", endpoint_url=endpoint_url)
-        self._transfer = TransferConfig(
-            multipart_threshold=multipart_threshold,
-            multipart_chunksize=multipart_chunksize,
-            max_concurrency=max_concurrency,
-        )
-        self._page_size = list_page_size
-
-    def _key(self, key: str) -> str:
-        _check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        obj = self._key(key)
-        try:
-            self._client.upload_fileobj(io.BytesIO(data), self.bucket, obj, Config=self._transfer)
-        except (BotoCoreError, ClientError, Boto3Error) as exc:
-            raise StorageError(f"uploading {self.uri}/{key}: {exc}") from exc
-
-    def get_bytes(self, key: str) -> bytes:
-        obj = self._key(key)
-        buf = io.BytesIO()
-        try:
-            self._client.download_fileobj(self.bucket, obj, buf, Config=self._transfer)
-        except ClientError as exc:
-            if _client_error_code(exc) in ("404", "NoSuchKey", "NotFound"):
-                raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from exc
-            raise StorageError(f"downloading {self.uri}/{key}: {exc}") from exc
-        except (BotoCoreError, Boto3Error) as exc:
-            raise StorageError(f"downloading {self.uri}/{key}: {exc}") from exc
-        return buf.getvalue()
-
-    def list(self, prefix: str = "") -> dict[str, int]:
-        root = f"{self.prefix}/" if self.prefix else ""
-        out: dict[str, int] = {}
-        try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=root + prefix, PaginationConfig={"PageSize": self._page_size}
-            )
-            for page in pages:
-                for item in page.get("Contents", ()):
-                    out[item["Key"][len(root):]] = int(item["Size"])
-        except (BotoCoreError, ClientError) as exc:
-            raise StorageError(f"listing {self.uri}/{prefix}: {exc}") from exc
-        return out
-
-    def delete(self, keys: Iterable[str]) -> None:
-        objs = [self._key(k) for k in keys]
-        for i in range(0, len(objs), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = objs[i : i + 1000]
-            try:
-                resp = self._client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                )
-            except (BotoCoreError, ClientError) as exc:
-                raise StorageError(f"deleting {len(batch)} objects under {self.uri}: {exc}") from exc
-            errors = resp.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise StorageError(
-                    f"deleting under {self.uri}: {len(errors)} of {len(batch)} failed, "
-                    f"first {first.get('Key')!r}: {first.get('Code')} {first.get('Message')}"
-                )
-
-
-def _client_error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def open_store(uri: str, *, s3_endpoint_url: str | None = None) -> CheckpointStore:
-    """The store for ``uri``: ``file:///abs/path`` -> FileStore, ``s3://bucket/prefix`` -> S3Store.
-
-    OSS and other S3-compatible services: use ``s3://`` with ``s3_endpoint_url``.
-
-    Raises:
-        ValueError: unsupported scheme or malformed URI (one-line message).
-    """
-    scheme = urllib.parse.urlparse(uri).scheme
-    if scheme == "file":
-        return FileStore(uri)
-    if scheme == "s3":
-        return S3Store(uri, endpoint_url=s3_endpoint_url)
-    raise ValueError(f"unsupported checkpoint URI {uri!r}: use file:///abs/path or s3://bucket/prefix")
 
 
 # --------------------------------------------------------------------------- protocol
@@ -636,6 +322,94 @@ def write_shard(store: CheckpointStore, step: int, name: str, data: bytes) -> Sh
         raise ValueError(f"{MANIFEST_NAME!r} is reserved for the manifest")
     store.put_bytes(f"{step_dir(step)}/{name}", data)
     return info
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Lowercase hex sha256 of a local file, read in 8 MiB blocks (constant memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 * 1024 * 1024):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_dir(
+    store: CheckpointStore, step: int, local_dir: str | os.PathLike[str], *, prefix: str = ""
+) -> list[ShardInfo]:
+    """Upload every file under ``local_dir`` as a shard of step ``step`` (any rank, any node).
+
+    A framework's checkpoint folder (DeepSpeed ``global_stepN/``, a Hugging Face
+    ``checkpoint-N/``, a DCP directory) becomes shards named ``prefix + relative path``.
+    Files are streamed (:meth:`CheckpointStore.put_file`), hashed from disk, and
+    uploaded in sorted order; temporary files (``.tmp-`` in the name) are skipped.
+
+    Returns:
+        One :class:`ShardInfo` per file (size in bytes, sha256), for the manifest.
+
+    Raises:
+        ValueError: bad step, or a file name the manifest cannot hold.
+        StorageError: the backend failed, or a file vanished while uploading.
+    """
+    root = Path(local_dir)
+    infos: list[ShardInfo] = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if ".tmp-" in path.name:
+            continue
+        name = prefix + rel
+        if name == MANIFEST_NAME:
+            raise ValueError(f"{MANIFEST_NAME!r} is reserved for the manifest; rename {path}")
+        try:
+            info = ShardInfo(name=name, size=path.stat().st_size, sha256=file_sha256(path))
+        except OSError as exc:
+            raise StorageError(f"reading {path}: {exc}") from exc
+        store.put_file(f"{step_dir(step)}/{name}", path)
+        infos.append(info)
+    return infos
+
+
+def fetch_dir(
+    store: CheckpointStore,
+    manifest: Manifest,
+    local_dir: str | os.PathLike[str],
+    *,
+    prefix: str = "",
+    names: Iterable[str] | None = None,
+) -> list[Path]:
+    """Download the shards of a committed checkpoint whose names start with ``prefix``
+    (or exactly ``names``) into ``local_dir``, without the prefix; each checked for size and sha256.
+
+    Returns:
+        The local paths written.
+
+    Raises:
+        KeyError: a name in ``names`` is not in the manifest.
+        CorruptCheckpointError: a shard is gone, or its size or sha256 differs (the file is removed).
+        StorageError: the backend failed.
+    """
+    root = Path(local_dir)
+    wanted = [manifest.shard(n) for n in names] if names is not None else [
+        s for s in manifest.shards if s.name.startswith(prefix)
+    ]
+    out = []
+    for info in wanted:
+        rel = info.name[len(prefix):] if info.name.startswith(prefix) else info.name
+        target = root.joinpath(*rel.split("/"))
+        try:
+            store.get_file(f"{step_dir(manifest.step)}/{info.name}", target)
+        except ObjectNotFoundError as exc:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: shard {info.name} is missing from {store.uri}"
+            ) from exc
+        size, digest = target.stat().st_size, file_sha256(target)
+        if (size, digest) != (info.size, info.sha256):
+            target.unlink(missing_ok=True)
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: shard {info.name} is {size} bytes sha256 {digest}, "
+                f"manifest says {info.size} bytes sha256 {info.sha256}"
+            )
+        out.append(target)
+    return out
 
 
 def commit(store: CheckpointStore, manifest: Manifest) -> None:

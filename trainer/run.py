@@ -30,18 +30,14 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import math
 import os
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,15 +61,28 @@ from trainer.checkpoint import (
 )
 from trainer.data import VOCAB_SIZE, DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
+from trainer.runtime import (
+    LOG_DIR_ENV,
+    S3_ENDPOINT_ENV,
+    STATUS_FILE_ENV,
+    DistContext,
+    StatusWriter,
+    StepLog,
+    barrier,
+    configure_logging,
+    configure_threads,
+    data_position,
+    env_world,
+    new_attempt_id,
+    setup_distributed,
+    teardown_distributed,
+)
 from trainer.sampler import ElasticSampler
 
 __all__ = ["main", "build_parser", "setup_distributed", "DistContext", "TrainState"]
 
 log = logging.getLogger("trainer.run")
 
-STATUS_FILE_ENV = "SPOTVISOR_STATUS_FILE"
-LOG_DIR_ENV = "SPOTVISOR_LOG_DIR"
-S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
 MODEL_SHARD = "model.pt"
 PROGRESS_EVERY = 10
 
@@ -130,76 +139,6 @@ def _normalize_uri(uri: str) -> str:
     return Path(uri).resolve().as_uri()
 
 
-# --------------------------------------------------------------------------- process group
-
-
-@dataclass(frozen=True, slots=True)
-class DistContext:
-    """Who this process is. ``initialized``: a process group exists (torchrun)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    backend: str | None
-    device: torch.device
-    initialized: bool
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_local_leader(self) -> bool:
-        return self.local_rank == 0
-
-
-def env_world() -> tuple[int, int, int]:
-    """``(rank, local_rank, world_size)`` from torchrun's environment, or ``(0, 0, 1)``."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
-    return 0, 0, 1
-
-
-def setup_distributed(timeout_s: float = 120.0) -> DistContext:
-    """Join torchrun's process group (nccl on CUDA, else gloo); plain process without torchrun.
-
-    ``timeout_s`` bounds the group's set-up and every collective: a rendezvous round
-    that counted a node which then never started its workers fails here (and
-    torchrun re-rendezvouses) instead of waiting torch's default 30 minutes.
-    """
-    rank, local_rank, world = env_world()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if "RANK" not in os.environ:
-        return DistContext(0, 0, 1, None, device, False)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                            **({"device_id": device} if cuda else {}))
-    return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True)
-
-
-def teardown_distributed(ctx: DistContext) -> None:
-    if ctx.initialized and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def new_attempt_id(ctx: DistContext) -> str:
-    """A fresh id for this worker-group incarnation, identical on every rank."""
-    box = [uuid.uuid4().hex[:12] if ctx.is_leader else None]
-    if ctx.initialized and ctx.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    return str(box[0])
-
-
-def _barrier(ctx: DistContext) -> None:
-    if ctx.initialized and ctx.world_size > 1:
-        dist.barrier()
-
-
 # --------------------------------------------------------------------------- state
 
 
@@ -251,83 +190,6 @@ def load_state(state: TrainState, data: bytes, device: torch.device) -> None:
     state.model.load_state_dict(blob["model"])
     state.optimizer.load_state_dict(blob["optimizer"])
     state.step = int(blob["step"])
-
-
-def data_position(step: int, global_batch_size: int, seed: int, dataset_len: int) -> dict[str, int]:
-    """The manifest's ``data_position``: where the sample stream resumes."""
-    consumed = step * global_batch_size
-    return {
-        "consumed_samples": consumed,
-        "seed": seed,
-        "dataset_len": dataset_len,
-        "epoch": consumed // dataset_len,
-    }
-
-
-# --------------------------------------------------------------------------- node-local outputs
-
-
-class StatusWriter:
-    """Appends one JSON object per line to ``$SPOTVISOR_STATUS_FILE`` (LOCAL_RANK 0 only)."""
-
-    __slots__ = ("path", "ctx", "attempt")
-
-    def __init__(self, path: str | None, ctx: DistContext, attempt: str) -> None:
-        self.path = path if (path and ctx.is_local_leader) else None
-        self.ctx = ctx
-        self.attempt = attempt
-
-    def emit(self, event: str, step: int, **fields: Any) -> None:
-        if self.path is None:
-            return
-        record = {
-            "event": event,
-            "time": time.time(),
-            "attempt": self.attempt,
-            "rank": self.ctx.rank,
-            "world_size": self.ctx.world_size,
-            "step": step,
-            **fields,
-        }
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-
-
-class StepLog:
-    """``$SPOTVISOR_LOG_DIR/steps-<attempt>-rank<RANK>.jsonl``: what each rank trained on."""
-
-    __slots__ = ("_f", "ctx", "attempt")
-
-    def __init__(self, log_dir: str | None, ctx: DistContext, attempt: str) -> None:
-        self.ctx = ctx
-        self.attempt = attempt
-        self._f = None
-        if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            path = Path(log_dir) / f"steps-{attempt}-rank{ctx.rank}.jsonl"
-            self._f = open(path, "a", encoding="utf-8")
-
-    def write(self, step: int, positions: list[int], loss: float) -> None:
-        if self._f is None:
-            return
-        record = {
-            "attempt": self.attempt,
-            "rank": self.ctx.rank,
-            "world_size": self.ctx.world_size,
-            "step": step,
-            "positions": positions,
-            "loss": loss,
-            "time": time.time(),
-        }
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
 
 
 # --------------------------------------------------------------------------- the job
@@ -414,7 +276,7 @@ class Job:
         """Collective: rank 0 writes shard + manifest; all ranks pass; status line; gc."""
         step = self.state.step
         self.guard.mark_handled(decision.notice_ids)
-        _barrier(self.ctx)
+        barrier(self.ctx)
         t0 = time.time()
         result = torch.zeros(3, dtype=torch.float64)  # ok, bytes, reused
         error: BaseException | None = None
@@ -577,29 +439,12 @@ class Job:
 # --------------------------------------------------------------------------- entry point
 
 
-def _configure_threads() -> None:
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    try:
-        n = int(omp) if omp else 1
-    except ValueError:
-        n = 1
-    torch.set_num_threads(max(1, n))
-
-
-def _configure_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.checkpoint_uri = _normalize_uri(args.checkpoint_uri)
     rank, _, world = env_world()
-    _configure_logging(rank)
-    _configure_threads()
+    configure_logging(rank)
+    configure_threads()
     try:
         # Refuse before joining the group: every rank sees the same WORLD_SIZE.
         plan = ElasticBatch(args.global_batch_size, args.micro_batch_size).plan(world)
@@ -622,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if job is not None:
             job.close()
-    _barrier(ctx)
+    barrier(ctx)
     teardown_distributed(ctx)
     return 0
 
