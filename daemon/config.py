@@ -95,6 +95,7 @@ class JobSpec(_Spec):
     checkpoint_uri: str = "file://{state_dir}/checkpoints"
     checkpoint_interval_steps: int = Field(20, ge=1)
     s3_endpoint_url: str | None = None
+    oss_endpoint: str | None = None  # e.g. https://oss-cn-hangzhou.aliyuncs.com; needed for oss://
     hold_timeout_s: PositiveS = 90.0
 
     @model_validator(mode="after")
@@ -104,10 +105,15 @@ class JobSpec(_Spec):
         except BatchError as exc:
             raise ValueError(str(exc)) from None
         scheme = self.checkpoint_uri.split("://", 1)[0] if "://" in self.checkpoint_uri else ""
-        if scheme not in ("file", "s3"):
+        if scheme not in ("file", "s3", "oss"):
             raise ValueError(
                 f"checkpoint_uri {self.checkpoint_uri!r} has no supported scheme "
-                "(use file:///path or s3://bucket/prefix)"
+                "(use file:///path, s3://bucket/prefix or oss://bucket/prefix)"
+            )
+        if scheme == "oss" and not self.oss_endpoint:
+            raise ValueError(
+                "oss_endpoint: an oss:// checkpoint_uri needs the bucket's endpoint "
+                "(e.g. oss_endpoint: https://oss-cn-hangzhou.aliyuncs.com)"
             )
         return self
 

@@ -628,6 +628,8 @@ class Supervisor:
         }
         if job.s3_endpoint_url:
             env["SPOTVISOR_S3_ENDPOINT_URL"] = job.s3_endpoint_url
+        if job.oss_endpoint:
+            env["SPOTVISOR_OSS_ENDPOINT"] = job.oss_endpoint
         return {"argv": argv, "env": env}
 
     # -- views ------------------------------------------------------------------------------------

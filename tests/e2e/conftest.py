@@ -29,6 +29,7 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     """``run_demo(chaos=[...], **job)`` → the summary dict of a demo run from configs/local.yaml."""
 
     def run(*, chaos: list[dict[str, Any]], dialects: list[str] | None = None, timeout_s: float = 420,
+            offers: list[dict[str, Any]] | None = None, pool: dict[str, Any] | None = None,
             **job: Any) -> dict[str, Any]:
         raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
         raw["job"].update({"checkpoint_interval_steps": 10, "args": SMALL_MODEL, **job})
@@ -37,6 +38,9 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
         raw["daemon"]["socket"] = str(tmp_path / "d.sock")
         if dialects:
             raw["providers"]["local"]["metadata_dialects"] = dialects
+        if offers is not None:
+            raw["offers"] = offers
+        raw["pool"].update(pool or {})
         raw["chaos"] = chaos
         cfg = tmp_path / "demo.yaml"
         cfg.write_text(yaml.safe_dump(raw))
