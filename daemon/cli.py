@@ -1,6 +1,11 @@
 """spotvisord: the daemon's command line.
 
-- ``spotvisord check-config FILE`` — validate; one line per problem, exit 2.
+- ``spotvisord check-config FILE`` — validate; one line per problem, exit 2; with a
+  ``job.model``, the pre-flight tables (GPU memory per offer, checkpoint flush per
+  notice window), exit 2 when no offer can hold the job.
+- ``spotvisord preflight [--config FILE] [--preset NAME ...] [--nodes N ...]`` —
+  which GPUs hold the model, and can a checkpoint beat the notice
+  (:mod:`daemon.preflight_cli`).
 - ``spotvisord run --config FILE`` — the service (systemd ``spotvisord.service``).
 - ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
   target on the local provider with its chaos schedule, print events as they
@@ -27,6 +32,7 @@ from typing import AsyncIterator, Callable
 
 import structlog
 
+from daemon import preflight_cli
 from daemon.config import Config, ConfigError, load_config
 from daemon.logs import configure_logging
 from daemon.model import Event
@@ -195,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     z = sub.add_parser("rendezvous", help="run the c10d rendezvous store")
     z.add_argument("--host", default="0.0.0.0")
     z.add_argument("--port", type=int, default=29400)
+    preflight_cli.add_parser(sub)
     return p
 
 
@@ -204,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.rendezvous import main as rdzv_main
 
         return rdzv_main(["--host", args.host, "--port", str(args.port)])
+    if args.cmd == "preflight":
+        return preflight_cli.run(args)
     path = args.file if args.cmd == "check-config" else args.config
     try:
         config = load_config(path)
@@ -211,9 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         for line in exc.problems:  # file-level problems already name the file
             print(line if line.startswith(f"{path}:") else f"{path}: {line}", file=sys.stderr)
         return 2
+    report, no_fit = preflight_cli.check_config_report(config)
     if args.cmd == "check-config":
-        print(f"{path}: ok (pool {config.pool.name}: {config.pool.min_nodes}..{config.pool.max_nodes} nodes, "
-              f"{len(config.offers)} offer(s), valid world sizes {config.job.valid_world_sizes(64)})")
+        if not no_fit:
+            print(f"{path}: ok (pool {config.pool.name}: {config.pool.min_nodes}..{config.pool.max_nodes} nodes, "
+                  f"{len(config.offers)} offer(s), valid world sizes {config.job.valid_world_sizes(64)})")
+        print("\n".join(report))
+    if no_fit:  # the daemon would never buy a node: run and demo refuse too
+        print(f"{path}: {no_fit}", file=sys.stderr)
+        return 2
+    if args.cmd == "check-config":
         return 0
     configure_logging(level="WARNING" if args.cmd == "demo" else None)
     if args.cmd == "run":

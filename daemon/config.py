@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from daemon.preflight import PRESETS, UnknownGpuError, offer_gib
 from trainer.batch import ElasticBatch, BatchError
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Config",
     "PoolSpec",
     "JobSpec",
+    "ModelSpec",
     "RendezvousSpec",
     "AgentSpec",
     "DaemonSpec",
@@ -79,6 +81,50 @@ class PoolSpec(_Spec):
         return self
 
 
+class ModelSpec(_Spec):
+    """The model the job trains, for the memory-fit and flush-deadline pre-flight
+    (formulas and sources: ``daemon/preflight.py``).
+
+    Give ``preset`` (``daemon.preflight.PRESETS``: llama-7b, qwen2.5-7b, ...) or
+    ``params`` (count) with ``hidden_size``, ``num_layers`` and ``num_heads``; fields
+    given next to a preset override it. ``precision`` bf16/fp16 = mixed precision with
+    fp32 master weights. ``zero_stage``: ZeRO 0..3 over all ranks (FSDP FULL_SHARD = 3).
+    LoRA: ``lora_rank`` (on ``lora_targets`` hidden x hidden matrices per layer, e.g.
+    q_proj and v_proj) or ``trainable_fraction``.
+    """
+
+    preset: str | None = None
+    params: float | None = Field(None, gt=0)
+    hidden_size: int | None = Field(None, ge=1)
+    num_layers: int | None = Field(None, ge=1)
+    num_heads: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=1)
+    seq_len: int = Field(2048, ge=1)
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    optimizer: Literal["adamw", "sgd-momentum", "adafactor"] = "adamw"
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    lora_rank: int | None = Field(None, ge=1)
+    lora_targets: int = Field(2, ge=1)
+    trainable_fraction: float | None = Field(None, gt=0, le=1)
+    activation_checkpointing: bool = False
+    flash_attention: bool = True  # FlashAttention / SDPA: no s x s attention scores kept
+    cuda_overhead_gib: float = Field(1.5, ge=0)  # CUDA context, NCCL, cuBLAS workspaces
+    fragmentation: float = Field(0.10, ge=0, le=1)  # caching-allocator margin on the estimate
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ModelSpec":
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"preset {self.preset!r} is unknown (use one of {', '.join(PRESETS)}, "
+                             "or give params, hidden_size, num_layers, num_heads)")
+        if self.preset is None:
+            missing = [n for n in ("params", "hidden_size", "num_layers", "num_heads") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"{', '.join(missing)} required without a preset (add them, or set preset: llama-7b)")
+        if self.lora_rank is not None and self.trainable_fraction is not None:
+            raise ValueError("give lora_rank or trainable_fraction, not both")
+        return self
+
+
 class JobSpec(_Spec):
     """The training job every node runs under ``torchrun``.
 
@@ -97,6 +143,11 @@ class JobSpec(_Spec):
     s3_endpoint_url: str | None = None
     oss_endpoint: str | None = None  # e.g. https://oss-cn-hangzhou.aliyuncs.com; needed for oss://
     hold_timeout_s: PositiveS = 90.0
+    # pre-flight (daemon/preflight.py): absent model → memory and flush checks skipped
+    model: ModelSpec | None = None
+    flush_safety_factor: float = Field(2.0, ge=1)  # notice window / flush time below this = at risk
+    upload_throughput_bytes_s: float = Field(1e9, gt=0)  # per node to the store, until measured
+    save_throughput_bytes_s: float = Field(2e9, gt=0)  # per node to local disk, until measured
 
     @model_validator(mode="after")
     def _batch(self) -> "JobSpec":
@@ -230,6 +281,8 @@ class OfferSpec(_Spec):
     gpu_type: str = "none"
     gpus_per_node: int = Field(1, ge=1, le=64)
     max_price_usd_h: float | None = Field(None, ge=0)
+    # GiB per GPU; absent: from gpu_type (daemon.preflight.GPU_MEMORY_GIB; "none" = no GPU, no limit)
+    gpu_memory_gib: float | None = Field(None, gt=0)
     market: Literal["spot", "on_demand"] = "spot"
 
 
@@ -286,6 +339,12 @@ class Config(_Spec):
                     f"offers.{i}.provider: {offer.provider!r} has no providers.{offer.provider} "
                     "section (add one or remove the offer)"
                 )
+        if self.job.model is not None:  # the memory pre-flight needs each offer's GPU memory
+            for i, offer in enumerate(self.offers):
+                try:
+                    offer_gib(offer)
+                except UnknownGpuError as exc:
+                    raise ValueError(f"offers.{i}.gpu_type: {exc} (set offers.{i}.gpu_memory_gib)") from None
         max_world = self.pool.max_nodes * max(o.gpus_per_node for o in self.offers)
         valid = self.job.valid_world_sizes(max_world)
         if not valid:

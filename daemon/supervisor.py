@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import structlog
 
+from daemon import preflight
 from daemon.config import Config
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Event, EventKind, JobState, Node, NodeState
@@ -110,6 +111,7 @@ class Supervisor:
         self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
         self._rng = rng or random.Random()
         self._prices: dict[int, float | None] = {}
+        self._unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         self._wake = asyncio.Event()
         self._event_added = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -128,6 +130,12 @@ class Supervisor:
         for node in self.store.nodes():
             self.nodes[node.id] = node
         await self._refresh_prices()
+        pre = preflight.at_start(self.config)  # pure: GPU memory per offer, estimated flush per notice window
+        self._unusable = pre.unusable
+        if pre.note:
+            log.info("preflight_skipped", pool=self.pool, note=pre.note)
+        for kind, data in pre.events:
+            self.record(EventKind(kind), None, **data)
         self.spawn(self._reconcile_loop(), "reconcile")
         self.spawn(self._price_loop(), "prices")
         log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
@@ -210,7 +218,7 @@ class Supervisor:
         actions = plan(
             Desired(self.desired_nodes, frozenset(self.valid_world_sizes())),
             [self._view(n) for n in self.nodes.values()],
-            [self._offer(i) for i in range(len(self.config.offers))],
+            [self._offer(i) for i in range(len(self.config.offers)) if i not in self._unusable],
             History(backoff_until=dict(self._backoff),
                     avoid_zones=frozenset(z for z, until in self._avoid_zone.items() if until > now)),
             now=now,
@@ -574,7 +582,14 @@ class Supervisor:
             ids = list(line.get("notice_ids") or [])
             self.record(EventKind.CHECKPOINT_COMMITTED, node.id, step=key[1], attempt=attempt,
                         reason=line.get("reason"), seconds=line.get("seconds"), bytes=line.get("bytes"),
-                        notice_ids=ids, kinds=line.get("kinds") or [], trainer_time=line.get("time"))
+                        notice_ids=ids, kinds=line.get("kinds") or [], trainer_time=line.get("time"),
+                        save_s=line.get("save_s"), upload_s=line.get("upload_s"))
+            in_job = sum(1 for n in self.nodes.values() if n.state in (NodeState.RUNNING, NodeState.DRAINING))
+            for check in preflight.measured_deadline_checks(self.config, line, nodes=max(1, in_job),
+                                                            world_size=self.job.world_size):
+                if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
+                    self.record(EventKind.CHECKPOINT_DEADLINE_RISK, node.id, step=key[1],
+                                **check.event_data("measured"))
             if self._rejoin is not None and self._rejoin.id in ids:
                 self._rejoin.answered = True
                 self.wake()
