@@ -164,3 +164,28 @@ def ec2_server(s3_server: str) -> str:
     for region in ("us-east-1", "us-west-2"):
         boto3.client("ec2", region_name=region, endpoint_url=s3_server).describe_instances()
     return s3_server
+
+
+# -- a local OSS endpoint (tests/fakes/oss.py) ------------------------------------------------
+
+_OSS_TEST_ENV = {"OSS_ACCESS_KEY_ID": "spotvisor-test-ak", "OSS_ACCESS_KEY_SECRET": "spotvisor-test-sk"}
+
+
+@pytest.fixture(scope="session")
+def oss_server() -> Iterator[object]:
+    """A fake OSS endpoint (``fakes.oss.FakeOss``) on 127.0.0.1 (random port) for the session;
+    yields the FakeOss (its URL is ``.endpoint``). It verifies V4 signatures scoped to region
+    ``cn-hangzhou`` made with the key pair it sets in ``$OSS_ACCESS_KEY_ID`` /
+    ``$OSS_ACCESS_KEY_SECRET`` while it runs.
+
+    Create a bucket per test (``create_bucket``, unique name) to keep tests independent,
+    and ``reset_faults()`` after arming faults.
+    """
+    from fakes.oss import FakeOss
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in _OSS_TEST_ENV.items():
+            mp.setenv(name, value)
+        with FakeOss(access_key_id=_OSS_TEST_ENV["OSS_ACCESS_KEY_ID"],
+                     access_key_secret=_OSS_TEST_ENV["OSS_ACCESS_KEY_SECRET"], region="cn-hangzhou") as fake:
+            yield fake

@@ -230,7 +230,14 @@ class FileStore(CheckpointStore):
         start = self.root.joinpath(*base_parts) if base_parts else self.root
         out: dict[str, int] = {}
         try:
-            for dirpath, _dirnames, filenames in os.walk(start):
+            if not start.is_dir():
+                if start == self.root:  # an absent root is an empty store; a file there is not
+                    if start.exists():
+                        raise NotADirectoryError(f"{start} is not a directory")
+                return out
+            # onerror re-raises: an unreadable directory (permissions, a dropped NFS mount)
+            # must fail the listing, never look like "no checkpoint" and restart from step 0.
+            for dirpath, _dirnames, filenames in os.walk(start, onerror=_raise):
                 rel_dir = Path(dirpath).relative_to(self.root).as_posix()
                 for name in filenames:
                     key = name if rel_dir == "." else f"{rel_dir}/{name}"
@@ -263,6 +270,10 @@ class FileStore(CheckpointStore):
                 except OSError:  # not empty (or already gone): stop climbing
                     break
                 parent = parent.parent
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -416,17 +427,31 @@ def _client_error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-def open_store(uri: str, *, s3_endpoint_url: str | None = None) -> CheckpointStore:
-    """The store for ``uri``: ``file:///abs/path`` -> FileStore, ``s3://bucket/prefix`` -> S3Store.
 
-    OSS and other S3-compatible services: use ``s3://`` with ``s3_endpoint_url``.
+
+def open_store(
+    uri: str, *, s3_endpoint_url: str | None = None, oss_endpoint: str | None = None
+) -> CheckpointStore:
+    """The store for ``uri``: ``file:///abs/path`` -> FileStore, ``s3://bucket/prefix`` -> S3Store,
+    ``oss://bucket/prefix`` -> OssStore (needs ``oss_endpoint``).
+
+    Endpoints default to ``$SPOTVISOR_S3_ENDPOINT_URL`` / ``$SPOTVISOR_OSS_ENDPOINT``.
 
     Raises:
-        ValueError: unsupported scheme or malformed URI (one-line message).
+        ValueError: unsupported scheme, malformed URI, or oss:// without an endpoint (one-line message).
     """
     scheme = urllib.parse.urlparse(uri).scheme
     if scheme == "file":
         return FileStore(uri)
     if scheme == "s3":
-        return S3Store(uri, endpoint_url=s3_endpoint_url)
-    raise ValueError(f"unsupported checkpoint URI {uri!r}: use file:///abs/path or s3://bucket/prefix")
+        return S3Store(uri, endpoint_url=s3_endpoint_url or os.environ.get("SPOTVISOR_S3_ENDPOINT_URL") or None)
+    if scheme == "oss":
+        endpoint = oss_endpoint or os.environ.get("SPOTVISOR_OSS_ENDPOINT")
+        if not endpoint:
+            raise ValueError(f"checkpoint URI {uri!r} needs an OSS endpoint (job.oss_endpoint / $SPOTVISOR_OSS_ENDPOINT)")
+        from trainer.oss_store import OssStore  # oss2 is imported only by those who use OSS
+
+        return OssStore(uri, endpoint=endpoint)
+    raise ValueError(
+        f"unsupported checkpoint URI {uri!r}: use file:///abs/path, s3://bucket/prefix or oss://bucket/prefix"
+    )
