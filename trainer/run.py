@@ -278,12 +278,13 @@ class Job:
         self.guard.mark_handled(decision.notice_ids)
         barrier(self.ctx)
         t0 = time.time()
-        result = torch.zeros(3, dtype=torch.float64)  # ok, bytes, reused
+        result = torch.zeros(5, dtype=torch.float64)  # ok, bytes, reused, save_s, upload_s
         error: BaseException | None = None
         if self.ctx.is_leader:
             try:
-                nbytes, reused = self._write_checkpoint(step, reason)
-                result[:] = torch.tensor([1.0, float(nbytes), float(reused)], dtype=torch.float64)
+                nbytes, reused, save_s, upload_s = self._write_checkpoint(step, reason)
+                result[:] = torch.tensor([1.0, float(nbytes), float(reused), save_s, upload_s],
+                                         dtype=torch.float64)
             except Exception as exc:  # re-raised below, after the peers learn of it
                 error = exc
         if self.ctx.initialized and self.ctx.world_size > 1:
@@ -292,7 +293,7 @@ class Job:
             result = t.cpu()
         if error is not None:
             raise error
-        ok, nbytes, reused = result.tolist()
+        ok, nbytes, reused, save_s, upload_s = result.tolist()
         if not ok:
             raise CheckpointError(f"rank 0 failed to commit step {step}; see its log")
         seconds = time.time() - t0
@@ -302,6 +303,8 @@ class Job:
             notice_ids=list(decision.notice_ids),
             kinds=list(decision.kinds),
             seconds=round(seconds, 4),
+            save_s=round(save_s, 4),  # state -> bytes on rank 0
+            upload_s=round(upload_s, 4),  # shard + manifest to the store
             bytes=int(nbytes),
             reason=reason,
             reused=bool(reused),
@@ -317,8 +320,8 @@ class Job:
     def _manifest_extra(self, reason: str) -> dict:
         return {"notice_ids": self.guard.handled_ids, "attempt": self.attempt, "reason": reason}
 
-    def _write_checkpoint(self, step: int, reason: str) -> tuple[int, bool]:
-        """Rank 0. Returns (bytes of the checkpoint, whether it was already committed)."""
+    def _write_checkpoint(self, step: int, reason: str) -> tuple[int, bool, float, float]:
+        """Rank 0. Returns (bytes of the checkpoint, whether it was already committed, save s, upload s)."""
         last = self.last_committed
         if last is not None and last.step == step:
             # Already committed (e.g. resumed here, or periodic + notice at one boundary):
@@ -331,8 +334,10 @@ class Job:
                 # Same shards, richer extra: replacing manifest.json is one atomic put.
                 self.store.put_bytes(f"{step_dir(step)}/{MANIFEST_NAME}", last.to_json().encode())
                 self.last_committed = last
-            return sum(s.size for s in last.shards), True
+            return sum(s.size for s in last.shards), True, 0.0, 0.0
+        t0 = time.perf_counter()
         data = state_to_bytes(self.state)
+        t1 = time.perf_counter()
         info = write_shard(self.store, step, MODEL_SHARD, data)
         manifest = Manifest(
             step=step,
@@ -345,7 +350,7 @@ class Job:
         )
         commit(self.store, manifest)
         self.last_committed = manifest
-        return info.size, False
+        return info.size, False, t1 - t0, time.perf_counter() - t1
 
     # -- train
 
