@@ -153,8 +153,13 @@ class DirCheckpointer:
         global_batch_size: int,
         data_position: dict,
         extra: dict | None = None,
+        presave_s: float = 0.0,
     ) -> CommitResult:
         """Save (``save_fn(local_dir)`` on every rank), upload, and commit step ``step``.
+
+        ``presave_s``: seconds the framework already spent saving before this call
+        (e.g. the HF Trainer saves before ``on_save``); added to the reported ``save_s``
+        so the daemon's flush-deadline check sees the whole flush.
 
         A step already committed (e.g. the job resumed at it) is not saved again;
         its status line is still written so a waiting agent can leave.
@@ -191,6 +196,7 @@ class DirCheckpointer:
         save_fn(local)
         barrier(self.ctx)
         t1 = time.perf_counter()
+        save_s = presave_s + (t1 - t0)
         shards: list[ShardInfo] | None = []
         error = None
         if self.ctx.is_local_leader:
@@ -219,7 +225,7 @@ class DirCheckpointer:
                             **(extra or {}),
                             "notice_ids": self.guard.handled_ids,
                             "reason": reason,
-                            "save_s": round(t1 - t0, 4),
+                            "save_s": round(save_s, 4),
                             "upload_s": round(t2 - t1, 4),
                         },
                     )
@@ -233,7 +239,7 @@ class DirCheckpointer:
         if manifest is None:
             raise CheckpointError(f"step {step} not committed: {err}")
         self.last_committed = manifest
-        result = CommitResult(manifest, t1 - t0, t2 - t1, sum(s.size for s in manifest.shards))
+        result = CommitResult(manifest, save_s, t2 - t1, sum(s.size for s in manifest.shards))
         self._emit(step, decision, reason, result, reused=False)
         if self.ctx.is_leader:
             log.info("committed step %d (%s): %d bytes, save %.2f s, upload %.2f s",
