@@ -24,6 +24,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float) -> dict[str, Any]:
+    """Run ``spotvisord demo`` on ``raw`` (a parsed config) with a free rendezvous port and
+    state under ``tmp_path``; the summary dict, with the daemon's stdout under ``_stdout``."""
+    raw["rendezvous"]["port"] = _free_port()
+    raw["daemon"]["state_dir"] = str(tmp_path / "state")
+    raw["daemon"]["socket"] = str(tmp_path / "d.sock")
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
+         "--timeout-s", str(timeout_s)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    summary["_stdout"] = proc.stdout
+    return summary
+
+
+@pytest.fixture
+def run_config_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """``run_config_demo("configs/X.yaml", timeout_s=...)`` → the summary of ``spotvisord demo``
+    on that shipped config as written (job, providers, chaos)."""
+
+    def run(config: str, *, timeout_s: float = 240) -> dict[str, Any]:
+        return _run_demo_config(yaml.safe_load((ROOT / config).read_text()), tmp_path, timeout_s)
+
+    return run
+
+
 @pytest.fixture
 def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     """``run_demo(chaos=[...], **job)`` → the summary dict of a demo run from configs/local.yaml."""
@@ -33,26 +64,12 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
             **job: Any) -> dict[str, Any]:
         raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
         raw["job"].update({"checkpoint_interval_steps": 10, "args": SMALL_MODEL, **job})
-        raw["rendezvous"]["port"] = _free_port()
-        raw["daemon"]["state_dir"] = str(tmp_path / "state")
-        raw["daemon"]["socket"] = str(tmp_path / "d.sock")
         if dialects:
             raw["providers"]["local"]["metadata_dialects"] = dialects
         if offers is not None:
             raw["offers"] = offers
         raw["pool"].update(pool or {})
         raw["chaos"] = chaos
-        cfg = tmp_path / "demo.yaml"
-        cfg.write_text(yaml.safe_dump(raw))
-        out = tmp_path / "summary.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "daemon.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
-             "--timeout-s", str(timeout_s)],
-            cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
-        )
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-        summary = json.loads(out.read_text())
-        summary["_stdout"] = proc.stdout
-        return summary
+        return _run_demo_config(raw, tmp_path, timeout_s)
 
     return run

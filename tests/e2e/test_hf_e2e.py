@@ -9,12 +9,7 @@ the notice, no sample seen twice or skipped across the resizes.
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import yaml
@@ -22,38 +17,6 @@ import yaml
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def run_config_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
-    """``run_config_demo("configs/X.yaml", timeout_s=...)`` → the summary of ``spotvisord demo``
-    on that config as written (job, chaos), with a free rendezvous port and state under tmp_path."""
-
-    def run(config: str, *, timeout_s: float = 240) -> dict[str, Any]:
-        raw = yaml.safe_load((ROOT / config).read_text())
-        raw["rendezvous"]["port"] = _free_port()
-        raw["daemon"]["state_dir"] = str(tmp_path / "state")
-        raw["daemon"]["socket"] = str(tmp_path / "d.sock")
-        cfg = tmp_path / "demo.yaml"
-        cfg.write_text(yaml.safe_dump(raw))
-        out = tmp_path / "summary.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "daemon.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
-             "--timeout-s", str(timeout_s)],
-            cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
-        )
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-        summary = json.loads(out.read_text())
-        summary["_stdout"] = proc.stdout
-        return summary
-
-    return run
 
 
 def test_hf_trainer_demo_shrinks_and_grows_back_without_losing_a_step(run_config_demo) -> None:
