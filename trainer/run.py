@@ -35,9 +35,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,6 +61,9 @@ from trainer.checkpoint import (
 from trainer.data import VOCAB_SIZE, DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
 from trainer.runtime import (
+    add_job_arguments,
+    normalize_uri,
+    positive_int,
     LOG_DIR_ENV,
     S3_ENDPOINT_ENV,
     STATUS_FILE_ENV,
@@ -94,49 +96,21 @@ class ConfigError(Exception):
 # --------------------------------------------------------------------------- arguments
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer.run",
         description="spotvisor reference trainer: byte-level GPT-2, elastic DDP, committed checkpoints.",
     )
-    p.add_argument("--target-steps", type=_positive, required=True, help="optimizer steps to train in total")
-    p.add_argument("--global-batch-size", type=_positive, default=32, help="samples per optimizer step (constant across resizes)")
-    p.add_argument("--micro-batch-size", type=_positive, default=8, help="samples per forward/backward on one rank")
-    p.add_argument("--checkpoint-uri", required=True, help="file:///abs/path, s3://bucket/prefix, or a local path")
-    p.add_argument("--checkpoint-interval", type=_non_negative, default=50, help="periodic commit every N steps (0: none)")
-    p.add_argument("--hold-timeout-s", type=float, default=90.0, help="how long to hold after a notice commit before training on")
-    p.add_argument("--pg-timeout-s", type=float, default=120.0,
-                   help="process-group set-up and collective timeout (seconds)")
-    p.add_argument("--keep-checkpoints", type=_positive, default=3, help="committed checkpoints kept by gc")
-    p.add_argument("--seq-len", type=_positive, default=64)
-    p.add_argument("--n-layer", type=_positive, default=4)
-    p.add_argument("--n-embd", type=_positive, default=256)
-    p.add_argument("--n-head", type=_positive, default=4)
+    add_job_arguments(p)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=256)
+    p.add_argument("--n-head", type=positive_int, default=4)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--data", action="append", default=[], metavar="PATH",
                    help=".txt or .jsonl ({\"text\": ...} lines) file; repeatable; default: CPython's help texts")
     return p
-
-
-def _normalize_uri(uri: str) -> str:
-    if "://" in uri:
-        return uri
-    return Path(uri).resolve().as_uri()
 
 
 # --------------------------------------------------------------------------- state
@@ -196,7 +170,15 @@ def load_state(state: TrainState, data: bytes, device: torch.device) -> None:
 
 
 class Job:
-    """One incarnation of the training job on one rank (built by :func:`main`)."""
+    """One incarnation of the training job on one rank (built by :func:`main`).
+
+    Extension points for the examples (``trainer/examples/``): ``wrap``, ``resume``,
+    ``commit``, ``train_step``; :meth:`run` (the step-boundary loop with the agent's
+    status lines and step logs) is shared. ``wrap_before_resume``: load into the
+    wrapped model (DCP loads into FSDP2's sharded parameters).
+    """
+
+    wrap_before_resume = False
 
     def __init__(
         self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor
@@ -444,9 +426,21 @@ class Job:
 # --------------------------------------------------------------------------- entry point
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.checkpoint_uri = _normalize_uri(args.checkpoint_uri)
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    job_cls: type[Job] = Job,
+    parser: argparse.ArgumentParser | None = None,
+    prepare: Callable[[], None] | None = None,
+) -> int:
+    """Run the job on this rank; returns the exit code (0 done, 2 bad configuration).
+
+    The examples reuse it: ``job_cls`` is their :class:`Job` subclass, ``parser`` their
+    flags (:func:`build_parser` plus their own), ``prepare`` runs before the process
+    group is set up (e.g. DeepSpeed's environment).
+    """
+    args = (parser or build_parser()).parse_args(argv)
+    args.checkpoint_uri = normalize_uri(args.checkpoint_uri)
     rank, _, world = env_world()
     configure_logging(rank)
     configure_threads()
@@ -459,12 +453,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BatchError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if prepare is not None:
+        prepare()
     ctx = setup_distributed(args.pg_timeout_s)
     job = None
     try:
-        job = Job(args, ctx, plan, tokens)
-        job.resume()
-        job.wrap()
+        job = job_cls(args, ctx, plan, tokens)
+        if job.wrap_before_resume:
+            job.wrap()
+            job.resume()
+        else:
+            job.resume()
+            job.wrap()
         job.run()
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)

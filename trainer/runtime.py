@@ -17,6 +17,7 @@ Used by the reference trainer (:mod:`trainer.run`) and the integrations
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -33,6 +34,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "add_job_arguments",
+    "normalize_uri",
+    "positive_int",
+    "non_negative_int",
     "DistContext",
     "env_world",
     "setup_distributed",
@@ -57,6 +62,57 @@ LOG_DIR_ENV = "SPOTVISOR_LOG_DIR"
 SCRATCH_DIR_ENV = "SPOTVISOR_SCRATCH_DIR"
 S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
 OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
+
+
+# --------------------------------------------------------------------------- the daemon's flags
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def normalize_uri(uri: str) -> str:
+    """A checkpoint URI as given, or a local path turned into ``file:///abs/path``."""
+    if "://" in uri:
+        return uri
+    return Path(uri).resolve().as_uri()
+
+
+def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32, micro_batch_size: int = 8,
+                      checkpoint_interval: int = 50, keep_checkpoints: int = 3) -> argparse.ArgumentParser:
+    """The flags ``daemon/supervisor.py`` passes to every job module (its ``job_spec``).
+
+    A trainer of one's own accepts these, then adds its model's flags after them
+    (the config's ``job.args``). The defaults only matter when run by hand.
+    """
+    p.add_argument("--target-steps", type=positive_int, required=True, help="optimizer steps to train in total")
+    p.add_argument("--global-batch-size", type=positive_int, default=global_batch_size,
+                   help="samples per optimizer step (constant across resizes)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=micro_batch_size,
+                   help="samples per forward/backward on one rank")
+    p.add_argument("--checkpoint-uri", required=True,
+                   help="file:///abs/path, s3://bucket/prefix, oss://bucket/prefix, or a local path")
+    p.add_argument("--checkpoint-interval", type=non_negative_int, default=checkpoint_interval,
+                   help="periodic commit every N steps (0: none)")
+    p.add_argument("--hold-timeout-s", type=float, default=90.0,
+                   help="how long to hold after a notice commit before training on (seconds)")
+    p.add_argument("--pg-timeout-s", type=float, default=120.0,
+                   help="process-group set-up and collective timeout (seconds)")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=keep_checkpoints,
+                   help="committed checkpoints kept by gc")
+    return p
 
 
 # --------------------------------------------------------------------------- process group

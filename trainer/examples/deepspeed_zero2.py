@@ -32,21 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.batch import BatchError, BatchPlan, ElasticBatch
-from trainer.data import DataError, encode, load_corpus
+from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
-from trainer.run import ConfigError, Job, build_parser as _run_parser
+from trainer.run import main as run_main
+from trainer.run import Job, build_parser as _run_parser
 from trainer.runtime import (
     DistContext,
-    barrier,
-    configure_logging,
-    configure_threads,
     data_position,
-    env_world,
     scratch_dir,
-    setup_distributed,
-    teardown_distributed,
 )
 from trainer.sampler import ElasticSampler
 
@@ -170,39 +164,7 @@ def main(argv: Sequence[str] | None = None, *, job_cls: type[DeepSpeedJob] = Dee
 
     ``job_cls`` lets a test or a user subclass :class:`DeepSpeedJob` (e.g. another model).
     """
-    args = build_parser().parse_args(argv)
-    if "://" not in args.checkpoint_uri:
-        from pathlib import Path
-
-        args.checkpoint_uri = Path(args.checkpoint_uri).resolve().as_uri()
-    rank, _, world = env_world()
-    configure_logging(rank)
-    configure_threads()
-    try:
-        plan = ElasticBatch(args.global_batch_size, args.micro_batch_size).plan(world)
-        tokens = encode(load_corpus(args.data))
-        if tokens.numel() < args.seq_len + 1:
-            raise DataError(f"corpus has {tokens.numel()} tokens, fewer than seq_len + 1 = {args.seq_len + 1}")
-    except (BatchError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    _prepare_environment()
-    ctx = setup_distributed(args.pg_timeout_s)
-    job = None
-    try:
-        job = job_cls(args, ctx, plan, tokens)
-        job.resume()
-        job.wrap()
-        job.run()
-    except (ConfigError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if job is not None:
-            job.close()
-    barrier(ctx)
-    teardown_distributed(ctx)
-    return 0
+    return run_main(argv, job_cls=job_cls, parser=build_parser(), prepare=_prepare_environment)
 
 
 if __name__ == "__main__":

@@ -25,26 +25,19 @@ import hashlib
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from trainer.batch import BatchError, BatchPlan, ElasticBatch
-from trainer.data import DataError, encode, load_corpus
+from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.dcp import DcpCheckpointer, DcpError, ForeignCheckpointError
+from trainer.run import main as run_main
 from trainer.run import ConfigError, Job
 from trainer.run import build_parser as _run_parser
 from trainer.runtime import (
     DistContext,
-    barrier,
-    configure_logging,
-    configure_threads,
     data_position,
-    env_world,
     scratch_dir,
-    setup_distributed,
-    teardown_distributed,
 )
 from trainer.sampler import ElasticSampler
 
@@ -94,6 +87,8 @@ class DcpJob(Job):
     committed and resumed. The order differs from ``trainer.run``: :meth:`wrap` comes
     first, because DCP loads into the shards the wrapped model holds.
     """
+
+    wrap_before_resume = True  # DCP loads into FSDP2's sharded parameters
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
         super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, model + AdamW, guard
@@ -168,36 +163,7 @@ def main(argv: Sequence[str] | None = None, *, job_cls: type[DcpJob] = DcpJob) -
 
     ``job_cls`` lets a test or a user subclass :class:`DcpJob` (e.g. another model).
     """
-    args = build_parser().parse_args(argv)
-    if "://" not in args.checkpoint_uri:
-        args.checkpoint_uri = Path(args.checkpoint_uri).resolve().as_uri()
-    rank, _, world = env_world()
-    configure_logging(rank)
-    configure_threads()
-    try:
-        plan = ElasticBatch(args.global_batch_size, args.micro_batch_size).plan(world)
-        tokens = encode(load_corpus(args.data))
-        if tokens.numel() < args.seq_len + 1:
-            raise DataError(f"corpus has {tokens.numel()} tokens, fewer than seq_len + 1 = {args.seq_len + 1}")
-    except (BatchError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    ctx = setup_distributed(args.pg_timeout_s)
-    job = None
-    try:
-        job = job_cls(args, ctx, plan, tokens)
-        job.wrap()
-        job.resume()
-        job.run()
-    except (ConfigError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if job is not None:
-            job.close()
-    barrier(ctx)
-    teardown_distributed(ctx)
-    return 0
+    return run_main(argv, job_cls=job_cls, parser=build_parser())
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -35,6 +34,9 @@ from trainer.checkpoint import open_store
 from trainer.data import VOCAB_SIZE, DataError, TokenDataset, encode, load_corpus
 from trainer.guard import PreemptionGuard
 from trainer.runtime import (
+    add_job_arguments,
+    normalize_uri,
+    positive_int,
     LOG_DIR_ENV,
     STATUS_FILE_ENV,
     StatusWriter,
@@ -54,51 +56,24 @@ __all__ = ["main", "build_parser", "build_model"]
 log = logging.getLogger("trainer.examples.hf_finetune")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer.examples.hf_finetune",
         description="spotvisor example: HF Trainer fine-tune of a tiny byte-level GPT-2, elastic, committed checkpoints.",
     )
-    p.add_argument("--target-steps", type=_positive, required=True, help="optimizer steps to train in total")
-    p.add_argument("--global-batch-size", type=_positive, default=12, help="samples per optimizer step (constant across resizes)")
-    p.add_argument("--micro-batch-size", type=_positive, default=2, help="samples per forward/backward on one rank")
-    p.add_argument("--checkpoint-uri", required=True, help="file:///abs/path, s3://bucket/prefix, oss://..., or a local path")
-    p.add_argument("--checkpoint-interval", type=_non_negative, default=20, help="periodic commit every N steps (0: none)")
-    p.add_argument("--hold-timeout-s", type=float, default=90.0, help="how long to hold after a notice commit before training on")
-    p.add_argument("--pg-timeout-s", type=float, default=120.0, help="process-group set-up and collective timeout (seconds)")
-    p.add_argument("--keep-checkpoints", type=_positive, default=2, help="committed checkpoints kept by gc")
-    p.add_argument("--seq-len", type=_positive, default=64)
-    p.add_argument("--n-layer", type=_positive, default=2)
-    p.add_argument("--n-embd", type=_positive, default=64)
-    p.add_argument("--n-head", type=_positive, default=2)
+    add_job_arguments(p, global_batch_size=12, micro_batch_size=2, checkpoint_interval=20, keep_checkpoints=2)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--n-embd", type=positive_int, default=64)
+    p.add_argument("--n-head", type=positive_int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant schedule)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on the attention projections only")
-    p.add_argument("--lora-r", type=_positive, default=8, help="LoRA rank")
-    p.add_argument("--lora-alpha", type=_positive, default=16, help="LoRA scaling numerator")
+    p.add_argument("--lora-r", type=positive_int, default=8, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=positive_int, default=16, help="LoRA scaling numerator")
     p.add_argument("--data", action="append", default=[], metavar="PATH",
                    help=".txt or .jsonl ({\"text\": ...} lines) file; repeatable; default: CPython's help texts")
     return p
-
-
-def _normalize_uri(uri: str) -> str:
-    if "://" in uri:
-        return uri
-    return Path(uri).resolve().as_uri()
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -130,7 +105,7 @@ def _features(sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tens
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.checkpoint_uri = _normalize_uri(args.checkpoint_uri)
+    args.checkpoint_uri = normalize_uri(args.checkpoint_uri)
     rank, _, world = env_world()
     configure_logging(rank)
     configure_threads()
