@@ -32,7 +32,23 @@ test-quick: $(STAMP)
 clean:
 	rm -rf .spotvisor demo-summary.json .pytest_cache
 
-# Installs the three units (needs root); see systemd/*.service for what each runs.
+# `sudo make install-systemd`: the three units (systemd/*.service: what each runs and
+# why its hardening is what it is) and the `spotvisor` system user (systemd/spotvisor.sysusers),
+# then systemd-sysusers and daemon-reload. The commands must already be installed in
+# BINDIR (`pip install .` into the system, or into a venv outside /home and /root, which
+# ProtectHome= hides: e.g. `python3 -m venv /opt/spotvisor && /opt/spotvisor/bin/pip install .`
+# then BINDIR=/opt/spotvisor/bin); the units' ExecStart= lines are rewritten to BINDIR.
+# DESTDIR=DIR stages the files under DIR and touches nothing on the system (packaging; the
+# test that runs systemd-analyze verify on what this target installs).
+BINDIR ?= /usr/local/bin
+UNITDIR ?= /etc/systemd/system
+SYSUSERSDIR ?= /etc/sysusers.d
 install-systemd:
-	install -m 0644 systemd/spotvisord.service systemd/spotvisor-rendezvous.service systemd/spotvisor-agent.service /etc/systemd/system/
-	systemctl daemon-reload
+	@test -x $(BINDIR)/spotvisord || { echo "install-systemd: no $(BINDIR)/spotvisord; pip install . first, or set BINDIR=" >&2; exit 2; }
+	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR)
+	for unit in systemd/*.service; do \
+		sed 's|/usr/local/bin/|$(BINDIR)/|g' $$unit > $(DESTDIR)$(UNITDIR)/$$(basename $$unit) && \
+		chmod 0644 $(DESTDIR)$(UNITDIR)/$$(basename $$unit) || exit 1; \
+	done
+	install -m 0644 systemd/spotvisor.sysusers $(DESTDIR)$(SYSUSERSDIR)/spotvisor.conf
+	if [ -z "$(DESTDIR)" ]; then systemd-sysusers $(SYSUSERSDIR)/spotvisor.conf && systemctl daemon-reload; fi

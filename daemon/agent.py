@@ -5,9 +5,11 @@ It has four jobs, each an owned task in one ``TaskGroup``:
 - ``metadata``: poll the cloud's metadata endpoint (default every 1 s) for an
   interruption notice; on a new one, write it to the notice file at once (the
   trainer ranks read it at their next step boundary) and report it to the daemon.
-- ``heartbeat``: tell the daemon the node is alive (and the trainer's step); the
-  reply carries the daemon's commands: start the trainer, request a checkpoint
-  (kind ``rejoin`` or ``checkpoint``), stop the trainer.
+- ``heartbeat``: tell the daemon the node is alive (and the trainer's step, the
+  GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpu` — and the
+  next chunk of ``trainer.log``, :mod:`daemon.nodelog`); the reply carries the
+  daemon's commands: start the trainer, request a checkpoint (kind ``rejoin`` or
+  ``checkpoint``), stop the trainer.
 - ``status``: tail the trainer's status file and forward what matters
   (``started``, ``checkpoint_committed``, ``holding``, ``completed``). When the
   checkpoint that answers this node's interruption notice is committed, the node
@@ -39,9 +41,11 @@ import aiohttp
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
+from daemon.gpu import GpuSampler, NvmlSampler
 from daemon.logs import configure_logging
 from daemon.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
+from daemon.nodelog import read_chunk
 
 __all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
 
@@ -132,11 +136,13 @@ class NodeAgent:
         node_id: this node's id in the pool.
         metadata: the metadata dialect client (polls the cloud's endpoint).
         workdir: node-local directory for the notice/status files and logs.
+        gpu_sampler: samples the GPUs for each heartbeat (default: NVML; absent → None).
     """
 
     def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: MetadataDialect, workdir: Path,
                  poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
-                 metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0) -> None:
+                 metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0,
+                 gpu_sampler: GpuSampler | None = None) -> None:
         self.daemon_url = daemon_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -162,6 +168,8 @@ class NodeAgent:
         self._interruption: dict[str, Any] | None = None  # this node's own notice, once seen
         self._seen_notice_ids: set[str] = set()
         self._background: set[asyncio.Future[None]] = set()
+        self.gpu_sampler: GpuSampler = gpu_sampler if gpu_sampler is not None else NvmlSampler()
+        self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
 
     # -- lifecycle ------------------------------------------------------------
     async def run(self) -> None:
@@ -187,6 +195,7 @@ class NodeAgent:
 
     async def _shutdown(self) -> None:
         await self._stop_trainer()
+        await asyncio.to_thread(self.gpu_sampler.close)
         await self.metadata.aclose()
         if self._session is not None:
             await self._session.close()
@@ -313,14 +322,19 @@ class NodeAgent:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            gpu = await asyncio.to_thread(self.gpu_sampler.sample)  # NVML calls block briefly
+            chunk = await asyncio.to_thread(read_chunk, self.workdir / "trainer.log", self._log_want)
             try:
                 reply = await self._post(
                     "/v1/agent/heartbeat",
-                    {"step": self._step, "trainer": {"state": self._trainer_state, "exit_code": self._exit_code}},
+                    {"step": self._step, "trainer": {"state": self._trainer_state, "exit_code": self._exit_code},
+                     "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.warning("heartbeat_failed", error=str(exc))
+                log.warning("heartbeat_failed", error=str(exc))  # the chunk is read again next time
             else:
+                if isinstance(reply.get("log"), dict):
+                    self._log_want = reply["log"].get("offset")
                 await self._apply(reply)
             await asyncio.sleep(self.heartbeat_interval_s)
 

@@ -2,13 +2,35 @@
 
 - **Agent port** (TCP): node agents register, heartbeat and report. Each request
   carries ``Authorization: Bearer <token>``, the node's own token issued at launch;
-  a wrong or missing token gets 401.
-- **Control socket** (unix, mode 0660): what ``spotctl`` reads.
-  ``GET /v1/status`` → job line + nodes; ``GET /v1/events?since=SEQ&kind=K&follow=1``
-  → NDJSON, one event per line; with ``follow`` the response stays open and
-  streams new events as they are recorded. ``POST /v1/checkpoint`` → the job
-  commits at its next step boundary (409 if no trainer runs);
-  ``POST /v1/nodes/{id}/drain`` → the node leaves the job cleanly (404 unknown, 409 gone).
+  a wrong or missing token gets 401. A heartbeat may carry the node's GPU sample
+  (:mod:`daemon.gpu`) and the next chunk of its ``trainer.log`` (:mod:`daemon.nodelog`).
+- **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are
+  ``{"error": "<one line>"}`` with 400 (bad request), 404 (unknown node) or 409
+  (not possible now); spotctl prints the line and exits 2.
+
+  ========================================  ==============================================
+  ``GET /v1/status``                        job (state, step, durations, recoveries), pool,
+                                            nodes (with their GPU sample)
+  ``GET /v1/events?since=SEQ&kind=K``       NDJSON, one event per line; ``&follow=1`` keeps
+                                            the response open and streams new events
+  ``GET /v1/nodes/{id}/log?lines=N``        NDJSON ``{"seq", "line"}``: the node's last N
+                                            trainer.log lines as the daemon holds them
+                                            (limits: :mod:`daemon.nodelog`); ``&follow=1``
+                                            streams new lines
+  ``GET /v1/cost``                          spot USD so far, on-demand equivalent, savings
+                                            (:func:`daemon.metrics.cost_report`)
+  ``GET /metrics``                          Prometheus text exposition (:mod:`daemon.metrics`)
+  ``POST /v1/checkpoint``                   the job commits at its next step boundary
+  ``POST /v1/nodes/{id}/drain``             the node commits, then leaves the job
+  ``POST /v1/scale`` ``{"nodes": N}``       the pool's target size, within min..max
+  ``POST /v1/pause`` / ``POST /v1/resume``  commit and release every node / relaunch
+  ``POST /v1/nodes/{id}/simulate-preemption``  ``{"lead_s": S}``: local provider only, an
+                                            interruption notice on the node's metadata
+                                            endpoint, as :mod:`daemon.chaos` publishes it
+  ========================================  ==============================================
+
+- **Metrics port** (TCP, optional): ``daemon.metrics_port`` serves ``GET /metrics``
+  on 127.0.0.1 for a Prometheus scraper (0 = any free port, see ``metrics_url``).
 """
 
 from __future__ import annotations
@@ -19,11 +41,22 @@ from typing import Any
 
 from aiohttp import web
 
+from daemon.metrics import TIMELINE_KINDS, DaemonMetrics, cost_report, job_timeline, node_gpu_view
+from daemon.model import EventKind, Node, NodeState
 from daemon.supervisor import Supervisor
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+METRICS = web.AppKey("metrics", DaemonMetrics)
+# a follower gets an empty line after this long without news (seconds): the write is how a
+# gone reader is noticed, so an abandoned `events -f` / `tail -f` does not hold a handler forever
+_FOLLOW_POLL_S = 15.0
+_TAIL_MAX_LINES = 10_000
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
 
 async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
@@ -70,8 +103,14 @@ def agent_app(sup: Supervisor) -> web.Application:
     return app
 
 
+# -- control socket: reads ---------------------------------------------------------------------
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].status())
+    sup = request.app[SUPERVISOR]
+    status = sup.status()
+    status["job"].update(job_timeline(sup.store.events(kinds=TIMELINE_KINDS), sup.clock()).to_dict())
+    for n in status["nodes"]:
+        n["gpu"] = None if NodeState(n["state"]).is_terminal() else node_gpu_view(sup, n["id"])
+    return web.json_response(status)
 
 
 async def _events(request: web.Request) -> web.StreamResponse:
@@ -79,7 +118,7 @@ async def _events(request: web.Request) -> web.StreamResponse:
     try:
         since = int(request.query.get("since", "0"))
     except ValueError:
-        raise web.HTTPBadRequest(text="since must be an integer event seq") from None
+        return _error(400, "since must be an integer event seq")
     kinds = [k for k in request.query.getall("kind", []) if k]
     follow = request.query.get("follow") in ("1", "true")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -90,52 +129,182 @@ async def _events(request: web.Request) -> web.StreamResponse:
         since = max(since, sup.store.last_seq())
         if not follow:
             break
-        await sup.wait_for_events(since, timeout_s=15.0)
+        await sup.wait_for_events(since, timeout_s=_FOLLOW_POLL_S)
+        if sup.store.last_seq() <= since:
+            await resp.write(b"\n")  # keep-alive; readers skip empty lines
     await resp.write_eof()
     return resp
+
+
+def _node(sup: Supervisor, node_id: str) -> Node | web.Response:
+    node = sup.nodes.get(node_id)
+    if node is None:
+        known = ", ".join(n.id for n in sup.nodes.values() if not n.state.is_terminal()) or "none"
+        return _error(404, f"no node {node_id!r} (live nodes: {known})")
+    return node
+
+
+async def _log(request: web.Request) -> web.StreamResponse:
+    sup = request.app[SUPERVISOR]
+    node = _node(sup, request.match_info["node_id"])
+    if isinstance(node, web.Response):
+        return node
+    try:
+        lines = int(request.query.get("lines", "10"))
+    except ValueError:
+        return _error(400, "lines must be an integer")
+    if not 0 <= lines <= _TAIL_MAX_LINES:
+        return _error(400, f"lines must be within 0..{_TAIL_MAX_LINES}")
+    follow = request.query.get("follow") in ("1", "true")
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    logs = sup.node_logs
+    batch = logs.tail(node.id, lines)
+    seq = batch[-1].seq if batch else logs.last_seq(node.id)
+    while True:
+        for ln in batch:
+            await resp.write((json.dumps(ln.to_dict()) + "\n").encode())
+        if not follow:
+            break
+        await logs.wait(node.id, seq, timeout_s=_FOLLOW_POLL_S)
+        batch = logs.since(node.id, seq)
+        if batch:
+            seq = batch[-1].seq
+        else:
+            await resp.write(b"\n")  # keep-alive; readers skip empty lines
+    await resp.write_eof()
+    return resp
+
+
+async def _cost(request: web.Request) -> web.Response:
+    sup = request.app[SUPERVISOR]
+    return web.json_response(cost_report(list(sup.nodes.values()), sup.config.offers, sup.clock()))
+
+
+# -- control socket: actions -------------------------------------------------------------------
+async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "the request body must be JSON")
+    return body if isinstance(body, dict) else _error(400, "the request body must be a JSON object")
 
 
 async def _checkpoint(request: web.Request) -> web.Response:
     rid = request.app[SUPERVISOR].request_checkpoint("manual")
     if rid is None:
-        return web.json_response({"error": "no node is running the job's trainer; nothing to checkpoint"},
-                                 status=409)
+        return _error(409, "no node is running the job's trainer; nothing to checkpoint")
     return web.json_response({"request_id": rid})
 
 
 async def _drain(request: web.Request) -> web.Response:
     sup = request.app[SUPERVISOR]
-    node_id = request.match_info["node_id"]
-    node = sup.nodes.get(node_id)
-    if node is None:
-        known = ", ".join(n.id for n in sup.nodes.values() if not n.state.is_terminal()) or "none"
-        return web.json_response({"error": f"no node {node_id!r} (live nodes: {known})"}, status=404)
+    node = _node(sup, request.match_info["node_id"])
+    if isinstance(node, web.Response):
+        return node
     if node.state.is_terminal():
-        return web.json_response({"error": f"node {node_id} is already {node.state.value}"}, status=409)
+        return _error(409, f"node {node.id} is already {node.state.value}")
     sup.drain(node, "operator")
     return web.json_response({"node": node.id, "state": node.state.value})
 
 
-def control_app(sup: Supervisor) -> web.Application:
+async def _scale(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    nodes = body.get("nodes")
+    if not isinstance(nodes, int) or isinstance(nodes, bool):
+        return _error(400, "give the target size as {\"nodes\": N}, N an integer")
+    try:
+        return web.json_response(request.app[SUPERVISOR].scale(nodes))
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _pause(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(request.app[SUPERVISOR].pause())
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _resume(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(request.app[SUPERVISOR].resume())
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _simulate_preemption(request: web.Request) -> web.Response:
+    """Publish an interruption notice on a local node's metadata endpoint (as ``chaos`` does);
+    the local provider reclaims the node ``lead_s`` seconds later, as a cloud would."""
+    sup = request.app[SUPERVISOR]
+    node = _node(sup, request.match_info["node_id"])
+    if isinstance(node, web.Response):
+        return node
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    lead_s = body.get("lead_s", 30.0)
+    if not isinstance(lead_s, (int, float)) or isinstance(lead_s, bool) or lead_s <= 0:
+        return _error(400, "lead_s must be a number of seconds > 0")
+    provider = sup.provider_for(node.provider)
+    publish = getattr(provider, "publish_interruption", None)
+    if provider.name != "local" or publish is None:
+        return _error(400, f"simulate-preemption works only on the local provider; node {node.id} runs on "
+                           f"{provider.name!r} (on a cloud, use its own fault injection, e.g. AWS FIS)")
+    if node.state.is_terminal() or node.instance_id is None:
+        return _error(409, f"node {node.id} is {node.state.value}: it has no instance to preempt")
+    try:
+        deadline = await publish(node.instance_id, lead_s=float(lead_s))
+    except (KeyError, RuntimeError) as exc:  # gone meanwhile, or not booted yet
+        return _error(409, f"node {node.id}: {exc.args[0] if exc.args else exc}")
+    sup.record(EventKind.CHAOS_INJECTED, node.id, action="notice", source="operator", lead_s=float(lead_s),
+               deadline=deadline.isoformat(), step=sup.job.step)
+    return web.json_response({"node": node.id, "deadline": deadline.timestamp(), "lead_s": float(lead_s)})
+
+
+def control_app(sup: Supervisor, metrics: DaemonMetrics | None = None) -> web.Application:
+    metrics = metrics if metrics is not None else DaemonMetrics(sup)
     app = web.Application()
     app[SUPERVISOR] = sup
+    app[METRICS] = metrics
     app.router.add_get("/v1/status", _status)
     app.router.add_get("/v1/events", _events)
+    app.router.add_get("/v1/cost", _cost)
+    app.router.add_get("/v1/nodes/{node_id}/log", _log)
+    app.router.add_get("/metrics", metrics.handler)
     app.router.add_post("/v1/checkpoint", _checkpoint)
     app.router.add_post("/v1/nodes/{node_id}/drain", _drain)
+    app.router.add_post("/v1/nodes/{node_id}/simulate-preemption", _simulate_preemption)
+    app.router.add_post("/v1/scale", _scale)
+    app.router.add_post("/v1/pause", _pause)
+    app.router.add_post("/v1/resume", _resume)
+    return app
+
+
+def metrics_app(metrics: DaemonMetrics) -> web.Application:
+    app = web.Application()
+    app.router.add_get("/metrics", metrics.handler)
     return app
 
 
 class ApiServer:
-    """Both listeners. ``start()`` binds; ``agent_url`` is known after it; ``aclose()`` is idempotent."""
+    """The daemon's listeners: agent port, control socket, and (with ``daemon.metrics_port``)
+    the metrics port. ``start()`` binds; ``agent_url`` and ``metrics_url`` are known after
+    it; ``aclose()`` is idempotent and stops them in reverse order."""
 
     def __init__(self, sup: Supervisor, *, agent_host: str, agent_port: int, socket_path: str) -> None:
         self.sup = sup
         self.agent_host = agent_host
         self.agent_port = agent_port
         self.socket_path = socket_path
+        self.metrics = DaemonMetrics(sup)  # this daemon's own registry
         self._runners: list[web.AppRunner] = []
         self.agent_url: str | None = None
+        self.metrics_url: str | None = None
 
     async def start(self) -> None:
         agent = web.AppRunner(agent_app(self.sup), access_log=None)
@@ -146,13 +315,22 @@ class ApiServer:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.agent_url = f"http://{self.agent_host}:{port}"
 
-        control = web.AppRunner(control_app(self.sup), access_log=None, shutdown_timeout=1.0)
+        control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
         await control.setup()
         self._runners.append(control)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)  # a stale socket from a killed daemon
         await web.UnixSite(control, self.socket_path).start()
         os.chmod(self.socket_path, 0o660)
+
+        metrics_port = self.sup.config.daemon.metrics_port
+        if metrics_port is not None:
+            runner = web.AppRunner(metrics_app(self.metrics), access_log=None, shutdown_timeout=1.0)
+            await runner.setup()
+            self._runners.append(runner)
+            msite = web.TCPSite(runner, "127.0.0.1", metrics_port)  # local scrapers only
+            await msite.start()
+            self.metrics_url = f"http://127.0.0.1:{msite._server.sockets[0].getsockname()[1]}/metrics"  # type: ignore[union-attr]
 
     async def aclose(self) -> None:
         while self._runners:

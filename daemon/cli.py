@@ -6,7 +6,10 @@
 - ``spotvisord preflight [--config FILE] [--preset NAME ...] [--nodes N ...]`` —
   which GPUs hold the model, and can a checkpoint beat the notice
   (:mod:`daemon.preflight_cli`).
-- ``spotvisord run --config FILE`` — the service (systemd ``spotvisord.service``).
+- ``spotvisord run --config FILE`` — the service (systemd ``spotvisord.service``,
+  ``Type=notify`` with watchdog: :mod:`daemon.service`). SIGTERM stops the daemon
+  and leaves the job's instances running; it exits by itself once the job completed
+  and every instance is released.
 - ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
   target on the local provider with its chaos schedule, print events as they
   happen and a summary at the end (``make demo``).
@@ -22,13 +25,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 import structlog
 
@@ -36,7 +38,8 @@ from daemon import preflight_cli
 from daemon.config import Config, ConfigError, load_config
 from daemon.logs import configure_logging
 from daemon.model import Event
-from daemon.providers.base import create_provider
+from daemon.notify import Notifier, resolve_sinks
+from daemon.providers.base import Provider, create_provider
 from daemon.store import Store
 
 __all__ = ["main", "running_daemon", "format_event"]
@@ -45,8 +48,13 @@ log = structlog.get_logger("spotvisor.cli")
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(config: Config, *, with_chaos: bool = True) -> AsyncIterator["Supervisor"]:
-    """Store + provider + supervisor + APIs (+ chaos), closed in reverse order."""
+async def running_daemon(config: Config, *, with_chaos: bool = True,
+                         providers: Mapping[str, Provider] | None = None) -> AsyncIterator["Supervisor"]:
+    """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
+
+    ``providers``: by name, instead of those the config names (tests). Closing never
+    terminates an instance (:meth:`Supervisor.aclose`).
+    """
     from daemon.api import ApiServer
     from daemon.chaos import run_chaos
     from daemon.supervisor import Supervisor
@@ -61,22 +69,26 @@ async def running_daemon(config: Config, *, with_chaos: bool = True) -> AsyncIte
         "--metadata-alarm-after", str(config.agent.metadata_alarm_after),
         "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
-    providers = {
+    providers = dict(providers) if providers is not None else {
         name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
         for name in sorted({o.provider for o in config.offers})
     }
     sup = Supervisor(config, providers=providers, store=store)
+    notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/notify.py)
+    sup.subscribe(notifier.wake)  # record() wakes its workers; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
                     socket_path=str(config.daemon.socket_path()))
     try:
         await api.start()
         assert api.agent_url is not None
+        await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
         await sup.start(agent_url=api.agent_url)
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos)), "chaos")
         yield sup
     finally:
         await sup.aclose()
+        await notifier.aclose()  # up to 3 s to deliver what is queued (the final pool_released)
         await api.aclose()
         store.close()
 
@@ -156,26 +168,13 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
     return 0 if summary["steps_completed"] == config.job.target_steps else 1
 
 
-async def _run(config: Config) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        async with running_daemon(config) as sup:
-            log.info("spotvisord_ready", pool=config.pool.name, socket=str(config.daemon.socket_path()),
-                     agent_url=sup.agent_url)
-            waiter = asyncio.create_task(stop.wait(), name="signal")
-            released = asyncio.create_task(sup.wait_released(), name="released")
-            try:
-                await asyncio.wait({waiter, released}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-                released.cancel()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    return 0
+async def _run(config: Config, watchdog_s: float | None) -> int:
+    """The service: READY=1 once up, WATCHDOG=1 from this loop, STOPPING=1 on SIGTERM
+    or once the pool is released (:mod:`daemon.service`); the job is left running."""
+    from daemon.service import SdNotifier, serve
+
+    log.info("spotvisord_starting", pool=config.pool.name, socket=str(config.daemon.socket_path()))
+    return await serve(running_daemon(config), notifier=SdNotifier.from_env(), watchdog_interval_s=watchdog_s)
 
 
 def _with_run_dir(config: Config) -> Config:
@@ -231,9 +230,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "check-config":
         return 0
-    configure_logging(level="WARNING" if args.cmd == "demo" else None)
+    try:
+        resolve_sinks(config.notify)  # the feed's URLs and keys come from the environment
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"{path}: {line}", file=sys.stderr)
+        return 2
     if args.cmd == "run":
-        return asyncio.run(_run(config))
+        from daemon.service import watchdog_interval_s
+
+        try:
+            watchdog_s = watchdog_interval_s()  # systemd's WatchdogSec=, as $WATCHDOG_USEC
+        except ValueError as exc:
+            print(f"spotvisord run: {exc}", file=sys.stderr)
+            return 2
+        configure_logging()
+        try:
+            return asyncio.run(_run(config, watchdog_s))
+        except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
+            print(f"spotvisord run: {exc}", file=sys.stderr)
+            return 1
+    configure_logging(level="WARNING" if args.cmd == "demo" else None)
     if args.rendezvous_port:
         config = config.model_copy(
             update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})

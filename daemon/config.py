@@ -1,7 +1,8 @@
 """spotvisord configuration: one pydantic schema, read from YAML.
 
 The file has one section per part of the architecture (``pool``, ``job``,
-``rendezvous``, ``agent``, ``daemon``, ``providers``, ``offers``, ``chaos``).
+``rendezvous``, ``agent``, ``daemon``, ``providers``, ``offers``, ``chaos``,
+``notify``).
 Unknown keys are errors (a typo must not silently become a default).
 
 ``load_config(path)`` raises :class:`ConfigError` whose ``problems`` are one line
@@ -12,12 +13,14 @@ check-config`` prints them and exits 2.
 from __future__ import annotations
 
 import os
+import string
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from daemon.model import EventKind
 from daemon.preflight import PRESETS, UnknownGpuError, offer_gib
 from trainer.batch import ElasticBatch, BatchError
 
@@ -36,6 +39,7 @@ __all__ = [
     "ProvidersSpec",
     "OfferSpec",
     "ChaosEvent",
+    "SinkSpec",
     "load_config",
     "format_problems",
 ]
@@ -211,6 +215,13 @@ class DaemonSpec(_Spec):
     launch_timeout_s: PositiveS = 180.0
     rejoin_timeout_s: PositiveS = 90.0
     reconcile_interval_s: PositiveS = 1.0
+    # Prometheus: /metrics is always served on the control socket; with a port it is
+    # also served on 127.0.0.1:PORT for a scraper (0 = any free port; absent = off)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    # gpu_underutilized: a running node's mean SM utilization (percent) stays below
+    # this for the window (seconds); one event per episode (daemon/gpu.py)
+    gpu_underutilized_pct: float = Field(50.0, gt=0, le=100)
+    gpu_underutilized_window_s: PositiveS = 300.0
 
     def state_path(self) -> Path:
         return Path(os.path.expanduser(self.state_dir)).resolve()
@@ -284,6 +295,9 @@ class OfferSpec(_Spec):
     # GiB per GPU; absent: from gpu_type (daemon.preflight.GPU_MEMORY_GIB; "none" = no GPU, no limit)
     gpu_memory_gib: float | None = Field(None, gt=0)
     market: Literal["spot", "on_demand"] = "spot"
+    # the on-demand list price of this instance type here (USD/hour), for ``spotctl cost``'s
+    # on-demand equivalent and savings; absent: that node's savings are shown as unknown
+    on_demand_price_usd_h: float | None = Field(None, ge=0)
 
 
 class ChaosEvent(_Spec):
@@ -314,6 +328,72 @@ class ChaosEvent(_Spec):
         return self
 
 
+class SinkSpec(_Spec):
+    """One feed sink (``daemon/notify.py``): where events go, which ones, and how they read.
+
+    ``type``: ``slack`` (an incoming webhook; Block Kit message) or ``webhook`` (JSON
+    body signed with HMAC-SHA256, see :mod:`daemon.notify`). The URL is ``url`` or,
+    to keep a secret out of this file, ``url_env`` (the name of an environment
+    variable holding it; read when the daemon starts). ``secret_env``: the variable
+    holding a webhook's signing key (required for ``webhook``; Slack hooks are not
+    signed). ``kinds``: event kinds to send (``'*'`` = all), minus ``exclude_kinds``.
+    ``template``: event kind (or ``'*'``) -> text, ``str.format`` fields ``{seq}``,
+    ``{time}`` (unix s), ``{iso}`` (UTC), ``{kind}``, ``{node}``, ``{pool}``, ``{title}``,
+    ``{emoji}``, the node's ``{provider}`` ``{instance_type}`` ``{region}`` ``{zone}``, and
+    every key of the event's data (``{step}``, ``{seconds}``, ...); a field the event
+    lacks reads ``?``. ``timeout_s``:
+    one request (seconds); ``max_backoff_s``: cap of the retry backoff (seconds).
+    """
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    type: Literal["slack", "webhook"]
+    url: str | None = Field(None, pattern=r"^https?://\S+$")
+    url_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    secret_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    kinds: list[str] = ["*"]
+    exclude_kinds: list[str] = []
+    template: dict[str, str] = {}
+    timeout_s: PositiveS = 10.0
+    max_backoff_s: PositiveS = 60.0
+
+    @field_validator("kinds", "exclude_kinds")
+    @classmethod
+    def _known_kinds(cls, kinds: list[str]) -> list[str]:
+        for k in kinds:
+            _check_kind(k)
+        return kinds
+
+    @field_validator("template")
+    @classmethod
+    def _templates(cls, template: dict[str, str]) -> dict[str, str]:
+        for kind, text in template.items():
+            _check_kind(kind)
+            try:
+                fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+            except ValueError as exc:
+                raise ValueError(f"{kind}: not a str.format template ({exc}; write {{{{ for a literal brace)") from None
+            for f in fields:
+                if f == "" or f.split(".", 1)[0].split("[", 1)[0].isdigit():
+                    raise ValueError(f"{kind}: positional field {{{f}}} (name a field, e.g. {{step}})")
+        return template
+
+    @model_validator(mode="after")
+    def _where(self) -> "SinkSpec":
+        if (self.url is None) == (self.url_env is None):
+            raise ValueError("give exactly one of url or url_env (url_env keeps the URL out of this file)")
+        if self.type == "webhook" and self.secret_env is None:
+            raise ValueError("secret_env: a webhook sink signs its requests (name the variable holding the key)")
+        if self.type == "slack" and self.secret_env is not None:
+            raise ValueError("secret_env: Slack incoming webhooks are not signed (remove it)")
+        return self
+
+
+def _check_kind(kind: str) -> None:
+    valid = [k.value for k in EventKind]
+    if kind != "*" and kind not in valid:
+        raise ValueError(f"unknown event kind {kind!r} (valid: '*', {', '.join(valid)})")
+
+
 class Config(_Spec):
     pool: PoolSpec = PoolSpec()
     job: JobSpec = JobSpec()
@@ -323,6 +403,7 @@ class Config(_Spec):
     providers: ProvidersSpec = ProvidersSpec()
     offers: list[OfferSpec] = Field(default_factory=lambda: [OfferSpec()], min_length=1)
     chaos: list[ChaosEvent] = []
+    notify: list[SinkSpec] = []
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
@@ -353,6 +434,10 @@ class Config(_Spec):
                 f"{self.job.micro_batch_size} allows no world size up to {max_world} "
                 "(make global_batch_size a multiple of micro_batch_size x world size)"
             )
+        names = [s.name for s in self.notify]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"notify.{i}.name: sink {name!r} is named twice (give each sink its own name)")
         for i, ev in enumerate(self.chaos):
             if ev.action == "notice" and ev.lead_s <= 0:
                 raise ValueError(f"chaos.{i}.lead_s: a notice needs a lead time > 0 (or use action: kill)")

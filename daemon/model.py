@@ -81,6 +81,7 @@ class JobState(str, Enum):
     RUNNING = "running"  # at least one node's trainer is part of the job
     COMPLETED = "completed"  # the trainer reported its target step, final checkpoint committed
     FAILED = "failed"  # cannot continue (e.g. no valid world size reachable)
+    PAUSED = "paused"  # operator's `spotctl pause`: committed, capacity released; `resume` → pending
 
     @classmethod
     def terminal(cls) -> frozenset["JobState"]:
@@ -101,6 +102,8 @@ class EventKind(str, Enum):
     REBALANCE_RECOMMENDATION = "rebalance_recommendation"
     CHECKPOINT_REQUESTED = "checkpoint_requested"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
+    # a notice's flush that did not commit by the notice deadline (+ grace): a hung flush is news too
+    CHECKPOINT_FLUSH_TIMED_OUT = "checkpoint_flush_timed_out"
     NODE_LOST = "node_lost"
     NODE_TERMINATED = "node_terminated"
     NODE_ADMITTED = "node_admitted"
@@ -117,6 +120,12 @@ class EventKind(str, Enum):
     # and a checkpoint flush that may not fit a notice window (estimated at start, measured per commit)
     OFFER_UNUSABLE = "offer_unusable"
     CHECKPOINT_DEADLINE_RISK = "checkpoint_deadline_risk"
+    # operator actions (spotctl): the target size changed; pause = commit and release every node
+    # (job_pausing when asked, job_paused once no capacity is held), resume = job_unpaused
+    POOL_SCALED = "pool_scaled"
+    JOB_PAUSING = "job_pausing"
+    JOB_PAUSED = "job_paused"
+    JOB_UNPAUSED = "job_unpaused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +170,13 @@ class Node:
     trainer: str = "not_started"  # the agent's view of its torchrun: not_started | running | exited
     replacing: bool = False  # rebalance policy "replace": a replacement is launched, then this node drains
     detail: str = ""
+    ended_at: float | None = None  # when it reached a terminal state (terminated / lost / failed)
+
+    def hours_held(self, now: float) -> float:
+        """Hours this node's instance was paid for: from the launch request
+        (``created_at``, an upper bound of the cloud's billing start) to ``ended_at``
+        (or ``now`` while it lives); 0 if no instance was ever obtained."""
+        if self.instance_id is None:
+            return 0.0
+        end = self.ended_at if self.ended_at is not None else now
+        return max(0.0, end - self.created_at) / 3600.0

@@ -34,8 +34,10 @@ import structlog
 
 from daemon import preflight
 from daemon.config import Config
+from daemon.gpu import GpuWatch, parse_samples
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
-from daemon.model import Event, EventKind, JobState, Node, NodeState
+from daemon.model import Event, EventKind, JobState, Node, NodeState, check_transition
+from daemon.nodelog import NodeLogs
 from daemon.offers import History, Offer, capacity_backoff_s
 from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
 from daemon.providers.base import NODE_TAG, POOL_TAG, AuthError, CapacityError, NodeSpec, Provider, ProviderError, QuotaError
@@ -51,6 +53,10 @@ _LIVE = frozenset(
 )
 _AVOID_ZONE_S = 300.0
 _PRICE_REFRESH_S = 300.0
+# a commit reported just before a notice's deadline may still be on its way (the
+# agent's report retry backs off up to 5 s): wait this long past it before saying
+# the flush timed out
+_FLUSH_GRACE_S = 5.0
 
 
 def _zone_key(provider: str, region: str, zone: str | None) -> str:
@@ -103,6 +109,12 @@ class Supervisor:
         self.job = JobView()
         self.nodes: dict[str, Node] = {}
         self.desired_nodes = config.pool.target_nodes
+        self.target_nodes = config.pool.target_nodes  # the operator's target (spotctl scale), kept in the store
+        self.paused = False  # spotctl pause (kept in the store); desired_nodes is 0 while paused
+        self._paused_recorded = False  # job_paused recorded: the pause holds no capacity any more
+        self.node_logs = NodeLogs()  # each node's trainer.log tail, shipped with its heartbeats
+        self.gpu_watch = GpuWatch(threshold_pct=config.daemon.gpu_underutilized_pct,
+                                  window_s=config.daemon.gpu_underutilized_window_s)
         self.agent_url: str | None = None
         self._commands: dict[str, list[dict[str, Any]]] = {}
         self._rejoin: _Rejoin | None = None
@@ -112,6 +124,7 @@ class Supervisor:
         self._rng = rng or random.Random()
         self._prices: dict[int, float | None] = {}
         self._unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
+        self._flushes: dict[str, tuple[str, float]] = {}  # notice id → (node id, due: unix s) until its commit
         self._wake = asyncio.Event()
         self._event_added = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -120,6 +133,8 @@ class Supervisor:
         self._released = asyncio.Event()
         self._completed = asyncio.Event()
         self._closed = False
+        self._reconciler: asyncio.Task[Any] | None = None
+        self._launching: set[str] = set()  # node ids whose provider.launch call is in flight
         self.run_nonce = ""
 
     # -- lifecycle ------------------------------------------------------------------
@@ -129,6 +144,8 @@ class Supervisor:
         self.store.set("run_nonce", self.run_nonce)
         for node in self.store.nodes():
             self.nodes[node.id] = node
+        self._pick_up_from_store()
+        self._restore_operator_state()
         await self._refresh_prices()
         pre = preflight.at_start(self.config)  # pure: GPU memory per offer, estimated flush per notice window
         self._unusable = pre.unusable
@@ -136,11 +153,44 @@ class Supervisor:
             log.info("preflight_skipped", pool=self.pool, note=pre.note)
         for kind, data in pre.events:
             self.record(EventKind(kind), None, **data)
-        self.spawn(self._reconcile_loop(), "reconcile")
+        self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
         self.spawn(self._price_loop(), "prices")
         log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
 
+    def _pick_up_from_store(self) -> None:
+        """A restarted daemon takes over the job the last one left running.
+
+        Live nodes get a fresh heartbeat clock: their agents kept heartbeating while
+        no daemon listened, and the store holds only the heartbeat of their last
+        state change, so without this every node would look lost (and be
+        terminated) on the first pass. They have ``heartbeat_timeout_s`` to reach
+        this daemon. The job is ``running`` if a node runs it; ``completed`` (pool
+        target 0) if a ``job_completed`` event is stored, and already released if a
+        ``pool_released`` one is.
+        """
+        now = self.clock()
+        for node in self.nodes.values():
+            if node.state in _LIVE and node.last_heartbeat is not None:
+                node.last_heartbeat = now
+        if any(n.state is NodeState.RUNNING for n in self.nodes.values()):
+            self.job.state = JobState.RUNNING
+        steps = [n.step for n in self.nodes.values() if n.step is not None]
+        self.job.step = max(steps, default=None)
+        if self.store.events(kinds=[EventKind.JOB_COMPLETED.value], limit=1):
+            self.job.state = JobState.COMPLETED
+            self.desired_nodes = 0
+            self._completed.set()
+            if self.store.events(kinds=[EventKind.POOL_RELEASED.value], limit=1):
+                self._released.set()
+
     async def aclose(self) -> None:
+        """Stop the daemon's tasks and close the providers' clients. Idempotent.
+
+        Never terminates an instance: a stop (SIGTERM, ``systemctl restart``) leaves
+        the job running and the next daemon picks it up from the store. The one
+        exception is by design: the ``local`` provider's instances are this
+        process's children and end with it (:mod:`daemon.providers.local`).
+        """
         if self._closed:
             return
         self._closed = True
@@ -200,6 +250,10 @@ class Supervisor:
     def wake(self) -> None:
         self._wake.set()
 
+    def is_healthy(self) -> bool:
+        """True while the reconcile loop runs (what the systemd watchdog vouches for)."""
+        return self._reconciler is not None and not self._reconciler.done()
+
     # -- reconcile ----------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
         interval = self.config.daemon.reconcile_interval_s
@@ -230,13 +284,17 @@ class Supervisor:
         for action in actions:
             await self._apply(action)
         self._admit(now)
+        self._check_paused()
+        self._check_flushes()
         if (
             self.job.state.is_terminal()
             and self.desired_nodes == 0
             and not self._released.is_set()
             and all(n.state.is_terminal() for n in self.nodes.values())
+            and not self._launching  # a launch still in flight may yet return an instance to release
         ):
-            self.record(EventKind.POOL_RELEASED, reason=f"job_{self.job.state.value}")
+            # the final bill: every instance is released, so no node's cost grows any more
+            self.record(EventKind.POOL_RELEASED, reason=f"job_{self.job.state.value}", **self.spot_cost())
             self._released.set()
 
     async def _observe_instances(self) -> None:
@@ -277,12 +335,19 @@ class Supervisor:
         node = Node(
             id=f"{self.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, offer_index=offer_index,
             region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
-            price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24),
+            price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24), created_at=self.clock(),
         )
         self.nodes[node.id] = node
         self.store.put_node(node)
         self.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=self._offer(offer_index).key, reason=reason)
-        self.spawn(self._launch_call(node), f"launch:{node.id}")
+        self._launching.add(node.id)
+        task = self.spawn(self._launch_call(node), f"launch:{node.id}")
+
+        def landed(_: asyncio.Task[Any], node_id: str = node.id) -> None:
+            self._launching.discard(node_id)
+            self.wake()
+
+        task.add_done_callback(landed)
 
     async def _launch_call(self, node: Node) -> None:
         assert self.agent_url is not None
@@ -296,7 +361,7 @@ class Supervisor:
             self._capacity_failures[node.offer_index] = n
             wait = capacity_backoff_s(n, self._rng)
             self._backoff[node.offer_index] = self.clock() + wait
-            self._set_state(node, NodeState.FAILED, str(exc))
+            self._launch_failed(node, str(exc))
             self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
                         backoff_s=round(wait, 1), failures=n)
         except (QuotaError, AuthError) as exc:
@@ -304,22 +369,36 @@ class Supervisor:
             for o in range(len(self.config.offers)):
                 if self.config.offers[o].provider == offer.provider:
                     self._backoff[o] = float("inf")
-            self._set_state(node, NodeState.FAILED, str(exc))
+            self._launch_failed(node, str(exc))
             log.error("provider_disabled", provider=offer.provider, error=type(exc).__name__, message=str(exc))
             self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
                         offer=offer.key, provider_disabled=offer.provider)
         except ProviderError as exc:
             self._backoff[node.offer_index] = self.clock() + capacity_backoff_s(1, self._rng)
-            self._set_state(node, NodeState.FAILED, str(exc))
+            self._launch_failed(node, str(exc))
             self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
                         offer=offer.key)
         else:
             self._capacity_failures.pop(node.offer_index, None)
             node.instance_id = inst.id
-            self._set_state(node, NodeState.LAUNCHING)
-            self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
-                        price_usd_h=node.price_usd_h)
+            if node.state.is_terminal():
+                # released while its launch was in flight (job completed, scale-in): the
+                # instance exists only now; give it back at once rather than leak it
+                await self.provider_for(offer.provider).terminate(inst.id)
+                node.ended_at = self.clock()
+                self.store.put_node(node)
+                self.record(EventKind.NODE_TERMINATED, node.id, reason="released_while_launching",
+                            instance_id=inst.id)
+            else:
+                self._set_state(node, NodeState.LAUNCHING)
+                self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
+                            price_usd_h=node.price_usd_h)
         self.wake()
+
+    def _launch_failed(self, node: Node, detail: str) -> None:
+        """The launch call failed: the node is ``failed`` (unless it was released meanwhile)."""
+        if not node.state.is_terminal():
+            self._set_state(node, NodeState.FAILED, detail)
 
     # -- admission --------------------------------------------------------------------------
     def valid_world_sizes(self) -> list[int]:
@@ -327,7 +406,7 @@ class Supervisor:
         return self.config.job.valid_world_sizes(max_world)
 
     def _admit(self, now: float) -> None:
-        if self.job.state.is_terminal():
+        if self.job.state.is_terminal() or self.paused:
             return
         ready = sorted((n for n in self.nodes.values() if n.state is NodeState.READY), key=lambda n: n.ordinal)
         running = [n for n in self.nodes.values() if n.state in _IN_JOB]
@@ -340,7 +419,7 @@ class Supervisor:
                 return
             if self._first_ready_at is None:
                 self._first_ready_at = now
-            enough = len(ready) >= self.config.pool.target_nodes
+            enough = len(ready) >= self.target_nodes  # the operator's target (spotctl scale)
             waited = now - self._first_ready_at > self.config.daemon.rejoin_timeout_s
             if enough or (waited and len(ready) >= self.config.pool.min_nodes):
                 chosen = _largest_valid(ready, 0, valid)
@@ -426,6 +505,141 @@ class Supervisor:
             self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="drain", request_id=rid, why=reason)
         self.wake()
 
+    # -- operator actions (spotctl scale / pause / resume) ---------------------------------------
+    def scale(self, nodes: int) -> dict[str, Any]:
+        """Set the pool's target size (nodes); kept in the store, so a restarted daemon keeps it.
+
+        Growing launches at once. Shrinking releases nodes not in the job first, then
+        drains the youngest running ones (each commits, then leaves): no step is lost.
+        While paused, the new target applies at :meth:`resume`.
+
+        Raises:
+            ValueError: ``nodes`` outside ``pool.min_nodes..pool.max_nodes``, a world
+                size the global batch cannot be split over, or the job is over.
+        """
+        pool = self.config.pool
+        if not pool.min_nodes <= nodes <= pool.max_nodes:
+            raise ValueError(f"scale {nodes}: the pool allows {pool.min_nodes}..{pool.max_nodes} nodes "
+                             "(pool.min_nodes / pool.max_nodes in the config)")
+        if self.job.state.is_terminal():
+            raise ValueError(f"the job is {self.job.state.value}: there is nothing to scale")
+        gpus = {o.gpus_per_node for o in self.config.offers}
+        if len(gpus) == 1:  # every node alike: the world size is known (mixed offers: admission decides)
+            g, valid = gpus.pop(), self.valid_world_sizes()
+            if nodes * g not in valid:
+                ok = [w // g for w in valid if w % g == 0 and pool.min_nodes <= w // g <= pool.max_nodes]
+                job = self.config.job
+                raise ValueError(f"scale {nodes}: world size {nodes * g} cannot share global batch "
+                                 f"{job.global_batch_size} in micro batches of {job.micro_batch_size} "
+                                 f"(node counts that can: {', '.join(map(str, ok)) or 'none'})")
+        old, self.target_nodes = self.target_nodes, nodes
+        self.store.set("target_nodes", nodes)
+        draining: list[str] = []
+        if not self.paused:
+            self.desired_nodes = nodes
+            # the planner releases surplus nodes not in the job; running ones leave by a drain
+            in_job = sorted((n for n in self.nodes.values() if n.state in _IN_JOB and not n.replacing),
+                            key=lambda n: -n.ordinal)
+            if nodes < old and self._rejoin is not None:  # no half-done grow: withdraw its checkpoint request
+                self._cancel_rejoin(in_job, back_to_ready=[n for n in self.nodes.values()
+                                                           if n.state is NodeState.ADMITTING])
+            for n in in_job[: max(0, len(in_job) - nodes)]:
+                self.drain(n, "scale_in")
+                draining.append(n.id)
+        self.record(EventKind.POOL_SCALED, None, old=old, new=nodes, paused=self.paused, draining=draining)
+        self.wake()
+        return {"target_nodes": nodes, "old": old, "paused": self.paused, "draining": draining}
+
+    def pause(self) -> dict[str, Any]:
+        """Commit a checkpoint and release every node, keeping the job (its checkpoints,
+        its target size); :meth:`resume` relaunches it from the last commit.
+
+        Every running node is drained: its trainer commits at the next step boundary
+        (one commit answers all the nodes' requests) and leaves; nodes not in the job
+        are released at once. ``job_pausing`` now, ``job_paused`` once no capacity is
+        held. The pause is kept in the store: a restarted daemon stays paused.
+
+        Raises:
+            ValueError: already paused, or the job is over.
+        """
+        if self.job.state.is_terminal():
+            raise ValueError(f"the job is {self.job.state.value}: there is nothing to pause")
+        if self.paused:
+            raise ValueError("the job is already paused (spotctl resume relaunches it)")
+        self.paused, self._paused_recorded = True, False
+        self.store.set("paused", True)
+        self.job.state = JobState.PAUSED
+        self.desired_nodes = 0
+        running = sorted((n for n in self.nodes.values() if n.state in _IN_JOB), key=lambda n: n.ordinal)
+        self._cancel_rejoin(running, back_to_ready=[n for n in self.nodes.values() if n.state is NodeState.ADMITTING])
+        committing = [n.id for n in running if n.trainer == "running"]
+        for n in running:
+            self.drain(n, "pause")
+        self.record(EventKind.JOB_PAUSING, None, step=self.job.step, last_commit_step=self.job.last_commit_step,
+                    draining=[n.id for n in running], committing=committing)
+        self.wake()
+        return {"state": "pausing", "draining": [n.id for n in running], "committing": committing}
+
+    def resume(self) -> dict[str, Any]:
+        """Relaunch a paused job to its target size. It resumes from its last committed
+        checkpoint (the trainer always starts from the newest verified one).
+
+        Raises:
+            ValueError: the job is not paused, or the pause still holds nodes (their
+                commit may not be written yet: resume once ``job_paused`` is recorded).
+        """
+        if self.job.state.is_terminal() or not self.paused:
+            raise ValueError(f"the job is {self.job.state.value}, not paused: there is nothing to resume")
+        live = [n.id for n in sorted(self.nodes.values(), key=lambda n: n.ordinal) if not n.state.is_terminal()]
+        if live:
+            raise ValueError(f"the pause is still releasing {', '.join(live)}: resume once they are gone "
+                             "(spotctl status, or the job_paused event)")
+        self.paused = False
+        self.store.set("paused", False)
+        self.job.state = JobState.PENDING  # the first nodes up start the job together
+        self._first_ready_at = None
+        self.desired_nodes = self.target_nodes
+        self.record(EventKind.JOB_UNPAUSED, None, target_nodes=self.target_nodes,
+                    resume_from_step=self.job.last_commit_step)
+        self.wake()
+        return {"state": "pending", "target_nodes": self.target_nodes, "resume_from_step": self.job.last_commit_step}
+
+    def _check_paused(self) -> None:
+        if (self.paused and not self._paused_recorded and not self.job.state.is_terminal()
+                and all(n.state.is_terminal() for n in self.nodes.values())):
+            self._paused_recorded = True
+            self.record(EventKind.JOB_PAUSED, None, last_commit_step=self.job.last_commit_step)
+
+    def _restore_operator_state(self) -> None:
+        """``spotctl scale`` and ``pause`` outlive a daemon restart (kept in the store)."""
+        pool = self.config.pool
+        target = self.store.get("target_nodes")
+        if isinstance(target, int):
+            self.target_nodes = min(max(target, pool.min_nodes), pool.max_nodes)
+            if self.target_nodes != target:
+                log.warning("scaled_target_clamped", stored=target, target_nodes=self.target_nodes)
+        self.paused = bool(self.store.get("paused", False)) and not self.job.state.is_terminal()
+        if self.paused:
+            self.job.state = JobState.PAUSED
+            self._paused_recorded = all(n.state.is_terminal() for n in self.nodes.values())
+        if not self.job.state.is_terminal():
+            self.desired_nodes = 0 if self.paused else self.target_nodes
+
+    def _check_flushes(self) -> None:
+        """A notice whose commit has not come by its deadline (+ grace) is its own event,
+        ``checkpoint_flush_timed_out``, so a hung flush never silences the feed; the job
+        will resume from ``last_commit_step``."""
+        if self.job.state.is_terminal():
+            self._flushes.clear()
+            return
+        now = self.clock()
+        for nid, (node_id, due) in list(self._flushes.items()):
+            if now >= due:
+                del self._flushes[nid]
+                self.record(EventKind.CHECKPOINT_FLUSH_TIMED_OUT, node_id, notice_id=nid,
+                            overdue_s=round(now - due + _FLUSH_GRACE_S, 1),
+                            last_commit_step=self.job.last_commit_step)
+
     def _cancel_rejoin(self, running: list[Node], *, back_to_ready: list[Node]) -> None:
         """Withdraw the pending rejoin request from the running nodes' notice files."""
         rj = self._rejoin
@@ -466,11 +680,17 @@ class Supervisor:
             node.step = step
             if self.job.step is None or step > self.job.step:
                 self.job.step = step
+        self.node_logs.feed(node.id, body.get("log"))
+        low = self.gpu_watch.observe(node.id, parse_samples(body.get("gpu")), now=self.clock(),
+                                     training=node.state is NodeState.RUNNING and node.trainer == "running")
+        if low is not None:
+            self.record(EventKind.GPU_UNDERUTILIZED, node.id, **low)
         commands = self._commands.pop(node.id, [])
         return {
             "commands": commands,
             "start_trainer": node.state is NodeState.RUNNING and not self.job.state.is_terminal(),
             "stop_trainer": False,
+            "log": self.node_logs.ack(node.id),  # where the next trainer.log chunk starts (daemon/nodelog.py)
         }
 
     def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
@@ -509,11 +729,16 @@ class Supervisor:
         node.deadline = r.get("deadline")
         seen_at = r.get("seen_at")
         published_at = self._published_at(node, notice.get("provider"), node.deadline)
+        in_job = node.state is NodeState.RUNNING and node.trainer == "running"
         self.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=notice.get("id"),
                     action=notice.get("action"), deadline=notice.get("deadline"), provider=notice.get("provider"),
                     notice_published_at=published_at, notice_seen_at=seen_at,
                     detection_latency_s=None if published_at is None or seen_at is None
                     else round(seen_at - published_at, 3))
+        if in_job and notice.get("id") is not None:  # its flush must commit before the deadline
+            lead = DOCUMENTED_LEAD_S.get(notice.get("provider") or "", 120.0)
+            due = node.deadline if node.deadline is not None else self.clock() + lead
+            self._flushes.setdefault(str(notice["id"]), (node.id, due + _FLUSH_GRACE_S))
         if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
             self._set_state(node, NodeState.DRAINING, "interruption notice")
         # the replacement prefers another zone (SkyPilot's EAGER_NEXT_REGION, first retry)
@@ -568,10 +793,15 @@ class Supervisor:
             if world != self.job.world_size:
                 self.record(EventKind.WORLD_SIZE_CHANGED, None, old=self.job.world_size, new=world)
                 self.job.world_size = world
-            self.job.step = line.get("step")
+            # lost steps (the daemon's estimate, daemon/metrics.py): the highest step reported
+            # before this restart minus the step it resumed from
+            reached, step = self.job.step, line.get("step")
+            lost = reached - step if isinstance(reached, int) and isinstance(step, int) and reached > step else 0
+            self.job.step = step
             self.job.resumed_at = self.clock()
-            self.record(EventKind.JOB_RESUMED, node.id, attempt=attempt, step=line.get("step"),
-                        resumed_from=line.get("resumed_from"), world_size=world, trainer_time=line.get("time"))
+            self.record(EventKind.JOB_RESUMED, node.id, attempt=attempt, step=step,
+                        resumed_from=line.get("resumed_from"), world_size=world, trainer_time=line.get("time"),
+                        lost_steps=lost)
         elif event == "checkpoint_committed":
             key = (attempt, int(line.get("step", -1)))
             if key in self.job.commits:
@@ -580,6 +810,8 @@ class Supervisor:
             self.job.last_commit_step = key[1]
             self.job.last_commit_time = line.get("time")
             ids = list(line.get("notice_ids") or [])
+            for nid in ids:
+                self._flushes.pop(str(nid), None)
             self.record(EventKind.CHECKPOINT_COMMITTED, node.id, step=key[1], attempt=attempt,
                         reason=line.get("reason"), seconds=line.get("seconds"), bytes=line.get("bytes"),
                         notice_ids=ids, kinds=line.get("kinds") or [], trainer_time=line.get("time"),
@@ -648,11 +880,25 @@ class Supervisor:
         return {"argv": argv, "env": env}
 
     # -- views ------------------------------------------------------------------------------------
+    def spot_cost(self) -> dict[str, Any]:
+        """What the pool's instances cost so far: ``cost_usd`` = Σ over nodes of
+        ``price_usd_h`` (the spot price at launch, USD/hour) × hours held
+        (:meth:`Node.hours_held`: launch request → terminal state, or now);
+        ``node_hours``; ``instances`` (nodes that got an instance)."""
+        now = self.clock()
+        held = [n for n in self.nodes.values() if n.instance_id is not None]
+        return {
+            "cost_usd": round(sum(n.price_usd_h * n.hours_held(now) for n in held), 6),
+            "node_hours": round(sum(n.hours_held(now) for n in held), 6),
+            "instances": len(held),
+        }
+
     def status(self) -> dict[str, Any]:
         now = self.clock()
         return {
-            "pool": {"name": self.pool, "target_nodes": self.desired_nodes, "min_nodes": self.config.pool.min_nodes,
-                     "max_nodes": self.config.pool.max_nodes},
+            "pool": {"name": self.pool, "target_nodes": self.target_nodes, "desired_nodes": self.desired_nodes,
+                     "min_nodes": self.config.pool.min_nodes, "max_nodes": self.config.pool.max_nodes,
+                     "paused": self.paused},
             "job": {
                 "id": self.config.job.id, "state": self.job.state.value, "step": self.job.step,
                 "target_steps": self.config.job.target_steps, "world_size": self.job.world_size,
@@ -702,6 +948,9 @@ class Supervisor:
             await self._refresh_prices()
 
     def _set_state(self, node: Node, state: NodeState, detail: str = "") -> None:
+        if state.is_terminal() and node.ended_at is None and not node.state.is_terminal():
+            check_transition(node.state, state)  # refused: raise before anything changes
+            node.ended_at = self.clock()  # written with the state change: the node's cost stops here
         self.store.set_node_state(node, state, detail=detail)
 
     def _offer(self, i: int) -> Offer:

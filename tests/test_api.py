@@ -70,7 +70,8 @@ async def test_status_json(spot_daemon) -> None:
     assert json.loads(out2)["nodes"][0]["id"] == "test-1"
     rc, text, err = await spotctl("--socket", h.socket_path, "status")
     assert rc == 0, err
-    assert text.startswith("job job1  RUNNING")
+    head, row = text.splitlines()[:2]  # the job table, like `sky jobs queue`
+    assert head.split()[:3] == ["JOB", "STATE", "STEP"] and row.split()[:2] == ["job1", "RUNNING"]
     assert "test-1" in text and "running" in text
 
 

@@ -1,0 +1,693 @@
+"""The feed: every event, routed to Slack and to signed webhooks, at least once and in order.
+
+Where it sits: events are already durable (the store's ``events`` table, ``seq``
+persisted and monotonic). The **outbox** is one cursor per sink in the store's
+``kv`` table, ``notify.cursor.<sink>`` = the last ``seq`` that sink is done with;
+no event is copied. One worker task per sink reads the events after its cursor,
+oldest first, sends each one the sink wants, and advances the cursor only after
+the sink answered 2xx. So:
+
+- **at least once, in order per sink**: an event is re-sent until a 2xx and the
+  next one waits for it. A daemon restart resumes at the first event not yet
+  acknowledged; only the one in flight when the daemon stopped can arrive twice,
+  so receivers de-duplicate by ``seq`` (in every body);
+- **never blocking the supervisor**: ``Supervisor.record()`` only wakes the workers
+  (:meth:`Notifier.wake` is a listener). A sink that is down is retried with
+  exponential backoff and jitter (tenacity), capped at the sink's ``max_backoff_s``,
+  for as long as it is down; other sinks are not held up. Every failed attempt is
+  logged (``notify_attempt_failed``: sink, seq, status or error, next wait). A sink
+  that answers 4xx is retried too: the queue waits until the operator fixes it;
+- a sink seen for the first time starts after the newest event already stored (a
+  sink added to a long-lived pool does not replay its history).
+
+**Generic webhook** (``type: webhook``): ``POST url`` with ``Content-Type:
+application/json`` and the UTF-8 JSON body
+``{"seq", "time", "kind", "node", "data", "pool", "text"}`` (``time``: unix seconds
+the event was recorded; ``text``: the sink's template or the default line). Headers:
+
+- ``X-Spotvisor-Timestamp``: unix seconds (an integer) when this attempt was sent;
+- ``X-Spotvisor-Signature``: ``sha256=`` + lowercase hex of
+  ``HMAC-SHA256(key, timestamp + "." + body)``, where ``key`` is the UTF-8 bytes of
+  the ``secret_env`` variable's value, ``timestamp`` the header's decimal string and
+  ``body`` the exact request body bytes (the scheme of Stripe's and Slack's signing).
+
+Each attempt is signed anew, so a delivery retried for hours still verifies. A
+receiver checks with :func:`verify_signature` (constant-time compare; replay
+protection: a timestamp more than ``tolerance_s`` away from its clock is refused),
+then drops a ``seq`` it has already handled.
+
+**Slack** (``type: slack``): an incoming webhook through slack-sdk's
+``AsyncWebhookClient``; the message (:func:`slack_message`) is Block Kit built from
+``slack_sdk.models.blocks`` (valid by construction, checked on serialisation): a
+header with an emoji per kind, the key numbers as a two-column field grid that reads
+well on a phone, a context line with pool, ``seq`` and time, and ``text`` as the
+notification fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import math
+import os
+import string
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping, Sequence
+
+import aiohttp
+import structlog
+from slack_sdk.errors import SlackObjectFormationError
+from slack_sdk.models.blocks import Block, ContextBlock, HeaderBlock, MarkdownTextObject, PlainTextObject, SectionBlock
+from slack_sdk.webhook.async_client import AsyncWebhookClient
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+
+from daemon.config import ConfigError, SinkSpec
+from daemon.model import Event, EventKind, Node
+from daemon.store import Store
+
+__all__ = [
+    "Notifier",
+    "DeliveryError",
+    "Target",
+    "resolve_sinks",
+    "sign",
+    "verify_signature",
+    "webhook_body",
+    "render_text",
+    "key_fields",
+    "slack_message",
+    "SlackMessage",
+    "SinkStats",
+    "EMOJI",
+    "TIMESTAMP_HEADER",
+    "SIGNATURE_HEADER",
+]
+
+log = structlog.get_logger("spotvisor.notify")
+
+TIMESTAMP_HEADER = "X-Spotvisor-Timestamp"
+SIGNATURE_HEADER = "X-Spotvisor-Signature"
+CURSOR_KEY = "notify.cursor.{}"
+_BATCH = 100  # events read from the store at a time, per sink
+
+# Slack's limits (docs.slack.dev, Block Kit reference and chat.postMessage): a message
+# holds at most 50 blocks; a header's plain text 150 characters; a section's text 3000,
+# its fields 10 of 2000 each; a context 10 elements. ``text`` is cut past 40 000 by
+# Slack; the fallback is kept far shorter (it is what a phone's notification shows).
+SLACK_MAX_BLOCKS = 50
+SLACK_HEADER_MAX_CHARS = 150
+SLACK_SECTION_MAX_CHARS = 3000
+SLACK_FIELD_MAX_CHARS = 2000
+SLACK_MAX_FIELDS = 10
+SLACK_TEXT_MAX_CHARS = 3000
+
+# kind → the emoji of its header (tests check every EventKind has one)
+EMOJI: dict[str, str] = {
+    "node_launch_requested": "🛒",
+    "node_launched": "🚀",
+    "node_launch_failed": "❌",
+    "node_ready": "🟢",
+    "interruption_notice": "⚠️",
+    "rebalance_recommendation": "🔶",
+    "checkpoint_requested": "📝",
+    "checkpoint_committed": "✅",
+    "checkpoint_flush_timed_out": "⏰",
+    "node_lost": "💀",
+    "node_terminated": "🔻",
+    "node_admitted": "➕",
+    "world_size_changed": "🔀",
+    "job_resumed": "▶️",
+    "job_completed": "🎉",
+    "pool_released": "🧹",
+    "gpu_underutilized": "🐢",
+    "chaos_injected": "🧪",
+    "trainer_exited": "⏹️",
+    "metadata_unreachable": "📡",
+    "metadata_recovered": "📶",
+    "offer_unusable": "🚫",
+    "checkpoint_deadline_risk": "⏳",
+    "pool_scaled": "📏",
+    "job_pausing": "⏸️",
+    "job_paused": "💤",
+    "job_unpaused": "⏯️",
+}
+_DEFAULT_EMOJI = "🔔"
+
+
+class DeliveryError(Exception):
+    """A sink did not answer 2xx, or could not be reached in ``timeout_s``; retried."""
+
+
+# -- signing -----------------------------------------------------------------------------------
+def sign(secret: str | bytes, timestamp: int | str, body: bytes) -> str:
+    """The ``X-Spotvisor-Signature`` value: ``sha256=<hex HMAC-SHA256(secret, f"{timestamp}." + body)>``."""
+    key = secret.encode() if isinstance(secret, str) else secret
+    return "sha256=" + hmac.new(key, str(timestamp).encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
+def verify_signature(secret: str | bytes, timestamp: str | int, body: bytes | str, signature: str,
+                     tolerance_s: float = 300.0, now: float | None = None) -> bool:
+    """For receivers: is this request signed with ``secret`` and fresh?
+
+    Args:
+        secret: the shared key (the value of the sink's ``secret_env``).
+        timestamp: the ``X-Spotvisor-Timestamp`` header (unix seconds).
+        body: the raw request body, exactly as received (bytes; a str is UTF-8 encoded).
+        signature: the ``X-Spotvisor-Signature`` header (``sha256=<hex>``).
+        tolerance_s: largest accepted distance between ``timestamp`` and ``now``, in
+            seconds, either way (replay protection; 300 as Stripe and Slack use).
+        now: the receiver's clock (unix seconds); default ``time.time()``.
+
+    Returns:
+        True only if the timestamp is an integer within ``tolerance_s`` of ``now`` and
+        the signature matches (constant-time compare). Then de-duplicate by ``seq``.
+    """
+    try:
+        ts = int(str(timestamp).strip())
+    except ValueError:
+        return False
+    if abs((time.time() if now is None else now) - ts) > tolerance_s:
+        return False
+    raw = body.encode() if isinstance(body, str) else bytes(body)
+    return hmac.compare_digest(sign(secret, ts, raw), signature.strip())
+
+
+# -- what an event says ---------------------------------------------------------------------------
+def title(kind: str) -> str:
+    """``checkpoint_committed`` → ``Checkpoint committed``."""
+    return kind.replace("_", " ").capitalize()
+
+
+def _count(v: Any) -> str:
+    return f"{int(v):,}"
+
+
+def _secs(v: Any) -> str:
+    v = float(v)
+    if abs(v) < 60:
+        return f"{v:.1f} s"
+    if abs(v) < 3600:
+        return f"{int(v // 60)} min {int(v % 60)} s"
+    return f"{int(v // 3600)} h {int(v % 3600 // 60)} min"
+
+
+def _bytes(v: Any) -> str:
+    v = float(v)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(v) < 1024 or unit == "TiB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} TiB"  # unreachable
+
+
+def _usd(v: Any) -> str:
+    return f"${float(v):,.2f}"
+
+
+def _usd_h(v: Any) -> str:
+    return f"${float(v):,.3f}/h"
+
+
+def _plain(v: Any) -> str:
+    return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+# data key → (label, formatter), in the order they are shown
+_KNOWN: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
+    ("step", "Step", _count),
+    ("last_step", "Last step", _count),
+    ("resumed_from", "Resumed from step", _count),
+    ("last_commit_step", "Last commit", _count),
+    ("world_size", "World size", _count),
+    ("seconds", "Flush", _secs),
+    ("bytes", "Size", _bytes),
+    ("boot_s", "Boot", _secs),
+    ("detection_latency_s", "Seen after", _secs),
+    ("overdue_s", "Past deadline", _secs),
+    ("lead_s", "Lead", _secs),
+    ("backoff_s", "Back-off", _secs),
+    ("price_usd_h", "Price", _usd_h),
+    ("reason", "Reason", _plain),
+    ("error", "Error", _plain),
+    ("message", "Message", _plain),
+    ("failures", "Failures", _count),
+)
+
+
+def _unix_s(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            t = datetime.fromisoformat(v)
+        except ValueError:
+            return None
+        return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+    return None
+
+
+def key_fields(ev: Event, node: Node | None = None) -> list[tuple[str, str]]:
+    """The numbers a person wants first, as ``(label, value)``: node, where it runs
+    (provider, instance type, zone: from the event, else from the node's row), step,
+    world size, seconds, bytes, cost (any ``*_usd`` / ``*_usd_h`` data key), reason.
+    Absent or null data is left out; a value of the wrong type is shown as it is."""
+    d = ev.data
+    out: list[tuple[str, str]] = []
+    if ev.node:
+        out.append(("Node", ev.node))
+    provider = d.get("provider") or (node.provider if node else None)
+    where = [provider, node.instance_type if node else None, node.zone if node else None]
+    if any(where):
+        out.append(("Instance", " ".join(str(w) for w in where if w)))
+    elif d.get("offer"):
+        out.append(("Offer", str(d["offer"])))
+    if ev.kind == EventKind.WORLD_SIZE_CHANGED.value and ("old" in d or "new" in d):
+        out.append(("World size", f"{d.get('old') if d.get('old') is not None else '–'} → {d.get('new')}"))
+    deadline = _unix_s(d.get("deadline"))  # a notice's: ISO-8601 (Notice.to_dict) or unix seconds
+    if deadline is not None:
+        out.append(("Deadline", f"in {_secs(max(0.0, deadline - ev.time))}"))
+    elif d.get("deadline"):
+        out.append(("Deadline", str(d["deadline"])))
+    seen = {"provider", "deadline"}
+    for key, label, fmt in _KNOWN:
+        seen.add(key)
+        v = d.get(key)
+        if v is None or v == "" or v == []:
+            continue
+        try:
+            out.append((label, fmt(v)))
+        except (TypeError, ValueError):
+            out.append((label, _plain(v)))
+    for key, v in d.items():  # costs another part adds (final cost, savings) show up without a change here
+        if key in seen or v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if key.endswith("_usd_h"):
+            out.append((title(key[: -len("_usd_h")]), _usd_h(v)))
+        elif key.endswith("_usd"):
+            out.append((title(key[: -len("_usd")]), _usd(v)))
+    return out
+
+
+def _fields_for_template(ev: Event, pool: str, node: Node | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if node is not None:
+        fields.update(provider=node.provider, instance_type=node.instance_type, zone=node.zone,
+                      region=node.region)
+    fields.update(ev.data)
+    fields.update(
+        seq=ev.seq, time=ev.time, kind=ev.kind, node=ev.node or "", pool=pool, data=ev.data,
+        title=title(ev.kind), emoji=EMOJI.get(ev.kind, _DEFAULT_EMOJI),
+        iso=datetime.fromtimestamp(ev.time, timezone.utc).isoformat(timespec="seconds"),
+    )
+    return fields
+
+
+class _Template(string.Formatter):
+    """``str.format`` with a missing field shown as ``?`` and each value passed
+    through ``escape`` after formatting (Slack's ``&``, ``<``, ``>``)."""
+
+    def __init__(self, escape: Callable[[str], str]) -> None:
+        self._escape = escape
+
+    def get_value(self, key: int | str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if isinstance(key, int):
+            raise KeyError(key)
+        return kwargs.get(key, "?")
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        return self._escape(super().format_field(value, format_spec))
+
+
+def _no_escape(s: str) -> str:
+    return s
+
+
+def slack_escape(s: str) -> str:
+    """Slack's control characters (``&``, ``<``, ``>``) as entities, for text from events."""
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def render_text(ev: Event, *, pool: str, node: Node | None = None, template: str | None = None,
+                escape: Callable[[str], str] = _no_escape) -> str:
+    """The one-line text of an event: ``template`` (``str.format`` fields: see
+    :class:`daemon.config.SinkSpec`), or the default ``<emoji> <Title> · <node>: key
+    numbers``. A template that does not render for this event (a format spec that
+    does not fit the value) falls back to the default line, with a warning."""
+    if template is not None:
+        try:
+            return _Template(escape).vformat(template, (), _fields_for_template(ev, pool, node))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            log.warning("notify_template_failed", kind=ev.kind, seq=ev.seq, error=str(exc))
+    head = f"{EMOJI.get(ev.kind, _DEFAULT_EMOJI)} {title(ev.kind)}"
+    if ev.node:
+        head += f" · {escape(ev.node)}"
+    rest = [f"{label.lower()} {escape(value)}" for label, value in key_fields(ev, node) if label != "Node"][:6]
+    return head + (": " + ", ".join(rest) if rest else "")
+
+
+def webhook_body(ev: Event, *, pool: str, text: str) -> bytes:
+    """The generic webhook body: UTF-8 JSON ``{seq, time, kind, node, data, pool, text}``."""
+    return json.dumps({"seq": ev.seq, "time": ev.time, "kind": ev.kind, "node": ev.node, "data": ev.data,
+                       "pool": pool, "text": text}, separators=(",", ":"), ensure_ascii=False,
+                      default=str).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class SlackMessage:
+    """An incoming-webhook message: ``text`` (notification fallback) and Block Kit ``blocks``."""
+
+    text: str
+    blocks: list[Block]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body; raises ``SlackObjectFormationError`` if a block breaks a limit."""
+        return {"text": self.text, "blocks": [b.to_dict() for b in self.blocks]}
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def slack_message(ev: Event, *, pool: str, node: Node | None = None, template: str | None = None) -> SlackMessage:
+    """Block Kit for one event: a header (emoji, kind, node), the template's text if the
+    sink has one, the key numbers as a field grid (two columns on a phone), and a
+    context line with the pool, ``seq`` and the time in the reader's own time zone."""
+    emoji = EMOJI.get(ev.kind, _DEFAULT_EMOJI)
+    head = f"{emoji} {title(ev.kind)}" + (f" · {ev.node}" if ev.node else "")
+    text = _clip(render_text(ev, pool=pool, node=node, template=template, escape=slack_escape), SLACK_TEXT_MAX_CHARS)
+    fields = [
+        MarkdownTextObject(text=_clip(f"*{label}*\n{slack_escape(value)}", SLACK_FIELD_MAX_CHARS))
+        for label, value in key_fields(ev, node)[:SLACK_MAX_FIELDS]
+    ]
+    blocks: list[Block] = [HeaderBlock(text=PlainTextObject(text=_clip(head, SLACK_HEADER_MAX_CHARS), emoji=True))]
+    if template is not None or not fields:
+        blocks.append(SectionBlock(text=MarkdownTextObject(text=_clip(text, SLACK_SECTION_MAX_CHARS)),
+                                   fields=fields or None))
+    else:
+        blocks.append(SectionBlock(fields=fields))
+    iso = datetime.fromtimestamp(ev.time, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    when = f"<!date^{int(ev.time)}^{{date_short_pretty}} {{time_secs}}|{iso}>"
+    blocks.append(ContextBlock(elements=[MarkdownTextObject(
+        text=f"pool *{slack_escape(pool)}* · seq {ev.seq} · {when}")]))
+    return SlackMessage(text=text, blocks=blocks)
+
+
+# -- sinks ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A sink with its URL and key read from the environment."""
+
+    spec: SinkSpec
+    url: str = field(repr=False)  # a Slack hook URL is itself a secret
+    secret: bytes | None = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def wants(self, kind: str) -> bool:
+        return ("*" in self.spec.kinds or kind in self.spec.kinds) and kind not in self.spec.exclude_kinds
+
+    def template_for(self, kind: str) -> str | None:
+        return self.spec.template.get(kind, self.spec.template.get("*"))
+
+
+def resolve_sinks(specs: Sequence[SinkSpec], environ: Mapping[str, str] | None = None) -> list[Target]:
+    """Read each sink's ``url_env`` / ``secret_env`` from ``environ`` (default ``os.environ``).
+
+    Raises:
+        ConfigError: a named variable is unset or empty; one line per problem, naming
+            the field (``notify.<i>.url_env``) and the variable.
+    """
+    env = os.environ if environ is None else environ
+    out: list[Target] = []
+    problems: list[str] = []
+    for i, spec in enumerate(specs):
+        url = spec.url
+        if spec.url_env is not None:
+            url = env.get(spec.url_env) or None
+            if url is None:
+                problems.append(f"notify.{i}.url_env: ${spec.url_env} is not set (sink {spec.name!r}: export it "
+                                "in the daemon's environment, e.g. systemd EnvironmentFile=)")
+            elif not url.startswith(("http://", "https://")):
+                problems.append(f"notify.{i}.url_env: ${spec.url_env} is not an http(s) URL (sink {spec.name!r})")
+        secret: bytes | None = None
+        if spec.secret_env is not None:
+            value = env.get(spec.secret_env)
+            if not value:
+                problems.append(f"notify.{i}.secret_env: ${spec.secret_env} is not set (sink {spec.name!r}: "
+                                "export the signing key in the daemon's environment)")
+            else:
+                secret = value.encode()
+        if url is not None:
+            out.append(Target(spec, url, secret))
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+class _Sender:
+    """Sends one event to one sink; raises :class:`DeliveryError` unless it answered 2xx."""
+
+    def __init__(self, target: Target, session: aiohttp.ClientSession, pool: str,
+                 clock: Callable[[], float]) -> None:
+        self.target = target
+        self.session = session
+        self.pool = pool
+        self.clock = clock
+
+    def prepare(self, ev: Event, node: Node | None) -> Any:
+        raise NotImplementedError
+
+    async def send(self, prepared: Any) -> None:
+        raise NotImplementedError
+
+
+class _WebhookSender(_Sender):
+    def prepare(self, ev: Event, node: Node | None) -> bytes:
+        text = render_text(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind))
+        return webhook_body(ev, pool=self.pool, text=text)
+
+    async def send(self, prepared: bytes) -> None:
+        assert self.target.secret is not None  # resolve_sinks requires it for webhooks
+        ts = int(self.clock())
+        headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(ts),
+                   SIGNATURE_HEADER: sign(self.target.secret, ts, prepared), "User-Agent": "spotvisord"}
+        try:
+            async with self.session.post(self.target.url, data=prepared, headers=headers) as r:
+                if not 200 <= r.status < 300:
+                    raise DeliveryError(f"HTTP {r.status}: {_clip((await r.text()).strip(), 200)}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class _SlackSender(_Sender):
+    def __init__(self, target: Target, session: aiohttp.ClientSession, pool: str,
+                 clock: Callable[[], float]) -> None:
+        super().__init__(target, session, pool, clock)
+        # tenacity is the one retry layer: slack-sdk's own handlers are off
+        self.client = AsyncWebhookClient(target.url, session=session, retry_handlers=[])
+
+    def prepare(self, ev: Event, node: Node | None) -> SlackMessage:
+        msg = slack_message(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind))
+        try:
+            msg.to_dict()
+        except SlackObjectFormationError as exc:  # a bug here must not stop the feed: send the text alone
+            log.error("notify_blocks_invalid", sink=self.target.name, seq=ev.seq, error=str(exc))
+            return SlackMessage(text=msg.text, blocks=[])
+        return msg
+
+    async def send(self, prepared: SlackMessage) -> None:
+        try:
+            resp = await self.client.send(text=prepared.text, blocks=prepared.blocks or None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
+        if not 200 <= resp.status_code < 300:
+            raise DeliveryError(f"HTTP {resp.status_code}: {_clip(str(resp.body).strip(), 200)}")
+
+
+_SENDERS: dict[str, type[_Sender]] = {"webhook": _WebhookSender, "slack": _SlackSender}
+
+
+@dataclass(frozen=True, slots=True)
+class SinkStats:
+    """One sink's delivery so far (this process): ``cursor`` = last ``seq`` done with,
+    ``delivered`` = events answered 2xx, ``failed_attempts`` = attempts that were not,
+    ``failing`` = the event in hand has failed and is being retried."""
+
+    cursor: int
+    delivered: int
+    failed_attempts: int
+    failing: bool
+
+
+class _Worker:
+    __slots__ = ("target", "sender", "cursor", "wake", "task", "failing", "delivered", "failed_attempts")
+
+    def __init__(self, target: Target, sender: _Sender, cursor: int) -> None:
+        self.target = target
+        self.sender = sender
+        self.cursor = cursor
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.failing = False
+        self.delivered = 0
+        self.failed_attempts = 0
+
+
+class Notifier:
+    """Delivers the store's events to the configured sinks (see the module docstring).
+
+    Lifecycle: construct (no I/O; reads the sinks' URLs and keys from ``environ``),
+    ``await start()`` (one worker task per sink, named ``notify:<sink>``), ``wake()``
+    after each new event (``Supervisor.subscribe(lambda ev: notifier.wake())``), then
+    ``await aclose(drain_timeout_s=...)`` (idempotent, safe after a failed start).
+
+    Raises (constructor):
+        ConfigError: a sink's ``url_env`` / ``secret_env`` variable is unset.
+    """
+
+    def __init__(self, store: Store, sinks: Sequence[SinkSpec], *, pool: str,
+                 environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.pool = pool
+        self.clock = clock
+        self.targets = resolve_sinks(sinks, environ)
+        self._workers: dict[str, _Worker] = {}
+        self._sessions: list[aiohttp.ClientSession] = []
+        self._progress = asyncio.Event()
+        self._started = False
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start a worker per sink at its stored cursor (a new sink: at the newest event).
+
+        Call before the supervisor records anything new, so a new sink misses nothing
+        of this run."""
+        if self._started:
+            raise RuntimeError("Notifier.start() was already called")
+        self._started = True
+        for t in self.targets:
+            key = CURSOR_KEY.format(t.name)
+            cursor = self.store.get(key)
+            if cursor is None:
+                cursor = self.store.last_seq()
+                self.store.set(key, cursor)
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=t.spec.timeout_s))
+            self._sessions.append(session)
+            w = _Worker(t, _SENDERS[t.spec.type](t, session, self.pool, self.clock), int(cursor))
+            self._workers[t.name] = w
+            w.task = asyncio.create_task(self._run(w), name=f"notify:{t.name}")
+            w.task.add_done_callback(self._task_done)
+        log.info("notifier_started", pool=self.pool, sinks={w.target.name: w.cursor for w in self._workers.values()})
+
+    def wake(self, _event: Event | None = None) -> None:
+        """New events exist: every worker looks (never blocks; usable as a listener)."""
+        for w in self._workers.values():
+            w.wake.set()
+
+    def stats(self, sink: str) -> SinkStats:
+        """Where sink ``sink`` stands (for ``/metrics`` and tests)."""
+        w = self._workers[sink]
+        return SinkStats(w.cursor, w.delivered, w.failed_attempts, w.failing)
+
+    async def wait_until(self, pred: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``pred()`` holds, re-checked whenever a worker delivers, skips or
+        fails an attempt; False after ``timeout_s`` seconds."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not pred():
+                    await self._progress.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every sink is done with every stored event; False after ``timeout_s`` seconds."""
+        return await self.wait_until(self._caught_up, timeout_s)
+
+    async def aclose(self, *, drain_timeout_s: float = 3.0) -> None:
+        """Give the workers up to ``drain_timeout_s`` seconds to deliver what is
+        queued (e.g. the final ``pool_released``), then cancel them and close the
+        HTTP sessions. What is left stays in the outbox for the next start."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [w.task for w in self._workers.values() if w.task is not None]
+        try:
+            if tasks and drain_timeout_s > 0 and not self._caught_up():
+                if not await self.drain(drain_timeout_s):
+                    log.warning("notify_undelivered_at_close",
+                                behind={w.target.name: self.store.last_seq() - w.cursor
+                                        for w in self._workers.values()})
+        finally:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)
+            for s in self._sessions:
+                await s.close()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _caught_up(self) -> bool:
+        last = self.store.last_seq()
+        return all(w.cursor >= last or (w.task is not None and w.task.done()) for w in self._workers.values())
+
+    def _moved(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def _task_done(self, t: asyncio.Task[None]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            log.error("task_crashed", task=t.get_name(), error=repr(t.exception()))
+        self._moved()
+
+    async def _run(self, w: _Worker) -> None:
+        key = CURSOR_KEY.format(w.target.name)
+        while True:
+            w.wake.clear()  # before reading: an event recorded from here on sets it again
+            batch = self.store.events(since=w.cursor, limit=_BATCH)
+            if not batch:
+                self._moved()
+                await w.wake.wait()
+                continue
+            nodes: dict[str, Node] | None = None
+            for ev in batch:
+                if w.target.wants(ev.kind):
+                    if nodes is None:
+                        nodes = {n.id: n for n in self.store.nodes()}
+                    await self._deliver(w, ev, nodes.get(ev.node or ""))
+                # after the 2xx, with no await in between: a cancel during the request
+                # leaves the cursor before this event, which is then sent again
+                w.cursor = ev.seq
+                self.store.set(key, ev.seq)
+                self._moved()
+
+    async def _deliver(self, w: _Worker, ev: Event, node: Node | None) -> None:
+        prepared = w.sender.prepare(ev, node)
+        cap = w.target.spec.max_backoff_s
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(DeliveryError),
+            wait=wait_exponential_jitter(multiplier=min(0.5, cap), max=cap, jitter=min(0.5, cap)),
+            before_sleep=lambda rs: self._attempt_failed(w, ev, rs),
+        )  # no stop: retried for as long as the sink is down
+        async for attempt in retrying:
+            with attempt:
+                await w.sender.send(prepared)
+        w.delivered += 1
+        if w.failing:
+            w.failing = False
+            log.info("notify_recovered", sink=w.target.name, seq=ev.seq)
+
+    def _attempt_failed(self, w: _Worker, ev: Event, rs: RetryCallState) -> None:
+        w.failing = True
+        w.failed_attempts += 1
+        self._moved()
+        exc = rs.outcome.exception() if rs.outcome is not None else None
+        wait = rs.next_action.sleep if rs.next_action is not None else math.nan
+        log.warning("notify_attempt_failed", sink=w.target.name, seq=ev.seq, kind=ev.kind,
+                    attempt=rs.attempt_number, error=str(exc), retry_in_s=round(wait, 2))

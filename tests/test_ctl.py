@@ -1,0 +1,593 @@
+"""spotctl (daemon/ctl.py) end to end: every verb against a running daemon, one-shot
+and in the interactive shell driven through a real pty.
+
+The daemon (Supervisor + ApiServer, the ``spot_daemon`` fixture, or ``own_daemon``
+for a restart) runs in the test's event loop; spotctl is a real subprocess talking
+to its real unix socket. Where a verb needs a node that really trains, a real
+``NodeAgent`` runs in the loop with a trainer stand-in as its torchrun: it prints
+lines to stdout (so ``trainer.log``), reports ``started``, and answers each new
+notice-file entry with ``checkpoint_committed`` + ``holding`` (once a gate file
+exists, when ``STANDIN_GATE`` is set). For ``simulate-preemption`` the pool is on
+the real local provider (agents as processes, each with its fake IMDS).
+
+No sleeps as synchronisation: every wait is a condition re-checked on each new
+event (``DaemonHarness.until``) or a read with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import termios
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from conftest import DaemonHarness, RecordingProvider
+from daemon.agent import NodeAgent
+from daemon.config import Config
+from daemon.gpu import GpuSampler
+from daemon.metadata.aws import AwsImds
+from daemon.metadata.fake_aws import FakeImds
+from daemon.model import NodeState
+
+REPO = Path(__file__).resolve().parents[1]
+
+STANDIN = textwrap.dedent(
+    """\
+    import json, os, sys, time
+
+    status, notices = os.environ["SPOTVISOR_STATUS_FILE"], os.environ["SPOTVISOR_NOTICE_FILE"]
+    gate = os.environ.get("STANDIN_GATE")  # if set: commit only once this file exists
+    more = os.environ.get("STANDIN_MORE")  # once this file exists, print its text too
+    step = 3
+
+    def emit(event, **fields):
+        rec = {"event": event, "time": time.time(), "attempt": "standin-1", "rank": 0,
+               "world_size": 1, "step": step, **fields}
+        with open(status, "a") as f:
+            f.write(json.dumps(rec) + "\\n")
+
+    emit("started", resumed_from=None)
+    for i in range(1, 6):
+        print(f"trainer line {i}", flush=True)
+    handled, printed_more = set(), False
+    while True:  # a trainer's step boundaries; default SIGTERM handling ends it
+        if more and not printed_more and os.path.exists(more):
+            print(open(more).read(), end="", flush=True)
+            printed_more = True
+        try:
+            with open(notices) as f:
+                pending = json.load(f)
+        except (OSError, ValueError):
+            pending = []
+        new = [n for n in pending if n["id"] not in handled]
+        if new and (not gate or os.path.exists(gate)):
+            step += 1
+            ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
+            emit("checkpoint_committed", notice_ids=ids, kinds=kinds, reason="notice", seconds=0.5, bytes=1000)
+            emit("holding", notice_ids=ids, kinds=kinds, timeout_s=90)
+            handled.update(ids)
+        time.sleep(0.02)
+    """
+)
+
+
+async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.ctl", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spotctl"), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+async def register(h: DaemonHarness, node_id: str) -> None:
+    """The node's (simulated) agent registers: the node becomes ready."""
+    node = h.sup.nodes[node_id]
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
+        async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": node.id}) as r:
+            assert r.status == 200
+
+
+async def running_node(h: DaemonHarness) -> None:
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = next(iter(h.sup.nodes.values()))
+    await register(h, node.id)
+    await h.until(lambda: node.state is NodeState.RUNNING, what="node running")
+
+
+@contextlib.asynccontextmanager
+async def agent_on_first_node(h: DaemonHarness, monkeypatch: pytest.MonkeyPatch, *,
+                              sampler: GpuSampler | None = None,
+                              env: dict[str, str] | None = None) -> AsyncIterator[NodeAgent]:
+    """The pool's first node with a real agent (its trainer: the stand-in); on exit the
+    agent is cancelled and must have shut down cleanly."""
+    script = h.tmp_path / "standin_trainer.py"
+    script.write_text(STANDIN)
+    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(script)], "env": dict(env or {})})
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = next(iter(h.sup.nodes.values()))
+    async with FakeImds(instance_id="i-0001") as imds:
+        agent = NodeAgent(daemon_url=h.api.agent_url, token=node.token, node_id=node.id,  # type: ignore[attr-defined]
+                          metadata=AwsImds(imds.url), workdir=h.tmp_path / "node", poll_interval_s=0.05,
+                          heartbeat_interval_s=0.05, gpu_sampler=sampler)
+        task = asyncio.create_task(agent.run(), name="test-agent")
+        try:
+            await h.until(lambda: node.trainer == "running" and h.events("job_resumed"), what="trainer started")
+            yield agent
+            assert not task.done(), f"the agent stopped on its own: {task}"
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+    assert agent._proc is None or agent._proc.returncode is not None, "trainer left running"
+
+
+@contextlib.asynccontextmanager
+async def own_daemon(tmp_path: Path, sockdir: str, raw: dict[str, Any],
+                     provider: Any = None) -> AsyncIterator[DaemonHarness]:
+    """A daemon like ``spot_daemon`` on a config of the test's own, in ``tmp_path/state``."""
+    from daemon.api import ApiServer
+    from daemon.store import Store
+    from daemon.supervisor import Supervisor
+
+    socket_path = f"{sockdir}/d.sock"
+    config = Config.model_validate({
+        "job": {"id": "job1", "module": "standin_trainer"},
+        **raw,
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05,
+                   **raw.get("daemon", {})},
+    })
+    store = Store(tmp_path / "state" / "spotvisord.db").open()
+    provider = provider if provider is not None else RecordingProvider()
+    sup = Supervisor(config, providers={"local": provider}, store=store)
+    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=socket_path)
+    try:
+        await api.start()
+        assert api.agent_url is not None
+        await sup.start(agent_url=api.agent_url)
+        yield DaemonHarness(sup, api, provider, config, socket_path, tmp_path)
+    finally:
+        await sup.aclose()
+        await api.aclose()
+        store.close()
+
+
+@pytest.fixture
+def sockdir() -> AsyncIterator[str]:
+    d = tempfile.mkdtemp(prefix="sv-", dir="/tmp")  # unix socket paths are limited to ~100 characters
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# -- status / nodes -----------------------------------------------------------------------------
+async def test_status_job_line_durations_and_recoveries(spot_daemon) -> None:
+    h = spot_daemon
+    await running_node(h)
+    h.sup.record("job_resumed", "test-1", attempt="a1", step=0)
+    h.sup.record("interruption_notice", "test-1", notice_id="n-1")  # a job member lost: one recovery
+    h.sup.record("node_lost", "test-9", reason="never admitted")  # not a job member: not a recovery
+    rc, out, err = await spotctl("--socket", h.socket_path, "status", "--json")
+    assert rc == 0, err
+    job = json.loads(out)["job"]
+    assert job["recoveries"] == 1
+    first = h.events("node_launch_requested")[0].time
+    assert job["submitted_at"] == round(first, 1)
+    assert 0 <= job["running_s"] <= job["total_s"] < 60 and job["paused_s"] == 0
+    node = json.loads(out)["nodes"][0]
+    assert node["gpu"] is None  # no GPU sample: absent, never zeros
+
+    rc, text, err = await spotctl("--socket", h.socket_path, "status")
+    assert rc == 0, err
+    head, row, pool = text.splitlines()[:3]
+    cols = re.split(r"\s{2,}", head)
+    assert cols == ["JOB", "STATE", "STEP", "WORLD", "SUBMITTED", "TOT. DURATION", "JOB DURATION", "#RECOVERIES",
+                    "RESTARTS", "LAST COMMIT"]
+    values = dict(zip(cols, re.split(r"\s{2,}", row)))
+    assert values["JOB"] == "job1" and values["STATE"] == "RUNNING" and values["#RECOVERIES"] == "1"
+    assert values["SUBMITTED"].endswith(" ago") and values["LAST COMMIT"] == "none"
+    assert pool.startswith("pool test  1 live / target 1 nodes (1..2)")
+    assert text.splitlines()[4].split()[-1] == "n/a"  # the node's SM% column: no sample
+
+
+# -- tail ---------------------------------------------------------------------------------------
+async def test_tail_one_shot_follow_and_errors(spot_daemon, monkeypatch) -> None:
+    h = spot_daemon
+    more = h.tmp_path / "more.txt"
+    async with agent_on_first_node(h, monkeypatch, env={"STANDIN_MORE": str(more)}):
+        await h.until(lambda: h.sup.node_logs.last_seq("test-1") >= 5, what="five log lines shipped")
+        sock = ["--socket", h.socket_path]
+        rc, out, err = await spotctl(*sock, "tail", "test-1", "-n", "3")
+        assert rc == 0, err
+        assert out.splitlines() == ["trainer line 3", "trainer line 4", "trainer line 5"]
+        rc, out, err = await spotctl(*sock, "tail", "test-1", "--json")
+        assert rc == 0, err
+        rows = [json.loads(x) for x in out.splitlines()]
+        assert [r["line"] for r in rows] == [f"trainer line {i}" for i in range(1, 6)]
+        assert [r["seq"] for r in rows] == [1, 2, 3, 4, 5] and {r["node"] for r in rows} == {"test-1"}
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.ctl", *sock, "tail", "test-1", "-n", "1", "-f", cwd=REPO,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"trainer line 5\n"
+            more.write_text("more 1\nmore 2\n")  # the trainer prints it; the agent ships it
+            assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"more 1\n"
+            assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"more 2\n"
+            assert proc.returncode is None  # still following
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+        rc, out, err = await spotctl(*sock, "tail", "test-7")
+        assert rc == 2 and "no node 'test-7'" in one_line(err) and "test-1" in err
+        rc, out, err = await spotctl(*sock, "tail", "test-1", "-n", "many")
+        assert rc == 2 and "'many' is not a whole number" in one_line(err)
+        rc, out, err = await spotctl(*sock, "tail")
+        assert rc == 2 and "node" in one_line(err)
+
+
+# -- scale --------------------------------------------------------------------------------------
+async def test_scale_grows_shrinks_and_refuses(spot_daemon) -> None:
+    h = spot_daemon
+    sock = ["--socket", h.socket_path]
+    rc, out, err = await spotctl(*sock, "scale", "3")
+    assert rc == 2 and "the pool allows 1..2 nodes" in one_line(err)
+    rc, out, err = await spotctl(*sock, "scale", "0")
+    assert rc == 2 and "1..2" in one_line(err)
+
+    rc, out, err = await spotctl(*sock, "scale", "2", "--json")  # before the job starts: it starts on 2
+    assert rc == 0, err
+    assert json.loads(out) == {"target_nodes": 2, "old": 1, "paused": False, "draining": []}
+    assert h.sup.store.get("target_nodes") == 2
+    await h.until(lambda: len(h.sup.nodes) == 2 and all(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()),
+                  what="two launches")
+    for node_id in ("test-1", "test-2"):
+        await register(h, node_id)
+    await h.until(lambda: all(n.state is NodeState.RUNNING for n in h.sup.nodes.values()), what="both running")
+    rc, out, err = await spotctl(*sock, "status", "--json")
+    assert json.loads(out)["pool"]["target_nodes"] == 2
+
+    rc, out, err = await spotctl(*sock, "scale", "1")  # shrink: the youngest running node drains
+    assert rc == 0, err
+    assert out.strip() == "target 1 nodes (was 2); draining test-2 (each commits, then leaves)"
+    # no trainer runs on it, so it is released as soon as it drained
+    assert h.sup.nodes["test-2"].state in (NodeState.DRAINING, NodeState.TERMINATED)
+    assert h.sup.nodes["test-1"].state is NodeState.RUNNING
+    (ev,) = h.events("pool_scaled")[1:]
+    assert ev.data == {"old": 2, "new": 1, "paused": False, "draining": ["test-2"]}
+
+
+async def test_scale_refuses_a_world_size_the_batch_cannot_split(tmp_path, sockdir) -> None:
+    raw = {"pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 4},
+           "job": {"id": "job1", "module": "x", "global_batch_size": 12, "micro_batch_size": 2}}
+    async with own_daemon(tmp_path, sockdir, raw) as h:
+        rc, out, err = await spotctl("--socket", h.socket_path, "scale", "4")  # 12 / (2 x 4) is not whole
+        assert rc == 2
+        assert "world size 4 cannot share global batch 12 in micro batches of 2 (node counts that can: 1, 2, 3)" \
+            in one_line(err)
+
+
+async def test_scale_survives_a_daemon_restart(tmp_path, sockdir) -> None:
+    raw = {"pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 3}}
+    async with own_daemon(tmp_path, sockdir, raw) as h:
+        rc, out, err = await spotctl("--socket", h.socket_path, "scale", "3")
+        assert rc == 0, err
+    async with own_daemon(tmp_path, sockdir, raw) as h2:  # same store, a fresh daemon
+        rc, out, err = await spotctl("--socket", h2.socket_path, "status", "--json")
+        assert rc == 0, err
+        assert json.loads(out)["pool"]["target_nodes"] == 3
+        assert h2.sup.desired_nodes == 3
+
+
+# -- pause / resume -----------------------------------------------------------------------------
+async def test_pause_commits_releases_and_resume_relaunches(spot_daemon, monkeypatch) -> None:
+    h = spot_daemon
+    sock = ["--socket", h.socket_path]
+    gate = h.tmp_path / "commit-ok"
+    async with agent_on_first_node(h, monkeypatch, env={"STANDIN_GATE": str(gate)}) as agent:
+        rc, out, err = await spotctl(*sock, "pause", "--json")
+        assert rc == 0, err
+        assert json.loads(out) == {"state": "pausing", "draining": ["test-1"], "committing": ["test-1"]}
+        (req,) = h.events("checkpoint_requested")
+        assert req.data["reason"] == "drain" and req.data["why"] == "pause"
+
+        rc, out, err = await spotctl(*sock, "resume")  # the commit has not happened yet (gated)
+        assert rc == 2 and "still releasing test-1" in one_line(err)
+        rc, out, err = await spotctl(*sock, "pause")
+        assert rc == 2 and "already paused" in one_line(err)
+
+        gate.touch()
+        await h.until(lambda: h.events("job_paused"), timeout_s=15, what="job_paused")
+        (commit,) = h.events("checkpoint_committed")
+        assert commit.data["notice_ids"] == [req.data["request_id"]]
+        assert agent._trainer_state == "exited"  # the agent stopped it after the commit
+        node = h.sup.nodes["test-1"]
+        assert node.state is NodeState.TERMINATED
+        assert [e.data["reason"] for e in h.events("node_terminated")] == ["drained"]
+        (paused,) = h.events("job_paused")
+        assert paused.data["last_commit_step"] == commit.data["step"] == 4
+
+        rc, out, err = await spotctl(*sock, "status", "--json")
+        status = json.loads(out)
+        assert status["job"]["state"] == "paused" and status["pool"]["paused"] is True
+        assert status["pool"]["desired_nodes"] == 0
+        rc, text, err = await spotctl(*sock, "status")
+        assert "paused: no capacity held (spotctl resume relaunches)" in text
+        assert len(h.sup.nodes) == 1  # nothing relaunched while paused
+
+        rc, out, err = await spotctl(*sock, "scale", "2")  # applies at resume
+        assert rc == 0 and "(applies at resume: the job is paused)" in out
+        rc, out, err = await spotctl(*sock, "resume", "--json")
+        assert rc == 0, err
+        assert json.loads(out) == {"state": "pending", "target_nodes": 2, "resume_from_step": 4}
+        await h.until(lambda: sum(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()) == 2,
+                      what="two nodes relaunched")
+        (unpaused,) = h.events("job_unpaused")
+        assert unpaused.data == {"target_nodes": 2, "resume_from_step": 4}
+        assert h.sup.store.get("paused") is False
+        rc, out, err = await spotctl(*sock, "resume")
+        assert rc == 2 and "not paused" in one_line(err)
+
+
+# -- cost ---------------------------------------------------------------------------------------
+async def test_cost_against_hand_computed_numbers(spot_daemon) -> None:
+    h = spot_daemon
+    await running_node(h)
+    h.sup.desired_nodes = 0  # release it, so its hours stop growing
+    h.sup.wake()
+    node = h.sup.nodes["test-1"]
+    await h.until(lambda: node.state is NodeState.TERMINATED, what="released")
+    t0 = 1_700_000_000.0
+    node.created_at, node.ended_at = t0, t0 + 5400  # held 1.5 h at 0.5 USD/h
+
+    rc, out, err = await spotctl("--socket", h.socket_path, "cost", "--json")
+    assert rc == 0, err
+    cost = json.loads(out)
+    assert cost["spot_usd"] == 0.75 and cost["hours"] == 1.5
+    assert cost["on_demand_usd"] is None and cost["savings_usd"] is None and cost["unpriced_nodes"] == ["test-1"]
+    rc, text, err = await spotctl("--socket", h.socket_path, "cost")
+    assert "on-demand equivalent: n/a (set offers[].on_demand_price_usd_h in the config)" in text
+
+    offers = [h.config.offers[0].model_copy(update={"on_demand_price_usd_h": 2.0})]
+    h.sup.config = h.config.model_copy(update={"offers": offers})
+    rc, out, err = await spotctl("--socket", h.socket_path, "cost", "--json")
+    cost = json.loads(out)
+    (row,) = cost["nodes"]
+    assert row["billed_from"] == t0 and row["billed_to"] == t0 + 5400 and row["price_usd_h"] == 0.5
+    # 1.5 h x 2.0 USD/h = 3.00 on demand; 3.00 - 0.75 = 2.25 saved = 75 %
+    assert (cost["on_demand_usd"], cost["savings_usd"], cost["savings_pct"]) == (3.0, 2.25, 75.0)
+    assert cost["spot_usd_h_now"] == 0.0 and cost["unpriced_nodes"] == []
+    rc, text, err = await spotctl("--socket", h.socket_path, "cost")
+    assert rc == 0, err
+    lines = text.splitlines()
+    assert re.split(r"\s{2,}", lines[1]) == ["test-1", "local/local/-/local.cpu", "terminated", "1.500", "0.500",
+                                             "0.75", "2.000", "3.00"]
+    assert "on-demand equivalent USD 3.00, savings USD 2.25 (75.0 %)" in text
+    assert any(x.startswith("how: spot: each node's price at launch x its hours held") for x in lines)
+
+
+# -- simulate-preemption ------------------------------------------------------------------------
+async def test_simulate_preemption_refused_off_the_local_provider(spot_daemon) -> None:
+    h = spot_daemon
+    await running_node(h)
+    sock = ["--socket", h.socket_path]
+    rc, out, err = await spotctl(*sock, "simulate-preemption", "test-1")
+    assert rc == 2 and out == ""
+    assert "works only on the local provider; node test-1 runs on 'test'" in one_line(err)
+    rc, out, err = await spotctl(*sock, "simulate-preemption", "test-5")
+    assert rc == 2 and "no node 'test-5'" in one_line(err)
+    rc, out, err = await spotctl(*sock, "simulate-preemption", "test-1", "--lead-s", "0")
+    assert rc == 2 and "--lead-s" in one_line(err)
+    assert not h.events("chaos_injected")
+
+
+async def test_simulate_preemption_on_the_local_provider(tmp_path, sockdir, monkeypatch) -> None:
+    from daemon.config import LocalProviderSpec
+    from daemon.providers.local import LocalProvider
+
+    script = tmp_path / "standin_trainer.py"
+    script.write_text(STANDIN)
+    provider = LocalProvider(spec=LocalProviderSpec(launch_delay_s=0), state_dir=tmp_path / "state",
+                             agent_args=["--poll-interval-s", "0.1", "--heartbeat-interval-s", "0.1"])
+    raw = {"pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2}}
+    from daemon.supervisor import Supervisor
+
+    monkeypatch.setattr(Supervisor, "job_spec", lambda self, node: {"argv": [str(script)], "env": {}})
+    async with own_daemon(tmp_path, sockdir, raw, provider=provider) as h:
+        await h.until(lambda: any(n.trainer == "running" for n in h.sup.nodes.values()), timeout_s=30,
+                      what="the local node's trainer running")
+        rc, out, err = await spotctl("--socket", h.socket_path, "simulate-preemption", "test-1", "--lead-s", "20",
+                                     "--json")
+        assert rc == 0, err
+        reply = json.loads(out)
+        assert reply["node"] == "test-1" and reply["lead_s"] == 20.0 and reply["deadline"] > time.time() + 10
+        # the agent sees it on its metadata endpoint like a real notice, and the job answers it
+        await h.until(lambda: h.events("interruption_notice"), timeout_s=15, what="the notice seen by the agent")
+        (notice,) = h.events("interruption_notice")
+        assert notice.node == "test-1" and notice.data["action"] == "terminate"
+        (chaos,) = h.events("chaos_injected")
+        assert chaos.data["source"] == "operator" and chaos.data["lead_s"] == 20.0
+        await h.until(lambda: h.events("checkpoint_committed"), timeout_s=15, what="the notice's commit")
+        assert h.sup.nodes["test-1"].state in (NodeState.DRAINING, NodeState.TERMINATED)
+
+
+# -- the interactive shell, through a pty -------------------------------------------------------
+_ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\x07")  # escapes, and the bell of an ambiguous completion
+
+
+def _make_controlling_tty() -> None:  # in the child, after setsid: the pty becomes its terminal
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class PtyShell:
+    """``spotctl`` (no command) on a real pty: readline, echo and Ctrl-C as in a terminal."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, master: int) -> None:
+        self.proc, self.master = proc, master
+        self.buf = b""
+        self.eof = False
+        self._more = asyncio.Event()
+        asyncio.get_running_loop().add_reader(master, self._readable)
+
+    @classmethod
+    async def start(cls, sock: str, home: Path) -> "PtyShell":
+        master, slave = os.openpty()
+        env = {**os.environ, "HOME": str(home), "TERM": "dumb", "INPUTRC": "/dev/null", "COLUMNS": "200"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.ctl", "--socket", sock, stdin=slave, stdout=slave, stderr=slave,
+            cwd=REPO, env=env, start_new_session=True, preexec_fn=_make_controlling_tty)
+        os.close(slave)
+        return cls(proc, master)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            data = b""
+        if not data:
+            self.eof = True
+            asyncio.get_running_loop().remove_reader(self.master)
+        self.buf += _ANSI.sub(b"", data)
+        self._more.set()
+        self._more = asyncio.Event()
+
+    async def expect(self, pattern: str, timeout_s: float = 15.0) -> str:
+        """Everything up to and including ``pattern`` (a regex); consumed from the buffer."""
+        rx = re.compile(pattern.encode(), re.S)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while (m := rx.search(self.buf)) is None:
+                    if self.eof:
+                        raise AssertionError(f"the shell ended before {pattern!r}: {self.buf!r}")
+                    await self._more.wait()
+        except TimeoutError:
+            raise AssertionError(f"no {pattern!r} within {timeout_s} s; the screen: {self.buf!r}") from None
+        text, self.buf = self.buf[: m.end()], self.buf[m.end():]
+        return text.decode(errors="replace").replace("\r", "")
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    async def run(self, line: str) -> str:
+        """Type ``line`` + Enter; the output up to the next prompt (without the echoed line)."""
+        self.send(line + "\r")
+        out = await self.expect(r"spotctl> ")
+        out = out[: -len("spotctl> ")]
+        return out.split(line, 1)[1].lstrip("\n") if line in out else out
+
+    async def close(self) -> int:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        rc = await self.proc.wait()
+        if not self.eof:
+            asyncio.get_running_loop().remove_reader(self.master)
+        os.close(self.master)
+        return rc
+
+
+def json_in(text: str) -> Any:
+    return json.loads(text[text.index("{"): text.rindex("}") + 1])
+
+
+async def test_every_verb_in_the_shell(spot_daemon, monkeypatch, tmp_path) -> None:
+    h = spot_daemon
+    home = tmp_path / "home"
+    home.mkdir()
+    async with agent_on_first_node(h, monkeypatch):
+        await h.until(lambda: h.sup.node_logs.last_seq("test-1") >= 5, what="log lines shipped")
+        sh = await PtyShell.start(h.socket_path, home)
+        try:
+            assert "spotctl shell" in await sh.expect(r"spotctl> ")
+            status = json_in(await sh.run("status --json"))
+            assert status["job"]["state"] == "running" and status["nodes"][0]["id"] == "test-1"
+            assert "job1" in await sh.run("status")
+            assert re.search(r"test-1\s+local", await sh.run("nodes"))
+            assert json_in(await sh.run("nodes --json"))["nodes"][0]["state"] == "running"
+            events = await sh.run("events --json --kind node_admitted")
+            assert json_in(events)["kind"] == "node_admitted"
+            assert (await sh.run("tail test-1 -n 2")).split("\n")[:2] == ["trainer line 4", "trainer line 5"]
+            assert json_in(await sh.run("tail test-1 -n 1 --json"))["line"] == "trainer line 5"
+            assert json_in(await sh.run("cost --json"))["nodes"][0]["id"] == "test-1"
+            assert "spot USD so far" in await sh.run("cost")
+            assert "checkpoint requested" in await sh.run("checkpoint")
+            assert "the pool allows 1..2 nodes" in await sh.run("scale 7")  # an error, and the shell goes on
+            assert "target 2 nodes (was 1)" in await sh.run("scale 2")
+            assert "works only on the local provider" in await sh.run("simulate-preemption test-1")
+            assert "usage: spotctl tail" in await sh.run("help tail")
+            assert "unknown command 'frob'" in await sh.run("frob")
+
+            # Ctrl-C ends a follow and returns to the prompt
+            sh.send("events -f --kind pool_scaled\r")
+            await sh.expect(r"pool_scaled")
+            sh.send("\x03")
+            await sh.expect(r"spotctl> ")
+            assert sh.proc.returncode is None
+
+            # tab completion of verbs and node ids
+            sh.send("sta\t")
+            await sh.expect(r"status ")
+            sh.send("\x15")  # Ctrl-U: clear the line
+            sh.send("drain te\t")
+            await sh.expect(r"drain test-")  # the common prefix of test-1 and test-2
+            sh.send("1\r")
+            assert "test-1: draining" in await sh.expect(r"spotctl> ")
+            assert "pausing" in await sh.run("pause")
+            await h.until(lambda: h.events("job_paused"), timeout_s=15, what="job_paused")
+            assert "resuming: launching 2 nodes" in await sh.run("resume")
+            sh.send("quit\r")
+            assert await asyncio.wait_for(sh.proc.wait(), 10) == 0
+        finally:
+            await sh.close()
+    history = (home / ".spotctl_history").read_text().splitlines()
+    assert "status --json" in history and "drain test-1" in history and history[-1] == "quit"
+
+    # the history comes back in a new shell (Up arrow = the previous command)
+    sh = await PtyShell.start(h.socket_path, home)
+    try:
+        await sh.expect(r"spotctl> ")
+        sh.send("\x10")  # Ctrl-P: the previous command
+        await sh.expect(r"quit")
+        sh.send("\x15\x04")  # clear, then Ctrl-D leaves
+        assert await asyncio.wait_for(sh.proc.wait(), 10) == 0
+    finally:
+        await sh.close()
+
+
+def test_no_daemon_one_line_exit_1() -> None:
+    import subprocess
+
+    sock = f"{tempfile.gettempdir()}/sv-none-{os.getpid()}/d.sock"
+    for verb in (["tail", "n1"], ["cost"], ["scale", "2"], ["pause"], ["resume"], ["simulate-preemption", "n1"]):
+        p = subprocess.run([sys.executable, "-m", "daemon.ctl", "--socket", sock, *verb], cwd=REPO,
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 1, (verb, p.stderr)
+        assert sock in one_line(p.stderr) and p.stdout == ""

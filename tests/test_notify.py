@@ -1,0 +1,562 @@
+"""The feed (daemon/notify.py) against a real HTTP receiver on 127.0.0.1.
+
+The receiver is an aiohttp app that can answer 500, stop listening (connection
+refused), or hold a request without answering (a request in flight when the
+daemon stops). It closes every connection after its answer, so "down" really
+refuses the next attempt. Waits are on events (the receiver's, the notifier's
+progress), never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from aiohttp import web
+from slack_sdk.models.blocks import Block, ContextBlock, HeaderBlock, SectionBlock
+
+from conftest import RecordingProvider
+from daemon.cli import main as spotvisord_main
+from daemon.config import Config, ConfigError, SinkSpec, load_config
+from daemon.model import Event, EventKind, Node, NodeState
+from daemon.notify import (
+    CURSOR_KEY,
+    EMOJI,
+    SIGNATURE_HEADER,
+    SLACK_FIELD_MAX_CHARS,
+    SLACK_HEADER_MAX_CHARS,
+    SLACK_MAX_BLOCKS,
+    SLACK_MAX_FIELDS,
+    SLACK_SECTION_MAX_CHARS,
+    SLACK_TEXT_MAX_CHARS,
+    TIMESTAMP_HEADER,
+    Notifier,
+    render_text,
+    resolve_sinks,
+    slack_message,
+    verify_signature,
+)
+from daemon.store import Store
+from daemon.supervisor import Supervisor
+
+SECRET = "whsec-test-4f1c"
+ENV = {"SV_TEST_KEY": SECRET}
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    status: int | None = None  # None: never answered
+
+    @property
+    def json(self) -> dict[str, Any]:
+        return json.loads(self.body)
+
+
+class Receiver:
+    """An HTTP endpoint on 127.0.0.1 standing in for a webhook receiver or hooks.slack.com.
+
+    ``fail_first``: answer the first N requests with ``fail_status``. ``hang_on``: hold
+    the Nth request (1-based) unanswered until ``release`` is set. ``down()`` stops
+    listening (the next attempt gets connection refused), ``up()`` listens again on
+    the same port.
+    """
+
+    def __init__(self, *, fail_first: int = 0, fail_status: int = 500, hang_on: int | None = None,
+                 ok_body: str = "ok") -> None:
+        self.fail_first = fail_first
+        self.fail_status = fail_status
+        self.hang_on = hang_on
+        self.ok_body = ok_body
+        self.requests: list[Received] = []
+        self.release = asyncio.Event()
+        self._changed = asyncio.Event()
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0)
+        self._site: web.TCPSite | None = None
+        self.port = 0
+
+    async def start(self) -> "Receiver":
+        await self._runner.setup()
+        await self.up()
+        return self
+
+    async def up(self) -> None:
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await self._site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def down(self) -> None:
+        assert self._site is not None
+        await self._site.stop()
+        self._site = None
+
+    async def aclose(self) -> None:
+        self.release.set()
+        await self._runner.cleanup()
+
+    def url(self, path: str = "/hook") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        rec = Received(request.path, dict(request.headers), await request.read())
+        self.requests.append(rec)
+        n = len(self.requests)
+        self._changed.set()
+        self._changed = asyncio.Event()
+        if n == self.hang_on:
+            await self.release.wait()
+        rec.status = self.fail_status if n <= self.fail_first else 200
+        resp = web.Response(status=rec.status, text=self.ok_body if rec.status == 200 else "internal_error")
+        resp.force_close()  # one request per connection: after down(), the next attempt is refused
+        return resp
+
+    async def wait_for(self, pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not pred():
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"receiver: timed out after {timeout_s} s waiting for {what or pred}") from None
+
+    def seqs(self, path: str | None = None) -> list[int]:
+        """``seq`` of every request that reached the receiver, answered or not, in arrival order."""
+        return [r.json["seq"] for r in self.requests if path is None or r.path == path]
+
+    def accepted(self, path: str | None = None) -> list[Received]:
+        return [r for r in self.requests if r.status == 200 and (path is None or r.path == path)]
+
+
+def dedup(seqs: list[int]) -> list[int]:
+    """What a receiver keeps after de-duplicating by seq."""
+    seen: set[int] = set()
+    return [s for s in seqs if not (s in seen or seen.add(s))]
+
+
+def webhook(name: str, url: str, **kw: Any) -> SinkSpec:
+    return SinkSpec(name=name, type="webhook", url=url, secret_env="SV_TEST_KEY", timeout_s=2.0,
+                    max_backoff_s=0.05, **kw)
+
+
+def emit(store: Store, notifier: Notifier, kind: str, node: str | None = None, **data: Any) -> int:
+    """What Supervisor.record does for the feed: append, then wake the workers."""
+    ev = store.append_event(kind, node, data)
+    notifier.wake(ev)
+    return ev.seq
+
+
+@pytest.fixture
+async def receiver():
+    rx = await Receiver().start()
+    try:
+        yield rx
+    finally:
+        await rx.aclose()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = Store(tmp_path / "spotvisord.db").open()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# -- delivery: down, then up --------------------------------------------------------------------
+async def test_sink_down_then_up_every_event_arrives_in_order_once(store: Store) -> None:
+    rx = await Receiver(fail_first=3).start()  # 500 for the first three requests
+    n = Notifier(store, [webhook("hook", rx.url())], pool="test", environ=ENV)
+    await n.start()
+    try:
+        seqs = [emit(store, n, "node_launched", f"test-{i}", instance_id=f"i-{i}") for i in range(1, 6)]
+        assert await n.drain(10.0), n.stats("hook")
+        # the receiver goes away entirely: connection refused while more events happen
+        await rx.down()
+        failed_before = n.stats("hook").failed_attempts
+        seqs += [emit(store, n, "checkpoint_committed", "test-1", step=s, seconds=1.5) for s in (20, 40, 60)]
+        assert await n.wait_until(lambda: n.stats("hook").failed_attempts >= failed_before + 3, 10.0)
+        assert n.stats("hook").cursor == seqs[4]  # nothing past the first undelivered event
+        await rx.up()
+        assert await n.drain(10.0), n.stats("hook")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+
+    assert [r.status for r in rx.requests[:3]] == [500, 500, 500]
+    assert rx.seqs()[:4] == [seqs[0]] * 4  # the first event, retried until a 2xx
+    assert rx.seqs() == sorted(rx.seqs())  # in order, retries included
+    assert [r.json["seq"] for r in rx.accepted()] == seqs  # each event answered 2xx exactly once
+    assert dedup(rx.seqs()) == seqs
+    assert n.stats("hook").failed_attempts >= 3 + 3
+    assert store.get(CURSOR_KEY.format("hook")) == seqs[-1]
+    body = rx.accepted()[5].json
+    assert set(body) == {"seq", "time", "kind", "node", "data", "pool", "text"}
+    assert (body["kind"], body["node"], body["pool"], body["data"]) == (
+        "checkpoint_committed", "test-1", "test", {"step": 20, "seconds": 1.5})
+    assert body["text"] == "✅ Checkpoint committed · test-1: step 20, flush 1.5 s"
+
+
+async def test_daemon_restart_loses_nothing_and_resends_at_most_the_one_in_flight(tmp_path: Path) -> None:
+    rx = await Receiver(hang_on=3).start()  # the third request is never answered: in flight at the stop
+    config = Config.model_validate({
+        "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "job1", "module": "standin_trainer"},
+        "daemon": {"state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.05},
+        "notify": [{"name": "hook", "type": "webhook", "url": rx.url(), "secret_env": "SV_TEST_KEY",
+                    "max_backoff_s": 0.05, "timeout_s": 30}],
+    })
+    db = tmp_path / "state" / "spotvisord.db"
+
+    async def start_daemon(store: Store) -> tuple[Supervisor, Notifier]:
+        """What running_daemon does for the feed, with a test provider and no API."""
+        sup = Supervisor(config, provider=RecordingProvider(), store=store)
+        notifier = Notifier(store, config.notify, pool=config.pool.name, environ=ENV)
+        sup.subscribe(notifier.wake)
+        await notifier.start()
+        await sup.start(agent_url="http://127.0.0.1:9")
+        return sup, notifier
+
+    store = Store(db).open()
+    sup, n = await start_daemon(store)
+    try:
+        for i in range(5):
+            sup.record(EventKind.CHECKPOINT_REQUESTED, None, reason="manual", request_id=f"before-{i}")
+        await rx.wait_for(lambda: len(rx.requests) >= 3, what="the request that hangs")
+        in_flight = rx.requests[2].json["seq"]
+    finally:  # the daemon stops (SIGTERM) while that request is in flight
+        await sup.aclose()
+        await n.aclose(drain_timeout_s=0)
+        store.close()
+    assert n.stats("hook").cursor == in_flight - 1
+
+    store = Store(db).open()
+    for i in range(3):  # recorded while the feed's worker is not running yet
+        store.append_event("checkpoint_requested", None, {"reason": "manual", "request_id": f"between-{i}"})
+    sup, n = await start_daemon(store)
+    try:
+        for i in range(3):
+            sup.record(EventKind.CHECKPOINT_REQUESTED, None, reason="manual", request_id=f"after-{i}")
+        await sup.aclose()  # no more events: now everything stored must arrive
+        assert await n.drain(10.0), n.stats("hook")
+        stored = [e.seq for e in store.events()]
+    finally:
+        await sup.aclose()
+        await n.aclose()
+        await rx.aclose()
+        store.close()
+
+    got = rx.seqs()
+    assert dedup(got) == stored  # nothing lost, in order
+    assert got == sorted(got)
+    assert len(got) - len(set(got)) == 1 and got.count(in_flight) == 2  # only the in-flight one, twice
+    firsts = {r.json["seq"]: r.json["data"].get("request_id") for r in reversed(rx.requests)}
+    ids = [firsts[s] for s in dedup(got)]
+    assert [i for i in ids if i] == [*(f"before-{i}" for i in range(5)), *(f"between-{i}" for i in range(3)),
+                                     *(f"after-{i}" for i in range(3))]
+
+
+async def test_new_sink_starts_at_newest_event_and_close_delivers_the_queue(store: Store, receiver: Receiver) -> None:
+    for i in range(3):
+        store.append_event("node_ready", f"old-{i}", {})
+    n = Notifier(store, [webhook("hook", receiver.url())], pool="test", environ=ENV)
+    await n.start()
+    assert n.stats("hook").cursor == store.last_seq()  # a new sink does not replay history
+    last = emit(store, n, "pool_released", None, reason="job_completed", cost_usd=12.5)
+    await n.aclose(drain_timeout_s=10.0)  # the final event goes out before the daemon exits
+    assert receiver.seqs() == [last]
+    assert "cost $12.50" in receiver.requests[0].json["text"]
+
+
+# -- signatures -----------------------------------------------------------------------------------
+async def test_signature_verifies_and_tampering_or_staleness_fails(store: Store, receiver: Receiver) -> None:
+    n = Notifier(store, [webhook("hook", receiver.url())], pool="test", environ=ENV)
+    await n.start()
+    try:
+        emit(store, n, "interruption_notice", "test-2", provider="aws", deadline=time.time() + 120)
+        assert await n.drain(10.0)
+    finally:
+        await n.aclose()
+    (req,) = receiver.requests
+    ts, sig, body = req.headers[TIMESTAMP_HEADER], req.headers[SIGNATURE_HEADER], req.body
+    assert abs(int(ts) - time.time()) < 60
+    # the documented scheme, computed independently
+    assert sig == "sha256=" + hmac.new(SECRET.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+    assert verify_signature(SECRET, ts, body, sig)
+    assert verify_signature(SECRET.encode(), int(ts), body.decode(), sig, now=int(ts) + 299)
+    tampered = body.replace(b'"test-2"', b'"test-3"')
+    assert tampered != body
+    assert not verify_signature(SECRET, ts, tampered, sig)
+    assert not verify_signature(SECRET, str(int(ts) + 1), body, sig)  # the timestamp is signed too
+    assert not verify_signature(SECRET, ts, body, sig, now=int(ts) + 301)  # stale: a replay
+    assert not verify_signature(SECRET, ts, body, sig, now=int(ts) - 301)  # from the future
+    assert not verify_signature("another-key", ts, body, sig)
+    assert not verify_signature(SECRET, "yesterday", body, sig)
+    assert not verify_signature(SECRET, ts, body, sig.removeprefix("sha256="))
+
+
+# -- Slack ----------------------------------------------------------------------------------------
+_NODE = Node(id="demo-3", ordinal=3, provider="aliyun", offer_index=0, region="cn-hangzhou", zone="cn-hangzhou-h",
+             instance_type="ecs.gn7i-c8g1.2xlarge", gpus=1, price_usd_h=0.52, token="t", state=NodeState.RUNNING)
+
+
+def _rich_event(kind: str, seq: int = 42) -> Event:
+    """An event with every number the feed knows, some of them far too long."""
+    data = {"step": 18200, "last_step": 18150, "world_size": 7, "old": 8, "new": 7, "seconds": 4.1,
+            "bytes": 3 * 1024**3, "boot_s": 121.0, "detection_latency_s": 0.8, "price_usd_h": 0.52,
+            "cost_usd": 1234.5, "savings_usd": 2900.0, "reason": "spot_reclaimed <&>",
+            "error": "capacity", "message": "x" * 5000, "deadline": 1_700_000_120.0, "provider": "aliyun"}
+    return Event(seq=seq, time=1_700_000_000.0, kind=kind, node="demo-3", data=data)
+
+
+@pytest.mark.parametrize("kind", [k.value for k in EventKind])
+def test_slack_message_is_valid_block_kit_for_every_kind(kind: str) -> None:
+    for ev, node, template in [
+        (_rich_event(kind), _NODE, None),
+        (Event(seq=1, time=1_700_000_000.0, kind=kind, node=None, data={}), None, None),
+        (_rich_event(kind), _NODE, "{emoji} {node} on {provider} {instance_type}: step {step:,} " + "y" * 4000),
+    ]:
+        msg = slack_message(ev, pool="demo", node=node, template=template)
+        assert 1 <= len(msg.blocks) <= SLACK_MAX_BLOCKS
+        for block in msg.blocks:
+            block.validate_json()  # raises SlackObjectFormationError on a broken limit
+        header, *_, context = msg.blocks
+        assert isinstance(header, HeaderBlock) and isinstance(context, ContextBlock)
+        assert header.text.text.startswith(EMOJI.get(kind, "🔔")) and len(header.text.text) <= SLACK_HEADER_MAX_CHARS
+        for section in (b for b in msg.blocks if isinstance(b, SectionBlock)):
+            assert section.text is not None or section.fields
+            assert section.text is None or len(section.text.text) <= SLACK_SECTION_MAX_CHARS
+            assert len(section.fields or []) <= SLACK_MAX_FIELDS
+            assert all(len(f.text) <= SLACK_FIELD_MAX_CHARS for f in section.fields or [])
+        assert 0 < len(msg.text) <= SLACK_TEXT_MAX_CHARS
+        body = msg.to_dict()
+        assert [Block.parse(b).to_dict() for b in body["blocks"]] == body["blocks"]  # parses back, same JSON
+        assert f"seq {ev.seq}" in context.elements[0].text
+
+
+def test_every_event_kind_has_an_emoji() -> None:
+    assert set(EMOJI) == {k.value for k in EventKind}
+
+
+def test_slack_fields_carry_the_key_numbers() -> None:
+    msg = slack_message(_rich_event("checkpoint_committed"), pool="demo", node=_NODE)
+    fields = {f.text.split("\n", 1)[0]: f.text.split("\n", 1)[1] for f in msg.blocks[1].fields}
+    assert fields["*Node*"] == "demo-3"
+    assert fields["*Instance*"] == "aliyun ecs.gn7i-c8g1.2xlarge cn-hangzhou-h"
+    assert fields["*Step*"] == "18,200"
+    assert fields["*World size*"] == "7"
+    assert fields["*Flush*"] == "4.1 s"
+    assert fields["*Size*"] == "3.0 GiB"
+    assert len(fields) == SLACK_MAX_FIELDS
+    assert "<!date^1700000000^" in msg.blocks[-1].elements[0].text
+    lost = slack_message(Event(seq=5, time=1_700_000_000.0, kind="node_lost", node="n<1>",
+                               data={"reason": "gone <&>"}), pool="demo")
+    assert "n&lt;1&gt;" in lost.text and "gone &lt;&amp;&gt;" in lost.text  # event text is escaped for Slack
+    assert {"type": "mrkdwn", "text": "*Reason*\ngone &lt;&amp;&gt;"} in lost.to_dict()["blocks"][1]["fields"]
+
+
+async def test_slack_sink_posts_block_kit_to_a_local_hooks_endpoint(store: Store) -> None:
+    rx = await Receiver(fail_first=1).start()  # Slack answers 500 once
+    slack = SinkSpec(name="ops-slack", type="slack", url=rx.url("/services/T000/B000/XXXX"), max_backoff_s=0.05)
+    n = Notifier(store, [slack], pool="demo", environ={})
+    await n.start()
+    try:
+        store.put_node(_NODE)
+        deadline = datetime.fromtimestamp(time.time() + 300, timezone.utc).isoformat().replace("+00:00", "Z")
+        notice = emit(store, n, "interruption_notice", "demo-3", provider="aliyun",
+                      deadline=deadline, detection_latency_s=0.8)
+        commit = emit(store, n, "checkpoint_committed", "demo-3", step=18200, seconds=4.1, bytes=2**30)
+        assert await n.drain(10.0), n.stats("ops-slack")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+    assert [r.status for r in rx.requests] == [500, 200, 200]
+    first, second = (r.json for r in rx.accepted())
+    assert rx.requests[0].json == first  # the retry sends the same message
+    for body in (first, second):
+        assert body["text"]
+        for raw in body["blocks"]:
+            Block.parse(raw).validate_json()
+    assert first["blocks"][0]["text"]["text"] == "⚠️ Interruption notice · demo-3"
+    assert first["text"].startswith("⚠️ Interruption notice · demo-3: instance aliyun ecs.gn7i")
+    assert f"seq {notice}" in first["blocks"][-1]["elements"][0]["text"]
+    deadline_field = next(f["text"] for f in first["blocks"][1]["fields"] if f["text"].startswith("*Deadline*"))
+    assert deadline_field.startswith("*Deadline*\nin 4 min 5") or deadline_field.startswith("*Deadline*\nin 5 min")
+    assert {"type": "mrkdwn", "text": "*Step*\n18,200"} in second["blocks"][1]["fields"]
+    assert f"seq {commit}" in second["blocks"][-1]["elements"][0]["text"]
+
+
+# -- filters and templates ---------------------------------------------------------------------------
+async def test_per_sink_filters_and_templates(store: Store, receiver: Receiver) -> None:
+    a = webhook("a", receiver.url("/a"), kinds=["checkpoint_committed", "interruption_notice"], template={
+        "checkpoint_committed": "step {step:,} committed in {seconds:.1f} s on {node} ({pool}) {missing}",
+        "*": "{emoji} {kind} #{seq} {provider}",
+    })
+    b = webhook("b", receiver.url("/b"), exclude_kinds=["node_ready"],
+                template={"checkpoint_committed": "{seconds:.1f} s"})  # a spec that does not fit: default text
+    n = Notifier(store, [a, b], pool="demo", environ=ENV)
+    await n.start()
+    try:
+        s1 = emit(store, n, "node_ready", "n1", boot_s=3.0)
+        s2 = emit(store, n, "interruption_notice", "n1", provider="aws")
+        s3 = emit(store, n, "checkpoint_committed", "n1", step=18200, seconds=4.14)
+        s4 = emit(store, n, "checkpoint_committed", "n1", step=18300, seconds=None)
+        s5 = emit(store, n, "job_resumed", None, step=18200, world_size=2)
+        assert await n.drain(10.0)
+    finally:
+        await n.aclose()
+    assert receiver.seqs("/a") == [s2, s3, s4]
+    assert receiver.seqs("/b") == [s2, s3, s4, s5]
+    assert n.stats("a").cursor == n.stats("b").cursor == s5  # filtered-out events are passed, not held
+    texts_a = [r.json["text"] for r in receiver.accepted("/a")]
+    assert texts_a[0] == f"⚠️ interruption_notice #{s2} aws"
+    assert texts_a[1] == "step 18,200 committed in 4.1 s on n1 (demo) ?"  # a missing field reads "?"
+    assert texts_a[2] == "✅ Checkpoint committed · n1: step 18,300"  # None does not fit .1f: default line
+    texts_b = [r.json["text"] for r in receiver.accepted("/b")]
+    assert texts_b[1] == "4.1 s"
+    assert texts_b[3] == "▶️ Job resumed: step 18,200, world size 2"
+    assert s1 not in receiver.seqs()
+
+
+def test_render_text_template_fields() -> None:
+    ev = Event(seq=7, time=1_700_000_000.0, kind="node_launched", node="n2", data={"price_usd_h": 0.5})
+    text = render_text(ev, pool="p", node=_NODE, template="{iso} {pool}/{node} {instance_type} ${price_usd_h:.2f}/h")
+    assert text == "2023-11-14T22:13:20+00:00 p/n2 ecs.gn7i-c8g1.2xlarge $0.50/h"
+
+
+# -- configuration ----------------------------------------------------------------------------------
+def _problems(tmp_path: Path, notify_yaml: str) -> list[str]:
+    p = tmp_path / "c.yaml"
+    p.write_text("notify:\n" + notify_yaml)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    return e.value.problems
+
+
+@pytest.mark.parametrize("notify_yaml, expected", [
+    ("  - {name: ops, type: slack, url: 'https://hooks.slack.com/x', kinds: [node_prempted]}",
+     "notify.0.kinds: unknown event kind 'node_prempted' (valid: '*', node_launch_requested,"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', exclude_kinds: [checkpoint_comitted]}",
+     "notify.0.exclude_kinds: unknown event kind 'checkpoint_comitted'"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', template: {nodes_lost: '{node}'}}",
+     "notify.0.template: unknown event kind 'nodes_lost'"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', template: {'*': 'step {step'}}",
+     "notify.0.template: *: not a str.format template"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', template: {'*': 'step {}'}}",
+     "notify.0.template: *: positional field {}"),
+    ("  - {name: ops, type: webhook, url: 'https://h/x'}",
+     "notify.0: secret_env: a webhook sink signs its requests"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', url_env: HOOK}",
+     "notify.0: give exactly one of url or url_env"),
+    ("  - {name: ops, type: slack}",
+     "notify.0: give exactly one of url or url_env"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', secret_env: K}",
+     "notify.0: secret_env: Slack incoming webhooks are not signed"),
+    ("  - {name: Ops Feed, type: slack, url: 'https://h/x'}",
+     "notify.0.name: String should match pattern"),
+    ("  - {name: ops, type: teams, url: 'https://h/x'}",
+     "notify.0.type: Input should be 'slack' or 'webhook'"),
+    ("  - {name: ops, type: slack, url: 'https://h/x'}\n  - {name: ops, type: slack, url: 'https://h/y'}",
+     "notify.1.name: sink 'ops' is named twice"),
+])
+def test_bad_notify_config_is_one_clear_line(tmp_path: Path, notify_yaml: str, expected: str) -> None:
+    problems = _problems(tmp_path, notify_yaml)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(expected), problems[0]
+    if "unknown event kind" in expected:
+        assert "checkpoint_flush_timed_out" in problems[0]  # the valid ones are listed
+
+
+def test_the_example_in_configs_local_yaml_validates() -> None:
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "configs" / "local.yaml").read_text()
+    block = text[text.index("# notify:"):]
+    example = yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
+    config = Config.model_validate(example)
+    env = {"SPOTVISOR_SLACK_WEBHOOK_URL": "https://hooks.slack.com/services/T/B/X", "SPOTVISOR_WEBHOOK_KEY": "k"}
+    slack, audit = resolve_sinks(config.notify, env)
+    assert (slack.spec.type, audit.spec.type) == ("slack", "webhook")
+    assert "hooks.slack.com" not in repr(slack) and "b'k'" not in repr(audit)  # secrets stay out of logs
+
+
+def test_unset_environment_is_one_line_per_variable_and_run_refuses(tmp_path: Path, capsys) -> None:
+    specs = [SinkSpec(name="ops", type="slack", url_env="SV_TEST_UNSET_HOOK"),
+             SinkSpec(name="audit", type="webhook", url="https://h/x", secret_env="SV_TEST_UNSET_KEY")]
+    with pytest.raises(ConfigError) as e:
+        resolve_sinks(specs, {})
+    assert [p.split(":", 1)[0] for p in e.value.problems] == ["notify.0.url_env", "notify.1.secret_env"]
+    assert "$SV_TEST_UNSET_HOOK is not set" in e.value.problems[0]
+    (t,) = resolve_sinks(specs[:1], {"SV_TEST_UNSET_HOOK": "https://hooks.slack.com/services/T/B/X"})
+    assert t.url == "https://hooks.slack.com/services/T/B/X" and t.secret is None
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"daemon: {{state_dir: {tmp_path / 'state'}}}\n"
+                   "notify:\n  - {name: ops, type: slack, url_env: SV_TEST_UNSET_HOOK}\n")
+    assert spotvisord_main(["run", "--config", str(cfg)]) == 2  # before anything starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"{cfg}: notify.0.url_env: $SV_TEST_UNSET_HOOK is not set (sink 'ops': export it in the "
+                   "daemon's environment, e.g. systemd EnvironmentFile=)"]
+    assert not (tmp_path / "state").exists()
+
+
+# -- the supervisor: a flush that never commits is its own event ---------------------------------------
+async def _running_node_on_manual_clock(h) -> tuple[Node, Any]:
+    from conftest import ManualClock
+
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = next(iter(h.sup.nodes.values()))
+    h.sup.on_register(node)
+    await h.until(lambda: node.state is NodeState.RUNNING, what="node running")
+    h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})
+    clock = ManualClock(time.time())
+    h.sup.clock = clock
+    return node, clock
+
+
+def _notice(nid: str, clock: Any, lead_s: float = 10.0) -> dict[str, Any]:
+    return {"kind": "interruption_notice", "notice": {"id": nid, "provider": "aws", "action": "terminate"},
+            "seen_at": clock(), "deadline": clock() + lead_s}
+
+
+async def test_notice_answered_by_a_commit_is_not_a_flush_timeout(spot_daemon) -> None:
+    h = spot_daemon
+    node, clock = await _running_node_on_manual_clock(h)
+    h.sup.on_reports(node, [_notice("n-answered", clock)])
+    h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
+        "event": "checkpoint_committed", "attempt": "a1", "step": 40, "notice_ids": ["n-answered"],
+        "seconds": 1.2}}])
+    clock.advance(60)
+    await h.sup.reconcile_once()
+    assert h.events("interruption_notice") and h.events("checkpoint_committed")
+    assert not h.events("checkpoint_flush_timed_out")
+
+
+async def test_notice_without_commit_by_the_deadline_is_a_flush_timed_out_event(spot_daemon) -> None:
+    h = spot_daemon
+    node, clock = await _running_node_on_manual_clock(h)
+    h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
+        "event": "checkpoint_committed", "attempt": "a1", "step": 40, "notice_ids": [], "seconds": 1.2}}])
+    h.sup.on_reports(node, [_notice("n-hung", clock)])
+    (notice_ev,) = h.events("interruption_notice")  # recorded the moment it was reported
+    clock.advance(10.0 + 4.0)  # past the deadline, inside the grace for a late commit report
+    await h.sup.reconcile_once()
+    assert not h.events("checkpoint_flush_timed_out")
+    clock.advance(2.0)
+    await h.sup.reconcile_once()
+    (ev,) = h.events("checkpoint_flush_timed_out")
+    assert ev.node == node.id and notice_ev.seq < ev.seq
+    assert ev.data["notice_id"] == "n-hung" and ev.data["last_commit_step"] == 40
+    await h.sup.reconcile_once()
+    assert len(h.events("checkpoint_flush_timed_out")) == 1  # said once
