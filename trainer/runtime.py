@@ -281,8 +281,18 @@ def configure_threads() -> None:
 
 
 def configure_logging(rank: int) -> None:
+    """stderr logging, INFO on rank 0 and WARNING elsewhere; structlog (used by
+    :mod:`trainer.checkpoint`) goes through the same handlers and levels."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
+    )
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.stdlib.filter_by_level, structlog.processors.KeyValueRenderer(sort_keys=True)],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
     )
