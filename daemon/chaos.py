@@ -5,7 +5,9 @@ has reached its ``at_step`` (the trainer's reported step) or ``at_s`` seconds
 after the job first started, and — with ``wait_full_pool`` — when the job runs at
 the pool's target world size with no node joining or leaving. Then it either
 publishes an interruption notice on the node's metadata endpoint (the provider
-SIGKILLs the node when the notice's time comes) or SIGKILLs it at once.
+SIGKILLs the node when the notice's time comes) or SIGKILLs it at once. With
+``hold_replacements_until_step`` the instances launched after the fault do not
+boot until the job reaches that step (the schedule waits for it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
                        reason=f"node #{ev.node} is not running")
             continue
         previous = (sup.clock(), node.id)
+        hold = ev.hold_replacements_until_step is not None and hasattr(provider, "hold_boots")
+        if hold:
+            provider.hold_boots()
         if ev.action == "notice":
             deadline = await provider.publish_interruption(node.instance_id, lead_s=ev.lead_s)
             sup.record(EventKind.CHAOS_INJECTED, node.id, index=i, action="notice", lead_s=ev.lead_s,
@@ -80,3 +85,10 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             await provider.kill(node.instance_id)
             sup.record(EventKind.CHAOS_INJECTED, node.id, index=i, action="kill", step=sup.job.step)
             sup.wake()
+        if hold:
+            try:
+                while (sup.job.step or 0) < ev.hold_replacements_until_step and not sup.job.state.is_terminal():
+                    await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
+            finally:
+                provider.release_boots()
+            log.info("chaos_replacements_released", index=i, step=sup.job.step)

@@ -107,6 +107,8 @@ class LocalProvider(Provider):
         self._instances: dict[str, _LocalInstance] = {}
         self._seq = 0
         self._closed = False
+        self._boot_gate = asyncio.Event()  # cleared by chaos: instances launched meanwhile wait to boot
+        self._boot_gate.set()
 
     # -- contract -------------------------------------------------------------
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
@@ -167,6 +169,14 @@ class LocalProvider(Provider):
         inst = self._instances.get(instance_id)
         return None if inst is None or inst.imds is None else inst.imds.published_at
 
+    def hold_boots(self) -> None:
+        """Chaos: instances launched from now on (and those still booting) do not boot until
+        :meth:`release_boots`; the supervisor sees them in ``launching``."""
+        self._boot_gate.clear()
+
+    def release_boots(self) -> None:
+        self._boot_gate.set()
+
     def dialect(self, instance_id: str) -> str:
         return self._instances[instance_id].dialect
 
@@ -191,6 +201,7 @@ class LocalProvider(Provider):
 
     async def _boot(self, inst: _LocalInstance) -> None:
         await asyncio.sleep(self.spec.launch_delay_s)  # simulated boot time
+        await self._boot_gate.wait()  # chaos: replacements held back (a slow or short region)
         if inst.state == "gone":
             return
         inst.imds = make_fake(inst.dialect)
