@@ -56,7 +56,7 @@ from trainer.checkpoint import (
 from trainer.guard import Decision, PreemptionGuard
 from trainer.runtime import DistContext, StatusWriter, barrier
 
-__all__ = ["DirCheckpointer", "CommitResult", "merge_shards"]
+__all__ = ["DirCheckpointer", "CommitResult", "merge_shards", "all_gather_objects", "broadcast_object"]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ def merge_shards(per_rank: list[list[ShardInfo]]) -> tuple[ShardInfo, ...]:
     return tuple(merged[n] for n in sorted(merged))
 
 
-def _all_gather(ctx: DistContext, obj: object) -> list[object]:
+def all_gather_objects(ctx: DistContext, obj: object) -> list[object]:
+    """Every rank's ``obj`` (rank order); ``[obj]`` without a process group of more than one."""
     if not (ctx.initialized and ctx.world_size > 1):
         return [obj]
     out: list[object] = [None] * ctx.world_size
@@ -100,7 +101,8 @@ def _all_gather(ctx: DistContext, obj: object) -> list[object]:
     return out
 
 
-def _broadcast(ctx: DistContext, obj: object) -> object:
+def broadcast_object(ctx: DistContext, obj: object) -> object:
+    """Rank 0's ``obj`` on every rank; ``obj`` itself without a process group of more than one."""
     if not (ctx.initialized and ctx.world_size > 1):
         return obj
     box = [obj]
@@ -206,7 +208,7 @@ class DirCheckpointer:
                 error = f"rank {self.ctx.rank}: {exc}"
                 shards = None
         t2 = time.perf_counter()
-        gathered = _all_gather(self.ctx, (shards, error))
+        gathered = all_gather_objects(self.ctx, (shards, error))
         outcome: tuple[Manifest | None, str | None] = (None, None)
         if self.ctx.is_leader:
             errors = [e for _, e in gathered if e]
@@ -233,7 +235,7 @@ class DirCheckpointer:
                     outcome = (manifest, None)
                 except (CheckpointError, ValueError) as exc:
                     outcome = (None, str(exc))
-        manifest, err = _broadcast(self.ctx, outcome)  # type: ignore[misc]
+        manifest, err = broadcast_object(self.ctx, outcome)  # type: ignore[misc]
         if self.ctx.is_local_leader:
             shutil.rmtree(local, ignore_errors=True)
         if manifest is None:
@@ -283,7 +285,7 @@ class DirCheckpointer:
         """
         while True:
             manifest = latest_committed(self.store) if self.ctx.is_leader else None
-            manifest = _broadcast(self.ctx, manifest)
+            manifest = broadcast_object(self.ctx, manifest)
             if manifest is None:
                 return None, None
             local = self.scratch / f"resume-{manifest.step:08d}"
@@ -294,7 +296,7 @@ class DirCheckpointer:
                     fetch_dir(self.store, manifest, local)
                 except CorruptCheckpointError as exc:
                     corrupt = str(exc)
-            reports = [c for c in _all_gather(self.ctx, corrupt) if c]
+            reports = [c for c in all_gather_objects(self.ctx, corrupt) if c]
             if not reports:
                 barrier(self.ctx)
                 self.guard.mark_handled(manifest.extra.get("notice_ids", ()))

@@ -49,7 +49,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from trainer.batch import ElasticBatch
 from trainer.checkpoint import (
@@ -66,7 +65,7 @@ from trainer.checkpoint import (
     write_dir,
 )
 from trainer.guard import Decision, PreemptionGuard
-from trainer.integrations.common import CommitResult, DirCheckpointer
+from trainer.integrations.common import CommitResult, DirCheckpointer, all_gather_objects, broadcast_object
 from trainer.runtime import DistContext, StatusWriter, barrier
 
 __all__ = [
@@ -351,22 +350,6 @@ def _universal_mode(engine: Any, on: bool) -> Iterator[None]:
         config.load_universal_checkpoint = before
 
 
-def _broadcast(ctx: DistContext, obj: object) -> object:
-    if not (ctx.initialized and ctx.world_size > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather(ctx: DistContext, obj: object) -> list[object]:
-    if not (ctx.initialized and ctx.world_size > 1):
-        return [obj]
-    out: list[object] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 # --------------------------------------------------------------------------- the checkpointer
 
 
@@ -502,7 +485,7 @@ class DeepSpeedCheckpointer:
         """
         while True:
             manifest = latest_committed(self.store) if self.ctx.is_leader else None
-            manifest = _broadcast(self.ctx, manifest)
+            manifest = broadcast_object(self.ctx, manifest)
             if manifest is None:
                 self.last_resume = None
                 return None
@@ -533,7 +516,7 @@ class DeepSpeedCheckpointer:
             outcome: dict[str, Any] = {}
             if self.ctx.is_leader:
                 outcome = self._ensure_universal(manifest, local, force=attempt > 1)
-            outcome = _broadcast(self.ctx, outcome)  # type: ignore[assignment]
+            outcome = broadcast_object(self.ctx, outcome)  # type: ignore[assignment]
             if outcome.get("error"):
                 raise CheckpointError(outcome["error"])
             if outcome.get("discarded"):
@@ -552,7 +535,7 @@ class DeepSpeedCheckpointer:
             fetch_s = time.perf_counter() - t0
             if self.ctx.is_leader and outcome.get("converted"):
                 fetch_s = float(outcome.get("fetch_s", 0.0))  # rank 0 fetched the original instead
-            reports = [c for c in _all_gather(self.ctx, corrupt) if c]
+            reports = [c for c in all_gather_objects(self.ctx, corrupt) if c]
             if not reports:
                 self.guard.mark_handled(manifest.extra.get("notice_ids", ()))
                 self.dir.last_committed = manifest
