@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick install install-systemd clean
+.PHONY: demo bench test test-quick install install-systemd clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/spotvisord demo --config configs/local.yaml --summary-json demo-summary.json
+
+# spotvisor vs restart-on-preemption vs elastic-only: same job, same preemption trace
+# (bench/README.md); prints the table and writes bench-results.json
+bench: $(STAMP)
+	$(PY) -m bench.compare
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -301,12 +301,19 @@ class NodeAgent:
         self._seen_notice_ids.add(notice.id)
         seen_at = time.time()
         deadline = notice.deadline.timestamp() if notice.deadline is not None else None
-        entry = {"id": notice.id, "kind": "interruption", "time": seen_at, "deadline": deadline}
+        # The id the job and the daemon know this notice by names this node: notice.id hashes
+        # only the body, and a cloud reclaiming many instances at one time serves the same
+        # body on each. With one shared id, the commit for the first node's notice marks the
+        # others' as handled too: a node that sees its notice after that commit never gets
+        # one of its own and leaves at the deadline, losing the steps trained since.
+        nid = f"{self.node_id}:{notice.id}"
+        entry = {"id": nid, "kind": "interruption", "time": seen_at, "deadline": deadline}
         self.notices.add(entry)  # first: the trainer acts on the file, not on the daemon
         self._interruption = entry
         self._notice = notice
         log.warning("interruption_notice", node_id=self.node_id, deadline=deadline, action=notice.action)
-        self._report("interruption_notice", notice=notice.to_dict(), seen_at=seen_at, deadline=deadline)
+        self._report("interruption_notice", notice={**notice.to_dict(), "id": nid}, seen_at=seen_at,
+                     deadline=deadline)
         if self._trainer_state != "running":
             return
         if deadline is not None:

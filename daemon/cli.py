@@ -49,11 +49,13 @@ log = structlog.get_logger("spotvisor.cli")
 
 @contextlib.asynccontextmanager
 async def running_daemon(config: Config, *, with_chaos: bool = True,
-                         providers: Mapping[str, Provider] | None = None) -> AsyncIterator["Supervisor"]:
+                         providers: Mapping[str, Provider] | None = None,
+                         supervisor_cls: type["Supervisor"] | None = None) -> AsyncIterator["Supervisor"]:
     """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
 
-    ``providers``: by name, instead of those the config names (tests). Closing never
-    terminates an instance (:meth:`Supervisor.aclose`).
+    ``providers``: by name, instead of those the config names (tests). ``supervisor_cls``:
+    a :class:`Supervisor` subclass (the benchmark's baselines, :mod:`daemon.baselines`).
+    Closing never terminates an instance (:meth:`Supervisor.aclose`).
     """
     from daemon.api import ApiServer
     from daemon.chaos import run_chaos
@@ -73,7 +75,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
         for name in sorted({o.provider for o in config.offers})
     }
-    sup = Supervisor(config, providers=providers, store=store)
+    sup = (supervisor_cls or Supervisor)(config, providers=providers, store=store)
     notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/notify.py)
     sup.subscribe(notifier.wake)  # record() wakes its workers; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,

@@ -123,12 +123,14 @@ class Store:
         self.put_node(node)
 
     def nodes(self) -> list[Node]:
-        out = []
-        for (body,) in self.db.execute("SELECT body FROM nodes"):
-            raw = json.loads(body)
-            raw["state"] = NodeState(raw["state"])
-            out.append(Node(**raw))
+        out = [_node(body) for (body,) in self.db.execute("SELECT body FROM nodes")]
         return sorted(out, key=lambda n: n.ordinal)
+
+    def node(self, node_id: str) -> Node | None:
+        """One node's row (None: no such node). A primary-key lookup: the cost does not
+        grow with the table, which keeps every node the pool ever had."""
+        row = self.db.execute("SELECT body FROM nodes WHERE id = ?", (node_id,)).fetchone()
+        return None if row is None else _node(row[0])
 
     # -- small values -------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:
@@ -140,3 +142,9 @@ class Store:
             "INSERT INTO kv(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
             (key, json.dumps(value)),
         )
+
+
+def _node(body: str) -> Node:
+    raw = json.loads(body)
+    raw["state"] = NodeState(raw["state"])
+    return Node(**raw)

@@ -28,7 +28,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterator, Mapping
 
 import structlog
 
@@ -40,7 +40,8 @@ from daemon.model import Event, EventKind, JobState, Node, NodeState, check_tran
 from daemon.nodelog import NodeLogs
 from daemon.offers import History, Offer, capacity_backoff_s
 from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
-from daemon.providers.base import NODE_TAG, POOL_TAG, AuthError, CapacityError, NodeSpec, Provider, ProviderError, QuotaError
+from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
+                                   ProviderError, QuotaError)
 from daemon.store import Store
 
 __all__ = ["Supervisor", "JobView"]
@@ -135,6 +136,7 @@ class Supervisor:
         self._closed = False
         self._reconciler: asyncio.Task[Any] | None = None
         self._launching: set[str] = set()  # node ids whose provider.launch call is in flight
+        self._released_unowned: set[str] = set()  # instance ids _settle_unowned terminated
         self.run_nonce = ""
 
     # -- lifecycle ------------------------------------------------------------------
@@ -164,15 +166,19 @@ class Supervisor:
         no daemon listened, and the store holds only the heartbeat of their last
         state change, so without this every node would look lost (and be
         terminated) on the first pass. They have ``heartbeat_timeout_s`` to reach
-        this daemon. The job is ``running`` if a node runs it; ``completed`` (pool
-        target 0) if a ``job_completed`` event is stored, and already released if a
+        this daemon. The job is ``running`` if a node runs it, a draining node whose
+        trainer has not left yet included (a notice's flush in progress when the last
+        daemon died: a ``pending`` job would start a ready replacement at once, while
+        the leaving node is still in the job); ``completed`` (pool target 0) if a
+        ``job_completed`` event is stored, and already released if a
         ``pool_released`` one is.
         """
         now = self.clock()
         for node in self.nodes.values():
             if node.state in _LIVE and node.last_heartbeat is not None:
                 node.last_heartbeat = now
-        if any(n.state is NodeState.RUNNING for n in self.nodes.values()):
+        if any(n.state is NodeState.RUNNING or (n.state is NodeState.DRAINING and n.trainer == "running")
+               for n in self.nodes.values()):
             self.job.state = JobState.RUNNING
         steps = [n.step for n in self.nodes.values() if n.step is not None]
         self.job.step = max(steps, default=None)
@@ -281,8 +287,20 @@ class Supervisor:
                 launch_timeout_s=self.config.daemon.launch_timeout_s,
             ),
         )
-        for action in actions:
-            await self._apply(action)
+        # Concurrently: with 100 nodes noticed at once, one terminate call after another
+        # (~0.5 s each on a cloud) kept the loop from admitting anyone for ~50 s
+        # (bench/scale.py). A failing call cancels the rest; the next pass retries them.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for action in actions:
+                    tg.create_task(self._apply(action))
+        except ExceptionGroup as group:
+            errors = list(_leaves(group))
+            if not all(isinstance(e, ProviderError) for e in errors):
+                raise
+            for extra in errors[1:]:
+                log.error("reconcile_provider_error", error=str(extra))
+            raise errors[0] from None  # the loop logs it and retries next pass
         self._admit(now)
         self._check_paused()
         self._check_flushes()
@@ -299,8 +317,12 @@ class Supervisor:
 
     async def _observe_instances(self) -> None:
         alive: dict[int, set[str]] = {}
+        found: list[tuple[Provider, Instance]] = []
         for p in self._all_providers():
-            alive[id(p)] = {i.id for i in await p.describe(self.pool)}
+            instances = await p.describe(self.pool)
+            alive[id(p)] = {i.id for i in instances}
+            found += [(p, i) for i in instances]
+        await self._settle_unowned(found)
         for node in list(self.nodes.values()):
             if node.state not in _LIVE or node.instance_id is None:
                 continue
@@ -312,6 +334,58 @@ class Supervisor:
             else:
                 self._set_state(node, NodeState.LOST, "instance gone without notice")
                 self.record(EventKind.NODE_LOST, node.id, reason="instance_gone", last_step=node.step)
+
+    async def _settle_unowned(self, found: list[tuple[Provider, Instance]]) -> None:
+        """What a daemon killed at any instant leaves behind (DESIGN: Store), settled from
+        the pool's instances as the providers list them (their node tag names the node).
+
+        - A node still ``requested`` with no launch call in flight in this process: the
+          previous daemon died inside ``provider.launch``. Its instance found → adopted
+          (``launching``, ``node_launched`` with ``adopted``); not found → ``failed``
+          (``node_launch_failed``, ``error: interrupted``) and the planner launches
+          another node, so the pool neither duplicates the node nor waits for it forever.
+        - An instance whose node is over (terminated, lost, failed) with no launch in
+          flight: a launch that landed after its node was given up, or a terminate the
+          dead daemon never sent. Terminated once (retried next pass if that fails), so
+          nothing is leaked.
+
+        Example: daemon A records ``node_launch_requested`` for n1 and is SIGKILLed while
+        RunInstances is on the wire. Daemon B starts: if EC2 created n1's instance, B
+        adopts it; if not, n1 fails and B launches n2; if n1's instance shows up later
+        anyway, B terminates it.
+        """
+        by_node = {i.node_id: (p, i) for p, i in found if i.node_id}
+        for node in list(self.nodes.values()):
+            if node.state is not NodeState.REQUESTED or node.id in self._launching:
+                continue
+            offer = self._offer(node.offer_index)
+            hit = by_node.get(node.id)
+            if hit is not None:
+                node.instance_id = hit[1].id
+                self._set_state(node, NodeState.LAUNCHING, "adopted after a daemon restart")
+                self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=node.instance_id, offer=offer.key,
+                            price_usd_h=node.price_usd_h, adopted=True)
+            else:
+                self._set_state(node, NodeState.FAILED, "launch interrupted by a daemon restart")
+                self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="interrupted", offer=offer.key,
+                            message="the daemon stopped during the launch call; no instance of this node exists")
+        for p, inst in found:
+            node = self.nodes.get(inst.node_id)
+            if node is None or not node.state.is_terminal() or node.id in self._launching:
+                continue
+            if inst.id in self._released_unowned:
+                continue
+            try:
+                await p.terminate(inst.id)
+            except ProviderError as exc:
+                log.warning("unowned_instance_terminate_failed", node_id=node.id, instance_id=inst.id, error=str(exc))
+                continue
+            self._released_unowned.add(inst.id)
+            if node.instance_id is None:  # it cost something after all (Node.hours_held)
+                node.instance_id = inst.id
+                node.ended_at = self.clock()
+                self.store.put_node(node)
+            self.record(EventKind.NODE_TERMINATED, node.id, reason="unowned_instance", instance_id=inst.id)
 
     async def _apply(self, action: Launch | Terminate | MarkLost) -> None:
         if isinstance(action, Launch):
@@ -694,8 +768,17 @@ class Supervisor:
         }
 
     def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
+        """Apply an agent's batch of reports, in order. A report that cannot be used
+        (:func:`_report_problem`) is logged and dropped whole before anything of it is
+        applied: raising here would answer 500, and the agent resends a failed batch
+        until it is accepted, re-applying the reports before the bad one each time and
+        holding back every report after it (a notice, a commit) for good."""
         self._seen(node)
         for r in reports:
+            problem = _report_problem(r)
+            if problem is not None:
+                log.warning("agent_report_dropped", node_id=node.id, problem=problem, report=repr(r)[:200])
+                continue
             kind = r.get("kind")
             if kind == "interruption_notice":
                 self._on_notice(node, r)
@@ -965,6 +1048,15 @@ class Supervisor:
                         trainer_exited=n.trainer != "running")
 
 
+def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    """The exceptions of a (nested) exception group, depth first."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     """Wait for ``event`` at most ``timeout_s`` seconds; True if it was set.
 
@@ -978,6 +1070,33 @@ async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def _report_problem(r: Any) -> str | None:
+    """Why an agent's report cannot be used, or None if it can: the fields the daemon
+    computes with must have their types (a notice's deadline is kept on the node and
+    compared with the clock on every reconcile pass)."""
+    if not isinstance(r, dict):
+        return "not a JSON object"
+    kind = r.get("kind")
+    if kind in ("interruption_notice", "rebalance_recommendation"):
+        if not isinstance(r.get("notice") or {}, dict):
+            return "notice is not an object"
+        for key in ("deadline", "seen_at"):
+            v = r.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                return f"{key} is not unix seconds"
+    elif kind == "trainer_status":
+        line = r.get("line")
+        if not isinstance(line, dict):
+            return "line is not an object"
+        step, ids = line.get("step"), line.get("notice_ids")
+        if (step is not None or line.get("event") == "checkpoint_committed") and (
+                isinstance(step, bool) or not isinstance(step, int)):
+            return "step is not an integer"
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            return "notice_ids is not a list of strings"
+    return None
 
 
 def _largest_valid(candidates: list[Node], world: int, valid: set[int]) -> list[Node]:

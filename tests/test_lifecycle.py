@@ -232,3 +232,63 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
             assert reply["start_trainer"] is True
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+class SlowTerminateProvider(RecordingProvider):
+    """Each terminate takes until two are in flight at once (it fails if they run one after
+    another); the first call for ``failing`` raises a ProviderError."""
+
+    def __init__(self, failing: str) -> None:
+        super().__init__()
+        self.failing = failing
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.both = asyncio.Event()
+        self.calls: list[str] = []
+
+    async def terminate(self, instance_id: str) -> None:
+        from daemon.providers.base import ProviderError
+
+        self.calls.append(instance_id)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.in_flight >= 2:
+                self.both.set()
+            async with asyncio.timeout(2.0):  # one after another: the first never sees the second
+                await self.both.wait()
+            if instance_id == self.failing and self.calls.count(instance_id) == 1:
+                raise ProviderError(f"terminate {instance_id}: throttled")
+            await super().terminate(instance_id)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_terminations_in_one_pass_run_together_and_a_failed_one_is_retried(tmp_path: Path) -> None:
+    # Two nodes whose boot timed out are terminated in the same reconcile pass. With a
+    # notice storm on a real cloud (~0.5 s a call) one call after another kept the loop
+    # from admitting anyone for tens of seconds.
+    sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
+    config = _config(tmp_path, sockdir, target=2)
+    store = Store(tmp_path / "state" / "spotvisord.db").open()
+    provider = SlowTerminateProvider(failing="i-0001")
+    clock = ManualClock(T0)
+    sup = Supervisor(config, provider=provider, store=store, clock=clock)
+    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=f"{sockdir}/d.sock")
+    h = DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
+    try:
+        await api.start()
+        await sup.start(agent_url=api.agent_url)
+        await h.until(lambda: len(h.events("node_launched")) == 2, what="two launches")
+        clock.advance(config.daemon.launch_timeout_s + 1)  # no agent ever registers: boot timed out
+        sup.wake()
+        await h.until(lambda: {"i-0001", "i-0002"} <= provider.terminated, timeout_s=10,
+                      what="both instances terminated, the throttled one on a later pass")
+        assert provider.most_in_flight >= 2
+        assert provider.calls.count("i-0001") == 2  # failed once (ProviderError), retried
+        assert sup.is_healthy()  # the reconcile task survived the provider error
+    finally:
+        await sup.aclose()
+        await api.aclose()
+        store.close()
+        shutil.rmtree(sockdir, ignore_errors=True)

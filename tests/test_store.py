@@ -246,6 +246,14 @@ def test_nodes_sorted_by_ordinal(store: Store) -> None:
     assert [n.id for n in store.nodes()] == ["a", "b", "c"]
 
 
+def test_node_by_id(store: Store) -> None:
+    for id, ordinal in [("a", 1), ("b", 2)]:
+        store.put_node(make_node(id, ordinal, state=NodeState.RUNNING))
+    back = store.node("b")
+    assert back == store.nodes()[1] and back.state is NodeState.RUNNING
+    assert store.node("zz") is None
+
+
 def test_set_node_state_legal_path_persists(store: Store, db_path: Path) -> None:
     n = make_node()
     store.put_node(n)

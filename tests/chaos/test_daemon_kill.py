@@ -1,0 +1,503 @@
+"""Chaos cells: the daemon is SIGKILLed mid-launch and mid-checkpoint, then restarted.
+
+The daemon is the real service, ``spotvisord run --config FILE``, in its own process,
+killed with a real SIGKILL and started again on the same state directory. Its
+provider is AWS (boto3) against moto behind ``fakes.aws_faults.AwsFaultProxy``:
+cloud instances outlive the daemon, as they must for a leak or a duplicate to be
+possible (the local provider's instances die with the daemon by design).
+
+:class:`Ec2Sim` plays what runs *on* the instances: for every instance moto runs for
+the pool it "boots" (after ``boot_s``) a real node agent (:class:`daemon.agent.NodeAgent`)
+configured from the instance's own user-data (daemon URL, node id, token), with its
+own IMDSv2 endpoint (:class:`daemon.metadata.fake_aws.FakeImds`); the agent's trainer
+is a stand-in process that trains one step every 50 ms, commits to a shared ledger
+(the "object store"), answers notices and completes at its target step. An instance
+moto stops listing as live takes its agent down with it.
+
+What is checked, per cell: the job completes; every commit a trainer made has its
+``checkpoint_committed`` event; no instance of the pool is alive once the restarted
+daemon has released the pool and exited, and no node got two instances; the store's
+``seq`` has no gap and every event a ``/v1/events`` follower saw from the killed
+daemon is in the final store unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import sys
+import tempfile
+import textwrap
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import boto3
+import pytest
+import yaml
+
+from chaos.conftest import Matrix, lost_events
+from daemon.agent import NodeAgent
+from daemon.metadata.aws import AwsImds
+from daemon.metadata.fake_aws import FakeImds
+from daemon.model import Event
+from daemon.providers.base import NODE_TAG, POOL_TAG
+from fakes.aws_faults import AwsFaultProxy
+
+pytestmark = pytest.mark.chaos
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STANDIN = textwrap.dedent(
+    """\
+    import json, os, sys, time
+
+    status, notices = os.environ["SPOTVISOR_STATUS_FILE"], os.environ["SPOTVISOR_NOTICE_FILE"]
+    ledger, gate = os.environ["STANDIN_LEDGER"], os.environ.get("STANDIN_GATE")
+    target, step_s = int(os.environ["STANDIN_TARGET"]), float(os.environ["STANDIN_STEP_S"])
+    attempt = "standin-%d" % os.getpid()
+
+    def emit(event, step, **fields):
+        rec = {"event": event, "time": time.time(), "attempt": attempt, "rank": 0, "world_size": 1,
+               "step": step, **fields}
+        with open(status, "a") as f:
+            f.write(json.dumps(rec) + "\\n")
+
+    def committed():
+        try:
+            with open(ledger) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return []
+
+    def commit(step, reason, ids=(), kinds=()):
+        done = committed()
+        if step not in done:  # the ledger is the object store: written before the status line
+            tmp = "%s.tmp-%d" % (ledger, os.getpid())
+            with open(tmp, "w") as f:
+                json.dump(done + [step], f)
+            os.replace(tmp, ledger)
+        emit("checkpoint_committed", step, reason=reason, notice_ids=list(ids), kinds=list(kinds),
+             seconds=0.01, bytes=10)
+
+    step = max(committed(), default=0)
+    emit("started", step, resumed_from=step or None)
+    handled = set()
+    while True:  # one step boundary per iteration
+        try:
+            with open(notices) as f:
+                pending = json.load(f)
+        except (OSError, ValueError):
+            pending = []
+        new = [n for n in pending if n["id"] not in handled]
+        if new:
+            if gate and not os.path.exists(gate):  # the flush is still uploading
+                time.sleep(0.02)
+                continue
+            ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
+            commit(step, "notice", ids, kinds)
+            handled.update(ids)
+            if "interruption" in kinds:
+                emit("holding", step, notice_ids=ids, kinds=kinds, timeout_s=90)
+                while True:  # held until the agent's SIGTERM
+                    time.sleep(1)
+        if step >= target:
+            commit(step, "final")
+            emit("completed", step)
+            sys.exit(0)
+        time.sleep(step_s)
+        step += 1
+        emit("step", step)
+    """
+)
+
+_LIVE = ("pending", "running")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Agent(NodeAgent):
+    """The real agent, whose trainer is the stand-in instead of the daemon's torchrun line."""
+
+    def __init__(self, *, trainer_env: dict[str, str], standin: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._trainer_env = trainer_env
+        self._standin = standin
+
+    async def _register(self) -> dict[str, Any]:
+        await super()._register()
+        return {"argv": [str(self._standin)], "env": self._trainer_env}
+
+
+class Ec2Sim:
+    """What runs on the pool's instances in moto (see the module docstring)."""
+
+    def __init__(self, endpoint: str, pool: str, workdir: Path, trainer_env: dict[str, str],
+                 boot_s: float = 0.5) -> None:
+        self.ec2 = boto3.client("ec2", endpoint_url=endpoint, region_name="us-east-1")
+        self.pool = pool
+        self.workdir = workdir
+        self.trainer_env = trainer_env
+        self.boot_s = boot_s
+        self.standin = workdir / "standin.py"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.standin.write_text(STANDIN)
+        self.agents: dict[str, tuple[asyncio.Task[None], FakeImds, str]] = {}  # instance → (agent, imds, node)
+        self._booting: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.Task[None] | None = None
+
+    # -- the cloud's view ------------------------------------------------------------------
+    def instances(self) -> list[dict[str, Any]]:
+        """Every instance of the pool moto knows, terminated ones included."""
+        out = []
+        for page in self.ec2.get_paginator("describe_instances").paginate(
+                Filters=[{"Name": f"tag:{POOL_TAG}", "Values": [self.pool]}]):
+            for r in page["Reservations"]:
+                out += r["Instances"]
+        return out
+
+    def live(self) -> list[dict[str, Any]]:
+        return [i for i in self.instances() if i["State"]["Name"] in _LIVE]
+
+    @staticmethod
+    def node_of(inst: dict[str, Any]) -> str:
+        return {t["Key"]: t["Value"] for t in inst.get("Tags", [])}.get(NODE_TAG, "")
+
+    # -- the instances' side ---------------------------------------------------------------------
+    async def __aenter__(self) -> "Ec2Sim":
+        self._loop = asyncio.create_task(self._watch(), name="ec2sim")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._loop is not None
+        self._loop.cancel()
+        for t in [self._loop, *self._tasks]:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for iid in list(self.agents):
+            await self._down(iid)
+
+    async def _watch(self) -> None:
+        while True:
+            for inst in await asyncio.to_thread(self.instances):
+                iid, state = inst["InstanceId"], inst["State"]["Name"]
+                if state in _LIVE and iid not in self.agents and iid not in self._booting:
+                    self._booting.add(iid)
+                    t = asyncio.create_task(self._boot(iid), name=f"boot:{iid}")
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+                elif state not in _LIVE and iid in self.agents:
+                    await self._down(iid)  # the VM is gone: so is everything on it
+            await asyncio.sleep(0.1)
+
+    async def _boot(self, iid: str) -> None:
+        await asyncio.sleep(self.boot_s)
+        attr = await asyncio.to_thread(self.ec2.describe_instance_attribute, InstanceId=iid, Attribute="userData")
+        user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
+        env = dict(re.findall(r"^(SPOTVISOR_[A-Z_]+)=(\S+)$", user_data, re.M))  # the agent's env file
+        imds = FakeImds(instance_id=iid)
+        await imds.start()
+        agent = _Agent(trainer_env=self.trainer_env, standin=self.standin, daemon_url=env["SPOTVISOR_DAEMON_URL"],
+                       token=env["SPOTVISOR_AGENT_TOKEN"], node_id=env["SPOTVISOR_NODE_ID"],
+                       metadata=AwsImds(imds.url, timeout_s=1.0), workdir=self.workdir / iid,
+                       poll_interval_s=0.1, heartbeat_interval_s=0.2, metadata_max_backoff_s=0.5)
+        self.agents[iid] = (asyncio.create_task(agent.run(), name=f"agent:{iid}"), imds, env["SPOTVISOR_NODE_ID"])
+        self._booting.discard(iid)
+
+    async def _down(self, iid: str) -> None:
+        task, imds, _ = self.agents.pop(iid)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await imds.aclose()
+
+    def notice(self, node_id: str, *, lead_s: float) -> None:
+        """EC2 publishes a spot interruption notice on the node's IMDS, and reclaims the
+        instance at its time (unless the daemon terminated it first)."""
+        iid, (_, imds, _) = next((i, a) for i, a in self.agents.items() if a[2] == node_id)
+        imds.publish_interruption("terminate", time=datetime.now(timezone.utc) + timedelta(seconds=lead_s))
+
+        async def reclaim() -> None:
+            await asyncio.sleep(lead_s)
+            await asyncio.to_thread(self.ec2.terminate_instances, InstanceIds=[iid])
+
+        t = asyncio.create_task(reclaim(), name=f"reclaim:{iid}")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+
+class Daemon:
+    """``spotvisord run --config FILE`` in its own process, with a ``/v1/events`` follower."""
+
+    def __init__(self, config: Path, socket_path: str, log: Path) -> None:
+        self.config = config
+        self.socket_path = socket_path
+        self.log = log
+        self.proc: asyncio.subprocess.Process | None = None
+        self.seen: list[dict[str, Any]] = []  # what the follower was shown
+        self._follower: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "daemon.cli", "run", "--config", str(self.config), cwd=ROOT,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
+        ready = asyncio.get_running_loop().create_future()
+        self._follower = asyncio.create_task(self._follow(ready), name="follower")
+        async with asyncio.timeout(30):
+            await ready
+
+    async def _follow(self, ready: asyncio.Future[None]) -> None:
+        since = 0
+        while self.proc is not None and self.proc.returncode is None:
+            try:
+                conn = aiohttp.UnixConnector(path=self.socket_path)
+                async with aiohttp.ClientSession(connector=conn) as s, \
+                        s.get("http://spotvisord/v1/events", params={"follow": "1", "since": str(since)}) as r:
+                    if not ready.done():
+                        ready.set_result(None)
+                    async for line in r.content:
+                        if line.strip():
+                            ev = json.loads(line)
+                            self.seen.append(ev)
+                            since = ev["seq"]
+            except (aiohttp.ClientError, OSError):
+                pass
+            await asyncio.sleep(0.05)
+
+    def saw(self, kind: str, node: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.seen if e["kind"] == kind and (node is None or e["node"] == node)]
+
+    async def until(self, pred, timeout_s: float = 20.0, what: str = "") -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not pred():
+                    if self.proc is not None and self.proc.returncode is not None:
+                        raise AssertionError(f"the daemon exited ({self.proc.returncode}) waiting for {what}: "
+                                             + self.log.read_text()[-3000:])
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; events: "
+                                 f"{[(e['seq'], e['kind'], e['node']) for e in self.seen]}") from None
+
+    async def sigkill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        await self.proc.wait()
+        await self._stop_follower()
+
+    async def exited(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        try:
+            rc = await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+            raise AssertionError(f"the daemon did not exit: {self.log.read_text()[-3000:]}") from None
+        await self._stop_follower()
+        return rc
+
+    async def _stop_follower(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
+
+
+@pytest.fixture
+def faults(ec2_server: str) -> Iterator[AwsFaultProxy]:
+    proxy = AwsFaultProxy(ec2_server)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+async def world(tmp_path: Path, faults: AwsFaultProxy, ec2_server: str) -> AsyncIterator[dict[str, Any]]:
+    """A config for ``spotvisord run`` (AWS through the fault proxy, one node, fixed agent
+    port so a restarted daemon is where the agents' user-data says), and the Ec2Sim."""
+    pool = f"kill-{uuid.uuid4().hex[:8]}"
+    sockdir = tempfile.mkdtemp(prefix="svk-", dir="/tmp")
+    raw = {
+        "pool": {"name": pool, "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1},
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
+                   "agent_host": "127.0.0.1", "agent_port": _free_port(), "reconcile_interval_s": 0.1,
+                   "rejoin_timeout_s": 5},
+        "providers": {"local": None, "aws": {"image_id": "ami-03cf127a", "endpoint_url": faults.url}},
+        "offers": [{"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "p4d.24xlarge",
+                    "gpu_type": "A100-40GB", "gpus_per_node": 8}],
+    }
+    cfg = tmp_path / "spotvisord.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    gate = tmp_path / "flush-done"
+    trainer_env = {"STANDIN_LEDGER": str(tmp_path / "ledger.json"), "STANDIN_TARGET": "30", "STANDIN_STEP_S": "0.05",
+                   "STANDIN_GATE": str(gate)}
+    daemons: list[Daemon] = []
+
+    def daemon() -> Daemon:
+        d = Daemon(cfg, f"{sockdir}/d.sock", tmp_path / "spotvisord.log")
+        daemons.append(d)
+        return d
+
+    try:
+        async with Ec2Sim(ec2_server, pool, tmp_path / "instances", trainer_env) as sim:
+            yield {"pool": pool, "endpoint": ec2_server, "daemon": daemon, "sim": sim, "gate": gate,
+                   "ledger": tmp_path / "ledger.json", "db": tmp_path / "state" / "spotvisord.db",
+                   "trainer_env": trainer_env}
+    finally:
+        for d in daemons:  # a test that failed half-way leaves no daemon behind
+            if d.proc is not None and d.proc.returncode is None:
+                d.proc.kill()
+                await d.proc.wait()
+            await d._stop_follower()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _stored_events(db: Path) -> list[Event]:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
+        return [Event(s, t, k, n, json.loads(d)) for s, t, k, n, d in
+                c.execute("SELECT seq, time, kind, node, data FROM events ORDER BY seq")]
+
+
+def _outcome(world: dict[str, Any], seen_before_kill: list[dict[str, Any]]) -> dict[str, Any]:
+    sim: Ec2Sim = world["sim"]
+    stored = _stored_events(world["db"])
+    ledger = set(json.loads(world["ledger"].read_text()))
+    instances = sim.instances()
+    per_node: dict[str, int] = {}
+    for inst in instances:
+        per_node[sim.node_of(inst)] = per_node.get(sim.node_of(inst), 0) + 1
+    return {
+        "stored": stored,
+        "job_completed": any(e.kind == "job_completed" for e in stored),
+        "lost_checkpoints": len(ledger - {e.data["step"] for e in stored if e.kind == "checkpoint_committed"}),
+        "leaked": len([i for i in instances if i["State"]["Name"] in _LIVE]),
+        "duplicates": sum(n - 1 for n in per_node.values()),
+        "lost_events": lost_events(stored, seen_before_kill),
+    }
+
+
+def _kinds(stored: list[Event], kind: str) -> list[Event]:
+    return [e for e in stored if e.kind == kind]
+
+
+def _execute_late(endpoint: str, params: dict[str, str]) -> None:
+    """EC2 executes, now, a RunInstances request that was on the wire: the recorded form,
+    sent to moto as it was (moto reads the region from the credential scope)."""
+    auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/ec2/aws4_request, SignedHeaders=host, Signature=0"
+    req = urllib.request.Request(endpoint + "/", data=urllib.parse.urlencode(params).encode(),
+                                 headers={"Content-Type": "application/x-www-form-urlencoded", "Authorization": auth})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["launch_landed", "launch_lands_after_restart"])
+async def test_daemon_sigkill_mid_launch(world: dict[str, Any], faults: AwsFaultProxy, landed: bool,
+                                         matrix: Matrix) -> None:
+    """launch_landed: EC2 created the instance, its answer never reached the daemon.
+    launch_lands_after_restart: the request is still on the wire at the kill; it is
+    executed after the new daemon has given the node up and launched another."""
+    sim: Ec2Sim = world["sim"]
+    if landed:
+        faults.delay_next("RunInstances", 30.0)  # forwarded at once, answered (to a dead daemon) 30 s later
+    else:
+        faults.delay_next("RunInstances", 600.0, after_forward=False)  # held on the wire
+    a = world["daemon"]()
+    await a.start()
+    await a.until(lambda: a.saw("node_launch_requested"), what="the launch request")
+    await a.until(lambda: faults.actions("RunInstances"), what="RunInstances on the wire")
+    if landed:
+        await a.until(lambda: sim.live(), what="the instance in EC2")
+    await a.sigkill()
+    assert not a.saw("node_launched")  # the daemon died inside provider.launch
+    seen = list(a.seen)
+
+    b = world["daemon"]()
+    await b.start()
+    if not landed:
+        await b.until(lambda: b.saw("node_launch_failed", f"{world['pool']}-1"), what="node 1 given up")
+        await asyncio.to_thread(_execute_late, world["endpoint"], faults.actions("RunInstances")[0].params)
+        await b.until(lambda: [e for e in b.saw("node_terminated", f"{world['pool']}-1")
+                               if e["data"]["reason"] == "unowned_instance"], what="the late instance released")
+    assert await b.exited(90) == 0  # the job completed, every instance released: it exits by itself
+    out = _outcome(world, seen)
+    row = matrix.row(f"daemon SIGKILL mid-launch ({'instance created' if landed else 'request lands late'})",
+                     job_completed=out["job_completed"], lost_checkpoints=out["lost_checkpoints"],
+                     leaked_instances=out["leaked"] + out["duplicates"], lost_events=out["lost_events"])
+    assert row.clean(), (row, out["duplicates"])
+    stored = out["stored"]
+    launched = [(e.node, e.data.get("adopted", False)) for e in _kinds(stored, "node_launched")]
+    pool = world["pool"]
+    if landed:
+        assert launched == [(f"{pool}-1", True)]  # adopted, not launched again
+        assert len(faults.actions("RunInstances")) == 1 and len(sim.instances()) == 1
+    else:
+        failed = _kinds(stored, "node_launch_failed")
+        assert [(e.node, e.data["error"]) for e in failed] == [(f"{pool}-1", "interrupted")]
+        assert launched == [(f"{pool}-2", False)]
+        late = [e for e in _kinds(stored, "node_terminated") if e.data["reason"] == "unowned_instance"]
+        assert [e.node for e in late] == [f"{pool}-1"]  # the late instance, released
+        assert len(sim.instances()) == 2
+
+
+async def test_daemon_sigkill_mid_checkpoint(world: dict[str, Any], matrix: Matrix) -> None:
+    """The node gets an interruption notice; its trainer starts the flush (held open by a
+    gate: a big checkpoint uploading); the daemon, which has already launched the
+    replacement, is SIGKILLed. A new daemon starts while the flush is still running; the
+    replacement boots and registers; then the flush commits. The commit and the trainer's
+    exit reach the new daemon through the agent's retries; the replacement joins only
+    after the noticed node has left; the job completes."""
+    sim: Ec2Sim = world["sim"]
+    pool = world["pool"]
+    a = world["daemon"]()
+    await a.start()
+    await a.until(lambda: a.saw("job_resumed"), what="the job running")
+    await asyncio.sleep(0.3)  # a few steps in
+    sim.notice(f"{pool}-1", lead_s=60)
+    await a.until(lambda: a.saw("interruption_notice") and a.saw("node_launched", f"{pool}-2"),
+                  what="the notice and the replacement launched")
+    await a.sigkill()  # the flush is in progress (the gate is closed)
+    assert not a.saw("checkpoint_committed")
+    seen = list(a.seen)
+
+    b = world["daemon"]()
+    await b.start()
+    await b.until(lambda: b.saw("node_ready", f"{pool}-2"), what="the replacement registered")
+    world["gate"].touch()  # the flush completes
+    assert await b.exited(90) == 0
+    out = _outcome(world, seen)
+    row = matrix.row("daemon SIGKILL mid-checkpoint (notice flush in flight)",
+                     job_completed=out["job_completed"], lost_checkpoints=out["lost_checkpoints"],
+                     leaked_instances=out["leaked"] + out["duplicates"], lost_events=out["lost_events"])
+    assert row.clean(), (row, out["duplicates"])
+    stored = out["stored"]
+    (commit,) = [e for e in _kinds(stored, "checkpoint_committed") if e.data["reason"] == "notice"]
+    (notice,) = _kinds(stored, "interruption_notice")
+    assert commit.data["notice_ids"] == [notice.data["notice_id"]]
+    exited = next(e for e in _kinds(stored, "trainer_exited") if e.node == f"{pool}-1")
+    admitted = next(e for e in _kinds(stored, "node_admitted") if e.node == f"{pool}-2")
+    assert admitted.seq > exited.seq, "the replacement joined while the noticed node was still in the job"
+    resumed = [e for e in _kinds(stored, "job_resumed") if e.node == f"{pool}-2"]
+    assert resumed and resumed[0].data["step"] == commit.data["step"]  # resumed from the notice's commit
+    assert len(sim.instances()) == 2

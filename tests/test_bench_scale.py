@@ -1,0 +1,50 @@
+"""bench/scale.py, small: 20 simulated nodes, a 2-node notice storm, a few seconds each phase.
+
+It checks that the bench runs end to end (daemon, fleet and webhook sink in three
+processes) and that its figures are there and consistent, not what they are: the
+numbers belong to the 1,000-node run (bench/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.scale import Options, _config
+from daemon.config import Config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_config_admits_full_and_post_storm_world_sizes(tmp_path: Path) -> None:
+    o = Options(nodes=1000, gpus_per_node=8, storm_frac=0.1)
+    config = Config.model_validate(_config(o, tmp_path, "/tmp/x.sock", "http://127.0.0.1:1/hook"))
+    valid = set(config.job.valid_world_sizes(8000))
+    assert {8000, 7200} <= valid
+    assert config.agent.heartbeat_interval_s == o.heartbeat_interval_s == 1.0
+
+
+def test_scale_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--nodes", "20", "--steady-s", "2", "--settle-s", "0.5",
+         "--boot-s", "0.3", "--rdzv-s", "0.5", "--flush-s", "0.3", "--step-s", "0.5", "--probe-every-s", "0.5",
+         "--json", str(out), "--quiet"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "daemon CPU, steady (% of one core)" in proc.stdout
+    doc = json.loads(out.read_text())
+    storm = doc["storm"]
+    assert storm["notices"] == 2
+    assert storm["replacements_planned"] == 2 and storm["replacements_issued"] == 2
+    assert 0 <= storm["all_replacements_planned_s"] <= storm["all_replacements_issued_s"]
+    assert storm["back_at_full_size_s"] is not None
+    steady = doc["steady"]
+    assert steady["heartbeats_per_s"] > 0 and steady["daemon_rss_mb"]["max"] > 0
+    assert doc["webhook_latency"]["steady"]["n"] >= 1  # the probe's pool_scaled events
+    assert doc["webhook"]["events"] > 0 and doc["webhook"]["bad_signatures"] == 0
+    assert doc["fleet"]["hb_failed"] == 0 and doc["fleet"]["reports_failed"] == 0
+    assert doc["daemon_log"]["errors"] == 0
