@@ -30,7 +30,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping
 
 import structlog
 
@@ -41,6 +41,9 @@ from daemon.model import Event
 from daemon.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
 from daemon.store import Store
+
+if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
+    from daemon.supervisor import Supervisor
 
 __all__ = ["main", "running_daemon", "format_event"]
 
