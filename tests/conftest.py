@@ -43,6 +43,7 @@ import asyncio  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import sys  # noqa: E402
 from collections.abc import AsyncIterator, Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -189,3 +190,22 @@ def oss_server() -> Iterator[object]:
         with FakeOss(access_key_id=_OSS_TEST_ENV["OSS_ACCESS_KEY_ID"],
                      access_key_secret=_OSS_TEST_ENV["OSS_ACCESS_KEY_SECRET"], region="cn-hangzhou") as fake:
             yield fake
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
+    """Run ``spotctl ARGS`` (``python -m daemon.ctl``) from the repository root; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.ctl", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()

@@ -16,24 +16,10 @@ from pathlib import Path
 
 import aiohttp
 
+from conftest import spotctl
 from daemon.model import NodeState
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "daemon.ctl", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def running_node(h) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from conftest import DaemonHarness, RecordingProvider
+from conftest import DaemonHarness, RecordingProvider, spotctl
 from daemon.agent import NodeAgent
 from daemon.config import Config
 from daemon.gpu import GpuSampler
@@ -83,21 +83,6 @@ STANDIN = textwrap.dedent(
         time.sleep(0.02)
     """
 )
-
-
-async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "daemon.ctl", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def one_line(err: str) -> str:
