@@ -82,13 +82,14 @@ def test_kinds(tmp_path: Path, kind: str, hold: bool) -> None:
     d = PreemptionGuard(f).check()
     assert d.checkpoint and d.hold is hold
     assert d.notice_ids == ("n-a",) and d.kinds == (kind,)
+    assert d.leaving_ranks == ((0,) if kind == "interruption" else ())  # only an interruption takes the node
 
 
 def test_mixed_kinds_hold_wins(tmp_path: Path) -> None:
     f = tmp_path / "notices.json"
     _write(f, [_notice("c1", "checkpoint"), _notice("i1", "interruption"), _notice("c1", "checkpoint")])
     d = PreemptionGuard(f).check()
-    assert d == Decision(True, True, ("c1", "i1"), ("checkpoint", "interruption"))
+    assert d == Decision(True, True, ("c1", "i1"), ("checkpoint", "interruption"), leaving_ranks=(0,))
 
 
 def test_handled_ids_skipped(tmp_path: Path) -> None:
@@ -215,3 +216,25 @@ def test_hold_raises_when_a_peer_leaves(tmp_path: Path) -> None:
     r = json.loads((tmp_path / "peer-left.json").read_text())
     assert r["outcome"] != "returned"
     assert r["after"] < 15.0
+
+
+def _node_leaves_worker(rank: int, port: int, tmp: str) -> None:
+    # four ranks on two "nodes" (torchrun's GROUP_RANK): ranks 0, 1 on node 0, ranks 2, 3 on node 1
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        notice_file = Path(tmp) / f"notices-node{rank // 2}-rank{rank}.json"
+        if rank == 3:  # only one rank of node 1 has read the notice at this boundary
+            _write(notice_file, [_notice("n-1", "interruption")])
+        d = PreemptionGuard(notice_file).check()
+        Path(tmp, f"leaving-{rank}.json").write_text(json.dumps(list(d.leaving_ranks)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_of_a_noticed_node_leaves(tmp_path: Path) -> None:
+    """The survivors are whole nodes: a rank of the noticed node that read the notice file
+    a moment before the agent wrote it still counts as leaving, with its node."""
+    mp.spawn(_node_leaves_worker, args=(_free_port(), str(tmp_path)), nprocs=4, join=True)
+    for rank in range(4):
+        assert json.loads((tmp_path / f"leaving-{rank}.json").read_text()) == [2, 3]

@@ -82,13 +82,16 @@ class Notice:
 class Decision:
     """What all ranks do at this step boundary (identical on every rank).
 
-    ``kinds[i]`` is the kind of ``notice_ids[i]``.
+    ``kinds[i]`` is the kind of ``notice_ids[i]``. ``leaving_ranks``: the ranks whose
+    own node has an interruption notice (they read it from their node's notice file),
+    ascending; the rest of the world survives the preemption.
     """
 
     checkpoint: bool = False
     hold: bool = False
     notice_ids: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
+    leaving_ranks: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return self.checkpoint or self.hold
@@ -282,23 +285,32 @@ class PreemptionGuard:
                 hold=bool(need_hold),
                 notice_ids=tuple(n.id for n in local),
                 kinds=tuple(n.kind.value for n in local),
+                leaving_ranks=(0,) if any(n.kind is NoticeKind.INTERRUPTION for n in local) else (),
             )
         flags = torch.tensor([need_ckpt, need_hold], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         need_ckpt, need_hold = (int(v) for v in flags.tolist())
         if not need_ckpt:
             return Decision()
-        gathered: list[list[tuple[str, str]] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [(n.id, n.kind.value) for n in local])
+        # with the node (torchrun's GROUP_RANK): every local rank of a noticed node leaves,
+        # even one that read the notice file a moment before the agent wrote it
+        node = os.environ.get("GROUP_RANK", str(dist.get_rank()))
+        gathered: list[tuple[str, list[tuple[str, str]]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (node, [(n.id, n.kind.value) for n in local]))
         union: dict[str, str] = {}
-        for part in gathered:
-            for nid, kind in part or ():
+        noticed_nodes: set[str] = set()
+        for node_id, part in filter(None, gathered):
+            for nid, kind in part:
                 union.setdefault(nid, kind)
+                if kind == NoticeKind.INTERRUPTION.value:
+                    noticed_nodes.add(node_id)
+        leaving = [rank for rank, g in enumerate(gathered) if g is not None and g[0] in noticed_nodes]
         return Decision(
             checkpoint=True,
             hold=bool(need_hold),
             notice_ids=tuple(union),
             kinds=tuple(union.values()),
+            leaving_ranks=tuple(leaving),
         )
 
     def hold(self, timeout_s: float, poll_s: float = 0.25) -> None:

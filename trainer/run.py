@@ -76,7 +76,9 @@ from trainer.runtime import (
     data_position,
     env_world,
     new_attempt_id,
+    rendezvous_endpoint,
     setup_distributed,
+    shrink_process_group,
     teardown_distributed,
 )
 from trainer.sampler import ElasticSampler
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--data", action="append", default=[], metavar="PATH",
                    help=".txt or .jsonl ({\"text\": ...} lines) file; repeatable; default: CPython's help texts")
+    p.add_argument("--resize", choices=("in-process", "restart"), default="in-process",
+                   help="after a notice commit, the survivors re-form the process group in their running "
+                        "workers (in-process, needs $SPOTVISOR_RDZV_ENDPOINT) or hold for torchrun's restart")
     return p
 
 
@@ -179,6 +184,10 @@ class Job:
     """
 
     wrap_before_resume = False
+    #: The survivors of a notice can go on in the same processes (:meth:`shrink`): true when
+    #: every rank holds the whole model and optimizer state (DDP). A sharded job (ZeRO,
+    #: FSDP) must reload at the new world size, so its subclass sets it False.
+    in_process_resize = True
 
     def __init__(
         self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor
@@ -394,6 +403,10 @@ class Job:
                 self.commit(reason=reason, decision=decision)
             if final:
                 break
+            if decision.hold and self._can_shrink(decision):
+                self.shrink(decision)
+                t_window, n_window = time.perf_counter(), 0
+                continue
             if decision.hold:
                 self.status.emit("holding", step, notice_ids=list(decision.notice_ids),
                                  kinds=list(decision.kinds), timeout_s=args.hold_timeout_s)
@@ -418,6 +431,70 @@ class Job:
         self.status.emit("completed", self.state.step)
         if self.ctx.is_leader:
             log.info("completed: step %d committed", self.state.step)
+
+    # -- in-process shrink (DESIGN: "where it is going")
+
+    def _can_shrink(self, decision: Decision) -> bool:
+        """Whether the survivors of ``decision`` go on in these processes. The same on
+        every rank: it reads only the decision, the job's flags and the environment the
+        agent gives every node."""
+        leaving = set(decision.leaving_ranks)
+        survivors = self.ctx.world_size - len(leaving)
+        if not (self.in_process_resize and getattr(self.args, "resize", "restart") == "in-process"
+                and self.ctx.initialized and leaving and survivors > 0
+                and "rejoin" not in decision.kinds and rendezvous_endpoint() is not None):
+            return False
+        try:
+            ElasticBatch(self.G, self.plan.micro_batch_size).plan(survivors)
+        except BatchError as exc:
+            if self.ctx.is_leader:
+                log.warning("no in-process shrink to world %d (%s): holding for a restart", survivors, exc)
+            return False
+        return True
+
+    def shrink(self, decision: Decision) -> None:
+        """The survivors of a notice go on at the smaller world size without a restart.
+
+        Called on every rank right after the notice commit. A leaving rank (its node has
+        the notice) waits for its agent to stop it, as a held rank does. A survivor
+        re-forms the default process group over the survivors
+        (:func:`~trainer.runtime.shrink_process_group`), re-plans the batch (same global
+        batch, gradient accumulation recomputed), re-wraps DDP and starts a new attempt at
+        the same step: its ``started`` line says ``resized: "in_process"`` and
+        ``resumed_from`` the step just committed. The model, the optimizer's state and the
+        data position are already in memory and identical on every rank, so nothing is
+        loaded. If anything fails here the worker exits non-zero, torchrun restarts the
+        group, and it resumes from that same commit.
+        """
+        step = self.state.step
+        leaving = set(decision.leaving_ranks)
+        if self.ctx.rank in leaving:
+            self.status.emit("holding", step, notice_ids=list(decision.notice_ids),
+                             kinds=list(decision.kinds), timeout_s=self.args.hold_timeout_s)
+            time.sleep(self.args.hold_timeout_s)  # the agent stops this node after the commit
+            raise RuntimeError(f"rank {self.ctx.rank} was not stopped within {self.args.hold_timeout_s:.0f} s "
+                               "of leaving; exiting so torchrun restarts it")
+        survivors = [r for r in range(self.ctx.world_size) if r not in leaving]
+        old_world, t0 = self.ctx.world_size, time.perf_counter()
+        endpoint = rendezvous_endpoint()
+        assert endpoint is not None  # _can_shrink
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        self.ddp = self.state.model  # drop DDP's hooks on the old group before it goes
+        self.ctx = shrink_process_group(self.ctx, survivors, f"spotvisor/{run_id}/shrink/{self.attempt}/{step}",
+                                        endpoint, self.args.pg_timeout_s)
+        self.plan = ElasticBatch(self.G, self.plan.micro_batch_size).plan(self.ctx.world_size)
+        self.attempt = new_attempt_id(self.ctx)
+        self.steplog.close()
+        self.status = StatusWriter(os.environ.get(STATUS_FILE_ENV), self.ctx, self.attempt)
+        self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), self.ctx, self.attempt)
+        self.wrap()
+        seconds = time.perf_counter() - t0
+        if self.ctx.is_leader:
+            log.info("shrunk in-process from world %d to %d at step %d in %.3f s (attempt %s)",
+                     old_world, self.ctx.world_size, step, seconds, self.attempt)
+        self.status.emit("started", step, resumed_from=step, resized="in_process", old_world_size=old_world,
+                         resize_s=round(seconds, 4), global_batch_size=self.G,
+                         micro_batch_size=self.plan.micro_batch_size, grad_accum_steps=self.plan.grad_accum_steps)
 
     def close(self) -> None:
         self.steplog.close()

@@ -9,7 +9,10 @@ The agent's side of the contract (``daemon/agent.py``): it starts ``torchrun`` w
 - ``SPOTVISOR_LOG_DIR``: one JSON-lines step log per rank and attempt (:class:`StepLog`),
   from which ``daemon/summary.py`` counts lost and repeated samples;
 - ``SPOTVISOR_SCRATCH_DIR``: a node-local directory for framework checkpoints before upload;
-- ``SPOTVISOR_S3_ENDPOINT_URL`` / ``SPOTVISOR_OSS_ENDPOINT``: the object store's endpoint.
+- ``SPOTVISOR_S3_ENDPOINT_URL`` / ``SPOTVISOR_OSS_ENDPOINT``: the object store's endpoint;
+- ``SPOTVISOR_RDZV_ENDPOINT``: ``host:port`` of the rendezvous store on the control node
+  (the one torchrun's ``--rdzv-endpoint`` names), where :func:`shrink_process_group`
+  forms the survivors' group after a preemption without restarting them.
 
 Used by the reference trainer (:mod:`trainer.run`) and the integrations
 (:mod:`trainer.integrations`).
@@ -42,6 +45,8 @@ __all__ = [
     "env_world",
     "setup_distributed",
     "teardown_distributed",
+    "rendezvous_endpoint",
+    "shrink_process_group",
     "new_attempt_id",
     "barrier",
     "data_position",
@@ -62,6 +67,7 @@ LOG_DIR_ENV = "SPOTVISOR_LOG_DIR"
 SCRATCH_DIR_ENV = "SPOTVISOR_SCRATCH_DIR"
 S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
 OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
+RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
 
 
 # --------------------------------------------------------------------------- the daemon's flags
@@ -170,6 +176,52 @@ def setup_distributed(timeout_s: float = 120.0) -> DistContext:
 def teardown_distributed(ctx: DistContext) -> None:
     if ctx.initialized and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rendezvous_endpoint() -> tuple[str, int] | None:
+    """``(host, port)`` from ``$SPOTVISOR_RDZV_ENDPOINT``, or None when unset or malformed."""
+    raw = os.environ.get(RDZV_ENDPOINT_ENV, "").strip()
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpoint: tuple[str, int],
+                         timeout_s: float) -> DistContext:
+    """Re-form the default process group over ``survivors`` (old ranks, ascending), in place.
+
+    For a *planned* leave (an interruption notice): the leaving ranks are still alive
+    and have just committed with everyone, so the survivors keep their processes, their
+    model and optimizer state and their imports, and only the group changes. Called on
+    every survivor (never on a leaving rank, which waits for its node to be stopped):
+    the old group is destroyed here (gloo and NCCL alike; the leaving ranks' end of it
+    simply goes quiet) and a new one is initialized through ``PrefixStore(key, TCPStore
+    client of endpoint)``. The endpoint is the rendezvous store on the control node, not
+    the old rank 0's store: rank 0 may be among the leavers. ``key`` must be the same on
+    every survivor and new for each shrink (the caller derives it from the attempt id and
+    the step). New ranks keep the old order: ``survivors.index(old_rank)``.
+
+    Returns the new context (same local rank, backend and device; ``world_size ==
+    len(survivors)``). About 10 ms for gloo on one machine: no process starts, nothing
+    is loaded.
+
+    Raises:
+        ValueError: this rank is not among ``survivors``, or ``ctx`` has no process group.
+        RuntimeError / DistStoreError: (torch) a survivor did not join within ``timeout_s``;
+            let it propagate: the worker exits non-zero and torchrun restarts the group,
+            which resumes from the commit just made.
+    """
+    if not ctx.initialized or ctx.rank not in survivors:
+        raise ValueError(f"rank {ctx.rank} cannot shrink into {survivors}")
+    new_rank = survivors.index(ctx.rank)
+    dist.destroy_process_group()
+    timeout = timedelta(seconds=timeout_s)
+    client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
+    dist.init_process_group(backend=ctx.backend, store=dist.PrefixStore(key, client), rank=new_rank,
+                            world_size=len(survivors), timeout=timeout,
+                            **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
+    return DistContext(new_rank, ctx.local_rank, len(survivors), ctx.backend, ctx.device, True)
 
 
 def new_attempt_id(ctx: DistContext) -> str:

@@ -80,6 +80,8 @@ class DeepSpeedJob(Job):
     replaces how a step is computed and how state is committed and resumed.
     """
 
+    in_process_resize = False  # each rank holds a shard: a new world size reloads from the commit
+
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
         super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, model + AdamW, guard
         import deepspeed

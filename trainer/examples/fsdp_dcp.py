@@ -89,6 +89,7 @@ class DcpJob(Job):
     """
 
     wrap_before_resume = True  # DCP loads into FSDP2's sharded parameters
+    in_process_resize = False  # FSDP2 shards: a new world size reloads from the commit
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
         super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, model + AdamW, guard

@@ -1,0 +1,129 @@
+"""The survivors of a notice re-form their process group in their running workers
+(``trainer.runtime.shrink_process_group``, ``trainer.run.Job.shrink``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.batch import ElasticBatch
+from trainer.guard import Decision
+from trainer.run import Job
+from trainer.runtime import RDZV_ENDPOINT_ENV, DistContext, rendezvous_endpoint, shrink_process_group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gone(port: int, timeout_s: float) -> bool:
+    """True once nothing listens on 127.0.0.1:port any more."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _worker(rank: int, group_port: int, store_port: int, tmp: str) -> None:
+    # rank 0 hosts the group's store (env:// init, as torchrun's workers do) and is the one that leaves
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=30))
+    ctx = DistContext(rank, 0, 3, "gloo", torch.device("cpu"), True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = DDP(model)
+    dist.barrier()  # the notice commit
+    if rank == 0:
+        os._exit(0)  # the noticed node is stopped after the commit
+    new = shrink_process_group(ctx, [1, 2], "test/shrink/1", ("127.0.0.1", store_port), 30.0)
+    del ddp
+    ddp = DDP(model)  # over the new default group
+    assert _gone(group_port, timeout_s=20.0)  # train on once the old rank 0 and its store are gone
+    x = torch.full((3, 4), float(new.rank + 1))
+    ddp(x).sum().backward()
+    t = torch.tensor([float(new.rank + 1)])
+    dist.all_reduce(t)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps({
+        "new_rank": new.rank, "world": new.world_size, "dist_world": dist.get_world_size(),
+        "sum": t.item(), "grad": model.weight.grad.tolist()}))
+    dist.destroy_process_group()
+
+
+def test_survivors_go_on_after_the_store_host_leaves(tmp_path: Path) -> None:
+    store_port = _free_port()
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    try:
+        mp.spawn(_worker, args=(_free_port(), store_port, str(tmp_path)), nprocs=3, join=True)
+    finally:
+        del store
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r2 = json.loads((tmp_path / "rank2.json").read_text())
+    assert (r1["new_rank"], r2["new_rank"]) == (0, 1)  # old order kept
+    assert r1["world"] == r2["world"] == r1["dist_world"] == 2
+    assert r1["sum"] == r2["sum"] == 3.0  # 1 + 2: only the survivors
+    assert r1["grad"] == r2["grad"]  # DDP averaged over the two survivors
+
+
+def test_shrink_refuses_a_leaving_rank() -> None:
+    ctx = DistContext(0, 0, 3, "gloo", torch.device("cpu"), True)
+    with pytest.raises(ValueError, match="rank 0 cannot shrink"):
+        shrink_process_group(ctx, [1, 2], "k", ("127.0.0.1", 1), 1.0)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("127.0.0.1:29400", ("127.0.0.1", 29400)),
+    ("[::1]:29400", ("::1", 29400)),
+    ("", None), ("nohost", None), ("host:port", None),
+])
+def test_rendezvous_endpoint(monkeypatch: pytest.MonkeyPatch, raw: str, expected) -> None:
+    monkeypatch.setenv(RDZV_ENDPOINT_ENV, raw)
+    assert rendezvous_endpoint() == expected
+
+
+def _job(world: int, *, resize: str = "in-process", global_batch: int = 12) -> Job:
+    job = object.__new__(Job)
+    job.args = argparse.Namespace(resize=resize)
+    job.ctx = DistContext(0, 0, world, "gloo", torch.device("cpu"), True)
+    job.G = global_batch
+    job.plan = ElasticBatch(global_batch, 1).plan(world)
+    return job
+
+
+_LEAVE_2 = Decision(True, True, ("n",), ("interruption",), (2,))
+
+
+@pytest.mark.parametrize("decision, resize, global_batch, expected", [
+    (_LEAVE_2, "in-process", 12, True),
+    (Decision(True, True, ("n", "m"), ("interruption", "interruption"), (1, 2)), "in-process", 12, True),
+    (_LEAVE_2, "restart", 12, False),  # --resize restart
+    (Decision(True, True, ("n", "r"), ("interruption", "rejoin"), (2,)), "in-process", 12, False),  # a grow too
+    (Decision(True, True, ("r",), ("rejoin",), ()), "in-process", 12, False),  # nobody leaves
+    (Decision(True, True, ("n",), ("interruption",), (0, 1, 2)), "in-process", 12, False),  # nobody survives
+    (_LEAVE_2, "in-process", 9, False),  # 9 splits over 3 ranks, not over 2: hold for a restart instead
+])
+def test_when_the_survivors_go_on_in_process(monkeypatch: pytest.MonkeyPatch, decision: Decision, resize: str,
+                                             global_batch: int, expected: bool) -> None:
+    monkeypatch.setenv(RDZV_ENDPOINT_ENV, "127.0.0.1:29400")
+    assert _job(3, resize=resize, global_batch=global_batch)._can_shrink(decision) is expected
+
+
+def test_no_shrink_without_the_rendezvous_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RDZV_ENDPOINT_ENV, raising=False)
+    assert not _job(3)._can_shrink(Decision(True, True, ("n",), ("interruption",), (2,)))
