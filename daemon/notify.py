@@ -4,26 +4,34 @@ Where it sits: events are already durable (the store's ``events`` table, ``seq``
 persisted and monotonic). The **outbox** is one cursor per sink in the store's
 ``kv`` table, ``notify.cursor.<sink>`` = the last ``seq`` that sink is done with;
 no event is copied. One worker task per sink reads the events after its cursor,
-oldest first, sends each one the sink wants, and advances the cursor only after
-the sink answered 2xx. So:
+oldest first, and sends **every pending event the sink wants, up to its
+``max_batch``, in one request** (a batch); it advances the cursor past the whole
+batch only after the sink answered 2xx. A burst (1,000 nodes registering: ~4,000
+events in 10 s) thus costs a few requests, not one round trip per event queued
+behind the others. So:
 
-- **at least once, in order per sink**: an event is re-sent until a 2xx and the
-  next one waits for it. A daemon restart resumes at the first event not yet
-  acknowledged; only the one in flight when the daemon stopped can arrive twice,
-  so receivers de-duplicate by ``seq`` (in every body);
+- **at least once, in order per sink**: a batch is re-sent, the same events, until
+  a 2xx, and the next batch waits for it; events within a batch and batches are
+  oldest first. A daemon restart resumes at the first event not yet acknowledged;
+  only the batch in flight when the daemon stopped can arrive twice (then possibly
+  with more events after it), so receivers de-duplicate by ``seq`` (in every event);
 - **never blocking the supervisor**: ``Supervisor.record()`` only wakes the workers
   (:meth:`Notifier.wake` is a listener). A sink that is down is retried with
   exponential backoff and jitter (tenacity), capped at the sink's ``max_backoff_s``,
-  for as long as it is down; other sinks are not held up. Every failed attempt is
-  logged (``notify_attempt_failed``: sink, seq, status or error, next wait). A sink
-  that answers 4xx is retried too: the queue waits until the operator fixes it;
+  for as long as it is down; other sinks are not held up. A 429 with a
+  ``Retry-After`` (seconds or an HTTP date) waits at least that long (at most
+  :data:`RETRY_AFTER_MAX_S`). Every failed attempt is logged
+  (``notify_attempt_failed``: sink, first and last seq of the batch, status or error,
+  next wait). A sink that answers 4xx is retried too: the queue waits until the
+  operator fixes it;
 - a sink seen for the first time starts after the newest event already stored (a
   sink added to a long-lived pool does not replay its history).
 
 **Generic webhook** (``type: webhook``): ``POST url`` with ``Content-Type:
-application/json`` and the UTF-8 JSON body
-``{"seq", "time", "kind", "node", "data", "pool", "text"}`` (``time``: unix seconds
-the event was recorded; ``text``: the sink's template or the default line). Headers:
+application/json`` and the UTF-8 JSON body (:func:`webhook_batch_body`)
+``{"pool": ..., "events": [{"seq", "time", "kind", "node", "data", "text"}, ...]}``:
+one to ``max_batch`` (default 100) events, oldest first (``time``: unix seconds the
+event was recorded; ``text``: the sink's template or the default line). Headers:
 
 - ``X-Spotvisor-Timestamp``: unix seconds (an integer) when this attempt was sent;
 - ``X-Spotvisor-Signature``: ``sha256=`` + lowercase hex of
@@ -34,19 +42,26 @@ the event was recorded; ``text``: the sink's template or the default line). Head
 Each attempt is signed anew, so a delivery retried for hours still verifies. A
 receiver checks with :func:`verify_signature` (constant-time compare; replay
 protection: a timestamp more than ``tolerance_s`` away from its clock is refused),
-then drops a ``seq`` it has already handled.
+then handles each event of ``events`` in order, dropping a ``seq`` it has already
+handled.
 
 **Slack** (``type: slack``): an incoming webhook through slack-sdk's
-``AsyncWebhookClient``; the message (:func:`slack_message`) is Block Kit built from
-``slack_sdk.models.blocks`` (valid by construction, checked on serialisation): a
+``AsyncWebhookClient``; messages are Block Kit built from ``slack_sdk.models.blocks``
+(valid by construction, checked on serialisation). Slack takes about one message a
+second per hook (short bursts allowed, then 429 with ``Retry-After``), so the worker
+sends at most one message per :data:`SLACK_MIN_INTERVAL_S` and what arrives
+meanwhile joins the next message. A batch of one event is :func:`slack_message`: a
 header with an emoji per kind, the key numbers as a two-column field grid that reads
 well on a phone, a context line with pool, ``seq`` and time, and ``text`` as the
-notification fallback.
+notification fallback. Several events (up to ``max_batch``, default and most 24) are
+one :func:`slack_digest`: a header with the count, then per event its line and a
+context with ``seq`` and time, within Slack's 50 blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import hashlib
 import hmac
 import json
@@ -64,8 +79,9 @@ from slack_sdk.errors import SlackObjectFormationError
 from slack_sdk.models.blocks import Block, ContextBlock, HeaderBlock, MarkdownTextObject, PlainTextObject, SectionBlock
 from slack_sdk.webhook.async_client import AsyncWebhookClient
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity.wait import wait_base
 
-from daemon.config import ConfigError, SinkSpec
+from daemon.config import SLACK_MAX_BATCH, ConfigError, SinkSpec
 from daemon.model import Event, EventKind, Node
 from daemon.store import Store
 
@@ -76,10 +92,11 @@ __all__ = [
     "resolve_sinks",
     "sign",
     "verify_signature",
-    "webhook_body",
+    "webhook_batch_body",
     "render_text",
     "key_fields",
     "slack_message",
+    "slack_digest",
     "SlackMessage",
     "SinkStats",
     "EMOJI",
@@ -92,7 +109,8 @@ log = structlog.get_logger("spotvisor.notify")
 TIMESTAMP_HEADER = "X-Spotvisor-Timestamp"
 SIGNATURE_HEADER = "X-Spotvisor-Signature"
 CURSOR_KEY = "notify.cursor.{}"
-_BATCH = 100  # events read from the store at a time, per sink
+_READ = 500  # events read at a time by a sink that filters kinds (at least its max_batch)
+RETRY_AFTER_MAX_S = 3600.0  # a Retry-After longer than this is taken as this
 
 # Slack's limits (docs.slack.dev, Block Kit reference and chat.postMessage): a message
 # holds at most 50 blocks; a header's plain text 150 characters; a section's text 3000,
@@ -104,6 +122,10 @@ SLACK_SECTION_MAX_CHARS = 3000
 SLACK_FIELD_MAX_CHARS = 2000
 SLACK_MAX_FIELDS = 10
 SLACK_TEXT_MAX_CHARS = 3000
+SLACK_DIGEST_LINE_MAX_CHARS = 500  # one event's line in a digest: 24 of them stay far below 40 000
+# Slack's incoming webhooks: about one message a second per hook (docs.slack.dev, "Rate
+# limits": posting messages 1 per second, short bursts allowed, then HTTP 429 + Retry-After)
+SLACK_MIN_INTERVAL_S = 1.0
 
 # kind → the emoji of its header (tests check every EventKind has one)
 EMOJI: dict[str, str] = {
@@ -139,7 +161,33 @@ _DEFAULT_EMOJI = "🔔"
 
 
 class DeliveryError(Exception):
-    """A sink did not answer 2xx, or could not be reached in ``timeout_s``; retried."""
+    """A sink did not answer 2xx, or could not be reached in ``timeout_s``; retried.
+
+    ``retry_after_s``: the wait the sink asked for (a 429's ``Retry-After``), or None."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_s(status: int, headers: Mapping[str, str], *, now: float | None = None) -> float | None:
+    """The wait a 429 asks for: ``Retry-After`` as seconds or an HTTP date, in seconds,
+    at most :data:`RETRY_AFTER_MAX_S`; None for another status or no usable header."""
+    if status != 429:
+        return None
+    raw = (headers.get("Retry-After") or "").strip()
+    if not raw:
+        return None
+    try:
+        wait = float(raw)
+    except ValueError:
+        try:
+            wait = email.utils.parsedate_to_datetime(raw).timestamp() - (time.time() if now is None else now)
+        except (TypeError, ValueError, IndexError):
+            return None
+    if not math.isfinite(wait):
+        return None
+    return min(max(0.0, wait), RETRY_AFTER_MAX_S)
 
 
 # -- signing -----------------------------------------------------------------------------------
@@ -164,7 +212,9 @@ def verify_signature(secret: str | bytes, timestamp: str | int, body: bytes | st
 
     Returns:
         True only if the timestamp is an integer within ``tolerance_s`` of ``now`` and
-        the signature matches (constant-time compare). Then de-duplicate by ``seq``.
+        the signature matches (constant-time compare). Then parse the body
+        (``{"pool", "events": [...]}``, see :func:`webhook_batch_body`) and handle its
+        events in order, dropping each ``seq`` already handled (at least once).
     """
     try:
         ts = int(str(timestamp).strip())
@@ -349,11 +399,12 @@ def render_text(ev: Event, *, pool: str, node: Node | None = None, template: str
     return head + (": " + ", ".join(rest) if rest else "")
 
 
-def webhook_body(ev: Event, *, pool: str, text: str) -> bytes:
-    """The generic webhook body: UTF-8 JSON ``{seq, time, kind, node, data, pool, text}``."""
-    return json.dumps({"seq": ev.seq, "time": ev.time, "kind": ev.kind, "node": ev.node, "data": ev.data,
-                       "pool": pool, "text": text}, separators=(",", ":"), ensure_ascii=False,
-                      default=str).encode()
+def webhook_batch_body(events: Sequence[tuple[Event, str]], *, pool: str) -> bytes:
+    """The generic webhook body for a batch of ``(event, text)``, oldest first: UTF-8 JSON
+    ``{"pool": pool, "events": [{"seq", "time", "kind", "node", "data", "text"}, ...]}``."""
+    return json.dumps({"pool": pool, "events": [
+        {"seq": ev.seq, "time": ev.time, "kind": ev.kind, "node": ev.node, "data": ev.data, "text": text}
+        for ev, text in events]}, separators=(",", ":"), ensure_ascii=False, default=str).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,10 +440,53 @@ def slack_message(ev: Event, *, pool: str, node: Node | None = None, template: s
                                    fields=fields or None))
     else:
         blocks.append(SectionBlock(fields=fields))
-    iso = datetime.fromtimestamp(ev.time, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    when = f"<!date^{int(ev.time)}^{{date_short_pretty}} {{time_secs}}|{iso}>"
     blocks.append(ContextBlock(elements=[MarkdownTextObject(
-        text=f"pool *{slack_escape(pool)}* · seq {ev.seq} · {when}")]))
+        text=f"pool *{slack_escape(pool)}* · seq {ev.seq} · {_slack_when(ev.time)}")]))
+    return SlackMessage(text=text, blocks=blocks)
+
+
+def _slack_when(t: float) -> str:
+    """A time Slack shows in the reader's own time zone (UTC where it cannot)."""
+    iso = datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"<!date^{int(t)}^{{date_short_pretty}} {{time_secs}}|{iso}>"
+
+
+def slack_digest(items: Sequence[tuple[Event, Node | None, str | None]], *, pool: str) -> SlackMessage:
+    """One Slack message for a batch of ``(event, node, template)``, oldest first.
+
+    One event: :func:`slack_message` (the rich layout). More: a header with the count
+    (with the kind's emoji and title when they all share one), then per event a
+    section with its line (template or default, at most
+    :data:`SLACK_DIGEST_LINE_MAX_CHARS`) and a context with its ``seq`` and time, and
+    a closing context with the pool and the ``seq`` range: 2 + 2 per event blocks.
+
+    Raises:
+        ValueError: no events, or more than ``SLACK_MAX_BATCH`` (24: they would not
+            fit in a message's 50 blocks; the sink's ``max_batch`` is validated so).
+    """
+    if not 1 <= len(items) <= SLACK_MAX_BATCH:
+        raise ValueError(f"a Slack digest holds 1 to {SLACK_MAX_BATCH} events, got {len(items)}")
+    if len(items) == 1:
+        ev, node, template = items[0]
+        return slack_message(ev, pool=pool, node=node, template=template)
+    kinds = {ev.kind for ev, _, _ in items}
+    if len(kinds) == 1:
+        (kind,) = kinds
+        head = f"{EMOJI.get(kind, _DEFAULT_EMOJI)} {title(kind)} × {len(items)}"
+    else:
+        head = f"{_DEFAULT_EMOJI} {len(items)} events"
+    blocks: list[Block] = [HeaderBlock(text=PlainTextObject(text=_clip(head, SLACK_HEADER_MAX_CHARS), emoji=True))]
+    lines = []
+    for ev, node, template in items:
+        line = _clip(render_text(ev, pool=pool, node=node, template=template, escape=slack_escape),
+                     SLACK_DIGEST_LINE_MAX_CHARS)
+        lines.append(line)
+        blocks.append(SectionBlock(text=MarkdownTextObject(text=line)))
+        blocks.append(ContextBlock(elements=[MarkdownTextObject(text=f"seq {ev.seq} · {_slack_when(ev.time)}")]))
+    first, last = items[0][0].seq, items[-1][0].seq
+    blocks.append(ContextBlock(elements=[MarkdownTextObject(
+        text=f"pool *{slack_escape(pool)}* · {len(items)} events · seq {first}–{last}")]))
+    text = _clip(f"{len(items)} events in {slack_escape(pool)}:\n" + "\n".join(lines), SLACK_TEXT_MAX_CHARS)
     return SlackMessage(text=text, blocks=blocks)
 
 
@@ -411,6 +505,10 @@ class Target:
 
     def wants(self, kind: str) -> bool:
         return ("*" in self.spec.kinds or kind in self.spec.kinds) and kind not in self.spec.exclude_kinds
+
+    @property
+    def wants_all(self) -> bool:
+        return "*" in self.spec.kinds and not self.spec.exclude_kinds
 
     def template_for(self, kind: str) -> str | None:
         return self.spec.template.get(kind, self.spec.template.get("*"))
@@ -451,7 +549,7 @@ def resolve_sinks(specs: Sequence[SinkSpec], environ: Mapping[str, str] | None =
 
 
 class _Sender:
-    """Sends one event to one sink; raises :class:`DeliveryError` unless it answered 2xx."""
+    """Sends one batch of events to one sink; raises :class:`DeliveryError` unless it answered 2xx."""
 
     def __init__(self, target: Target, session: aiohttp.ClientSession, pool: str,
                  clock: Callable[[], float]) -> None:
@@ -460,7 +558,11 @@ class _Sender:
         self.pool = pool
         self.clock = clock
 
-    def prepare(self, ev: Event, node: Node | None) -> Any:
+    async def pace(self) -> None:
+        """Return when the sink takes the next request (a rate-limited one: its next slot).
+        The worker reads the next batch after this, so what arrives meanwhile joins it."""
+
+    def prepare(self, batch: Sequence[tuple[Event, Node | None]]) -> Any:
         raise NotImplementedError
 
     async def send(self, prepared: Any) -> None:
@@ -468,9 +570,10 @@ class _Sender:
 
 
 class _WebhookSender(_Sender):
-    def prepare(self, ev: Event, node: Node | None) -> bytes:
-        text = render_text(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind))
-        return webhook_body(ev, pool=self.pool, text=text)
+    def prepare(self, batch: Sequence[tuple[Event, Node | None]]) -> bytes:
+        return webhook_batch_body(
+            [(ev, render_text(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind)))
+             for ev, node in batch], pool=self.pool)
 
     async def send(self, prepared: bytes) -> None:
         assert self.target.secret is not None  # resolve_sinks requires it for webhooks
@@ -480,7 +583,8 @@ class _WebhookSender(_Sender):
         try:
             async with self.session.post(self.target.url, data=prepared, headers=headers) as r:
                 if not 200 <= r.status < 300:
-                    raise DeliveryError(f"HTTP {r.status}: {_clip((await r.text()).strip(), 200)}")
+                    raise DeliveryError(f"HTTP {r.status}: {_clip((await r.text()).strip(), 200)}",
+                                        retry_after_s=retry_after_s(r.status, r.headers))
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -491,42 +595,81 @@ class _SlackSender(_Sender):
         super().__init__(target, session, pool, clock)
         # tenacity is the one retry layer: slack-sdk's own handlers are off
         self.client = AsyncWebhookClient(target.url, session=session, retry_handlers=[])
+        self._next_at = 0.0  # loop time of the next slot: one message per SLACK_MIN_INTERVAL_S
 
-    def prepare(self, ev: Event, node: Node | None) -> SlackMessage:
-        msg = slack_message(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind))
+    async def pace(self) -> None:
+        wait = self._next_at - asyncio.get_running_loop().time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    def prepare(self, batch: Sequence[tuple[Event, Node | None]]) -> SlackMessage:
+        msg = slack_digest([(ev, node, self.target.template_for(ev.kind)) for ev, node in batch], pool=self.pool)
         try:
             msg.to_dict()
         except SlackObjectFormationError as exc:  # a bug here must not stop the feed: send the text alone
-            log.error("notify_blocks_invalid", sink=self.target.name, seq=ev.seq, error=str(exc))
+            log.error("notify_blocks_invalid", sink=self.target.name, seq=batch[0][0].seq,
+                      last_seq=batch[-1][0].seq, error=str(exc))
             return SlackMessage(text=msg.text, blocks=[])
         return msg
 
     async def send(self, prepared: SlackMessage) -> None:
+        await self.pace()  # a retry counts against the rate limit too
+        self._next_at = asyncio.get_running_loop().time() + SLACK_MIN_INTERVAL_S
         try:
             resp = await self.client.send(text=prepared.text, blocks=prepared.blocks or None)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
         if not 200 <= resp.status_code < 300:
-            raise DeliveryError(f"HTTP {resp.status_code}: {_clip(str(resp.body).strip(), 200)}")
+            raise DeliveryError(f"HTTP {resp.status_code}: {_clip(str(resp.body).strip(), 200)}",
+                                retry_after_s=retry_after_s(resp.status_code, resp.headers or {}))
 
 
 _SENDERS: dict[str, type[_Sender]] = {"webhook": _WebhookSender, "slack": _SlackSender}
 
 
+class _wait_retry_after(wait_base):
+    """``fallback``'s wait, or longer when the sink asked for it (a 429's Retry-After)."""
+
+    def __init__(self, fallback: wait_base) -> None:
+        self.fallback = fallback
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        wait = self.fallback(retry_state)
+        exc = retry_state.outcome.exception() if retry_state.outcome is not None else None
+        asked = exc.retry_after_s if isinstance(exc, DeliveryError) else None
+        return wait if asked is None else max(wait, asked)
+
+
+def _take(events: Sequence[Event], wants: Callable[[str], bool], limit: int) -> tuple[list[Event], int]:
+    """The next batch from ``events`` (oldest first, all after the cursor): the first
+    ``limit`` events the sink wants, and the ``seq`` the cursor moves to once they are
+    delivered (past the events it does not want, up to the next one it does)."""
+    batch: list[Event] = []
+    for ev in events:
+        if wants(ev.kind):
+            if len(batch) == limit:
+                return batch, batch[-1].seq
+            batch.append(ev)
+    return batch, events[-1].seq
+
+
 @dataclass(frozen=True, slots=True)
 class SinkStats:
     """One sink's delivery so far (this process): ``cursor`` = last ``seq`` done with,
-    ``delivered`` = events answered 2xx, ``failed_attempts`` = attempts that were not,
-    ``failing`` = the event in hand has failed and is being retried."""
+    ``delivered`` = events answered 2xx, ``failed_attempts`` = attempts (requests) that
+    were not, ``failing`` = the batch in hand has failed and is being retried,
+    ``batches`` = requests answered 2xx."""
 
     cursor: int
     delivered: int
     failed_attempts: int
     failing: bool
+    batches: int = 0
 
 
 class _Worker:
-    __slots__ = ("target", "sender", "cursor", "wake", "task", "failing", "delivered", "failed_attempts")
+    __slots__ = ("target", "sender", "cursor", "wake", "task", "failing", "delivered", "failed_attempts",
+                 "batches")
 
     def __init__(self, target: Target, sender: _Sender, cursor: int) -> None:
         self.target = target
@@ -537,6 +680,7 @@ class _Worker:
         self.failing = False
         self.delivered = 0
         self.failed_attempts = 0
+        self.batches = 0
 
 
 class Notifier:
@@ -593,7 +737,7 @@ class Notifier:
     def stats(self, sink: str) -> SinkStats:
         """Where sink ``sink`` stands (for ``/metrics`` and tests)."""
         w = self._workers[sink]
-        return SinkStats(w.cursor, w.delivered, w.failed_attempts, w.failing)
+        return SinkStats(w.cursor, w.delivered, w.failed_attempts, w.failing, w.batches)
 
     async def wait_until(self, pred: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``pred()`` holds, re-checked whenever a worker delivers, skips or
@@ -648,48 +792,54 @@ class Notifier:
 
     async def _run(self, w: _Worker) -> None:
         key = CURSOR_KEY.format(w.target.name)
+        limit = w.target.spec.max_batch
+        read = limit if w.target.wants_all else max(_READ, limit)  # a filter: look further ahead
         while True:
+            await w.sender.pace()
             w.wake.clear()  # before reading: an event recorded from here on sets it again
-            batch = self.store.events(since=w.cursor, limit=_BATCH)
-            if not batch:
+            pending = self.store.events(since=w.cursor, limit=read)
+            if not pending:
                 self._moved()
                 await w.wake.wait()
                 continue
-            # only the nodes this batch names, by key: reading the whole node table per
-            # batch stalled the event loop ~20 ms per batch with 1,000 nodes (bench/scale.py)
-            nodes: dict[str, Node | None] = {}
-            for ev in batch:
-                if w.target.wants(ev.kind):
+            batch, upto = _take(pending, w.target.wants, limit)
+            if batch:
+                # only the nodes this batch names, by key: reading the whole node table per
+                # batch stalled the event loop ~20 ms per batch with 1,000 nodes (bench/scale.py)
+                nodes: dict[str, Node | None] = {}
+                for ev in batch:
                     if ev.node and ev.node not in nodes:
                         nodes[ev.node] = self.store.node(ev.node)
-                    await self._deliver(w, ev, nodes.get(ev.node or ""))
-                # after the 2xx, with no await in between: a cancel during the request
-                # leaves the cursor before this event, which is then sent again
-                w.cursor = ev.seq
-                self.store.set(key, ev.seq)
-                self._moved()
+                await self._deliver(w, [(ev, nodes.get(ev.node or "")) for ev in batch])
+            # after the 2xx, with no await in between: a cancel during the request
+            # leaves the cursor before this batch, which is then sent again
+            w.cursor = upto
+            self.store.set(key, upto)
+            self._moved()
 
-    async def _deliver(self, w: _Worker, ev: Event, node: Node | None) -> None:
-        prepared = w.sender.prepare(ev, node)
+    async def _deliver(self, w: _Worker, batch: list[tuple[Event, Node | None]]) -> None:
+        prepared = w.sender.prepare(batch)
         cap = w.target.spec.max_backoff_s
+        first, last = batch[0][0].seq, batch[-1][0].seq
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(DeliveryError),
-            wait=wait_exponential_jitter(multiplier=min(0.5, cap), max=cap, jitter=min(0.5, cap)),
-            before_sleep=lambda rs: self._attempt_failed(w, ev, rs),
-        )  # no stop: retried for as long as the sink is down
+            wait=_wait_retry_after(wait_exponential_jitter(multiplier=min(0.5, cap), max=cap, jitter=min(0.5, cap))),
+            before_sleep=lambda rs: self._attempt_failed(w, first, last, len(batch), rs),
+        )  # no stop: retried for as long as the sink is down; the same batch each time
         async for attempt in retrying:
             with attempt:
                 await w.sender.send(prepared)
-        w.delivered += 1
+        w.delivered += len(batch)
+        w.batches += 1
         if w.failing:
             w.failing = False
-            log.info("notify_recovered", sink=w.target.name, seq=ev.seq)
+            log.info("notify_recovered", sink=w.target.name, seq=first, last_seq=last)
 
-    def _attempt_failed(self, w: _Worker, ev: Event, rs: RetryCallState) -> None:
+    def _attempt_failed(self, w: _Worker, first: int, last: int, n: int, rs: RetryCallState) -> None:
         w.failing = True
         w.failed_attempts += 1
         self._moved()
         exc = rs.outcome.exception() if rs.outcome is not None else None
         wait = rs.next_action.sleep if rs.next_action is not None else math.nan
-        log.warning("notify_attempt_failed", sink=w.target.name, seq=ev.seq, kind=ev.kind,
+        log.warning("notify_attempt_failed", sink=w.target.name, seq=first, last_seq=last, events=n,
                     attempt=rs.attempt_number, error=str(exc), retry_in_s=round(wait, 2))

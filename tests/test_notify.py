@@ -1,18 +1,21 @@
 """The feed (daemon/notify.py) against a real HTTP receiver on 127.0.0.1.
 
-The receiver is an aiohttp app that can answer 500, stop listening (connection
-refused), or hold a request without answering (a request in flight when the
-daemon stops). It closes every connection after its answer, so "down" really
-refuses the next attempt. Waits are on events (the receiver's, the notifier's
-progress), never on sleeps.
+The receiver is an aiohttp app that can answer 500 (or 429 with a Retry-After),
+stop listening (connection refused), hold a request without answering (a request
+in flight when the daemon stops), or hold every request behind a gate (a sink that
+is slow while a backlog builds). It closes every connection after its answer, so
+"down" really refuses the next attempt. Waits are on events (the receiver's, the
+notifier's progress), never on sleeps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import hashlib
 import hmac
 import json
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,7 +28,7 @@ from slack_sdk.models.blocks import Block, ContextBlock, HeaderBlock, SectionBlo
 
 from conftest import RecordingProvider
 from daemon.cli import main as spotvisord_main
-from daemon.config import Config, ConfigError, SinkSpec, load_config
+from daemon.config import SLACK_MAX_BATCH, WEBHOOK_MAX_BATCH, Config, ConfigError, SinkSpec, load_config
 from daemon.model import Event, EventKind, Node, NodeState
 from daemon.notify import (
     CURSOR_KEY,
@@ -41,9 +44,13 @@ from daemon.notify import (
     Notifier,
     render_text,
     resolve_sinks,
+    retry_after_s,
+    slack_digest,
     slack_message,
     verify_signature,
+    webhook_batch_body,
 )
+from daemon import notify
 from daemon.store import Store
 from daemon.supervisor import Supervisor
 
@@ -56,27 +63,36 @@ class Received:
     path: str
     headers: dict[str, str]
     body: bytes
+    at: float  # loop time it arrived
     status: int | None = None  # None: never answered
 
     @property
     def json(self) -> dict[str, Any]:
         return json.loads(self.body)
 
+    @property
+    def seqs(self) -> list[int]:
+        """The ``seq`` of each event of a webhook batch, in body order."""
+        return [e["seq"] for e in self.json["events"]]
+
 
 class Receiver:
     """An HTTP endpoint on 127.0.0.1 standing in for a webhook receiver or hooks.slack.com.
 
-    ``fail_first``: answer the first N requests with ``fail_status``. ``hang_on``: hold
-    the Nth request (1-based) unanswered until ``release`` is set. ``down()`` stops
-    listening (the next attempt gets connection refused), ``up()`` listens again on
-    the same port.
+    ``fail_first``: answer the first N requests with ``fail_status`` (and
+    ``fail_headers``, e.g. a Retry-After). ``hang_on``: hold the Nth request (1-based)
+    unanswered until ``release`` is set. ``gate``: when given, hold every request
+    until it is set (a slow sink). ``down()`` stops listening (the next attempt gets
+    connection refused), ``up()`` listens again on the same port.
     """
 
-    def __init__(self, *, fail_first: int = 0, fail_status: int = 500, hang_on: int | None = None,
-                 ok_body: str = "ok") -> None:
+    def __init__(self, *, fail_first: int = 0, fail_status: int = 500, fail_headers: dict[str, str] | None = None,
+                 hang_on: int | None = None, gate: asyncio.Event | None = None, ok_body: str = "ok") -> None:
         self.fail_first = fail_first
         self.fail_status = fail_status
+        self.fail_headers = fail_headers or {}
         self.hang_on = hang_on
+        self.gate = gate
         self.ok_body = ok_body
         self.requests: list[Received] = []
         self.release = asyncio.Event()
@@ -104,21 +120,26 @@ class Receiver:
 
     async def aclose(self) -> None:
         self.release.set()
+        if self.gate is not None:
+            self.gate.set()
         await self._runner.cleanup()
 
     def url(self, path: str = "/hook") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        rec = Received(request.path, dict(request.headers), await request.read())
+        rec = Received(request.path, dict(request.headers), await request.read(), asyncio.get_running_loop().time())
         self.requests.append(rec)
         n = len(self.requests)
         self._changed.set()
         self._changed = asyncio.Event()
         if n == self.hang_on:
             await self.release.wait()
+        if self.gate is not None:
+            await self.gate.wait()
         rec.status = self.fail_status if n <= self.fail_first else 200
-        resp = web.Response(status=rec.status, text=self.ok_body if rec.status == 200 else "internal_error")
+        resp = web.Response(status=rec.status, text=self.ok_body if rec.status == 200 else "internal_error",
+                            headers=self.fail_headers if rec.status != 200 else None)
         resp.force_close()  # one request per connection: after down(), the next attempt is refused
         return resp
 
@@ -131,17 +152,31 @@ class Receiver:
             raise AssertionError(f"receiver: timed out after {timeout_s} s waiting for {what or pred}") from None
 
     def seqs(self, path: str | None = None) -> list[int]:
-        """``seq`` of every request that reached the receiver, answered or not, in arrival order."""
-        return [r.json["seq"] for r in self.requests if path is None or r.path == path]
+        """``seq`` of every event of every webhook request that reached the receiver,
+        answered or not, in arrival order (a retried batch: its events again)."""
+        return [s for r in self.requests if path is None or r.path == path for s in r.seqs]
 
     def accepted(self, path: str | None = None) -> list[Received]:
         return [r for r in self.requests if r.status == 200 and (path is None or r.path == path)]
+
+    def events(self, path: str | None = None) -> list[dict[str, Any]]:
+        """Every event of every webhook request answered 2xx, in arrival order."""
+        return [e for r in self.accepted(path) for e in r.json["events"]]
 
 
 def dedup(seqs: list[int]) -> list[int]:
     """What a receiver keeps after de-duplicating by seq."""
     seen: set[int] = set()
     return [s for s in seqs if not (s in seen or seen.add(s))]
+
+
+def batches_in_order(requests: list[Received]) -> bool:
+    """Each batch oldest first, and each one either the previous batch again (a retry,
+    or the batch in flight at a daemon stop, then perhaps longer) or wholly after it."""
+    batches = [r.seqs for r in requests]
+    if any(b != sorted(set(b)) or not b for b in batches):
+        return False
+    return all(b[0] == a[0] or b[0] > a[-1] for a, b in zip(batches, batches[1:]))
 
 
 def webhook(name: str, url: str, **kw: Any) -> SinkSpec:
@@ -194,28 +229,33 @@ async def test_sink_down_then_up_every_event_arrives_in_order_once(store: Store)
         await n.aclose()
         await rx.aclose()
 
-    assert [r.status for r in rx.requests[:3]] == [500, 500, 500]
-    assert rx.seqs()[:4] == [seqs[0]] * 4  # the first event, retried until a 2xx
-    assert rx.seqs() == sorted(rx.seqs())  # in order, retries included
-    assert [r.json["seq"] for r in rx.accepted()] == seqs  # each event answered 2xx exactly once
+    assert [r.status for r in rx.requests[:4]] == [500, 500, 500, 200]
+    assert [r.seqs for r in rx.requests[:4]] == [seqs[:5]] * 4  # one batch, the same one retried until a 2xx
+    assert batches_in_order(rx.requests)  # in order, retries included
+    assert [r.seqs for r in rx.accepted()] == [seqs[:5], seqs[5:]]  # each event answered 2xx exactly once
     assert dedup(rx.seqs()) == seqs
     assert n.stats("hook").failed_attempts >= 3 + 3
+    assert (n.stats("hook").delivered, n.stats("hook").batches) == (8, 2)
     assert store.get(CURSOR_KEY.format("hook")) == seqs[-1]
-    body = rx.accepted()[5].json
-    assert set(body) == {"seq", "time", "kind", "node", "data", "pool", "text"}
-    assert (body["kind"], body["node"], body["pool"], body["data"]) == (
-        "checkpoint_committed", "test-1", "test", {"step": 20, "seconds": 1.5})
-    assert body["text"] == "✅ Checkpoint committed · test-1: step 20, flush 1.5 s"
+    body = rx.accepted()[1].json
+    assert set(body) == {"pool", "events"} and body["pool"] == "test"
+    ev = body["events"][0]
+    assert set(ev) == {"seq", "time", "kind", "node", "data", "text"}
+    assert (ev["seq"], ev["kind"], ev["node"], ev["data"]) == (
+        seqs[5], "checkpoint_committed", "test-1", {"step": 20, "seconds": 1.5})
+    assert ev["text"] == "✅ Checkpoint committed · test-1: step 20, flush 1.5 s"
+    stored = {e.seq: e for e in store.events()}
+    assert [(e["time"], e["kind"]) for e in rx.events()] == [(stored[s].time, stored[s].kind) for s in seqs]
 
 
-async def test_daemon_restart_loses_nothing_and_resends_at_most_the_one_in_flight(tmp_path: Path) -> None:
+async def test_daemon_restart_loses_nothing_and_resends_at_most_the_batch_in_flight(tmp_path: Path) -> None:
     rx = await Receiver(hang_on=3).start()  # the third request is never answered: in flight at the stop
     config = Config.model_validate({
         "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "job1", "module": "standin_trainer"},
         "daemon": {"state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.05},
         "notify": [{"name": "hook", "type": "webhook", "url": rx.url(), "secret_env": "SV_TEST_KEY",
-                    "max_backoff_s": 0.05, "timeout_s": 30}],
+                    "max_backoff_s": 0.05, "timeout_s": 30, "max_batch": 2}],  # 5 events: three requests
     })
     db = tmp_path / "state" / "spotvisord.db"
 
@@ -234,12 +274,13 @@ async def test_daemon_restart_loses_nothing_and_resends_at_most_the_one_in_fligh
         for i in range(5):
             sup.record(EventKind.CHECKPOINT_REQUESTED, None, reason="manual", request_id=f"before-{i}")
         await rx.wait_for(lambda: len(rx.requests) >= 3, what="the request that hangs")
-        in_flight = rx.requests[2].json["seq"]
+        in_flight = rx.requests[2].seqs
     finally:  # the daemon stops (SIGTERM) while that request is in flight
         await sup.aclose()
         await n.aclose(drain_timeout_s=0)
         store.close()
-    assert n.stats("hook").cursor == in_flight - 1
+    assert n.stats("hook").cursor == in_flight[0] - 1 == rx.requests[1].seqs[-1]
+    before_restart = len(rx.requests)
 
     store = Store(db).open()
     for i in range(3):  # recorded while the feed's worker is not running yet
@@ -259,9 +300,12 @@ async def test_daemon_restart_loses_nothing_and_resends_at_most_the_one_in_fligh
 
     got = rx.seqs()
     assert dedup(got) == stored  # nothing lost, in order
-    assert got == sorted(got)
-    assert len(got) - len(set(got)) == 1 and got.count(in_flight) == 2  # only the in-flight one, twice
-    firsts = {r.json["seq"]: r.json["data"].get("request_id") for r in reversed(rx.requests)}
+    assert batches_in_order(rx.requests)
+    assert rx.requests[before_restart].seqs[0] == in_flight[0]  # resumed at the first unacknowledged event
+    twice = {s for s in got if got.count(s) > 1}
+    assert in_flight[0] in twice and twice <= set(in_flight)  # only the batch in flight, again
+    assert all(got.count(s) <= 2 for s in twice)
+    firsts = {e["seq"]: e["data"].get("request_id") for r in reversed(rx.requests) for e in r.json["events"]}
     ids = [firsts[s] for s in dedup(got)]
     assert [i for i in ids if i] == [*(f"before-{i}" for i in range(5)), *(f"between-{i}" for i in range(3)),
                                      *(f"after-{i}" for i in range(3))]
@@ -276,7 +320,90 @@ async def test_new_sink_starts_at_newest_event_and_close_delivers_the_queue(stor
     last = emit(store, n, "pool_released", None, reason="job_completed", cost_usd=12.5)
     await n.aclose(drain_timeout_s=10.0)  # the final event goes out before the daemon exits
     assert receiver.seqs() == [last]
-    assert "cost $12.50" in receiver.requests[0].json["text"]
+    assert "cost $12.50" in receiver.events()[0]["text"]
+
+
+# -- batches ------------------------------------------------------------------------------------------
+async def test_a_backlog_goes_out_in_few_requests_in_order(store: Store) -> None:
+    gate = asyncio.Event()  # the sink holds every request until the gate opens
+    rx = await Receiver(gate=gate).start()
+    n = Notifier(store, [webhook("hook", rx.url())], pool="test", environ=ENV)
+    await n.start()
+    try:
+        seqs = [emit(store, n, "node_ready", f"test-{i}", boot_s=3.0) for i in range(250)]
+        await rx.wait_for(lambda: len(rx.requests) >= 1, what="the first batch, held at the gate")
+        assert n.stats("hook").cursor == seqs[0] - 1  # nothing acknowledged while the sink holds it
+        gate.set()
+        assert await n.drain(10.0), n.stats("hook")
+        assert len(rx.requests) <= 3
+        assert [len(r.seqs) for r in rx.requests] == [100, 100, 50]  # max_batch: 100 by default
+        assert rx.seqs() == seqs  # none missing, none twice, oldest first
+        assert (n.stats("hook").cursor, store.get(CURSOR_KEY.format("hook"))) == (seqs[-1], seqs[-1])
+        assert (n.stats("hook").delivered, n.stats("hook").batches) == (250, 3)
+
+        # a burst while a request is in flight joins the next request
+        gate.clear()
+        first = emit(store, n, "node_ready", "late-0")
+        await rx.wait_for(lambda: len(rx.requests) >= 4, what="the next request, held at the gate")
+        more = [emit(store, n, "node_ready", f"late-{i}") for i in range(1, 121)]
+        gate.set()
+        assert await n.drain(10.0), n.stats("hook")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+    assert [r.seqs for r in rx.requests[3:]] == [[first], more[:100], more[100:]]
+    for r in rx.requests:
+        assert verify_signature(SECRET, r.headers[TIMESTAMP_HEADER], r.body, r.headers[SIGNATURE_HEADER])
+
+
+async def test_a_failed_batch_is_sent_again_whole_and_never_skipped(store: Store) -> None:
+    rx = await Receiver(fail_first=2).start()
+    n = Notifier(store, [webhook("hook", rx.url())], pool="test", environ=ENV)
+    await n.start()
+    try:
+        seqs = [emit(store, n, "checkpoint_committed", "test-1", step=10 * i) for i in range(10)]
+        assert await n.wait_until(lambda: n.stats("hook").failed_attempts >= 1, 10.0)
+        assert n.stats("hook").cursor == seqs[0] - 1
+        seqs += [emit(store, n, "node_ready", f"test-{i}") for i in range(5)]  # recorded during the retries
+        assert await n.drain(10.0), n.stats("hook")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+    assert [r.status for r in rx.requests] == [500, 500, 200, 200]
+    assert [r.seqs for r in rx.requests[:3]] == [seqs[:10]] * 3  # the same batch: the new events wait
+    assert rx.requests[0].body == rx.requests[2].body  # the same bytes, signed anew each attempt
+    assert rx.requests[3].seqs == seqs[10:]
+    assert [e["seq"] for e in rx.events()] == seqs
+
+
+async def test_max_batch_and_kind_filters_shape_the_batches(store: Store, receiver: Receiver) -> None:
+    every = webhook("every", receiver.url("/every"), max_batch=7)
+    commits = webhook("commits", receiver.url("/commits"), max_batch=3, kinds=["checkpoint_committed"])
+    n = Notifier(store, [every, commits], pool="test", environ=ENV)
+    await n.start()
+    try:
+        seqs = []
+        for i in range(10):
+            seqs.append(emit(store, n, "checkpoint_committed", "test-1", step=i))
+            seqs.append(emit(store, n, "node_ready", f"test-{i}"))  # the last event: one "commits" does not want
+        assert await n.drain(10.0)
+    finally:
+        await n.aclose()
+    assert [r.seqs for r in receiver.accepted("/every")] == [seqs[:7], seqs[7:14], seqs[14:]]
+    assert [r.seqs for r in receiver.accepted("/commits")] == [seqs[0:6:2], seqs[6:12:2], seqs[12:18:2], [seqs[18]]]
+    assert n.stats("every").cursor == n.stats("commits").cursor == seqs[-1]  # past the unwanted tail too
+
+
+def test_webhook_batch_body_is_the_documented_json() -> None:
+    evs = [Event(seq=7, time=1_700_000_000.5, kind="node_ready", node="n1", data={"boot_s": 3.0}),
+           Event(seq=9, time=1_700_000_001.0, kind="pool_released", node=None, data={"cost_usd": 1.5})]
+    body = webhook_batch_body([(evs[0], "ready ✓"), (evs[1], "released")], pool="p")
+    assert json.loads(body) == {"pool": "p", "events": [
+        {"seq": 7, "time": 1_700_000_000.5, "kind": "node_ready", "node": "n1", "data": {"boot_s": 3.0},
+         "text": "ready ✓"},
+        {"seq": 9, "time": 1_700_000_001.0, "kind": "pool_released", "node": None, "data": {"cost_usd": 1.5},
+         "text": "released"}]}
+    assert "ready ✓".encode() in body  # UTF-8, not \\u escapes
 
 
 # -- signatures -----------------------------------------------------------------------------------
@@ -366,7 +493,13 @@ def test_slack_fields_carry_the_key_numbers() -> None:
     assert {"type": "mrkdwn", "text": "*Reason*\ngone &lt;&amp;&gt;"} in lost.to_dict()["blocks"][1]["fields"]
 
 
-async def test_slack_sink_posts_block_kit_to_a_local_hooks_endpoint(store: Store) -> None:
+@pytest.fixture
+def no_slack_pacing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slack's one message a second, off: tests that are not about it stay fast."""
+    monkeypatch.setattr(notify, "SLACK_MIN_INTERVAL_S", 0.0)
+
+
+async def test_slack_sink_posts_block_kit_to_a_local_hooks_endpoint(store: Store, no_slack_pacing: None) -> None:
     rx = await Receiver(fail_first=1).start()  # Slack answers 500 once
     slack = SinkSpec(name="ops-slack", type="slack", url=rx.url("/services/T000/B000/XXXX"), max_backoff_s=0.05)
     n = Notifier(store, [slack], pool="demo", environ={})
@@ -376,6 +509,7 @@ async def test_slack_sink_posts_block_kit_to_a_local_hooks_endpoint(store: Store
         deadline = datetime.fromtimestamp(time.time() + 300, timezone.utc).isoformat().replace("+00:00", "Z")
         notice = emit(store, n, "interruption_notice", "demo-3", provider="aliyun",
                       deadline=deadline, detection_latency_s=0.8)
+        assert await n.drain(10.0), n.stats("ops-slack")  # one event at a time: each a rich message
         commit = emit(store, n, "checkpoint_committed", "demo-3", step=18200, seconds=4.1, bytes=2**30)
         assert await n.drain(10.0), n.stats("ops-slack")
     finally:
@@ -395,6 +529,121 @@ async def test_slack_sink_posts_block_kit_to_a_local_hooks_endpoint(store: Store
     assert deadline_field.startswith("*Deadline*\nin 4 min 5") or deadline_field.startswith("*Deadline*\nin 5 min")
     assert {"type": "mrkdwn", "text": "*Step*\n18,200"} in second["blocks"][1]["fields"]
     assert f"seq {commit}" in second["blocks"][-1]["elements"][0]["text"]
+
+
+def _digest_seqs(body: dict[str, Any]) -> list[int]:
+    """The ``seq`` of each event in a Slack message (a digest or one rich event), from its context lines."""
+    out = []
+    for b in body["blocks"]:
+        if b["type"] == "context":
+            m = re.search(r"(?:^|· )seq (\d+) ·", b["elements"][0]["text"])
+            if m:
+                out.append(int(m.group(1)))
+    return out
+
+
+def test_slack_digest_fits_in_50_blocks_and_is_valid_block_kit() -> None:
+    assert 2 + 2 * SLACK_MAX_BATCH <= SLACK_MAX_BLOCKS
+    kinds = [k.value for k in EventKind]
+    items = [(_rich_event(kinds[i % len(kinds)], seq=100 + i), _NODE, "{emoji} {node} {reason} " + "z" * 4000)
+             for i in range(SLACK_MAX_BATCH)]
+    msg = slack_digest(items, pool="demo")
+    assert len(msg.blocks) <= SLACK_MAX_BLOCKS
+    for block in msg.blocks:
+        block.validate_json()
+    body = msg.to_dict()
+    assert [Block.parse(b).to_dict() for b in body["blocks"]] == body["blocks"]
+    assert body["blocks"][0]["text"]["text"] == f"🔔 {SLACK_MAX_BATCH} events"
+    assert _digest_seqs(body) == [100 + i for i in range(SLACK_MAX_BATCH)]  # oldest first
+    sections = [b for b in msg.blocks if isinstance(b, SectionBlock)]
+    assert len(sections) == SLACK_MAX_BATCH
+    assert all(len(sec.text.text) <= notify.SLACK_DIGEST_LINE_MAX_CHARS for sec in sections)
+    assert "spot_reclaimed &lt;&amp;&gt;" in sections[0].text.text  # event text is escaped for Slack
+    assert f"seq 100–{100 + SLACK_MAX_BATCH - 1}" in body["blocks"][-1]["elements"][0]["text"]
+    assert 0 < len(msg.text) <= SLACK_TEXT_MAX_CHARS and msg.text.startswith(f"{SLACK_MAX_BATCH} events in demo")
+
+    same = slack_digest([(_rich_event("node_lost", seq=s), None, None) for s in (1, 2, 3)], pool="demo")
+    assert same.blocks[0].text.text == "💀 Node lost × 3"
+    one = slack_digest(items[:1], pool="demo")
+    assert one.to_dict() == slack_message(items[0][0], pool="demo", node=_NODE, template=items[0][2]).to_dict()
+    with pytest.raises(ValueError):
+        slack_digest(items + items[:1], pool="demo")
+    with pytest.raises(ValueError):
+        slack_digest([], pool="demo")
+
+
+async def test_slack_sink_sends_a_backlog_as_digests(store: Store, no_slack_pacing: None) -> None:
+    gate = asyncio.Event()
+    rx = await Receiver(gate=gate).start()
+    slack = SinkSpec(name="ops-slack", type="slack", url=rx.url("/services/T/B/X"), max_backoff_s=0.05)
+    assert slack.max_batch == SLACK_MAX_BATCH
+    n = Notifier(store, [slack], pool="demo", environ={})
+    await n.start()
+    try:
+        seqs = [emit(store, n, "node_lost", f"n{i}", reason="gone") for i in range(30)]
+        await rx.wait_for(lambda: len(rx.requests) >= 1, what="the first message, held")
+        gate.set()
+        assert await n.drain(10.0), n.stats("ops-slack")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+    bodies = [r.json for r in rx.accepted()]
+    assert [_digest_seqs(b) for b in bodies] == [seqs[:24], seqs[24:]]
+    for body in bodies:
+        assert len(body["blocks"]) <= SLACK_MAX_BLOCKS
+        for raw in body["blocks"]:
+            Block.parse(raw).validate_json()
+    assert bodies[1]["blocks"][0]["text"]["text"] == "💀 Node lost × 6"
+
+
+@pytest.mark.parametrize("kind", ["slack", "webhook"])
+async def test_a_429_waits_its_retry_after(store: Store, no_slack_pacing: None, kind: str) -> None:
+    rx = await Receiver(fail_first=1, fail_status=429, fail_headers={"Retry-After": "1"}).start()
+    spec = (SinkSpec(name="s", type="slack", url=rx.url("/services/T/B/X"), max_backoff_s=0.05) if kind == "slack"
+            else webhook("s", rx.url()))  # backoff alone: a retry within 0.05 s
+    n = Notifier(store, [spec], pool="demo", environ=ENV)
+    await n.start()
+    try:
+        emit(store, n, "node_lost", "n1", reason="gone")
+        assert await n.drain(10.0), n.stats("s")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+    first, second = rx.requests
+    assert (first.status, second.status) == (429, 200)
+    assert second.at - first.at >= 0.95  # Slack's Retry-After is whole seconds
+    assert first.body == second.body  # the same batch (a webhook's signed anew)
+    assert n.stats("s").failed_attempts == 1
+
+
+async def test_slack_sends_at_most_one_message_per_interval(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(notify, "SLACK_MIN_INTERVAL_S", 0.3)
+    rx = await Receiver().start()
+    n = Notifier(store, [SinkSpec(name="s", type="slack", url=rx.url("/services/T/B/X"))], pool="demo", environ={})
+    await n.start()
+    try:
+        first = emit(store, n, "node_lost", "n1", reason="gone")
+        assert await n.wait_until(lambda: n.stats("s").delivered == 1, 10.0)
+        later = [emit(store, n, "node_ready", f"n{i}") for i in (2, 3)]  # within the interval: they wait
+        assert await n.drain(10.0), n.stats("s")
+    finally:
+        await n.aclose()
+        await rx.aclose()
+    one, two = rx.requests
+    assert _digest_seqs(one.json) == [first] and _digest_seqs(two.json) == later
+    assert two.at - one.at >= 0.3 - 0.01
+
+
+def test_retry_after_is_seconds_or_an_http_date() -> None:
+    now = 1_700_000_000.0
+    assert retry_after_s(429, {"Retry-After": "3"}) == 3.0
+    assert retry_after_s(429, {"Retry-After": email.utils.formatdate(now + 30, usegmt=True)}, now=now) == 30.0
+    assert retry_after_s(429, {"Retry-After": "10000000"}) == notify.RETRY_AFTER_MAX_S
+    assert retry_after_s(429, {"Retry-After": "-5"}) == 0.0
+    assert retry_after_s(429, {"Retry-After": "soon"}) is None
+    assert retry_after_s(429, {"Retry-After": "nan"}) is None
+    assert retry_after_s(429, {}) is None
+    assert retry_after_s(503, {"Retry-After": "3"}) is None
 
 
 # -- filters and templates ---------------------------------------------------------------------------
@@ -419,11 +668,11 @@ async def test_per_sink_filters_and_templates(store: Store, receiver: Receiver) 
     assert receiver.seqs("/a") == [s2, s3, s4]
     assert receiver.seqs("/b") == [s2, s3, s4, s5]
     assert n.stats("a").cursor == n.stats("b").cursor == s5  # filtered-out events are passed, not held
-    texts_a = [r.json["text"] for r in receiver.accepted("/a")]
+    texts_a = [e["text"] for e in receiver.events("/a")]
     assert texts_a[0] == f"⚠️ interruption_notice #{s2} aws"
     assert texts_a[1] == "step 18,200 committed in 4.1 s on n1 (demo) ?"  # a missing field reads "?"
     assert texts_a[2] == "✅ Checkpoint committed · n1: step 18,300"  # None does not fit .1f: default line
-    texts_b = [r.json["text"] for r in receiver.accepted("/b")]
+    texts_b = [e["text"] for e in receiver.events("/b")]
     assert texts_b[1] == "4.1 s"
     assert texts_b[3] == "▶️ Job resumed: step 18,200, world size 2"
     assert s1 not in receiver.seqs()
@@ -469,6 +718,10 @@ def _problems(tmp_path: Path, notify_yaml: str) -> list[str]:
      "notify.0.type: Input should be 'slack' or 'webhook'"),
     ("  - {name: ops, type: slack, url: 'https://h/x'}\n  - {name: ops, type: slack, url: 'https://h/y'}",
      "notify.1.name: sink 'ops' is named twice"),
+    ("  - {name: ops, type: webhook, url: 'https://h/x', secret_env: K, max_batch: 0}",
+     "notify.0.max_batch: events per request must be at least 1, got 0"),
+    ("  - {name: ops, type: slack, url: 'https://h/x', max_batch: 50}",
+     "notify.0: max_batch: a Slack message holds at most 24 events"),
 ])
 def test_bad_notify_config_is_one_clear_line(tmp_path: Path, notify_yaml: str, expected: str) -> None:
     problems = _problems(tmp_path, notify_yaml)
@@ -476,6 +729,12 @@ def test_bad_notify_config_is_one_clear_line(tmp_path: Path, notify_yaml: str, e
     assert problems[0].startswith(expected), problems[0]
     if "unknown event kind" in expected:
         assert "checkpoint_flush_timed_out" in problems[0]  # the valid ones are listed
+
+
+def test_max_batch_defaults_by_sink_type() -> None:
+    assert SinkSpec(name="a", type="webhook", url="https://h/x", secret_env="K").max_batch == WEBHOOK_MAX_BATCH == 100
+    assert SinkSpec(name="a", type="slack", url="https://h/x").max_batch == SLACK_MAX_BATCH == 24
+    assert SinkSpec(name="a", type="slack", url="https://h/x", max_batch=5).max_batch == 5
 
 
 def test_the_example_in_configs_local_yaml_validates() -> None:
