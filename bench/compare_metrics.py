@@ -217,7 +217,8 @@ def run_metrics(steps: Sequence[dict], status: Sequence[dict], events: Sequence[
         "preemptions": sum(1 for p in profile if p["taken"]),  # fired, and the node taken while the job ran
         "notice_to_commit_s": [p["commit_s"] for p in profile if p["commit_s"] is not None],
         "notice_to_resume_s": [p["resume_s"] for p in profile if p["resume_s"] is not None],
-        "restarts": summary["restarts"],
+        "restarts": summary["restarts"],  # worker-group restarts by torchrun
+        "resizes_in_process": summary.get("resizes_in_process", 0),  # survivors going on without one
         "profile": profile,
     }
     apply_goodput(result, reference_step_s)
@@ -228,6 +229,12 @@ def _med_max(values: Sequence[float]) -> str:
     return "-" if not values else f"{statistics.median(values):.1f} / {max(values):.1f}"
 
 
+def _restarts(r: dict[str, Any]) -> str:
+    """Torchrun restarts, then ``+N`` in-process resizes when there were any."""
+    n = r.get("resizes_in_process") or 0
+    return f"{r['restarts']}+{n}" if n else str(r["restarts"])
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     head = (f"{'system':<22} {'wall_s':>7} {'useful':>6} {'lost':>5} {'step_s':>6} {'goodput':>7} "
             f"{'notice->commit s':>17} {'notice->resume s':>17} {'restarts':>8} {'preempted':>9}")
@@ -236,7 +243,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         step_s = "-" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         lines.append(f"{name:<22} {r['wall_s']:>7.1f} {r['useful_steps']:>6} {r['lost_steps']:>5} {step_s:>6} "
                      f"{r['goodput']:>7.3f} {_med_max(r['notice_to_commit_s']):>17} "
-                     f"{_med_max(r['notice_to_resume_s']):>17} {r['restarts']:>8} {r['preemptions']:>9}"
+                     f"{_med_max(r['notice_to_resume_s']):>17} {_restarts(r):>8} {r['preemptions']:>9}"
                      + ("" if r["completed"] else "   (did not complete)"))
     return "\n".join(lines)
 

@@ -12,8 +12,10 @@ Three processes on this machine:
    (pstats) and ``PATH.txt`` (the top functions).
 2. **the fleet** (``python -m bench.scale_sim``): the "cloud" the provider launches
    into. Each launch becomes, ``--boot-s`` later, a simulated agent speaking the real
-   agent HTTP API with the node's real token, heartbeating at the configured
-   interval (``agent.heartbeat_interval_s``, default 1 s), and reporting what the
+   agent HTTP API with the node's real token, heartbeating at the interval the
+   daemon tells it (``agent.heartbeat_interval_s``, default 1 s, stretched to keep
+   the pool under ``daemon.max_heartbeats_per_second``, default 50: 20 s for 1,000
+   nodes), keeping a command long-poll outstanding, and reporting what the
    trainers of a running job report (see :mod:`bench.scale_sim`).
 3. **this process**: writes the config, receives the feed on a local webhook sink
    (``notify:``, signed; the signature is checked), samples the daemon's CPU and RSS
@@ -79,6 +81,7 @@ if __package__ in (None, ""):  # run as a script: import this checkout's package
 
 from bench.scale_daemon import LAG_ENV, PROFILE_ENV  # noqa: E402
 from daemon.config import AgentSpec, DaemonSpec  # noqa: E402
+from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval  # noqa: E402
 from daemon.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
 
 __all__ = ["Options", "run", "main"]
@@ -97,7 +100,8 @@ class Options:
     storm_spread_s: float = 1.0
     steady_s: float = 30.0
     settle_s: float = 5.0
-    heartbeat_interval_s: float = AgentSpec().heartbeat_interval_s  # what a pool runs with by default
+    heartbeat_interval_s: float = AgentSpec().heartbeat_interval_s  # the shortest interval (config default)
+    max_heartbeats_per_second: float = DaemonSpec().max_heartbeats_per_second  # the pool's cap (config default)
     boot_s: float = 2.0
     step_s: float = 1.0
     flush_s: float = 2.0
@@ -118,11 +122,19 @@ class Options:
     def storm_nodes(self) -> int:
         return max(1, round(self.storm_frac * self.nodes))
 
+    @property
+    def scaled_interval_s(self) -> float:
+        """The interval the daemon tells the nodes at full size (before its random stagger)."""
+        return scaled_heartbeat_interval(self.nodes, min_interval_s=self.heartbeat_interval_s,
+                                         max_per_second=self.max_heartbeats_per_second)
+
 
 # -- this process -----------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Hook:
-    """The webhook sink: checks each signature, keeps the first delivery of each ``seq``."""
+    """The webhook sink: checks each signature, keeps the first delivery of each ``seq``
+    (a body is a batch, ``{"pool", "events": [...]}``; each event's ``recv`` is the
+    request's receive time)."""
 
     secret: str
     events: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -137,13 +149,13 @@ class _Hook:
                                 request.headers.get(SIGNATURE_HEADER, "")):
             self.bad += 1
             return web.Response(status=401)
-        ev = json.loads(body)
         self.last_recv = recv
-        if ev["seq"] in self.events:
-            self.duplicates += 1
-        else:
-            self.events[ev["seq"]] = {"kind": ev["kind"], "time": ev["time"], "recv": recv, "node": ev["node"],
-                                      "data": ev["data"]}
+        for ev in json.loads(body)["events"]:
+            if ev["seq"] in self.events:
+                self.duplicates += 1
+            else:
+                self.events[ev["seq"]] = {"kind": ev["kind"], "time": ev["time"], "recv": recv, "node": ev["node"],
+                                          "data": ev["data"]}
         return web.Response(text="ok")
 
     def of(self, kind: str, since: float = 0.0) -> list[dict[str, Any]]:
@@ -207,9 +219,11 @@ def _config(o: Options, tmp: Path, sock: str, hook_url: str) -> dict[str, Any]:
         "job": {"id": "scale", "target_steps": 10**9, "global_batch_size": batch, "micro_batch_size": 1,
                 "checkpoint_interval_steps": o.checkpoint_every},
         "agent": {"heartbeat_interval_s": o.heartbeat_interval_s},
-        # a longer heartbeat interval than the default needs a longer loss timeout (at least 4 beats)
+        # a longer shortest interval than the default needs a longer loss timeout (at least 4 beats);
+        # the daemon stretches it further by itself for the intervals it scales up (daemon/pool.py)
         "daemon": {"state_dir": str(tmp / "state"), "socket": sock, "agent_host": "127.0.0.1", "agent_port": 0,
-                   "heartbeat_timeout_s": max(DaemonSpec().heartbeat_timeout_s, 4 * o.heartbeat_interval_s)},
+                   "heartbeat_timeout_s": max(DaemonSpec().heartbeat_timeout_s, 4 * o.heartbeat_interval_s),
+                   "max_heartbeats_per_second": o.max_heartbeats_per_second},
         # two zones: a replacement goes to the zone that did not just get notices
         "offers": [{**offer, "zone": "sim-a"}, {**offer, "zone": "sim-b"}],
         "notify": [{"name": "bench", "type": "webhook", "url": hook_url, "secret_env": SECRET_ENV}],
@@ -417,6 +431,9 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count(), "shared": "other sessions run on this machine: CPU figures are noisy"},
         "ramp_s": round(t_full - t_start, 2),
+        # every node once per interval the daemon tells at full size (its stagger makes the real rate lower)
+        "full_heartbeat_rate": round(o.nodes / o.scaled_interval_s, 1),
+        "heartbeat_interval_told_s": final["heartbeat_interval_s"],  # [shortest, longest] at the end
         # the job at full size → the webhook had every event of the ramp (None: not within the timeout)
         "ramp_feed_caught_up_s": ramp_feed_s,
         "storm_feed_caught_up": storm_feed is not None,
@@ -435,7 +452,7 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             # answered, and that cost at the full rate (every node once per interval)
             "daemon_cpu_us_per_heartbeat": (round(1e4 * steady.cpu_pct["daemon"] / (hb["heartbeats"] / steady.wall_s))
                                             if hb["heartbeats"] else None),
-            "daemon_cpu_pct_at_full_rate": (round(steady.cpu_pct["daemon"] * (o.nodes / o.heartbeat_interval_s)
+            "daemon_cpu_pct_at_full_rate": (round(steady.cpu_pct["daemon"] * (o.nodes / o.scaled_interval_s)
                                                   / (hb["heartbeats"] / steady.wall_s), 1)
                                             if hb["heartbeats"] else None),
             "heartbeat_rtt_ms": {k_: None if hb[f"rtt_{k_}_s"] is None else round(1000 * hb[f"rtt_{k_}_s"], 2)
@@ -466,7 +483,8 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
         # every storm event as the sink got it: [seq, kind, node, recorded (s after the first notice), latency ms]
         "storm_events": [[seq, e["kind"], e["node"], round(e["time"] - t0, 4), round(1000 * (e["recv"] - e["time"]), 2)]
                          for seq, e in sorted(hook.events.items()) if e["time"] >= t_storm_req],
-        "fleet": {k_: final[k_] for k_ in ("hb_total", "hb_failed", "reports_ok", "reports_failed", "terminated")},
+        "fleet": {k_: final[k_] for k_ in ("hb_total", "hb_failed", "reports_ok", "reports_failed", "terminated",
+                                           "cmd_polls", "cmd_failed", "cmd_by_poll", "cmd_by_heartbeat")},
         "daemon_log": {"errors": log_text.count("level='error'") + log_text.count("level=error"),
                        "warnings": log_text.count("level='warning'") + log_text.count("level=warning"),
                        "path": str(tmp / "daemon.log") if o.keep else None},
@@ -570,7 +588,7 @@ def table(doc: dict[str, Any]) -> str:
         ("  daemon CPU during storm (% of one core)", f"{sm['daemon_cpu_pct']:.1f}", "", ""),
         ("  feed, backlogged: one delivery every (ms, median)", _ms(lat["storm"]["backlogged_ms_per_event"]),
          "", ""),
-        (f"heartbeats answered per s, steady (full rate {doc['options']['nodes'] / doc['options']['heartbeat_interval_s']:g})",
+        (f"heartbeats answered per s, steady (full rate {doc['full_heartbeat_rate']:g})",
          f"{st['heartbeats_per_s']:.0f}", "", ""),
         ("  daemon CPU per heartbeat answered (us)", _us(st["daemon_cpu_us_per_heartbeat"]), "", ""),
         ("  daemon CPU at the full rate, extrapolated (%)", _s1(st["daemon_cpu_pct_at_full_rate"]),
@@ -613,7 +631,11 @@ def _options(argv: list[str] | None) -> tuple[Options, str, bool]:
     p.add_argument("--settle-s", type=float, default=d.settle_s,
                    help=f"wait after the ramp before the steady window (default {d.settle_s:g})")
     p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
-                   help=f"agent.heartbeat_interval_s (default: the config's default, {d.heartbeat_interval_s:g})")
+                   help="agent.heartbeat_interval_s, the shortest interval the daemon tells "
+                        f"(default: the config's default, {d.heartbeat_interval_s:g})")
+    p.add_argument("--max-heartbeats-per-second", type=float, default=d.max_heartbeats_per_second,
+                   help="daemon.max_heartbeats_per_second, the pool's cap that stretches the interval "
+                        f"(default: the config's default, {d.max_heartbeats_per_second:g})")
     p.add_argument("--boot-s", type=float, default=d.boot_s, help=f"launch -> agent up (default {d.boot_s:g})")
     p.add_argument("--step-s", type=float, default=d.step_s, help=f"seconds per training step (default {d.step_s:g})")
     p.add_argument("--flush-s", type=float, default=d.flush_s, help=f"seconds per commit (default {d.flush_s:g})")
@@ -646,7 +668,7 @@ def _options(argv: list[str] | None) -> tuple[Options, str, bool]:
         p.error(f"--nodes must be >= 2, got {a.nodes}")
     if not 0 < a.storm_frac < 1:
         p.error(f"--storm-frac must be within (0, 1), got {a.storm_frac}")
-    for name in ("steady_s", "heartbeat_interval_s", "step_s"):
+    for name in ("steady_s", "heartbeat_interval_s", "max_heartbeats_per_second", "step_s"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
     o = Options(**{name: getattr(a, name) for name in Options.__dataclass_fields__})
@@ -664,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.scale: {exc}", file=sys.stderr)
         return 1
     doc["wall_s"] = round(time.monotonic() - started, 1)
-    print(f"scale: {o.nodes} nodes x {o.gpus_per_node} GPUs, heartbeat every {o.heartbeat_interval_s:g} s, "
+    print(f"scale: {o.nodes} nodes x {o.gpus_per_node} GPUs, heartbeat every {o.scaled_interval_s:g} s "
+          f"(max({o.heartbeat_interval_s:g} s, nodes / {o.max_heartbeats_per_second:g} per s), + up to 20 % stagger), "
           f"ramp {doc['ramp_s']:.1f} s, steady {doc['steady']['window_s']:.0f} s, storm {doc['storm']['notices']} "
           f"notices within {o.storm_spread_s:g} s; {doc['machine']['cpus']} CPUs shared with other work, "
           f"Python {doc['machine']['python']}, {doc['wall_s']:.0f} s wall"
@@ -672,8 +695,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(doc))
     f, dl = doc["fleet"], doc["daemon_log"]
     print(f"feed: {doc['webhook']['events']} events, {doc['webhook']['bad_signatures']} bad signatures; "
-          f"fleet: {f['hb_failed']} failed heartbeats, {f['reports_failed']} failed reports; "
-          f"daemon log: {dl['errors']} errors, {dl['warnings']} warnings")
+          f"fleet: {f['hb_failed']} failed heartbeats, {f['reports_failed']} failed reports, "
+          f"{f['cmd_polls']} command long-polls answered ({f['cmd_failed']} failed), commands by long-poll / "
+          f"by heartbeat {f['cmd_by_poll']} / {f['cmd_by_heartbeat']}, intervals told "
+          f"{doc['heartbeat_interval_told_s']} s; daemon log: {dl['errors']} errors, {dl['warnings']} warnings")
     Path(out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

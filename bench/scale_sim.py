@@ -4,15 +4,17 @@
 
 :class:`Fleet` is the "cloud": it boots each launched instance ``boot_s`` later into
 a :class:`SimAgent`, which speaks the real agent HTTP API (``/v1/agent/register``,
-``heartbeat`` every ``heartbeat_interval_s``, ``events``) with its own token and its
-own aiohttp session (one keep-alive connection per node, as real nodes have),
+``heartbeat`` at the interval the daemon's last reply said — ``--heartbeat-interval-s``
+until the first —, one ``commands`` long-poll always outstanding, ``events``) with its
+own token and its own aiohttp session (keep-alive connections, as real nodes have),
 sending what :class:`daemon.agent.NodeAgent` sends: the step, the trainer's state,
 one GPU sample per GPU, a ``trainer.log`` chunk when the log grew, and the
 trainer's status lines (``started``, ``checkpoint_committed``, ``holding``) as
-reports. :class:`SimJob` is the training job those trainers run: it steps every
-``step_s``; commits at the next step boundary when a notice or a checkpoint request
-is pending (taking ``flush_s``), and every ``checkpoint_every`` steps; holds after a
-notice or rejoin commit; a noticed node's trainer exits after the commit that
+reports; it applies commands from either channel (each comes by one).
+:class:`SimJob` is the training job those trainers run: it steps every ``step_s``;
+commits at the next step boundary when a notice or a checkpoint request is pending
+(taking ``flush_s``), and every ``checkpoint_every`` steps; holds after a notice or
+rejoin commit; a noticed node's trainer exits after the commit that
 answers its notice; and the job restarts (every member reports ``started``, new
 attempt, new world size) ``rdzv_s`` after a node left or joined, as torchrun's
 re-rendezvous would.
@@ -49,6 +51,7 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script: import this checkout's daemon package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from daemon.agent import COMMAND_WAIT_S, KEEPALIVE_S  # noqa: E402
 from daemon.metadata.base import Notice, NoticeKind  # noqa: E402
 
 __all__ = ["SimAgent", "SimJob", "Fleet", "main"]
@@ -60,7 +63,7 @@ class SimAgent:
 
     __slots__ = ("fleet", "instance_id", "node_id", "token", "daemon_url", "gpus", "session", "trainer",
                  "exit_code", "step", "rank", "interruption", "outbox", "tasks", "gpu", "log_buf", "log_start",
-                 "log_want", "log_lines", "started_at", "registered")
+                 "log_want", "log_lines", "started_at", "registered", "interval_s", "beat_now")
 
     def __init__(self, fleet: Fleet, *, instance_id: str, node_id: str, token: str, daemon_url: str,
                  gpus: int) -> None:
@@ -84,6 +87,8 @@ class SimAgent:
         self.log_lines = 0
         self.started_at: float | None = None
         self.registered = False
+        self.interval_s = fleet.heartbeat_interval_s  # until the daemon says otherwise
+        self.beat_now = asyncio.Event()  # the trainer started or exited: heartbeat now, as the agent does
 
     def spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=f"{name}:{self.node_id}")
@@ -97,9 +102,11 @@ class SimAgent:
         if self.session is not None:
             await self.session.close()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
         assert self.session is not None
-        async with self.session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body}) as r:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        async with self.session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
+                                     timeout=timeout) as r:
             if r.status == 401:
                 raise PermissionError(f"{self.node_id}: the daemon refused this node's token")
             r.raise_for_status()
@@ -108,11 +115,12 @@ class SimAgent:
     async def boot(self) -> None:
         await asyncio.sleep(self.fleet.boot_s)  # the VM boots
         self.session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"},
-                                             timeout=aiohttp.ClientTimeout(total=10))
+                                             timeout=aiohttp.ClientTimeout(total=10),
+                                             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
         delay = 0.2
         while True:
             try:
-                await self._post("/v1/agent/register", {"pid": os.getpid()})
+                self._heed_interval(await self._post("/v1/agent/register", {"pid": os.getpid()}))
                 break
             except (aiohttp.ClientError, TimeoutError):
                 await asyncio.sleep(delay)
@@ -120,6 +128,34 @@ class SimAgent:
         self.registered = True
         self.spawn(self._outbox_loop(), "outbox")
         self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.spawn(self._command_loop(), "commands")
+
+    def _heed_interval(self, reply: dict[str, Any]) -> None:
+        v = reply.get("heartbeat_interval_s")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 600:
+            self.interval_s = float(v)
+
+    async def _command_loop(self) -> None:
+        """One command long-poll outstanding, as the agent keeps (404: heartbeats only)."""
+        fleet, delay = self.fleet, 0.2
+        while True:
+            try:
+                reply = await self._post("/v1/agent/commands", {"wait_s": COMMAND_WAIT_S},
+                                         timeout_s=COMMAND_WAIT_S + 10.0)
+            except aiohttp.ClientResponseError as exc:
+                if exc.status in (404, 405):
+                    return
+                fleet.cmd_failed += 1
+            except (aiohttp.ClientError, TimeoutError):
+                fleet.cmd_failed += 1
+            else:
+                fleet.cmd_polls += 1
+                fleet.cmd_by_poll += len(reply.get("commands") or ())
+                self._apply(reply)
+                delay = 0.2
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     def report(self, kind: str, **data: Any) -> None:
         self.outbox.put_nowait({"kind": kind, "time": time.time(), **data})
@@ -144,6 +180,7 @@ class SimAgent:
     async def _heartbeat_loop(self) -> None:
         fleet = self.fleet
         while True:
+            self.beat_now.clear()
             job = fleet.job
             step = job.step if self.node_id in job.members else self.step
             self.step = step
@@ -157,8 +194,12 @@ class SimAgent:
             else:
                 fleet.hb_times.append(time.time())
                 fleet.hb_rtts.append(time.perf_counter() - t0)
+                fleet.cmd_by_heartbeat += len(reply.get("commands") or ())
+                self._heed_interval(reply)
                 self._apply(reply)
-            await asyncio.sleep(fleet.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self.beat_now.wait()
 
     def _gpu_sample(self) -> list[dict[str, Any]]:
         busy = self.trainer == "running" and self.node_id in self.fleet.job.members
@@ -203,6 +244,7 @@ class SimAgent:
         if reply.get("start_trainer") and self.trainer == "not_started" and self.interruption is None:
             self.trainer = "running"
             self.started_at = time.time()
+            self.beat_now.set()
             job.join(self)
         if reply.get("stop_trainer") and self.trainer == "running":
             job.leave(self, exit_code=-15)
@@ -262,6 +304,7 @@ class SimJob:
 
     def leave(self, agent: SimAgent, *, exit_code: int) -> None:
         agent.trainer, agent.exit_code = "exited", exit_code
+        agent.beat_now.set()
         agent.report("trainer_exited", exit_code=exit_code)
         self.joined.pop(agent.node_id, None)
         if self.members.pop(agent.node_id, None) is not None:
@@ -367,6 +410,10 @@ class Fleet:
         self.hb_failed = 0
         self.reports_ok = 0
         self.reports_failed = 0
+        self.cmd_polls = 0  # command long-polls answered
+        self.cmd_failed = 0
+        self.cmd_by_poll = 0  # commands that came by the long-poll / by a heartbeat reply
+        self.cmd_by_heartbeat = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -409,11 +456,16 @@ class Fleet:
     async def _stats(self, request: web.Request) -> web.Response:
         """Counters and the job; ``?launches=1`` adds every launch call, ``?since=T&until=U``
         the heartbeats answered in that window (count, round trip p50/p99/max)."""
+        told = [a.interval_s for a in self.agents.values() if a.registered]
         doc: dict[str, Any] = {
             "terminated": self.terminated, "agents": len(self.agents), "launch_calls": len(self.launches),
             "registered": sum(1 for a in self.agents.values() if a.registered),
             "notices_sent": self.notices_sent, "hb_total": len(self.hb_times), "hb_failed": self.hb_failed,
             "reports_ok": self.reports_ok, "reports_failed": self.reports_failed, "job": self.job.view(),
+            "cmd_polls": self.cmd_polls, "cmd_failed": self.cmd_failed, "cmd_by_poll": self.cmd_by_poll,
+            "cmd_by_heartbeat": self.cmd_by_heartbeat,
+            # the intervals the daemon told the registered nodes: [shortest, longest] (s)
+            "heartbeat_interval_s": [min(told, default=None), max(told, default=None)],
         }
         if request.query.get("launches"):
             doc["launches"] = self.launches
@@ -468,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scale_sim", description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--boot-s", type=float, default=2.0, help="launch → agent starts (seconds)")
-    p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0,
+                   help="until the daemon's first reply says the interval it wants")
     p.add_argument("--log-every-s", type=float, default=10.0, help="a trainer.log line per node this often (0: none)")
     p.add_argument("--step-s", type=float, default=1.0)
     p.add_argument("--flush-s", type=float, default=2.0)

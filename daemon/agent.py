@@ -1,15 +1,26 @@
 """spotvisor-agent: the node agent that runs on every spot instance.
 
-It has four jobs, each an owned task in one ``TaskGroup``:
+It has these jobs, each an owned task in one ``TaskGroup``:
 
 - ``metadata``: poll the cloud's metadata endpoint (default every 1 s) for an
   interruption notice; on a new one, write it to the notice file at once (the
   trainer ranks read it at their next step boundary) and report it to the daemon.
 - ``heartbeat``: tell the daemon the node is alive (and the trainer's step, the
   GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpu` — and the
-  next chunk of ``trainer.log``, :mod:`daemon.nodelog`); the reply carries the
-  daemon's commands: start the trainer, request a checkpoint (kind ``rejoin`` or
-  ``checkpoint``), stop the trainer.
+  next chunk of ``trainer.log``, :mod:`daemon.nodelog`), then sleep the interval the
+  daemon's last reply said (``heartbeat_interval_s``: it grows with the pool,
+  :func:`daemon.pool.heartbeat_interval_s`; until the first reply, the CLI's), or
+  less when the trainer starts or exits: the daemon must know at once whether a
+  trainer runs (a drain asks it to commit; a node with none is released). The
+  reply carries the daemon's commands too: start the trainer, request a checkpoint
+  (kind ``rejoin`` or ``checkpoint``), drain, stop the trainer.
+- ``commands``: keep one ``POST /v1/agent/commands`` long-poll outstanding, so a
+  command reaches the node at once however long the heartbeat interval is; its
+  reply is applied as a heartbeat reply is (each command comes by one channel or the
+  other, never both). A daemon without the route (404: an older one) leaves the
+  agent on heartbeats alone.
+- ``gpu``: sample the GPUs every second; each heartbeat carries the per-GPU means
+  since the last one (:class:`daemon.gpu.GpuMeans`).
 - ``status``: tail the trainer's status file and forward what matters
   (``started``, ``checkpoint_committed``, ``holding``, ``completed``). When the
   checkpoint that answers this node's interruption notice is committed, the node
@@ -39,9 +50,10 @@ from typing import Any
 
 import aiohttp
 import structlog
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type,
+                      wait_exponential_jitter)
 
-from daemon.gpu import GpuSampler, NvmlSampler
+from daemon.gpu import GpuMeans, GpuSampler, NvmlSampler
 from daemon.logs import configure_logging
 from daemon.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
@@ -53,6 +65,25 @@ log = structlog.get_logger("spotvisor.agent")
 
 # Status lines worth the daemon's attention (``step`` lines only update the heartbeat).
 _FORWARDED = frozenset({"started", "checkpoint_committed", "holding", "completed"})
+# the command long-poll: how long the daemon may hold it (it caps this at 30 s), and how
+# long past that the agent waits for the answer before it gives up on the request
+COMMAND_WAIT_S = 30.0
+_COMMAND_SLACK_S = 10.0
+# a told heartbeat interval outside (0, this] is not used (seconds)
+_MAX_HEARTBEAT_INTERVAL_S = 600.0
+# an idle connection to the daemon is kept this long (seconds): longer than any heartbeat
+# interval used, shorter than aiohttp's server keep-alive (3630 s)
+KEEPALIVE_S = _MAX_HEARTBEAT_INTERVAL_S + 60.0
+_GPU_SAMPLE_S = 1.0
+
+
+def _no_command_route(exc: BaseException) -> bool:
+    """The daemon has no command long-poll (an older one): heartbeats carry the commands."""
+    return isinstance(exc, aiohttp.ClientResponseError) and exc.status in (404, 405)
+
+
+def _command_poll_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)) and not _no_command_route(exc)
 
 
 class NoticeFile:
@@ -136,13 +167,16 @@ class NodeAgent:
         node_id: this node's id in the pool.
         metadata: the metadata dialect client (polls the cloud's endpoint).
         workdir: node-local directory for the notice/status files and logs.
-        gpu_sampler: samples the GPUs for each heartbeat (default: NVML; absent → None).
+        gpu_sampler: samples the GPUs every second (default: NVML; absent → None).
+        heartbeat_interval_s: seconds between heartbeats until the daemon says (its
+            register and heartbeat replies carry the interval it wants).
+        command_wait_s: how long each command long-poll may be held (seconds).
     """
 
     def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: MetadataDialect, workdir: Path,
                  poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
                  metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0,
-                 gpu_sampler: GpuSampler | None = None) -> None:
+                 gpu_sampler: GpuSampler | None = None, command_wait_s: float = COMMAND_WAIT_S) -> None:
         self.daemon_url = daemon_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -150,6 +184,8 @@ class NodeAgent:
         self.workdir = Path(workdir)
         self.poll_interval_s = poll_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.told_interval_s: float | None = None  # the daemon's last word on the heartbeat interval
+        self.command_wait_s = command_wait_s
         self.metadata_alarm_after = metadata_alarm_after
         self.metadata_max_backoff_s = metadata_max_backoff_s
         self.metadata_failures = 0  # consecutive failed polls (the current streak)
@@ -170,6 +206,9 @@ class NodeAgent:
         self._background: set[asyncio.Future[None]] = set()
         self.gpu_sampler: GpuSampler = gpu_sampler if gpu_sampler is not None else NvmlSampler()
         self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
+        self._gpu = GpuMeans()  # samples since the last heartbeat
+        self._apply_lock = asyncio.Lock()  # heartbeat and long-poll replies are applied one at a time
+        self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
 
     # -- lifecycle ------------------------------------------------------------
     async def run(self) -> None:
@@ -179,6 +218,9 @@ class NodeAgent:
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=aiohttp.ClientTimeout(total=10),
+            # keep the connection between heartbeats however far apart the daemon sets them
+            # (aiohttp's default, 15 s, would open a new one for each heartbeat of a big pool)
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
         )
         try:
             self._job = await self._register()
@@ -188,6 +230,8 @@ class NodeAgent:
                 if poll_rebalance is not None:
                     tg.create_task(self._rebalance_loop(poll_rebalance), name=f"agent:rebalance:{self.node_id}")
                 tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
+                tg.create_task(self._command_loop(), name=f"agent:commands:{self.node_id}")
+                tg.create_task(self._gpu_loop(), name=f"agent:gpu:{self.node_id}")
                 tg.create_task(self._status_loop(), name=f"agent:status:{self.node_id}")
                 tg.create_task(self._outbox_loop(), name=f"agent:outbox:{self.node_id}")
         finally:
@@ -201,9 +245,11 @@ class NodeAgent:
             await self._session.close()
 
     # -- daemon API -------------------------------------------------------------
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
         assert self._session is not None
-        async with self._session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body}) as r:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        async with self._session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
+                                      timeout=timeout) as r:
             if r.status == 401:
                 raise PermissionError("the daemon refused this node's token")
             r.raise_for_status()
@@ -214,7 +260,8 @@ class NodeAgent:
         while True:
             try:
                 reply = await self._post("/v1/agent/register", {"pid": os.getpid()})
-                log.info("agent_registered", node_id=self.node_id)
+                self._heed_interval(reply)
+                log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
                 return reply["job"]
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 log.warning("daemon_unreachable", error=str(exc), retry_in_s=delay)
@@ -327,9 +374,23 @@ class NodeAgent:
             log.warning("leaving_before_commit", node_id=self.node_id, notice_id=notice_id)
             self._proc.send_signal(signal.SIGTERM)
 
+    async def _gpu_loop(self) -> None:
+        while True:
+            self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))  # NVML calls block briefly
+            await asyncio.sleep(_GPU_SAMPLE_S)
+
+    def _heed_interval(self, reply: dict[str, Any]) -> None:
+        """Take the heartbeat interval the daemon wants (a reply without one: keep the last)."""
+        v = reply.get("heartbeat_interval_s")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= _MAX_HEARTBEAT_INTERVAL_S:
+            self.told_interval_s = float(v)
+
     async def _heartbeat_loop(self) -> None:
         while True:
-            gpu = await asyncio.to_thread(self.gpu_sampler.sample)  # NVML calls block briefly
+            self._beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
+            if self._gpu.samples == 0:  # none since the last heartbeat (a short interval): one now
+                self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))
+            gpu = self._gpu.take()
             chunk = await asyncio.to_thread(read_chunk, self.workdir / "trainer.log", self._log_want)
             try:
                 reply = await self._post(
@@ -342,10 +403,46 @@ class NodeAgent:
             else:
                 if isinstance(reply.get("log"), dict):
                     self._log_want = reply["log"].get("offset")
+                self._heed_interval(reply)
                 await self._apply(reply)
-            await asyncio.sleep(self.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.told_interval_s or self.heartbeat_interval_s):
+                    await self._beat_now.wait()
+
+    async def _command_loop(self) -> None:
+        """Keep one command long-poll outstanding and apply each answer. Errors back off
+        (tenacity, up to 5 s); a daemon without the route (404) ends this loop: the
+        heartbeat replies carry the commands then."""
+        while True:
+            retrying = AsyncRetrying(
+                retry=retry_if_exception(_command_poll_retryable),
+                wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
+                before_sleep=self._command_poll_failed,
+                reraise=True,
+            )
+            try:
+                async for attempt in retrying:
+                    with attempt:
+                        reply = await self._post("/v1/agent/commands", {"wait_s": self.command_wait_s},
+                                                 timeout_s=self.command_wait_s + _COMMAND_SLACK_S)
+            except aiohttp.ClientResponseError as exc:
+                if not _no_command_route(exc):
+                    raise
+                log.info("command_channel_unavailable", node_id=self.node_id, status=exc.status,
+                         note="the daemon has no command long-poll; commands come with heartbeats")
+                return
+            await self._apply(reply)
+
+    def _command_poll_failed(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("command_poll_failed", node_id=self.node_id, error=str(exc) or repr(exc),
+                    attempt=state.attempt_number)
 
     async def _apply(self, reply: dict[str, Any]) -> None:
+        async with self._apply_lock:  # one reply at a time: two could both see the trainer not started
+            await self._apply_locked(reply)
+
+    async def _apply_locked(self, reply: dict[str, Any]) -> None:
         assert self.notices is not None
         for cmd in reply.get("commands", []):
             if cmd.get("kind") == "drain":
@@ -377,6 +474,7 @@ class NodeAgent:
                     self._on_status(line)
                 self._trainer_state = "exited"
                 self._exit_code = self._proc.returncode
+                self._beat_now.set()
                 log.info("trainer_exited", node_id=self.node_id, exit_code=self._exit_code)
                 self._report("trainer_exited", exit_code=self._exit_code)
             await asyncio.sleep(0.2)
@@ -435,6 +533,7 @@ class NodeAgent:
         finally:
             out.close()
         self._trainer_state = "running"
+        self._beat_now.set()
         log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid)
 
     async def _stop_trainer(self) -> None:

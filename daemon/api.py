@@ -1,9 +1,20 @@
 """HTTP APIs of the daemon (aiohttp).
 
-- **Agent port** (TCP): node agents register, heartbeat and report. Each request
-  carries ``Authorization: Bearer <token>``, the node's own token issued at launch;
-  a wrong or missing token gets 401. A heartbeat may carry the node's GPU sample
-  (:mod:`daemon.gpu`) and the next chunk of its ``trainer.log`` (:mod:`daemon.nodelog`).
+- **Agent port** (TCP): node agents register, heartbeat, long-poll for commands and
+  report. Each request carries ``Authorization: Bearer <token>``, the node's own token
+  issued at launch; a wrong or missing token gets 401.
+
+  ========================================  ==============================================
+  ``POST /v1/agent/register``               the job spec and ``heartbeat_interval_s``
+  ``POST /v1/agent/heartbeat``              step, trainer state, GPU means (:mod:`daemon.gpu`),
+                                            a ``trainer.log`` chunk (:mod:`daemon.nodelog`);
+                                            the reply: commands, start/stop, the next
+                                            ``heartbeat_interval_s`` (it grows with the pool)
+  ``POST /v1/agent/commands``               ``{"wait_s": N}``: held until the node has a
+                                            command (or its start/stop decision changed),
+                                            at most N s (capped at 30); then the commands
+  ``POST /v1/agent/events``                 ``{"events": [...]}``: the agent's reports
+  ========================================  ==============================================
 - **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are
   ``{"error": "<one line>"}`` with 400 (bad request), 404 (unknown node) or 409
   (not possible now); spotctl prints the line and exits 2.
@@ -85,6 +96,23 @@ async def _heartbeat(request: web.Request) -> web.Response:
     return web.json_response(request.app[SUPERVISOR].on_heartbeat(node, body))
 
 
+async def _commands(request: web.Request) -> web.Response:
+    """The command long-poll (:meth:`Supervisor.wait_commands`)."""
+    node, body = await _agent_body(request)
+    wait_s = body.get("wait_s", 0.0)
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not wait_s >= 0:
+        raise web.HTTPBadRequest(text="wait_s must be a number of seconds >= 0")
+
+    def connected() -> bool:
+        transport = request.transport
+        return transport is not None and not transport.is_closing()
+
+    reply = await request.app[SUPERVISOR].wait_commands(node, float(wait_s), connected=connected)
+    if reply is None:  # superseded by a newer poll, its client gone, or the daemon closing: nothing taken
+        raise web.HTTPServiceUnavailable(text="this long-poll was given up; poll again")
+    return web.json_response(reply)
+
+
 async def _reports(request: web.Request) -> web.Response:
     node, body = await _agent_body(request)
     events = body.get("events")
@@ -99,6 +127,7 @@ def agent_app(sup: Supervisor) -> web.Application:
     app[SUPERVISOR] = sup
     app.router.add_post("/v1/agent/register", _register)
     app.router.add_post("/v1/agent/heartbeat", _heartbeat)
+    app.router.add_post("/v1/agent/commands", _commands)
     app.router.add_post("/v1/agent/events", _reports)
     return app
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import string
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -40,6 +40,8 @@ __all__ = [
     "OfferSpec",
     "ChaosEvent",
     "SinkSpec",
+    "WEBHOOK_MAX_BATCH",
+    "SLACK_MAX_BATCH",
     "load_config",
     "format_problems",
 ]
@@ -58,6 +60,12 @@ class _Spec(BaseModel):
 
 
 PositiveS = Annotated[float, Field(gt=0)]
+
+# events per request of a feed sink (``SinkSpec.max_batch``) when the config names none; a
+# Slack message holds at most 50 blocks: a header, a footer and two blocks per event
+# (daemon.notify.slack_digest) leave room for 24
+WEBHOOK_MAX_BATCH = 100
+SLACK_MAX_BATCH = 24
 
 
 class PoolSpec(_Spec):
@@ -212,6 +220,10 @@ class DaemonSpec(_Spec):
     agent_host: str = "127.0.0.1"
     agent_port: int = Field(0, ge=0, le=65535)
     heartbeat_timeout_s: PositiveS = 20.0
+    # the whole pool sends at most this many heartbeats a second: each node is told an
+    # interval of max(agent.heartbeat_interval_s, live nodes / this), and its lost-node
+    # timeout grows with what it was told (daemon/pool.py, as Nomad's max_heartbeats_per_second)
+    max_heartbeats_per_second: float = Field(50.0, gt=0)
     launch_timeout_s: PositiveS = 180.0
     rejoin_timeout_s: PositiveS = 90.0
     reconcile_interval_s: PositiveS = 1.0
@@ -354,6 +366,9 @@ class SinkSpec(_Spec):
     every key of the event's data (``{step}``, ``{seconds}``, ...); a field the event
     lacks reads ``?``. ``timeout_s``:
     one request (seconds); ``max_backoff_s``: cap of the retry backoff (seconds).
+    ``max_batch``: most events one request carries (a backlog goes out in batches of
+    this many); default 100 for ``webhook``, 24 for ``slack`` (at most 24 there: a
+    message holds 50 blocks).
     """
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -366,6 +381,21 @@ class SinkSpec(_Spec):
     template: dict[str, str] = {}
     timeout_s: PositiveS = 10.0
     max_backoff_s: PositiveS = 60.0
+    max_batch: int = WEBHOOK_MAX_BATCH  # events per request; unset: by type, see _default_batch
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_batch(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("max_batch") is None:
+            return {**data, "max_batch": SLACK_MAX_BATCH if data.get("type") == "slack" else WEBHOOK_MAX_BATCH}
+        return data
+
+    @field_validator("max_batch")
+    @classmethod
+    def _positive_batch(cls, n: int) -> int:
+        if n < 1:
+            raise ValueError(f"events per request must be at least 1, got {n} (e.g. max_batch: {WEBHOOK_MAX_BATCH})")
+        return n
 
     @field_validator("kinds", "exclude_kinds")
     @classmethod
@@ -396,6 +426,9 @@ class SinkSpec(_Spec):
             raise ValueError("secret_env: a webhook sink signs its requests (name the variable holding the key)")
         if self.type == "slack" and self.secret_env is not None:
             raise ValueError("secret_env: Slack incoming webhooks are not signed (remove it)")
+        if self.type == "slack" and self.max_batch > SLACK_MAX_BATCH:
+            raise ValueError(f"max_batch: a Slack message holds at most {SLACK_MAX_BATCH} events (50 blocks), "
+                             f"got {self.max_batch} (set max_batch: {SLACK_MAX_BATCH} or less)")
         return self
 
 

@@ -11,6 +11,12 @@ NVML (``nvidia-ml-py``, imported as ``pynvml``):
   here (the GPU waits for input).
 - ``mem_used_bytes`` / ``mem_total_bytes``: ``nvmlDeviceGetMemoryInfo``.
 
+The agent samples every second and each heartbeat carries, per GPU, the mean
+``sm_util_pct`` over the samples taken since the previous heartbeat and the latest
+memory figures (:class:`GpuMeans`): a big pool heartbeats only every few seconds
+(the daemon stretches the interval, :func:`daemon.pool.heartbeat_interval_s`), and
+one instant per heartbeat would be a poor reading of how busy the GPUs were.
+
 A node without NVML (a CPU node, no driver, no GPU) reports the sample as
 **absent** (``None``), never as zeros: an idle GPU and no GPU are different
 facts. A GPU whose query fails (e.g. fallen off the bus) reports ``None`` values
@@ -25,7 +31,11 @@ node runs the job's trainer, the mean SM utilization over its GPUs stays below
 training, or its samples become absent; a new episode can then fire again.
 Usually this is a data-loading bottleneck (too few loader workers, slow storage).
 
-Example (threshold 50 %, window 300 s, one sample a second): a node reads 30 %
+Each heartbeat is one observation (its mean over the interval since the last one),
+so the window holds fewer, smoother observations when the interval is long: with
+1,000 nodes told 20 s, a 300 s window is 15 heartbeats of 20 s means each.
+
+Example (threshold 50 %, window 300 s, one heartbeat a second): a node reads 30 %
 from 12:00:00; at 12:05:00 the event fires once (mean 30 %); it keeps reading
 30 %, nothing more; at 12:07:00 it reads 80 %, the episode ends; from 12:10:00 it
 reads 20 % again, and at 12:15:00 a second event fires.
@@ -39,7 +49,7 @@ from typing import Any, Protocol
 import pynvml
 import structlog
 
-__all__ = ["GpuSample", "GpuSampler", "NvmlSampler", "GpuWatch", "parse_samples", "mean_sm_util"]
+__all__ = ["GpuSample", "GpuSampler", "NvmlSampler", "GpuMeans", "GpuWatch", "parse_samples", "mean_sm_util"]
 
 log = structlog.get_logger("spotvisor.gpu")
 
@@ -136,6 +146,41 @@ class NvmlSampler:
         self._state = "absent"
         self.reason = reason
         log.info("gpu_absent", reason=reason)
+
+
+class GpuMeans:
+    """The agent's side: the samples taken between two heartbeats, folded into one per GPU.
+
+    :meth:`add` each sample (None: absent); :meth:`take` returns, per GPU index, the mean
+    ``sm_util_pct`` of the samples that had one (rounded to 0.1 %; None if none had) with
+    the latest memory figures and name, and starts over. It returns None (absent) when
+    no sample since the last take had any GPU. Memory stays bounded: sums, not samples.
+    """
+
+    __slots__ = ("_sums", "_counts", "_latest", "samples")
+
+    def __init__(self) -> None:
+        self._sums: dict[int, float] = {}
+        self._counts: dict[int, int] = {}
+        self._latest: dict[int, GpuSample] = {}
+        self.samples = 0  # samples added since the last take (absent ones included)
+
+    def add(self, samples: list[GpuSample] | None) -> None:
+        self.samples += 1
+        for g in samples or ():
+            self._latest[g.index] = g
+            if g.sm_util_pct is not None:
+                self._sums[g.index] = self._sums.get(g.index, 0.0) + g.sm_util_pct
+                self._counts[g.index] = self._counts.get(g.index, 0) + 1
+
+    def take(self) -> list[GpuSample] | None:
+        out = [
+            GpuSample(i, round(self._sums[i] / self._counts[i], 1) if self._counts.get(i) else None,
+                      g.mem_used_bytes, g.mem_total_bytes, g.name)
+            for i, g in sorted(self._latest.items())
+        ]
+        self._sums, self._counts, self._latest, self.samples = {}, {}, {}, 0
+        return out or None
 
 
 def _text(value: str | bytes) -> str:

@@ -2,7 +2,8 @@
 the heartbeat in bounded chunks, so ``spotctl tail NODE`` works for a node on any
 cloud: the daemon never reads a node's disk.
 
-**Protocol** (one round per heartbeat, default every 1 s):
+**Protocol** (one round per heartbeat: every 1 s by default, longer in a big pool,
+whose interval the daemon stretches, :func:`daemon.pool.heartbeat_interval_s`):
 
 - the daemon's heartbeat reply carries ``"log": {"offset": N}``: the byte offset in
   the node's ``trainer.log`` up to which it holds the log (``null``: nothing yet);
@@ -20,11 +21,11 @@ cloud: the daemon never reads a node's disk.
   daemon's memory: a daemon restart loses it, and the next heartbeats bring back
   only the node's last chunk. The node's own ``trainer.log`` is the full record
   (local provider: ``<state_dir>/nodes/<node>/trainer.log``);
-- throughput: at most :data:`CHUNK_MAX_BYTES` (16 KiB) per heartbeat. A trainer
-  that writes faster loses lines in the daemon's copy; each gap shows as one line
-  ``[spotvisor: N bytes of trainer.log not shipped]``;
-- latency: one heartbeat interval. A line is shipped once it ends with a newline
-  (a line longer than a chunk is shipped cut, in pieces);
+- throughput: at most :data:`CHUNK_MAX_BYTES` (16 KiB) per heartbeat (per ~20 s
+  at 1,000 nodes). A trainer that writes faster loses lines in the daemon's copy;
+  each gap shows as one line ``[spotvisor: N bytes of trainer.log not shipped]``;
+- latency: one heartbeat interval (~20 s at 1,000 nodes). A line is shipped once
+  it ends with a newline (a line longer than a chunk is shipped cut, in pieces);
 - a gone node keeps its last lines in the daemon (until the daemon restarts).
 """
 

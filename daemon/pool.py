@@ -12,6 +12,11 @@ Example: target 3 nodes; node a is ``running``, b got an interruption notice
 (``draining``), c is ``running``. Active capacity is 2 (a draining node does not
 count), so plan returns ``[Launch(offer=cheapest not in backoff)]`` at once, before
 b is gone: the replacement boots while b flushes its checkpoint.
+
+A node is lost when it has not heartbeated for :meth:`Timeouts.lost_after_s` of the
+interval it was last told (``NodeView.heartbeat_interval_s``): the daemon stretches
+the interval as the pool grows (:func:`heartbeat_interval_s`), so the timeout
+stretches with it, per node.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = [
     "MarkLost",
     "Action",
     "plan",
+    "heartbeat_interval_s",
     "rank_offers",
 ]
 
@@ -61,15 +67,45 @@ class NodeView:
     replacing: bool = False
     # its trainer has left the job (after a drain or a notice commit)
     trainer_exited: bool = False
+    # the heartbeat interval (seconds) the daemon last told this node; None: not told yet
+    heartbeat_interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Seconds. ``drain_grace_s``: how long past its notice deadline a draining node may linger."""
+    """Seconds. ``drain_grace_s``: how long past its notice deadline a draining node may linger.
+
+    ``heartbeat_timeout_s`` is the floor of the lost-node timeout; a node told a long
+    heartbeat interval gets ``heartbeat_misses`` of them plus ``heartbeat_grace_s``
+    (:meth:`lost_after_s`).
+    """
 
     heartbeat_timeout_s: float = 20.0
     launch_timeout_s: float = 180.0
     drain_grace_s: float = 30.0
+    heartbeat_misses: float = 2.0
+    heartbeat_grace_s: float = 10.0  # Nomad's heartbeat_grace default
+
+    def lost_after_s(self, told_interval_s: float | None) -> float:
+        """Seconds without a heartbeat after which a node told ``told_interval_s`` is lost.
+
+        Example (defaults): told 1 s → 20 s (the floor); told 20 s → 2 × 20 + 10 = 50 s.
+        """
+        if told_interval_s is None:
+            return self.heartbeat_timeout_s
+        return max(self.heartbeat_timeout_s, self.heartbeat_misses * told_interval_s + self.heartbeat_grace_s)
+
+
+def heartbeat_interval_s(live_nodes: int, *, min_interval_s: float, max_per_second: float) -> float:
+    """The heartbeat interval that keeps the whole pool at ``max_per_second`` heartbeats at
+    most, never below ``min_interval_s``: ``max(min_interval_s, live_nodes / max_per_second)``.
+
+    As HashiCorp Nomad scales its clients' heartbeat TTL (``min_heartbeat_ttl``,
+    ``max_heartbeats_per_second``, ``heartbeat_grace``:
+    https://developer.hashicorp.com/nomad/docs/configuration/server). Example (1 s, 50/s):
+    3 nodes → 1 s; 100 nodes → 2 s; 1,000 nodes → 20 s.
+    """
+    return max(min_interval_s, live_nodes / max_per_second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +164,7 @@ def plan(
         elif (
             n.state in (NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING)
             and n.last_heartbeat is not None
-            and now - n.last_heartbeat > timeouts.heartbeat_timeout_s
+            and now - n.last_heartbeat > timeouts.lost_after_s(n.heartbeat_interval_s)
         ):
             removals.append(MarkLost(n.id, "heartbeat_lost"))
             removed.add(n.id)

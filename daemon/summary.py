@@ -16,6 +16,11 @@ step number, its last execution. Executions that a later attempt redid are
 notice-driven commit and hold. ``samples_seen_twice``/``samples_skipped`` are
 counted over the lineage: every global position in ``[0, steps × global batch)``
 must appear exactly once.
+
+**Restarts and in-process resizes.** An attempt whose ``started`` line says
+``resized: "in_process"`` is the survivors of a notice going on in the same worker
+processes (``trainer.run.Job.shrink``): it counts in ``resizes_in_process``, not in
+``restarts`` (worker-group restarts by torchrun).
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         if resume is not None:
             to_resume.append(round(resume["time"] - seen_at, 2))
 
+    in_process = {str(s.get("attempt")) for s in start_lines if s.get("resized") == "in_process"}
     first = execs.get((last_exec[lineage_steps[0]], lineage_steps[0])) if lineage_steps else None
     last = execs.get((last_exec[lineage_steps[-1]], lineage_steps[-1])) if lineage_steps else None
     summary = {
@@ -136,7 +142,8 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "loss_last": last["loss"] if last else None,
         "samples_seen_twice": twice,
         "samples_skipped": skipped,
-        "restarts": max(0, len(order) - 1),
+        "restarts": max(0, len(order) - 1 - len(in_process)),
+        "resizes_in_process": len(in_process),
     }
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)

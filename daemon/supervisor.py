@@ -9,8 +9,18 @@ One :class:`Supervisor` per pool/job. It owns:
   while the job runs is admitted only after the job committed a ``rejoin``
   checkpoint and is holding at that step, so growing the world loses no steps
   (DESIGN.md, loop step 7);
-- the **agent API** handlers (register, heartbeat, reports) and the views that
-  ``spotctl`` reads.
+- the **agent API** handlers (register, heartbeat, command long-poll, reports) and
+  the views that ``spotctl`` reads.
+
+Agent channels: the daemon tells each node its heartbeat interval in every register
+and heartbeat reply, ``max(agent.heartbeat_interval_s, live nodes /
+daemon.max_heartbeats_per_second)`` (:func:`daemon.pool.heartbeat_interval_s`, as
+Nomad does), and the node's lost timeout scales with what it was told. Commands
+(start the trainer, checkpoint / rejoin, drain, cancel) do not wait for a heartbeat:
+every producer goes through :meth:`Supervisor._send`, which wakes the node's
+outstanding ``POST /v1/agent/commands`` long-poll (:meth:`Supervisor.wait_commands`).
+Heartbeat replies still carry commands (an older agent, a lost long-poll); whichever
+reply comes first pops them, so each is delivered once.
 
 Example (target 3, one worker each): n1 n2 n3 run at world size 3. n2's agent
 reports an interruption notice → n2 ``draining`` and the planner launches n4 at
@@ -40,6 +50,7 @@ from daemon.model import Event, EventKind, JobState, Node, NodeState, check_tran
 from daemon.nodelog import NodeLogs
 from daemon.offers import History, Offer, capacity_backoff_s
 from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
+from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
                                    ProviderError, QuotaError)
 from daemon.store import Store
@@ -58,6 +69,11 @@ _PRICE_REFRESH_S = 300.0
 # agent's report retry backs off up to 5 s): wait this long past it before saying
 # the flush timed out
 _FLUSH_GRACE_S = 5.0
+# a command long-poll is held at most this long (seconds), whatever the agent asks
+COMMAND_WAIT_MAX_S = 30.0
+# a stretched heartbeat interval is told with up to this much more, at random, so nodes
+# that registered together do not stay in step (Nomad adds a random stagger too)
+_INTERVAL_STAGGER = 0.2
 
 
 def _zone_key(provider: str, region: str, zone: str | None) -> str:
@@ -76,6 +92,7 @@ class JobView:
     started_at: float | None = None
     resumed_at: float | None = None
     attempts: set[str] = field(default_factory=set)
+    resizes_in_process: int = 0  # attempts that were the survivors going on in their processes
     commits: set[tuple[str, int]] = field(default_factory=set)
 
 
@@ -117,7 +134,12 @@ class Supervisor:
         self.gpu_watch = GpuWatch(threshold_pct=config.daemon.gpu_underutilized_pct,
                                   window_s=config.daemon.gpu_underutilized_window_s)
         self.agent_url: str | None = None
-        self._commands: dict[str, list[dict[str, Any]]] = {}
+        self._commands: dict[str, list[dict[str, Any]]] = {}  # node id → commands not yet delivered
+        self._command_ready: dict[str, asyncio.Event] = {}  # node id → set when a command is queued
+        self._command_polls: dict[str, int] = {}  # node id → generation of its newest long-poll
+        self._told_start: dict[str, bool] = {}  # node id → the start_trainer it was last told
+        self._told_interval: dict[str, float] = {}  # node id → the heartbeat interval it was last told (s)
+        self.heartbeat_interval_s = config.agent.heartbeat_interval_s  # the pool's, now (_rescale_heartbeat)
         self._rejoin: _Rejoin | None = None
         self._backoff: dict[int, float] = {}
         self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
@@ -200,6 +222,8 @@ class Supervisor:
         if self._closed:
             return
         self._closed = True
+        for ready in self._command_ready.values():  # held long-polls answer now
+            ready.set()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -262,19 +286,29 @@ class Supervisor:
 
     # -- reconcile ----------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
-        interval = self.config.daemon.reconcile_interval_s
         while True:
             try:
                 await self.reconcile_once()
             except ProviderError as exc:
                 log.error("reconcile_provider_error", error=str(exc))
             self._wake.clear()
-            await _wait_event(self._wake, interval)
+            await _wait_event(self._wake, self.periodic_pass_s())
+
+    def periodic_pass_s(self) -> float:
+        """Seconds between two reconcile passes when nothing wakes the loop:
+        ``daemon.reconcile_interval_s``, or a quarter of the pool's heartbeat interval when
+        that is longer. A pass lists the pool's instances (``describe``: one cloud API call
+        per provider, pages of 1,000 instances) and plans over every node; nothing it finds
+        is fresher than the heartbeats, so a 1,000-node pool (20 s heartbeats) passes every
+        5 s instead of every second (bench/scale.py: the pass was 40 % of the idle daemon's
+        CPU). Events (a report, a launch done, spotctl) still wake a pass at once."""
+        return max(self.config.daemon.reconcile_interval_s, self.heartbeat_interval_s / 4)
 
     async def reconcile_once(self) -> None:
         """One pass: observe, plan, apply, admit."""
         now = self.clock()
         await self._observe_instances()
+        self._rescale_heartbeat()
         actions = plan(
             Desired(self.desired_nodes, frozenset(self.valid_world_sizes())),
             [self._view(n) for n in self.nodes.values()],
@@ -546,7 +580,7 @@ class Supervisor:
         for n in chosen:
             self._set_state(n, NodeState.ADMITTING)
         for n in running:
-            self._commands.setdefault(n.id, []).append({"kind": "checkpoint", "reason": "rejoin", "id": rid})
+            self._send(n.id, {"kind": "checkpoint", "reason": "rejoin", "id": rid})
         self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
                      for_nodes=sorted(self._rejoin.nodes))
 
@@ -560,7 +594,7 @@ class Supervisor:
             return None
         rid = f"{reason}-{secrets.token_hex(4)}"
         for n in running:  # one rank seeing it is enough (the guard all-reduces); all get it
-            self._commands.setdefault(n.id, []).append({"kind": "checkpoint", "reason": reason, "id": rid})
+            self._send(n.id, {"kind": "checkpoint", "reason": reason, "id": rid})
         self.record(EventKind.CHECKPOINT_REQUESTED, None, reason=reason, request_id=rid)
         return rid
 
@@ -575,7 +609,7 @@ class Supervisor:
         node.deadline = self.clock() + self.config.daemon.rejoin_timeout_s
         self._set_state(node, NodeState.DRAINING, reason)
         if node.trainer == "running":
-            self._commands.setdefault(node.id, []).append({"kind": "drain", "id": rid})
+            self._send(node.id, {"kind": "drain", "id": rid})
             self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="drain", request_id=rid, why=reason)
         self.wake()
 
@@ -621,7 +655,8 @@ class Supervisor:
                 self.drain(n, "scale_in")
                 draining.append(n.id)
         self.record(EventKind.POOL_SCALED, None, old=old, new=nodes, paused=self.paused, draining=draining)
-        self.wake()
+        if nodes != old:  # the same target again changes nothing: no pass over every node for it
+            self.wake()
         return {"target_nodes": nodes, "old": old, "paused": self.paused, "draining": draining}
 
     def pause(self) -> dict[str, Any]:
@@ -720,7 +755,7 @@ class Supervisor:
         if rj is None:
             return
         for n in running:
-            self._commands.setdefault(n.id, []).append({"kind": "cancel", "id": rj.id})
+            self._send(n.id, {"kind": "cancel", "id": rj.id})
         for n in back_to_ready:
             self._set_state(n, NodeState.READY, "rejoin deferred")
         self._rejoin = None
@@ -737,9 +772,11 @@ class Supervisor:
         return node
 
     def on_register(self, node: Node) -> dict[str, Any]:
-        """An agent came up: the node is ``ready``; returns the job spec it runs."""
+        """An agent came up: the node is ``ready``; returns the job spec it runs and its
+        heartbeat interval (seconds)."""
         self._seen(node)
-        return {"job": self.job_spec(node)}
+        self._rescale_heartbeat()  # one more live node
+        return {"job": self.job_spec(node), "heartbeat_interval_s": self._tell_interval(node)}
 
     def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         self._seen(node)
@@ -759,13 +796,79 @@ class Supervisor:
                                      training=node.state is NodeState.RUNNING and node.trainer == "running")
         if low is not None:
             self.record(EventKind.GPU_UNDERUTILIZED, node.id, **low)
-        commands = self._commands.pop(node.id, [])
-        return {
-            "commands": commands,
-            "start_trainer": node.state is NodeState.RUNNING and not self.job.state.is_terminal(),
-            "stop_trainer": False,
-            "log": self.node_logs.ack(node.id),  # where the next trainer.log chunk starts (daemon/nodelog.py)
-        }
+        reply = self._agent_reply(node)
+        reply["heartbeat_interval_s"] = self._tell_interval(node)  # when to send the next one
+        reply["log"] = self.node_logs.ack(node.id)  # where the next trainer.log chunk starts (daemon/nodelog.py)
+        return reply
+
+    async def wait_commands(self, node: Node, wait_s: float, *,
+                            connected: Callable[[], bool] = lambda: True) -> dict[str, Any] | None:
+        """The command long-poll (``POST /v1/agent/commands``): answer at once when
+        ``node`` has commands queued or its start/stop decision changed since it was last
+        told, else when one of those happens, or after ``wait_s`` (capped at
+        :data:`COMMAND_WAIT_MAX_S`) with no commands.
+
+        Returns the reply (what a heartbeat reply carries, less the heartbeat's own
+        fields), or None, taking nothing, when the poll is no longer wanted: a newer
+        poll of the same node superseded it, ``connected()`` says its client is gone
+        (aiohttp does not cancel a handler whose client left), or the daemon closes.
+        Commands taken by a reply are gone from the queue: a heartbeat reply after it
+        has none of them.
+        """
+        self._seen(node)
+        wait_s = min(max(0.0, wait_s), COMMAND_WAIT_MAX_S)
+        gen = self._command_polls[node.id] = self._command_polls.get(node.id, 0) + 1
+        ready = self._command_ready.get(node.id)
+        if ready is None:
+            ready = self._command_ready[node.id] = asyncio.Event()
+        else:
+            ready.set()  # an older poll of this node still held (its connection lost) gives way
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            ready.clear()
+            if self._closed or self._command_polls.get(node.id) != gen or not connected():
+                return None
+            remaining = deadline - loop.time()
+            news = bool(self._commands.get(node.id)) or self._told_start.get(node.id, False) != self._start(node)
+            if news or remaining <= 0:
+                return self._agent_reply(node)
+            await _wait_event(ready, remaining)
+
+    def _send(self, node_id: str, command: dict[str, Any]) -> None:
+        """Queue a command for a node and wake its long-poll: every producer comes here."""
+        self._commands.setdefault(node_id, []).append(command)
+        self._poke(node_id)
+
+    def _poke(self, node_id: str) -> None:
+        ready = self._command_ready.get(node_id)
+        if ready is not None:
+            ready.set()
+
+    def _start(self, node: Node) -> bool:
+        """Whether ``node``'s agent should run the trainer (it starts one if it has none)."""
+        return node.state is NodeState.RUNNING and not self.job.state.is_terminal()
+
+    def _agent_reply(self, node: Node) -> dict[str, Any]:
+        """Take ``node``'s queued commands and its start/stop decision into a reply."""
+        start = self._told_start[node.id] = self._start(node)
+        return {"commands": self._commands.pop(node.id, []), "start_trainer": start, "stop_trainer": False}
+
+    def _rescale_heartbeat(self) -> None:
+        live = sum(1 for n in self.nodes.values() if n.state in _LIVE)
+        self.heartbeat_interval_s = scaled_heartbeat_interval(
+            live, min_interval_s=self.config.agent.heartbeat_interval_s,
+            max_per_second=self.config.daemon.max_heartbeats_per_second)
+
+    def _tell_interval(self, node: Node) -> float:
+        """The heartbeat interval to tell ``node`` now (seconds), remembered for its lost
+        timeout (:meth:`daemon.pool.Timeouts.lost_after_s`). A stretched one gets a random
+        stagger of up to :data:`_INTERVAL_STAGGER` more, so the pool's rate stays under the cap."""
+        floor, interval = self.config.agent.heartbeat_interval_s, self.heartbeat_interval_s
+        if interval > floor:
+            interval = round(interval * (1.0 + _INTERVAL_STAGGER * self._rng.random()), 3)
+        self._told_interval[node.id] = interval
+        return interval
 
     def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
         """Apply an agent's batch of reports, in order. A report that cannot be used
@@ -845,7 +948,7 @@ class Supervisor:
             return
         if policy == "checkpoint":
             rid = f"rebalance-{notice.get('id')}"
-            self._commands.setdefault(node.id, []).append({"kind": "checkpoint", "reason": "rebalance", "id": rid})
+            self._send(node.id, {"kind": "checkpoint", "reason": "rebalance", "id": rid})
             self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="rebalance", request_id=rid)
         elif not node.replacing:
             node.replacing = True
@@ -870,6 +973,8 @@ class Supervisor:
             if attempt in self.job.attempts:
                 return
             self.job.attempts.add(attempt)
+            if line.get("resized") == "in_process":
+                self.job.resizes_in_process += 1
             if self.job.started_at is None:
                 self.job.started_at = self.clock()
             world = line.get("world_size")
@@ -884,7 +989,7 @@ class Supervisor:
             self.job.resumed_at = self.clock()
             self.record(EventKind.JOB_RESUMED, node.id, attempt=attempt, step=step,
                         resumed_from=line.get("resumed_from"), world_size=world, trainer_time=line.get("time"),
-                        lost_steps=lost)
+                        lost_steps=lost, **({"resized": line["resized"]} if line.get("resized") else {}))
         elif event == "checkpoint_committed":
             key = (attempt, int(line.get("step", -1)))
             if key in self.job.commits:
@@ -955,6 +1060,8 @@ class Supervisor:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            # the survivors of a notice re-form their group here, in-process (trainer/runtime.py)
+            "SPOTVISOR_RDZV_ENDPOINT": f"{rdzv.host}:{rdzv.port}",
         }
         if job.s3_endpoint_url:
             env["SPOTVISOR_S3_ENDPOINT_URL"] = job.s3_endpoint_url
@@ -986,7 +1093,8 @@ class Supervisor:
                 "id": self.config.job.id, "state": self.job.state.value, "step": self.job.step,
                 "target_steps": self.config.job.target_steps, "world_size": self.job.world_size,
                 "last_commit_step": self.job.last_commit_step, "last_commit_time": self.job.last_commit_time,
-                "restarts": max(0, len(self.job.attempts) - 1),
+                "restarts": max(0, len(self.job.attempts) - 1 - self.job.resizes_in_process),
+                "resizes_in_process": self.job.resizes_in_process,
             },
             "nodes": [
                 {
@@ -1035,6 +1143,9 @@ class Supervisor:
             check_transition(node.state, state)  # refused: raise before anything changes
             node.ended_at = self.clock()  # written with the state change: the node's cost stops here
         self.store.set_node_state(node, state, detail=detail)
+        if state.is_terminal():
+            self._told_interval.pop(node.id, None)
+        self._poke(node.id)  # its start/stop decision may have changed: answer its long-poll
 
     def _offer(self, i: int) -> Offer:
         o = self.config.offers[i]
@@ -1045,7 +1156,9 @@ class Supervisor:
     def _view(self, n: Node) -> NodeView:
         return NodeView(id=n.id, state=n.state, offer_index=n.offer_index, gpus=n.gpus, created_at=n.created_at,
                         last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
-                        trainer_exited=n.trainer != "running")
+                        trainer_exited=n.trainer != "running",
+                        # not told by this daemon (it restarted): what it would be told now
+                        heartbeat_interval_s=self._told_interval.get(n.id, self.heartbeat_interval_s))
 
 
 def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:

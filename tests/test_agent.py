@@ -81,11 +81,13 @@ async def fake(clock: Clock) -> AsyncIterator[FakeImds]:
 async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypatch: pytest.MonkeyPatch, *,
                         env: dict[str, str] | None = None, token_ttl_s: int = 21600,
                         alarm_after: int = 5,
-                        metadata: Callable[[], MetadataDialect] | None = None) -> AsyncIterator[NodeAgent]:
+                        metadata: Callable[[], MetadataDialect] | None = None,
+                        daemon_url: str | None = None) -> AsyncIterator[NodeAgent]:
     """The pool's first node with a real agent (and the stand-in as its trainer).
 
     The agent polls ``metadata()`` when given (any dialect's client), else an
-    ``AwsImds`` on ``fake`` with ``token_ttl_s`` and ``clock``.
+    ``AwsImds`` on ``fake`` with ``token_ttl_s`` and ``clock``. It talks to the
+    daemon's agent port, or to ``daemon_url`` when given.
 
     On exit: cancel the agent and check it shut down cleanly (trainer gone, sessions closed).
     """
@@ -103,7 +105,7 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
     node = next(iter(h.sup.nodes.values()))
     agent = NodeAgent(
-        daemon_url=h.api.agent_url, token=node.token, node_id=node.id,
+        daemon_url=daemon_url or h.api.agent_url, token=node.token, node_id=node.id,
         metadata=metadata(),
         workdir=h.tmp_path / "node", poll_interval_s=0.05, heartbeat_interval_s=0.05,
         metadata_alarm_after=alarm_after, metadata_max_backoff_s=0.2,
@@ -246,7 +248,7 @@ async def test_plain_checkpoint_command(spot_daemon, fake, clock, monkeypatch) -
     async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)}) as agent:
         await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
         node = the_node(h)
-        h.sup._commands.setdefault(node.id, []).append({"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
+        h.sup._send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
         await h.until(lambda: [n["kind"] for n in notice_file(agent)] == ["checkpoint"], what="checkpoint notice")
         assert notice_file(agent)[0]["id"] == "ck-1"
         gate.touch()
@@ -294,7 +296,7 @@ async def test_bad_token_is_401(spot_daemon, fake, clock, monkeypatch) -> None:
     node = the_node(h)
     url = h.api.agent_url
     async with aiohttp.ClientSession() as s:
-        for path in ("/v1/agent/register", "/v1/agent/heartbeat", "/v1/agent/events"):
+        for path in ("/v1/agent/register", "/v1/agent/heartbeat", "/v1/agent/commands", "/v1/agent/events"):
             body = {"node_id": node.id, "events": []}
             async with s.post(url + path, json=body, headers={"Authorization": "Bearer wrong"}) as r:
                 assert r.status == 401, path
@@ -314,3 +316,88 @@ async def test_bad_token_is_401(spot_daemon, fake, clock, monkeypatch) -> None:
                       workdir=h.tmp_path / "bad-node", poll_interval_s=0.05, heartbeat_interval_s=0.05)
     with pytest.raises(PermissionError, match="token"):
         await asyncio.wait_for(agent.run(), 5)
+
+
+def counting_heartbeats(h, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The times (monotonic) of the heartbeats the daemon answers from now on."""
+    times: list[float] = []
+    real = h.sup.on_heartbeat
+
+    def on_heartbeat(node, body):
+        times.append(asyncio.get_running_loop().time())
+        return real(node, body)
+
+    monkeypatch.setattr(h.sup, "on_heartbeat", on_heartbeat)
+    return times
+
+
+async def test_commands_come_by_long_poll_between_heartbeats(spot_daemon, fake, clock, monkeypatch) -> None:
+    """A pool told to heartbeat every 30 s: the trainer start and a rejoin checkpoint
+    request still reach the node at once, by the command long-poll."""
+    h = spot_daemon
+    c = h.sup.config
+    h.sup.config = c.model_copy(update={"agent": c.agent.model_copy(update={"heartbeat_interval_s": 30.0})})
+    beats = counting_heartbeats(h, monkeypatch)
+    gate = h.tmp_path / "commit-ok"
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)}) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        assert agent.told_interval_s == 30.0  # what the daemon said, not the agent's own 0.05 s
+        n1 = the_node(h)
+        # the agent heartbeats at once when its trainer starts (not 30 s later): a drain or a
+        # checkpoint request goes only to a node the daemon knows runs a trainer
+        await h.until(lambda: n1.trainer == "running", what="a heartbeat saying the trainer runs")
+
+        h.sup.desired_nodes = 2  # grow the pool: a second node registers → a rejoin request for n1
+        h.sup.wake()
+        await h.until(lambda: "test-2" in h.sup.nodes and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
+                      what="second node launched")
+        n2 = h.sup.nodes["test-2"]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
+            async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id}) as r:
+                assert r.status == 200
+        await h.until(lambda: h.events("checkpoint_requested"), what="rejoin checkpoint request")
+        (req,) = h.events("checkpoint_requested")
+        rid = req.data["request_id"]
+        asked = asyncio.get_running_loop().time()
+        await h.until(lambda: [(n["id"], n["kind"]) for n in notice_file(agent)] == [(rid, "rejoin")],
+                      what="rejoin in the notice file")
+        assert [t for t in beats if t >= asked] == []  # no heartbeat since: the long-poll brought it
+        assert len(beats) <= 2 and not h.sup._commands.get(n1.id)  # the first one, and the trainer's start
+
+
+async def test_an_older_daemon_without_the_long_poll(spot_daemon, fake, clock, monkeypatch) -> None:
+    """A daemon that 404s ``/v1/agent/commands``: the agent asks once, then lives on heartbeats."""
+    from aiohttp import web
+
+    from daemon.api import SUPERVISOR, _heartbeat, _register, _reports
+
+    h = spot_daemon
+    polls: list[int] = []
+
+    @web.middleware
+    async def count(request: web.Request, handler):
+        if request.path == "/v1/agent/commands":
+            polls.append(1)
+        return await handler(request)
+
+    old = web.Application(middlewares=[count])  # the agent port before the long-poll existed
+    old[SUPERVISOR] = h.sup
+    old.router.add_post("/v1/agent/register", _register)
+    old.router.add_post("/v1/agent/heartbeat", _heartbeat)
+    old.router.add_post("/v1/agent/events", _reports)
+    runner = web.AppRunner(old, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        gate = h.tmp_path / "commit-ok"
+        async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)},
+                                 daemon_url=url) as agent:
+            await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+            node = the_node(h)
+            h.sup._send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-old"})
+            await h.until(lambda: [n["id"] for n in notice_file(agent)] == ["ck-old"], what="by heartbeat")
+            assert polls == [1]  # asked once, got 404, did not retry
+    finally:
+        await runner.cleanup()

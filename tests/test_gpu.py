@@ -13,7 +13,7 @@ import types
 import pynvml
 import pytest
 
-from daemon.gpu import GpuSample, GpuWatch, NvmlSampler, mean_sm_util, parse_samples
+from daemon.gpu import GpuMeans, GpuSample, GpuWatch, NvmlSampler, mean_sm_util, parse_samples
 from daemon.model import NodeState
 
 
@@ -132,6 +132,26 @@ def test_watch_needs_training_and_a_sample() -> None:
 def test_watch_refuses_bad_settings(kw: dict) -> None:
     with pytest.raises(ValueError):
         GpuWatch(**kw)
+
+
+def test_gpu_means_fold_the_samples_between_two_heartbeats() -> None:
+    """A long heartbeat interval: the heartbeat carries each GPU's mean over the interval,
+    so a GPU busy half the time reads 50 %, whatever instant the heartbeat falls on."""
+    m = GpuMeans()
+    assert m.take() is None and m.samples == 0  # nothing yet: absent
+    for util in (0.0, 100.0, 0.0, 100.0):
+        m.add([GpuSample(0, util, 2**30, 16 * 2**30, "T4"), GpuSample(1, 30.0, 2**29, 16 * 2**30, "T4")])
+    m.add([GpuSample(0, None, 3 * 2**30, 16 * 2**30, "T4"), GpuSample(1, 30.0, 2**29, 16 * 2**30, "T4")])
+    assert m.samples == 5
+    assert m.take() == [GpuSample(0, 50.0, 3 * 2**30, 16 * 2**30, "T4"), GpuSample(1, 30.0, 2**29, 16 * 2**30, "T4")]
+    assert m.samples == 0 and m.take() is None  # it starts over
+    m.add(None)  # a CPU node, or the GPUs fell off NVML
+    assert m.take() is None
+    m.add([GpuSample(0, None, None, None)])  # the GPU is there but could not be read
+    assert m.take() == [GpuSample(0, None, None, None)]
+    w = GpuWatch(threshold_pct=50, window_s=40)  # 20 s heartbeats of means: the window needs 3
+    low = [GpuSample(0, 45.0, 1, 2)]
+    assert [w.observe("n", low, now=t, training=True) is not None for t in (0, 20, 40)] == [False, False, True]
 
 
 class ScriptedSampler:

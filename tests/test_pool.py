@@ -19,6 +19,7 @@ from daemon.pool import (
     Offer,
     Terminate,
     Timeouts,
+    heartbeat_interval_s,
     plan,
     rank_offers,
 )
@@ -50,8 +51,10 @@ def node(
     gpus: int = 1,
     offer_index: int = 0,
     deadline_in_s: float | None = None,
+    told_s: float | None = None,
 ) -> NodeView:
-    """A node created ``age_s`` ago whose last heartbeat was ``hb_age_s`` ago.
+    """A node created ``age_s`` ago whose last heartbeat was ``hb_age_s`` ago, told to
+    heartbeat every ``told_s`` (None: not told).
 
     Nodes that cannot have heartbeated yet (requested, launching) get none.
     """
@@ -64,6 +67,7 @@ def node(
         created_at=NOW - age_s,
         last_heartbeat=hb,
         deadline=None if deadline_in_s is None else NOW + deadline_in_s,
+        heartbeat_interval_s=told_s,
     )
 
 
@@ -252,6 +256,37 @@ CASES = [
         target=1,
         observed=[node("a", S.DRAINING, hb_age_s=60, deadline_in_s=10), node("b", S.RUNNING)],
         expected=[MarkLost("a", "heartbeat_lost")],
+    ),
+    # a big pool: the daemon told the node a longer interval, its timeout is 2 x it + 10 s grace
+    Case(
+        "told_20s_silent_15s_not_lost",
+        target=1,
+        observed=[node("a", S.RUNNING, hb_age_s=15, told_s=20.0)],
+        expected=[],
+    ),
+    Case(
+        "told_20s_silent_30s_not_lost_past_the_floor",
+        target=1,
+        observed=[node("a", S.RUNNING, hb_age_s=30, told_s=20.0)],
+        expected=[],
+    ),
+    Case(
+        "told_20s_silent_50s_not_lost_at_its_timeout",
+        target=1,
+        observed=[node("a", S.RUNNING, hb_age_s=50, told_s=20.0)],
+        expected=[],
+    ),
+    Case(
+        "told_20s_silent_51s_lost",
+        target=1,
+        observed=[node("a", S.RUNNING, hb_age_s=51, told_s=20.0)],
+        expected=[MarkLost("a", "heartbeat_lost"), up()],
+    ),
+    Case(
+        "told_1s_keeps_the_20s_floor",
+        target=2,
+        observed=[node("a", S.RUNNING, hb_age_s=20.5, told_s=1.0), node("b", S.RUNNING, hb_age_s=19, told_s=1.0)],
+        expected=[MarkLost("a", "heartbeat_lost"), up()],
     ),
     # --- launch timeout ---------------------------------------------------------------
     Case(
@@ -457,6 +492,21 @@ def test_default_timeouts_used_when_not_given() -> None:
         MarkLost("a", "heartbeat_lost"),
         up(),
     ]
+
+
+def test_lost_after_scales_with_the_told_interval() -> None:
+    t = Timeouts()  # floor 20 s, 2 misses, 10 s grace (Nomad's heartbeat_grace)
+    assert t.lost_after_s(None) == 20.0
+    assert t.lost_after_s(1.0) == 20.0
+    assert t.lost_after_s(5.0) == 20.0
+    assert t.lost_after_s(20.0) == 50.0
+    assert Timeouts(heartbeat_timeout_s=60.0).lost_after_s(20.0) == 60.0
+
+
+@pytest.mark.parametrize(("live", "expected"), [(0, 1.0), (3, 1.0), (50, 1.0), (100, 2.0), (1000, 20.0)])
+def test_heartbeat_interval_keeps_the_pool_under_the_cap(live: int, expected: float) -> None:
+    assert heartbeat_interval_s(live, min_interval_s=1.0, max_per_second=50.0) == expected
+    assert live / heartbeat_interval_s(live, min_interval_s=1.0, max_per_second=50.0) <= 50.0
 
 
 def test_actions_are_frozen() -> None:

@@ -36,3 +36,6 @@ def test_shortened_demo_survives_notices_and_a_kill(run_demo) -> None:
     assert s["loss_last"] < s["loss_first"]
     assert len(s["notice_to_commit_s"]) == 2 and all(t < 10 for t in s["notice_to_commit_s"])
     assert s["checkpoints_committed"] >= 6
+    # each notice's survivors went on in their running workers (trainer.run's in-process shrink);
+    # only the grows and the kill restarted workers
+    assert s["resizes_in_process"] == 2

@@ -1,0 +1,171 @@
+"""The daemon's side of the agent API (daemon/api.py, daemon/supervisor.py): the
+heartbeat interval it tells each node, and the command long-poll.
+
+The daemon (``spot_daemon``) runs in the test's event loop; the "agent" is plain
+HTTP requests with the node's token. No sleeps as synchronization: every wait is a
+condition (``DaemonHarness.until``) or an awaited request, bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from daemon import supervisor as supervisor_module
+from daemon.model import NodeState
+
+
+def configure(h, *, agent: dict[str, Any] | None = None, daemon: dict[str, Any] | None = None) -> None:
+    """Change the running daemon's config (the Supervisor reads it on each use)."""
+    c = h.sup.config
+    h.sup.config = c.model_copy(update={"agent": c.agent.model_copy(update=agent or {}),
+                                        "daemon": c.daemon.model_copy(update=daemon or {})})
+
+
+class Agent:
+    """One node's side of the agent API, as plain requests."""
+
+    def __init__(self, h, node, session: aiohttp.ClientSession) -> None:
+        self.url, self.node, self.s = h.api.agent_url, node, session
+
+    async def post(self, path: str, **body: Any) -> tuple[int, Any]:
+        async with self.s.post(f"{self.url}{path}", json={"node_id": self.node.id, **body}) as r:
+            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+    async def register(self) -> dict[str, Any]:
+        status, reply = await self.post("/v1/agent/register")
+        assert status == 200, reply
+        return reply
+
+    async def heartbeat(self, trainer: str = "running") -> dict[str, Any]:
+        status, reply = await self.post("/v1/agent/heartbeat", trainer={"state": trainer})
+        assert status == 200, reply
+        return reply
+
+    async def poll(self, wait_s: Any) -> tuple[int, Any]:
+        return await self.post("/v1/agent/commands", wait_s=wait_s)
+
+
+@pytest.fixture
+async def agent(spot_daemon) -> AsyncIterator[Agent]:
+    """The pool's first node, its agent registered."""
+    h = spot_daemon
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
+    node = next(iter(h.sup.nodes.values()))
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
+        yield Agent(h, node, s)
+
+
+async def held(h, node_id: str, polls: int = 1) -> None:
+    """Wait until the daemon holds the node's ``polls``-th long-poll."""
+    await h.until(lambda: h.sup._command_polls.get(node_id, 0) >= polls, what="the long-poll held")
+
+
+async def test_the_interval_grows_with_the_pool_and_is_told_to_each_node(spot_daemon, agent) -> None:
+    h = spot_daemon
+    # the local demo's pool (here 1 node, floor 0.05 s): the floor, unchanged
+    reply = await agent.register()
+    assert reply["heartbeat_interval_s"] == 0.05
+    assert (await agent.heartbeat())["heartbeat_interval_s"] == 0.05
+
+    configure(h, daemon={"max_heartbeats_per_second": 1.0})  # 1 heartbeat a second for the whole pool
+    h.sup.desired_nodes = 4  # three more launch: nodes about to heartbeat count too
+    h.sup.wake()
+    await h.until(lambda: sum(1 for n in h.sup.nodes.values() if n.state is NodeState.LAUNCHING) == 3,
+                  what="three more launches")
+    await h.until(lambda: h.sup.heartbeat_interval_s == 4.0, what="the interval rescaled")
+    told = (await agent.heartbeat())["heartbeat_interval_s"]
+    assert 4.0 <= told <= 4.8  # 4 nodes / 1 per s, plus up to 20 % stagger
+    # the planner judges the node by what it was told (its lost timeout scales with it)
+    assert h.sup._view(agent.node).heartbeat_interval_s == told
+    # and the periodic reconcile pass (a cloud describe + a plan over every node) slows with
+    # it: a quarter of the heartbeat interval, never faster than daemon.reconcile_interval_s
+    configure(h, daemon={"reconcile_interval_s": 0.5})
+    assert h.sup.periodic_pass_s() == 1.0
+    configure(h, daemon={"reconcile_interval_s": 2.0})
+    assert h.sup.periodic_pass_s() == 2.0
+
+
+async def test_a_command_queued_while_a_long_poll_waits_is_answered_at_once_and_once(
+        spot_daemon, agent) -> None:
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    # the start decision changed since the node was last told: the first poll answers at once
+    status, reply = await asyncio.wait_for(agent.poll(20), 5)
+    assert status == 200 and reply == {"commands": [], "start_trainer": True, "stop_trainer": False}
+    await agent.heartbeat("running")  # the trainer runs: a checkpoint can be asked for
+
+    t0 = time.monotonic()
+    poll = asyncio.create_task(agent.poll(20))
+    await held(h, agent.node.id, polls=2)
+    assert not poll.done()
+    rid = h.sup.request_checkpoint("manual")
+    status, reply = await asyncio.wait_for(poll, 5)
+    assert time.monotonic() - t0 < 5  # long before its 20 s
+    assert status == 200 and reply["commands"] == [{"kind": "checkpoint", "reason": "manual", "id": rid}]
+    assert (await agent.heartbeat())["commands"] == []  # taken by the poll: not delivered twice
+
+    # and the other way round: a heartbeat that comes first takes it, the poll then has none
+    h.sup.drain(agent.node, "operator")
+    assert [c["kind"] for c in (await agent.heartbeat())["commands"]] == ["drain"]
+    status, reply = await agent.poll(0)
+    assert status == 200 and reply["commands"] == []
+
+
+async def test_a_long_poll_with_nothing_to_say_answers_empty_after_wait_s(spot_daemon, agent, monkeypatch) -> None:
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    assert (await agent.poll(0))[1]["start_trainer"] is True
+    t0 = time.monotonic()
+    status, reply = await asyncio.wait_for(agent.poll(0.3), 5)
+    assert status == 200 and reply["commands"] == [] and time.monotonic() - t0 >= 0.3
+    # the daemon caps what an agent asks for
+    monkeypatch.setattr(supervisor_module, "COMMAND_WAIT_MAX_S", 0.2)
+    status, reply = await asyncio.wait_for(agent.poll(3600), 5)
+    assert status == 200 and reply["commands"] == []
+    for bad in ("soon", -1, True, None):
+        status, text = await agent.poll(bad)
+        assert status == 400 and "wait_s" in text
+
+
+async def test_a_newer_poll_supersedes_a_held_one(spot_daemon, agent) -> None:
+    """An agent whose connection was lost polls again: the old poll gives way and takes nothing."""
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    await agent.poll(0)
+    await agent.heartbeat("running")
+    old = asyncio.create_task(agent.poll(20))
+    await held(h, agent.node.id, polls=2)
+    new = asyncio.create_task(agent.poll(20))
+    status, _ = await asyncio.wait_for(old, 5)
+    assert status == 503
+    rid = h.sup.request_checkpoint("manual")
+    status, reply = await asyncio.wait_for(new, 5)
+    assert status == 200 and [c["id"] for c in reply["commands"]] == [rid]
+
+
+async def test_held_polls_answer_when_the_daemon_closes(spot_daemon, agent) -> None:
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    await agent.poll(0)
+    poll = asyncio.create_task(agent.poll(20))
+    await held(h, agent.node.id, polls=2)
+    await asyncio.wait_for(h.sup.aclose(), 10)
+    status, _ = await asyncio.wait_for(poll, 5)
+    assert status == 503
+
+
+async def test_the_long_poll_needs_the_nodes_token(spot_daemon, agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{agent.url}/v1/agent/commands", json={"node_id": agent.node.id, "wait_s": 0},
+                          headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
