@@ -70,7 +70,7 @@ _PRICE_REFRESH_S = 300.0
 # the flush timed out
 _FLUSH_GRACE_S = 5.0
 # a command long-poll is held at most this long (seconds), whatever the agent asks
-COMMAND_WAIT_MAX_S = 30.0
+COMMAND_WAIT_MAX_S = 55.0
 # a stretched heartbeat interval is told with up to this much more, at random, so nodes
 # that registered together do not stay in step (Nomad adds a random stagger too)
 _INTERVAL_STAGGER = 0.2
