@@ -86,3 +86,27 @@ def test_a_skipped_sample_is_reported(tmp_path: Path) -> None:
     s = summarize(tmp_path / "nodes", [], target_steps=3, global_batch_size=G)
     assert s["steps_completed"] == 2
     assert s["samples_skipped"] == G  # positions of the missing step (range covers 2 steps' worth)
+
+
+def test_an_in_process_shrink_is_a_resize_not_a_restart(tmp_path: Path) -> None:
+    n = tmp_path / "nodes" / "n1"
+    # attempt a at world 2 commits on notice at 6; its survivors go on in-process as attempt b
+    _write(n, "a", 2, range(1, 7), 100.0, status=[
+        {"event": "started", "time": 99.0, "step": 0},
+        {"event": "checkpoint_committed", "time": 106.5, "step": 6, "notice_ids": ["n-1"]},
+    ])
+    _write(n, "b", 1, range(7, 10), 107.0, status=[
+        {"event": "started", "time": 106.6, "step": 6, "resized": "in_process"},
+        {"event": "checkpoint_committed", "time": 110.0, "step": 9, "notice_ids": ["rejoin-1"]},
+    ])
+    # the grow: torchrun restarts every worker at world 2
+    _write(n, "c", 2, range(10, 13), 120.0, status=[
+        {"event": "started", "time": 119.0, "step": 9},
+        {"event": "checkpoint_committed", "time": 123.0, "step": 12, "notice_ids": []},
+    ])
+    events = [Event(1, 106.0, "interruption_notice", "n2", {"notice_id": "n-1", "notice_seen_at": 106.1})]
+    s = summarize(tmp_path / "nodes", events, target_steps=12, global_batch_size=G)
+    assert (s["restarts"], s["resizes_in_process"]) == (1, 1)
+    assert s["world_sizes"] == [2, 1, 2]
+    assert s["lost_steps_total"] == 0 and s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
+    assert s["notice_to_resume_s"] == [0.5]  # the shrink's started line, not the grow's
