@@ -79,8 +79,8 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         for name in sorted({o.provider for o in config.offers})
     }
     sup = (supervisor_cls or Supervisor)(config, providers=providers, store=store)
-    notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/notify.py)
-    sup.subscribe(notifier.wake)  # record() wakes its workers; it never waits for a sink
+    notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/notify.py): its own thread
+    sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
                     socket_path=str(config.daemon.socket_path()))
     try:
@@ -93,7 +93,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         yield sup
     finally:
         await sup.aclose()
-        await notifier.aclose()  # up to 3 s to deliver what is queued (the final pool_released)
+        await notifier.aclose()  # up to 3 s to deliver what is queued (the final pool_released); joins its thread
         await api.aclose()
         store.close()
 

@@ -8,7 +8,20 @@ oldest first, and sends **every pending event the sink wants, up to its
 ``max_batch``, in one request** (a batch); it advances the cursor past the whole
 batch only after the sink answered 2xx. A burst (1,000 nodes registering: ~4,000
 events in 10 s) thus costs a few requests, not one round trip per event queued
-behind the others. So:
+behind the others.
+
+**Where the workers run**: on a thread of their own (:data:`FEED_THREAD`) with its
+own asyncio loop, which also holds their HTTP sessions, tenacity's retries and
+Slack's pacing, and its own SQLite connection to the store's file
+(:meth:`Store.open_sibling`; WAL lets it read while the daemon writes, and its cursor
+writes wait out the daemon's). On the daemon's loop, a worker woken in a burst (1,000
+agents reporting a commit or a restart within 100 ms) waited behind hundreds of
+queued HTTP handlers of ~250 µs each (the loop stalled 100–340 ms), so event →
+webhook p99 was 400 ms with 1,000 nodes (bench/scale.py); batching does not help with
+that. The daemon's loop now only appends the event and hands the wake over
+(``call_soon_threadsafe``); the workers read events and node rows through the feed's
+connection and never touch Supervisor objects, and their progress comes back to
+:meth:`Notifier.wait_until` on the daemon's loop the same way. So:
 
 - **at least once, in order per sink**: a batch is re-sent, the same events, until
   a 2xx, and the next batch waits for it; events within a batch and batches are
@@ -16,9 +29,10 @@ behind the others. So:
   only the batch in flight when the daemon stopped can arrive twice (then possibly
   with more events after it), so receivers de-duplicate by ``seq`` (in every event);
 - **never blocking the supervisor**: ``Supervisor.record()`` only wakes the workers
-  (:meth:`Notifier.wake` is a listener). A sink that is down is retried with
-  exponential backoff and jitter (tenacity), capped at the sink's ``max_backoff_s``,
-  for as long as it is down; other sinks are not held up. A 429 with a
+  (:meth:`Notifier.wake` is a listener; it never waits for the feed's thread). A
+  sink that is down is retried with exponential backoff and jitter (tenacity), capped
+  at the sink's ``max_backoff_s``, for as long as it is down; other sinks are not held
+  up (each has its own worker task on the feed's loop). A 429 with a
   ``Retry-After`` (seconds or an HTTP date) waits at least that long (at most
   :data:`RETRY_AFTER_MAX_S`). Every failed attempt is logged
   (``notify_attempt_failed``: sink, first and last seq of the batch, status or error,
@@ -61,13 +75,17 @@ context with ``seq`` and time, within Slack's 50 blocks.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import email.utils
+import functools
 import hashlib
 import hmac
 import json
 import math
 import os
 import string
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -87,6 +105,7 @@ from daemon.store import Store
 
 __all__ = [
     "Notifier",
+    "FEED_THREAD",
     "DeliveryError",
     "Target",
     "resolve_sinks",
@@ -111,6 +130,8 @@ SIGNATURE_HEADER = "X-Spotvisor-Signature"
 CURSOR_KEY = "notify.cursor.{}"
 _READ = 500  # events read at a time by a sink that filters kinds (at least its max_batch)
 RETRY_AFTER_MAX_S = 3600.0  # a Retry-After longer than this is taken as this
+FEED_THREAD = "spotvisor-feed"  # the thread the workers run on, with their own event loop
+_JOIN_TIMEOUT_S = 10.0  # aclose waits this long for the feed's thread (its workers get 5 s to stop)
 
 # Slack's limits (docs.slack.dev, Block Kit reference and chat.postMessage): a message
 # holds at most 50 blocks; a header's plain text 150 characters; a section's text 3000,
@@ -668,8 +689,8 @@ class SinkStats:
 
 
 class _Worker:
-    __slots__ = ("target", "sender", "cursor", "wake", "task", "failing", "delivered", "failed_attempts",
-                 "batches")
+    __slots__ = ("target", "sender", "cursor", "wake", "task", "stopped", "failing", "delivered",
+                 "failed_attempts", "batches")
 
     def __init__(self, target: Target, sender: _Sender, cursor: int) -> None:
         self.target = target
@@ -677,6 +698,7 @@ class _Worker:
         self.cursor = cursor
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.stopped = False  # its task has ended (set on the feed's thread, read on the daemon's)
         self.failing = False
         self.delivered = 0
         self.failed_attempts = 0
@@ -687,9 +709,12 @@ class Notifier:
     """Delivers the store's events to the configured sinks (see the module docstring).
 
     Lifecycle: construct (no I/O; reads the sinks' URLs and keys from ``environ``),
-    ``await start()`` (one worker task per sink, named ``notify:<sink>``), ``wake()``
-    after each new event (``Supervisor.subscribe(lambda ev: notifier.wake())``), then
+    ``await start()`` on the daemon's loop (the thread :data:`FEED_THREAD` with its own
+    loop, one worker task per sink named ``notify:<sink>``; no thread without sinks),
+    ``wake()`` after each new event (``Supervisor.subscribe(notifier.wake)``), then
     ``await aclose(drain_timeout_s=...)`` (idempotent, safe after a failed start).
+    ``wake``, ``stats``, ``wait_until``, ``drain`` and ``aclose`` are called from the
+    daemon's loop; only the workers run on the feed's.
 
     Raises (constructor):
         ConfigError: a sink's ``url_env`` / ``secret_env`` variable is unset.
@@ -702,37 +727,68 @@ class Notifier:
         self.clock = clock
         self.targets = resolve_sinks(sinks, environ)
         self._workers: dict[str, _Worker] = {}
-        self._sessions: list[aiohttp.ClientSession] = []
+        # on the daemon's loop: set (and replaced) whenever a worker moved; signalled from the
+        # feed's thread through call_soon_threadsafe, at most one signal in flight
         self._progress = asyncio.Event()
+        self._progress_pending = False
+        self._wake_pending = False  # a wake handed to the feed's loop has not run yet
+        self._caller: asyncio.AbstractEventLoop | None = None  # the daemon's loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # the feed's loop, while its workers run
+        self._stop: asyncio.Event | None = None  # on the feed's loop
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ready: concurrent.futures.Future[None] | None = None  # the feed's setup: done or failed
         self._started = False
         self._closed = False
 
     async def start(self) -> None:
-        """Start a worker per sink at its stored cursor (a new sink: at the newest event).
+        """Start the feed's thread and a worker per sink at its stored cursor (a new sink:
+        at the newest event). Blocks the caller's loop only for the cursor reads; returns
+        once the workers run.
 
         Call before the supervisor records anything new, so a new sink misses nothing
-        of this run."""
+        of this run.
+
+        Raises:
+            RuntimeError: called twice.
+            ValueError: the store is in memory (the feed needs a second connection to it).
+            sqlite3.Error, OSError: the feed could not open its connection.
+        """
         if self._started:
             raise RuntimeError("Notifier.start() was already called")
         self._started = True
-        for t in self.targets:
+        if not self.targets:
+            return
+        if self.store.in_memory:
+            raise ValueError("the feed reads the store from its own thread through a second connection: "
+                             "it needs a database file, not :memory:")
+        self._caller = asyncio.get_running_loop()
+        cursors: dict[str, int] = {}
+        for t in self.targets:  # here, before start() returns: a new sink starts at the newest event so far
             key = CURSOR_KEY.format(t.name)
             cursor = self.store.get(key)
             if cursor is None:
                 cursor = self.store.last_seq()
                 self.store.set(key, cursor)
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=t.spec.timeout_s))
-            self._sessions.append(session)
-            w = _Worker(t, _SENDERS[t.spec.type](t, session, self.pool, self.clock), int(cursor))
-            self._workers[t.name] = w
-            w.task = asyncio.create_task(self._run(w), name=f"notify:{t.name}")
-            w.task.add_done_callback(self._task_done)
-        log.info("notifier_started", pool=self.pool, sinks={w.target.name: w.cursor for w in self._workers.values()})
+            cursors[t.name] = int(cursor)
+        self._ready = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._thread_main, args=(cursors, self._ready),
+                                        name=FEED_THREAD, daemon=True)
+        self._thread.start()
+        await asyncio.shield(asyncio.wrap_future(self._ready))  # shielded: a cancelled start leaves it to aclose
+        log.info("notifier_started", pool=self.pool, sinks=cursors)
 
     def wake(self, _event: Event | None = None) -> None:
-        """New events exist: every worker looks (never blocks; usable as a listener)."""
-        for w in self._workers.values():
-            w.wake.set()
+        """New events exist: every worker looks. Never blocks (usable as a listener): it
+        hands the wake to the feed's loop, one hand-over at a time however many events."""
+        loop = self._loop
+        if loop is None or self._wake_pending:
+            return
+        self._wake_pending = True
+        try:
+            loop.call_soon_threadsafe(self._wake_workers)
+        except RuntimeError:  # the feed's loop has just closed: the notifier is closing
+            pass
 
     def stats(self, sink: str) -> SinkStats:
         """Where sink ``sink`` stands (for ``/metrics`` and tests)."""
@@ -741,7 +797,7 @@ class Notifier:
 
     async def wait_until(self, pred: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``pred()`` holds, re-checked whenever a worker delivers, skips or
-        fails an attempt; False after ``timeout_s`` seconds."""
+        fails an attempt; False after ``timeout_s`` seconds. On the daemon's loop."""
         try:
             async with asyncio.timeout(timeout_s):
                 while not pred():
@@ -756,48 +812,126 @@ class Notifier:
 
     async def aclose(self, *, drain_timeout_s: float = 3.0) -> None:
         """Give the workers up to ``drain_timeout_s`` seconds to deliver what is
-        queued (e.g. the final ``pool_released``), then cancel them and close the
-        HTTP sessions. What is left stays in the outbox for the next start."""
+        queued (e.g. the final ``pool_released``), then cancel them, close the HTTP
+        sessions and the feed's connection, and join its thread (in a worker thread of
+        the caller's loop: the loop never blocks on it). What is left stays in the
+        outbox for the next start."""
         if self._closed:
             return
         self._closed = True
-        tasks = [w.task for w in self._workers.values() if w.task is not None]
+        thread, ready = self._thread, self._ready
+        if thread is None or ready is None:
+            return
         try:
-            if tasks and drain_timeout_s > 0 and not self._caught_up():
+            with contextlib.suppress(Exception):  # a failed setup: start() raised it already
+                await asyncio.shield(asyncio.wrap_future(ready))  # short: a connection and the sessions
+            if self._loop is not None and drain_timeout_s > 0 and not self._caught_up():
                 if not await self.drain(drain_timeout_s):
                     log.warning("notify_undelivered_at_close",
                                 behind={w.target.name: self.store.last_seq() - w.cursor
                                         for w in self._workers.values()})
         finally:
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=5.0)
-            for s in self._sessions:
-                await s.close()
+            # the feed checks _stopping after publishing _loop: one of the two sees the other
+            self._stopping = True
+            loop, stop = self._loop, self._stop
+            if loop is not None and stop is not None:
+                with contextlib.suppress(RuntimeError):  # its loop has closed: the feed already ended
+                    loop.call_soon_threadsafe(stop.set)
+            await asyncio.to_thread(thread.join, _JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.error("notify_thread_not_stopped", thread=thread.name, waited_s=_JOIN_TIMEOUT_S)
 
-    # -- internals -------------------------------------------------------------------------------
+    # -- internals: the feed's thread ------------------------------------------------------------
+    def _thread_main(self, cursors: dict[str, int], ready: concurrent.futures.Future[None]) -> None:
+        try:
+            asyncio.run(self._feed(cursors, ready))
+        except Exception as exc:  # after the setup (a failed one is start()'s to raise)
+            log.error("task_crashed", task=FEED_THREAD, error=repr(exc))
+
+    async def _feed(self, cursors: dict[str, int], ready: concurrent.futures.Future[None]) -> None:
+        """The feed's loop: open its connection and sessions, run the workers until
+        :meth:`aclose` asks, then cancel them and close what it opened, in reverse order."""
+        loop = asyncio.get_running_loop()
+        store: Store | None = None
+        sessions: list[aiohttp.ClientSession] = []
+        try:
+            store = self.store.open_sibling()  # this thread's own connection (sqlite3: one thread each)
+            workers: dict[str, _Worker] = {}
+            for t in self.targets:
+                session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=t.spec.timeout_s))
+                sessions.append(session)
+                workers[t.name] = _Worker(t, _SENDERS[t.spec.type](t, session, self.pool, self.clock),
+                                          cursors[t.name])
+            stop = asyncio.Event()
+            for w in workers.values():
+                w.task = asyncio.create_task(self._run(w, store), name=f"notify:{w.target.name}")
+                w.task.add_done_callback(functools.partial(self._task_done, w))
+            self._workers, self._stop = workers, stop
+            self._loop = loop  # from here on wake() reaches the workers
+        except Exception as exc:
+            ready.set_exception(exc)
+            await self._close_feed(sessions, store)
+            return
+        ready.set_result(None)
+        try:
+            if not self._stopping:
+                await stop.wait()
+        finally:
+            self._loop = None
+            tasks = [w.task for w in workers.values() if w.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=5.0)
+            await self._close_feed(sessions, store)
+
+    @staticmethod
+    async def _close_feed(sessions: list[aiohttp.ClientSession], store: Store | None) -> None:
+        for s in reversed(sessions):
+            await s.close()
+        if store is not None:
+            store.close()
+
+    def _wake_workers(self) -> None:  # on the feed's loop
+        self._wake_pending = False  # before setting: a wake() from now on hands over again
+        for w in self._workers.values():
+            w.wake.set()
+
     def _caught_up(self) -> bool:
         last = self.store.last_seq()
-        return all(w.cursor >= last or (w.task is not None and w.task.done()) for w in self._workers.values())
+        return all(w.cursor >= last or w.stopped for w in self._workers.values())
 
     def _moved(self) -> None:
+        """A worker moved (on the feed's thread): wake the waiters on the daemon's loop."""
+        caller = self._caller
+        if caller is None or self._progress_pending:
+            return
+        self._progress_pending = True
+        try:
+            caller.call_soon_threadsafe(self._progressed)
+        except RuntimeError:  # the daemon's loop has closed: nobody waits
+            self._progress_pending = False
+
+    def _progressed(self) -> None:  # on the daemon's loop
+        self._progress_pending = False  # before setting: a move from now on signals again
         self._progress.set()
         self._progress = asyncio.Event()
 
-    def _task_done(self, t: asyncio.Task[None]) -> None:
+    def _task_done(self, w: _Worker, t: asyncio.Task[None]) -> None:
+        w.stopped = True
         if not t.cancelled() and t.exception() is not None:
             log.error("task_crashed", task=t.get_name(), error=repr(t.exception()))
         self._moved()
 
-    async def _run(self, w: _Worker) -> None:
+    async def _run(self, w: _Worker, store: Store) -> None:
+        """One sink's worker, on the feed's loop: reads events and node rows from the feed's
+        own connection ``store`` and writes its cursor there; it touches no Supervisor object."""
         key = CURSOR_KEY.format(w.target.name)
         limit = w.target.spec.max_batch
         read = limit if w.target.wants_all else max(_READ, limit)  # a filter: look further ahead
         while True:
             await w.sender.pace()
             w.wake.clear()  # before reading: an event recorded from here on sets it again
-            pending = self.store.events(since=w.cursor, limit=read)
+            pending = store.events(since=w.cursor, limit=read)
             if not pending:
                 self._moved()
                 await w.wake.wait()
@@ -805,16 +939,16 @@ class Notifier:
             batch, upto = _take(pending, w.target.wants, limit)
             if batch:
                 # only the nodes this batch names, by key: reading the whole node table per
-                # batch stalled the event loop ~20 ms per batch with 1,000 nodes (bench/scale.py)
+                # batch stalled the loop ~20 ms per batch with 1,000 nodes (bench/scale.py)
                 nodes: dict[str, Node | None] = {}
                 for ev in batch:
                     if ev.node and ev.node not in nodes:
-                        nodes[ev.node] = self.store.node(ev.node)
+                        nodes[ev.node] = store.node(ev.node)
                 await self._deliver(w, [(ev, nodes.get(ev.node or "")) for ev in batch])
             # after the 2xx, with no await in between: a cancel during the request
             # leaves the cursor before this batch, which is then sent again
             w.cursor = upto
-            self.store.set(key, upto)
+            store.set(key, upto)  # waits up to busy_timeout_s for the daemon's write
             self._moved()
 
     async def _deliver(self, w: _Worker, batch: list[tuple[Event, Node | None]]) -> None:

@@ -7,7 +7,9 @@ transition checked against :data:`daemon.model.NODE_TRANSITIONS`.
 
 Calls are short local-disk transactions (well under a millisecond in WAL mode
 with ``synchronous=NORMAL``); they run on the event loop's thread on purpose, so
-that an event's ``seq`` order is the order the daemon decided things in.
+that an event's ``seq`` order is the order the daemon decided things in. A part
+that runs on a thread of its own (the feed, :mod:`daemon.notify`) opens its own
+connection with :meth:`Store.open_sibling`: WAL lets it read while the daemon writes.
 """
 
 from __future__ import annotations
@@ -44,22 +46,45 @@ CREATE TABLE IF NOT EXISTS kv (
 
 
 class Store:
-    """SQLite store. Construct, then :meth:`open`; :meth:`close` is idempotent."""
+    """SQLite store. Construct, then :meth:`open`; :meth:`close` is idempotent.
 
-    __slots__ = ("path", "_db")
+    ``busy_timeout_s``: how long a write waits for another connection's write to the
+    same file (seconds; sqlite3's default, 5)."""
 
-    def __init__(self, path: str | Path) -> None:
+    __slots__ = ("path", "busy_timeout_s", "_db")
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 5.0) -> None:
         self.path = Path(path)
+        self.busy_timeout_s = busy_timeout_s
         self._db: sqlite3.Connection | None = None
+
+    @property
+    def in_memory(self) -> bool:
+        """The database is SQLite's ``:memory:`` one (private to its connection)."""
+        return str(self.path) == ":memory:"
 
     def open(self) -> "Store":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
         self._db = db
         return self
+
+    def open_sibling(self) -> "Store":
+        """Another Store on the same database file with a connection of its own, opened;
+        for another thread (a connection is used by one thread at a time). WAL lets it
+        read while this one writes; its writes wait up to ``busy_timeout_s`` for this
+        one's. Blocks for the open (a few local-disk reads). Close it on its thread.
+
+        Raises:
+            ValueError: the database is in memory (another connection would open
+                another, empty database).
+        """
+        if self.in_memory:
+            raise ValueError("an in-memory store (:memory:) has no second connection: use a database file")
+        return Store(self.path, busy_timeout_s=self.busy_timeout_s).open()
 
     def close(self) -> None:
         if self._db is not None:

@@ -4,8 +4,10 @@ The receiver is an aiohttp app that can answer 500 (or 429 with a Retry-After),
 stop listening (connection refused), hold a request without answering (a request
 in flight when the daemon stops), or hold every request behind a gate (a sink that
 is slow while a backlog builds). It closes every connection after its answer, so
-"down" really refuses the next attempt. Waits are on events (the receiver's, the
-notifier's progress), never on sleeps.
+"down" really refuses the next attempt. :class:`ThreadedHook` receives on a thread of
+its own, for the test that blocks the event loop to show the feed's thread delivers
+meanwhile. Waits are on events (the receiver's, the notifier's progress), never on
+sleeps (that one block aside).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import hashlib
 import hmac
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
@@ -191,6 +195,21 @@ def emit(store: Store, notifier: Notifier, kind: str, node: str | None = None, *
     return ev.seq
 
 
+def emit_all(store: Store, notifier: Notifier, events: list[tuple[str, str | None, dict[str, Any]]]) -> list[int]:
+    """A burst of ``(kind, node, data)`` appended in one transaction, then one wake: the
+    feed's thread sees all of it or none, so the batches a test checks do not depend on
+    when that thread happens to read (event by event, it may send the first one alone)."""
+    store.db.execute("BEGIN IMMEDIATE")
+    try:
+        seqs = [store.append_event(kind, node, data).seq for kind, node, data in events]
+    except BaseException:
+        store.db.execute("ROLLBACK")
+        raise
+    store.db.execute("COMMIT")
+    notifier.wake()
+    return seqs
+
+
 @pytest.fixture
 async def receiver():
     rx = await Receiver().start()
@@ -215,12 +234,13 @@ async def test_sink_down_then_up_every_event_arrives_in_order_once(store: Store)
     n = Notifier(store, [webhook("hook", rx.url())], pool="test", environ=ENV)
     await n.start()
     try:
-        seqs = [emit(store, n, "node_launched", f"test-{i}", instance_id=f"i-{i}") for i in range(1, 6)]
+        seqs = emit_all(store, n, [("node_launched", f"test-{i}", {"instance_id": f"i-{i}"}) for i in range(1, 6)])
         assert await n.drain(10.0), n.stats("hook")
         # the receiver goes away entirely: connection refused while more events happen
         await rx.down()
         failed_before = n.stats("hook").failed_attempts
-        seqs += [emit(store, n, "checkpoint_committed", "test-1", step=s, seconds=1.5) for s in (20, 40, 60)]
+        seqs += emit_all(store, n, [("checkpoint_committed", "test-1", {"step": s, "seconds": 1.5})
+                                    for s in (20, 40, 60)])
         assert await n.wait_until(lambda: n.stats("hook").failed_attempts >= failed_before + 3, 10.0)
         assert n.stats("hook").cursor == seqs[4]  # nothing past the first undelivered event
         await rx.up()
@@ -323,6 +343,137 @@ async def test_new_sink_starts_at_newest_event_and_close_delivers_the_queue(stor
     assert "cost $12.50" in receiver.events()[0]["text"]
 
 
+# -- the feed's own thread ------------------------------------------------------------------------
+class ThreadedHook:
+    """A webhook receiver on its own thread (``http.server``): it answers while the
+    test's event loop is blocked. ``arrivals``: (``time.monotonic()``, seqs) per request."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[float, list[int]]] = []
+        self._cond = threading.Condition()
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with hook._cond:
+                    hook.arrivals.append((time.monotonic(), [e["seq"] for e in json.loads(body)["events"]]))
+                    hook._cond.notify_all()
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="test-hook", daemon=True)
+
+    def __enter__(self) -> "ThreadedHook":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+
+    def arrived(self, seq: int) -> float | None:
+        """When the first request carrying ``seq`` arrived (monotonic), or None."""
+        with self._cond:
+            return next((at for at, seqs in self.arrivals if seq in seqs), None)
+
+
+def feed_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == notify.FEED_THREAD]
+
+
+async def test_the_feed_delivers_while_the_daemons_loop_is_blocked(store: Store) -> None:
+    """The point of the feed's thread: a burst of handlers on the daemon's loop (here the
+    loop blocked for 1 s) does not hold up a delivery."""
+    with ThreadedHook() as hook:
+        n = Notifier(store, [webhook("hook", hook.url())], pool="test", environ=ENV)
+        await n.start()
+        try:
+            t0 = time.monotonic()  # from here to blocked_until this coroutine never yields: the loop runs nothing
+            seq = emit(store, n, "checkpoint_committed", "test-1", step=10)
+            time.sleep(1.0)  # deliberate: the loop blocked for 1 s, as by a burst of ~4,000 handlers
+            blocked_until = time.monotonic()
+            arrived = hook.arrived(seq)
+            assert arrived is not None and t0 <= arrived < blocked_until, (t0, arrived, blocked_until)
+            assert await n.drain(10.0), n.stats("hook")
+        finally:
+            await n.aclose()
+    assert n.stats("hook").cursor == seq and store.get(CURSOR_KEY.format("hook")) == seq
+
+
+async def test_aclose_leaves_no_feed_thread_even_after_a_failed_start(
+        store: Store, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert feed_threads() == []
+    n = Notifier(store, [webhook("a", receiver.url("/a")), webhook("b", receiver.url("/b"))], pool="test",
+                 environ=ENV)
+    await n.start()
+    assert len(feed_threads()) == 1  # one thread for every sink
+    await n.aclose()
+    assert feed_threads() == []
+    await n.aclose()  # idempotent
+
+    empty = Notifier(store, [], pool="test")  # no sinks: no thread
+    await empty.start()
+    assert feed_threads() == []
+    await empty.aclose()
+
+    def refuse(self: Store) -> Store:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(Store, "open", refuse)  # the feed's own connection cannot be opened
+    broken = Notifier(store, [webhook("a", receiver.url("/a"))], pool="test", environ=ENV)
+    with pytest.raises(OSError, match="disk gone"):
+        await broken.start()
+    await broken.aclose()
+    assert feed_threads() == []
+
+    in_memory = Notifier(Store(":memory:"), [webhook("a", receiver.url("/a"))], pool="test", environ=ENV)
+    with pytest.raises(ValueError, match="memory"):
+        await in_memory.start()
+    await in_memory.aclose()
+    assert feed_threads() == []
+
+
+async def test_a_new_notifier_on_the_same_file_resumes_at_the_cursor(tmp_path: Path, receiver: Receiver) -> None:
+    db = tmp_path / "spotvisord.db"
+    sinks = [webhook("hook", receiver.url())]
+    store = Store(db).open()
+    n = Notifier(store, sinks, pool="test", environ=ENV)
+    await n.start()
+    try:
+        first = [emit(store, n, "node_ready", f"test-{i}") for i in range(3)]
+        assert await n.drain(10.0), n.stats("hook")
+    finally:
+        await n.aclose()
+        store.close()
+
+    store = Store(db).open()  # the daemon restarted
+    try:
+        between = [store.append_event("node_lost", f"test-{i}", {}).seq for i in range(2)]  # no feed running
+        n = Notifier(store, sinks, pool="test", environ=ENV)
+        await n.start()
+        try:
+            assert n.stats("hook").cursor == first[-1]  # from the store file, not the newest event
+            after = [emit(store, n, "node_ready", "test-9")]
+            assert await n.drain(10.0), n.stats("hook")
+        finally:
+            await n.aclose()
+    finally:
+        store.close()
+    assert receiver.seqs() == first + between + after  # each once, in order
+    assert feed_threads() == []
+
+
 # -- batches ------------------------------------------------------------------------------------------
 async def test_a_backlog_goes_out_in_few_requests_in_order(store: Store) -> None:
     gate = asyncio.Event()  # the sink holds every request until the gate opens
@@ -330,7 +481,7 @@ async def test_a_backlog_goes_out_in_few_requests_in_order(store: Store) -> None
     n = Notifier(store, [webhook("hook", rx.url())], pool="test", environ=ENV)
     await n.start()
     try:
-        seqs = [emit(store, n, "node_ready", f"test-{i}", boot_s=3.0) for i in range(250)]
+        seqs = emit_all(store, n, [("node_ready", f"test-{i}", {"boot_s": 3.0}) for i in range(250)])
         await rx.wait_for(lambda: len(rx.requests) >= 1, what="the first batch, held at the gate")
         assert n.stats("hook").cursor == seqs[0] - 1  # nothing acknowledged while the sink holds it
         gate.set()
@@ -361,10 +512,10 @@ async def test_a_failed_batch_is_sent_again_whole_and_never_skipped(store: Store
     n = Notifier(store, [webhook("hook", rx.url())], pool="test", environ=ENV)
     await n.start()
     try:
-        seqs = [emit(store, n, "checkpoint_committed", "test-1", step=10 * i) for i in range(10)]
+        seqs = emit_all(store, n, [("checkpoint_committed", "test-1", {"step": 10 * i}) for i in range(10)])
         assert await n.wait_until(lambda: n.stats("hook").failed_attempts >= 1, 10.0)
         assert n.stats("hook").cursor == seqs[0] - 1
-        seqs += [emit(store, n, "node_ready", f"test-{i}") for i in range(5)]  # recorded during the retries
+        seqs += emit_all(store, n, [("node_ready", f"test-{i}", {}) for i in range(5)])  # recorded during the retries
         assert await n.drain(10.0), n.stats("hook")
     finally:
         await n.aclose()
@@ -382,10 +533,10 @@ async def test_max_batch_and_kind_filters_shape_the_batches(store: Store, receiv
     n = Notifier(store, [every, commits], pool="test", environ=ENV)
     await n.start()
     try:
-        seqs = []
-        for i in range(10):
-            seqs.append(emit(store, n, "checkpoint_committed", "test-1", step=i))
-            seqs.append(emit(store, n, "node_ready", f"test-{i}"))  # the last event: one "commits" does not want
+        seqs = emit_all(store, n, [ev for i in range(10) for ev in (
+            ("checkpoint_committed", "test-1", {"step": i}),
+            ("node_ready", f"test-{i}", {}),  # the last event: one "commits" does not want
+        )])
         assert await n.drain(10.0)
     finally:
         await n.aclose()
@@ -580,7 +731,7 @@ async def test_slack_sink_sends_a_backlog_as_digests(store: Store, no_slack_paci
     n = Notifier(store, [slack], pool="demo", environ={})
     await n.start()
     try:
-        seqs = [emit(store, n, "node_lost", f"n{i}", reason="gone") for i in range(30)]
+        seqs = emit_all(store, n, [("node_lost", f"n{i}", {"reason": "gone"}) for i in range(30)])
         await rx.wait_for(lambda: len(rx.requests) >= 1, what="the first message, held")
         gate.set()
         assert await n.drain(10.0), n.stats("ops-slack")
@@ -624,7 +775,7 @@ async def test_slack_sends_at_most_one_message_per_interval(store: Store, monkey
     try:
         first = emit(store, n, "node_lost", "n1", reason="gone")
         assert await n.wait_until(lambda: n.stats("s").delivered == 1, 10.0)
-        later = [emit(store, n, "node_ready", f"n{i}") for i in (2, 3)]  # within the interval: they wait
+        later = emit_all(store, n, [("node_ready", f"n{i}", {}) for i in (2, 3)])  # within the interval: they wait
         assert await n.drain(10.0), n.stats("s")
     finally:
         await n.aclose()

@@ -12,10 +12,13 @@ a batch sent again.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from chaos.conftest import Matrix, lost_events
 from daemon.model import NodeState
+from daemon.notify import FEED_THREAD
 from test_notify import ENV, Receiver, batches_in_order
 
 pytestmark = pytest.mark.chaos
@@ -81,3 +84,4 @@ async def test_webhook_down_for_the_whole_run_gets_every_event_when_it_returns(m
     assert batches_in_order(rx.requests)  # only a batch sent again repeats events, and never a gap
     assert len(rx.accepted()) <= -(-len(stored) // 100) + 1  # the backlog in batches of max_batch (100)
     assert stored[-1].kind == "pool_released"
+    assert not [t for t in threading.enumerate() if t.name == FEED_THREAD]  # both daemons' feeds joined
