@@ -14,7 +14,7 @@ Three processes on this machine:
    into. Each launch becomes, ``--boot-s`` later, a simulated agent speaking the real
    agent HTTP API with the node's real token, heartbeating at the interval the
    daemon tells it (``agent.heartbeat_interval_s``, default 1 s, stretched to keep
-   the pool under ``daemon.max_heartbeats_per_second``, default 50: 20 s for 1,000
+   the pool under ``daemon.max_heartbeats_per_second``, default 25: 40 s for 1,000
    nodes), keeping a command long-poll outstanding, and reporting what the
    trainers of a running job report (see :mod:`bench.scale_sim`).
 3. **this process**: writes the config, receives the feed on a local webhook sink
@@ -23,7 +23,8 @@ Three processes on this machine:
 
 Phases: **ramp** (the pool launches ``--nodes``, they register, the job starts at
 full size; then the bench waits until the webhook has every event so far, and
-``--settle-s``), **steady** (``--steady-s``: heartbeats, log chunks, the occasional
+``--settle-s`` or until every node has sent its first heartbeat, one told interval
+after it registered, whichever is longer), **steady** (``--steady-s``: heartbeats, log chunks, the occasional
 periodic checkpoint, and one ``pool_scaled`` event a second from a ``spotctl scale``
 to the same target, to time the feed under load; the daemon's CPU over the window,
 its RSS each second), **storm** (``--storm-frac`` of the job's
@@ -343,11 +344,14 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             raise PhaseTimeout(f"the job did not reach world size {full} within {o.ramp_timeout_s:g} s "
                                f"(fleet: {await stats()}; daemon log: {tmp / 'daemon.log'})")
         t_full = time.time()
+        # a node's first heartbeat comes one told interval (+ up to 20 % stagger) after it
+        # registered: the steady window starts once every node is heartbeating at its pace
+        settle_s = max(o.settle_s, 1.2 * o.scaled_interval_s - (t_full - t_start))
         progress(f"ramp: job at world size {full} after {t_full - t_start:.1f} s; waiting for the feed "
-                 f"to catch up, then settling {o.settle_s:g} s")
+                 f"to catch up, then settling {settle_s:.0f} s")
         ramp_feed_s = await _feed_caught_up(sock, hook, timeout_s=o.feed_timeout_s)
         ramp_feed_s = None if ramp_feed_s is None else round(max(0.0, time.time() - ramp_feed_s - t_full), 2)
-        await asyncio.sleep(o.settle_s)
+        await asyncio.sleep(max(0.0, t_full + settle_s - time.time()))
 
         progress(f"steady: {o.steady_s:g} s ...")
         t_steady0 = time.time()

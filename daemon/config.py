@@ -222,8 +222,11 @@ class DaemonSpec(_Spec):
     heartbeat_timeout_s: PositiveS = 20.0
     # the whole pool sends at most this many heartbeats a second: each node is told an
     # interval of max(agent.heartbeat_interval_s, live nodes / this), and its lost-node
-    # timeout grows with what it was told (daemon/pool.py, as Nomad's max_heartbeats_per_second)
-    max_heartbeats_per_second: float = Field(50.0, gt=0)
+    # timeout grows with what it was told (daemon/pool.py, as Nomad's max_heartbeats_per_second).
+    # 25, not Nomad's 50: a heartbeat costs this Python daemon about 0.9 ms of CPU with the
+    # kernel's share (bench/scale.py), so 25 a second keep them near 2 % of one core on a
+    # small control node whatever the pool's size; 1,000 nodes are told 40 s
+    max_heartbeats_per_second: float = Field(25.0, gt=0)
     launch_timeout_s: PositiveS = 180.0
     rejoin_timeout_s: PositiveS = 90.0
     reconcile_interval_s: PositiveS = 1.0

@@ -33,7 +33,7 @@ Usually this is a data-loading bottleneck (too few loader workers, slow storage)
 
 Each heartbeat is one observation (its mean over the interval since the last one),
 so the window holds fewer, smoother observations when the interval is long: with
-1,000 nodes told 20 s, a 300 s window is 15 heartbeats of 20 s means each.
+1,000 nodes told 40 s, a 300 s window is 7 or 8 heartbeats of 40 s means each.
 
 Example (threshold 50 %, window 300 s, one heartbeat a second): a node reads 30 %
 from 12:00:00; at 12:05:00 the event fires once (mean 30 %); it keeps reading

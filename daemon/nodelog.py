@@ -24,7 +24,7 @@ whose interval the daemon stretches, :func:`daemon.pool.heartbeat_interval_s`):
 - throughput: at most :data:`CHUNK_MAX_BYTES` (16 KiB) per heartbeat (per ~20 s
   at 1,000 nodes). A trainer that writes faster loses lines in the daemon's copy;
   each gap shows as one line ``[spotvisor: N bytes of trainer.log not shipped]``;
-- latency: one heartbeat interval (~20 s at 1,000 nodes). A line is shipped once
+- latency: one heartbeat interval (~40 s at 1,000 nodes). A line is shipped once
   it ends with a newline (a line longer than a chunk is shipped cut, in pieces);
 - a gone node keeps its last lines in the daemon (until the daemon restarts).
 """

@@ -102,8 +102,8 @@ def heartbeat_interval_s(live_nodes: int, *, min_interval_s: float, max_per_seco
 
     As HashiCorp Nomad scales its clients' heartbeat TTL (``min_heartbeat_ttl``,
     ``max_heartbeats_per_second``, ``heartbeat_grace``:
-    https://developer.hashicorp.com/nomad/docs/configuration/server). Example (1 s, 50/s):
-    3 nodes → 1 s; 100 nodes → 2 s; 1,000 nodes → 20 s.
+    https://developer.hashicorp.com/nomad/docs/configuration/server). Example (1 s, 25/s,
+    the config's defaults): 3 nodes → 1 s; 100 nodes → 4 s; 1,000 nodes → 40 s.
     """
     return max(min_interval_s, live_nodes / max_per_second)
 

@@ -641,9 +641,10 @@ class Supervisor:
                                  f"{job.global_batch_size} in micro batches of {job.micro_batch_size} "
                                  f"(node counts that can: {', '.join(map(str, ok)) or 'none'})")
         old, self.target_nodes = self.target_nodes, nodes
-        self.store.set("target_nodes", nodes)
+        if nodes != old:
+            self.store.set("target_nodes", nodes)
         draining: list[str] = []
-        if not self.paused:
+        if not self.paused and not (nodes == old and self.desired_nodes == nodes):  # else: nothing changes
             self.desired_nodes = nodes
             # the planner releases surplus nodes not in the job; running ones leave by a drain
             in_job = sorted((n for n in self.nodes.values() if n.state in _IN_JOB and not n.replacing),
