@@ -126,6 +126,22 @@ def notice_file(agent: NodeAgent) -> list[dict[str, Any]]:
     return json.loads((agent.workdir / "notices.json").read_text())
 
 
+async def _second_node_registers(h):
+    """Grow the pool to 2: the second node launches and its (simulated) agent registers.
+    Returns the node and the rejoin ``checkpoint_requested`` event it caused."""
+    h.sup.desired_nodes = 2
+    h.sup.wake()
+    await h.until(lambda: "test-2" in h.sup.nodes and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
+                  what="second node launched")
+    n2 = h.sup.nodes["test-2"]
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
+        async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id}) as r:
+            assert r.status == 200
+    await h.until(lambda: h.events("checkpoint_requested"), what="rejoin checkpoint request")
+    (req,) = h.events("checkpoint_requested")
+    return n2, req
+
+
 def the_node(h):
     return next(iter(h.sup.nodes.values()))
 
@@ -211,16 +227,7 @@ async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, 
         assert n1.state is NodeState.RUNNING
 
         # grow the pool: a second node launches and its (simulated) agent registers
-        h.sup.desired_nodes = 2
-        h.sup.wake()
-        await h.until(lambda: len(h.sup.nodes) == 2 and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
-                      what="second node launched")
-        n2 = h.sup.nodes["test-2"]
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
-            async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id}) as r:
-                assert r.status == 200
-        await h.until(lambda: h.events("checkpoint_requested"), what="rejoin checkpoint request")
-        (req,) = h.events("checkpoint_requested")
+        n2, req = await _second_node_registers(h)
         rid = req.data["request_id"]
         assert req.data["reason"] == "rejoin" and req.data["for_nodes"] == [n2.id]
         assert n2.state is NodeState.ADMITTING
@@ -347,16 +354,7 @@ async def test_commands_come_by_long_poll_between_heartbeats(spot_daemon, fake, 
         # checkpoint request goes only to a node the daemon knows runs a trainer
         await h.until(lambda: n1.trainer == "running", what="a heartbeat saying the trainer runs")
 
-        h.sup.desired_nodes = 2  # grow the pool: a second node registers → a rejoin request for n1
-        h.sup.wake()
-        await h.until(lambda: "test-2" in h.sup.nodes and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
-                      what="second node launched")
-        n2 = h.sup.nodes["test-2"]
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
-            async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id}) as r:
-                assert r.status == 200
-        await h.until(lambda: h.events("checkpoint_requested"), what="rejoin checkpoint request")
-        (req,) = h.events("checkpoint_requested")
+        n2, req = await _second_node_registers(h)  # grow the pool → a rejoin request for n1
         rid = req.data["request_id"]
         asked = asyncio.get_running_loop().time()
         await h.until(lambda: [(n["id"], n["kind"]) for n in notice_file(agent)] == [(rid, "rejoin")],
