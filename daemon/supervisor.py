@@ -299,8 +299,8 @@ class Supervisor:
         ``daemon.reconcile_interval_s``, or a quarter of the pool's heartbeat interval when
         that is longer. A pass lists the pool's instances (``describe``: one cloud API call
         per provider, pages of 1,000 instances) and plans over every node; nothing it finds
-        is fresher than the heartbeats, so a 1,000-node pool (20 s heartbeats) passes every
-        5 s instead of every second (bench/scale.py: the pass was 40 % of the idle daemon's
+        is fresher than the heartbeats, so a 1,000-node pool (40 s heartbeats) passes every
+        10 s instead of every second (bench/scale.py: the pass was 40 % of the idle daemon's
         CPU). Events (a report, a launch done, spotctl) still wake a pass at once."""
         return max(self.config.daemon.reconcile_interval_s, self.heartbeat_interval_s / 4)
 
