@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from daemon import supervisor as supervisor_module
+from daemon import agent_channel
 from daemon.model import NodeState
 
 
@@ -127,7 +127,7 @@ async def test_a_long_poll_with_nothing_to_say_answers_empty_after_wait_s(spot_d
     status, reply = await asyncio.wait_for(agent.poll(0.3), 5)
     assert status == 200 and reply["commands"] == [] and time.monotonic() - t0 >= 0.3
     # the daemon caps what an agent asks for
-    monkeypatch.setattr(supervisor_module, "COMMAND_WAIT_MAX_S", 0.2)
+    monkeypatch.setattr(agent_channel, "COMMAND_WAIT_MAX_S", 0.2)
     status, reply = await asyncio.wait_for(agent.poll(3600), 5)
     assert status == 200 and reply["commands"] == []
     for bad in ("soon", -1, True, None):
