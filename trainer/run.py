@@ -3,14 +3,17 @@
 Trains a small GPT-2 (transformers) on bytes with DDP, a constant global batch,
 notice-driven checkpoint commits and resume at any valid world size. The node
 agent starts it under ``torchrun --nnodes=MIN:MAX``; torchrun restarts the workers
-on every membership change, and each new incarnation ("attempt") resumes from the
-newest committed checkpoint.
+on a membership change (a node joining, or lost without notice), and each new
+incarnation ("attempt") resumes from the newest committed checkpoint. On an
+interruption notice the survivors instead go on in their running workers after the
+notice commit (:meth:`Job.shrink`: a new attempt at the same step, no restart).
 
 One step boundary, on every rank alike::
 
     decision = guard.check()                      # collective: all ranks agree
     commit if notice / periodic / final           # rank 0 writes, barrier, status line
-    hold if interruption / rejoin                 # keep-alive until restarted
+    shrink if interruption (survivors)            # re-form the group in-process, go on
+    hold if rejoin (or no in-process shrink)      # keep-alive until restarted
     train one step (grad accumulation, DDP)       # positions = step * G + ...
 
 Node-local outputs: the status file (``$SPOTVISOR_STATUS_FILE``, appended by
@@ -18,10 +21,11 @@ LOCAL_RANK 0 only) and per-rank step logs under ``$SPOTVISOR_LOG_DIR``. Exit cod
 a configuration the job can never run (bad world size, data, checkpoint mismatch);
 anything else non-zero for a failure torchrun should restart (a peer left).
 
-The parts a future in-process resize replaces are kept apart: process-group
-set-up (:func:`setup_distributed`), model/optimizer state (:class:`TrainState`,
-:func:`state_to_bytes`, :func:`load_state`) and the data position
-(:func:`data_position`, :class:`~trainer.sampler.ElasticSampler`).
+The parts a resize touches are kept apart: process-group set-up
+(:func:`setup_distributed`, :func:`~trainer.runtime.shrink_process_group`),
+model/optimizer state (:class:`TrainState`, :func:`state_to_bytes`,
+:func:`load_state`) and the data position (:func:`data_position`,
+:class:`~trainer.sampler.ElasticSampler`).
 """
 
 from __future__ import annotations
