@@ -6,8 +6,9 @@ after the job first started, and — with ``wait_full_pool`` — when the job ru
 the pool's target world size with no node joining or leaving. Then it either
 publishes an interruption notice on the node's metadata endpoint (the provider
 SIGKILLs the node when the notice's time comes) or SIGKILLs it at once. With
-``hold_replacements_until_step`` the instances launched after the fault do not
-boot until the job reaches that step (the schedule waits for it).
+``hold_replacements_for_steps`` the instances launched after the fault do not
+boot until the job, resumed after the fault, has trained that many steps (the
+schedule waits for it).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
                        reason=f"node #{ev.node} is not running")
             continue
         previous = (sup.clock(), node.id)
-        hold = ev.hold_replacements_until_step is not None and hasattr(provider, "hold_boots")
+        hold = ev.hold_replacements_for_steps is not None and hasattr(provider, "hold_boots")
         if hold:
             provider.hold_boots()
         if ev.action == "notice":
@@ -86,9 +87,15 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             sup.record(EventKind.CHAOS_INJECTED, node.id, index=i, action="kill", step=sup.job.step)
             sup.wake()
         if hold:
+            fired_at = sup.clock()
             try:
-                while (sup.job.step or 0) < ev.hold_replacements_until_step and not sup.job.state.is_terminal():
-                    await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
+                # polling the job's progress, not synchronising: first the resume after the
+                # fault (job_resumed sets job.step to the step it resumed from), then N steps
+                while not sup.job.state.is_terminal() and (sup.job.resumed_at or 0) <= fired_at:
+                    await asyncio.sleep(tick_s)
+                until = (sup.job.step or 0) + (ev.hold_replacements_for_steps or 0)
+                while not sup.job.state.is_terminal() and (sup.job.step or 0) < until:
+                    await asyncio.sleep(tick_s)
             finally:
                 provider.release_boots()
             log.info("chaos_replacements_released", index=i, step=sup.job.step)

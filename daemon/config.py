@@ -328,10 +328,12 @@ class ChaosEvent(_Spec):
     job runs at the pool's target size, so a demo's shape does not depend on the
     machine's speed.
 
-    ``hold_replacements_until_step``: from the fault on, launched instances do not
-    boot until the job reaches that step (the schedule waits for it before the next
-    event), so the job provably trains at the smaller world size for a while
-    whatever the machine's speed.
+    ``hold_replacements_for_steps``: from the fault on, launched instances do not
+    boot until the job, resumed after the fault (at the smaller world size), has
+    trained that many steps (the schedule waits for it before the next event), so the
+    job provably trains at the smaller world size for a while whatever the machine's
+    speed. Counted from the resume, not from ``at_step``: a fast job may be well past
+    ``at_step`` by the time its notice commit lands.
     """
 
     action: Literal["notice", "kill"]
@@ -340,17 +342,12 @@ class ChaosEvent(_Spec):
     at_s: float | None = Field(None, ge=0)
     lead_s: float = Field(30.0, ge=0)
     wait_full_pool: bool = True
-    hold_replacements_until_step: int | None = Field(None, ge=1)
+    hold_replacements_for_steps: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _when(self) -> "ChaosEvent":
         if (self.at_step is None) == (self.at_s is None):
             raise ValueError("give exactly one of at_step or at_s (when the fault fires)")
-        hold = self.hold_replacements_until_step
-        if hold is not None and self.at_step is not None and hold <= self.at_step:
-            raise ValueError(
-                f"hold_replacements_until_step ({hold}) must be after at_step ({self.at_step})"
-            )
         return self
 
 

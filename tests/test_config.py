@@ -262,6 +262,6 @@ def test_on_demand_offer_needs_the_fallback_switched_on() -> None:
 def test_a_replacement_hold_must_end_after_the_fault():
     from daemon.config import ChaosEvent
 
-    assert ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_until_step=40).hold_replacements_until_step == 40
-    with pytest.raises(ValueError, match="hold_replacements_until_step"):
-        ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_until_step=10)
+    assert ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_for_steps=15).hold_replacements_for_steps == 15
+    with pytest.raises(ValueError, match="hold_replacements_for_steps"):
+        ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_for_steps=0)

@@ -31,7 +31,7 @@ def _status_lines(tmp_path: Path) -> list[dict]:
 def test_deepspeed_demo_shrinks_through_universal_checkpoint_and_grows_back(run_config_demo, tmp_path: Path) -> None:
     raw = yaml.safe_load((ROOT / "configs" / "local-deepspeed.yaml").read_text())
     job = raw["job"]
-    # As shipped: the replacement is held until step 40, so the job really trains at world size 2.
+    # As shipped: the replacement is held until the job has trained 5 steps at world size 2.
     s = run_config_demo("configs/local-deepspeed.yaml", timeout_s=300)
 
     assert s["steps_completed"] == s["target_steps"] == job["target_steps"]
