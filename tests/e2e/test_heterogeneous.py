@@ -23,13 +23,15 @@ OFFERS = [
 
 
 def test_mixed_gpu_counts_keep_the_global_batch_through_a_preemption(run_demo) -> None:
+    # 150 steps: at ~0.06 s a step the survivors (in-process, at once) would otherwise
+    # finish before the replacement boots and the world grows back
     s = run_demo(
-        target_steps=70,
+        target_steps=150,
         offers=OFFERS,
         pool={"min_nodes": 1, "target_nodes": 2, "max_nodes": 2},
         chaos=[{"action": "notice", "node": 1, "at_step": 20, "lead_s": 20}],
     )
-    assert s["steps_completed"] == s["target_steps"] == 70
+    assert s["steps_completed"] == s["target_steps"] == 150
     assert s["lost_steps_on_notice"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     ws = s["world_sizes"]
