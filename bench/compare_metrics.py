@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from daemon.baselines import DEFAULT_POLICY
 from daemon.model import Event, EventKind
-from daemon.summary import read_jsonl
+from daemon.summary import attempt_starts, read_jsonl
 
 __all__ = [
     "load_run",
@@ -41,18 +41,6 @@ def load_run(nodes_dir: Path) -> tuple[list[dict], list[dict]]:
             steps += read_jsonl(f)
         status += read_jsonl(node_dir / "status.jsonl")
     return steps, status
-
-
-def _attempt_starts(steps: Iterable[dict], status: Iterable[dict]) -> dict[str, float]:
-    """Attempt → when it started (its earliest ``started`` line, else its first step)."""
-    starts: dict[str, float] = {}
-    for s in status:
-        if s.get("event") == "started":
-            a = str(s.get("attempt"))
-            starts[a] = min(starts.get(a, s["time"]), s["time"])
-    for r in steps:
-        starts.setdefault(str(r.get("attempt")), r["time"])
-    return starts
 
 
 def step_durations(steps: Sequence[dict], status: Sequence[dict]) -> dict[tuple[str, int], float]:
@@ -99,7 +87,7 @@ def step_durations(steps: Sequence[dict], status: Sequence[dict]) -> dict[tuple[
 def lineage(steps: Iterable[dict], status: Iterable[dict]) -> dict[int, str]:
     """Step number → the attempt whose execution of it counts (the last one), as daemon/summary.py."""
     steps = list(steps)
-    order = _attempt_starts(steps, status)
+    order = attempt_starts(steps, status)
     last: dict[int, str] = {}
     for r in sorted(steps, key=lambda r: (order.get(str(r.get("attempt")), 0.0), int(r["step"]))):
         last[int(r["step"])] = str(r.get("attempt"))
@@ -156,7 +144,7 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
     gone = next((e.time for e in after if e.node == node and e.time >= t0
                  and e.kind in (EventKind.NODE_TERMINATED.value, EventKind.NODE_LOST.value)), None)
     ready = next((e.time for e in after if e.kind == EventKind.NODE_READY.value and e.time >= t0), None)
-    starts = _attempt_starts(steps, status)
+    starts = attempt_starts(steps, status)
     worlds = {str(s.get("attempt")): s.get("world_size") for s in status if s.get("event") == "started"}
     resumed_from = {str(s.get("attempt")): s.get("step") for s in status if s.get("event") == "started"}
     later = sorted((t, a) for a, t in starts.items() if t > t0)

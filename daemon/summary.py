@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 from daemon.model import Event, EventKind
 
-__all__ = ["summarize", "read_jsonl"]
+__all__ = ["summarize", "read_jsonl", "attempt_starts"]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -63,14 +63,7 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         status += read_jsonl(node_dir / "status.jsonl")
 
     # attempts in the order they started
-    started: dict[str, float] = {}
-    for s in status:
-        if s.get("event") == "started":
-            a = str(s.get("attempt"))
-            started[a] = min(started.get(a, s["time"]), s["time"])
-    for r in steps:
-        a = str(r.get("attempt"))
-        started.setdefault(a, r.get("time", 0.0))
+    started = attempt_starts(steps, status)
     order = sorted(started, key=started.get)  # type: ignore[arg-type]
     rank_of = {a: i for i, a in enumerate(order)}
 
@@ -148,6 +141,19 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)
     return summary
+
+
+def attempt_starts(steps: Iterable[dict[str, Any]], status: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Attempt id → when it started (unix s): its earliest ``started`` status line, else
+    its first step-log record."""
+    starts: dict[str, float] = {}
+    for s in status:
+        if s.get("event") == "started":
+            a = str(s.get("attempt"))
+            starts[a] = min(starts.get(a, s["time"]), s["time"])
+    for r in steps:
+        starts.setdefault(str(r.get("attempt")), r.get("time", 0.0))
+    return starts
 
 
 def _attempts_ended_on_notice(status: list[dict[str, Any]], execs: dict[tuple[str, int], Any]) -> set[str]:

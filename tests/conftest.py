@@ -173,6 +173,19 @@ def ec2_server(s3_server: str) -> str:
 _OSS_TEST_ENV = {"OSS_ACCESS_KEY_ID": "spotvisor-test-ak", "OSS_ACCESS_KEY_SECRET": "spotvisor-test-sk"}
 
 
+@pytest.fixture
+def faults(ec2_server: str):
+    """The EC2 endpoint behind ``fakes.aws_faults.AwsFaultProxy`` (faults injected per test)."""
+    from fakes.aws_faults import AwsFaultProxy
+
+    proxy = AwsFaultProxy(ec2_server)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
 @pytest.fixture(scope="session")
 def oss_server() -> Iterator[object]:
     """A fake OSS endpoint (``fakes.oss.FakeOss``) on 127.0.0.1 (random port) for the session;

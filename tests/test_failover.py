@@ -3,7 +3,6 @@ fault proxy → moto) and Alibaba (aliyun-python-sdk-ecs → FakeEcs)."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
 import time
@@ -26,16 +25,6 @@ from fakes.ecs import FakeEcs
 
 AK_ID, AK_SECRET = "LTAI-failover", "failover-secret"
 ALIYUN_TYPE = "ecs.gn7i-c32g1.32xlarge"  # 4 GPUs: a different GPU count than the AWS offers
-
-
-@pytest.fixture
-def faults(ec2_server: str):
-    proxy = AwsFaultProxy(ec2_server)
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.close()
 
 
 @pytest.fixture

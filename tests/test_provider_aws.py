@@ -6,7 +6,7 @@ import base64
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import boto3
 import botocore.exceptions
@@ -47,16 +47,6 @@ def _make(spec: AwsProviderSpec, **kw: object) -> AwsProvider:
                                    connect_timeout_s=1.0, read_timeout_s=_READ_TIMEOUT_S)
     opts.update(kw)
     return AwsProvider(spec=spec, **opts)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def faults(ec2_server: str) -> Iterator[AwsFaultProxy]:
-    proxy = AwsFaultProxy(ec2_server)
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.close()
 
 
 @pytest.fixture

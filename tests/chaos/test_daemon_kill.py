@@ -38,7 +38,7 @@ import textwrap
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -320,16 +320,6 @@ class Daemon:
             self._follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follower
-
-
-@pytest.fixture
-def faults(ec2_server: str) -> Iterator[AwsFaultProxy]:
-    proxy = AwsFaultProxy(ec2_server)
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.close()
 
 
 @pytest.fixture
