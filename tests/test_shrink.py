@@ -63,6 +63,12 @@ def _worker(rank: int, group_port: int, store_port: int, tmp: str) -> None:
     Path(tmp, f"rank{rank}.json").write_text(json.dumps({
         "new_rank": new.rank, "world": new.world_size, "dist_world": dist.get_world_size(),
         "sum": t.item(), "grad": model.weight.grad.tolist()}))
+    # DDP's reducer holds the group: drop it while the group is registered, so the group is
+    # destroyed by destroy_process_group (GIL released), not by the reducer's dealloc at
+    # exit, where gloo's worker thread, freeing its last work's tensors, waits for the GIL
+    # the dealloc holds (a deadlock seen once under load)
+    del ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -502,6 +502,10 @@ class Job:
 
     def close(self) -> None:
         self.steplog.close()
+        # DDP's reducer holds the process group: let teardown_distributed destroy the group
+        # (GIL released) rather than the reducer's dealloc at exit, where gloo's worker
+        # thread can wait for the GIL that dealloc holds (seen once in tests/test_shrink.py)
+        self.ddp = self.state.model
 
 
 # --------------------------------------------------------------------------- entry point
