@@ -40,13 +40,14 @@ event → webhook latency (receive time − the event's ``time``, matched by ``s
 per phase; from the storm's first notice: all notices recorded, all replacements
 planned (the ``node_launch_requested`` events' times), all launch calls made on the
 provider (received by the fleet), and the job back at full world size; and the
-daemon's event-loop stalls (a 50 ms tick in the daemon's process, with the share of
-each stall spent running daemon code and waiting for a CPU, from
-``/proc/self/task/*/schedstat``), which tell a slow daemon from a busy machine.
+daemon's event-loop stalls (its loop thread out of ``epoll_wait`` for over 50 ms,
+sampled from this process by :class:`bench.loopwatch.LoopWatch`, with the share of each
+stall spent running daemon code and waiting for a CPU), which tell a slow daemon from a
+busy machine.
 
 Run from the repository root::
 
-    python -m bench.scale                              # 1000 nodes, 10 % storm, 30 s steady
+    python -m bench.scale                              # 1000 nodes, 10 % storm, 100 s steady
     python -m bench.scale --nodes 200 --steady-s 10 --json /tmp/scale.json
 
 Goals (issue 7): daemon under 5 % of one core and 200 MB RSS at steady state, event
@@ -80,7 +81,8 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script: import this checkout's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.scale_daemon import LAG_ENV, PROFILE_ENV  # noqa: E402
+from bench.loopwatch import LoopWatch  # noqa: E402
+from bench.scale_daemon import PROFILE_ENV  # noqa: E402
 from daemon.config import AgentSpec, DaemonSpec  # noqa: E402
 from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval  # noqa: E402
 from daemon.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
@@ -99,7 +101,10 @@ class Options:
     gpus_per_node: int = 8
     storm_frac: float = 0.1
     storm_spread_s: float = 1.0
-    steady_s: float = 30.0
+    # the steady window: one periodic-commit period (checkpoint_every × step_s, 100 s), so
+    # it holds one commit's reports as a long average would; the other periodic work
+    # (heartbeats, long-poll renewals, reconcile passes) is spread evenly over it
+    steady_s: float = 100.0
     settle_s: float = 5.0
     heartbeat_interval_s: float = AgentSpec().heartbeat_interval_s  # the shortest interval (config default)
     max_heartbeats_per_second: float = DaemonSpec().max_heartbeats_per_second  # the pool's cap (config default)
@@ -177,6 +182,10 @@ class _Proc:
     def rss_mb(self) -> float:
         return self.p.memory_info().rss / 2**20
 
+    def wakeups(self) -> int:
+        """Voluntary context switches of all its threads: how often it slept and woke."""
+        return self.p.num_ctx_switches().voluntary
+
 
 @dataclass(slots=True)
 class _Window:
@@ -186,12 +195,14 @@ class _Window:
     cpu_pct: dict[str, float] = field(default_factory=dict)
     rss_mb: dict[str, list[float]] = field(default_factory=dict)
     machine_pct: float = 0.0  # all CPUs busy, % of the whole machine (other sessions share it)
+    wakeups_per_s: dict[str, float] = field(default_factory=dict)
 
 
 async def _sample(procs: dict[str, _Proc], *, seconds: float | None = None, until: Any = None) -> _Window:
     """Sample until ``seconds`` have passed or ``until()`` is true (checked every 0.5 s)."""
     w = _Window(rss_mb={name: [] for name in procs})
     cpu0 = {name: p.cpu_s() for name, p in procs.items()}
+    woke0 = {name: p.wakeups() for name, p in procs.items()}
     psutil.cpu_percent(None)
     t0 = time.monotonic()
     next_rss = t0
@@ -207,6 +218,7 @@ async def _sample(procs: dict[str, _Proc], *, seconds: float | None = None, unti
     w.wall_s = time.monotonic() - t0
     w.machine_pct = psutil.cpu_percent(None)
     w.cpu_pct = {name: 100.0 * (p.cpu_s() - cpu0[name]) / w.wall_s for name, p in procs.items()}
+    w.wakeups_per_s = {name: (p.wakeups() - woke0[name]) / w.wall_s for name, p in procs.items()}
     return w
 
 
@@ -311,6 +323,8 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
         "--checkpoint-every", str(o.checkpoint_every),
         cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=_log(tmp / "fleet.log", logs))
     daemon: asyncio.subprocess.Process | None = None
+    watch: LoopWatch | None = None
+    lags: list[dict[str, Any]] | None = None
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     try:
         assert fleet.stdout is not None
@@ -322,7 +336,7 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             async with http.get(f"{cloud}/stats", params={k: str(v) for k, v in q.items()}) as r:
                 return await r.json()
 
-        denv = {**env, LAG_ENV: str(tmp / "lag.jsonl")}
+        denv = dict(env)
         if o.profile:
             denv[PROFILE_ENV] = str(Path(o.profile).resolve())
         t_start = time.time()
@@ -330,6 +344,11 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             sys.executable, "-m", "bench.scale_daemon", "--config", str(cfg_path), "--cloud-url", cloud,
             cwd=REPO, env=denv, stdout=asyncio.subprocess.DEVNULL, stderr=_log(tmp / "daemon.log", logs))
         procs = {"daemon": _Proc(daemon.pid), "fleet": _Proc(fleet.pid), "bench": _Proc(os.getpid())}
+        watch = LoopWatch(daemon.pid)  # its loop's stalls, sampled from this process
+        try:
+            watch.start()
+        except OSError:  # not Linux
+            watch = None
         full = o.nodes * o.gpus_per_node
 
         async def at_full_size(attempt_not: str = "") -> bool:
@@ -394,6 +413,8 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
         storm_feed = await _feed_caught_up(sock, hook, timeout_s=o.feed_timeout_s)
         final = await stats(launches=1)
     finally:
+        if watch is not None:
+            lags = watch.stop()
         for proc in (daemon, fleet):
             if proc is not None and proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
@@ -424,8 +445,6 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
     }
     rss = steady.rss_mb["daemon"]
     log_text = (tmp / "daemon.log").read_text(errors="replace")
-    lag_path = tmp / "lag.jsonl"
-    lags = [json.loads(ln) for ln in lag_path.read_text().splitlines()] if lag_path.exists() else []
     if not o.keep:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {
@@ -444,6 +463,9 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
         "steady": {
             "window_s": round(steady.wall_s, 2),
             "daemon_cpu_pct": round(steady.cpu_pct["daemon"], 2),
+            # how often its threads slept and woke (voluntary context switches): on a VM each
+            # wake-up has a fixed cost, whatever the work
+            "daemon_wakeups_per_s": round(steady.wakeups_per_s["daemon"], 1),
             "daemon_rss_mb": {"mean": round(statistics.fmean(rss), 1), "max": round(max(rss), 1)},
             "fleet_cpu_pct": round(steady.cpu_pct["fleet"], 2),
             "bench_cpu_pct": round(steady.cpu_pct["bench"], 2),
@@ -452,6 +474,10 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             "others_cpu_pct": round(max(0.0, steady.machine_pct * (os.cpu_count() or 1)
                                         - sum(steady.cpu_pct.values())), 1),
             "heartbeats_per_s": round(hb["heartbeats"] / steady.wall_s, 1),
+            # the other agent requests the daemon answered in the window, and the commits in it
+            "command_polls_per_s": round(hb["command_polls"] / steady.wall_s, 1),
+            "report_posts_per_s": round(hb["report_posts"] / steady.wall_s, 1),
+            "commits": sum(1 for e in hook.of("checkpoint_committed", since=t_steady0) if e["time"] <= t_steady1),
             # less sensitive to the machine's load than the % itself: CPU time per heartbeat
             # answered, and that cost at the full rate (every node once per interval)
             "daemon_cpu_us_per_heartbeat": (round(1e4 * steady.cpu_pct["daemon"] / (hb["heartbeats"] / steady.wall_s))
@@ -478,7 +504,7 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             "daemon_cpu_pct": round(storm.cpu_pct["daemon"], 2),
             "daemon_rss_mb_max": round(max(storm.rss_mb["daemon"] or [0.0]), 1),
         },
-        "loop_stalls": {name: _stalls([x for x in lags if a <= x["t"] < b])
+        "loop_stalls": {name: _stalls(None if lags is None else [x for x in lags if a <= x["t"] < b])
                         for name, a, b in (("steady", t_steady0, t_steady1), ("storm", t_storm_req, math.inf))},
         # what the daemon recorded from the first notice on: kind → count, first and last (s after it)
         "storm_timeline": _timeline([e for e in hook.events.values() if e["time"] >= t0], t0),
@@ -497,16 +523,17 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
     return doc
 
 
-def _stalls(lags: list[dict[str, float]]) -> dict[str, Any]:
-    """Event-loop stalls over 50 ms in a window: how many, the longest, and the share of the
-    stalled time during which the daemon had a CPU (the rest it waited for one)."""
-    period = sum(x["lag_s"] for x in lags) + 0.05 * len(lags)  # each stalled tick's whole period
-    runq = [x["runq_s"] for x in lags if x.get("runq_s") is not None]
+def _stalls(lags: list[dict[str, float]] | None) -> dict[str, Any]:
+    """Event-loop stalls over 50 ms in a window (:class:`bench.loopwatch.LoopWatch`): how
+    many, the longest, and the share of the stalled time during which the daemon's loop
+    thread had a CPU and waited for one (the rest it was blocked). None: not measured."""
+    if lags is None:
+        return {"n_over_50ms": None, "n_over_200ms": None, "max_ms": None, "cpu_share": None, "runq_share": None}
+    period = sum(x["lag_s"] for x in lags)
     return {"n_over_50ms": len(lags), "n_over_200ms": sum(1 for x in lags if x["lag_s"] > 0.2),
             "max_ms": round(1000 * max((x["lag_s"] for x in lags), default=0.0), 1),
-            # of the stalled ticks' time: running daemon code, waiting for a CPU (the rest: blocked)
             "cpu_share": round(min(1.0, sum(x["cpu_s"] for x in lags) / period), 2) if lags else None,
-            "runq_share": round(min(1.0, sum(runq) / period), 2) if runq else None}
+            "runq_share": round(min(1.0, sum(x["runq_s"] for x in lags) / period), 2) if lags else None}
 
 
 def _log(path: Path, opened: list[Any]) -> Any:
@@ -594,13 +621,16 @@ def table(doc: dict[str, Any]) -> str:
          "", ""),
         (f"heartbeats answered per s, steady (full rate {doc['full_heartbeat_rate']:g})",
          f"{st['heartbeats_per_s']:.0f}", "", ""),
+        ("  daemon threads' wake-ups per s, steady", f"{st['daemon_wakeups_per_s']:.0f}", "", ""),
+        ("  command long-polls / report posts answered per s; commits",
+         f"{st['command_polls_per_s']:.1f} / {st['report_posts_per_s']:.1f}; {st['commits']}", "", ""),
         ("  daemon CPU per heartbeat answered (us)", _us(st["daemon_cpu_us_per_heartbeat"]), "", ""),
         ("  daemon CPU at the full rate, extrapolated (%)", _s1(st["daemon_cpu_pct_at_full_rate"]),
          f"< {GOAL_CPU_PCT:g}", verdict(None if st["daemon_cpu_pct_at_full_rate"] is None
                                          else st["daemon_cpu_pct_at_full_rate"] < GOAL_CPU_PCT)),
         ("daemon loop stalls > 50 ms, steady / storm (n, max ms)",
-         f"{doc['loop_stalls']['steady']['n_over_50ms']}, {doc['loop_stalls']['steady']['max_ms']:.0f} / "
-         f"{doc['loop_stalls']['storm']['n_over_50ms']}, {doc['loop_stalls']['storm']['max_ms']:.0f}", "", ""),
+         " / ".join(f"{'-' if x['n_over_50ms'] is None else x['n_over_50ms']}, {_ms(x['max_ms'])}"
+                    for x in (doc["loop_stalls"]["steady"], doc["loop_stalls"]["storm"])), "", ""),
         ("  of their time: on a CPU / waiting for one, steady",
          f"{_s(doc['loop_stalls']['steady']['cpu_share'])} / {_s(doc['loop_stalls']['steady']['runq_share'])}",
          "", ""),

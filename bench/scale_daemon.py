@@ -1,5 +1,5 @@
 """The daemon's process of :mod:`bench.scale`: what ``spotvisord run`` runs, with a
-simulated provider, and two probes of its own.
+simulated provider, and a profiler.
 
 - :class:`SimProvider` (registered as ``bench-sim``) serves the pool's offers.
   ``launch`` POSTs ``{instance_id, node_id, token, daemon_url, gpus}`` (the
@@ -13,8 +13,8 @@ simulated provider, and two probes of its own.
 - :func:`main` runs :func:`daemon.cli.running_daemon` under :func:`daemon.service.serve`
   (store, supervisor, agent API, notifier; logging at INFO to stderr, which the bench
   sends to a file) with that provider for the config's ``local`` offers.
-- ``SPOTVISOR_BENCH_LAG=PATH``: a 50 ms tick on the daemon's event loop writes each
-  stall over 50 ms to ``PATH`` (:func:`_lag_monitor`).
+- Its event-loop stalls are watched from the bench's process (:mod:`bench.loopwatch`):
+  a timer inside it cost it as much CPU as the whole daemon.
 - ``SPOTVISOR_BENCH_PROFILE=PATH``: cProfile from SIGUSR1 to SIGUSR2, written to
   ``PATH`` and ``PATH.txt`` (:func:`_profile_on_signals`).
 """
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,10 +43,9 @@ from daemon.providers.base import (Instance, NodeSpec, Provider, TransientError,
                                    register_provider)
 from daemon.service import SdNotifier, serve  # noqa: E402
 
-__all__ = ["SimProvider", "main", "PROFILE_ENV", "LAG_ENV"]
+__all__ = ["SimProvider", "main", "PROFILE_ENV"]
 
 PROFILE_ENV = "SPOTVISOR_BENCH_PROFILE"
-LAG_ENV = "SPOTVISOR_BENCH_LAG"  # where the daemon's process writes its event-loop stalls
 
 
 # -- the provider --------------------------------------------------------------------------------------
@@ -125,55 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     provider = create_provider("bench-sim", cloud_url=a.cloud_url)
 
     async def go() -> int:
-        lag_path = os.environ.get(LAG_ENV)
-        lag = asyncio.create_task(_lag_monitor(Path(lag_path)), name="bench:lag") if lag_path else None
-        try:
-            return await serve(running_daemon(config, with_chaos=False, providers={"local": provider}),
-                               notifier=SdNotifier(None), watchdog_interval_s=None)
-        finally:
-            if lag is not None:
-                lag.cancel()
+        return await serve(running_daemon(config, with_chaos=False, providers={"local": provider}),
+                           notifier=SdNotifier(None), watchdog_interval_s=None)
 
     out = os.environ.get(PROFILE_ENV)
     if out:
         _profile_on_signals(out)
     return asyncio.run(go())
-
-
-async def _lag_monitor(path: Path, *, tick_s: float = 0.05, report_s: float = 0.05) -> None:
-    """The daemon's event-loop lag: a tick every ``tick_s`` (20 wake-ups a second, a
-    negligible cost); a tick late by more than ``report_s`` is one JSON line
-    ``{"t", "lag_s", "cpu_s", "runq_s"}`` in ``path``: ``cpu_s`` is this process's CPU time
-    over the late tick's period, ``runq_s`` the time the loop's thread waited, runnable, for
-    a CPU. Lag with as much CPU as wall: the loop was running code; lag spent in the run
-    queue: the machine had no CPU for it; neither: a blocking call."""
-    loop = asyncio.get_running_loop()
-    with open(path, "a", buffering=1) as f:
-        while True:
-            t0, c0, q0 = loop.time(), time.process_time(), _runq_wait_s()
-            await asyncio.sleep(tick_s)
-            late = loop.time() - t0 - tick_s
-            if late > report_s:
-                q1 = _runq_wait_s()
-                f.write(json.dumps({"t": time.time(), "lag_s": round(late, 4),
-                                    "cpu_s": round(time.process_time() - c0, 4),
-                                    "runq_s": None if q0 is None or q1 is None else round(q1 - q0, 4)}) + "\n")
-
-
-_schedstat_fd: int | None = None
-
-
-def _runq_wait_s() -> float | None:
-    """Seconds this (main) thread has waited, runnable, for a CPU (Linux schedstat; None elsewhere).
-    The file stays open (a ``pread`` per tick): opening it 20 times a second was 0.8 % of a
-    core, counted against the daemon."""
-    global _schedstat_fd
-    try:
-        if _schedstat_fd is None:
-            _schedstat_fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-        return int(os.pread(_schedstat_fd, 128, 0).split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _profile_on_signals(out: str) -> None:

@@ -9,13 +9,14 @@ until the first —, one ``commands`` long-poll always outstanding, ``events``) 
 own token and its own aiohttp session (keep-alive connections, as real nodes have),
 sending what :class:`daemon.agent.NodeAgent` sends: the step, the trainer's state,
 one GPU sample per GPU, a ``trainer.log`` chunk when the log grew, and the
-trainer's status lines (``started``, ``checkpoint_committed``, ``holding``) as
-reports; it applies commands from either channel (each comes by one).
+trainer's status lines (``started``, ``checkpoint_committed``) as reports, from the
+node of rank 0 and from a node whose own notice a commit answers, as the agent does;
+it applies commands from either channel (each comes by one).
 :class:`SimJob` is the training job those trainers run: it steps every ``step_s``;
 commits at the next step boundary when a notice or a checkpoint request is pending
 (taking ``flush_s``), and every ``checkpoint_every`` steps; holds after a notice or
 rejoin commit; a noticed node's trainer exits after the commit that
-answers its notice; and the job restarts (every member reports ``started``, new
+answers its notice; and the job restarts (rank 0's node reports ``started``, new
 attempt, new world size) ``rdzv_s`` after a node left or joined, as torchrun's
 re-rendezvous would.
 
@@ -150,6 +151,7 @@ class SimAgent:
                 fleet.cmd_failed += 1
             else:
                 fleet.cmd_polls += 1
+                fleet.poll_times.append(time.time())
                 fleet.cmd_by_poll += len(reply.get("commands") or ())
                 self._apply(reply)
                 delay = 0.2
@@ -170,6 +172,7 @@ class SimAgent:
                 try:
                     await self._post("/v1/agent/events", {"events": batch})
                     self.fleet.reports_ok += 1
+                    self.fleet.report_times.append(time.time())
                     delay = 0.2
                     break
                 except (aiohttp.ClientError, TimeoutError):
@@ -351,8 +354,10 @@ class SimJob:
         for a in self.members.values():
             a.rank = rank
             rank += a.gpus
-            a.report("trainer_status", line=self._line(a, "started", now, resumed_from=self.last_commit,
-                                                       global_batch_size=0, micro_batch_size=0, grad_accum_steps=0))
+            if a.rank == 0:  # the agents of the other nodes do not forward it (daemon.agent._on_status)
+                a.report("trainer_status", line=self._line(a, "started", now, resumed_from=self.last_commit,
+                                                           global_batch_size=0, micro_batch_size=0,
+                                                           grad_accum_steps=0))
 
     async def _commit(self) -> None:
         ids = list(self.requests)
@@ -368,14 +373,13 @@ class SimJob:
         reason = "notice" if "interruption" in kinds else kinds[0]
         leaving = []
         for a in list(self.members.values()):
-            a.report("trainer_status", line=self._line(a, "checkpoint_committed", now, notice_ids=ids, kinds=kinds,
-                                                       seconds=self.flush_s, save_s=self.flush_s / 4,
-                                                       upload_s=self.flush_s * 3 / 4, bytes=2 * 10**9,
-                                                       reason=reason, reused=False))
-            if hold:
-                a.report("trainer_status", line=self._line(a, "holding", now, notice_ids=ids, kinds=kinds,
-                                                           timeout_s=self.hold_timeout_s))
-            if a.interruption is not None and a.interruption in ids:
+            answers_its_notice = a.interruption is not None and a.interruption in ids
+            if a.rank == 0 or answers_its_notice:  # as daemon.agent._on_status forwards
+                a.report("trainer_status", line=self._line(
+                    a, "checkpoint_committed", now, notice_ids=ids, kinds=kinds, seconds=self.flush_s,
+                    save_s=self.flush_s / 4, upload_s=self.flush_s * 3 / 4, bytes=2 * 10**9, reason=reason,
+                    reused=False))
+            if answers_its_notice:
                 leaving.append(a)
         if hold:
             self.holding_since = now
@@ -411,6 +415,8 @@ class Fleet:
         self.reports_ok = 0
         self.reports_failed = 0
         self.cmd_polls = 0  # command long-polls answered
+        self.poll_times: list[float] = []  # when each was answered
+        self.report_times: list[float] = []  # when each report batch was accepted
         self.cmd_failed = 0
         self.cmd_by_poll = 0  # commands that came by the long-poll / by a heartbeat reply
         self.cmd_by_heartbeat = 0
@@ -455,7 +461,8 @@ class Fleet:
 
     async def _stats(self, request: web.Request) -> web.Response:
         """Counters and the job; ``?launches=1`` adds every launch call, ``?since=T&until=U``
-        the heartbeats answered in that window (count, round trip p50/p99/max)."""
+        the heartbeats answered in that window (count, round trip p50/p99/max), and the
+        command long-polls answered and report batches accepted in it."""
         told = [a.interval_s for a in self.agents.values() if a.registered]
         doc: dict[str, Any] = {
             "terminated": self.terminated, "agents": len(self.agents), "launch_calls": len(self.launches),
@@ -473,7 +480,9 @@ class Fleet:
             since, until = float(request.query["since"]), float(request.query.get("until", "inf"))
             rtts = sorted(r for t, r in zip(self.hb_times, self.hb_rtts) if since <= t <= until)
             doc["window"] = {"heartbeats": len(rtts), "rtt_p50_s": _pct(rtts, 50), "rtt_p99_s": _pct(rtts, 99),
-                             "rtt_max_s": rtts[-1] if rtts else None}
+                             "rtt_max_s": rtts[-1] if rtts else None,
+                             "command_polls": sum(1 for t in self.poll_times if since <= t <= until),
+                             "report_posts": sum(1 for t in self.report_times if since <= t <= until)}
         return web.json_response(doc)
 
     async def aclose(self) -> None:

@@ -63,13 +63,16 @@ __all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
 
 log = structlog.get_logger("spotvisor.agent")
 
-# Status lines worth the daemon's attention (``step`` lines only update the heartbeat).
-_FORWARDED = frozenset({"started", "checkpoint_committed", "holding", "completed"})
-# the command long-poll: how long the daemon may hold it (it caps this at 55 s), and how
-# long past that the agent waits for the answer before it gives up on the request. 55 s:
-# under the 60 s idle timeout common to proxies and load balancers (AWS ALB's default),
-# and 1,000 idle nodes re-poll 18 times a second instead of 33 (bench/scale.py)
-COMMAND_WAIT_S = 55.0
+# Status lines worth the daemon's attention (``step`` lines only update the heartbeat;
+# ``holding`` is for the run's summary). Each is the same line on every node of an
+# attempt, and the daemon keeps the first (by attempt, and step), so only the node of
+# global rank 0 reports it, and a node whose own notice a commit answers: at 1,000 nodes
+# that is one report per commit instead of 1,000 (bench/scale.py)
+_FORWARDED = frozenset({"started", "checkpoint_committed", "completed"})
+# the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
+# it a random share of its agent.command_wait_s, at most), and how long
+# past that the agent waits for the answer before it gives up on the request
+COMMAND_WAIT_S = 600.0
 _COMMAND_SLACK_S = 10.0
 # a told heartbeat interval outside (0, this] is not used (seconds)
 _MAX_HEARTBEAT_INTERVAL_S = 600.0
@@ -488,14 +491,16 @@ class NodeAgent:
             self._step = line["step"]
         if event not in _FORWARDED:
             return
-        self._report("trainer_status", line=line)
+        ids = list(line.get("notice_ids") or []) if event == "checkpoint_committed" else []
+        mine = self._interruption
+        answers_mine = mine is not None and mine["id"] in ids
+        if line.get("rank", 0) == 0 or answers_mine:
+            self._report("trainer_status", line=line)
         if event == "checkpoint_committed":
-            ids = list(line.get("notice_ids") or [])
             self.notices.remove(ids)
             # Leave only on the commit that answers this node's notice: the trainer
             # holds after it, so no step computed after the commit is thrown away.
-            mine = self._interruption
-            if mine is not None and mine["id"] in ids:
+            if answers_mine:
                 if self._proc is not None and self._proc.returncode is None:
                     log.info("leaving_job", node_id=self.node_id, step=line.get("step"))
                     self._proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,8 @@ uses the supervisor's state (``nodes``, ``job``, ``config``, ``store``, ``record
   with what it was told (``NodeView.heartbeat_interval_s``).
 - **Commands** (start the trainer, checkpoint / rejoin, drain, cancel) do not wait for
   a heartbeat: every producer goes through :meth:`AgentChannel._send`, which wakes the
-  node's outstanding ``POST /v1/agent/commands`` long-poll (:meth:`wait_commands`).
+  node's outstanding ``POST /v1/agent/commands`` long-poll (:meth:`wait_commands`),
+  held up to ``agent.command_wait_s`` (300 s) when the node has nothing to do.
   Heartbeat replies still carry commands (an older agent, a lost long-poll); whichever
   reply comes first pops them, so each is delivered once.
 - **Reports** (``POST /v1/agent/events``): interruption notices, rebalance
@@ -36,7 +37,7 @@ from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, JobState, Node, NodeState
 from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval
 
-__all__ = ["AgentChannel", "COMMAND_WAIT_MAX_S"]
+__all__ = ["AgentChannel"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
@@ -49,8 +50,6 @@ AVOID_ZONE_S = 300.0
 # agent's report retry backs off up to 5 s): wait this long past it before saying
 # the flush timed out
 FLUSH_GRACE_S = 5.0
-# a command long-poll is held at most this long (seconds), whatever the agent asks
-COMMAND_WAIT_MAX_S = 55.0
 # a stretched heartbeat interval is told with up to this much more, at random, so nodes
 # that registered together do not stay in step (Nomad adds a random stagger too)
 _INTERVAL_STAGGER = 0.2
@@ -70,7 +69,7 @@ class AgentChannel:
         heartbeat interval (seconds)."""
         self._seen(node)
         self._rescale_heartbeat()  # one more live node
-        return {"job": self.job_spec(node), "heartbeat_interval_s": self._tell_interval(node)}
+        return {"job": self.job_spec(node), "heartbeat_interval_s": self._tell_interval(node, first=True)}
 
     def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         self._seen(node)
@@ -99,8 +98,11 @@ class AgentChannel:
                             connected: Callable[[], bool] = lambda: True) -> dict[str, Any] | None:
         """The command long-poll (``POST /v1/agent/commands``): answer at once when
         ``node`` has commands queued or its start/stop decision changed since it was last
-        told, else when one of those happens, or after ``wait_s`` (capped at
-        :data:`COMMAND_WAIT_MAX_S`) with no commands.
+        told, else when one of those happens, or after ``wait_s`` with no commands. A
+        ``wait_s`` over ``agent.command_wait_s`` is cut to a uniform random share of
+        that (Consul too spreads its blocking queries' wake-ups at random,
+        https://developer.hashicorp.com/consul/api-docs/features/blocking): nodes that
+        registered together re-poll evenly spread from the first poll on.
 
         Returns the reply (what a heartbeat reply carries, less the heartbeat's own
         fields), or None, taking nothing, when the poll is no longer wanted: a newer
@@ -110,7 +112,8 @@ class AgentChannel:
         has none of them.
         """
         self._seen(node)
-        wait_s = min(max(0.0, wait_s), COMMAND_WAIT_MAX_S)
+        cap = self.config.agent.command_wait_s
+        wait_s = max(0.0, wait_s) if wait_s <= cap else cap * (1.0 - self._rng.random())
         gen = self._command_polls[node.id] = self._command_polls.get(node.id, 0) + 1
         ready = self._command_ready.get(node.id)
         if ready is None:
@@ -154,13 +157,17 @@ class AgentChannel:
             live, min_interval_s=self.config.agent.heartbeat_interval_s,
             max_per_second=self.config.daemon.max_heartbeats_per_second)
 
-    def _tell_interval(self, node: Node) -> float:
+    def _tell_interval(self, node: Node, *, first: bool = False) -> float:
         """The heartbeat interval to tell ``node`` now (seconds), remembered for its lost
         timeout (:meth:`daemon.pool.Timeouts.lost_after_s`). A stretched one gets a random
-        stagger of up to :data:`_INTERVAL_STAGGER` more, so the pool's rate stays under the cap."""
+        stagger of up to :data:`_INTERVAL_STAGGER` more, so the pool's rate stays under the
+        cap; the ``first``, told at registration, is a uniform random share of it (at least
+        ``agent.heartbeat_interval_s``), so nodes that registered together heartbeat evenly
+        spread from their first round on (a 20 % stagger alone takes dozens of rounds)."""
         floor, interval = self.config.agent.heartbeat_interval_s, self.heartbeat_interval_s
         if interval > floor:
-            interval = round(interval * (1.0 + _INTERVAL_STAGGER * self._rng.random()), 3)
+            share = 1.0 - self._rng.random() if first else 1.0 + _INTERVAL_STAGGER * self._rng.random()
+            interval = round(max(floor, interval * share), 3)
         self._told_interval[node.id] = interval
         return interval
 

@@ -212,6 +212,12 @@ class AgentSpec(_Spec):
     metadata_timeout_s: PositiveS = 2.0
     metadata_alarm_after: int = Field(5, ge=1)
     metadata_max_backoff_s: PositiveS = 5.0
+    # the longest the daemon holds a node's command long-poll (seconds). Each is held a
+    # uniform random share of this, so nodes that registered together re-poll evenly
+    # spread. 300 s is Nomad's and Consul's default blocking-query wait (1,000 idle nodes
+    # re-poll ~7 times a second); set it under the idle timeout of any proxy between the
+    # agents and the daemon (AWS ALB's default: 60 s)
+    command_wait_s: float = Field(300.0, gt=0, le=600)
 
 
 class DaemonSpec(_Spec):

@@ -41,7 +41,8 @@ STANDIN = textwrap.dedent(
     step = 7
 
     def emit(event, **fields):
-        rec = {"event": event, "time": time.time(), "attempt": "standin-1", "rank": 0,
+        rec = {"event": event, "time": time.time(), "attempt": "standin-1",
+               "rank": int(os.environ.get("STANDIN_RANK", "0")),
                "world_size": 1, "step": step, **fields}
         with open(status, "a") as f:
             f.write(json.dumps(rec) + "\\n")
@@ -262,6 +263,30 @@ async def test_plain_checkpoint_command(spot_daemon, fake, clock, monkeypatch) -
         await h.until(lambda: notice_file(agent) == [] and h.events("checkpoint_committed"), what="commit")
         assert h.events("checkpoint_committed")[0].data["notice_ids"] == ["ck-1"]
         assert agent._proc is not None and agent._proc.returncode is None
+
+
+async def test_only_rank_0_and_a_noticed_node_report_the_jobs_lines(spot_daemon, fake, clock, monkeypatch) -> None:
+    """Every node's trainer writes the same ``started`` and ``checkpoint_committed``
+    lines; a node that does not host rank 0 forwards only the commit that answers its
+    own notice (at 1,000 nodes: one report per commit, not 1,000), and still leaves on it."""
+    h = spot_daemon
+    gate = h.tmp_path / "commit-ok"
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate), "STANDIN_RANK": "8"}) as agent:
+        await h.until(lambda: trainer_running(agent), what="trainer started")
+        await h.until(lambda: agent.status_path.exists() and "started" in agent.status_path.read_text(),
+                      what="the started line")
+        node = the_node(h)
+        h.sup._send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
+        await h.until(lambda: [n["id"] for n in notice_file(agent)] == ["ck-1"], what="checkpoint request")
+        gate.touch()
+        await h.until(lambda: notice_file(agent) == [], what="the request's commit")
+        fake.publish_interruption("terminate")
+        await h.until(lambda: h.events("trainer_exited"), timeout_s=10, what="trainer exit after commit")
+        (notice,) = h.events("interruption_notice")
+        assert [c.data["notice_ids"] for c in h.events("checkpoint_committed")] == [[notice.data["notice_id"]]]
+        assert not h.events("job_resumed")  # rank 0's node reports the attempt's start
+        lines = [json.loads(x)["event"] for x in agent.status_path.read_text().splitlines()]
+        assert lines.count("checkpoint_committed") == 2
 
 
 async def test_metadata_errors_are_not_notices(spot_daemon, fake, clock, monkeypatch) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from daemon import agent_channel
 from daemon.model import NodeState
 
 
@@ -83,6 +82,14 @@ async def test_the_interval_grows_with_the_pool_and_is_told_to_each_node(spot_da
     assert 4.0 <= told <= 4.8  # 4 nodes / 1 per s, plus up to 20 % stagger
     # the planner judges the node by what it was told (its lost timeout scales with it)
     assert h.sup._view(agent.node).heartbeat_interval_s == told
+    # a node that registers is told a random share of it for its first heartbeat, so a
+    # pool that registered together does not heartbeat in step
+    firsts = []
+    for n in [n for n in h.sup.nodes.values() if n.state is NodeState.LAUNCHING]:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n.token}"}) as s:
+            async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n.id}) as r:
+                firsts.append((await r.json())["heartbeat_interval_s"])
+    assert len(firsts) == 3 and all(0.05 <= f <= 4.0 for f in firsts) and len(set(firsts)) == 3, firsts
     # and the periodic reconcile pass (a cloud describe + a plan over every node) slows with
     # it: a quarter of the heartbeat interval, never faster than daemon.reconcile_interval_s
     configure(h, daemon={"reconcile_interval_s": 0.5})
@@ -118,7 +125,7 @@ async def test_a_command_queued_while_a_long_poll_waits_is_answered_at_once_and_
     assert status == 200 and reply["commands"] == []
 
 
-async def test_a_long_poll_with_nothing_to_say_answers_empty_after_wait_s(spot_daemon, agent, monkeypatch) -> None:
+async def test_a_long_poll_with_nothing_to_say_answers_empty_after_wait_s(spot_daemon, agent) -> None:
     h = spot_daemon
     await agent.register()
     await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
@@ -126,10 +133,16 @@ async def test_a_long_poll_with_nothing_to_say_answers_empty_after_wait_s(spot_d
     t0 = time.monotonic()
     status, reply = await asyncio.wait_for(agent.poll(0.3), 5)
     assert status == 200 and reply["commands"] == [] and time.monotonic() - t0 >= 0.3
-    # the daemon caps what an agent asks for
-    monkeypatch.setattr(agent_channel, "COMMAND_WAIT_MAX_S", 0.2)
-    status, reply = await asyncio.wait_for(agent.poll(3600), 5)
-    assert status == 200 and reply["commands"] == []
+    # the daemon holds a poll at most agent.command_wait_s (a random share of it)
+    h.sup.config = h.sup.config.model_copy(
+        update={"agent": h.sup.config.agent.model_copy(update={"command_wait_s": 0.4})})
+    held_s = []
+    for _ in range(4):
+        t0 = time.monotonic()
+        status, reply = await asyncio.wait_for(agent.poll(3600), 5)
+        held_s.append(time.monotonic() - t0)
+        assert status == 200 and reply["commands"] == []
+    assert all(s < 0.4 + 0.3 for s in held_s), held_s
     for bad in ("soon", -1, True, None):
         status, text = await agent.poll(bad)
         assert status == 400 and "wait_s" in text

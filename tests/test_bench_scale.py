@@ -48,3 +48,48 @@ def test_scale_smoke(tmp_path: Path) -> None:
     assert doc["webhook"]["events"] > 0 and doc["webhook"]["bad_signatures"] == 0
     assert doc["fleet"]["hb_failed"] == 0 and doc["fleet"]["reports_failed"] == 0
     assert doc["daemon_log"]["errors"] == 0
+
+
+WATCHED = """
+import asyncio, sys, time
+
+async def main():
+    loop = asyncio.get_running_loop()
+    print("ready", flush=True)
+    sys.stdin.readline()  # the test's watch has started
+    await asyncio.sleep(0.4)  # idle in the selector: no stall
+    t = time.process_time()
+    while time.process_time() - t < 0.3:  # a callback that computes for 0.3 s
+        pass
+    await asyncio.sleep(0.4)
+    time.sleep(0.3)  # a blocking call on the loop
+    await asyncio.sleep(0.4)
+
+asyncio.run(main())
+"""
+
+
+def test_loopwatch_sees_a_busy_and_a_blocked_loop_from_outside() -> None:
+    """The scale bench's stall figures: an idle loop has none; 0.3 s of computing is a
+    stall spent on a CPU; 0.3 s in a blocking call is one spent neither on a CPU nor
+    waiting for one (when /proc/PID/syscall is readable; else it looks asleep)."""
+    from bench.loopwatch import LoopWatch
+
+    child = subprocess.Popen([sys.executable, "-c", WATCHED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        watch = LoopWatch(child.pid, every_s=0.01)
+        watch.start()
+        child.communicate("go\n", timeout=30)
+        stalls = watch.stop()
+    finally:
+        child.kill()
+    assert child.returncode == 0
+    assert 1 <= len(stalls) <= 2, stalls
+    busy = stalls[0]
+    assert 0.2 <= busy["lag_s"] <= 0.5 and busy["cpu_s"] >= 0.6 * busy["lag_s"], stalls
+    if len(stalls) == 2:
+        blocked = stalls[1]
+        assert 0.2 <= blocked["lag_s"] <= 0.5 and blocked["cpu_s"] + blocked["runq_s"] < 0.3 * blocked["lag_s"]
+        assert blocked["t"] - busy["t"] >= 0.5  # the idle 0.4 s between them is not a stall
