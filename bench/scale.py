@@ -23,8 +23,8 @@ Three processes on this machine:
 
 Phases: **ramp** (the pool launches ``--nodes``, they register, the job starts at
 full size; then the bench waits until the webhook has every event so far, and
-``--settle-s`` or until every node has sent its first heartbeat, one told interval
-after it registered, whichever is longer), **steady** (``--steady-s``: heartbeats, log chunks, the occasional
+``--settle-s`` or 1.5 heartbeat intervals, whichever is longer, so every node
+heartbeats at its slot), **steady** (``--steady-s``: heartbeats, log chunks, the occasional
 periodic checkpoint, and one ``pool_scaled`` event a second from a ``spotctl scale``
 to the same target, to time the feed under load; the daemon's CPU over the window,
 its RSS each second), **storm** (``--storm-frac`` of the job's
@@ -130,7 +130,7 @@ class Options:
 
     @property
     def scaled_interval_s(self) -> float:
-        """The interval the daemon tells the nodes at full size (before its random stagger)."""
+        """The heartbeat interval at full size (each node is told the time to its slot in it)."""
         return scaled_heartbeat_interval(self.nodes, min_interval_s=self.heartbeat_interval_s,
                                          max_per_second=self.max_heartbeats_per_second)
 
@@ -363,9 +363,10 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
             raise PhaseTimeout(f"the job did not reach world size {full} within {o.ramp_timeout_s:g} s "
                                f"(fleet: {await stats()}; daemon log: {tmp / 'daemon.log'})")
         t_full = time.time()
-        # a node's first heartbeat comes one told interval (+ up to 20 % stagger) after it
-        # registered: the steady window starts once every node is heartbeating at its pace
-        settle_s = max(o.settle_s, 1.2 * o.scaled_interval_s - (t_full - t_start))
+        # after its trainer started (an extra heartbeat, on every node at once) a node is
+        # told the way to its slot, at most 1.5 intervals away: the steady window starts
+        # once every node is heartbeating at its slot
+        settle_s = max(o.settle_s, 1.5 * o.scaled_interval_s)
         progress(f"ramp: job at world size {full} after {t_full - t_start:.1f} s; waiting for the feed "
                  f"to catch up, then settling {settle_s:.0f} s")
         ramp_feed_s = await _feed_caught_up(sock, hook, timeout_s=o.feed_timeout_s)
@@ -454,7 +455,7 @@ async def run(o: Options, *, progress: Any = print) -> dict[str, Any]:
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count(), "shared": "other sessions run on this machine: CPU figures are noisy"},
         "ramp_s": round(t_full - t_start, 2),
-        # every node once per interval the daemon tells at full size (its stagger makes the real rate lower)
+        # every node once per interval at full size, at its own slot
         "full_heartbeat_rate": round(o.nodes / o.scaled_interval_s, 1),
         "heartbeat_interval_told_s": final["heartbeat_interval_s"],  # [shortest, longest] at the end
         # the job at full size → the webhook had every event of the ramp (None: not within the timeout)
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     doc["wall_s"] = round(time.monotonic() - started, 1)
     print(f"scale: {o.nodes} nodes x {o.gpus_per_node} GPUs, heartbeat every {o.scaled_interval_s:g} s "
-          f"(max({o.heartbeat_interval_s:g} s, nodes / {o.max_heartbeats_per_second:g} per s), + up to 20 % stagger), "
+          f"(max({o.heartbeat_interval_s:g} s, nodes / {o.max_heartbeats_per_second:g} per s), each node at its slot), "
           f"ramp {doc['ramp_s']:.1f} s, steady {doc['steady']['window_s']:.0f} s, storm {doc['storm']['notices']} "
           f"notices within {o.storm_spread_s:g} s; {doc['machine']['cpus']} CPUs shared with other work, "
           f"Python {doc['machine']['python']}, {doc['wall_s']:.0f} s wall"

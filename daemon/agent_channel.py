@@ -9,8 +9,9 @@ uses the supervisor's state (``nodes``, ``job``, ``config``, ``store``, ``record
 - **Heartbeat interval**: every register and heartbeat reply tells the node when to
   heartbeat next, ``max(agent.heartbeat_interval_s, live nodes /
   daemon.max_heartbeats_per_second)`` (:func:`daemon.pool.heartbeat_interval_s`, as
-  Nomad does), plus a random stagger when stretched; the node's lost timeout scales
-  with what it was told (``NodeView.heartbeat_interval_s``).
+  Nomad does), told as the time to the node's next slot when stretched, so the pool's
+  heartbeats arrive evenly spread; the node's lost timeout scales with what it was
+  told (``NodeView.heartbeat_interval_s``).
 - **Commands** (start the trainer, checkpoint / rejoin, drain, cancel) do not wait for
   a heartbeat: every producer goes through :meth:`AgentChannel._send`, which wakes the
   node's outstanding ``POST /v1/agent/commands`` long-poll (:meth:`wait_commands`),
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
+import zlib
 from typing import Any, Callable
 
 import structlog
@@ -50,9 +53,6 @@ AVOID_ZONE_S = 300.0
 # agent's report retry backs off up to 5 s): wait this long past it before saying
 # the flush timed out
 FLUSH_GRACE_S = 5.0
-# a stretched heartbeat interval is told with up to this much more, at random, so nodes
-# that registered together do not stay in step (Nomad adds a random stagger too)
-_INTERVAL_STAGGER = 0.2
 
 
 class AgentChannel:
@@ -69,7 +69,7 @@ class AgentChannel:
         heartbeat interval (seconds)."""
         self._seen(node)
         self._rescale_heartbeat()  # one more live node
-        return {"job": self.job_spec(node), "heartbeat_interval_s": self._tell_interval(node, first=True)}
+        return {"job": self.job_spec(node), "heartbeat_interval_s": self._tell_interval(node)}
 
     def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         self._seen(node)
@@ -157,17 +157,26 @@ class AgentChannel:
             live, min_interval_s=self.config.agent.heartbeat_interval_s,
             max_per_second=self.config.daemon.max_heartbeats_per_second)
 
-    def _tell_interval(self, node: Node, *, first: bool = False) -> float:
+    def _tell_interval(self, node: Node) -> float:
         """The heartbeat interval to tell ``node`` now (seconds), remembered for its lost
-        timeout (:meth:`daemon.pool.Timeouts.lost_after_s`). A stretched one gets a random
-        stagger of up to :data:`_INTERVAL_STAGGER` more, so the pool's rate stays under the
-        cap; the ``first``, told at registration, is a uniform random share of it (at least
-        ``agent.heartbeat_interval_s``), so nodes that registered together heartbeat evenly
-        spread from their first round on (a 20 % stagger alone takes dozens of rounds)."""
+        timeout (:meth:`daemon.pool.Timeouts.lost_after_s`).
+
+        A stretched interval ``I`` is told as the time to the node's next **slot**: slots
+        are ``I`` apart at the node's own phase (from its id, uniform in ``[0, I)``), and
+        the next one at least ``I/2`` away, so what is told lies in ``[I/2, 3I/2)``. The
+        pool's heartbeats then arrive evenly spread at ``live nodes / I`` a second, the
+        cap, however they were bunched before: an extra heartbeat (a trainer that started
+        on every node at once) is told the way back to its slot, where a random stagger
+        (Nomad's) takes dozens of rounds to undo such a wave.
+        """
         floor, interval = self.config.agent.heartbeat_interval_s, self.heartbeat_interval_s
         if interval > floor:
-            share = 1.0 - self._rng.random() if first else 1.0 + _INTERVAL_STAGGER * self._rng.random()
-            interval = round(max(floor, interval * share), 3)
+            phase = zlib.crc32(node.id.encode()) / 2**32
+            now = self.clock()
+            slot = (math.floor(now / interval - phase) + 1 + phase) * interval
+            if slot - now < interval / 2:
+                slot += interval
+            interval = round(max(floor, slot - now), 3)
         self._told_interval[node.id] = interval
         return interval
 
