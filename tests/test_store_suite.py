@@ -212,7 +212,7 @@ def failing(request, tmp_path) -> Iterator[tuple[CheckpointStore, Callable[[], N
             proxy.close()
         return
     oss_server = request.getfixturevalue("oss_server")
-    store = _oss_store(oss_server, tmp_path)
+    store = _oss_store(oss_server, tmp_path, max_attempts=1)  # no retries, as the S3 client above
     oss_server.fail_next(1000, status=500)
     try:
         yield store, oss_server.reset_faults
@@ -247,6 +247,42 @@ def test_a_5xx_backend_is_a_one_line_storage_error_then_recovers(failing, tmp_pa
 
 
 # --------------------------------------------------------------------------- OSS specifics
+
+
+@pytest.mark.timeout(60)
+def test_oss_retries_server_errors_not_client_errors(oss_server, tmp_path):
+    """Two 500s / 503s in a row (what the S3 store's botocore retries ride out) cost a
+    notice's flush a second, not the commit; a 404 is answered at once."""
+    store = _oss_store(oss_server, tmp_path)
+    src = tmp_path / "big.pt"
+    src.write_bytes(os.urandom(MIB + 5))  # multipart: parts and the complete can fail too
+    calls = {
+        "put_bytes": lambda: store.put_bytes("step-00000001/a.pt", b"x"),
+        "get_bytes": lambda: store.get_bytes("step-00000001/a.pt"),
+        "put_file": lambda: store.put_file("step-00000001/b.pt", src),
+        "get_file": lambda: store.get_file("step-00000001/b.pt", tmp_path / "out" / "b.pt"),
+        "list": lambda: store.list("step-00000001/"),
+        "delete": lambda: store.delete(["step-00000001/a.pt"]),
+    }
+    def server_errors() -> int:
+        return sum(1 for r in oss_server.requests if r.status >= 500)
+
+    for name, call in calls.items():
+        before = server_errors()
+        oss_server.fail_next(2, status=500 if name != "list" else 503)
+        call()
+        assert server_errors() == before + 2, f"{name}: it did not meet both armed faults"
+    assert (tmp_path / "out" / "b.pt").read_bytes() == src.read_bytes()
+    assert store.list("step-00000001/") == {"step-00000001/b.pt": MIB + 5}
+
+    oss_server.fail_next(3, status=500)  # more than max_attempts: reported, one line
+    with pytest.raises(StorageError, match="InternalError"):
+        store.put_bytes("step-00000001/c.pt", b"x")
+    oss_server.reset_faults()
+    before = len(oss_server.ops("GetObject"))
+    with pytest.raises(ObjectNotFoundError):
+        store.get_bytes("step-00000001/absent.pt")
+    assert len(oss_server.ops("GetObject")) == before + 1
 
 
 def test_oss_upload_killed_mid_way_is_invisible_and_a_retry_sends_only_the_missing_parts(oss_server, tmp_path):

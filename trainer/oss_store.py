@@ -9,11 +9,14 @@ import contextlib
 import os
 import re
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import oss2
 import requests
+import structlog
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from trainer.storage import (
     _MIB,
@@ -25,6 +28,9 @@ from trainer.storage import (
 )
 
 __all__ = ["OssStore"]
+
+log = structlog.get_logger("spotvisor.storage")
+T = TypeVar("T")
 
 # Public OSS endpoints name their region: oss-<region>[-internal].aliyuncs.com
 # (https://www.alibabacloud.com/help/en/oss/user-guide/regions-and-endpoints).
@@ -69,6 +75,13 @@ class OssStore(CheckpointStore):
     Every transfer is checked end to end with OSS's CRC-64 (``x-oss-hash-crc64ecma``).
     Requests are signed with signature V4, which needs the bucket's region.
 
+    An operation that meets a server error (HTTP 5xx, or 429) is tried again, up to
+    ``max_attempts`` in all with exponential backoff and jitter, as botocore's
+    ``standard`` retry mode does for S3: a 500 or 503 during a notice's flush would
+    otherwise fail the commit and lose every step since the last one. oss2 itself
+    retries only failed connections (``oss2.defaults.request_retries``). A retried
+    ``put_file`` / ``get_file`` resumes from its record: only the missing parts move.
+
     API reference: https://www.alibabacloud.com/help/en/oss/developer-reference/
     ``putobject``, ``getobject``, ``headobject``, ``listobjectsv2``,
     ``deletemultipleobjects``, ``initiatemultipartupload``, ``uploadpart``,
@@ -94,6 +107,8 @@ class OssStore(CheckpointStore):
             directory, oss2's default. Created at the first ``put_file`` / ``get_file``.
         timeout_s: seconds to connect, and to wait for each read, per request.
         list_page_size: keys per ListObjectsV2 page (1..1000).
+        max_attempts: tries per operation on a server error (>= 1; 3 as botocore's
+            ``standard`` mode).
 
     Raises:
         ValueError: at construction, for a URI without a valid bucket name, an
@@ -115,6 +130,7 @@ class OssStore(CheckpointStore):
         checkpoint_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = 60.0,
         list_page_size: int = 1000,
+        max_attempts: int = 3,
     ) -> None:
         parsed = urllib.parse.urlparse(uri)
         if parsed.scheme != "oss" or not parsed.netloc:
@@ -128,6 +144,8 @@ class OssStore(CheckpointStore):
             raise ValueError(f"list_page_size must be in 1..1000, got {list_page_size}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
         self.uri = f"oss://{self.bucket}/{self.prefix}" if self.prefix else f"oss://{self.bucket}"
@@ -150,10 +168,25 @@ class OssStore(CheckpointStore):
         self._threads = num_threads
         self._record_root = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
         self._page_size = list_page_size
+        self._max_attempts = max_attempts
 
     def _key(self, key: str) -> str:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _retrying(self, doing: str, fn: Callable[[], T]) -> T:
+        """``fn()``, tried again on a server error (:func:`_transient`) up to
+        ``max_attempts`` in all; the last error propagates."""
+
+        def retried(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            log.warning("oss_request_retried", doing=doing, attempt=state.attempt_number,
+                        error=_oss_describe(exc) if exc is not None else None)
+
+        retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(self._max_attempts),
+                            wait=wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.2),
+                            before_sleep=retried, reraise=True)
+        return retrying(fn)
 
     @contextlib.contextmanager
     def _errors(self, doing: str, *, missing: str | None = None) -> Iterator[None]:
@@ -171,24 +204,31 @@ class OssStore(CheckpointStore):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         obj = self._key(key)
-        with self._errors(f"uploading {self.uri}/{key}"):
-            self._bucket.put_object(obj, data)
+        doing = f"uploading {self.uri}/{key}"
+        with self._errors(doing):
+            self._retrying(doing, lambda: self._bucket.put_object(obj, data))
 
     def get_bytes(self, key: str) -> bytes:
         obj = self._key(key)
-        with self._errors(f"downloading {self.uri}/{key}", missing=f"{self.uri}/{key}"):
+        doing = f"downloading {self.uri}/{key}"
+
+        def get() -> bytes:
             result = self._bucket.get_object(obj)
             data = result.read()
             oss2.utils.check_crc("get", result.client_crc, result.server_crc, result.request_id)
-        return data
+            return data
+
+        with self._errors(doing, missing=f"{self.uri}/{key}"):
+            return self._retrying(doing, get)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         obj = self._key(key)
-        with self._errors(f"uploading {path} to {self.uri}/{key}"):
+        doing = f"uploading {path} to {self.uri}/{key}"
+        with self._errors(doing):
             store = oss2.ResumableStore(root=self._record_root) if self._record_root else None
-            oss2.resumable_upload(self._bucket, obj, os.fspath(path), store=store,
-                                  multipart_threshold=self._threshold, part_size=self._part_size,
-                                  num_threads=self._threads)
+            self._retrying(doing, lambda: oss2.resumable_upload(
+                self._bucket, obj, os.fspath(path), store=store, multipart_threshold=self._threshold,
+                part_size=self._part_size, num_threads=self._threads))
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         obj = self._key(key)
@@ -196,13 +236,14 @@ class OssStore(CheckpointStore):
         # A fixed name, so a retry finds oss2's resume record; ".tmp-" so write_dir skips it.
         tmp = target.with_name(f".{target.name}.tmp-oss")
         done = False
-        with self._errors(f"downloading {self.uri}/{key} to {path}", missing=f"{self.uri}/{key}"):
+        doing = f"downloading {self.uri}/{key} to {path}"
+        with self._errors(doing, missing=f"{self.uri}/{key}"):
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 store = oss2.ResumableDownloadStore(root=self._record_root) if self._record_root else None
-                oss2.resumable_download(self._bucket, obj, os.fspath(tmp), store=store,
-                                        multiget_threshold=self._threshold, part_size=self._part_size,
-                                        num_threads=self._threads)
+                self._retrying(doing, lambda: oss2.resumable_download(
+                    self._bucket, obj, os.fspath(tmp), store=store, multiget_threshold=self._threshold,
+                    part_size=self._part_size, num_threads=self._threads))
                 os.replace(tmp, target)
                 done = True
             finally:
@@ -212,20 +253,33 @@ class OssStore(CheckpointStore):
 
     def list(self, prefix: str = "") -> dict[str, int]:
         root = f"{self.prefix}/" if self.prefix else ""
-        out: dict[str, int] = {}
-        with self._errors(f"listing {self.uri}/{prefix}"):
+        doing = f"listing {self.uri}/{prefix}"
+
+        def page_through() -> dict[str, int]:  # a retry lists from the start
+            out: dict[str, int] = {}
             for info in oss2.ObjectIteratorV2(self._bucket, prefix=root + prefix, max_keys=self._page_size):
                 rel = info.key[len(root):]
                 if rel:  # skip the console's "folder" placeholder named exactly like the root
                     out[rel] = int(info.size)
+            return out
+
+        with self._errors(doing):
+            out = self._retrying(doing, page_through)
         return out
 
     def delete(self, keys: Iterable[str]) -> None:
         names = list(dict.fromkeys(keys))
         objs = [self._key(k) for k in names]
         for i in range(0, len(objs), 1000):  # DeleteMultipleObjects takes at most 1000 keys
-            with self._errors(f"deleting {len(objs[i : i + 1000])} objects under {self.uri} (first {names[i]!r})"):
-                self._bucket.batch_delete_objects(objs[i : i + 1000])
+            doing = f"deleting {len(objs[i : i + 1000])} objects under {self.uri} (first {names[i]!r})"
+            with self._errors(doing):
+                self._retrying(doing, lambda: self._bucket.batch_delete_objects(objs[i : i + 1000]))
+
+
+def _transient(exc: BaseException) -> bool:
+    """A server error worth another try: HTTP 5xx (InternalError, ServiceUnavailable) or
+    429. Not a 4xx (the request is wrong), not a failed connection (oss2 retried it)."""
+    return isinstance(exc, oss2.exceptions.ServerError) and (exc.status >= 500 or exc.status == 429)
 
 
 def _oss_describe(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ a notice comes; the flush of step 20 meets the fault:
 - ``outage``: every request fails until after the notice's deadline.
 
 The flush either retries within the notice's deadline and commits step 20 (S3:
-botocore's own retries), or fails, and then the previous checkpoint (10) stays the
+botocore's own retries; OSS: ``OssStore``'s, on a server error), or fails, and then the previous checkpoint (10) stays the
 latest committed, never the torn step 20: the worker exits, torchrun starts a new
 one, which resumes from step 10 and answers the notice there (what a restarted
 worker does, done here in-process). Either way the notice is answered before its
@@ -212,8 +212,8 @@ def test_store_fault_during_the_notice_flush(faulty: Faulty, fault: str, tmp_pat
     else:
         assert answered_in_time, "the notice was answered after its deadline"
         assert "n-1" in stored[flushed].extra["notice_ids"]
-    if faulty.name == "s3" and fault != "outage":
-        assert flushed == 20  # botocore retried within the flush itself
+    if fault == "5xx" or (faulty.name == "s3" and fault == "timeout"):
+        assert flushed == 20  # the store retried within the flush itself (botocore; OssStore's retries)
 
 
 def latest_committed_when_healed(faulty: Faulty):
