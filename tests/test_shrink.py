@@ -42,7 +42,10 @@ def _gone(port: int, timeout_s: float) -> bool:
 
 
 def _worker(rank: int, group_port: int, store_port: int, tmp: str) -> None:
-    # rank 0 hosts the group's store (env:// init, as torchrun's workers do) and is the one that leaves
+    # rank 0 hosts the group's store (env:// init, as torchrun's workers do) and is the one that leaves;
+    # each rank is a node of its own, with the variables torchrun gives its worker
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": "3",
+                       "LOCAL_RANK": "0"})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=3,
                             timeout=timedelta(seconds=30))
     ctx = DistContext(rank, 0, 3, "gloo", torch.device("cpu"), True)
@@ -62,7 +65,8 @@ def _worker(rank: int, group_port: int, store_port: int, tmp: str) -> None:
     dist.all_reduce(t)
     Path(tmp, f"rank{rank}.json").write_text(json.dumps({
         "new_rank": new.rank, "world": new.world_size, "dist_world": dist.get_world_size(),
-        "sum": t.item(), "grad": model.weight.grad.tolist()}))
+        "sum": t.item(), "grad": model.weight.grad.tolist(),
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK")}}))
     # DDP's reducer holds the group: drop it while the group is registered, so the group is
     # destroyed by destroy_process_group (GIL released), not by the reducer's dealloc at
     # exit, where gloo's worker thread, freeing its last work's tensors, waits for the GIL
@@ -85,6 +89,9 @@ def test_survivors_go_on_after_the_store_host_leaves(tmp_path: Path) -> None:
     assert r1["world"] == r2["world"] == r1["dist_world"] == 2
     assert r1["sum"] == r2["sum"] == 3.0  # 1 + 2: only the survivors
     assert r1["grad"] == r2["grad"]  # DDP averaged over the two survivors
+    # torchrun's variables follow, for code that reads them: the two nodes left are 0 and 1
+    assert r1["env"] == {"RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert r2["env"] == {"RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 
 
 def test_shrink_refuses_a_leaving_rank() -> None:

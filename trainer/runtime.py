@@ -203,7 +203,8 @@ def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpo
     the step). New ranks keep the old order: ``survivors.index(old_rank)``.
 
     Returns the new context (same local rank, backend and device; ``world_size ==
-    len(survivors)``). About 10 ms for gloo on one machine: no process starts, nothing
+    len(survivors)``), and rewrites torchrun's variables to match
+    (:func:`publish_world_env`). About 10 ms for gloo on one machine: no process starts, nothing
     is loaded.
 
     Raises:
@@ -221,7 +222,31 @@ def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpo
     dist.init_process_group(backend=ctx.backend, store=dist.PrefixStore(key, client), rank=new_rank,
                             world_size=len(survivors), timeout=timeout,
                             **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
-    return DistContext(new_rank, ctx.local_rank, len(survivors), ctx.backend, ctx.device, True)
+    new = DistContext(new_rank, ctx.local_rank, len(survivors), ctx.backend, ctx.device, True)
+    publish_world_env(new)
+    return new
+
+
+def publish_world_env(ctx: DistContext) -> None:
+    """Rewrite torchrun's worker variables in this process for the group ``ctx`` after an
+    in-process resize, so that code reading them (a user's script, a library) sees the new
+    world: ``RANK`` and ``ROLE_RANK``, ``WORLD_SIZE`` and ``ROLE_WORLD_SIZE``, and
+    ``GROUP_RANK`` / ``GROUP_WORLD_SIZE``, the remaining nodes numbered in their old order
+    (one ``all_gather_object`` of the old ``GROUP_RANK``). ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` do not change; ``MASTER_ADDR`` / ``MASTER_PORT`` still name the
+    old group's store, which may be gone. Called on every rank of ``ctx``'s group.
+
+    The variables: https://docs.pytorch.org/docs/stable/elastic/run.html#environment-variables
+    """
+    old_node = os.environ.get("GROUP_RANK", str(ctx.rank))
+    nodes: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(nodes, old_node)
+    order = sorted({n for n in nodes if n is not None}, key=lambda n: (len(n), n))  # "10" after "9"
+    os.environ.update({
+        "RANK": str(ctx.rank), "ROLE_RANK": str(ctx.rank),
+        "WORLD_SIZE": str(ctx.world_size), "ROLE_WORLD_SIZE": str(ctx.world_size),
+        "GROUP_RANK": str(order.index(old_node)), "GROUP_WORLD_SIZE": str(len(order)),
+    })
 
 
 def new_attempt_id(ctx: DistContext) -> str:
