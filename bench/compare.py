@@ -23,7 +23,7 @@ its deadline.
 Run from the repository root (``make bench`` runs the defaults)::
 
     python -m bench.compare
-    python -m bench.compare --trace 20s:2:30,step120:1:30 --k 10 --launch-delay-s 5 --target-steps 200
+    python -m bench.compare --trace 20s:2:30,step120:1:30 --k 10 --launch-delay-s 5 --target-steps 250
 
 It prints a table and the per-preemption profile, and writes ``bench-results.json``
 (``--out``). Every figure comes from the trainer's own step and status logs and the
@@ -63,7 +63,7 @@ DEFAULT_OUT = "bench-results.json"
 DEFAULT_TRACE = "5s:2:20,40s:3:20,75s:1:20"
 DEFAULT_K = 10
 DEFAULT_LAUNCH_DELAY_S = 5.0
-DEFAULT_TARGET_STEPS = 200
+DEFAULT_TARGET_STEPS = 250
 SYSTEMS = (DEFAULT_POLICY, "restart_on_preemption", "elastic_only")
 
 
