@@ -194,6 +194,20 @@ _S3_INTERNAL_ERROR = (  # https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorR
 )
 
 
+def _every_operation(store: CheckpointStore, src: Path, out: Path, *, file_key: str) -> dict[str, Callable[[], object]]:
+    """Each store operation once, in an order that succeeds on a healthy store: bytes under
+    ``step-00000001/a.pt``, ``src`` up and down under ``file_key`` (into ``out``), a list,
+    and the delete of ``a.pt``."""
+    return {
+        "put_bytes": lambda: store.put_bytes("step-00000001/a.pt", b"x"),
+        "get_bytes": lambda: store.get_bytes("step-00000001/a.pt"),
+        "put_file": lambda: store.put_file(file_key, src),
+        "get_file": lambda: store.get_file(file_key, out / Path(file_key).name),
+        "list": lambda: store.list("step-00000001/"),
+        "delete": lambda: store.delete(["step-00000001/a.pt"]),
+    }
+
+
 @pytest.fixture(params=["s3", "oss"])
 def failing(request, tmp_path) -> Iterator[tuple[CheckpointStore, Callable[[], None]]]:
     """A store whose backend answers every request with HTTP 500 until the returned heal() is called."""
@@ -225,15 +239,8 @@ def test_a_5xx_backend_is_a_one_line_storage_error_then_recovers(failing, tmp_pa
     store, heal = failing
     src = tmp_path / "big.pt"
     src.write_bytes(os.urandom(6 * MIB))
-    calls = {
-        "put_bytes": lambda: store.put_bytes("step-00000001/a.pt", b"x"),
-        "get_bytes": lambda: store.get_bytes("step-00000001/a.pt"),
-        "put_file": lambda: store.put_file("step-00000001/a.pt", src),
-        "get_file": lambda: store.get_file("step-00000001/a.pt", tmp_path / "out" / "a.pt"),
-        "list": lambda: store.list("step-00000001/"),
-        "delete": lambda: store.delete(["step-00000001/a.pt"]),
-        "latest_committed": lambda: latest_committed(store),
-    }
+    calls = {**_every_operation(store, src, tmp_path / "out", file_key="step-00000001/a.pt"),
+             "latest_committed": lambda: latest_committed(store)}
     for name, call in calls.items():
         with pytest.raises(StorageError) as info:
             call()
@@ -256,14 +263,7 @@ def test_oss_retries_server_errors_not_client_errors(oss_server, tmp_path):
     store = _oss_store(oss_server, tmp_path)
     src = tmp_path / "big.pt"
     src.write_bytes(os.urandom(MIB + 5))  # multipart: parts and the complete can fail too
-    calls = {
-        "put_bytes": lambda: store.put_bytes("step-00000001/a.pt", b"x"),
-        "get_bytes": lambda: store.get_bytes("step-00000001/a.pt"),
-        "put_file": lambda: store.put_file("step-00000001/b.pt", src),
-        "get_file": lambda: store.get_file("step-00000001/b.pt", tmp_path / "out" / "b.pt"),
-        "list": lambda: store.list("step-00000001/"),
-        "delete": lambda: store.delete(["step-00000001/a.pt"]),
-    }
+    calls = _every_operation(store, src, tmp_path / "out", file_key="step-00000001/b.pt")
     def server_errors() -> int:
         return sum(1 for r in oss_server.requests if r.status >= 500)
 
