@@ -64,6 +64,12 @@ async def main():
     await asyncio.sleep(0.4)
     time.sleep(0.3)  # a blocking call on the loop
     await asyncio.sleep(0.4)
+    # idle in the selector until the test has stopped watching: the interpreter's
+    # exit (~50 ms of CPU) is not one of the stalls under test
+    done = loop.create_future()
+    loop.add_reader(sys.stdin.fileno(), done.set_result, None)
+    print("done", flush=True)
+    await done
 
 asyncio.run(main())
 """
@@ -81,8 +87,12 @@ def test_loopwatch_sees_a_busy_and_a_blocked_loop_from_outside() -> None:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         watch = LoopWatch(child.pid, every_s=0.01)
         watch.start()
-        child.communicate("go\n", timeout=30)
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
         stalls = watch.stop()
+        child.communicate("", timeout=30)
     finally:
         child.kill()
     assert child.returncode == 0
