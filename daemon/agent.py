@@ -68,6 +68,7 @@ log = structlog.get_logger("spotvisor.agent")
 # attempt, and the daemon keeps the first (by attempt, and step), so only the node of
 # global rank 0 reports it, and a node whose own notice a commit answers: at 1,000 nodes
 # that is one report per commit instead of 1,000 (bench/scale.py)
+_TORCHRUN = ("-m", "torch.distributed.run")  # a job command the launcher can prewarm
 _FORWARDED = frozenset({"started", "checkpoint_committed", "completed"})
 # the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
 # it a random share of its agent.command_wait_s, at most), and how long
@@ -203,6 +204,7 @@ class NodeAgent:
         self._job: dict[str, Any] = {}
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._proc: asyncio.subprocess.Process | None = None
+        self._warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (_prewarm)
         self._trainer_state = "not_started"  # not_started | running | exited
         self._exit_code: int | None = None
         self._step: int | None = None
@@ -229,6 +231,7 @@ class NodeAgent:
         )
         try:
             self._job = await self._register()
+            await self._prewarm()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
                 poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
@@ -243,6 +246,7 @@ class NodeAgent:
             await asyncio.shield(self._shutdown())
 
     async def _shutdown(self) -> None:
+        await self._stop_prewarmed()
         await self._stop_trainer()
         await asyncio.to_thread(self.gpu_sampler.close)
         await self.metadata.aclose()
@@ -519,11 +523,10 @@ class NodeAgent:
             log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
 
     # -- trainer --------------------------------------------------------------------
-    async def _start_trainer(self) -> None:
-        job = self._job
+    def _trainer_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
-        env.update(job.get("env", {}))
+        env.update(self._job.get("env", {}))
         env.update(
             SPOTVISOR_NOTICE_FILE=str(self.workdir / "notices.json"),
             SPOTVISOR_STATUS_FILE=str(self.status_path),
@@ -531,17 +534,58 @@ class NodeAgent:
             SPOTVISOR_SCRATCH_DIR=str(self.workdir / "scratch"),
             SPOTVISOR_NODE_ID=self.node_id,
         )
+        return env
+
+    async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int) -> asyncio.subprocess.Process:
         out = open(self.workdir / "trainer.log", "ab")
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, *job["argv"], stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                stderr=asyncio.subprocess.STDOUT, env=env, cwd=job.get("cwd") or None,
+            return await asyncio.create_subprocess_exec(
+                sys.executable, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+                cwd=self._job.get("cwd") or None,
             )
         finally:
             out.close()
+
+    async def _prewarm(self) -> None:
+        """Start torchrun's process now, importing, for :meth:`_start_trainer` to set
+        going when the daemon admits this node (:mod:`daemon.launcher`). Only for a job
+        whose command is ``-m torch.distributed.run``."""
+        if tuple(self._job.get("argv", ())[:2]) != _TORCHRUN:
+            return
+        env = dict(os.environ)
+        env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        self._warm = await self._spawn(["-m", "daemon.launcher"], env, asyncio.subprocess.PIPE)
+        log.info("trainer_prewarming", node_id=self.node_id, pid=self._warm.pid)
+
+    async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
+        """Hand the job to the prewarmed launcher; False if it is gone."""
+        assert warm.stdin is not None
+        line = json.dumps({"argv": self._job["argv"][len(_TORCHRUN):], "env": env, "cwd": self._job.get("cwd")})
+        try:
+            warm.stdin.write(line.encode() + b"\n")
+            await warm.stdin.drain()
+            warm.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it exited while importing
+            log.warning("prewarmed_trainer_gone", node_id=self.node_id, exit_code=warm.returncode)
+            return False
+        return True
+
+    async def _start_trainer(self) -> None:
+        env = self._trainer_env()
+        warm, self._warm = self._warm, None
+        if warm is not None and warm.returncode is None and await self._go(warm, env):
+            self._proc = warm
+        else:
+            self._proc = await self._spawn(self._job["argv"], env, asyncio.subprocess.DEVNULL)
         self._trainer_state = "running"
         self._beat_now.set()
-        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid)
+        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid, prewarmed=self._proc is warm)
+
+    async def _stop_prewarmed(self) -> None:
+        warm, self._warm = self._warm, None
+        if warm is not None and warm.returncode is None:
+            warm.kill()
+            await warm.wait()
 
     async def _stop_trainer(self) -> None:
         proc = self._proc

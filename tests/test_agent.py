@@ -43,7 +43,7 @@ STANDIN = textwrap.dedent(
     def emit(event, **fields):
         rec = {"event": event, "time": time.time(), "attempt": "standin-1",
                "rank": int(os.environ.get("STANDIN_RANK", "0")),
-               "world_size": 1, "step": step, **fields}
+               "world_size": 1, "step": step, "pid": os.getpid(), **fields}
         with open(status, "a") as f:
             f.write(json.dumps(rec) + "\\n")
 
@@ -83,8 +83,9 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
                         env: dict[str, str] | None = None, token_ttl_s: int = 21600,
                         alarm_after: int = 5,
                         metadata: Callable[[], MetadataDialect] | None = None,
-                        daemon_url: str | None = None) -> AsyncIterator[NodeAgent]:
-    """The pool's first node with a real agent (and the stand-in as its trainer).
+                        daemon_url: str | None = None, torchrun: bool = False) -> AsyncIterator[NodeAgent]:
+    """The pool's first node with a real agent (and the stand-in as its trainer: the
+    only worker of a one-node ``torchrun`` when ``torchrun``).
 
     The agent polls ``metadata()`` when given (any dialect's client), else an
     ``AwsImds`` on ``fake`` with ``token_ttl_s`` and ``clock``. It talks to the
@@ -102,7 +103,11 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
 
     script = h.tmp_path / "standin_trainer.py"
     script.write_text(STANDIN)
-    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(script)], "env": dict(env or {})})
+    argv = [str(script)]
+    if torchrun:
+        argv = ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+                "--monitor-interval=0.1", *argv]
+    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": argv, "env": dict(env or {})})
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
     node = next(iter(h.sup.nodes.values()))
     agent = NodeAgent(
@@ -217,6 +222,60 @@ async def test_interruption_commit_then_sigterm(spot_daemon, fake, clock, monkey
         assert notice_file(agent) == []  # answered: removed from the notice file
         status = [json.loads(x) for x in agent.status_path.read_text().splitlines()]
         assert [s["event"] for s in status] == ["started", "checkpoint_committed", "holding"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
+        spot_daemon, fake, clock, monkeypatch) -> None:
+    """A ``torchrun`` job is started in the process the agent began at registration,
+    its imports done (daemon/launcher.py), with the job's environment (the stand-in
+    worker needs $SPOTVISOR_STATUS_FILE, which the agent's own environment lacks), and
+    the agent's SIGTERM on leaving ends torchrun and its worker."""
+    h = spot_daemon
+    async with running_agent(h, fake, clock, monkeypatch, torchrun=True) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), timeout_s=60,
+                      what="the worker started")
+        proc = agent._proc
+        assert proc is not None
+        assert _cmdline(proc.pid)[-2:] == ["-m", "daemon.launcher"]
+        assert agent._warm is None
+        fake.publish_interruption("terminate")
+        await h.until(lambda: h.events("trainer_exited"), timeout_s=60, what="torchrun exit after the commit")
+        (notice,) = h.events("interruption_notice")
+        assert [c.data["notice_ids"] for c in h.events("checkpoint_committed")] == [[notice.data["notice_id"]]]
+        assert proc.returncode != 0  # torchrun ends on the signal (SignalException), as without the launcher
+        status = [json.loads(x) for x in agent.status_path.read_text().splitlines()]
+        worker = status[0]["pid"]
+        assert worker != proc.pid
+        await h.until(lambda: not _alive(worker), timeout_s=30, what="the worker gone with torchrun")
+
+
+async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_path) -> None:
+    agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
+                      workdir=tmp_path)
+    agent._job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {}}
+    await agent._prewarm()
+    warm = agent._warm
+    assert warm is not None and warm.returncode is None
+    assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.launcher"]
+    await agent._stop_prewarmed()
+    assert warm.returncode is not None and agent._warm is None
+    # a job that is not torchrun is started directly, when admitted: nothing to prewarm
+    agent._job = {"argv": ["train.py"], "env": {}}
+    await agent._prewarm()
+    assert agent._warm is None
 
 
 async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, clock, monkeypatch) -> None:

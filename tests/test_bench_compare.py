@@ -137,9 +137,21 @@ def test_preemption_profile_counts_from_the_notice() -> None:
     p = preemption_profile(events[1], STEPS, status, events)
     assert (p["notice_seen_s"], p["commit_s"], p["node_gone_s"], p["replacement_ready_s"]) == (0.5, 1.0, 1.5, 7.0)
     assert p["restarts"] == [[17.0, 2]] and p["resumed_from_step"] == 2 and p["resume_s"] == 18.0
-    assert p["taken"]
+    assert p["taken"] and p["full_again_s"] == 18.0  # b restarted at a's world size
     late = preemption_profile(events[1], STEPS, status, events, completed_at=104.0)
     assert not late["taken"]  # the job completed before the node was gone: it never hit
+
+
+def test_full_again_is_the_first_step_at_the_world_size_of_before_the_notice() -> None:
+    """The shrunk world resumes at once; the world is whole again only once the
+    replacement has joined (the grow)."""
+    fired = _ev(1, 103.0, "chaos_injected", "n2", index=0, action="notice", published=True, published_at=103.0)
+    steps = [_step("a", 1, 101.0, world=3), _step("b", 2, 104.5, world=2), _step("b", 3, 105.0, world=2),
+             _step("c", 4, 116.0, world=3)]
+    status = [dict(_status("started", "a", 100.0, 0), world_size=3), _status("started", "b", 104.0, 1),
+              dict(_status("started", "c", 115.0, 3), world_size=3)]
+    p = preemption_profile(fired, steps, status, [fired])
+    assert (p["resume_s"], p["full_again_s"]) == (1.5, 13.0)
 
 
 def test_run_metrics_for_a_baseline_without_a_notice_commit() -> None:

@@ -1,0 +1,73 @@
+"""``python -m daemon.launcher``: torchrun with its imports done before it is needed.
+
+The node agent starts this process as soon as it has registered and knows that its job
+is a ``torchrun`` command line, long before the daemon admits the node. It imports
+``torch.distributed.run`` (torch and the elastic agent: 1.5-2.5 s on a 2-core machine),
+then waits, blocked on its standard input, for one JSON line from the agent::
+
+    {"argv": [torchrun's arguments, after "-m torch.distributed.run"],
+     "env": {the whole environment of the job}, "cwd": "/path" or null}
+
+and then becomes ``torchrun`` with those arguments, in this process: the agent's
+SIGTERM on leaving and its wait for the exit work on it as on a plain ``python -m
+torch.distributed.run``, and the exit status and the traceback of a failed job are
+torchrun's own.
+
+Why: a replacement joins the job only after the survivors have committed for it (the
+*rejoin* commit), and they hold, idle, until torchrun restarts them at the larger
+world size, which starts when the replacement's torchrun reaches the rendezvous. A
+torchrun started at that moment spent its import in the survivors' hold; this one has
+already paid it.
+
+End of input before the line (the agent stopped, or was told to stop before it
+started the job) exits 0 without starting anything. Standard input is ``/dev/null``
+once the line is read: torchrun's workers inherit it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _spec(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
+    """The go line's ``(argv, env, cwd)``; ValueError naming the field when malformed."""
+    spec = json.loads(line)
+    if not isinstance(spec, dict):
+        raise ValueError("the go line must be a JSON object")
+    argv, env, cwd = spec.get("argv"), spec.get("env"), spec.get("cwd")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ValueError("argv: must be a list of strings (torchrun's arguments)")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("env: must be an object of string values")
+    if cwd is not None and not isinstance(cwd, str):
+        raise ValueError("cwd: must be a string or null")
+    return argv, env, cwd
+
+
+def main() -> int:
+    import torch.distributed.run as torchrun  # the import this process exists to do early
+
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return 0
+    try:
+        argv, env, cwd = _spec(line)
+    except ValueError as exc:  # the agent wrote it: a bug, not a user's mistake
+        print(f"spotvisor launcher: bad go line: {exc}", file=sys.stderr)
+        return 2
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    sys.argv = [torchrun.__file__, *argv]
+    torchrun.main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""daemon/launcher.py: torchrun started from a process that imported it earlier.
+
+Real ``torchrun`` (``--standalone``, one worker) in the launcher: the go line's
+arguments, environment and working directory are the job's; a worker's failure is
+torchrun's exit status; the agent going away before the line starts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = """\
+import json, os, sys
+json.dump({"mark": os.environ.get("JOB_MARK"), "rank": os.environ.get("RANK"),
+           "world": os.environ.get("WORLD_SIZE"), "cwd": os.getcwd(), "stdin": sys.stdin.read(),
+           "agent_only": os.environ.get("AGENT_ONLY")}, open("worker.json", "w"))
+sys.exit(int(os.environ.get("JOB_EXIT", "0")))
+"""
+
+
+def _launch(line: bytes | None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "AGENT_ONLY": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.launcher"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            cwd=Path(__file__).resolve().parents[1])
+    out, _ = proc.communicate(line or b"", timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), "")
+
+
+def _go(tmp_path: Path, **env: str) -> bytes:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    job_env = {"PATH": "/usr/bin:/bin", "JOB_MARK": "from-the-go-line", "PYTHONPATH": "", **env}
+    return json.dumps({"argv": ["--standalone", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1",
+                                str(script)], "env": job_env, "cwd": str(tmp_path)}).encode() + b"\n"
+
+
+def test_the_go_line_starts_torchrun_with_the_jobs_env_and_cwd(tmp_path: Path) -> None:
+    done = _launch(_go(tmp_path))
+    assert done.returncode == 0, done.stdout
+    seen = json.loads((tmp_path / "worker.json").read_text())
+    assert seen == {"mark": "from-the-go-line", "rank": "0", "world": "1", "cwd": str(tmp_path), "stdin": "",
+                    "agent_only": None}
+
+
+def test_a_failed_worker_fails_the_launcher_as_it_fails_torchrun(tmp_path: Path) -> None:
+    done = _launch(_go(tmp_path, JOB_EXIT="3"))
+    assert done.returncode == 1  # torchrun's ChildFailedError
+    assert "ChildFailedError" in done.stdout
+
+
+def test_no_go_line_starts_nothing(tmp_path: Path) -> None:
+    done = _launch(None)
+    assert done.returncode == 0 and done.stdout == ""
+    assert not (tmp_path / "worker.json").exists()
+
+
+def test_a_malformed_go_line_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = _launch(b'{"argv": "train.py", "env": {}}\n')
+    assert done.returncode == 2
+    assert done.stdout.strip() == "spotvisor launcher: bad go line: argv: must be a list of strings (torchrun's arguments)"
