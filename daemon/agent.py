@@ -27,7 +27,9 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   leaves the job by SIGTERM to its torchrun agent (never by its workers exiting 0:
   that would close the rendezvous for good, pytorch#123678).
 - ``trainer``: start and supervise ``torchrun --nnodes=MIN:MAX`` as a c10d
-  rendezvous client of the rendezvous store.
+  rendezvous client of the rendezvous store. Its process is started at registration
+  (:mod:`daemon.launcher`: torchrun imported, waiting) and handed the job when the
+  daemon admits the node, so the import is not spent while the survivors hold.
 
 Node-local contract with the trainer (see ``docs/architecture.md``):
 ``SPOTVISOR_NOTICE_FILE`` (JSON list of notices, replaced atomically),
@@ -554,7 +556,7 @@ class NodeAgent:
             return
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
-        self._warm = await self._spawn(["-m", "daemon.launcher"], env, asyncio.subprocess.PIPE)
+        self._warm = await self._spawn(["-u", "-m", "daemon.launcher"], env, asyncio.subprocess.PIPE)
         log.info("trainer_prewarming", node_id=self.node_id, pid=self._warm.pid)
 
     async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
