@@ -56,6 +56,8 @@ from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_i
                       wait_exponential_jitter)
 
 from daemon.gpu import GpuMeans, GpuSampler, NvmlSampler
+from daemon.launcher import READY_FD_ENV
+from daemon.model import TORCHRUN_ARGV
 from daemon.logs import configure_logging
 from daemon.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
@@ -70,7 +72,6 @@ log = structlog.get_logger("spotvisor.agent")
 # attempt, and the daemon keeps the first (by attempt, and step), so only the node of
 # global rank 0 reports it, and a node whose own notice a commit answers: at 1,000 nodes
 # that is one report per commit instead of 1,000 (bench/scale.py)
-_TORCHRUN = ("-m", "torch.distributed.run")  # a job command the launcher can prewarm
 _FORWARDED = frozenset({"started", "checkpoint_committed", "completed"})
 # the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
 # it a random share of its agent.command_wait_s, at most), and how long
@@ -207,6 +208,8 @@ class NodeAgent:
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._proc: asyncio.subprocess.Process | None = None
         self._warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (_prewarm)
+        self._ready_pipe: int | None = None  # the read end of the launcher's "ready" pipe, until awaited
+        self._warming = False  # the launcher is importing: heartbeats say the trainer is "warming"
         self._trainer_state = "not_started"  # not_started | running | exited
         self._exit_code: int | None = None
         self._step: int | None = None
@@ -235,6 +238,7 @@ class NodeAgent:
             self._job = await self._register()
             await self._prewarm()
             async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._until_warm(), name=f"agent:prewarm:{self.node_id}")
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
                 poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
                 if poll_rebalance is not None:
@@ -270,7 +274,9 @@ class NodeAgent:
         delay = 0.2
         while True:
             try:
-                reply = await self._post("/v1/agent/register", {"pid": os.getpid()})
+                # "prewarm": this agent starts a torchrun job's process at once and says
+                # in its heartbeats when it is warm (the daemon waits for that to admit it)
+                reply = await self._post("/v1/agent/register", {"pid": os.getpid(), "prewarm": True})
                 self._heed_interval(reply)
                 log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
                 return reply["job"]
@@ -396,6 +402,13 @@ class NodeAgent:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= _MAX_HEARTBEAT_INTERVAL_S:
             self.told_interval_s = float(v)
 
+    def _reported_trainer_state(self) -> str:
+        """not_started | warming (torchrun's process importing, not handed the job) |
+        running | exited."""
+        if self._trainer_state == "not_started" and self._warming:
+            return "warming"
+        return self._trainer_state
+
     async def _heartbeat_loop(self) -> None:
         while True:
             self._beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
@@ -406,7 +419,8 @@ class NodeAgent:
             try:
                 reply = await self._post(
                     "/v1/agent/heartbeat",
-                    {"step": self._step, "trainer": {"state": self._trainer_state, "exit_code": self._exit_code},
+                    {"step": self._step, "trainer": {"state": self._reported_trainer_state(),
+                                                     "exit_code": self._exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -538,12 +552,13 @@ class NodeAgent:
         )
         return env
 
-    async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int) -> asyncio.subprocess.Process:
+    async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int,
+                     pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
         out = open(self.workdir / "trainer.log", "ab")
         try:
             return await asyncio.create_subprocess_exec(
                 sys.executable, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-                cwd=self._job.get("cwd") or None,
+                cwd=self._job.get("cwd") or None, pass_fds=pass_fds,
             )
         finally:
             out.close()
@@ -551,18 +566,49 @@ class NodeAgent:
     async def _prewarm(self) -> None:
         """Start torchrun's process now, importing, for :meth:`_start_trainer` to set
         going when the daemon admits this node (:mod:`daemon.launcher`). Only for a job
-        whose command is ``-m torch.distributed.run``."""
-        if tuple(self._job.get("argv", ())[:2]) != _TORCHRUN:
+        whose command is ``-m torch.distributed.run``. Until the launcher says it has
+        imported (or exits), heartbeats report the trainer ``warming``
+        (:meth:`_until_warm`)."""
+        if tuple(self._job.get("argv", ())[:2]) != TORCHRUN_ARGV:
             return
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
-        self._warm = await self._spawn(["-u", "-m", "daemon.launcher"], env, asyncio.subprocess.PIPE)
+        ready_r, ready_w = os.pipe()
+        env[READY_FD_ENV] = str(ready_w)
+        try:
+            self._warm = await self._spawn(["-u", "-m", "daemon.launcher"], env, asyncio.subprocess.PIPE,
+                                           pass_fds=(ready_w,))
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)  # the launcher holds the only write end: its exit is EOF here
+        self._ready_pipe = ready_r
+        self._warming = True
         log.info("trainer_prewarming", node_id=self.node_id, pid=self._warm.pid)
+
+    async def _until_warm(self) -> None:
+        """Wait for the launcher's ``ready`` (or its exit), then heartbeat at once: the
+        daemon asks the survivors for the rejoin commit only for a warm node."""
+        fd, self._ready_pipe = self._ready_pipe, None
+        if fd is None:
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(fd, "rb", buffering=0))
+        try:
+            said = await reader.readline()
+        finally:
+            transport.close()
+        self._warming = False
+        self._beat_now.set()
+        log.info("trainer_warm" if said == b"ready\n" else "prewarm_failed", node_id=self.node_id)
 
     async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
         """Hand the job to the prewarmed launcher; False if it is gone."""
         assert warm.stdin is not None
-        line = json.dumps({"argv": self._job["argv"][len(_TORCHRUN):], "env": env, "cwd": self._job.get("cwd")})
+        line = json.dumps({"argv": self._job["argv"][len(TORCHRUN_ARGV):], "env": env, "cwd": self._job.get("cwd")})
         try:
             warm.stdin.write(line.encode() + b"\n")
             await warm.stdin.drain()

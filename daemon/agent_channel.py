@@ -37,7 +37,7 @@ import structlog
 from daemon import preflight
 from daemon.gpu import parse_samples
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
-from daemon.model import EventKind, JobState, Node, NodeState
+from daemon.model import TORCHRUN_ARGV, TRAINER_STATES, EventKind, JobState, Node, NodeState
 from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval
 
 __all__ = ["AgentChannel"]
@@ -64,17 +64,27 @@ class AgentChannel:
             return None
         return node
 
-    def on_register(self, node: Node) -> dict[str, Any]:
+    def on_register(self, node: Node, *, prewarm: bool = False) -> dict[str, Any]:
         """An agent came up: the node is ``ready``; returns the job spec it runs and its
-        heartbeat interval (seconds)."""
+        heartbeat interval (seconds).
+
+        ``prewarm``: the agent starts a torchrun job's process at once
+        (:mod:`daemon.launcher`) and its heartbeats say ``warming`` until it has imported;
+        for a torchrun job the node is ``warming`` from now, so that admission does not
+        ask the survivors for a rejoin commit (and make them hold) before the first
+        heartbeat says so (:meth:`Supervisor._admit`)."""
         self._seen(node)
         self._rescale_heartbeat()  # one more live node
-        return {"job": self.job_spec(node), "heartbeat_interval_s": self._tell_interval(node)}
+        spec = self.job_spec(node)
+        if prewarm and tuple(spec["argv"][:2]) == TORCHRUN_ARGV and node.trainer == "not_started":
+            node.trainer = "warming"
+            self.store.put_node(node)
+        return {"job": spec, "heartbeat_interval_s": self._tell_interval(node)}
 
     def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         self._seen(node)
         trainer = body.get("trainer")
-        if isinstance(trainer, dict) and trainer.get("state") in ("not_started", "running", "exited"):
+        if isinstance(trainer, dict) and trainer.get("state") in TRAINER_STATES:
             if trainer["state"] != node.trainer:
                 node.trainer = trainer["state"]
                 self.store.put_node(node)

@@ -87,8 +87,8 @@ async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
 
 
 async def _register(request: web.Request) -> web.Response:
-    node, _ = await _agent_body(request)
-    return web.json_response(request.app[SUPERVISOR].on_register(node))
+    node, body = await _agent_body(request)
+    return web.json_response(request.app[SUPERVISOR].on_register(node, prewarm=body.get("prewarm") is True))
 
 
 async def _heartbeat(request: web.Request) -> web.Response:

@@ -3,7 +3,10 @@
 The node agent starts this process as soon as it has registered and knows that its job
 is a ``torchrun`` command line, long before the daemon admits the node. It imports
 ``torch.distributed.run`` (torch and the elastic agent: 1.5-2.5 s on a 2-core machine),
-then waits, blocked on its standard input, for one JSON line from the agent::
+says so on the pipe named by ``$SPOTVISOR_LAUNCHER_READY_FD`` (the agent then tells the
+daemon the node is warm, and only then does the daemon ask the survivors for the
+rejoin commit), and waits, blocked on its standard input, for one JSON line from the
+agent::
 
     {"argv": [torchrun's arguments, after "-m torch.distributed.run"],
      "env": {the whole environment of the job}, "cwd": "/path" or null}
@@ -17,7 +20,7 @@ Why: a replacement joins the job only after the survivors have committed for it 
 *rejoin* commit), and they hold, idle, until torchrun restarts them at the larger
 world size, which starts when the replacement's torchrun reaches the rendezvous. A
 torchrun started at that moment spent its import in the survivors' hold; this one has
-already paid it.
+already paid it, while the survivors still trained.
 
 End of input before the line (the agent stopped, or was told to stop before it
 started the job) exits 0 without starting anything. Standard input is ``/dev/null``
@@ -29,6 +32,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+# the write end of a pipe from the agent: "ready\n" is written to it once the import is
+# done, and it is closed (so the agent's read ends either way, at EOF if this dies first)
+READY_FD_ENV = "SPOTVISOR_LAUNCHER_READY_FD"
 
 
 def _spec(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
@@ -49,6 +56,13 @@ def _spec(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
 def main() -> int:
     import torch.distributed.run as torchrun  # the import this process exists to do early
 
+    ready_fd = os.environ.pop(READY_FD_ENV, None)
+    if ready_fd is not None and ready_fd.isdigit():  # tell the agent: imported, waiting
+        try:
+            os.write(int(ready_fd), b"ready\n")
+            os.close(int(ready_fd))
+        except OSError:
+            pass
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return 0

@@ -20,6 +20,8 @@ __all__ = [
     "Event",
     "Node",
     "IllegalTransition",
+    "TRAINER_STATES",
+    "TORCHRUN_ARGV",
 ]
 
 NodeId = NewType("NodeId", str)
@@ -142,6 +144,13 @@ class Event:
         return {"seq": self.seq, "time": self.time, "kind": self.kind, "node": self.node, "data": self.data}
 
 
+# the agent's view of its node's torchrun, as its heartbeats report it: "warming" is
+# torchrun's process started and importing, not yet handed the job (daemon/launcher.py)
+TRAINER_STATES = frozenset({"not_started", "warming", "running", "exited"})
+# the job command an agent can prewarm: python -m torch.distributed.run ...
+TORCHRUN_ARGV = ("-m", "torch.distributed.run")
+
+
 @dataclass(slots=True)
 class Node:
     """One node of the pool, as the store keeps it.
@@ -167,7 +176,7 @@ class Node:
     last_heartbeat: float | None = None
     deadline: float | None = None
     step: int | None = None
-    trainer: str = "not_started"  # the agent's view of its torchrun: not_started | running | exited
+    trainer: str = "not_started"  # the agent's view of its torchrun: one of TRAINER_STATES
     replacing: bool = False  # rebalance policy "replace": a replacement is launched, then this node drains
     detail: str = ""
     ended_at: float | None = None  # when it reached a terminal state (terminated / lost / failed)

@@ -51,6 +51,11 @@ log = structlog.get_logger("spotvisor.daemon")
 
 _IN_JOB = frozenset({NodeState.RUNNING})
 _PRICE_REFRESH_S = 300.0
+# how long admission waits for a replacement's torchrun to import (trainer "warming",
+# daemon/launcher.py) before it asks the survivors for the rejoin commit anyway
+# (seconds). The import takes 1.5-2.5 s on a warm page cache; the first one on a fresh
+# instance's cold disk can take tens of seconds, during which the survivors train on.
+PREWARM_WAIT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -540,6 +545,12 @@ class Supervisor(AgentChannel):
             return
 
         if not ready or leaving:
+            return
+        # A node whose torchrun is still importing (daemon/launcher.py) would make the
+        # survivors hold, idle, through that import: they train on until it is warm,
+        # or until PREWARM_WAIT_S after it registered (a launcher that hangs)
+        ready = [n for n in ready if n.trainer != "warming" or now - (n.ready_at or now) >= PREWARM_WAIT_S]
+        if not ready:
             return
         chosen = _largest_valid(ready, world, valid)
         if not chosen:

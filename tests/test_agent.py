@@ -263,6 +263,8 @@ async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
 
 
 async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_path) -> None:
+    """Warming until the launcher says it has imported; stopped with the agent if the
+    node is never admitted."""
     agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
                       workdir=tmp_path)
     agent._job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {}}
@@ -270,12 +272,56 @@ async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_
     warm = agent._warm
     assert warm is not None and warm.returncode is None
     assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.launcher"]
+    assert agent._reported_trainer_state() == "warming"  # importing torchrun
+    async with asyncio.timeout(60):
+        await agent._until_warm()  # the launcher's "ready"
+    assert agent._reported_trainer_state() == "not_started" and agent._beat_now.is_set()
+    assert warm.returncode is None  # waiting for the job
     await agent._stop_prewarmed()
     assert warm.returncode is not None and agent._warm is None
     # a job that is not torchrun is started directly, when admitted: nothing to prewarm
     agent._job = {"argv": ["train.py"], "env": {}}
     await agent._prewarm()
     assert agent._warm is None
+
+
+@pytest.mark.parametrize("how", ["warm", "waited too long"])
+async def test_the_rejoin_waits_for_a_replacement_whose_torchrun_is_importing(
+        spot_daemon, fake, clock, monkeypatch, how) -> None:
+    """A replacement whose agent prewarms a torchrun job is ``warming`` from its
+    registration: the survivors are asked for the rejoin commit (after which they hold
+    until the replacement reaches the rendezvous) only once its heartbeat says the
+    import is done, or PREWARM_WAIT_S after it registered."""
+    from daemon import supervisor
+
+    h = spot_daemon
+    async with running_agent(h, fake, clock, monkeypatch) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": ["-m", "torch.distributed.run", "t.py"],
+                                                              "env": {}})
+        h.sup.desired_nodes = 2
+        h.sup.wake()
+        await h.until(lambda: "test-2" in h.sup.nodes and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
+                      what="second node launched")
+        n2 = h.sup.nodes["test-2"]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
+            async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id, "prewarm": True}) as r:
+                assert r.status == 200
+            assert n2.state is NodeState.READY and n2.trainer == "warming"
+            await h.sup.reconcile_once()
+            await h.sup.reconcile_once()
+            assert not h.events("checkpoint_requested") and n2.state is NodeState.READY  # the survivor trains on
+            if how == "warm":
+                async with s.post(f"{h.api.agent_url}/v1/agent/heartbeat",
+                                  json={"node_id": n2.id, "trainer": {"state": "not_started"}}) as r:
+                    assert r.status == 200
+            else:
+                assert n2.ready_at is not None
+                n2.ready_at -= supervisor.PREWARM_WAIT_S
+                h.sup.wake()
+            await h.until(lambda: h.events("checkpoint_requested"), what="the rejoin request")
+        (req,) = h.events("checkpoint_requested")
+        assert req.data["reason"] == "rejoin" and req.data["for_nodes"] == [n2.id]
 
 
 async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, clock, monkeypatch) -> None:

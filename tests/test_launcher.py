@@ -8,9 +8,12 @@ torchrun's exit status; the agent going away before the line starts nothing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from daemon.launcher import READY_FD_ENV
 
 WORKER = """\
 import json, os, sys
@@ -50,6 +53,27 @@ def test_a_failed_worker_fails_the_launcher_as_it_fails_torchrun(tmp_path: Path)
     done = _launch(_go(tmp_path, JOB_EXIT="3"))
     assert done.returncode == 1  # torchrun's ChildFailedError
     assert "ChildFailedError" in done.stdout
+
+
+def test_it_says_ready_on_the_agents_pipe_once_imported() -> None:
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.launcher"], stdin=subprocess.PIPE,
+                                env={"PATH": "/usr/bin:/bin", READY_FD_ENV: str(w)}, pass_fds=(w,),
+                                cwd=Path(__file__).resolve().parents[1])
+        os.close(w)
+        w = -1
+        with os.fdopen(r, "rb") as ready:
+            r = -1
+            assert ready.readline() == b"ready\n"  # torchrun imported, waiting for the go line
+            assert proc.poll() is None
+            proc.communicate(b"", timeout=60)
+            assert ready.read() == b""  # said once, then closed
+        assert proc.returncode == 0
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
 
 
 def test_no_go_line_starts_nothing(tmp_path: Path) -> None:
