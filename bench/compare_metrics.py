@@ -125,7 +125,9 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
     the resuming one, as [s, world size]; ``resume_s``: the first step trained by an
     attempt started after the notice (``notice_to_resume_s``); ``full_again_s``: the
     first step trained at the world size of before the notice again (after the
-    replacement joined). ``taken``: the node
+    replacement joined); ``grow_hold_s``: from the rejoin commit that let the
+    replacement in to ``full_again_s``, the time every rank waited for the grow's
+    restart (spotvisor only). ``taken``: the node
     ended before the job completed (``completed_at``); a baseline's job may complete
     within the lead, and then the preemption never hit it.
     """
@@ -160,6 +162,10 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
     full = worlds.get(before[1]) if before is not None else None
     full_again = min((r["time"] for r in steps if r.get("rank") == 0 and starts.get(str(r.get("attempt")), 0.0) > t0
                       and full is not None and (worlds.get(str(r.get("attempt"))) or 0) >= full), default=None)
+    rejoin = None  # the commit that let the replacement in (spotvisor's grow): the survivors hold from it
+    if full_again is not None:
+        rejoin = max((s["time"] for s in status if s.get("event") == "checkpoint_committed" and t0 < s["time"] < full_again
+                      and any(str(i).startswith("rejoin-") for i in s.get("notice_ids") or [])), default=None)
     return {
         "index": fired.data.get("index"),
         "node": node,
@@ -177,6 +183,7 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
         "resumed_from_step": resumed_from.get(first_step[1]) if first_step else None,
         "resume_s": rel(first_step[0]) if first_step else None,
         "full_again_s": rel(full_again),
+        "grow_hold_s": None if rejoin is None or full_again is None else round(full_again - rejoin, 2),
         "taken": gone is not None and (completed_at is None or gone < completed_at),
     }
 
@@ -249,14 +256,15 @@ def format_profile(results: dict[str, dict[str, Any]]) -> str:
         return "-" if v is None else f"{v:.1f}"
 
     lines = [f"{'system':<22} {'#':>2} {'trace':<14} {'step':>5} {'seen':>5} {'commit':>6} {'gone':>5} "
-             f"{'repl.ready':>10} {'from':>5}  restarts (s:world)  first step  full again"]
+             f"{'repl.ready':>10} {'from':>5}  restarts (s:world)  first step  full again  grow hold"]
     for name, r in results.items():
         for p in r["profile"]:
             rs = (" ".join(f"{f(t)}:{w}" for t, w in p["restarts"]) or "-") if p["taken"] else "job completed first"
             lines.append(f"{name:<22} {p['index']:>2} {p['trace'] or '-':<14} {p['step_at_notice'] or 0:>5} "
                          f"{f(p['notice_seen_s']):>5} {f(p['commit_s']):>6} {f(p['node_gone_s']):>5} "
                          f"{f(p['replacement_ready_s']):>10} {p['resumed_from_step'] if p['resumed_from_step'] is not None else '-':>5}"
-                         f"  {rs:<18}  {f(p['resume_s']):>10}  {f(p.get('full_again_s')):>10}")
+                         f"  {rs:<18}  {f(p['resume_s']):>10}  {f(p.get('full_again_s')):>10}"
+                         f"  {f(p.get('grow_hold_s')):>9}")
     return "\n".join(lines)
 
 

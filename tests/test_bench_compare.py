@@ -149,9 +149,10 @@ def test_full_again_is_the_first_step_at_the_world_size_of_before_the_notice() -
     steps = [_step("a", 1, 101.0, world=3), _step("b", 2, 104.5, world=2), _step("b", 3, 105.0, world=2),
              _step("c", 4, 116.0, world=3)]
     status = [dict(_status("started", "a", 100.0, 0), world_size=3), _status("started", "b", 104.0, 1),
+              _status("checkpoint_committed", "b", 106.0, 3, notice_ids=["rejoin-1"]),
               dict(_status("started", "c", 115.0, 3), world_size=3)]
     p = preemption_profile(fired, steps, status, [fired])
-    assert (p["resume_s"], p["full_again_s"]) == (1.5, 13.0)
+    assert (p["resume_s"], p["full_again_s"], p["grow_hold_s"]) == (1.5, 13.0, 10.0)
 
 
 def test_run_metrics_for_a_baseline_without_a_notice_commit() -> None:
