@@ -539,7 +539,7 @@ class NodeAgent:
             log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
 
     # -- trainer --------------------------------------------------------------------
-    def _trainer_env(self) -> dict[str, str]:
+    def _job_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
         env.update(self._job.get("env", {}))
@@ -578,9 +578,12 @@ class NodeAgent:
         try:
             self._warm = await self._spawn(["-u", "-m", "daemon.launcher"], env, asyncio.subprocess.PIPE,
                                            pass_fds=(ready_w,))
-        except BaseException:
+        except BaseException as exc:
             os.close(ready_r)
-            raise
+            if not isinstance(exc, OSError):
+                raise
+            log.warning("prewarm_failed", node_id=self.node_id, error=str(exc))  # started unwarmed when admitted
+            return
         finally:
             os.close(ready_w)  # the launcher holds the only write end: its exit is EOF here
         self._ready_pipe = ready_r
@@ -595,12 +598,16 @@ class NodeAgent:
             return
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
-        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                    os.fdopen(fd, "rb", buffering=0))
+        said = b""
         try:
-            said = await reader.readline()
-        finally:
-            transport.close()
+            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                        os.fdopen(fd, "rb", buffering=0))
+            try:
+                said = await reader.readline()
+            finally:
+                transport.close()
+        except (OSError, ValueError) as exc:  # never the agent's end: the job starts anyway, unwarmed
+            log.warning("prewarm_pipe_failed", node_id=self.node_id, error=str(exc))
         self._warming = False
         self._beat_now.set()
         log.info("trainer_warm" if said == b"ready\n" else "prewarm_failed", node_id=self.node_id)
@@ -619,7 +626,7 @@ class NodeAgent:
         return True
 
     async def _start_trainer(self) -> None:
-        env = self._trainer_env()
+        env = self._job_env()
         warm, self._warm = self._warm, None
         if warm is not None and warm.returncode is None and await self._go(warm, env):
             self._proc = warm
