@@ -608,9 +608,18 @@ class NodeAgent:
                 transport.close()
         except (OSError, ValueError) as exc:  # never the agent's end: the job starts anyway, unwarmed
             log.warning("prewarm_pipe_failed", node_id=self.node_id, error=str(exc))
+        if said != b"ready\n" and self._warm is not None:
+            # it exited (or closed the pipe) before it had imported, not handed the job
+            # yet: drop it, and start torchrun directly when admitted
+            dead, self._warm = self._warm, None
+            if dead.returncode is None:
+                dead.kill()
+            await dead.wait()
+            log.warning("prewarm_failed", node_id=self.node_id, exit_code=dead.returncode)
+        elif said == b"ready\n":
+            log.info("trainer_warm", node_id=self.node_id)
         self._warming = False
         self._beat_now.set()
-        log.info("trainer_warm" if said == b"ready\n" else "prewarm_failed", node_id=self.node_id)
 
     async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
         """Hand the job to the prewarmed launcher; False if it is gone."""

@@ -324,6 +324,31 @@ async def test_the_rejoin_waits_for_a_replacement_whose_torchrun_is_importing(
         assert req.data["reason"] == "rejoin" and req.data["for_nodes"] == [n2.id]
 
 
+async def test_a_launcher_that_died_while_importing_is_replaced_by_a_plain_start(tmp_path) -> None:
+    """The node is not held up by a dead launcher: the agent stops saying ``warming``,
+    and when admitted starts torchrun directly."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os; open(os.environ['OUT'], 'w').write(os.environ['RANK'])\n")
+    agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
+                      workdir=tmp_path / "node")
+    agent.workdir.mkdir()
+    agent._job = {"argv": ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+                           str(script)], "env": {"OUT": str(tmp_path / "rank")}}
+    await agent._prewarm()
+    warm = agent._warm
+    assert warm is not None
+    warm.kill()  # dies before it has imported
+    async with asyncio.timeout(60):
+        await agent._until_warm()
+        assert agent._reported_trainer_state() == "not_started"
+        await agent._start_trainer()
+        proc = agent._proc
+        assert proc is not None and proc is not warm
+        assert _cmdline(proc.pid)[1:3] == ["-m", "torch.distributed.run"]
+        assert await proc.wait() == 0
+    assert (tmp_path / "rank").read_text() == "0"
+
+
 async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, clock, monkeypatch) -> None:
     h = spot_daemon
     gate = h.tmp_path / "commit-ok"
