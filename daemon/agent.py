@@ -57,10 +57,10 @@ from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_i
 
 from daemon.gpu import GpuMeans, GpuSampler, NvmlSampler
 from daemon.launcher import READY_FD_ENV
-from daemon.model import TORCHRUN_ARGV
 from daemon.logs import configure_logging
 from daemon.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
+from daemon.model import TORCHRUN_ARGV
 from daemon.nodelog import read_chunk
 
 __all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
