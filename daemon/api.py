@@ -27,7 +27,7 @@
   ``GET /v1/nodes/{id}/log?lines=N``        NDJSON ``{"seq", "line"}``: the node's last N
                                             trainer.log lines as the daemon holds them
                                             (limits: :mod:`daemon.nodelog`); ``&follow=1``
-                                            streams new lines
+                                            streams new lines until the node has terminated
   ``GET /v1/cost``                          spot USD so far, on-demand equivalent, savings
                                             (:func:`daemon.metrics.cost_report`)
   ``GET /metrics``                          Prometheus text exposition (:mod:`daemon.metrics`)
@@ -63,6 +63,8 @@ METRICS = web.AppKey("metrics", DaemonMetrics)
 # a follower gets an empty line after this long without news (seconds): the write is how a
 # gone reader is noticed, so an abandoned `events -f` / `tail -f` does not hold a handler forever
 _FOLLOW_POLL_S = 15.0
+# a log follower looks this often whether its node has terminated (seconds)
+_TERMINAL_CHECK_S = 1.0
 _TAIL_MAX_LINES = 10_000
 
 
@@ -190,17 +192,19 @@ async def _log(request: web.Request) -> web.StreamResponse:
     logs = sup.node_logs
     batch = logs.tail(node.id, lines)
     seq = batch[-1].seq if batch else logs.last_seq(node.id)
+    quiet_s = 0.0
     while True:
         for ln in batch:
             await resp.write((json.dumps(ln.to_dict()) + "\n").encode())
-        if not follow:
-            break
-        await logs.wait(node.id, seq, timeout_s=_FOLLOW_POLL_S)
+        if not follow or (node.state.is_terminal() and logs.last_seq(node.id) <= seq):
+            break  # a terminated node's agent is gone: its log ends here
+        await logs.wait(node.id, seq, timeout_s=_TERMINAL_CHECK_S)
         batch = logs.since(node.id, seq)
         if batch:
-            seq = batch[-1].seq
-        else:
+            seq, quiet_s = batch[-1].seq, 0.0
+        elif (quiet_s := quiet_s + _TERMINAL_CHECK_S) >= _FOLLOW_POLL_S:
             await resp.write(b"\n")  # keep-alive; readers skip empty lines
+            quiet_s = 0.0
     await resp.write_eof()
     return resp
 

@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "check-config":
         if not no_fit:
             print(f"{path}: ok (pool {config.pool.name}: {config.pool.min_nodes}..{config.pool.max_nodes} nodes, "
-                  f"{len(config.offers)} offer(s), valid world sizes {config.job.valid_world_sizes(64)})")
+                  f"{len(config.offers)} offer(s), valid world sizes "
+                  f"{config.job.valid_world_sizes(config.max_world_size())})")
         print("\n".join(report))
     if no_fit:  # the daemon would never buy a node: run and demo refuse too
         print(f"{path}: {no_fit}", file=sys.stderr)

@@ -476,7 +476,13 @@ class Config(_Spec):
                     offer_gib(offer)
                 except UnknownGpuError as exc:
                     raise ValueError(f"offers.{i}.gpu_type: {exc} (set offers.{i}.gpu_memory_gib)") from None
-        max_world = self.pool.max_nodes * max(o.gpus_per_node for o in self.offers)
+        for i, offer in enumerate(self.offers):
+            if offer.provider != "local":
+                for key, example in (("region", "us-east-1 / cn-hangzhou"), ("instance_type", "p4d.24xlarge")):
+                    if key not in offer.model_fields_set:
+                        raise ValueError(f"offers.{i}.{key}: required for provider {offer.provider} "
+                                         f"(e.g. {example})")
+        max_world = self.max_world_size()
         valid = self.job.valid_world_sizes(max_world)
         if not valid:
             raise ValueError(
@@ -491,7 +497,14 @@ class Config(_Spec):
         for i, ev in enumerate(self.chaos):
             if ev.action == "notice" and ev.lead_s <= 0:
                 raise ValueError(f"chaos.{i}.lead_s: a notice needs a lead time > 0 (or use action: kill)")
+            if ev.at_step is not None and ev.at_step >= self.job.target_steps:
+                raise ValueError(f"chaos.{i}.at_step: {ev.at_step} is never reached, the job ends at "
+                                 f"job.target_steps {self.job.target_steps} (use a smaller step)")
         return self
+
+    def max_world_size(self) -> int:
+        """The largest world size the pool can reach: ``pool.max_nodes`` × the most GPUs an offer has."""
+        return self.pool.max_nodes * max(o.gpus_per_node for o in self.offers)
 
     def checkpoint_uri(self) -> str:
         return self.job.checkpoint_uri.replace("{state_dir}", str(self.daemon.state_path()))

@@ -313,6 +313,8 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
                        stream=True, out=line)
         if not seen and not args.follow and not as_json:
             print(f"spotctl: no trainer log from {args.node} yet", file=sys.stderr)
+        elif args.follow and not as_json:  # the daemon ends a follow when the node has terminated
+            print(f"spotctl: {args.node}: the daemon ended the log (the node has terminated)", file=sys.stderr)
     elif c == "checkpoint":
         reply = await _request(sock, "/v1/checkpoint", method="POST")
         _emit(as_json, reply, lambda: f"checkpoint requested ({reply['request_id']}): "
@@ -328,8 +330,9 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
         _emit(as_json, r, lambda: f"target {r['target_nodes']} nodes (was {r['old']}){paused}{drain}")
     elif c == "pause":
         r = await _request(sock, "/v1/pause", method="POST")
-        who = ", ".join(r["committing"]) or "no trainer runs: nothing"
-        _emit(as_json, r, lambda: f"pausing: {who} commits a checkpoint, then every node is released "
+        who = (f"the job commits a checkpoint ({', '.join(r['committing'])})" if r["committing"]
+               else "no trainer runs: nothing to commit")
+        _emit(as_json, r, lambda: f"pausing: {who}, then every node is released "
                                   "(job_paused when done; spotctl resume relaunches)")
     elif c == "resume":
         r = await _request(sock, "/v1/resume", method="POST")

@@ -488,8 +488,7 @@ class Supervisor(AgentChannel):
 
     # -- admission --------------------------------------------------------------------------
     def valid_world_sizes(self) -> list[int]:
-        max_world = self.config.pool.max_nodes * max(o.gpus_per_node for o in self.config.offers)
-        return self.config.job.valid_world_sizes(max_world)
+        return self.config.job.valid_world_sizes(self.config.max_world_size())
 
     def _admit(self, now: float) -> None:
         if self.job.state.is_terminal() or self.paused:

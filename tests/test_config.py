@@ -141,6 +141,23 @@ BAD = [
         "chaos:\n  - {action: notice, node: 1, at_step: 3, lead_s: 0}\n",
         ["chaos.0.lead_s: "],
     ),
+    (
+        "chaos_after_the_last_step",
+        "job:\n  target_steps: 150\nchaos:\n  - {action: kill, node: 1, at_step: 150}\n",
+        ["chaos.0.at_step: ", "never reached", "job.target_steps 150"],
+    ),
+    (
+        "cloud_offer_without_region",  # it would default to the local provider's "local"
+        "providers:\n  aws: {image_id: ami-0123456789abcdef0}\n"
+        "offers:\n  - {provider: aws, instance_type: p4d.24xlarge, gpus_per_node: 8}\n",
+        ["offers.0.region: ", "required for provider aws"],
+    ),
+    (
+        "cloud_offer_without_instance_type",
+        "providers:\n  aws: {image_id: ami-0123456789abcdef0}\n"
+        "offers:\n  - {provider: aws, region: us-east-1, gpus_per_node: 8}\n",
+        ["offers.0.instance_type: ", "required for provider aws"],
+    ),
 ]
 
 

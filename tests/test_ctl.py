@@ -217,6 +217,13 @@ async def test_tail_one_shot_follow_and_errors(spot_daemon, monkeypatch) -> None
         assert [r["line"] for r in rows] == [f"trainer line {i}" for i in range(1, 6)]
         assert [r["seq"] for r in rows] == [1, 2, 3, 4, 5] and {r["node"] for r in rows} == {"test-1"}
 
+        rc, out, err = await spotctl(*sock, "tail", "test-7")
+        assert rc == 2 and "no node 'test-7'" in one_line(err) and "test-1" in err
+        rc, out, err = await spotctl(*sock, "tail", "test-1", "-n", "many")
+        assert rc == 2 and "'many' is not a whole number" in one_line(err)
+        rc, out, err = await spotctl(*sock, "tail")
+        assert rc == 2 and "node" in one_line(err)
+
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "daemon.ctl", *sock, "tail", "test-1", "-n", "1", "-f", cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -227,17 +234,15 @@ async def test_tail_one_shot_follow_and_errors(spot_daemon, monkeypatch) -> None
             assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"more 1\n"
             assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"more 2\n"
             assert proc.returncode is None  # still following
+            # the node is gone (its agent with it): the follow ends instead of waiting forever
+            h.sup._set_state(h.sup.nodes["test-1"], NodeState.LOST, "test: instance gone")
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+            assert proc.stderr is not None
+            assert "the daemon ended the log (the node has terminated)" in (await proc.stderr.read()).decode()
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-
-        rc, out, err = await spotctl(*sock, "tail", "test-7")
-        assert rc == 2 and "no node 'test-7'" in one_line(err) and "test-1" in err
-        rc, out, err = await spotctl(*sock, "tail", "test-1", "-n", "many")
-        assert rc == 2 and "'many' is not a whole number" in one_line(err)
-        rc, out, err = await spotctl(*sock, "tail")
-        assert rc == 2 and "node" in one_line(err)
 
 
 # -- scale --------------------------------------------------------------------------------------
