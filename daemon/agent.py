@@ -643,7 +643,10 @@ class NodeAgent:
             self._proc = await self._spawn(self._job["argv"], env, asyncio.subprocess.DEVNULL)
         self._trainer_state = "running"
         self._beat_now.set()
-        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid, prewarmed=self._proc is warm)
+        # prewarmed: torchrun's process was already started (imported: and done importing,
+        # else it goes on from where its import is)
+        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid, prewarmed=self._proc is warm,
+                 imported=self._proc is warm and not self._warming)
 
     async def _stop_prewarmed(self) -> None:
         warm, self._warm = self._warm, None

@@ -14,7 +14,10 @@ agent::
 and then becomes ``torchrun`` with those arguments, in this process: the agent's
 SIGTERM on leaving and its wait for the exit work on it as on a plain ``python -m
 torch.distributed.run``, and the exit status and the traceback of a failed job are
-torchrun's own.
+torchrun's own. One difference: stopped by a signal (the agent's SIGTERM when the node
+leaves the job), torchrun stops its workers and then this process dies by that
+signal (exit status -15 to the agent) with one line, not torchrun's
+``SignalException`` traceback, which reads like a crash in ``spotctl tail``.
 
 Why: a replacement joins the job only after the survivors have committed for it (the
 *rejoin* commit), and they hold, idle, until torchrun restarts them at the larger
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 # the write end of a pipe from the agent: "ready\n" is written to it once the import is
@@ -55,6 +59,7 @@ def _spec(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
 
 def main() -> int:
     import torch.distributed.run as torchrun  # the import this process exists to do early
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     ready_fd = os.environ.pop(READY_FD_ENV, None)
     if ready_fd is not None and ready_fd.isdigit():  # tell the agent: imported, waiting
@@ -79,7 +84,15 @@ def main() -> int:
     if cwd:
         os.chdir(cwd)
     sys.argv = [torchrun.__file__, *argv]
-    torchrun.main(argv)
+    try:
+        torchrun.main(argv)
+    except SignalException as exc:
+        # torchrun has stopped its workers (its own log says so): end by the signal, as an
+        # unhandled one would, instead of with torchrun's traceback. This is how a node
+        # leaves the job (the agent's SIGTERM after the notice commit): not a crash.
+        print(f"spotvisor launcher: torchrun stopped by {exc.sigval.name}", file=sys.stderr, flush=True)
+        signal.signal(exc.sigval, signal.SIG_DFL)
+        os.kill(os.getpid(), exc.sigval)
     return 0
 
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from daemon.launcher import READY_FD_ENV
@@ -74,6 +78,40 @@ def test_it_says_ready_on_the_agents_pipe_once_imported() -> None:
         for fd in (r, w):
             if fd >= 0:
                 os.close(fd)
+
+
+def test_sigterm_stops_torchrun_and_its_worker_without_a_traceback(tmp_path: Path) -> None:
+    """How a node leaves the job: the agent's SIGTERM. torchrun stops the worker; the
+    launcher then dies by the signal, with one line instead of a traceback."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    go = json.dumps({"argv": ["--standalone", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1",
+                              str(script)], "env": {"PATH": "/usr/bin:/bin"}, "cwd": str(tmp_path)}).encode()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.launcher"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(go + b"\n")
+        proc.stdin.close()
+        seen, deadline, worker = b"", time.monotonic() + 60, None
+        while worker is None:  # the worker's first line says it runs
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([proc.stdout], [], [], left)[0], seen.decode()
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, seen.decode()
+            seen += chunk
+            m = re.search(rb"^worker (\d+)$", seen, re.M)
+            worker = int(m.group(1)) if m else None
+        proc.send_signal(signal.SIGTERM)
+        out = (seen + proc.stdout.read()).decode()
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "spotvisor launcher: torchrun stopped by SIGTERM" in out
+    assert "Traceback" not in out and "SignalException" not in out, out
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
 
 
 def test_no_go_line_starts_nothing(tmp_path: Path) -> None:
