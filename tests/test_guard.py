@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.guard import Decision, NoticeKind, PreemptionGuard, parse_notices, read_notice_file
+from trainer.guard import Decision, NoticeKind, PeerLeftError, PreemptionGuard, parse_notices, read_notice_file
 
 
 def _write(path: Path, notices: list[dict]) -> None:
@@ -205,7 +205,7 @@ def _peer_leaves_worker(rank: int, port: int, tmp: str) -> None:
     try:
         guard.hold(20.0, poll_s=0.05)
         outcome = "returned"
-    except Exception as exc:  # what the trainer lets propagate (exit non-zero)
+    except Exception as exc:  # the trainer exits non-zero on it (hold_for_restart)
         outcome = type(exc).__name__
     Path(tmp, "peer-left.json").write_text(json.dumps({"outcome": outcome, "after": time.monotonic() - t0}))
     os._exit(0)
@@ -214,8 +214,26 @@ def _peer_leaves_worker(rank: int, port: int, tmp: str) -> None:
 def test_hold_raises_when_a_peer_leaves(tmp_path: Path) -> None:
     mp.spawn(_peer_leaves_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     r = json.loads((tmp_path / "peer-left.json").read_text())
-    assert r["outcome"] != "returned"
+    assert r["outcome"] == "PeerLeftError"  # one line for the trainer's log, not gloo's traceback
     assert r["after"] < 15.0
+
+
+def test_a_trainer_holding_exits_1_with_one_line_when_a_peer_leaves(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """What the two-rank test above raises becomes exit status 1 (torchrun restarts the
+    group) and one warning line naming the commit, not a traceback."""
+    g = PreemptionGuard(None)
+
+    def peer_left(timeout_s: float, poll_s: float = 0.25) -> None:
+        raise PeerLeftError("a peer left the hold (Connection closed by peer [127.0.0.1]:1)")
+
+    monkeypatch.setattr(g, "hold", peer_left)
+    with caplog.at_level("WARNING"), pytest.raises(SystemExit) as exit_:
+        g.hold_for_restart(90.0, step=43)
+    assert exit_.value.code == 1
+    (rec,) = caplog.records
+    assert rec.getMessage() == ("a peer left the hold (Connection closed by peer [127.0.0.1]:1) at step 43; "
+                                "exiting for torchrun to restart the group from that commit")
 
 
 def _node_leaves_worker(rank: int, port: int, tmp: str) -> None:

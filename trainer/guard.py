@@ -44,6 +44,7 @@ __all__ = [
     "parse_notices",
     "read_notice_file",
     "PreemptionGuard",
+    "PeerLeftError",
 ]
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,11 @@ class Decision:
 
 class NoticeFileError(ValueError):
     """The notice file's content is not a JSON list."""
+
+
+class PeerLeftError(RuntimeError):
+    """A peer's worker ended while this rank held (its collective failed): torchrun is
+    restarting the group (a node joined or was taken). ``str()`` is one line."""
 
 
 def _float_or_none(value: object) -> float | None:
@@ -313,6 +319,18 @@ class PreemptionGuard:
             leaving_ranks=tuple(leaving),
         )
 
+    def hold_for_restart(self, timeout_s: float, step: int) -> None:
+        """:meth:`hold`, as a trainer uses it after committing ``step``: when a peer
+        leaves, this worker exits with status 1 (``SystemExit``) after one warning line,
+        for torchrun to restart the group from that commit, instead of a traceback that
+        reads like a crash in ``spotctl tail``. Returns after ``timeout_s`` with no
+        restart."""
+        try:
+            self.hold(timeout_s)
+        except PeerLeftError as exc:
+            log.warning("%s at step %d; exiting for torchrun to restart the group from that commit", exc, step)
+            raise SystemExit(1) from None
+
     def hold(self, timeout_s: float, poll_s: float = 0.25) -> None:
         """Stay at this step boundary until the restart comes, or ``timeout_s`` passes.
 
@@ -320,14 +338,15 @@ class PreemptionGuard:
         rank 0 raises once ``timeout_s`` has elapsed, then sleeps ``poll_s``; all ranks
         return in the same iteration. The usual ends are not a return:
 
-        - a peer leaves (its node was taken): the all-reduce raises (gloo: ~3 s).
-          Let it propagate so the worker exits non-zero and torchrun restarts the
-          group (exiting 0 mid-job closes the rendezvous for good, pytorch#123678);
+        - a peer leaves (its node was taken, or torchrun stopped it first): the
+          all-reduce raises (gloo: ~3 s), as :class:`PeerLeftError`. The worker must
+          exit non-zero so torchrun restarts the group (exiting 0 mid-job closes the
+          rendezvous for good, pytorch#123678);
         - torchrun restarts the group (a node joined): SIGTERM, default handling.
 
         Raises:
             ValueError: negative ``timeout_s`` or non-positive ``poll_s``.
-            RuntimeError: (from torch.distributed) a peer left.
+            PeerLeftError: a peer left (the collective's error is its ``__cause__``).
         """
         if timeout_s < 0 or poll_s <= 0:
             raise ValueError(f"bad hold timeout_s={timeout_s} / poll_s={poll_s}")
@@ -344,7 +363,11 @@ class PreemptionGuard:
                 dtype=torch.int64,
                 device=device,
             )
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            except RuntimeError as exc:  # gloo: "Connection closed by peer ..."; NCCL: a DistBackendError
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise PeerLeftError(f"a peer left the hold ({first[:200]})") from exc
             if int(flag.item()):
                 return
             time.sleep(poll_s)

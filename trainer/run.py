@@ -417,7 +417,7 @@ class Job:
                 if self.ctx.is_leader:
                     log.info("holding at step %d for a restart (notices %s, timeout %.0f s)",
                              step, ",".join(decision.notice_ids), args.hold_timeout_s)
-                self.guard.hold(args.hold_timeout_s)
+                self.guard.hold_for_restart(args.hold_timeout_s, step)
                 if self.ctx.is_leader:
                     log.warning("no restart within %.0f s of holding: training on", args.hold_timeout_s)
                 t_window, n_window = time.perf_counter(), 0

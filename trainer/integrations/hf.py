@@ -415,7 +415,7 @@ class SpotvisorCallback(TrainerCallback):
         if self.ctx.is_leader:
             log.info("holding at step %d for a restart (notices %s, timeout %.0f s)", step,
                      ",".join(decision.notice_ids), self.hold_timeout_s)
-        self.guard.hold(self.hold_timeout_s)
+        self.guard.hold_for_restart(self.hold_timeout_s, step)
         if self.ctx.is_leader:
             log.warning("no restart within %.0f s of holding: training on", self.hold_timeout_s)
 
