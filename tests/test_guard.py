@@ -218,16 +218,14 @@ def test_hold_raises_when_a_peer_leaves(tmp_path: Path) -> None:
     assert r["after"] < 15.0
 
 
-def test_a_trainer_holding_exits_1_with_one_line_when_a_peer_leaves(monkeypatch: pytest.MonkeyPatch,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_trainer_holding_exits_1_with_one_line_when_a_peer_leaves(caplog: pytest.LogCaptureFixture) -> None:
     """What the two-rank test above raises becomes exit status 1 (torchrun restarts the
     group) and one warning line naming the commit, not a traceback."""
-    g = PreemptionGuard(None)
+    class PeerLeaves(PreemptionGuard):
+        def hold(self, timeout_s: float, poll_s: float = 0.25) -> None:
+            raise PeerLeftError("a peer left the hold (Connection closed by peer [127.0.0.1]:1)")
 
-    def peer_left(timeout_s: float, poll_s: float = 0.25) -> None:
-        raise PeerLeftError("a peer left the hold (Connection closed by peer [127.0.0.1]:1)")
-
-    monkeypatch.setattr(g, "hold", peer_left)
+    g = PeerLeaves(None)
     with caplog.at_level("WARNING"), pytest.raises(SystemExit) as exit_:
         g.hold_for_restart(90.0, step=43)
     assert exit_.value.code == 1
