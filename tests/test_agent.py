@@ -132,14 +132,19 @@ def notice_file(agent: NodeAgent) -> list[dict[str, Any]]:
     return json.loads((agent.workdir / "notices.json").read_text())
 
 
-async def _second_node_registers(h):
-    """Grow the pool to 2: the second node launches and its (simulated) agent registers.
-    Returns the node and the rejoin ``checkpoint_requested`` event it caused."""
+async def _second_node_launches(h):
+    """Grow the pool to 2; returns the second node once its instance is launching."""
     h.sup.desired_nodes = 2
     h.sup.wake()
     await h.until(lambda: "test-2" in h.sup.nodes and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
                   what="second node launched")
-    n2 = h.sup.nodes["test-2"]
+    return h.sup.nodes["test-2"]
+
+
+async def _second_node_registers(h):
+    """Grow the pool to 2: the second node launches and its (simulated) agent registers.
+    Returns the node and the rejoin ``checkpoint_requested`` event it caused."""
+    n2 = await _second_node_launches(h)
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
         async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id}) as r:
             assert r.status == 200
@@ -299,11 +304,7 @@ async def test_the_rejoin_waits_for_a_replacement_whose_torchrun_is_importing(
         await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
         monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": ["-m", "torch.distributed.run", "t.py"],
                                                               "env": {}})
-        h.sup.desired_nodes = 2
-        h.sup.wake()
-        await h.until(lambda: "test-2" in h.sup.nodes and h.sup.nodes["test-2"].state is NodeState.LAUNCHING,
-                      what="second node launched")
-        n2 = h.sup.nodes["test-2"]
+        n2 = await _second_node_launches(h)
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {n2.token}"}) as s:
             async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": n2.id, "prewarm": True}) as r:
                 assert r.status == 200
