@@ -539,9 +539,15 @@ class NodeAgent:
             log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
 
     # -- trainer --------------------------------------------------------------------
-    def _job_env(self) -> dict[str, str]:
+    @staticmethod
+    def _untokened_env() -> dict[str, str]:
+        """The agent's environment without its token (never handed to the trainer)."""
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        return env
+
+    def _job_env(self) -> dict[str, str]:
+        env = self._untokened_env()
         env.update(self._job.get("env", {}))
         env.update(
             SPOTVISOR_NOTICE_FILE=str(self.workdir / "notices.json"),
@@ -571,8 +577,7 @@ class NodeAgent:
         (:meth:`_until_warm`)."""
         if tuple(self._job.get("argv", ())[:2]) != TORCHRUN_ARGV:
             return
-        env = dict(os.environ)
-        env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        env = self._untokened_env()
         ready_r, ready_w = os.pipe()
         env[READY_FD_ENV] = str(ready_w)
         try:
