@@ -140,3 +140,64 @@ def test_when_the_survivors_go_on_in_process(monkeypatch: pytest.MonkeyPatch, de
 def test_no_shrink_without_the_rendezvous_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(RDZV_ENDPOINT_ENV, raising=False)
     assert not _job(3)._can_shrink(Decision(True, True, ("n",), ("interruption",), (2,)))
+
+
+_NOTICE_AT_10 = """
+import json, os, sys
+from trainer.run import Job, main
+
+class NoticeAtTen(Job):  # node 0's notice appears after step 10, so the guard sees it at that boundary
+    def train_step(self):
+        out = super().train_step()
+        if self.state.step == 10 and os.environ["GROUP_RANK"] == "0":
+            path = os.environ["SPOTVISOR_NOTICE_FILE"]
+            with open(path + ".tmp", "w") as f:
+                json.dump([{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": None}], f)
+            os.replace(path + ".tmp", path)
+        return out
+
+sys.exit(main(sys.argv[1:], job_cls=NoticeAtTen))
+"""
+
+
+@pytest.mark.slow
+def test_a_notice_on_a_periodic_step_shrinks_and_goes_on(tmp_path: Path) -> None:
+    """Node 0 (rank 0, the committer) gets a notice that lands on step 10, a periodic
+    commit step (K = 10): the survivors shrink in-process, the new rank 0 does not commit
+    step 10 again at world size 2 (a second, different manifest: CommitConflictError and
+    a torchrun restart), and the job finishes without a restart."""
+    import subprocess
+    import sys
+
+    from torch.distributed import TCPStore
+
+    from trainer.checkpoint import list_committed, open_store
+
+    rdzv = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    master_port, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
+    procs = []
+    for rank in range(3):
+        node = tmp_path / f"node{rank}"
+        node.mkdir()
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": "3",
+               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": "periodic", "OMP_NUM_THREADS": "1",
+               "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
+               "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv.port}"}
+        argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+                "--target-steps", "14", "--checkpoint-interval", "10", "--global-batch-size", "12",
+                "--micro-batch-size", "2", "--hold-timeout-s", "3", "--pg-timeout-s", "60"]
+        procs.append(subprocess.Popen([sys.executable, "-c", _NOTICE_AT_10, *argv], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs[1:]] == [0, 0], outs[1] + outs[2]
+    assert procs[0].returncode != 0  # the leaving rank was not stopped by an agent: it exits after its hold
+    assert "CommitConflictError" not in outs[1] + outs[2]
+    manifests = {m.step: m for m in list_committed(open_store(ckpt))}
+    assert (manifests[10].world_size, manifests[14].world_size) == (3, 2)
+    assert manifests[10].extra["notice_ids"] == ["n0"]
+    lines = [json.loads(x) for x in (tmp_path / "node1" / "status.jsonl").read_text().splitlines()]
+    started = [x for x in lines if x["event"] == "started"]
+    assert [(s["step"], s.get("resized")) for s in started] == [(0, None), (10, "in_process")]
+    commits = [(x["step"], x["world_size"]) for x in lines if x["event"] == "checkpoint_committed"]
+    assert commits == [(10, 3), (14, 2)]  # step 10 once, by the old group

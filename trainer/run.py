@@ -207,7 +207,8 @@ class Job:
         self.dataset = TokenDataset(tokens, args.seq_len)
         self.seed = args.seed
         self.state = build_state(args, ctx.device)
-        self.last_committed: Manifest | None = None
+        self.last_committed: Manifest | None = None  # rank 0's copy of the newest commit
+        self.committed_step: int | None = None  # every rank: the newest step this run committed or resumed from
         self.guard = PreemptionGuard()
         self.ddp: torch.nn.Module = self.state.model
 
@@ -247,6 +248,7 @@ class Job:
             log.info("resumed from step %d (written at world size %d, now %d)",
                      manifest.step, manifest.world_size, self.ctx.world_size)
         self.last_committed = manifest
+        self.committed_step = manifest.step if manifest is not None else None
         self.sampler = ElasticSampler(len(self.dataset), self.seed)
 
     def _check_compatible(self, manifest: Manifest) -> None:
@@ -291,6 +293,7 @@ class Job:
         ok, nbytes, reused, save_s, upload_s = result.tolist()
         if not ok:
             raise CheckpointError(f"rank 0 failed to commit step {step}; see its log")
+        self.committed_step = step
         seconds = time.time() - t0
         self.status.emit(
             "checkpoint_committed",
@@ -318,6 +321,11 @@ class Job:
     def _write_checkpoint(self, step: int, reason: str) -> tuple[int, bool, float, float]:
         """Rank 0. Returns (bytes of the checkpoint, whether it was already committed, save s, upload s)."""
         last = self.last_committed
+        if (last is None or last.step != step) and self.committed_step == step:
+            # This rank became rank 0 after the step was committed (an in-process shrink
+            # whose old rank 0 left): the manifest is in the store, not in memory.
+            last = self.last_committed = Manifest.from_json(
+                self.store.get_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"))
         if last is not None and last.step == step:
             # Already committed (e.g. resumed here, or periodic + notice at one boundary):
             # don't write the state again, but make the manifest record the handled
@@ -400,7 +408,10 @@ class Job:
             step = self.state.step
             decision = self.guard.check()
             final = step >= target
-            periodic = (args.checkpoint_interval > 0 and step > start_step
+            # not a step committed already (the survivors of an in-process shrink are
+            # back at the notice's step: committing it again at their world size would
+            # be a second, different manifest for one step)
+            periodic = (args.checkpoint_interval > 0 and step > start_step and step != self.committed_step
                         and step % args.checkpoint_interval == 0)
             if final or decision.checkpoint or periodic:
                 reason = "final" if final else ("notice" if decision.checkpoint else "periodic")
