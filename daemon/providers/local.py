@@ -1,9 +1,9 @@
 """The embedded provider: an "instance" is a process group on this machine.
 
-Each instance is a node agent (``python -m daemon.agent run``) in its own session
-(so its process group can be killed as a whole, like a VM being reclaimed), with
-its own working directory under ``<state_dir>/nodes/<node_id>/`` and its own
-metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
+Each instance is a node agent (``python -m daemon.agent run``) started by a small init
+(:data:`_INSTANCE_INIT`), in a session of their own (killed as a whole, like a VM
+being reclaimed), with its own working directory under ``<state_dir>/nodes/<node_id>/``
+and its own metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
 (:class:`daemon.metadata.fake_aws.FakeImds`).
 
 Chaos hooks, used by :mod:`daemon.chaos`: :meth:`LocalProvider.publish_interruption`
@@ -11,8 +11,12 @@ publishes a spot interruption notice on the instance's metadata endpoint and
 SIGKILLs the process group when the notice's time comes, as EC2 would;
 :meth:`LocalProvider.kill` SIGKILLs it at once, with no notice.
 
-The instances are children of the daemon: they end with it (``aclose``). A local
-pool does not survive a daemon restart; cloud providers' instances do.
+The instances are children of the daemon and end with it, however it ends: ``aclose``
+kills them on a graceful stop, and if the daemon dies without closing (SIGKILL, a
+crash, the OOM killer) each instance's first process, a small init
+(:data:`_INSTANCE_INIT`), sees the end of a pipe only the daemon can write and kills
+every process of its instance. A local pool does not survive a daemon restart (the
+next daemon finds no instance and launches new ones); cloud providers' instances do.
 """
 
 from __future__ import annotations
@@ -41,14 +45,87 @@ log = structlog.get_logger("spotvisor.provider.local")
 
 _INSTANCE_ENV = "SPOTVISOR_LOCAL_INSTANCE_ID"
 
+# The first process of every local instance (``python -c _INSTANCE_INIT WATCH_FD ARGV...``),
+# its "init": the VM the node agent runs on. It starts ``python ARGV...`` (the agent) and
+# ends the whole instance (SIGKILL to every process of it, as a reclaimed VM) as soon as
+# one of these happens:
+#
+# - end of file on WATCH_FD, the read end of a pipe whose write end only the daemon holds
+#   (it is close-on-exec there, and every child the daemon starts gets only the fds it is
+#   passed): the kernel closes it when the daemon dies, however it dies;
+# - the agent exits (the provider then lists the instance gone: nothing of it may train on);
+# - SIGTERM, SIGHUP or SIGINT.
+#
+# It is the instance's child subreaper (PR_SET_CHILD_SUBREAPER): a process of the instance
+# whose parent dies (torchrun's workers run in sessions of their own) is re-parented to it,
+# never to the system's init, so "every process of the instance" is exactly its
+# descendants, and it reaps them. Standard library and psutil only: it starts in ~50 ms.
+_INSTANCE_INIT = r"""
+import ctypes, os, selectors, signal, sys
+import psutil
+
+watch_fd, argv = int(sys.argv[1]), sys.argv[2:]
+os.set_inheritable(watch_fd, False)
+try:
+    if ctypes.CDLL(None, use_errno=True).prctl(36, *map(ctypes.c_ulong, (1, 0, 0, 0))) != 0:  # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+except (AttributeError, OSError) as exc:  # not Linux: orphans of the instance are not found after the daemon
+    print(f"spotvisor local instance: no child subreaper ({exc})", file=sys.stderr, flush=True)
+ending = []
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)  # every signal below wakes the select
+signal.signal(signal.SIGCHLD, lambda *_: None)
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(sig, lambda signum, _: ending.append(signum))
+agent = os.posix_spawn(sys.executable, [sys.executable, *argv], os.environ,
+                       setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))  # as subprocess's restore_signals
+status = None
+sel = selectors.DefaultSelector()
+sel.register(watch_fd, selectors.EVENT_READ)
+sel.register(wake_r, selectors.EVENT_READ)
+while status is None and not ending:
+    for key, _ in sel.select():
+        if key.fd == watch_fd:
+            if not os.read(watch_fd, 512):
+                ending.append("daemon gone")
+        else:
+            os.read(wake_r, 512)
+    while True:  # reap the agent, and any orphan of the instance re-parented here
+        try:
+            pid, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid == agent:
+            status = st
+me = psutil.Process()
+while True:  # the instance ends: kill every descendant, reap, until none is left
+    for proc in me.children(recursive=True):
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    try:
+        pid, st = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    if pid == agent and status is None:
+        status = st
+code = os.waitstatus_to_exitcode(status) if status is not None else 128 + signal.SIGKILL
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
 
 def _kill_instance_processes(root_pid: int, instance_id: str) -> None:
     """SIGKILL every process of a local instance at once, as a VM being reclaimed.
 
     torchrun starts its workers in sessions of their own (``start_new_session``),
-    so killing the agent's process group is not enough: collect the agent's
-    descendants and any process carrying this instance's id in its environment
-    (orphans re-parented to init), then kill them all.
+    so killing the instance's process group is not enough: collect the instance
+    init's descendants and any process carrying this instance's id in its
+    environment (orphans re-parented to the system's init, should the instance's
+    own have died first), then kill them all.
     """
     victims: dict[int, psutil.Process] = {}
     try:
@@ -109,6 +186,9 @@ class LocalProvider(Provider):
         self._closed = False
         self._boot_gate = asyncio.Event()  # cleared by chaos: instances launched meanwhile wait to boot
         self._boot_gate.set()
+        # the instances' lifeline (see _INSTANCE_INIT): each instance's init gets the read end;
+        # the write end stays here, close-on-exec, until aclose() or this process's death
+        self._lifeline: tuple[int, int] | None = None
 
     # -- contract -------------------------------------------------------------
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
@@ -147,6 +227,10 @@ class LocalProvider(Provider):
         self._closed = True
         for inst in list(self._instances.values()):
             await self._kill(inst, reason="provider_closed")
+        if self._lifeline is not None:
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
 
     # -- chaos hooks ----------------------------------------------------------
     async def publish_interruption(self, instance_id: str, *, lead_s: float, action: str = "terminate") -> datetime:
@@ -212,8 +296,12 @@ class LocalProvider(Provider):
             env["SPOTVISOR_AGENT_TOKEN"] = inst.node.token
             env[_INSTANCE_ENV] = inst.id  # marks every process of this "VM", see _kill_instance_processes
             env.setdefault("PYTHONUNBUFFERED", "1")
+            if self._lifeline is None:
+                self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
+            watch_fd = self._lifeline[0]
             inst.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "daemon.agent", "run",
+                sys.executable, "-c", _INSTANCE_INIT, str(watch_fd),
+                "-m", "daemon.agent", "run",
                 "--daemon-url", inst.node.daemon_url,
                 "--node-id", inst.node.node_id,
                 "--dialect", inst.dialect,
@@ -223,7 +311,8 @@ class LocalProvider(Provider):
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # its own process group: killpg == the VM going away
+                start_new_session=True,  # its own session and process group, as a VM
+                pass_fds=(watch_fd,),
                 env=env,
             )
         finally:
