@@ -3,7 +3,9 @@
 The file has one section per part of the architecture (``pool``, ``job``,
 ``rendezvous``, ``agent``, ``daemon``, ``providers``, ``offers``, ``chaos``,
 ``notify``).
-Unknown keys are errors (a typo must not silently become a default).
+Unknown keys are errors (a typo must not silently become a default), and so are
+numbers that are not finite (``.inf``, ``.nan``: "no timeout" is not a setting) and
+documents nested deeper than :data:`MAX_NESTING` levels.
 
 ``load_config(path)`` raises :class:`ConfigError` whose ``problems`` are one line
 each, ``<field path>: <what is wrong> (<how to fix it>)``; ``spotvisord
@@ -12,13 +14,15 @@ check-config`` prints them and exits 2.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from daemon.model import EventKind
 from daemon.preflight import PRESETS, UnknownGpuError, offer_gib
@@ -42,6 +46,10 @@ __all__ = [
     "SinkSpec",
     "WEBHOOK_MAX_BATCH",
     "SLACK_MAX_BATCH",
+    "MAX_NESTING",
+    "MAX_POOL_NODES",
+    "LOCAL_MAX_NODES",
+    "MAX_JOB_ARGS_BYTES",
     "load_config",
     "format_problems",
 ]
@@ -56,7 +64,9 @@ class ConfigError(Exception):
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: every float of the config is finite (an infinite timeout or
+    # interval would stall or spin whatever waits on it)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 PositiveS = Annotated[float, Field(gt=0)]
@@ -67,9 +77,36 @@ PositiveS = Annotated[float, Field(gt=0)]
 WEBHOOK_MAX_BATCH = 100
 SLACK_MAX_BATCH = 24
 
+# a config is a few levels deep (notify.0.template.KIND is the deepest: 4); a document
+# nested much deeper is hostile or broken, and PyYAML's composer recurses once per level
+MAX_NESTING = 64
+
+# the most nodes one pool (one daemon) may have, on any provider. The daemon is one
+# Python process: bench/scale.py measures it at 1,000 nodes; at the default heartbeat
+# budget (daemon.max_heartbeats_per_second 25) 10,000 nodes are told a 400 s heartbeat
+# interval, so a lost node is noticed only after half an hour; and 10,000 nodes of 8
+# GPUs are 80,000 ranks in one torchrun round. Larger: run several pools.
+MAX_POOL_NODES = 10_000
+
+# the local provider's default cap (providers.local.max_nodes): each of its nodes is
+# processes on this machine (an agent, torchrun and its workers, ~1 GB of memory)
+LOCAL_MAX_NODES = 64
+
+# job.module and job.args are the tail of torchrun's command line (and of each worker's).
+# Linux refuses an exec whose argv and environment exceed ARG_MAX (2 MiB with the usual
+# 8 MiB stack; E2BIG "Argument list too long") or one string over MAX_ARG_STRLEN
+# (131072 bytes); 64 KiB leaves room for spotvisor's own flags and the environment.
+MAX_JOB_ARGS_BYTES = 65536
+
 
 class PoolSpec(_Spec):
-    """Pool size in nodes. The reconciler keeps ``target_nodes`` running."""
+    """Pool size in nodes. The reconciler keeps ``target_nodes`` running.
+
+    Each size is at most :data:`MAX_POOL_NODES` (10,000; why: see there) and, with a
+    local offer, ``pool.max_nodes`` at most ``providers.local.max_nodes``.
+    ``target_nodes`` must give a world size the global batch splits over (as ``spotctl
+    scale`` requires) when every offer has the same ``gpus_per_node``.
+    """
 
     name: str = Field("default", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     min_nodes: int = Field(1, ge=1)
@@ -81,6 +118,14 @@ class PoolSpec(_Spec):
     rebalance_policy: Literal["ignore", "checkpoint", "replace"] = "checkpoint"
     # allow offers with ``market: on_demand``, used only while no spot offer is usable
     on_demand_fallback: bool = False
+
+    @field_validator("min_nodes", "target_nodes", "max_nodes")
+    @classmethod
+    def _bounded(cls, n: int) -> int:
+        if n > MAX_POOL_NODES:
+            raise ValueError(f"at most {MAX_POOL_NODES} nodes, got {n} (one daemon runs one pool of up to "
+                             f"{MAX_POOL_NODES} nodes; for more, run several pools)")
+        return n
 
     @model_validator(mode="after")
     def _sizes(self) -> "PoolSpec":
@@ -141,7 +186,9 @@ class JobSpec(_Spec):
     """The training job every node runs under ``torchrun``.
 
     ``module`` is run as ``python -m MODULE`` by each worker; spotvisor adds the
-    flags below (``--target-steps`` ...) and then ``args``.
+    flags below (``--target-steps`` ...) and then ``args``. ``module`` and ``args``
+    together take at most :data:`MAX_JOB_ARGS_BYTES` (64 KiB, each string counted in
+    UTF-8 with its terminating NUL, as the kernel counts it) and hold no NUL character.
     """
 
     id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -160,6 +207,21 @@ class JobSpec(_Spec):
     flush_safety_factor: float = Field(2.0, ge=1)  # notice window / flush time below this = at risk
     upload_throughput_bytes_s: float = Field(1e9, gt=0)  # per node to the store, until measured
     save_throughput_bytes_s: float = Field(2e9, gt=0)  # per node to local disk, until measured
+
+    @field_validator("args")
+    @classmethod
+    def _argv(cls, args: list[str], info: ValidationInfo) -> list[str]:
+        for i, a in enumerate(args):
+            if "\0" in a:
+                raise ValueError(f"item {i} contains a NUL character, which no command line can carry (remove it)")
+        module = info.data.get("module", "")
+        size = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in (module, *args))
+        if size > MAX_JOB_ARGS_BYTES:
+            raise ValueError(
+                f"{size} bytes with job.module, over the {MAX_JOB_ARGS_BYTES} a command line can safely take "
+                "(torchrun would fail with 'Argument list too long'; put long settings in a file the job reads)"
+            )
+        return args
 
     @model_validator(mode="after")
     def _batch(self) -> "JobSpec":
@@ -191,8 +253,20 @@ class RendezvousSpec(_Spec):
 
     Defaults are tuned for fast local re-rendezvous (torch defaults: last call
     30 s, keep-alive 5 s x 3); see ELASTIC.md.
+
+    ``host``: where the store listens and every node's torchrun connects. The store
+    has no authentication, and torchrun's dynamic rendezvous unpickles the state it
+    reads there, so whoever can reach the port can run code on every node. An IP
+    literal must therefore be loopback (127.0.0.0/8, ::1) or private (10.0.0.0/8,
+    172.16.0.0/12, 192.168.0.0/16, IPv6 fc00::/7); a wildcard (0.0.0.0, ::, "")
+    or any other address (public, documentation, link-local, shared 100.64.0.0/10)
+    is refused unless ``allow_public: true``, which says the port is reachable only
+    by the job's nodes by other means (a security group, a VPN's own ACLs). A host
+    name is accepted (it cannot be judged offline).
     """
 
+    # before ``host``: its validator reads this one (pydantic validates fields in order)
+    allow_public: bool = False
     host: str = "127.0.0.1"
     port: int = Field(29400, ge=1, le=65535)
     last_call_timeout_s: PositiveS = 3.0
@@ -200,6 +274,48 @@ class RendezvousSpec(_Spec):
     keep_alive_max_attempt: int = Field(3, ge=1)
     join_timeout_s: PositiveS = 600.0
     max_restarts: int = Field(1000, ge=0)
+
+    @field_validator("host")
+    @classmethod
+    def _private(cls, host: str, info: ValidationInfo) -> str:
+        why = exposed_address(host)
+        if why is not None and not info.data.get("allow_public", False):
+            raise ValueError(
+                f"{host or repr(host)} is {why}; the c10d store has no authentication and torchrun unpickles "
+                "what it reads there, so whoever reaches it runs code on every node (give the control node's "
+                "private address, e.g. 10.0.0.10, reachable only by the job's nodes; or set "
+                "rendezvous.allow_public: true if a firewall already limits the port to them)"
+            )
+        return host
+
+
+_PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
+
+
+def exposed_address(host: str) -> str | None:
+    """Why ``host`` would expose a listener beyond loopback and private networks:
+    ``"a wildcard address (every interface)"``, ``"not a private address"``, or None
+    (loopback, private, or a host name, which is not judged)."""
+    text = host.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text:
+        return "a wildcard address (every interface)"
+    addr: ipaddress.IPv4Address | ipaddress.IPv6Address
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        try:  # the forms the resolver also takes as IPv4: "0", "127.1", "0x7f000001"
+            addr = ipaddress.IPv4Address(socket.inet_aton(text))
+        except OSError:
+            return None  # a name
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.is_unspecified:
+        return "a wildcard address (every interface)"
+    if addr.is_loopback or any(addr in net for net in _PRIVATE_NETS):
+        return None
+    return "not a private address"
 
 
 class AgentSpec(_Spec):
@@ -221,6 +337,15 @@ class AgentSpec(_Spec):
 
 
 class DaemonSpec(_Spec):
+    """The daemon's own state and listeners.
+
+    ``state_dir``: a directory (created when missing); an existing file there, or a
+    file on its path, is an error. ``agent_host``: where the agent API listens; a
+    wildcard or public address is allowed there, unlike ``rendezvous.host``, because
+    every agent request carries its node's bearer token. The tokens travel in plain
+    HTTP, though: keep the port on the nodes' private network all the same.
+    """
+
     state_dir: str = ".spotvisor"
     socket: str | None = None
     agent_host: str = "127.0.0.1"
@@ -244,6 +369,19 @@ class DaemonSpec(_Spec):
     gpu_underutilized_pct: float = Field(50.0, gt=0, le=100)
     gpu_underutilized_window_s: PositiveS = 300.0
 
+    @field_validator("state_dir")
+    @classmethod
+    def _a_directory(cls, state_dir: str) -> str:
+        path = Path(os.path.expanduser(state_dir))
+        try:
+            existing = next((p for p in (path, *path.parents) if p.exists()), None)
+            if existing is not None and not existing.is_dir():
+                raise ValueError(f"{existing} is a file, not a directory (give a directory; spotvisord creates "
+                                 "a missing one)")
+        except OSError:  # e.g. no permission to look: the daemon says so when it creates it
+            pass
+        return state_dir
+
     def state_path(self) -> Path:
         return Path(os.path.expanduser(self.state_dir)).resolve()
 
@@ -254,9 +392,15 @@ class DaemonSpec(_Spec):
 
 
 class LocalProviderSpec(_Spec):
-    """The embedded provider: an instance is a process group on this machine."""
+    """The embedded provider: an instance is a process group on this machine.
+
+    ``max_nodes``: the most nodes a pool with a local offer may have (its
+    ``pool.max_nodes``); default :data:`LOCAL_MAX_NODES` (64). Raise it for a machine
+    that holds more, or for a simulated fleet (bench/scale.py).
+    """
 
     launch_delay_s: float = Field(1.0, ge=0)
+    max_nodes: int = Field(LOCAL_MAX_NODES, ge=1, le=MAX_POOL_NODES)
     # each simulated node's metadata endpoint speaks one cloud's dialect, cycled
     # over the nodes in launch order (e.g. [aws, aliyun, gcp, azure] mixes clouds)
     metadata_dialects: list[Literal["aws", "aliyun", "gcp", "azure"]] = Field(["aws"], min_length=1)
@@ -482,6 +626,14 @@ class Config(_Spec):
                     if key not in offer.model_fields_set:
                         raise ValueError(f"offers.{i}.{key}: required for provider {offer.provider} "
                                          f"(e.g. {example})")
+        local = self.providers.local
+        has_local = any(o.provider == "local" for o in self.offers)
+        if local is not None and has_local and self.pool.max_nodes > local.max_nodes:
+            raise ValueError(
+                f"pool.max_nodes: {self.pool.max_nodes} nodes on the local provider, which runs each as processes "
+                f"on this machine; at most providers.local.max_nodes ({local.max_nodes}) (lower pool.max_nodes, "
+                "or raise providers.local.max_nodes if this machine holds them)"
+            )
         max_world = self.max_world_size()
         valid = self.job.valid_world_sizes(max_world)
         if not valid:
@@ -489,6 +641,15 @@ class Config(_Spec):
                 f"job.global_batch_size {self.job.global_batch_size} with micro_batch_size "
                 f"{self.job.micro_batch_size} allows no world size up to {max_world} "
                 "(make global_batch_size a multiple of micro_batch_size x world size)"
+            )
+        counts = self.valid_node_counts()
+        target = self.pool.target_nodes
+        if counts is not None and target not in counts:
+            g = self.offers[0].gpus_per_node
+            raise ValueError(
+                f"pool.target_nodes: {target} nodes (world size {target * g}) cannot share job.global_batch_size "
+                f"{self.job.global_batch_size} in micro batches of {self.job.micro_batch_size} (node counts that "
+                f"can: {', '.join(map(str, counts)) or 'none'}; set target_nodes to one of them)"
             )
         names = [s.name for s in self.notify]
         for i, name in enumerate(names):
@@ -501,6 +662,17 @@ class Config(_Spec):
                 raise ValueError(f"chaos.{i}.at_step: {ev.at_step} is never reached, the job ends at "
                                  f"job.target_steps {self.job.target_steps} (use a smaller step)")
         return self
+
+    def valid_node_counts(self) -> list[int] | None:
+        """Node counts in ``pool.min_nodes..pool.max_nodes`` whose world size the global
+        batch splits over, ascending; None when the offers differ in ``gpus_per_node``
+        (the world size then depends on which nodes admission picks)."""
+        gpus = {o.gpus_per_node for o in self.offers}
+        if len(gpus) != 1:
+            return None
+        (g,) = gpus
+        lo, hi = self.pool.min_nodes, self.pool.max_nodes
+        return [w // g for w in self.job.valid_world_sizes(self.max_world_size()) if w % g == 0 and lo <= w // g <= hi]
 
     def max_world_size(self) -> int:
         """The largest world size the pool can reach: ``pool.max_nodes`` × the most GPUs an offer has."""
@@ -520,6 +692,8 @@ def format_problems(exc: ValidationError) -> list[str]:
             msg = msg[len("Value error, ") :]
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling against configs/local.yaml)"
+        elif err["type"] == "finite_number":
+            msg = f"must be a finite number, got {err.get('input')!r} (give a number, e.g. 30)"
         elif err["type"] == "missing":
             msg = "required (add it)"
         lines.append(f"{loc}: {msg}" if loc else msg)
@@ -530,8 +704,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config.
 
     Raises:
-        ConfigError: the file is missing, not YAML, or fails the schema; ``problems``
-            has one line per problem naming the field path and the fix.
+        ConfigError: the file is missing, not YAML, nested deeper than
+            :data:`MAX_NESTING` levels, or fails the schema; ``problems`` has one line
+            per problem naming the field path and the fix.
     """
     p = Path(path)
     try:
@@ -543,6 +718,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             [f"{p}: not UTF-8 text (bad byte at offset {exc.start}); give the path of a YAML config"]
         ) from None
     try:
+        deep_line = _too_deep(text)
+        if deep_line is not None:
+            raise ConfigError([f"{p}: line {deep_line} nested deeper than {MAX_NESTING} levels "
+                               "(a config is a few levels deep; check the brackets)"])
         raw = yaml.safe_load(text)
         if raw is None:  # an empty file (or only comments): all defaults; but [] / 0 / "" are not mappings
             raw = {}
@@ -556,3 +735,19 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_problems(exc)) from None
+    except RecursionError:  # aliases nesting each other: flat events, a deep document
+        raise ConfigError([f"{p}: nested too deeply (a config is a few levels deep; check its anchors)"]) from None
+
+
+def _too_deep(text: str) -> int | None:
+    """The line (1-based) where ``text`` first nests deeper than :data:`MAX_NESTING`
+    collections, or None. PyYAML's parser (events) is a loop; its composer recurses."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_NESTING:
+                return event.start_mark.line + 1
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return None

@@ -282,3 +282,190 @@ def test_a_replacement_hold_must_end_after_the_fault():
     assert ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_for_steps=15).hold_replacements_for_steps == 15
     with pytest.raises(ValueError, match="hold_replacements_for_steps"):
         ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_for_steps=0)
+
+
+# --------------------------------------------------------------------------- hostile input (issue 13, defect 10)
+
+
+def one_problem(tmp_path: Path, text: str) -> str:
+    """load_config on ``text``: exactly one problem line, returned."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(info.value.problems) == 1, info.value.problems
+    return info.value.problems[0]
+
+
+@pytest.mark.parametrize("text", [
+    "pool: " + "[" * 1000 + "]" * 1000 + "\n",
+    "job:\n  template: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n",
+], ids=["lists", "mappings"])
+def test_cli_deeply_nested_file_is_one_line(tmp_path: Path, text: str) -> None:
+    """A 2 KB file nested 1,000 levels deep was a RecursionError traceback (exit 1)."""
+    path = tmp_path / "deep.yaml"
+    path.write_text(text)
+    _assert_problem_output(check_config(path), path, [["line ", "nested deeper than 64 levels"]])
+
+
+def test_nesting_through_anchors_is_one_line(tmp_path: Path) -> None:
+    """Each anchor nests the one before: the events are flat, the document 1,000 deep."""
+    lines = ["x0: &a0 [1]"] + [f"x{i}: &a{i} [*a{i - 1}]" for i in range(1, 1000)]
+    text = "anchors:\n" + "".join(f"  {line}\n" for line in lines) + "job:\n  args: *a999\n"
+    path = tmp_path / "anchors.yaml"
+    path.write_text(text)
+    r = check_config(path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "job.args" in r.stderr and "anchors: unknown key" in r.stderr
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("daemon:\n  heartbeat_timeout_s: .inf\n", "daemon.heartbeat_timeout_s"),
+    ("agent:\n  poll_interval_s: .nan\n", "agent.poll_interval_s"),
+    ("rendezvous:\n  join_timeout_s: .inf\n", "rendezvous.join_timeout_s"),
+    ("job:\n  flush_safety_factor: .inf\n", "job.flush_safety_factor"),  # ge=1 alone lets inf through
+    ("job:\n  hold_timeout_s: .inf\n", "job.hold_timeout_s"),
+    ("chaos:\n  - {action: kill, node: 1, at_s: .inf}\n", "chaos.0.at_s"),
+], ids=["timeout_inf", "interval_nan", "rdzv_inf", "factor_inf", "hold_inf", "chaos_inf"])
+def test_non_finite_numbers_are_refused(tmp_path: Path, text: str, field: str) -> None:
+    problem = one_problem(tmp_path, text)
+    assert problem.startswith(f"{field}: must be a finite number"), problem
+
+
+def test_cli_infinite_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "inf.yaml"
+    path.write_text("daemon:\n  heartbeat_timeout_s: .inf\n")
+    _assert_problem_output(check_config(path), path, [["daemon.heartbeat_timeout_s: ", "finite"]])
+
+
+@pytest.mark.parametrize("size", ["100000", "100000000000000000000"])
+def test_max_nodes_has_a_bound_for_every_provider(tmp_path: Path, size: str) -> None:
+    problem = one_problem(tmp_path, f"pool: {{target_nodes: 1, max_nodes: {size}}}\n")
+    assert problem.startswith("pool.max_nodes: at most 10000 nodes"), problem
+
+
+def test_local_provider_runs_at_most_64_nodes(tmp_path: Path) -> None:
+    """target_nodes 100 on the local provider: the first plan() would start 100 process groups here."""
+    pool = "pool: {target_nodes: 100, max_nodes: 100}\njob: {global_batch_size: 100, micro_batch_size: 1}\n"
+    problem = one_problem(tmp_path, pool)
+    assert problem.startswith("pool.max_nodes: 100 nodes on the local provider"), problem
+    assert "providers.local.max_nodes" in problem and "64" in problem
+    # the documented override (a big machine, or a simulated fleet as bench/scale.py's)
+    path = tmp_path / "ok.yaml"
+    path.write_text(pool + "providers:\n  local: {max_nodes: 100}\n")
+    assert load_config(path).pool.target_nodes == 100
+
+
+def test_local_limit_ignores_cloud_pools(tmp_path: Path) -> None:
+    path = tmp_path / "aws.yaml"
+    path.write_text("pool: {target_nodes: 100, max_nodes: 100}\njob: {global_batch_size: 800, micro_batch_size: 1}\n"
+                    "providers:\n  local: null\n  aws: {image_id: ami-0123456789abcdef0}\n"
+                    "offers:\n  - {provider: aws, region: us-east-1, instance_type: p4d.24xlarge, gpus_per_node: 8}\n")
+    assert load_config(path).pool.max_nodes == 100
+
+
+def test_target_nodes_must_be_a_valid_world_size(tmp_path: Path) -> None:
+    """12 / 2 = 6 micro batches: world sizes 1, 2, 3 (up to 5); spotctl scale 5 refuses 5 too."""
+    problem = one_problem(tmp_path, "pool: {min_nodes: 1, target_nodes: 5, max_nodes: 5}\n")
+    assert problem.startswith("pool.target_nodes: 5 nodes (world size 5) cannot share job.global_batch_size 12 "
+                              "in micro batches of 2"), problem
+    assert "node counts that can: 1, 2, 3" in problem
+
+
+def test_target_nodes_counts_each_nodes_gpus(tmp_path: Path) -> None:
+    text = "pool: {target_nodes: 2, max_nodes: 3}\noffers:\n  - {provider: local, gpus_per_node: 2}\n"
+    problem = one_problem(tmp_path, text)  # 2 x 2 = 4 ranks cannot split 6 micro batches; 1 x 2 and 3 x 2 can
+    assert problem.startswith("pool.target_nodes: 2 nodes (world size 4)"), problem
+    assert "node counts that can: 1, 3" in problem
+
+
+def test_cli_target_nodes_not_a_valid_world_size(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("pool: {min_nodes: 1, target_nodes: 5, max_nodes: 5}\n")
+    _assert_problem_output(check_config(path), path, [["pool.target_nodes: ", "1, 2, 3"]])
+
+
+def test_huge_job_args_are_refused(tmp_path: Path) -> None:
+    """10 MB of job.args was accepted, then torchrun failed with 'Argument list too long'."""
+    path = tmp_path / "big.yaml"
+    path.write_text("job:\n  args: [" + ", ".join(["x" * 1000] * 10_000) + "]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert problem.startswith("job.args: 10010012 bytes with job.module"), problem  # + "trainer.run\\0"
+    assert "65536" in problem
+
+
+def test_one_argument_longer_than_the_kernel_takes(tmp_path: Path) -> None:
+    problem = one_problem(tmp_path, "job:\n  args: [" + "y" * 200_000 + "]\n")
+    assert problem.startswith("job.args: "), problem
+
+
+def test_a_nul_in_job_args_is_refused(tmp_path: Path) -> None:
+    problem = one_problem(tmp_path, 'job:\n  args: [--name, "a\\0b"]\n')
+    assert problem.startswith("job.args: item 1 contains a NUL character"), problem
+
+
+def test_job_args_of_a_normal_size_pass(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("job:\n  args: [" + ", ".join(["--flag"] * 5000) + "]\n")
+    assert len(load_config(path).job.args) == 5000
+
+
+def test_state_dir_that_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "afile"
+    f.write_text("not a directory\n")
+    problem = one_problem(tmp_path, f"daemon:\n  state_dir: {f}\n")
+    assert problem.startswith(f"daemon.state_dir: {f} is a file, not a directory"), problem
+    problem = one_problem(tmp_path, f"daemon:\n  state_dir: {f}/state\n")  # below a file: cannot be created
+    assert problem.startswith(f"daemon.state_dir: {f} is a file, not a directory"), problem
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"daemon:\n  state_dir: {tmp_path}/new/state\n")  # missing: the daemon creates it
+    assert load_config(path).daemon.state_path() == tmp_path / "new" / "state"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "'::'", "'0'", "''", "8.8.8.8", "203.0.113.10", "2001:db8::1",
+                                  "'::ffff:8.8.8.8'", "100.64.0.1", "169.254.169.254"])
+def test_rendezvous_on_a_wildcard_or_public_address_is_refused(tmp_path: Path, host: str) -> None:
+    """The c10d store has no authentication and torchrun unpickles what it reads there."""
+    problem = one_problem(tmp_path, f"rendezvous: {{host: {host}}}\n")
+    assert problem.startswith("rendezvous.host: "), problem
+    assert "no authentication" in problem and "rendezvous.allow_public: true" in problem
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "'::1'", "10.0.0.10", "172.16.0.10", "192.168.1.20", "fd00::10",
+                                  "localhost", "control.internal"])
+def test_rendezvous_on_a_private_address_or_a_name_passes(tmp_path: Path, host: str) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"rendezvous: {{host: {host}}}\n")
+    assert load_config(path).rendezvous.host == host.strip("'")
+
+
+def test_rendezvous_allow_public_is_the_override(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("rendezvous: {host: 0.0.0.0, allow_public: true}\n")
+    assert load_config(path).rendezvous.host == "0.0.0.0"
+
+
+def test_agent_host_wildcard_stays_allowed(tmp_path: Path) -> None:
+    """Every agent request carries the node's bearer token (unlike the rendezvous store)."""
+    path = tmp_path / "ok.yaml"
+    path.write_text("daemon: {agent_host: 0.0.0.0}\n")
+    assert load_config(path).daemon.agent_host == "0.0.0.0"
+
+
+def test_cli_public_rendezvous(tmp_path: Path) -> None:
+    path = tmp_path / "pub.yaml"
+    path.write_text("rendezvous: {host: 0.0.0.0}\n")
+    _assert_problem_output(check_config(path), path, [["rendezvous.host: 0.0.0.0 is a wildcard address",
+                                                       "rendezvous.allow_public: true"]])
+
+
+def test_run_refuses_the_same_config(tmp_path: Path) -> None:
+    """spotvisord run validates the same way: exit 2, one line, before anything starts."""
+    path = tmp_path / "pub.yaml"
+    path.write_text(f"rendezvous: {{host: 0.0.0.0}}\ndaemon: {{state_dir: {tmp_path / 'st'}}}\n")
+    r = subprocess.run([sys.executable, "-m", "daemon.cli", "run", "--config", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    _assert_problem_output(r, path, [["rendezvous.host: "]])
+    assert not (tmp_path / "st").exists()
