@@ -14,7 +14,7 @@
   target on the local provider with its chaos schedule, print events as they
   happen and a summary at the end (``make demo``).
 - ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
-  (``spotvisor-rendezvous.service``).
+  (``spotvisor-rendezvous.service``), listening on ``H`` only (default 127.0.0.1).
 
 Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
 """
@@ -203,8 +203,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout-s", type=float, default=900.0)
     d.add_argument("--rendezvous-port", type=int, help="override rendezvous.port")
     z = sub.add_parser("rendezvous", help="run the c10d rendezvous store")
-    z.add_argument("--host", default="0.0.0.0")
-    z.add_argument("--port", type=int, default=29400)
+    z.add_argument("--host", default="127.0.0.1",
+                   help="the one address to listen on (default %(default)s; on a cloud the control node's "
+                        "private address, reachable from the job's nodes only)")
+    z.add_argument("--port", type=int, default=29400, help="TCP port (default %(default)s; 0: a free one)")
     preflight_cli.add_parser(sub)
     return p
 

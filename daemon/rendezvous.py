@@ -6,29 +6,80 @@ node dies (pytorch#67742). spotvisor runs the store here instead, as its own
 process/unit so a daemon restart does not touch the job, and every torchrun
 agent connects as a client (``--rdzv-conf is_host=false``). See ELASTIC.md.
 
-Run: ``python -m daemon.rendezvous --host 0.0.0.0 --port 29400`` (or the
+The store has no authentication, and torchrun's dynamic rendezvous unpickles the
+state it reads from it: whoever reaches the port can run code in every node's
+torchrun agent. So it listens on exactly the address it is given (c10d's own
+server would bind every interface whatever host it is passed: this module binds
+the socket itself and hands c10d the listening descriptor, ``master_listen_fd``),
+the default is loopback, and on a cloud it is the control node's private address,
+reachable from the job's nodes only (README, "Trust model").
+
+Run: ``python -m daemon.rendezvous --host 10.0.0.10 --port 29400`` (or the
 ``spotvisor-rendezvous.service`` unit). Exits on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
 import socket
 import sys
 import threading
 from datetime import timedelta
+from typing import Callable
 
-__all__ = ["serve", "wait_until_listening", "main"]
+__all__ = ["DEFAULT_HOST", "listen_socket", "serve", "wait_until_listening", "main"]
+
+DEFAULT_HOST = "127.0.0.1"
 
 
-def serve(host: str, port: int, stop: threading.Event) -> None:
-    """Host a multi-tenant TCPStore on ``host:port`` until ``stop`` is set."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to exactly ``host:port`` (``port`` 0: a free one), listening.
+
+    ``host``: an address or a name (its first address). Raises ``ValueError`` for an
+    empty ``host`` (never read as "every interface"), ``socket.gaierror`` for a name
+    that does not resolve, ``OSError`` when the bind fails (the port is taken, the
+    address is not this machine's)."""
+    if not host.strip():
+        raise ValueError("empty host")
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds through TIME_WAIT
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::1" means ::1, not IPv4 too
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def serve(host: str, port: int, stop: threading.Event,
+          on_listening: Callable[[int], None] | None = None) -> None:
+    """Host a multi-tenant TCPStore on exactly ``host:port`` until ``stop`` is set.
+
+    ``on_listening(port)`` is called once the store accepts connections (``port``: the
+    one it took, for ``port`` 0). Raises what :func:`listen_socket` raises, and
+    ``RuntimeError`` if c10d cannot start its server."""
     from torch.distributed import TCPStore
 
-    store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=60))
-    print(f"rendezvous store listening on {host}:{port}", flush=True)
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()[1]
+    # c10d owns the descriptor from here on (it closes it with the store)
+    store = TCPStore(host, bound, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60), master_listen_fd=sock.detach())
+    if on_listening is not None:
+        on_listening(bound)
     stop.wait()
     del store
 
@@ -48,17 +99,36 @@ def wait_until_listening(host: str, port: int, timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``spotvisor-rendezvous [--host H] [--port P]``. Exit 0 on SIGTERM/SIGINT, 1 when it
+    cannot listen (port taken, address not this machine's), 2 for a bad ``--host``."""
     p = argparse.ArgumentParser(prog="spotvisor-rendezvous", description="c10d rendezvous store")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="the one address to listen on (default %(default)s; on a cloud the control "
+                        "node's private address)")
+    p.add_argument("--port", type=int, default=29400, help="TCP port (default %(default)s; 0: a free one)")
     args = p.parse_args(argv)
+    host = args.host
+    if not host.strip():
+        print("spotvisor-rendezvous: --host is empty; give the control node's private address "
+              "(the unit reads it from SPOTVISOR_RDZV_HOST in /etc/spotvisor/rendezvous.env)", file=sys.stderr)
+        return 2
+    if _is_wildcard(host):
+        print(f"spotvisor-rendezvous: warning: --host {host} listens on every interface; whoever reaches "
+              "the port can run code in the job's torchrun agents (README, \"Trust model\")", file=sys.stderr)
+    shown = f"[{host}]" if ":" in host else host
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve(args.host, args.port, stop)
-    except RuntimeError as exc:  # e.g. the port is taken
-        print(f"spotvisor-rendezvous: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        serve(host, args.port, stop,
+              on_listening=lambda port: print(f"rendezvous store listening on {shown}:{port}", flush=True))
+    except socket.gaierror as exc:
+        print(f"spotvisor-rendezvous: --host {host!r} does not resolve ({exc.strerror}); "
+              "give the control node's private address", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as exc:  # the port is taken, the address is not this machine's
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"spotvisor-rendezvous: cannot listen on {shown}:{args.port}: {reason}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,182 @@
+"""The rendezvous store binds exactly where it is told (issue 13, defect 1).
+
+A c10d ``TCPStore`` has no authentication, and torchrun's dynamic rendezvous unpickles
+what it reads from it: whoever can reach the port can run code in every node's torchrun
+agent. So ``spotvisord rendezvous --host H`` must listen on ``H`` only (c10d's own
+server binds the wildcard whatever host it is given), the default is loopback, and
+neither the systemd unit nor a shipped cloud config binds a wildcard or public address.
+
+Each test starts the real store as its own process on 127.0.0.1 and probes it from this
+machine only: 127.0.0.2 (loopback range, another address) and this machine's own
+non-loopback addresses, which the kernel delivers locally.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"rendezvous store listening on (\S+):(\d+)")
+
+
+def _other_local_addresses() -> list[str]:
+    """Addresses of this machine other than 127.0.0.1 (connecting to them stays on the machine)."""
+    found = {"127.0.0.2"}
+    if shutil.which("ip"):
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+        found |= {m for m in re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)/", out) if m != "127.0.0.1"}
+    return sorted(found)
+
+
+def _refuses(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return False
+    except OSError:
+        return True
+
+
+class _Store:
+    def __init__(self, proc: subprocess.Popen[str], host: str, port: int) -> None:
+        self.proc, self.host, self.port = proc, host, port
+
+
+def _start(argv: list[str], timeout_s: float = 60.0) -> Iterator[_Store]:
+    """Start ``argv`` (a rendezvous store), wait for its "listening on H:P" line (it prints it
+    once the store accepts connections), yield it, then SIGTERM it."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while not (m := LISTENING.search(line)):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                pytest.fail(f"no 'listening' line within {timeout_s} s")
+            line = proc.stdout.readline()
+            if not line:
+                pytest.fail(f"the store exited {proc.wait()}: {proc.stderr.read()[-2000:]}")
+        sel.close()
+        yield _Store(proc, m.group(1), int(m.group(2)))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            f.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def loopback_store() -> Iterator[_Store]:
+    """``spotvisord rendezvous --host 127.0.0.1 --port P``, P a free port."""
+    port = _free_port()
+    yield from _start([sys.executable, "-m", "daemon.cli", "rendezvous", "--host", "127.0.0.1", "--port", str(port)])
+
+
+def test_the_store_listens_only_on_the_address_it_is_given(loopback_store: _Store) -> None:
+    assert loopback_store.host == "127.0.0.1" and loopback_store.port > 0
+    with socket.create_connection(("127.0.0.1", loopback_store.port), timeout=5):
+        pass
+    others = _other_local_addresses()
+    accepted = [a for a in others if not _refuses(a, loopback_store.port)]
+    assert accepted == [], f"bound to 127.0.0.1 but accepted connections on {accepted}"
+
+
+def test_a_c10d_client_uses_the_store_as_torchrun_does(loopback_store: _Store) -> None:
+    """torchrun's agents connect as plain TCPStore clients (``--rdzv-conf is_host=false``)."""
+    from torch.distributed import TCPStore
+
+    a = TCPStore("127.0.0.1", loopback_store.port, is_master=False, timeout=timedelta(seconds=30))
+    b = TCPStore("127.0.0.1", loopback_store.port, is_master=False, timeout=timedelta(seconds=30))
+    a.set("torch.rendezvous.test", b"state")
+    assert b.get("torch.rendezvous.test") == b"state"
+    assert b.add("torch.rendezvous.test.counter", 1) == 1 and a.add("torch.rendezvous.test.counter", 1) == 2
+    assert b.compare_set("torch.rendezvous.test", b"state", b"next") == b"next"
+
+
+def test_the_default_host_is_loopback() -> None:
+    # --port 0: the store takes a free port and says which in its line
+    for store in _start([sys.executable, "-m", "daemon.cli", "rendezvous", "--port", "0"]):
+        assert store.port > 0
+        assert store.host == "127.0.0.1"
+        assert all(_refuses(a, store.port) for a in _other_local_addresses())
+    for store in _start([sys.executable, "-m", "daemon.rendezvous", "--port", "0"]):
+        assert store.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("argv", [["--host", ""]])
+def test_an_empty_host_is_one_line_and_exit_2(argv: list[str]) -> None:
+    """What the unit passes when SPOTVISOR_RDZV_HOST is unset: never read as "every interface"."""
+    r = subprocess.run([sys.executable, "-m", "daemon.cli", "rendezvous", *argv, "--port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "--host" in err[0] and "SPOTVISOR_RDZV_HOST" in err[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_taken_port_is_one_line_and_exit_1(loopback_store: _Store) -> None:
+    r = subprocess.run([sys.executable, "-m", "daemon.cli", "rendezvous", "--host", "127.0.0.1",
+                        "--port", str(loopback_store.port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{loopback_store.port}" in err[0], r.stderr
+
+
+# -- what ships: the unit and the cloud configs ----------------------------------------------
+
+PRIVATE = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")]
+
+
+def _is_private(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return ip.is_loopback or any(ip in net for net in PRIVATE)
+
+
+def test_the_rendezvous_unit_binds_the_address_the_operator_sets() -> None:
+    text = (ROOT / "systemd/spotvisor-rendezvous.service").read_text()
+    [exec_start] = re.findall(r"^ExecStart=(.*)$", text, re.M)
+    assert "--host ${SPOTVISOR_RDZV_HOST}" in exec_start, exec_start
+    assert re.search(r"^EnvironmentFile=/etc/spotvisor/rendezvous\.env$", text, re.M), \
+        "the unit must not start without the operator's address file"
+    for unit in (ROOT / "systemd").glob("*.service"):
+        code = "\n".join(line for line in unit.read_text().splitlines() if not line.startswith("#"))
+        assert "0.0.0.0" not in code and "[::]" not in code, unit.name
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "aliyun.yaml", "multi-cloud.yaml"])
+def test_cloud_configs_bind_a_private_address(name: str) -> None:
+    raw = yaml.safe_load((ROOT / "configs" / name).read_text())
+    assert _is_private(raw["rendezvous"]["host"]), raw["rendezvous"]
+    assert _is_private(raw["daemon"]["agent_host"]), raw["daemon"]
+    assert not raw["rendezvous"].get("allow_public", False)
+    text = (ROOT / "configs" / name).read_text()
+    assert re.search(r"^#.*security group.*\n(#.*\n)*rendezvous:", text, re.M), \
+        f"{name}: the comment above the rendezvous section says who may reach the port"
