@@ -29,13 +29,24 @@ lives). Changes of the spot price during a node's life are not followed (a cloud
 bills them); a failed launch costs nothing. The on-demand equivalent is the offer's
 ``on_demand_price_usd_h`` (config) × the same hours; a node whose offer has none
 is listed as unpriced and left out of the savings.
+
+**Bad values in the log**: the counters are rebuilt from the event log, which may hold
+what an older daemon stored unchecked from a node (``bytes: -1``, ``seconds: NaN``,
+``lost_steps: true``, a string, a number too large for a float). Such a value is
+ignored, never raised (a Prometheus counter refuses a negative increment, and one
+raise would fail every scrape, also after a restart): the rest of its event still
+counts, one log line (``metrics_event_value_ignored``) names the event, and
+``spotvisor_event_values_ignored_total{kind, field}`` counts them. Gauges read from the
+supervisor's state show only finite numbers (a series with anything else is left out).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.aiohttp import make_aiohttp_handler
@@ -49,6 +60,8 @@ if TYPE_CHECKING:
     from daemon.supervisor import Supervisor
 
 __all__ = ["DaemonMetrics", "JobTimeline", "job_timeline", "cost_report", "goodput", "TIMELINE_KINDS"]
+
+log = structlog.get_logger("spotvisor.metrics")
 
 _K = EventKind
 TIMELINE_KINDS = [k.value for k in (_K.NODE_LAUNCH_REQUESTED, _K.NODE_ADMITTED, _K.JOB_RESUMED, _K.JOB_COMPLETED,
@@ -197,6 +210,31 @@ def _offer_key(offer: "OfferSpec | None", n: Node) -> str:
 
 # -- Prometheus ---------------------------------------------------------------------------------
 _COMMIT_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
+_LABEL_MAX_CHARS = 64  # a label value taken from event data (a commit's reason)
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a finite float if it is a real number (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an int past 1.8e308
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _amount(v: Any) -> float | None:
+    """``v`` as what a counter may add or a histogram observe: a finite number >= 0, else None."""
+    f = _finite(v)
+    return f if f is not None and f >= 0 else None
+
+
+def _label(v: Any, default: str = "unknown") -> str:
+    """A label value from event data: a non-empty string (cut, valid UTF-8), else ``default``."""
+    if not isinstance(v, str) or not v:
+        return default
+    return v[:_LABEL_MAX_CHARS].encode("utf-8", "replace").decode("utf-8")
 
 
 class DaemonMetrics:
@@ -234,13 +272,21 @@ class DaemonMetrics:
                                         registry=r)
         self.underutilized = Counter("spotvisor_gpu_underutilized", "gpu_underutilized episodes reported.",
                                      registry=r)
+        self.ignored = Counter("spotvisor_event_values_ignored",
+                               "Values in stored events the metrics ignored (negative, not finite, not a number; "
+                               "field=event: a whole event that could not be tallied).", ["kind", "field"],
+                               registry=r)
         r.register(_StateCollector(self))
         self._inner = make_aiohttp_handler(r)
 
     def refresh(self) -> None:
-        """Tally the events recorded since the last refresh (the whole log the first time)."""
+        """Tally the events recorded since the last refresh (the whole log the first time).
+        Never raises for an event's content: a bad value is ignored (module docstring)."""
         for ev in self.sup.store.events(since=self._seen_seq):
-            self._tally(ev)
+            try:
+                self._tally(ev)
+            except Exception as exc:  # noqa: BLE001 - one stored event must not fail every scrape
+                self._ignore(ev, "event", repr(exc))
             self._seen_seq = ev.seq
 
     def text(self) -> str:
@@ -255,8 +301,31 @@ class DaemonMetrics:
         node = self.sup.nodes.get(ev.node or "")
         return node.provider if node is not None else "unknown"
 
+    def _ignore(self, ev: Event, field: str, value: Any) -> None:
+        """A value of ``ev`` that no metric can take: one log line, one count."""
+        try:
+            shown = repr(value)[:100]
+        except Exception:  # noqa: BLE001 - an int past the 4,300-digit limit
+            shown = f"<{type(value).__name__}>"
+        log.warning("metrics_event_value_ignored", seq=ev.seq, kind=ev.kind, node=ev.node, field=field,
+                    value=shown)
+        self.ignored.labels(_label(ev.kind), field).inc()
+
+    def _amount(self, ev: Event, d: Mapping[str, Any], key: str) -> float | None:
+        """``d[key]`` as a finite number >= 0; None when absent, or ignored (logged, counted)."""
+        v = d.get(key)
+        if v is None:
+            return None
+        f = _amount(v)
+        if f is None:
+            self._ignore(ev, key, v)
+        return f
+
     def _tally(self, ev: Event) -> None:
         d = ev.data
+        if not isinstance(d, Mapping):
+            self._ignore(ev, "data", d)
+            d = {}
         self.events.labels(ev.kind).inc()
         if ev.kind == _K.INTERRUPTION_NOTICE:
             self.notices.labels(self._provider(ev)).inc()
@@ -265,15 +334,22 @@ class DaemonMetrics:
         elif ev.kind == _K.NODE_LOST:
             self.lost.labels(self._provider(ev)).inc()
         elif ev.kind == _K.CHECKPOINT_COMMITTED:
-            self.commits.labels(str(d.get("reason") or "unknown")).inc()
-            if isinstance(d.get("seconds"), (int, float)):
-                self.commit_seconds.observe(d["seconds"])
-            if isinstance(d.get("bytes"), (int, float)):
-                self.commit_bytes.inc(d["bytes"])
-                self.last_commit_bytes.set(d["bytes"])
-        elif ev.kind == _K.JOB_RESUMED and isinstance(d.get("lost_steps"), int) and d["lost_steps"] > 0:
-            self.lost_steps += d["lost_steps"]
-            self.lost_steps_total.inc(d["lost_steps"])
+            self.commits.labels(_label(d.get("reason"))).inc()
+            seconds = self._amount(ev, d, "seconds")
+            if seconds is not None:
+                self.commit_seconds.observe(seconds)
+            size = self._amount(ev, d, "bytes")
+            if size is not None:
+                self.commit_bytes.inc(size)
+                self.last_commit_bytes.set(size)
+        elif ev.kind == _K.JOB_RESUMED and d.get("lost_steps") is not None:
+            lost = d["lost_steps"]
+            if isinstance(lost, int) and _amount(lost) is not None:  # a count: an int >= 0 (not a bool)
+                if lost > 0:
+                    self.lost_steps += lost
+                    self.lost_steps_total.inc(lost)
+            else:
+                self._ignore(ev, "lost_steps", lost)
         elif ev.kind == _K.GPU_UNDERUTILIZED:
             self.underutilized.inc()
 
@@ -301,11 +377,15 @@ class _StateCollector:
         yield state
         yield GaugeMetricFamily("spotvisor_job_target_steps", "The job's target step.",
                                 value=sup.config.job.target_steps)
-        if job.step is not None:
-            yield GaugeMetricFamily("spotvisor_job_step", "The job's current step.", value=job.step)
-        if job.world_size is not None:
-            yield GaugeMetricFamily("spotvisor_world_size", "Ranks in the job now.", value=job.world_size)
-        g = goodput(job.step, self.m.lost_steps)
+        # the job's step and world size come from what nodes reported (stored by an older
+        # daemon unchecked): a series shows only a finite number
+        step = _finite(job.step)
+        if step is not None:
+            yield GaugeMetricFamily("spotvisor_job_step", "The job's current step.", value=step)
+        world = _finite(job.world_size)
+        if world is not None:
+            yield GaugeMetricFamily("spotvisor_world_size", "Ranks in the job now.", value=world)
+        g = None if step is None else goodput(step, self.m.lost_steps)
         if g is not None:
             yield GaugeMetricFamily("spotvisor_goodput_ratio", "Steps completed / steps executed (1 = none lost).",
                                     value=g)
@@ -343,12 +423,10 @@ class _StateCollector:
             if n.state.is_terminal():
                 continue
             for s in sup.gpu_watch.latest(n.id) or ():
-                if s.sm_util_pct is not None:
-                    util.add_metric([n.id, str(s.index)], s.sm_util_pct)
-                if s.mem_used_bytes is not None:
-                    used.add_metric([n.id, str(s.index)], s.mem_used_bytes)
-                if s.mem_total_bytes is not None:
-                    total.add_metric([n.id, str(s.index)], s.mem_total_bytes)
+                for fam, value in ((util, s.sm_util_pct), (used, s.mem_used_bytes), (total, s.mem_total_bytes)):
+                    v = _finite(value)
+                    if v is not None:
+                        fam.add_metric([n.id, str(s.index)], v)
         yield util
         yield used
         yield total
