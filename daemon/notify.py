@@ -73,6 +73,21 @@ well on a phone, a context line with pool, ``seq`` and time, and ``text`` as the
 notification fallback. Several events (up to ``max_batch``, default and most 24) are
 one :func:`slack_digest`: a header with the count, then per event its line and a
 context with ``seq`` and time, within Slack's 50 blocks.
+
+**A bad event never stops a sink**: rendering is total (:mod:`daemon.feed_messages`:
+any data an older daemon stored renders, the webhook body is strict JSON), and should
+rendering an event still raise (a bug), the worker logs it once
+(``notify_render_failed``, error level), sends that event as a fallback line (kind and
+``seq``) and goes on; the cursor still moves in order.
+
+**Secret URLs stay out of the logs**: a sink's URL from ``url_env`` (and every Slack
+hook URL: the URL is the credential) is registered as a secret when the sinks are
+resolved; wherever it could reach a log it is shown as ``scheme://host/…``: our own
+lines (a delivery error quotes aiohttp's exception, which holds the URL), slack-sdk's
+DEBUG lines (it logs each request's URL; its client logs through
+``spotvisor.notify.slack_sdk``), and any stdlib record that passes a handler of the
+root logger or one of slack-sdk's, aiohttp's or asyncio's loggers
+(:class:`SecretRedactingFilter`).
 """
 
 from __future__ import annotations
@@ -84,8 +99,10 @@ import email.utils
 import functools
 import hashlib
 import hmac
+import logging
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,6 +110,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import aiohttp
 import structlog
+import yarl
 from slack_sdk.errors import SlackObjectFormationError
 from slack_sdk.webhook.async_client import AsyncWebhookClient
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
@@ -110,6 +128,7 @@ from daemon.feed_messages import (  # what an event says; re-exported here
     SLACK_TEXT_MAX_CHARS,
     SlackMessage,
     clip,
+    fallback_text,
     key_fields,
     render_text,
     slack_digest,
@@ -139,6 +158,10 @@ __all__ = [
     "EMOJI",
     "TIMESTAMP_HEADER",
     "SIGNATURE_HEADER",
+    "SecretRedactingFilter",
+    "redact_secrets",
+    "redact_url",
+    "register_secret_url",
     # re-exported from daemon.feed_messages
     "slack_escape",
     "title",
@@ -165,13 +188,113 @@ _JOIN_TIMEOUT_S = 10.0  # aclose waits this long for the feed's thread (its work
 # limits": posting messages 1 per second, short bursts allowed, then HTTP 429 + Retry-After)
 SLACK_MIN_INTERVAL_S = 1.0
 
+# -- secret URLs ----------------------------------------------------------------------------------
+_URL_HEAD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*)://([^/?#\s]*)")
+_MIN_SECRET_PATH = 6  # a path shorter than this ("/hook") is not looked for on its own
+_secrets: dict[str, str] = {}  # secret text -> what is shown instead
+_secrets_re: re.Pattern[str] | None = None  # every key of _secrets, longest first
+_secrets_lock = threading.Lock()
+# loggers whose records can carry a sink's URL (filters on a logger see only its own records)
+_REDACTED_LOGGERS = ("slack_sdk", "slack_sdk.webhook.async_client", "slack_sdk.webhook.client",
+                     "slack_sdk.http_retry", "aiohttp", "aiohttp.client", "aiohttp.access", "aiohttp.server",
+                     "aiohttp.web", "aiohttp.internal", "asyncio")
+SLACK_SDK_LOGGER = "spotvisor.notify.slack_sdk"  # the logger slack-sdk's client is given
+
+
+def redact_url(url: str) -> str:
+    """``url`` without what may be secret: ``scheme://host[:port]/…`` (no user info, path,
+    query or fragment), also for a malformed URL; ``<redacted URL>`` when not even a
+    scheme and host can be read."""
+    m = _URL_HEAD.match(url)
+    if m is None:
+        return "<redacted URL>"
+    host = m.group(2).rpartition("@")[2]  # user:password@ is a secret too
+    return f"{m.group(1)}://{host}/…"
+
+
+def register_secret_url(url: str) -> str:
+    """Remember ``url`` as a secret: from now on :func:`redact_secrets` (and so
+    :class:`SecretRedactingFilter`) shows it as :func:`redact_url` does, whole or as the
+    path alone, as written or as aiohttp/yarl prints it (percent-encoded). Returns the
+    redacted form. Thread-safe; idempotent."""
+    global _secrets_re
+    shown = redact_url(url)
+    forms = {url: shown, url.strip(): shown}
+    try:
+        u = yarl.URL(url.strip())
+        forms.update({str(u): shown, u.human_repr(): shown})
+    except Exception:  # noqa: BLE001 - a malformed URL: its raw form is what gets logged
+        pass
+    for full in list(forms):
+        m = _URL_HEAD.match(full)
+        rest = full[m.end():] if m else ""
+        if len(rest) >= _MIN_SECRET_PATH:
+            forms[rest] = "/…"
+    forms = {k: v for k, v in forms.items() if k}
+    with _secrets_lock:
+        if all(k in _secrets for k in forms):
+            return shown
+        _secrets.update(forms)
+        _secrets_re = re.compile("|".join(re.escape(k) for k in sorted(_secrets, key=len, reverse=True)))
+    install_log_redaction()
+    return shown
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with every registered secret URL (or its path) replaced by its redacted form."""
+    pattern = _secrets_re
+    if pattern is None or not text:
+        return text
+    return pattern.sub(lambda m: _secrets.get(m.group(0), "…"), text)
+
+
+class SecretRedactingFilter(logging.Filter):
+    """A :class:`logging.Filter` that redacts the registered secret URLs from a record's
+    message, arguments and exception text (it changes the record, and never drops one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _secrets_re is None:
+            return True
+        try:
+            msg = record.getMessage()
+            clean = redact_secrets(msg)
+            if clean != msg:
+                record.msg, record.args = clean, None
+            if record.exc_info and not record.exc_text:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+            if record.exc_text:
+                clean = redact_secrets(record.exc_text)
+                if clean != record.exc_text:  # a handler that formats exc_info itself would show it whole
+                    record.exc_text, record.exc_info = clean, None
+            if record.stack_info:
+                record.stack_info = redact_secrets(record.stack_info)
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted: left to logging's own handling
+            pass
+        return True
+
+
+_FILTER = SecretRedactingFilter()
+
+
+def install_log_redaction() -> None:
+    """Attach :class:`SecretRedactingFilter` to the handlers of the root logger and to the
+    loggers that can log a sink's URL (slack-sdk's, aiohttp's, asyncio's, ours). Idempotent;
+    called on each :func:`register_secret_url` and at :meth:`Notifier.start` (handlers
+    added later, by a later ``logging`` set-up, get it then)."""
+    for name in (*_REDACTED_LOGGERS, SLACK_SDK_LOGGER):
+        logging.getLogger(name).addFilter(_FILTER)  # addFilter adds a filter once
+    for h in logging.getLogger().handlers:
+        h.addFilter(_FILTER)
+
+
 class DeliveryError(Exception):
     """A sink did not answer 2xx, or could not be reached in ``timeout_s``; retried.
 
+    The message has the registered secret URLs redacted (:func:`redact_secrets`).
     ``retry_after_s``: the wait the sink asked for (a 429's ``Retry-After``), or None."""
 
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
+        super().__init__(redact_secrets(message))
         self.retry_after_s = retry_after_s
 
 
@@ -258,9 +381,12 @@ class Target:
 def resolve_sinks(specs: Sequence[SinkSpec], environ: Mapping[str, str] | None = None) -> list[Target]:
     """Read each sink's ``url_env`` / ``secret_env`` from ``environ`` (default ``os.environ``).
 
+    Every URL read from ``url_env``, and every Slack hook URL, is registered as a secret
+    (:func:`register_secret_url`): logs show it as ``scheme://host/…``.
+
     Raises:
         ConfigError: a named variable is unset or empty; one line per problem, naming
-            the field (``notify.<i>.url_env``) and the variable.
+            the field (``notify.<i>.url_env``) and the variable (never the URL).
     """
     env = os.environ if environ is None else environ
     out: list[Target] = []
@@ -283,6 +409,8 @@ def resolve_sinks(specs: Sequence[SinkSpec], environ: Mapping[str, str] | None =
             else:
                 secret = value.encode()
         if url is not None:
+            if spec.url_env is not None or spec.type == "slack":
+                register_secret_url(url)
             out.append(Target(spec, url, secret))
     if problems:
         raise ConfigError(problems)
@@ -306,15 +434,37 @@ class _Sender:
     def prepare(self, batch: Sequence[tuple[Event, Node | None]]) -> Any:
         raise NotImplementedError
 
+    def prepare_fallback(self, batch: Sequence[tuple[Event, Node | None]]) -> Any:
+        """What is sent when :meth:`prepare` raised (a bug): each event's kind and ``seq``."""
+        raise NotImplementedError
+
+    def _text(self, ev: Event, node: Node | None, *, log_failure: bool = True) -> str:
+        """The event's line for this sink; its fallback line if rendering raised (logged
+        once, unless ``log_failure`` is False: the caller has logged it)."""
+        try:
+            return render_text(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind))
+        except Exception as exc:  # noqa: BLE001 - one event must not stop the sink
+            if log_failure:
+                _render_failed(self.target.name, [ev], exc)
+            return fallback_text(ev)
+
     async def send(self, prepared: Any) -> None:
         raise NotImplementedError
 
 
+def _render_failed(sink: str, events: Sequence[Event], exc: BaseException) -> None:
+    log.error("notify_render_failed", sink=sink, seq=events[0].seq, last_seq=events[-1].seq,
+              kinds=sorted({str(ev.kind) for ev in events}), error=redact_secrets(clip(repr(exc), 500)),
+              sent="a fallback line per event")
+
+
 class _WebhookSender(_Sender):
     def prepare(self, batch: Sequence[tuple[Event, Node | None]]) -> bytes:
-        return webhook_batch_body(
-            [(ev, render_text(ev, pool=self.pool, node=node, template=self.target.template_for(ev.kind)))
-             for ev, node in batch], pool=self.pool)
+        return webhook_batch_body([(ev, self._text(ev, node)) for ev, node in batch], pool=self.pool)
+
+    def prepare_fallback(self, batch: Sequence[tuple[Event, Node | None]]) -> bytes:
+        return webhook_batch_body([(Event(ev.seq, ev.time, ev.kind, ev.node, {}), fallback_text(ev))
+                                   for ev, _ in batch], pool=self.pool)
 
     async def send(self, prepared: bytes) -> None:
         assert self.target.secret is not None  # resolve_sinks requires it for webhooks
@@ -327,15 +477,17 @@ class _WebhookSender(_Sender):
                     raise DeliveryError(f"HTTP {r.status}: {clip((await r.text()).strip(), 200)}",
                                         retry_after_s=retry_after_s(r.status, r.headers))
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
+            raise DeliveryError(f"{type(exc).__name__}: {exc}") from None  # its URL: not kept on the chain
 
 
 class _SlackSender(_Sender):
     def __init__(self, target: Target, session: aiohttp.ClientSession, pool: str,
                  clock: Callable[[], float]) -> None:
         super().__init__(target, session, pool, clock)
-        # tenacity is the one retry layer: slack-sdk's own handlers are off
-        self.client = AsyncWebhookClient(target.url, session=session, retry_handlers=[])
+        # tenacity is the one retry layer: slack-sdk's own handlers are off. Its DEBUG lines
+        # quote the hook URL: they go through a logger whose filter redacts it
+        self.client = AsyncWebhookClient(target.url, session=session, retry_handlers=[],
+                                         logger=logging.getLogger(SLACK_SDK_LOGGER))
         self._next_at = 0.0  # loop time of the next slot: one message per SLACK_MIN_INTERVAL_S
 
     async def pace(self) -> None:
@@ -349,9 +501,13 @@ class _SlackSender(_Sender):
             msg.to_dict()
         except SlackObjectFormationError as exc:  # a bug here must not stop the feed: send the text alone
             log.error("notify_blocks_invalid", sink=self.target.name, seq=batch[0][0].seq,
-                      last_seq=batch[-1][0].seq, error=str(exc))
+                      last_seq=batch[-1][0].seq, error=redact_secrets(str(exc)))
             return SlackMessage(text=msg.text, blocks=[])
         return msg
+
+    def prepare_fallback(self, batch: Sequence[tuple[Event, Node | None]]) -> SlackMessage:
+        lines = [slack_escape(self._text(ev, node, log_failure=False)) for ev, node in batch]
+        return SlackMessage(text=clip("\n".join(lines), SLACK_TEXT_MAX_CHARS), blocks=[])
 
     async def send(self, prepared: SlackMessage) -> None:
         await self.pace()  # a retry counts against the rate limit too
@@ -359,7 +515,7 @@ class _SlackSender(_Sender):
         try:
             resp = await self.client.send(text=prepared.text, blocks=prepared.blocks or None)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
+            raise DeliveryError(f"{type(exc).__name__}: {exc}") from None  # its URL: not kept on the chain
         if not 200 <= resp.status_code < 300:
             raise DeliveryError(f"HTTP {resp.status_code}: {clip(str(resp.body).strip(), 200)}",
                                 retry_after_s=retry_after_s(resp.status_code, resp.headers or {}))
@@ -479,6 +635,7 @@ class Notifier:
         self._started = True
         if not self.targets:
             return
+        install_log_redaction()  # the logging set-up is done by now: its handlers get the filter
         if self.store.in_memory:
             raise ValueError("the feed reads the store from its own thread through a second connection: "
                              "it needs a database file, not :memory:")
@@ -566,7 +723,7 @@ class Notifier:
         try:
             asyncio.run(self._feed(cursors, ready))
         except Exception as exc:  # after the setup (a failed one is start()'s to raise)
-            log.error("task_crashed", task=FEED_THREAD, error=repr(exc))
+            log.error("task_crashed", task=FEED_THREAD, error=redact_secrets(repr(exc)))
 
     async def _feed(self, cursors: dict[str, int], ready: concurrent.futures.Future[None]) -> None:
         """The feed's loop: open its connection and sessions, run the workers until
@@ -639,7 +796,7 @@ class Notifier:
     def _task_done(self, w: _Worker, t: asyncio.Task[None]) -> None:
         w.stopped = True
         if not t.cancelled() and t.exception() is not None:
-            log.error("task_crashed", task=t.get_name(), error=repr(t.exception()))
+            log.error("task_crashed", task=t.get_name(), error=redact_secrets(repr(t.exception())))
         self._moved()
 
     async def _run(self, w: _Worker, store: Store) -> None:
@@ -672,7 +829,11 @@ class Notifier:
             self._moved()
 
     async def _deliver(self, w: _Worker, batch: list[tuple[Event, Node | None]]) -> None:
-        prepared = w.sender.prepare(batch)
+        try:
+            prepared = w.sender.prepare(batch)
+        except Exception as exc:  # noqa: BLE001 - a rendering bug: the batch goes as fallback lines, in order
+            _render_failed(w.target.name, [ev for ev, _ in batch], exc)
+            prepared = w.sender.prepare_fallback(batch)
         cap = w.target.spec.max_backoff_s
         first, last = batch[0][0].seq, batch[-1][0].seq
         retrying = AsyncRetrying(
@@ -696,4 +857,4 @@ class Notifier:
         exc = rs.outcome.exception() if rs.outcome is not None else None
         wait = rs.next_action.sleep if rs.next_action is not None else math.nan
         log.warning("notify_attempt_failed", sink=w.target.name, seq=first, last_seq=last, events=n,
-                    attempt=rs.attempt_number, error=str(exc), retry_in_s=round(wait, 2))
+                    attempt=rs.attempt_number, error=redact_secrets(str(exc)), retry_in_s=round(wait, 2))

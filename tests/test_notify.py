@@ -945,7 +945,7 @@ async def test_notice_answered_by_a_commit_is_not_a_flush_timeout(spot_daemon) -
     node, clock = await _running_node_on_manual_clock(h)
     h.sup.on_reports(node, [_notice("n-answered", clock)])
     h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
-        "event": "checkpoint_committed", "attempt": "a1", "step": 40, "notice_ids": ["n-answered"],
+        "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 40, "notice_ids": ["n-answered"],
         "seconds": 1.2}}])
     clock.advance(60)
     await h.sup.reconcile_once()
@@ -957,7 +957,8 @@ async def test_notice_without_commit_by_the_deadline_is_a_flush_timed_out_event(
     h = spot_daemon
     node, clock = await _running_node_on_manual_clock(h)
     h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
-        "event": "checkpoint_committed", "attempt": "a1", "step": 40, "notice_ids": [], "seconds": 1.2}}])
+        "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 40, "notice_ids": [],
+        "seconds": 1.2}}])
     h.sup.on_reports(node, [_notice("n-hung", clock)])
     (notice_ev,) = h.events("interruption_notice")  # recorded the moment it was reported
     clock.advance(10.0 + 4.0)  # past the deadline, inside the grace for a late commit report
