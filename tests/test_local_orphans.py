@@ -82,14 +82,13 @@ def rendezvous() -> Iterator[int]:
         proc.wait()
 
 
-def _config(tmp_path: Path, rdzv_port: int) -> Path:
+def _config(tmp_path: Path, rdzv_port: int, sockdir: str) -> Path:
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     raw["pool"].update({"min_nodes": 1, "target_nodes": 2, "max_nodes": 2})
     # long enough to be training whenever the daemon dies
     raw["job"].update({"target_steps": 1_000_000, "checkpoint_interval_steps": 1_000_000, "args": SMALL_MODEL})
     raw["job"].pop("model", None)
     raw["rendezvous"]["port"] = rdzv_port
-    sockdir = tempfile.mkdtemp(prefix="svo-", dir="/tmp")  # a unix socket's path is short
     raw["daemon"].update({"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
                           "agent_host": "127.0.0.1", "reconcile_interval_s": 0.1})
     raw["providers"]["local"]["launch_delay_s"] = 0.1
@@ -150,11 +149,12 @@ class _Daemon:
 
 @pytest.fixture
 def daemon(tmp_path: Path, rendezvous: int) -> Iterator[_Daemon]:
-    d = _Daemon(_config(tmp_path, rendezvous), tmp_path / "daemon.log")
-    try:
-        yield d
-    finally:
-        d.close()
+    with tempfile.TemporaryDirectory(prefix="svo-", dir="/tmp") as sockdir:  # a unix socket's path is short
+        d = _Daemon(_config(tmp_path, rendezvous, sockdir), tmp_path / "daemon.log")
+        try:
+            yield d
+        finally:
+            d.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
