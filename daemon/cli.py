@@ -16,6 +16,12 @@
 - ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
   (``spotvisor-rendezvous.service``), listening on ``H`` only (default 127.0.0.1).
 
+``run`` and ``demo`` hold an exclusive lock on the state directory (``spotvisord.lock``
+in it, :func:`state_dir_lock`) for their lifetime, taken before the store or the
+control socket is opened: a second daemon on the same directory exits 2 with one
+line naming the directory and the pid that holds it. The state directory is created
+0700 and the store 0600 whatever the umask (it holds every node's agent token).
+
 Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
 """
 
@@ -24,13 +30,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import fcntl
 import json
+import os
+import stat
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Mapping
 
 import structlog
 
@@ -45,9 +55,61 @@ from daemon.store import Store
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
     from daemon.supervisor import Supervisor
 
-__all__ = ["main", "running_daemon", "format_event"]
+__all__ = ["main", "running_daemon", "format_event", "prepare_state_dir", "state_dir_lock", "StateDirBusy"]
 
 log = structlog.get_logger("spotvisor.cli")
+
+LOCK_NAME = "spotvisord.lock"
+
+
+class StateDirBusy(Exception):
+    """Another process holds the state directory's lock; the message names it and its pid."""
+
+
+def prepare_state_dir(path: Path) -> Path:
+    """Create ``path`` 0700 whatever the umask (missing parents as the umask says), or
+    take access for others away from an existing one (a group's, e.g. systemd's
+    ``StateDirectoryMode=0750``, is kept). Returns ``path``. Raises ``OSError``: not a
+    directory, not writable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+        if mode & 0o007:
+            os.chmod(path, mode & 0o770)
+            log.warning("state_dir_tightened", state_dir=str(path), mode=f"{mode & 0o770:04o}", was=f"{mode:04o}")
+    else:
+        os.chmod(path, 0o700)  # the umask may have taken bits from mkdir's mode
+    return path
+
+
+@contextlib.contextmanager
+def state_dir_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path/spotvisord.lock`` (0600, holding this pid)
+    while the block runs; the kernel drops it when the process dies, however it dies.
+    Creates the directory as :func:`prepare_state_dir`. Raises :class:`StateDirBusy`
+    when another process holds it, ``OSError`` when the directory cannot be made."""
+    prepare_state_dir(path)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise StateDirBusy(f"state directory {path} is in use by another spotvisord (pid {holder}); "
+                               "stop that one, or give this one its own daemon.state_dir") from None
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # still held: no reader sees a stale pid
+    finally:
+        os.close(fd)
 
 
 @contextlib.asynccontextmanager
@@ -64,8 +126,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     from daemon.chaos import run_chaos
     from daemon.supervisor import Supervisor
 
-    state = config.daemon.state_path()
-    state.mkdir(parents=True, exist_ok=True)
+    state = prepare_state_dir(config.daemon.state_path())
     store = Store(state / "spotvisord.db").open()
     agent_args = [
         "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
@@ -253,23 +314,43 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spotvisord run: {exc}", file=sys.stderr)
             return 2
         configure_logging()
-        try:
-            return asyncio.run(_run(config, watchdog_s))
-        except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
-            print(f"spotvisord run: {exc}", file=sys.stderr)
-            return 1
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(state_dir_lock(config.daemon.state_path()))
+            except (StateDirBusy, OSError) as exc:
+                print(f"spotvisord run: {_state_dir_problem(config, exc)}", file=sys.stderr)
+                return 2
+            try:
+                return asyncio.run(_run(config, watchdog_s))
+            except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
+                print(f"spotvisord run: {exc}", file=sys.stderr)
+                return 1
     configure_logging(level="WARNING" if args.cmd == "demo" else None)
     if args.rendezvous_port:
         config = config.model_copy(
             update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
-    config = _with_run_dir(config)
-    try:
-        return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
-    except RuntimeError as exc:
-        print(f"spotvisord demo: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    with contextlib.ExitStack() as held:
+        try:  # the configured directory: the demo's control socket is there, its run dir under it
+            held.enter_context(state_dir_lock(config.daemon.state_path()))
+        except (StateDirBusy, OSError) as exc:
+            print(f"spotvisord demo: {_state_dir_problem(config, exc)}", file=sys.stderr)
+            return 2
+        config = _with_run_dir(config)
+        try:
+            return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
+        except RuntimeError as exc:
+            print(f"spotvisord demo: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+def _state_dir_problem(config: Config, exc: Exception) -> str:
+    """One line for a state directory that cannot be locked or made."""
+    if isinstance(exc, StateDirBusy):
+        return str(exc)
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"daemon.state_dir {config.daemon.state_path()}: {reason}; give a directory this user can write"
 
 
 if __name__ == "__main__":

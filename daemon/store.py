@@ -14,9 +14,12 @@ connection with :meth:`Store.open_sibling`: WAL lets it read while the daemon wr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -45,6 +48,22 @@ CREATE TABLE IF NOT EXISTS kv (
 """
 
 
+def _owner_only(path: Path) -> None:
+    """Create ``path`` (empty: SQLite reads it as a new database) if it is missing, and make
+    it and any SQLite files beside it 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm", "-journal"):
+        side = path.with_name(path.name + suffix)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_IMODE(side.stat().st_mode) != 0o600:
+                os.chmod(side, 0o600)
+
+
 class Store:
     """SQLite store. Construct, then :meth:`open`; :meth:`close` is idempotent.
 
@@ -64,7 +83,12 @@ class Store:
         return str(self.path) == ":memory:"
 
     def open(self) -> "Store":
+        """Open (creating) the database. The file is made 0600 whatever the umask, and so
+        are SQLite's ``-wal``/``-shm`` beside it (SQLite gives them the database's mode):
+        it holds every node's agent token. Raises ``OSError``/``sqlite3.Error``."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.in_memory:
+            _owner_only(self.path)
         db = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")

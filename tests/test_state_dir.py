@@ -1,0 +1,173 @@
+"""One daemon per state directory, and a state directory only its owner can read
+(issue 13, defects 5 and 9).
+
+Two ``spotvisord`` on one state directory each saw half the job (the second replaced
+the control socket and declared the first one's node lost); the store holds every
+node's agent token and was 0644 in a 0755 directory. Each test runs the real
+``spotvisord run`` as its own process (a local pool whose one instance never boots
+within the test: no agent, no torch) and waits for its READY=1 on a notify socket,
+as systemd does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    """A short directory for unix sockets (paths are limited to ~100 characters)."""
+    d = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _config(tmp_path: Path, state: Path, sock: Path) -> Path:
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "pool: {name: sd, min_nodes: 1, target_nodes: 1, max_nodes: 1}\n"
+        f"daemon: {{state_dir: '{state}', socket: '{sock}', reconcile_interval_s: 0.2}}\n"
+        "providers: {local: {launch_delay_s: 3600}}\n"
+        "offers: [{provider: local, zone: local-a}]\n"
+    )
+    return path
+
+
+class _Daemon:
+    """``spotvisord run --config CONFIG`` with a notify socket; ``ready()`` waits for READY=1."""
+
+    def __init__(self, config: Path, notify: Path, *, umask: int = 0o022) -> None:
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(notify))
+        self.notify.settimeout(60)  # start-up imports take seconds on a busy machine
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify), "PYTHONUNBUFFERED": "1"}
+        env.pop("WATCHDOG_USEC", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, umask=umask)
+
+    def ready(self) -> None:
+        while True:
+            try:
+                msg = self.notify.recv(4096).decode()
+            except TimeoutError:
+                pytest.fail(f"no READY=1; exit {self.proc.poll()}")
+            if "READY=1" in msg.split("\n"):
+                return
+
+    def close(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.proc.stderr.close()
+        self.notify.close()
+        return rc
+
+
+def _spotvisord(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_second_daemon_on_the_same_state_dir_exits_2_with_one_line(tmp_path: Path, sockdir: Path) -> None:
+    state, sock = tmp_path / "state", sockdir / "d.sock"
+    config = _config(tmp_path, state, sock)
+    first = _Daemon(config, sockdir / "notify")
+    try:
+        first.ready()
+        inode = sock.stat().st_ino
+        for cmd in ("run", "demo"):
+            r = _spotvisord(cmd, "--config", str(config))
+            assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+            err = r.stderr.strip().splitlines()
+            assert len(err) == 1, (cmd, r.stderr)
+            assert err[0].startswith(f"spotvisord {cmd}: ") and str(state) in err[0], err
+            assert f"pid {first.proc.pid}" in err[0], err
+            assert "Traceback" not in r.stderr
+        # the first daemon kept its control socket and its job
+        assert sock.stat().st_ino == inode
+        assert first.proc.poll() is None
+    finally:
+        assert first.close() == 0
+
+
+def test_the_lock_goes_with_its_daemon_even_a_killed_one(tmp_path: Path, sockdir: Path) -> None:
+    state, sock = tmp_path / "state", sockdir / "d.sock"
+    config = _config(tmp_path, state, sock)
+    first = _Daemon(config, sockdir / "notify")
+    try:
+        first.ready()
+    finally:
+        first.close(signal.SIGKILL)
+    second = _Daemon(config, sockdir / "notify2")
+    try:
+        second.ready()
+    finally:
+        assert second.close() == 0
+
+
+def test_the_state_dir_and_the_database_are_the_owners_only_whatever_the_umask(tmp_path: Path,
+                                                                               sockdir: Path) -> None:
+    state, sock = tmp_path / "new" / "state", sockdir / "d.sock"
+    daemon = _Daemon(_config(tmp_path, state, sock), sockdir / "notify", umask=0)
+    try:
+        daemon.ready()
+        assert _mode(state) == 0o700
+        db = state / "spotvisord.db"
+        files = [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
+        assert {f.name: oct(_mode(f)) for f in files} == {f.name: "0o600" for f in files}
+        others = {p.name: oct(_mode(p)) for p in state.iterdir() if p.is_file() and _mode(p) & 0o077}
+        assert others == {}, "every file in the state dir is the owner's only"
+    finally:
+        assert daemon.close() == 0
+
+
+def test_an_existing_world_readable_store_is_made_the_owners_only(tmp_path: Path, sockdir: Path) -> None:
+    """A state dir and store from an earlier run (0755, 0644) are tightened at the next start;
+    a group's access to the directory (the unit's StateDirectoryMode=0750) is kept."""
+    state, sock = tmp_path / "state", sockdir / "d.sock"
+    state.mkdir(mode=0o755)
+    os.chmod(state, 0o755)
+    db = state / "spotvisord.db"
+    for f in (db, db.with_name(db.name + "-wal")):
+        f.touch()
+        os.chmod(f, 0o644)
+    daemon = _Daemon(_config(tmp_path, state, sock), sockdir / "notify")
+    try:
+        daemon.ready()
+        assert _mode(state) == 0o750
+        assert _mode(db) == 0o600 and _mode(db.with_name(db.name + "-wal")) == 0o600
+    finally:
+        assert daemon.close() == 0
+
+
+def test_a_state_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path, sockdir: Path) -> None:
+    state = tmp_path / "state"
+    state.write_text("not a directory\n")
+    r = _spotvisord("run", "--config", str(_config(tmp_path, state, sockdir / "d.sock")))
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and str(state) in err[0] and "Traceback" not in r.stderr, r.stderr
