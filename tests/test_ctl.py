@@ -586,3 +586,15 @@ def test_no_daemon_one_line_exit_1() -> None:
                            capture_output=True, text=True, timeout=30)
         assert p.returncode == 1, (verb, p.stderr)
         assert sock in one_line(p.stderr) and p.stdout == ""
+
+
+def test_the_shell_prompt_needs_no_http_client() -> None:
+    """The shell's prompt (and ``-h``, and a usage error) loads no aiohttp, pydantic or torch: the
+    HTTP client was about two thirds of spotctl's start-up, and the shell needs it only for a verb."""
+    import subprocess
+
+    code = ("import sys; from pathlib import Path; from daemon.ctl import SpotShell; SpotShell(Path('/none'))\n"
+            "print(sorted(m for m in ('aiohttp', 'pydantic', 'structlog', 'torch') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
