@@ -57,29 +57,22 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
-
-
 def serve(host: str, port: int, stop: threading.Event,
-          on_listening: Callable[[int], None] | None = None) -> None:
+          on_listening: Callable[[str, int], None] | None = None) -> None:
     """Host a multi-tenant TCPStore on exactly ``host:port`` until ``stop`` is set.
 
-    ``on_listening(port)`` is called once the store accepts connections (``port``: the
-    one it took, for ``port`` 0). Raises what :func:`listen_socket` raises, and
-    ``RuntimeError`` if c10d cannot start its server."""
+    ``on_listening(address, port)`` is called once the store accepts connections: the
+    address ``host`` resolved to and the port it took (for ``port`` 0). Raises what
+    :func:`listen_socket` raises, and ``RuntimeError`` if c10d cannot start its server."""
     from torch.distributed import TCPStore
 
     sock = listen_socket(host, port)
-    bound = sock.getsockname()[1]
+    address, bound = sock.getsockname()[:2]
     # c10d owns the descriptor from here on (it closes it with the store)
     store = TCPStore(host, bound, is_master=True, multi_tenant=True, wait_for_workers=False,
                      timeout=timedelta(seconds=60), master_listen_fd=sock.detach())
     if on_listening is not None:
-        on_listening(bound)
+        on_listening(address, bound)
     stop.wait()
     del store
 
@@ -112,16 +105,20 @@ def main(argv: list[str] | None = None) -> int:
         print("spotvisor-rendezvous: --host is empty; give the control node's private address "
               "(the unit reads it from SPOTVISOR_RDZV_HOST in /etc/spotvisor/rendezvous.env)", file=sys.stderr)
         return 2
-    if _is_wildcard(host):
-        print(f"spotvisor-rendezvous: warning: --host {host} listens on every interface; whoever reaches "
-              "the port can run code in the job's torchrun agents (README, \"Trust model\")", file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+
+    def listening(address: str, port: int) -> None:
+        print(f"rendezvous store listening on {f'[{address}]' if ':' in address else address}:{port}", flush=True)
+        if ipaddress.ip_address(address).is_unspecified:
+            print(f"spotvisor-rendezvous: warning: --host {host} listens on every interface; whoever reaches "
+                  "the port can run code in the job's torchrun agents (README, \"Trust model\")",
+                  file=sys.stderr, flush=True)
+
     try:
-        serve(host, args.port, stop,
-              on_listening=lambda port: print(f"rendezvous store listening on {shown}:{port}", flush=True))
+        serve(host, args.port, stop, on_listening=listening)
     except socket.gaierror as exc:
         print(f"spotvisor-rendezvous: --host {host!r} does not resolve ({exc.strerror}); "
               "give the control node's private address", file=sys.stderr)
