@@ -239,6 +239,8 @@ def _config(o: Options, tmp: Path, sock: str, hook_url: str) -> dict[str, Any]:
                    "max_heartbeats_per_second": o.max_heartbeats_per_second},
         # two zones: a replacement goes to the zone that did not just get notices
         "offers": [{**offer, "zone": "sim-a"}, {**offer, "zone": "sim-b"}],
+        # the simulated agents are coroutines, not processes: the local provider's cap does not apply
+        "providers": {"local": {"max_nodes": n}},
         "notify": [{"name": "bench", "type": "webhook", "url": hook_url, "secret_env": SECRET_ENV}],
     }
 

@@ -39,6 +39,9 @@ from daemon.gpu import parse_samples
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import TORCHRUN_ARGV, TRAINER_STATES, EventKind, JobState, Node, NodeState
 from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval
+from daemon.reports import (
+    Limits, MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report, parse_step,
+)
 
 __all__ = ["AgentChannel"]
 
@@ -53,6 +56,11 @@ AVOID_ZONE_S = 300.0
 # agent's report retry backs off up to 5 s): wait this long past it before saying
 # the flush timed out
 FLUSH_GRACE_S = 5.0
+# a resume whose commit no node has reported yet waits this long (seconds) for the
+# report before the daemon reads the commit's manifest from the store itself
+RESUME_HOLD_S = 10.0
+# nodes whose trainer is in the job: whose trainer status may change the job
+_IN_JOB = frozenset({NodeState.RUNNING, NodeState.DRAINING})
 
 
 class AgentChannel:
@@ -89,8 +97,12 @@ class AgentChannel:
                 node.trainer = trainer["state"]
                 self.store.put_node(node)
                 self.wake()
-        step = body.get("step")
-        if isinstance(step, int):
+        try:
+            step = parse_step(body.get("step"), self._limits())
+        except ReportError as exc:
+            self._drop(node, "heartbeat", str(exc), body.get("step"))
+            step = None
+        if step is not None:
             node.step = step
             if self.job.step is None or step > self.job.step:
                 self.job.step = step
@@ -191,36 +203,51 @@ class AgentChannel:
         return interval
 
     def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
-        """Apply an agent's batch of reports, in order. A report that cannot be used
-        (:func:`_report_problem`) is logged and dropped whole before anything of it is
-        applied: raising here would answer 500, and the agent resends a failed batch
-        until it is accepted, re-applying the reports before the bad one each time and
-        holding back every report after it (a notice, a commit) for good."""
+        """Apply an agent's batch of reports, in order. Each is parsed and bounded at the
+        edge (:func:`daemon.reports.parse_report`); one that cannot be used is dropped
+        whole with one log line and one count (:meth:`_drop`), never stored, and the rest
+        of the batch goes on: raising here would answer 500, and the agent resends a
+        failed batch until it is accepted, re-applying the reports before the bad one
+        each time and holding back every report after it (a notice, a commit) for good."""
         self._seen(node)
+        limits = self._limits()
         for r in reports:
-            problem = _report_problem(r)
-            if problem is not None:
-                log.warning("agent_report_dropped", node_id=node.id, problem=problem, report=repr(r)[:200])
+            kind = r.get("kind") if isinstance(r, dict) else None
+            try:
+                msg = parse_report(r, limits)
+            except ReportError as exc:
+                self._drop(node, str(kind)[:40], str(exc), r)
                 continue
-            kind = r.get("kind")
-            if kind == "interruption_notice":
-                self._on_notice(node, r)
-            elif kind == "trainer_status" and isinstance(r.get("line"), dict):
-                self._on_trainer_status(node, r["line"])
-            elif kind == "rebalance_recommendation":
-                self._on_rebalance(node, r)
-            elif kind == "metadata_unreachable":
-                self.record(EventKind.METADATA_UNREACHABLE, node.id, failures=r.get("failures"),
-                            error=r.get("error"), url=r.get("url"))
-            elif kind == "metadata_recovered":
-                self.record(EventKind.METADATA_RECOVERED, node.id, failures=r.get("failures"))
-            elif kind == "trainer_exited":
+            if msg is None:
+                log.warning("unknown_report", node_id=node.id, kind=str(kind)[:40])
+            elif isinstance(msg, NoticeReport) and msg.kind == "interruption_notice":
+                self._on_notice(node, msg)
+            elif isinstance(msg, NoticeReport):
+                self._on_rebalance(node, msg)
+            elif isinstance(msg, StatusLine):
+                self._on_trainer_status(node, msg)
+            elif isinstance(msg, MetadataAlarm):
+                if msg.kind == "metadata_unreachable":
+                    self.record(EventKind.METADATA_UNREACHABLE, node.id, failures=msg.failures,
+                                error=msg.error, url=msg.url)
+                else:
+                    self.record(EventKind.METADATA_RECOVERED, node.id, failures=msg.failures)
+            elif isinstance(msg, TrainerExited):
                 node.trainer = "exited"
                 self.store.put_node(node)
-                self.record(EventKind.TRAINER_EXITED, node.id, exit_code=r.get("exit_code"))
+                self.record(EventKind.TRAINER_EXITED, node.id, exit_code=msg.exit_code)
                 self.wake()
-            else:
-                log.warning("unknown_report", node_id=node.id, kind=kind)
+
+    def _limits(self) -> Limits:
+        c = self.config
+        gpus = max((o.gpus_per_node for o in c.offers), default=1)
+        return Limits(max_step=c.job.target_steps, max_world_size=c.pool.max_nodes * gpus, now=self.clock())
+
+    def _drop(self, node: Node, kind: str, problem: str, what: Any) -> None:
+        """A report (or a heartbeat's field) that cannot be used: one log line, one
+        count in :attr:`reports_dropped` (``spotvisor_agent_reports_dropped_total``)."""
+        self.reports_dropped[kind] += 1
+        log.warning("agent_report_dropped", node_id=node.id, kind=kind, problem=problem, report=repr(what)[:200])
 
     def _seen(self, node: Node) -> None:
         node.last_heartbeat = self.clock()
@@ -230,21 +257,20 @@ class AgentChannel:
             self.record(EventKind.NODE_READY, node.id, boot_s=round(node.ready_at - node.created_at, 2))
             self.wake()
 
-    def _on_notice(self, node: Node, r: dict[str, Any]) -> None:
-        notice = r.get("notice") or {}
-        node.deadline = r.get("deadline")
-        seen_at = r.get("seen_at")
-        published_at = self._published_at(node, notice.get("provider"), node.deadline)
+    def _on_notice(self, node: Node, n: NoticeReport) -> None:
+        node.deadline = n.deadline
+        seen_at = n.seen_at
+        published_at = self._published_at(node, n.provider, node.deadline)
         in_job = node.state is NodeState.RUNNING and node.trainer == "running"
-        self.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=notice.get("id"),
-                    action=notice.get("action"), deadline=notice.get("deadline"), provider=notice.get("provider"),
+        self.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=n.notice_id,
+                    action=n.action, deadline=n.notice_deadline, provider=n.provider,
                     notice_published_at=published_at, notice_seen_at=seen_at,
                     detection_latency_s=None if published_at is None or seen_at is None
                     else round(seen_at - published_at, 3))
-        if in_job and notice.get("id") is not None:  # its flush must commit before the deadline
-            lead = DOCUMENTED_LEAD_S.get(notice.get("provider") or "", 120.0)
+        if in_job and n.notice_id is not None:  # its flush must commit before the deadline
+            lead = DOCUMENTED_LEAD_S.get(n.provider or "", 120.0)
             due = node.deadline if node.deadline is not None else self.clock() + lead
-            self._flushes.setdefault(str(notice["id"]), (node.id, due + FLUSH_GRACE_S))
+            self._flushes.setdefault(n.notice_id, (node.id, due + FLUSH_GRACE_S))
         if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
             self._set_state(node, NodeState.DRAINING, "interruption notice")
         # the replacement prefers another zone (SkyPilot's EAGER_NEXT_REGION, first retry)
@@ -253,21 +279,20 @@ class AgentChannel:
             self._rejoin.nodes.discard(node.id)
         self.wake()
 
-    def _on_rebalance(self, node: Node, r: dict[str, Any]) -> None:
+    def _on_rebalance(self, node: Node, n: NoticeReport) -> None:
         """A rebalance recommendation: the pool's policy decides (see PoolSpec.rebalance_policy).
 
         ``checkpoint``: the job commits now and keeps running, so a notice that follows
         finds little to flush. ``replace``: the node stops counting as capacity, a
         replacement launches now, and the node is drained once the replacement is ready.
         """
-        notice = r.get("notice") or {}
         policy = self.config.pool.rebalance_policy
-        self.record(EventKind.REBALANCE_RECOMMENDATION, node.id, notice_id=notice.get("id"), policy=policy,
-                    provider=notice.get("provider"), notice_seen_at=r.get("seen_at"))
+        self.record(EventKind.REBALANCE_RECOMMENDATION, node.id, notice_id=n.notice_id, policy=policy,
+                    provider=n.provider, notice_seen_at=n.seen_at)
         if node.state is not NodeState.RUNNING or policy == "ignore":
             return
         if policy == "checkpoint":
-            rid = f"rebalance-{notice.get('id')}"
+            rid = f"rebalance-{n.notice_id}"
             self._send(node.id, {"kind": "checkpoint", "reason": "rebalance", "id": rid})
             self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="rebalance", request_id=rid)
         elif not node.replacing:
@@ -286,62 +311,165 @@ class AgentChannel:
         lead = DOCUMENTED_LEAD_S.get(provider or "")
         return None if deadline is None or lead is None else deadline - lead
 
-    def _on_trainer_status(self, node: Node, line: dict[str, Any]) -> None:
-        event = line.get("event")
-        attempt = str(line.get("attempt"))
-        if event == "started":
-            if attempt in self.job.attempts:
+    def _on_trainer_status(self, node: Node, line: StatusLine) -> None:
+        """A trainer's ``started``, ``checkpoint_committed`` or ``completed`` line.
+
+        A node's token vouches for that node, not for the job, so a line changes the job
+        only when it comes from the node that holds rank 0 of its attempt (the first node
+        whose ``started`` line says rank 0 claims the attempt; a line of another node for
+        that attempt is dropped), or, for a commit, from the node whose own notice the
+        commit answers. ``completed`` must be at ``job.target_steps``.
+
+        Causal order: a ``started`` line that resumes from a commit no node has reported
+        yet (the survivors of an in-process shrink report their resume while the leaving
+        node, which committed, may still be reporting the commit) is held until that
+        commit is recorded, so the event log and the feed never show a resume before the
+        commit it resumes from; after :data:`RESUME_HOLD_S` the daemon reads the commit's
+        manifest from the store itself (:meth:`_confirm_held_resumes`).
+        """
+        if node.state not in _IN_JOB:
+            self._drop(node, "trainer_status", f"node is {node.state.value}, not in the job", line.event)
+            return
+        leader = self._attempt_leader.get(line.attempt)
+        if line.event == "started":
+            if line.rank != 0 or (leader is not None and leader != node.id):
+                self._drop(node, "trainer_status", f"started of attempt {line.attempt} from rank {line.rank} "
+                           f"(attempt held by {leader or 'nobody'})", line.event)
                 return
-            self.job.attempts.add(attempt)
-            if line.get("resized") == "in_process":
-                self.job.resizes_in_process += 1
-            if self.job.started_at is None:
-                self.job.started_at = self.clock()
-            world = line.get("world_size")
-            if world != self.job.world_size:
-                self.record(EventKind.WORLD_SIZE_CHANGED, None, old=self.job.world_size, new=world)
-                self.job.world_size = world
-            # lost steps (the daemon's estimate, daemon/metrics.py): the highest step reported
-            # before this restart minus the step it resumed from
-            reached, step = self.job.step, line.get("step")
-            lost = reached - step if isinstance(reached, int) and isinstance(step, int) and reached > step else 0
-            self.job.step = step
-            self.job.resumed_at = self.clock()
-            self.record(EventKind.JOB_RESUMED, node.id, attempt=attempt, step=step,
-                        resumed_from=line.get("resumed_from"), world_size=world, trainer_time=line.get("time"),
-                        lost_steps=lost, **({"resized": line["resized"]} if line.get("resized") else {}))
-        elif event == "checkpoint_committed":
-            key = (attempt, int(line.get("step", -1)))
-            if key in self.job.commits:
+            if line.attempt in self.job.attempts or any(h.attempt == line.attempt for _, h, _ in self._held_resumes):
                 return
-            self.job.commits.add(key)
-            self.job.last_commit_step = key[1]
-            self.job.last_commit_time = line.get("time")
-            ids = list(line.get("notice_ids") or [])
-            for nid in ids:
-                self._flushes.pop(str(nid), None)
-            self.record(EventKind.CHECKPOINT_COMMITTED, node.id, step=key[1], attempt=attempt,
-                        reason=line.get("reason"), seconds=line.get("seconds"), bytes=line.get("bytes"),
-                        notice_ids=ids, kinds=line.get("kinds") or [], trainer_time=line.get("time"),
-                        save_s=line.get("save_s"), upload_s=line.get("upload_s"))
-            in_job = sum(1 for n in self.nodes.values() if n.state in (NodeState.RUNNING, NodeState.DRAINING))
-            for check in preflight.measured_deadline_checks(self.config, line, nodes=max(1, in_job),
-                                                            world_size=self.job.world_size):
-                if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
-                    self.record(EventKind.CHECKPOINT_DEADLINE_RISK, node.id, step=key[1],
-                                **check.event_data("measured"))
-            if self._rejoin is not None and self._rejoin.id in ids:
-                self._rejoin.answered = True
-                self.wake()
-        elif event == "completed":
+            self._attempt_leader[line.attempt] = node.id
+            if line.resumed_from is not None and line.resumed_from not in self.job.commit_steps:
+                self._held_resumes.append((node.id, line, self.clock()))
+                return
+            self._record_resume(node.id, line)
+            return
+        own_notice = any(i.startswith(f"{node.id}:") for i in line.notice_ids)
+        if not (leader == node.id or (leader is None and line.rank == 0) or
+                (line.event == "checkpoint_committed" and own_notice)):
+            self._drop(node, "trainer_status", f"{line.event} of attempt {line.attempt} from rank {line.rank} "
+                       f"(attempt held by {leader or 'nobody'})", line.event)
+            return
+        if line.event == "checkpoint_committed":
+            self._record_commit(node.id, line)
+        elif line.event == "completed":
+            if line.step < self.config.job.target_steps:
+                self._drop(node, "trainer_status", f"completed at step {line.step}, before job.target_steps "
+                           f"{self.config.job.target_steps}", line.event)
+                return
             if self.job.state is JobState.COMPLETED:
                 return
             self.job.state = JobState.COMPLETED
-            self.job.step = line.get("step")
-            self.record(EventKind.JOB_COMPLETED, node.id, step=line.get("step"), attempt=attempt)
+            self.job.step = line.step
+            self.record(EventKind.JOB_COMPLETED, node.id, step=line.step, attempt=line.attempt)
             self.desired_nodes = 0
             self._completed.set()
             self.wake()
+
+    def _record_resume(self, node_id: str | None, line: StatusLine) -> None:
+        self.job.attempts.add(line.attempt)
+        if line.resized == "in_process":
+            self.job.resizes_in_process += 1
+        if self.job.started_at is None:
+            self.job.started_at = self.clock()
+        world = line.world_size
+        if world != self.job.world_size:
+            self.record(EventKind.WORLD_SIZE_CHANGED, None, old=self.job.world_size, new=world)
+            self.job.world_size = world
+        # lost steps (the daemon's estimate, daemon/metrics.py): the highest step reported
+        # before this restart minus the step it resumed from
+        reached, step = self.job.step, line.step
+        lost = reached - step if reached is not None and reached > step else 0
+        self.job.step = step
+        self.job.resumed_at = self.clock()
+        self.record(EventKind.JOB_RESUMED, node_id, attempt=line.attempt, step=step,
+                    resumed_from=line.resumed_from, world_size=world, trainer_time=line.time,
+                    lost_steps=lost, **({"resized": line.resized} if line.resized else {}))
+
+    def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None) -> None:
+        """Record one commit (once per step and notice: the first report of it), apply
+        what it answers (notice flushes, the rejoin), then the resumes that waited for it."""
+        step, ids = line.step, list(line.notice_ids)
+        for nid in ids:
+            self._flushes.pop(nid, None)
+        if self._rejoin is not None and self._rejoin.id in ids:
+            self._rejoin.answered = True
+            self.wake()
+        if step in self.job.commit_steps and self._answered.issuperset(ids):
+            return  # a second report of a recorded commit (rank 0's and the noticed node's)
+        # (a commit of a recorded step that answers new notices is recorded again: the
+        # survivors of a shrink answering the next notice at the same step boundary)
+        self._answered.update(ids)
+        self.job.commit_steps.add(step)
+        self.job.commits.add((line.attempt, step))
+        if self.job.last_commit_step is None or step >= self.job.last_commit_step:
+            self.job.last_commit_step = step
+            self.job.last_commit_time = line.time
+        self.record(EventKind.CHECKPOINT_COMMITTED, node_id, step=step, attempt=line.attempt,
+                    reason=line.reason, seconds=line.seconds, bytes=line.bytes,
+                    notice_ids=ids, kinds=list(line.kinds), trainer_time=line.time,
+                    save_s=line.save_s, upload_s=line.upload_s, **({"source": source} if source else {}))
+        raw = {k: v for k, v in (("seconds", line.seconds), ("bytes", line.bytes), ("save_s", line.save_s),
+                                 ("upload_s", line.upload_s)) if v is not None}
+        in_job = sum(1 for n in self.nodes.values() if n.state in _IN_JOB)
+        for check in preflight.measured_deadline_checks(self.config, raw, nodes=max(1, in_job),
+                                                        world_size=self.job.world_size):
+            if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
+                self.record(EventKind.CHECKPOINT_DEADLINE_RISK, node_id, step=step,
+                            **check.event_data("measured"))
+        waiting = [h for h in self._held_resumes if h[1].resumed_from in self.job.commit_steps]
+        for held in waiting:
+            self._held_resumes.remove(held)
+            self._record_resume(held[0], held[1])
+
+    def _confirm_held_resumes(self) -> None:
+        """A reconcile pass: a resume held :data:`RESUME_HOLD_S` for a commit nobody
+        reported (the committing node died before its report got out) is settled from
+        the store: the commit's manifest read in a thread; found, the commit is recorded
+        (``source: "store"``) and the resume after it; not found, the resume is dropped."""
+        now = self.clock()
+        for node_id, line, held_at in list(self._held_resumes):
+            step = line.resumed_from
+            if now - held_at < RESUME_HOLD_S or step is None or step in self._confirming:
+                continue
+            self._confirming.add(step)
+            self.spawn(self._confirm_commit(step), f"confirm-commit-{step}")
+
+    async def _confirm_commit(self, step: int) -> None:
+        try:
+            manifest = await asyncio.to_thread(self._read_manifest, step)
+        except Exception as exc:  # the store unreachable: try again on a later pass
+            log.warning("commit_confirm_failed", step=step, error=str(exc)[:200])
+            manifest = None
+            self._confirming.discard(step)
+            return
+        self._confirming.discard(step)
+        if step in self.job.commit_steps:
+            return
+        if manifest is None:
+            for held in [h for h in self._held_resumes if h[1].resumed_from == step]:
+                self._held_resumes.remove(held)
+                node = self.nodes.get(held[0])
+                if node is not None:
+                    self._drop(node, "trainer_status", f"resumed from step {step}, which is not committed",
+                               "started")
+            return
+        extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+        self._record_commit(None, StatusLine(
+            event="checkpoint_committed", attempt=str(extra.get("attempt") or "?"), rank=None,
+            world_size=manifest.world_size, step=step, time=manifest.time,
+            notice_ids=tuple(i for i in extra.get("notice_ids") or () if isinstance(i, str)),
+            reason=extra.get("reason") if isinstance(extra.get("reason"), str) else None,
+            bytes=sum(s.size for s in manifest.shards)), source="store")
+
+    def _read_manifest(self, step: int) -> Any:
+        """The verified manifest of ``step`` in the job's checkpoint store, or None (blocking: a thread)."""
+        from trainer.checkpoint import open_store, scan_step
+
+        job = self.config.job
+        store = open_store(self.config.checkpoint_uri(), s3_endpoint_url=job.s3_endpoint_url,
+                           oss_endpoint=job.oss_endpoint)
+        return scan_step(store, step)
 
 
 def zone_key(provider: str, region: str, zone: str | None) -> str:
@@ -361,30 +489,3 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-def _report_problem(r: Any) -> str | None:
-    """Why an agent's report cannot be used, or None if it can: the fields the daemon
-    computes with must have their types (a notice's deadline is kept on the node and
-    compared with the clock on every reconcile pass)."""
-    if not isinstance(r, dict):
-        return "not a JSON object"
-    kind = r.get("kind")
-    if kind in ("interruption_notice", "rebalance_recommendation"):
-        if not isinstance(r.get("notice") or {}, dict):
-            return "notice is not an object"
-        for key in ("deadline", "seen_at"):
-            v = r.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                return f"{key} is not unix seconds"
-    elif kind == "trainer_status":
-        line = r.get("line")
-        if not isinstance(line, dict):
-            return "line is not an object"
-        step, ids = line.get("step"), line.get("notice_ids")
-        if (step is not None or line.get("event") == "checkpoint_committed") and (
-                isinstance(step, bool) or not isinstance(step, int)):
-            return "step is not an integer"
-        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
-            return "notice_ids is not a list of strings"
-    return None

@@ -25,6 +25,7 @@ size 3 resumes from the same step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import secrets
 import time
@@ -40,6 +41,7 @@ from daemon.gpu import GpuWatch
 from daemon.model import Event, EventKind, JobState, Node, NodeState, check_transition
 from daemon.nodelog import NodeLogs
 from daemon.offers import History, Offer, capacity_backoff_s
+from daemon.reports import StatusLine
 from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
                                    ProviderError, QuotaError)
@@ -72,6 +74,7 @@ class JobView:
     attempts: set[str] = field(default_factory=set)
     resizes_in_process: int = 0  # attempts that were the survivors going on in their processes
     commits: set[tuple[str, int]] = field(default_factory=set)
+    commit_steps: set[int] = field(default_factory=set)  # steps with a checkpoint_committed event
 
 
 @dataclass(slots=True)
@@ -126,6 +129,11 @@ class Supervisor(AgentChannel):
         self._prices: dict[int, float | None] = {}
         self._unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         self._flushes: dict[str, tuple[str, float]] = {}  # notice id → (node id, due: unix s) until its commit
+        self._attempt_leader: dict[str, str] = {}  # trainer attempt → the node of its rank 0
+        self._held_resumes: list[tuple[str, StatusLine, float]] = []  # (node, started line, since) awaiting a commit
+        self._confirming: set[int] = set()  # steps whose manifest is being read from the store
+        self._answered: set[str] = set()  # notice and request ids a recorded commit named
+        self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self._wake = asyncio.Event()
         self._event_added = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -182,6 +190,10 @@ class Supervisor(AgentChannel):
             self.job.state = JobState.RUNNING
         steps = [n.step for n in self.nodes.values() if n.step is not None]
         self.job.step = max(steps, default=None)
+        for ev in self.store.events(kinds=[EventKind.CHECKPOINT_COMMITTED.value]):
+            if isinstance(ev.data.get("step"), int):
+                self.job.commit_steps.add(ev.data["step"])
+                self._answered.update(i for i in ev.data.get("notice_ids") or () if isinstance(i, str))
         if self.store.events(kinds=[EventKind.JOB_COMPLETED.value], limit=1):
             self.job.state = JobState.COMPLETED
             self.desired_nodes = 0
@@ -316,6 +328,7 @@ class Supervisor(AgentChannel):
         self._admit(now)
         self._check_paused()
         self._check_flushes()
+        self._confirm_held_resumes()
         if (
             self.job.state.is_terminal()
             and self.desired_nodes == 0

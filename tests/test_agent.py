@@ -402,7 +402,7 @@ async def test_only_rank_0_and_a_noticed_node_report_the_jobs_lines(spot_daemon,
     own notice (at 1,000 nodes: one report per commit, not 1,000), and still leaves on it."""
     h = spot_daemon
     gate = h.tmp_path / "commit-ok"
-    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate), "STANDIN_RANK": "8"}) as agent:
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate), "STANDIN_RANK": "1"}) as agent:
         await h.until(lambda: trainer_running(agent), what="trainer started")
         await h.until(lambda: agent.status_path.exists() and "started" in agent.status_path.read_text(),
                       what="the started line")

@@ -99,7 +99,7 @@ async def test_aws_out_of_capacity_fails_over_to_alibaba_and_the_job_follows_its
     h.sup.on_register(node)
     await h.until(lambda: node.state is NodeState.RUNNING, what="admitted")
     h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
-        "event": "started", "attempt": "a1", "world_size": 4, "step": 0, "time": time.time()}}])
+        "event": "started", "attempt": "a1", "rank": 0, "world_size": 4, "step": 0, "time": time.time()}}])
     assert h.sup.job.world_size == 4
 
 

@@ -100,7 +100,7 @@ async def clocked(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
 
 
 def _status_line(step: int, event: str = "started") -> dict:
-    return {"kind": "trainer_status", "line": {"event": event, "attempt": "a1", "world_size": 1, "step": step,
+    return {"kind": "trainer_status", "line": {"event": event, "attempt": "a1", "rank": 0, "world_size": 1, "step": step,
                                                "time": time.time()}}
 
 

@@ -43,7 +43,7 @@ async def agent_post(h, node: Node, path: str, body: dict) -> dict:
 
 
 def status_line(event: str, attempt: str, step: int, **kw) -> dict:
-    return {"kind": "trainer_status", "line": {"event": event, "attempt": attempt, "step": step, "world_size": 1,
+    return {"kind": "trainer_status", "line": {"event": event, "attempt": attempt, "rank": 0, "step": step, "world_size": 1,
                                                "time": 1.0, **kw}}
 
 

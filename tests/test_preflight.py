@@ -15,7 +15,7 @@ from conftest import RecordingProvider
 from daemon import preflight as pf
 from daemon.cli import main as cli_main
 from daemon.config import Config, ModelSpec, load_config
-from daemon.model import EventKind
+from daemon.model import EventKind, NodeState
 from daemon.offers import History, Offer, rank_offers
 from daemon.store import Store
 from daemon.supervisor import Supervisor
@@ -329,11 +329,12 @@ async def test_supervisor_never_launches_an_unusable_offer_and_reports_measured_
         assert estimate.data["source"] == "estimate" and estimate.data["window_s"] == 30
         assert estimate.data["flush_s"] > 30
         node = next(iter(sup.nodes.values()))
+        node.state = NodeState.RUNNING  # its trainer is in the job: rank 0 reports its commits
         sup.on_reports(node, [{"kind": "trainer_status", "line": {
-            "event": "checkpoint_committed", "attempt": "a1", "step": 10, "bytes": 10**9,
+            "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 10, "bytes": 10**9,
             "save_s": 6.0, "upload_s": 14.0, "seconds": 20.0}}])
         sup.on_reports(node, [{"kind": "trainer_status", "line": {
-            "event": "checkpoint_committed", "attempt": "a1", "step": 20, "bytes": 10**9,
+            "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 20, "bytes": 10**9,
             "save_s": 1.0, "upload_s": 2.0, "seconds": 3.0}}])
         measured = [e for e in store.events(kinds=[EventKind.CHECKPOINT_DEADLINE_RISK.value])
                     if e.data["source"] == "measured"]

@@ -81,6 +81,7 @@ __all__ = [
     "FileStore",
     "S3Store",
     "open_store",
+    "scan_step",
     "step_dir",
     "write_shard",
     "write_dir",
@@ -511,6 +512,17 @@ def scan(store: CheckpointStore) -> list[StepDir]:
         StorageError: the backend failed.
     """
     return list(_scan_iter(store))
+
+
+def scan_step(store: CheckpointStore, step: int) -> Manifest | None:
+    """The manifest of ``step`` if that step is committed (manifest present, parses, names
+    the step, every shard present at its size; not sha256), else None. One listing of the
+    step's directory and one manifest read.
+
+    Raises:
+        StorageError: the backend failed (never reported as "not committed").
+    """
+    return _verify(store, step, store.list(step_dir(step) + "/")).manifest
 
 
 def list_committed(store: CheckpointStore) -> list[Manifest]:

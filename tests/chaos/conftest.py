@@ -233,11 +233,12 @@ class Sim:
         self.sup.on_reports(node, [{"kind": "trainer_status", "line": line}])
 
     def start(self, nodes: list[Node], step: int, resumed_from: int | None = None) -> str:
-        """The nodes' trainers (re)start as one torchrun attempt at world size len(nodes)."""
+        """The nodes' trainers (re)start as one torchrun attempt at world size len(nodes);
+        ``nodes[0]`` holds rank 0 and forwards the ``started`` line (as an agent does)."""
         attempt = f"a{next(self._attempts)}"  # type: ignore[call-overload]
         for n in nodes:
             self.beat(n, step=step)
-            self._status(n, "started", step, attempt=attempt, world_size=len(nodes), resumed_from=resumed_from)
+        self._status(nodes[0], "started", step, attempt=attempt, world_size=len(nodes), resumed_from=resumed_from)
         self.sup.wake()
         return attempt
 
@@ -254,7 +255,7 @@ class Sim:
     def notice(self, node: Node, *, lead_s: float = 120.0) -> str:
         """The node's agent reports an AWS interruption notice (deadline ``lead_s`` from now)."""
         deadline = time.time() + lead_s
-        nid = f"n-{node.id}-{int(deadline)}"
+        nid = f"{node.id}:{int(deadline):x}"  # the agent's form: <node id>:<hash of the notice body>
         iso = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
         self.sup.on_reports(node, [{"kind": "interruption_notice", "seen_at": time.time(), "deadline": deadline,
                                     "notice": {"id": nid, "provider": "aws", "kind": "interruption",

@@ -102,6 +102,7 @@ STANDIN = textwrap.dedent(
         emit("step")
         if step % 10 == 0:
             emit("checkpoint_committed", reason="periodic", notice_ids=[], kinds=[], seconds=0.01, bytes=10)
+    step = int(os.environ["STANDIN_TARGET"])  # a trainer completes at the job's target step
     emit("checkpoint_committed", reason="final", notice_ids=[], kinds=[], seconds=0.01, bytes=10)
     emit("completed")
     """
@@ -116,7 +117,8 @@ async def _agent(h: DaemonHarness, dialect: str, fake: Any, monkeypatch: pytest.
     script = h.tmp_path / "standin.py"
     script.write_text(STANDIN)
     monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(script)],
-                                                         "env": {"STANDIN_FINISH": str(finish)}})
+                                                         "env": {"STANDIN_FINISH": str(finish),
+                                                                 "STANDIN_TARGET": str(h.sup.config.job.target_steps)}})
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
     node = next(iter(h.sup.nodes.values()))
     kwargs = {"wait_s": 1} if dialect == "gcp" else {}

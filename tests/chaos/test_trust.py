@@ -1,0 +1,148 @@
+"""Chaos cells: what one node's agent token can and cannot do to the job, and the causal
+order of the event log (issue 13).
+
+A node's token vouches for that node, not for the job: trainer status that changes the
+job (``started``, ``checkpoint_committed``, ``completed``) counts only from the node of
+the attempt's rank 0, or, for a commit, from the node whose own notice it answers; every
+number is bounded at the edge (:mod:`daemon.reports`) and a report that fails is dropped
+(counted in ``Supervisor.reports_dropped``), never stored. A resume is recorded only after
+the commit it resumes from, whichever node reports which.
+
+Each test runs the real Supervisor (the :class:`chaos.conftest.Sim` harness) and
+reports as an agent would post them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from chaos.conftest import Matrix, Sim
+from daemon.model import NodeState
+from trainer.checkpoint import Manifest, ShardInfo, commit, open_store, write_shard
+
+pytestmark = pytest.mark.chaos
+
+
+async def _two_running(sim: Sim) -> tuple:
+    n1, n2 = await sim.launched(1), await sim.launched(2)
+    sim.boot(n1)
+    sim.boot(n2)
+    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    return n1, n2
+
+
+def _line(event: str, step: int, attempt: str, **fields) -> dict:
+    return {"kind": "trainer_status", "line": {"event": event, "time": time.time(), "attempt": attempt,
+                                               "step": step, **fields}}
+
+
+def _kinds(sim: Sim) -> list[tuple[str, dict]]:
+    return [(e.kind, e.data) for e in sim.store.events()]
+
+
+def _commit_in_store(sim: Sim, step: int, world_size: int) -> None:
+    """What a trainer's rank 0 leaves in the job's store for ``step``."""
+    store = open_store(sim.sup.config.checkpoint_uri())
+    info: ShardInfo = write_shard(store, step, "model.pt", b"x" * 64)
+    commit(store, Manifest(step=step, world_size=world_size, global_batch_size=12,
+                           data_position={"consumed_samples": step * 12}, shards=(info,), time=time.time(),
+                           extra={"notice_ids": ["n1:abc"], "attempt": "a1", "reason": "notice"}))
+
+
+async def test_a_resume_reported_before_its_commit_is_recorded_after_it(make_sim, matrix: Matrix) -> None:
+    """The mass-notice inversion: node 1 (rank 0) is noticed and commits step 26; the
+    survivors' shrink (node 2, the new rank 0) reports its resume from 26 before node 1's
+    commit report arrives. The log says commit, then resume."""
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        nid = sim.notice(n1)
+        sim.sup.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26,
+                                      resized="in_process")])
+        assert not sim.events("job_resumed") or sim.events("job_resumed")[-1].data["resumed_from"] != 26
+        sim.commit(n1, a1, 26, ids=(nid,), kinds=("interruption",))  # node 1's report comes later
+        kinds = [k for k, d in _kinds(sim) if k in ("checkpoint_committed", "job_resumed")]
+        resumed = [d for k, d in _kinds(sim) if k == "job_resumed"]
+        assert kinds == ["job_resumed", "checkpoint_committed", "job_resumed"]  # attempt a1, then commit, then a2
+        assert resumed[-1]["resumed_from"] == 26 and resumed[-1]["resized"] == "in_process"
+        assert sim.sup.job.world_size == 1 and sim.sup.job.resizes_in_process == 1
+        matrix.row("resume reported before its commit", job_completed=None, lost_checkpoints=0,
+                   leaked_instances=0, lost_events=sim.lost_events())
+
+
+async def test_a_resume_whose_commit_nobody_reports_is_settled_from_the_store(make_sim, matrix: Matrix) -> None:
+    """The committing node dies before its report gets out: after RESUME_HOLD_S the daemon
+    reads the commit's manifest from the job's store and records it, then the resume."""
+    from daemon.agent_channel import RESUME_HOLD_S
+
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        sim.start([n1, n2], step=0)
+        sim.notice(n1)
+        _commit_in_store(sim, 26, world_size=2)
+        sim.sup.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
+        sim.sup.on_reports(n2, [_line("started", 30, "a3", rank=0, world_size=1, resumed_from=30)])  # no such commit
+        sim.clock.advance(RESUME_HOLD_S + 1)
+        sim.sup.wake()
+        await sim.until(lambda: len(sim.events("job_resumed")) == 2, what="the held resume settled")
+        await sim.until(lambda: sim.sup.reports_dropped["trainer_status"] == 1, what="the unfounded resume dropped")
+        kinds = [(k, d.get("step"), d.get("source")) for k, d in _kinds(sim)
+                 if k in ("checkpoint_committed", "job_resumed")]
+        assert kinds == [("job_resumed", 0, None), ("checkpoint_committed", 26, "store"), ("job_resumed", 26, None)]
+        matrix.row("resume whose commit nobody reported", job_completed=None, lost_checkpoints=0,
+                   leaked_instances=0, lost_events=sim.lost_events())
+
+
+async def test_one_nodes_token_cannot_end_or_rewrite_the_job(make_sim, matrix: Matrix) -> None:
+    """Defect 2 and 7: node 2 (not rank 0) posts ``completed`` at step 52 of 100, a commit
+    of a step that exists nowhere, a world size "pwned", a heartbeat at step 10^12. None
+    of it is stored; the job runs on and completes when rank 0 says so at the target."""
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        sim.beat(n1, step=52)
+        before = sim.store.last_seq()
+        sim.sup.on_reports(n2, [
+            _line("completed", 52, a1, rank=1),  # not rank 0, not the target step
+            _line("completed", 100, a1, rank=0),  # claims rank 0 of an attempt node 1 holds
+            _line("checkpoint_committed", 99999, a1, rank=0, bytes=10),  # beyond the job's steps
+            _line("checkpoint_committed", 40, a1, rank=0, bytes=-1),  # a negative size
+            _line("started", 52, "x", rank=0, world_size="pwned"),
+            _line("started", 52, "y", rank=0, world_size=1, resumed_from=None, time=float("inf")),
+            {"kind": "metadata_unreachable", "failures": float("inf"), "error": "e", "url": "u"},
+            {"kind": "interruption_notice", "deadline": float("inf"), "notice": {"id": "n2:1"}},
+        ])
+        sim.sup.on_heartbeat(n2, {"step": 10**12, "trainer": {"state": "running"}})
+        sim.sup.on_heartbeat(n2, {"step": float("nan"), "trainer": {"state": "running"}})
+        assert sim.store.last_seq() == before, [e.kind for e in sim.store.events(since=before)]
+        assert sim.sup.job.step == 52 and sim.sup.job.world_size == 2
+        assert sum(sim.sup.reports_dropped.values()) == 10
+        assert n2.state is NodeState.RUNNING and n1.state is NodeState.RUNNING
+        # the real rank 0 ends the job at its target
+        sim.commit(n1, a1, 100, reason="final")
+        sim.complete(n1, a1, 100)
+        await sim.until(lambda: sim.sup._released.is_set(), what="pool released")
+        assert [e.data["step"] for e in sim.events("job_completed")] == [100]
+        json.dumps([e.data for e in sim.store.events()], allow_nan=False)  # nothing non-finite was stored
+        matrix.row("hostile reports from one node's token", job_completed=True, lost_checkpoints=0,
+                   leaked_instances=len(sim.provider.live()), lost_events=sim.lost_events())
+
+
+async def test_a_noticed_node_reports_the_commit_that_answers_its_own_notice(make_sim) -> None:
+    """Node 2 is not rank 0, but the commit names its own notice: that report counts (and
+    one naming another node's notice does not)."""
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        nid = sim.notice(n2)
+        sim.sup.on_reports(n2, [_line("checkpoint_committed", 12, a1, rank=1, notice_ids=["chaos-1:ff"])])
+        assert not sim.events("checkpoint_committed")
+        sim.sup.on_reports(n2, [_line("checkpoint_committed", 12, a1, rank=1, notice_ids=[nid],
+                                      kinds=["interruption"], reason="notice", seconds=0.2, bytes=100)])
+        (c,) = sim.events("checkpoint_committed")
+        assert c.node == n2.id and c.data["step"] == 12 and c.data["notice_ids"] == [nid]
+        sim.commit(n1, a1, 12, ids=(nid,), kinds=("interruption",))  # rank 0's own report of it: once per step
+        assert len(sim.events("checkpoint_committed")) == 1
