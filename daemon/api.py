@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from aiohttp import web
@@ -290,6 +291,10 @@ async def _simulate_preemption(request: web.Request) -> web.Response:
                            f"{provider.name!r} (on a cloud, use its own fault injection, e.g. AWS FIS)")
     if node.state.is_terminal() or node.instance_id is None:
         return _error(409, f"node {node.id} is {node.state.value}: it has no instance to preempt")
+    published = getattr(provider, "notice_published_at", lambda _: None)(node.instance_id)
+    if node.state is NodeState.DRAINING or published is not None:
+        since = "" if published is None else f" since {time.strftime('%H:%M:%S', time.localtime(published))}"
+        return _error(409, f"node {node.id} already has an interruption notice{since} and is leaving the job")
     try:
         deadline = await publish(node.instance_id, lead_s=float(lead_s))
     except (KeyError, RuntimeError) as exc:  # gone meanwhile, or not booted yet

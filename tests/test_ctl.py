@@ -428,6 +428,11 @@ async def test_simulate_preemption_on_the_local_provider(tmp_path, sockdir, monk
         assert chaos.data["source"] == "operator" and chaos.data["lead_s"] == 20.0
         await h.until(lambda: h.events("checkpoint_committed"), timeout_s=15, what="the notice's commit")
         assert h.sup.nodes["test-1"].state in (NodeState.DRAINING, NodeState.TERMINATED)
+        # a second notice for a node that is leaving (or gone) is refused, not promised
+        rc, out, err = await spotctl("--socket", h.socket_path, "simulate-preemption", "test-1")
+        assert rc == 2 and out == "" and "reclaims it" not in err
+        assert re.search(r"node test-1 (already has an interruption notice|is terminated)", one_line(err)), err
+        assert len(h.events("chaos_injected")) == 1
 
 
 # -- the interactive shell, through a pty -------------------------------------------------------
