@@ -137,10 +137,26 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "samples_skipped": skipped,
         "restarts": max(0, len(order) - 1 - len(in_process)),
         "resizes_in_process": len(in_process),
+        "resumes_before_their_commit": resumes_before_their_commit(events),
     }
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)
     return summary
+
+
+def resumes_before_their_commit(events: Iterable[Event]) -> int:
+    """How many ``job_resumed`` events the log holds before the ``checkpoint_committed``
+    of the step they resumed from (0 in a causal log: the daemon records a resume only
+    after its commit, whichever node reports which)."""
+    committed: set[int] = set()
+    acausal = 0
+    for e in sorted(events, key=lambda e: e.seq):
+        if e.kind == EventKind.CHECKPOINT_COMMITTED.value:
+            committed.add(e.data.get("step"))
+        elif e.kind == EventKind.JOB_RESUMED.value:
+            origin = e.data.get("resumed_from")
+            acausal += origin is not None and origin not in committed
+    return acausal
 
 
 def attempt_starts(steps: Iterable[dict[str, Any]], status: Iterable[dict[str, Any]]) -> dict[str, float]:

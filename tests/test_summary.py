@@ -110,3 +110,17 @@ def test_an_in_process_shrink_is_a_resize_not_a_restart(tmp_path: Path) -> None:
     assert s["world_sizes"] == [2, 1, 2]
     assert s["lost_steps_total"] == 0 and s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     assert s["notice_to_resume_s"] == [0.5]  # the shrink's started line, not the grow's
+
+
+def test_resumes_before_their_commit_counts_an_inverted_log() -> None:
+    from daemon.summary import resumes_before_their_commit
+
+    def ev(seq: int, kind: str, **data) -> Event:
+        return Event(seq, float(seq), kind, None, data)
+
+    causal = [ev(1, "job_resumed", resumed_from=None), ev(2, "checkpoint_committed", step=26),
+              ev(3, "job_resumed", resumed_from=26)]
+    inverted = [ev(1, "job_resumed", resumed_from=None), ev(2, "job_resumed", resumed_from=26),
+                ev(3, "checkpoint_committed", step=26)]
+    assert resumes_before_their_commit(causal) == 0
+    assert resumes_before_their_commit(inverted) == 1

@@ -102,6 +102,7 @@ def test_all_nodes_but_one_noticed_at_once(tmp_path: Path, matrix: Matrix) -> No
     assert chaos[1].time - chaos[0].time < 0.5  # published together
     assert s["preemptions_with_notice"] == 2
     assert s["lost_steps_on_notice"] == 0
+    assert s["resumes_before_their_commit"] == 0  # every job_resumed after the commit it resumed from
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     ws = s["world_sizes"]
     assert ws[0] == 3 and 1 in ws and ws[-1] == 3, ws  # down to node 1 alone, back to 3

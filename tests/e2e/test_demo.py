@@ -39,3 +39,4 @@ def test_shortened_demo_survives_notices_and_a_kill(run_demo) -> None:
     # each notice's survivors went on in their running workers (trainer.run's in-process shrink);
     # only the grows and the kill restarted workers
     assert s["resizes_in_process"] == 2
+    assert s["resumes_before_their_commit"] == 0  # the event log is causal (from the store)
