@@ -393,6 +393,13 @@ class _StateCollector:
                                 value=sup.target_nodes)
         yield GaugeMetricFamily("spotvisor_paused", "1 while the job is paused.",
                                 value=1.0 if sup.paused else 0.0)
+        dropped = CounterMetricFamily("spotvisor_agent_reports_dropped",
+                                      "Agent reports (and heartbeat fields) dropped at the edge: the wrong type, "
+                                      "out of bounds, or not the node's to send (daemon/reports.py).",
+                                      labels=["kind"])
+        for kind, n in sorted(getattr(sup, "reports_dropped", {}).items()):
+            dropped.add_metric([kind], n)
+        yield dropped
 
         tl = job_timeline(sup.store.events(kinds=TIMELINE_KINDS), now)
         if tl.total_s is not None:

@@ -120,6 +120,11 @@ async def test_one_nodes_token_cannot_end_or_rewrite_the_job(make_sim, matrix: M
         assert sim.store.last_seq() == before, [e.kind for e in sim.store.events(since=before)]
         assert sim.sup.job.step == 52 and sim.sup.job.world_size == 2
         assert sum(sim.sup.reports_dropped.values()) == 10
+        from daemon.metrics import DaemonMetrics
+
+        exposition = DaemonMetrics(sim.sup).text()  # one count each, by report kind
+        assert 'spotvisor_agent_reports_dropped_total{kind="trainer_status"} 6.0' in exposition
+        assert 'spotvisor_agent_reports_dropped_total{kind="heartbeat"} 2.0' in exposition
         assert n2.state is NodeState.RUNNING and n1.state is NodeState.RUNNING
         # the real rank 0 ends the job at its target
         sim.commit(n1, a1, 100, reason="final")
