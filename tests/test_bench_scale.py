@@ -96,10 +96,14 @@ def test_loopwatch_sees_a_busy_and_a_blocked_loop_from_outside() -> None:
     finally:
         child.kill()
     assert child.returncode == 0
-    assert 1 <= len(stalls) <= 2, stalls
-    busy = stalls[0]
-    assert 0.2 <= busy["lag_s"] <= 0.5 and busy["cpu_s"] >= 0.6 * busy["lag_s"], stalls
-    if len(stalls) == 2:
-        blocked = stalls[1]
-        assert 0.2 <= blocked["lag_s"] <= 0.5 and blocked["cpu_s"] + blocked["runq_s"] < 0.3 * blocked["lag_s"]
+    # On a loaded machine a stall lasts longer than its 0.3 s (the computing callback
+    # waits for a CPU: runq_s), and the idle waits may show small wake-up delays: the
+    # test asserts what each stall was spent on, not its length.
+    big = [st for st in stalls if st["lag_s"] >= 0.2]
+    assert 1 <= len(big) <= 2, stalls
+    busy = big[0]
+    assert busy["cpu_s"] >= 0.2 and busy["cpu_s"] + busy["runq_s"] >= 0.6 * busy["lag_s"], stalls
+    if len(big) == 2:  # the blocking call: neither computing nor waiting for a CPU while it blocks
+        blocked = big[1]
+        assert blocked["cpu_s"] < 0.1 and blocked["cpu_s"] + blocked["runq_s"] < blocked["lag_s"] - 0.2, stalls
         assert blocked["t"] - busy["t"] >= 0.5  # the idle 0.4 s between them is not a stall
