@@ -78,6 +78,13 @@ class RecordingProvider(Provider):
         return 0.5
 
 
+# How long a harness waits for a condition by default (seconds). The waits are
+# event-driven, so a generous bound costs nothing when things work; what they wait for
+# often includes starting a Python process, which on a loaded 2-core CI machine can
+# take several seconds (a 5 s bound failed there).
+UNTIL_TIMEOUT_S = 30.0
+
+
 @dataclass
 class DaemonHarness:
     sup: "object"  # daemon.supervisor.Supervisor
@@ -87,7 +94,7 @@ class DaemonHarness:
     socket_path: str
     tmp_path: Path
 
-    async def until(self, pred: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
+    async def until(self, pred: Callable[[], object], timeout_s: float = UNTIL_TIMEOUT_S, what: str = "") -> None:
         """Wait until ``pred()`` is true: re-checked on every new event, at least every 20 ms."""
         sup = self.sup
         try:

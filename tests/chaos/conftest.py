@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ManualClock, RecordingProvider
+from conftest import UNTIL_TIMEOUT_S, ManualClock, RecordingProvider
 from daemon.config import Config
 from daemon.model import Event, Node, NodeState
 from daemon.providers.base import CapacityError, Instance
@@ -206,7 +206,7 @@ class Sim:
     def events(self, kind: str) -> list[Event]:
         return self.store.events(kinds=[kind])
 
-    async def until(self, pred: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
+    async def until(self, pred: Callable[[], object], timeout_s: float = UNTIL_TIMEOUT_S, what: str = "") -> None:
         """Wait until ``pred()`` holds, re-checked on every new event and every 20 ms."""
         try:
             async with asyncio.timeout(timeout_s):
