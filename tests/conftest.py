@@ -144,6 +144,28 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    """A short directory for unix sockets (paths are limited to ~100 characters)."""
+    d = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator["object"]:
+    """An open daemon store (``daemon.store.Store``) in ``tmp_path``, closed after the test."""
+    from daemon.store import Store
+
+    s = Store(tmp_path / "spotvisord.db").open()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 class ManualClock:
     """A monotonic clock a test moves by hand (shared by FakeImds and AwsImds)."""
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,15 +45,6 @@ def strict_json(body: bytes) -> Any:
     def refuse(token: str) -> Any:
         raise ValueError(f"not JSON: {token}")
     return json.loads(body.decode("utf-8"), parse_constant=refuse)
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = Store(tmp_path / "spotvisord.db").open()
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture

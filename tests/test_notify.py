@@ -219,15 +219,6 @@ async def receiver():
         await rx.aclose()
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    s = Store(tmp_path / "spotvisord.db").open()
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 # -- delivery: down, then up --------------------------------------------------------------------
 async def test_sink_down_then_up_every_event_arrives_in_order_once(store: Store) -> None:
     rx = await Receiver(fail_first=3).start()  # 500 for the first three requests

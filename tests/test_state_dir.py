@@ -12,29 +12,16 @@ as systemd does.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A short directory for unix sockets (paths are limited to ~100 characters)."""
-    d = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
-    try:
-        yield Path(d)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _config(tmp_path: Path, state: Path, sock: Path) -> Path:

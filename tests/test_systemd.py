@@ -16,10 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ from daemon.service import SdNotifier, serve, watchdog_interval_s
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_EXPOSURE = 3.0
-
-
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A short directory for unix sockets (paths are limited to ~100 characters)."""
-    d = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
-    try:
-        yield Path(d)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _listen(path: str | bytes) -> socket.socket:
