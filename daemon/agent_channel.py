@@ -59,6 +59,9 @@ FLUSH_GRACE_S = 5.0
 # a resume whose commit no node has reported yet waits this long (seconds) for the
 # report before the daemon reads the commit's manifest from the store itself
 RESUME_HOLD_S = 10.0
+# reads of that manifest that fail (the store out of reach) before the resume is
+# recorded anyway, marked ``commit_unconfirmed``
+CONFIRM_ATTEMPTS = 3
 # nodes whose trainer is in the job: whose trainer status may change the job
 _IN_JOB = frozenset({NodeState.RUNNING, NodeState.DRAINING})
 
@@ -241,7 +244,7 @@ class AgentChannel:
     def _limits(self) -> Limits:
         c = self.config
         gpus = max((o.gpus_per_node for o in c.offers), default=1)
-        return Limits(max_step=c.job.target_steps, max_world_size=c.pool.max_nodes * gpus, now=self.clock())
+        return Limits(max_step=c.job.target_steps, max_world_size=c.pool.max_nodes * gpus)
 
     def _drop(self, node: Node, kind: str, problem: str, what: Any) -> None:
         """A report (or a heartbeat's field) that cannot be used: one log line, one
@@ -366,7 +369,7 @@ class AgentChannel:
             self._completed.set()
             self.wake()
 
-    def _record_resume(self, node_id: str | None, line: StatusLine) -> None:
+    def _record_resume(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool = False) -> None:
         self.job.attempts.add(line.attempt)
         if line.resized == "in_process":
             self.job.resizes_in_process += 1
@@ -384,7 +387,8 @@ class AgentChannel:
         self.job.resumed_at = self.clock()
         self.record(EventKind.JOB_RESUMED, node_id, attempt=line.attempt, step=step,
                     resumed_from=line.resumed_from, world_size=world, trainer_time=line.time,
-                    lost_steps=lost, **({"resized": line.resized} if line.resized else {}))
+                    lost_steps=lost, **({"resized": line.resized} if line.resized else {}),
+                    **({"commit_unconfirmed": True} if commit_unconfirmed else {}))
 
     def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None) -> None:
         """Record one commit (once per step and notice: the first report of it), apply
@@ -426,7 +430,9 @@ class AgentChannel:
         """A reconcile pass: a resume held :data:`RESUME_HOLD_S` for a commit nobody
         reported (the committing node died before its report got out) is settled from
         the store: the commit's manifest read in a thread; found, the commit is recorded
-        (``source: "store"``) and the resume after it; not found, the resume is dropped."""
+        (``source: "store"``) and the resume after it; not found, the resume is dropped;
+        the store out of reach :data:`CONFIRM_ATTEMPTS` times, :data:`RESUME_HOLD_S` apart,
+        the resume is recorded with ``commit_unconfirmed: true``."""
         now = self.clock()
         for node_id, line, held_at in list(self._held_resumes):
             step = line.resumed_from
@@ -438,12 +444,19 @@ class AgentChannel:
     async def _confirm_commit(self, step: int) -> None:
         try:
             manifest = await asyncio.to_thread(self._read_manifest, step)
-        except Exception as exc:  # the store unreachable: try again on a later pass
-            log.warning("commit_confirm_failed", step=step, error=str(exc)[:200])
-            manifest = None
-            self._confirming.discard(step)
+        except Exception as exc:  # the store unreachable (or misconfigured): again RESUME_HOLD_S later
+            failures = self._confirm_failures[step] = self._confirm_failures.get(step, 0) + 1
+            log.warning("commit_confirm_failed", step=step, attempt=failures, error=str(exc)[:200])
+            held = [h for h in self._held_resumes if h[1].resumed_from == step]
+            for h in held:
+                self._held_resumes.remove(h)
+                if failures < CONFIRM_ATTEMPTS:
+                    self._held_resumes.append((h[0], h[1], self.clock()))
+                else:  # availability over order: the job's view must not freeze with the store out of reach
+                    self._record_resume(h[0], h[1], commit_unconfirmed=True)
             return
-        self._confirming.discard(step)
+        finally:
+            self._confirming.discard(step)
         if step in self.job.commit_steps:
             return
         if manifest is None:

@@ -44,11 +44,10 @@ class ReportError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """The bounds a report must keep. ``now``: the daemon's clock (unix s)."""
+    """The bounds a report must keep."""
 
     max_step: int  # job.target_steps
     max_world_size: int  # pool.max_nodes x the largest offer's GPUs
-    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +161,7 @@ def _status_line(line: Any, limits: Limits) -> StatusLine:
     if not isinstance(line, dict):
         raise ReportError("line is not an object")
     event = line.get("event")
-    if event not in STATUS_EVENTS:
+    if not isinstance(event, str) or event not in STATUS_EVENTS:
         raise ReportError(f"line.event {str(event)[:40]!r} is not one of {', '.join(sorted(STATUS_EVENTS))}")
     attempt = line.get("attempt")
     if isinstance(attempt, bool) or not isinstance(attempt, (str, int)) or not str(attempt) \
@@ -185,7 +184,7 @@ def _status_line(line: Any, limits: Limits) -> StatusLine:
     )
 
 
-def _notice(kind: str, r: dict[str, Any], limits: Limits) -> NoticeReport:
+def _notice(kind: str, r: dict[str, Any]) -> NoticeReport:
     notice = r.get("notice") or {}
     if not isinstance(notice, dict):
         raise ReportError("notice is not an object")
@@ -217,7 +216,7 @@ def parse_report(r: Any, limits: Limits) -> Report | None:
         raise ReportError("not a JSON object")
     kind = r.get("kind")
     if kind in ("interruption_notice", "rebalance_recommendation"):
-        return _notice(kind, r, limits)
+        return _notice(kind, r)
     if kind == "trainer_status":
         return _status_line(r.get("line"), limits)
     if kind in ("metadata_unreachable", "metadata_recovered"):

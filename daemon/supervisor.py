@@ -132,6 +132,7 @@ class Supervisor(AgentChannel):
         self._attempt_leader: dict[str, str] = {}  # trainer attempt → the node of its rank 0
         self._held_resumes: list[tuple[str, StatusLine, float]] = []  # (node, started line, since) awaiting a commit
         self._confirming: set[int] = set()  # steps whose manifest is being read from the store
+        self._confirm_failures: dict[int, int] = {}  # step → failed reads of its manifest
         self._answered: set[str] = set()  # notice and request ids a recorded commit named
         self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self._wake = asyncio.Event()

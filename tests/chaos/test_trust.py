@@ -151,3 +151,33 @@ async def test_a_noticed_node_reports_the_commit_that_answers_its_own_notice(mak
         assert c.node == n2.id and c.data["step"] == 12 and c.data["notice_ids"] == [nid]
         sim.commit(n1, a1, 12, ids=(nid,), kinds=("interruption",))  # rank 0's own report of it: once per step
         assert len(sim.events("checkpoint_committed")) == 1
+
+
+async def test_a_held_resume_is_recorded_unconfirmed_when_the_store_is_out_of_reach(make_sim, monkeypatch) -> None:
+    """Nobody reported the commit and the control node cannot read the store: after
+    CONFIRM_ATTEMPTS reads RESUME_HOLD_S apart, the resume is recorded all the same
+    (``commit_unconfirmed``), so the job's world size and step do not freeze."""
+    from daemon.agent_channel import CONFIRM_ATTEMPTS, RESUME_HOLD_S
+    from trainer.storage import StorageError
+
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        sim.start([n1, n2], step=0)
+        sim.notice(n1)
+        reads = []
+
+        def unreachable(step: int):
+            reads.append(step)
+            raise StorageError("connect timeout")
+
+        monkeypatch.setattr(sim.sup, "_read_manifest", unreachable)
+        sim.sup.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
+        for attempt in range(1, CONFIRM_ATTEMPTS + 1):
+            assert len(sim.events("job_resumed")) == 1  # still held
+            sim.clock.advance(RESUME_HOLD_S + 1)
+            sim.sup.wake()
+            await sim.until(lambda: len(reads) == attempt, what=f"manifest read {attempt}")
+        await sim.until(lambda: len(sim.events("job_resumed")) == 2, what="the resume recorded")
+        resumed = sim.events("job_resumed")[-1]
+        assert resumed.data["resumed_from"] == 26 and resumed.data["commit_unconfirmed"] is True
+        assert sim.sup.job.world_size == 1
