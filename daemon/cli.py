@@ -47,6 +47,7 @@ import structlog
 from daemon import preflight_cli
 from daemon.config import Config, ConfigError, load_config
 from daemon.logs import configure_logging
+from daemon.pipes import quiet_broken_pipe
 from daemon.model import Event
 from daemon.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
@@ -272,6 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "rendezvous":

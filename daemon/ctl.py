@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from daemon.model import Event
+from daemon.pipes import quiet_broken_pipe
 
 # aiohttp is imported by the first request, not here: it is most of spotctl's start-up
 # (about 0.2 of 0.3 CPU seconds), and the shell's prompt, `-h` and a usage error need none of it.
@@ -513,6 +514,7 @@ for _verb in VERBS:
     setattr(SpotShell, "do_" + _verb.replace("-", "_"), _do)
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
