@@ -242,9 +242,7 @@ class AgentChannel:
                 self.wake()
 
     def _limits(self) -> Limits:
-        c = self.config
-        gpus = max((o.gpus_per_node for o in c.offers), default=1)
-        return Limits(max_step=c.job.target_steps, max_world_size=c.pool.max_nodes * gpus)
+        return Limits(max_step=self.config.job.target_steps, max_world_size=self.config.max_world_size())
 
     def _drop(self, node: Node, kind: str, problem: str, what: Any) -> None:
         """A report (or a heartbeat's field) that cannot be used: one log line, one

@@ -628,15 +628,12 @@ class Supervisor(AgentChannel):
                              "(pool.min_nodes / pool.max_nodes in the config)")
         if self.job.state.is_terminal():
             raise ValueError(f"the job is {self.job.state.value}: there is nothing to scale")
-        gpus = {o.gpus_per_node for o in self.config.offers}
-        if len(gpus) == 1:  # every node alike: the world size is known (mixed offers: admission decides)
-            g, valid = gpus.pop(), self.valid_world_sizes()
-            if nodes * g not in valid:
-                ok = [w // g for w in valid if w % g == 0 and pool.min_nodes <= w // g <= pool.max_nodes]
-                job = self.config.job
-                raise ValueError(f"scale {nodes}: world size {nodes * g} cannot share global batch "
-                                 f"{job.global_batch_size} in micro batches of {job.micro_batch_size} "
-                                 f"(node counts that can: {', '.join(map(str, ok)) or 'none'})")
+        ok = self.config.valid_node_counts()  # None for mixed offers: admission decides the world size
+        if ok is not None and nodes not in ok:
+            g, job = self.config.offers[0].gpus_per_node, self.config.job
+            raise ValueError(f"scale {nodes}: world size {nodes * g} cannot share global batch "
+                             f"{job.global_batch_size} in micro batches of {job.micro_batch_size} "
+                             f"(node counts that can: {', '.join(map(str, ok)) or 'none'})")
         old, self.target_nodes = self.target_nodes, nodes
         if nodes != old:
             self.store.set("target_nodes", nodes)
