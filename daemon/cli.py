@@ -162,13 +162,16 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
 
 @contextlib.contextmanager
 def rendezvous_process(config: Config):
-    """Start the rendezvous store as its own process for a one-shot run."""
+    """Start the rendezvous store as its own process for a one-shot run. It ends with this
+    process however this one ends (SIGKILL included): it stops when its standard input,
+    a pipe only this process holds the other end of, ends (``--exit-with-stdin``)."""
     rdzv = config.rendezvous
     from daemon.rendezvous import wait_until_listening
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.rendezvous", "--host", rdzv.host, "--port", str(rdzv.port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        [sys.executable, "-m", "daemon.rendezvous", "--host", rdzv.host, "--port", str(rdzv.port),
+         "--exit-with-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
     try:
         if not wait_until_listening(rdzv.host, rdzv.port, 30.0) or proc.poll() is not None:
@@ -180,6 +183,8 @@ def rendezvous_process(config: Config):
         yield proc
     finally:
         proc.terminate()
+        if proc.stdin is not None:
+            proc.stdin.close()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:

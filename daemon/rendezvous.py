@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the one address to listen on (default %(default)s; on a cloud the control "
                         "node's private address)")
     p.add_argument("--port", type=int, default=29400, help="TCP port (default %(default)s; 0: a free one)")
+    p.add_argument("--exit-with-stdin", action="store_true",
+                   help="also stop when standard input ends: a one-shot run (spotvisord demo) keeps the "
+                        "other end, so the store ends with it, SIGKILL included")
     args = p.parse_args(argv)
     host = args.host
     if not host.strip():
@@ -109,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_stdin:
+        def watch_stdin() -> None:
+            while sys.stdin.buffer.read(4096):
+                pass
+            stop.set()  # end of input: the process that started us is gone
+
+        threading.Thread(target=watch_stdin, name="stdin-watch", daemon=True).start()
 
     def listening(address: str, port: int) -> None:
         print(f"rendezvous store listening on {f'[{address}]' if ':' in address else address}:{port}", flush=True)

@@ -180,3 +180,45 @@ def test_cloud_configs_bind_a_private_address(name: str) -> None:
     text = (ROOT / "configs" / name).read_text()
     assert re.search(r"^#.*security group.*\n(#.*\n)*rendezvous:", text, re.M), \
         f"{name}: the comment above the rendezvous section says who may reach the port"
+
+
+_ONE_SHOT = """
+import sys, time
+from daemon.cli import rendezvous_process
+from daemon.config import Config
+
+config = Config.model_validate({"rendezvous": {"host": "127.0.0.1", "port": int(sys.argv[1])}})
+with rendezvous_process(config) as proc:
+    print(proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_one_shot_runs_store_ends_with_it_even_on_sigkill() -> None:
+    """``spotvisord demo`` starts the store as its own process: SIGKILL the demo and the
+    store still ends (its standard input, a pipe only the demo held, ends), not an
+    orphan holding the port."""
+    port = _free_port()
+    parent = subprocess.Popen([sys.executable, "-c", _ONE_SHOT, str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout is not None
+        store_pid = int(parent.stdout.readline())  # printed once the store listens
+        assert not _refuses("127.0.0.1", port)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _alive(store_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition with a deadline, not waiting for time to pass
+        assert not _alive(store_pid), "the store outlived the demo that started it"
+        assert _refuses("127.0.0.1", port)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
