@@ -69,7 +69,10 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-PositiveS = Annotated[float, Field(gt=0)]
+# The longest duration any setting may give (seconds): 30 days. A timeout of 1e308 s is
+# finite, yet waits on it overflow (threading's TIMEOUT_MAX is about 9.2e9 s here).
+MAX_DURATION_S = 30 * 86400.0
+PositiveS = Annotated[float, Field(gt=0, le=MAX_DURATION_S)]
 
 # events per request of a feed sink (``SinkSpec.max_batch``) when the config names none; a
 # Slack message holds at most 50 blocks: a header, a footer and two blocks per event
@@ -399,7 +402,7 @@ class LocalProviderSpec(_Spec):
     that holds more, or for a simulated fleet (bench/scale.py).
     """
 
-    launch_delay_s: float = Field(1.0, ge=0)
+    launch_delay_s: float = Field(1.0, ge=0, le=MAX_DURATION_S)
     max_nodes: int = Field(LOCAL_MAX_NODES, ge=1, le=MAX_POOL_NODES)
     # each simulated node's metadata endpoint speaks one cloud's dialect, cycled
     # over the nodes in launch order (e.g. [aws, aliyun, gcp, azure] mixes clouds)
@@ -489,8 +492,8 @@ class ChaosEvent(_Spec):
     action: Literal["notice", "kill"]
     node: int = Field(ge=1)
     at_step: int | None = Field(None, ge=0)
-    at_s: float | None = Field(None, ge=0)
-    lead_s: float = Field(30.0, ge=0)
+    at_s: float | None = Field(None, ge=0, le=MAX_DURATION_S)
+    lead_s: float = Field(30.0, ge=0, le=MAX_DURATION_S)
     wait_full_pool: bool = True
     hold_replacements_for_steps: int | None = Field(None, ge=1)
 

@@ -332,6 +332,16 @@ def test_non_finite_numbers_are_refused(tmp_path: Path, text: str, field: str) -
     assert problem.startswith(f"{field}: must be a finite number"), problem
 
 
+@pytest.mark.parametrize(("text", "field"), [
+    ("daemon:\n  heartbeat_timeout_s: 1e308\n", "daemon.heartbeat_timeout_s"),
+    ("job:\n  hold_timeout_s: 1e300\n", "job.hold_timeout_s"),
+    ("chaos:\n  - {action: notice, node: 1, at_s: 5, lead_s: 1e200}\n", "chaos.0.lead_s"),
+])
+def test_durations_beyond_30_days_are_refused(tmp_path: Path, text: str, field: str) -> None:
+    problem = one_problem(tmp_path, text)  # finite, yet a wait on it overflows
+    assert problem.startswith(f"{field}: ") and "2592000" in problem, problem
+
+
 def test_cli_infinite_timeout(tmp_path: Path) -> None:
     path = tmp_path / "inf.yaml"
     path.write_text("daemon:\n  heartbeat_timeout_s: .inf\n")
