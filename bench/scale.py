@@ -234,7 +234,7 @@ def _config(o: Options, tmp: Path, sock: str, hook_url: str) -> dict[str, Any]:
         "agent": {"heartbeat_interval_s": o.heartbeat_interval_s},
         # a longer shortest interval than the default needs a longer loss timeout (at least 4 beats);
         # the daemon stretches it further by itself for the intervals it scales up (daemon/pool.py)
-        "daemon": {"state_dir": str(tmp / "state"), "socket": sock, "agent_host": "127.0.0.1", "agent_port": 0,
+        "daemon": {"verify_commits": False, "state_dir": str(tmp / "state"), "socket": sock, "agent_host": "127.0.0.1", "agent_port": 0,
                    "heartbeat_timeout_s": max(DaemonSpec().heartbeat_timeout_s, 4 * o.heartbeat_interval_s),
                    "max_heartbeats_per_second": o.max_heartbeats_per_second},
         # two zones: a replacement goes to the zone that did not just get notices

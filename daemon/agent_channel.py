@@ -27,6 +27,7 @@ uses the supervisor's state (``nodes``, ``job``, ``config``, ``store``, ``record
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import math
 import zlib
@@ -319,14 +320,17 @@ class AgentChannel:
         only when it comes from the node that holds rank 0 of its attempt (the first node
         whose ``started`` line says rank 0 claims the attempt; a line of another node for
         that attempt is dropped), or, for a commit, from the node whose own notice the
-        commit answers. ``completed`` must be at ``job.target_steps``.
+        commit answers. ``completed`` must be at ``job.target_steps``. A commit is
+        recorded once its manifest verifies in the job's store (:meth:`_verify_commits`,
+        ``daemon.verify_commits``).
 
-        Causal order: a ``started`` line that resumes from a commit no node has reported
-        yet (the survivors of an in-process shrink report their resume while the leaving
-        node, which committed, may still be reporting the commit) is held until that
-        commit is recorded, so the event log and the feed never show a resume before the
-        commit it resumes from; after :data:`RESUME_HOLD_S` the daemon reads the commit's
-        manifest from the store itself (:meth:`_confirm_held_resumes`).
+        Causal order: a ``started`` line that resumes from a commit not recorded yet (the
+        survivors of an in-process shrink report their resume while the leaving node,
+        which committed, may still be reporting the commit) is held until that commit is
+        recorded, and so is a ``completed`` whose final commit is still being verified:
+        the event log and the feed never show a resume before the commit it resumes from.
+        After :data:`RESUME_HOLD_S` the daemon reads the commit's manifest from the store
+        itself (:meth:`_confirm_held_resumes`).
         """
         if node.state not in _IN_JOB:
             self._drop(node, "trainer_status", f"node is {node.state.value}, not in the job", line.event)
@@ -337,11 +341,11 @@ class AgentChannel:
                 self._drop(node, "trainer_status", f"started of attempt {line.attempt} from rank {line.rank} "
                            f"(attempt held by {leader or 'nobody'})", line.event)
                 return
-            if line.attempt in self.job.attempts or any(h.attempt == line.attempt for _, h, _ in self._held_resumes):
+            if line.attempt in self.job.attempts or any(h.attempt == line.attempt for _, h, _ in self._held):
                 return
             self._attempt_leader[line.attempt] = node.id
             if line.resumed_from is not None and line.resumed_from not in self.job.commit_steps:
-                self._held_resumes.append((node.id, line, self.clock()))
+                self._held.append((node.id, line, self.clock()))
                 return
             self._record_resume(node.id, line)
             return
@@ -352,20 +356,69 @@ class AgentChannel:
                        f"(attempt held by {leader or 'nobody'})", line.event)
             return
         if line.event == "checkpoint_committed":
-            self._record_commit(node.id, line)
+            if not self.config.daemon.verify_commits:
+                self._record_commit(node.id, line)
+            elif not (line.step in self.job.commit_steps and self._answered.issuperset(line.notice_ids)):
+                self._to_verify.put_nowait((node.id, line))  # _verify_commits records it once its manifest verifies
         elif line.event == "completed":
             if line.step < self.config.job.target_steps:
                 self._drop(node, "trainer_status", f"completed at step {line.step}, before job.target_steps "
                            f"{self.config.job.target_steps}", line.event)
                 return
-            if self.job.state is JobState.COMPLETED:
+            if self.config.daemon.verify_commits and line.step not in self.job.commit_steps:
+                self._held.append((node.id, line, self.clock()))  # its final commit is still being verified
                 return
-            self.job.state = JobState.COMPLETED
-            self.job.step = line.step
-            self.record(EventKind.JOB_COMPLETED, node.id, step=line.step, attempt=line.attempt)
-            self.desired_nodes = 0
-            self._completed.set()
-            self.wake()
+            self._record_completion(node.id, line)
+
+    def _record_completion(self, node_id: str | None, line: StatusLine) -> None:
+        if self.job.state is JobState.COMPLETED:
+            return
+        self.job.state = JobState.COMPLETED
+        self.job.step = line.step
+        self.record(EventKind.JOB_COMPLETED, node_id, step=line.step, attempt=line.attempt)
+        self.desired_nodes = 0
+        self._completed.set()
+        self.wake()
+
+    async def _verify_commits(self) -> None:
+        """The owned task that records reported commits, in the order they were reported,
+        each only once its manifest is read from the job's store and verifies
+        (``daemon.verify_commits``): a node cannot make the daemon record a checkpoint
+        that does not exist. A step with no committed manifest is dropped (one log line,
+        one count); a manifest that does not name the notices the report answers, too.
+        With the store out of reach :data:`CONFIRM_ATTEMPTS` times (1, 2, 4 s apart) the
+        commit is recorded with ``commit_unconfirmed: true``: a flush or a rejoin must
+        not wait for the control node's view of the store."""
+        while True:
+            node_id, line = await self._to_verify.get()
+            manifest, error = None, None
+            for attempt in range(CONFIRM_ATTEMPTS):
+                try:
+                    manifest, error = await asyncio.to_thread(self._read_manifest, line.step), None
+                    break
+                except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
+                    error = exc
+                    log.warning("commit_verify_failed", step=line.step, attempt=attempt + 1, error=str(exc)[:200])
+                    if attempt + 1 < CONFIRM_ATTEMPTS:
+                        await asyncio.sleep(2.0 ** attempt)
+            node = self.nodes.get(node_id)
+            if error is not None:
+                self._record_commit(node_id, line, unconfirmed=True)
+                continue
+            problem = None
+            if manifest is None:
+                problem = f"step {line.step} is not committed in {self.config.checkpoint_uri()}"
+            else:
+                named = manifest.extra.get("notice_ids") if isinstance(manifest.extra, dict) else None
+                if isinstance(named, list) and not set(line.notice_ids) <= set(named):
+                    problem = f"the manifest of step {line.step} does not name notices {sorted(set(line.notice_ids) - set(named))}"
+            if problem is not None:
+                if node is not None:
+                    self._drop(node, "trainer_status", problem, line.event)
+                continue
+            if line.bytes is None:
+                line = dataclasses.replace(line, bytes=sum(sh.size for sh in manifest.shards))
+            self._record_commit(node_id, line)
 
     def _record_resume(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool = False) -> None:
         self.job.attempts.add(line.attempt)
@@ -388,7 +441,8 @@ class AgentChannel:
                     lost_steps=lost, **({"resized": line.resized} if line.resized else {}),
                     **({"commit_unconfirmed": True} if commit_unconfirmed else {}))
 
-    def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None) -> None:
+    def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None,
+                       unconfirmed: bool = False) -> None:
         """Record one commit (once per step and notice: the first report of it), apply
         what it answers (notice flushes, the rejoin), then the resumes that waited for it."""
         step, ids = line.step, list(line.notice_ids)
@@ -410,7 +464,8 @@ class AgentChannel:
         self.record(EventKind.CHECKPOINT_COMMITTED, node_id, step=step, attempt=line.attempt,
                     reason=line.reason, seconds=line.seconds, bytes=line.bytes,
                     notice_ids=ids, kinds=list(line.kinds), trainer_time=line.time,
-                    save_s=line.save_s, upload_s=line.upload_s, **({"source": source} if source else {}))
+                    save_s=line.save_s, upload_s=line.upload_s, **({"source": source} if source else {}),
+                    **({"commit_unconfirmed": True} if unconfirmed else {}))
         raw = {k: v for k, v in (("seconds", line.seconds), ("bytes", line.bytes), ("save_s", line.save_s),
                                  ("upload_s", line.upload_s)) if v is not None}
         in_job = sum(1 for n in self.nodes.values() if n.state in _IN_JOB)
@@ -419,10 +474,12 @@ class AgentChannel:
             if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
                 self.record(EventKind.CHECKPOINT_DEADLINE_RISK, node_id, step=step,
                             **check.event_data("measured"))
-        waiting = [h for h in self._held_resumes if h[1].resumed_from in self.job.commit_steps]
-        for held in waiting:
-            self._held_resumes.remove(held)
-            self._record_resume(held[0], held[1])
+        for held in [h for h in self._held if _waits_on(h[1]) in self.job.commit_steps]:
+            self._held.remove(held)
+            if held[1].event == "completed":
+                self._record_completion(held[0], held[1])
+            else:
+                self._record_resume(held[0], held[1])
 
     def _confirm_held_resumes(self) -> None:
         """A reconcile pass: a resume held :data:`RESUME_HOLD_S` for a commit nobody
@@ -432,8 +489,8 @@ class AgentChannel:
         the store out of reach :data:`CONFIRM_ATTEMPTS` times, :data:`RESUME_HOLD_S` apart,
         the resume is recorded with ``commit_unconfirmed: true``."""
         now = self.clock()
-        for node_id, line, held_at in list(self._held_resumes):
-            step = line.resumed_from
+        for node_id, line, held_at in list(self._held):
+            step = _waits_on(line)
             if now - held_at < RESUME_HOLD_S or step is None or step in self._confirming:
                 continue
             self._confirming.add(step)
@@ -445,11 +502,13 @@ class AgentChannel:
         except Exception as exc:  # the store unreachable (or misconfigured): again RESUME_HOLD_S later
             failures = self._confirm_failures[step] = self._confirm_failures.get(step, 0) + 1
             log.warning("commit_confirm_failed", step=step, attempt=failures, error=str(exc)[:200])
-            held = [h for h in self._held_resumes if h[1].resumed_from == step]
+            held = [h for h in self._held if _waits_on(h[1]) == step]
             for h in held:
-                self._held_resumes.remove(h)
+                self._held.remove(h)
                 if failures < CONFIRM_ATTEMPTS:
-                    self._held_resumes.append((h[0], h[1], self.clock()))
+                    self._held.append((h[0], h[1], self.clock()))
+                elif h[1].event == "completed":
+                    self._record_completion(h[0], h[1])
                 else:  # availability over order: the job's view must not freeze with the store out of reach
                     self._record_resume(h[0], h[1], commit_unconfirmed=True)
             return
@@ -458,12 +517,12 @@ class AgentChannel:
         if step in self.job.commit_steps:
             return
         if manifest is None:
-            for held in [h for h in self._held_resumes if h[1].resumed_from == step]:
-                self._held_resumes.remove(held)
+            for held in [h for h in self._held if _waits_on(h[1]) == step]:
+                self._held.remove(held)
                 node = self.nodes.get(held[0])
                 if node is not None:
-                    self._drop(node, "trainer_status", f"resumed from step {step}, which is not committed",
-                               "started")
+                    self._drop(node, "trainer_status", f"{held[1].event} at step {step}, which is not committed",
+                               held[1].event)
             return
         extra = manifest.extra if isinstance(manifest.extra, dict) else {}
         self._record_commit(None, StatusLine(
@@ -474,13 +533,23 @@ class AgentChannel:
             bytes=sum(s.size for s in manifest.shards)), source="store")
 
     def _read_manifest(self, step: int) -> Any:
-        """The verified manifest of ``step`` in the job's checkpoint store, or None (blocking: a thread)."""
+        """The verified manifest of ``step`` in the job's checkpoint store, or None (blocking: a thread).
+
+        Raises:
+            trainer.storage.StorageError: the store failed (out of reach, no access).
+        """
         from trainer.checkpoint import open_store, scan_step
 
-        job = self.config.job
-        store = open_store(self.config.checkpoint_uri(), s3_endpoint_url=job.s3_endpoint_url,
-                           oss_endpoint=job.oss_endpoint)
-        return scan_step(store, step)
+        if self._checkpoint_store is None:  # one client (boto3's are thread-safe), made on first use
+            job = self.config.job
+            self._checkpoint_store = open_store(self.config.checkpoint_uri(), s3_endpoint_url=job.s3_endpoint_url,
+                                                oss_endpoint=job.oss_endpoint)
+        return scan_step(self._checkpoint_store, step)
+
+
+def _waits_on(line: StatusLine) -> int | None:
+    """The step whose commit a held line waits for: a resume's origin, a completion's step."""
+    return line.step if line.event == "completed" else line.resumed_from
 
 
 def zone_key(provider: str, region: str, zone: str | None) -> str:

@@ -371,6 +371,10 @@ class DaemonSpec(_Spec):
     # this for the window (seconds); one event per episode (daemon/gpu.py)
     gpu_underutilized_pct: float = Field(50.0, gt=0, le=100)
     gpu_underutilized_window_s: PositiveS = 300.0
+    # a reported checkpoint commit is recorded only once its manifest is read from the
+    # job's store and verifies (the control node needs read access to the store); off
+    # only for trainers that write no manifests (the tests' stand-ins, the scale bench)
+    verify_commits: bool = True
 
     @field_validator("state_dir")
     @classmethod

@@ -130,7 +130,9 @@ class Supervisor(AgentChannel):
         self._unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         self._flushes: dict[str, tuple[str, float]] = {}  # notice id → (node id, due: unix s) until its commit
         self._attempt_leader: dict[str, str] = {}  # trainer attempt → the node of its rank 0
-        self._held_resumes: list[tuple[str, StatusLine, float]] = []  # (node, started line, since) awaiting a commit
+        self._held: list[tuple[str, StatusLine, float]] = []  # (node, started/completed line, since) awaiting a commit
+        self._to_verify: asyncio.Queue[tuple[str, StatusLine]] = asyncio.Queue()  # reported commits (_verify_commits)
+        self._checkpoint_store: Any = None  # the job's store, opened by the first manifest read
         self._confirming: set[int] = set()  # steps whose manifest is being read from the store
         self._confirm_failures: dict[int, int] = {}  # step → failed reads of its manifest
         self._answered: set[str] = set()  # notice and request ids a recorded commit named
@@ -165,6 +167,8 @@ class Supervisor(AgentChannel):
         for kind, data in pre.events:
             self.record(EventKind(kind), None, **data)
         self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
+        if self.config.daemon.verify_commits:
+            self.spawn(self._verify_commits(), "verify-commits")
         self.spawn(self._price_loop(), "prices")
         log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
 

@@ -126,7 +126,7 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
         "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "job1", "module": "standin_trainer", "target_steps": 1_000_000},  # stand-ins step on and on
         "agent": {"heartbeat_interval_s": 0.05},  # the daemon tells the tests' agents this interval
-        "daemon": {"state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05},
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05},
     })
     store = Store(tmp_path / "state" / "spotvisord.db").open()
     provider = RecordingProvider()

@@ -146,7 +146,7 @@ async def own_daemon(tmp_path: Path, sockdir: str, raw: dict[str, Any],
     config = Config.model_validate({
         "job": {"id": "job1", "module": "standin_trainer"},
         **raw,
-        "daemon": {"state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05,
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05,
                    **raw.get("daemon", {})},
     })
     store = Store(tmp_path / "state" / "spotvisord.db").open()

@@ -49,7 +49,7 @@ async def daemon(request: pytest.FixtureRequest, tmp_path: Path, faults: AwsFaul
     config = Config.model_validate({
         "pool": {"name": f"fo-{uuid.uuid4().hex[:8]}", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1},  # valid world sizes 1, 2, 4, 8, 16
-        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
                    "reconcile_interval_s": 0.05},
         "providers": {
             "local": None,

@@ -42,7 +42,7 @@ def _config(tmp_path: Path, sockdir: str, *, target: int = 1) -> Config:
     return Config.model_validate({
         "pool": {"name": "life", "min_nodes": 1, "target_nodes": target, "max_nodes": 2},
         "job": {"id": "job1", "module": "standin_trainer", "target_steps": 10},
-        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
                    "reconcile_interval_s": 0.05, "rejoin_timeout_s": 30},
     })
 

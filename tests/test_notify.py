@@ -264,7 +264,7 @@ async def test_daemon_restart_loses_nothing_and_resends_at_most_the_batch_in_fli
     config = Config.model_validate({
         "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "job1", "module": "standin_trainer"},
-        "daemon": {"state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.05},
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.05},
         "notify": [{"name": "hook", "type": "webhook", "url": rx.url(), "secret_env": "SV_TEST_KEY",
                     "max_backoff_s": 0.05, "timeout_s": 30, "max_batch": 2}],  # 5 events: three requests
     })

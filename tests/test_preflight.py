@@ -299,7 +299,7 @@ async def test_supervisor_never_launches_an_unusable_offer_and_reports_measured_
         "pool": {"name": "pf", "min_nodes": 1, "target_nodes": 2, "max_nodes": 2},
         "job": {"global_batch_size": 16, "micro_batch_size": 1,
                 "model": {"preset": "llama-7b", "zero_stage": 0}},
-        "daemon": {"state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.05},
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.05},
         "chaos": [{"action": "notice", "node": 1, "at_step": 50, "lead_s": 30}],
         "offers": [
             {"instance_type": "small", "gpu_type": "A10G", "gpus_per_node": 1},  # cheapest, first: cannot hold 7B

@@ -25,7 +25,7 @@ async def daemon(request: pytest.FixtureRequest, tmp_path: Path):
     config = Config.model_validate({
         "pool": {"name": "t", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2, "rebalance_policy": policy},
         "job": {"id": "j"},
-        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock", "reconcile_interval_s": 0.05},
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock", "reconcile_interval_s": 0.05},
     })
     store = Store(tmp_path / "state" / "spotvisord.db").open()
     provider = RecordingProvider()

@@ -278,7 +278,7 @@ def sim_config(tmp_path: Path, **overrides: Any) -> Config:
         "pool": {"name": "chaos", "min_nodes": 1, "target_nodes": 2, "max_nodes": 3},
         "job": {"id": "chaos-job", "module": "standin_trainer", "target_steps": 100,
                 "global_batch_size": 12, "micro_batch_size": 2},
-        "daemon": {"state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.02,
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "reconcile_interval_s": 0.02,
                    "heartbeat_timeout_s": 3600, "launch_timeout_s": 3600, "rejoin_timeout_s": 30},
         "offers": [{"provider": "local", "zone": "local-a"}, {"provider": "local", "zone": "local-b"}],
     }

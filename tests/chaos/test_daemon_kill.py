@@ -332,7 +332,7 @@ async def world(tmp_path: Path, faults: AwsFaultProxy, ec2_server: str) -> Async
         "pool": {"name": pool, "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1, "target_steps": 30},  # STANDIN_TARGET
         "agent": {"heartbeat_interval_s": 0.2},  # what the daemon tells the agents (as the Ec2Sim starts them)
-        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
                    "agent_host": "127.0.0.1", "agent_port": _free_port(), "reconcile_interval_s": 0.1,
                    "rejoin_timeout_s": 5},
         "providers": {"local": None, "aws": {"image_id": "ami-03cf127a", "endpoint_url": faults.url}},

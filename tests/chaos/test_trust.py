@@ -43,13 +43,13 @@ def _kinds(sim: Sim) -> list[tuple[str, dict]]:
     return [(e.kind, e.data) for e in sim.store.events()]
 
 
-def _commit_in_store(sim: Sim, step: int, world_size: int) -> None:
+def _commit_in_store(sim: Sim, step: int, world_size: int, notice_ids: tuple[str, ...] = ("n1:abc",)) -> None:
     """What a trainer's rank 0 leaves in the job's store for ``step``."""
     store = open_store(sim.sup.config.checkpoint_uri())
     info: ShardInfo = write_shard(store, step, "model.pt", b"x" * 64)
     commit(store, Manifest(step=step, world_size=world_size, global_batch_size=12,
                            data_position={"consumed_samples": step * 12}, shards=(info,), time=time.time(),
-                           extra={"notice_ids": ["n1:abc"], "attempt": "a1", "reason": "notice"}))
+                           extra={"notice_ids": list(notice_ids), "attempt": "a1", "reason": "notice"}))
 
 
 async def test_a_resume_reported_before_its_commit_is_recorded_after_it(make_sim, matrix: Matrix) -> None:
@@ -181,3 +181,30 @@ async def test_a_held_resume_is_recorded_unconfirmed_when_the_store_is_out_of_re
         resumed = sim.events("job_resumed")[-1]
         assert resumed.data["resumed_from"] == 26 and resumed.data["commit_unconfirmed"] is True
         assert sim.sup.job.world_size == 1
+
+
+async def test_a_commit_is_recorded_only_once_its_manifest_verifies(make_sim, matrix: Matrix) -> None:
+    """``daemon.verify_commits`` (the default): rank 0's own report of a commit that is not in
+    the store, or whose manifest does not name the notice it claims to answer, is dropped;
+    a real one is recorded; ``completed`` waits for its final commit's verification."""
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        nid = sim.notice(n2)
+        sim.commit(n1, a1, 40, reason="periodic")  # nothing in the store at step 40
+        _commit_in_store(sim, 50, world_size=2, notice_ids=())
+        sim.commit(n1, a1, 50, ids=(nid,), kinds=("interruption",))  # the manifest names no notice
+        _commit_in_store(sim, 60, world_size=2, notice_ids=(nid,))
+        sim.commit(n1, a1, 60, ids=(nid,), kinds=("interruption",))
+        await sim.until(lambda: sim.events("checkpoint_committed"), what="the verified commit")
+        assert [(e.data["step"], e.data["notice_ids"]) for e in sim.events("checkpoint_committed")] == [(60, [nid])]
+        assert sim.sup.reports_dropped["trainer_status"] == 2
+        _commit_in_store(sim, 100, world_size=2, notice_ids=(nid,))
+        sim.commit(n1, a1, 100, reason="final")
+        sim.complete(n1, a1, 100)  # reported before the final commit is verified: it waits for it
+        sim.exit(n2)  # the noticed node left after its commit
+        await sim.until(lambda: sim.sup._released.is_set(), what="pool released")
+        kinds = [e.kind for e in sim.store.events() if e.kind in ("checkpoint_committed", "job_completed")]
+        assert kinds == ["checkpoint_committed", "checkpoint_committed", "job_completed"]
+        matrix.row("commits reported that the store does not hold", job_completed=True, lost_checkpoints=0,
+                   leaked_instances=len(sim.provider.live()), lost_events=sim.lost_events())
