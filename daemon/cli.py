@@ -230,7 +230,7 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                         global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
     out("summary:")
     for k, v in summary.items():
-        out(f"  {k:<26} {v}")
+        out(f"  {k:<28} {v}")
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         tmp = summary_json.with_name(summary_json.name + ".tmp")
