@@ -457,7 +457,6 @@ class AgentChannel:
         # survivors of a shrink answering the next notice at the same step boundary)
         self._answered.update(ids)
         self.job.commit_steps.add(step)
-        self.job.commits.add((line.attempt, step))
         if self.job.last_commit_step is None or step >= self.job.last_commit_step:
             self.job.last_commit_step = step
             self.job.last_commit_time = line.time

@@ -41,10 +41,10 @@ from daemon.gpu import GpuWatch
 from daemon.model import Event, EventKind, JobState, Node, NodeState, check_transition
 from daemon.nodelog import NodeLogs
 from daemon.offers import History, Offer, capacity_backoff_s
-from daemon.reports import StatusLine
 from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
                                    ProviderError, QuotaError)
+from daemon.reports import StatusLine
 from daemon.store import Store
 
 __all__ = ["Supervisor", "JobView"]
@@ -73,7 +73,6 @@ class JobView:
     resumed_at: float | None = None
     attempts: set[str] = field(default_factory=set)
     resizes_in_process: int = 0  # attempts that were the survivors going on in their processes
-    commits: set[tuple[str, int]] = field(default_factory=set)
     commit_steps: set[int] = field(default_factory=set)  # steps with a checkpoint_committed event
 
 
