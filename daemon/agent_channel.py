@@ -34,6 +34,7 @@ import zlib
 from typing import Any, Callable
 
 import structlog
+from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
 from daemon import preflight
 from daemon.gpu import parse_samples
@@ -392,15 +393,17 @@ class AgentChannel:
         while True:
             node_id, line = await self._to_verify.get()
             manifest, error = None, None
-            for attempt in range(CONFIRM_ATTEMPTS):
-                try:
-                    manifest, error = await asyncio.to_thread(self._read_manifest, line.step), None
-                    break
-                except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
-                    error = exc
-                    log.warning("commit_verify_failed", step=line.step, attempt=attempt + 1, error=str(exc)[:200])
-                    if attempt + 1 < CONFIRM_ATTEMPTS:
-                        await asyncio.sleep(2.0 ** attempt)
+            try:
+                async for attempt in AsyncRetrying(
+                        stop=stop_after_attempt(CONFIRM_ATTEMPTS), wait=wait_exponential(min=1, max=4), reraise=True,
+                        before_sleep=lambda rs, step=line.step: log.warning(
+                            "commit_verify_failed", step=step, attempt=rs.attempt_number,
+                            error=str(rs.outcome.exception())[:200] if rs.outcome else None)):
+                    with attempt:
+                        manifest = await asyncio.to_thread(self._read_manifest, line.step)
+            except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
+                log.warning("commit_verify_failed", step=line.step, attempt=CONFIRM_ATTEMPTS, error=str(exc)[:200])
+                error = exc
             node = self.nodes.get(node_id)
             if error is not None:
                 self._record_commit(node_id, line, unconfirmed=True)

@@ -208,3 +208,26 @@ async def test_a_commit_is_recorded_only_once_its_manifest_verifies(make_sim, ma
         assert kinds == ["checkpoint_committed", "checkpoint_committed", "job_completed"]
         matrix.row("commits reported that the store does not hold", job_completed=True, lost_checkpoints=0,
                    leaked_instances=len(sim.provider.live()), lost_events=sim.lost_events())
+
+
+async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(make_sim, monkeypatch) -> None:
+    """With the store out of reach for every try, a reported commit is still recorded
+    (``commit_unconfirmed``): a flush or a rejoin must not wait for the control node."""
+    from daemon.agent_channel import CONFIRM_ATTEMPTS
+    from trainer.storage import StorageError
+
+    reads = []
+
+    def unreachable(step: int):
+        reads.append(step)
+        raise StorageError("connect timeout")
+
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        monkeypatch.setattr(sim.sup, "_read_manifest", unreachable)
+        sim.commit(n1, a1, 10, reason="periodic")
+        await sim.until(lambda: sim.events("checkpoint_committed"), what="the commit, unconfirmed")
+        (c,) = sim.events("checkpoint_committed")
+        assert c.data["step"] == 10 and c.data["commit_unconfirmed"] is True
+        assert reads == [10] * CONFIRM_ATTEMPTS
