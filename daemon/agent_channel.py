@@ -387,7 +387,7 @@ class AgentChannel:
         (``daemon.verify_commits``): a node cannot make the daemon record a checkpoint
         that does not exist. A step with no committed manifest is dropped (one log line,
         one count); a manifest that does not name the notices the report answers, too.
-        With the store out of reach :data:`CONFIRM_ATTEMPTS` times (1, 2, 4 s apart) the
+        With the store out of reach :data:`CONFIRM_ATTEMPTS` times (1 s, then 2 s apart; tenacity) the
         commit is recorded with ``commit_unconfirmed: true``: a flush or a rejoin must
         not wait for the control node's view of the store."""
         while True:
