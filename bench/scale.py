@@ -84,7 +84,7 @@ if __package__ in (None, ""):  # run as a script: import this checkout's package
 from bench.loopwatch import LoopWatch  # noqa: E402
 from bench.scale_daemon import PROFILE_ENV  # noqa: E402
 from daemon.config import AgentSpec, DaemonSpec  # noqa: E402
-from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval  # noqa: E402
+from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interval  # noqa: E402
 from daemon.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
 
 __all__ = ["Options", "run", "main"]
@@ -233,7 +233,7 @@ def _config(o: Options, tmp: Path, sock: str, hook_url: str) -> dict[str, Any]:
                 "checkpoint_interval_steps": o.checkpoint_every},
         "agent": {"heartbeat_interval_s": o.heartbeat_interval_s},
         # a longer shortest interval than the default needs a longer loss timeout (at least 4 beats);
-        # the daemon stretches it further by itself for the intervals it scales up (daemon/pool.py)
+        # the daemon stretches it further by itself for the intervals it scales up (daemon/control/pool.py)
         "daemon": {"verify_commits": False, "state_dir": str(tmp / "state"), "socket": sock, "agent_host": "127.0.0.1", "agent_port": 0,
                    "heartbeat_timeout_s": max(DaemonSpec().heartbeat_timeout_s, 4 * o.heartbeat_interval_s),
                    "max_heartbeats_per_second": o.max_heartbeats_per_second},

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: import this checkout's daemon 
 from daemon.cli import running_daemon  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from daemon.logs import configure_logging  # noqa: E402
-from daemon.pool import Offer  # noqa: E402
+from daemon.control.pool import Offer  # noqa: E402
 from daemon.providers.base import (Instance, NodeSpec, Provider, TransientError, create_provider,  # noqa: E402
                                    register_provider)
 from daemon.service import SdNotifier, serve  # noqa: E402

@@ -249,8 +249,6 @@ class SimAgent:
             self.started_at = time.time()
             self.beat_now.set()
             job.join(self)
-        if reply.get("stop_trainer") and self.trainer == "running":
-            job.leave(self, exit_code=-15)
 
     def notice(self, lead_s: float) -> None:
         """An interruption notice on this node's metadata endpoint, as the agent handles it."""

@@ -9,7 +9,7 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpu` — and the
   next chunk of ``trainer.log``, :mod:`daemon.nodelog`), then sleep the interval the
   daemon's last reply said (``heartbeat_interval_s``: it grows with the pool,
-  :func:`daemon.pool.heartbeat_interval_s`; until the first reply, the CLI's), or
+  :func:`daemon.control.pool.heartbeat_interval_s`; until the first reply, the CLI's), or
   less when the trainer starts or exits: the daemon must know at once whether a
   trainer runs (a drain asks it to commit; a node with none is released). The
   reply carries the daemon's commands too: start the trainer, request a checkpoint
@@ -60,6 +60,7 @@ from daemon.launcher import READY_FD_ENV
 from daemon.logs import configure_logging
 from daemon.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
+from daemon.control.lifecycle import TrainerState, check_trainer_transition
 from daemon.model import TORCHRUN_ARGV
 from daemon.nodelog import read_chunk
 
@@ -209,8 +210,8 @@ class NodeAgent:
         self._proc: asyncio.subprocess.Process | None = None
         self._warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (_prewarm)
         self._ready_pipe: int | None = None  # the read end of the launcher's "ready" pipe, until awaited
-        self._warming = False  # the launcher is importing: heartbeats say the trainer is "warming"
-        self._trainer_state = "not_started"  # not_started | running | exited
+        # this node's torchrun (daemon.control.lifecycle.TrainerState; warming: the launcher imports)
+        self.trainer = TrainerState.NOT_STARTED
         self._exit_code: int | None = None
         self._step: int | None = None
         self._interruption: dict[str, Any] | None = None  # this node's own notice, once seen
@@ -378,7 +379,7 @@ class NodeAgent:
         log.warning("interruption_notice", node_id=self.node_id, deadline=deadline, action=notice.action)
         self._report("interruption_notice", notice={**notice.to_dict(), "id": nid}, seen_at=seen_at,
                      deadline=deadline)
-        if self._trainer_state != "running":
+        if self.trainer is not TrainerState.RUNNING:
             return
         if deadline is not None:
             asyncio.get_running_loop().call_later(
@@ -387,7 +388,7 @@ class NodeAgent:
 
     def _leave_if_still_running(self, notice_id: str) -> None:
         # The deadline is near and no commit answered the notice: leave cleanly anyway.
-        if self._trainer_state == "running" and self._proc is not None and self._proc.returncode is None:
+        if self.trainer is TrainerState.RUNNING and self._proc is not None and self._proc.returncode is None:
             log.warning("leaving_before_commit", node_id=self.node_id, notice_id=notice_id)
             self._proc.send_signal(signal.SIGTERM)
 
@@ -402,12 +403,11 @@ class NodeAgent:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= _MAX_HEARTBEAT_INTERVAL_S:
             self.told_interval_s = float(v)
 
-    def _reported_trainer_state(self) -> str:
-        """not_started | warming (torchrun's process importing, not handed the job) |
-        running | exited."""
-        if self._trainer_state == "not_started" and self._warming:
-            return "warming"
-        return self._trainer_state
+    def _trainer_to(self, new: TrainerState) -> None:
+        """Move this node's trainer lifecycle (the table in :mod:`daemon.control.lifecycle`)."""
+        check_trainer_transition(self.trainer, new)
+        self.trainer = new
+        self._beat_now.set()  # the daemon must know at once whether a trainer runs
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -419,7 +419,7 @@ class NodeAgent:
             try:
                 reply = await self._post(
                     "/v1/agent/heartbeat",
-                    {"step": self._step, "trainer": {"state": self._reported_trainer_state(),
+                    {"step": self._step, "trainer": {"state": self.trainer.value,
                                                      "exit_code": self._exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
@@ -484,22 +484,20 @@ class NodeAgent:
                 kind = "rejoin" if cmd.get("reason") == "rejoin" else "checkpoint"
                 self.notices.add({"id": cmd["id"], "kind": kind, "time": time.time(), "deadline": None})
                 log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind)
-        if reply.get("start_trainer") and self._trainer_state == "not_started" and self._interruption is None:
+        if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
+                and self._interruption is None):
             await self._start_trainer()
-        if reply.get("stop_trainer"):
-            await self._stop_trainer()
 
     async def _status_loop(self) -> None:
         tail = StatusTail(self.status_path)
         while True:
             for line in tail.read_new():
                 self._on_status(line)
-            if self._proc is not None and self._trainer_state == "running" and self._proc.returncode is not None:
+            if self._proc is not None and self.trainer is TrainerState.RUNNING and self._proc.returncode is not None:
                 for line in tail.read_new():
                     self._on_status(line)
-                self._trainer_state = "exited"
                 self._exit_code = self._proc.returncode
-                self._beat_now.set()
+                self._trainer_to(TrainerState.EXITED)
                 log.info("trainer_exited", node_id=self.node_id, exit_code=self._exit_code)
                 self._report("trainer_exited", exit_code=self._exit_code)
             await asyncio.sleep(0.2)
@@ -592,7 +590,7 @@ class NodeAgent:
         finally:
             os.close(ready_w)  # the launcher holds the only write end: its exit is EOF here
         self._ready_pipe = ready_r
-        self._warming = True
+        self._trainer_to(TrainerState.WARMING)
         log.info("trainer_prewarming", node_id=self.node_id, pid=self._warm.pid)
 
     async def _until_warm(self) -> None:
@@ -623,8 +621,8 @@ class NodeAgent:
             log.warning("prewarm_failed", node_id=self.node_id, exit_code=dead.returncode)
         elif said == b"ready\n":
             log.info("trainer_warm", node_id=self.node_id)
-        self._warming = False
-        self._beat_now.set()
+        if self.trainer is TrainerState.WARMING:  # else: started meanwhile, its import went on in torchrun
+            self._trainer_to(TrainerState.NOT_STARTED)
 
     async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
         """Hand the job to the prewarmed launcher; False if it is gone."""
@@ -641,17 +639,17 @@ class NodeAgent:
 
     async def _start_trainer(self) -> None:
         env = self._job_env()
+        importing = self.trainer is TrainerState.WARMING
         warm, self._warm = self._warm, None
         if warm is not None and warm.returncode is None and await self._go(warm, env):
             self._proc = warm
         else:
             self._proc = await self._spawn(self._job["argv"], env, asyncio.subprocess.DEVNULL)
-        self._trainer_state = "running"
-        self._beat_now.set()
+        self._trainer_to(TrainerState.RUNNING)
         # prewarmed: torchrun's process was already started (imported: and done importing,
         # else it goes on from where its import is)
         log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid, prewarmed=self._proc is warm,
-                 imported=self._proc is warm and not self._warming)
+                 imported=self._proc is warm and not importing)
 
     async def _stop_prewarmed(self) -> None:
         warm, self._warm = self._warm, None

@@ -8,7 +8,7 @@ uses the supervisor's state (``nodes``, ``job``, ``config``, ``store``, ``record
 
 - **Heartbeat interval**: every register and heartbeat reply tells the node when to
   heartbeat next, ``max(agent.heartbeat_interval_s, live nodes /
-  daemon.max_heartbeats_per_second)`` (:func:`daemon.pool.heartbeat_interval_s`, as
+  daemon.max_heartbeats_per_second)`` (:func:`daemon.control.pool.heartbeat_interval_s`, as
   Nomad does), told as the time to the node's next slot when stretched, so the pool's
   heartbeats arrive evenly spread; the node's lost timeout scales with what it was
   told (``NodeView.heartbeat_interval_s``).
@@ -39,19 +39,19 @@ from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 from daemon import preflight
 from daemon.gpu import parse_samples
 from daemon.metadata.registry import DOCUMENTED_LEAD_S
-from daemon.model import TORCHRUN_ARGV, TRAINER_STATES, EventKind, JobState, Node, NodeState
-from daemon.pool import heartbeat_interval_s as scaled_heartbeat_interval
-from daemon.reports import (
+from daemon.control.lifecycle import LIVE, MEMBERS, TrainerState, training
+from daemon.model import TORCHRUN_ARGV, EventKind, JobState, Node, NodeState
+from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interval
+from daemon.control.reports import (
     Limits, MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report, parse_step,
 )
 
 __all__ = ["AgentChannel"]
 
+_TRAINER_VALUES = frozenset(t.value for t in TrainerState)
+
 log = structlog.get_logger("spotvisor.daemon")
 
-LIVE_STATES = frozenset(
-    {NodeState.LAUNCHING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING}
-)
 # a noticed node's zone is avoided by replacements this long (seconds)
 AVOID_ZONE_S = 300.0
 # a commit reported just before a notice's deadline may still be on its way (the
@@ -64,8 +64,6 @@ RESUME_HOLD_S = 10.0
 # reads of that manifest that fail (the store out of reach) before the resume is
 # recorded anyway, marked ``commit_unconfirmed``
 CONFIRM_ATTEMPTS = 3
-# nodes whose trainer is in the job: whose trainer status may change the job
-_IN_JOB = frozenset({NodeState.RUNNING, NodeState.DRAINING})
 
 
 class AgentChannel:
@@ -89,17 +87,17 @@ class AgentChannel:
         self._seen(node)
         self._rescale_heartbeat()  # one more live node
         spec = self.job_spec(node)
-        if prewarm and tuple(spec["argv"][:2]) == TORCHRUN_ARGV and node.trainer == "not_started":
-            node.trainer = "warming"
+        if prewarm and tuple(spec["argv"][:2]) == TORCHRUN_ARGV and node.trainer is TrainerState.NOT_STARTED:
+            node.trainer = TrainerState.WARMING
             self.store.put_node(node)
         return {"job": spec, "heartbeat_interval_s": self._tell_interval(node)}
 
     def on_heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         self._seen(node)
         trainer = body.get("trainer")
-        if isinstance(trainer, dict) and trainer.get("state") in TRAINER_STATES:
-            if trainer["state"] != node.trainer:
-                node.trainer = trainer["state"]
+        if isinstance(trainer, dict) and trainer.get("state") in _TRAINER_VALUES:
+            if trainer["state"] != node.trainer:  # the agent's word: its lifecycle is its own (agent.py)
+                node.trainer = TrainerState(trainer["state"])
                 self.store.put_node(node)
                 self.wake()
         try:
@@ -113,7 +111,7 @@ class AgentChannel:
                 self.job.step = step
         self.node_logs.feed(node.id, body.get("log"))
         low = self.gpu_watch.observe(node.id, parse_samples(body.get("gpu")), now=self.clock(),
-                                     training=node.state is NodeState.RUNNING and node.trainer == "running")
+                                     training=training(node))
         if low is not None:
             self.record(EventKind.GPU_UNDERUTILIZED, node.id, **low)
         reply = self._agent_reply(node)
@@ -176,17 +174,17 @@ class AgentChannel:
     def _agent_reply(self, node: Node) -> dict[str, Any]:
         """Take ``node``'s queued commands and its start/stop decision into a reply."""
         start = self._told_start[node.id] = self._start(node)
-        return {"commands": self._commands.pop(node.id, []), "start_trainer": start, "stop_trainer": False}
+        return {"commands": self._commands.pop(node.id, []), "start_trainer": start}
 
     def _rescale_heartbeat(self) -> None:
-        live = sum(1 for n in self.nodes.values() if n.state in LIVE_STATES)
+        live = sum(1 for n in self.nodes.values() if n.state in LIVE)
         self.heartbeat_interval_s = scaled_heartbeat_interval(
             live, min_interval_s=self.config.agent.heartbeat_interval_s,
             max_per_second=self.config.daemon.max_heartbeats_per_second)
 
     def _tell_interval(self, node: Node) -> float:
         """The heartbeat interval to tell ``node`` now (seconds), remembered for its lost
-        timeout (:meth:`daemon.pool.Timeouts.lost_after_s`).
+        timeout (:meth:`daemon.control.pool.Timeouts.lost_after_s`).
 
         A stretched interval ``I`` is told as the time to the node's next **slot**: slots
         are ``I`` apart at the node's own phase (from its id, uniform in ``[0, I)``), and
@@ -209,7 +207,7 @@ class AgentChannel:
 
     def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
         """Apply an agent's batch of reports, in order. Each is parsed and bounded at the
-        edge (:func:`daemon.reports.parse_report`); one that cannot be used is dropped
+        edge (:func:`daemon.control.reports.parse_report`); one that cannot be used is dropped
         whole with one log line and one count (:meth:`_drop`), never stored, and the rest
         of the batch goes on: raising here would answer 500, and the agent resends a
         failed batch until it is accepted, re-applying the reports before the bad one
@@ -238,7 +236,7 @@ class AgentChannel:
                 else:
                     self.record(EventKind.METADATA_RECOVERED, node.id, failures=msg.failures)
             elif isinstance(msg, TrainerExited):
-                node.trainer = "exited"
+                node.trainer = TrainerState.EXITED
                 self.store.put_node(node)
                 self.record(EventKind.TRAINER_EXITED, node.id, exit_code=msg.exit_code)
                 self.wake()
@@ -264,13 +262,12 @@ class AgentChannel:
         node.deadline = n.deadline
         seen_at = n.seen_at
         published_at = self._published_at(node, n.provider, node.deadline)
-        in_job = node.state is NodeState.RUNNING and node.trainer == "running"
         self.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=n.notice_id,
                     action=n.action, deadline=n.notice_deadline, provider=n.provider,
                     notice_published_at=published_at, notice_seen_at=seen_at,
                     detection_latency_s=None if published_at is None or seen_at is None
                     else round(seen_at - published_at, 3))
-        if in_job and n.notice_id is not None:  # its flush must commit before the deadline
+        if training(node) and n.notice_id is not None:  # its flush must commit before the deadline
             lead = DOCUMENTED_LEAD_S.get(n.provider or "", 120.0)
             due = node.deadline if node.deadline is not None else self.clock() + lead
             self._flushes.setdefault(n.notice_id, (node.id, due + FLUSH_GRACE_S))
@@ -333,7 +330,7 @@ class AgentChannel:
         After :data:`RESUME_HOLD_S` the daemon reads the commit's manifest from the store
         itself (:meth:`_confirm_held_resumes`).
         """
-        if node.state not in _IN_JOB:
+        if node.state not in MEMBERS:
             self._drop(node, "trainer_status", f"node is {node.state.value}, not in the job", line.event)
             return
         leader = self._attempt_leader.get(line.attempt)
@@ -374,7 +371,7 @@ class AgentChannel:
     def _record_completion(self, node_id: str | None, line: StatusLine) -> None:
         if self.job.state is JobState.COMPLETED:
             return
-        self.job.state = JobState.COMPLETED
+        self.job.to(JobState.COMPLETED)
         self.job.step = line.step
         self.record(EventKind.JOB_COMPLETED, node_id, step=line.step, attempt=line.attempt)
         self.desired_nodes = 0
@@ -470,8 +467,8 @@ class AgentChannel:
                     **({"commit_unconfirmed": True} if unconfirmed else {}))
         raw = {k: v for k, v in (("seconds", line.seconds), ("bytes", line.bytes), ("save_s", line.save_s),
                                  ("upload_s", line.upload_s)) if v is not None}
-        in_job = sum(1 for n in self.nodes.values() if n.state in _IN_JOB)
-        for check in preflight.measured_deadline_checks(self.config, raw, nodes=max(1, in_job),
+        members = sum(1 for n in self.nodes.values() if n.state in MEMBERS)
+        for check in preflight.measured_deadline_checks(self.config, raw, nodes=max(1, members),
                                                         world_size=self.job.world_size):
             if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
                 self.record(EventKind.CHECKPOINT_DEADLINE_RISK, node_id, step=step,

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Mapping
 import structlog
 
 from daemon.model import EventKind, JobState, NodeState
-from daemon.pool import Launch, MarkLost, Terminate
+from daemon.control.pool import Launch, MarkLost, Terminate
 from daemon.supervisor import Supervisor, _largest_valid
 
 __all__ = [
@@ -151,7 +151,7 @@ class RestartOnPreemption(Supervisor):
             self._set_state(n, NodeState.TERMINATED, "restart_on_preemption")
             self.record(EventKind.NODE_TERMINATED, n.id, reason="restart_all", after_loss_of=lost)
         # the first nodes up start the job together, from the newest committed checkpoint
-        self.job.state = JobState.PENDING
+        self.job.to(JobState.PENDING)
         self._first_ready_at = None
         self._rejoin = None
         self.wake()

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from daemon.control.offers import offer_key
 from daemon.model import EventKind
 from daemon.preflight import PRESETS, UnknownGpuError, offer_gib
 from trainer.batch import ElasticBatch, BatchError
@@ -356,7 +357,7 @@ class DaemonSpec(_Spec):
     heartbeat_timeout_s: PositiveS = 20.0
     # the whole pool sends at most this many heartbeats a second: each node is told an
     # interval of max(agent.heartbeat_interval_s, live nodes / this), and its lost-node
-    # timeout grows with what it was told (daemon/pool.py, as Nomad's max_heartbeats_per_second).
+    # timeout grows with what it was told (daemon/control/pool.py, as Nomad's max_heartbeats_per_second).
     # 25, not Nomad's 50: a heartbeat costs this Python daemon about 0.9 ms of CPU with the
     # kernel's share (bench/scale.py), so 25 a second keep them near 2 % of one core on a
     # small control node whatever the pool's size; 1,000 nodes are told 40 s
@@ -470,6 +471,11 @@ class OfferSpec(_Spec):
     # the on-demand list price of this instance type here (USD/hour), for ``spotctl cost``'s
     # on-demand equivalent and savings; absent: that node's savings are shown as unknown
     on_demand_price_usd_h: float | None = Field(None, ge=0)
+
+    @property
+    def key(self) -> str:
+        """The offer's stable key (:func:`daemon.control.offers.offer_key`)."""
+        return offer_key(self.provider, self.region, self.zone, self.instance_type, self.market)
 
 
 class ChaosEvent(_Spec):
@@ -608,6 +614,11 @@ class Config(_Spec):
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
+        keys = [o.key for o in self.offers]
+        for i, key in enumerate(keys):
+            if key in keys[:i]:
+                raise ValueError(f"offers.{i}: the same offer as offers.{keys.index(key)} ({key}); "
+                                 "remove one (an offer is its provider, region, zone, instance type and market)")
         for i, offer in enumerate(self.offers):
             if offer.market == "on_demand" and not self.pool.on_demand_fallback:
                 raise ValueError(

@@ -14,7 +14,7 @@ NVML (``nvidia-ml-py``, imported as ``pynvml``):
 The agent samples every second and each heartbeat carries, per GPU, the mean
 ``sm_util_pct`` over the samples taken since the previous heartbeat and the latest
 memory figures (:class:`GpuMeans`): a big pool heartbeats only every few seconds
-(the daemon stretches the interval, :func:`daemon.pool.heartbeat_interval_s`), and
+(the daemon stretches the interval, :func:`daemon.control.pool.heartbeat_interval_s`), and
 one instant per heartbeat would be a poor reading of how busy the GPUs were.
 
 A node without NVML (a CPU node, no driver, no GPU) reports the sample as

@@ -159,11 +159,12 @@ def cost_report(nodes: Sequence[Node], offers: Sequence["OfferSpec"], now: float
     spot_total = od_total = spot_priced = 0.0
     unpriced: list[str] = []
     usd_h_now = 0.0
+    by_key = {o.key: o for o in offers}
     for n in sorted(nodes, key=lambda n: n.ordinal):
         if n.instance_id is None:
             continue  # never got an instance (failed launch): nothing billed
         hours = n.hours_held(now)
-        offer = offers[n.offer_index] if 0 <= n.offer_index < len(offers) else None
+        offer = by_key.get(n.offer_key)
         od_h = None if offer is None else offer.on_demand_price_usd_h
         if offer is not None and offer.market == "on_demand":
             od_h = n.price_usd_h  # an on-demand fallback node costs what it costs: no saving
@@ -395,7 +396,7 @@ class _StateCollector:
                                 value=1.0 if sup.paused else 0.0)
         dropped = CounterMetricFamily("spotvisor_agent_reports_dropped",
                                       "Agent reports (and heartbeat fields) dropped at the edge: the wrong type, "
-                                      "out of bounds, or not the node's to send (daemon/reports.py).",
+                                      "out of bounds, or not the node's to send (daemon/control/reports.py).",
                                       labels=["kind"])
         for kind, n in sorted(getattr(sup, "reports_dropped", {}).items()):
             dropped.add_metric([kind], n)

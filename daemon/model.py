@@ -1,8 +1,8 @@
-"""Types the control plane's parts share: node and job lifecycles, events.
+"""Records the control node keeps: the node row, the event and its kinds.
 
-Each lifecycle is a string enum whose members are commented and whose legal
-transitions are listed; the store refuses any other transition, so a bug shows
-up as an error at the moment it happens, not as a leaked instance later.
+The lifecycles (node, job, trainer), their transition tables and the named sets
+live in :mod:`daemon.control.lifecycle` and are re-exported here for the store's
+callers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NewType
 
+from daemon.control.offers import offer_key
+from daemon.control.lifecycle import (IllegalTransition, JobState, NodeState, TrainerState, check_transition)
+
 __all__ = [
     "NodeId",
     "NodeState",
@@ -19,78 +22,13 @@ __all__ = [
     "EventKind",
     "Event",
     "Node",
+    "TrainerState",
     "IllegalTransition",
-    "TRAINER_STATES",
+    "check_transition",
     "TORCHRUN_ARGV",
 ]
 
 NodeId = NewType("NodeId", str)
-
-
-class IllegalTransition(RuntimeError):
-    """A lifecycle change that the transition table does not allow."""
-
-
-class NodeState(str, Enum):
-    """Where one node (one spot instance) is in its life.
-
-    requested → launching → ready → (admitting →) running → draining → terminated,
-    with ``lost`` (gone without notice) and ``failed`` (launch failed) as the other ends.
-    """
-
-    REQUESTED = "requested"  # launch decided, provider call in flight
-    LAUNCHING = "launching"  # provider accepted; instance boots; no heartbeat yet
-    READY = "ready"  # agent registered; not yet part of the training job
-    ADMITTING = "admitting"  # waiting for the job's rejoin checkpoint before joining
-    RUNNING = "running"  # its torchrun agent is part of the job
-    DRAINING = "draining"  # interruption notice (or drain request): leaving soon
-    TERMINATED = "terminated"  # gone, as planned (after a drain, a release, a scale-in)
-    LOST = "lost"  # gone without notice (heartbeat lost or provider says it's gone)
-    FAILED = "failed"  # the launch itself failed (capacity, quota, boot timeout)
-
-    @classmethod
-    def terminal(cls) -> frozenset["NodeState"]:
-        return frozenset({cls.TERMINATED, cls.LOST, cls.FAILED})
-
-    def is_terminal(self) -> bool:
-        return self in self.terminal()
-
-
-_S = NodeState
-NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
-    _S.REQUESTED: frozenset({_S.LAUNCHING, _S.FAILED, _S.TERMINATED}),
-    _S.LAUNCHING: frozenset({_S.READY, _S.LOST, _S.FAILED, _S.TERMINATED, _S.DRAINING}),
-    _S.READY: frozenset({_S.ADMITTING, _S.RUNNING, _S.DRAINING, _S.LOST, _S.TERMINATED}),
-    _S.ADMITTING: frozenset({_S.RUNNING, _S.READY, _S.DRAINING, _S.LOST, _S.TERMINATED}),
-    _S.RUNNING: frozenset({_S.DRAINING, _S.LOST, _S.TERMINATED}),
-    _S.DRAINING: frozenset({_S.TERMINATED, _S.LOST}),
-    _S.TERMINATED: frozenset(),
-    _S.LOST: frozenset(),
-    _S.FAILED: frozenset(),
-}
-
-
-def check_transition(old: NodeState, new: NodeState) -> None:
-    """Raises IllegalTransition unless ``old → new`` is in the table (same state is a no-op)."""
-    if old is not new and new not in NODE_TRANSITIONS[old]:
-        raise IllegalTransition(f"node state {old.value} → {new.value} is not allowed")
-
-
-class JobState(str, Enum):
-    """The training job's life, as the daemon sees it."""
-
-    PENDING = "pending"  # waiting for the first nodes
-    RUNNING = "running"  # at least one node's trainer is part of the job
-    COMPLETED = "completed"  # the trainer reported its target step, final checkpoint committed
-    FAILED = "failed"  # cannot continue (e.g. no valid world size reachable)
-    PAUSED = "paused"  # operator's `spotctl pause`: committed, capacity released; `resume` → pending
-
-    @classmethod
-    def terminal(cls) -> frozenset["JobState"]:
-        return frozenset({cls.COMPLETED, cls.FAILED})
-
-    def is_terminal(self) -> bool:
-        return self in self.terminal()
 
 
 class EventKind(str, Enum):
@@ -144,9 +82,6 @@ class Event:
         return {"seq": self.seq, "time": self.time, "kind": self.kind, "node": self.node, "data": self.data}
 
 
-# the agent's view of its node's torchrun, as its heartbeats report it: "warming" is
-# torchrun's process started and importing, not yet handed the job (daemon/launcher.py)
-TRAINER_STATES = frozenset({"not_started", "warming", "running", "exited"})
 # the job command an agent can prewarm: python -m torch.distributed.run ...
 TORCHRUN_ARGV = ("-m", "torch.distributed.run")
 
@@ -162,7 +97,6 @@ class Node:
     id: str
     ordinal: int
     provider: str
-    offer_index: int
     region: str
     zone: str | None
     instance_type: str
@@ -176,10 +110,16 @@ class Node:
     last_heartbeat: float | None = None
     deadline: float | None = None
     step: int | None = None
-    trainer: str = "not_started"  # the agent's view of its torchrun: one of TRAINER_STATES
+    trainer: TrainerState = TrainerState.NOT_STARTED  # the agent's view of its torchrun
     replacing: bool = False  # rebalance policy "replace": a replacement is launched, then this node drains
     detail: str = ""
     ended_at: float | None = None  # when it reached a terminal state (terminated / lost / failed)
+    market: str = "spot"  # the offer's market: spot or on_demand
+
+    @property
+    def offer_key(self) -> str:
+        """The stable key of the offer this node was bought from (:func:`daemon.control.offers.offer_key`)."""
+        return offer_key(self.provider, self.region, self.zone, self.instance_type, self.market)
 
     def hours_held(self, now: float) -> float:
         """Hours this node's instance was paid for: from the launch request

@@ -3,7 +3,7 @@ the heartbeat in bounded chunks, so ``spotctl tail NODE`` works for a node on an
 cloud: the daemon never reads a node's disk.
 
 **Protocol** (one round per heartbeat: every 1 s by default, longer in a big pool,
-whose interval the daemon stretches, :func:`daemon.pool.heartbeat_interval_s`):
+whose interval the daemon stretches, :func:`daemon.control.pool.heartbeat_interval_s`):
 
 - the daemon's heartbeat reply carries ``"log": {"offset": N}``: the byte offset in
   the node's ``trainer.log`` up to which it holds the log (``null``: nothing yet);

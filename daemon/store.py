@@ -3,7 +3,7 @@
 The event ``seq`` is SQLite's INTEGER PRIMARY KEY AUTOINCREMENT, so it is
 monotonic across daemon restarts and never reused: ``spotctl events --since SEQ``
 resumes exactly. Node rows are written through on every state change, with the
-transition checked against :data:`daemon.model.NODE_TRANSITIONS`.
+transition checked against :data:`daemon.control.lifecycle.NODE_TRANSITIONS`.
 
 Calls are short local-disk transactions (well under a millisecond in WAL mode
 with ``synchronous=NORMAL``); they run on the event loop's thread on purpose, so
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from daemon.model import Event, Node, NodeState, check_transition
+from daemon.model import Event, Node, NodeState, TrainerState, check_transition
 
 __all__ = ["Store"]
 
@@ -154,6 +154,7 @@ class Store:
     def put_node(self, node: Node) -> None:
         body = dataclasses.asdict(node)
         body["state"] = node.state.value
+        body["trainer"] = TrainerState(node.trainer).value
         self.db.execute(
             "INSERT INTO nodes(id, body) VALUES (?, ?) ON CONFLICT(id) DO UPDATE SET body = excluded.body",
             (node.id, json.dumps(body)),
@@ -196,4 +197,6 @@ class Store:
 def _node(body: str) -> Node:
     raw = json.loads(body)
     raw["state"] = NodeState(raw["state"])
+    raw.pop("offer_index", None)  # rows written before nodes kept their offer's key (Node.offer_key)
+    raw["trainer"] = TrainerState(raw.get("trainer", TrainerState.NOT_STARTED))
     return Node(**raw)

@@ -3,7 +3,7 @@
 One :class:`Supervisor` per pool/job. It owns:
 
 - the **store** (events with persisted ``seq``, node rows);
-- the **reconcile loop**: observe (``describe(tag)``, heartbeats) → :func:`daemon.pool.plan`
+- the **reconcile loop**: observe (``describe(tag)``, heartbeats) → :func:`daemon.control.pool.plan`
   → apply (the only code that calls the provider);
 - **admission**: the first nodes start the job together; a node that registers
   while the job runs is admitted only after the job committed a ``rejoin``
@@ -29,59 +29,35 @@ import collections
 import random
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
 import structlog
 
 from daemon import preflight
-from daemon.agent_channel import FLUSH_GRACE_S, LIVE_STATES, AgentChannel, wait_event
+from daemon.agent_channel import FLUSH_GRACE_S, AgentChannel, wait_event
 from daemon.config import Config
 from daemon.gpu import GpuWatch
+from daemon.control.lifecycle import ADMITTED, LIVE, TrainerState, leaving, training
+from daemon.control.state import JobView, Rejoin
 from daemon.model import Event, EventKind, JobState, Node, NodeState, check_transition
 from daemon.nodelog import NodeLogs
-from daemon.offers import History, Offer, capacity_backoff_s
-from daemon.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
+from daemon.control.offers import History, Offer, capacity_backoff_s
+from daemon.control.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
                                    ProviderError, QuotaError)
-from daemon.reports import StatusLine
+from daemon.control.reports import StatusLine
 from daemon.store import Store
 
-__all__ = ["Supervisor", "JobView"]
+__all__ = ["Supervisor"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
-_IN_JOB = frozenset({NodeState.RUNNING})
 _PRICE_REFRESH_S = 300.0
 # how long admission waits for a replacement's torchrun to import (trainer "warming",
 # daemon/launcher.py) before it asks the survivors for the rejoin commit anyway
 # (seconds). The import takes 1.5-2.5 s on a warm page cache; the first one on a fresh
 # instance's cold disk can take tens of seconds, during which the survivors train on.
 PREWARM_WAIT_S = 60.0
-
-
-@dataclass(slots=True)
-class JobView:
-    """What the daemon knows of the training job (from the trainer's own reports)."""
-
-    state: JobState = JobState.PENDING
-    step: int | None = None
-    world_size: int | None = None
-    last_commit_step: int | None = None
-    last_commit_time: float | None = None
-    started_at: float | None = None
-    resumed_at: float | None = None
-    attempts: set[str] = field(default_factory=set)
-    resizes_in_process: int = 0  # attempts that were the survivors going on in their processes
-    commit_steps: set[int] = field(default_factory=set)  # steps with a checkpoint_committed event
-
-
-@dataclass(slots=True)
-class _Rejoin:
-    id: str
-    nodes: set[str]
-    requested_at: float
-    answered: bool = False
 
 
 class Supervisor(AgentChannel):
@@ -120,7 +96,7 @@ class Supervisor(AgentChannel):
         self._told_start: dict[str, bool] = {}  # node id → the start_trainer it was last told
         self._told_interval: dict[str, float] = {}  # node id → the heartbeat interval it was last told (s)
         self.heartbeat_interval_s = config.agent.heartbeat_interval_s  # the pool's, now (_rescale_heartbeat)
-        self._rejoin: _Rejoin | None = None
+        self._rejoin: Rejoin | None = None
         self._backoff: dict[int, float] = {}
         self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
         self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
@@ -187,11 +163,10 @@ class Supervisor(AgentChannel):
         """
         now = self.clock()
         for node in self.nodes.values():
-            if node.state in LIVE_STATES and node.last_heartbeat is not None:
+            if node.state in LIVE and node.last_heartbeat is not None:
                 node.last_heartbeat = now
-        if any(n.state is NodeState.RUNNING or (n.state is NodeState.DRAINING and n.trainer == "running")
-               for n in self.nodes.values()):
-            self.job.state = JobState.RUNNING
+        if any(n.state is NodeState.RUNNING or leaving(n) for n in self.nodes.values()):
+            self.job.to(JobState.RUNNING)
         steps = [n.step for n in self.nodes.values() if n.step is not None]
         self.job.step = max(steps, default=None)
         for ev in self.store.events(kinds=[EventKind.CHECKPOINT_COMMITTED.value]):
@@ -199,7 +174,7 @@ class Supervisor(AgentChannel):
                 self.job.commit_steps.add(ev.data["step"])
                 self._answered.update(i for i in ev.data.get("notice_ids") or () if isinstance(i, str))
         if self.store.events(kinds=[EventKind.JOB_COMPLETED.value], limit=1):
-            self.job.state = JobState.COMPLETED
+            self.job.to(JobState.COMPLETED)
             self.desired_nodes = 0
             self._completed.set()
             if self.store.events(kinds=[EventKind.POOL_RELEASED.value], limit=1):
@@ -353,7 +328,7 @@ class Supervisor(AgentChannel):
             found += [(p, i) for i in instances]
         await self._settle_unowned(found)
         for node in list(self.nodes.values()):
-            if node.state not in LIVE_STATES or node.instance_id is None:
+            if node.state not in LIVE or node.instance_id is None:
                 continue
             if node.instance_id in alive.get(id(self.provider_for(node.provider)), set()):
                 continue
@@ -387,16 +362,15 @@ class Supervisor(AgentChannel):
         for node in list(self.nodes.values()):
             if node.state is not NodeState.REQUESTED or node.id in self._launching:
                 continue
-            offer = self._offer(node.offer_index)
             hit = by_node.get(node.id)
             if hit is not None:
                 node.instance_id = hit[1].id
                 self._set_state(node, NodeState.LAUNCHING, "adopted after a daemon restart")
-                self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=node.instance_id, offer=offer.key,
+                self.record(EventKind.NODE_LAUNCHED, node.id, instance_id=node.instance_id, offer=node.offer_key,
                             price_usd_h=node.price_usd_h, adopted=True)
             else:
                 self._set_state(node, NodeState.FAILED, "launch interrupted by a daemon restart")
-                self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="interrupted", offer=offer.key,
+                self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="interrupted", offer=node.offer_key,
                             message="the daemon stopped during the launch call; no instance of this node exists")
         for p, inst in found:
             node = self.nodes.get(inst.node_id)
@@ -436,7 +410,7 @@ class Supervisor(AgentChannel):
         ordinal = max((n.ordinal for n in self.nodes.values()), default=0) + 1
         offer = self.config.offers[offer_index]
         node = Node(
-            id=f"{self.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, offer_index=offer_index,
+            id=f"{self.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, market=offer.market,
             region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
             price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24), created_at=self.clock(),
         )
@@ -444,7 +418,7 @@ class Supervisor(AgentChannel):
         self.store.put_node(node)
         self.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=self._offer(offer_index).key, reason=reason)
         self._launching.add(node.id)
-        task = self.spawn(self._launch_call(node), f"launch:{node.id}")
+        task = self.spawn(self._launch_call(node, offer_index), f"launch:{node.id}")
 
         def landed(_: asyncio.Task[Any], node_id: str = node.id) -> None:
             self._launching.discard(node_id)
@@ -452,18 +426,18 @@ class Supervisor(AgentChannel):
 
         task.add_done_callback(landed)
 
-    async def _launch_call(self, node: Node) -> None:
+    async def _launch_call(self, node: Node, offer_index: int) -> None:
         assert self.agent_url is not None
         spec = NodeSpec(node_id=node.id, pool=self.pool, token=node.token, daemon_url=self.agent_url,
                         tags={POOL_TAG: self.pool, NODE_TAG: node.id})
-        offer = self._offer(node.offer_index)
+        offer = self._offer(offer_index)
         try:
             inst = await self.provider_for(offer.provider).launch(offer, spec)
         except CapacityError as exc:
-            n = self._capacity_failures.get(node.offer_index, 0) + 1
-            self._capacity_failures[node.offer_index] = n
+            n = self._capacity_failures.get(offer_index, 0) + 1
+            self._capacity_failures[offer_index] = n
             wait = capacity_backoff_s(n, self._rng)
-            self._backoff[node.offer_index] = self.clock() + wait
+            self._backoff[offer_index] = self.clock() + wait
             self._launch_failed(node, str(exc))
             self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
                         backoff_s=round(wait, 1), failures=n)
@@ -477,12 +451,12 @@ class Supervisor(AgentChannel):
             self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
                         offer=offer.key, provider_disabled=offer.provider)
         except ProviderError as exc:
-            self._backoff[node.offer_index] = self.clock() + capacity_backoff_s(1, self._rng)
+            self._backoff[offer_index] = self.clock() + capacity_backoff_s(1, self._rng)
             self._launch_failed(node, str(exc))
             self.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
                         offer=offer.key)
         else:
-            self._capacity_failures.pop(node.offer_index, None)
+            self._capacity_failures.pop(offer_index, None)
             node.instance_id = inst.id
             if node.state.is_terminal():
                 # released while its launch was in flight (job completed, scale-in): the
@@ -511,7 +485,7 @@ class Supervisor(AgentChannel):
         if self.job.state.is_terminal() or self.paused:
             return
         ready = sorted((n for n in self.nodes.values() if n.state is NodeState.READY), key=lambda n: n.ordinal)
-        running = [n for n in self.nodes.values() if n.state in _IN_JOB]
+        running = [n for n in self.nodes.values() if n.state in ADMITTED]
         admitting = [n for n in self.nodes.values() if n.state is NodeState.ADMITTING]
         valid = set(self.valid_world_sizes())
         world = sum(n.gpus for n in running)
@@ -528,7 +502,7 @@ class Supervisor(AgentChannel):
                 if chosen:
                     for n in chosen:
                         self._start_node(n, "job_start")
-                    self.job.state = JobState.RUNNING
+                    self.job.to(JobState.RUNNING)
             return
 
         # Rebalance policy "replace": once the replacement is up, drain the node at risk.
@@ -543,11 +517,11 @@ class Supervisor(AgentChannel):
         # counts the leaving node (its workers never start: the round hangs), and
         # the survivors' restart on its leave would not be at the rejoin commit.
         # So: first let it leave, then ask for the rejoin checkpoint.
-        leaving = [n for n in self.nodes.values() if n.state is NodeState.DRAINING and n.trainer == "running"]
+        going = [n for n in self.nodes.values() if leaving(n)]
         if admitting:
             rj = self._rejoin
-            if leaving and rj is not None and not rj.answered:
-                log.info("rejoin_deferred", request_id=rj.id, leaving=[n.id for n in leaving])
+            if going and rj is not None and not rj.answered:
+                log.info("rejoin_deferred", request_id=rj.id, leaving=[n.id for n in going])
                 self._cancel_rejoin(running, back_to_ready=admitting)
                 return
             timed_out = rj is not None and now - rj.requested_at > self.config.daemon.rejoin_timeout_s
@@ -560,12 +534,12 @@ class Supervisor(AgentChannel):
                 self._rejoin = None
             return
 
-        if not ready or leaving:
+        if not ready or going:
             return
         # A node whose torchrun is still importing (daemon/launcher.py) would make the
         # survivors hold, idle, through that import: they train on until it is warm,
         # or until PREWARM_WAIT_S after it registered (a launcher that hangs)
-        ready = [n for n in ready if n.trainer != "warming" or now - (n.ready_at or now) >= PREWARM_WAIT_S]
+        ready = [n for n in ready if n.trainer is not TrainerState.WARMING or now - (n.ready_at or now) >= PREWARM_WAIT_S]
         if not ready:
             return
         chosen = _largest_valid(ready, world, valid)
@@ -576,7 +550,7 @@ class Supervisor(AgentChannel):
                 self._start_node(n, "no_survivors")
             return
         rid = f"rejoin-{secrets.token_hex(4)}"
-        self._rejoin = _Rejoin(rid, {n.id for n in chosen}, now)
+        self._rejoin = Rejoin(rid, {n.id for n in chosen}, now)
         for n in chosen:
             self._set_state(n, NodeState.ADMITTING)
         for n in running:
@@ -589,7 +563,7 @@ class Supervisor(AgentChannel):
 
         Returns the request id, or None when no node is running the job's trainer.
         """
-        running = [n for n in self.nodes.values() if n.state is NodeState.RUNNING and n.trainer == "running"]
+        running = [n for n in self.nodes.values() if training(n)]
         if not running:
             return None
         rid = f"{reason}-{secrets.token_hex(4)}"
@@ -608,7 +582,7 @@ class Supervisor(AgentChannel):
         # forever: past this deadline (+ grace) the planner terminates the node
         node.deadline = self.clock() + self.config.daemon.rejoin_timeout_s
         self._set_state(node, NodeState.DRAINING, reason)
-        if node.trainer == "running":
+        if node.trainer is TrainerState.RUNNING:
             self._send(node.id, {"kind": "drain", "id": rid})
             self.record(EventKind.CHECKPOINT_REQUESTED, node.id, reason="drain", request_id=rid, why=reason)
         self.wake()
@@ -644,7 +618,7 @@ class Supervisor(AgentChannel):
         if not self.paused and not (nodes == old and self.desired_nodes == nodes):  # else: nothing changes
             self.desired_nodes = nodes
             # the planner releases surplus nodes not in the job; running ones leave by a drain
-            in_job = sorted((n for n in self.nodes.values() if n.state in _IN_JOB and not n.replacing),
+            in_job = sorted((n for n in self.nodes.values() if n.state in ADMITTED and not n.replacing),
                             key=lambda n: -n.ordinal)
             if nodes < old and self._rejoin is not None:  # no half-done grow: withdraw its checkpoint request
                 self._cancel_rejoin(in_job, back_to_ready=[n for n in self.nodes.values()
@@ -675,11 +649,11 @@ class Supervisor(AgentChannel):
             raise ValueError("the job is already paused (spotctl resume relaunches it)")
         self.paused, self._paused_recorded = True, False
         self.store.set("paused", True)
-        self.job.state = JobState.PAUSED
+        self.job.to(JobState.PAUSED)
         self.desired_nodes = 0
-        running = sorted((n for n in self.nodes.values() if n.state in _IN_JOB), key=lambda n: n.ordinal)
+        running = sorted((n for n in self.nodes.values() if n.state in ADMITTED), key=lambda n: n.ordinal)
         self._cancel_rejoin(running, back_to_ready=[n for n in self.nodes.values() if n.state is NodeState.ADMITTING])
-        committing = [n.id for n in running if n.trainer == "running"]
+        committing = [n.id for n in running if n.trainer is TrainerState.RUNNING]
         for n in running:
             self.drain(n, "pause")
         self.record(EventKind.JOB_PAUSING, None, step=self.job.step, last_commit_step=self.job.last_commit_step,
@@ -703,7 +677,7 @@ class Supervisor(AgentChannel):
                              "(spotctl status, or the job_paused event)")
         self.paused = False
         self.store.set("paused", False)
-        self.job.state = JobState.PENDING  # the first nodes up start the job together
+        self.job.to(JobState.PENDING)  # the first nodes up start the job together
         self._first_ready_at = None
         self.desired_nodes = self.target_nodes
         self.record(EventKind.JOB_UNPAUSED, None, target_nodes=self.target_nodes,
@@ -727,7 +701,7 @@ class Supervisor(AgentChannel):
                 log.warning("scaled_target_clamped", stored=target, target_nodes=self.target_nodes)
         self.paused = bool(self.store.get("paused", False)) and not self.job.state.is_terminal()
         if self.paused:
-            self.job.state = JobState.PAUSED
+            self.job.to(JobState.PAUSED)
             self._paused_recorded = all(n.state.is_terminal() for n in self.nodes.values())
         if not self.job.state.is_terminal():
             self.desired_nodes = 0 if self.paused else self.target_nodes
@@ -893,9 +867,9 @@ class Supervisor(AgentChannel):
                      max_price_usd_h=o.max_price_usd_h, on_demand=o.market == "on_demand")
 
     def _view(self, n: Node) -> NodeView:
-        return NodeView(id=n.id, state=n.state, offer_index=n.offer_index, gpus=n.gpus, created_at=n.created_at,
+        return NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at,
                         last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
-                        trainer_exited=n.trainer != "running",
+                        trainer_exited=n.trainer is not TrainerState.RUNNING,
                         # not told by this daemon (it restarted): what it would be told now
                         heartbeat_interval_s=self._told_interval.get(n.id, self.heartbeat_interval_s))
 

@@ -3,7 +3,7 @@
 Subclass :class:`ProviderContract` in a backend's test module and define three fixtures:
 
 - ``provider``: a started :class:`~daemon.providers.base.Provider`;
-- ``offer``: an :class:`~daemon.pool.Offer` it can launch;
+- ``offer``: an :class:`~daemon.control.pool.Offer` it can launch;
 - ``node_spec``: a factory ``node_spec(pool=None) -> NodeSpec`` returning a new node
   (unique ``node_id``) each call; ``pool=None`` means this test's own pool, unique
   to the test so other tests' instances never show up.

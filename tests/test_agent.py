@@ -158,7 +158,7 @@ def the_node(h):
 
 
 def trainer_running(agent: NodeAgent) -> bool:
-    return agent._proc is not None and agent._trainer_state == "running"
+    return agent._proc is not None and agent.trainer == "running"
 
 
 async def test_token_expiry_is_not_an_error(spot_daemon, fake, clock, monkeypatch) -> None:
@@ -277,10 +277,10 @@ async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_
     warm = agent._warm
     assert warm is not None and warm.returncode is None
     assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.launcher"]
-    assert agent._reported_trainer_state() == "warming"  # importing torchrun
+    assert agent.trainer == "warming"  # importing torchrun
     async with asyncio.timeout(60):
         await agent._until_warm()  # the launcher's "ready"
-    assert agent._reported_trainer_state() == "not_started" and agent._beat_now.is_set()
+    assert agent.trainer == "not_started" and agent._beat_now.is_set()
     assert warm.returncode is None  # waiting for the job
     await agent._stop_prewarmed()
     assert warm.returncode is not None and agent._warm is None
@@ -341,7 +341,7 @@ async def test_a_launcher_that_died_while_importing_is_replaced_by_a_plain_start
     warm.kill()  # dies before it has imported
     async with asyncio.timeout(60):
         await agent._until_warm()
-        assert agent._reported_trainer_state() == "not_started"
+        assert agent.trainer == "not_started"
         await agent._start_trainer()
         proc = agent._proc
         assert proc is not None and proc is not warm

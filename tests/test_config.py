@@ -276,6 +276,20 @@ def test_on_demand_offer_needs_the_fallback_switched_on() -> None:
     assert "pool.on_demand_fallback" in " ".join(format_problems(exc.value))
 
 
+def test_an_offer_listed_twice_is_refused_by_its_key() -> None:
+    # nodes keep their offer's key; two offers with one key would make a node's offer ambiguous
+    from daemon.config import Config, format_problems
+    import pydantic
+
+    offers = [{"provider": "local", "zone": "a"}, {"provider": "local", "zone": "b"},
+              {"provider": "local", "zone": "a", "max_price_usd_h": 2.0}]
+    with pytest.raises(pydantic.ValidationError) as exc:
+        Config.model_validate({"offers": offers})
+    assert format_problems(exc.value) == [
+        "offers.2: the same offer as offers.0 (local/local/a/local.cpu/spot); remove one (an offer is its "
+        "provider, region, zone, instance type and market)"]
+
+
 def test_a_replacement_hold_must_end_after_the_fault():
     from daemon.config import ChaosEvent
 

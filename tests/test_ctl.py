@@ -319,7 +319,7 @@ async def test_pause_commits_releases_and_resume_relaunches(spot_daemon, monkeyp
         await h.until(lambda: h.events("job_paused"), timeout_s=15, what="job_paused")
         (commit,) = h.events("checkpoint_committed")
         assert commit.data["notice_ids"] == [req.data["request_id"]]
-        assert agent._trainer_state == "exited"  # the agent stopped it after the commit
+        assert agent.trainer == "exited"  # the agent stopped it after the commit
         node = h.sup.nodes["test-1"]
         assert node.state is NodeState.TERMINATED
         assert [e.data["reason"] for e in h.events("node_terminated")] == ["drained"]

@@ -88,8 +88,8 @@ async def test_aws_out_of_capacity_fails_over_to_alibaba_and_the_job_follows_its
 
     failed = h.events("node_launch_failed")
     assert [(e.data["error"], e.data["offer"].split("/")[0]) for e in failed] == [("capacity", "aws")] * 2
-    assert {e.data["offer"] for e in failed} == {"aws/us-east-1/us-east-1a/p4d.24xlarge",
-                                                  "aws/us-east-1/us-east-1b/p4d.24xlarge"}
+    assert {e.data["offer"] for e in failed} == {"aws/us-east-1/us-east-1a/p4d.24xlarge/spot",
+                                                  "aws/us-east-1/us-east-1b/p4d.24xlarge/spot"}
     assert all(e.data["backoff_s"] >= 36 for e in failed)  # both AWS offers now sit out
     assert len(ecs.calls("RunInstances")) == 1
 

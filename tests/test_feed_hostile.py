@@ -36,7 +36,7 @@ from daemon.notify import (
 from daemon.store import Store
 from test_notify import ENV, Receiver, emit, webhook
 
-_NODE = Node(id="n-1", ordinal=1, provider="aws", offer_index=0, region="us-east-1", zone="us-east-1a",
+_NODE = Node(id="n-1", ordinal=1, provider="aws", region="us-east-1", zone="us-east-1a",
              instance_type="g5.xlarge", gpus=1, price_usd_h=0.5, token="t", state=NodeState.RUNNING)
 
 

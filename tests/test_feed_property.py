@@ -21,7 +21,7 @@ from daemon.model import Event, EventKind, Node, NodeState  # noqa: E402
 from daemon.notify import key_fields, render_text, slack_digest, slack_message, webhook_batch_body  # noqa: E402
 from test_feed_hostile import strict_json  # noqa: E402
 
-_NODE = Node(id="n-1", ordinal=1, provider="aws", offer_index=0, region="us-east-1", zone="us-east-1a",
+_NODE = Node(id="n-1", ordinal=1, provider="aws", region="us-east-1", zone="us-east-1a",
              instance_type="g5.xlarge", gpus=1, price_usd_h=0.5, token="t", state=NodeState.RUNNING)
 
 

@@ -120,10 +120,10 @@ async def test_metrics_port_and_per_daemon_registries(spot_daemon) -> None:
     assert h.api.metrics_url is None  # off unless configured
 
 
-def node(i: int, *, price: float, offer: int, created: float, ended: float | None,
+def node(i: int, *, price: float, offer: OfferSpec, created: float, ended: float | None,
          state: NodeState = NodeState.TERMINATED, instance: bool = True) -> Node:
-    return Node(id=f"p-{i}", ordinal=i, provider="aws", offer_index=offer, region="us-east-1", zone="us-east-1a",
-                instance_type="g5.xlarge", gpus=1, price_usd_h=price, token="t", state=state,
+    return Node(id=f"p-{i}", ordinal=i, provider=offer.provider, region=offer.region, zone=offer.zone,
+                instance_type=offer.instance_type, market=offer.market, gpus=1, price_usd_h=price, token="t", state=state,
                 instance_id=f"i-{i}" if instance else None, created_at=created, ended_at=ended)
 
 
@@ -136,11 +136,11 @@ def test_cost_by_hand() -> None:
     ]
     t, h = 10_000.0, 3600.0
     nodes = [
-        node(1, price=0.9, offer=0, created=t, ended=t + 2 * h),  # 2 h: spot 1.80, on demand 6.00
-        node(2, price=0.9, offer=0, created=t + h, ended=None, state=NodeState.RUNNING),  # live: 2 h so far
-        node(3, price=1.2, offer=1, created=t, ended=t + h / 2),  # 0.5 h: spot 0.60, unpriced
-        node(4, price=0.9, offer=0, created=t, ended=t + 5, state=NodeState.FAILED, instance=False),  # nothing
-        node(5, price=4.0, offer=2, created=t, ended=t + h),  # on-demand fallback: 4.00 both ways
+        node(1, price=0.9, offer=offers[0], created=t, ended=t + 2 * h),  # 2 h: spot 1.80, on demand 6.00
+        node(2, price=0.9, offer=offers[0], created=t + h, ended=None, state=NodeState.RUNNING),  # live: 2 h so far
+        node(3, price=1.2, offer=offers[1], created=t, ended=t + h / 2),  # 0.5 h: spot 0.60, unpriced
+        node(4, price=0.9, offer=offers[0], created=t, ended=t + 5, state=NodeState.FAILED, instance=False),  # nothing
+        node(5, price=4.0, offer=offers[2], created=t, ended=t + h),  # on-demand fallback: 4.00 both ways
     ]
     c = cost_report(nodes, offers, now=t + 3 * h)
     assert [r["id"] for r in c["nodes"]] == ["p-1", "p-2", "p-3", "p-5"]
@@ -155,6 +155,8 @@ def test_cost_by_hand() -> None:
     assert c["spot_usd_h_now"] == 0.9  # p-2 only is billed now
     assert c["nodes"][1]["billed_to"] == t + 3 * h
     assert cost_report([], offers, now=t)["savings_usd"] is None
+    # nodes name their offer by key: reordering the config's offers remaps nothing
+    assert cost_report(nodes, offers[::-1], now=t + 3 * h) == c
 
 
 def ev(seq: int, t: float, kind: str, node: str | None = None) -> Event:

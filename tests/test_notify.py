@@ -576,7 +576,7 @@ async def test_signature_verifies_and_tampering_or_staleness_fails(store: Store,
 
 
 # -- Slack ----------------------------------------------------------------------------------------
-_NODE = Node(id="demo-3", ordinal=3, provider="aliyun", offer_index=0, region="cn-hangzhou", zone="cn-hangzhou-h",
+_NODE = Node(id="demo-3", ordinal=3, provider="aliyun", region="cn-hangzhou", zone="cn-hangzhou-h",
              instance_type="ecs.gn7i-c8g1.2xlarge", gpus=1, price_usd_h=0.52, token="t", state=NodeState.RUNNING)
 
 

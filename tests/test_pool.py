@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from daemon.model import NodeState as S
-from daemon.pool import (
+from daemon.control.pool import (
     Action,
     Desired,
     History,
@@ -49,7 +49,6 @@ def node(
     age_s: float = 1000.0,
     hb_age_s: float | None = 1.0,
     gpus: int = 1,
-    offer_index: int = 0,
     deadline_in_s: float | None = None,
     told_s: float | None = None,
 ) -> NodeView:
@@ -62,7 +61,6 @@ def node(
     return NodeView(
         id=id,
         state=state,
-        offer_index=offer_index,
         gpus=gpus,
         created_at=NOW - age_s,
         last_heartbeat=hb,
@@ -539,7 +537,7 @@ def test_just_preempted_zone_is_ranked_last_not_excluded() -> None:
 def test_capacity_backoff_follows_the_skypilot_schedule() -> None:
     import random
 
-    from daemon.offers import capacity_backoff_s
+    from daemon.control.offers import capacity_backoff_s
 
     class Mid(random.Random):
         def uniform(self, a: float, b: float) -> float:

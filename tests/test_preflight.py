@@ -16,7 +16,7 @@ from daemon import preflight as pf
 from daemon.cli import main as cli_main
 from daemon.config import Config, ModelSpec, load_config
 from daemon.model import EventKind, NodeState
-from daemon.offers import History, Offer, rank_offers
+from daemon.control.offers import History, Offer, rank_offers
 from daemon.store import Store
 from daemon.supervisor import Supervisor
 
@@ -320,7 +320,7 @@ async def test_supervisor_never_launches_an_unusable_offer_and_reports_measured_
         for _ in range(3):  # more passes: nothing else is bought
             await sup.reconcile_once()
         assert len(provider.launched) == 2
-        assert {n.offer_index for n in sup.nodes.values()} == {1}
+        assert {n.offer_key for n in sup.nodes.values()} == {sup.config.offers[1].key}
         (unusable,) = store.events(kinds=[EventKind.OFFER_UNUSABLE.value])
         assert unusable.data["offer"].startswith("#0 ") and unusable.data["gpu_gib"] == 24
         assert unusable.data["needed_gib"] > 100

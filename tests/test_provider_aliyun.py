@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from daemon.config import AliyunProviderSpec
-from daemon.pool import Offer
+from daemon.control.pool import Offer
 from daemon.providers import aliyun as aliyun_mod
 from daemon.providers.aliyun import AliyunProvider, PriceError, client_token, region_of_zone
 from daemon.providers.base import (

@@ -13,7 +13,7 @@ import botocore.exceptions
 import pytest
 
 from daemon.config import AwsProviderSpec
-from daemon.pool import Offer
+from daemon.control.pool import Offer
 from daemon.providers.aws import AwsProvider, PriceError, client_token, map_client_error
 from daemon.providers.base import (
     AuthError,

@@ -1,4 +1,4 @@
-"""daemon/reports.py: what an agent reports, parsed and bounded at the edge (pure)."""
+"""daemon/control/reports.py: what an agent reports, parsed and bounded at the edge (pure)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.reports import (
+from daemon.control.reports import (
     Limits, MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report, parse_step,
 )
 

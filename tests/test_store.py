@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from daemon.model import EventKind, IllegalTransition, Node, NodeState
+from daemon.model import EventKind, IllegalTransition, Node, NodeState, TrainerState
 from daemon.store import Store
 
 
@@ -31,7 +33,6 @@ def make_node(id: str = "n1", ordinal: int = 1, **kw) -> Node:
         id=id,
         ordinal=ordinal,
         provider="local",
-        offer_index=0,
         region="local",
         zone="local-a",
         instance_type="local.cpu",
@@ -206,7 +207,7 @@ def test_node_round_trip_all_fields_across_reopen(db_path: Path) -> None:
     n = make_node(
         "n2",
         ordinal=2,
-        offer_index=3,
+        market="on_demand",
         zone=None,
         gpus=8,
         price_usd_h=12.34,
@@ -229,6 +230,18 @@ def test_node_round_trip_all_fields_across_reopen(db_path: Path) -> None:
         s.close()
     assert back == n
     assert back.state is NodeState.DRAINING
+
+
+def test_a_row_written_before_offer_keys_loads_with_its_offer_key(store: Store) -> None:
+    # rows of an older daemon carry the offer's position in config.offers; a node's offer
+    # is now named by its own fields (provider/region/zone/type/market), never by position
+    n = make_node(trainer=TrainerState.RUNNING)
+    body = dataclasses.asdict(n) | {"state": n.state.value, "offer_index": 3}
+    body.pop("market")
+    store.db.execute("INSERT INTO nodes(id, body) VALUES (?, ?)", (n.id, json.dumps(body)))
+    [back] = store.nodes()
+    assert back == n and back.offer_key == "local/local/local-a/local.cpu/spot"
+    assert back.trainer is TrainerState.RUNNING
 
 
 def test_put_node_upserts(store: Store) -> None:

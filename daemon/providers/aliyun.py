@@ -66,7 +66,7 @@ from aliyunsdkecs.request.v20140526.RunInstancesRequest import RunInstancesReque
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from daemon.config import AliyunProviderSpec
-from daemon.pool import Offer
+from daemon.control.pool import Offer
 from daemon.providers.base import (
     AuthError,
     NODE_TAG,

@@ -49,7 +49,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from daemon.config import AwsProviderSpec
-from daemon.pool import Offer
+from daemon.control.pool import Offer
 from daemon.providers.base import (
     AuthError,
     NODE_TAG,

@@ -20,7 +20,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable
 
-from daemon.pool import Offer
+from daemon.control.pool import Offer
 
 # Tags every instance carries, so a restarted daemon finds its pool again (describe(tag)).
 POOL_TAG = "spotvisor-pool"

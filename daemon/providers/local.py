@@ -36,7 +36,7 @@ import structlog
 
 from daemon.config import LocalProviderSpec
 from daemon.metadata.registry import make_fake
-from daemon.pool import Offer
+from daemon.control.pool import Offer
 from daemon.providers.base import Instance, NodeSpec, Provider, register_provider
 
 __all__ = ["LocalProvider"]

@@ -117,7 +117,7 @@ async def test_every_offer_out_of_capacity_for_a_while(make_sim, matrix: Matrix)
             assert sim.sup.job.state is JobState.RUNNING and n1.state is NodeState.RUNNING
             assert sim.provider.live() == [sim.provider.launched[0][1]]  # only node 1's instance
         offers = {e.data["offer"] for e in sim.events("node_launch_failed")}
-        assert offers == {"local/local/local-a/local.cpu", "local/local/local-b/local.cpu"}
+        assert offers == {"local/local/local-a/local.cpu/spot", "local/local/local-b/local.cpu/spot"}
 
         sim.provider.out_of_capacity = False  # capacity returns
         sim.clock.advance(400)

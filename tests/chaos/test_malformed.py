@@ -158,7 +158,7 @@ async def test_malformed_metadata_body_mid_run(spot_daemon: DaemonHarness, diale
         assert "\n" not in alarm.data["error"] and len(alarm.data["error"]) < 400  # one clear line
         assert not h.events("interruption_notice") and not h.events("trainer_exited")
         node = h.sup.nodes[agent.node_id]
-        assert node.state is NodeState.RUNNING and agent._trainer_state == "running"
+        assert node.state is NodeState.RUNNING and agent.trainer == "running"
 
         fake.clear()  # the endpoint is fixed
         await h.until(lambda: h.events("metadata_recovered"), timeout_s=10, what="the recovery")

@@ -4,7 +4,7 @@ order of the event log (issue 13).
 A node's token vouches for that node, not for the job: trainer status that changes the
 job (``started``, ``checkpoint_committed``, ``completed``) counts only from the node of
 the attempt's rank 0, or, for a commit, from the node whose own notice it answers; every
-number is bounded at the edge (:mod:`daemon.reports`) and a report that fails is dropped
+number is bounded at the edge (:mod:`daemon.control.reports`) and a report that fails is dropped
 (counted in ``Supervisor.reports_dropped``), never stored. A resume is recorded only after
 the commit it resumes from, whichever node reports which.
 

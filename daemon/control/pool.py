@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from daemon.model import NodeState
-from daemon.offers import History, Offer, rank_offers
+from daemon.control.lifecycle import COUNTED, NOT_IN_JOB_YET, NodeState
+from daemon.control.offers import History, Offer, rank_offers
 
 __all__ = [
     "Desired",
@@ -57,7 +57,6 @@ class NodeView:
 
     id: str
     state: NodeState
-    offer_index: int
     gpus: int
     created_at: float
     last_heartbeat: float | None = None
@@ -130,17 +129,8 @@ class MarkLost:
 
 Action = Union[Launch, Terminate, MarkLost]
 
-_COUNTED = frozenset(
-    {NodeState.REQUESTED, NodeState.LAUNCHING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING}
-)
-# Removed first when shrinking: nodes not yet part of the job, youngest first.
-_SURPLUS_ORDER = {
-    NodeState.REQUESTED: 0,
-    NodeState.LAUNCHING: 1,
-    NodeState.READY: 2,
-    NodeState.ADMITTING: 3,
-    NodeState.RUNNING: 4,
-}
+# Removed first when shrinking: nodes not yet part of the job, youngest first, then running ones.
+_SURPLUS_ORDER = {s: i for i, s in enumerate((*NOT_IN_JOB_YET, NodeState.RUNNING))}
 
 
 def plan(
@@ -176,7 +166,7 @@ def plan(
             removals.append(Terminate(n.id, "drain_deadline_passed"))
             removed.add(n.id)
 
-    active = [n for n in observed if n.state in _COUNTED and n.id not in removed and not n.replacing]
+    active = [n for n in observed if n.state in COUNTED and n.id not in removed and not n.replacing]
     surplus = len(active) - desired.nodes
     if surplus > 0:
         victims = sorted(active, key=lambda n: (_SURPLUS_ORDER[n.state], -n.created_at))[:surplus]

@@ -21,12 +21,22 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-__all__ = ["Offer", "History", "rank_offers", "capacity_backoff_s"]
+__all__ = ["Offer", "History", "offer_key", "rank_offers", "capacity_backoff_s"]
+
+
+def offer_key(provider: str, region: str, zone: str | None, instance_type: str, market: str) -> str:
+    """An offer's stable name, ``provider/region/zone/instance_type/market`` (``-`` for no zone),
+    e.g. ``aws/us-east-1/us-east-1a/p4d.24xlarge/spot``. Each node keeps the key of the
+    offer it was bought from, so reordering ``offers:`` in the config never remaps a node."""
+    return f"{provider}/{region}/{zone or '-'}/{instance_type}/{market}"
 
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """A way to buy a node. ``price_usd_h``: current spot price (None = unknown)."""
+    """A way to buy a node. ``price_usd_h``: current spot price (None = unknown).
+
+    ``index``: its position in this daemon's ``config.offers`` (the planner's handle,
+    never stored); :attr:`key` is the stable name nodes keep."""
 
     index: int
     provider: str
@@ -40,7 +50,8 @@ class Offer:
 
     @property
     def key(self) -> str:
-        return f"{self.zone_key}/{self.instance_type}"
+        return offer_key(self.provider, self.region, self.zone, self.instance_type,
+                         "on_demand" if self.on_demand else "spot")
 
     @property
     def zone_key(self) -> str:
