@@ -4,7 +4,7 @@ The same training job (the reference trainer ``trainer.run``: the tiny GPT-2 of
 ``configs/local.yaml``, three local nodes) runs to the same target step three
 times on the local provider, each time under the same injected preemption trace,
 with the real daemon, real node agents and real ``torchrun`` elastic. Only the
-recovery policy differs (:mod:`daemon.baselines`):
+recovery policy differs (:mod:`daemon.control.policies`):
 
 - ``spotvisor``: notice-driven collective commit, elastic shrink, rejoin commit on grow;
 - ``restart_on_preemption``: periodic commits every K steps; on a node loss stop all,
@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: import this checkout's package
 import yaml  # noqa: E402
 
 from bench.compare_metrics import acceptance, format_profile, format_table, load_run, run_metrics  # noqa: E402
-from daemon.baselines import DEFAULT_POLICY, get_policy, policy_names  # noqa: E402
+from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names  # noqa: E402
 from daemon.chaos import ready_to_fire  # noqa: E402
 from daemon.config import ChaosEvent, Config  # noqa: E402
 from daemon.model import Event, EventKind, NodeState  # noqa: E402
@@ -238,7 +238,7 @@ async def run_system(name: str, config: Config, trace: Sequence[TraceEvent], *, 
                    + ("" if d.get("published") or d.get("action") == "kill" else " (not published)")))
 
     with rendezvous_process(config):
-        async with running_daemon(config, with_chaos=False, supervisor_cls=policy.supervisor_cls) as sup:
+        async with running_daemon(config, with_chaos=False, policy=policy) as sup:
             sup.subscribe(show)
             sup.spawn(inject(sup, trace, publish_notices=policy.acts_on_notices), "bench:trace")
             try:

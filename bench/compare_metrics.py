@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from daemon.baselines import DEFAULT_POLICY
+from daemon.control.policies import DEFAULT_POLICY
 from daemon.model import Event, EventKind
 from daemon.summary import attempt_starts, read_jsonl
 

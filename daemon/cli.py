@@ -54,6 +54,7 @@ from daemon.providers.base import Provider, create_provider
 from daemon.store import Store
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
+    from daemon.control.policies import RecoveryPolicy
     from daemon.supervisor import Supervisor
 
 __all__ = ["main", "running_daemon", "format_event", "prepare_state_dir", "state_dir_lock", "StateDirBusy"]
@@ -116,15 +117,17 @@ def state_dir_lock(path: Path) -> Iterator[None]:
 @contextlib.asynccontextmanager
 async def running_daemon(config: Config, *, with_chaos: bool = True,
                          providers: Mapping[str, Provider] | None = None,
-                         supervisor_cls: type["Supervisor"] | None = None) -> AsyncIterator["Supervisor"]:
+                         policy: "RecoveryPolicy | None" = None) -> AsyncIterator["Supervisor"]:
     """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
 
-    ``providers``: by name, instead of those the config names (tests). ``supervisor_cls``:
-    a :class:`Supervisor` subclass (the benchmark's baselines, :mod:`daemon.baselines`).
+    ``providers``: by name, instead of those the config names (tests). ``policy``: the
+    recovery policy (default: the default one; the benchmark runs the baselines,
+    :mod:`daemon.control.policies`).
     Closing never terminates an instance (:meth:`Supervisor.aclose`).
     """
     from daemon.api import ApiServer
     from daemon.chaos import run_chaos
+    from daemon.control.policies import RecoveryPolicy
     from daemon.supervisor import Supervisor
 
     state = prepare_state_dir(config.daemon.state_path())
@@ -140,7 +143,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
         for name in sorted({o.provider for o in config.offers})
     }
-    sup = (supervisor_cls or Supervisor)(config, providers=providers, store=store)
+    sup = Supervisor(config, providers=providers, store=store, policy=policy)
     notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/notify.py): its own thread
     sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,

@@ -38,11 +38,15 @@ from daemon.agent_channel import FLUSH_GRACE_S, AgentChannel, wait_event
 from daemon.config import Config
 from daemon.gpu import GpuWatch
 from daemon.control.lifecycle import ADMITTED, LIVE, TrainerState, leaving, training
+from daemon.control.actions import (Action, Admit, Drain, EndRejoin, Launch, MarkLost, NodeView, NoteFirstReady,
+                                    PoolState, RejoinView, RequestRejoin, RestartJob, StartJob, Terminate)
+from daemon.control.admission import Rules
+from daemon.control.policies import DEFAULT_POLICY, RecoveryPolicy, get_policy, lost_from_job
 from daemon.control.state import JobView, Rejoin
 from daemon.model import Event, EventKind, JobState, Node, NodeState, check_transition
 from daemon.nodelog import NodeLogs
 from daemon.control.offers import History, Offer, capacity_backoff_s
-from daemon.control.pool import Desired, Launch, MarkLost, NodeView, Terminate, Timeouts, plan
+from daemon.control.pool import Desired, Timeouts, plan
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
                                    ProviderError, QuotaError)
 from daemon.control.reports import StatusLine
@@ -70,10 +74,12 @@ class Supervisor(AgentChannel):
 
     def __init__(self, config: Config, *, store: Store, provider: Provider | None = None,
                  providers: Mapping[str, Provider] | None = None,
-                 clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 policy: RecoveryPolicy | None = None) -> None:
         if provider is None and not providers:
             raise ValueError("Supervisor needs a provider (or providers by name)")
         self.config = config
+        self.policy = policy or get_policy(DEFAULT_POLICY)  # how the pool reacts to preemptions
         # offers name their provider; ``provider`` (if given) serves any name not in ``providers``
         self.providers: dict[str, Provider] = dict(providers or {})
         self._default_provider = provider
@@ -274,9 +280,11 @@ class Supervisor(AgentChannel):
         return max(self.config.daemon.reconcile_interval_s, self.heartbeat_interval_s / 4)
 
     async def reconcile_once(self) -> None:
-        """One pass: observe, plan, apply, admit."""
+        """One pass: observe, decide (the policy on losses, the planner, admission), act, record."""
         now = self.clock()
+        members = {n.id for n in self.nodes.values() if n.state in ADMITTED}
         await self._observe_instances()
+        await self._after_loss(members, now)
         self._rescale_heartbeat()
         actions = plan(
             Desired(self.desired_nodes, frozenset(self.valid_world_sizes())),
@@ -304,7 +312,9 @@ class Supervisor(AgentChannel):
             for extra in errors[1:]:
                 log.error("reconcile_provider_error", error=str(extra))
             raise errors[0] from None  # the loop logs it and retries next pass
-        self._admit(now)
+        await self._after_loss(members, now)  # heartbeat lost (MarkLost) is a loss too
+        for action in self.policy.admit(self._state(), self._rules(), now=now):
+            self._act(action)
         self._check_paused()
         self._check_flushes()
         self._confirm_held_resumes()
@@ -318,6 +328,19 @@ class Supervisor(AgentChannel):
             # the final bill: every instance is released, so no node's cost grows any more
             self.record(EventKind.POOL_RELEASED, reason=f"job_{self.job.state.value}", **self.spot_cost())
             self._released.set()
+
+    async def _after_loss(self, members: set[str], now: float) -> None:
+        """The policy's decision once nodes that were in the job (``members``) have ended."""
+        lost = lost_from_job(members, {n.id: n.state for n in self.nodes.values()})
+        if not lost:
+            return
+        actions = self.policy.after_loss(self._state(), lost, now=now)
+        for action in actions:
+            if isinstance(action, (Launch, Terminate, MarkLost)):
+                await self._apply(action)
+        for action in actions:
+            if not isinstance(action, (Launch, Terminate, MarkLost)):
+                self._act(action)
 
     async def _observe_instances(self) -> None:
         alive: dict[int, set[str]] = {}
@@ -404,7 +427,7 @@ class Supervisor(AgentChannel):
             if node.instance_id:
                 await self.provider_for(node.provider).terminate(node.instance_id)
             self._set_state(node, action.final_state, action.reason)
-            self.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason)
+            self.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason, **dict(action.context))
 
     def _launch(self, offer_index: int, reason: str) -> None:
         ordinal = max((n.ordinal for n in self.nodes.values()), default=0) + 1
@@ -481,82 +504,50 @@ class Supervisor(AgentChannel):
     def valid_world_sizes(self) -> list[int]:
         return self.config.job.valid_world_sizes(self.config.max_world_size())
 
-    def _admit(self, now: float) -> None:
-        if self.job.state.is_terminal() or self.paused:
-            return
-        ready = sorted((n for n in self.nodes.values() if n.state is NodeState.READY), key=lambda n: n.ordinal)
-        running = [n for n in self.nodes.values() if n.state in ADMITTED]
-        admitting = [n for n in self.nodes.values() if n.state is NodeState.ADMITTING]
-        valid = set(self.valid_world_sizes())
-        world = sum(n.gpus for n in running)
+    def _state(self) -> PoolState:
+        """The pool as one value, for the decisions (:mod:`daemon.control`)."""
+        rj = self._rejoin
+        return PoolState(
+            nodes=tuple(self._view(n) for n in self.nodes.values()), job=self.job.state, paused=self.paused,
+            desired_nodes=self.desired_nodes, target_nodes=self.target_nodes,
+            rejoin=None if rj is None else RejoinView(rj.id, frozenset(rj.nodes), rj.requested_at, rj.answered),
+            first_ready_at=self._first_ready_at)
 
-        if self.job.state is JobState.PENDING:
-            if not ready:
-                return
-            if self._first_ready_at is None:
-                self._first_ready_at = now
-            enough = len(ready) >= self.target_nodes  # the operator's target (spotctl scale)
-            waited = now - self._first_ready_at > self.config.daemon.rejoin_timeout_s
-            if enough or (waited and len(ready) >= self.config.pool.min_nodes):
-                chosen = _largest_valid(ready, 0, valid)
-                if chosen:
-                    for n in chosen:
-                        self._start_node(n, "job_start")
-                    self.job.to(JobState.RUNNING)
-            return
+    def _rules(self) -> Rules:
+        return Rules(min_nodes=self.config.pool.min_nodes, valid_world_sizes=frozenset(self.valid_world_sizes()),
+                     rejoin_timeout_s=self.config.daemon.rejoin_timeout_s, prewarm_wait_s=PREWARM_WAIT_S)
 
-        # Rebalance policy "replace": once the replacement is up, drain the node at risk.
-        replacing = [n for n in running if n.replacing]
-        if replacing and ready:
-            for n in replacing:
-                self.drain(n, "rebalance_replaced")
-            return
+    def _act(self, action: Action) -> None:
+        """Carry out one of the decisions' actions that need no provider call."""
+        if isinstance(action, Admit):
+            self._start_node(self.nodes[action.node_id], action.reason)
+        elif isinstance(action, StartJob):
+            self.job.to(JobState.RUNNING)
+        elif isinstance(action, NoteFirstReady):
+            self._first_ready_at = action.at
+        elif isinstance(action, Drain):
+            self.drain(self.nodes[action.node_id], action.reason)
+        elif isinstance(action, EndRejoin):
+            self._end_rejoin(action)
+        elif isinstance(action, RequestRejoin):
+            self._request_rejoin(action)
+        elif isinstance(action, RestartJob):
+            log.info("restart_all", pool=self.pool, lost=list(action.lost), reason=action.reason)
+            self.job.to(JobState.PENDING)  # the first nodes up start it together, from its newest commit
+            self._first_ready_at = None
+            self._rejoin = None
+            self.wake()
+        else:
+            raise TypeError(f"not an action for _act: {action!r}")
 
-        # A node still in the job while it drains will leave by itself after its
-        # notice commit. Admitting a node now would let torchrun form a round that
-        # counts the leaving node (its workers never start: the round hangs), and
-        # the survivors' restart on its leave would not be at the rejoin commit.
-        # So: first let it leave, then ask for the rejoin checkpoint.
-        going = [n for n in self.nodes.values() if leaving(n)]
-        if admitting:
-            rj = self._rejoin
-            if going and rj is not None and not rj.answered:
-                log.info("rejoin_deferred", request_id=rj.id, leaving=[n.id for n in going])
-                self._cancel_rejoin(running, back_to_ready=admitting)
-                return
-            timed_out = rj is not None and now - rj.requested_at > self.config.daemon.rejoin_timeout_s
-            if rj is None or rj.answered or timed_out or not running:
-                if timed_out and rj is not None and not rj.answered:
-                    log.warning("rejoin_checkpoint_timeout", request_id=rj.id)
-                    self._cancel_rejoin(running, back_to_ready=[])
-                for n in admitting:
-                    self._start_node(n, "rejoin")
-                self._rejoin = None
-            return
-
-        if not ready or going:
-            return
-        # A node whose torchrun is still importing (daemon/launcher.py) would make the
-        # survivors hold, idle, through that import: they train on until it is warm,
-        # or until PREWARM_WAIT_S after it registered (a launcher that hangs)
-        ready = [n for n in ready if n.trainer is not TrainerState.WARMING or now - (n.ready_at or now) >= PREWARM_WAIT_S]
-        if not ready:
-            return
-        chosen = _largest_valid(ready, world, valid)
-        if not chosen:
-            return
-        if not running:
-            for n in chosen:
-                self._start_node(n, "no_survivors")
-            return
+    def _request_rejoin(self, a: RequestRejoin) -> None:
         rid = f"rejoin-{secrets.token_hex(4)}"
-        self._rejoin = Rejoin(rid, {n.id for n in chosen}, now)
-        for n in chosen:
-            self._set_state(n, NodeState.ADMITTING)
-        for n in running:
-            self._send(n.id, {"kind": "checkpoint", "reason": "rejoin", "id": rid})
-        self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
-                     for_nodes=sorted(self._rejoin.nodes))
+        self._rejoin = Rejoin(rid, set(a.nodes), self.clock())
+        for nid in a.nodes:
+            self._set_state(self.nodes[nid], NodeState.ADMITTING)
+        for nid in a.ask:
+            self._send(nid, {"kind": "checkpoint", "reason": "rejoin", "id": rid})
+        self.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid, for_nodes=sorted(a.nodes))
 
     def request_checkpoint(self, reason: str = "manual") -> str | None:
         """Ask the job to commit a checkpoint at its next step boundary and keep training.
@@ -620,9 +611,8 @@ class Supervisor(AgentChannel):
             # the planner releases surplus nodes not in the job; running ones leave by a drain
             in_job = sorted((n for n in self.nodes.values() if n.state in ADMITTED and not n.replacing),
                             key=lambda n: -n.ordinal)
-            if nodes < old and self._rejoin is not None:  # no half-done grow: withdraw its checkpoint request
-                self._cancel_rejoin(in_job, back_to_ready=[n for n in self.nodes.values()
-                                                           if n.state is NodeState.ADMITTING])
+            if nodes < old:  # no half-done grow: withdraw its checkpoint request
+                self._end_rejoin_for("scale_in")
             for n in in_job[: max(0, len(in_job) - nodes)]:
                 self.drain(n, "scale_in")
                 draining.append(n.id)
@@ -652,7 +642,7 @@ class Supervisor(AgentChannel):
         self.job.to(JobState.PAUSED)
         self.desired_nodes = 0
         running = sorted((n for n in self.nodes.values() if n.state in ADMITTED), key=lambda n: n.ordinal)
-        self._cancel_rejoin(running, back_to_ready=[n for n in self.nodes.values() if n.state is NodeState.ADMITTING])
+        self._end_rejoin_for("pause")
         committing = [n.id for n in running if n.trainer is TrainerState.RUNNING]
         for n in running:
             self.drain(n, "pause")
@@ -721,16 +711,25 @@ class Supervisor(AgentChannel):
                             overdue_s=round(now - due + FLUSH_GRACE_S, 1),
                             last_commit_step=self.job.last_commit_step)
 
-    def _cancel_rejoin(self, running: list[Node], *, back_to_ready: list[Node]) -> None:
-        """Withdraw the pending rejoin request from the running nodes' notice files."""
-        rj = self._rejoin
-        if rj is None:
+    def _end_rejoin(self, a: EndRejoin) -> None:
+        """End the grow in flight: withdraw its request from the nodes' notice files and put
+        the nodes that waited for it back in ``ready``."""
+        if self._rejoin is None or self._rejoin.id != a.request_id:
             return
-        for n in running:
-            self._send(n.id, {"kind": "cancel", "id": rj.id})
-        for n in back_to_ready:
-            self._set_state(n, NodeState.READY, "rejoin deferred")
+        if a.reason != "answered":
+            log.info("rejoin_ended", request_id=a.request_id, reason=a.reason)
+        for nid in a.withdraw_from:
+            self._send(nid, {"kind": "cancel", "id": a.request_id})
+        for nid in a.back_to_ready:
+            self._set_state(self.nodes[nid], NodeState.READY, "rejoin deferred")
         self._rejoin = None
+
+    def _end_rejoin_for(self, reason: str) -> None:
+        """Withdraw the grow in flight, if any, from every node in the job (scale-in, pause)."""
+        if self._rejoin is not None:
+            s = self._state()
+            self._end_rejoin(EndRejoin(self._rejoin.id, reason, withdraw_from=tuple(n.id for n in s.in_state(*ADMITTED)),
+                                       back_to_ready=tuple(n.id for n in s.in_state(NodeState.ADMITTING))))
 
     def _start_node(self, node: Node, reason: str) -> None:
         self._set_state(node, NodeState.RUNNING)
@@ -869,7 +868,7 @@ class Supervisor(AgentChannel):
     def _view(self, n: Node) -> NodeView:
         return NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at,
                         last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
-                        trainer_exited=n.trainer is not TrainerState.RUNNING,
+                        trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
                         # not told by this daemon (it restarted): what it would be told now
                         heartbeat_interval_s=self._told_interval.get(n.id, self.heartbeat_interval_s))
 
@@ -881,14 +880,3 @@ def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
             yield from _leaves(exc)
         else:
             yield exc
-
-
-def _largest_valid(candidates: list[Node], world: int, valid: set[int]) -> list[Node]:
-    """The longest prefix of ``candidates`` that, added to ``world``, is a valid world size."""
-    best: list[Node] = []
-    total = world
-    for i, n in enumerate(candidates):
-        total += n.gpus
-        if total in valid:
-            best = candidates[: i + 1]
-    return best

@@ -1,6 +1,6 @@
 """``make bench`` (bench/compare.py, bench/compare_metrics.py) without running a job: the trace, the figures
 computed from synthetic trainer logs and daemon events, the table, and the baseline
-policies of daemon/baselines.py on a daemon with a recording provider (no processes)."""
+policies of daemon/control/policies.py on a daemon with a recording provider (no processes)."""
 
 from __future__ import annotations
 
@@ -23,17 +23,20 @@ from bench.compare_metrics import (
     useful_step_time,
 )
 from conftest import ManualClock, RecordingProvider
-from daemon.baselines import (
+from daemon.config import Config
+from daemon.control.policies import (
     DEFAULT_POLICY,
     ElasticOnly,
+    NoticeNoRejoin,
+    RecoveryPolicy,
     RestartOnPreemption,
+    Spotvisor,
     get_policy,
     lost_from_job,
     policy_names,
-    register_policy,
+    register,
 )
-from daemon.config import Config
-from daemon.model import Event, JobState, NodeState
+from daemon.model import Event, JobState, NodeState, TrainerState
 from daemon.store import Store
 from daemon.supervisor import Supervisor
 
@@ -187,13 +190,19 @@ def test_table_and_acceptance_lines() -> None:
 
 
 def test_policies_are_registered_with_spotvisor_first() -> None:
-    assert policy_names() == [DEFAULT_POLICY, "elastic_only", "restart_on_preemption"]
-    assert get_policy(DEFAULT_POLICY).supervisor_cls is Supervisor and get_policy(DEFAULT_POLICY).acts_on_notices
+    assert policy_names() == [DEFAULT_POLICY, "elastic_only", "notice_no_rejoin", "restart_on_preemption"]
+    assert type(get_policy(DEFAULT_POLICY)) is Spotvisor and get_policy(DEFAULT_POLICY).acts_on_notices
     assert not get_policy("elastic_only").acts_on_notices and not get_policy("restart_on_preemption").acts_on_notices
+    assert get_policy("notice_no_rejoin").acts_on_notices
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         get_policy("nope")
-    with pytest.raises(ValueError, match="already registered"):
-        register_policy("elastic_only", acts_on_notices=False, description="")(RestartOnPreemption)
+
+    class Clash(RecoveryPolicy):
+        name = "elastic_only"
+
+    with pytest.raises(ValueError, match="already registered by ElasticOnly"):
+        register(Clash)
+    assert type(get_policy("elastic_only")) is ElasticOnly
 
 
 def test_lost_from_job() -> None:
@@ -202,7 +211,7 @@ def test_lost_from_job() -> None:
     assert lost_from_job({"a", "d"}, states) == []
 
 
-async def _daemon(tmp_path: Path, cls: type[Supervisor]) -> tuple[Supervisor, RecordingProvider]:
+async def _daemon(tmp_path: Path, policy: str) -> tuple[Supervisor, RecordingProvider]:
     """A 3-node pool running its job (all nodes admitted), driven by hand: no tasks, no API."""
     config = Config.model_validate({
         "pool": {"name": "b", "min_nodes": 1, "target_nodes": 3, "max_nodes": 3},
@@ -210,7 +219,8 @@ async def _daemon(tmp_path: Path, cls: type[Supervisor]) -> tuple[Supervisor, Re
         "daemon": {"state_dir": str(tmp_path / "state")},
     })
     provider = RecordingProvider()
-    sup = cls(config, provider=provider, store=Store(tmp_path / "db.sqlite").open(), clock=ManualClock(1000.0))
+    sup = Supervisor(config, provider=provider, store=Store(tmp_path / "db.sqlite").open(), clock=ManualClock(1000.0),
+                     policy=get_policy(policy))
     sup.agent_url = "http://127.0.0.1:1"
     await _pass(sup)
     for n in list(sup.nodes.values()):
@@ -227,7 +237,7 @@ async def _pass(sup: Supervisor) -> None:
 
 
 async def test_restart_on_preemption_terminates_every_node_and_relaunches_the_pool(tmp_path: Path) -> None:
-    sup, provider = await _daemon(tmp_path, RestartOnPreemption)
+    sup, provider = await _daemon(tmp_path, RestartOnPreemption.name)
     try:
         provider.terminated.add(sup.nodes["b-2"].instance_id)  # the cloud takes node 2
         await _pass(sup)
@@ -251,7 +261,7 @@ async def test_restart_on_preemption_terminates_every_node_and_relaunches_the_po
 
 
 async def test_elastic_only_admits_a_replacement_without_a_rejoin_commit(tmp_path: Path) -> None:
-    sup, provider = await _daemon(tmp_path, ElasticOnly)
+    sup, provider = await _daemon(tmp_path, ElasticOnly.name)
     try:
         provider.terminated.add(sup.nodes["b-2"].instance_id)
         await _pass(sup)
@@ -262,6 +272,28 @@ async def test_elastic_only_admits_a_replacement_without_a_rejoin_commit(tmp_pat
         sup.on_register(new)
         await _pass(sup)
         assert new.state is NodeState.RUNNING
+        assert sup.store.events(kinds=["checkpoint_requested"]) == []
+        assert [e.data["reason"] for e in sup.store.events(kinds=["node_admitted"])][-1] == "elastic_join"
+    finally:
+        await sup.aclose()
+
+
+async def test_notice_no_rejoin_waits_for_the_noticed_node_then_admits_without_a_rejoin_commit(tmp_path: Path) -> None:
+    sup, provider = await _daemon(tmp_path, NoticeNoRejoin.name)
+    try:
+        for n in sup.nodes.values():
+            n.trainer = TrainerState.RUNNING
+        sup.on_reports(sup.nodes["b-2"], [{"kind": "interruption_notice", "notice": {"id": "b-2:n", "action": "terminate"},
+                                           "seen_at": sup.clock(), "deadline": sup.clock() + 120}])
+        assert sup.nodes["b-2"].state is NodeState.DRAINING
+        await _pass(sup)
+        (new,) = [n for n in sup.nodes.values() if n.ordinal > 3]  # launched at the notice
+        sup.on_register(new)
+        await _pass(sup)
+        assert new.state is NodeState.READY, "not while the noticed node is still in the job"
+        sup.nodes["b-2"].trainer = TrainerState.EXITED  # it committed and left
+        await _pass(sup)
+        assert new.state is NodeState.RUNNING and sup.nodes["b-2"].state is NodeState.TERMINATED
         assert sup.store.events(kinds=["checkpoint_requested"]) == []
         assert [e.data["reason"] for e in sup.store.events(kinds=["node_admitted"])][-1] == "elastic_join"
     finally:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from daemon.model import NodeState as S
+from daemon.model import NodeState as S, TrainerState
 from daemon.control.pool import (
     Action,
     Desired,
@@ -62,6 +62,8 @@ def node(
         id=id,
         state=state,
         gpus=gpus,
+        # a node in the job runs its trainer unless a case says otherwise
+        trainer=TrainerState.RUNNING if state in (S.RUNNING, S.DRAINING) else TrainerState.NOT_STARTED,
         created_at=NOW - age_s,
         last_heartbeat=hb,
         deadline=None if deadline_in_s is None else NOW + deadline_in_s,
@@ -431,7 +433,7 @@ CASES += [
         "draining_node_that_left_the_job_is_released_and_replaced",
         target=2,
         observed=[node("a", S.RUNNING),
-                  dataclasses.replace(node("b", S.DRAINING, deadline_in_s=100), trainer_exited=True)],
+                  dataclasses.replace(node("b", S.DRAINING, deadline_in_s=100), trainer=TrainerState.EXITED)],
         expected=[Terminate("b", "drained"), up()],
     ),
     Case(

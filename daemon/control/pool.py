@@ -22,8 +22,9 @@ stretches with it, per node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
+from daemon.control.actions import Action, Launch, MarkLost, NodeView, Terminate
 from daemon.control.lifecycle import COUNTED, NOT_IN_JOB_YET, NodeState
 from daemon.control.offers import History, Offer, rank_offers
 
@@ -49,25 +50,6 @@ class Desired:
 
     nodes: int
     valid_world_sizes: frozenset[int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    """The planner's view of a node; times are unix seconds."""
-
-    id: str
-    state: NodeState
-    gpus: int
-    created_at: float
-    last_heartbeat: float | None = None
-    deadline: float | None = None
-    # a rebalance recommendation with policy ``replace``: keeps running, but is
-    # not counted as capacity, so its replacement is launched now
-    replacing: bool = False
-    # its trainer has left the job (after a drain or a notice commit)
-    trainer_exited: bool = False
-    # the heartbeat interval (seconds) the daemon last told this node; None: not told yet
-    heartbeat_interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,28 +88,6 @@ def heartbeat_interval_s(live_nodes: int, *, min_interval_s: float, max_per_seco
     """
     return max(min_interval_s, live_nodes / max_per_second)
 
-
-@dataclass(frozen=True, slots=True)
-class Launch:
-    offer_index: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Terminate:
-    node_id: str
-    reason: str
-    # the state the node ends in: terminated (planned) or failed (never came up)
-    final_state: NodeState = NodeState.TERMINATED
-
-
-@dataclass(frozen=True, slots=True)
-class MarkLost:
-    node_id: str
-    reason: str
-
-
-Action = Union[Launch, Terminate, MarkLost]
 
 # Removed first when shrinking: nodes not yet part of the job, youngest first, then running ones.
 _SURPLUS_ORDER = {s: i for i, s in enumerate((*NOT_IN_JOB_YET, NodeState.RUNNING))}

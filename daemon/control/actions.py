@@ -1,0 +1,178 @@
+"""What the control plane's decisions return: actions, each carrying its reason.
+
+A decision (:func:`daemon.control.pool.plan`, :func:`daemon.control.admission.admit`,
+a :class:`~daemon.control.policies.RecoveryPolicy`) reads a :class:`PoolState` and
+returns a list of these; the supervisor's actuators carry them out (provider calls,
+agent commands, store writes, events). Nothing here does I/O.
+
+- :class:`Launch` / :class:`Terminate` / :class:`MarkLost`: the pool's capacity.
+- :class:`Admit`: a ``ready`` or ``admitting`` node joins the job (``running``).
+- :class:`StartJob` / :class:`RestartJob`: the job's own lifecycle
+  (``pending → running``; ``running → pending`` with the whole pool relaunched).
+- :class:`RequestRejoin` / :class:`EndRejoin`: a grow's rejoin commit, asked of the
+  nodes in the job, then ended (answered, withdrawn or timed out).
+- :class:`Drain`: a node leaves the job cleanly (commit, then stop).
+- :class:`NoteFirstReady`: the first node of a pending job is up (the wait for the
+  rest starts now).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from daemon.control.lifecycle import JobState, NodeState, TrainerState
+
+__all__ = [
+    "NodeView",
+    "RejoinView",
+    "PoolState",
+    "Launch",
+    "Terminate",
+    "MarkLost",
+    "Admit",
+    "StartJob",
+    "RestartJob",
+    "RequestRejoin",
+    "EndRejoin",
+    "Drain",
+    "NoteFirstReady",
+    "Action",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """A decision's view of a node; times are unix seconds."""
+
+    id: str
+    state: NodeState
+    gpus: int
+    created_at: float
+    last_heartbeat: float | None = None
+    deadline: float | None = None
+    # a rebalance recommendation with policy ``replace``: keeps running, but is
+    # not counted as capacity, so its replacement is launched now
+    replacing: bool = False
+    # the agent's view of its torchrun; a draining node whose trainer is not running has left the job
+    trainer: TrainerState = TrainerState.NOT_STARTED
+    # the heartbeat interval (seconds) the daemon last told this node; None: not told yet
+    heartbeat_interval_s: float | None = None
+    ordinal: int = 0  # launch order: admission goes oldest first
+    ready_at: float | None = None  # when its agent registered
+
+    @property
+    def trainer_exited(self) -> bool:
+        """Its trainer is not (or no longer) running."""
+        return self.trainer is not TrainerState.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class RejoinView:
+    """The grow in flight: checkpoint request ``id`` (``requested_at``, unix s) for ``nodes``."""
+
+    id: str
+    nodes: frozenset[str]
+    requested_at: float
+    answered: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """One value for the pool: what every decision reads.
+
+    ``desired_nodes``: what the pool should hold now (0 while paused or once the job is
+    over); ``target_nodes``: the operator's target (``spotctl scale``), which a pending
+    job waits for; ``first_ready_at``: when the first node of a pending job was up.
+    """
+
+    nodes: tuple[NodeView, ...]
+    job: JobState
+    paused: bool = False
+    desired_nodes: int = 0
+    target_nodes: int = 0
+    rejoin: RejoinView | None = None
+    first_ready_at: float | None = None
+
+    def in_state(self, *states: NodeState) -> list[NodeView]:
+        """Nodes in any of ``states``, oldest (lowest ordinal) first."""
+        return sorted((n for n in self.nodes if n.state in states), key=lambda n: n.ordinal)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    offer_index: int  # position in this daemon's config.offers (the node keeps the offer's key)
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Terminate:
+    node_id: str
+    reason: str
+    # the state the node ends in: terminated (planned) or failed (never came up)
+    final_state: NodeState = NodeState.TERMINATED
+    # extra fields of its node_terminated event (e.g. the losses a restart answers)
+    context: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MarkLost:
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    node_id: str
+    reason: str  # job_start | rejoin | no_survivors | elastic_join
+
+
+@dataclass(frozen=True, slots=True)
+class StartJob:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RestartJob:
+    """The job goes back to ``pending``: the next nodes up start it together from its
+    newest commit. ``lost``: the nodes whose loss caused it."""
+
+    lost: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRejoin:
+    """Ask the nodes in the job (``ask``) for a rejoin commit; ``nodes`` wait in
+    ``admitting`` and are admitted once it is answered."""
+
+    nodes: tuple[str, ...]
+    ask: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndRejoin:
+    """End the grow in flight: withdraw its request from ``withdraw_from`` and put
+    ``back_to_ready`` back in ``ready`` (an answered rejoin withdraws nothing)."""
+
+    request_id: str
+    reason: str
+    withdraw_from: tuple[str, ...] = ()
+    back_to_ready: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoteFirstReady:
+    at: float  # unix s
+    reason: str = "first_ready"
+
+
+Action = Union[Launch, Terminate, MarkLost, Admit, StartJob, RestartJob, RequestRejoin, EndRejoin, Drain,
+               NoteFirstReady]

@@ -1,0 +1,199 @@
+"""Recovery policies: how the pool reacts to a preemption. Registered by name.
+
+A policy is one class: its name, whether its nodes act on interruption notices, a
+one-line description, and two pure decisions over the pool's state
+(:class:`~daemon.control.actions.PoolState`), each returning actions:
+
+- :meth:`RecoveryPolicy.admit`: which ready nodes join the job, and when;
+- :meth:`RecoveryPolicy.after_loss`: what to do when nodes that were in the job
+  have ended (the cloud took them, or their heartbeat was lost).
+
+The daemon runs the default, :class:`Spotvisor`; the benchmark (``bench/compare.py``)
+runs every registered policy on the same daemon, agents, trainer and trace, so only
+the reaction differs. A new policy is a new class with :func:`register` on it::
+
+    @register
+    class MyPolicy(Spotvisor):
+        name = "my_policy"
+        description = "..."
+
+        def after_loss(self, s, lost, *, now):
+            ...
+
+Policies whose nodes do not act on notices (``acts_on_notices = False``) run nothing
+that reads the metadata endpoint: whoever injects a preemption trace does not publish
+their notices and only takes the node ``lead_s`` later, as the cloud does.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Iterable, Mapping, Sequence
+
+from daemon.control.actions import Action, Admit, PoolState, RestartJob, Terminate
+from daemon.control.admission import Rules, admit, largest_valid
+from daemon.control.lifecycle import ADMITTED, JobState, NodeState, leaving
+
+__all__ = [
+    "RecoveryPolicy",
+    "Spotvisor",
+    "RestartOnPreemption",
+    "ElasticOnly",
+    "NoticeNoRejoin",
+    "DEFAULT_POLICY",
+    "register",
+    "get_policy",
+    "policy_names",
+    "lost_from_job",
+]
+
+DEFAULT_POLICY = "spotvisor"
+
+_REGISTRY: dict[str, type["RecoveryPolicy"]] = {}
+
+
+class RecoveryPolicy:
+    """The base of every policy; subclasses set the three class attributes."""
+
+    name: ClassVar[str]
+    acts_on_notices: ClassVar[bool] = True
+    description: ClassVar[str] = ""
+
+    def admit(self, s: PoolState, rules: Rules, *, now: float) -> list[Action]:
+        """Actions that move ready nodes into the job (:func:`daemon.control.admission.admit`)."""
+        return admit(s, rules, now=now)
+
+    def after_loss(self, s: PoolState, lost: Sequence[str], *, now: float) -> list[Action]:
+        """Actions once the nodes ``lost`` (ids), which were in the job, have ended. None by default:
+        the planner replaces the capacity, and torchrun's survivors go on."""
+        return []
+
+
+def register(cls: type[RecoveryPolicy]) -> type[RecoveryPolicy]:
+    """Class decorator: register ``cls`` under ``cls.name``.
+
+    Raises:
+        ValueError: another class is registered under that name.
+    """
+    known = _REGISTRY.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"policy {cls.name!r} is already registered by {known.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_policy(name: str) -> RecoveryPolicy:
+    """A new instance of the policy registered as ``name``.
+
+    Raises:
+        ValueError: no policy has that name (the message lists the known ones).
+    """
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}") from None
+
+
+def policy_names() -> list[str]:
+    """Registered names, the default first."""
+    return sorted(_REGISTRY, key=lambda n: (n != DEFAULT_POLICY, n))
+
+
+def lost_from_job(in_job: Iterable[str], states: Mapping[str, NodeState]) -> list[str]:
+    """Of the nodes that were in the job, those that have ended since (sorted).
+
+    A node missing from ``states`` counts as ended.
+    """
+    return sorted(n for n in set(in_job) if states.get(n, NodeState.LOST).is_terminal())
+
+
+@register
+class Spotvisor(RecoveryPolicy):
+    """Notice-driven collective commit, elastic shrink, rejoin commit on grow (the default).
+
+    Example (target 3): n1 n2 n3 train at world size 3. n2's agent reads its notice; every
+    rank commits at the next step boundary (step S); n2 leaves; n1 n3 go on at world size
+    2 from S in their running processes. The replacement n4, launched at the notice
+    (a draining node does not count as capacity), registers; n1 n3 are asked for a rejoin
+    commit, hold at it, and n4 is admitted: world size 3 from that step. No step is lost.
+    """
+
+    name = DEFAULT_POLICY
+    description = "notice-driven collective commit, elastic shrink, rejoin commit on grow"
+
+
+@register
+class RestartOnPreemption(RecoveryPolicy):
+    """On any node loss: terminate every node, relaunch the whole pool, resume from the
+    last periodic commit (SkyPilot managed jobs' recovery; a hand-made restart script).
+
+    Example (target 3, commits every 10 steps): n1 n2 n3 train at world size 3. n2's
+    notice comes at step 47; nobody reads it, training goes on, step 50 is committed.
+    At the notice's deadline (step 57) the cloud takes n2. The next reconcile pass sees
+    its instance gone: n1 and n3 are terminated too, the job is pending again, and the
+    planner launches n4 n5 n6 at once (same offers, same launch delay). Once all three
+    registered they start together and resume from step 50: steps 51-57 are lost.
+    """
+
+    name = "restart_on_preemption"
+    acts_on_notices = False
+    description = "periodic commits; on any node loss stop all, relaunch all, resume from the last one"
+
+    def after_loss(self, s: PoolState, lost: Sequence[str], *, now: float) -> list[Action]:
+        if s.job is not JobState.RUNNING or not lost:
+            return []
+        ended = tuple(sorted(lost))
+        victims = sorted((n for n in s.nodes if not n.state.is_terminal()), key=lambda n: n.ordinal)
+        # a launch still in flight lands on a terminated node and is released
+        return [*(Terminate(n.id, "restart_all", context=(("after_loss_of", list(ended)),)) for n in victims),
+                RestartJob(ended, "restart_on_preemption")]
+
+
+@register
+class ElasticOnly(RecoveryPolicy):
+    """torchrun elastic with periodic commits, no notice handling; a lost node is replaced.
+
+    Example (target 3, commits every 10 steps): n2's notice at step 47 is not read; at
+    its deadline (step 57) n2 dies. n1 and n3's next all-reduce fails, torchrun
+    re-rendezvouses them at world size 2 and they resume from step 50 (51-57 lost).
+    The daemon sees n2's instance gone, launches n4; once n4 registers it is admitted
+    at once: its torchrun joins, torchrun restarts n1 and n3 at world size 3 from the
+    newest commit, and what they trained at world size 2 since their last periodic
+    commit is lost too (no rejoin commit).
+    """
+
+    name = "elastic_only"
+    acts_on_notices = False
+    description = "periodic commits; torchrun elastic shrinks on loss; replacement joins at once"
+
+    def admit(self, s: PoolState, rules: Rules, *, now: float) -> list[Action]:
+        if s.job is not JobState.RUNNING or s.paused:
+            return super().admit(s, rules, now=now)  # the first start: all target nodes together
+        ready = s.in_state(NodeState.READY)
+        world = sum(n.gpus for n in s.nodes if n.state in ADMITTED)
+        return [Admit(n.id, "elastic_join") for n in largest_valid(ready, world, rules.valid_world_sizes)]
+
+
+@register
+class NoticeNoRejoin(ElasticOnly):
+    """The default's notice handling without its rejoin commit: a replacement joins as
+    soon as it is up and no noticed node is still in the job. It isolates what the
+    rejoin commit is worth (``python -m bench.compare --system spotvisor --system
+    notice_no_rejoin``), as ``elastic_only`` isolates what acting on notices is worth.
+
+    Example (target 3, commits every 10 steps): n2's notice at step 47 is read; every
+    rank commits at step 48, n2 leaves, n1 n3 go on at world size 2 in their processes
+    (nothing lost). n4 registers at step 57 and is admitted at once: torchrun restarts
+    n1 n3 with n4 at world size 3 from the newest commit, step 50, so steps 51-57 are
+    lost; the default asks n1 n3 for a commit at step 58 first and loses none.
+    """
+
+    name = "notice_no_rejoin"
+    acts_on_notices = True
+    description = "notice-driven commit and shrink; a replacement joins at once, without a rejoin commit"
+
+    def admit(self, s: PoolState, rules: Rules, *, now: float) -> list[Action]:
+        if any(leaving(n) for n in s.nodes):  # torchrun's next round would count the leaving node
+            return []
+        return super().admit(s, rules, now=now)
