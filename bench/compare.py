@@ -52,10 +52,10 @@ import yaml  # noqa: E402
 
 from bench.compare_metrics import acceptance, format_profile, format_table, load_run, run_metrics  # noqa: E402
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names  # noqa: E402
-from daemon.chaos import ready_to_fire  # noqa: E402
+from daemon.controlnode.chaos import ready_to_fire  # noqa: E402
 from daemon.config import ChaosEvent, Config  # noqa: E402
 from daemon.model import Event, EventKind, NodeState  # noqa: E402
-from daemon.summary import summarize  # noqa: E402
+from daemon.controlnode.summary import summarize  # noqa: E402
 
 __all__ = ["TraceEvent", "parse_trace", "inject", "system_config", "run_system", "analyze", "main"]
 
@@ -221,7 +221,7 @@ def system_config(base: dict[str, Any], *, state_dir: Path, k: int, launch_delay
 async def run_system(name: str, config: Config, trace: Sequence[TraceEvent], *, timeout_s: float,
                      out: Callable[[str], None], verbose: bool = False) -> dict[str, Any]:
     """Run the job once under ``name``'s policy and ``trace``; its metrics."""
-    from daemon.cli import format_event, rendezvous_process, running_daemon
+    from daemon.interfaces.cli import format_event, rendezvous_process, running_daemon
 
     policy = get_policy(name)
     t0 = time.time()
@@ -259,7 +259,7 @@ def analyze(name: str, config: Config, events: Sequence[Event] | None = None) ->
     from the store there when not given)."""
     state = config.daemon.state_path()
     if events is None:
-        from daemon.store import Store
+        from daemon.controlnode.store import Store
 
         store = Store(state / "spotvisord.db").open()
         try:

@@ -2,7 +2,7 @@
 
 For every dialect (aws, aliyun, gcp, azure) this starts ``--n`` pairs of (local fake
 endpoint, poller) and runs them all at once. The poller is the node agent's own
-metadata loop (:meth:`daemon.agent.NodeAgent._metadata_loop`, with its tenacity
+metadata loop (:meth:`daemon.gpunode.agent.NodeAgent._metadata_loop`, with its tenacity
 backoff and, for GCP, hanging GETs) on the client the agent builds for that dialect
 with the agent's default options (poll interval 1 s, request timeout 2 s, GCP
 ``wait_s`` 5 s). Only ``_on_interruption`` is replaced, to record the wall time
@@ -40,10 +40,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import this checkout's daemon package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.agent import NodeAgent, _client, _parse  # noqa: E402
+from daemon.gpunode.agent import NodeAgent, _client, _parse  # noqa: E402
 from daemon.logs import configure_logging  # noqa: E402
-from daemon.metadata.base import Notice  # noqa: E402
-from daemon.metadata.registry import DIALECTS, make_fake  # noqa: E402
+from daemon.gpunode.metadata.base import Notice  # noqa: E402
+from daemon.gpunode.metadata.registry import DIALECTS, make_fake  # noqa: E402
 
 __all__ = ["Defaults", "Summary", "measure", "main"]
 

@@ -3,7 +3,7 @@
 Three processes on this machine:
 
 1. **the daemon**: ``python -m bench.scale_daemon`` runs exactly what ``spotvisord
-   run`` runs (:func:`daemon.cli.running_daemon` under :func:`daemon.service.serve`:
+   run`` runs (:func:`daemon.interfaces.cli.running_daemon` under :func:`daemon.interfaces.service.serve`:
    store, supervisor, agent API, notifier; logging at INFO to a file), except that
    the pool's offers are served by :class:`bench.scale_daemon.SimProvider` instead of
    the local provider. With ``--profile PATH`` (``SPOTVISOR_BENCH_PROFILE=PATH`` in
@@ -85,7 +85,7 @@ from bench.loopwatch import LoopWatch  # noqa: E402
 from bench.scale_daemon import PROFILE_ENV  # noqa: E402
 from daemon.config import AgentSpec, DaemonSpec  # noqa: E402
 from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interval  # noqa: E402
-from daemon.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
+from daemon.feed.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
 
 __all__ = ["Options", "run", "main"]
 

@@ -10,7 +10,7 @@ simulated provider, and a profiler.
   provider's own table (launched and not terminated), with no request: a simulated
   instance leaves only through ``terminate``, so the table is the truth, and the
   reconcile pass costs what it costs with a cloud whose describe is cheap.
-- :func:`main` runs :func:`daemon.cli.running_daemon` under :func:`daemon.service.serve`
+- :func:`main` runs :func:`daemon.interfaces.cli.running_daemon` under :func:`daemon.interfaces.service.serve`
   (store, supervisor, agent API, notifier; logging at INFO to stderr, which the bench
   sends to a file) with that provider for the config's ``local`` offers.
 - Its event-loop stalls are watched from the bench's process (:mod:`bench.loopwatch`):
@@ -35,13 +35,13 @@ import aiohttp
 if __package__ in (None, ""):  # run as a script: import this checkout's daemon package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.cli import running_daemon  # noqa: E402
+from daemon.interfaces.cli import running_daemon  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from daemon.logs import configure_logging  # noqa: E402
 from daemon.control.pool import Offer  # noqa: E402
 from daemon.providers.base import (Instance, NodeSpec, Provider, TransientError, create_provider,  # noqa: E402
                                    register_provider)
-from daemon.service import SdNotifier, serve  # noqa: E402
+from daemon.interfaces.service import SdNotifier, serve  # noqa: E402
 
 __all__ = ["SimProvider", "main", "PROFILE_ENV"]
 

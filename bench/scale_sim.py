@@ -7,7 +7,7 @@ a :class:`SimAgent`, which speaks the real agent HTTP API (``/v1/agent/register`
 ``heartbeat`` at the interval the daemon's last reply said — ``--heartbeat-interval-s``
 until the first —, one ``commands`` long-poll always outstanding, ``events``) with its
 own token and its own aiohttp session (keep-alive connections, as real nodes have),
-sending what :class:`daemon.agent.NodeAgent` sends: the step, the trainer's state,
+sending what :class:`daemon.gpunode.agent.NodeAgent` sends: the step, the trainer's state,
 one GPU sample per GPU, a ``trainer.log`` chunk when the log grew, and the
 trainer's status lines (``started``, ``checkpoint_committed``) as reports, from the
 node of rank 0 and from a node whose own notice a commit answers, as the agent does;
@@ -52,8 +52,8 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script: import this checkout's daemon package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.agent import COMMAND_WAIT_S, KEEPALIVE_S  # noqa: E402
-from daemon.metadata.base import Notice, NoticeKind  # noqa: E402
+from daemon.gpunode.agent import COMMAND_WAIT_S, KEEPALIVE_S  # noqa: E402
+from daemon.gpunode.metadata.base import Notice, NoticeKind  # noqa: E402
 
 __all__ = ["SimAgent", "SimJob", "Fleet", "main"]
 
@@ -352,7 +352,7 @@ class SimJob:
         for a in self.members.values():
             a.rank = rank
             rank += a.gpus
-            if a.rank == 0:  # the agents of the other nodes do not forward it (daemon.agent._on_status)
+            if a.rank == 0:  # the agents of the other nodes do not forward it (daemon.gpunode.agent._on_status)
                 a.report("trainer_status", line=self._line(a, "started", now, resumed_from=self.last_commit,
                                                            global_batch_size=0, micro_batch_size=0,
                                                            grad_accum_steps=0))
@@ -372,7 +372,7 @@ class SimJob:
         leaving = []
         for a in list(self.members.values()):
             answers_its_notice = a.interruption is not None and a.interruption in ids
-            if a.rank == 0 or answers_its_notice:  # as daemon.agent._on_status forwards
+            if a.rank == 0 or answers_its_notice:  # as daemon.gpunode.agent._on_status forwards
                 a.report("trainer_status", line=self._line(
                     a, "checkpoint_committed", now, notice_ids=ids, kinds=kinds, seconds=self.flush_s,
                     save_s=self.flush_s / 4, upload_s=self.flush_s * 3 / 4, bytes=2 * 10**9, reason=reason,

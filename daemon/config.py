@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from daemon.control.offers import offer_key
 from daemon.model import EventKind
-from daemon.preflight import PRESETS, UnknownGpuError, offer_gib
+from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
 from trainer.batch import ElasticBatch, BatchError
 
 __all__ = [
@@ -77,7 +77,7 @@ PositiveS = Annotated[float, Field(gt=0, le=MAX_DURATION_S)]
 
 # events per request of a feed sink (``SinkSpec.max_batch``) when the config names none; a
 # Slack message holds at most 50 blocks: a header, a footer and two blocks per event
-# (daemon.notify.slack_digest) leave room for 24
+# (daemon.feed.notify.slack_digest) leave room for 24
 WEBHOOK_MAX_BATCH = 100
 SLACK_MAX_BATCH = 24
 
@@ -144,9 +144,9 @@ class PoolSpec(_Spec):
 
 class ModelSpec(_Spec):
     """The model the job trains, for the memory-fit and flush-deadline pre-flight
-    (formulas and sources: ``daemon/preflight.py``).
+    (formulas and sources: ``daemon/controlnode/preflight.py``).
 
-    Give ``preset`` (``daemon.preflight.PRESETS``: llama-7b, qwen2.5-7b, ...) or
+    Give ``preset`` (``daemon.catalog.PRESETS``: llama-7b, qwen2.5-7b, ...) or
     ``params`` (count) with ``hidden_size``, ``num_layers`` and ``num_heads``; fields
     given next to a preset override it. ``precision`` bf16/fp16 = mixed precision with
     fp32 master weights. ``zero_stage``: ZeRO 0..3 over all ranks (FSDP FULL_SHARD = 3).
@@ -206,7 +206,7 @@ class JobSpec(_Spec):
     s3_endpoint_url: str | None = None
     oss_endpoint: str | None = None  # e.g. https://oss-cn-hangzhou.aliyuncs.com; needed for oss://
     hold_timeout_s: PositiveS = 90.0
-    # pre-flight (daemon/preflight.py): absent model → memory and flush checks skipped
+    # pre-flight (daemon/controlnode/preflight.py): absent model → memory and flush checks skipped
     model: ModelSpec | None = None
     flush_safety_factor: float = Field(2.0, ge=1)  # notice window / flush time below this = at risk
     upload_throughput_bytes_s: float = Field(1e9, gt=0)  # per node to the store, until measured
@@ -369,7 +369,7 @@ class DaemonSpec(_Spec):
     # also served on 127.0.0.1:PORT for a scraper (0 = any free port; absent = off)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     # gpu_underutilized: a running node's mean SM utilization (percent) stays below
-    # this for the window (seconds); one event per episode (daemon/gpu.py)
+    # this for the window (seconds); one event per episode (daemon/gpunode/gpu.py)
     gpu_underutilized_pct: float = Field(50.0, gt=0, le=100)
     gpu_underutilized_window_s: PositiveS = 300.0
     # a reported checkpoint commit is recorded only once its manifest is read from the
@@ -465,12 +465,20 @@ class OfferSpec(_Spec):
     gpu_type: str = "none"
     gpus_per_node: int = Field(1, ge=1, le=64)
     max_price_usd_h: float | None = Field(None, ge=0)
-    # GiB per GPU; absent: from gpu_type (daemon.preflight.GPU_MEMORY_GIB; "none" = no GPU, no limit)
+    # GiB per GPU; absent: from gpu_type (daemon.controlnode.preflight.GPU_MEMORY_GIB; "none" = no GPU, no limit)
     gpu_memory_gib: float | None = Field(None, gt=0)
     market: Literal["spot", "on_demand"] = "spot"
     # the on-demand list price of this instance type here (USD/hour), for ``spotctl cost``'s
     # on-demand equivalent and savings; absent: that node's savings are shown as unknown
     on_demand_price_usd_h: float | None = Field(None, ge=0)
+
+    def memory_gib(self) -> float | None:
+        """GiB of memory per GPU: ``gpu_memory_gib``, else from ``gpu_type`` (None: no GPU).
+
+        Raises:
+            daemon.catalog.UnknownGpuError: ``gpu_type`` is not in the table and has no size suffix.
+        """
+        return self.gpu_memory_gib if self.gpu_memory_gib is not None else gpu_memory_gib(self.gpu_type)
 
     @property
     def key(self) -> str:
@@ -515,10 +523,10 @@ class ChaosEvent(_Spec):
 
 
 class SinkSpec(_Spec):
-    """One feed sink (``daemon/notify.py``): where events go, which ones, and how they read.
+    """One feed sink (``daemon/feed/notify.py``): where events go, which ones, and how they read.
 
     ``type``: ``slack`` (an incoming webhook; Block Kit message) or ``webhook`` (JSON
-    body signed with HMAC-SHA256, see :mod:`daemon.notify`). The URL is ``url`` or,
+    body signed with HMAC-SHA256, see :mod:`daemon.feed.notify`). The URL is ``url`` or,
     to keep a secret out of this file, ``url_env`` (the name of an environment
     variable holding it; read when the daemon starts). ``secret_env``: the variable
     holding a webhook's signing key (required for ``webhook``; Slack hooks are not
@@ -635,7 +643,7 @@ class Config(_Spec):
         if self.job.model is not None:  # the memory pre-flight needs each offer's GPU memory
             for i, offer in enumerate(self.offers):
                 try:
-                    offer_gib(offer)
+                    offer.memory_gib()
                 except UnknownGpuError as exc:
                     raise ValueError(f"offers.{i}.gpu_type: {exc} (set offers.{i}.gpu_memory_gib)") from None
         for i, offer in enumerate(self.offers):

@@ -56,7 +56,7 @@ class EventKind(str, Enum):
     TRAINER_EXITED = "trainer_exited"
     METADATA_UNREACHABLE = "metadata_unreachable"  # alarm: a streak of failed metadata polls
     METADATA_RECOVERED = "metadata_recovered"
-    # pre-flight (daemon/preflight.py): an offer whose GPUs cannot hold the job (never bought),
+    # pre-flight (daemon/controlnode/preflight.py): an offer whose GPUs cannot hold the job (never bought),
     # and a checkpoint flush that may not fit a notice window (estimated at start, measured per commit)
     OFFER_UNUSABLE = "offer_unusable"
     CHECKPOINT_DEADLINE_RISK = "checkpoint_deadline_risk"

@@ -87,8 +87,8 @@ UNTIL_TIMEOUT_S = 30.0
 
 @dataclass
 class DaemonHarness:
-    sup: "object"  # daemon.supervisor.Supervisor
-    api: "object"  # daemon.api.ApiServer
+    sup: "object"  # daemon.controlnode.supervisor.Supervisor
+    api: "object"  # daemon.interfaces.api.ApiServer
     provider: RecordingProvider
     config: "object"  # daemon.config.Config
     socket_path: str
@@ -115,10 +115,10 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
     The control socket lives in a short ``/tmp`` directory (unix socket paths are
     limited to ~100 characters).
     """
-    from daemon.api import ApiServer
+    from daemon.interfaces.api import ApiServer
     from daemon.config import Config
-    from daemon.store import Store
-    from daemon.supervisor import Supervisor
+    from daemon.controlnode.store import Store
+    from daemon.controlnode.supervisor import Supervisor
 
     sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
     socket_path = f"{sockdir}/d.sock"
@@ -156,8 +156,8 @@ def sockdir() -> Iterator[Path]:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator["object"]:
-    """An open daemon store (``daemon.store.Store``) in ``tmp_path``, closed after the test."""
-    from daemon.store import Store
+    """An open daemon store (``daemon.controlnode.store.Store``) in ``tmp_path``, closed after the test."""
+    from daemon.controlnode.store import Store
 
     s = Store(tmp_path / "spotvisord.db").open()
     try:
@@ -239,9 +239,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
-    """Run ``spotctl ARGS`` (``python -m daemon.ctl``) from the repository root; (exit code, stdout, stderr)."""
+    """Run ``spotctl ARGS`` (``python -m daemon.interfaces.ctl``) from the repository root; (exit code, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "daemon.ctl", *args, cwd=REPO,
+        sys.executable, "-m", "daemon.interfaces.ctl", *args, cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:

@@ -1,4 +1,4 @@
-"""The node agent (daemon/agent.py) against the real daemon in the same event loop.
+"""The node agent (daemon/gpunode/agent.py) against the real daemon in the same event loop.
 
 Supervisor + ApiServer (the ``spot_daemon`` fixture) + NodeAgent + FakeImds, with a
 trainer stand-in that is a real subprocess: it appends status lines to
@@ -24,10 +24,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from daemon.agent import NodeAgent
-from daemon.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImds
-from daemon.metadata.base import MetadataDialect
-from daemon.metadata.fake_aws import FakeImds
+from daemon.gpunode.agent import NodeAgent
+from daemon.gpunode.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImds
+from daemon.gpunode.metadata.base import MetadataDialect
+from daemon.gpunode.metadata.fake_aws import FakeImds
 from daemon.model import NodeState
 from conftest import ManualClock as Clock
 
@@ -245,7 +245,7 @@ def _cmdline(pid: int) -> list[str]:
 async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
         spot_daemon, fake, clock, monkeypatch) -> None:
     """A ``torchrun`` job is started in the process the agent began at registration,
-    its imports done (daemon/launcher.py), with the job's environment (the stand-in
+    its imports done (daemon/gpunode/launcher.py), with the job's environment (the stand-in
     worker needs $SPOTVISOR_STATUS_FILE, which the agent's own environment lacks), and
     the agent's SIGTERM on leaving ends torchrun and its worker."""
     h = spot_daemon
@@ -254,7 +254,7 @@ async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
                       what="the worker started")
         proc = agent._proc
         assert proc is not None
-        assert _cmdline(proc.pid)[-2:] == ["-m", "daemon.launcher"]
+        assert _cmdline(proc.pid)[-2:] == ["-m", "daemon.gpunode.launcher"]
         assert agent._warm is None
         fake.publish_interruption("terminate")
         await h.until(lambda: h.events("trainer_exited"), timeout_s=60, what="torchrun exit after the commit")
@@ -276,7 +276,7 @@ async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_
     await agent._prewarm()
     warm = agent._warm
     assert warm is not None and warm.returncode is None
-    assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.launcher"]
+    assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.gpunode.launcher"]
     assert agent.trainer == "warming"  # importing torchrun
     async with asyncio.timeout(60):
         await agent._until_warm()  # the launcher's "ready"
@@ -297,7 +297,7 @@ async def test_the_rejoin_waits_for_a_replacement_whose_torchrun_is_importing(
     registration: the survivors are asked for the rejoin commit (after which they hold
     until the replacement reaches the rendezvous) only once its heartbeat says the
     import is done, or PREWARM_WAIT_S after it registered."""
-    from daemon import supervisor
+    from daemon.controlnode import supervisor
 
     h = spot_daemon
     async with running_agent(h, fake, clock, monkeypatch) as agent:
@@ -523,7 +523,7 @@ async def test_an_older_daemon_without_the_long_poll(spot_daemon, fake, clock, m
     """A daemon that 404s ``/v1/agent/commands``: the agent asks once, then lives on heartbeats."""
     from aiohttp import web
 
-    from daemon.api import SUPERVISOR, _heartbeat, _register, _reports
+    from daemon.interfaces.api import SUPERVISOR, _heartbeat, _register, _reports
 
     h = spot_daemon
     polls: list[int] = []

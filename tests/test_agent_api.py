@@ -1,4 +1,4 @@
-"""The daemon's side of the agent API (daemon/api.py, daemon/supervisor.py): the
+"""The daemon's side of the agent API (daemon/interfaces/api.py, daemon/controlnode/supervisor.py): the
 heartbeat interval it tells each node, and the command long-poll.
 
 The daemon (``spot_daemon``) runs in the test's event loop; the "agent" is plain

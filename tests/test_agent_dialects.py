@@ -1,6 +1,6 @@
 """The node agent against every metadata dialect's fake (aws, aliyun, gcp, azure).
 
-Each test runs a real :class:`~daemon.agent.NodeAgent` (the ``running_agent`` helper of
+Each test runs a real :class:`~daemon.gpunode.agent.NodeAgent` (the ``running_agent`` helper of
 ``test_agent.py``, with its trainer stand-in) against the real Supervisor + ApiServer
 of the ``spot_daemon`` fixture; the agent polls the dialect's client from
 ``make_client(dialect, fake.url, ...)`` every 0.05 s (GCP: hanging GETs,
@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from conftest import ManualClock
-from daemon.metadata.aliyun import TERMINATION_TIME_PATH
-from daemon.metadata.aws import INSTANCE_ACTION_PATH
-from daemon.metadata.azure import SCHEDULED_EVENTS_PATH
-from daemon.metadata.base import MetadataDialect
-from daemon.metadata.gcp import PREEMPTED_PATH
-from daemon.metadata.registry import DIALECTS, make_client, make_fake
+from daemon.gpunode.metadata.aliyun import TERMINATION_TIME_PATH
+from daemon.gpunode.metadata.aws import INSTANCE_ACTION_PATH
+from daemon.gpunode.metadata.azure import SCHEDULED_EVENTS_PATH
+from daemon.gpunode.metadata.base import MetadataDialect
+from daemon.gpunode.metadata.gcp import PREEMPTED_PATH
+from daemon.gpunode.metadata.registry import DIALECTS, make_client, make_fake
 from daemon.model import NodeState
 from test_agent import notice_file, running_agent, trainer_running
 

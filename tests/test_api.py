@@ -1,4 +1,4 @@
-"""spotctl (daemon/ctl.py) against the control socket of a real daemon (daemon/api.py).
+"""spotctl (daemon/interfaces/ctl.py) against the control socket of a real daemon (daemon/interfaces/api.py).
 
 The daemon (Supervisor + ApiServer, ``spot_daemon`` fixture) runs in the test's
 event loop; spotctl runs as a real subprocess through ``asyncio`` so the loop keeps
@@ -112,7 +112,7 @@ async def test_events_follow_streams_new_events(spot_daemon) -> None:
     await running_node(h)
     before = h.sup.record("checkpoint_requested", None, reason="test", request_id="before")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "daemon.ctl", "--socket", h.socket_path, "events", "-f", "--json",
+        sys.executable, "-m", "daemon.interfaces.ctl", "--socket", h.socket_path, "events", "-f", "--json",
         "--since", str(before.seq - 1), "--kind", "checkpoint_requested", cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )

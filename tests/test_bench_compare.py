@@ -37,8 +37,8 @@ from daemon.control.policies import (
     register,
 )
 from daemon.model import Event, JobState, NodeState, TrainerState
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 
 # -- the trace ------------------------------------------------------------------------------
 

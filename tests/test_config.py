@@ -16,7 +16,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 def check_config(path: Path | str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "check-config", str(path)],
+        [sys.executable, "-m", "daemon.interfaces.cli", "check-config", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -267,7 +267,7 @@ def test_checkpoint_uri_without_placeholder_unchanged(tmp_path: Path) -> None:
 
 
 def test_on_demand_offer_needs_the_fallback_switched_on() -> None:
-    from daemon.config import Config, ConfigError, format_problems  # noqa: F401
+    from daemon.config import Config, format_problems
     import pydantic
 
     offers = [{"provider": "local"}, {"provider": "local", "market": "on_demand"}]
@@ -489,7 +489,7 @@ def test_run_refuses_the_same_config(tmp_path: Path) -> None:
     """spotvisord run validates the same way: exit 2, one line, before anything starts."""
     path = tmp_path / "pub.yaml"
     path.write_text(f"rendezvous: {{host: 0.0.0.0}}\ndaemon: {{state_dir: {tmp_path / 'st'}}}\n")
-    r = subprocess.run([sys.executable, "-m", "daemon.cli", "run", "--config", str(path)],
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     _assert_problem_output(r, path, [["rendezvous.host: "]])
     assert not (tmp_path / "st").exists()

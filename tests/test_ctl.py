@@ -1,4 +1,4 @@
-"""spotctl (daemon/ctl.py) end to end: every verb against a running daemon, one-shot
+"""spotctl (daemon/interfaces/ctl.py) end to end: every verb against a running daemon, one-shot
 and in the interactive shell driven through a real pty.
 
 The daemon (Supervisor + ApiServer, the ``spot_daemon`` fixture, or ``own_daemon``
@@ -36,11 +36,11 @@ import aiohttp
 import pytest
 
 from conftest import DaemonHarness, RecordingProvider, spotctl
-from daemon.agent import NodeAgent
+from daemon.gpunode.agent import NodeAgent
 from daemon.config import Config
-from daemon.gpu import GpuSampler
-from daemon.metadata.aws import AwsImds
-from daemon.metadata.fake_aws import FakeImds
+from daemon.gpunode.gpu import GpuSampler
+from daemon.gpunode.metadata.aws import AwsImds
+from daemon.gpunode.metadata.fake_aws import FakeImds
 from daemon.model import NodeState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,9 +138,9 @@ async def agent_on_first_node(h: DaemonHarness, monkeypatch: pytest.MonkeyPatch,
 async def own_daemon(tmp_path: Path, sockdir: str, raw: dict[str, Any],
                      provider: Any = None) -> AsyncIterator[DaemonHarness]:
     """A daemon like ``spot_daemon`` on a config of the test's own, in ``tmp_path/state``."""
-    from daemon.api import ApiServer
-    from daemon.store import Store
-    from daemon.supervisor import Supervisor
+    from daemon.interfaces.api import ApiServer
+    from daemon.controlnode.store import Store
+    from daemon.controlnode.supervisor import Supervisor
 
     socket_path = f"{sockdir}/d.sock"
     config = Config.model_validate({
@@ -225,7 +225,7 @@ async def test_tail_one_shot_follow_and_errors(spot_daemon, monkeypatch) -> None
         assert rc == 2 and "node" in one_line(err)
 
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "daemon.ctl", *sock, "tail", "test-1", "-n", "1", "-f", cwd=REPO,
+            sys.executable, "-m", "daemon.interfaces.ctl", *sock, "tail", "test-1", "-n", "1", "-f", cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             assert proc.stdout is not None
@@ -409,7 +409,7 @@ async def test_simulate_preemption_on_the_local_provider(tmp_path, sockdir, monk
     provider = LocalProvider(spec=LocalProviderSpec(launch_delay_s=0), state_dir=tmp_path / "state",
                              agent_args=["--poll-interval-s", "0.1", "--heartbeat-interval-s", "0.1"])
     raw = {"pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2}}
-    from daemon.supervisor import Supervisor
+    from daemon.controlnode.supervisor import Supervisor
 
     monkeypatch.setattr(Supervisor, "job_spec", lambda self, node: {"argv": [str(script)], "env": {}})
     async with own_daemon(tmp_path, sockdir, raw, provider=provider) as h:
@@ -458,7 +458,7 @@ class PtyShell:
         master, slave = os.openpty()
         env = {**os.environ, "HOME": str(home), "TERM": "dumb", "INPUTRC": "/dev/null", "COLUMNS": "200"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "daemon.ctl", "--socket", sock, stdin=slave, stdout=slave, stderr=slave,
+            sys.executable, "-m", "daemon.interfaces.ctl", "--socket", sock, stdin=slave, stdout=slave, stderr=slave,
             cwd=REPO, env=env, start_new_session=True, preexec_fn=_make_controlling_tty)
         os.close(slave)
         return cls(proc, master)
@@ -587,7 +587,7 @@ def test_no_daemon_one_line_exit_1() -> None:
 
     sock = f"{tempfile.gettempdir()}/sv-none-{os.getpid()}/d.sock"
     for verb in (["tail", "n1"], ["cost"], ["scale", "2"], ["pause"], ["resume"], ["simulate-preemption", "n1"]):
-        p = subprocess.run([sys.executable, "-m", "daemon.ctl", "--socket", sock, *verb], cwd=REPO,
+        p = subprocess.run([sys.executable, "-m", "daemon.interfaces.ctl", "--socket", sock, *verb], cwd=REPO,
                            capture_output=True, text=True, timeout=30)
         assert p.returncode == 1, (verb, p.stderr)
         assert sock in one_line(p.stderr) and p.stdout == ""
@@ -598,7 +598,7 @@ def test_the_shell_prompt_needs_no_http_client() -> None:
     HTTP client was about two thirds of spotctl's start-up, and the shell needs it only for a verb."""
     import subprocess
 
-    code = ("import sys; from pathlib import Path; from daemon.ctl import SpotShell; SpotShell(Path('/none'))\n"
+    code = ("import sys; from pathlib import Path; from daemon.interfaces.ctl import SpotShell; SpotShell(Path('/none'))\n"
             "print(sorted(m for m in ('aiohttp', 'pydantic', 'structlog', 'torch') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr

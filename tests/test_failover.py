@@ -13,13 +13,13 @@ import aiohttp
 import pytest
 
 from conftest import DaemonHarness
-from daemon.api import ApiServer
+from daemon.interfaces.api import ApiServer
 from daemon.config import Config
 from daemon.model import NodeState
 from daemon.providers.aliyun import AliyunProvider
 from daemon.providers.aws import AwsProvider
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 from fakes.aws_faults import AwsFaultProxy
 from fakes.ecs import FakeEcs
 

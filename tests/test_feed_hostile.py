@@ -19,10 +19,10 @@ import pytest
 import structlog
 from slack_sdk.models.blocks import Block
 
-from daemon import feed_messages, notify
+from daemon.feed import feed_messages, notify
 from daemon.config import SinkSpec
 from daemon.model import Event, Node, NodeState
-from daemon.notify import (
+from daemon.feed.notify import (
     CURSOR_KEY,
     Notifier,
     key_fields,
@@ -33,7 +33,7 @@ from daemon.notify import (
     slack_message,
     webhook_batch_body,
 )
-from daemon.store import Store
+from daemon.controlnode.store import Store
 from test_notify import ENV, Receiver, emit, webhook
 
 _NODE = Node(id="n-1", ordinal=1, provider="aws", region="us-east-1", zone="us-east-1a",

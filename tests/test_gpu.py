@@ -1,4 +1,4 @@
-"""GPU utilization (daemon/gpu.py): the NVML sampler, the daemon's low-utilization
+"""GPU utilization (daemon/gpunode/gpu.py): the NVML sampler, the daemon's low-utilization
 watch, and the path from an agent's heartbeat to ``gpu_underutilized``.
 
 The NVML calls themselves need a GPU: on a machine without one the sampler is
@@ -13,7 +13,7 @@ import types
 import pynvml
 import pytest
 
-from daemon.gpu import GpuMeans, GpuSample, GpuWatch, NvmlSampler, mean_sm_util, parse_samples
+from daemon.gpunode.gpu import GpuMeans, GpuSample, GpuWatch, NvmlSampler, mean_sm_util, parse_samples
 from daemon.model import NodeState
 
 

@@ -1,4 +1,4 @@
-"""daemon/launcher.py: torchrun started from a process that imported it earlier.
+"""daemon/gpunode/launcher.py: torchrun started from a process that imported it earlier.
 
 Real ``torchrun`` (``--standalone``, one worker) in the launcher: the go line's
 arguments, environment and working directory are the job's; a worker's failure is
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.launcher import READY_FD_ENV
+from daemon.gpunode.launcher import READY_FD_ENV
 
 WORKER = """\
 import json, os, sys
@@ -30,7 +30,7 @@ sys.exit(int(os.environ.get("JOB_EXIT", "0")))
 
 def _launch(line: bytes | None) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "AGENT_ONLY": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.launcher"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.gpunode.launcher"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parents[1])
     out, _ = proc.communicate(line or b"", timeout=120)
@@ -62,7 +62,7 @@ def test_a_failed_worker_fails_the_launcher_as_it_fails_torchrun(tmp_path: Path)
 def test_it_says_ready_on_the_agents_pipe_once_imported() -> None:
     r, w = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "daemon.launcher"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.gpunode.launcher"], stdin=subprocess.PIPE,
                                 env={"PATH": "/usr/bin:/bin", READY_FD_ENV: str(w)}, pass_fds=(w,),
                                 cwd=Path(__file__).resolve().parents[1])
         os.close(w)
@@ -87,7 +87,7 @@ def test_sigterm_stops_torchrun_and_its_worker_without_a_traceback(tmp_path: Pat
     script.write_text("import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(600)\n")
     go = json.dumps({"argv": ["--standalone", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1",
                               str(script)], "env": {"PATH": "/usr/bin:/bin"}, "cwd": str(tmp_path)}).encode()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.launcher"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.gpunode.launcher"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
                             cwd=Path(__file__).resolve().parents[1])
     try:

@@ -26,14 +26,14 @@ import aiohttp
 import pytest
 
 from conftest import DaemonHarness, ManualClock, RecordingProvider
-from daemon.api import ApiServer
-from daemon.cli import running_daemon
+from daemon.interfaces.api import ApiServer
+from daemon.interfaces.cli import running_daemon
 from daemon.config import Config
 from daemon.model import JobState, NodeState
 from daemon.providers.base import Instance
-from daemon.service import SdNotifier, serve
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.interfaces.service import SdNotifier, serve
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 
 T0 = 1_000_000.0
 

@@ -31,7 +31,7 @@ import psutil
 import pytest
 import yaml
 
-from daemon.rendezvous import wait_until_listening
+from daemon.controlnode.rendezvous import wait_until_listening
 
 ROOT = Path(__file__).resolve().parents[1]
 _ID = "SPOTVISOR_LOCAL_INSTANCE_ID"
@@ -72,7 +72,7 @@ def rendezvous() -> Iterator[int]:
     """The c10d store, as ``spotvisord rendezvous`` runs it beside the daemon; its port.
     Each test's job has a run id of its own (the daemon's nonce), so they can share it."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.rendezvous", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", "127.0.0.1", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_until_listening("127.0.0.1", port, 30.0), "the rendezvous store did not start"
@@ -115,7 +115,7 @@ class _Daemon:
         self.db = cfg.parent / "state" / "spotvisord.db"
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--config", str(cfg)], cwd=ROOT,
+            self.proc = subprocess.Popen([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(cfg)], cwd=ROOT,
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.prefix = f"local-{self.proc.pid}-"  # the provider's instance ids: local-<daemon pid>-<seq>
 
@@ -180,6 +180,6 @@ def test_training_local_instances_end_with_a_sigkilled_daemon(daemon: _Daemon) -
                  "training at world size 2", 180)
     procs = _instance_processes(daemon.prefix).values()
     cmdlines = " ".join(" ".join(p.cmdline()) for p in procs)
-    assert "daemon.agent" in cmdlines and "trainer.run" in cmdlines, _describe(list(procs))
+    assert "daemon.gpunode.agent" in cmdlines and "trainer.run" in cmdlines, _describe(list(procs))
     alive = daemon.end(signal.SIGKILL)
     assert not alive, f"instance processes outlived the SIGKILLed daemon: {_describe(alive)}"

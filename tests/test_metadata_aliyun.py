@@ -1,4 +1,4 @@
-"""Alibaba Cloud ECS metadata dialect (daemon/metadata/aliyun.py) against its local fake
+"""Alibaba Cloud ECS metadata dialect (daemon/gpunode/metadata/aliyun.py) against its local fake
 (fake_aliyun.py), and the fake itself checked directly with aiohttp.
 
 No sleeps: token expiry is driven by an injected clock, timeouts by a request the
@@ -17,15 +17,15 @@ from datetime import datetime, timedelta, timezone
 import aiohttp
 import pytest
 
-from daemon.metadata import MetadataDialect, MetadataUnavailable, Notice, NoticeKind, notice_id
-from daemon.metadata.aliyun import (
+from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, Notice, NoticeKind, notice_id
+from daemon.gpunode.metadata.aliyun import (
     TERMINATION_TIME_PATH,
     TOKEN_HEADER,
     TOKEN_PATH,
     TTL_HEADER,
     AliyunMetadata,
 )
-from daemon.metadata.fake_aliyun import FakeAliyunMetadata
+from daemon.gpunode.metadata.fake_aliyun import FakeAliyunMetadata
 from conftest import ManualClock as Clock
 
 DEADLINE = datetime(2015, 1, 5, 18, 2, tzinfo=timezone.utc)

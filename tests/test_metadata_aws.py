@@ -1,4 +1,4 @@
-"""AWS IMDSv2 dialect (daemon/metadata/aws.py) against its local fake (fake_aws.py),
+"""AWS IMDSv2 dialect (daemon/gpunode/metadata/aws.py) against its local fake (fake_aws.py),
 and the fake itself checked directly with aiohttp against the IMDS documents.
 
 No sleeps: token expiry is driven by an injected clock, timeouts by a request the
@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone
 import aiohttp
 import pytest
 
-from daemon.metadata import (
+from daemon.gpunode.metadata import (
     MetadataDialect,
     MetadataError,
     MetadataUnavailable,
@@ -24,14 +24,14 @@ from daemon.metadata import (
     NoticeKind,
     notice_id,
 )
-from daemon.metadata.aws import (
+from daemon.gpunode.metadata.aws import (
     INSTANCE_ACTION_PATH,
     TOKEN_HEADER,
     TOKEN_PATH,
     TTL_HEADER,
     AwsImds,
 )
-from daemon.metadata.fake_aws import FakeImds
+from daemon.gpunode.metadata.fake_aws import FakeImds
 from conftest import ManualClock as Clock
 
 DEADLINE = datetime(2017, 9, 18, 8, 22, tzinfo=timezone.utc)

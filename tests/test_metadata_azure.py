@@ -1,4 +1,4 @@
-"""Azure Scheduled Events dialect (daemon/metadata/azure.py) against its local fake
+"""Azure Scheduled Events dialect (daemon/gpunode/metadata/azure.py) against its local fake
 (fake_azure.py), and the fake itself checked directly with aiohttp against the
 Scheduled Events and IMDS documents.
 
@@ -16,9 +16,9 @@ from datetime import datetime, timedelta, timezone
 import aiohttp
 import pytest
 
-from daemon.metadata import MetadataDialect, MetadataUnavailable, Notice, NoticeKind, notice_id
-from daemon.metadata.azure import SCHEDULED_EVENTS_PATH, AzureScheduledEvents, parse_rfc1123
-from daemon.metadata.fake_azure import FakeAzureScheduledEvents, format_rfc1123
+from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, Notice, NoticeKind, notice_id
+from daemon.gpunode.metadata.azure import SCHEDULED_EVENTS_PATH, AzureScheduledEvents, parse_rfc1123
+from daemon.gpunode.metadata.fake_azure import FakeAzureScheduledEvents, format_rfc1123
 from conftest import ManualClock as Clock
 
 VM = "vm-spot-0"

@@ -1,4 +1,4 @@
-"""GCP metadata dialect (daemon/metadata/gcp.py) against its local fake (fake_gcp.py),
+"""GCP metadata dialect (daemon/gpunode/metadata/gcp.py) against its local fake (fake_gcp.py),
 and the fake itself checked directly with aiohttp against the Compute Engine documents.
 
 No sleeps as synchronization: a hanging GET is known to be parked through
@@ -15,9 +15,9 @@ from datetime import datetime, timedelta, timezone
 import aiohttp
 import pytest
 
-from daemon.metadata import MetadataDialect, MetadataUnavailable, NoticeKind, notice_id
-from daemon.metadata.fake_gcp import PROJECT_NUMBER, FakeGcpMetadata
-from daemon.metadata.gcp import (
+from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, NoticeKind, notice_id
+from daemon.gpunode.metadata.fake_gcp import PROJECT_NUMBER, FakeGcpMetadata
+from daemon.gpunode.metadata.gcp import (
     FLAVOR_HEADER,
     MAINTENANCE_EVENT_PATH,
     PREEMPTED_PATH,

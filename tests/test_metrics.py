@@ -1,4 +1,4 @@
-"""Metrics, timeline and cost (daemon/metrics.py): ``/metrics`` scraped from a real
+"""Metrics, timeline and cost (daemon/controlnode/metrics.py): ``/metrics`` scraped from a real
 daemon (control socket, and the optional TCP port) and parsed with prometheus-client's
 own parser; the cost and timeline arithmetic against hand-computed numbers."""
 
@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config import OfferSpec
-from daemon.gpu import GpuSample
-from daemon.metrics import DaemonMetrics, cost_report, goodput, job_timeline
+from daemon.gpunode.gpu import GpuSample
+from daemon.controlnode.metrics import DaemonMetrics, cost_report, goodput, job_timeline
 from daemon.model import Event, Node, NodeState
 from test_ctl import running_node
 
@@ -93,7 +93,7 @@ async def test_metrics_from_the_agents_reports(spot_daemon) -> None:
 
 
 async def test_metrics_port_and_per_daemon_registries(spot_daemon) -> None:
-    from daemon.api import ApiServer
+    from daemon.interfaces.api import ApiServer
 
     h = spot_daemon
     DaemonMetrics(h.sup).text()  # a second registry for the same daemon: no clash with the API's

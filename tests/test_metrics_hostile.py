@@ -13,8 +13,8 @@ import math
 import pytest
 import structlog
 
-from daemon import metrics
-from daemon.metrics import DaemonMetrics
+from daemon.controlnode import metrics
+from daemon.controlnode.metrics import DaemonMetrics
 from test_metrics import samples, scrape_socket
 
 BAD_COMMITS = [

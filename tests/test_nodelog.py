@@ -1,4 +1,4 @@
-"""The trainer log shipped with heartbeats (daemon/nodelog.py): the agent's chunk
+"""The trainer log shipped with heartbeats (daemon/gpunode/nodelog.py): the agent's chunk
 reader against a real file, and the daemon's bounded buffer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.nodelog import NodeLogs, read_chunk
+from daemon.gpunode.nodelog import NodeLogs, read_chunk
 
 
 def write(path: Path, text: str) -> None:

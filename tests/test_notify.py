@@ -1,4 +1,4 @@
-"""The feed (daemon/notify.py) against a real HTTP receiver on 127.0.0.1.
+"""The feed (daemon/feed/notify.py) against a real HTTP receiver on 127.0.0.1.
 
 The receiver is an aiohttp app that can answer 500 (or 429 with a Retry-After),
 stop listening (connection refused), hold a request without answering (a request
@@ -31,10 +31,10 @@ from aiohttp import web
 from slack_sdk.models.blocks import Block, ContextBlock, HeaderBlock, SectionBlock
 
 from conftest import RecordingProvider
-from daemon.cli import main as spotvisord_main
+from daemon.interfaces.cli import main as spotvisord_main
 from daemon.config import SLACK_MAX_BATCH, WEBHOOK_MAX_BATCH, Config, ConfigError, SinkSpec, load_config
 from daemon.model import Event, EventKind, Node, NodeState
-from daemon.notify import (
+from daemon.feed.notify import (
     CURSOR_KEY,
     EMOJI,
     SIGNATURE_HEADER,
@@ -54,9 +54,9 @@ from daemon.notify import (
     verify_signature,
     webhook_batch_body,
 )
-from daemon import notify
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.feed import notify
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 
 SECRET = "whsec-test-4f1c"
 ENV = {"SV_TEST_KEY": SECRET}

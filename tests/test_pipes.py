@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("argv", [
-    ["-m", "daemon.cli", "check-config", "configs/local.yaml"],
-    ["-m", "daemon.ctl", "--help"],
+    ["-m", "daemon.interfaces.cli", "check-config", "configs/local.yaml"],
+    ["-m", "daemon.interfaces.ctl", "--help"],
 ])
 def test_a_closed_reader_ends_the_command_without_a_traceback(argv: list[str]) -> None:
     read, write = os.pipe()

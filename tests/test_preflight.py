@@ -1,5 +1,5 @@
 """Pre-flight: GPU memory per offer and checkpoint flush vs the notice window
-(daemon/preflight.py), its CLI tables, and the supervisor never buying an offer
+(daemon/controlnode/preflight.py), its CLI tables, and the supervisor never buying an offer
 whose GPUs cannot hold the job."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from conftest import RecordingProvider
-from daemon import preflight as pf
-from daemon.cli import main as cli_main
+from daemon.catalog import UnknownGpuError, gpu_memory_gib
+from daemon.controlnode import preflight as pf
+from daemon.interfaces.cli import main as cli_main
 from daemon.config import Config, ModelSpec, load_config
 from daemon.model import EventKind, NodeState
 from daemon.control.offers import History, Offer, rank_offers
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -49,22 +50,22 @@ def test_7b_full_finetune_unsharded_needs_more_than_48gb_and_more_than_80() -> N
     # model states are 2 + 2 + 12 bytes per parameter (ZeRO paper, K = 12): 112 GB
     assert e.params_bytes + e.grads_bytes + e.optimizer_bytes == pytest.approx(16 * 7e9)
     assert e.total_bytes > 48 * GB
-    assert not e.fits(pf.gpu_memory_gib("L40S"))
-    assert not e.fits(pf.gpu_memory_gib("A100-80GB"))
-    assert e.fits(pf.gpu_memory_gib("H200"))
+    assert not e.fits(gpu_memory_gib("L40S"))
+    assert not e.fits(gpu_memory_gib("A100-80GB"))
+    assert e.fits(gpu_memory_gib("H200"))
 
 
 def test_13b_needs_an_80gb_gpu_even_sharded_over_8() -> None:
     assert not need(preset="llama-13b").fits(80)  # unsharded: ~208 GB of states
     sharded = need(world=8, preset="llama-13b", zero_stage=3)
-    assert sharded.fits(pf.gpu_memory_gib("A100-80GB"))
-    assert not sharded.fits(pf.gpu_memory_gib("A100-40GB"))
+    assert sharded.fits(gpu_memory_gib("A100-80GB"))
+    assert not sharded.fits(gpu_memory_gib("A100-40GB"))
 
 
 def test_lora_7b_fits_a_24gb_gpu_where_full_finetune_does_not() -> None:
     lora = need(preset="llama-7b", lora_rank=8, activation_checkpointing=True)
     full = need(preset="llama-7b", activation_checkpointing=True)
-    assert lora.fits(pf.gpu_memory_gib("4090")) and lora.fits(pf.gpu_memory_gib("A10G"))
+    assert lora.fits(gpu_memory_gib("4090")) and lora.fits(gpu_memory_gib("A10G"))
     assert not full.fits(24)
     # the frozen base keeps only its bf16 weights; rank 8 on q/v trains ~4.2 M parameters
     assert lora.params_bytes == pytest.approx(2 * 6.738e9)
@@ -119,14 +120,14 @@ def test_activations_follow_korthikanti_and_recomputation_cuts_them() -> None:
 
 
 def test_gpu_memory_table_and_size_suffix() -> None:
-    assert pf.gpu_memory_gib("A100-40GB") == 40
-    assert pf.gpu_memory_gib("A100") == 80
-    assert pf.gpu_memory_gib("V100-32G") == 32
-    assert pf.gpu_memory_gib("A10G-24GB") == 24
-    assert pf.gpu_memory_gib("NVIDIA H200") == 141
-    assert pf.gpu_memory_gib("none") is None
-    with pytest.raises(pf.UnknownGpuError, match="MI300"):
-        pf.gpu_memory_gib("MI300")
+    assert gpu_memory_gib("A100-40GB") == 40
+    assert gpu_memory_gib("A100") == 80
+    assert gpu_memory_gib("V100-32G") == 32
+    assert gpu_memory_gib("A10G-24GB") == 24
+    assert gpu_memory_gib("NVIDIA H200") == 141
+    assert gpu_memory_gib("none") is None
+    with pytest.raises(UnknownGpuError, match="MI300"):
+        gpu_memory_gib("MI300")
 
 
 # -- world size: the smallest valid one is the worst case ----------------------------------------
@@ -212,7 +213,7 @@ def test_measured_commit_checks() -> None:
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from daemon.metadata.registry import DIALECTS, make_fake
+from daemon.gpunode.metadata.registry import DIALECTS, make_fake
 
 
 async def probe(dialect: str, url: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "daemon.agent", "probe", "--dialect", dialect, "--metadata-url", url,
+        sys.executable, "-m", "daemon.gpunode.agent", "probe", "--dialect", dialect, "--metadata-url", url,
         "--timeout-s", "2", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode, out.decode(), err.decode()

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import DaemonHarness, RecordingProvider
-from daemon.api import ApiServer
+from daemon.interfaces.api import ApiServer
 from daemon.config import Config
 from daemon.model import NodeState
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 
 
 @pytest.fixture

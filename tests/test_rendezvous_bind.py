@@ -95,7 +95,7 @@ def _free_port() -> int:
 def loopback_store() -> Iterator[_Store]:
     """``spotvisord rendezvous --host 127.0.0.1 --port P``, P a free port."""
     port = _free_port()
-    yield from _start([sys.executable, "-m", "daemon.cli", "rendezvous", "--host", "127.0.0.1", "--port", str(port)])
+    yield from _start([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", "--host", "127.0.0.1", "--port", str(port)])
 
 
 def test_the_store_listens_only_on_the_address_it_is_given(loopback_store: _Store) -> None:
@@ -121,18 +121,18 @@ def test_a_c10d_client_uses_the_store_as_torchrun_does(loopback_store: _Store) -
 
 def test_the_default_host_is_loopback() -> None:
     # --port 0: the store takes a free port and says which in its line
-    for store in _start([sys.executable, "-m", "daemon.cli", "rendezvous", "--port", "0"]):
+    for store in _start([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", "--port", "0"]):
         assert store.port > 0
         assert store.host == "127.0.0.1"
         assert all(_refuses(a, store.port) for a in _other_local_addresses())
-    for store in _start([sys.executable, "-m", "daemon.rendezvous", "--port", "0"]):
+    for store in _start([sys.executable, "-m", "daemon.controlnode.rendezvous", "--port", "0"]):
         assert store.host == "127.0.0.1"
 
 
 @pytest.mark.parametrize("argv", [["--host", ""]])
 def test_an_empty_host_is_one_line_and_exit_2(argv: list[str]) -> None:
     """What the unit passes when SPOTVISOR_RDZV_HOST is unset: never read as "every interface"."""
-    r = subprocess.run([sys.executable, "-m", "daemon.cli", "rendezvous", *argv, "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", *argv, "--port", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     err = r.stderr.strip().splitlines()
@@ -141,7 +141,7 @@ def test_an_empty_host_is_one_line_and_exit_2(argv: list[str]) -> None:
 
 
 def test_a_taken_port_is_one_line_and_exit_1(loopback_store: _Store) -> None:
-    r = subprocess.run([sys.executable, "-m", "daemon.cli", "rendezvous", "--host", "127.0.0.1",
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", "--host", "127.0.0.1",
                         "--port", str(loopback_store.port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     err = r.stderr.strip().splitlines()
@@ -185,7 +185,7 @@ def test_cloud_configs_bind_a_private_address(name: str) -> None:
 
 _ONE_SHOT = """
 import sys, time
-from daemon.cli import rendezvous_process
+from daemon.interfaces.cli import rendezvous_process
 from daemon.config import Config
 
 config = Config.model_validate({"rendezvous": {"host": "127.0.0.1", "port": int(sys.argv[1])}})

@@ -44,7 +44,7 @@ class _Daemon:
         self.notify.settimeout(60)  # start-up imports take seconds on a busy machine
         env = {**os.environ, "NOTIFY_SOCKET": str(notify), "PYTHONUNBUFFERED": "1"}
         env.pop("WATCHDOG_USEC", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(config)],
                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, umask=umask)
 
@@ -71,7 +71,7 @@ class _Daemon:
 
 
 def _spotvisord(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from daemon.model import EventKind, IllegalTransition, Node, NodeState, TrainerState
-from daemon.store import Store
+from daemon.controlnode.store import Store
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from conftest import RecordingProvider
-from daemon import cli
-from daemon.cli import running_daemon
+from daemon.interfaces import cli
+from daemon.interfaces.cli import running_daemon
 from daemon.config import Config
-from daemon.service import SdNotifier, serve, watchdog_interval_s
+from daemon.interfaces.service import SdNotifier, serve, watchdog_interval_s
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_EXPOSURE = 3.0
@@ -110,7 +110,7 @@ def test_spotvisord_run_notifies_ready_pings_the_watchdog_and_stops_on_sigterm(t
         env = {**os.environ, "NOTIFY_SOCKET": str(sockdir / "notify"), "WATCHDOG_USEC": "1000000",
                "PYTHONUNBUFFERED": "1"}
         env.pop("WATCHDOG_PID", None)
-        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(config)],
                                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             ready = _fields(sock.recv(4096))

@@ -1,13 +1,13 @@
 """What every trainer on spotvisor shares, whatever its framework: who this process is,
 the node-local files the agent reads, and the data position.
 
-The agent's side of the contract (``daemon/agent.py``): it starts ``torchrun`` with
+The agent's side of the contract (``daemon/gpunode/agent.py``): it starts ``torchrun`` with
 
 - ``SPOTVISOR_NOTICE_FILE``: the notices, read by :class:`trainer.guard.PreemptionGuard`;
 - ``SPOTVISOR_STATUS_FILE``: JSON lines appended by LOCAL_RANK 0 (:class:`StatusWriter`);
   the agent leaves the job on the ``checkpoint_committed`` line naming its notice;
 - ``SPOTVISOR_LOG_DIR``: one JSON-lines step log per rank and attempt (:class:`StepLog`),
-  from which ``daemon/summary.py`` counts lost and repeated samples;
+  from which ``daemon/controlnode/summary.py`` counts lost and repeated samples;
 - ``SPOTVISOR_SCRATCH_DIR``: a node-local directory for framework checkpoints before upload;
 - ``SPOTVISOR_S3_ENDPOINT_URL`` / ``SPOTVISOR_OSS_ENDPOINT``: the object store's endpoint;
 - ``SPOTVISOR_RDZV_ENDPOINT``: ``host:port`` of the rendezvous store on the control node
@@ -98,7 +98,7 @@ def normalize_uri(uri: str) -> str:
 
 def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32, micro_batch_size: int = 8,
                       checkpoint_interval: int = 50, keep_checkpoints: int = 3) -> argparse.ArgumentParser:
-    """The flags ``daemon/supervisor.py`` passes to every job module (its ``job_spec``).
+    """The flags ``daemon/controlnode/supervisor.py`` passes to every job module (its ``job_spec``).
 
     A trainer of one's own accepts these, then adds its model's flags after them
     (the config's ``job.args``). The defaults only matter when run by hand.

@@ -31,7 +31,6 @@ __all__ = [
     "CheckpointStore",
     "FileStore",
     "S3Store",
-    "open_store",
     "check_key",
 ]
 
@@ -425,33 +424,3 @@ class S3Store(CheckpointStore):
 
 def _client_error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-
-
-def open_store(
-    uri: str, *, s3_endpoint_url: str | None = None, oss_endpoint: str | None = None
-) -> CheckpointStore:
-    """The store for ``uri``: ``file:///abs/path`` -> FileStore, ``s3://bucket/prefix`` -> S3Store,
-    ``oss://bucket/prefix`` -> OssStore (needs ``oss_endpoint``).
-
-    Endpoints default to ``$SPOTVISOR_S3_ENDPOINT_URL`` / ``$SPOTVISOR_OSS_ENDPOINT``.
-
-    Raises:
-        ValueError: unsupported scheme, malformed URI, or oss:// without an endpoint (one-line message).
-    """
-    scheme = urllib.parse.urlparse(uri).scheme
-    if scheme == "file":
-        return FileStore(uri)
-    if scheme == "s3":
-        return S3Store(uri, endpoint_url=s3_endpoint_url or os.environ.get("SPOTVISOR_S3_ENDPOINT_URL") or None)
-    if scheme == "oss":
-        endpoint = oss_endpoint or os.environ.get("SPOTVISOR_OSS_ENDPOINT")
-        if not endpoint:
-            raise ValueError(f"checkpoint URI {uri!r} needs an OSS endpoint (job.oss_endpoint / $SPOTVISOR_OSS_ENDPOINT)")
-        from trainer.oss_store import OssStore  # oss2 is imported only by those who use OSS
-
-        return OssStore(uri, endpoint=endpoint)
-    raise ValueError(
-        f"unsupported checkpoint URI {uri!r}: use file:///abs/path, s3://bucket/prefix or oss://bucket/prefix"
-    )

@@ -103,7 +103,7 @@ class TrainerState(str, Enum):
     """A node's torchrun, as its agent runs it and its heartbeats report it.
 
     not_started → (warming →) running → exited. ``warming``: the prewarmed torchrun
-    process is importing (``daemon/launcher.py``), not yet handed the job; it goes back
+    process is importing (``daemon/gpunode/launcher.py``), not yet handed the job; it goes back
     to ``not_started`` once imported (held, ready) or if the import failed.
     """
 

@@ -1,12 +1,12 @@
 """The embedded provider: an "instance" is a process group on this machine.
 
-Each instance is a node agent (``python -m daemon.agent run``) started by a small init
+Each instance is a node agent (``python -m daemon.gpunode.agent run``) started by a small init
 (:data:`_INSTANCE_INIT`), in a session of their own (killed as a whole, like a VM
 being reclaimed), with its own working directory under ``<state_dir>/nodes/<node_id>/``
 and its own metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
-(:class:`daemon.metadata.fake_aws.FakeImds`).
+(:class:`daemon.gpunode.metadata.fake_aws.FakeImds`).
 
-Chaos hooks, used by :mod:`daemon.chaos`: :meth:`LocalProvider.publish_interruption`
+Chaos hooks, used by :mod:`daemon.controlnode.chaos`: :meth:`LocalProvider.publish_interruption`
 publishes a spot interruption notice on the instance's metadata endpoint and
 SIGKILLs the process group when the notice's time comes, as EC2 would;
 :meth:`LocalProvider.kill` SIGKILLs it at once, with no notice.
@@ -35,7 +35,7 @@ import psutil
 import structlog
 
 from daemon.config import LocalProviderSpec
-from daemon.metadata.registry import make_fake
+from daemon.gpunode.metadata.registry import make_fake
 from daemon.control.pool import Offer
 from daemon.providers.base import Instance, NodeSpec, Provider, register_provider
 
@@ -301,7 +301,7 @@ class LocalProvider(Provider):
             watch_fd = self._lifeline[0]
             inst.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", _INSTANCE_INIT, str(watch_fd),
-                "-m", "daemon.agent", "run",
+                "-m", "daemon.gpunode.agent", "run",
                 "--daemon-url", inst.node.daemon_url,
                 "--node-id", inst.node.node_id,
                 "--dialect", inst.dialect,

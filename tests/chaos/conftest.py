@@ -41,8 +41,8 @@ from conftest import UNTIL_TIMEOUT_S, ManualClock, RecordingProvider
 from daemon.config import Config
 from daemon.model import Event, Node, NodeState
 from daemon.providers.base import CapacityError, Instance
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.controlnode.store import Store
+from daemon.controlnode.supervisor import Supervisor
 
 # -- the matrix ---------------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class Sim:
     clock: ManualClock
     store: Store
     seen: list[Event] = field(default_factory=list)
-    notifier: Any = None  # daemon.notify.Notifier, when the config has sinks
+    notifier: Any = None  # daemon.feed.notify.Notifier, when the config has sinks
     _attempts: Iterable[int] = field(default_factory=lambda: itertools.count(1))
 
     def node(self, ordinal: int) -> Node:
@@ -302,7 +302,7 @@ def make_sim(tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextMan
     @contextlib.asynccontextmanager
     async def make(*, provider: ChaosProvider | None = None, notify_environ: dict[str, str] | None = None,
                    **overrides: Any) -> AsyncIterator[Sim]:
-        from daemon.notify import Notifier
+        from daemon.feed.notify import Notifier
 
         config = sim_config(tmp_path, **overrides)
         store = Store(tmp_path / "state" / "spotvisord.db").open()

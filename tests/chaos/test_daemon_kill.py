@@ -7,9 +7,9 @@ cloud instances outlive the daemon, as they must for a leak or a duplicate to be
 possible (the local provider's instances die with the daemon by design).
 
 :class:`Ec2Sim` plays what runs *on* the instances: for every instance moto runs for
-the pool it "boots" (after ``boot_s``) a real node agent (:class:`daemon.agent.NodeAgent`)
+the pool it "boots" (after ``boot_s``) a real node agent (:class:`daemon.gpunode.agent.NodeAgent`)
 configured from the instance's own user-data (daemon URL, node id, token), with its
-own IMDSv2 endpoint (:class:`daemon.metadata.fake_aws.FakeImds`); the agent's trainer
+own IMDSv2 endpoint (:class:`daemon.gpunode.metadata.fake_aws.FakeImds`); the agent's trainer
 is a stand-in process that trains one step every 50 ms, commits to a shared ledger
 (the "object store"), answers notices and completes at its target step. An instance
 moto stops listing as live takes its agent down with it.
@@ -49,9 +49,9 @@ import pytest
 import yaml
 
 from chaos.conftest import Matrix, lost_events
-from daemon.agent import NodeAgent
-from daemon.metadata.aws import AwsImds
-from daemon.metadata.fake_aws import FakeImds
+from daemon.gpunode.agent import NodeAgent
+from daemon.gpunode.metadata.aws import AwsImds
+from daemon.gpunode.metadata.fake_aws import FakeImds
 from daemon.model import Event
 from daemon.providers.base import NODE_TAG, POOL_TAG
 from fakes.aws_faults import AwsFaultProxy
@@ -258,7 +258,7 @@ class Daemon:
     async def start(self) -> None:
         with open(self.log, "ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "daemon.cli", "run", "--config", str(self.config), cwd=ROOT,
+                sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(self.config), cwd=ROOT,
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
         ready = asyncio.get_running_loop().create_future()
         self._follower = asyncio.create_task(self._follow(ready), name="follower")

@@ -1,7 +1,7 @@
 """Chaos cell: the webhook sink is down for the whole run, a daemon restart included.
 
 A whole job's life goes through the real Supervisor and the real feed
-(:class:`daemon.notify.Notifier`, one signed webhook sink): launch, start, a periodic
+(:class:`daemon.feed.notify.Notifier`, one signed webhook sink): launch, start, a periodic
 commit, an interruption notice, the notice's commit, the node leaving, the daemon
 stopped and started again (the sink still down), the replacement admitted, the job
 completed, the pool released. The receiver (``test_notify.Receiver``) refuses every
@@ -18,7 +18,7 @@ import pytest
 
 from chaos.conftest import Matrix, lost_events
 from daemon.model import NodeState
-from daemon.notify import FEED_THREAD
+from daemon.feed.notify import FEED_THREAD
 from test_notify import ENV, Receiver, batches_in_order
 
 pytestmark = pytest.mark.chaos

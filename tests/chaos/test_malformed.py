@@ -3,7 +3,7 @@
 - **Configs**: every broken file of ``test_config.BAD`` (and a few more) given to the
   daemon's own entry points (``spotvisord run`` and ``demo``, in-process): exit 2, one
   line per problem naming the file and the field, no traceback, nothing started.
-- **Metadata bodies**: a real node agent (:class:`daemon.agent.NodeAgent`) whose
+- **Metadata bodies**: a real node agent (:class:`daemon.gpunode.agent.NodeAgent`) whose
   metadata endpoint (each dialect's fake) starts serving an unparsable body in the
   middle of a run: every poll fails with one clear line, the agent keeps polling, the
   daemon gets one ``metadata_unreachable`` alarm (its ``error`` says what is wrong with
@@ -29,9 +29,9 @@ import pytest
 
 from chaos.conftest import Matrix, lost_events
 from conftest import DaemonHarness
-from daemon.agent import NodeAgent
-from daemon.cli import main as spotvisord
-from daemon.metadata.registry import DIALECTS, make_client
+from daemon.gpunode.agent import NodeAgent
+from daemon.interfaces.cli import main as spotvisord
+from daemon.gpunode.metadata.registry import DIALECTS, make_client
 from daemon.model import NodeState
 from test_agent_dialects import BAD_BODY, started_fake
 from test_config import BAD

@@ -67,7 +67,7 @@ def test_all_nodes_but_one_noticed_at_once(tmp_path: Path, matrix: Matrix) -> No
     by_seq = {e.seq: e for e in stored}
     printed = [m.groups() for m in map(_EVENT_LINE.match, s["_stdout"].splitlines()) if m]
     # what the demo printed as it happened is what the store holds
-    # (daemon.cli.format_event: a node-less event's next token is its first key=value field)
+    # (daemon.interfaces.cli.format_event: a node-less event's next token is its first key=value field)
     seen = [{"seq": int(q), "kind": k, "node": None if not n or "=" in n else n,
              "data": by_seq[int(q)].data if int(q) in by_seq else None} for q, k, n in printed]
 

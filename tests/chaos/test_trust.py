@@ -76,7 +76,7 @@ async def test_a_resume_reported_before_its_commit_is_recorded_after_it(make_sim
 async def test_a_resume_whose_commit_nobody_reports_is_settled_from_the_store(make_sim, matrix: Matrix) -> None:
     """The committing node dies before its report gets out: after RESUME_HOLD_S the daemon
     reads the commit's manifest from the job's store and records it, then the resume."""
-    from daemon.agent_channel import RESUME_HOLD_S
+    from daemon.controlnode.agent_channel import RESUME_HOLD_S
 
     async with make_sim() as sim:
         n1, n2 = await _two_running(sim)
@@ -120,7 +120,7 @@ async def test_one_nodes_token_cannot_end_or_rewrite_the_job(make_sim, matrix: M
         assert sim.store.last_seq() == before, [e.kind for e in sim.store.events(since=before)]
         assert sim.sup.job.step == 52 and sim.sup.job.world_size == 2
         assert sum(sim.sup.reports_dropped.values()) == 10
-        from daemon.metrics import DaemonMetrics
+        from daemon.controlnode.metrics import DaemonMetrics
 
         exposition = DaemonMetrics(sim.sup).text()  # one count each, by report kind
         assert 'spotvisor_agent_reports_dropped_total{kind="trainer_status"} 6.0' in exposition
@@ -157,7 +157,7 @@ async def test_a_held_resume_is_recorded_unconfirmed_when_the_store_is_out_of_re
     """Nobody reported the commit and the control node cannot read the store: after
     CONFIRM_ATTEMPTS reads RESUME_HOLD_S apart, the resume is recorded all the same
     (``commit_unconfirmed``), so the job's world size and step do not freeze."""
-    from daemon.agent_channel import CONFIRM_ATTEMPTS, RESUME_HOLD_S
+    from daemon.controlnode.agent_channel import CONFIRM_ATTEMPTS, RESUME_HOLD_S
     from trainer.storage import StorageError
 
     async with make_sim() as sim:
@@ -213,7 +213,7 @@ async def test_a_commit_is_recorded_only_once_its_manifest_verifies(make_sim, ma
 async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(make_sim, monkeypatch) -> None:
     """With the store out of reach for every try, a reported commit is still recorded
     (``commit_unconfirmed``): a flush or a rejoin must not wait for the control node."""
-    from daemon.agent_channel import CONFIRM_ATTEMPTS
+    from daemon.controlnode.agent_channel import CONFIRM_ATTEMPTS
     from trainer.storage import StorageError
 
     reads = []

@@ -34,7 +34,7 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float) -> d
     cfg.write_text(yaml.safe_dump(raw))
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
+        [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
          "--timeout-s", str(timeout_s)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
     )

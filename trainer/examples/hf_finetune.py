@@ -1,7 +1,7 @@
 """Fine-tune a tiny GPT-2 with the Hugging Face ``Trainer`` on spotvisor (``--lora``: PEFT LoRA).
 
 Run by every rank under ``torchrun`` with the flags the daemon passes (see
-``daemon/supervisor.py`` ``job_spec``)::
+``daemon/controlnode/supervisor.py`` ``job_spec``)::
 
     torchrun --nnodes=1:3 ... -m trainer.examples.hf_finetune --target-steps 60 \\
         --global-batch-size 12 --micro-batch-size 2 --checkpoint-uri file:///ckpt \\
@@ -9,7 +9,7 @@ Run by every rank under ``torchrun`` with the flags the daemon passes (see
 
 The model is built from a ``GPT2Config`` (nothing downloaded) and trained on the same
 byte-level corpus as :mod:`trainer.run`; the data stream, status lines and step logs
-follow the same contract, so ``daemon/summary.py`` counts lost and repeated samples
+follow the same contract, so ``daemon/controlnode/summary.py`` counts lost and repeated samples
 of either trainer alike. What spotvisor adds to a plain Trainer script is in
 :mod:`trainer.integrations.hf`.
 

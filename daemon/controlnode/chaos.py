@@ -1,0 +1,101 @@
+"""Chaos schedule for the local provider: notices and hard kills from the config.
+
+Each :class:`daemon.config.ChaosEvent` fires once, in config order, when the job
+has reached its ``at_step`` (the trainer's reported step) or ``at_s`` seconds
+after the job first started, and — with ``wait_full_pool`` — when the job runs at
+the pool's target world size with no node joining or leaving. Then it either
+publishes an interruption notice on the node's metadata endpoint (the provider
+SIGKILLs the node when the notice's time comes) or SIGKILLs it at once. With
+``hold_replacements_for_steps`` the instances launched after the fault do not
+boot until the job, resumed after the fault, has trained that many steps (the
+schedule waits for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from daemon.config import ChaosEvent
+from daemon.model import EventKind, NodeState
+from daemon.controlnode.supervisor import Supervisor
+
+__all__ = ["run_chaos", "ready_to_fire"]
+
+log = structlog.get_logger("spotvisor.chaos")
+
+
+def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tuple[float, str] | None = None) -> bool:
+    """Pure check of an event's trigger against the supervisor's view.
+
+    ``previous``: (time, node id) of the last event fired. With ``wait_full_pool``
+    the next event also waits until that one is absorbed: its node is gone and the
+    job resumed after it, so two faults never land in one resize by accident.
+    """
+    job = sup.job
+    if job.started_at is None or job.state.is_terminal():
+        return False
+    if ev.wait_full_pool and previous is not None:
+        fired_at, node_id = previous
+        prev = sup.nodes.get(node_id)
+        if (prev is not None and not prev.state.is_terminal()) or (job.resumed_at or 0) <= fired_at:
+            return False
+    if ev.at_step is not None and (job.step is None or job.step < ev.at_step):
+        return False
+    if ev.at_s is not None and now - job.started_at < ev.at_s:
+        return False
+    if ev.wait_full_pool:
+        # The whole target pool is in the job: every running node counted in the
+        # world size, nobody joining, and no node still in the job while draining.
+        running = [n for n in sup.nodes.values() if n.state is NodeState.RUNNING]
+        if len(running) < sup.config.pool.target_nodes or job.world_size != sum(n.gpus for n in running):
+            return False
+        if any(n.state in (NodeState.READY, NodeState.ADMITTING) for n in sup.nodes.values()):
+            return False
+    return True
+
+
+async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float = 0.25) -> None:
+    """Fire ``events`` in order. Needs a provider with ``publish_interruption``/``kill``."""
+    provider = sup.provider
+    if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
+        log.warning("chaos_unsupported", provider=provider.name)
+        return
+    previous: tuple[float, str] | None = None
+    for i, ev in enumerate(events):
+        while not ready_to_fire(ev, sup, sup.clock(), previous=previous):
+            if sup.job.state.is_terminal():
+                return
+            await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
+        node = next((n for n in sup.nodes.values() if n.ordinal == ev.node), None)
+        if node is None or node.instance_id is None or node.state is not NodeState.RUNNING:
+            log.warning("chaos_target_not_running", index=i, node_ordinal=ev.node)
+            sup.record(EventKind.CHAOS_INJECTED, None, index=i, action=ev.action, skipped=True,
+                       reason=f"node #{ev.node} is not running")
+            continue
+        previous = (sup.clock(), node.id)
+        hold = ev.hold_replacements_for_steps is not None and hasattr(provider, "hold_boots")
+        if hold:
+            provider.hold_boots()
+        if ev.action == "notice":
+            deadline = await provider.publish_interruption(node.instance_id, lead_s=ev.lead_s)
+            sup.record(EventKind.CHAOS_INJECTED, node.id, index=i, action="notice", lead_s=ev.lead_s,
+                       deadline=deadline.isoformat(), step=sup.job.step)
+        else:
+            await provider.kill(node.instance_id)
+            sup.record(EventKind.CHAOS_INJECTED, node.id, index=i, action="kill", step=sup.job.step)
+            sup.wake()
+        if hold:
+            fired_at = sup.clock()
+            try:
+                # polling the job's progress, not synchronising: first the resume after the
+                # fault (job_resumed sets job.step to the step it resumed from), then N steps
+                while not sup.job.state.is_terminal() and (sup.job.resumed_at or 0) <= fired_at:
+                    await asyncio.sleep(tick_s)
+                until = (sup.job.step or 0) + (ev.hold_replacements_for_steps or 0)
+                while not sup.job.state.is_terminal() and (sup.job.step or 0) < until:
+                    await asyncio.sleep(tick_s)
+            finally:
+                provider.release_boots()
+            log.info("chaos_replacements_released", index=i, step=sup.job.step)

@@ -1,0 +1,144 @@
+"""The rendezvous store: a c10d TCPStore in its own process, on the control node.
+
+torchrun's c10d rendezvous keeps its state in a TCPStore. By default the agent
+whose host matches the endpoint hosts it, and if that (spot) node dies every
+node dies (pytorch#67742). spotvisor runs the store here instead, as its own
+process/unit so a daemon restart does not touch the job, and every torchrun
+agent connects as a client (``--rdzv-conf is_host=false``). See ELASTIC.md.
+
+The store has no authentication, and torchrun's dynamic rendezvous unpickles the
+state it reads from it: whoever reaches the port can run code in every node's
+torchrun agent. So it listens on exactly the address it is given (c10d's own
+server would bind every interface whatever host it is passed: this module binds
+the socket itself and hands c10d the listening descriptor, ``master_listen_fd``),
+the default is loopback, and on a cloud it is the control node's private address,
+reachable from the job's nodes only (README, "Trust model").
+
+Run: ``python -m daemon.controlnode.rendezvous --host 10.0.0.10 --port 29400`` (or the
+``spotvisor-rendezvous.service`` unit). Exits on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+from datetime import timedelta
+from typing import Callable
+
+__all__ = ["DEFAULT_HOST", "listen_socket", "serve", "wait_until_listening", "main"]
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to exactly ``host:port`` (``port`` 0: a free one), listening.
+
+    ``host``: an address or a name (its first address). Raises ``ValueError`` for an
+    empty ``host`` (never read as "every interface"), ``socket.gaierror`` for a name
+    that does not resolve, ``OSError`` when the bind fails (the port is taken, the
+    address is not this machine's)."""
+    if not host.strip():
+        raise ValueError("empty host")
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds through TIME_WAIT
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::1" means ::1, not IPv4 too
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(host: str, port: int, stop: threading.Event,
+          on_listening: Callable[[str, int], None] | None = None) -> None:
+    """Host a multi-tenant TCPStore on exactly ``host:port`` until ``stop`` is set.
+
+    ``on_listening(address, port)`` is called once the store accepts connections: the
+    address ``host`` resolved to and the port it took (for ``port`` 0). Raises what
+    :func:`listen_socket` raises, and ``RuntimeError`` if c10d cannot start its server."""
+    from torch.distributed import TCPStore
+
+    sock = listen_socket(host, port)
+    address, bound = sock.getsockname()[:2]
+    # c10d owns the descriptor from here on (it closes it with the store)
+    store = TCPStore(host, bound, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60), master_listen_fd=sock.detach())
+    if on_listening is not None:
+        on_listening(address, bound)
+    stop.wait()
+    del store
+
+
+def wait_until_listening(host: str, port: int, timeout_s: float) -> bool:
+    """True once a TCP connect to ``host:port`` succeeds within ``timeout_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``spotvisor-rendezvous [--host H] [--port P]``. Exit 0 on SIGTERM/SIGINT, 1 when it
+    cannot listen (port taken, address not this machine's), 2 for a bad ``--host``."""
+    p = argparse.ArgumentParser(prog="spotvisor-rendezvous", description="c10d rendezvous store")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="the one address to listen on (default %(default)s; on a cloud the control "
+                        "node's private address)")
+    p.add_argument("--port", type=int, default=29400, help="TCP port (default %(default)s; 0: a free one)")
+    p.add_argument("--exit-with-stdin", action="store_true",
+                   help="also stop when standard input ends: a one-shot run (spotvisord demo) keeps the "
+                        "other end, so the store ends with it, SIGKILL included")
+    args = p.parse_args(argv)
+    host = args.host
+    if not host.strip():
+        print("spotvisor-rendezvous: --host is empty; give the control node's private address "
+              "(the unit reads it from SPOTVISOR_RDZV_HOST in /etc/spotvisor/rendezvous.env)", file=sys.stderr)
+        return 2
+    shown = f"[{host}]" if ":" in host else host
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_stdin:
+        def watch_stdin() -> None:
+            while sys.stdin.buffer.read(4096):
+                pass
+            stop.set()  # end of input: the process that started us is gone
+
+        threading.Thread(target=watch_stdin, name="stdin-watch", daemon=True).start()
+
+    def listening(address: str, port: int) -> None:
+        print(f"rendezvous store listening on {f'[{address}]' if ':' in address else address}:{port}", flush=True)
+        if ipaddress.ip_address(address).is_unspecified:
+            print(f"spotvisor-rendezvous: warning: --host {host} listens on every interface; whoever reaches "
+                  "the port can run code in the job's torchrun agents (README, \"Trust model\")",
+                  file=sys.stderr, flush=True)
+
+    try:
+        serve(host, args.port, stop, on_listening=listening)
+    except socket.gaierror as exc:
+        print(f"spotvisor-rendezvous: --host {host!r} does not resolve ({exc.strerror}); "
+              "give the control node's private address", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as exc:  # the port is taken, the address is not this machine's
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"spotvisor-rendezvous: cannot listen on {shown}:{args.port}: {reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

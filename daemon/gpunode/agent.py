@@ -1,0 +1,785 @@
+"""spotvisor-agent: the node agent that runs on every spot instance.
+
+It has these jobs, each an owned task in one ``TaskGroup``:
+
+- ``metadata``: poll the cloud's metadata endpoint (default every 1 s) for an
+  interruption notice; on a new one, write it to the notice file at once (the
+  trainer ranks read it at their next step boundary) and report it to the daemon.
+- ``heartbeat``: tell the daemon the node is alive (and the trainer's step, the
+  GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpunode.gpu` — and the
+  next chunk of ``trainer.log``, :mod:`daemon.gpunode.nodelog`), then sleep the interval the
+  daemon's last reply said (``heartbeat_interval_s``: it grows with the pool,
+  :func:`daemon.control.pool.heartbeat_interval_s`; until the first reply, the CLI's), or
+  less when the trainer starts or exits: the daemon must know at once whether a
+  trainer runs (a drain asks it to commit; a node with none is released). The
+  reply carries the daemon's commands too: start the trainer, request a checkpoint
+  (kind ``rejoin`` or ``checkpoint``), drain, stop the trainer.
+- ``commands``: keep one ``POST /v1/agent/commands`` long-poll outstanding, so a
+  command reaches the node at once however long the heartbeat interval is; its
+  reply is applied as a heartbeat reply is (each command comes by one channel or the
+  other, never both). A daemon without the route (404: an older one) leaves the
+  agent on heartbeats alone.
+- ``gpu``: sample the GPUs every second; each heartbeat carries the per-GPU means
+  since the last one (:class:`daemon.gpunode.gpu.GpuMeans`).
+- ``status``: tail the trainer's status file and forward what matters
+  (``started``, ``checkpoint_committed``, ``holding``, ``completed``). When the
+  checkpoint that answers this node's interruption notice is committed, the node
+  leaves the job by SIGTERM to its torchrun agent (never by its workers exiting 0:
+  that would close the rendezvous for good, pytorch#123678).
+- ``trainer``: start and supervise ``torchrun --nnodes=MIN:MAX`` as a c10d
+  rendezvous client of the rendezvous store. Its process is started at registration
+  (:mod:`daemon.gpunode.launcher`: torchrun imported, waiting) and handed the job when the
+  daemon admits the node, so the import is not spent while the survivors hold.
+
+Node-local contract with the trainer (see ``docs/architecture.md``):
+``SPOTVISOR_NOTICE_FILE`` (JSON list of notices, replaced atomically),
+``SPOTVISOR_STATUS_FILE`` (JSON lines appended by the trainer),
+``SPOTVISOR_LOG_DIR`` (per-rank step logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type,
+                      wait_exponential_jitter)
+
+from daemon.gpunode.gpu import GpuMeans, GpuSampler, NvmlSampler
+from daemon.gpunode.launcher import READY_FD_ENV
+from daemon.logs import configure_logging
+from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
+from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
+from daemon.control.lifecycle import TrainerState, check_trainer_transition
+from daemon.model import TORCHRUN_ARGV
+from daemon.gpunode.nodelog import read_chunk
+
+__all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
+
+log = structlog.get_logger("spotvisor.agent")
+
+# Status lines worth the daemon's attention (``step`` lines only update the heartbeat;
+# ``holding`` is for the run's summary). Each is the same line on every node of an
+# attempt, and the daemon keeps the first (by attempt, and step), so only the node of
+# global rank 0 reports it, and a node whose own notice a commit answers: at 1,000 nodes
+# that is one report per commit instead of 1,000 (bench/scale.py)
+_FORWARDED = frozenset({"started", "checkpoint_committed", "completed"})
+# the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
+# it a random share of its agent.command_wait_s, at most), and how long
+# past that the agent waits for the answer before it gives up on the request
+COMMAND_WAIT_S = 600.0
+_COMMAND_SLACK_S = 10.0
+# a told heartbeat interval outside (0, this] is not used (seconds)
+_MAX_HEARTBEAT_INTERVAL_S = 600.0
+# an idle connection to the daemon is kept this long (seconds): longer than any heartbeat
+# interval used, shorter than aiohttp's server keep-alive (3630 s)
+KEEPALIVE_S = _MAX_HEARTBEAT_INTERVAL_S + 60.0
+_GPU_SAMPLE_S = 1.0
+
+
+def _no_command_route(exc: BaseException) -> bool:
+    """The daemon has no command long-poll (an older one): heartbeats carry the commands."""
+    return isinstance(exc, aiohttp.ClientResponseError) and exc.status in (404, 405)
+
+
+def _command_poll_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)) and not _no_command_route(exc)
+
+
+class NoticeFile:
+    """The notice file: a JSON list of pending notices, replaced atomically.
+
+    Each notice: ``{"id", "kind": "interruption"|"rejoin"|"checkpoint", "time",
+    "deadline"}`` (unix seconds; deadline may be null).
+    """
+
+    __slots__ = ("path", "_notices")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._notices: dict[str, dict[str, Any]] = {}
+        self._write()
+
+    def add(self, notice: dict[str, Any]) -> bool:
+        """Add a notice; False if one with the same id is already pending."""
+        if notice["id"] in self._notices:
+            return False
+        self._notices[notice["id"]] = notice
+        self._write()
+        return True
+
+    def remove(self, ids: list[str] | tuple[str, ...]) -> None:
+        if any(i in self._notices for i in ids):
+            for i in ids:
+                self._notices.pop(i, None)
+            self._write()
+
+    def pending(self) -> list[dict[str, Any]]:
+        return list(self._notices.values())
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(list(self._notices.values()), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+class StatusTail:
+    """Reads whole new JSON lines from the trainer's status file."""
+
+    __slots__ = ("path", "_offset")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self._offset += end + 1
+        out = []
+        for raw in chunk[: end + 1].splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                log.warning("status_line_unparsable", line=raw[:200])
+                continue
+            if isinstance(line, dict):
+                out.append(line)
+        return out
+
+
+class NodeAgent:
+    """One node's agent. Construct (no I/O), then ``await run()`` until cancelled.
+
+    Args:
+        daemon_url: the daemon's agent port, e.g. ``http://10.0.0.2:7480``.
+        token: this node's bearer token (issued by the daemon at launch).
+        node_id: this node's id in the pool.
+        metadata: the metadata dialect client (polls the cloud's endpoint).
+        workdir: node-local directory for the notice/status files and logs.
+        gpu_sampler: samples the GPUs every second (default: NVML; absent → None).
+        heartbeat_interval_s: seconds between heartbeats until the daemon says (its
+            register and heartbeat replies carry the interval it wants).
+        command_wait_s: how long each command long-poll may be held (seconds).
+    """
+
+    def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: MetadataDialect, workdir: Path,
+                 poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
+                 metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0,
+                 gpu_sampler: GpuSampler | None = None, command_wait_s: float = COMMAND_WAIT_S) -> None:
+        self.daemon_url = daemon_url.rstrip("/")
+        self.token = token
+        self.node_id = node_id
+        self.metadata = metadata
+        self.workdir = Path(workdir)
+        self.poll_interval_s = poll_interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.told_interval_s: float | None = None  # the daemon's last word on the heartbeat interval
+        self.command_wait_s = command_wait_s
+        self.metadata_alarm_after = metadata_alarm_after
+        self.metadata_max_backoff_s = metadata_max_backoff_s
+        self.metadata_failures = 0  # consecutive failed polls (the current streak)
+        self._metadata_alarmed = False
+        self._notice: Notice | None = None
+        self.notices: NoticeFile | None = None
+        self.status_path = self.workdir / "status.jsonl"
+        self.log_dir = self.workdir / "logs"
+        self._session: aiohttp.ClientSession | None = None
+        self._job: dict[str, Any] = {}
+        self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (_prewarm)
+        self._ready_pipe: int | None = None  # the read end of the launcher's "ready" pipe, until awaited
+        # this node's torchrun (daemon.control.lifecycle.TrainerState; warming: the launcher imports)
+        self.trainer = TrainerState.NOT_STARTED
+        self._exit_code: int | None = None
+        self._step: int | None = None
+        self._interruption: dict[str, Any] | None = None  # this node's own notice, once seen
+        self._seen_notice_ids: set[str] = set()
+        self._background: set[asyncio.Future[None]] = set()
+        self.gpu_sampler: GpuSampler = gpu_sampler if gpu_sampler is not None else NvmlSampler()
+        self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
+        self._gpu = GpuMeans()  # samples since the last heartbeat
+        self._apply_lock = asyncio.Lock()  # heartbeat and long-poll replies are applied one at a time
+        self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
+
+    # -- lifecycle ------------------------------------------------------------
+    async def run(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        self.notices = NoticeFile(self.workdir / "notices.json")
+        self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=aiohttp.ClientTimeout(total=10),
+            # keep the connection between heartbeats however far apart the daemon sets them
+            # (aiohttp's default, 15 s, would open a new one for each heartbeat of a big pool)
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+        )
+        try:
+            self._job = await self._register()
+            await self._prewarm()
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._until_warm(), name=f"agent:prewarm:{self.node_id}")
+                tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
+                poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
+                if poll_rebalance is not None:
+                    tg.create_task(self._rebalance_loop(poll_rebalance), name=f"agent:rebalance:{self.node_id}")
+                tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
+                tg.create_task(self._command_loop(), name=f"agent:commands:{self.node_id}")
+                tg.create_task(self._gpu_loop(), name=f"agent:gpu:{self.node_id}")
+                tg.create_task(self._status_loop(), name=f"agent:status:{self.node_id}")
+                tg.create_task(self._outbox_loop(), name=f"agent:outbox:{self.node_id}")
+        finally:
+            await asyncio.shield(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        await self._stop_prewarmed()
+        await self._stop_trainer()
+        await asyncio.to_thread(self.gpu_sampler.close)
+        await self.metadata.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- daemon API -------------------------------------------------------------
+    async def _post(self, path: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        async with self._session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
+                                      timeout=timeout) as r:
+            if r.status == 401:
+                raise PermissionError("the daemon refused this node's token")
+            r.raise_for_status()
+            return await r.json()
+
+    async def _register(self) -> dict[str, Any]:
+        delay = 0.2
+        while True:
+            try:
+                # "prewarm": this agent starts a torchrun job's process at once and says
+                # in its heartbeats when it is warm (the daemon waits for that to admit it)
+                reply = await self._post("/v1/agent/register", {"pid": os.getpid(), "prewarm": True})
+                self._heed_interval(reply)
+                log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
+                return reply["job"]
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("daemon_unreachable", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _report(self, kind: str, **data: Any) -> None:
+        self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
+
+    async def _outbox_loop(self) -> None:
+        """Deliver reports in order, retrying while the daemon is unreachable."""
+        delay = 0.2
+        while True:
+            first = await self._outbox.get()
+            batch = [first]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get_nowait())
+            while True:
+                try:
+                    await self._post("/v1/agent/events", {"events": batch})
+                    delay = 0.2
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    log.warning("report_failed", error=str(exc), retry_in_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+
+    # -- loops --------------------------------------------------------------------
+    async def _metadata_loop(self) -> None:
+        """Poll for notices; transport errors back off (tenacity) and never become notices."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            notice = await self._poll_metadata()
+            if notice is not None and notice.id not in self._seen_notice_ids:
+                self._on_interruption(notice)
+            # Keep the pace: a hanging GET (GCP) already waited; a plain poll sleeps the
+            # rest of the interval (GCP also answers at once after a preemption).
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (loop.time() - started)))
+
+    async def _rebalance_loop(self, poll_rebalance) -> None:
+        """Rebalance recommendations (AWS), polled beside the notice so a slow answer
+        here never delays the interruption poll. Its errors are the notice poll's to
+        alarm on: the same endpoint answers both."""
+        while True:
+            try:
+                rb = await poll_rebalance()
+            except MetadataUnavailable:
+                rb = None
+            if rb is not None and rb.id not in self._seen_notice_ids:
+                self._seen_notice_ids.add(rb.id)
+                log.info("rebalance_recommendation", node_id=self.node_id)
+                self._report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll_metadata(self) -> Notice | None:
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(MetadataUnavailable),
+            wait=wait_exponential_jitter(multiplier=self.poll_interval_s, max=self.metadata_max_backoff_s, jitter=0.5),
+            before_sleep=self._metadata_failed,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                notice = await self.metadata.poll()
+        if self._metadata_alarmed:
+            log.info("metadata_recovered", node_id=self.node_id, after_failures=self.metadata_failures)
+            self._report("metadata_recovered", failures=self.metadata_failures)
+        self.metadata_failures = 0
+        self._metadata_alarmed = False
+        return notice
+
+    def _metadata_failed(self, state: RetryCallState) -> None:
+        self.metadata_failures = state.attempt_number
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("metadata_unavailable", node_id=self.node_id, error=str(exc), streak=self.metadata_failures)
+        if self.metadata_failures >= self.metadata_alarm_after and not self._metadata_alarmed:
+            self._metadata_alarmed = True
+            self._report("metadata_unreachable", failures=self.metadata_failures, error=str(exc),
+                         url=getattr(self.metadata, "base_url", None))
+
+    def _on_interruption(self, notice: Notice) -> None:
+        assert self.notices is not None
+        self._seen_notice_ids.add(notice.id)
+        seen_at = time.time()
+        deadline = notice.deadline.timestamp() if notice.deadline is not None else None
+        # The id the job and the daemon know this notice by names this node: notice.id hashes
+        # only the body, and a cloud reclaiming many instances at one time serves the same
+        # body on each. With one shared id, the commit for the first node's notice marks the
+        # others' as handled too: a node that sees its notice after that commit never gets
+        # one of its own and leaves at the deadline, losing the steps trained since.
+        nid = f"{self.node_id}:{notice.id}"
+        entry = {"id": nid, "kind": "interruption", "time": seen_at, "deadline": deadline}
+        self.notices.add(entry)  # first: the trainer acts on the file, not on the daemon
+        self._interruption = entry
+        self._notice = notice
+        log.warning("interruption_notice", node_id=self.node_id, deadline=deadline, action=notice.action)
+        self._report("interruption_notice", notice={**notice.to_dict(), "id": nid}, seen_at=seen_at,
+                     deadline=deadline)
+        if self.trainer is not TrainerState.RUNNING:
+            return
+        if deadline is not None:
+            asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.time() - 3.0), self._leave_if_still_running, entry["id"]
+            )
+
+    def _leave_if_still_running(self, notice_id: str) -> None:
+        # The deadline is near and no commit answered the notice: leave cleanly anyway.
+        if self.trainer is TrainerState.RUNNING and self._proc is not None and self._proc.returncode is None:
+            log.warning("leaving_before_commit", node_id=self.node_id, notice_id=notice_id)
+            self._proc.send_signal(signal.SIGTERM)
+
+    async def _gpu_loop(self) -> None:
+        while True:
+            self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))  # NVML calls block briefly
+            await asyncio.sleep(_GPU_SAMPLE_S)
+
+    def _heed_interval(self, reply: dict[str, Any]) -> None:
+        """Take the heartbeat interval the daemon wants (a reply without one: keep the last)."""
+        v = reply.get("heartbeat_interval_s")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= _MAX_HEARTBEAT_INTERVAL_S:
+            self.told_interval_s = float(v)
+
+    def _trainer_to(self, new: TrainerState) -> None:
+        """Move this node's trainer lifecycle (the table in :mod:`daemon.control.lifecycle`)."""
+        check_trainer_transition(self.trainer, new)
+        self.trainer = new
+        self._beat_now.set()  # the daemon must know at once whether a trainer runs
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
+            if self._gpu.samples == 0:  # none since the last heartbeat (a short interval): one now
+                self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))
+            gpu = self._gpu.take()
+            chunk = await asyncio.to_thread(read_chunk, self.workdir / "trainer.log", self._log_want)
+            try:
+                reply = await self._post(
+                    "/v1/agent/heartbeat",
+                    {"step": self._step, "trainer": {"state": self.trainer.value,
+                                                     "exit_code": self._exit_code},
+                     "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
+                )
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("heartbeat_failed", error=str(exc))  # the chunk is read again next time
+            else:
+                if isinstance(reply.get("log"), dict):
+                    self._log_want = reply["log"].get("offset")
+                self._heed_interval(reply)
+                await self._apply(reply)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.told_interval_s or self.heartbeat_interval_s):
+                    await self._beat_now.wait()
+
+    async def _command_loop(self) -> None:
+        """Keep one command long-poll outstanding and apply each answer. Errors back off
+        (tenacity, up to 5 s); a daemon without the route (404) ends this loop: the
+        heartbeat replies carry the commands then."""
+        while True:
+            retrying = AsyncRetrying(
+                retry=retry_if_exception(_command_poll_retryable),
+                wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
+                before_sleep=self._command_poll_failed,
+                reraise=True,
+            )
+            try:
+                async for attempt in retrying:
+                    with attempt:
+                        reply = await self._post("/v1/agent/commands", {"wait_s": self.command_wait_s},
+                                                 timeout_s=self.command_wait_s + _COMMAND_SLACK_S)
+            except aiohttp.ClientResponseError as exc:
+                if not _no_command_route(exc):
+                    raise
+                log.info("command_channel_unavailable", node_id=self.node_id, status=exc.status,
+                         note="the daemon has no command long-poll; commands come with heartbeats")
+                return
+            await self._apply(reply)
+
+    def _command_poll_failed(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("command_poll_failed", node_id=self.node_id, error=str(exc) or repr(exc),
+                    attempt=state.attempt_number)
+
+    async def _apply(self, reply: dict[str, Any]) -> None:
+        async with self._apply_lock:  # one reply at a time: two could both see the trainer not started
+            await self._apply_locked(reply)
+
+    async def _apply_locked(self, reply: dict[str, Any]) -> None:
+        assert self.notices is not None
+        for cmd in reply.get("commands", []):
+            if cmd.get("kind") == "drain":
+                # the daemon asks this node to leave (e.g. rebalance "replace"): act
+                # exactly as on an interruption notice, with no deadline
+                entry = {"id": cmd["id"], "kind": "interruption", "time": time.time(), "deadline": None}
+                if self.notices.add(entry):
+                    self._interruption = entry
+                    log.info("drain_requested", node_id=self.node_id, request_id=cmd["id"])
+            elif cmd.get("kind") == "cancel":
+                self.notices.remove([cmd["id"]])
+                log.info("checkpoint_request_cancelled", node_id=self.node_id, request_id=cmd["id"])
+            elif cmd.get("kind") == "checkpoint":
+                kind = "rejoin" if cmd.get("reason") == "rejoin" else "checkpoint"
+                self.notices.add({"id": cmd["id"], "kind": kind, "time": time.time(), "deadline": None})
+                log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind)
+        if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
+                and self._interruption is None):
+            await self._start_trainer()
+
+    async def _status_loop(self) -> None:
+        tail = StatusTail(self.status_path)
+        while True:
+            for line in tail.read_new():
+                self._on_status(line)
+            if self._proc is not None and self.trainer is TrainerState.RUNNING and self._proc.returncode is not None:
+                for line in tail.read_new():
+                    self._on_status(line)
+                self._exit_code = self._proc.returncode
+                self._trainer_to(TrainerState.EXITED)
+                log.info("trainer_exited", node_id=self.node_id, exit_code=self._exit_code)
+                self._report("trainer_exited", exit_code=self._exit_code)
+            await asyncio.sleep(0.2)
+
+    def _on_status(self, line: dict[str, Any]) -> None:
+        assert self.notices is not None
+        event = line.get("event")
+        if isinstance(line.get("step"), int):
+            self._step = line["step"]
+        if event not in _FORWARDED:
+            return
+        ids = list(line.get("notice_ids") or []) if event == "checkpoint_committed" else []
+        mine = self._interruption
+        answers_mine = mine is not None and mine["id"] in ids
+        if line.get("rank", 0) == 0 or answers_mine:
+            self._report("trainer_status", line=line)
+        if event == "checkpoint_committed":
+            self.notices.remove(ids)
+            # Leave only on the commit that answers this node's notice: the trainer
+            # holds after it, so no step computed after the commit is thrown away.
+            if answers_mine:
+                if self._proc is not None and self._proc.returncode is None:
+                    log.info("leaving_job", node_id=self.node_id, step=line.get("step"))
+                    self._proc.send_signal(signal.SIGTERM)
+                acknowledge = getattr(self.metadata, "acknowledge", None)
+                if acknowledge is not None and self._notice is not None:
+                    # Azure: tell the platform it may act now (only after the commit)
+                    task = asyncio.ensure_future(self._acknowledge(acknowledge, self._notice))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    async def _acknowledge(self, acknowledge, notice: Notice) -> None:
+        try:
+            await acknowledge(notice)
+            log.info("notice_acknowledged", node_id=self.node_id, notice_id=notice.id)
+        except MetadataUnavailable as exc:
+            log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
+
+    # -- trainer --------------------------------------------------------------------
+    @staticmethod
+    def _untokened_env() -> dict[str, str]:
+        """The agent's environment without its token (never handed to the trainer)."""
+        env = dict(os.environ)
+        env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        return env
+
+    def _job_env(self) -> dict[str, str]:
+        env = self._untokened_env()
+        env.update(self._job.get("env", {}))
+        env.update(
+            SPOTVISOR_NOTICE_FILE=str(self.workdir / "notices.json"),
+            SPOTVISOR_STATUS_FILE=str(self.status_path),
+            SPOTVISOR_LOG_DIR=str(self.log_dir),
+            SPOTVISOR_SCRATCH_DIR=str(self.workdir / "scratch"),
+            SPOTVISOR_NODE_ID=self.node_id,
+        )
+        return env
+
+    async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int,
+                     pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
+        out = open(self.workdir / "trainer.log", "ab")
+        try:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+                cwd=self._job.get("cwd") or None, pass_fds=pass_fds,
+            )
+        finally:
+            out.close()
+
+    async def _prewarm(self) -> None:
+        """Start torchrun's process now, importing, for :meth:`_start_trainer` to set
+        going when the daemon admits this node (:mod:`daemon.gpunode.launcher`). Only for a job
+        whose command is ``-m torch.distributed.run``. Until the launcher says it has
+        imported (or exits), heartbeats report the trainer ``warming``
+        (:meth:`_until_warm`)."""
+        if tuple(self._job.get("argv", ())[:2]) != TORCHRUN_ARGV:
+            return
+        env = self._untokened_env()
+        ready_r, ready_w = os.pipe()
+        env[READY_FD_ENV] = str(ready_w)
+        try:
+            self._warm = await self._spawn(["-u", "-m", "daemon.gpunode.launcher"], env, asyncio.subprocess.PIPE,
+                                           pass_fds=(ready_w,))
+        except BaseException as exc:
+            os.close(ready_r)
+            if not isinstance(exc, OSError):
+                raise
+            log.warning("prewarm_failed", node_id=self.node_id, error=str(exc))  # started unwarmed when admitted
+            return
+        finally:
+            os.close(ready_w)  # the launcher holds the only write end: its exit is EOF here
+        self._ready_pipe = ready_r
+        self._trainer_to(TrainerState.WARMING)
+        log.info("trainer_prewarming", node_id=self.node_id, pid=self._warm.pid)
+
+    async def _until_warm(self) -> None:
+        """Wait for the launcher's ``ready`` (or its exit), then heartbeat at once: the
+        daemon asks the survivors for the rejoin commit only for a warm node."""
+        fd, self._ready_pipe = self._ready_pipe, None
+        if fd is None:
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        said = b""
+        try:
+            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                        os.fdopen(fd, "rb", buffering=0))
+            try:
+                said = await reader.readline()
+            finally:
+                transport.close()
+        except (OSError, ValueError) as exc:  # never the agent's end: the job starts anyway, unwarmed
+            log.warning("prewarm_pipe_failed", node_id=self.node_id, error=str(exc))
+        if said != b"ready\n" and self._warm is not None:
+            # it exited (or closed the pipe) before it had imported, not handed the job
+            # yet: drop it, and start torchrun directly when admitted
+            dead, self._warm = self._warm, None
+            if dead.returncode is None:
+                dead.kill()
+            await dead.wait()
+            log.warning("prewarm_failed", node_id=self.node_id, exit_code=dead.returncode)
+        elif said == b"ready\n":
+            log.info("trainer_warm", node_id=self.node_id)
+        if self.trainer is TrainerState.WARMING:  # else: started meanwhile, its import went on in torchrun
+            self._trainer_to(TrainerState.NOT_STARTED)
+
+    async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
+        """Hand the job to the prewarmed launcher; False if it is gone."""
+        assert warm.stdin is not None
+        line = json.dumps({"argv": self._job["argv"][len(TORCHRUN_ARGV):], "env": env, "cwd": self._job.get("cwd")})
+        try:
+            warm.stdin.write(line.encode() + b"\n")
+            await warm.stdin.drain()
+            warm.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it exited while importing
+            log.warning("prewarmed_trainer_gone", node_id=self.node_id, exit_code=warm.returncode)
+            return False
+        return True
+
+    async def _start_trainer(self) -> None:
+        env = self._job_env()
+        importing = self.trainer is TrainerState.WARMING
+        warm, self._warm = self._warm, None
+        if warm is not None and warm.returncode is None and await self._go(warm, env):
+            self._proc = warm
+        else:
+            self._proc = await self._spawn(self._job["argv"], env, asyncio.subprocess.DEVNULL)
+        self._trainer_to(TrainerState.RUNNING)
+        # prewarmed: torchrun's process was already started (imported: and done importing,
+        # else it goes on from where its import is)
+        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid, prewarmed=self._proc is warm,
+                 imported=self._proc is warm and not importing)
+
+    async def _stop_prewarmed(self) -> None:
+        warm, self._warm = self._warm, None
+        if warm is not None and warm.returncode is None:
+            warm.kill()
+            await warm.wait()
+
+    async def _stop_trainer(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(40):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spotvisor-agent", description="spotvisor node agent")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the agent on this node")
+    r.add_argument("--daemon-url", required=True)
+    r.add_argument("--node-id", required=True)
+    r.add_argument("--metadata-url", help="the metadata endpoint (default: the dialect's own)")
+    r.add_argument("--dialect", default="aws", choices=DIALECTS)
+    r.add_argument("--metadata-alarm-after", type=int, default=5,
+                   help="failed polls in a row before a metadata_unreachable alarm")
+    r.add_argument("--metadata-max-backoff-s", type=float, default=5.0,
+                   help="cap of the exponential backoff between failed polls")
+    r.add_argument("--workdir", default="/var/lib/spotvisor-agent")
+    r.add_argument("--poll-interval-s", type=float, default=1.0)
+    r.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    r.add_argument("--metadata-timeout-s", type=float, default=2.0)
+    q = sub.add_parser("probe", help="poll the metadata endpoint once and print the notice as JSON (or null)")
+    q.add_argument("--dialect", required=True, choices=DIALECTS)
+    q.add_argument("--metadata-url", help="the metadata endpoint (default: the dialect's own)")
+    q.add_argument("--timeout-s", type=float, default=2.0)
+    q.add_argument("--watch", action="store_true", help="keep polling; print each new notice")
+    q.add_argument("--interval-s", type=float, default=1.0, help="with --watch: seconds between polls")
+    return p.parse_args(argv)
+
+
+def _notice_line(notice: Notice | None) -> str:
+    if notice is None:
+        return "null"
+    d = notice.to_dict()
+    return json.dumps({k: d.get(k) for k in ("provider", "kind", "action", "deadline", "id")})
+
+
+async def _probe(args: argparse.Namespace) -> int:
+    """Operators' check of a node: exit 0 with the notice or null; 1 if the endpoint fails."""
+    url = args.metadata_url or DEFAULT_URLS[args.dialect]
+    client = make_client(args.dialect, url, timeout_s=args.timeout_s)
+    seen: set[str] = set()
+    try:
+        while True:
+            try:
+                notice = await client.poll()
+            except MetadataUnavailable as exc:
+                print(f"spotvisor-agent probe: {url}: {exc}", file=sys.stderr)
+                return 1
+            if not args.watch:
+                print(_notice_line(notice), flush=True)
+                return 0
+            if notice is not None and notice.id not in seen:
+                seen.add(notice.id)
+                print(_notice_line(notice), flush=True)
+            await asyncio.sleep(args.interval_s)
+    finally:
+        await client.aclose()
+
+
+def _client(dialect: str, url: str | None, timeout_s: float, poll_interval_s: float) -> MetadataDialect:
+    kwargs: dict[str, Any] = {"timeout_s": timeout_s}
+    if dialect == "gcp":
+        kwargs["wait_s"] = max(5.0, poll_interval_s)  # hanging GETs instead of tight polling
+    return make_client(dialect, url or DEFAULT_URLS[dialect], **kwargs)
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    token = os.environ.get("SPOTVISOR_AGENT_TOKEN", "")
+    if not token:
+        print("spotvisor-agent: SPOTVISOR_AGENT_TOKEN is not set (the daemon issues it at launch)", file=sys.stderr)
+        return 2
+    agent = NodeAgent(
+        daemon_url=args.daemon_url, token=token, node_id=args.node_id,
+        metadata=_client(args.dialect, args.metadata_url, args.metadata_timeout_s, args.poll_interval_s),
+        workdir=Path(args.workdir), poll_interval_s=args.poll_interval_s,
+        heartbeat_interval_s=args.heartbeat_interval_s, metadata_alarm_after=args.metadata_alarm_after,
+        metadata_max_backoff_s=args.metadata_max_backoff_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(agent.run(), name=f"agent:{args.node_id}")
+    waiter = asyncio.create_task(stop.wait(), name="agent:signal")
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+            return 0
+        return 0
+    finally:
+        for t in (task, waiter):
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.cmd == "probe":
+        configure_logging(level="WARNING")  # stdout carries only the JSON lines
+        try:
+            return asyncio.run(_probe(args))
+        except KeyboardInterrupt:
+            return 130
+    configure_logging()
+    try:
+        return asyncio.run(_amain(args))
+    except PermissionError as exc:
+        print(f"spotvisor-agent: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

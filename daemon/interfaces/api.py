@@ -1,0 +1,375 @@
+"""HTTP APIs of the daemon (aiohttp).
+
+- **Agent port** (TCP): node agents register, heartbeat, long-poll for commands and
+  report. Each request carries ``Authorization: Bearer <token>``, the node's own token
+  issued at launch; a wrong or missing token gets 401.
+
+  ========================================  ==============================================
+  ``POST /v1/agent/register``               the job spec and ``heartbeat_interval_s``
+  ``POST /v1/agent/heartbeat``              step, trainer state, GPU means (:mod:`daemon.gpunode.gpu`),
+                                            a ``trainer.log`` chunk (:mod:`daemon.gpunode.nodelog`);
+                                            the reply: commands, start/stop, the next
+                                            ``heartbeat_interval_s`` (it grows with the pool)
+  ``POST /v1/agent/commands``               ``{"wait_s": N}``: held until the node has a
+                                            command (or its start/stop decision changed),
+                                            at most N s (capped at 55); then the commands
+  ``POST /v1/agent/events``                 ``{"events": [...]}``: the agent's reports
+  ========================================  ==============================================
+- **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are
+  ``{"error": "<one line>"}`` with 400 (bad request), 404 (unknown node) or 409
+  (not possible now); spotctl prints the line and exits 2.
+
+  ========================================  ==============================================
+  ``GET /v1/status``                        job (state, step, durations, recoveries), pool,
+                                            nodes (with their GPU sample)
+  ``GET /v1/events?since=SEQ&kind=K``       NDJSON, one event per line; ``&follow=1`` keeps
+                                            the response open and streams new events
+  ``GET /v1/nodes/{id}/log?lines=N``        NDJSON ``{"seq", "line"}``: the node's last N
+                                            trainer.log lines as the daemon holds them
+                                            (limits: :mod:`daemon.gpunode.nodelog`); ``&follow=1``
+                                            streams new lines until the node has terminated
+  ``GET /v1/cost``                          spot USD so far, on-demand equivalent, savings
+                                            (:func:`daemon.controlnode.metrics.cost_report`)
+  ``GET /metrics``                          Prometheus text exposition (:mod:`daemon.controlnode.metrics`)
+  ``POST /v1/checkpoint``                   the job commits at its next step boundary
+  ``POST /v1/nodes/{id}/drain``             the node commits, then leaves the job
+  ``POST /v1/scale`` ``{"nodes": N}``       the pool's target size, within min..max
+  ``POST /v1/pause`` / ``POST /v1/resume``  commit and release every node / relaunch
+  ``POST /v1/nodes/{id}/simulate-preemption``  ``{"lead_s": S}``: local provider only, an
+                                            interruption notice on the node's metadata
+                                            endpoint, as :mod:`daemon.controlnode.chaos` publishes it
+  ========================================  ==============================================
+
+- **Metrics port** (TCP, optional): ``daemon.metrics_port`` serves ``GET /metrics``
+  on 127.0.0.1 for a Prometheus scraper (0 = any free port, see ``metrics_url``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from aiohttp import web
+
+from daemon.controlnode.metrics import TIMELINE_KINDS, DaemonMetrics, cost_report, job_timeline, node_gpu_view
+from daemon.model import EventKind, Node, NodeState
+from daemon.controlnode.supervisor import Supervisor
+
+__all__ = ["agent_app", "control_app", "ApiServer"]
+
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+METRICS = web.AppKey("metrics", DaemonMetrics)
+# a follower gets an empty line after this long without news (seconds): the write is how a
+# gone reader is noticed, so an abandoned `events -f` / `tail -f` does not hold a handler forever
+_FOLLOW_POLL_S = 15.0
+# a log follower looks this often whether its node has terminated (seconds)
+_TERMINAL_CHECK_S = 1.0
+_TAIL_MAX_LINES = 10_000
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
+    sup = request.app[SUPERVISOR]
+    try:
+        body = await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(text="body must be JSON") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="body must be a JSON object")
+    auth = request.headers.get("Authorization", "")
+    token = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
+    node = sup.authenticate(str(body.get("node_id", "")), token)
+    if node is None:
+        raise web.HTTPUnauthorized(text="unknown node or bad token")
+    return node, body
+
+
+async def _register(request: web.Request) -> web.Response:
+    node, body = await _agent_body(request)
+    return web.json_response(request.app[SUPERVISOR].on_register(node, prewarm=body.get("prewarm") is True))
+
+
+async def _heartbeat(request: web.Request) -> web.Response:
+    node, body = await _agent_body(request)
+    return web.json_response(request.app[SUPERVISOR].on_heartbeat(node, body))
+
+
+async def _commands(request: web.Request) -> web.Response:
+    """The command long-poll (:meth:`Supervisor.wait_commands`)."""
+    node, body = await _agent_body(request)
+    wait_s = body.get("wait_s", 0.0)
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not wait_s >= 0:
+        raise web.HTTPBadRequest(text="wait_s must be a number of seconds >= 0")
+
+    def connected() -> bool:
+        transport = request.transport
+        return transport is not None and not transport.is_closing()
+
+    reply = await request.app[SUPERVISOR].wait_commands(node, float(wait_s), connected=connected)
+    if reply is None:  # superseded by a newer poll, its client gone, or the daemon closing: nothing taken
+        raise web.HTTPServiceUnavailable(text="this long-poll was given up; poll again")
+    return web.json_response(reply)
+
+
+async def _reports(request: web.Request) -> web.Response:
+    node, body = await _agent_body(request)
+    events = body.get("events")
+    if not isinstance(events, list):
+        raise web.HTTPBadRequest(text="events must be a list")
+    request.app[SUPERVISOR].on_reports(node, events)
+    return web.json_response({"ok": True})
+
+
+def agent_app(sup: Supervisor) -> web.Application:
+    app = web.Application()
+    app[SUPERVISOR] = sup
+    app.router.add_post("/v1/agent/register", _register)
+    app.router.add_post("/v1/agent/heartbeat", _heartbeat)
+    app.router.add_post("/v1/agent/commands", _commands)
+    app.router.add_post("/v1/agent/events", _reports)
+    return app
+
+
+# -- control socket: reads ---------------------------------------------------------------------
+async def _status(request: web.Request) -> web.Response:
+    sup = request.app[SUPERVISOR]
+    status = sup.status()
+    status["job"].update(job_timeline(sup.store.events(kinds=TIMELINE_KINDS), sup.clock()).to_dict())
+    for n in status["nodes"]:
+        n["gpu"] = None if NodeState(n["state"]).is_terminal() else node_gpu_view(sup, n["id"])
+    return web.json_response(status)
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    sup = request.app[SUPERVISOR]
+    try:
+        since = int(request.query.get("since", "0"))
+    except ValueError:
+        return _error(400, "since must be an integer event seq")
+    kinds = [k for k in request.query.getall("kind", []) if k]
+    follow = request.query.get("follow") in ("1", "true")
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    while True:
+        for ev in sup.store.events(since=since, kinds=kinds):
+            await resp.write((json.dumps(ev.to_dict()) + "\n").encode())
+        since = max(since, sup.store.last_seq())
+        if not follow:
+            break
+        await sup.wait_for_events(since, timeout_s=_FOLLOW_POLL_S)
+        if sup.store.last_seq() <= since:
+            await resp.write(b"\n")  # keep-alive; readers skip empty lines
+    await resp.write_eof()
+    return resp
+
+
+def _node(sup: Supervisor, node_id: str) -> Node | web.Response:
+    node = sup.nodes.get(node_id)
+    if node is None:
+        known = ", ".join(n.id for n in sup.nodes.values() if not n.state.is_terminal()) or "none"
+        return _error(404, f"no node {node_id!r} (live nodes: {known})")
+    return node
+
+
+async def _log(request: web.Request) -> web.StreamResponse:
+    sup = request.app[SUPERVISOR]
+    node = _node(sup, request.match_info["node_id"])
+    if isinstance(node, web.Response):
+        return node
+    try:
+        lines = int(request.query.get("lines", "10"))
+    except ValueError:
+        return _error(400, "lines must be an integer")
+    if not 0 <= lines <= _TAIL_MAX_LINES:
+        return _error(400, f"lines must be within 0..{_TAIL_MAX_LINES}")
+    follow = request.query.get("follow") in ("1", "true")
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    logs = sup.node_logs
+    batch = logs.tail(node.id, lines)
+    seq = batch[-1].seq if batch else logs.last_seq(node.id)
+    quiet_s = 0.0
+    while True:
+        for ln in batch:
+            await resp.write((json.dumps(ln.to_dict()) + "\n").encode())
+        if not follow or (node.state.is_terminal() and logs.last_seq(node.id) <= seq):
+            break  # a terminated node's agent is gone: its log ends here
+        await logs.wait(node.id, seq, timeout_s=_TERMINAL_CHECK_S)
+        batch = logs.since(node.id, seq)
+        if batch:
+            seq, quiet_s = batch[-1].seq, 0.0
+        elif (quiet_s := quiet_s + _TERMINAL_CHECK_S) >= _FOLLOW_POLL_S:
+            await resp.write(b"\n")  # keep-alive; readers skip empty lines
+            quiet_s = 0.0
+    await resp.write_eof()
+    return resp
+
+
+async def _cost(request: web.Request) -> web.Response:
+    sup = request.app[SUPERVISOR]
+    return web.json_response(cost_report(list(sup.nodes.values()), sup.config.offers, sup.clock()))
+
+
+# -- control socket: actions -------------------------------------------------------------------
+async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "the request body must be JSON")
+    return body if isinstance(body, dict) else _error(400, "the request body must be a JSON object")
+
+
+async def _checkpoint(request: web.Request) -> web.Response:
+    rid = request.app[SUPERVISOR].request_checkpoint("manual")
+    if rid is None:
+        return _error(409, "no node is running the job's trainer; nothing to checkpoint")
+    return web.json_response({"request_id": rid})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    sup = request.app[SUPERVISOR]
+    node = _node(sup, request.match_info["node_id"])
+    if isinstance(node, web.Response):
+        return node
+    if node.state.is_terminal():
+        return _error(409, f"node {node.id} is already {node.state.value}")
+    sup.drain(node, "operator")
+    return web.json_response({"node": node.id, "state": node.state.value})
+
+
+async def _scale(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    nodes = body.get("nodes")
+    if not isinstance(nodes, int) or isinstance(nodes, bool):
+        return _error(400, "give the target size as {\"nodes\": N}, N an integer")
+    try:
+        return web.json_response(request.app[SUPERVISOR].scale(nodes))
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _pause(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(request.app[SUPERVISOR].pause())
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _resume(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(request.app[SUPERVISOR].resume())
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _simulate_preemption(request: web.Request) -> web.Response:
+    """Publish an interruption notice on a local node's metadata endpoint (as ``chaos`` does);
+    the local provider reclaims the node ``lead_s`` seconds later, as a cloud would."""
+    sup = request.app[SUPERVISOR]
+    node = _node(sup, request.match_info["node_id"])
+    if isinstance(node, web.Response):
+        return node
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    lead_s = body.get("lead_s", 30.0)
+    if not isinstance(lead_s, (int, float)) or isinstance(lead_s, bool) or lead_s <= 0:
+        return _error(400, "lead_s must be a number of seconds > 0")
+    provider = sup.provider_for(node.provider)
+    publish = getattr(provider, "publish_interruption", None)
+    if provider.name != "local" or publish is None:
+        return _error(400, f"simulate-preemption works only on the local provider; node {node.id} runs on "
+                           f"{provider.name!r} (on a cloud, use its own fault injection, e.g. AWS FIS)")
+    if node.state.is_terminal() or node.instance_id is None:
+        return _error(409, f"node {node.id} is {node.state.value}: it has no instance to preempt")
+    published = getattr(provider, "notice_published_at", lambda _: None)(node.instance_id)
+    if node.state is NodeState.DRAINING or published is not None:
+        since = "" if published is None else f" since {time.strftime('%H:%M:%S', time.localtime(published))}"
+        return _error(409, f"node {node.id} already has an interruption notice{since} and is leaving the job")
+    try:
+        deadline = await publish(node.instance_id, lead_s=float(lead_s))
+    except (KeyError, RuntimeError) as exc:  # gone meanwhile, or not booted yet
+        return _error(409, f"node {node.id}: {exc.args[0] if exc.args else exc}")
+    sup.record(EventKind.CHAOS_INJECTED, node.id, action="notice", source="operator", lead_s=float(lead_s),
+               deadline=deadline.isoformat(), step=sup.job.step)
+    return web.json_response({"node": node.id, "deadline": deadline.timestamp(), "lead_s": float(lead_s)})
+
+
+def control_app(sup: Supervisor, metrics: DaemonMetrics | None = None) -> web.Application:
+    metrics = metrics if metrics is not None else DaemonMetrics(sup)
+    app = web.Application()
+    app[SUPERVISOR] = sup
+    app[METRICS] = metrics
+    app.router.add_get("/v1/status", _status)
+    app.router.add_get("/v1/events", _events)
+    app.router.add_get("/v1/cost", _cost)
+    app.router.add_get("/v1/nodes/{node_id}/log", _log)
+    app.router.add_get("/metrics", metrics.handler)
+    app.router.add_post("/v1/checkpoint", _checkpoint)
+    app.router.add_post("/v1/nodes/{node_id}/drain", _drain)
+    app.router.add_post("/v1/nodes/{node_id}/simulate-preemption", _simulate_preemption)
+    app.router.add_post("/v1/scale", _scale)
+    app.router.add_post("/v1/pause", _pause)
+    app.router.add_post("/v1/resume", _resume)
+    return app
+
+
+def metrics_app(metrics: DaemonMetrics) -> web.Application:
+    app = web.Application()
+    app.router.add_get("/metrics", metrics.handler)
+    return app
+
+
+class ApiServer:
+    """The daemon's listeners: agent port, control socket, and (with ``daemon.metrics_port``)
+    the metrics port. ``start()`` binds; ``agent_url`` and ``metrics_url`` are known after
+    it; ``aclose()`` is idempotent and stops them in reverse order."""
+
+    def __init__(self, sup: Supervisor, *, agent_host: str, agent_port: int, socket_path: str) -> None:
+        self.sup = sup
+        self.agent_host = agent_host
+        self.agent_port = agent_port
+        self.socket_path = socket_path
+        self.metrics = DaemonMetrics(sup)  # this daemon's own registry
+        self._runners: list[web.AppRunner] = []
+        self.agent_url: str | None = None
+        self.metrics_url: str | None = None
+
+    async def start(self) -> None:
+        agent = web.AppRunner(agent_app(self.sup), access_log=None)
+        await agent.setup()
+        self._runners.append(agent)
+        site = web.TCPSite(agent, self.agent_host, self.agent_port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.agent_url = f"http://{self.agent_host}:{port}"
+
+        control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
+        await control.setup()
+        self._runners.append(control)
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # a stale socket from a killed daemon
+        await web.UnixSite(control, self.socket_path).start()
+        os.chmod(self.socket_path, 0o660)
+
+        metrics_port = self.sup.config.daemon.metrics_port
+        if metrics_port is not None:
+            runner = web.AppRunner(metrics_app(self.metrics), access_log=None, shutdown_timeout=1.0)
+            await runner.setup()
+            self._runners.append(runner)
+            msite = web.TCPSite(runner, "127.0.0.1", metrics_port)  # local scrapers only
+            await msite.start()
+            self.metrics_url = f"http://127.0.0.1:{msite._server.sockets[0].getsockname()[1]}/metrics"  # type: ignore[union-attr]
+
+    async def aclose(self) -> None:
+        while self._runners:
+            await self._runners.pop().cleanup()

@@ -1,0 +1,366 @@
+"""spotvisord: the daemon's command line.
+
+- ``spotvisord check-config FILE`` — validate; one line per problem, exit 2; with a
+  ``job.model``, the pre-flight tables (GPU memory per offer, checkpoint flush per
+  notice window), exit 2 when no offer can hold the job.
+- ``spotvisord preflight [--config FILE] [--preset NAME ...] [--nodes N ...]`` —
+  which GPUs hold the model, and can a checkpoint beat the notice
+  (:mod:`daemon.interfaces.preflight_cli`).
+- ``spotvisord run --config FILE`` — the service (systemd ``spotvisord.service``,
+  ``Type=notify`` with watchdog: :mod:`daemon.interfaces.service`). SIGTERM stops the daemon
+  and leaves the job's instances running; it exits by itself once the job completed
+  and every instance is released.
+- ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
+  target on the local provider with its chaos schedule, print events as they
+  happen and a summary at the end (``make demo``).
+- ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
+  (``spotvisor-rendezvous.service``), listening on ``H`` only (default 127.0.0.1).
+
+``run`` and ``demo`` hold an exclusive lock on the state directory (``spotvisord.lock``
+in it, :func:`state_dir_lock`) for their lifetime, taken before the store or the
+control socket is opened: a second daemon on the same directory exits 2 with one
+line naming the directory and the pid that holds it. The state directory is created
+0700 and the store 0600 whatever the umask (it holds every node's agent token).
+
+Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Mapping
+
+import structlog
+
+from daemon.interfaces import preflight_cli
+from daemon.config import Config, ConfigError, load_config
+from daemon.logs import configure_logging
+from daemon.interfaces.pipes import quiet_broken_pipe
+from daemon.model import Event
+from daemon.feed.notify import Notifier, resolve_sinks
+from daemon.providers.base import Provider, create_provider
+from daemon.controlnode.store import Store
+
+if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
+    from daemon.control.policies import RecoveryPolicy
+    from daemon.controlnode.supervisor import Supervisor
+
+__all__ = ["main", "running_daemon", "format_event", "prepare_state_dir", "state_dir_lock", "StateDirBusy"]
+
+log = structlog.get_logger("spotvisor.cli")
+
+LOCK_NAME = "spotvisord.lock"
+
+
+class StateDirBusy(Exception):
+    """Another process holds the state directory's lock; the message names it and its pid."""
+
+
+def prepare_state_dir(path: Path) -> Path:
+    """Create ``path`` 0700 whatever the umask (missing parents as the umask says), or
+    take access for others away from an existing one (a group's, e.g. systemd's
+    ``StateDirectoryMode=0750``, is kept). Returns ``path``. Raises ``OSError``: not a
+    directory, not writable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+        if mode & 0o007:
+            os.chmod(path, mode & 0o770)
+            log.warning("state_dir_tightened", state_dir=str(path), mode=f"{mode & 0o770:04o}", was=f"{mode:04o}")
+    else:
+        os.chmod(path, 0o700)  # the umask may have taken bits from mkdir's mode
+    return path
+
+
+@contextlib.contextmanager
+def state_dir_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path/spotvisord.lock`` (0600, holding this pid)
+    while the block runs; the kernel drops it when the process dies, however it dies.
+    Creates the directory as :func:`prepare_state_dir`. Raises :class:`StateDirBusy`
+    when another process holds it, ``OSError`` when the directory cannot be made."""
+    prepare_state_dir(path)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise StateDirBusy(f"state directory {path} is in use by another spotvisord (pid {holder}); "
+                               "stop that one, or give this one its own daemon.state_dir") from None
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # still held: no reader sees a stale pid
+    finally:
+        os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(config: Config, *, with_chaos: bool = True,
+                         providers: Mapping[str, Provider] | None = None,
+                         policy: "RecoveryPolicy | None" = None) -> AsyncIterator["Supervisor"]:
+    """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
+
+    ``providers``: by name, instead of those the config names (tests). ``policy``: the
+    recovery policy (default: the default one; the benchmark runs the baselines,
+    :mod:`daemon.control.policies`).
+    Closing never terminates an instance (:meth:`Supervisor.aclose`).
+    """
+    from daemon.interfaces.api import ApiServer
+    from daemon.controlnode.chaos import run_chaos
+    from daemon.controlnode.supervisor import Supervisor
+
+    state = prepare_state_dir(config.daemon.state_path())
+    store = Store(state / "spotvisord.db").open()
+    agent_args = [
+        "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
+        "--heartbeat-interval-s", f"{config.agent.heartbeat_interval_s:g}",
+        "--metadata-timeout-s", f"{config.agent.metadata_timeout_s:g}",
+        "--metadata-alarm-after", str(config.agent.metadata_alarm_after),
+        "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
+    ]
+    providers = dict(providers) if providers is not None else {
+        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
+        for name in sorted({o.provider for o in config.offers})
+    }
+    sup = Supervisor(config, providers=providers, store=store, policy=policy)
+    notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/feed/notify.py): its own thread
+    sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
+    api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
+                    socket_path=str(config.daemon.socket_path()))
+    try:
+        await api.start()
+        assert api.agent_url is not None
+        await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
+        await sup.start(agent_url=api.agent_url)
+        if with_chaos and config.chaos:
+            sup.spawn(run_chaos(sup, list(config.chaos)), "chaos")
+        yield sup
+    finally:
+        await sup.aclose()
+        await notifier.aclose()  # up to 3 s to deliver what is queued (the final pool_released); joins its thread
+        await api.aclose()
+        store.close()
+
+
+@contextlib.contextmanager
+def rendezvous_process(config: Config):
+    """Start the rendezvous store as its own process for a one-shot run. It ends with this
+    process however this one ends (SIGKILL included): it stops when its standard input,
+    a pipe only this process holds the other end of, ends (``--exit-with-stdin``)."""
+    rdzv = config.rendezvous
+    from daemon.controlnode.rendezvous import wait_until_listening
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", rdzv.host, "--port", str(rdzv.port),
+         "--exit-with-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        if not wait_until_listening(rdzv.host, rdzv.port, 30.0) or proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.poll() is not None else ""
+            raise RuntimeError(
+                f"rendezvous store did not start on {rdzv.host}:{rdzv.port} ({err or 'timeout'}); "
+                "is the port taken? set rendezvous.port"
+            )
+        yield proc
+    finally:
+        proc.terminate()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def format_event(ev: Event, t0: float) -> str:
+    """One readable line for a person watching a run."""
+    d = dict(ev.data)
+    skip = {"trainer_time", "seen_at", "raw", "notice_published_at", "notice_seen_at"}
+    fields = " ".join(f"{k}={_short(v)}" for k, v in d.items() if k not in skip and v not in (None, [], ""))
+    return f"[{ev.time - t0:7.1f}s] #{ev.seq:<4} {ev.kind:<24} {ev.node or '':<10} {fields}"
+
+
+def _short(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
+                out: Callable[[str], None]) -> int:
+    from daemon.controlnode.summary import summarize
+
+    t0 = time.time()
+    with rendezvous_process(config):
+        async with running_daemon(config) as sup:
+            sup.subscribe(lambda ev: out(format_event(ev, t0)))
+            out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
+                f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await sup.wait_completed()
+                    await sup.wait_released()
+            except TimeoutError:
+                out(f"spotvisor demo: the job did not complete within {timeout_s:g} s "
+                    f"(step {sup.job.step}); see {config.daemon.state_path()}/nodes/*/trainer.log")
+                return 1
+            events = sup.store.events()
+    summary = summarize(config.daemon.state_path() / "nodes", events, target_steps=config.job.target_steps,
+                        global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
+    out("summary:")
+    for k, v in summary.items():
+        out(f"  {k:<28} {v}")
+    if summary_json is not None:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = summary_json.with_name(summary_json.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(summary_json)
+        out(f"summary written to {summary_json}")
+    return 0 if summary["steps_completed"] == config.job.target_steps else 1
+
+
+async def _run(config: Config, watchdog_s: float | None) -> int:
+    """The service: READY=1 once up, WATCHDOG=1 from this loop, STOPPING=1 on SIGTERM
+    or once the pool is released (:mod:`daemon.interfaces.service`); the job is left running."""
+    from daemon.interfaces.service import SdNotifier, serve
+
+    log.info("spotvisord_starting", pool=config.pool.name, socket=str(config.daemon.socket_path()))
+    return await serve(running_daemon(config), notifier=SdNotifier.from_env(), watchdog_interval_s=watchdog_s)
+
+
+def _with_run_dir(config: Config) -> Config:
+    """A demo starts from nothing: its own state dir under the configured one."""
+    run_dir = config.daemon.state_path() / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    # the control socket stays where spotctl looks for it (the configured state dir)
+    daemon = config.daemon.model_copy(update={"state_dir": str(run_dir), "socket": str(config.daemon.socket_path())})
+    return config.model_copy(update={"daemon": daemon})
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spotvisord", description="spotvisor daemon")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check-config", help="validate a config file")
+    c.add_argument("file")
+    r = sub.add_parser("run", help="run the daemon (systemd service)")
+    r.add_argument("--config", required=True)
+    d = sub.add_parser("demo", help="run the job on the local provider with its chaos schedule")
+    d.add_argument("--config", default="configs/local.yaml")
+    d.add_argument("--summary-json", type=Path)
+    d.add_argument("--timeout-s", type=float, default=900.0)
+    d.add_argument("--rendezvous-port", type=int, help="override rendezvous.port")
+    z = sub.add_parser("rendezvous", help="run the c10d rendezvous store")
+    z.add_argument("--host", default="127.0.0.1",
+                   help="the one address to listen on (default %(default)s; on a cloud the control node's "
+                        "private address, reachable from the job's nodes only)")
+    z.add_argument("--port", type=int, default=29400, help="TCP port (default %(default)s; 0: a free one)")
+    preflight_cli.add_parser(sub)
+    return p
+
+
+@quiet_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "rendezvous":
+        from daemon.controlnode.rendezvous import main as rdzv_main
+
+        return rdzv_main(["--host", args.host, "--port", str(args.port)])
+    if args.cmd == "preflight":
+        return preflight_cli.run(args)
+    path = args.file if args.cmd == "check-config" else args.config
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        for line in exc.problems:  # file-level problems already name the file
+            print(line if line.startswith(f"{path}:") else f"{path}: {line}", file=sys.stderr)
+        return 2
+    report, no_fit = preflight_cli.check_config_report(config)
+    if args.cmd == "check-config":
+        if not no_fit:
+            print(f"{path}: ok (pool {config.pool.name}: {config.pool.min_nodes}..{config.pool.max_nodes} nodes, "
+                  f"{len(config.offers)} offer(s), valid world sizes "
+                  f"{config.job.valid_world_sizes(config.max_world_size())})")
+        print("\n".join(report))
+    if no_fit:  # the daemon would never buy a node: run and demo refuse too
+        print(f"{path}: {no_fit}", file=sys.stderr)
+        return 2
+    if args.cmd == "check-config":
+        return 0
+    try:
+        resolve_sinks(config.notify)  # the feed's URLs and keys come from the environment
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"{path}: {line}", file=sys.stderr)
+        return 2
+    if args.cmd == "run":
+        from daemon.interfaces.service import watchdog_interval_s
+
+        try:
+            watchdog_s = watchdog_interval_s()  # systemd's WatchdogSec=, as $WATCHDOG_USEC
+        except ValueError as exc:
+            print(f"spotvisord run: {exc}", file=sys.stderr)
+            return 2
+        configure_logging()
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(state_dir_lock(config.daemon.state_path()))
+            except (StateDirBusy, OSError) as exc:
+                print(f"spotvisord run: {_state_dir_problem(config, exc)}", file=sys.stderr)
+                return 2
+            try:
+                return asyncio.run(_run(config, watchdog_s))
+            except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
+                print(f"spotvisord run: {exc}", file=sys.stderr)
+                return 1
+    configure_logging(level="WARNING" if args.cmd == "demo" else None)
+    if args.rendezvous_port:
+        config = config.model_copy(
+            update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
+    with contextlib.ExitStack() as held:
+        try:  # the configured directory: the demo's control socket is there, its run dir under it
+            held.enter_context(state_dir_lock(config.daemon.state_path()))
+        except (StateDirBusy, OSError) as exc:
+            print(f"spotvisord demo: {_state_dir_problem(config, exc)}", file=sys.stderr)
+            return 2
+        config = _with_run_dir(config)
+        try:
+            return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
+        except RuntimeError as exc:
+            print(f"spotvisord demo: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+def _state_dir_problem(config: Config, exc: Exception) -> str:
+    """One line for a state directory that cannot be locked or made."""
+    if isinstance(exc, StateDirBusy):
+        return str(exc)
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"daemon.state_dir {config.daemon.state_path()}: {reason}; give a directory this user can write"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

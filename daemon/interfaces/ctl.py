@@ -1,0 +1,539 @@
+"""spotctl: supervisorctl-style control of a running spotvisord, over its unix socket.
+
+    spotctl                                    interactive shell (history, tab completion)
+    spotctl status [--json]                    job line (durations, recoveries) + nodes table
+    spotctl nodes [--json]                     nodes table only
+    spotctl events [-f] [--since SEQ] [--kind K ...] [--json]
+    spotctl tail NODE [-n N] [-f] [--json]     the node's trainer log (as the daemon holds it)
+    spotctl cost [--json]                      spot USD so far, on-demand equivalent, savings
+    spotctl checkpoint                         commit a checkpoint now; training goes on
+    spotctl drain NODE                         the node commits, then leaves the job cleanly
+    spotctl scale N                            the pool's target size (min..max; kept across restarts)
+    spotctl pause                              commit, then release every node; the job is kept
+    spotctl resume                             relaunch to the target; resume from the last commit
+    spotctl simulate-preemption NODE [--lead-s S]   local provider only: an interruption notice
+
+Every verb takes ``--json`` (machine-readable output) and works in the shell too.
+The socket is ``--socket PATH``, else ``$SPOTVISOR_SOCKET``, else the daemon
+socket of ``--config FILE``, else ``.spotvisor/spotvisord.sock`` (the local
+default) if it exists, else ``/run/spotvisor/spotvisord.sock`` (systemd).
+
+Exit codes: 0 ok, 1 daemon unreachable (one line naming the socket), 2 usage error
+(one line: a bad argument, or a request the daemon refused, e.g. an unknown node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cmd
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+from daemon.model import Event
+from daemon.interfaces.pipes import quiet_broken_pipe
+
+# aiohttp is imported by the first request, not here: it is most of spotctl's start-up
+# (about 0.2 of 0.3 CPU seconds), and the shell's prompt, `-h` and a usage error need none of it.
+
+__all__ = ["main", "render_status", "render_nodes", "render_cost", "SpotShell"]
+
+_LOCAL_SOCKET = Path(".spotvisor/spotvisord.sock")
+_SYSTEMD_SOCKET = Path("/run/spotvisor/spotvisord.sock")
+HISTORY_FILE = "~/.spotctl_history"
+_NODE_VERBS = ("tail", "drain", "simulate-preemption")
+
+
+class Unreachable(Exception):
+    """The daemon cannot be reached (exit 1)."""
+
+
+class Refused(Exception):
+    """The daemon answered with a 4xx: a usage problem (exit 2)."""
+
+
+class UsageError(Exception):
+    """A bad command line (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake reported as one line (and no exit: the shell goes on)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} -h`)")
+
+
+def _socket_path(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    if os.environ.get("SPOTVISOR_SOCKET"):
+        return Path(os.environ["SPOTVISOR_SOCKET"])
+    if args.config:
+        from daemon.config import ConfigError, load_config
+
+        try:
+            return load_config(args.config).daemon.socket_path()
+        except ConfigError as exc:
+            raise UsageError(f"--config {args.config}: {exc.problems[0]}") from None
+    return _LOCAL_SOCKET if _LOCAL_SOCKET.exists() else _SYSTEMD_SOCKET
+
+
+# -- rendering ---------------------------------------------------------------------------------
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _gpu(n: dict[str, Any]) -> str:
+    g = n.get("gpu")
+    return "n/a" if not g or g.get("sm_util_pct") is None else f"{g['sm_util_pct']:.0f}%"
+
+
+def render_nodes(status: dict[str, Any]) -> str:
+    """The nodes table. ``SM%``: mean GPU utilization of the node now (n/a: no GPU sample)."""
+    rows = [["NODE", "PROVIDER", "ZONE", "TYPE", "GPUS", "STATE", "UPTIME", "USD/H", "STEP", "SM%"]]
+    for n in status["nodes"]:
+        rows.append([
+            n["id"], n["provider"], n.get("zone") or "-", n["instance_type"], str(n["gpus"]), n["state"],
+            _duration(n.get("uptime_s")), f"{n.get('price_usd_h') or 0:.3f}",
+            "-" if n.get("step") is None else str(n["step"]), _gpu(n),
+        ])
+    return _table(rows)
+
+
+def render_status(status: dict[str, Any], now: float | None = None) -> str:
+    """The job table (like ``sky jobs queue``), the pool line and the live nodes, as ``spotctl status`` prints them.
+
+    SUBMITTED: the first launch request; TOT. DURATION: since then; JOB DURATION: since
+    the trainer first started, minus time paused; #RECOVERIES: job members lost (with or
+    without notice) that the job carried on without; RESTARTS: worker-group restarts by
+    torchrun, then ``+N`` in-process resizes (survivors of a notice that went on without one).
+    """
+    now = time.time() if now is None else now
+    job, pool = status["job"], status["pool"]
+    commit = "none"
+    if job.get("last_commit_step") is not None:
+        ago = "" if job.get("last_commit_time") is None else f" ({_duration(now - job['last_commit_time'])} ago)"
+        commit = f"step {job['last_commit_step']}{ago}"
+    submitted = job.get("submitted_at")
+    step = "-" if job.get("step") is None else str(job["step"])
+    head = _table([
+        ["JOB", "STATE", "STEP", "WORLD", "SUBMITTED", "TOT. DURATION", "JOB DURATION", "#RECOVERIES", "RESTARTS",
+         "LAST COMMIT"],
+        [str(job["id"]), job["state"].upper(), f"{step}/{job['target_steps']}", str(job.get("world_size") or "-"),
+         "-" if submitted is None else f"{_duration(now - submitted)} ago", _duration(job.get("total_s")),
+         _duration(job.get("running_s")), str(job.get("recoveries", 0)),
+         str(job.get("restarts", 0)) + (f"+{job['resizes_in_process']}" if job.get("resizes_in_process") else ""),
+         commit],
+    ])
+    live = [n for n in status["nodes"] if n["state"] not in ("terminated", "lost", "failed")]
+    line = (f"pool {pool['name']}  {len(live)} live / target {pool['target_nodes']} nodes "
+            f"({pool.get('min_nodes', '?')}..{pool.get('max_nodes', '?')})")
+    if pool.get("paused"):
+        line += ("  paused: releasing " + ", ".join(n["id"] for n in live) if live
+                 else "  paused: no capacity held (spotctl resume relaunches)")
+    return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
+
+
+def _usd(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def render_cost(cost: dict[str, Any]) -> str:
+    """One row per node (hours x USD/h = USD, spot and on demand), totals and how they are derived."""
+    rows = [["NODE", "OFFER", "STATE", "HOURS", "SPOT USD/H", "SPOT USD", "ON-DEMAND USD/H", "ON-DEMAND USD"]]
+    for n in cost["nodes"]:
+        od_h = n["on_demand_price_usd_h"]
+        rows.append([n["id"], n["offer"], n["state"], f"{n['hours']:.3f}", f"{n['price_usd_h']:.3f}",
+                     _usd(n["spot_usd"]), "n/a" if od_h is None else f"{od_h:.3f}", _usd(n["on_demand_usd"])])
+    rows.append(["total", "", "", f"{cost['hours']:.3f}", "", _usd(cost["spot_usd"]), "", _usd(cost["on_demand_usd"])])
+    out = [_table(rows), "",
+           f"spot USD so far {_usd(cost['spot_usd'])} (now {cost['spot_usd_h_now']:.3f} USD/h)"]
+    if cost["savings_usd"] is None:
+        out.append("on-demand equivalent: n/a (set offers[].on_demand_price_usd_h in the config)")
+    else:
+        out.append(f"on-demand equivalent USD {_usd(cost['on_demand_usd'])}, savings USD {_usd(cost['savings_usd'])}"
+                   f" ({cost['savings_pct'] if cost['savings_pct'] is not None else 'n/a'} %)")
+    if cost["unpriced_nodes"]:
+        out.append(f"no on-demand price for: {', '.join(cost['unpriced_nodes'])} (left out of the savings)")
+    out.append(f"how: {cost['how']}")
+    return "\n".join(out)
+
+
+def render_event(ev: dict[str, Any]) -> str:
+    from daemon.interfaces.cli import format_event
+
+    e = Event(ev["seq"], ev["time"], ev["kind"], ev.get("node"), ev.get("data") or {})
+    line = format_event(e, 0.0)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
+    return stamp + line[line.index("]") + 1:]
+
+
+# -- transport ---------------------------------------------------------------------------------
+async def _request(sock: Path, path: str, *, stream: bool = False, out: Callable[[Any], None] | None = None,
+                   method: str = "GET", body: dict[str, Any] | None = None, timeout_s: float = 10.0) -> Any:
+    import aiohttp
+
+    conn = aiohttp.UnixConnector(path=str(sock))
+    timeout = aiohttp.ClientTimeout(total=None if stream else timeout_s, sock_connect=5)
+    try:
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+            async with s.request(method, f"http://spotvisord{path}", json=body) as r:
+                if 400 <= r.status < 500:
+                    try:
+                        raise Refused((await r.json())["error"])
+                    except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+                        raise Refused(f"spotvisord answered {r.status}") from None
+                if r.status != 200:
+                    raise Unreachable(f"spotvisord answered {r.status}: {(await r.text()).strip()}")
+                if not stream:
+                    return await r.json()
+                assert out is not None
+                async for raw in r.content:
+                    if raw.strip():
+                        out(json.loads(raw))
+    except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError) as exc:
+        raise Unreachable(
+            f"cannot reach spotvisord at {sock} ({exc.__class__.__name__}); is it running? "
+            "(start it with `spotvisord run --config FILE`, or pass --socket PATH)"
+        ) from None
+
+
+# -- verbs -------------------------------------------------------------------------------------
+def _common(*, suppress: bool) -> argparse.ArgumentParser:
+    # The subcommands repeat these options with SUPPRESS defaults: a subparser's own
+    # default would otherwise overwrite a value given before the subcommand
+    # (``spotctl --socket PATH status`` would lose PATH).
+    d = {"default": argparse.SUPPRESS} if suppress else {}
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", help="daemon control socket", **d)
+    common.add_argument("--config", help="read the socket path from this config", **d)
+    common.add_argument("--json", action="store_true", help="machine-readable output", **d)
+    return common
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    return value
+
+
+HELP = {
+    "status": "job line (durations, recoveries) and nodes table",
+    "nodes": "nodes table",
+    "events": "the event log",
+    "tail": "the node's trainer log (the daemon's copy: its last 256 KiB, shipped with heartbeats)",
+    "cost": "spot USD so far, the on-demand equivalent, savings",
+    "checkpoint": "commit a checkpoint now (the job keeps training)",
+    "drain": "make a node leave the job cleanly (commit, then leave)",
+    "scale": "set the pool's target size (within pool min..max; kept across daemon restarts)",
+    "pause": "commit a checkpoint, then release every node (the job and its checkpoints are kept)",
+    "resume": "relaunch a paused job to its target size; it resumes from the last commit",
+    "simulate-preemption": "local provider only: publish an interruption notice on the node's metadata endpoint",
+}
+VERBS = tuple(HELP)
+
+
+def _parser() -> _Parser:
+    common = _common(suppress=True)
+    p = _Parser(prog="spotctl", description="talk to spotvisord (no command: an interactive shell)",
+                parents=[_common(suppress=False)])
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    v = {verb: sub.add_parser(verb, parents=[common], help=text, description=text) for verb, text in HELP.items()}
+    e = v["events"]
+    e.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    e.add_argument("--since", type=_nonneg_int, default=0, metavar="SEQ", help="only events after SEQ")
+    e.add_argument("--kind", action="append", default=[], help="only this kind (repeatable)")
+    t = v["tail"]
+    t.add_argument("node", help="node id, as `spotctl nodes` shows it")
+    t.add_argument("-n", "--lines", type=_nonneg_int, default=10, metavar="N", help="the last N lines (default 10)")
+    t.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    v["drain"].add_argument("node", help="node id, as `spotctl nodes` shows it")
+    v["scale"].add_argument("nodes", type=_nonneg_int, metavar="N", help="target number of nodes")
+    s = v["simulate-preemption"]
+    s.add_argument("node", help="node id, as `spotctl nodes` shows it")
+    s.add_argument("--lead-s", type=_seconds, default=30.0, metavar="S",
+                   help="seconds between the notice and the reclaim (default 30)")
+    return p
+
+
+def _emit(as_json: bool, obj: Any, text: Callable[[], str]) -> None:
+    """Print the daemon's answer: as JSON with ``--json``, else as ``text()`` renders it."""
+    print(json.dumps(obj, indent=2) if as_json else text(), flush=True)
+
+
+async def _amain(args: argparse.Namespace, sock: Path) -> int:
+    c, as_json = args.cmd, args.json
+    if c in ("status", "nodes"):
+        status = await _request(sock, "/v1/status")
+        _emit(as_json, status, lambda: render_status(status) if c == "status" else render_nodes(status))
+    elif c == "cost":
+        cost = await _request(sock, "/v1/cost")
+        _emit(as_json, cost, lambda: render_cost(cost))
+    elif c == "events":
+        query = (f"?since={args.since}" + "".join(f"&kind={k}" for k in args.kind)
+                 + ("&follow=1" if args.follow else ""))
+        await _request(sock, "/v1/events" + query, stream=True,
+                       out=lambda ev: print(json.dumps(ev) if as_json else render_event(ev), flush=True))
+    elif c == "tail":
+        seen = 0
+
+        def line(ln: dict[str, Any]) -> None:
+            nonlocal seen
+            seen += 1
+            print(json.dumps({"node": args.node, **ln}) if as_json else ln["line"], flush=True)
+
+        await _request(sock, f"/v1/nodes/{args.node}/log?lines={args.lines}" + ("&follow=1" if args.follow else ""),
+                       stream=True, out=line)
+        if not seen and not args.follow and not as_json:
+            print(f"spotctl: no trainer log from {args.node} yet", file=sys.stderr)
+        elif args.follow and not as_json:  # the daemon ends a follow when the node has terminated
+            print(f"spotctl: {args.node}: the daemon ended the log (the node has terminated)", file=sys.stderr)
+    elif c == "checkpoint":
+        reply = await _request(sock, "/v1/checkpoint", method="POST")
+        _emit(as_json, reply, lambda: f"checkpoint requested ({reply['request_id']}): "
+                                      "the job commits at its next step boundary")
+    elif c == "drain":
+        reply = await _request(sock, f"/v1/nodes/{args.node}/drain", method="POST")
+        _emit(as_json, reply, lambda: f"{reply['node']}: {reply['state']} "
+                                      "(its trainer commits, then the node leaves the job)")
+    elif c == "scale":
+        r = await _request(sock, "/v1/scale", method="POST", body={"nodes": args.nodes})
+        drain = f"; draining {', '.join(r['draining'])} (each commits, then leaves)" if r["draining"] else ""
+        paused = " (applies at resume: the job is paused)" if r["paused"] else ""
+        _emit(as_json, r, lambda: f"target {r['target_nodes']} nodes (was {r['old']}){paused}{drain}")
+    elif c == "pause":
+        r = await _request(sock, "/v1/pause", method="POST")
+        who = (f"the job commits a checkpoint ({', '.join(r['committing'])})" if r["committing"]
+               else "no trainer runs: nothing to commit")
+        _emit(as_json, r, lambda: f"pausing: {who}, then every node is released "
+                                  "(job_paused when done; spotctl resume relaunches)")
+    elif c == "resume":
+        r = await _request(sock, "/v1/resume", method="POST")
+        frm = "the start" if r["resume_from_step"] is None else f"step {r['resume_from_step']}"
+        _emit(as_json, r, lambda: f"resuming: launching {r['target_nodes']} nodes; "
+                                  f"the job resumes from its last commit ({frm})")
+    elif c == "simulate-preemption":
+        r = await _request(sock, f"/v1/nodes/{args.node}/simulate-preemption", method="POST",
+                           body={"lead_s": args.lead_s})
+        at = time.strftime("%H:%M:%S", time.localtime(r["deadline"]))
+        _emit(as_json, r, lambda: f"{r['node']}: interruption notice published; the local provider "
+                                  f"reclaims it at {at} (in {r['lead_s']:g} s)")
+    else:  # pragma: no cover - argparse only lets the verbs above through
+        raise UsageError(f"spotctl: unknown command {c!r}")
+    return 0
+
+
+def run_verb(args: argparse.Namespace, sock: Path) -> int:
+    """Run one parsed verb; the exit code (errors printed as one line on stderr)."""
+    try:
+        return asyncio.run(_amain(args, sock))
+    except Unreachable as exc:
+        print(f"spotctl: {exc}", file=sys.stderr)
+        return 1
+    except Refused as exc:
+        print(f"spotctl: {exc}", file=sys.stderr)
+        return 2
+
+
+# -- interactive shell -------------------------------------------------------------------------
+class SpotShell(cmd.Cmd):
+    """``spotctl`` with no command: every verb, with readline history (``~/.spotctl_history``)
+    and tab completion of verbs and node ids. Ctrl-C stops a following verb (``events -f``,
+    ``tail -f``) and returns to the prompt; ``quit``, ``exit`` or Ctrl-D leave."""
+
+    prompt = "spotctl> "
+    intro = "spotctl shell: type help, or a command (status, nodes, events, tail NODE, ...); Ctrl-D leaves"
+
+    def __init__(self, sock: Path, *, history: str = HISTORY_FILE) -> None:
+        super().__init__()
+        self.sock = sock
+        self.history = os.path.expanduser(history)
+        self.parser = _parser()
+        self.last_rc = 0
+        self._node_ids: tuple[float, list[str]] = (0.0, [])
+        self._history_loaded = False
+        try:  # only the shell needs it (and a one-shot verb's output stays free of terminal codes)
+            import readline
+        except ImportError:  # no GNU readline / libedit here: a shell without history or completion
+            readline = None
+        self.readline = readline
+
+    # cmd's own parsing takes a verb up to the first non-identifier character; ours has hyphens
+    def parseline(self, line: str) -> tuple[str | None, str | None, str]:
+        line = line.strip()
+        if not line:
+            return None, None, line
+        if line[0] == "?":
+            line = "help " + line[1:]
+        verb, _, rest = line.partition(" ")
+        return verb.replace("-", "_"), rest.strip(), line
+
+    def preloop(self) -> None:
+        rl = self.readline
+        if rl is None or self._history_loaded:  # cmdloop runs again after a Ctrl-C at the prompt
+            return
+        self._history_loaded = True
+        rl.set_completer_delims(" \t\n")  # node ids and verbs have hyphens
+        rl.set_history_length(1000)
+        try:
+            rl.read_history_file(self.history)
+        except OSError:  # none yet
+            pass
+
+    def postcmd(self, stop: bool, line: str) -> bool:
+        if self.readline is not None and line.strip():
+            try:
+                self.readline.write_history_file(self.history)
+            except OSError as exc:
+                print(f"spotctl: cannot write the history to {self.history} ({exc.strerror})", file=sys.stderr)
+        return stop
+
+    def emptyline(self) -> bool:
+        return False  # not cmd's default (repeat the last command)
+
+    def default(self, line: str) -> bool:
+        print(f"spotctl: unknown command {line.split()[0]!r} (commands: {', '.join(VERBS)}; help, quit)",
+              file=sys.stderr)
+        self.last_rc = 2
+        return False
+
+    def do_help(self, arg: str) -> bool:
+        """help [COMMAND]: the commands, or one command's options"""
+        verb = arg.strip()
+        if verb in HELP:
+            self.run(verb, "-h")
+        elif verb:
+            self.default(verb)
+        else:
+            for v in VERBS:
+                print(f"  {v:<20} {HELP[v]}")
+            print(f"  {'help [COMMAND]':<20} a command's options\n  {'quit':<20} leave (or Ctrl-D)")
+        return False
+
+    def do_quit(self, arg: str) -> bool:
+        """leave the shell"""
+        return True
+
+    do_exit = do_quit
+
+    def do_EOF(self, arg: str) -> bool:
+        print()
+        return True
+
+    def run(self, verb: str, arg: str) -> None:
+        try:
+            args = self.parser.parse_args([verb, *shlex.split(arg)])
+        except UsageError as exc:
+            print(exc, file=sys.stderr)
+            self.last_rc = 2
+            return
+        except ValueError as exc:  # shlex: an unclosed quote
+            print(f"spotctl: {exc}", file=sys.stderr)
+            self.last_rc = 2
+            return
+        except SystemExit as exc:  # -h printed the help
+            self.last_rc = int(exc.code or 0)
+            return
+        try:
+            self.last_rc = run_verb(args, self.sock)
+        except KeyboardInterrupt:  # Ctrl-C ends a follow; the shell goes on
+            print()
+            self.last_rc = 130
+
+    def completenames(self, text: str, *ignored: Any) -> list[str]:
+        return [v + " " for v in (*VERBS, "help", "quit") if v.startswith(text)]
+
+    def completedefault(self, text: str, line: str, begidx: int, endidx: int) -> list[str]:
+        words = line[:begidx].split()
+        if len(words) == 1 and words[0] in _NODE_VERBS:
+            return [i + " " for i in self.node_ids() if i.startswith(text)]
+        return []
+
+    def complete_help(self, text: str, *ignored: Any) -> list[str]:
+        return self.completenames(text)
+
+    def node_ids(self) -> list[str]:
+        """Live node ids from the daemon (cached for 2 s; none if it cannot be asked)."""
+        at, ids = self._node_ids
+        if time.monotonic() - at > 2.0:
+            try:
+                status = asyncio.run(_request(self.sock, "/v1/status", timeout_s=2.0))
+                ids = [n["id"] for n in status["nodes"] if n["state"] not in ("terminated", "lost", "failed")]
+            except (Unreachable, Refused, asyncio.TimeoutError):
+                ids = []
+            self._node_ids = (time.monotonic(), ids)
+        return ids
+
+    def cmdloop(self, intro: Any = None) -> None:
+        while True:
+            try:
+                super().cmdloop(intro)
+                return
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, like a shell
+                print("^C")
+                intro = ""
+
+
+for _verb in VERBS:
+    def _do(self: SpotShell, arg: str, _verb: str = _verb) -> bool:
+        self.run(_verb, arg)
+        return False
+
+    _do.__doc__ = f"{_verb}: {HELP[_verb]} (`{_verb} -h` for its options)"
+    setattr(SpotShell, "do_" + _verb.replace("-", "_"), _do)
+
+
+@quiet_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        sock = _socket_path(args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        if args.cmd is None:
+            SpotShell(sock).cmdloop()
+            return 0
+        return run_verb(args, sock)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `spotctl events -f | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
