@@ -13,7 +13,8 @@ import types
 import pynvml
 import pytest
 
-from daemon.gpunode.gpu import GpuMeans, GpuSample, GpuWatch, NvmlSampler, mean_sm_util, parse_samples
+from daemon.controlnode.gpu_watch import GpuWatch, mean_sm_util, parse_samples
+from daemon.gpunode.gpu import GpuMeans, GpuSample, NvmlSampler
 from daemon.model import NodeState
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.gpunode.nodelog import NodeLogs, read_chunk
+from daemon.controlnode.node_logs import NodeLogs
+from daemon.gpunode.nodelog import read_chunk
 
 
 def write(path: Path, text: str) -> None:

@@ -28,6 +28,7 @@ from trainer.checkpoint import (
     fetch_dir,
     latest_committed,
     load_shard,
+    open_store,
     scan,
     step_dir,
     write_dir,
@@ -39,7 +40,6 @@ from trainer.storage import (
     ObjectNotFoundError,
     S3Store,
     StorageError,
-    open_store,
 )
 from trainer.oss_store import OssStore
 

@@ -37,7 +37,7 @@ import structlog
 from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
 from daemon.controlnode import preflight
-from daemon.gpunode.gpu import parse_samples
+from daemon.controlnode.gpu_watch import parse_samples
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.control.lifecycle import LIVE, MEMBERS, TrainerState, training
 from daemon.model import TORCHRUN_ARGV, EventKind, JobState, Node, NodeState

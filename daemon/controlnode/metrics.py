@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from daemon.gpunode.gpu import mean_sm_util
+from daemon.controlnode.gpu_watch import mean_sm_util
 from daemon.model import Event, EventKind, JobState, Node, NodeState
 
 if TYPE_CHECKING:

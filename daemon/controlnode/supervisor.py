@@ -36,7 +36,7 @@ import structlog
 from daemon.controlnode import preflight
 from daemon.controlnode.agent_channel import FLUSH_GRACE_S, AgentChannel, wait_event
 from daemon.config import Config
-from daemon.gpunode.gpu import GpuWatch
+from daemon.controlnode.gpu_watch import GpuWatch
 from daemon.control.lifecycle import ADMITTED, LIVE, TrainerState, leaving, training
 from daemon.control.actions import (Action, Admit, Drain, EndRejoin, Launch, MarkLost, NodeView, NoteFirstReady,
                                     PoolState, RejoinView, RequestRejoin, RestartJob, StartJob, Terminate)
@@ -44,7 +44,7 @@ from daemon.control.admission import Rules
 from daemon.control.policies import DEFAULT_POLICY, RecoveryPolicy, get_policy, lost_from_job
 from daemon.control.state import JobView, Rejoin
 from daemon.model import Event, EventKind, JobState, Node, NodeState, check_transition
-from daemon.gpunode.nodelog import NodeLogs
+from daemon.controlnode.node_logs import NodeLogs
 from daemon.control.offers import History, Offer, capacity_backoff_s
 from daemon.control.pool import Desired, Timeouts, plan
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
