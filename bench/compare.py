@@ -153,7 +153,7 @@ async def inject(sup: Any, trace: Sequence[TraceEvent], *, publish_notices: bool
     ``publish_notices`` False: the notice is not put on the node's metadata endpoint
     (nothing there reads it); the node is only taken at its deadline.
     """
-    provider = sup.provider
+    provider = sup.fleet.provider
     previous: tuple[float, str] | None = None
     for i, ev in enumerate(trace):
         trigger = ev.chaos_event()

@@ -387,7 +387,7 @@ async def test_plain_checkpoint_command(spot_daemon, fake, clock, monkeypatch) -
     async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate)}) as agent:
         await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
         node = the_node(h)
-        h.sup._send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
+        h.sup.agents.send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
         await h.until(lambda: [n["kind"] for n in notice_file(agent)] == ["checkpoint"], what="checkpoint notice")
         assert notice_file(agent)[0]["id"] == "ck-1"
         gate.touch()
@@ -407,7 +407,7 @@ async def test_only_rank_0_and_a_noticed_node_report_the_jobs_lines(spot_daemon,
         await h.until(lambda: agent.status_path.exists() and "started" in agent.status_path.read_text(),
                       what="the started line")
         node = the_node(h)
-        h.sup._send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
+        h.sup.agents.send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-1"})
         await h.until(lambda: [n["id"] for n in notice_file(agent)] == ["ck-1"], what="checkpoint request")
         gate.touch()
         await h.until(lambda: notice_file(agent) == [], what="the request's commit")
@@ -484,13 +484,13 @@ async def test_bad_token_is_401(spot_daemon, fake, clock, monkeypatch) -> None:
 def counting_heartbeats(h, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The times (monotonic) of the heartbeats the daemon answers from now on."""
     times: list[float] = []
-    real = h.sup.on_heartbeat
+    real = h.sup.agents.on_heartbeat
 
     def on_heartbeat(node, body):
         times.append(asyncio.get_running_loop().time())
         return real(node, body)
 
-    monkeypatch.setattr(h.sup, "on_heartbeat", on_heartbeat)
+    monkeypatch.setattr(h.sup.agents, "on_heartbeat", on_heartbeat)
     return times
 
 
@@ -516,7 +516,7 @@ async def test_commands_come_by_long_poll_between_heartbeats(spot_daemon, fake, 
         await h.until(lambda: [(n["id"], n["kind"]) for n in notice_file(agent)] == [(rid, "rejoin")],
                       what="rejoin in the notice file")
         assert [t for t in beats if t >= asked] == []  # no heartbeat since: the long-poll brought it
-        assert len(beats) <= 2 and not h.sup._commands.get(n1.id)  # the first one, and the trainer's start
+        assert len(beats) <= 2 and not h.sup.agents._commands.get(n1.id)  # the first one, and the trainer's start
 
 
 async def test_an_older_daemon_without_the_long_poll(spot_daemon, fake, clock, monkeypatch) -> None:
@@ -550,7 +550,7 @@ async def test_an_older_daemon_without_the_long_poll(spot_daemon, fake, clock, m
                                  daemon_url=url) as agent:
             await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
             node = the_node(h)
-            h.sup._send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-old"})
+            h.sup.agents.send(node.id, {"kind": "checkpoint", "reason": "manual", "id": "ck-old"})
             await h.until(lambda: [n["id"] for n in notice_file(agent)] == ["ck-old"], what="by heartbeat")
             assert polls == [1]  # asked once, got 404, did not retry
     finally:

@@ -62,7 +62,7 @@ async def agent(spot_daemon) -> AsyncIterator[Agent]:
 
 async def held(h, node_id: str, polls: int = 1) -> None:
     """Wait until the daemon holds the node's ``polls``-th long-poll."""
-    await h.until(lambda: h.sup._command_polls.get(node_id, 0) >= polls, what="the long-poll held")
+    await h.until(lambda: h.sup.agents._command_polls.get(node_id, 0) >= polls, what="the long-poll held")
 
 
 async def test_the_interval_grows_with_the_pool_and_is_told_to_each_node(spot_daemon, agent) -> None:
@@ -77,11 +77,11 @@ async def test_the_interval_grows_with_the_pool_and_is_told_to_each_node(spot_da
     h.sup.wake()
     await h.until(lambda: sum(1 for n in h.sup.nodes.values() if n.state is NodeState.LAUNCHING) == 3,
                   what="three more launches")
-    await h.until(lambda: h.sup.heartbeat_interval_s == 4.0, what="the interval rescaled")
+    await h.until(lambda: h.sup.agents.heartbeat_interval_s == 4.0, what="the interval rescaled")
     told = (await agent.heartbeat())["heartbeat_interval_s"]
     assert 2.0 <= told < 6.0  # 4 nodes / 1 per s: the time to the node's next slot, 4 s apart
     # the planner judges the node by what it was told (its lost timeout scales with it)
-    assert h.sup._view(agent.node).heartbeat_interval_s == told
+    assert h.sup.view(agent.node).heartbeat_interval_s == told
 
     def slot(told_s: float) -> float:  # where in the 4 s cycle the node's next heartbeat is due
         return (h.sup.clock() + told_s) % 4.0
@@ -121,14 +121,14 @@ async def test_a_command_queued_while_a_long_poll_waits_is_answered_at_once_and_
     poll = asyncio.create_task(agent.poll(20))
     await held(h, agent.node.id, polls=2)
     assert not poll.done()
-    rid = h.sup.request_checkpoint("manual")
+    rid = h.sup.operator.request_checkpoint("manual")
     status, reply = await asyncio.wait_for(poll, 5)
     assert time.monotonic() - t0 < 5  # long before its 20 s
     assert status == 200 and reply["commands"] == [{"kind": "checkpoint", "reason": "manual", "id": rid}]
     assert (await agent.heartbeat())["commands"] == []  # taken by the poll: not delivered twice
 
     # and the other way round: a heartbeat that comes first takes it, the poll then has none
-    h.sup.drain(agent.node, "operator")
+    h.sup.operator.drain(agent.node, "operator")
     assert [c["kind"] for c in (await agent.heartbeat())["commands"]] == ["drain"]
     status, reply = await agent.poll(0)
     assert status == 200 and reply["commands"] == []
@@ -169,7 +169,7 @@ async def test_a_newer_poll_supersedes_a_held_one(spot_daemon, agent) -> None:
     new = asyncio.create_task(agent.poll(20))
     status, _ = await asyncio.wait_for(old, 5)
     assert status == 503
-    rid = h.sup.request_checkpoint("manual")
+    rid = h.sup.operator.request_checkpoint("manual")
     status, reply = await asyncio.wait_for(new, 5)
     assert status == 200 and [c["id"] for c in reply["commands"]] == [rid]
 

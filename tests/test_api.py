@@ -141,11 +141,11 @@ async def test_checkpoint_and_drain_verbs(spot_daemon) -> None:
 
     await running_node(h)
     node = next(iter(h.sup.nodes.values()))
-    h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})
+    h.sup.agents.on_heartbeat(node, {"trainer": {"state": "running"}})
     rc, out, err = await spotctl("checkpoint", "--json", *sock)
     assert rc == 0, err
     rid = json.loads(out)["request_id"]
-    cmds = h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
+    cmds = h.sup.agents.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
     assert cmds == [{"kind": "checkpoint", "reason": "manual", "id": rid}]
 
     rc, out, err = await spotctl("drain", "no-such-node", *sock)
@@ -153,5 +153,5 @@ async def test_checkpoint_and_drain_verbs(spot_daemon) -> None:
     rc, out, err = await spotctl("drain", node.id, *sock)
     assert rc == 0, err
     assert node.state is NodeState.DRAINING and f"{node.id}: draining" in out
-    cmds = h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
+    cmds = h.sup.agents.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
     assert [c["kind"] for c in cmds] == ["drain"]

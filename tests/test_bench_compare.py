@@ -224,7 +224,7 @@ async def _daemon(tmp_path: Path, policy: str) -> tuple[Supervisor, RecordingPro
     sup.agent_url = "http://127.0.0.1:1"
     await _pass(sup)
     for n in list(sup.nodes.values()):
-        sup.on_register(n)
+        sup.agents.on_register(n)
     await _pass(sup)
     assert sup.job.state is JobState.RUNNING and all(n.state is NodeState.RUNNING for n in sup.nodes.values())
     return sup, provider
@@ -249,10 +249,10 @@ async def test_restart_on_preemption_terminates_every_node_and_relaunches_the_po
         fresh = [n for n in sup.nodes.values() if n.ordinal > 3]
         assert len(fresh) == 3  # the whole pool, launched at once
         for n in fresh[:2]:
-            sup.on_register(n)
+            sup.agents.on_register(n)
         await _pass(sup)
         assert all(n.state is NodeState.READY for n in fresh[:2]), "starts only with the whole pool"
-        sup.on_register(fresh[2])
+        sup.agents.on_register(fresh[2])
         await _pass(sup)
         assert all(n.state is NodeState.RUNNING for n in fresh) and sup.job.state is JobState.RUNNING
         assert sup.store.events(kinds=["checkpoint_requested"]) == []
@@ -269,7 +269,7 @@ async def test_elastic_only_admits_a_replacement_without_a_rejoin_commit(tmp_pat
         assert sup.nodes["b-1"].state is NodeState.RUNNING and sup.nodes["b-3"].state is NodeState.RUNNING
         assert sup.job.state is JobState.RUNNING
         (new,) = [n for n in sup.nodes.values() if n.ordinal > 3]
-        sup.on_register(new)
+        sup.agents.on_register(new)
         await _pass(sup)
         assert new.state is NodeState.RUNNING
         assert sup.store.events(kinds=["checkpoint_requested"]) == []
@@ -283,12 +283,12 @@ async def test_notice_no_rejoin_waits_for_the_noticed_node_then_admits_without_a
     try:
         for n in sup.nodes.values():
             n.trainer = TrainerState.RUNNING
-        sup.on_reports(sup.nodes["b-2"], [{"kind": "interruption_notice", "notice": {"id": "b-2:n", "action": "terminate"},
+        sup.intake.on_reports(sup.nodes["b-2"], [{"kind": "interruption_notice", "notice": {"id": "b-2:n", "action": "terminate"},
                                            "seen_at": sup.clock(), "deadline": sup.clock() + 120}])
         assert sup.nodes["b-2"].state is NodeState.DRAINING
         await _pass(sup)
         (new,) = [n for n in sup.nodes.values() if n.ordinal > 3]  # launched at the notice
-        sup.on_register(new)
+        sup.agents.on_register(new)
         await _pass(sup)
         assert new.state is NodeState.READY, "not while the noticed node is still in the job"
         sup.nodes["b-2"].trainer = TrainerState.EXITED  # it committed and left

@@ -206,7 +206,7 @@ async def test_tail_one_shot_follow_and_errors(spot_daemon, monkeypatch) -> None
     h = spot_daemon
     more = h.tmp_path / "more.txt"
     async with agent_on_first_node(h, monkeypatch, env={"STANDIN_MORE": str(more)}):
-        await h.until(lambda: h.sup.node_logs.last_seq("test-1") >= 5, what="five log lines shipped")
+        await h.until(lambda: h.sup.agents.node_logs.last_seq("test-1") >= 5, what="five log lines shipped")
         sock = ["--socket", h.socket_path]
         rc, out, err = await spotctl(*sock, "tail", "test-1", "-n", "3")
         assert rc == 0, err
@@ -235,7 +235,7 @@ async def test_tail_one_shot_follow_and_errors(spot_daemon, monkeypatch) -> None
             assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"more 2\n"
             assert proc.returncode is None  # still following
             # the node is gone (its agent with it): the follow ends instead of waiting forever
-            h.sup._set_state(h.sup.nodes["test-1"], NodeState.LOST, "test: instance gone")
+            h.sup.set_state(h.sup.nodes["test-1"], NodeState.LOST, "test: instance gone")
             assert await asyncio.wait_for(proc.wait(), 10) == 0
             assert proc.stderr is not None
             assert "the daemon ended the log (the node has terminated)" in (await proc.stderr.read()).decode()
@@ -518,7 +518,7 @@ async def test_every_verb_in_the_shell(spot_daemon, monkeypatch, tmp_path) -> No
     home = tmp_path / "home"
     home.mkdir()
     async with agent_on_first_node(h, monkeypatch):
-        await h.until(lambda: h.sup.node_logs.last_seq("test-1") >= 5, what="log lines shipped")
+        await h.until(lambda: h.sup.agents.node_logs.last_seq("test-1") >= 5, what="log lines shipped")
         sh = await PtyShell.start(h.socket_path, home)
         try:
             assert "spotctl shell" in await sh.expect(r"spotctl> ")

@@ -96,9 +96,9 @@ async def test_aws_out_of_capacity_fails_over_to_alibaba_and_the_job_follows_its
     node = next(n for n in h.sup.nodes.values() if n.provider == "aliyun")
     argv = h.sup.job_spec(node)["argv"]
     assert "--nproc-per-node=4" in argv  # nproc_per_node follows the replacement's GPU count
-    h.sup.on_register(node)
+    h.sup.agents.on_register(node)
     await h.until(lambda: node.state is NodeState.RUNNING, what="admitted")
-    h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
+    h.sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
         "event": "started", "attempt": "a1", "rank": 0, "world_size": 4, "step": 0, "time": time.time()}}])
     assert h.sup.job.world_size == 4
 

@@ -175,7 +175,7 @@ async def test_heartbeat_samples_reach_the_daemon(spot_daemon, monkeypatch) -> N
     from test_ctl import agent_on_first_node, spotctl
 
     h = spot_daemon
-    h.sup.gpu_watch = GpuWatch(threshold_pct=50, window_s=0.3)  # seconds, so the test is short
+    h.sup.agents.gpu_watch = GpuWatch(threshold_pct=50, window_s=0.3)  # seconds, so the test is short
     sampler = ScriptedSampler([GpuSample(0, 20.0, 2**30, 16 * 2**30, "T4"), GpuSample(1, 30.0, 2**30, 16 * 2**30)])
     async with agent_on_first_node(h, monkeypatch, sampler=sampler) as agent:
         await h.until(lambda: h.events("gpu_underutilized"), what="gpu_underutilized")
@@ -189,7 +189,7 @@ async def test_heartbeat_samples_reach_the_daemon(spot_daemon, monkeypatch) -> N
 
         sampler.value = None  # the GPUs vanish from NVML: absent, not 0 %
         n = sampler.calls
-        await h.until(lambda: sampler.calls > n + 2 and h.sup.gpu_watch.latest(node.id) is None, what="absent")
+        await h.until(lambda: sampler.calls > n + 2 and h.sup.agents.gpu_watch.latest(node.id) is None, what="absent")
         rc, out, err = await spotctl("--socket", h.socket_path, "nodes")
         assert out.splitlines()[1].split()[-1] == "n/a"
         assert len(h.events("gpu_underutilized")) == 1

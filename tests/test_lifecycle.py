@@ -111,18 +111,18 @@ async def test_job_completion_releases_every_instance_and_reports_the_final_cost
                   what="node 1 launched")
     n1 = sup.nodes["life-1"]
     assert sup.nodes["life-2"].state is NodeState.REQUESTED  # its launch is held in flight
-    sup.on_register(n1)
+    sup.agents.on_register(n1)
     await provider.reconcile_passes(2)  # the daemon has seen node 1 ready (and waits for node 2)
     assert n1.state is NodeState.READY
     clock.advance(31)  # past rejoin_timeout_s: the job starts on the one ready node
-    sup.on_heartbeat(n1, {"trainer": {"state": "running"}})
+    sup.agents.on_heartbeat(n1, {"trainer": {"state": "running"}})
     sup.wake()
     await h.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
-    sup.on_reports(n1, [_status_line(0)])
+    sup.intake.on_reports(n1, [_status_line(0)])
 
     clock.advance(2 * 3600 - 31)  # node 1 held for 2 h, then the job completes
-    sup.on_heartbeat(n1, {"step": 10, "trainer": {"state": "running"}})
-    sup.on_reports(n1, [_status_line(10, "completed")])
+    sup.agents.on_heartbeat(n1, {"step": 10, "trainer": {"state": "running"}})
+    sup.intake.on_reports(n1, [_status_line(10, "completed")])
     await h.until(lambda: n1.state is NodeState.TERMINATED, what="node 1 released")
     assert sup.job.state is JobState.COMPLETED
     assert provider.terminated == {n1.instance_id}
@@ -208,9 +208,9 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
             h = DaemonHarness(sup, None, provider, config, f"{sockdir}/d.sock", tmp_path)
             await h.until(lambda: [n.state for n in sup.nodes.values()] == [NodeState.LAUNCHING], what="launch")
             [n1] = sup.nodes.values()
-            sup.on_register(n1)
+            sup.agents.on_register(n1)
             await h.until(lambda: n1.state is NodeState.RUNNING, what="job start")
-            sup.on_heartbeat(n1, {"step": 3, "trainer": {"state": "running"}})
+            sup.agents.on_heartbeat(n1, {"step": 3, "trainer": {"state": "running"}})
         assert provider.terminated == set()
 
         # the daemon stays away for an hour: the store's last heartbeat is old news
@@ -228,7 +228,7 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
             assert len(provider.launched) == 1 and provider.terminated == set()
             assert len(sup.store.events(kinds=["node_launch_requested"])) == 1
             assert not sup.store.events(kinds=["node_lost", "node_terminated"])
-            reply = sup.on_heartbeat(n1, {"step": 4, "trainer": {"state": "running"}})
+            reply = sup.agents.on_heartbeat(n1, {"step": 4, "trainer": {"state": "running"}})
             assert reply["start_trainer"] is True
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)

@@ -918,9 +918,9 @@ async def _running_node_on_manual_clock(h) -> tuple[Node, Any]:
 
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
     node = next(iter(h.sup.nodes.values()))
-    h.sup.on_register(node)
+    h.sup.agents.on_register(node)
     await h.until(lambda: node.state is NodeState.RUNNING, what="node running")
-    h.sup.on_heartbeat(node, {"trainer": {"state": "running"}})
+    h.sup.agents.on_heartbeat(node, {"trainer": {"state": "running"}})
     clock = ManualClock(time.time())
     h.sup.clock = clock
     return node, clock
@@ -934,8 +934,8 @@ def _notice(nid: str, clock: Any, lead_s: float = 10.0) -> dict[str, Any]:
 async def test_notice_answered_by_a_commit_is_not_a_flush_timeout(spot_daemon) -> None:
     h = spot_daemon
     node, clock = await _running_node_on_manual_clock(h)
-    h.sup.on_reports(node, [_notice("n-answered", clock)])
-    h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
+    h.sup.intake.on_reports(node, [_notice("n-answered", clock)])
+    h.sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
         "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 40, "notice_ids": ["n-answered"],
         "seconds": 1.2}}])
     clock.advance(60)
@@ -947,10 +947,10 @@ async def test_notice_answered_by_a_commit_is_not_a_flush_timeout(spot_daemon) -
 async def test_notice_without_commit_by_the_deadline_is_a_flush_timed_out_event(spot_daemon) -> None:
     h = spot_daemon
     node, clock = await _running_node_on_manual_clock(h)
-    h.sup.on_reports(node, [{"kind": "trainer_status", "line": {
+    h.sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
         "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 40, "notice_ids": [],
         "seconds": 1.2}}])
-    h.sup.on_reports(node, [_notice("n-hung", clock)])
+    h.sup.intake.on_reports(node, [_notice("n-hung", clock)])
     (notice_ev,) = h.events("interruption_notice")  # recorded the moment it was reported
     clock.advance(10.0 + 4.0)  # past the deadline, inside the grace for a late commit report
     await h.sup.reconcile_once()

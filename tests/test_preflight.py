@@ -331,10 +331,10 @@ async def test_supervisor_never_launches_an_unusable_offer_and_reports_measured_
         assert estimate.data["flush_s"] > 30
         node = next(iter(sup.nodes.values()))
         node.state = NodeState.RUNNING  # its trainer is in the job: rank 0 reports its commits
-        sup.on_reports(node, [{"kind": "trainer_status", "line": {
+        sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
             "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 10, "bytes": 10**9,
             "save_s": 6.0, "upload_s": 14.0, "seconds": 20.0}}])
-        sup.on_reports(node, [{"kind": "trainer_status", "line": {
+        sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
             "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 20, "bytes": 10**9,
             "save_s": 1.0, "upload_s": 2.0, "seconds": 3.0}}])
         measured = [e for e in store.events(kinds=[EventKind.CHECKPOINT_DEADLINE_RISK.value])

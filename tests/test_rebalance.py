@@ -50,14 +50,14 @@ async def running_first_node(h: DaemonHarness):
     """Bring node 1 up as an agent would: register, then heartbeat with a running trainer."""
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="launch")
     n1 = node(h, 1)
-    h.sup.on_register(n1)
+    h.sup.agents.on_register(n1)
     await h.until(lambda: n1.state is NodeState.RUNNING, what="job start")
-    h.sup.on_heartbeat(n1, {"step": 5, "trainer": {"state": "running"}})
+    h.sup.agents.on_heartbeat(n1, {"step": 5, "trainer": {"state": "running"}})
     return n1
 
 
 def rebalance(h: DaemonHarness, n) -> None:
-    h.sup.on_reports(n, [{"kind": "rebalance_recommendation", "seen_at": time.time(),
+    h.sup.intake.on_reports(n, [{"kind": "rebalance_recommendation", "seen_at": time.time(),
                           "notice": {"id": "rb-1", "provider": "aws", "kind": "rebalance"}}])
 
 
@@ -66,7 +66,7 @@ async def test_checkpoint_policy_commits_now_and_keeps_the_node(daemon) -> None:
     h = daemon
     n1 = await running_first_node(h)
     rebalance(h, n1)
-    reply = h.sup.on_heartbeat(n1, {"step": 6, "trainer": {"state": "running"}})
+    reply = h.sup.agents.on_heartbeat(n1, {"step": 6, "trainer": {"state": "running"}})
     assert [(c["kind"], c["reason"]) for c in reply["commands"]] == [("checkpoint", "rebalance")]
     assert n1.state is NodeState.RUNNING
     assert h.events("rebalance_recommendation")[0].data["policy"] == "checkpoint"
@@ -78,7 +78,7 @@ async def test_ignore_policy_only_records(daemon) -> None:
     h = daemon
     n1 = await running_first_node(h)
     rebalance(h, n1)
-    assert h.sup.on_heartbeat(n1, {"trainer": {"state": "running"}})["commands"] == []
+    assert h.sup.agents.on_heartbeat(n1, {"trainer": {"state": "running"}})["commands"] == []
     assert len(h.events("rebalance_recommendation")) == 1 and len(h.provider.launched) == 1
 
 
@@ -92,15 +92,15 @@ async def test_replace_policy_launches_first_then_drains_once_the_replacement_is
     await h.until(lambda: n2.state is NodeState.LAUNCHING, what="replacement launched")
     # while the replacement boots, node 1 keeps training: nothing asks it to leave
     assert n1.state is NodeState.RUNNING
-    assert h.sup.on_heartbeat(n1, {"trainer": {"state": "running"}})["commands"] == []
+    assert h.sup.agents.on_heartbeat(n1, {"trainer": {"state": "running"}})["commands"] == []
 
-    h.sup.on_register(n2)  # the replacement is up
+    h.sup.agents.on_register(n2)  # the replacement is up
     await h.until(lambda: n1.state is NodeState.DRAINING, what="node 1 drained")
-    cmds = h.sup.on_heartbeat(n1, {"trainer": {"state": "running"}})["commands"]
+    cmds = h.sup.agents.on_heartbeat(n1, {"trainer": {"state": "running"}})["commands"]
     assert [c["kind"] for c in cmds] == ["drain"]
     assert n2.state is NodeState.READY  # not admitted while node 1 is still in the job
 
-    h.sup.on_reports(n1, [{"kind": "trainer_exited", "exit_code": 1}])  # node 1 left after its commit
+    h.sup.intake.on_reports(n1, [{"kind": "trainer_exited", "exit_code": 1}])  # node 1 left after its commit
     await h.until(lambda: n1.state is NodeState.TERMINATED, what="node 1 released")
     await h.until(lambda: n2.state is NodeState.RUNNING, what="replacement admitted")
     assert h.events("node_terminated")[-1].data["reason"] == "drained"

@@ -14,6 +14,10 @@ agent commands, store writes, events). Nothing here does I/O.
 - :class:`Drain`: a node leaves the job cleanly (commit, then stop).
 - :class:`NoteFirstReady`: the first node of a pending job is up (the wait for the
   rest starts now).
+- :class:`Leave` / :class:`AvoidZone` / :class:`WatchFlush`: a node's interruption
+  notice (:func:`daemon.control.reactions.on_notice`).
+- :class:`RequestCheckpoint` / :class:`MarkReplacing`: a rebalance recommendation
+  (:func:`daemon.control.reactions.on_rebalance`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ __all__ = [
     "EndRejoin",
     "Drain",
     "NoteFirstReady",
+    "Leave",
+    "AvoidZone",
+    "WatchFlush",
+    "RequestCheckpoint",
+    "MarkReplacing",
     "Action",
 ]
 
@@ -174,5 +183,51 @@ class NoteFirstReady:
     reason: str = "first_ready"
 
 
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """The node leaves on its own (its agent acts on its notice): ``draining`` now, no
+    longer counted as capacity, and no longer awaited by a grow in flight."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AvoidZone:
+    """Replacements prefer a zone other than ``node_id``'s for a while."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WatchFlush:
+    """Notice ``notice_id``'s commit is due by ``due`` (unix s); past it, say so."""
+
+    notice_id: str
+    node_id: str
+    due: float
+    reason: str = "notice flush"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCheckpoint:
+    """Ask ``node_ids`` for a commit at the next step boundary, training on (request ``request_id``)."""
+
+    request_id: str
+    node_ids: tuple[str, ...]
+    reason: str
+    about: str | None = None  # the node the request is about (its event names it), if one
+
+
+@dataclass(frozen=True, slots=True)
+class MarkReplacing:
+    """The node stops counting as capacity (a replacement launches) and keeps training
+    until the replacement is up; then admission drains it."""
+
+    node_id: str
+    reason: str
+
+
 Action = Union[Launch, Terminate, MarkLost, Admit, StartJob, RestartJob, RequestRejoin, EndRejoin, Drain,
-               NoteFirstReady]
+               NoteFirstReady, Leave, AvoidZone, WatchFlush, RequestCheckpoint, MarkReplacing]

@@ -58,7 +58,7 @@ def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tupl
 
 async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float = 0.25) -> None:
     """Fire ``events`` in order. Needs a provider with ``publish_interruption``/``kill``."""
-    provider = sup.provider
+    provider = sup.fleet.provider
     if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
         log.warning("chaos_unsupported", provider=provider.name)
         return

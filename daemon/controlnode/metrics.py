@@ -430,7 +430,7 @@ class _StateCollector:
         for n in sup.nodes.values():
             if n.state.is_terminal():
                 continue
-            for s in sup.gpu_watch.latest(n.id) or ():
+            for s in sup.agents.gpu_watch.latest(n.id) or ():
                 for fam, value in ((util, s.sm_util_pct), (used, s.mem_used_bytes), (total, s.mem_total_bytes)):
                     v = _finite(value)
                     if v is not None:
@@ -442,7 +442,7 @@ class _StateCollector:
 
 def node_gpu_view(sup: "Supervisor", node_id: str) -> dict[str, Any] | None:
     """A node's latest GPU sample for ``spotctl`` (None: absent or not heard)."""
-    samples = sup.gpu_watch.latest(node_id)
+    samples = sup.agents.gpu_watch.latest(node_id)
     if samples is None:
         return None
     mean = mean_sm_util(samples)

@@ -83,7 +83,7 @@ async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
         raise web.HTTPBadRequest(text="body must be a JSON object")
     auth = request.headers.get("Authorization", "")
     token = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
-    node = sup.authenticate(str(body.get("node_id", "")), token)
+    node = sup.agents.authenticate(str(body.get("node_id", "")), token)
     if node is None:
         raise web.HTTPUnauthorized(text="unknown node or bad token")
     return node, body
@@ -91,12 +91,12 @@ async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
 
 async def _register(request: web.Request) -> web.Response:
     node, body = await _agent_body(request)
-    return web.json_response(request.app[SUPERVISOR].on_register(node, prewarm=body.get("prewarm") is True))
+    return web.json_response(request.app[SUPERVISOR].agents.on_register(node, prewarm=body.get("prewarm") is True))
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
     node, body = await _agent_body(request)
-    return web.json_response(request.app[SUPERVISOR].on_heartbeat(node, body))
+    return web.json_response(request.app[SUPERVISOR].agents.on_heartbeat(node, body))
 
 
 async def _commands(request: web.Request) -> web.Response:
@@ -110,7 +110,7 @@ async def _commands(request: web.Request) -> web.Response:
         transport = request.transport
         return transport is not None and not transport.is_closing()
 
-    reply = await request.app[SUPERVISOR].wait_commands(node, float(wait_s), connected=connected)
+    reply = await request.app[SUPERVISOR].agents.wait_commands(node, float(wait_s), connected=connected)
     if reply is None:  # superseded by a newer poll, its client gone, or the daemon closing: nothing taken
         raise web.HTTPServiceUnavailable(text="this long-poll was given up; poll again")
     return web.json_response(reply)
@@ -121,7 +121,7 @@ async def _reports(request: web.Request) -> web.Response:
     events = body.get("events")
     if not isinstance(events, list):
         raise web.HTTPBadRequest(text="events must be a list")
-    request.app[SUPERVISOR].on_reports(node, events)
+    request.app[SUPERVISOR].intake.on_reports(node, events)
     return web.json_response({"ok": True})
 
 
@@ -190,7 +190,7 @@ async def _log(request: web.Request) -> web.StreamResponse:
     follow = request.query.get("follow") in ("1", "true")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
-    logs = sup.node_logs
+    logs = sup.agents.node_logs
     batch = logs.tail(node.id, lines)
     seq = batch[-1].seq if batch else logs.last_seq(node.id)
     quiet_s = 0.0
@@ -227,7 +227,7 @@ async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
 
 
 async def _checkpoint(request: web.Request) -> web.Response:
-    rid = request.app[SUPERVISOR].request_checkpoint("manual")
+    rid = request.app[SUPERVISOR].operator.request_checkpoint("manual")
     if rid is None:
         return _error(409, "no node is running the job's trainer; nothing to checkpoint")
     return web.json_response({"request_id": rid})
@@ -240,7 +240,7 @@ async def _drain(request: web.Request) -> web.Response:
         return node
     if node.state.is_terminal():
         return _error(409, f"node {node.id} is already {node.state.value}")
-    sup.drain(node, "operator")
+    sup.operator.drain(node, "operator")
     return web.json_response({"node": node.id, "state": node.state.value})
 
 
@@ -252,21 +252,21 @@ async def _scale(request: web.Request) -> web.Response:
     if not isinstance(nodes, int) or isinstance(nodes, bool):
         return _error(400, "give the target size as {\"nodes\": N}, N an integer")
     try:
-        return web.json_response(request.app[SUPERVISOR].scale(nodes))
+        return web.json_response(request.app[SUPERVISOR].operator.scale(nodes))
     except ValueError as exc:
         return _error(409, str(exc))
 
 
 async def _pause(request: web.Request) -> web.Response:
     try:
-        return web.json_response(request.app[SUPERVISOR].pause())
+        return web.json_response(request.app[SUPERVISOR].operator.pause())
     except ValueError as exc:
         return _error(409, str(exc))
 
 
 async def _resume(request: web.Request) -> web.Response:
     try:
-        return web.json_response(request.app[SUPERVISOR].resume())
+        return web.json_response(request.app[SUPERVISOR].operator.resume())
     except ValueError as exc:
         return _error(409, str(exc))
 
@@ -284,7 +284,7 @@ async def _simulate_preemption(request: web.Request) -> web.Response:
     lead_s = body.get("lead_s", 30.0)
     if not isinstance(lead_s, (int, float)) or isinstance(lead_s, bool) or lead_s <= 0:
         return _error(400, "lead_s must be a number of seconds > 0")
-    provider = sup.provider_for(node.provider)
+    provider = sup.fleet.provider_for(node.provider)
     publish = getattr(provider, "publish_interruption", None)
     if provider.name != "local" or publish is None:
         return _error(400, f"simulate-preemption works only on the local provider; node {node.id} runs on "

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
+from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
 from daemon.controlnode import preflight as pf
 from daemon.config import Config, ConfigError, ModelSpec, format_problems, load_config
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
@@ -88,7 +89,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("preflight", help="which GPUs hold the model, and can a checkpoint beat the notice?")
     p.add_argument("--config", help="a config: its job.model, pool and offers (flags below override the model)")
     m = p.add_argument_group("model (job.model)")
-    m.add_argument("--preset", help=f"one of {', '.join(pf.PRESETS)}")
+    m.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
     m.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--num-layers", type=int)
@@ -165,8 +166,8 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print,
             return 2
         return 0
     try:
-        gpus = [(g, pf.gpu_memory_gib(g)) for g in (args.gpu or DEFAULT_GPUS)]
-    except pf.UnknownGpuError as exc:
+        gpus = [(g, gpu_memory_gib(g)) for g in (args.gpu or DEFAULT_GPUS)]
+    except UnknownGpuError as exc:
         err(f"spotvisord preflight: --gpu: {exc}")
         return 2
     _scenarios(pf.resolve(spec), nodes=args.nodes or [1], gpus_per_node=args.gpus_per_node, micro=micro,

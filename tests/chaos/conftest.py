@@ -222,15 +222,15 @@ class Sim:
         return self.node(ordinal)
 
     def boot(self, node: Node) -> None:
-        self.sup.on_register(node)
+        self.sup.agents.on_register(node)
         self.sup.wake()
 
     def beat(self, node: Node, *, step: int | None = None, trainer: str = "running") -> dict[str, Any]:
-        return self.sup.on_heartbeat(node, {"step": step, "trainer": {"state": trainer}})
+        return self.sup.agents.on_heartbeat(node, {"step": step, "trainer": {"state": trainer}})
 
     def _status(self, node: Node, event: str, step: int, **fields: Any) -> None:
         line = {"event": event, "time": time.time(), "rank": 0, "step": step, **fields}
-        self.sup.on_reports(node, [{"kind": "trainer_status", "line": line}])
+        self.sup.intake.on_reports(node, [{"kind": "trainer_status", "line": line}])
 
     def start(self, nodes: list[Node], step: int, resumed_from: int | None = None) -> str:
         """The nodes' trainers (re)start as one torchrun attempt at world size len(nodes);
@@ -257,13 +257,13 @@ class Sim:
         deadline = time.time() + lead_s
         nid = f"{node.id}:{int(deadline):x}"  # the agent's form: <node id>:<hash of the notice body>
         iso = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
-        self.sup.on_reports(node, [{"kind": "interruption_notice", "seen_at": time.time(), "deadline": deadline,
+        self.sup.intake.on_reports(node, [{"kind": "interruption_notice", "seen_at": time.time(), "deadline": deadline,
                                     "notice": {"id": nid, "provider": "aws", "kind": "interruption",
                                                "action": "terminate", "deadline": iso}}])
         return nid
 
     def exit(self, node: Node) -> None:
-        self.sup.on_reports(node, [{"kind": "trainer_exited", "exit_code": -15}])
+        self.sup.intake.on_reports(node, [{"kind": "trainer_exited", "exit_code": -15}])
         self.beat(node, trainer="exited")
         self.sup.wake()
 

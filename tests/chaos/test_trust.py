@@ -60,7 +60,7 @@ async def test_a_resume_reported_before_its_commit_is_recorded_after_it(make_sim
         n1, n2 = await _two_running(sim)
         a1 = sim.start([n1, n2], step=0)
         nid = sim.notice(n1)
-        sim.sup.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26,
+        sim.sup.intake.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26,
                                       resized="in_process")])
         assert not sim.events("job_resumed") or sim.events("job_resumed")[-1].data["resumed_from"] != 26
         sim.commit(n1, a1, 26, ids=(nid,), kinds=("interruption",))  # node 1's report comes later
@@ -76,15 +76,15 @@ async def test_a_resume_reported_before_its_commit_is_recorded_after_it(make_sim
 async def test_a_resume_whose_commit_nobody_reports_is_settled_from_the_store(make_sim, matrix: Matrix) -> None:
     """The committing node dies before its report gets out: after RESUME_HOLD_S the daemon
     reads the commit's manifest from the job's store and records it, then the resume."""
-    from daemon.controlnode.agent_channel import RESUME_HOLD_S
+    from daemon.controlnode.job_tracker import RESUME_HOLD_S
 
     async with make_sim() as sim:
         n1, n2 = await _two_running(sim)
         sim.start([n1, n2], step=0)
         sim.notice(n1)
         _commit_in_store(sim, 26, world_size=2)
-        sim.sup.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
-        sim.sup.on_reports(n2, [_line("started", 30, "a3", rank=0, world_size=1, resumed_from=30)])  # no such commit
+        sim.sup.intake.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
+        sim.sup.intake.on_reports(n2, [_line("started", 30, "a3", rank=0, world_size=1, resumed_from=30)])  # no such commit
         sim.clock.advance(RESUME_HOLD_S + 1)
         sim.sup.wake()
         await sim.until(lambda: len(sim.events("job_resumed")) == 2, what="the held resume settled")
@@ -105,7 +105,7 @@ async def test_one_nodes_token_cannot_end_or_rewrite_the_job(make_sim, matrix: M
         a1 = sim.start([n1, n2], step=0)
         sim.beat(n1, step=52)
         before = sim.store.last_seq()
-        sim.sup.on_reports(n2, [
+        sim.sup.intake.on_reports(n2, [
             _line("completed", 52, a1, rank=1),  # not rank 0, not the target step
             _line("completed", 100, a1, rank=0),  # claims rank 0 of an attempt node 1 holds
             _line("checkpoint_committed", 99999, a1, rank=0, bytes=10),  # beyond the job's steps
@@ -115,8 +115,8 @@ async def test_one_nodes_token_cannot_end_or_rewrite_the_job(make_sim, matrix: M
             {"kind": "metadata_unreachable", "failures": float("inf"), "error": "e", "url": "u"},
             {"kind": "interruption_notice", "deadline": float("inf"), "notice": {"id": "n2:1"}},
         ])
-        sim.sup.on_heartbeat(n2, {"step": 10**12, "trainer": {"state": "running"}})
-        sim.sup.on_heartbeat(n2, {"step": float("nan"), "trainer": {"state": "running"}})
+        sim.sup.agents.on_heartbeat(n2, {"step": 10**12, "trainer": {"state": "running"}})
+        sim.sup.agents.on_heartbeat(n2, {"step": float("nan"), "trainer": {"state": "running"}})
         assert sim.store.last_seq() == before, [e.kind for e in sim.store.events(since=before)]
         assert sim.sup.job.step == 52 and sim.sup.job.world_size == 2
         assert sum(sim.sup.reports_dropped.values()) == 10
@@ -143,9 +143,9 @@ async def test_a_noticed_node_reports_the_commit_that_answers_its_own_notice(mak
         n1, n2 = await _two_running(sim)
         a1 = sim.start([n1, n2], step=0)
         nid = sim.notice(n2)
-        sim.sup.on_reports(n2, [_line("checkpoint_committed", 12, a1, rank=1, notice_ids=["chaos-1:ff"])])
+        sim.sup.intake.on_reports(n2, [_line("checkpoint_committed", 12, a1, rank=1, notice_ids=["chaos-1:ff"])])
         assert not sim.events("checkpoint_committed")
-        sim.sup.on_reports(n2, [_line("checkpoint_committed", 12, a1, rank=1, notice_ids=[nid],
+        sim.sup.intake.on_reports(n2, [_line("checkpoint_committed", 12, a1, rank=1, notice_ids=[nid],
                                       kinds=["interruption"], reason="notice", seconds=0.2, bytes=100)])
         (c,) = sim.events("checkpoint_committed")
         assert c.node == n2.id and c.data["step"] == 12 and c.data["notice_ids"] == [nid]
@@ -157,7 +157,7 @@ async def test_a_held_resume_is_recorded_unconfirmed_when_the_store_is_out_of_re
     """Nobody reported the commit and the control node cannot read the store: after
     CONFIRM_ATTEMPTS reads RESUME_HOLD_S apart, the resume is recorded all the same
     (``commit_unconfirmed``), so the job's world size and step do not freeze."""
-    from daemon.controlnode.agent_channel import CONFIRM_ATTEMPTS, RESUME_HOLD_S
+    from daemon.controlnode.job_tracker import CONFIRM_ATTEMPTS, RESUME_HOLD_S
     from trainer.storage import StorageError
 
     async with make_sim() as sim:
@@ -170,8 +170,8 @@ async def test_a_held_resume_is_recorded_unconfirmed_when_the_store_is_out_of_re
             reads.append(step)
             raise StorageError("connect timeout")
 
-        monkeypatch.setattr(sim.sup, "_read_manifest", unreachable)
-        sim.sup.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
+        monkeypatch.setattr(sim.sup.tracker, "_read_manifest", unreachable)
+        sim.sup.intake.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
         for attempt in range(1, CONFIRM_ATTEMPTS + 1):
             assert len(sim.events("job_resumed")) == 1  # still held
             sim.clock.advance(RESUME_HOLD_S + 1)
@@ -213,7 +213,7 @@ async def test_a_commit_is_recorded_only_once_its_manifest_verifies(make_sim, ma
 async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(make_sim, monkeypatch) -> None:
     """With the store out of reach for every try, a reported commit is still recorded
     (``commit_unconfirmed``): a flush or a rejoin must not wait for the control node."""
-    from daemon.controlnode.agent_channel import CONFIRM_ATTEMPTS
+    from daemon.controlnode.job_tracker import CONFIRM_ATTEMPTS
     from trainer.storage import StorageError
 
     reads = []
@@ -225,7 +225,7 @@ async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(m
     async with make_sim(daemon={"verify_commits": True}) as sim:
         n1, n2 = await _two_running(sim)
         a1 = sim.start([n1, n2], step=0)
-        monkeypatch.setattr(sim.sup, "_read_manifest", unreachable)
+        monkeypatch.setattr(sim.sup.tracker, "_read_manifest", unreachable)
         sim.commit(n1, a1, 10, reason="periodic")
         await sim.until(lambda: sim.events("checkpoint_committed"), what="the commit, unconfirmed")
         (c,) = sim.events("checkpoint_committed")

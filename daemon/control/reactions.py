@@ -1,0 +1,56 @@
+"""Reactions to a node's own news: an interruption notice, a rebalance recommendation. Pure.
+
+Karpenter's interruption controller is the pattern: the agent's report is parsed once
+at the edge (:mod:`daemon.control.reports`), these functions decide, and the
+supervisor's actuators act.
+
+Example (the notice → replacement path): n2 (running, trainer running) reports an
+interruption notice with deadline T. :func:`on_notice` returns
+``[WatchFlush(id, n2, T + 5), Leave(n2), AvoidZone(n2)]``: n2 is ``draining``, which
+:data:`daemon.control.lifecycle.COUNTED` leaves out, so the planner's next pass
+(:func:`daemon.control.pool.plan`, woken at once) finds the pool one node short and
+launches a replacement, ranked away from n2's zone; the flush watch says
+``checkpoint_flush_timed_out`` if no commit answers the notice by T + 5 s.
+"""
+
+from __future__ import annotations
+
+from daemon.control.actions import Action, AvoidZone, Leave, MarkReplacing, NodeView, RequestCheckpoint, WatchFlush
+from daemon.control.lifecycle import NodeState, training
+
+__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance"]
+
+# a commit reported just before a notice's deadline may still be on its way (the
+# agent's report retry backs off up to 5 s): wait this long past it before saying
+# the flush timed out
+FLUSH_GRACE_S = 5.0
+
+
+def on_notice(node: NodeView, *, notice_id: str | None, deadline: float | None, lead_s: float,
+              now: float) -> list[Action]:
+    """An interruption notice on ``node``: deadline (unix s, None: unknown, then ``now +
+    lead_s``, the cloud's documented lead)."""
+    out: list[Action] = []
+    if training(node) and notice_id is not None:  # its flush must commit before the deadline
+        due = deadline if deadline is not None else now + lead_s
+        out.append(WatchFlush(notice_id, node.id, due + FLUSH_GRACE_S))
+    if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
+        out.append(Leave(node.id, "interruption notice"))
+    # the replacement prefers another zone (SkyPilot's EAGER_NEXT_REGION, first retry)
+    out.append(AvoidZone(node.id, "interruption notice"))
+    return out
+
+
+def on_rebalance(node: NodeView, *, policy: str, notice_id: str | None) -> list[Action]:
+    """A rebalance recommendation on ``node``, under the pool's ``rebalance_policy``.
+
+    ``checkpoint``: the job commits now and keeps running, so a notice that follows
+    finds little to flush. ``replace``: the node stops counting as capacity, a
+    replacement launches now, and admission drains the node once the replacement is
+    ready. ``ignore``: nothing. Only a running node reacts.
+    """
+    if node.state is not NodeState.RUNNING or policy == "ignore":
+        return []
+    if policy == "checkpoint":
+        return [RequestCheckpoint(f"rebalance-{notice_id}", (node.id,), "rebalance", about=node.id)]
+    return [] if node.replacing else [MarkReplacing(node.id, "rebalance_recommendation")]

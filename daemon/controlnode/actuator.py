@@ -1,0 +1,95 @@
+"""What the supervisor's decisions do that is not a provider call: agent commands,
+node and job state changes, and their events.
+
+Provider calls (launch, terminate) are :class:`~daemon.controlnode.fleet.Fleet`'s; every
+other action of :mod:`daemon.control.actions` comes here.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+import structlog
+
+from daemon.control import actions as a
+from daemon.control.lifecycle import JobState, NodeState
+from daemon.control.state import Rejoin
+from daemon.controlnode.core import Core
+from daemon.model import EventKind, Node
+
+__all__ = ["Actuator"]
+
+log = structlog.get_logger("spotvisor.daemon")
+
+
+class Actuator:
+    """Turns decisions into agent commands and recorded state (see the module docstring)."""
+
+    def __init__(self, core: Core, *, drain: Callable[[Node, str], None], avoid_zone: Callable[[Node], None],
+                 watch_flush: Callable[[str, str, float], None]) -> None:
+        self.sup = core
+        self._drain = drain  # Operator.drain
+        self._avoid_zone = avoid_zone  # Fleet.avoid_zone_of
+        self._watch_flush = watch_flush  # JobTracker.watch_flush
+
+    def act(self, action: a.Action) -> None:
+        """Carry out one decision that needs no provider call. Raises TypeError: not such an action."""
+        sup = self.sup
+        if isinstance(action, a.Admit):
+            sup.set_state(sup.nodes[action.node_id], NodeState.RUNNING)
+            sup.record(EventKind.NODE_ADMITTED, action.node_id, reason=action.reason)
+        elif isinstance(action, a.StartJob):
+            sup.job.to(JobState.RUNNING)
+        elif isinstance(action, a.NoteFirstReady):
+            sup.first_ready_at = action.at
+        elif isinstance(action, a.Drain):
+            self._drain(sup.nodes[action.node_id], action.reason)
+        elif isinstance(action, (a.RequestRejoin, a.EndRejoin)):
+            self._rejoin(action)
+        elif isinstance(action, a.RestartJob):
+            log.info("restart_all", pool=sup.pool, lost=list(action.lost), reason=action.reason)
+            sup.job.to(JobState.PENDING)  # the first nodes up start it together, from its newest commit
+            sup.first_ready_at, sup.rejoin = None, None
+            sup.wake()
+        elif isinstance(action, a.Leave):
+            node = sup.nodes[action.node_id]
+            if not node.state.is_terminal():
+                sup.set_state(node, NodeState.DRAINING, action.reason)
+            if sup.rejoin is not None:
+                sup.rejoin.nodes.discard(node.id)
+        elif isinstance(action, a.AvoidZone):
+            self._avoid_zone(sup.nodes[action.node_id])
+        elif isinstance(action, a.WatchFlush):
+            self._watch_flush(action.notice_id, action.node_id, action.due)
+        elif isinstance(action, a.RequestCheckpoint):
+            for nid in action.node_ids:
+                sup.send(nid, {"kind": "checkpoint", "reason": action.reason, "id": action.request_id})
+            sup.record(EventKind.CHECKPOINT_REQUESTED, action.about, reason=action.reason,
+                        request_id=action.request_id)
+        elif isinstance(action, a.MarkReplacing):
+            sup.nodes[action.node_id].replacing = True
+            sup.store.put_node(sup.nodes[action.node_id])
+            sup.wake()
+        else:
+            raise TypeError(f"not an action for act(): {action!r}")
+
+    def _rejoin(self, action: a.RequestRejoin | a.EndRejoin) -> None:
+        sup = self.sup
+        if isinstance(action, a.RequestRejoin):
+            rid = f"rejoin-{secrets.token_hex(4)}"
+            sup.rejoin = Rejoin(rid, set(action.nodes), sup.clock())
+            for nid in action.nodes:
+                sup.set_state(sup.nodes[nid], NodeState.ADMITTING)
+            for nid in action.ask:
+                sup.send(nid, {"kind": "checkpoint", "reason": "rejoin", "id": rid})
+            sup.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
+                        for_nodes=sorted(action.nodes))
+        elif sup.rejoin is not None and sup.rejoin.id == action.request_id:
+            if action.reason != "answered":
+                log.info("rejoin_ended", request_id=action.request_id, reason=action.reason)
+            for nid in action.withdraw_from:
+                sup.send(nid, {"kind": "cancel", "id": action.request_id})
+            for nid in action.back_to_ready:
+                sup.set_state(sup.nodes[nid], NodeState.READY, "rejoin deferred")
+            sup.rejoin = None

@@ -1,0 +1,288 @@
+"""The pool's actuator: every provider call the daemon makes, and what it learns from them.
+
+:class:`Fleet` carries out the planner's capacity actions (:class:`Launch`,
+:class:`Terminate`, :class:`MarkLost`), lists the pool's instances each pass
+(:meth:`Fleet.observe`), and keeps what the outcomes say about offers: capacity
+backoff, providers disabled by a quota or auth error, zones that just preempted a
+node, spot prices. Nothing else in the daemon calls a provider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from typing import Any, Mapping
+
+import structlog
+
+from daemon.control.actions import Launch, MarkLost, Terminate
+from daemon.control.lifecycle import LIVE
+from daemon.control.offers import History, Offer, capacity_backoff_s
+from daemon.controlnode.core import Core
+from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
+from daemon.model import EventKind, Node, NodeState
+from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
+                                   ProviderError, QuotaError)
+
+__all__ = ["Fleet", "AVOID_ZONE_S"]
+
+log = structlog.get_logger("spotvisor.daemon")
+
+PRICE_REFRESH_S = 300.0
+# a noticed node's zone is avoided by replacements this long (seconds)
+AVOID_ZONE_S = 300.0
+
+
+class Fleet:
+    """Provider calls for one pool. ``providers``: by name (offers name theirs);
+    ``provider``, if given, serves any name not among them."""
+
+    def __init__(self, core: Core, *, providers: Mapping[str, Provider] | None, provider: Provider | None,
+                 rng: random.Random) -> None:
+        if provider is None and not providers:
+            raise ValueError("Supervisor needs a provider (or providers by name)")
+        self.core = core
+        self.providers: dict[str, Provider] = dict(providers or {})
+        self._default = provider
+        self._rng = rng
+        self._prices: dict[int, float | None] = {}
+        self._backoff: dict[int, float] = {}  # offer index → unix s until which it is not used
+        self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
+        self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
+        self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
+        self.launching: set[str] = set()  # node ids whose provider.launch call is in flight
+        self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
+
+    # -- providers ----------------------------------------------------------------------------
+    @property
+    def provider(self) -> Provider:
+        """The provider of the local pool (chaos hooks), else the default one."""
+        return self.providers.get("local") or self._default or next(iter(self.providers.values()))
+
+    def provider_for(self, name: str) -> Provider:
+        """Raises ProviderError: no provider ``name`` is configured."""
+        p = self.providers.get(name) or self._default
+        if p is None:
+            raise ProviderError(f"no provider {name!r} is configured (add providers.{name})")
+        return p
+
+    def all_providers(self) -> list[Provider]:
+        seen: dict[int, Provider] = {}
+        for p in [*self.providers.values(), *([self._default] if self._default else [])]:
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # -- offers ---------------------------------------------------------------------------------
+    def offer(self, i: int) -> Offer:
+        """Offer ``i`` of the config, with its current spot price (USD/hour, None: unknown)."""
+        o = self.core.config.offers[i]
+        return Offer(index=i, provider=o.provider, region=o.region, zone=o.zone, instance_type=o.instance_type,
+                     gpus_per_node=o.gpus_per_node, price_usd_h=self._prices.get(i),
+                     max_price_usd_h=o.max_price_usd_h, on_demand=o.market == "on_demand")
+
+    def usable_offers(self) -> list[Offer]:
+        return [self.offer(i) for i in range(len(self.core.config.offers)) if i not in self.unusable]
+
+    def history(self, now: float) -> History:
+        return History(backoff_until=dict(self._backoff),
+                       avoid_zones=frozenset(z for z, until in self._avoid_zone.items() if until > now))
+
+    def avoid_zone_of(self, node: Node) -> None:
+        """A notice in ``node``'s zone: replacements prefer another for :data:`AVOID_ZONE_S`
+        (SkyPilot's EAGER_NEXT_REGION, first retry)."""
+        key = f"{node.provider}/{node.region}/{node.zone or '-'}"
+        self._avoid_zone[key] = self.core.clock() + AVOID_ZONE_S
+
+    def notice_published_at(self, node: Node, provider: str | None, deadline: float | None) -> float | None:
+        """When ``node``'s notice appeared: from the provider when it knows (the local
+        fakes), else the deadline minus the cloud's documented lead."""
+        known = getattr(self.provider_for(node.provider), "notice_published_at", None)
+        if known is not None and node.instance_id is not None:
+            at = known(node.instance_id)
+            if at is not None:
+                return at
+        lead = DOCUMENTED_LEAD_S.get(provider or "")
+        return None if deadline is None or lead is None else deadline - lead
+
+    async def refresh_prices(self) -> None:
+        for i, o in enumerate(self.core.config.offers):
+            try:
+                self._prices[i] = await self.provider_for(o.provider).spot_price(self.offer(i))
+            except ProviderError as exc:
+                log.warning("spot_price_failed", offer=self.offer(i).key, error=str(exc))
+
+    async def price_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PRICE_REFRESH_S)  # a refresh period, not synchronisation
+            await self.refresh_prices()
+
+    # -- observe ----------------------------------------------------------------------------------
+    async def observe(self) -> None:
+        """List the pool's instances; a live node whose instance is gone ended (terminated
+        after a notice, lost without one)."""
+        core = self.core
+        alive: dict[int, set[str]] = {}
+        found: list[tuple[Provider, Instance]] = []
+        for p in self.all_providers():
+            instances = await p.describe(core.pool)
+            alive[id(p)] = {i.id for i in instances}
+            found += [(p, i) for i in instances]
+        await self.settle_unowned(found)
+        for node in list(core.nodes.values()):
+            if node.state not in LIVE or node.instance_id is None:
+                continue
+            if node.instance_id in alive.get(id(self.provider_for(node.provider)), set()):
+                continue
+            if node.state is NodeState.DRAINING:
+                core.set_state(node, NodeState.TERMINATED, "instance gone after notice")
+                core.record(EventKind.NODE_TERMINATED, node.id, reason="spot_reclaimed")
+            else:
+                core.set_state(node, NodeState.LOST, "instance gone without notice")
+                core.record(EventKind.NODE_LOST, node.id, reason="instance_gone", last_step=node.step)
+
+    async def settle_unowned(self, found: list[tuple[Provider, Instance]]) -> None:
+        """What a daemon killed at any instant leaves behind (DESIGN: Store), settled from
+        the pool's instances as the providers list them (their node tag names the node).
+
+        - A node still ``requested`` with no launch call in flight in this process: the
+          previous daemon died inside ``provider.launch``. Its instance found → adopted
+          (``launching``, ``node_launched`` with ``adopted``); not found → ``failed``
+          (``node_launch_failed``, ``error: interrupted``) and the planner launches
+          another node, so the pool neither duplicates the node nor waits for it forever.
+        - An instance whose node is over (terminated, lost, failed) with no launch in
+          flight: a launch that landed after its node was given up, or a terminate the
+          dead daemon never sent. Terminated once (retried next pass if that fails), so
+          nothing is leaked.
+
+        Example: daemon A records ``node_launch_requested`` for n1 and is SIGKILLed while
+        RunInstances is on the wire. Daemon B starts: if EC2 created n1's instance, B
+        adopts it; if not, n1 fails and B launches n2; if n1's instance shows up later
+        anyway, B terminates it.
+        """
+        core = self.core
+        by_node = {i.node_id: (p, i) for p, i in found if i.node_id}
+        for node in list(core.nodes.values()):
+            if node.state is not NodeState.REQUESTED or node.id in self.launching:
+                continue
+            hit = by_node.get(node.id)
+            if hit is not None:
+                node.instance_id = hit[1].id
+                core.set_state(node, NodeState.LAUNCHING, "adopted after a daemon restart")
+                core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=node.instance_id, offer=node.offer_key,
+                            price_usd_h=node.price_usd_h, adopted=True)
+            else:
+                core.set_state(node, NodeState.FAILED, "launch interrupted by a daemon restart")
+                core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="interrupted", offer=node.offer_key,
+                            message="the daemon stopped during the launch call; no instance of this node exists")
+        for p, inst in found:
+            node = core.nodes.get(inst.node_id)
+            if node is None or not node.state.is_terminal() or node.id in self.launching:
+                continue
+            if inst.id in self._released_unowned:
+                continue
+            try:
+                await p.terminate(inst.id)
+            except ProviderError as exc:
+                log.warning("unowned_instance_terminate_failed", node_id=node.id, instance_id=inst.id, error=str(exc))
+                continue
+            self._released_unowned.add(inst.id)
+            if node.instance_id is None:  # it cost something after all (Node.hours_held)
+                node.instance_id = inst.id
+                node.ended_at = core.clock()
+                core.store.put_node(node)
+            core.record(EventKind.NODE_TERMINATED, node.id, reason="unowned_instance", instance_id=inst.id)
+
+    # -- act ----------------------------------------------------------------------------------------
+    async def apply(self, action: Launch | Terminate | MarkLost) -> None:
+        """Carry out one capacity action. Raises ProviderError: the call failed (retried next pass)."""
+        core = self.core
+        if isinstance(action, Launch):
+            self.launch(action.offer_index, action.reason)
+        elif isinstance(action, MarkLost):
+            node = core.nodes[action.node_id]
+            core.set_state(node, NodeState.LOST, action.reason)
+            core.record(EventKind.NODE_LOST, node.id, reason=action.reason, last_step=node.step)
+            if node.instance_id:
+                await self.provider_for(node.provider).terminate(node.instance_id)
+        elif isinstance(action, Terminate):
+            node = core.nodes[action.node_id]
+            if node.instance_id:
+                await self.provider_for(node.provider).terminate(node.instance_id)
+            core.set_state(node, action.final_state, action.reason)
+            core.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason, **dict(action.context))
+
+    def launch(self, offer_index: int, reason: str) -> Node:
+        """Record a new node of offer ``offer_index`` and start its launch call (an owned task)."""
+        core = self.core
+        ordinal = max((n.ordinal for n in core.nodes.values()), default=0) + 1
+        offer = core.config.offers[offer_index]
+        node = Node(
+            id=f"{core.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, market=offer.market,
+            region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
+            price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24), created_at=core.clock(),
+        )
+        core.nodes[node.id] = node
+        core.store.put_node(node)
+        core.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=node.offer_key, reason=reason)
+        self.launching.add(node.id)
+        task = core.spawn(self._launch_call(node, offer_index), f"launch:{node.id}")
+
+        def landed(_: asyncio.Task[Any], node_id: str = node.id) -> None:
+            self.launching.discard(node_id)
+            core.wake()
+
+        task.add_done_callback(landed)
+        return node
+
+    async def _launch_call(self, node: Node, offer_index: int) -> None:
+        core = self.core
+        assert core.agent_url is not None
+        spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
+                        tags={POOL_TAG: core.pool, NODE_TAG: node.id})
+        offer = self.offer(offer_index)
+        try:
+            inst = await self.provider_for(offer.provider).launch(offer, spec)
+        except CapacityError as exc:
+            n = self._capacity_failures.get(offer_index, 0) + 1
+            self._capacity_failures[offer_index] = n
+            wait = capacity_backoff_s(n, self._rng)
+            self._backoff[offer_index] = core.clock() + wait
+            self._launch_failed(node, str(exc))
+            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
+                        backoff_s=round(wait, 1), failures=n)
+        except (QuotaError, AuthError) as exc:
+            # no retry helps: every offer of this provider is out until the daemon restarts
+            for o, spec_o in enumerate(core.config.offers):
+                if spec_o.provider == offer.provider:
+                    self._backoff[o] = float("inf")
+            self._launch_failed(node, str(exc))
+            log.error("provider_disabled", provider=offer.provider, error=type(exc).__name__, message=str(exc))
+            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
+                        offer=offer.key, provider_disabled=offer.provider)
+        except ProviderError as exc:
+            self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
+            self._launch_failed(node, str(exc))
+            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
+                        offer=offer.key)
+        else:
+            self._capacity_failures.pop(offer_index, None)
+            node.instance_id = inst.id
+            if node.state.is_terminal():
+                # released while its launch was in flight (job completed, scale-in): the
+                # instance exists only now; give it back at once rather than leak it
+                await self.provider_for(offer.provider).terminate(inst.id)
+                node.ended_at = core.clock()
+                core.store.put_node(node)
+                core.record(EventKind.NODE_TERMINATED, node.id, reason="released_while_launching",
+                            instance_id=inst.id)
+            else:
+                core.set_state(node, NodeState.LAUNCHING)
+                core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
+                            price_usd_h=node.price_usd_h)
+        core.wake()
+
+    def _launch_failed(self, node: Node, detail: str) -> None:
+        """The launch call failed: the node is ``failed`` (unless it was released meanwhile)."""
+        if not node.state.is_terminal():
+            self.core.set_state(node, NodeState.FAILED, detail)

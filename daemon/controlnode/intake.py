@@ -1,0 +1,95 @@
+"""The agents' reports (``POST /v1/agent/events``): parsed at the edge, decided, acted on.
+
+Each report is parsed and bounded once (:func:`daemon.control.reports.parse_report`)
+into a typed message; a notice or a rebalance recommendation goes to its pure
+reaction (:mod:`daemon.control.reactions`) and the supervisor carries out the actions;
+a trainer's status line goes to the :class:`~daemon.controlnode.job_tracker.JobTracker`;
+a metadata alarm and a trainer's exit are recorded as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import structlog
+
+from daemon.control.reactions import on_notice, on_rebalance
+from daemon.control.reports import MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report
+from daemon.controlnode.core import Core
+from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
+from daemon.model import EventKind, Node, TrainerState
+
+__all__ = ["Intake"]
+
+log = structlog.get_logger("spotvisor.daemon")
+
+
+class Intake:
+    """Applies one agent's batch of reports, in order."""
+
+    def __init__(self, core: Core, *, seen: Callable[[Node], None], on_status: Callable[[Node, StatusLine], None],
+                 published_at: Callable[[Node, str | None, float | None], float | None]) -> None:
+        self.core = core
+        self._seen = seen  # AgentLink.seen: a report is a sign of life
+        self._on_status = on_status  # JobTracker.on_status
+        self._published_at = published_at  # Fleet.notice_published_at
+
+    def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
+        """Apply an agent's batch of reports, in order. One that cannot be used is dropped
+        whole with one log line and one count (``Supervisor.drop``), never stored, and the
+        rest of the batch goes on: raising here would answer 500, and the agent resends a
+        failed batch until it is accepted, re-applying the reports before the bad one each
+        time and holding back every report after it (a notice, a commit) for good."""
+        core = self.core
+        self._seen(node)
+        limits = core.limits()
+        for r in reports:
+            kind = r.get("kind") if isinstance(r, dict) else None
+            try:
+                msg = parse_report(r, limits)
+            except ReportError as exc:
+                core.drop(node, str(kind)[:40], str(exc), r)
+                continue
+            if msg is None:
+                log.warning("unknown_report", node_id=node.id, kind=str(kind)[:40])
+            elif isinstance(msg, NoticeReport) and msg.kind == "interruption_notice":
+                self._notice(node, msg)
+            elif isinstance(msg, NoticeReport):
+                self._rebalance(node, msg)
+            elif isinstance(msg, StatusLine):
+                self._on_status(node, msg)
+            elif isinstance(msg, MetadataAlarm):
+                if msg.kind == "metadata_unreachable":
+                    core.record(EventKind.METADATA_UNREACHABLE, node.id, failures=msg.failures,
+                                error=msg.error, url=msg.url)
+                else:
+                    core.record(EventKind.METADATA_RECOVERED, node.id, failures=msg.failures)
+            elif isinstance(msg, TrainerExited):
+                node.trainer = TrainerState.EXITED
+                core.store.put_node(node)
+                core.record(EventKind.TRAINER_EXITED, node.id, exit_code=msg.exit_code)
+                core.wake()
+
+    def _notice(self, node: Node, n: NoticeReport) -> None:
+        core = self.core
+        node.deadline = n.deadline
+        published_at = self._published_at(node, n.provider, node.deadline)
+        core.record(EventKind.INTERRUPTION_NOTICE, node.id, notice_id=n.notice_id,
+                    action=n.action, deadline=n.notice_deadline, provider=n.provider,
+                    notice_published_at=published_at, notice_seen_at=n.seen_at,
+                    detection_latency_s=None if published_at is None or n.seen_at is None
+                    else round(n.seen_at - published_at, 3))
+        view = core.view(node)
+        for action in on_notice(view, notice_id=n.notice_id, deadline=node.deadline,
+                                lead_s=DOCUMENTED_LEAD_S.get(n.provider or "", 120.0), now=core.clock()):
+            core.act(action)
+        core.wake()
+
+    def _rebalance(self, node: Node, n: NoticeReport) -> None:
+        """A rebalance recommendation: the pool's ``rebalance_policy`` decides (:func:`on_rebalance`)."""
+        core = self.core
+        policy = core.config.pool.rebalance_policy
+        core.record(EventKind.REBALANCE_RECOMMENDATION, node.id, notice_id=n.notice_id, policy=policy,
+                    provider=n.provider, notice_seen_at=n.seen_at)
+        for action in on_rebalance(core.view(node), policy=policy, notice_id=n.notice_id):
+            core.act(action)

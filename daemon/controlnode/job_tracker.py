@@ -1,0 +1,340 @@
+"""The job as its trainer reports it: resumes, commits, completion, in causal order.
+
+:class:`JobTracker` takes the trainer's status lines (``started`` with ``resized:
+"in_process"`` for the survivors' in-process shrink, ``checkpoint_committed``,
+``completed``) from :mod:`.intake` and keeps the supervisor's
+:class:`~daemon.control.state.JobView`. A line changes the job only from the node
+that holds rank 0 of its attempt (or, for a commit, from the node whose own notice it
+answers); a commit is recorded once its manifest verifies in the job's store; a
+resume waits for the commit it resumes from. It also watches each notice's flush
+(:meth:`JobTracker.watch_flush`): a commit that has not come by the notice's deadline
+is its own event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import structlog
+from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
+
+from daemon.control.lifecycle import ADMITTED, LIVE, MEMBERS, leaving
+from daemon.control.reactions import FLUSH_GRACE_S
+from daemon.control.reports import StatusLine
+from daemon.controlnode import preflight
+from daemon.controlnode.core import Core
+from daemon.model import EventKind, JobState, Node
+
+__all__ = ["JobTracker", "RESUME_HOLD_S", "CONFIRM_ATTEMPTS"]
+
+log = structlog.get_logger("spotvisor.daemon")
+
+# a resume whose commit no node has reported yet waits this long (seconds) for the
+# report before the daemon reads the commit's manifest from the store itself
+RESUME_HOLD_S = 10.0
+# reads of that manifest that fail (the store out of reach) before the resume is
+# recorded anyway, marked ``commit_unconfirmed``
+CONFIRM_ATTEMPTS = 3
+
+
+class JobTracker:
+    """The trainer's status lines → the job's events (see the module docstring)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._flushes: dict[str, tuple[str, float]] = {}  # notice id → (node id, due: unix s) until its commit
+        self._attempt_leader: dict[str, str] = {}  # trainer attempt → the node of its rank 0
+        self._held: list[tuple[str, StatusLine, float]] = []  # (node, started/completed line, since) awaiting a commit
+        self._to_verify: asyncio.Queue[tuple[str, StatusLine]] = asyncio.Queue()  # reported commits (verify_commits)
+        self._checkpoint_store: Any = None  # the job's store, opened by the first manifest read
+        self._confirming: set[int] = set()  # steps whose manifest is being read from the store
+        self._confirm_failures: dict[int, int] = {}  # step → failed reads of its manifest
+        self._answered: set[str] = set()  # notice and request ids a recorded commit named
+
+    def pick_up(self) -> bool:
+        """A restarted daemon takes over the job the last one left running.
+
+        Live nodes get a fresh heartbeat clock: their agents kept heartbeating while no
+        daemon listened, and the store holds only the heartbeat of their last state
+        change, so without this every node would look lost on the first pass. The job
+        is ``running`` if a node runs it, a leaving node included (a notice's flush in
+        progress when the last daemon died: a ``pending`` job would start a ready
+        replacement at once, while the leaving node is still in the job); ``completed``
+        (pool target 0) if a ``job_completed`` event is stored, released if a
+        ``pool_released`` one is (returns True: the pool was released).
+        """
+        sup = self.core
+        now = sup.clock()
+        for node in sup.nodes.values():
+            if node.state in LIVE and node.last_heartbeat is not None:
+                node.last_heartbeat = now
+        if any(n.state in ADMITTED or leaving(n) for n in sup.nodes.values()):
+            sup.job.to(JobState.RUNNING)
+        sup.job.step = max((n.step for n in sup.nodes.values() if n.step is not None), default=None)
+        for ev in sup.store.events(kinds=[EventKind.CHECKPOINT_COMMITTED.value]):
+            if isinstance(ev.data.get("step"), int):
+                sup.job.commit_steps.add(ev.data["step"])
+                self._answered.update(i for i in ev.data.get("notice_ids") or () if isinstance(i, str))
+        if sup.store.events(kinds=[EventKind.JOB_COMPLETED.value], limit=1):
+            sup.job.to(JobState.COMPLETED)
+            sup.job_completed()
+            return bool(sup.store.events(kinds=[EventKind.POOL_RELEASED.value], limit=1))
+        return False
+
+    def watch_flush(self, notice_id: str, node_id: str, due: float) -> None:
+        """Notice ``notice_id``'s commit is due by ``due`` (unix s, grace included)."""
+        self._flushes.setdefault(notice_id, (node_id, due))
+
+    def check_flushes(self) -> None:
+        """A notice whose commit has not come by its deadline (+ grace) is its own event,
+        ``checkpoint_flush_timed_out``, so a hung flush never silences the feed; the job
+        will resume from ``last_commit_step``."""
+        if self.core.job.state.is_terminal():
+            self._flushes.clear()
+            return
+        now = self.core.clock()
+        for nid, (node_id, due) in list(self._flushes.items()):
+            if now >= due:
+                del self._flushes[nid]
+                self.core.record(EventKind.CHECKPOINT_FLUSH_TIMED_OUT, node_id, notice_id=nid,
+                                 overdue_s=round(now - due + FLUSH_GRACE_S, 1),
+                                 last_commit_step=self.core.job.last_commit_step)
+
+    def on_status(self, node: Node, line: StatusLine) -> None:
+        """A trainer's ``started``, ``checkpoint_committed`` or ``completed`` line.
+
+        A node's token vouches for that node, not for the job, so a line changes the job
+        only when it comes from the node that holds rank 0 of its attempt (the first node
+        whose ``started`` line says rank 0 claims the attempt; a line of another node for
+        that attempt is dropped), or, for a commit, from the node whose own notice the
+        commit answers. ``completed`` must be at ``job.target_steps``. A commit is
+        recorded once its manifest verifies in the job's store (:meth:`verify_commits`,
+        ``daemon.verify_commits``).
+
+        Causal order: a ``started`` line that resumes from a commit not recorded yet (the
+        survivors of an in-process shrink report their resume while the leaving node,
+        which committed, may still be reporting the commit) is held until that commit is
+        recorded, and so is a ``completed`` whose final commit is still being verified:
+        the event log and the feed never show a resume before the commit it resumes from.
+        After :data:`RESUME_HOLD_S` the daemon reads the commit's manifest from the store
+        itself (:meth:`confirm_held_resumes`).
+        """
+        if node.state not in MEMBERS:
+            self.core.drop(node, "trainer_status", f"node is {node.state.value}, not in the job", line.event)
+            return
+        leader = self._attempt_leader.get(line.attempt)
+        if line.event == "started":
+            if line.rank != 0 or (leader is not None and leader != node.id):
+                self.core.drop(node, "trainer_status", f"started of attempt {line.attempt} from rank {line.rank} "
+                           f"(attempt held by {leader or 'nobody'})", line.event)
+                return
+            if line.attempt in self.core.job.attempts or any(h.attempt == line.attempt for _, h, _ in self._held):
+                return
+            self._attempt_leader[line.attempt] = node.id
+            if line.resumed_from is not None and line.resumed_from not in self.core.job.commit_steps:
+                self._held.append((node.id, line, self.core.clock()))
+                return
+            self._record_resume(node.id, line)
+            return
+        own_notice = any(i.startswith(f"{node.id}:") for i in line.notice_ids)
+        if not (leader == node.id or (leader is None and line.rank == 0) or
+                (line.event == "checkpoint_committed" and own_notice)):
+            self.core.drop(node, "trainer_status", f"{line.event} of attempt {line.attempt} from rank {line.rank} "
+                       f"(attempt held by {leader or 'nobody'})", line.event)
+            return
+        if line.event == "checkpoint_committed":
+            if not self.core.config.daemon.verify_commits:
+                self._record_commit(node.id, line)
+            elif not (line.step in self.core.job.commit_steps and self._answered.issuperset(line.notice_ids)):
+                self._to_verify.put_nowait((node.id, line))  # _verify_commits records it once its manifest verifies
+        elif line.event == "completed":
+            if line.step < self.core.config.job.target_steps:
+                self.core.drop(node, "trainer_status", f"completed at step {line.step}, before job.target_steps "
+                           f"{self.core.config.job.target_steps}", line.event)
+                return
+            if self.core.config.daemon.verify_commits and line.step not in self.core.job.commit_steps:
+                self._held.append((node.id, line, self.core.clock()))  # its final commit is still being verified
+                return
+            self._record_completion(node.id, line)
+
+    def _record_completion(self, node_id: str | None, line: StatusLine) -> None:
+        if self.core.job.state is JobState.COMPLETED:
+            return
+        self.core.job.to(JobState.COMPLETED)
+        self.core.job.step = line.step
+        self.core.record(EventKind.JOB_COMPLETED, node_id, step=line.step, attempt=line.attempt)
+        self.core.job_completed()
+
+    async def verify_commits(self) -> None:
+        """The owned task that records reported commits, in the order they were reported,
+        each only once its manifest is read from the job's store and verifies
+        (``daemon.verify_commits``): a node cannot make the daemon record a checkpoint
+        that does not exist. A step with no committed manifest is dropped (one log line,
+        one count); a manifest that does not name the notices the report answers, too.
+        With the store out of reach :data:`CONFIRM_ATTEMPTS` times (1 s, then 2 s apart; tenacity) the
+        commit is recorded with ``commit_unconfirmed: true``: a flush or a rejoin must
+        not wait for the control node's view of the store."""
+        while True:
+            node_id, line = await self._to_verify.get()
+            manifest, error = None, None
+            try:
+                async for attempt in AsyncRetrying(
+                        stop=stop_after_attempt(CONFIRM_ATTEMPTS), wait=wait_exponential(min=1, max=4), reraise=True,
+                        before_sleep=lambda rs, step=line.step: log.warning(
+                            "commit_verify_failed", step=step, attempt=rs.attempt_number,
+                            error=str(rs.outcome.exception())[:200] if rs.outcome else None)):
+                    with attempt:
+                        manifest = await asyncio.to_thread(self._read_manifest, line.step)
+            except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
+                log.warning("commit_verify_failed", step=line.step, attempt=CONFIRM_ATTEMPTS, error=str(exc)[:200])
+                error = exc
+            node = self.core.nodes.get(node_id)
+            if error is not None:
+                self._record_commit(node_id, line, unconfirmed=True)
+                continue
+            problem = None
+            if manifest is None:
+                problem = f"step {line.step} is not committed in {self.core.config.checkpoint_uri()}"
+            else:
+                named = manifest.extra.get("notice_ids") if isinstance(manifest.extra, dict) else None
+                if isinstance(named, list) and not set(line.notice_ids) <= set(named):
+                    problem = f"the manifest of step {line.step} does not name notices {sorted(set(line.notice_ids) - set(named))}"
+            if problem is not None:
+                if node is not None:
+                    self.core.drop(node, "trainer_status", problem, line.event)
+                continue
+            if line.bytes is None:
+                line = dataclasses.replace(line, bytes=sum(sh.size for sh in manifest.shards))
+            self._record_commit(node_id, line)
+
+    def _record_resume(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool = False) -> None:
+        self.core.job.attempts.add(line.attempt)
+        if line.resized == "in_process":
+            self.core.job.resizes_in_process += 1
+        if self.core.job.started_at is None:
+            self.core.job.started_at = self.core.clock()
+        world = line.world_size
+        if world != self.core.job.world_size:
+            self.core.record(EventKind.WORLD_SIZE_CHANGED, None, old=self.core.job.world_size, new=world)
+            self.core.job.world_size = world
+        # lost steps (the daemon's estimate, daemon/controlnode/metrics.py): the highest step reported
+        # before this restart minus the step it resumed from
+        reached, step = self.core.job.step, line.step
+        lost = reached - step if reached is not None and reached > step else 0
+        self.core.job.step = step
+        self.core.job.resumed_at = self.core.clock()
+        self.core.record(EventKind.JOB_RESUMED, node_id, attempt=line.attempt, step=step,
+                    resumed_from=line.resumed_from, world_size=world, trainer_time=line.time,
+                    lost_steps=lost, **({"resized": line.resized} if line.resized else {}),
+                    **({"commit_unconfirmed": True} if commit_unconfirmed else {}))
+
+    def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None,
+                       unconfirmed: bool = False) -> None:
+        """Record one commit (once per step and notice: the first report of it), apply
+        what it answers (notice flushes, the rejoin), then the resumes that waited for it."""
+        step, ids = line.step, list(line.notice_ids)
+        for nid in ids:
+            self._flushes.pop(nid, None)
+        if self.core.rejoin is not None and self.core.rejoin.id in ids:
+            self.core.rejoin.answered = True
+            self.core.wake()
+        if step in self.core.job.commit_steps and self._answered.issuperset(ids):
+            return  # a second report of a recorded commit (rank 0's and the noticed node's)
+        # (a commit of a recorded step that answers new notices is recorded again: the
+        # survivors of a shrink answering the next notice at the same step boundary)
+        self._answered.update(ids)
+        self.core.job.commit_steps.add(step)
+        if self.core.job.last_commit_step is None or step >= self.core.job.last_commit_step:
+            self.core.job.last_commit_step = step
+            self.core.job.last_commit_time = line.time
+        self.core.record(EventKind.CHECKPOINT_COMMITTED, node_id, step=step, attempt=line.attempt,
+                    reason=line.reason, seconds=line.seconds, bytes=line.bytes,
+                    notice_ids=ids, kinds=list(line.kinds), trainer_time=line.time,
+                    save_s=line.save_s, upload_s=line.upload_s, **({"source": source} if source else {}),
+                    **({"commit_unconfirmed": True} if unconfirmed else {}))
+        raw = {k: v for k, v in (("seconds", line.seconds), ("bytes", line.bytes), ("save_s", line.save_s),
+                                 ("upload_s", line.upload_s)) if v is not None}
+        members = sum(1 for n in self.core.nodes.values() if n.state in MEMBERS)
+        for check in preflight.measured_deadline_checks(self.core.config, raw, nodes=max(1, members),
+                                                        world_size=self.core.job.world_size):
+            if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
+                self.core.record(EventKind.CHECKPOINT_DEADLINE_RISK, node_id, step=step,
+                            **check.event_data("measured"))
+        for held in [h for h in self._held if _waits_on(h[1]) in self.core.job.commit_steps]:
+            self._held.remove(held)
+            if held[1].event == "completed":
+                self._record_completion(held[0], held[1])
+            else:
+                self._record_resume(held[0], held[1])
+
+    def confirm_held_resumes(self) -> None:
+        """A reconcile pass: a resume held :data:`RESUME_HOLD_S` for a commit nobody
+        reported (the committing node died before its report got out) is settled from
+        the store: the commit's manifest read in a thread; found, the commit is recorded
+        (``source: "store"``) and the resume after it; not found, the resume is dropped;
+        the store out of reach :data:`CONFIRM_ATTEMPTS` times, :data:`RESUME_HOLD_S` apart,
+        the resume is recorded with ``commit_unconfirmed: true``."""
+        now = self.core.clock()
+        for node_id, line, held_at in list(self._held):
+            step = _waits_on(line)
+            if now - held_at < RESUME_HOLD_S or step is None or step in self._confirming:
+                continue
+            self._confirming.add(step)
+            self.core.spawn(self._confirm_commit(step), f"confirm-commit-{step}")
+
+    async def _confirm_commit(self, step: int) -> None:
+        try:
+            manifest = await asyncio.to_thread(self._read_manifest, step)
+        except Exception as exc:  # the store unreachable (or misconfigured): again RESUME_HOLD_S later
+            failures = self._confirm_failures[step] = self._confirm_failures.get(step, 0) + 1
+            log.warning("commit_confirm_failed", step=step, attempt=failures, error=str(exc)[:200])
+            held = [h for h in self._held if _waits_on(h[1]) == step]
+            for h in held:
+                self._held.remove(h)
+                if failures < CONFIRM_ATTEMPTS:
+                    self._held.append((h[0], h[1], self.core.clock()))
+                elif h[1].event == "completed":
+                    self._record_completion(h[0], h[1])
+                else:  # availability over order: the job's view must not freeze with the store out of reach
+                    self._record_resume(h[0], h[1], commit_unconfirmed=True)
+            return
+        finally:
+            self._confirming.discard(step)
+        if step in self.core.job.commit_steps:
+            return
+        if manifest is None:
+            for held in [h for h in self._held if _waits_on(h[1]) == step]:
+                self._held.remove(held)
+                node = self.core.nodes.get(held[0])
+                if node is not None:
+                    self.core.drop(node, "trainer_status", f"{held[1].event} at step {step}, which is not committed",
+                               held[1].event)
+            return
+        extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+        self._record_commit(None, StatusLine(
+            event="checkpoint_committed", attempt=str(extra.get("attempt") or "?"), rank=None,
+            world_size=manifest.world_size, step=step, time=manifest.time,
+            notice_ids=tuple(i for i in extra.get("notice_ids") or () if isinstance(i, str)),
+            reason=extra.get("reason") if isinstance(extra.get("reason"), str) else None,
+            bytes=sum(s.size for s in manifest.shards)), source="store")
+
+    def _read_manifest(self, step: int) -> Any:
+        """The verified manifest of ``step`` in the job's checkpoint store, or None (blocking: a thread).
+
+        Raises:
+            trainer.storage.StorageError: the store failed (out of reach, no access).
+        """
+        from trainer.checkpoint import open_store, scan_step
+
+        if self._checkpoint_store is None:  # one client (boto3's are thread-safe), made on first use
+            job = self.core.config.job
+            self._checkpoint_store = open_store(self.core.config.checkpoint_uri(), s3_endpoint_url=job.s3_endpoint_url,
+                                                oss_endpoint=job.oss_endpoint)
+        return scan_step(self._checkpoint_store, step)
+
+
+def _waits_on(line: StatusLine) -> int | None:
+    """The step whose commit a held line waits for: a resume's origin, a completion's step."""
+    return line.step if line.event == "completed" else line.resumed_from

@@ -1,0 +1,62 @@
+"""The job's command line, as the daemon hands it to every node's agent. Pure.
+
+``python -m torch.distributed.run --nnodes=MIN:MAX ... -m <job.module> <trainer flags>``
+with the rendezvous on the control node (``is_host=false``: no spot node hosts it) and
+the environment the trainer's contract names (:mod:`trainer.contract`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from daemon.config import Config
+from daemon.model import Node
+
+__all__ = ["job_spec"]
+
+
+def job_spec(config: Config, node: Node, run_nonce: str) -> dict[str, Any]:
+    """The torchrun command line (after ``python``) and environment for ``node``: ``{"argv",
+    "env"}``. ``run_nonce`` makes the rendezvous id of this pool's run (kept in the store)."""
+    c, rdzv, job = config, config.rendezvous, config.job
+    rdzv_conf = ",".join(
+        [
+            "is_host=false",  # the rendezvous store runs on the control node, never on a spot node
+            f"last_call_timeout={rdzv.last_call_timeout_s:g}",
+            f"keep_alive_interval={rdzv.keep_alive_interval_s:g}",
+            f"keep_alive_max_attempt={rdzv.keep_alive_max_attempt}",
+            f"join_timeout={rdzv.join_timeout_s:g}",
+        ]
+    )
+    argv = [
+        "-m", "torch.distributed.run",
+        f"--nnodes={c.pool.min_nodes}:{c.pool.max_nodes}",
+        f"--nproc-per-node={node.gpus}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
+        f"--rdzv-id={job.id}-{run_nonce}",
+        f"--rdzv-conf={rdzv_conf}",
+        f"--max-restarts={rdzv.max_restarts}",
+        "--monitor-interval=0.5",
+        "-m", job.module,
+        "--target-steps", str(job.target_steps),
+        "--global-batch-size", str(job.global_batch_size),
+        "--micro-batch-size", str(job.micro_batch_size),
+        "--checkpoint-uri", c.checkpoint_uri(),
+        "--checkpoint-interval", str(job.checkpoint_interval_steps),
+        "--hold-timeout-s", f"{job.hold_timeout_s:g}",
+        *job.args,
+    ]
+    env = {
+        # pytorch#135712: a node joining a surviving group otherwise deadlocks (ELASTIC.md)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        # the survivors of a notice re-form their group here, in-process (trainer/runtime.py)
+        "SPOTVISOR_RDZV_ENDPOINT": f"{rdzv.host}:{rdzv.port}",
+    }
+    if job.s3_endpoint_url:
+        env["SPOTVISOR_S3_ENDPOINT_URL"] = job.s3_endpoint_url
+    if job.oss_endpoint:
+        env["SPOTVISOR_OSS_ENDPOINT"] = job.oss_endpoint
+    return {"argv": argv, "env": env}

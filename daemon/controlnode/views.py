@@ -1,0 +1,49 @@
+"""What ``spotctl status`` and the final bill read: pure functions of the supervisor's state."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from daemon.config import Config
+from daemon.control.state import JobView
+from daemon.model import Node
+
+__all__ = ["spot_cost", "status"]
+
+
+def spot_cost(nodes: Iterable[Node], now: float) -> dict[str, Any]:
+    """What the pool's instances cost so far: ``cost_usd`` = Σ over nodes of
+    ``price_usd_h`` (the spot price at launch, USD/hour) × hours held
+    (:meth:`Node.hours_held`: launch request → terminal state, or ``now``, unix s);
+    ``node_hours``; ``instances`` (nodes that got an instance)."""
+    held = [n for n in nodes if n.instance_id is not None]
+    return {
+        "cost_usd": round(sum(n.price_usd_h * n.hours_held(now) for n in held), 6),
+        "node_hours": round(sum(n.hours_held(now) for n in held), 6),
+        "instances": len(held),
+    }
+
+
+def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes: int, desired_nodes: int,
+           paused: bool, now: float) -> dict[str, Any]:
+    """``GET /v1/status``: the pool, the job, and every node (oldest first)."""
+    return {
+        "pool": {"name": config.pool.name, "target_nodes": target_nodes, "desired_nodes": desired_nodes,
+                 "min_nodes": config.pool.min_nodes, "max_nodes": config.pool.max_nodes, "paused": paused},
+        "job": {
+            "id": config.job.id, "state": job.state.value, "step": job.step,
+            "target_steps": config.job.target_steps, "world_size": job.world_size,
+            "last_commit_step": job.last_commit_step, "last_commit_time": job.last_commit_time,
+            "restarts": max(0, len(job.attempts) - 1 - job.resizes_in_process),
+            "resizes_in_process": job.resizes_in_process,
+        },
+        "nodes": [
+            {
+                "id": n.id, "provider": n.provider, "zone": n.zone, "instance_type": n.instance_type,
+                "gpus": n.gpus, "state": n.state.value, "instance_id": n.instance_id,
+                "uptime_s": None if n.ready_at is None or n.state.is_terminal() else round(now - n.ready_at, 1),
+                "price_usd_h": n.price_usd_h, "step": n.step, "detail": n.detail,
+            }
+            for n in sorted(nodes, key=lambda n: n.ordinal)
+        ],
+    }
