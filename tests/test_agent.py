@@ -124,7 +124,7 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
-    assert agent._proc is None or agent._proc.returncode is not None, "trainer left running"
+    assert agent.runner.proc is None or agent.runner.proc.returncode is not None, "trainer left running"
     assert agent._session is not None and agent._session.closed
 
 
@@ -158,7 +158,7 @@ def the_node(h):
 
 
 def trainer_running(agent: NodeAgent) -> bool:
-    return agent._proc is not None and agent.trainer == "running"
+    return agent.runner.proc is not None and agent.trainer == "running"
 
 
 async def test_token_expiry_is_not_an_error(spot_daemon, fake, clock, monkeypatch) -> None:
@@ -206,7 +206,7 @@ async def test_interruption_commit_then_sigterm(spot_daemon, fake, clock, monkey
     h = spot_daemon
     async with running_agent(h, fake, clock, monkeypatch) as agent:
         await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
-        proc = agent._proc
+        proc = agent.runner.proc
         assert proc is not None
         fake.publish_interruption("terminate")
         await h.until(lambda: h.events("trainer_exited"), timeout_s=10, what="trainer exit after commit")
@@ -252,10 +252,10 @@ async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
     async with running_agent(h, fake, clock, monkeypatch, torchrun=True) as agent:
         await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), timeout_s=60,
                       what="the worker started")
-        proc = agent._proc
+        proc = agent.runner.proc
         assert proc is not None
         assert _cmdline(proc.pid)[-2:] == ["-m", "daemon.gpunode.launcher"]
-        assert agent._warm is None
+        assert agent.runner.warm is None
         fake.publish_interruption("terminate")
         await h.until(lambda: h.events("trainer_exited"), timeout_s=60, what="torchrun exit after the commit")
         (notice,) = h.events("interruption_notice")
@@ -272,22 +272,22 @@ async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_
     node is never admitted."""
     agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
                       workdir=tmp_path)
-    agent._job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {}}
-    await agent._prewarm()
-    warm = agent._warm
+    agent.runner.job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {}}
+    await agent.runner.prewarm()
+    warm = agent.runner.warm
     assert warm is not None and warm.returncode is None
     assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.gpunode.launcher"]
     assert agent.trainer == "warming"  # importing torchrun
     async with asyncio.timeout(60):
-        await agent._until_warm()  # the launcher's "ready"
+        await agent.runner.until_warm()  # the launcher's "ready"
     assert agent.trainer == "not_started" and agent._beat_now.is_set()
     assert warm.returncode is None  # waiting for the job
-    await agent._stop_prewarmed()
-    assert warm.returncode is not None and agent._warm is None
+    await agent.runner.stop_prewarmed()
+    assert warm.returncode is not None and agent.runner.warm is None
     # a job that is not torchrun is started directly, when admitted: nothing to prewarm
-    agent._job = {"argv": ["train.py"], "env": {}}
-    await agent._prewarm()
-    assert agent._warm is None
+    agent.runner.job = {"argv": ["train.py"], "env": {}}
+    await agent.runner.prewarm()
+    assert agent.runner.warm is None
 
 
 @pytest.mark.parametrize("how", ["warm", "waited too long"])
@@ -333,17 +333,17 @@ async def test_a_launcher_that_died_while_importing_is_replaced_by_a_plain_start
     agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
                       workdir=tmp_path / "node")
     agent.workdir.mkdir()
-    agent._job = {"argv": ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+    agent.runner.job = {"argv": ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
                            str(script)], "env": {"OUT": str(tmp_path / "rank")}}
-    await agent._prewarm()
-    warm = agent._warm
+    await agent.runner.prewarm()
+    warm = agent.runner.warm
     assert warm is not None
     warm.kill()  # dies before it has imported
     async with asyncio.timeout(60):
-        await agent._until_warm()
+        await agent.runner.until_warm()
         assert agent.trainer == "not_started"
-        await agent._start_trainer()
-        proc = agent._proc
+        await agent.runner.start()
+        proc = agent.runner.proc
         assert proc is not None and proc is not warm
         assert _cmdline(proc.pid)[1:3] == ["-m", "torch.distributed.run"]
         assert await proc.wait() == 0
@@ -376,7 +376,7 @@ async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, 
         assert [c.data["notice_ids"] for c in commits] == [[rid]]
         assert commits[0].data["kinds"] == ["rejoin"]
         # a rejoin commit is not this node's interruption: the trainer keeps running
-        assert agent._proc is not None and agent._proc.returncode is None
+        assert agent.runner.proc is not None and agent.runner.proc.returncode is None
         assert not h.events("trainer_exited")
         assert n1.state is NodeState.RUNNING
 
@@ -393,7 +393,7 @@ async def test_plain_checkpoint_command(spot_daemon, fake, clock, monkeypatch) -
         gate.touch()
         await h.until(lambda: notice_file(agent) == [] and h.events("checkpoint_committed"), what="commit")
         assert h.events("checkpoint_committed")[0].data["notice_ids"] == ["ck-1"]
-        assert agent._proc is not None and agent._proc.returncode is None
+        assert agent.runner.proc is not None and agent.runner.proc.returncode is None
 
 
 async def test_only_rank_0_and_a_noticed_node_report_the_jobs_lines(spot_daemon, fake, clock, monkeypatch) -> None:

@@ -131,7 +131,7 @@ async def agent_on_first_node(h: DaemonHarness, monkeypatch: pytest.MonkeyPatch,
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(task, 10)
-    assert agent._proc is None or agent._proc.returncode is not None, "trainer left running"
+    assert agent.runner.proc is None or agent.runner.proc.returncode is not None, "trainer left running"
 
 
 @contextlib.asynccontextmanager

@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.guard import Decision, NoticeKind, PeerLeftError, PreemptionGuard, parse_notices, read_notice_file
+from trainer.contract import NoticeKind, parse_notices, read_notice_file
+from trainer.guard import Decision, PeerLeftError, PreemptionGuard
 
 
 def _write(path: Path, notices: list[dict]) -> None:

@@ -20,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.batch import ElasticBatch
 from trainer.guard import Decision
 from trainer.run import Job
-from trainer.runtime import RDZV_ENDPOINT_ENV, DistContext, rendezvous_endpoint, shrink_process_group
+from trainer.contract import RDZV_ENDPOINT_ENV
+from trainer.runtime import DistContext, rendezvous_endpoint, shrink_process_group
 
 
 def _free_port() -> int:

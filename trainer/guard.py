@@ -25,8 +25,6 @@ are ignored, so a restarted worker never acts on the same notice twice.
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
 import os
 import time
@@ -36,47 +34,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.contract import NOTICE_FILE_ENV, NoticeEntry, NoticeFileError, NoticeKind, parse_notices
+
 __all__ = [
-    "NOTICE_FILE_ENV",
-    "NoticeKind",
-    "Notice",
     "Decision",
-    "parse_notices",
-    "read_notice_file",
     "PreemptionGuard",
     "PeerLeftError",
 ]
 
 log = logging.getLogger(__name__)
 
-NOTICE_FILE_ENV = "SPOTVISOR_NOTICE_FILE"
 #: How many handled notice ids are remembered (oldest dropped first).
 MAX_HANDLED_IDS = 200
-
-
-class NoticeKind(str, enum.Enum):
-    """What a notice asks of the job."""
-
-    #: This node will be taken: commit, then hold until the restart.
-    INTERRUPTION = "interruption"
-    #: A new node waits to be admitted: commit, then hold until the restart.
-    REJOIN = "rejoin"
-    #: Commit and keep training.
-    CHECKPOINT = "checkpoint"
-
-    @property
-    def needs_hold(self) -> bool:
-        return self in (NoticeKind.INTERRUPTION, NoticeKind.REJOIN)
-
-
-@dataclass(frozen=True, slots=True)
-class Notice:
-    """One entry of the notice file. ``time``/``deadline`` are unix seconds."""
-
-    id: str
-    kind: NoticeKind
-    time: float | None = None
-    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,79 +67,9 @@ class Decision:
         return self.checkpoint or self.hold
 
 
-class NoticeFileError(ValueError):
-    """The notice file's content is not a JSON list."""
-
-
 class PeerLeftError(RuntimeError):
     """A peer's worker ended while this rank held (its collective failed): torchrun is
     restarting the group (a node joined or was taken). ``str()`` is one line."""
-
-
-def _float_or_none(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-def parse_notices(text: str | bytes) -> tuple[list[Notice], list[str]]:
-    """Parse the notice file's content.
-
-    Returns:
-        ``(notices, problems)``: the valid notices in file order, and one line per
-        entry that was dropped (unknown kind, missing id).
-
-    Raises:
-        NoticeFileError: the content is not a JSON list.
-    """
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise NoticeFileError(f"not JSON: {exc}") from None
-    if not isinstance(data, list):
-        raise NoticeFileError(f"expected a JSON list, got {type(data).__name__}")
-    notices: list[Notice] = []
-    problems: list[str] = []
-    for i, entry in enumerate(data):
-        if not isinstance(entry, dict):
-            problems.append(f"entry {i}: not an object")
-            continue
-        nid = entry.get("id")
-        if not isinstance(nid, str) or not nid:
-            problems.append(f"entry {i}: missing id")
-            continue
-        try:
-            kind = NoticeKind(entry.get("kind"))
-        except ValueError:
-            problems.append(f"entry {i} ({nid}): unknown kind {entry.get('kind')!r}")
-            continue
-        notices.append(
-            Notice(
-                id=nid,
-                kind=kind,
-                time=_float_or_none(entry.get("time")),
-                deadline=_float_or_none(entry.get("deadline")),
-            )
-        )
-    return notices, problems
-
-
-def read_notice_file(path: str | os.PathLike[str]) -> list[Notice]:
-    """The notices in ``path``; a missing file means none.
-
-    Raises:
-        NoticeFileError: the file exists but is not a JSON list.
-        OSError: the file exists but cannot be read.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return []
-    if not raw.strip():
-        return []
-    notices, _ = parse_notices(raw)
-    return notices
 
 
 def _dist_world() -> int:
@@ -233,7 +132,7 @@ class PreemptionGuard:
         while len(self._handled) > self._max_handled:
             del self._handled[next(iter(self._handled))]
 
-    def pending(self) -> list[Notice]:
+    def pending(self) -> list[NoticeEntry]:
         """Local unhandled notices (not collective). A bad file counts as none."""
         if not self.notice_file:
             return []

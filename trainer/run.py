@@ -64,13 +64,11 @@ from trainer.checkpoint import (
 )
 from trainer.data import VOCAB_SIZE, DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
+from trainer.contract import LOG_DIR_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.runtime import (
     add_job_arguments,
     normalize_uri,
     positive_int,
-    LOG_DIR_ENV,
-    S3_ENDPOINT_ENV,
-    STATUS_FILE_ENV,
     DistContext,
     StatusWriter,
     StepLog,

@@ -1,18 +1,10 @@
 """What every trainer on spotvisor shares, whatever its framework: who this process is,
-the node-local files the agent reads, and the data position.
-
-The agent's side of the contract (``daemon/gpunode/agent.py``): it starts ``torchrun`` with
-
-- ``SPOTVISOR_NOTICE_FILE``: the notices, read by :class:`trainer.guard.PreemptionGuard`;
-- ``SPOTVISOR_STATUS_FILE``: JSON lines appended by LOCAL_RANK 0 (:class:`StatusWriter`);
-  the agent leaves the job on the ``checkpoint_committed`` line naming its notice;
-- ``SPOTVISOR_LOG_DIR``: one JSON-lines step log per rank and attempt (:class:`StepLog`),
-  from which ``daemon/controlnode/summary.py`` counts lost and repeated samples;
-- ``SPOTVISOR_SCRATCH_DIR``: a node-local directory for framework checkpoints before upload;
-- ``SPOTVISOR_S3_ENDPOINT_URL`` / ``SPOTVISOR_OSS_ENDPOINT``: the object store's endpoint;
-- ``SPOTVISOR_RDZV_ENDPOINT``: ``host:port`` of the rendezvous store on the control node
-  (the one torchrun's ``--rdzv-endpoint`` names), where :func:`shrink_process_group`
-  forms the survivors' group after a preemption without restarting them.
+the status file and step logs it writes (:class:`StatusWriter`, :class:`StepLog`), and the
+data position. The environment and file formats it shares with the agent are
+:mod:`trainer.contract`'s; the step logs are what ``daemon/controlnode/summary.py``
+counts lost and repeated samples from; :func:`shrink_process_group` forms the
+survivors' group after a preemption at ``$SPOTVISOR_RDZV_ENDPOINT`` without
+restarting them.
 
 Used by the reference trainer (:mod:`trainer.run`) and the integrations
 (:mod:`trainer.integrations`).
@@ -36,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
+
 __all__ = [
     "add_job_arguments",
     "normalize_uri",
@@ -55,19 +49,8 @@ __all__ = [
     "scratch_dir",
     "configure_threads",
     "configure_logging",
-    "STATUS_FILE_ENV",
-    "LOG_DIR_ENV",
-    "SCRATCH_DIR_ENV",
-    "S3_ENDPOINT_ENV",
-    "OSS_ENDPOINT_ENV",
 ]
 
-STATUS_FILE_ENV = "SPOTVISOR_STATUS_FILE"
-LOG_DIR_ENV = "SPOTVISOR_LOG_DIR"
-SCRATCH_DIR_ENV = "SPOTVISOR_SCRATCH_DIR"
-S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
-OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
-RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
 
 
 # --------------------------------------------------------------------------- the daemon's flags

@@ -11,6 +11,7 @@ from typing import Any
 
 from daemon.config import Config
 from daemon.model import Node
+from trainer.contract import OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["job_spec"]
 
@@ -52,11 +53,11 @@ def job_spec(config: Config, node: Node, run_nonce: str) -> dict[str, Any]:
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
-        # the survivors of a notice re-form their group here, in-process (trainer/runtime.py)
-        "SPOTVISOR_RDZV_ENDPOINT": f"{rdzv.host}:{rdzv.port}",
+        # the survivors of a notice re-form their group here, in-process (trainer.runtime.shrink_process_group)
+        RDZV_ENDPOINT_ENV: f"{rdzv.host}:{rdzv.port}",
     }
     if job.s3_endpoint_url:
-        env["SPOTVISOR_S3_ENDPOINT_URL"] = job.s3_endpoint_url
+        env[S3_ENDPOINT_ENV] = job.s3_endpoint_url
     if job.oss_endpoint:
-        env["SPOTVISOR_OSS_ENDPOINT"] = job.oss_endpoint
+        env[OSS_ENDPOINT_ENV] = job.oss_endpoint
     return {"argv": argv, "env": env}

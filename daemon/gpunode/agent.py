@@ -53,27 +53,21 @@ from typing import Any
 import aiohttp
 import structlog
 from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type,
-                      wait_exponential_jitter)
+                      wait_exponential, wait_exponential_jitter)
 
 from daemon.gpunode.gpu import GpuMeans, GpuSampler, NvmlSampler
-from daemon.gpunode.launcher import READY_FD_ENV
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
-from daemon.control.lifecycle import TrainerState, check_trainer_transition
-from daemon.model import TORCHRUN_ARGV
+from daemon.control.lifecycle import TrainerState
+from daemon.gpunode.trainer_process import TrainerProcess
+from trainer.contract import FORWARDED, NoticeEntry, NoticeFile, NoticeKind, StatusTail
 from daemon.gpunode.nodelog import read_chunk
 
-__all__ = ["NoticeFile", "StatusTail", "NodeAgent", "main"]
+__all__ = ["NodeAgent", "main"]
 
 log = structlog.get_logger("spotvisor.agent")
 
-# Status lines worth the daemon's attention (``step`` lines only update the heartbeat;
-# ``holding`` is for the run's summary). Each is the same line on every node of an
-# attempt, and the daemon keeps the first (by attempt, and step), so only the node of
-# global rank 0 reports it, and a node whose own notice a commit answers: at 1,000 nodes
-# that is one report per commit instead of 1,000 (bench/scale.py)
-_FORWARDED = frozenset({"started", "checkpoint_committed", "completed"})
 # the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
 # it a random share of its agent.command_wait_s, at most), and how long
 # past that the agent waits for the answer before it gives up on the request
@@ -87,6 +81,17 @@ KEEPALIVE_S = _MAX_HEARTBEAT_INTERVAL_S + 60.0
 _GPU_SAMPLE_S = 1.0
 
 
+def _until_daemon_answers(event: str) -> AsyncRetrying:
+    """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good."""
+    return AsyncRetrying(
+        retry=retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)),
+        wait=wait_exponential(multiplier=0.1, min=0.2, max=5.0),
+        before_sleep=lambda rs: log.warning(event, error=str(rs.outcome.exception()) if rs.outcome else None,
+                                            retry_in_s=round(rs.upcoming_sleep, 2)),
+        reraise=True,
+    )
+
+
 def _no_command_route(exc: BaseException) -> bool:
     """The daemon has no command long-poll (an older one): heartbeats carry the commands."""
     return isinstance(exc, aiohttp.ClientResponseError) and exc.status in (404, 405)
@@ -94,78 +99,6 @@ def _no_command_route(exc: BaseException) -> bool:
 
 def _command_poll_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)) and not _no_command_route(exc)
-
-
-class NoticeFile:
-    """The notice file: a JSON list of pending notices, replaced atomically.
-
-    Each notice: ``{"id", "kind": "interruption"|"rejoin"|"checkpoint", "time",
-    "deadline"}`` (unix seconds; deadline may be null).
-    """
-
-    __slots__ = ("path", "_notices")
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._notices: dict[str, dict[str, Any]] = {}
-        self._write()
-
-    def add(self, notice: dict[str, Any]) -> bool:
-        """Add a notice; False if one with the same id is already pending."""
-        if notice["id"] in self._notices:
-            return False
-        self._notices[notice["id"]] = notice
-        self._write()
-        return True
-
-    def remove(self, ids: list[str] | tuple[str, ...]) -> None:
-        if any(i in self._notices for i in ids):
-            for i in ids:
-                self._notices.pop(i, None)
-            self._write()
-
-    def pending(self) -> list[dict[str, Any]]:
-        return list(self._notices.values())
-
-    def _write(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(list(self._notices.values()), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-
-
-class StatusTail:
-    """Reads whole new JSON lines from the trainer's status file."""
-
-    __slots__ = ("path", "_offset")
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-
-    def read_new(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return []
-        self._offset += end + 1
-        out = []
-        for raw in chunk[: end + 1].splitlines():
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                log.warning("status_line_unparsable", line=raw[:200])
-                continue
-            if isinstance(line, dict):
-                out.append(line)
-        return out
 
 
 class NodeAgent:
@@ -205,23 +138,22 @@ class NodeAgent:
         self.status_path = self.workdir / "status.jsonl"
         self.log_dir = self.workdir / "logs"
         self._session: aiohttp.ClientSession | None = None
-        self._job: dict[str, Any] = {}
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._proc: asyncio.subprocess.Process | None = None
-        self._warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (_prewarm)
-        self._ready_pipe: int | None = None  # the read end of the launcher's "ready" pipe, until awaited
-        # this node's torchrun (daemon.control.lifecycle.TrainerState; warming: the launcher imports)
-        self.trainer = TrainerState.NOT_STARTED
-        self._exit_code: int | None = None
+        self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
+        self.runner = TrainerProcess(workdir=self.workdir, node_id=node_id, on_change=self._beat_now.set)
         self._step: int | None = None
-        self._interruption: dict[str, Any] | None = None  # this node's own notice, once seen
+        self._interruption: NoticeEntry | None = None  # this node's own notice, once seen
         self._seen_notice_ids: set[str] = set()
         self._background: set[asyncio.Future[None]] = set()
         self.gpu_sampler: GpuSampler = gpu_sampler if gpu_sampler is not None else NvmlSampler()
         self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
         self._gpu = GpuMeans()  # samples since the last heartbeat
         self._apply_lock = asyncio.Lock()  # heartbeat and long-poll replies are applied one at a time
-        self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
+
+    @property
+    def trainer(self) -> TrainerState:
+        """This node's torchrun, as heartbeats report it (:class:`TrainerProcess`)."""
+        return self.runner.state
 
     # -- lifecycle ------------------------------------------------------------
     async def run(self) -> None:
@@ -236,14 +168,13 @@ class NodeAgent:
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
         )
         try:
-            self._job = await self._register()
-            await self._prewarm()
+            self.runner.job = await self._register()
+            await self.runner.prewarm()
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._until_warm(), name=f"agent:prewarm:{self.node_id}")
+                tg.create_task(self.runner.until_warm(), name=f"agent:prewarm:{self.node_id}")
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
-                poll_rebalance = getattr(self.metadata, "poll_rebalance", None)  # AWS only
-                if poll_rebalance is not None:
-                    tg.create_task(self._rebalance_loop(poll_rebalance), name=f"agent:rebalance:{self.node_id}")
+                if self.metadata.has_rebalance:  # AWS only
+                    tg.create_task(self._rebalance_loop(), name=f"agent:rebalance:{self.node_id}")
                 tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
                 tg.create_task(self._command_loop(), name=f"agent:commands:{self.node_id}")
                 tg.create_task(self._gpu_loop(), name=f"agent:gpu:{self.node_id}")
@@ -253,8 +184,8 @@ class NodeAgent:
             await asyncio.shield(self._shutdown())
 
     async def _shutdown(self) -> None:
-        await self._stop_prewarmed()
-        await self._stop_trainer()
+        await self.runner.stop_prewarmed()
+        await self.runner.stop()
         await asyncio.to_thread(self.gpu_sampler.close)
         await self.metadata.aclose()
         if self._session is not None:
@@ -272,40 +203,29 @@ class NodeAgent:
             return await r.json()
 
     async def _register(self) -> dict[str, Any]:
-        delay = 0.2
-        while True:
-            try:
+        """Register until the daemon answers (retried 0.2 s, 0.4 s, ... up to 5 s apart)."""
+        async for attempt in _until_daemon_answers("daemon_unreachable"):
+            with attempt:
                 # "prewarm": this agent starts a torchrun job's process at once and says
                 # in its heartbeats when it is warm (the daemon waits for that to admit it)
                 reply = await self._post("/v1/agent/register", {"pid": os.getpid(), "prewarm": True})
-                self._heed_interval(reply)
-                log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
-                return reply["job"]
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.warning("daemon_unreachable", error=str(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        self._heed_interval(reply)
+        log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
+        return reply["job"]
 
     def _report(self, kind: str, **data: Any) -> None:
         self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
 
     async def _outbox_loop(self) -> None:
-        """Deliver reports in order, retrying while the daemon is unreachable."""
-        delay = 0.2
+        """Deliver reports in order, retrying while the daemon is unreachable (0.2 s up to 5 s apart)."""
         while True:
             first = await self._outbox.get()
             batch = [first]
             while not self._outbox.empty():
                 batch.append(self._outbox.get_nowait())
-            while True:
-                try:
+            async for attempt in _until_daemon_answers("report_failed"):
+                with attempt:
                     await self._post("/v1/agent/events", {"events": batch})
-                    delay = 0.2
-                    break
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    log.warning("report_failed", error=str(exc), retry_in_s=delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
 
     # -- loops --------------------------------------------------------------------
     async def _metadata_loop(self) -> None:
@@ -320,13 +240,13 @@ class NodeAgent:
             # rest of the interval (GCP also answers at once after a preemption).
             await asyncio.sleep(max(0.0, self.poll_interval_s - (loop.time() - started)))
 
-    async def _rebalance_loop(self, poll_rebalance) -> None:
+    async def _rebalance_loop(self) -> None:
         """Rebalance recommendations (AWS), polled beside the notice so a slow answer
         here never delays the interruption poll. Its errors are the notice poll's to
         alarm on: the same endpoint answers both."""
         while True:
             try:
-                rb = await poll_rebalance()
+                rb = await self.metadata.poll_rebalance()
             except MetadataUnavailable:
                 rb = None
             if rb is not None and rb.id not in self._seen_notice_ids:
@@ -372,7 +292,7 @@ class NodeAgent:
         # others' as handled too: a node that sees its notice after that commit never gets
         # one of its own and leaves at the deadline, losing the steps trained since.
         nid = f"{self.node_id}:{notice.id}"
-        entry = {"id": nid, "kind": "interruption", "time": seen_at, "deadline": deadline}
+        entry = NoticeEntry(nid, NoticeKind.INTERRUPTION, seen_at, deadline)
         self.notices.add(entry)  # first: the trainer acts on the file, not on the daemon
         self._interruption = entry
         self._notice = notice
@@ -383,14 +303,13 @@ class NodeAgent:
             return
         if deadline is not None:
             asyncio.get_running_loop().call_later(
-                max(0.0, deadline - time.time() - 3.0), self._leave_if_still_running, entry["id"]
+                max(0.0, deadline - time.time() - 3.0), self._leave_if_still_running, entry.id
             )
 
     def _leave_if_still_running(self, notice_id: str) -> None:
         # The deadline is near and no commit answered the notice: leave cleanly anyway.
-        if self.trainer is TrainerState.RUNNING and self._proc is not None and self._proc.returncode is None:
-            log.warning("leaving_before_commit", node_id=self.node_id, notice_id=notice_id)
-            self._proc.send_signal(signal.SIGTERM)
+        if self.trainer is TrainerState.RUNNING:
+            self.runner.leave("leaving_before_commit", notice_id=notice_id)
 
     async def _gpu_loop(self) -> None:
         while True:
@@ -403,12 +322,6 @@ class NodeAgent:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= _MAX_HEARTBEAT_INTERVAL_S:
             self.told_interval_s = float(v)
 
-    def _trainer_to(self, new: TrainerState) -> None:
-        """Move this node's trainer lifecycle (the table in :mod:`daemon.control.lifecycle`)."""
-        check_trainer_transition(self.trainer, new)
-        self.trainer = new
-        self._beat_now.set()  # the daemon must know at once whether a trainer runs
-
     async def _heartbeat_loop(self) -> None:
         while True:
             self._beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
@@ -420,7 +333,7 @@ class NodeAgent:
                 reply = await self._post(
                     "/v1/agent/heartbeat",
                     {"step": self._step, "trainer": {"state": self.trainer.value,
-                                                     "exit_code": self._exit_code},
+                                                     "exit_code": self.runner.exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -473,7 +386,7 @@ class NodeAgent:
             if cmd.get("kind") == "drain":
                 # the daemon asks this node to leave (e.g. rebalance "replace"): act
                 # exactly as on an interruption notice, with no deadline
-                entry = {"id": cmd["id"], "kind": "interruption", "time": time.time(), "deadline": None}
+                entry = NoticeEntry(cmd["id"], NoticeKind.INTERRUPTION, time.time(), None)
                 if self.notices.add(entry):
                     self._interruption = entry
                     log.info("drain_requested", node_id=self.node_id, request_id=cmd["id"])
@@ -481,25 +394,25 @@ class NodeAgent:
                 self.notices.remove([cmd["id"]])
                 log.info("checkpoint_request_cancelled", node_id=self.node_id, request_id=cmd["id"])
             elif cmd.get("kind") == "checkpoint":
-                kind = "rejoin" if cmd.get("reason") == "rejoin" else "checkpoint"
-                self.notices.add({"id": cmd["id"], "kind": kind, "time": time.time(), "deadline": None})
-                log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind)
+                kind = NoticeKind.REJOIN if cmd.get("reason") == "rejoin" else NoticeKind.CHECKPOINT
+                self.notices.add(NoticeEntry(cmd["id"], kind, time.time(), None))
+                log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind.value)
         if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
                 and self._interruption is None):
-            await self._start_trainer()
+            await self.runner.start()
 
     async def _status_loop(self) -> None:
         tail = StatusTail(self.status_path)
         while True:
             for line in tail.read_new():
                 self._on_status(line)
-            if self._proc is not None and self.trainer is TrainerState.RUNNING and self._proc.returncode is not None:
-                for line in tail.read_new():
+            if self.runner.proc is not None and self.runner.proc.returncode is not None:
+                for line in tail.read_new():  # its last lines first
                     self._on_status(line)
-                self._exit_code = self._proc.returncode
-                self._trainer_to(TrainerState.EXITED)
-                log.info("trainer_exited", node_id=self.node_id, exit_code=self._exit_code)
-                self._report("trainer_exited", exit_code=self._exit_code)
+                code = self.runner.reap()
+                if code is not None:
+                    log.info("trainer_exited", node_id=self.node_id, exit_code=code)
+                    self._report("trainer_exited", exit_code=code)
             await asyncio.sleep(0.2)
 
     def _on_status(self, line: dict[str, Any]) -> None:
@@ -507,11 +420,14 @@ class NodeAgent:
         event = line.get("event")
         if isinstance(line.get("step"), int):
             self._step = line["step"]
-        if event not in _FORWARDED:
+        # the daemon keeps the first report of a line (by attempt and step), so only the node
+        # of global rank 0 reports it, and a node whose own notice a commit answers: at
+        # 1,000 nodes one report per commit instead of 1,000 (bench/scale.py)
+        if event not in FORWARDED:
             return
         ids = list(line.get("notice_ids") or []) if event == "checkpoint_committed" else []
         mine = self._interruption
-        answers_mine = mine is not None and mine["id"] in ids
+        answers_mine = mine is not None and mine.id in ids
         if line.get("rank", 0) == 0 or answers_mine:
             self._report("trainer_status", line=line)
         if event == "checkpoint_committed":
@@ -519,156 +435,19 @@ class NodeAgent:
             # Leave only on the commit that answers this node's notice: the trainer
             # holds after it, so no step computed after the commit is thrown away.
             if answers_mine:
-                if self._proc is not None and self._proc.returncode is None:
-                    log.info("leaving_job", node_id=self.node_id, step=line.get("step"))
-                    self._proc.send_signal(signal.SIGTERM)
-                acknowledge = getattr(self.metadata, "acknowledge", None)
-                if acknowledge is not None and self._notice is not None:
-                    # Azure: tell the platform it may act now (only after the commit)
-                    task = asyncio.ensure_future(self._acknowledge(acknowledge, self._notice))
+                self.runner.leave("leaving_job", step=line.get("step"))
+                if self._notice is not None:
+                    # Azure: tell the platform it may act now (only after the commit); others: nothing
+                    task = asyncio.ensure_future(self._acknowledge(self._notice))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
-    async def _acknowledge(self, acknowledge, notice: Notice) -> None:
+    async def _acknowledge(self, notice: Notice) -> None:
         try:
-            await acknowledge(notice)
+            await self.metadata.acknowledge(notice)
             log.info("notice_acknowledged", node_id=self.node_id, notice_id=notice.id)
         except MetadataUnavailable as exc:
             log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
-
-    # -- trainer --------------------------------------------------------------------
-    @staticmethod
-    def _untokened_env() -> dict[str, str]:
-        """The agent's environment without its token (never handed to the trainer)."""
-        env = dict(os.environ)
-        env.pop("SPOTVISOR_AGENT_TOKEN", None)
-        return env
-
-    def _job_env(self) -> dict[str, str]:
-        env = self._untokened_env()
-        env.update(self._job.get("env", {}))
-        env.update(
-            SPOTVISOR_NOTICE_FILE=str(self.workdir / "notices.json"),
-            SPOTVISOR_STATUS_FILE=str(self.status_path),
-            SPOTVISOR_LOG_DIR=str(self.log_dir),
-            SPOTVISOR_SCRATCH_DIR=str(self.workdir / "scratch"),
-            SPOTVISOR_NODE_ID=self.node_id,
-        )
-        return env
-
-    async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int,
-                     pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
-        out = open(self.workdir / "trainer.log", "ab")
-        try:
-            return await asyncio.create_subprocess_exec(
-                sys.executable, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-                cwd=self._job.get("cwd") or None, pass_fds=pass_fds,
-            )
-        finally:
-            out.close()
-
-    async def _prewarm(self) -> None:
-        """Start torchrun's process now, importing, for :meth:`_start_trainer` to set
-        going when the daemon admits this node (:mod:`daemon.gpunode.launcher`). Only for a job
-        whose command is ``-m torch.distributed.run``. Until the launcher says it has
-        imported (or exits), heartbeats report the trainer ``warming``
-        (:meth:`_until_warm`)."""
-        if tuple(self._job.get("argv", ())[:2]) != TORCHRUN_ARGV:
-            return
-        env = self._untokened_env()
-        ready_r, ready_w = os.pipe()
-        env[READY_FD_ENV] = str(ready_w)
-        try:
-            self._warm = await self._spawn(["-u", "-m", "daemon.gpunode.launcher"], env, asyncio.subprocess.PIPE,
-                                           pass_fds=(ready_w,))
-        except BaseException as exc:
-            os.close(ready_r)
-            if not isinstance(exc, OSError):
-                raise
-            log.warning("prewarm_failed", node_id=self.node_id, error=str(exc))  # started unwarmed when admitted
-            return
-        finally:
-            os.close(ready_w)  # the launcher holds the only write end: its exit is EOF here
-        self._ready_pipe = ready_r
-        self._trainer_to(TrainerState.WARMING)
-        log.info("trainer_prewarming", node_id=self.node_id, pid=self._warm.pid)
-
-    async def _until_warm(self) -> None:
-        """Wait for the launcher's ``ready`` (or its exit), then heartbeat at once: the
-        daemon asks the survivors for the rejoin commit only for a warm node."""
-        fd, self._ready_pipe = self._ready_pipe, None
-        if fd is None:
-            return
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader()
-        said = b""
-        try:
-            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                        os.fdopen(fd, "rb", buffering=0))
-            try:
-                said = await reader.readline()
-            finally:
-                transport.close()
-        except (OSError, ValueError) as exc:  # never the agent's end: the job starts anyway, unwarmed
-            log.warning("prewarm_pipe_failed", node_id=self.node_id, error=str(exc))
-        if said != b"ready\n" and self._warm is not None:
-            # it exited (or closed the pipe) before it had imported, not handed the job
-            # yet: drop it, and start torchrun directly when admitted
-            dead, self._warm = self._warm, None
-            if dead.returncode is None:
-                dead.kill()
-            await dead.wait()
-            log.warning("prewarm_failed", node_id=self.node_id, exit_code=dead.returncode)
-        elif said == b"ready\n":
-            log.info("trainer_warm", node_id=self.node_id)
-        if self.trainer is TrainerState.WARMING:  # else: started meanwhile, its import went on in torchrun
-            self._trainer_to(TrainerState.NOT_STARTED)
-
-    async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
-        """Hand the job to the prewarmed launcher; False if it is gone."""
-        assert warm.stdin is not None
-        line = json.dumps({"argv": self._job["argv"][len(TORCHRUN_ARGV):], "env": env, "cwd": self._job.get("cwd")})
-        try:
-            warm.stdin.write(line.encode() + b"\n")
-            await warm.stdin.drain()
-            warm.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):  # it exited while importing
-            log.warning("prewarmed_trainer_gone", node_id=self.node_id, exit_code=warm.returncode)
-            return False
-        return True
-
-    async def _start_trainer(self) -> None:
-        env = self._job_env()
-        importing = self.trainer is TrainerState.WARMING
-        warm, self._warm = self._warm, None
-        if warm is not None and warm.returncode is None and await self._go(warm, env):
-            self._proc = warm
-        else:
-            self._proc = await self._spawn(self._job["argv"], env, asyncio.subprocess.DEVNULL)
-        self._trainer_to(TrainerState.RUNNING)
-        # prewarmed: torchrun's process was already started (imported: and done importing,
-        # else it goes on from where its import is)
-        log.info("trainer_started", node_id=self.node_id, pid=self._proc.pid, prewarmed=self._proc is warm,
-                 imported=self._proc is warm and not importing)
-
-    async def _stop_prewarmed(self) -> None:
-        warm, self._warm = self._warm, None
-        if warm is not None and warm.returncode is None:
-            warm.kill()
-            await warm.wait()
-
-    async def _stop_trainer(self) -> None:
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(40):
-                await proc.wait()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spotvisor-agent", description="spotvisor node agent")
@@ -753,8 +532,7 @@ async def _amain(args: argparse.Namespace) -> int:
     try:
         done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            task.result()
-            return 0
+            task.result()  # raises what ended the agent (PermissionError: a refused token)
         return 0
     finally:
         for t in (task, waiter):

@@ -33,12 +33,11 @@ from trainer.batch import BatchError, ElasticBatch
 from trainer.checkpoint import open_store
 from trainer.data import VOCAB_SIZE, DataError, TokenDataset, encode, load_corpus
 from trainer.guard import PreemptionGuard
+from trainer.contract import LOG_DIR_ENV, STATUS_FILE_ENV
 from trainer.runtime import (
     add_job_arguments,
     normalize_uri,
     positive_int,
-    LOG_DIR_ENV,
-    STATUS_FILE_ENV,
     StatusWriter,
     StepLog,
     barrier,

@@ -101,6 +101,8 @@ class AwsImds(HttpDialect):
             empty ``base_url``.
     """
 
+    has_rebalance = True
+
     __slots__ = ("_token",)
 
     provider = "aws"

@@ -187,6 +187,8 @@ class MetadataDialect(Protocol):
     """
 
     provider: str
+    #: whether :meth:`poll_rebalance` can ever return something (AWS only)
+    has_rebalance: bool
 
     async def poll(self) -> Notice | None:
         """Read the interruption item once.
@@ -199,6 +201,17 @@ class MetadataDialect(Protocol):
 
         Cancellation: safe at any await; nothing is left half-done.
         """
+        ...
+
+    async def poll_rebalance(self) -> Notice | None:
+        """Read the rebalance recommendation once (AWS ``events/recommendations/rebalance``);
+        None where the cloud has none. Raises MetadataUnavailable as :meth:`poll` does."""
+        ...
+
+    async def acknowledge(self, notice: Notice) -> None:
+        """Tell the platform it may act on ``notice`` now (Azure Scheduled Events'
+        ``StartRequests``), called once the notice's commit is done; a no-op elsewhere.
+        Raises MetadataUnavailable."""
         ...
 
     async def aclose(self) -> None:

@@ -22,7 +22,7 @@ from typing import NamedTuple, Self
 
 import aiohttp
 
-from daemon.gpunode.metadata.base import MetadataUnavailable
+from daemon.gpunode.metadata.base import MetadataUnavailable, Notice
 
 __all__ = [
     "HttpDialect",
@@ -69,6 +69,7 @@ class HttpDialect:
     __slots__ = ("_base_url", "_timeout", "_session", "_owns_session", "_clock", "_closed")
 
     provider: str
+    has_rebalance = False  # AwsImds: True
 
     def __init__(
         self,
@@ -100,6 +101,13 @@ class HttpDialect:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def poll_rebalance(self) -> Notice | None:
+        """No rebalance recommendations on this cloud (:class:`~daemon.gpunode.metadata.aws.AwsImds` overrides)."""
+        return None
+
+    async def acknowledge(self, notice: Notice) -> None:
+        """Nothing to approve on this cloud (:class:`~daemon.gpunode.metadata.azure.AzureScheduledEvents` overrides)."""
 
     async def aclose(self) -> None:
         """Close the session if this object created it. Idempotent."""

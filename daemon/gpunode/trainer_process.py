@@ -1,0 +1,199 @@
+"""This node's torchrun, as its agent runs it: prewarmed at registration, handed the job
+when the daemon admits the node, signalled when the node leaves.
+
+Its lifecycle is :class:`daemon.control.lifecycle.TrainerState` (not_started → (warming →)
+running → exited), checked against the table on every change; every change calls
+``on_change`` (the agent heartbeats at once: the daemon must know whether a trainer runs).
+The process is started at registration (:mod:`daemon.gpunode.launcher`: torchrun
+imported, waiting), so the import is not spent while the survivors hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from daemon.control.lifecycle import TrainerState, check_trainer_transition
+from daemon.gpunode.launcher import READY_FD_ENV
+from daemon.model import TORCHRUN_ARGV
+from trainer.contract import LOG_DIR_ENV, NODE_ID_ENV, NOTICE_FILE_ENV, SCRATCH_DIR_ENV, STATUS_FILE_ENV
+
+__all__ = ["TrainerProcess"]
+
+log = structlog.get_logger("spotvisor.agent")
+
+
+class TrainerProcess:
+    """One node's torchrun. ``job``: the daemon's ``{"argv", "env", "cwd"?}`` (set at
+    registration); ``state``, ``exit_code``: what heartbeats report."""
+
+    def __init__(self, *, workdir: Path, node_id: str, on_change: Callable[[], None]) -> None:
+        self.workdir = workdir
+        self.node_id = node_id
+        self.job: dict[str, Any] = {}
+        self.state = TrainerState.NOT_STARTED
+        self.exit_code: int | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (prewarm)
+        self._ready_pipe: int | None = None  # the read end of the launcher's "ready" pipe, until awaited
+        self._on_change = on_change
+
+    def _to(self, new: TrainerState) -> None:
+        check_trainer_transition(self.state, new)
+        self.state = new
+        self._on_change()
+
+    def leave(self, why: str, **fields: Any) -> bool:
+        """SIGTERM torchrun (never its workers exiting 0: that would close the rendezvous
+        for good, pytorch#123678), logged as ``why``. False if no trainer runs."""
+        if self.proc is None or self.proc.returncode is not None:
+            return False
+        log.info(why, node_id=self.node_id, **fields)
+        self.proc.send_signal(signal.SIGTERM)
+        return True
+
+    def reap(self) -> int | None:
+        """If the running trainer has exited: its exit code (the state becomes ``exited``)."""
+        if self.proc is None or self.state is not TrainerState.RUNNING or self.proc.returncode is None:
+            return None
+        self.exit_code = self.proc.returncode
+        self._to(TrainerState.EXITED)
+        return self.exit_code
+
+    @staticmethod
+    def _untokened_env() -> dict[str, str]:
+        """The agent's environment without its token (never handed to the trainer)."""
+        env = dict(os.environ)
+        env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        return env
+
+    def job_env(self) -> dict[str, str]:
+        """The trainer's environment: the agent's (less its token), the job's, and the contract's files."""
+        env = self._untokened_env()
+        env.update(self.job.get("env", {}))
+        env.update(
+            {NOTICE_FILE_ENV: str(self.workdir / "notices.json"), STATUS_FILE_ENV: str(self.workdir / "status.jsonl"),
+             LOG_DIR_ENV: str(self.workdir / "logs"), SCRATCH_DIR_ENV: str(self.workdir / "scratch"),
+             NODE_ID_ENV: self.node_id}
+        )
+        return env
+
+    async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int,
+                     pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
+        out = open(self.workdir / "trainer.log", "ab")
+        try:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+                cwd=self.job.get("cwd") or None, pass_fds=pass_fds,
+            )
+        finally:
+            out.close()
+
+    async def prewarm(self) -> None:
+        """Start torchrun's process now, importing, for :meth:`start` to set
+        going when the daemon admits this node (:mod:`daemon.gpunode.launcher`). Only for a job
+        whose command is ``-m torch.distributed.run``. Until the launcher says it has
+        imported (or exits), heartbeats report the trainer ``warming``
+        (:meth:`until_warm`)."""
+        if tuple(self.job.get("argv", ())[:2]) != TORCHRUN_ARGV:
+            return
+        env = self._untokened_env()
+        ready_r, ready_w = os.pipe()
+        env[READY_FD_ENV] = str(ready_w)
+        try:
+            self.warm = await self._spawn(["-u", "-m", "daemon.gpunode.launcher"], env, asyncio.subprocess.PIPE,
+                                           pass_fds=(ready_w,))
+        except BaseException as exc:
+            os.close(ready_r)
+            if not isinstance(exc, OSError):
+                raise
+            log.warning("prewarm_failed", node_id=self.node_id, error=str(exc))  # started unwarmed when admitted
+            return
+        finally:
+            os.close(ready_w)  # the launcher holds the only write end: its exit is EOF here
+        self._ready_pipe = ready_r
+        self._to(TrainerState.WARMING)
+        log.info("trainer_prewarming", node_id=self.node_id, pid=self.warm.pid)
+
+    async def until_warm(self) -> None:
+        """Wait for the launcher's ``ready`` (or its exit), then heartbeat at once: the
+        daemon asks the survivors for the rejoin commit only for a warm node."""
+        fd, self._ready_pipe = self._ready_pipe, None
+        if fd is None:
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        said = b""
+        try:
+            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                        os.fdopen(fd, "rb", buffering=0))
+            try:
+                said = await reader.readline()
+            finally:
+                transport.close()
+        except (OSError, ValueError) as exc:  # never the agent's end: the job starts anyway, unwarmed
+            log.warning("prewarm_pipe_failed", node_id=self.node_id, error=str(exc))
+        if said != b"ready\n" and self.warm is not None:
+            # it exited (or closed the pipe) before it had imported, not handed the job
+            # yet: drop it, and start torchrun directly when admitted
+            dead, self.warm = self.warm, None
+            if dead.returncode is None:
+                dead.kill()
+            await dead.wait()
+            log.warning("prewarm_failed", node_id=self.node_id, exit_code=dead.returncode)
+        elif said == b"ready\n":
+            log.info("trainer_warm", node_id=self.node_id)
+        if self.state is TrainerState.WARMING:  # else: started meanwhile, its import went on in torchrun
+            self._to(TrainerState.NOT_STARTED)
+
+    async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
+        """Hand the job to the prewarmed launcher; False if it is gone."""
+        assert warm.stdin is not None
+        line = json.dumps({"argv": self.job["argv"][len(TORCHRUN_ARGV):], "env": env, "cwd": self.job.get("cwd")})
+        try:
+            warm.stdin.write(line.encode() + b"\n")
+            await warm.stdin.drain()
+            warm.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it exited while importing
+            log.warning("prewarmed_trainer_gone", node_id=self.node_id, exit_code=warm.returncode)
+            return False
+        return True
+
+    async def start(self) -> None:
+        env = self.job_env()
+        importing = self.state is TrainerState.WARMING
+        warm, self.warm = self.warm, None
+        if warm is not None and warm.returncode is None and await self._go(warm, env):
+            self.proc = warm
+        else:
+            self.proc = await self._spawn(self.job["argv"], env, asyncio.subprocess.DEVNULL)
+        self._to(TrainerState.RUNNING)
+        # prewarmed: torchrun's process was already started (imported: and done importing,
+        # else it goes on from where its import is)
+        log.info("trainer_started", node_id=self.node_id, pid=self.proc.pid, prewarmed=self.proc is warm,
+                 imported=self.proc is warm and not importing)
+
+    async def stop_prewarmed(self) -> None:
+        warm, self.warm = self.warm, None
+        if warm is not None and warm.returncode is None:
+            warm.kill()
+            await warm.wait()
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(40):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,254 @@
+"""The node-local contract between the agent (``daemon/gpunode/agent.py``) and the
+trainer (:mod:`trainer.guard`, :mod:`trainer.runtime`): the one module both import.
+
+The agent starts ``torchrun`` with these in the environment:
+
+==========================  ==============================================================
+:data:`NOTICE_FILE_ENV`     the notice file: a JSON list of :class:`NoticeEntry`, replaced
+                            atomically by the agent (:class:`NoticeFile`), read by every
+                            rank at each step boundary (:func:`read_notice_file`)
+:data:`STATUS_FILE_ENV`     JSON lines appended by LOCAL_RANK 0, one per :class:`StatusKind`;
+                            the agent tails it (:class:`StatusTail`) and forwards
+                            :data:`FORWARDED` kinds to the daemon
+:data:`LOG_DIR_ENV`         one JSON-lines step log per rank and attempt (data positions)
+:data:`SCRATCH_DIR_ENV`     a node-local directory for framework checkpoints before upload
+:data:`NODE_ID_ENV`         this node's id in the pool
+:data:`S3_ENDPOINT_ENV`,    the object store's endpoint (``job.s3_endpoint_url``,
+:data:`OSS_ENDPOINT_ENV`    ``job.oss_endpoint``)
+:data:`RDZV_ENDPOINT_ENV`   ``host:port`` of the rendezvous store on the control node, where
+                            the survivors of a notice re-form their group in-process
+==========================  ==============================================================
+
+Importing this module imports neither torch nor the daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "NOTICE_FILE_ENV",
+    "STATUS_FILE_ENV",
+    "LOG_DIR_ENV",
+    "SCRATCH_DIR_ENV",
+    "NODE_ID_ENV",
+    "S3_ENDPOINT_ENV",
+    "OSS_ENDPOINT_ENV",
+    "RDZV_ENDPOINT_ENV",
+    "NoticeKind",
+    "NoticeEntry",
+    "NoticeFileError",
+    "parse_notices",
+    "read_notice_file",
+    "NoticeFile",
+    "StatusKind",
+    "FORWARDED",
+    "StatusTail",
+]
+
+log = logging.getLogger(__name__)
+
+NOTICE_FILE_ENV = "SPOTVISOR_NOTICE_FILE"
+STATUS_FILE_ENV = "SPOTVISOR_STATUS_FILE"
+LOG_DIR_ENV = "SPOTVISOR_LOG_DIR"
+SCRATCH_DIR_ENV = "SPOTVISOR_SCRATCH_DIR"
+NODE_ID_ENV = "SPOTVISOR_NODE_ID"
+S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
+OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
+RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
+
+
+# --------------------------------------------------------------------------- the notice file
+
+
+class NoticeKind(str, enum.Enum):
+    """What a notice asks of the job."""
+
+    #: This node will be taken: commit, then hold until the restart.
+    INTERRUPTION = "interruption"
+    #: A new node waits to be admitted: commit, then hold until the restart.
+    REJOIN = "rejoin"
+    #: Commit and keep training.
+    CHECKPOINT = "checkpoint"
+
+    @property
+    def needs_hold(self) -> bool:
+        return self in (NoticeKind.INTERRUPTION, NoticeKind.REJOIN)
+
+
+@dataclass(frozen=True, slots=True)
+class NoticeEntry:
+    """One entry of the notice file: a commit the job is asked for. ``time``/``deadline``
+    are unix seconds. (The cloud's interruption notice itself is
+    :class:`daemon.gpunode.metadata.base.Notice`; the agent turns it into an entry of
+    kind ``interruption``.)"""
+
+    id: str
+    kind: NoticeKind
+    time: float | None = None
+    deadline: float | None = None
+
+
+class NoticeFileError(ValueError):
+    """The notice file's content is not a JSON list."""
+
+
+def _float_or_none(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def parse_notices(text: str | bytes) -> tuple[list[NoticeEntry], list[str]]:
+    """Parse the notice file's content.
+
+    Returns:
+        ``(notices, problems)``: the valid notices in file order, and one line per
+        entry that was dropped (unknown kind, missing id).
+
+    Raises:
+        NoticeFileError: the content is not a JSON list.
+    """
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NoticeFileError(f"not JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise NoticeFileError(f"expected a JSON list, got {type(data).__name__}")
+    notices: list[NoticeEntry] = []
+    problems: list[str] = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            problems.append(f"entry {i}: not an object")
+            continue
+        nid = entry.get("id")
+        if not isinstance(nid, str) or not nid:
+            problems.append(f"entry {i}: missing id")
+            continue
+        try:
+            kind = NoticeKind(entry.get("kind"))
+        except ValueError:
+            problems.append(f"entry {i} ({nid}): unknown kind {entry.get('kind')!r}")
+            continue
+        notices.append(
+            NoticeEntry(
+                id=nid,
+                kind=kind,
+                time=_float_or_none(entry.get("time")),
+                deadline=_float_or_none(entry.get("deadline")),
+            )
+        )
+    return notices, problems
+
+
+def read_notice_file(path: str | os.PathLike[str]) -> list[NoticeEntry]:
+    """The notices in ``path``; a missing file means none.
+
+    Raises:
+        NoticeFileError: the file exists but is not a JSON list.
+        OSError: the file exists but cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return []
+    if not raw.strip():
+        return []
+    notices, _ = parse_notices(raw)
+    return notices
+
+
+class NoticeFile:
+    """The agent's side of the notice file: the pending entries, replaced atomically
+    (tmp + fsync + ``os.replace``) on every change, so a rank never reads half a file."""
+
+    __slots__ = ("path", "_entries")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._entries: dict[str, NoticeEntry] = {}
+        self._write()
+
+    def add(self, entry: NoticeEntry) -> bool:
+        """Add an entry; False if one with the same id is already pending."""
+        if entry.id in self._entries:
+            return False
+        self._entries[entry.id] = entry
+        self._write()
+        return True
+
+    def remove(self, ids: list[str] | tuple[str, ...]) -> None:
+        if any(i in self._entries for i in ids):
+            for i in ids:
+                self._entries.pop(i, None)
+            self._write()
+
+    def pending(self) -> list[NoticeEntry]:
+        return list(self._entries.values())
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump([{"id": e.id, "kind": e.kind.value, "time": e.time, "deadline": e.deadline}
+                       for e in self._entries.values()], f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+# --------------------------------------------------------------------------- the status file
+
+
+class StatusKind(str, enum.Enum):
+    """The ``event`` of a status line (each line also has ``time, attempt, rank,
+    world_size, step``)."""
+
+    STARTED = "started"  # an attempt began (``resumed_from``; ``resized: in_process`` for a shrink)
+    STEP = "step"  # an optimizer step finished (``loss``)
+    CHECKPOINT_COMMITTED = "checkpoint_committed"  # ``notice_ids`` it answers, ``seconds``, ``bytes``
+    HOLDING = "holding"  # committed for an interruption or rejoin: waiting for the restart
+    COMPLETED = "completed"  # the target step is committed
+
+
+#: The kinds the agent forwards to the daemon (``step`` only updates the heartbeat;
+#: ``holding`` is for the run's summary).
+FORWARDED = frozenset({StatusKind.STARTED.value, StatusKind.CHECKPOINT_COMMITTED.value, StatusKind.COMPLETED.value})
+
+
+class StatusTail:
+    """The agent's side of the status file: reads whole new JSON lines."""
+
+    __slots__ = ("path", "_offset")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self._offset += end + 1
+        out = []
+        for raw in chunk[: end + 1].splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                log.warning("status line not JSON: %r", raw[:200])
+                continue
+            if isinstance(line, dict):
+                out.append(line)
+        return out
