@@ -162,8 +162,9 @@ class RequestRejoin:
 
 @dataclass(frozen=True, slots=True)
 class EndRejoin:
-    """End the grow in flight: withdraw its request from ``withdraw_from`` and put
-    ``back_to_ready`` back in ``ready`` (an answered rejoin withdraws nothing)."""
+    """End the grow in flight (``request_id``; ``""``: none is, e.g. after a daemon
+    restart): withdraw its request from ``withdraw_from`` and put ``back_to_ready``
+    back in ``ready`` (an answered rejoin withdraws nothing)."""
 
     request_id: str
     reason: str

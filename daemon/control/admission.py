@@ -21,7 +21,8 @@ its notice, n4 registers → ``RequestRejoin(nodes=(n4,), ask=(n1, n3))``; n1's 
 answers it → ``Admit(n4, "rejoin")``, ``EndRejoin``; torchrun's next round is n1 n3 n4.
 
 Never admits a combination whose world size the global batch cannot be split over
-(:func:`largest_valid`). Pure: no I/O, no clock (``now`` is passed in).
+(:func:`largest_valid`), also when the world changed while a grow waited for its
+commit. Pure: no I/O, no clock (``now`` is passed in).
 """
 
 from __future__ import annotations
@@ -87,14 +88,21 @@ def admit(s: PoolState, rules: Rules, *, now: float) -> list[Action]:
         timed_out = rj is not None and now - rj.requested_at > rules.rejoin_timeout_s
         if rj is not None and not rj.answered and not timed_out and running:
             return []  # the rejoin commit is on its way
+        # the world may have changed since the request (a node lost without notice): admit
+        # the largest valid prefix now; the rest go back to ready for the next grow
+        world = sum(n.gpus for n in running)
+        chosen = largest_valid(admitting, world, rules.valid_world_sizes)
+        rest = _ids(admitting[len(chosen):])
         out: list[Action] = []
         if rj is not None and rj.answered:
-            out.append(EndRejoin(rj.id, "answered"))
+            out.append(EndRejoin(rj.id, "answered", back_to_ready=rest))
         elif rj is not None and timed_out:
-            out.append(EndRejoin(rj.id, "rejoin_checkpoint_timeout", withdraw_from=_ids(running)))
+            out.append(EndRejoin(rj.id, "rejoin_checkpoint_timeout", withdraw_from=_ids(running), back_to_ready=rest))
         elif rj is not None:
-            out.append(EndRejoin(rj.id, "no_survivors"))  # nobody left in the job to answer it
-        return out + [Admit(n.id, "rejoin") for n in admitting]
+            out.append(EndRejoin(rj.id, "no_survivors", back_to_ready=rest))  # nobody left in the job to answer it
+        elif rest:  # admitting nodes with no grow in flight (a restarted daemon): the rest wait
+            out += [EndRejoin("", "no_rejoin", back_to_ready=rest)]
+        return out + [Admit(n.id, "rejoin") for n in chosen]
 
     if not ready or going:
         return []

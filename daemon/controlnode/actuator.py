@@ -85,11 +85,12 @@ class Actuator:
                 sup.send(nid, {"kind": "checkpoint", "reason": "rejoin", "id": rid})
             sup.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
                         for_nodes=sorted(action.nodes))
-        elif sup.rejoin is not None and sup.rejoin.id == action.request_id:
+        elif (sup.rejoin.id if sup.rejoin is not None else "") == action.request_id:  # "": none in flight
             if action.reason != "answered":
                 log.info("rejoin_ended", request_id=action.request_id, reason=action.reason)
             for nid in action.withdraw_from:
                 sup.send(nid, {"kind": "cancel", "id": action.request_id})
             for nid in action.back_to_ready:
-                sup.set_state(sup.nodes[nid], NodeState.READY, "rejoin deferred")
+                if sup.nodes[nid].state is NodeState.ADMITTING:
+                    sup.set_state(sup.nodes[nid], NodeState.READY, "rejoin deferred")
             sup.rejoin = None
