@@ -7,7 +7,7 @@ one checkpoint through the integration's own commit path into a fresh prefix, re
 it into a freshly built model/optimizer/engine, and checks that the weights and AdamW
 moments came back bit for bit (a bench that measured a broken load would be no use):
 
-- ``ddp``: :class:`trainer.run.Job`'s single shard (``_write_checkpoint``:
+- ``ddp``: :class:`trainer.run.ReferenceJob`'s single shard (``_write_checkpoint``:
   ``state_to_bytes`` + ``write_shard`` + ``commit``); resume is ``latest_committed`` +
   ``load_shard`` (download + sha256) + ``load_state``.
 - ``dcp``: :class:`~trainer.integrations.dcp.DcpCheckpointer` (``dcp.save`` of the
@@ -323,9 +323,9 @@ def _trained(job: Any) -> Any:
 
 def _ddp(b: _Bench) -> Callable[[Any, str], list[Sample]]:
     from trainer.checkpoint import latest_committed, load_shard
-    from trainer.run import MODEL_SHARD, Job, build_state, load_state
+    from trainer.run import MODEL_SHARD, ReferenceJob, build_state, load_state
 
-    job = _trained(Job(b.args, b.ctx, b.plan, b.tokens))
+    job = _trained(ReferenceJob(b.args, b.ctx, b.plan, b.tokens))
 
     def run(store: Any, kind: str) -> list[Sample]:
         job.store, job.last_committed = store, None

@@ -1,5 +1,5 @@
 """The survivors of a notice re-form their process group in their running workers
-(``trainer.runtime.shrink_process_group``, ``trainer.run.Job.shrink``)."""
+(``trainer.runtime.shrink_process_group``, ``trainer.loop.ElasticJob.shrink``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.batch import ElasticBatch
 from trainer.guard import Decision
-from trainer.run import Job
+from trainer.run import ReferenceJob
 from trainer.contract import RDZV_ENDPOINT_ENV
 from trainer.runtime import DistContext, rendezvous_endpoint, shrink_process_group
 
@@ -111,8 +111,8 @@ def test_rendezvous_endpoint(monkeypatch: pytest.MonkeyPatch, raw: str, expected
     assert rendezvous_endpoint() == expected
 
 
-def _job(world: int, *, resize: str = "in-process", global_batch: int = 12) -> Job:
-    job = object.__new__(Job)
+def _job(world: int, *, resize: str = "in-process", global_batch: int = 12) -> ReferenceJob:
+    job = object.__new__(ReferenceJob)
     job.args = argparse.Namespace(resize=resize)
     job.ctx = DistContext(0, 0, world, "gloo", torch.device("cpu"), True)
     job.G = global_batch
@@ -145,9 +145,9 @@ def test_no_shrink_without_the_rendezvous_endpoint(monkeypatch: pytest.MonkeyPat
 
 _NOTICE_AT_10 = """
 import json, os, sys
-from trainer.run import Job, main
+from trainer.run import ReferenceJob, main
 
-class NoticeAtTen(Job):  # node 0's notice appears after step 10, so the guard sees it at that boundary
+class NoticeAtTen(ReferenceJob):  # node 0's notice appears after step 10, so the guard sees it at that boundary
     def train_step(self):
         out = super().train_step()
         if self.state.step == 10 and os.environ["GROUP_RANK"] == "0":

@@ -93,6 +93,7 @@ __all__ = [
     "latest_committed",
     "load_shard",
     "discard",
+    "record_answered",
     "gc",
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
@@ -663,3 +664,31 @@ def gc(store: CheckpointStore, keep: int = 2) -> list[str]:
         deleted.append(step_dir(d.step))
         log.info("checkpoint_gc", uri=store.uri, step=d.step, reason=d.reason or "beyond keep")
     return deleted
+
+
+def record_answered(store: CheckpointStore, manifest: Manifest, handled_ids: Iterable[str], *,
+                    extra: dict | None = None, write: bool = True) -> Manifest:
+    """A step already committed now answers more notices (the job resumed there, or a
+    periodic and a notice commit fell on one boundary): its manifest must name them, or
+    a worker restarted there would act on them once more. Nothing is saved again; the
+    same shards get a richer ``extra`` (``notice_ids``, plus ``extra``) in one atomic put
+    of the manifest.
+
+    Args:
+        handled_ids: every notice id the job has handled (the guard's, oldest first).
+        write: put the manifest (rank 0); other ranks only compute what it now says.
+
+    Returns:
+        The manifest as it stands now (``manifest`` itself when it already named them).
+
+    Raises:
+        StorageError: the put failed.
+    """
+    handled = list(handled_ids)
+    if set(handled) <= set(manifest.extra.get("notice_ids", ())):
+        return manifest
+    new = dataclasses.replace(manifest, extra={**manifest.extra, **(extra or {}), "notice_ids": handled},
+                              time=time.time())
+    if write:
+        store.put_bytes(f"{step_dir(manifest.step)}/{MANIFEST_NAME}", new.to_json().encode())
+    return new

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
-from trainer.run import main as run_main
-from trainer.run import Job, build_parser as _run_parser
+from trainer.loop import ElasticJob, run_job
+from trainer.run import build_parser as _run_parser
+from trainer.run import TrainState, build_state
 from trainer.runtime import (
     DistContext,
     data_position,
@@ -72,18 +73,19 @@ def _prepare_environment() -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-class DeepSpeedJob(Job):
-    """One incarnation of the job on one rank: :class:`trainer.run.Job`'s loop on a DeepSpeed engine.
+class DeepSpeedJob(ElasticJob):
+    """One incarnation of the job on one rank: :class:`trainer.loop.ElasticJob`'s loop on a DeepSpeed engine.
 
-    :meth:`trainer.run.Job.run` (guard check, commit on notice/periodic/final, hold,
-    train step, status lines, step logs) is inherited unchanged; this class
-    replaces how a step is computed and how state is committed and resumed.
+    The loop (guard check, commit on notice/periodic/final, hold, status lines, step
+    logs) is :class:`~trainer.loop.ElasticJob`'s; the model is the reference trainer's
+    GPT-2 (:func:`trainer.run.build_state`: override :meth:`build_state` for another);
+    this class brings the engine, its train step, commit and resume.
     """
 
     in_process_resize = False  # each rank holds a shard: a new world size reloads from the commit
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
-        super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, model + AdamW, guard
+        super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, build_state(), guard
         import deepspeed
         from deepspeed.utils import logger as ds_logger
 
@@ -111,6 +113,9 @@ class DeepSpeedJob(Job):
             global_batch_size=self.G,
             keep=args.keep_checkpoints,
         )
+
+    def build_state(self) -> TrainState:
+        return build_state(self.args, self.ctx.device)  # the reference GPT-2 + AdamW
 
     def resume(self) -> None:
         manifest = self.ckpt.resume(check=self._check_compatible)
@@ -166,7 +171,7 @@ def main(argv: Sequence[str] | None = None, *, job_cls: type[DeepSpeedJob] = Dee
 
     ``job_cls`` lets a test or a user subclass :class:`DeepSpeedJob` (e.g. another model).
     """
-    return run_main(argv, job_cls=job_cls, parser=build_parser(), prepare=_prepare_environment)
+    return run_job(argv, job_cls=job_cls, parser=build_parser(), prepare=_prepare_environment)
 
 
 if __name__ == "__main__":

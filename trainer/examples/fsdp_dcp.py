@@ -31,8 +31,8 @@ import torch
 from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.dcp import DcpCheckpointer, DcpError, ForeignCheckpointError
-from trainer.run import main as run_main
-from trainer.run import ConfigError, Job
+from trainer.loop import ConfigError, ElasticJob, run_job
+from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
 from trainer.runtime import (
     DistContext,
@@ -78,22 +78,29 @@ def _rebuild_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
     return type(opt)(groups)
 
 
-class DcpJob(Job):
-    """One incarnation of the job on one rank: :class:`trainer.run.Job`'s loop with FSDP2/DDP and DCP.
+class DcpJob(ElasticJob):
+    """One incarnation of the job on one rank: :class:`trainer.loop.ElasticJob`'s loop with FSDP2/DDP and DCP.
 
-    :meth:`trainer.run.Job.run` (guard check, commit on notice/periodic/final, hold,
-    train step, status lines, step logs) and :meth:`~trainer.run.Job.train_step` are
-    inherited unchanged; this class replaces how the model is wrapped and how state is
-    committed and resumed. The order differs from ``trainer.run``: :meth:`wrap` comes
-    first, because DCP loads into the shards the wrapped model holds.
+    The loop is :class:`~trainer.loop.ElasticJob`'s; the model and its train step are
+    the reference trainer's GPT-2 (:func:`trainer.run.build_state`,
+    :func:`trainer.run.causal_lm_step`: override :meth:`build_state` for another);
+    this class brings how the model is wrapped and how state is committed and resumed.
+    The order differs from ``trainer.run``: :meth:`wrap` comes first, because DCP loads
+    into the shards the wrapped model holds.
     """
 
     wrap_before_resume = True  # DCP loads into FSDP2's sharded parameters
     in_process_resize = False  # FSDP2 shards: a new world size reloads from the commit
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
-        super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, model + AdamW, guard
+        super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, build_state(), guard
         self.ckpt: DcpCheckpointer | None = None
+
+    def build_state(self) -> TrainState:
+        return build_state(self.args, self.ctx.device)  # the reference GPT-2 + AdamW
+
+    def train_step(self) -> tuple[float, float, list[int]]:
+        return causal_lm_step(self)
 
     @property
     def wrapping(self) -> str:
@@ -118,7 +125,7 @@ class DcpJob(Job):
             self.state.optimizer = _rebuild_optimizer(self.state.optimizer, names, dict(model.named_parameters()))
             self.ddp = model
         else:
-            super().wrap()  # DDP when world > 1, else the model itself
+            self.ddp = wrap_ddp(self.ctx, model)  # DDP when world > 1, else the model itself
         key = hashlib.sha256(self.args.checkpoint_uri.encode()).hexdigest()[:10]
         self.ckpt = DcpCheckpointer(
             self.ctx,
@@ -164,7 +171,7 @@ def main(argv: Sequence[str] | None = None, *, job_cls: type[DcpJob] = DcpJob) -
 
     ``job_cls`` lets a test or a user subclass :class:`DcpJob` (e.g. another model).
     """
-    return run_main(argv, job_cls=job_cls, parser=build_parser())
+    return run_job(argv, job_cls=job_cls, parser=build_parser())
 
 
 if __name__ == "__main__":

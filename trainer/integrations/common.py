@@ -29,17 +29,16 @@ Each commit appends the ``checkpoint_committed`` status line the agent waits for
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from trainer.checkpoint import (
-    MANIFEST_NAME,
     CheckpointError,
     CheckpointStore,
     CorruptCheckpointError,
@@ -50,15 +49,18 @@ from trainer.checkpoint import (
     fetch_dir,
     gc,
     latest_committed,
-    step_dir,
+    record_answered,
     write_dir,
 )
 from trainer.guard import Decision, PreemptionGuard
 from trainer.runtime import DistContext, StatusWriter, barrier
 
-__all__ = ["DirCheckpointer", "CommitResult", "merge_shards", "all_gather_objects", "broadcast_object"]
+__all__ = ["DirCheckpointer", "CommitResult", "merge_shards", "all_gather_objects", "broadcast_object",
+           "newest_intact"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class CommitResult:
@@ -108,6 +110,45 @@ def broadcast_object(ctx: DistContext, obj: object) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def newest_intact(ctx: DistContext, store: CheckpointStore, fetch: Callable[[Manifest], T], *,
+                  fetch_here: bool = True) -> tuple[Manifest | None, T | None]:
+    """The one resume path: the newest committed checkpoint that every rank that fetches
+    finds intact. Collective: every rank calls it.
+
+    Rank 0 picks the newest committed manifest (a torn checkpoint, with no manifest, is
+    never considered) and broadcasts it; each rank with ``fetch_here`` calls
+    ``fetch(manifest)`` (download and check size and sha256, load); if any rank raises
+    CorruptCheckpointError, rank 0 discards that checkpoint and all ranks try the
+    previous one.
+
+    Returns:
+        ``(manifest, what fetch returned)``, or ``(None, None)`` when nothing is committed.
+
+    Raises:
+        StorageError (and what ``fetch`` raises besides CorruptCheckpointError): on the
+        rank that saw it; the peers then fail in their next collective.
+    """
+    while True:
+        manifest = latest_committed(store) if ctx.is_leader else None
+        manifest = broadcast_object(ctx, manifest)
+        if manifest is None:
+            return None, None
+        got: T | None = None
+        corrupt = None
+        if fetch_here:
+            try:
+                got = fetch(manifest)
+            except CorruptCheckpointError as exc:
+                corrupt = str(exc)
+        reports = [r for r in all_gather_objects(ctx, corrupt) if r]
+        if not reports:
+            return manifest, got
+        if ctx.is_leader:
+            log.error("discarding corrupt checkpoint step %d: %s", manifest.step, reports[0])
+            discard(store, manifest.step)
+        barrier(ctx)
 
 
 class DirCheckpointer:
@@ -176,17 +217,11 @@ class DirCheckpointer:
         self.guard.mark_handled(notice_ids)
         last = self.last_committed
         if last is not None and last.step == step:
-            # Already committed (resumed here, or periodic + notice at one boundary): do not
-            # save again, but make the manifest record the notices it now answers, or a
-            # worker restarted here would act on them once more. One atomic put.
-            if not set(self.guard.handled_ids) <= set(last.extra.get("notice_ids", ())):
-                last = dataclasses.replace(
-                    last, extra={**last.extra, "notice_ids": self.guard.handled_ids}, time=time.time()
-                )
-                if self.ctx.is_leader:
-                    self.store.put_bytes(f"{step_dir(step)}/{MANIFEST_NAME}", last.to_json().encode())
+            # already committed (resumed here, or periodic + notice at one boundary)
+            answered = record_answered(self.store, last, self.guard.handled_ids, write=self.ctx.is_leader)
+            if answered is not last:
                 barrier(self.ctx)
-                self.last_committed = last
+                self.last_committed = last = answered
             result = CommitResult(last, 0.0, 0.0, sum(s.size for s in last.shards))
             self._emit(step, decision, reason, result, reused=True)
             return result
@@ -283,29 +318,19 @@ class DirCheckpointer:
             StorageError: the store failed (on the rank that saw it; peers then fail
                 in the next collective).
         """
-        while True:
-            manifest = latest_committed(self.store) if self.ctx.is_leader else None
-            manifest = broadcast_object(self.ctx, manifest)
-            if manifest is None:
-                return None, None
+        def fetch(manifest: Manifest) -> Path:
             local = self.scratch / f"resume-{manifest.step:08d}"
-            corrupt = None
-            if self.ctx.is_local_leader:
-                shutil.rmtree(local, ignore_errors=True)
-                try:
-                    fetch_dir(self.store, manifest, local)
-                except CorruptCheckpointError as exc:
-                    corrupt = str(exc)
-            reports = [c for c in all_gather_objects(self.ctx, corrupt) if c]
-            if not reports:
-                barrier(self.ctx)
-                self.guard.mark_handled(manifest.extra.get("notice_ids", ()))
-                self.last_committed = manifest
-                return manifest, local
-            if self.ctx.is_leader:
-                log.error("discarding corrupt checkpoint step %d: %s", manifest.step, reports[0])
-                discard(self.store, manifest.step)
-            barrier(self.ctx)
+            shutil.rmtree(local, ignore_errors=True)
+            fetch_dir(self.store, manifest, local)
+            return local
+
+        manifest, _ = newest_intact(self.ctx, self.store, fetch, fetch_here=self.ctx.is_local_leader)
+        if manifest is None:
+            return None, None
+        barrier(self.ctx)
+        self.guard.mark_handled(manifest.extra.get("notice_ids", ()))
+        self.last_committed = manifest
+        return manifest, self.scratch / f"resume-{manifest.step:08d}"
 
     def cleanup(self, local: Path | None) -> None:
         """Remove a folder :meth:`fetch_latest` returned (node leader, after every local rank loaded)."""
