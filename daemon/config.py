@@ -256,7 +256,8 @@ class RendezvousSpec(_Spec):
     """The c10d rendezvous store (its own process) and torchrun's timeouts.
 
     Defaults are tuned for fast local re-rendezvous (torch defaults: last call
-    30 s, keep-alive 5 s x 3); see ELASTIC.md.
+    30 s, keep-alive 5 s x 3: torch.distributed.elastic.rendezvous.dynamic_rendezvous,
+    https://pytorch.org/docs/stable/elastic/rendezvous.html).
 
     ``host``: where the store listens and every node's torchrun connects. The store
     has no authentication, and torchrun's dynamic rendezvous unpickles the state it

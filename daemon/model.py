@@ -32,7 +32,7 @@ NodeId = NewType("NodeId", str)
 
 
 class EventKind(str, Enum):
-    """Every step of the loop (DESIGN.md "The loop", step 8)."""
+    """Every step of the loop (docs/architecture.md, "The loop", step 8)."""
 
     NODE_LAUNCH_REQUESTED = "node_launch_requested"
     NODE_LAUNCHED = "node_launched"

@@ -9,7 +9,7 @@ class, so what a part may touch is written down here.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Protocol
+from typing import Any, Awaitable, Iterator, Protocol
 
 from daemon.config import Config
 from daemon.control.actions import Action, NodeView, PoolState
@@ -18,7 +18,7 @@ from daemon.control.state import JobView, Rejoin
 from daemon.controlnode.store import Store
 from daemon.model import Event, EventKind, Node, NodeState
 
-__all__ = ["Core", "wait_event"]
+__all__ = ["Core", "wait_event", "leaves"]
 
 
 class Core(Protocol):
@@ -80,3 +80,11 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     except TimeoutError:
         return False
 
+
+def leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    """The exceptions of a (nested) exception group, depth first."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from leaves(exc)
+        else:
+            yield exc

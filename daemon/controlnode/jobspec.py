@@ -49,7 +49,7 @@ def job_spec(config: Config, node: Node, run_nonce: str) -> dict[str, Any]:
         *job.args,
     ]
     env = {
-        # pytorch#135712: a node joining a surviving group otherwise deadlocks (ELASTIC.md)
+        # pytorch#135712: a node joining a surviving group otherwise deadlocks
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",

@@ -4,7 +4,8 @@ torchrun's c10d rendezvous keeps its state in a TCPStore. By default the agent
 whose host matches the endpoint hosts it, and if that (spot) node dies every
 node dies (pytorch#67742). spotvisor runs the store here instead, as its own
 process/unit so a daemon restart does not touch the job, and every torchrun
-agent connects as a client (``--rdzv-conf is_host=false``). See ELASTIC.md.
+agent connects as a client (``--rdzv-conf is_host=false``,
+https://pytorch.org/docs/stable/elastic/rendezvous.html).
 
 The store has no authentication, and torchrun's dynamic rendezvous unpickles the
 state it reads from it: whoever reaches the port can run code in every node's

@@ -31,7 +31,7 @@ import collections
 import random
 import secrets
 import time
-from typing import Any, Awaitable, Callable, Iterator, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import structlog
 
@@ -46,7 +46,7 @@ from daemon.control.state import JobView, Rejoin
 from daemon.controlnode import preflight
 from daemon.controlnode.actuator import Actuator
 from daemon.controlnode.agent_link import AgentLink
-from daemon.controlnode.core import wait_event
+from daemon.controlnode.core import leaves, wait_event
 from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.intake import Intake
 from daemon.controlnode.job_tracker import JobTracker
@@ -272,7 +272,7 @@ class Supervisor:
                     if isinstance(action, _PROVIDER_ACTIONS):
                         tg.create_task(self.fleet.apply(action))
         except ExceptionGroup as group:
-            errors = list(_leaves(group))
+            errors = list(leaves(group))
             if not all(isinstance(e, ProviderError) for e in errors):
                 raise
             for extra in errors[1:]:
@@ -341,12 +341,3 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return status(self.config, self.job, self.nodes.values(), target_nodes=self.target_nodes,
                       desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock())
-
-
-def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
-    """The exceptions of a (nested) exception group, depth first."""
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc

@@ -12,7 +12,8 @@
                                             ``heartbeat_interval_s`` (it grows with the pool)
   ``POST /v1/agent/commands``               ``{"wait_s": N}``: held until the node has a
                                             command (or its start/stop decision changed),
-                                            at most N s (capped at 55); then the commands
+                                            at most N s (capped at ``agent.command_wait_s``,
+                                            300 s, at a random share: spread re-polls); then the commands
   ``POST /v1/agent/events``                 ``{"events": [...]}``: the agent's reports
   ========================================  ==============================================
 - **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are

@@ -24,7 +24,7 @@ One step boundary, on every rank alike (the contract of :mod:`trainer.run`)::
                   interruption/rejoin -> "holding", guard.hold(): keep-alive until the
                   restart (a peer leaving raises; the worker exits non-zero)
 
-Why each piece (see ``/work/shared/ELASTIC.md``):
+Why each piece (each a transformers behaviour measured with its issue cited):
 
 - ``get_last_checkpoint`` picks the largest ``checkpoint-N`` with no completeness
   check (transformers#35782), and ``trainer_state.json`` is written last by rank 0
