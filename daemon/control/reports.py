@@ -6,7 +6,7 @@ of its type (``True`` is not an integer), finite, and inside the bounds the job
 allows (a step in ``[0, job.target_steps]``, a world size in ``[1, the most GPUs the
 pool can hold]``, bytes and seconds non-negative). A report that fails is dropped
 whole by the caller with one log line and one count
-(:attr:`daemon.controlnode.agent_channel.AgentChannel.reports_dropped`), never stored: a value
+(:attr:`daemon.controlnode.supervisor.Supervisor.reports_dropped`), never stored: a value
 like ``Infinity`` or ``-1`` in the event log would otherwise break the feed's
 rendering or a Prometheus counter on every restart.
 

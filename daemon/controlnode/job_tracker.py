@@ -148,7 +148,7 @@ class JobTracker:
             if not self.core.config.daemon.verify_commits:
                 self._record_commit(node.id, line)
             elif not (line.step in self.core.job.commit_steps and self._answered.issuperset(line.notice_ids)):
-                self._to_verify.put_nowait((node.id, line))  # _verify_commits records it once its manifest verifies
+                self._to_verify.put_nowait((node.id, line))  # verify_commits records it once its manifest verifies
         elif line.event == "completed":
             if line.step < self.core.config.job.target_steps:
                 self.core.drop(node, "trainer_status", f"completed at step {line.step}, before job.target_steps "
