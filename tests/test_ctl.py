@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import termios
@@ -441,6 +442,11 @@ _ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\x07")  # escapes, and the
 
 def _make_controlling_tty() -> None:  # in the child, after setsid: the pty becomes its terminal
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # ... and Ctrl-C acts as in a fresh terminal session. A SIGINT ignored by whoever started
+    # pytest (a `cmd &` in a non-interactive shell sets SIG_IGN, and exec keeps it) would
+    # otherwise reach spotctl ignored: Python then installs no KeyboardInterrupt handler, the
+    # ^C is echoed and nothing happens (``restore_signals`` resets only SIGPIPE and SIGXFSZ).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class PtyShell:
