@@ -28,14 +28,14 @@ class Actuator:
 
     def __init__(self, core: Core, *, drain: Callable[[Node, str], None], avoid_zone: Callable[[Node], None],
                  watch_flush: Callable[[str, str, float], None]) -> None:
-        self.sup = core
+        self.core = core
         self._drain = drain  # Operator.drain
         self._avoid_zone = avoid_zone  # Fleet.avoid_zone_of
         self._watch_flush = watch_flush  # JobTracker.watch_flush
 
     def act(self, action: a.Action) -> None:
         """Carry out one decision that needs no provider call. Raises TypeError: not such an action."""
-        sup = self.sup
+        sup = self.core
         if isinstance(action, a.Admit):
             sup.set_state(sup.nodes[action.node_id], NodeState.RUNNING)
             sup.record(EventKind.NODE_ADMITTED, action.node_id, reason=action.reason)
@@ -66,7 +66,7 @@ class Actuator:
             for nid in action.node_ids:
                 sup.send(nid, {"kind": "checkpoint", "reason": action.reason, "id": action.request_id})
             sup.record(EventKind.CHECKPOINT_REQUESTED, action.about, reason=action.reason,
-                        request_id=action.request_id)
+                       request_id=action.request_id)
         elif isinstance(action, a.MarkReplacing):
             sup.nodes[action.node_id].replacing = True
             sup.store.put_node(sup.nodes[action.node_id])
@@ -75,7 +75,7 @@ class Actuator:
             raise TypeError(f"not an action for act(): {action!r}")
 
     def _rejoin(self, action: a.RequestRejoin | a.EndRejoin) -> None:
-        sup = self.sup
+        sup = self.core
         if isinstance(action, a.RequestRejoin):
             rid = f"rejoin-{secrets.token_hex(4)}"
             sup.rejoin = Rejoin(rid, set(action.nodes), sup.clock())
@@ -84,7 +84,7 @@ class Actuator:
             for nid in action.ask:
                 sup.send(nid, {"kind": "checkpoint", "reason": "rejoin", "id": rid})
             sup.record(EventKind.CHECKPOINT_REQUESTED, None, reason="rejoin", request_id=rid,
-                        for_nodes=sorted(action.nodes))
+                       for_nodes=sorted(action.nodes))
         elif (sup.rejoin.id if sup.rejoin is not None else "") == action.request_id:  # "": none in flight
             if action.reason != "answered":
                 log.info("rejoin_ended", request_id=action.request_id, reason=action.reason)

@@ -13,7 +13,7 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   less when the trainer starts or exits: the daemon must know at once whether a
   trainer runs (a drain asks it to commit; a node with none is released). The
   reply carries the daemon's commands too: start the trainer, request a checkpoint
-  (kind ``rejoin`` or ``checkpoint``), drain, stop the trainer.
+  (kind ``rejoin`` or ``checkpoint``), drain, cancel a request.
 - ``commands``: keep one ``POST /v1/agent/commands`` long-poll outstanding, so a
   command reaches the node at once however long the heartbeat interval is; its
   reply is applied as a heartbeat reply is (each command comes by one channel or the
@@ -27,14 +27,12 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   leaves the job by SIGTERM to its torchrun agent (never by its workers exiting 0:
   that would close the rendezvous for good, pytorch#123678).
 - ``trainer``: start and supervise ``torchrun --nnodes=MIN:MAX`` as a c10d
-  rendezvous client of the rendezvous store. Its process is started at registration
-  (:mod:`daemon.gpunode.launcher`: torchrun imported, waiting) and handed the job when the
-  daemon admits the node, so the import is not spent while the survivors hold.
+  rendezvous client of the rendezvous store (:class:`~daemon.gpunode.trainer_process.TrainerProcess`:
+  started at registration, handed the job when the daemon admits the node, so the
+  import is not spent while the survivors hold).
 
-Node-local contract with the trainer (see ``docs/architecture.md``):
-``SPOTVISOR_NOTICE_FILE`` (JSON list of notices, replaced atomically),
-``SPOTVISOR_STATUS_FILE`` (JSON lines appended by the trainer),
-``SPOTVISOR_LOG_DIR`` (per-rank step logs).
+The node-local contract with the trainer (the environment, the notice file, the
+status file) is :mod:`trainer.contract`, which both sides import.
 """
 
 from __future__ import annotations
