@@ -330,3 +330,20 @@ def test_a_grow_whose_world_changed_admits_only_a_valid_prefix() -> None:
     acts = Spotvisor().admit(m.state(), RULES, now=m.now)
     assert [x for x in acts if isinstance(x, a.Admit)] == [a.Admit("n3", "rejoin")]
     assert acts[0] == a.EndRejoin("r", "answered", back_to_ready=("n4",))
+
+
+def test_a_node_awaiting_a_replacement_that_is_no_longer_coming_is_drained() -> None:
+    # found by the property above: two running nodes were marked for replacement (rebalance
+    # "replace"), then the operator scaled the pool in to the one node left. No replacement
+    # is in flight and none will be launched, so "drain once the replacement is up" never
+    # came: they stayed in the job for good (a world of 3 at target 1). Now they are drained.
+    m = Model(1)
+    for i, replacing in enumerate([True, False, True], 1):
+        m.nodes[f"n{i}"] = N(f"n{i}", i, m.now, state=NodeState.RUNNING, trainer=TrainerState.RUNNING,
+                             last_heartbeat=m.now, ready_at=m.now, replacing=replacing)
+    m.job.to(JobState.RUNNING)
+    acts = Spotvisor().admit(m.state(), RULES, now=m.now)
+    assert acts == [a.Drain("n1", "rebalance_not_replaced"), a.Drain("n3", "rebalance_not_replaced")]
+    m.nodes["n2"].replacing = False
+    m.target = m.desired = 3  # a replacement is still wanted (and will be launched): keep them
+    assert Spotvisor().admit(m.state(), RULES, now=m.now) == []

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from daemon.control.actions import (Action, Admit, Drain, EndRejoin, NodeView, NoteFirstReady, PoolState,
                                     RequestRejoin, StartJob)
-from daemon.control.lifecycle import ADMITTED, JobState, NodeState, TrainerState, leaving
+from daemon.control.lifecycle import ADMITTED, NOT_IN_JOB_YET, JobState, NodeState, TrainerState, leaving
 
 __all__ = ["Rules", "admit", "largest_valid"]
 
@@ -74,10 +74,15 @@ def admit(s: PoolState, rules: Rules, *, now: float) -> list[Action]:
     running = s.in_state(*ADMITTED)
     admitting = s.in_state(NodeState.ADMITTING)
 
-    # rebalance policy "replace": once the replacement is up, drain the node at risk
+    # rebalance policy "replace": once the replacement is up, drain the node at risk; and
+    # when no replacement is coming (none in flight, and the nodes staying already make the
+    # target: the operator scaled in meanwhile), drain it too, or it stays in the job for good
     replacing = [n for n in running if n.replacing]
     if replacing and ready:
         return [Drain(n.id, "rebalance_replaced") for n in replacing]
+    in_flight = [n for n in s.nodes if n.state in NOT_IN_JOB_YET]
+    if replacing and not in_flight and len(running) - len(replacing) >= s.desired_nodes:
+        return [Drain(n.id, "rebalance_not_replaced") for n in replacing]
 
     going = [n.id for n in s.nodes if leaving(n)]
     rj = s.rejoin
