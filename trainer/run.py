@@ -45,7 +45,7 @@ from trainer.data import VOCAB_SIZE
 from trainer.guard import Decision
 from trainer.integrations.common import newest_intact
 from trainer.loop import ConfigError, ElasticJob, run_job
-from trainer.runtime import DistContext, add_job_arguments, barrier, data_position, positive_int
+from trainer.runtime import DistContext, add_job_arguments, barrier, data_position, mean_loss, positive_int
 from trainer.sampler import ElasticSampler
 
 __all__ = ["main", "build_parser", "build_state", "causal_lm_step", "wrap_ddp", "ReferenceJob", "TrainState",
@@ -277,13 +277,9 @@ def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(job.state.model.parameters(), 1.0)
     opt.step()
-    local = total / len(micro)
-    glob = local.clone()
-    if job.ctx.initialized and job.ctx.world_size > 1:
-        dist.all_reduce(glob, op=dist.ReduceOp.SUM)
-        glob /= job.ctx.world_size
+    glob, local = mean_loss(job.ctx, total, len(micro))
     job.state.step += 1
-    return float(glob.item()), float(local.item()), [p for mb in micro for p in mb]
+    return glob, local, [p for mb in micro for p in mb]
 
 
 # --------------------------------------------------------------------------- entry point

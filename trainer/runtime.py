@@ -43,6 +43,7 @@ __all__ = [
     "shrink_process_group",
     "new_attempt_id",
     "barrier",
+    "mean_loss",
     "data_position",
     "StatusWriter",
     "StepLog",
@@ -243,6 +244,17 @@ def new_attempt_id(ctx: DistContext) -> str:
 def barrier(ctx: DistContext) -> None:
     if ctx.initialized and ctx.world_size > 1:
         dist.barrier()
+
+
+def mean_loss(ctx: DistContext, total: torch.Tensor, micro_batches: int) -> tuple[float, float]:
+    """A step's loss from the sum of its ``micro_batches`` micro-batch losses on this rank:
+    ``(mean over every rank, this rank's mean)`` (collective when the world has more than one rank)."""
+    local = total / micro_batches
+    glob = local.clone()
+    if ctx.initialized and ctx.world_size > 1:
+        dist.all_reduce(glob, op=dist.ReduceOp.SUM)
+        glob /= ctx.world_size
+    return float(glob.item()), float(local.item())
 
 
 def data_position(step: int, global_batch_size: int, seed: int, dataset_len: int) -> dict[str, int]:

@@ -29,7 +29,6 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.batch import BatchPlan
@@ -41,6 +40,7 @@ from trainer.run import TrainState, build_state
 from trainer.runtime import (
     DistContext,
     data_position,
+    mean_loss,
     scratch_dir,
 )
 from trainer.sampler import ElasticSampler
@@ -157,13 +157,9 @@ class DeepSpeedJob(ElasticJob):
             total += loss.detach()
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed counts {engine.global_steps} optimizer steps after step {step + 1}")
-        local = total / len(micro)
-        glob = local.clone()
-        if self.ctx.initialized and self.ctx.world_size > 1:
-            dist.all_reduce(glob, op=dist.ReduceOp.SUM)
-            glob /= self.ctx.world_size
+        glob, local = mean_loss(self.ctx, total, len(micro))
         self.state.step += 1
-        return float(glob.item()), float(local.item()), [p for mb in micro for p in mb]
+        return glob, local, [p for mb in micro for p in mb]
 
 
 def main(argv: Sequence[str] | None = None, *, job_cls: type[DeepSpeedJob] = DeepSpeedJob) -> int:
