@@ -35,7 +35,7 @@ test-quick: $(STAMP)
 	$(PY) -m pytest -q -m 'not slow'
 
 clean:
-	rm -rf .spotvisor demo-summary.json .pytest_cache
+	rm -rf .spotvisor .spotvisor-migrate demo-summary.json .pytest_cache
 
 # `sudo make install-systemd`: the three units (systemd/*.service: what each runs and
 # why its hardening is what it is) and the `spotvisor` system user (systemd/spotvisor.sysusers),

@@ -1,8 +1,8 @@
 """spotvisord configuration: one pydantic schema, read from YAML.
 
 The file has one section per part of the architecture (``pool``, ``job``,
-``rendezvous``, ``agent``, ``daemon``, ``providers``, ``offers``, ``chaos``,
-``notify``).
+``rendezvous``, ``agent``, ``daemon``, ``providers``, ``domains``, ``migration``,
+``offers``, ``chaos``, ``notify``).
 Unknown keys are errors (a typo must not silently become a default), and so are
 numbers that are not finite (``.inf``, ``.nan``: "no timeout" is not a setting) and
 documents nested deeper than :data:`MAX_NESTING` levels.
@@ -43,6 +43,10 @@ __all__ = [
     "AliyunProviderSpec",
     "ProvidersSpec",
     "OfferSpec",
+    "DomainSpec",
+    "DomainRendezvous",
+    "MigrationSpec",
+    "Domain",
     "ChaosEvent",
     "SinkSpec",
     "WEBHOOK_MAX_BATCH",
@@ -347,14 +351,29 @@ class DaemonSpec(_Spec):
     ``state_dir``: a directory (created when missing); an existing file there, or a
     file on its path, is an error. ``agent_host``: where the agent API listens; a
     wildcard or public address is allowed there, unlike ``rendezvous.host``, because
-    every agent request carries its node's bearer token. The tokens travel in plain
-    HTTP, though: keep the port on the nodes' private network all the same.
+    every agent request carries its node's bearer token. Keep the port on the nodes'
+    private network all the same.
+
+    ``agent_tls``: whether the agent port speaks TLS (:mod:`daemon.controlnode.tls`).
+    ``auto`` (default): TLS unless ``agent_host`` is loopback (127.0.0.0/8, ::1,
+    ``localhost``: the local provider's agents on this machine keep plain HTTP).
+    ``on``: always. ``off``: plain HTTP, refused for any other address (the tokens would
+    cross the network readable). With TLS the daemon makes its own CA under
+    ``<state_dir>/tls/`` at first start and hands its certificate to every node it
+    launches; or give the operator's files, all three: ``tls_cert_file`` (PEM, naming
+    ``agent_host`` in its subjectAltName), ``tls_key_file``, ``tls_ca_file`` (what the
+    nodes trust).
     """
 
     state_dir: str = ".spotvisor"
     socket: str | None = None
     agent_host: str = "127.0.0.1"
     agent_port: int = Field(0, ge=0, le=65535)
+    # after ``agent_host``: its validator reads that one (pydantic validates fields in order)
+    agent_tls: Literal["auto", "on", "off"] = "auto"
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
     heartbeat_timeout_s: PositiveS = 20.0
     # the whole pool sends at most this many heartbeats a second: each node is told an
     # interval of max(agent.heartbeat_interval_s, live nodes / this), and its lost-node
@@ -390,6 +409,78 @@ class DaemonSpec(_Spec):
         except OSError:  # e.g. no permission to look: the daemon says so when it creates it
             pass
         return state_dir
+
+    @field_validator("agent_tls", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) reads a bare on / off as true / false
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("agent_tls")
+    @classmethod
+    def _no_plain_tokens(cls, mode: str, info: ValidationInfo) -> str:
+        host = info.data.get("agent_host")
+        if mode == "off" and host is not None and not cls.is_loopback(host):
+            raise ValueError(
+                f"off would send every node's bearer token in plain HTTP to agent_host {host or repr(host)}, "
+                "which is not a loopback address (set daemon.agent_tls: auto or on: the daemon makes its own CA "
+                "and gives it to the nodes it launches; or set daemon.agent_host: 127.0.0.1)"
+            )
+        return mode
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_ca_file")
+    @classmethod
+    def _a_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            path = Path(os.path.expanduser(value))
+            try:
+                missing = not path.is_file()
+            except OSError:  # e.g. no permission to look: the daemon says so when it reads it
+                missing = False
+            if missing:
+                raise ValueError(f"{path}: no such file (give the PEM file's path, or remove the three "
+                                 "tls_*_file keys: the daemon then makes its own CA)")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> "DaemonSpec":
+        names = ("tls_cert_file", "tls_key_file", "tls_ca_file")
+        given = [n for n in names if getattr(self, n) is not None]
+        if given and len(given) < len(names):
+            missing = [n for n in names if n not in given]
+            raise ValueError(f"{', '.join(missing)}: required with {', '.join(given)} (give all three of "
+                             f"{', '.join(names)}, or none: the daemon then makes its own CA)")
+        if given and self.agent_tls == "off":
+            raise ValueError("tls_cert_file, tls_key_file, tls_ca_file given but agent_tls is off (set "
+                             "daemon.agent_tls: on, or remove the three files)")
+        return self
+
+    @staticmethod
+    def is_loopback(host: str) -> bool:
+        """``host`` is ``localhost`` or a loopback address (127.0.0.0/8, ::1, ::ffff:127.x)."""
+        text = host.strip().lower().rstrip(".")
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        if text == "localhost":
+            return True
+        addr: ipaddress.IPv4Address | ipaddress.IPv6Address
+        try:
+            addr = ipaddress.ip_address(text)
+        except ValueError:
+            try:  # the forms the resolver also takes as IPv4: "127.1", "0x7f000001"
+                addr = ipaddress.IPv4Address(socket.inet_aton(text))
+            except OSError:
+                return False  # a name
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return addr.is_loopback
+
+    def agent_tls_on(self) -> bool:
+        """Whether the agent port speaks TLS: ``on``; ``auto`` with a non-loopback
+        ``agent_host`` or the operator's files; never with ``off``."""
+        if self.agent_tls == "auto":
+            return not self.is_loopback(self.agent_host) or self.tls_cert_file is not None
+        return self.agent_tls == "on"
 
     def state_path(self) -> Path:
         return Path(os.path.expanduser(self.state_dir)).resolve()
@@ -462,6 +553,8 @@ class OfferSpec(_Spec):
     provider: Literal["local", "aws", "aliyun"] = "local"
     region: str = "local"
     zone: str | None = None
+    # the placement domain (``domains:``) it belongs to; absent: the one domain of its provider and region
+    domain: str | None = None
     instance_type: str = "local.cpu"
     gpu_type: str = "none"
     gpus_per_node: int = Field(1, ge=1, le=64)
@@ -487,6 +580,90 @@ class OfferSpec(_Spec):
         return offer_key(self.provider, self.region, self.zone, self.instance_type, self.market)
 
 
+_DOMAIN_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+class DomainRendezvous(_Spec):
+    """A domain's own rendezvous endpoint: ``host`` and ``port`` on that domain's private
+    network, under the same trust rule as the top-level ``rendezvous`` (no wildcard or
+    public address unless ``allow_public``); torchrun's timeouts are the top-level
+    section's, the same in every domain."""
+
+    allow_public: bool = False  # before ``host``: its validator reads this one
+    host: str
+    port: int = Field(29400, ge=1, le=65535)
+
+    _private = field_validator("host")(RendezvousSpec._private.__func__)  # type: ignore[attr-defined]
+
+
+class DomainSpec(_Spec):
+    """A placement domain: a provider and region, plus an optional placement group or
+    cluster network. Every node of one job attempt sits in one domain, on its private
+    network; a move to another domain is a whole-job migration (``migration:``).
+
+    ``checkpoint_uri`` / ``rendezvous``: the domain's own store and rendezvous endpoint,
+    each reachable on its private network. The first domain defaults to
+    ``job.checkpoint_uri`` and the top-level ``rendezvous``; every other domain must
+    give both. ``mix_zones`` / ``mix_gpu_types``: whether one job attempt's nodes may
+    come from several zones / GPU types of the domain (false pins the attempt to those of
+    its first node). ``egress_usd_per_gb``: USD per GB (10^9 bytes) to copy a checkpoint
+    out of this domain's store to another domain (inter-region transfer or internet
+    egress; AWS lists 0.02 between US regions and 0.09 to the internet, first 10 TB:
+    https://aws.amazon.com/ec2/pricing/on-demand/#Data_Transfer).
+    """
+
+    name: str = Field(pattern=_DOMAIN_NAME)
+    provider: Literal["local", "aws", "aliyun"] = "local"
+    region: str = "local"
+    placement_group: str | None = None
+    mix_zones: bool = True
+    mix_gpu_types: bool = True
+    checkpoint_uri: str | None = None
+    s3_endpoint_url: str | None = None
+    oss_endpoint: str | None = None
+    rendezvous: DomainRendezvous | None = None
+    egress_usd_per_gb: float = Field(0.0, ge=0)
+
+
+class MigrationSpec(_Spec):
+    """When the job moves to another placement domain (only with more than one).
+
+    ``patience_s``: how long the job's domain may stay unable to bring the pool back to
+    its target (every offer of the domain out of capacity or over its price cap) before
+    the job moves. ``boot_timeout_s``: how long the target domain has to bring up nodes
+    for a valid world size before the move is given up (``migration_failed``; the job
+    stays). ``min_saving_fraction``: also move, without a shortage, when another domain's
+    usable offers are at least this much cheaper per GPU-hour and the saving over
+    ``payback_h`` hours pays for the move (its egress); null: move only on a shortage.
+    ``cooldown_s``: no new move this long after one ends (seconds).
+    """
+
+    enabled: bool = True
+    patience_s: float = Field(300.0, gt=0, le=MAX_DURATION_S)
+    boot_timeout_s: float = Field(900.0, gt=0, le=MAX_DURATION_S)
+    min_saving_fraction: float | None = Field(None, gt=0, lt=1)
+    payback_h: float = Field(24.0, gt=0)
+    cooldown_s: float = Field(1800.0, ge=0, le=MAX_DURATION_S)
+
+
+class Domain:
+    """A resolved placement domain: its name, place, store, rendezvous and offers.
+
+    ``offers``: indices into ``config.offers``. ``rendezvous``: the endpoint (with the
+    top-level section's timeouts). Built by :meth:`Config.domains_resolved`.
+    """
+
+    __slots__ = ("name", "provider", "region", "placement_group", "mix_zones", "mix_gpu_types",
+                 "checkpoint_uri", "s3_endpoint_url", "oss_endpoint", "rendezvous", "egress_usd_per_gb", "offers")
+
+    def __init__(self, **kw: Any) -> None:
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
+
+    def __repr__(self) -> str:
+        return f"Domain({self.name}: {self.provider}/{self.region}, offers {self.offers})"
+
+
 class ChaosEvent(_Spec):
     """A fault the local provider injects.
 
@@ -508,18 +685,27 @@ class ChaosEvent(_Spec):
     ``at_step`` by the time its notice commit lands.
     """
 
-    action: Literal["notice", "kill"]
-    node: int = Field(ge=1)
+    action: Literal["notice", "kill", "capacity_out"]
+    node: int | None = Field(None, ge=1)
     at_step: int | None = Field(None, ge=0)
     at_s: float | None = Field(None, ge=0, le=MAX_DURATION_S)
     lead_s: float = Field(30.0, ge=0, le=MAX_DURATION_S)
     wait_full_pool: bool = True
     hold_replacements_for_steps: int | None = Field(None, ge=1)
+    # capacity_out: the placement domain whose offers answer every launch with a capacity
+    # error, for ``for_s`` seconds (as a region out of a GPU type does)
+    domain: str | None = None
+    for_s: float = Field(600.0, gt=0, le=MAX_DURATION_S)
 
     @model_validator(mode="after")
     def _when(self) -> "ChaosEvent":
         if (self.at_step is None) == (self.at_s is None):
             raise ValueError("give exactly one of at_step or at_s (when the fault fires)")
+        if self.action == "capacity_out":
+            if self.domain is None:
+                raise ValueError("domain: capacity_out names the placement domain that runs out (domains.*.name)")
+        elif self.node is None:
+            raise ValueError(f"node: {self.action} names the node it hits (1 = the first launched)")
         return self
 
 
@@ -617,9 +803,17 @@ class Config(_Spec):
     agent: AgentSpec = AgentSpec()
     daemon: DaemonSpec = DaemonSpec()
     providers: ProvidersSpec = ProvidersSpec()
+    domains: list[DomainSpec] = []
+    migration: MigrationSpec = MigrationSpec()
     offers: list[OfferSpec] = Field(default_factory=lambda: [OfferSpec()], min_length=1)
     chaos: list[ChaosEvent] = []
     notify: list[SinkSpec] = []
+
+    @model_validator(mode="after")
+    def _domains(self) -> "Config":
+        """Every offer in exactly one placement domain; no job across two (issue 15)."""
+        _resolve_domains(self)
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
@@ -701,12 +895,128 @@ class Config(_Spec):
         lo, hi = self.pool.min_nodes, self.pool.max_nodes
         return [w // g for w in self.job.valid_world_sizes(self.max_world_size()) if w % g == 0 and lo <= w // g <= hi]
 
+    def valid_world_sizes(self) -> list[int]:
+        """World sizes up to :meth:`max_world_size` that the global batch splits over, ascending."""
+        return self.job.valid_world_sizes(self.max_world_size())
+
     def max_world_size(self) -> int:
         """The largest world size the pool can reach: ``pool.max_nodes`` × the most GPUs an offer has."""
         return self.pool.max_nodes * max(o.gpus_per_node for o in self.offers)
 
-    def checkpoint_uri(self) -> str:
-        return self.job.checkpoint_uri.replace("{state_dir}", str(self.daemon.state_path()))
+    def checkpoint_uri(self, domain: str | None = None) -> str:
+        """The checkpoint store's URI in ``domain`` (default: the first domain), with
+        ``{state_dir}`` filled in."""
+        uri = self.domain(domain).checkpoint_uri
+        return uri.replace("{state_dir}", str(self.daemon.state_path()))
+
+    def domains_resolved(self) -> list[Domain]:
+        """The placement domains, in config order (the first is where a job starts)."""
+        return _resolve_domains(self)
+
+    def domain(self, name: str | None = None) -> Domain:
+        """Domain ``name`` (None: the first). Raises KeyError: no such domain."""
+        resolved = _resolve_domains(self)
+        if name is None:
+            return resolved[0]
+        for d in resolved:
+            if d.name == name:
+                return d
+        raise KeyError(f"no placement domain {name!r} (domains: {', '.join(d.name for d in resolved)})")
+
+    def domain_of_offer(self, index: int) -> str:
+        """The name of the domain offer ``index`` belongs to."""
+        for d in _resolve_domains(self):
+            if index in d.offers:
+                return d.name
+        raise KeyError(f"offer {index} has no domain")  # _resolve_domains makes this impossible
+
+    def domain_of_key(self, key: str | None) -> str | None:
+        """The domain of the offer whose stable key is ``key`` (a node's ``offer_key``);
+        None when no offer of this config has that key (an offer removed since)."""
+        for i, o in enumerate(self.offers):
+            if o.key == key:
+                return self.domain_of_offer(i)
+        return None
+
+
+def _resolve_domains(c: Config) -> list[Domain]:
+    """The config's placement domains with their offers. Raises ValueError (one line
+    naming the field and the fix) for offers across two implicit domains, an offer in no
+    domain or in an ambiguous one, a second domain without its own store or rendezvous."""
+    specs = list(c.domains)
+    if not specs:  # one implicit domain: the offers' provider and region
+        places = list(dict.fromkeys((o.provider, o.region) for o in c.offers))
+        if len(places) > 1:
+            listed = ", ".join(f"{p}/{r}" for p, r in places)
+            raise ValueError(
+                f"offers: they span {len(places)} placement domains ({listed}) and one job never spans two "
+                "networks (its all-reduce would cross them); declare domains: with a checkpoint_uri and a "
+                "rendezvous for each, so the job moves between them whole (configs/multi-cloud.yaml), or keep "
+                "the offers of one provider and region")
+        (provider, region), = places
+        specs = [DomainSpec(name=_slug(f"{provider}-{region}"), provider=provider, region=region)]
+    names = [d.name for d in specs]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"domains.{i}.name: {name!r} is named twice (give each domain its own name)")
+    members: dict[str, list[int]] = {d.name: [] for d in specs}
+    for i, o in enumerate(c.offers):
+        if o.domain is not None:
+            spec = next((d for d in specs if d.name == o.domain), None)
+            if spec is None:
+                raise ValueError(f"offers.{i}.domain: no domain named {o.domain!r} (domains: {', '.join(names)})")
+            if (spec.provider, spec.region) != (o.provider, o.region):
+                raise ValueError(f"offers.{i}.domain: {o.domain!r} is {spec.provider}/{spec.region}, the offer "
+                                 f"{o.provider}/{o.region} (a domain is one provider and region)")
+            members[spec.name].append(i)
+            continue
+        matches = [d for d in specs if (d.provider, d.region) == (o.provider, o.region)]
+        if not matches:
+            raise ValueError(f"offers.{i}: {o.provider}/{o.region} is in no placement domain (add a domains: "
+                             "entry for it, or remove the offer)")
+        if len(matches) > 1:
+            raise ValueError(f"offers.{i}.domain: {o.provider}/{o.region} has {len(matches)} domains "
+                             f"({', '.join(d.name for d in matches)}); say which one")
+        members[matches[0].name].append(i)
+    out: list[Domain] = []
+    for i, d in enumerate(specs):
+        if not members[d.name]:
+            raise ValueError(f"domains.{i}: {d.name!r} has no offers (add offers in {d.provider}/{d.region}, "
+                             "or remove the domain)")
+        if i > 0 and d.checkpoint_uri is None:
+            raise ValueError(f"domains.{i}.checkpoint_uri: {d.name!r} needs its own checkpoint store, "
+                             "reachable on its private network (e.g. s3://bucket-in-that-region/prefix)")
+        if i > 0 and d.rendezvous is None:
+            raise ValueError(f"domains.{i}.rendezvous: {d.name!r} needs its own rendezvous endpoint on its "
+                             "private network (host and port)")
+        uri = d.checkpoint_uri or c.job.checkpoint_uri
+        if uri.startswith("oss://") and not (d.oss_endpoint or c.job.oss_endpoint):
+            raise ValueError(f"domains.{i}.oss_endpoint: an oss:// checkpoint_uri needs the bucket's endpoint "
+                             "(e.g. https://oss-cn-hangzhou.aliyuncs.com)")
+        if "://" not in uri or uri.split("://", 1)[0] not in ("file", "s3", "oss"):
+            raise ValueError(f"domains.{i}.checkpoint_uri: {uri!r} has no supported scheme "
+                             "(use file:///path, s3://bucket/prefix or oss://bucket/prefix)")
+        top = c.rendezvous
+        rdzv = top if d.rendezvous is None else top.model_copy(update={
+            "host": d.rendezvous.host, "port": d.rendezvous.port, "allow_public": d.rendezvous.allow_public})
+        out.append(Domain(name=d.name, provider=d.provider, region=d.region, placement_group=d.placement_group,
+                          mix_zones=d.mix_zones, mix_gpu_types=d.mix_gpu_types, checkpoint_uri=uri,
+                          s3_endpoint_url=d.s3_endpoint_url or c.job.s3_endpoint_url,
+                          oss_endpoint=d.oss_endpoint or c.job.oss_endpoint, rendezvous=rdzv,
+                          egress_usd_per_gb=d.egress_usd_per_gb, offers=tuple(members[d.name])))
+    endpoints = [(d.rendezvous.host, d.rendezvous.port) for d in out]
+    for i, ep in enumerate(endpoints):
+        if ep in endpoints[:i]:
+            raise ValueError(f"domains.{i}.rendezvous: {ep[0]}:{ep[1]} is also domain "
+                             f"{out[endpoints.index(ep)].name!r}'s (each domain has its own)")
+    for i, ev in enumerate(c.chaos):
+        if ev.domain is not None and ev.domain not in names:
+            raise ValueError(f"chaos.{i}.domain: no domain named {ev.domain!r} (domains: {', '.join(names)})")
+    return out
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in text.lower()).strip("-")[:63] or "default"
 
 
 def format_problems(exc: ValidationError) -> list[str]:

@@ -66,6 +66,11 @@ class EventKind(str, Enum):
     JOB_PAUSING = "job_pausing"
     JOB_PAUSED = "job_paused"
     JOB_UNPAUSED = "job_unpaused"
+    # whole-job migration between placement domains (daemon/control/migration.py)
+    MIGRATION_STARTED = "migration_started"
+    CHECKPOINT_REPLICATED = "checkpoint_replicated"
+    MIGRATION_COMPLETED = "migration_completed"
+    MIGRATION_FAILED = "migration_failed"
 
 
 @dataclass(frozen=True, slots=True)

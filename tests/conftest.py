@@ -40,6 +40,7 @@ def s3_server() -> Iterator[str]:
 # -- a real daemon (Supervisor + ApiServer) in the test's event loop -------------------------
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -108,6 +109,27 @@ class DaemonHarness:
         return self.sup.store.events(kinds=[kind])  # type: ignore[attr-defined]
 
 
+@contextlib.asynccontextmanager
+async def started_daemon(config: "object", provider: Provider, store: "object", socket_path: str, *,
+                         ssl_context: "object" = None, agent_ca_pem: str | None = None):
+    """A Supervisor and its ApiServer on 127.0.0.1 (agent port: a free one), started; both
+    closed on exit. Yields ``(sup, api)``."""
+    from daemon.interfaces.api import ApiServer
+    from daemon.controlnode.supervisor import Supervisor
+
+    sup = Supervisor(config, provider=provider, store=store)  # type: ignore[arg-type]
+    api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=0,  # type: ignore[attr-defined]
+                    socket_path=socket_path, ssl_context=ssl_context)
+    try:
+        await api.start()
+        assert api.agent_url is not None
+        await sup.start(agent_url=api.agent_url, agent_ca_pem=agent_ca_pem)
+        yield sup, api
+    finally:
+        await sup.aclose()
+        await api.aclose()
+
+
 @pytest.fixture
 async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
     """Store + RecordingProvider + Supervisor + ApiServer, started; pool target 1 (max 2).
@@ -115,10 +137,8 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
     The control socket lives in a short ``/tmp`` directory (unix socket paths are
     limited to ~100 characters).
     """
-    from daemon.interfaces.api import ApiServer
     from daemon.config import Config
     from daemon.controlnode.store import Store
-    from daemon.controlnode.supervisor import Supervisor
 
     sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
     socket_path = f"{sockdir}/d.sock"
@@ -130,16 +150,10 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
     })
     store = Store(tmp_path / "state" / "spotvisord.db").open()
     provider = RecordingProvider()
-    sup = Supervisor(config, provider=provider, store=store)
-    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=socket_path)
     try:
-        await api.start()
-        assert api.agent_url is not None
-        await sup.start(agent_url=api.agent_url)
-        yield DaemonHarness(sup, api, provider, config, socket_path, tmp_path)
+        async with started_daemon(config, provider, store, socket_path) as (sup, api):
+            yield DaemonHarness(sup, api, provider, config, socket_path, tmp_path)
     finally:
-        await sup.aclose()
-        await api.aclose()
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)
 

@@ -1,5 +1,6 @@
 """Failover across clouds through the real daemon and the real SDKs: AWS (boto3 →
-fault proxy → moto) and Alibaba (aliyun-python-sdk-ecs → FakeEcs)."""
+fault proxy → moto) and Alibaba (aliyun-python-sdk-ecs → FakeEcs). AWS and Alibaba are
+two placement domains: the job moves between them whole, never spans them."""
 
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ async def daemon(request: pytest.FixtureRequest, tmp_path: Path, faults: AwsFaul
                        "vswitch_ids": {"cn-hangzhou-h": "vsw-h"}, "endpoint": ecs.endpoint},
         },
         "offers": offers,
+        **({"domains": [
+            {"name": "aws-use1", "provider": "aws", "region": "us-east-1"},
+            {"name": "aliyun-hz", "provider": "aliyun", "region": "cn-hangzhou",
+             "checkpoint_uri": f"file://{tmp_path}/hz", "rendezvous": {"host": "172.16.0.10", "port": 29400}},
+        ], "migration": {"patience_s": 0.5}} if {"aws", "aliyun"} <= set(kinds) else {}),
     })
     providers = {
         "aws": AwsProvider(spec=config.providers.aws, region="us-east-1", retry_attempts=2, retry_initial_s=0.01,
@@ -78,13 +84,19 @@ async def daemon(request: pytest.FixtureRequest, tmp_path: Path, faults: AwsFaul
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
-async def test_aws_out_of_capacity_fails_over_to_alibaba_and_the_job_follows_its_gpus(
+async def test_aws_out_of_capacity_moves_the_job_to_alibaba_and_it_follows_its_gpus(
         daemon: DaemonHarness, faults: AwsFaultProxy, ecs: FakeEcs) -> None:
+    """Both AWS offers answer InsufficientInstanceCapacity: after migration.patience_s the
+    job (not started yet, nothing to copy) moves to Alibaba, whose node starts it with its
+    own GPU count and its own domain's rendezvous and store."""
     h = daemon
     faults.fail_next("RunInstances", "InsufficientInstanceCapacity", 500, n=2)
     await h.sup.start(agent_url=h.api.agent_url)
     await h.until(lambda: any(n.provider == "aliyun" and n.state is NodeState.LAUNCHING
                               for n in h.sup.nodes.values()), timeout_s=20, what="the Alibaba launch")
+    [started] = h.events("migration_started")
+    assert (started.data["source"], started.data["target"], started.data["reason"]) == \
+        ("aws-use1", "aliyun-hz", "capacity")
 
     failed = h.events("node_launch_failed")
     assert [(e.data["error"], e.data["offer"].split("/")[0]) for e in failed] == [("capacity", "aws")] * 2
@@ -96,8 +108,10 @@ async def test_aws_out_of_capacity_fails_over_to_alibaba_and_the_job_follows_its
     node = next(n for n in h.sup.nodes.values() if n.provider == "aliyun")
     argv = h.sup.job_spec(node)["argv"]
     assert "--nproc-per-node=4" in argv  # nproc_per_node follows the replacement's GPU count
+    assert "--rdzv-endpoint=172.16.0.10:29400" in argv  # Alibaba's own rendezvous endpoint
     h.sup.agents.on_register(node)
     await h.until(lambda: node.state is NodeState.RUNNING, what="admitted")
+    assert h.sup.domain == "aliyun-hz"
     h.sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
         "event": "started", "attempt": "a1", "rank": 0, "world_size": 4, "step": 0, "time": time.time()}}])
     assert h.sup.job.world_size == 4

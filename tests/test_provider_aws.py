@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import time
 import uuid
@@ -169,6 +170,19 @@ async def test_launch_sends_spot_options_tags_and_token(provider, faults, node_s
     tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
     assert tags == node.tags
     assert raw.get("InstanceLifecycle") == "spot"
+
+
+async def test_launch_goes_into_the_domains_placement_group(provider, faults, node_spec) -> None:
+    """A placement domain with a cluster placement group: every node of the job is launched
+    into it (RunInstances ``Placement.GroupName``), so the job's nodes share its network."""
+    # a region no other test lists: moto's DescribeInstances answers 500 once a region holds an
+    # instance in a placement group (a moto defect), so only the request is checked here
+    offer = dataclasses.replace(_offer(region="eu-north-1", zone="eu-north-1a"), placement_group="train-pg")
+    inst = await provider.launch(offer, node_spec())
+    (req,) = faults.actions("RunInstances")
+    assert req.params["Placement.GroupName"] == "train-pg"
+    assert req.params["Placement.AvailabilityZone"] == "eu-north-1a"
+    assert inst.id.startswith("i-")
 
 
 async def test_launch_uses_the_zones_subnet(faults, node_spec, ec2) -> None:

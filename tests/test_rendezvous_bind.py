@@ -176,7 +176,14 @@ def test_the_rendezvous_unit_binds_the_address_the_operator_sets() -> None:
 def test_cloud_configs_bind_a_private_address(name: str) -> None:
     raw = yaml.safe_load((ROOT / "configs" / name).read_text())
     assert _is_private(raw["rendezvous"]["host"]), raw["rendezvous"]
-    assert _is_private(raw["daemon"]["agent_host"]), raw["daemon"]
+    for domain in raw.get("domains", []):  # every placement domain's own endpoint too
+        if "rendezvous" in domain:
+            assert _is_private(domain["rendezvous"]["host"]), domain
+            assert not domain["rendezvous"].get("allow_public", False)
+    # the agent channel carries tokens: a private address, or TLS (a name is never loopback: auto is TLS)
+    agent_host = raw["daemon"]["agent_host"]
+    assert _is_private(agent_host) or (raw["daemon"].get("agent_tls", "auto") != "off"
+                                       and agent_host not in ("0.0.0.0", "::", "")), raw["daemon"]
     assert not raw["rendezvous"].get("allow_public", False)
     text = (ROOT / "configs" / name).read_text()
     assert re.search(r"^#.*security group.*\n(#.*\n)*rendezvous:", text, re.M), \

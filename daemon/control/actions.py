@@ -22,7 +22,7 @@ agent commands, store writes, events). Nothing here does I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from daemon.control.lifecycle import JobState, NodeState, TrainerState
@@ -69,6 +69,10 @@ class NodeView:
     heartbeat_interval_s: float | None = None
     ordinal: int = 0  # launch order: admission goes oldest first
     ready_at: float | None = None  # when its agent registered
+    domain: str = ""  # its placement domain ("" in a decision that does not look at domains)
+    # in the domain a migration is leaving: kept (not released as drained) until the job
+    # has trained its first step in the new domain
+    held: bool = False
 
     @property
     def trainer_exited(self) -> bool:
@@ -102,6 +106,14 @@ class PoolState:
     target_nodes: int = 0
     rejoin: RejoinView | None = None
     first_ready_at: float | None = None
+    # the placement domain the job runs in: admission looks at its nodes only ("" = all)
+    domain: str = ""
+
+    def in_domain(self) -> PoolState:
+        """This state with only the nodes of the job's domain (all of them when ``domain`` is "")."""
+        if not self.domain:
+            return self
+        return replace(self, nodes=tuple(n for n in self.nodes if n.domain == self.domain))
 
     def in_state(self, *states: NodeState) -> list[NodeView]:
         """Nodes in any of ``states``, oldest (lowest ordinal) first."""

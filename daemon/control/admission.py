@@ -65,9 +65,12 @@ def largest_valid(candidates: Sequence[NodeView], world: int, valid: frozenset[i
 
 
 def admit(s: PoolState, rules: Rules, *, now: float) -> list[Action]:
-    """The default admission (module docstring). Returns actions; changes nothing."""
+    """The default admission (module docstring). Returns actions; changes nothing.
+    Only nodes of the job's placement domain (``s.domain``) are looked at: a node of
+    another domain never joins the job (one job, one network)."""
     if s.job.is_terminal() or s.paused:
         return []
+    s = s.in_domain()
     ready = s.in_state(NodeState.READY)
     if s.job is JobState.PENDING:
         return _start(s, rules, ready, now)

@@ -47,6 +47,8 @@ class Offer:
     price_usd_h: float | None = None
     max_price_usd_h: float | None = None
     on_demand: bool = False  # an on-demand fallback offer (used only when no spot offer is usable)
+    # its placement domain's placement group (AWS cluster placement group, Alibaba deployment set)
+    placement_group: str | None = None
 
     @property
     def key(self) -> str:

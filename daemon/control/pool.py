@@ -101,8 +101,15 @@ def plan(
     *,
     now: float,
     timeouts: Timeouts = Timeouts(),
+    domain: str | None = None,
 ) -> list[Action]:
-    """Actions that move ``observed`` towards ``desired``. Pure; see the module docstring."""
+    """Actions that move ``observed`` towards ``desired``. Pure; see the module docstring.
+
+    ``domain``: the placement domain the pool is built in (``offers`` are its own): only
+    its nodes count towards ``desired``, so a node elsewhere (the domain a migration is
+    leaving) is never counted, scaled in or replaced here. None: every node counts.
+    A ``held`` node (a migration's old domain) is not released as drained or past its
+    deadline: the migration releases it once the new domain has trained."""
     removals: list[Action] = []
     removed: set[str] = set()
     for n in observed:
@@ -118,6 +125,8 @@ def plan(
         ):
             removals.append(MarkLost(n.id, "heartbeat_lost"))
             removed.add(n.id)
+        elif n.held:
+            continue
         elif n.state is NodeState.DRAINING and n.trainer_exited:
             # it has left the job: release it now rather than pay until the cloud takes it
             removals.append(Terminate(n.id, "drained"))
@@ -126,7 +135,8 @@ def plan(
             removals.append(Terminate(n.id, "drain_deadline_passed"))
             removed.add(n.id)
 
-    active = [n for n in observed if n.state in COUNTED and n.id not in removed and not n.replacing]
+    active = [n for n in observed if n.state in COUNTED and n.id not in removed and not n.replacing
+              and (domain is None or n.domain == domain)]
     surplus = len(active) - desired.nodes
     if surplus > 0:
         victims = sorted(active, key=lambda n: (_SURPLUS_ORDER[n.state], -n.created_at))[:surplus]

@@ -26,6 +26,7 @@ class JobView:
     world_size: int | None = None
     last_commit_step: int | None = None
     last_commit_time: float | None = None
+    last_commit_bytes: int | None = None  # the newest commit's size (what a migration copies)
     started_at: float | None = None
     resumed_at: float | None = None
     attempts: set[str] = field(default_factory=set)

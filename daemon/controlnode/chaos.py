@@ -68,6 +68,13 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             if sup.job.state.is_terminal():
                 return
             await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
+        if ev.action == "capacity_out":
+            domain = sup.config.domain(ev.domain)
+            provider.capacity_out(domain.region, ev.for_s)
+            sup.record(EventKind.CHAOS_INJECTED, None, index=i, action="capacity_out", domain=domain.name,
+                       for_s=ev.for_s, step=sup.job.step)
+            sup.wake()
+            continue
         node = next((n for n in sup.nodes.values() if n.ordinal == ev.node), None)
         if node is None or node.instance_id is None or node.state is not NodeState.RUNNING:
             log.warning("chaos_target_not_running", index=i, node_ordinal=ev.node)

@@ -31,10 +31,12 @@ class Core(Protocol):
     job: JobView
     rejoin: Rejoin | None
     agent_url: str | None
+    agent_ca_pem: str | None  # the CA the nodes trust for an https agent_url (daemon.controlnode.tls)
     target_nodes: int  # the operator's target (spotctl scale)
     desired_nodes: int  # what the pool should hold now (0 while paused or once the job is over)
     paused: bool
     first_ready_at: float | None  # when the first node of a pending job was up (unix s)
+    domain: str  # the placement domain the job runs in (daemon.controlnode.migrator)
 
     def clock(self) -> float: ...
 
@@ -61,6 +63,8 @@ class Core(Protocol):
     def job_spec(self, node: Node) -> dict[str, Any]: ...
 
     def job_completed(self) -> None: ...
+
+    def domain_of(self, node: Node) -> str: ...
 
     @property
     def closed(self) -> bool: ...

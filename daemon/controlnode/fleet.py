@@ -51,6 +51,8 @@ class Fleet:
         self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
         self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
+        # offer index → its placement domain's placement group, launched into (None: none)
+        self._groups = {i: d.placement_group for d in core.config.domains_resolved() for i in d.offers}
         self.launching: set[str] = set()  # node ids whose provider.launch call is in flight
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
 
@@ -73,13 +75,26 @@ class Fleet:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
+    def preflight(self) -> None:
+        """The pre-flight at start (pure: GPU memory per offer, estimated flush per notice
+        window): offers that cannot hold the job are never bought; its findings are events."""
+        from daemon.controlnode import preflight
+
+        pre = preflight.at_start(self.core.config)
+        self.unusable = pre.unusable
+        if pre.note:
+            log.info("preflight_skipped", pool=self.core.pool, note=pre.note)
+        for kind, data in pre.events:
+            self.core.record(EventKind(kind), None, **data)
+
     # -- offers ---------------------------------------------------------------------------------
     def offer(self, i: int) -> Offer:
         """Offer ``i`` of the config, with its current spot price (USD/hour, None: unknown)."""
         o = self.core.config.offers[i]
         return Offer(index=i, provider=o.provider, region=o.region, zone=o.zone, instance_type=o.instance_type,
                      gpus_per_node=o.gpus_per_node, price_usd_h=self._prices.get(i),
-                     max_price_usd_h=o.max_price_usd_h, on_demand=o.market == "on_demand")
+                     max_price_usd_h=o.max_price_usd_h, on_demand=o.market == "on_demand",
+                     placement_group=self._groups.get(i))
 
     def usable_offers(self) -> list[Offer]:
         return [self.offer(i) for i in range(len(self.core.config.offers)) if i not in self.unusable]
@@ -239,7 +254,8 @@ class Fleet:
         core = self.core
         assert core.agent_url is not None
         spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
-                        tags={POOL_TAG: core.pool, NODE_TAG: node.id})
+                        tags={POOL_TAG: core.pool, NODE_TAG: node.id},
+                        ca_cert_pem=getattr(core, "agent_ca_pem", None))  # set by start(); absent: plain HTTP
         offer = self.offer(offer_index)
         try:
             inst = await self.provider_for(offer.provider).launch(offer, spec)

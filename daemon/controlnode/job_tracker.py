@@ -196,7 +196,7 @@ class JobTracker:
                 continue
             problem = None
             if manifest is None:
-                problem = f"step {line.step} is not committed in {self.core.config.checkpoint_uri()}"
+                problem = f"step {line.step} is not committed in {self.core.config.checkpoint_uri(self.core.domain)}"
             else:
                 named = manifest.extra.get("notice_ids") if isinstance(manifest.extra, dict) else None
                 if isinstance(named, list) and not set(line.notice_ids) <= set(named):
@@ -249,6 +249,8 @@ class JobTracker:
         if self.core.job.last_commit_step is None or step >= self.core.job.last_commit_step:
             self.core.job.last_commit_step = step
             self.core.job.last_commit_time = line.time
+            if line.bytes is not None:
+                self.core.job.last_commit_bytes = line.bytes
         self.core.record(EventKind.CHECKPOINT_COMMITTED, node_id, step=step, attempt=line.attempt,
                     reason=line.reason, seconds=line.seconds, bytes=line.bytes,
                     notice_ids=ids, kinds=list(line.kinds), trainer_time=line.time,
@@ -328,11 +330,12 @@ class JobTracker:
         """
         from trainer.checkpoint import open_store, scan_step
 
-        if self._checkpoint_store is None:  # one client (boto3's are thread-safe), made on first use
-            job = self.core.config.job
-            self._checkpoint_store = open_store(self.core.config.checkpoint_uri(), s3_endpoint_url=job.s3_endpoint_url,
-                                                oss_endpoint=job.oss_endpoint)
-        return scan_step(self._checkpoint_store, step)
+        domain = self.core.config.domain(self.core.domain)  # the job's store is its domain's
+        uri = self.core.config.checkpoint_uri(domain.name)
+        if self._checkpoint_store is None or self._checkpoint_store[0] != uri:  # one client per store
+            self._checkpoint_store = (uri, open_store(uri, s3_endpoint_url=domain.s3_endpoint_url,
+                                                      oss_endpoint=domain.oss_endpoint))
+        return scan_step(self._checkpoint_store[1], step)
 
 
 def _waits_on(line: StatusLine) -> int | None:

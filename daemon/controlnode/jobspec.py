@@ -16,10 +16,14 @@ from trainer.contract import OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, S3_ENDPOINT_EN
 __all__ = ["job_spec"]
 
 
-def job_spec(config: Config, node: Node, run_nonce: str) -> dict[str, Any]:
+def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None) -> dict[str, Any]:
     """The torchrun command line (after ``python``) and environment for ``node``: ``{"argv",
-    "env"}``. ``run_nonce`` makes the rendezvous id of this pool's run (kept in the store)."""
-    c, rdzv, job = config, config.rendezvous, config.job
+    "env"}``. ``run_nonce`` makes the rendezvous id of this pool's run (kept in the store).
+    ``domain``: the node's placement domain (None: the first); its rendezvous endpoint and
+    checkpoint store are the ones the node uses, each on that domain's private network."""
+    c, job = config, config.job
+    d = config.domain(domain)
+    rdzv = d.rendezvous
     rdzv_conf = ",".join(
         [
             "is_host=false",  # the rendezvous store runs on the control node, never on a spot node
@@ -43,7 +47,7 @@ def job_spec(config: Config, node: Node, run_nonce: str) -> dict[str, Any]:
         "--target-steps", str(job.target_steps),
         "--global-batch-size", str(job.global_batch_size),
         "--micro-batch-size", str(job.micro_batch_size),
-        "--checkpoint-uri", c.checkpoint_uri(),
+        "--checkpoint-uri", c.checkpoint_uri(d.name),
         "--checkpoint-interval", str(job.checkpoint_interval_steps),
         "--hold-timeout-s", f"{job.hold_timeout_s:g}",
         *job.args,
@@ -56,8 +60,8 @@ def job_spec(config: Config, node: Node, run_nonce: str) -> dict[str, Any]:
         # the survivors of a notice re-form their group here, in-process (trainer.runtime.shrink_process_group)
         RDZV_ENDPOINT_ENV: f"{rdzv.host}:{rdzv.port}",
     }
-    if job.s3_endpoint_url:
-        env[S3_ENDPOINT_ENV] = job.s3_endpoint_url
-    if job.oss_endpoint:
-        env[OSS_ENDPOINT_ENV] = job.oss_endpoint
+    if d.s3_endpoint_url:
+        env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
+    if d.oss_endpoint:
+        env[OSS_ENDPOINT_ENV] = d.oss_endpoint
     return {"argv": argv, "env": env}

@@ -141,13 +141,16 @@ def _after(t: float, start: float | None) -> float:
 
 
 # -- cost ---------------------------------------------------------------------------------------
-def cost_report(nodes: Sequence[Node], offers: Sequence["OfferSpec"], now: float) -> dict[str, Any]:
+def cost_report(nodes: Sequence[Node], offers: Sequence["OfferSpec"], now: float,
+                egress_usd: float = 0.0) -> dict[str, Any]:
     """Spot USD so far, the on-demand equivalent and the savings (derivation: module docstring).
 
     Args:
         nodes: the pool's nodes (price at launch, offer index, :meth:`Node.hours_held`).
         offers: the config's offers (``on_demand_price_usd_h``, ``market``).
         now: unix s; live nodes are billed up to it.
+        egress_usd: what the migrations' checkpoint copies cost (USD: bytes × the source
+            domain's ``egress_usd_per_gb``, from the ``checkpoint_replicated`` events).
 
     Returns a JSON-able dict: ``nodes`` (one row per node that got an instance), totals
     ``spot_usd``, ``on_demand_usd`` and ``savings_usd`` over the priced nodes (None
@@ -198,9 +201,20 @@ def cost_report(nodes: Sequence[Node], offers: Sequence["OfferSpec"], now: float
         "savings_usd": None if savings is None else round(savings, 6),
         "savings_pct": None if savings is None or od_total <= 0 else round(100.0 * savings / od_total, 2),
         "unpriced_nodes": unpriced,
+        "egress_usd": round(egress_usd, 6),
         "how": ("spot: each node's price at launch x its hours held (launch request to its end, or now); "
-                "on-demand: its offer's on_demand_price_usd_h x the same hours; savings over the priced nodes only"),
+                "on-demand: its offer's on_demand_price_usd_h x the same hours; savings over the priced nodes only; "
+                "egress: each migration's checkpoint bytes copied x its source domain's egress_usd_per_gb"),
     }
+
+
+def egress_usd(store: Any) -> float:
+    """USD of every migration's checkpoint copy so far (the ``checkpoint_replicated`` events)."""
+    total = 0.0
+    for ev in store.events(kinds=[EventKind.CHECKPOINT_REPLICATED.value]):
+        v = _amount(ev.data.get("egress_usd")) if isinstance(ev.data, Mapping) else None
+        total += v or 0.0
+    return total
 
 
 def _offer_key(offer: "OfferSpec | None", n: Node) -> str:
@@ -273,6 +287,14 @@ class DaemonMetrics:
                                         registry=r)
         self.underutilized = Counter("spotvisor_gpu_underutilized", "gpu_underutilized episodes reported.",
                                      registry=r)
+        self.migrations = Counter("spotvisor_migrations", "Whole-job migrations between placement domains, "
+                                  "by outcome (completed, failed).", ["outcome"], registry=r)
+        self.migration_seconds = Gauge("spotvisor_migration_last_seconds", "The last completed migration's "
+                                       "seconds from the decision to the first step in the new domain.", registry=r)
+        self.replicated_bytes = Counter("spotvisor_checkpoint_replicated_bytes",
+                                        "Checkpoint bytes copied between domains' stores by migrations.", registry=r)
+        self.egress_usd = Counter("spotvisor_migration_egress_usd", "USD of the migrations' checkpoint copies "
+                                  "(bytes x the source domain's egress price).", registry=r)
         self.ignored = Counter("spotvisor_event_values_ignored",
                                "Values in stored events the metrics ignored (negative, not finite, not a number; "
                                "field=event: a whole event that could not be tallied).", ["kind", "field"],
@@ -353,6 +375,16 @@ class DaemonMetrics:
                 self._ignore(ev, "lost_steps", lost)
         elif ev.kind == _K.GPU_UNDERUTILIZED:
             self.underutilized.inc()
+        elif ev.kind in (_K.MIGRATION_COMPLETED, _K.MIGRATION_FAILED):
+            self.migrations.labels("completed" if ev.kind == _K.MIGRATION_COMPLETED else "failed").inc()
+            seconds = self._amount(ev, d, "decision_to_first_step_s") if ev.kind == _K.MIGRATION_COMPLETED else None
+            if seconds is not None:
+                self.migration_seconds.set(seconds)
+        elif ev.kind == _K.CHECKPOINT_REPLICATED:
+            for key, metric in (("bytes_copied", self.replicated_bytes), ("egress_usd", self.egress_usd)):
+                amount = self._amount(ev, d, key)
+                if amount is not None:
+                    metric.inc(amount)
 
 
 class _StateCollector:
@@ -412,7 +444,12 @@ class _StateCollector:
         yield CounterMetricFamily("spotvisor_job_recoveries", "Job members lost (notice or not) and recovered from.",
                                   value=tl.recoveries)
 
-        cost = cost_report(list(sup.nodes.values()), sup.config.offers, now)
+        cost = cost_report(list(sup.nodes.values()), sup.config.offers, now, egress_usd=egress_usd(sup.store))
+        domain = GaugeMetricFamily("spotvisor_placement_domain", "1 for the placement domain the job runs in.",
+                                   labels=["domain"])
+        for d in sup.config.domains_resolved():
+            domain.add_metric([d.name], 1.0 if d.name == sup.domain else 0.0)
+        yield domain
         yield GaugeMetricFamily("spotvisor_spot_usd_per_hour", "Sum of the spot prices of the nodes billed now.",
                                 value=cost["spot_usd_h_now"])
         yield CounterMetricFamily("spotvisor_spot_cost_usd", "Spot USD spent so far (price at launch x hours).",

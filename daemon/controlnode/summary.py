@@ -133,15 +133,43 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "notice_to_resume_s": to_resume,
         "loss_first": first["loss"] if first else None,
         "loss_last": last["loss"] if last else None,
+        # samples per optimizer step over the trained lineage: one value, the global batch, across resizes and moves
+        "global_batch_sizes": sorted({len(execs[(last_exec[st], st)]["positions"]) for st in lineage_steps}),
         "samples_seen_twice": twice,
         "samples_skipped": skipped,
         "restarts": max(0, len(order) - 1 - len(in_process)),
         "resizes_in_process": len(in_process),
         "resumes_before_their_commit": resumes_before_their_commit(events),
+        **migrations(events),
     }
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)
     return summary
+
+
+_TIMELINE = ("boot_s", "commit_s", "copy_s", "first_step_s", "decision_to_first_step_s", "paused_s")
+
+
+def migrations(events: Iterable[Event]) -> dict[str, Any]:
+    """``migrations`` (completed whole-job moves), ``migrations_failed``, and each move's
+    timeline in seconds: ``boot_s`` (decision → the target's nodes up; the job trains on
+    meanwhile), ``commit_s`` (the drain → the job's commit is in and its workers gone),
+    ``copy_s`` (the verified checkpoint copy), ``first_step_s`` (the switch → the first
+    step trained in the target), ``decision_to_first_step_s``, and ``paused_s`` (no
+    training anywhere: the drain → the first step), with the bytes copied."""
+    events = list(events)
+    copies = {e.data.get("migration"): e.data for e in events if e.kind == EventKind.CHECKPOINT_REPLICATED.value}
+    moves = []
+    for e in events:
+        if e.kind != EventKind.MIGRATION_COMPLETED.value:
+            continue
+        d, c = e.data, copies.get(e.data.get("migration"), {})
+        moves.append({"from": d.get("source"), "to": d.get("target"), "reason": d.get("reason"),
+                      "commit_step": d.get("commit_step"), "bytes": c.get("bytes"),
+                      "shards_copied": c.get("shards_copied"), **{k: d.get(k) for k in _TIMELINE}})
+    return {"migrations": len(moves),
+            "migrations_failed": sum(1 for e in events if e.kind == EventKind.MIGRATION_FAILED.value),
+            "migration_timeline": moves}
 
 
 def resumes_before_their_commit(events: Iterable[Event]) -> int:

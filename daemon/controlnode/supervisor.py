@@ -15,13 +15,12 @@ the **reconcile loop**; each pass:
    commands (:meth:`AgentLink.send`), nothing else;
 4. **record** — every change is a node row and an event in the store.
 
-The notice → replacement path, top to bottom: an agent reports an interruption notice
-(:meth:`Intake.on_reports`) → :func:`daemon.control.reactions.on_notice` returns
-``Leave`` (the node is ``draining``, no longer :data:`~daemon.control.lifecycle.COUNTED`)
-→ the pass it wakes plans a ``Launch`` (the pool is one node short) → the trainer's
-commit arrives (:class:`~daemon.controlnode.job_tracker.JobTracker`) and the node,
-its trainer gone, is ``Terminate``-d as ``drained`` → the replacement registers and
-admission asks the survivors for a rejoin commit, then ``Admit``-s it.
+The notice → replacement path: an agent reports a notice (:meth:`Intake.on_reports`) →
+:func:`~daemon.control.reactions.on_notice` returns ``Leave`` (``draining``, not
+:data:`~daemon.control.lifecycle.COUNTED`) → the pass plans a ``Launch`` → the commit
+arrives (:class:`JobTracker`), the node is ``Terminate``-d as ``drained`` → the
+replacement registers, admission asks for a rejoin commit, then ``Admit``-s it. A pass
+also takes a whole-job migration's next step (:class:`Migrator`, one domain per job).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from daemon.control.policies import DEFAULT_POLICY, RecoveryPolicy, get_policy, 
 from daemon.control.pool import Desired, Timeouts, plan
 from daemon.control.reports import Limits
 from daemon.control.state import JobView, Rejoin
-from daemon.controlnode import preflight
 from daemon.controlnode.actuator import Actuator
 from daemon.controlnode.agent_link import AgentLink
 from daemon.controlnode.core import leaves, wait_event
@@ -51,6 +49,7 @@ from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.intake import Intake
 from daemon.controlnode.job_tracker import JobTracker
 from daemon.controlnode.jobspec import job_spec
+from daemon.controlnode.migrator import Migrator
 from daemon.controlnode.operator import Operator
 from daemon.controlnode.store import Store
 from daemon.controlnode.views import spot_cost, status
@@ -103,16 +102,19 @@ class Supervisor:
         self.operator = Operator(self)
         self.actuator = Actuator(self, drain=self.operator.drain, avoid_zone=self.fleet.avoid_zone_of,
                                  watch_flush=self.tracker.watch_flush)
+        self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain)
+        self.placement = self.migrator.placement
+        self.domain_of = self.placement.domain_of  # a node's placement domain
         self._wake, self._event_added = asyncio.Event(), asyncio.Event()
         self._released, self._completed = asyncio.Event(), asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._listeners: list[Callable[[Event], None]] = []
+        self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event]
         self._closed = False
         self._reconciler: asyncio.Task[Any] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
-    async def start(self, *, agent_url: str) -> None:
-        self.agent_url = agent_url
+    async def start(self, *, agent_url: str, agent_ca_pem: str | None = None) -> None:
+        self.agent_url, self.agent_ca_pem = agent_url, agent_ca_pem
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
         self.store.set("run_nonce", self.run_nonce)
         for node in self.store.nodes():
@@ -120,13 +122,9 @@ class Supervisor:
         if self.tracker.pick_up():
             self._released.set()
         self.operator.restore()
+        self.migrator.restore()
         await self.fleet.refresh_prices()
-        pre = preflight.at_start(self.config)  # pure: GPU memory per offer, estimated flush per notice window
-        self.fleet.unusable = pre.unusable
-        if pre.note:
-            log.info("preflight_skipped", pool=self.pool, note=pre.note)
-        for kind, data in pre.events:
-            self.record(EventKind(kind), None, **data)
+        self.fleet.preflight()
         self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
         if self.config.daemon.verify_commits:
             self.spawn(self.tracker.verify_commits(), "verify-commits")
@@ -238,11 +236,14 @@ class Supervisor:
         await self.fleet.observe()
         await self._after_loss(members, now)
         self.agents.rescale_heartbeat()
+        await self._act_all(self.migrator.check(now))  # a move's next step; nodes outside the job's domain
         d = self.config.daemon
+        build = self.migrator.build_domain  # the job's domain; a migration's target while it moves
         await self._act_all(plan(
-            Desired(self.desired_nodes, frozenset(self.valid_world_sizes())), self.state().nodes,
-            self.fleet.usable_offers(), self.fleet.history(now), now=now,
-            timeouts=Timeouts(heartbeat_timeout_s=d.heartbeat_timeout_s, launch_timeout_s=d.launch_timeout_s)))
+            Desired(self.desired_nodes, frozenset(self.config.valid_world_sizes())), self.state().nodes,
+            self.placement.offers_in(build), self.fleet.history(now), now=now,
+            timeouts=Timeouts(heartbeat_timeout_s=d.heartbeat_timeout_s, launch_timeout_s=d.launch_timeout_s),
+            domain=build))
         await self._after_loss(members, now)  # heartbeat lost (MarkLost) is a loss too
         for action in self.policy.admit(self.state(), self._rules(), now=now):
             self.act(action)
@@ -303,21 +304,21 @@ class Supervisor:
         return a.PoolState(
             nodes=tuple(self.view(n) for n in self.nodes.values()), job=self.job.state, paused=self.paused,
             desired_nodes=self.desired_nodes, target_nodes=self.target_nodes, first_ready_at=self.first_ready_at,
-            rejoin=None if rj is None else a.RejoinView(rj.id, frozenset(rj.nodes), rj.requested_at, rj.answered))
+            rejoin=None if rj is None else a.RejoinView(rj.id, frozenset(rj.nodes), rj.requested_at, rj.answered),
+            domain=self.migrator.domain)
 
     def view(self, n: Node) -> a.NodeView:
+        domain = self.domain_of(n)
         return a.NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at,
+                          domain=domain, held=self.migrator.held(domain),
                           last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
                           trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
                           # not told by this daemon (it restarted): what it would be told now
                           heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
 
     def _rules(self) -> Rules:
-        return Rules(min_nodes=self.config.pool.min_nodes, valid_world_sizes=frozenset(self.valid_world_sizes()),
+        return Rules(min_nodes=self.config.pool.min_nodes, valid_world_sizes=frozenset(self.config.valid_world_sizes()),
                      rejoin_timeout_s=self.config.daemon.rejoin_timeout_s, prewarm_wait_s=PREWARM_WAIT_S)
-
-    def valid_world_sizes(self) -> list[int]:
-        return self.config.job.valid_world_sizes(self.config.max_world_size())
 
     def limits(self) -> Limits:
         return Limits(max_step=self.config.job.target_steps, max_world_size=self.config.max_world_size())
@@ -332,7 +333,12 @@ class Supervisor:
         self.agents.send(node_id, command)
 
     def job_spec(self, node: Node) -> dict[str, Any]:
-        return job_spec(self.config, node, self.run_nonce)
+        return job_spec(self.config, node, self.run_nonce, domain=self.domain_of(node))
+
+    @property
+    def domain(self) -> str:
+        """The placement domain the job runs in (:class:`Migrator`)."""
+        return self.migrator.domain
 
     # -- views --------------------------------------------------------------------------------
     def spot_cost(self) -> dict[str, Any]:
@@ -340,4 +346,5 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         return status(self.config, self.job, self.nodes.values(), target_nodes=self.target_nodes,
-                      desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock())
+                      desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(),
+                      placement=self.migrator.status(), domain_of=self.domain_of)

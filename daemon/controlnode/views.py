@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from daemon.config import Config
 from daemon.control.state import JobView
@@ -25,8 +25,10 @@ def spot_cost(nodes: Iterable[Node], now: float) -> dict[str, Any]:
 
 
 def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes: int, desired_nodes: int,
-           paused: bool, now: float) -> dict[str, Any]:
-    """``GET /v1/status``: the pool, the job, and every node (oldest first)."""
+           paused: bool, now: float, placement: dict[str, Any] | None = None,
+           domain_of: Callable[[Node], str] | None = None) -> dict[str, Any]:
+    """``GET /v1/status``: the pool, the job, every node (oldest first, with its placement
+    domain), and ``placement``: the job's domain, the migration in flight, the counts."""
     return {
         "pool": {"name": config.pool.name, "target_nodes": target_nodes, "desired_nodes": desired_nodes,
                  "min_nodes": config.pool.min_nodes, "max_nodes": config.pool.max_nodes, "paused": paused},
@@ -43,7 +45,9 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
                 "gpus": n.gpus, "state": n.state.value, "instance_id": n.instance_id,
                 "uptime_s": None if n.ready_at is None or n.state.is_terminal() else round(now - n.ready_at, 1),
                 "price_usd_h": n.price_usd_h, "step": n.step, "detail": n.detail,
+                "domain": domain_of(n) if domain_of is not None else None,
             }
             for n in sorted(nodes, key=lambda n: n.ordinal)
         ],
+        "placement": placement or {},
     }

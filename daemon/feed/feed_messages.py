@@ -86,6 +86,10 @@ EMOJI: dict[str, str] = {
     "job_pausing": "⏸️",
     "job_paused": "💤",
     "job_unpaused": "⏯️",
+    "migration_started": "🧳",
+    "checkpoint_replicated": "📦",
+    "migration_completed": "🏁",
+    "migration_failed": "🛑",
 }
 _DEFAULT_EMOJI = "🔔"
 
@@ -173,6 +177,12 @@ _KNOWN: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("lead_s", "Lead", _secs),
     ("backoff_s", "Back-off", _secs),
     ("price_usd_h", "Price", _usd_h),
+    ("source", "From domain", _plain),
+    ("target", "To domain", _plain),
+    ("commit_step", "Committed step", _count),
+    ("copy_s", "Copy", _secs),
+    ("decision_to_first_step_s", "Decision to first step", _secs),
+    ("egress_usd", "Egress", _usd),
     ("reason", "Reason", _plain),
     ("error", "Error", _plain),
     ("message", "Message", _plain),

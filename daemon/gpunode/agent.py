@@ -14,6 +14,13 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   trainer runs (a drain asks it to commit; a node with none is released). The
   reply carries the daemon's commands too: start the trainer, request a checkpoint
   (kind ``rejoin`` or ``checkpoint``), drain, cancel a request.
+- TLS: with an ``https://`` daemon URL and ``--ca-file`` (the daemon's CA, which
+  it hands to each node it launches: :mod:`daemon.controlnode.tls`), the agent trusts
+  that CA only, not the system's store, and checks the daemon's name against the
+  certificate; with no CA file, the system's store. A daemon whose certificate does
+  not verify never sees a request (the handshake fails first, so the token is not
+  sent): the agent logs ``daemon_certificate_untrusted`` and retries with backoff, as
+  for any daemon it cannot reach (a restarted daemon keeps its CA).
 - ``commands``: keep one ``POST /v1/agent/commands`` long-poll outstanding, so a
   command reaches the node at once however long the heartbeat interval is; its
   reply is applied as a heartbeat reply is (each command comes by one channel or the
@@ -43,6 +50,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -62,7 +70,7 @@ from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import FORWARDED, NoticeEntry, NoticeFile, NoticeKind, StatusTail
 from daemon.gpunode.nodelog import read_chunk
 
-__all__ = ["NodeAgent", "main"]
+__all__ = ["NodeAgent", "main", "daemon_ssl_context"]
 
 log = structlog.get_logger("spotvisor.agent")
 
@@ -79,13 +87,39 @@ KEEPALIVE_S = _MAX_HEARTBEAT_INTERVAL_S + 60.0
 _GPU_SAMPLE_S = 1.0
 
 
+def daemon_ssl_context(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext | None:
+    """The TLS client context for the daemon: trusting the CA certificate(s) in
+    ``ca_file`` only (``create_default_context`` with a ``cafile`` loads no system
+    store), names checked, TLS 1.2 or later; None without a file (aiohttp then uses
+    the system's store for an https URL). Blocking (reads the file).
+
+    Raises:
+        OSError: the file cannot be read; ``ssl.SSLError`` (an OSError): not PEM.
+    """
+    if ca_file is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=os.fspath(ca_file))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def _daemon_unreachable(event: str, rs: RetryCallState) -> None:
+    exc = rs.outcome.exception() if rs.outcome else None
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        log.error("daemon_certificate_untrusted", error=str(exc), retry_in_s=round(rs.upcoming_sleep, 2),
+                  note="the daemon's certificate does not verify against this agent's CA (--ca-file) or "
+                       "name; nothing was sent to it")
+    else:
+        log.warning(event, error=str(exc) if rs.outcome else None, retry_in_s=round(rs.upcoming_sleep, 2))
+
+
 def _until_daemon_answers(event: str) -> AsyncRetrying:
-    """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good."""
+    """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good.
+    An untrusted certificate is retried too (logged as an error): from here it is a network fault."""
     return AsyncRetrying(
         retry=retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)),
         wait=wait_exponential(multiplier=0.1, min=0.2, max=5.0),
-        before_sleep=lambda rs: log.warning(event, error=str(rs.outcome.exception()) if rs.outcome else None,
-                                            retry_in_s=round(rs.upcoming_sleep, 2)),
+        before_sleep=lambda rs: _daemon_unreachable(event, rs),
         reraise=True,
     )
 
@@ -112,13 +146,17 @@ class NodeAgent:
         heartbeat_interval_s: seconds between heartbeats until the daemon says (its
             register and heartbeat replies carry the interval it wants).
         command_wait_s: how long each command long-poll may be held (seconds).
+        ca_file: the daemon's CA certificate (PEM): for an https ``daemon_url``, trust it
+            and no other CA (:func:`daemon_ssl_context`); None: the system's store.
     """
 
     def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: MetadataDialect, workdir: Path,
                  poll_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
                  metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0,
-                 gpu_sampler: GpuSampler | None = None, command_wait_s: float = COMMAND_WAIT_S) -> None:
+                 gpu_sampler: GpuSampler | None = None, command_wait_s: float = COMMAND_WAIT_S,
+                 ca_file: str | os.PathLike[str] | None = None) -> None:
         self.daemon_url = daemon_url.rstrip("/")
+        self.ca_file = ca_file
         self.token = token
         self.node_id = node_id
         self.metadata = metadata
@@ -158,12 +196,14 @@ class NodeAgent:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(exist_ok=True)
         self.notices = NoticeFile(self.workdir / "notices.json")
+        tls = await asyncio.to_thread(daemon_ssl_context, self.ca_file)
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=aiohttp.ClientTimeout(total=10),
             # keep the connection between heartbeats however far apart the daemon sets them
-            # (aiohttp's default, 15 s, would open a new one for each heartbeat of a big pool)
-            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+            # (aiohttp's default, 15 s, would open a new one for each heartbeat of a big pool).
+            # ssl=True: verify against the system's store (an https URL without a CA file)
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, ssl=True if tls is None else tls),
         )
         try:
             self.runner.job = await self._register()
@@ -453,6 +493,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     r = sub.add_parser("run", help="run the agent on this node")
     r.add_argument("--daemon-url", required=True)
     r.add_argument("--node-id", required=True)
+    r.add_argument("--ca-file", default=os.environ.get("SPOTVISOR_DAEMON_CA_FILE") or None,
+                   help="the daemon's CA certificate (PEM): an https daemon is trusted only if it verifies "
+                        "against it (default: $SPOTVISOR_DAEMON_CA_FILE; none: the system's trust store)")
     r.add_argument("--metadata-url", help="the metadata endpoint (default: the dialect's own)")
     r.add_argument("--dialect", default="aws", choices=DIALECTS)
     r.add_argument("--metadata-alarm-after", type=int, default=5,
@@ -514,12 +557,18 @@ async def _amain(args: argparse.Namespace) -> int:
     if not token:
         print("spotvisor-agent: SPOTVISOR_AGENT_TOKEN is not set (the daemon issues it at launch)", file=sys.stderr)
         return 2
+    try:  # a CA file that cannot be used is a configuration error: stop here, not retry
+        await asyncio.to_thread(daemon_ssl_context, args.ca_file)
+    except OSError as exc:  # ssl.SSLError included
+        print(f"spotvisor-agent: --ca-file {args.ca_file}: {getattr(exc, 'strerror', None) or exc} "
+              "(give the daemon's CA certificate, PEM)", file=sys.stderr)
+        return 2
     agent = NodeAgent(
         daemon_url=args.daemon_url, token=token, node_id=args.node_id,
         metadata=_client(args.dialect, args.metadata_url, args.metadata_timeout_s, args.poll_interval_s),
         workdir=Path(args.workdir), poll_interval_s=args.poll_interval_s,
         heartbeat_interval_s=args.heartbeat_interval_s, metadata_alarm_after=args.metadata_alarm_after,
-        metadata_max_backoff_s=args.metadata_max_backoff_s,
+        metadata_max_backoff_s=args.metadata_max_backoff_s, ca_file=args.ca_file,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,8 +1,9 @@
 """HTTP APIs of the daemon (aiohttp).
 
-- **Agent port** (TCP): node agents register, heartbeat, long-poll for commands and
-  report. Each request carries ``Authorization: Bearer <token>``, the node's own token
-  issued at launch; a wrong or missing token gets 401.
+- **Agent port** (TCP; TLS unless it listens on loopback, ``daemon.agent_tls``:
+  :mod:`daemon.controlnode.tls`): node agents register, heartbeat, long-poll for commands
+  and report. Each request carries ``Authorization: Bearer <token>``, the node's own
+  token issued at launch; a wrong or missing token gets 401.
 
   ========================================  ==============================================
   ``POST /v1/agent/register``               the job spec and ``heartbeat_interval_s``
@@ -49,12 +50,14 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 from typing import Any
 
 from aiohttp import web
 
-from daemon.controlnode.metrics import TIMELINE_KINDS, DaemonMetrics, cost_report, job_timeline, node_gpu_view
+from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
+                                        node_gpu_view)
 from daemon.model import EventKind, Node, NodeState
 from daemon.controlnode.supervisor import Supervisor
 
@@ -213,7 +216,8 @@ async def _log(request: web.Request) -> web.StreamResponse:
 
 async def _cost(request: web.Request) -> web.Response:
     sup = request.app[SUPERVISOR]
-    return web.json_response(cost_report(list(sup.nodes.values()), sup.config.offers, sup.clock()))
+    return web.json_response(cost_report(list(sup.nodes.values()), sup.config.offers, sup.clock(),
+                                         egress_usd=egress_usd(sup.store)))
 
 
 # -- control socket: actions -------------------------------------------------------------------
@@ -333,12 +337,15 @@ def metrics_app(metrics: DaemonMetrics) -> web.Application:
 class ApiServer:
     """The daemon's listeners: agent port, control socket, and (with ``daemon.metrics_port``)
     the metrics port. ``start()`` binds; ``agent_url`` and ``metrics_url`` are known after
-    it; ``aclose()`` is idempotent and stops them in reverse order."""
+    it; ``aclose()`` is idempotent and stops them in reverse order. ``ssl_context``: the
+    agent port speaks TLS with it (``https://`` agent URL; :mod:`daemon.controlnode.tls`)."""
 
-    def __init__(self, sup: Supervisor, *, agent_host: str, agent_port: int, socket_path: str) -> None:
+    def __init__(self, sup: Supervisor, *, agent_host: str, agent_port: int, socket_path: str,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.sup = sup
         self.agent_host = agent_host
         self.agent_port = agent_port
+        self.ssl_context = ssl_context
         self.socket_path = socket_path
         self.metrics = DaemonMetrics(sup)  # this daemon's own registry
         self._runners: list[web.AppRunner] = []
@@ -349,10 +356,10 @@ class ApiServer:
         agent = web.AppRunner(agent_app(self.sup), access_log=None)
         await agent.setup()
         self._runners.append(agent)
-        site = web.TCPSite(agent, self.agent_host, self.agent_port)
+        site = web.TCPSite(agent, self.agent_host, self.agent_port, ssl_context=self.ssl_context)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.agent_url = f"http://{self.agent_host}:{port}"
+        self.agent_url = f"{'http' if self.ssl_context is None else 'https'}://{self.agent_host}:{port}"
 
         control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
         await control.setup()

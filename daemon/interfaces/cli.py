@@ -128,8 +128,10 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     from daemon.interfaces.api import ApiServer
     from daemon.controlnode.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
+    from daemon.controlnode.tls import agent_tls
 
     state = prepare_state_dir(config.daemon.state_path())
+    tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
     store = Store(state / "spotvisord.db").open()
     agent_args = [
         "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
@@ -146,12 +148,12 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/feed/notify.py): its own thread
     sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
-                    socket_path=str(config.daemon.socket_path()))
+                    socket_path=str(config.daemon.socket_path()), ssl_context=None if tls is None else tls.context)
     try:
         await api.start()
         assert api.agent_url is not None
         await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
-        await sup.start(agent_url=api.agent_url)
+        await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode())
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos)), "chaos")
         yield sup
@@ -164,10 +166,20 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
 
 @contextlib.contextmanager
 def rendezvous_process(config: Config):
-    """Start the rendezvous store as its own process for a one-shot run. It ends with this
-    process however this one ends (SIGKILL included): it stops when its standard input,
-    a pipe only this process holds the other end of, ends (``--exit-with-stdin``)."""
-    rdzv = config.rendezvous
+    """Start the rendezvous stores for a one-shot run, each as its own process: the first
+    placement domain's, and every other ``local`` domain's (each has its own endpoint; a
+    cloud domain's store runs on that domain's private network, not here). They end with
+    this process however this one ends (SIGKILL included): each stops when its standard
+    input, a pipe only this process holds the other end of, ends (``--exit-with-stdin``).
+    Yields the first domain's process."""
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(_rendezvous_process(d.rendezvous))
+                 for i, d in enumerate(config.domains_resolved()) if i == 0 or d.provider == "local"]
+        yield procs[0]  # the first domain's
+
+
+@contextlib.contextmanager
+def _rendezvous_process(rdzv):
     from daemon.controlnode.rendezvous import wait_until_listening
 
     proc = subprocess.Popen(
@@ -232,6 +244,10 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                         global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
     out("summary:")
     for k, v in summary.items():
+        if k == "migration_timeline":
+            for i, move in enumerate(v, 1):
+                out(f"  {'migration ' + str(i):<28} {_move_line(move)}")
+            continue
         out(f"  {k:<28} {v}")
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +256,18 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
         tmp.replace(summary_json)
         out(f"summary written to {summary_json}")
     return 0 if summary["steps_completed"] == config.job.target_steps else 1
+
+
+def _move_line(m: dict) -> str:
+    """One migration of the summary: where, why, and its parts in seconds."""
+    def secs(key: str) -> str:
+        return "?" if m.get(key) is None else f"{m[key]:.1f} s"
+
+    size = "" if not m.get("bytes") else f", {m['bytes'] / 1e6:.0f} MB"
+    return (f"{m.get('from')} -> {m.get('to')} ({m.get('reason')}), from the commit of step {m.get('commit_step')}: "
+            f"boot {secs('boot_s')} (the job trained on), commit {secs('commit_s')}, copy {secs('copy_s')}{size}, "
+            f"first step {secs('first_step_s')}; decision to first step {secs('decision_to_first_step_s')}, "
+            f"training paused {secs('paused_s')}")
 
 
 async def _run(config: Config, watchdog_s: float | None) -> int:

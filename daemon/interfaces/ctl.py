@@ -107,10 +107,11 @@ def _gpu(n: dict[str, Any]) -> str:
 
 def render_nodes(status: dict[str, Any]) -> str:
     """The nodes table. ``SM%``: mean GPU utilization of the node now (n/a: no GPU sample)."""
-    rows = [["NODE", "PROVIDER", "ZONE", "TYPE", "GPUS", "STATE", "UPTIME", "USD/H", "STEP", "SM%"]]
+    rows = [["NODE", "DOMAIN", "PROVIDER", "ZONE", "TYPE", "GPUS", "STATE", "UPTIME", "USD/H", "STEP", "SM%"]]
     for n in status["nodes"]:
         rows.append([
-            n["id"], n["provider"], n.get("zone") or "-", n["instance_type"], str(n["gpus"]), n["state"],
+            n["id"], n.get("domain") or "-", n["provider"], n.get("zone") or "-", n["instance_type"], str(n["gpus"]),
+            n["state"],
             _duration(n.get("uptime_s")), f"{n.get('price_usd_h') or 0:.3f}",
             "-" if n.get("step") is None else str(n["step"]), _gpu(n),
         ])
@@ -148,7 +149,21 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     if pool.get("paused"):
         line += ("  paused: releasing " + ", ".join(n["id"] for n in live) if live
                  else "  paused: no capacity held (spotctl resume relaunches)")
+    line += _placement(status.get("placement") or {})
     return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
+
+
+def _placement(p: dict[str, Any]) -> str:
+    """``  domain D`` (+ ``, N migrations``) and the move in flight, for the pool line."""
+    if not p.get("domain"):
+        return ""
+    out = f"  domain {p['domain']}"
+    if p.get("migrations") or p.get("migrations_failed"):
+        out += f" ({p.get('migrations', 0)} migrations, {p.get('migrations_failed', 0)} failed)"
+    m = p.get("migration")
+    if m:
+        out += f"  migrating {m['from']} -> {m['to']} ({m['phase']}, {m['reason']})"
+    return out
 
 
 def _usd(v: float | None) -> str:
@@ -172,6 +187,8 @@ def render_cost(cost: dict[str, Any]) -> str:
                    f" ({cost['savings_pct'] if cost['savings_pct'] is not None else 'n/a'} %)")
     if cost["unpriced_nodes"]:
         out.append(f"no on-demand price for: {', '.join(cost['unpriced_nodes'])} (left out of the savings)")
+    if cost.get("egress_usd"):
+        out.append(f"migration egress USD {_usd(cost['egress_usd'])} (checkpoint copies between domains)")
     out.append(f"how: {cost['how']}")
     return "\n".join(out)
 

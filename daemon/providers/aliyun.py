@@ -275,6 +275,8 @@ class AliyunProvider(Provider):
             req.set_ZoneId(zone)
             req.set_SecurityGroupId(self.spec.security_group_id)
             req.set_VSwitchId(vswitch)
+            if offer.placement_group:  # the domain's deployment set (RunInstances DeploymentSetId)
+                req.set_DeploymentSetId(offer.placement_group)
             req.set_UserData(user_data)
             req.set_Tags([{"Key": k, "Value": v} for k, v in tags.items()])
             req.set_Amount(1)

@@ -352,6 +352,8 @@ class AwsProvider(Provider):
             kwargs["Placement"] = {"AvailabilityZone": offer.zone}
             if offer.zone in self.spec.subnet_ids:
                 kwargs["SubnetId"] = self.spec.subnet_ids[offer.zone]
+        if offer.placement_group:  # the domain's cluster placement group (RunInstances Placement.GroupName)
+            kwargs.setdefault("Placement", {})["GroupName"] = offer.placement_group
         if self.spec.security_group_ids:
             kwargs["SecurityGroupIds"] = list(self.spec.security_group_ids)
         if self.spec.iam_instance_profile:
@@ -396,6 +398,8 @@ class AwsProvider(Provider):
             override["AvailabilityZone"] = offer.zone
         if offer.max_price_usd_h is not None:
             override["MaxPrice"] = str(offer.max_price_usd_h)
+        if offer.placement_group:  # FleetLaunchTemplateOverridesRequest.Placement.GroupName
+            override["Placement"] = {"GroupName": offer.placement_group}
         definitive = False
         try:
             resp = await self._call_once(

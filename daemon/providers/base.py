@@ -75,6 +75,9 @@ class NodeSpec:
 
     ``token``: the node agent's own bearer token for the daemon's agent port.
     ``tags``: key → value, always including ``spotvisor-pool``.
+    ``ca_cert_pem``: with an ``https://`` ``daemon_url``, the CA certificate (PEM) the
+    agent trusts, and no other (:mod:`daemon.controlnode.tls`; the agent's ``--ca-file``);
+    None: plain HTTP, or the node's own trust store.
     """
 
     node_id: str
@@ -82,6 +85,7 @@ class NodeSpec:
     token: str
     daemon_url: str
     tags: dict[str, str] = field(default_factory=dict)
+    ca_cert_pem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

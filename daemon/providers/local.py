@@ -37,7 +37,7 @@ import structlog
 from daemon.config import LocalProviderSpec
 from daemon.gpunode.metadata.registry import make_fake
 from daemon.control.pool import Offer
-from daemon.providers.base import Instance, NodeSpec, Provider, register_provider
+from daemon.providers.base import CapacityError, Instance, NodeSpec, Provider, register_provider
 
 __all__ = ["LocalProvider"]
 
@@ -186,6 +186,7 @@ class LocalProvider(Provider):
         self._closed = False
         self._boot_gate = asyncio.Event()  # cleared by chaos: instances launched meanwhile wait to boot
         self._boot_gate.set()
+        self._capacity_out: dict[str, float] = {}  # region → unix s until which launches there fail (chaos)
         # the instances' lifeline (see _INSTANCE_INIT): each instance's init gets the read end;
         # the write end stays here, close-on-exec, until aclose() or this process's death
         self._lifeline: tuple[int, int] | None = None
@@ -194,6 +195,11 @@ class LocalProvider(Provider):
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
         if self._closed:
             raise RuntimeError("LocalProvider is closed")
+        until = self._capacity_out.get(offer.region)
+        if until is not None and time.time() < until:
+            # what EC2 answers when a zone has no spot capacity (InsufficientInstanceCapacity)
+            raise CapacityError(f"no capacity for {offer.instance_type} in {offer.region} "
+                                f"(chaos capacity_out for {until - time.time():.0f} s more)")
         self._seq += 1
         iid = f"local-{os.getpid()}-{self._seq:04d}"
         workdir = self.state_dir / "nodes" / node.node_id
@@ -253,6 +259,10 @@ class LocalProvider(Provider):
         inst = self._instances.get(instance_id)
         return None if inst is None or inst.imds is None else inst.imds.published_at
 
+    def capacity_out(self, region: str, for_s: float) -> None:
+        """Chaos: every launch in ``region`` fails with a capacity error for ``for_s`` seconds."""
+        self._capacity_out[region] = time.time() + for_s
+
     def hold_boots(self) -> None:
         """Chaos: instances launched from now on (and those still booting) do not boot until
         :meth:`release_boots`; the supervisor sees them in ``launching``."""
@@ -299,6 +309,9 @@ class LocalProvider(Provider):
             if self._lifeline is None:
                 self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
             watch_fd = self._lifeline[0]
+            ca_args = [] if inst.node.ca_cert_pem is None else ["--ca-file", str(inst.workdir / "daemon-ca.pem")]
+            if ca_args:  # an https daemon URL: the agent trusts the daemon's CA only
+                await asyncio.to_thread(Path(ca_args[1]).write_text, inst.node.ca_cert_pem)
             inst.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", _INSTANCE_INIT, str(watch_fd),
                 "-m", "daemon.gpunode.agent", "run",
@@ -307,6 +320,7 @@ class LocalProvider(Provider):
                 "--dialect", inst.dialect,
                 "--metadata-url", inst.imds.url,
                 "--workdir", str(inst.workdir),
+                *ca_args,
                 *self.agent_args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,

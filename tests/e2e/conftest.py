@@ -28,6 +28,9 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float) -> d
     """Run ``spotvisord demo`` on ``raw`` (a parsed config) with a free rendezvous port and
     state under ``tmp_path``; the summary dict, with the daemon's stdout under ``_stdout``."""
     raw["rendezvous"]["port"] = _free_port()
+    for domain in raw.get("domains", []):  # each placement domain's own rendezvous store
+        if domain.get("rendezvous"):
+            domain["rendezvous"]["port"] = _free_port()
     raw["daemon"]["state_dir"] = str(tmp_path / "state")
     raw["daemon"]["socket"] = str(tmp_path / "d.sock")
     cfg = tmp_path / "demo.yaml"

@@ -1,0 +1,70 @@
+"""Placement domains at the edge: which domain a node is in, which offers the planner may
+buy from, and which nodes sit outside the job's network.
+
+One job, one network: a job attempt's nodes share one placement domain
+(:meth:`daemon.config.Config.domains_resolved`). The planner buys only from the domain
+it builds in (:attr:`Migrator.build_domain`: the job's, or a migration's target), and
+with ``mix_zones`` / ``mix_gpu_types`` off only in the zone / of the GPU type of the
+attempt's first node; admission admits only nodes of the job's domain
+(:meth:`daemon.control.actions.PoolState.in_domain`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from daemon.control.actions import Terminate
+from daemon.control.offers import Offer
+from daemon.controlnode.core import Core
+from daemon.model import Node
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """Domains of nodes and offers for one pool."""
+
+    def __init__(self, core: Core, migrator: Any, fleet: Any) -> None:
+        self.core, self.migrator, self.fleet = core, migrator, fleet
+        config = core.config
+        # each offer's domain by the offer's stable key (a node keeps its offer's key)
+        self._by_key = {o.key: config.domain_of_offer(i) for i, o in enumerate(config.offers)}
+        self._domains = {d.name: d for d in config.domains_resolved()}
+
+    def domain_of(self, node: Node) -> str:
+        """``node``'s placement domain: its offer's; for an offer no longer in the config,
+        the domain of its provider and region; else the first domain."""
+        d = self._by_key.get(node.offer_key or "")
+        if d is not None:
+            return d
+        for dom in self._domains.values():
+            if (dom.provider, dom.region) == (node.provider, node.region):
+                return dom.name
+        return next(iter(self._domains))
+
+    def offers_in(self, domain: str) -> list[Offer]:
+        """The usable offers of ``domain``; with ``mix_zones`` / ``mix_gpu_types`` off, only
+        those in the zone / of the GPU type of the domain's oldest live node (the attempt's)."""
+        dom = self._domains[domain]
+        offers = [o for o in self.fleet.usable_offers() if o.index in dom.offers]
+        if dom.mix_zones and dom.mix_gpu_types:
+            return offers
+        live = sorted((n for n in self.core.nodes.values()
+                       if not n.state.is_terminal() and self.domain_of(n) == domain), key=lambda n: n.ordinal)
+        if not live:
+            return offers
+        first, specs = live[0], self.core.config.offers
+        gpu = next((o.gpu_type for o in specs if o.key == first.offer_key), None)
+        return [o for o in offers
+                if (dom.mix_zones or o.zone == first.zone)
+                and (dom.mix_gpu_types or gpu is None or specs[o.index].gpu_type == gpu)]
+
+    def strays(self, but: set[str] = frozenset()) -> list[Terminate]:  # type: ignore[assignment]
+        """Nodes of a domain that is neither the job's nor a migration's (other than ``but``,
+        released already): released. They come from a daemon restarted during a move, or a
+        config whose domains changed."""
+        keep = {self.migrator.domain, self.migrator.build_domain}
+        if self.migrator.move is not None:
+            keep.add(self.migrator.move.source)
+        return [Terminate(n.id, "outside_the_job_domain") for n in self.core.nodes.values()
+                if not n.state.is_terminal() and self.domain_of(n) not in keep and n.id not in but]

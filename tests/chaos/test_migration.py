@@ -1,0 +1,264 @@
+"""One job, one network: placement domains and whole-job migration, in-process.
+
+The real Supervisor on a ManualClock (:class:`~chaos.conftest.Sim`); the test plays the
+agents and the trainer, and writes the trainer's checkpoints into real ``file://``
+stores, one per domain, so the migration's copy (:func:`trainer.replicate.replicate`)
+is the real one. Two domains: AWS us-east-1 (where the job starts) and Alibaba
+cn-hangzhou (where it moves).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.conftest import ChaosProvider, Sim
+from daemon.config import ConfigError, load_config
+from daemon.control.lifecycle import ADMITTED
+from daemon.model import Event, EventKind, JobState, Node, NodeState
+from daemon.providers.base import CapacityError
+from trainer.checkpoint import Manifest, commit, latest_committed, open_store, write_shard
+
+pytestmark = pytest.mark.chaos
+
+
+class RegionProvider(ChaosProvider):
+    """:class:`ChaosProvider` serving both clouds, with capacity per region:
+    ``capacity[region]`` launches left there (absent: unlimited)."""
+
+    def __init__(self, capacity: dict[str, int]) -> None:
+        super().__init__()
+        self.capacity = dict(capacity)
+
+    async def launch(self, offer, node):  # type: ignore[override]
+        left = self.capacity.get(offer.region)
+        if left is not None:
+            if left <= 0:
+                self.refused.append(node.node_id)
+                raise CapacityError(f"InsufficientInstanceCapacity: {offer.key} (test)")
+            self.capacity[offer.region] = left - 1
+        return await super().launch(offer, node)
+
+
+def _overrides(tmp_path: Path, **migration: Any) -> dict[str, Any]:
+    return {
+        "pool": {"name": "chaos", "min_nodes": 1, "target_nodes": 2, "max_nodes": 2},
+        "job": {"checkpoint_uri": f"file://{tmp_path}/use1"},
+        "providers": {"local": None,
+                      "aws": {"image_id": "ami-0123456789abcdef0"},
+                      "aliyun": {"image_id": "m-image", "security_group_id": "sg-1"}},
+        "domains": [
+            {"name": "aws-use1", "provider": "aws", "region": "us-east-1", "egress_usd_per_gb": 0.09},
+            {"name": "aliyun-hz", "provider": "aliyun", "region": "cn-hangzhou",
+             "checkpoint_uri": f"file://{tmp_path}/hz", "rendezvous": {"host": "172.16.0.10", "port": 29400}},
+        ],
+        "migration": {"patience_s": 60, "boot_timeout_s": 600, "cooldown_s": 0, **migration},
+        "offers": [
+            {"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "g5.12xlarge"},
+            {"provider": "aliyun", "region": "cn-hangzhou", "zone": "cn-hangzhou-h",
+             "instance_type": "ecs.gn7i-c32g1.32xlarge"},
+        ],
+    }
+
+
+def _checkpoint(uri: str, step: int, world_size: int) -> None:
+    """What the trainer's ranks write for ``step``: a shard per rank, then the manifest."""
+    store = open_store(uri)
+    shards = tuple(write_shard(store, step, f"rank-{r}.pt", f"state {step} {r}".encode() * 1000)
+                   for r in range(world_size))
+    commit(store, Manifest(step=step, world_size=world_size, global_batch_size=12,
+                           data_position={"consumed_samples": step * 12, "seed": 0}, shards=shards))
+
+
+def _one_domain_in_the_job(sim: Sim, bad: list[str]) -> None:
+    """A listener: after every event, the nodes in the job share one domain."""
+
+    def check(ev: Event) -> None:
+        domains = {sim.sup.domain_of(n) for n in sim.sup.nodes.values() if n.state in ADMITTED}
+        if len(domains) > 1:
+            bad.append(f"#{ev.seq} {ev.kind}: the job spans {sorted(domains)}")
+
+    sim.sup.subscribe(check)
+
+
+def test_offers_of_two_providers_without_domains_are_refused(tmp_path: Path) -> None:
+    """Today's configs/multi-cloud.yaml shape (offers in AWS and Alibaba, no domains) made
+    one job of both clouds; it is now refused with a line that says what to do."""
+    path = tmp_path / "c.yaml"
+    path.write_text("""
+providers:
+  aws: {image_id: ami-0123456789abcdef0}
+  aliyun: {image_id: m-image, security_group_id: sg-1}
+offers:
+  - {provider: aws, region: us-east-1, instance_type: g5.12xlarge}
+  - {provider: aliyun, region: cn-hangzhou, instance_type: ecs.gn7i-c32g1.32xlarge}
+""")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    [line] = info.value.problems
+    assert "2 placement domains (aws/us-east-1, aliyun/cn-hangzhou)" in line and "domains:" in line, line
+
+
+async def test_replacements_come_from_the_jobs_domain_only(make_sim, tmp_path: Path) -> None:
+    """AWS has capacity for one node of the two: the job runs on it alone, and Alibaba
+    (cheaper or not, usable) is never asked for a replacement while the job stays: no
+    node of the job's attempt is ever in another domain."""
+    provider = RegionProvider({"us-east-1": 1})
+    async with make_sim(provider=provider, **_overrides(tmp_path, enabled=False)) as sim:
+        bad: list[str] = []
+        _one_domain_in_the_job(sim, bad)
+        n1 = await sim.launched(1)
+        sim.boot(n1)
+        await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
+        sim.clock.advance(31)  # past rejoin_timeout_s: the job starts on min_nodes
+        sim.sup.wake()
+        await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
+        for _ in range(5):  # many passes, far past any patience: capacity never comes back
+            sim.clock.advance(400)
+            sim.sup.wake()
+            await sim.until(lambda: len(provider.refused) > _, what="another launch attempt")
+        assert [o.region for _, o in []] == []
+        regions = {sim.sup.domain_of(n) for n in sim.sup.nodes.values()}
+        assert regions == {"aws-use1"}, regions
+        assert not sim.events("migration_started")  # migration is off in this config
+        assert bad == []
+
+
+async def test_a_starved_domain_moves_the_whole_job(make_sim, tmp_path: Path) -> None:
+    """The job runs on two AWS nodes; one gets a notice and AWS has no capacity left. After
+    ``patience_s`` the job moves: Alibaba's pool is launched while the job trains on; then
+    the job commits once in AWS, the checkpoint is copied and verified, the job starts in
+    Alibaba from it, and AWS is released only after the first step there."""
+    provider = RegionProvider({"us-east-1": 2})
+    async with make_sim(provider=provider, **_overrides(tmp_path)) as sim:
+        bad: list[str] = []
+        _one_domain_in_the_job(sim, bad)
+        n1, n2 = await sim.launched(1), await sim.launched(2)
+        sim.boot(n1)
+        sim.boot(n2)
+        await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+        a1 = sim.start([n1, n2], step=0)
+        # node 2 is noticed at step 10: the survivors commit and resume alone
+        sim.beat(n1, step=10)
+        nid = sim.notice(n2)
+        _checkpoint(f"file://{tmp_path}/use1", 10, 2)
+        sim.commit(n1, a1, 10, ids=(nid,), kinds=("interruption",))
+        sim.exit(n2)
+        await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
+        a2 = sim.start([n1], step=10, resumed_from=10)
+        await sim.until(lambda: provider.refused, what="no capacity for the replacement")
+        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
+        sim.clock.advance(30)
+        sim.sup.wake()
+        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="still starved")
+        assert not sim.events("migration_started")  # not before the patience
+        sim.clock.advance(31)
+        sim.sup.wake()
+        await sim.until(lambda: sim.sup.migrator.starved_since is None or sim.events("migration_started"),
+                        what="a pass after the patience")
+        sim.beat(n1, step=20)
+        await sim.until(lambda: sim.events("migration_started"), what="migration started")
+        [started] = sim.events("migration_started")
+        assert (started.data["source"], started.data["target"], started.data["reason"]) == \
+            ("aws-use1", "aliyun-hz", "capacity")
+        # the target's pool boots while the job trains on in AWS
+        h1, h2 = await sim.launched(4), await sim.launched(5)
+        assert {sim.sup.domain_of(h1), sim.sup.domain_of(h2)} == {"aliyun-hz"}
+        assert n1.state is NodeState.RUNNING
+        sim.boot(h1)
+        sim.boot(h2)
+        await sim.until(lambda: n1.state is NodeState.DRAINING, what="the job drained in AWS for the move")
+        [drain] = [e for e in sim.events("checkpoint_requested") if e.data.get("why") == "migration"]
+        _checkpoint(f"file://{tmp_path}/use1", 25, 1)
+        sim.beat(n1, step=25)
+        sim.commit(n1, a2, 25, ids=(drain.data["request_id"],), kinds=("interruption",))
+        sim.exit(n1)
+        await sim.until(lambda: sim.events("checkpoint_replicated"), what="checkpoint copied")
+        [copied] = sim.events("checkpoint_replicated")
+        assert copied.data["step"] == 25 and copied.data["shards_copied"] == 1
+        there = latest_committed(open_store(f"file://{tmp_path}/hz"))
+        assert there is not None and there.step == 25 and there.data_position == {"consumed_samples": 300, "seed": 0}
+        await sim.until(lambda: h1.state is NodeState.RUNNING and h2.state is NodeState.RUNNING,
+                        what="the job starts in Alibaba")
+        spec = sim.sup.job_spec(h1)
+        assert "--rdzv-endpoint=172.16.0.10:29400" in spec["argv"]
+        assert spec["argv"][spec["argv"].index("--checkpoint-uri") + 1] == f"file://{tmp_path}/hz"
+        assert n1.state is NodeState.DRAINING  # held until the first step there
+        a3 = sim.start([h1, h2], step=25, resumed_from=25)
+        sim.beat(h1, step=26)
+        sim._status(h1, "step", 26, attempt=a3)  # noqa: SLF001 (a progress line)
+        sim.sup.job.step = 26  # what a heartbeat's step report does for the job
+        sim.sup.wake()
+        await sim.until(lambda: sim.events("migration_completed"), what="migration completed")
+        await sim.until(lambda: n1.state is NodeState.TERMINATED, what="AWS released")
+        [done] = sim.events("migration_completed")
+        assert done.data["commit_step"] == 25 and n1.id in done.data["released"]
+        for key in ("boot_s", "commit_s", "copy_s", "first_step_s", "decision_to_first_step_s"):
+            assert done.data[key] is not None and done.data[key] >= 0, (key, done.data)
+        assert sim.sup.status()["placement"]["domain"] == "aliyun-hz"
+        assert sim.sup.job.state is JobState.RUNNING
+        assert bad == []
+
+
+async def _starved_on_one_node(sim: Sim, provider: RegionProvider, tmp_path: Path) -> tuple[Node, str]:
+    """The job runs on two AWS nodes; node 2 is noticed at step 10 and AWS has no capacity
+    left; the patience passes and the move starts. Returns (node 1, its attempt)."""
+    n1, n2 = await sim.launched(1), await sim.launched(2)
+    sim.boot(n1)
+    sim.boot(n2)
+    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    a1 = sim.start([n1, n2], step=0)
+    sim.beat(n1, step=10)
+    nid = sim.notice(n2)
+    _checkpoint(f"file://{tmp_path}/use1", 10, 2)
+    sim.commit(n1, a1, 10, ids=(nid,), kinds=("interruption",))
+    sim.exit(n2)
+    await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
+    a2 = sim.start([n1], step=10, resumed_from=10)
+    await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
+    sim.clock.advance(61)
+    sim.sup.wake()
+    await sim.until(lambda: sim.events("migration_started"), what="migration started")
+    return n1, a2
+
+
+async def test_a_target_that_never_boots_gives_the_move_up_and_the_job_trains_on(make_sim, tmp_path) -> None:
+    provider = RegionProvider({"us-east-1": 2})
+    async with make_sim(provider=provider, **_overrides(tmp_path, boot_timeout_s=600)) as sim:
+        n1, _ = await _starved_on_one_node(sim, provider, tmp_path)
+        h1, h2 = await sim.launched(4), await sim.launched(5)  # launched, never register
+        sim.clock.advance(601)
+        sim.beat(n1, step=30)
+        sim.sup.wake()
+        await sim.until(lambda: sim.events("migration_failed"), what="migration given up")
+        [failed] = sim.events("migration_failed")
+        assert failed.data["reason"] == "boot_timeout" and failed.data["stays_in"] == "aws-use1"
+        await sim.until(lambda: h1.state.is_terminal() and h2.state.is_terminal(), what="target released")
+        assert n1.state is NodeState.RUNNING and sim.sup.job.state is JobState.RUNNING  # never drained
+        assert sim.sup.domain == "aws-use1"
+        assert not sim.events("checkpoint_replicated")
+
+
+async def test_a_failed_copy_never_starts_the_job_on_a_torn_checkpoint(make_sim, tmp_path) -> None:
+    """The commit the job made for the move is not in the store (a trainer that reported a
+    step it did not write): the copy refuses, the move fails, the target is released and
+    the job starts again in its own domain from its newest commit there."""
+    provider = RegionProvider({"us-east-1": 2})
+    async with make_sim(provider=provider, **_overrides(tmp_path)) as sim:
+        n1, a2 = await _starved_on_one_node(sim, provider, tmp_path)
+        h1, h2 = await sim.launched(4), await sim.launched(5)
+        sim.boot(h1)
+        sim.boot(h2)
+        await sim.until(lambda: n1.state is NodeState.DRAINING, what="drained for the move")
+        [drain] = [e for e in sim.events("checkpoint_requested") if e.data.get("why") == "migration"]
+        sim.commit(n1, a2, 25, ids=(drain.data["request_id"],), kinds=("interruption",))  # no step 25 written
+        sim.exit(n1)
+        await sim.until(lambda: sim.events("migration_failed"), what="migration failed")
+        [failed] = sim.events("migration_failed")
+        assert failed.data["phase"] == "copying" and failed.data["reason"].startswith("copy_failed"), failed.data
+        await sim.until(lambda: all(n.state.is_terminal() for n in (n1, h1, h2)), what="both sides released")
+        assert latest_committed(open_store(f"file://{tmp_path}/hz")) is None  # nothing torn to resume from
+        assert sim.sup.domain == "aws-use1" and sim.sup.job.state is JobState.PENDING
+        assert not sim.events("migration_completed")
