@@ -199,6 +199,9 @@ async def test_status_job_line_durations_and_recoveries(spot_daemon) -> None:
     assert values["JOB"] == "job1" and values["STATE"] == "RUNNING" and values["#RECOVERIES"] == "1"
     assert values["SUBMITTED"].endswith(" ago") and values["LAST COMMIT"] == "none"
     assert pool.startswith("pool test  1 live / target 1 nodes (1..2)")
+    assert pool.endswith("domain local-local")  # the placement domain the job runs in
+    assert text.splitlines()[3].split()[:2] == ["NODE", "DOMAIN"]
+    assert text.splitlines()[4].split()[1] == "local-local"
     assert text.splitlines()[4].split()[-1] == "n/a"  # the node's SM% column: no sample
 
 
@@ -609,3 +612,19 @@ def test_the_shell_prompt_needs_no_http_client() -> None:
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_status_shows_a_migration_in_flight_and_the_counts() -> None:
+    from daemon.interfaces.ctl import render_status
+
+    status = {
+        "job": {"id": "j", "state": "running", "step": 40, "target_steps": 100, "world_size": 2},
+        "pool": {"name": "p", "target_nodes": 3, "min_nodes": 1, "max_nodes": 3},
+        "nodes": [{"id": "p-1", "domain": "aws-use1", "provider": "aws", "zone": "us-east-1a",
+                   "instance_type": "g5", "gpus": 4, "state": "running"}],
+        "placement": {"domain": "aws-use1", "migrations": 1, "migrations_failed": 0,
+                      "migration": {"from": "aws-use1", "to": "aliyun-hz", "phase": "booting", "reason": "capacity"}},
+    }
+    pool = render_status(status, now=0.0).splitlines()[2]
+    assert pool.endswith("domain aws-use1 (1 migrations, 0 failed)  migrating aws-use1 -> aliyun-hz "
+                         "(booting, capacity)"), pool

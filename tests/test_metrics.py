@@ -91,6 +91,18 @@ async def test_metrics_from_the_agents_reports(spot_daemon) -> None:
     assert m[("spotvisor_gpu_memory_total_bytes", (("gpu", "0"), ("node", "test-1")))] == 10
     assert m[("spotvisor_job_recoveries_total", ())] == 1
 
+    # a whole-job migration: its outcome, its duration, the bytes it copied and their egress
+    h.sup.record("checkpoint_replicated", None, migration="m1", bytes_copied=2_000_000, egress_usd=0.18)
+    h.sup.record("migration_completed", None, migration="m1", decision_to_first_step_s=42.5)
+    h.sup.record("migration_failed", None, migration="m2", reason="boot_timeout")
+    m = samples((await scrape_socket(h.socket_path))[1])
+    assert m[("spotvisor_migrations_total", (("outcome", "completed"),))] == 1
+    assert m[("spotvisor_migrations_total", (("outcome", "failed"),))] == 1
+    assert m[("spotvisor_migration_last_seconds", ())] == 42.5
+    assert m[("spotvisor_checkpoint_replicated_bytes_total", ())] == 2_000_000
+    assert m[("spotvisor_migration_egress_usd_total", ())] == pytest.approx(0.18)
+    assert m[("spotvisor_placement_domain", (("domain", "local-local"),))] == 1
+
 
 async def test_metrics_port_and_per_daemon_registries(spot_daemon) -> None:
     from daemon.interfaces.api import ApiServer

@@ -162,23 +162,24 @@ def test_file_to_file_takes_the_newest_committed_step_and_commits_it_last(files,
 def test_s3_to_oss_and_back(s3_server, oss_server, tmp_path):
     """AWS -> Alibaba -> AWS: multipart on both sides, the manifest written last."""
     s3 = _s3_store(s3_server)
-    manifest = _checkpoint(s3, 7, {"model.pt": 6 * MIB, "optim/rank-0.pt": 3000})
+    # an empty shard too (e.g. a rank with no optimizer state)
+    manifest = _checkpoint(s3, 7, {"model.pt": 6 * MIB, "optim/rank-0.pt": 3000, "optim/rank-1.pt": 0})
     oss = _oss_store(oss_server, tmp_path / "work" / "oss-resume", multipart_threshold=MIB, part_size=MIB)
 
     to_oss = replicate(s3, oss, work_dir=tmp_path / "work")
 
-    assert (to_oss.step, to_oss.shards_copied, to_oss.bytes_copied) == (7, 2, 6 * MIB + 3000)
+    assert (to_oss.step, to_oss.shards_copied, to_oss.bytes_copied) == (7, 3, 6 * MIB + 3000)
     assert latest_committed(oss) == manifest
     _same_bytes(s3, oss, manifest)
     writes = [s for s in oss_server.requests
               if s.bucket == oss.bucket and s.op in ("PutObject", "CompleteMultipartUpload") and s.status == 200]
     assert len([s for s in oss_server.ops("UploadPart") if s.bucket == oss.bucket]) == 6  # 6 MiB / 1 MiB
-    assert writes[-1].key == f"job/{step_dir(7)}/{MANIFEST_NAME}" and len(writes) == 3
+    assert writes[-1].key == f"job/{step_dir(7)}/{MANIFEST_NAME}" and len(writes) == 4
 
     back = _s3_store(s3_server)
     to_s3 = replicate(oss, back, work_dir=tmp_path / "work")
 
-    assert (to_s3.step, to_s3.shards_copied, to_s3.shards_skipped) == (7, 2, 0)
+    assert (to_s3.step, to_s3.shards_copied, to_s3.shards_skipped) == (7, 3, 0)
     assert latest_committed(back) == manifest
     _same_bytes(s3, back, manifest)
     etag = _s3_client(s3_server).head_object(

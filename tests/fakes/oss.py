@@ -483,6 +483,8 @@ class FakeOss:
                    "x-oss-storage-class": "Standard", "x-oss-hash-crc64ecma": str(blob.crc)}
         span = _byte_range(request.headers.get("Range"), len(blob.data))
         if span is None:
+            if request.method == "HEAD":  # the size of the object, as OSS sends it (0 for an empty one too)
+                headers["Content-Length"] = str(len(blob.data))
             return web.Response(body=blob.data, headers=headers)
         start, end = span
         headers["Content-Range"] = f"bytes {start}-{end}/{len(blob.data)}"
