@@ -152,7 +152,9 @@ class Operator:
         core = self.core
         if node.state.is_terminal() or node.state is NodeState.DRAINING:
             return
-        rid = f"drain-{secrets.token_hex(4)}"
+        # named like a notice id (<node id>:...): the node's own report of the commit that
+        # answers it counts, as for a notice (JobTracker.on_status), rather than being dropped
+        rid = f"{node.id}:drain-{secrets.token_hex(4)}"
         # a drain that never completes (a hung trainer) must not block admission
         # forever: past this deadline (+ grace) the planner terminates the node
         node.deadline = core.clock() + core.config.daemon.rejoin_timeout_s
