@@ -6,7 +6,9 @@ one-line description, and two pure decisions over the pool's state
 
 - :meth:`RecoveryPolicy.admit`: which ready nodes join the job, and when;
 - :meth:`RecoveryPolicy.after_loss`: what to do when nodes that were in the job
-  have ended (the cloud took them, or their heartbeat was lost).
+  have ended (the cloud took them, or their heartbeat was lost);
+- :meth:`RecoveryPolicy.migrate`: whether the whole job moves to another placement
+  domain, and where (:func:`daemon.control.migration.decide`).
 
 The daemon runs the default, :class:`Spotvisor`; the benchmark (``bench/compare.py``)
 runs every registered policy on the same daemon, agents, trainer and trace, so only
@@ -34,6 +36,9 @@ from typing import ClassVar, Iterable, Mapping, Sequence
 from daemon.control.actions import Action, Admit, PoolState, RestartJob, Terminate
 from daemon.control.admission import Rules, admit, largest_valid
 from daemon.control.lifecycle import ADMITTED, JobState, NodeState, leaving
+from daemon.control.migration import DomainView, Move, Plan
+from daemon.control.migration import decide as decide_move
+from daemon.control.offers import History
 
 __all__ = [
     "RecoveryPolicy",
@@ -68,6 +73,16 @@ class RecoveryPolicy:
         """Actions once the nodes ``lost`` (ids), which were in the job, have ended. None by default:
         the planner replaces the capacity, and torchrun's survivors go on."""
         return []
+
+    def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
+                now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
+                last_move_ended_at: float | None, gpus: int) -> Move | None:
+        """Whether to move the whole job from domain ``current`` to another, and where; None:
+        stay. By default :func:`daemon.control.migration.decide` (starved past the patience,
+        or cheaper by ``plan.min_saving_fraction``; the cheapest usable domain after its
+        recent losses and the copy's egress)."""
+        return decide_move(s, domains, current, history, now=now, plan=plan, starved_since=starved_since,
+                           checkpoint_bytes=checkpoint_bytes, last_move_ended_at=last_move_ended_at, gpus=gpus)
 
 
 def register(cls: type[RecoveryPolicy]) -> type[RecoveryPolicy]:

@@ -1,9 +1,11 @@
 """Whole-job migration at the edge: carries out :mod:`daemon.control.migration`'s decisions.
 
 Each reconcile pass calls :meth:`Migrator.check`: with no move in flight it keeps how
-long the job's domain has been starved and asks :func:`~daemon.control.migration.decide`
-whether to move; with one in flight it takes the next step (booting → committing →
-copying → starting → done, the pure module's docstring). It records
+long the job's domain has been starved and asks the recovery policy
+(:meth:`~daemon.control.policies.RecoveryPolicy.migrate`, by default
+:func:`~daemon.control.migration.decide`) whether to move; with one in flight it takes
+the next step (booting → committing → copying → starting → done, the pure module's
+docstring). It records
 ``migration_started``, ``checkpoint_replicated``, ``migration_completed`` and
 ``migration_failed``, and keeps the job's domain and the move in flight in the store,
 so ``spotctl status`` and a restarted daemon know where the job is.
@@ -68,8 +70,9 @@ class Move:
 class Migrator:
     """Moves the whole job between placement domains (module docstring)."""
 
-    def __init__(self, core: Core, *, fleet: Any, drain: Any) -> None:
+    def __init__(self, core: Core, *, fleet: Any, drain: Any, policy: Any) -> None:
         self.core = core
+        self.policy = policy  # the RecoveryPolicy whose migrate() decides when and where
         self.fleet = fleet
         self._drain = drain
         cfg = core.config
@@ -189,9 +192,9 @@ class Migrator:
         here = next(v for v in views if v.name == self.domain)
         self.starved_since = decide.starved_since(self.starved_since, s, here, history, now=now)
         gpus = max(1, sum(n.gpus for n in s.nodes if n.state in ADMITTED and n.domain == self.domain))
-        move = decide.decide(s, views, self.domain, history, now=now, plan=self.plan,
-                             starved_since=self.starved_since, checkpoint_bytes=core.job.last_commit_bytes,
-                             last_move_ended_at=self.last_ended_at, gpus=gpus)
+        move = self.policy.migrate(s, views, self.domain, history, now=now, plan=self.plan,
+                                   starved_since=self.starved_since, checkpoint_bytes=core.job.last_commit_bytes,
+                                   last_move_ended_at=self.last_ended_at, gpus=gpus)
         if move is None:
             return []
         self.move = Move(id=f"mig-{secrets.token_hex(4)}", source=move.source, target=move.target,

@@ -102,7 +102,7 @@ class Supervisor:
         self.operator = Operator(self)
         self.actuator = Actuator(self, drain=self.operator.drain, avoid_zone=self.fleet.avoid_zone_of,
                                  watch_flush=self.tracker.watch_flush)
-        self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain)
+        self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
         self._wake, self._event_added = asyncio.Event(), asyncio.Event()

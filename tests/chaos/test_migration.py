@@ -116,7 +116,7 @@ async def test_replacements_come_from_the_jobs_domain_only(make_sim, tmp_path: P
         sim.sup.wake()
         await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
         for i in range(5):  # past every backoff and any patience: capacity never comes back
-            sim.clock.advance(400)
+            sim.clock.advance(500)  # past the longest capacity backoff (300 s + 40 % jitter)
             sim.sup.wake()
             await sim.until(lambda: len(provider.refused) > i + 1, what="another launch attempt")
         regions = {sim.sup.domain_of(n) for n in sim.sup.nodes.values()}
@@ -261,3 +261,28 @@ async def test_a_failed_copy_never_starts_the_job_on_a_torn_checkpoint(make_sim,
         assert latest_committed(open_store(f"file://{tmp_path}/hz")) is None  # nothing torn to resume from
         assert sim.sup.domain == "aws-use1" and sim.sup.job.state is JobState.PENDING
         assert not sim.events("migration_completed")
+
+
+async def test_the_recovery_policy_decides_whether_to_move(make_sim, tmp_path: Path) -> None:
+    """Which domain next is the registered policy's decision: one whose migrate() says stay
+    keeps the job in its starved domain, however long."""
+    from daemon.control.policies import Spotvisor
+
+    class StayPut(Spotvisor):
+        name = "stay_put_test"
+
+        def migrate(self, s, domains, current, history, **kw):  # type: ignore[override]
+            return None
+
+    provider = RegionProvider({"us-east-1": 1})
+    async with make_sim(provider=provider, **_overrides(tmp_path)) as sim:
+        sim.sup.migrator.policy = StayPut()
+        n1 = await sim.launched(1)
+        sim.boot(n1)
+        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
+        for i in range(3):
+            sim.clock.advance(500)  # past the longest capacity backoff (300 s + 40 % jitter)
+            sim.sup.wake()
+            await sim.until(lambda: len(provider.refused) > i + 1, what="another launch attempt")
+        assert not sim.events("migration_started")
+        assert {sim.sup.domain_of(n) for n in sim.sup.nodes.values()} == {"aws-use1"}
