@@ -1,0 +1,140 @@
+"""bench/replay/sim.py: the daemon's decisions replayed on a market trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.replay.__main__ import main
+from bench.replay.sim import JobModel, Market, Replay
+from bench.replay.traces import parse_events
+from daemon.control.policies import Spotvisor, get_policy
+from daemon.model import NodeState
+
+JOB = JobModel(target_steps=10**9, step_s=1.0, ref_gpus=4, checkpoint_bytes=4e9)
+
+
+def _trace(events: list[tuple[int, str, str]]):
+    return parse_events([f"{t},{act},{node}" for t, act, node in events], zone="z", source="test")
+
+
+STEADY = _trace([(0, "add", f"n{i}") for i in range(4)] + [(3_600_000, "add", "n9")])
+
+
+def test_a_steady_market_trains_at_full_size_and_loses_nothing() -> None:
+    r = Replay(STEADY, get_policy("spotvisor"), job=JOB, target_nodes=4).run()
+    assert r.lost_steps == 0 and r.restarts == 1  # the start
+    # 120 s of boot, then the restart and the load, then one step a second at 4 GPUs
+    assert r.steps == pytest.approx(3600 - 120 - JOB.restart_s - JOB.load_s(4), abs=JOB.save_s(4) * 40)
+    assert r.world_hours[4] > 0.9
+
+
+def test_a_loss_with_notice_costs_spotvisor_no_step_and_restart_on_preemption_some() -> None:
+    trace = _trace([(0, "add", f"n{i}") for i in range(4)] + [(1_800_000, "remove", "n3"),
+                                                              (3_600_000, "add", "n9")])
+    spot = Replay(trace, get_policy("spotvisor"), job=JOB, target_nodes=4).run()
+    restart = Replay(trace, get_policy("restart_on_preemption"), job=JOB, target_nodes=4).run()
+    assert spot.lost_steps == 0 and spot.resizes == 1
+    assert restart.lost_steps > 0 and restart.steps < spot.steps
+
+
+def test_on_demand_is_never_taken_and_costs_the_on_demand_price() -> None:
+    trace = _trace([(0, "add", "n0"), (600_000, "remove", "n0"), (3_600_000, "add", "n1")])
+    r = Replay(trace, get_policy("spotvisor"), job=JOB, target_nodes=2,
+               market=Market(on_demand=True, on_demand_usd_h=3.0)).run()
+    assert r.lost_steps == 0 and r.restarts == 1
+    assert r.cost_usd == pytest.approx(3.0 * r.node_hours)
+
+
+class _NeverGrows(Spotvisor):
+    """The default, except that a running job never takes a new node."""
+
+    name = "never_grows_test"
+
+    def admit(self, s, rules, *, now):  # type: ignore[override]
+        from daemon.control.lifecycle import JobState
+
+        return [] if s.job is JobState.RUNNING else super().admit(s, rules, now=now)
+
+
+def test_the_replay_runs_the_policys_own_decision() -> None:
+    """Change a policy's admission and the replay changes with it (the daemon side of the
+    same change: test_the_daemon_runs_the_policys_own_decision)."""
+    trace = _trace([(0, "add", "n0"), (0, "add", "n1"), (600_000, "remove", "n1"), (900_000, "add", "n2"),
+                    (3_600_000, "add", "n3")])
+    default = Replay(trace, get_policy("spotvisor"), job=JOB, target_nodes=2).run()
+    changed = Replay(trace, _NeverGrows(), job=JOB, target_nodes=2).run()
+    assert default.world_hours.get(2, 0) > 0.5  # the replacement joined
+    assert changed.world_hours.get(2, 0) < 0.2  # it never does
+    assert changed.restarts < default.restarts
+
+
+async def test_the_daemon_runs_the_policys_own_decision(spot_daemon) -> None:
+    """The same change in the daemon: with the default a second node joins the running job;
+    with the changed policy it stays ready."""
+    h = spot_daemon
+    sup = h.sup
+    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in sup.nodes.values()), what="launch")
+    first = next(iter(sup.nodes.values()))
+    sup.agents.on_register(first)
+    await h.until(lambda: first.state is NodeState.RUNNING, what="job start")
+    sup.intake.on_reports(first, [{"kind": "trainer_status", "line": {
+        "event": "started", "attempt": "a1", "rank": 0, "world_size": 1, "step": 0, "time": 0.0}}])
+    sup.policy = _NeverGrows()
+    sup.operator.scale(2)
+    await h.until(lambda: len(sup.nodes) == 2 and all(n.state is NodeState.LAUNCHING or n is first
+                                                      for n in sup.nodes.values()), what="second launch")
+    second = next(n for n in sup.nodes.values() if n is not first)
+    sup.agents.on_register(second)
+    for _ in range(3):
+        await sup.reconcile_once()
+    assert second.state is NodeState.READY  # the changed policy kept it out
+    sup.policy = get_policy("spotvisor")
+    await sup.reconcile_once()
+    assert second.state in (NodeState.ADMITTING, NodeState.RUNNING)  # the default asks for the rejoin commit
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=25))
+def test_invariants_on_random_markets(moves) -> None:
+    """Whatever the market does: nothing negative, on-demand loses nothing, spotvisor loses
+    nothing (a 120 s notice always covers its commit here), and nobody holds more nodes
+    than the target."""
+    events, alive, t, k = [(0, "add", "a0"), (0, "add", "a1")], ["a0", "a1"], 0, 2
+    for minutes, add in moves:
+        t += minutes * 60_000
+        if add or not alive:
+            events.append((t, "add", f"a{k}"))
+            alive.append(f"a{k}")
+            k += 1
+        else:
+            events.append((t, "remove", alive.pop(0)))
+    events.append((t + 600_000, "add", f"a{k}"))
+    trace = _trace(events)
+    for name, market in (("spotvisor", Market()), ("restart_on_preemption", Market()),
+                         ("spotvisor", Market(on_demand=True))):
+        r = Replay(trace, get_policy(name), job=JOB, target_nodes=3, market=market).run()
+        assert r.steps >= 0 and r.cost_usd >= 0 and r.lost_steps >= 0
+        assert max(r.world_hours) <= 3
+        if name == "spotvisor":
+            assert r.lost_steps == 0
+
+
+def test_cli_table_json_and_errors(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,add,n0\n0,add,n1\n1800000,remove,n1\n3600000,add,n2\n")
+    out = tmp_path / "r.json"
+    assert main(["--trace", str(trace), "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "spotvisor" in table and "on_demand" in table and "USD/STEP" in table
+    body = json.loads(out.read_text())
+    assert set(body) == {"on_demand", "restart_on_preemption", "elastic_only", "spotvisor"}
+    assert body["on_demand"]["lost_steps"] == 0 and body["spotvisor"]["cost_usd"] < body["on_demand"]["cost_usd"]
+    assert main(["--trace", str(tmp_path / "missing.csv")]) == 2
+    assert main(["--trace", str(trace), "--policy", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "known:" in err and "Traceback" not in err
