@@ -132,9 +132,40 @@ def test_cli_table_json_and_errors(tmp_path: Path, capsys) -> None:
     table = capsys.readouterr().out
     assert "spotvisor" in table and "on_demand" in table and "USD/STEP" in table
     body = json.loads(out.read_text())
-    assert set(body) == {"on_demand", "restart_on_preemption", "elastic_only", "spotvisor"}
+    assert set(body) == {"on_demand", "restart_on_preemption", "elastic_only", "spotvisor", "deadline_aware"}
+    assert body["deadline_aware"]["deadline_met"] is None  # no --job-hours: no deadline
     assert body["on_demand"]["lost_steps"] == 0 and body["spotvisor"]["cost_usd"] < body["on_demand"]["cost_usd"]
     assert main(["--trace", str(tmp_path / "missing.csv")]) == 2
     assert main(["--trace", str(trace), "--policy", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "known:" in err and "Traceback" not in err
+
+
+@settings(max_examples=60, deadline=None)
+@given(moves=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 4)), min_size=1, max_size=30),
+       job_h=st.floats(0.5, 4.0), ratio=st.floats(1.05, 2.5), target=st.integers(1, 4))
+def test_deadline_aware_never_misses_a_deadline_that_on_demand_meets(moves, job_h, ratio, target) -> None:
+    """Any market (the spot capacity of one zone jumping between 0 and 4 nodes), any job
+    length and deadline: when buying on-demand from the start finishes in time, the
+    deadline-aware policy does too."""
+    events, alive, t, k = [], [], 0, 0
+    for minutes, count in moves:
+        while len(alive) < count:
+            events.append((t, "add", f"a{k}"))
+            alive.append(f"a{k}")
+            k += 1
+        while len(alive) > count:
+            events.append((t, "remove", alive.pop()))
+        t += minutes * 60_000
+    horizon_ms = int(job_h * ratio * 3_600_000) + 3_600_000
+    events.append((max(t, horizon_ms), "add", f"a{k}"))  # the trace outlasts the deadline
+    trace = _trace(events)
+    job = JobModel(target_steps=max(1, round(job_h * 3600)), step_s=1.0, ref_gpus=target, checkpoint_bytes=4e9)
+    deadline = job_h * ratio * 3600
+    od = Replay(trace, get_policy("spotvisor"), job=job, target_nodes=target, deadline_s=deadline,
+                market=Market(on_demand=True)).run()
+    if not od.deadline_met:
+        return
+    da = Replay(trace, get_policy("deadline_aware"), job=job, target_nodes=target, deadline_s=deadline).run()
+    assert da.deadline_met, (da.completed_at_h, deadline / 3600, od.completed_at_h)
+    assert da.cost_usd <= od.cost_usd * 1.05 + 1.0  # and never much dearer than on-demand

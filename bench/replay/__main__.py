@@ -32,7 +32,7 @@ from bench.replay.traces import TraceError, load_trace
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names
 
 ON_DEMAND = "on_demand"
-DEFAULT_POLICIES = (ON_DEMAND, "restart_on_preemption", "elastic_only", DEFAULT_POLICY)
+DEFAULT_POLICIES = (ON_DEMAND, "restart_on_preemption", "elastic_only", DEFAULT_POLICY, "deadline_aware")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,19 +56,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-s", type=float, default=JobModel.restart_s)
     p.add_argument("--on-demand-usd-h", type=float, default=Market.on_demand_usd_h)
     p.add_argument("--spot-usd-h", type=float, default=Market.spot_usd_h, help="when the trace has no prices")
+    p.add_argument("--job-hours", type=float, help="the job's length on on-demand nodes at the target size "
+                   "(default: longer than the trace: it trains throughout)")
+    p.add_argument("--deadline-x", type=float, default=1.5,
+                   help="the deadline as a multiple of --job-hours (deadline_aware; default 1.5)")
     p.add_argument("--json", type=Path, help="write the figures here, keyed by policy")
     p.add_argument("--png", type=Path, help="draw world size, spend and progress over time (needs matplotlib)")
     return p
 
 
 def format_table(results: Sequence[Result]) -> str:
-    head = ["POLICY", "STEPS", "STEPS/H", "LOST", "GOODPUT", "USD", "USD/STEP", "NODE-H", "RESTARTS", "RESIZES"]
+    head = ["POLICY", "STEPS", "STEPS/H", "LOST", "GOODPUT", "USD", "USD/STEP", "NODE-H", "OD NODE-H", "RESTARTS",
+            "RESIZES", "DONE AT H", "DEADLINE"]
     rows = [head]
     for r in results:
         rows.append([r.policy, f"{r.steps:,}", f"{r.steps_per_hour:,.0f}", f"{r.lost_steps:,}",
                      "-" if r.goodput is None else f"{r.goodput:.3f}", f"{r.cost_usd:,.2f}",
                      "-" if r.usd_per_step is None else f"{r.usd_per_step:.5f}", f"{r.node_hours:,.1f}",
-                     str(r.restarts), str(r.resizes)])
+                     f"{r.on_demand_node_hours:,.1f}", str(r.restarts), str(r.resizes),
+                     "-" if r.completed_at_h is None else f"{r.completed_at_h:.2f}",
+                     {None: "-", True: "met", False: "MISSED"}[r.deadline_met]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)
@@ -81,14 +88,18 @@ def run(args: argparse.Namespace) -> list[Result]:
         if z not in trace.zones:
             raise TraceError(f"--zones: {z!r} is not a zone of {args.trace} ({', '.join(sorted(trace.zones))})")
     target = args.target_nodes or trace.max_nodes or 1
-    job = JobModel(target_steps=10**12, step_s=args.step_s, ref_gpus=args.ref_gpus or target,
+    ref = args.ref_gpus or target
+    steps = 10**12 if args.job_hours is None else max(1, round(args.job_hours * 3600 / args.step_s))
+    job = JobModel(target_steps=steps, step_s=args.step_s, ref_gpus=ref,
                    checkpoint_bytes=args.checkpoint_gb * 1e9, checkpoint_every_steps=args.checkpoint_every,
                    boot_s=args.boot_s, restart_s=args.restart_s)
+    deadline = None if args.job_hours is None else args.job_hours * args.deadline_x * 3600
     out = []
     for name in args.policy or DEFAULT_POLICIES:
         market = Market(on_demand_usd_h=args.on_demand_usd_h, spot_usd_h=args.spot_usd_h, on_demand=name == ON_DEMAND)
         policy = get_policy(DEFAULT_POLICY if name == ON_DEMAND else name)
-        r = Replay(trace, policy, job=job, market=market, target_nodes=target, zones=zones).run(
+        r = Replay(trace, policy, job=job, market=market, target_nodes=target, zones=zones,
+                   deadline_s=deadline).run(
             until_s=None if args.hours is None else args.hours * 3600)
         r.policy = name
         out.append(r)

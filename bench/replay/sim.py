@@ -37,6 +37,7 @@ from typing import Any
 
 from daemon.control import actions as a
 from daemon.control.admission import Rules
+from daemon.control.deadline import Progress
 from daemon.control.lifecycle import ADMITTED, LIVE, JobState, NodeState, TrainerState, training
 from daemon.control.offers import History, Offer, capacity_backoff_s
 from daemon.control.policies import RecoveryPolicy, lost_from_job
@@ -111,11 +112,13 @@ class _Node:
     ended_at: float | None = None
     noticed: bool = False
     left_cleanly: bool = False  # left after its notice's commit (nothing lost)
+    replacing: bool = False  # a spot node is coming to take its place (then it is drained)
 
     def view(self) -> a.NodeView:
         return a.NodeView(id=self.id, state=self.state, gpus=self.gpus, created_at=self.created_at,
                           last_heartbeat=None, deadline=self.deadline, trainer=self.trainer,
-                          ordinal=self.ordinal, ready_at=self.ready_at)
+                          ordinal=self.ordinal, ready_at=self.ready_at, replacing=self.replacing,
+                          market="on_demand" if self.on_demand else "spot")
 
 
 @dataclass
@@ -132,6 +135,8 @@ class Result:
     resizes: int
     completed_at_h: float | None
     world_hours: dict[int, float] = field(default_factory=dict)
+    deadline_h: float | None = None
+    on_demand_node_hours: float = 0.0
     timeline: list[tuple[float, int, float, int]] = field(default_factory=list)  # (h, world, usd, steps)
 
     @property
@@ -141,6 +146,13 @@ class Result:
     @property
     def steps_per_hour(self) -> float:
         return self.steps / self.hours if self.hours > 0 else 0.0
+
+    @property
+    def deadline_met(self) -> bool | None:
+        """Completed by the deadline (None: no deadline)."""
+        if self.deadline_h is None:
+            return None
+        return self.completed_at_h is not None and self.completed_at_h <= self.deadline_h + 1e-9
 
     @property
     def goodput(self) -> float | None:
@@ -153,7 +165,8 @@ class Result:
                 "usd_per_step": None if self.usd_per_step is None else round(self.usd_per_step, 5),
                 "steps_per_hour": round(self.steps_per_hour, 1), "goodput": self.goodput,
                 "node_hours": round(self.node_hours, 2), "restarts": self.restarts, "resizes": self.resizes,
-                "completed_at_h": self.completed_at_h,
+                "completed_at_h": self.completed_at_h, "deadline_h": self.deadline_h,
+                "deadline_met": self.deadline_met, "on_demand_node_hours": round(self.on_demand_node_hours, 2),
                 "world_hours": {str(k): round(v, 3) for k, v in sorted(self.world_hours.items())},
                 "timeline": [[round(h, 4), w, round(usd, 2), s] for h, w, usd, s in self.timeline]}
 
@@ -167,7 +180,8 @@ class Replay:
 
     def __init__(self, trace: Trace, policy: RecoveryPolicy, *, job: JobModel = JobModel(),
                  market: Market = Market(), target_nodes: int | None = None, min_nodes: int = 1,
-                 pass_s: float = 60.0, seed: int = 0, zones: list[str] | None = None) -> None:
+                 pass_s: float = 60.0, seed: int = 0, zones: list[str] | None = None,
+                 deadline_s: float | None = None) -> None:
         self.trace, self.policy, self.job, self.market = trace, policy, job, market
         self.zones = zones or sorted(trace.zones)
         cap = target_nodes or trace.max_nodes or 1
@@ -175,9 +189,17 @@ class Replay:
         self.min_nodes = min_nodes
         self.pass_s = pass_s
         self.rng = random.Random(seed)
-        self.offers = [Offer(index=i, provider="aws", region=z, zone=z, instance_type="sim",
-                             gpus_per_node=market.gpus_per_node, on_demand=market.on_demand)
-                       for i, z in enumerate(self.zones)]
+        # a spot and an on-demand offer per zone; the planner is given those the market and
+        # the policy allow (Market.on_demand: on-demand only; RecoveryPolicy.markets)
+        k = len(self.zones)
+        self.all_offers = [Offer(index=i, provider="aws", region=z, zone=z, instance_type="sim",
+                                 gpus_per_node=market.gpus_per_node, on_demand=False,
+                                 price_usd_h=self.trace.zones[z].price_at(0) or market.spot_usd_h)
+                           for i, z in enumerate(self.zones)]
+        self.all_offers += [Offer(index=k + i, provider="aws", region=z, zone=z, instance_type="sim",
+                                  gpus_per_node=market.gpus_per_node, on_demand=True,
+                                  price_usd_h=market.on_demand_usd_h) for i, z in enumerate(self.zones)]
+        self.deadline_s = deadline_s
         self.rules = Rules(min_nodes=min_nodes, valid_world_sizes=frozenset(range(1, cap * market.gpus_per_node + 1)),
                            rejoin_timeout_s=90.0, prewarm_wait_s=60.0)
         self.nodes: dict[str, _Node] = {}  # live nodes
@@ -197,6 +219,7 @@ class Replay:
         self.resizes = 0
         self.cost = 0.0
         self.node_hours = 0.0
+        self.od_node_hours = 0.0
         self.backoff: dict[int, float] = {}
         self.failures: dict[int, int] = {}
         self.events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, node id)
@@ -226,9 +249,13 @@ class Replay:
             nxt = max(nxt, self.now + 1e-6)
             self._advance(nxt)
             self._fire_events()
-        return Result(self.policy.name, self.now / 3600, self.committed if self.completed_at else int(self.progress),
-                      self.lost, self.cost, self.node_hours, self.restarts, self.resizes,
-                      None if self.completed_at is None else self.completed_at / 3600, self.world_hours, self.timeline)
+        return Result(policy=self.policy.name, hours=self.now / 3600,
+                      steps=self.committed if self.completed_at else int(self.progress), lost_steps=self.lost,
+                      cost_usd=self.cost, node_hours=self.node_hours, restarts=self.restarts, resizes=self.resizes,
+                      completed_at_h=None if self.completed_at is None else self.completed_at / 3600,
+                      world_hours=self.world_hours, timeline=self.timeline,
+                      deadline_h=None if self.deadline_s is None else self.deadline_s / 3600,
+                      on_demand_node_hours=self.od_node_hours)
 
     # -- the daemon's decisions -------------------------------------------------------------------
     def state(self) -> a.PoolState:
@@ -243,9 +270,12 @@ class Replay:
         members = self._in_job | {n.id for n in self.nodes.values() if n.state in ADMITTED}
         self._after_loss(members)
         history = History(backoff_until=dict(self.backoff))
+        allowed = None if self.market.on_demand else self.policy.markets(self.progress_now(), now=self.now)
+        for act in self.policy.market_actions(self.state(), allowed, now=self.now):
+            self._apply(act)
         s = self.state()
-        for act in plan(Desired(s.desired_nodes, self.rules.valid_world_sizes), s.nodes, self.offers, history,
-                        now=self.now, timeouts=Timeouts(heartbeat_timeout_s=1e9, launch_timeout_s=1e9)):
+        for act in plan(Desired(s.desired_nodes, self.rules.valid_world_sizes), s.nodes, self._offers(allowed),
+                        history, now=self.now, timeouts=Timeouts(heartbeat_timeout_s=1e9, launch_timeout_s=1e9)):
             self._apply(act)
         self._after_loss(members)
         grew: list[str] = []
@@ -258,6 +288,23 @@ class Replay:
             # a job nobody is in, from the newest commit (what was trained since is lost)
             self._restart(lose="rejoin" not in grew)
         self._in_job = {n.id for n in self.nodes.values() if n.state in ADMITTED}
+
+    def _offers(self, allowed: frozenset[str] | None) -> list[Offer]:
+        """The offers the planner may buy from now: the market's, then the policy's markets."""
+        if self.market.on_demand:
+            return [o for o in self.all_offers if o.on_demand]
+        if allowed is None:
+            return [o for o in self.all_offers if not o.on_demand]
+        return [o for o in self.all_offers if ("on_demand" if o.on_demand else "spot") in allowed]
+
+    def progress_now(self) -> Progress | None:
+        """Where the job stands against its deadline (None: no deadline)."""
+        if self.deadline_s is None:
+            return None
+        world = self.target * self.market.gpus_per_node
+        return Progress(step=int(self.progress), target_steps=self.job.target_steps, started_at=0.0,
+                        deadline=self.deadline_s, step_s=self.job.step_time(world),
+                        restart_s=self.job.boot_s + self.job.restart_s + self.job.load_s(self.target))
 
     def _after_loss(self, members: set[str]) -> None:
         lost = lost_from_job(members, {n.id: n.state for n in self.nodes.values()})
@@ -303,14 +350,22 @@ class Replay:
                     n.state = NodeState.READY
             self.rejoin = None
             self.holding = False
-        elif isinstance(act, (a.Drain, a.Leave)):
+        elif isinstance(act, a.MarkReplacing):
+            n = self.nodes.get(act.node_id)
+            if n is not None:
+                n.replacing = True
+        elif isinstance(act, a.Drain):
+            n = self.nodes.get(act.node_id)
+            if n is not None:
+                self._leave(n)  # it commits at the step boundary and leaves; nothing is lost
+        elif isinstance(act, a.Leave):
             n = self.nodes.get(act.node_id)
             if n is not None:
                 n.state = NodeState.DRAINING
         # AvoidZone, WatchFlush, RequestCheckpoint, MarkReplacing: no effect on this model
 
     def _launch(self, offer: int) -> None:
-        o = self.offers[offer]
+        o = self.all_offers[offer]
         self.seq += 1
         nid = f"n{self.seq}"
         held = sum(1 for n in self.nodes.values() if n.zone == o.zone and n.state in LIVE)
@@ -366,6 +421,7 @@ class Replay:
                 self.trace.zones[n.zone].price_at(self.now) or self.market.spot_usd_h)
             self.cost += price * dt / 3600
         self.node_hours += len(held) * dt / 3600
+        self.od_node_hours += sum(1 for n in held if n.on_demand) * dt / 3600
         world = self._world()
         self.world_hours[world] = self.world_hours.get(world, 0.0) + dt / 3600
         if self.job_state is JobState.RUNNING and world > 0 and not self.holding:
@@ -412,13 +468,19 @@ class Replay:
         for act in on_notice(n.view(), notice_id=f"{n.id}:notice", deadline=n.deadline, lead_s=self.job.lead_s,
                              now=self.now):
             self._apply(act)
-        if was_training:  # every rank commits at the next step boundary; the noticed node leaves
+        if was_training:
+            self._leave(n)
+
+    def _leave(self, n: _Node) -> None:
+        """Every rank commits at the next step boundary and ``n`` leaves; the survivors go on
+        in their processes; ``n`` is released at once (drained), as the daemon does."""
+        if n.trainer is TrainerState.RUNNING:
             self._commit_now()
-            n.trainer, n.left_cleanly = TrainerState.EXITED, True
-            if self._world() > 0:  # the survivors go on in their processes
-                self.resizes += 1
-                self.busy_until += self.job.resize_s
-            self._end(n, NodeState.TERMINATED)  # drained: released at once, as the daemon does
+        n.trainer, n.left_cleanly = TrainerState.EXITED, True
+        if self._world() > 0:
+            self.resizes += 1
+            self.busy_until += self.job.resize_s
+        self._end(n, NodeState.TERMINATED)
 
     def _schedule(self, t: float, kind: str, node: str) -> None:
         self._ev += 1

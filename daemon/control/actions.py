@@ -70,6 +70,7 @@ class NodeView:
     ordinal: int = 0  # launch order: admission goes oldest first
     ready_at: float | None = None  # when its agent registered
     domain: str = ""  # its placement domain ("" in a decision that does not look at domains)
+    market: str = "spot"  # the market it was bought on: spot or on_demand
     # in the domain a migration is leaving: kept (not released as drained) until the job
     # has trained its first step in the new domain
     held: bool = False

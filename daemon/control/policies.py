@@ -8,7 +8,9 @@ one-line description, and two pure decisions over the pool's state
 - :meth:`RecoveryPolicy.after_loss`: what to do when nodes that were in the job
   have ended (the cloud took them, or their heartbeat was lost);
 - :meth:`RecoveryPolicy.migrate`: whether the whole job moves to another placement
-  domain, and where (:func:`daemon.control.migration.decide`).
+  domain, and where (:func:`daemon.control.migration.decide`);
+- :meth:`RecoveryPolicy.markets`: which markets (spot, on-demand) the pool may buy from
+  now; :class:`DeadlineAware` spends to a deadline (:mod:`daemon.control.deadline`).
 
 The daemon runs the default, :class:`Spotvisor`; the benchmark (``bench/compare.py``)
 runs every registered policy on the same daemon, agents, trainer and trace, so only
@@ -36,6 +38,9 @@ from typing import ClassVar, Iterable, Mapping, Sequence
 from daemon.control.actions import Action, Admit, PoolState, RestartJob, Terminate
 from daemon.control.admission import Rules, admit, largest_valid
 from daemon.control.lifecycle import ADMITTED, JobState, NodeState, leaving
+from daemon.control.deadline import Progress
+from daemon.control.deadline import back_to_spot
+from daemon.control.deadline import markets as deadline_markets
 from daemon.control.migration import DomainView, Move, Plan
 from daemon.control.migration import decide as decide_move
 from daemon.control.offers import History
@@ -46,6 +51,7 @@ __all__ = [
     "RestartOnPreemption",
     "ElasticOnly",
     "NoticeNoRejoin",
+    "DeadlineAware",
     "DEFAULT_POLICY",
     "register",
     "get_policy",
@@ -72,6 +78,16 @@ class RecoveryPolicy:
     def after_loss(self, s: PoolState, lost: Sequence[str], *, now: float) -> list[Action]:
         """Actions once the nodes ``lost`` (ids), which were in the job, have ended. None by default:
         the planner replaces the capacity, and torchrun's survivors go on."""
+        return []
+
+    def markets(self, progress: Progress | None, *, now: float) -> frozenset[str] | None:
+        """The markets (``spot``, ``on_demand``) the pool may buy from now; None: every offer
+        of the config, ranked as usual (on-demand only as the fallback it is configured to be)."""
+        return None
+
+    def market_actions(self, s: PoolState, allowed: frozenset[str] | None, *, now: float) -> list[Action]:
+        """Actions once :meth:`markets` has said which markets are allowed (``None``: no
+        restriction): none by default."""
         return []
 
     def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
@@ -212,3 +228,25 @@ class NoticeNoRejoin(ElasticOnly):
         if any(leaving(n) for n in s.nodes):  # torchrun's next round would count the leaving node
             return []
         return super().admit(s, rules, now=now)
+
+
+@register
+class DeadlineAware(Spotvisor):
+    """The default's recovery, spending to ``job.deadline``: spot while the slack allows,
+    on-demand where spot has no capacity when the job falls behind the uniform line, and
+    on-demand only once the rest of the job barely fits (:func:`daemon.control.deadline.markets`,
+    Uniform Progress from Can't Be Late, NSDI'24). Without a deadline it is the default.
+
+    Example (target 4, 100 h of work, deadline 150 h): at hour 60 the job has 35 h done,
+    behind the 40 h of the uniform line: replacements may be on-demand when spot has no
+    capacity. At hour 120 with 70 h left it buys on-demand only.
+    """
+
+    name = "deadline_aware"
+    description = "the default's recovery; spot while the deadline's slack allows, on-demand when it does not"
+
+    def markets(self, progress: Progress | None, *, now: float) -> frozenset[str] | None:
+        return None if progress is None else deadline_markets(progress, now)
+
+    def market_actions(self, s: PoolState, allowed: frozenset[str] | None, *, now: float) -> list[Action]:
+        return [] if allowed is None else back_to_spot(s, allowed)

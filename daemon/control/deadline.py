@@ -1,0 +1,80 @@
+"""Spending to a deadline: which markets the pool may buy from now. Pure.
+
+A job with a deadline should finish by it at the least cost: spot while the slack
+allows, on-demand when it does not. The rule is Uniform Progress (Wu et al., "Can't Be
+Late: Optimizing Spot Instance Savings under Deadlines", NSDI'24), for a pool:
+
+- **safety net**: when what is left, trained on on-demand nodes at the pool's target
+  size, plus ``margin`` restarts, no longer fits before the deadline, buy on-demand
+  only (a spot node there could still be taken and cost a restart the deadline cannot
+  pay);
+- **behind**: when the job is behind the uniform line (``target × elapsed / (deadline −
+  start)`` steps), spot first and on-demand where spot has no capacity (the planner's
+  on-demand fallback), so the pool is back at its target size at once;
+- **ahead** (by two restarts' worth of steps, so a job on the line does not flap): spot
+  only; a shortage of spot capacity is waited out, and on-demand nodes still in the job
+  are replaced by spot ones, make before break (:func:`back_to_spot`).
+
+:func:`markets` returns the markets allowed now; the planner is given only the offers
+of those markets (``daemon.control.offers.rank_offers`` still ranks spot before on-demand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from daemon.control.actions import Action, MarkReplacing, PoolState
+from daemon.control.lifecycle import ADMITTED
+
+__all__ = ["Progress", "markets", "back_to_spot", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
+
+SPOT, ON_DEMAND = "spot", "on_demand"
+SPOT_ONLY = frozenset({SPOT})
+BOTH = frozenset({SPOT, ON_DEMAND})
+ON_DEMAND_ONLY = frozenset({ON_DEMAND})
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where the job stands against its deadline. Unix seconds, seconds, steps.
+
+    ``step_s``: seconds per step at the pool's target size (measured, or the job model's);
+    ``restart_s``: what one restart costs the job (a boot, torchrun's restart, the load).
+    """
+
+    step: int
+    target_steps: int
+    started_at: float
+    deadline: float
+    step_s: float
+    restart_s: float
+
+    def remaining_s(self) -> float:
+        """Seconds of training left at the target size."""
+        return max(0, self.target_steps - self.step) * self.step_s
+
+
+def back_to_spot(s: PoolState, allowed: frozenset[str]) -> list[Action]:
+    """Once spot alone is allowed again (the job is ahead of its line), each on-demand node
+    in the job is replaced by a spot one, make before break: it stops counting as capacity
+    (the planner launches a spot node), and admission drains it once that node is up (the
+    rebalance ``replace`` path). Nodes not in the job yet are simply surplus."""
+    if allowed != SPOT_ONLY:
+        return []
+    return [MarkReplacing(n.id, "deadline_slack") for n in s.nodes
+            if n.market == ON_DEMAND and n.state in ADMITTED and not n.replacing]
+
+
+def markets(p: Progress, now: float, *, margin: float = 3.0) -> frozenset[str]:
+    """The markets the pool may buy from at ``now`` (module docstring). ``margin``: the
+    restarts the safety net keeps in hand."""
+    if p.step >= p.target_steps:
+        return SPOT_ONLY
+    if p.deadline - now <= p.remaining_s() + margin * p.restart_s:
+        return ON_DEMAND_ONLY
+    span = p.deadline - p.started_at
+    expected = p.target_steps * (now - p.started_at) / span if span > 0 else p.target_steps
+    # back to spot only when ahead by two restarts' worth of steps: going back costs one
+    # (make before break still restarts the group), and a job on the line would flap
+    ahead_by = 2 * p.restart_s / p.step_s if p.step_s > 0 else 0.0
+    return BOTH if p.step < expected + ahead_by else SPOT_ONLY

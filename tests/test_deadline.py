@@ -1,0 +1,42 @@
+"""daemon/control/deadline.py: which markets a job with a deadline may buy from."""
+
+from __future__ import annotations
+
+from daemon.control.actions import MarkReplacing, NodeView, PoolState
+from daemon.control.deadline import BOTH, ON_DEMAND_ONLY, SPOT_ONLY, Progress, back_to_spot, markets
+from daemon.control.lifecycle import JobState, NodeState
+
+# 100 h of work at 1 step/s (360,000 steps), deadline 150 h, a restart costs 0.2 h
+P = dict(target_steps=360_000, started_at=0.0, deadline=150 * 3600.0, step_s=1.0, restart_s=720.0)
+H = 3600.0
+
+
+def test_ahead_of_the_uniform_line_buys_spot_only() -> None:
+    assert markets(Progress(step=45 * 3600, **P), now=60 * H) == SPOT_ONLY  # 45 h done, the line is at 40 h
+
+
+def test_behind_the_line_may_fall_back_to_on_demand() -> None:
+    assert markets(Progress(step=35 * 3600, **P), now=60 * H) == BOTH
+
+
+def test_just_ahead_is_not_ahead_enough_to_go_back() -> None:
+    """Within two restarts' worth of steps of the line the pool keeps its on-demand nodes."""
+    assert markets(Progress(step=40 * 3600 + 1000, **P), now=60 * H) == BOTH
+
+
+def test_the_safety_net_buys_on_demand_only_once_the_rest_barely_fits() -> None:
+    # 70 h left to train, 70.5 h to the deadline: less than 3 restarts of slack
+    assert markets(Progress(step=30 * 3600, **P), now=79.5 * H) == ON_DEMAND_ONLY
+    assert markets(Progress(step=30 * 3600, **P), now=70 * H) == BOTH
+    assert markets(Progress(step=360_000, **P), now=149 * H) == SPOT_ONLY  # done
+
+
+def _node(i: int, market: str, state: NodeState = NodeState.RUNNING, replacing: bool = False) -> NodeView:
+    return NodeView(id=f"n{i}", state=state, gpus=1, created_at=0.0, ordinal=i, market=market, replacing=replacing)
+
+
+def test_back_on_spot_the_on_demand_nodes_in_the_job_are_replaced_make_before_break() -> None:
+    s = PoolState(nodes=(_node(1, "spot"), _node(2, "on_demand"), _node(3, "on_demand", replacing=True),
+                         _node(4, "on_demand", NodeState.READY)), job=JobState.RUNNING, target_nodes=3)
+    assert back_to_spot(s, SPOT_ONLY) == [MarkReplacing("n2", "deadline_slack")]
+    assert back_to_spot(s, BOTH) == [] and back_to_spot(s, ON_DEMAND_ONLY) == []
