@@ -18,6 +18,7 @@ import ipaddress
 import os
 import socket
 import string
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -78,6 +79,10 @@ class _Spec(BaseModel):
 # finite, yet waits on it overflow (threading's TIMEOUT_MAX is about 9.2e9 s here).
 MAX_DURATION_S = 30 * 86400.0
 PositiveS = Annotated[float, Field(gt=0, le=MAX_DURATION_S)]
+
+# what a deadline allows for starting the job on on-demand nodes: an instance's boot, the
+# agent, torchrun's rendezvous and the first load (seconds; a GPU instance boots in 2-5 min)
+DEADLINE_START_S = 600.0
 
 # events per request of a feed sink (``SinkSpec.max_batch``) when the config names none; a
 # Slack message holds at most 50 blocks: a header, a footer and two blocks per event
@@ -215,6 +220,12 @@ class JobSpec(_Spec):
     flush_safety_factor: float = Field(2.0, ge=1)  # notice window / flush time below this = at risk
     upload_throughput_bytes_s: float = Field(1e9, gt=0)  # per node to the store, until measured
     save_throughput_bytes_s: float = Field(2e9, gt=0)  # per node to local disk, until measured
+    # finish by then at the least cost (the deadline_aware policy): hours from the job's
+    # submission (its first launch request), or a time (ISO 8601, UTC when no offset)
+    deadline: float | datetime | None = None
+    # seconds per step at the pool's target size, on the offers' GPUs: what the deadline
+    # plans with (needed with a deadline; measure it with a short run)
+    step_s: float | None = Field(None, gt=0)
 
     @field_validator("args")
     @classmethod
@@ -254,6 +265,15 @@ class JobSpec(_Spec):
         return ElasticBatch(self.global_batch_size, self.micro_batch_size).valid_world_sizes(
             max_world_size
         )
+
+    def deadline_at(self, submitted_at: float) -> float | None:
+        """The deadline in unix seconds for a job submitted at ``submitted_at`` (None: none)."""
+        if self.deadline is None:
+            return None
+        if isinstance(self.deadline, datetime):
+            d = self.deadline if self.deadline.tzinfo else self.deadline.replace(tzinfo=timezone.utc)
+            return d.timestamp()
+        return submitted_at + float(self.deadline) * 3600.0
 
 
 class RendezvousSpec(_Spec):
@@ -872,6 +892,7 @@ class Config(_Spec):
                 f"{self.job.global_batch_size} in micro batches of {self.job.micro_batch_size} (node counts that "
                 f"can: {', '.join(map(str, counts)) or 'none'}; set target_nodes to one of them)"
             )
+        self._check_deadline()
         names = [s.name for s in self.notify]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -883,6 +904,26 @@ class Config(_Spec):
                 raise ValueError(f"chaos.{i}.at_step: {ev.at_step} is never reached, the job ends at "
                                  f"job.target_steps {self.job.target_steps} (use a smaller step)")
         return self
+
+    def _check_deadline(self) -> None:
+        """A deadline needs a step time to plan with and on-demand offers to fall back on,
+        and must leave room for the job on on-demand nodes (boot, start, every step)."""
+        job = self.job
+        if job.deadline is None:
+            return
+        if job.step_s is None:
+            raise ValueError("job.step_s: a job.deadline needs the seconds per step at the pool's target size "
+                             "(measure it with a short run), to know how much slack there is")
+        if not any(o.market == "on_demand" for o in self.offers):
+            raise ValueError("job.deadline: spending to a deadline needs on-demand offers to fall back on (add an "
+                             "offer with market: on_demand and set pool.on_demand_fallback: true)")
+        if not isinstance(job.deadline, datetime):
+            need_h = (job.target_steps * job.step_s + DEADLINE_START_S) / 3600.0
+            if job.deadline < need_h:
+                raise ValueError(
+                    f"job.deadline: {job.deadline:g} h cannot be met even on on-demand nodes: {job.target_steps} steps "
+                    f"x {job.step_s:g} s + {DEADLINE_START_S / 60:.0f} min to start = {need_h:.2f} h (give at least "
+                    f"that, fewer job.target_steps, or a faster step)")
 
     def valid_node_counts(self) -> list[int] | None:
         """Node counts in ``pool.min_nodes..pool.max_nodes`` whose world size the global

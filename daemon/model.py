@@ -71,6 +71,8 @@ class EventKind(str, Enum):
     CHECKPOINT_REPLICATED = "checkpoint_replicated"
     MIGRATION_COMPLETED = "migration_completed"
     MIGRATION_FAILED = "migration_failed"
+    # spending to a deadline: the markets the pool may buy from changed (daemon/control/deadline.py)
+    MARKET_CHANGED = "market_changed"
 
 
 @dataclass(frozen=True, slots=True)

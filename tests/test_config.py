@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from daemon.config import Config, ConfigError, DaemonSpec, JobSpec, load_config
 
@@ -493,3 +494,32 @@ def test_run_refuses_the_same_config(tmp_path: Path) -> None:
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     _assert_problem_output(r, path, [["rendezvous.host: "]])
     assert not (tmp_path / "st").exists()
+
+
+_DEADLINE_BASE = {"pool": {"on_demand_fallback": True}, "providers": {"local": None, "aws": {"image_id": "ami-0123456789abcdef0"}},
+                  "offers": [{"provider": "aws", "region": "us-east-1", "instance_type": "p3.2xlarge"},
+                             {"provider": "aws", "region": "us-east-1", "instance_type": "p3.2xlarge",
+                              "market": "on_demand"}]}
+
+
+@pytest.mark.parametrize("job, offers, problem", [
+    ({"deadline": 10}, None, "job.step_s: a job.deadline needs the seconds per step"),
+    ({"deadline": 10, "step_s": 1}, [{"provider": "aws", "region": "us-east-1", "instance_type": "p3.2xlarge"}],
+     "needs on-demand offers to fall back on"),
+    ({"deadline": 0.1, "step_s": 1.0, "target_steps": 3600}, None,
+     "0.1 h cannot be met even on on-demand nodes: 3600 steps x 1 s + 10 min to start = 1.17 h"),
+])
+def test_a_deadline_that_cannot_work_is_refused_with_the_fix(tmp_path: Path, job, offers, problem) -> None:
+    raw = {**_DEADLINE_BASE, "job": job, **({"offers": offers} if offers else {})}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert any(problem in p for p in info.value.problems), info.value.problems
+
+
+def test_a_deadline_is_hours_from_submission_or_a_time() -> None:
+    c = Config.model_validate({**_DEADLINE_BASE, "job": {"deadline": 10, "step_s": 1.0}})
+    assert c.job.deadline_at(1000.0) == 1000.0 + 36_000
+    c = Config.model_validate({**_DEADLINE_BASE, "job": {"deadline": "2026-12-05T00:00:00", "step_s": 1.0}})
+    assert c.job.deadline_at(0.0) == 1796428800.0  # no offset: UTC

@@ -20,8 +20,12 @@ def test_behind_the_line_may_fall_back_to_on_demand() -> None:
 
 
 def test_just_ahead_is_not_ahead_enough_to_go_back() -> None:
-    """Within two restarts' worth of steps of the line the pool keeps its on-demand nodes."""
-    assert markets(Progress(step=40 * 3600 + 1000, **P), now=60 * H) == BOTH
+    """After on-demand, within two restarts' worth of steps of the line the pool keeps its
+    on-demand nodes; a job on spot just ahead stays on spot."""
+    assert markets(Progress(step=40 * 3600 + 1000, **P), now=60 * H, previous=BOTH) == BOTH
+    assert markets(Progress(step=40 * 3600 + 2000, **P), now=60 * H, previous=BOTH) == SPOT_ONLY
+    assert markets(Progress(step=40 * 3600 + 1000, **P), now=60 * H, previous=SPOT_ONLY) == SPOT_ONLY
+    assert markets(Progress(step=0, **P), now=0.0) == SPOT_ONLY  # the start is on the line, not behind it
 
 
 def test_the_safety_net_buys_on_demand_only_once_the_rest_barely_fits() -> None:

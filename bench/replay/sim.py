@@ -214,6 +214,7 @@ class Replay:
         self.busy_until = 0.0  # the job trains from then (a commit, a restart)
         self.holding = False  # held at a rejoin commit until the grow ends
         self._in_job: set[str] = set()
+        self.allowed: frozenset[str] | None = None  # the markets the policy allowed last pass
         self.lost = 0
         self.restarts = 0
         self.resizes = 0
@@ -270,7 +271,9 @@ class Replay:
         members = self._in_job | {n.id for n in self.nodes.values() if n.state in ADMITTED}
         self._after_loss(members)
         history = History(backoff_until=dict(self.backoff))
-        allowed = None if self.market.on_demand else self.policy.markets(self.progress_now(), now=self.now)
+        allowed = None if self.market.on_demand else self.policy.markets(self.progress_now(), now=self.now,
+                                                                         previous=self.allowed)
+        self.allowed = allowed
         for act in self.policy.market_actions(self.state(), allowed, now=self.now):
             self._apply(act)
         s = self.state()

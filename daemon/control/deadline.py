@@ -11,9 +11,9 @@ Late: Optimizing Spot Instance Savings under Deadlines", NSDI'24), for a pool:
 - **behind**: when the job is behind the uniform line (``target × elapsed / (deadline −
   start)`` steps), spot first and on-demand where spot has no capacity (the planner's
   on-demand fallback), so the pool is back at its target size at once;
-- **ahead** (by two restarts' worth of steps, so a job on the line does not flap): spot
-  only; a shortage of spot capacity is waited out, and on-demand nodes still in the job
-  are replaced by spot ones, make before break (:func:`back_to_spot`).
+- **ahead** (after on-demand, by two restarts' worth of steps, so a job on the line does
+  not flap): spot only; a shortage of spot capacity is waited out, and on-demand nodes
+  still in the job are replaced by spot ones, make before break (:func:`back_to_spot`).
 
 :func:`markets` returns the markets allowed now; the planner is given only the offers
 of those markets (``daemon.control.offers.rank_offers`` still ranks spot before on-demand).
@@ -65,16 +65,22 @@ def back_to_spot(s: PoolState, allowed: frozenset[str]) -> list[Action]:
             if n.market == ON_DEMAND and n.state in ADMITTED and not n.replacing]
 
 
-def markets(p: Progress, now: float, *, margin: float = 3.0) -> frozenset[str]:
-    """The markets the pool may buy from at ``now`` (module docstring). ``margin``: the
-    restarts the safety net keeps in hand."""
+def markets(p: Progress, now: float, *, previous: frozenset[str] | None = None,
+            margin: float = 3.0) -> frozenset[str]:
+    """The markets the pool may buy from at ``now`` (module docstring), given those it was
+    allowed until now (``previous``; None: none yet). ``margin``: the restarts the safety
+    net keeps in hand.
+
+    Hysteresis: spot only → spot and on-demand as soon as the job is behind the line;
+    back to spot only once it is ahead by two restarts' worth of steps (going back costs
+    one: make before break still restarts the group), so a job on the line does not flap."""
     if p.step >= p.target_steps:
         return SPOT_ONLY
     if p.deadline - now <= p.remaining_s() + margin * p.restart_s:
         return ON_DEMAND_ONLY
     span = p.deadline - p.started_at
     expected = p.target_steps * (now - p.started_at) / span if span > 0 else p.target_steps
-    # back to spot only when ahead by two restarts' worth of steps: going back costs one
-    # (make before break still restarts the group), and a job on the line would flap
-    ahead_by = 2 * p.restart_s / p.step_s if p.step_s > 0 else 0.0
-    return BOTH if p.step < expected + ahead_by else SPOT_ONLY
+    if previous is not None and ON_DEMAND in previous:
+        ahead_by = 2 * p.restart_s / p.step_s if p.step_s > 0 else 0.0
+        return BOTH if p.step < expected + ahead_by else SPOT_ONLY
+    return BOTH if p.step < expected else SPOT_ONLY

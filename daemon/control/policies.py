@@ -80,9 +80,11 @@ class RecoveryPolicy:
         the planner replaces the capacity, and torchrun's survivors go on."""
         return []
 
-    def markets(self, progress: Progress | None, *, now: float) -> frozenset[str] | None:
-        """The markets (``spot``, ``on_demand``) the pool may buy from now; None: every offer
-        of the config, ranked as usual (on-demand only as the fallback it is configured to be)."""
+    def markets(self, progress: Progress | None, *, now: float,
+                previous: frozenset[str] | None = None) -> frozenset[str] | None:
+        """The markets (``spot``, ``on_demand``) the pool may buy from now, given those it
+        was allowed until now (``previous``); None: every offer of the config, ranked as
+        usual (on-demand only as the fallback it is configured to be)."""
         return None
 
     def market_actions(self, s: PoolState, allowed: frozenset[str] | None, *, now: float) -> list[Action]:
@@ -245,8 +247,9 @@ class DeadlineAware(Spotvisor):
     name = "deadline_aware"
     description = "the default's recovery; spot while the deadline's slack allows, on-demand when it does not"
 
-    def markets(self, progress: Progress | None, *, now: float) -> frozenset[str] | None:
-        return None if progress is None else deadline_markets(progress, now)
+    def markets(self, progress: Progress | None, *, now: float,
+                previous: frozenset[str] | None = None) -> frozenset[str] | None:
+        return None if progress is None else deadline_markets(progress, now, previous=previous)
 
     def market_actions(self, s: PoolState, allowed: frozenset[str] | None, *, now: float) -> list[Action]:
         return [] if allowed is None else back_to_spot(s, allowed)

@@ -37,6 +37,7 @@ class Core(Protocol):
     paused: bool
     first_ready_at: float | None  # when the first node of a pending job was up (unix s)
     domain: str  # the placement domain the job runs in (daemon.controlnode.migrator)
+    policy: Any  # the RecoveryPolicy (daemon.control.policies)
 
     def clock(self) -> float: ...
 

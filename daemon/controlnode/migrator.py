@@ -141,18 +141,18 @@ class Migrator:
     def status(self) -> dict[str, Any]:
         m = self.move
         return {"domain": self.domain, "migrations": self.completed, "migrations_failed": self.failed,
-                "starved_since": self.starved_since,
+                "starved_since": self.starved_since, "deadline": self.placement.status(self.core.clock()),
                 "migration": None if m is None else {"id": m.id, "from": m.source, "to": m.target,
                                                      "phase": m.phase, "reason": m.reason,
                                                      "started_at": m.started_at}}
 
     # -- the pass -----------------------------------------------------------------------------
     def check(self, now: float) -> list[Action]:
-        """One reconcile pass's migration step; returns provider actions: releases of a
-        move's nodes, and of any node outside both the job's domain and a move's
-        (:meth:`Placement.strays`)."""
+        """One reconcile pass's migration step; returns actions: releases of a move's nodes,
+        of any node outside both the job's domain and a move's (:meth:`Placement.strays`),
+        and the policy's actions for the markets it allows now (:meth:`Placement.check_markets`)."""
         out = self._step(now)
-        return out + self.placement.strays(but={a.node_id for a in out})
+        return out + self.placement.strays(but={a.node_id for a in out}) + self.placement.check_markets(now)
 
     def _step(self, now: float) -> list[Action]:
         core = self.core

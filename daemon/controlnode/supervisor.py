@@ -82,7 +82,7 @@ class Supervisor:
                  providers: Mapping[str, Provider] | None = None, clock: Callable[[], float] = time.time,
                  rng: random.Random | None = None, policy: RecoveryPolicy | None = None) -> None:
         self.config, self.store, self.clock, self.pool = config, store, clock, config.pool.name
-        self.policy = policy or get_policy(DEFAULT_POLICY)  # how the pool reacts to preemptions
+        self.policy = policy or get_policy("deadline_aware" if config.job.deadline else DEFAULT_POLICY)  # recovery
         rng = rng or random.Random()
         self.job = JobView()
         self.nodes: dict[str, Node] = {}
@@ -310,7 +310,7 @@ class Supervisor:
     def view(self, n: Node) -> a.NodeView:
         domain = self.domain_of(n)
         return a.NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at,
-                          domain=domain, held=self.migrator.held(domain),
+                          domain=domain, held=self.migrator.held(domain), market=n.market,
                           last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
                           trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
                           # not told by this daemon (it restarted): what it would be told now

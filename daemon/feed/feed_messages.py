@@ -90,6 +90,7 @@ EMOJI: dict[str, str] = {
     "checkpoint_replicated": "📦",
     "migration_completed": "🏁",
     "migration_failed": "🛑",
+    "market_changed": "💱",
 }
 _DEFAULT_EMOJI = "🔔"
 

@@ -163,6 +163,10 @@ def _placement(p: dict[str, Any]) -> str:
     m = p.get("migration")
     if m:
         out += f"  migrating {m['from']} -> {m['to']} ({m['phase']}, {m['reason']})"
+    d = p.get("deadline")
+    if d:
+        out += (f"  deadline in {d['hours_to_deadline']:g} h, {d['hours_of_work_left']:g} h of work left, "
+                f"buying {'+'.join(d['markets'] or ['any'])}")
     return out
 
 

@@ -286,3 +286,63 @@ async def test_the_recovery_policy_decides_whether_to_move(make_sim, tmp_path: P
             await sim.until(lambda: len(provider.refused) > i + 1, what="another launch attempt")
         assert not sim.events("migration_started")
         assert {sim.sup.domain_of(n) for n in sim.sup.nodes.values()} == {"aws-use1"}
+
+
+class SpotShortProvider(ChaosProvider):
+    """Spot capacity for ``spot`` nodes in all; on-demand always has capacity."""
+
+    def __init__(self, spot: int) -> None:
+        super().__init__()
+        self.spot_left = spot
+
+    async def launch(self, offer, node):  # type: ignore[override]
+        if not offer.on_demand:
+            if self.spot_left <= 0:
+                self.refused.append(node.node_id)
+                raise CapacityError(f"InsufficientInstanceCapacity: {offer.key} (test)")
+            self.spot_left -= 1
+        return await super().launch(offer, node)
+
+
+async def test_a_job_behind_its_deadline_buys_on_demand_and_goes_back_to_spot_when_ahead(make_sim) -> None:
+    """job.deadline: the daemon runs deadline_aware. Spot has room for one node of two. On
+    the uniform line (at the start) the pool waits for spot; once the job is behind it, the
+    missing node is bought on demand (market_changed); far ahead again, spot only, and the
+    on-demand node is marked to be replaced by a spot one."""
+    from daemon.control.deadline import SPOT_ONLY
+
+    offer = {"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "p3.2xlarge"}
+    provider = SpotShortProvider(spot=1)
+    async with make_sim(provider=provider, pool={"on_demand_fallback": True},
+                        job={"target_steps": 3600, "deadline": 4.0, "step_s": 1.0},
+                        providers={"local": None, "aws": {"image_id": "ami-0123456789abcdef0"}},
+                        offers=[offer, {**offer, "market": "on_demand"}]) as sim:
+        assert sim.sup.policy.name == "deadline_aware"
+        n1 = await sim.launched(1)
+        await sim.until(lambda: provider.refused, what="no spot capacity for node 2")
+        sim.sup.wake()
+        await sim.until(lambda: sim.sup.placement.allowed == SPOT_ONLY, what="on the line: spot only")
+        assert not [n for n in sim.sup.nodes.values() if n.market == "on_demand"]
+        sim.boot(n1)
+        await sim.until(lambda: sim.sup.first_ready_at is not None, what="node 1 ready")
+        sim.clock.advance(31)  # the job starts on one node after rejoin_timeout_s: behind the line now
+        sim.sup.wake()
+        await sim.until(lambda: sim.events("market_changed"), what="market changed")
+        [changed] = sim.events("market_changed")
+        assert changed.data["old"] == ["spot"] and changed.data["new"] == ["on_demand", "spot"]
+        await sim.until(lambda: any(n.market == "on_demand" for n in sim.sup.nodes.values()), what="on-demand")
+        assert sim.sup.status()["placement"]["deadline"]["markets"] == ["on_demand", "spot"]
+        await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start")
+        sim.start([n1], step=0)
+        od = next(n for n in sim.sup.nodes.values() if n.market == "on_demand")
+        sim.boot(od)
+        await sim.until(lambda: od.state in (NodeState.ADMITTING, NodeState.RUNNING), what="on-demand joins")
+        if od.state is NodeState.ADMITTING:  # the grow's rejoin commit
+            rid = sim.events("checkpoint_requested")[-1].data["request_id"]
+            sim.commit(n1, "a1", 0, ids=(rid,), kinds=("rejoin",))
+            await sim.until(lambda: od.state is NodeState.RUNNING, what="on-demand admitted")
+        sim.beat(n1, step=3000)  # far ahead of the line now
+        sim.sup.wake()
+        await sim.until(lambda: len(sim.events("market_changed")) == 2, what="back to spot")
+        assert sim.events("market_changed")[-1].data["new"] == ["spot"]
+        await sim.until(lambda: od.replacing, what="the on-demand node marked for a spot replacement")
