@@ -120,7 +120,7 @@ def draw(results: Sequence[Result], path: Path, title: str) -> str | None:
         hours = [p[0] for p in r.timeline]
         for ax, idx in zip(axes, (1, 2, 3)):
             ax.plot(hours, [p[idx] for p in r.timeline], label=r.policy, drawstyle="steps-post")
-    for ax, label in zip(axes, ("world size (GPUs)", "spend (USD)", "committed steps")):
+    for ax, label in zip(axes, ("world size (GPUs)", "spend (USD)", "steps (a restart falls back)")):
         ax.set_ylabel(label)
     axes[-1].set_xlabel("hours")
     axes[0].legend(loc="lower right", fontsize=8)

@@ -443,7 +443,7 @@ class Replay:
                     self.job_state = JobState.COMPLETED
                     self.completed_at = to
         self.now = to
-        if not self.timeline or self.now - self.timeline[-1][0] * 3600 >= 300:
+        if not self.timeline or self.now - self.timeline[-1][0] * 3600 >= max(60.0, self.trace.duration_s / 400):
             self.timeline.append((self.now / 3600, world, self.cost, int(self.progress)))
 
     # -- the market ----------------------------------------------------------------------------------
