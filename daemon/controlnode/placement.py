@@ -1,5 +1,7 @@
-"""Placement domains at the edge: which domain a node is in, which offers the planner may
-buy from, and which nodes sit outside the job's network.
+"""Placement domains and markets at the edge: which domain a node is in, which offers the
+planner may buy from (the job's domain, the markets the recovery policy allows: a job
+with ``job.deadline`` spends to it, :mod:`daemon.control.deadline`), and which nodes sit
+outside the job's network.
 
 One job, one network: a job attempt's nodes share one placement domain
 (:meth:`daemon.config.Config.domains_resolved`). The planner buys only from the domain
