@@ -164,6 +164,7 @@ def test_cost_by_hand() -> None:
     assert c["savings_usd"] == pytest.approx(16.0 - 7.6)  # 8.40
     assert c["savings_pct"] == 52.5
     assert c["unpriced_nodes"] == ["p-3"]
+    assert c["on_demand_nodes_usd"] == pytest.approx(4.0)  # p-5, the on-demand fallback
     assert c["spot_usd_h_now"] == 0.9  # p-2 only is billed now
     assert c["nodes"][1]["billed_to"] == t + 3 * h
     assert cost_report([], offers, now=t)["savings_usd"] is None

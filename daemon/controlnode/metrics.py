@@ -202,6 +202,8 @@ def cost_report(nodes: Sequence[Node], offers: Sequence["OfferSpec"], now: float
         "savings_pct": None if savings is None or od_total <= 0 else round(100.0 * savings / od_total, 2),
         "unpriced_nodes": unpriced,
         "egress_usd": round(egress_usd, 6),
+        # what the on-demand nodes cost: with job.deadline, what keeping the deadline cost
+        "on_demand_nodes_usd": round(sum(r["spot_usd"] for r in rows if r["market"] == "on_demand"), 6),
         "how": ("spot: each node's price at launch x its hours held (launch request to its end, or now); "
                 "on-demand: its offer's on_demand_price_usd_h x the same hours; savings over the priced nodes only; "
                 "egress: each migration's checkpoint bytes copied x its source domain's egress_usd_per_gb"),

@@ -193,6 +193,9 @@ def render_cost(cost: dict[str, Any]) -> str:
         out.append(f"no on-demand price for: {', '.join(cost['unpriced_nodes'])} (left out of the savings)")
     if cost.get("egress_usd"):
         out.append(f"migration egress USD {_usd(cost['egress_usd'])} (checkpoint copies between domains)")
+    if cost.get("on_demand_nodes_usd"):
+        out.append(f"on-demand nodes USD {_usd(cost['on_demand_nodes_usd'])} (the fallback; with job.deadline, "
+                   "what keeping the deadline cost)")
     out.append(f"how: {cost['how']}")
     return "\n".join(out)
 
