@@ -52,6 +52,9 @@ class JobTracker:
         self._confirming: set[int] = set()  # steps whose manifest is being read from the store
         self._confirm_failures: dict[int, int] = {}  # step → failed reads of its manifest
         self._answered: set[str] = set()  # notice and request ids a recorded commit named
+        self._started: set[str] = set()  # attempts whose job_resumed is recorded (this daemon or the store)
+        # commits reported before their own attempt's start: (node, line, since, unconfirmed)
+        self._early_commits: list[tuple[str | None, StatusLine, float, bool]] = []
 
     def pick_up(self) -> bool:
         """A restarted daemon takes over the job the last one left running.
@@ -73,6 +76,8 @@ class JobTracker:
         if any(n.state in ADMITTED or leaving(n) for n in sup.nodes.values()):
             sup.job.to(JobState.RUNNING)
         sup.job.step = max((n.step for n in sup.nodes.values() if n.step is not None), default=None)
+        self._started.update(ev.data["attempt"] for ev in sup.store.events(kinds=[EventKind.JOB_RESUMED.value])
+                             if isinstance(ev.data.get("attempt"), str))
         for ev in sup.store.events(kinds=[EventKind.CHECKPOINT_COMMITTED.value]):
             if isinstance(ev.data.get("step"), int):
                 sup.job.commit_steps.add(ev.data["step"])
@@ -210,6 +215,13 @@ class JobTracker:
             self._record_commit(node_id, line)
 
     def _record_resume(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool = False) -> None:
+        self._record_resume_event(node_id, line, commit_unconfirmed=commit_unconfirmed)
+        self._started.add(line.attempt)
+        for early in [e for e in self._early_commits if e[1].attempt == line.attempt]:
+            self._early_commits.remove(early)
+            self._record_commit(early[0], early[1], unconfirmed=early[3], early_ok=True)
+
+    def _record_resume_event(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool) -> None:
         self.core.job.attempts.add(line.attempt)
         if line.resized == "in_process":
             self.core.job.resizes_in_process += 1
@@ -231,9 +243,18 @@ class JobTracker:
                     **({"commit_unconfirmed": True} if commit_unconfirmed else {}))
 
     def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None,
-                       unconfirmed: bool = False) -> None:
+                       unconfirmed: bool = False, early_ok: bool = False) -> None:
         """Record one commit (once per step and notice: the first report of it), apply
-        what it answers (notice flushes, the rejoin), then the resumes that waited for it."""
+        what it answers (notice flushes, the rejoin), then the resumes that waited for it.
+
+        Causal order, the other way round: a commit of an attempt whose own start is not
+        recorded yet (the survivors of a shrink commit at their first step, and the node
+        that reports that commit may be faster than rank 0's node reporting their start)
+        waits for that start, at most :data:`RESUME_HOLD_S` (``early_ok``: the wait is over)."""
+        if (source is None and not early_ok and line.attempt and line.attempt not in self._started
+                and self._started):
+            self._early_commits.append((node_id, line, self.core.clock(), unconfirmed))
+            return
         step, ids = line.step, list(line.notice_ids)
         for nid in ids:
             self._flushes.pop(nid, None)
@@ -279,6 +300,9 @@ class JobTracker:
         the store out of reach :data:`CONFIRM_ATTEMPTS` times, :data:`RESUME_HOLD_S` apart,
         the resume is recorded with ``commit_unconfirmed: true``."""
         now = self.core.clock()
+        for early in [e for e in self._early_commits if now - e[2] >= RESUME_HOLD_S]:
+            self._early_commits.remove(early)  # its attempt's start never came (its rank 0's node died)
+            self._record_commit(early[0], early[1], unconfirmed=early[3], early_ok=True)
         for node_id, line, held_at in list(self._held):
             step = _waits_on(line)
             if now - held_at < RESUME_HOLD_S or step is None or step in self._confirming:
