@@ -125,6 +125,35 @@ async def test_replacements_come_from_the_jobs_domain_only(make_sim, tmp_path: P
         assert bad == []
 
 
+async def _starved_on_one_node(sim: Sim, provider: RegionProvider, tmp_path: Path) -> tuple[Node, str]:
+    """The job runs on two AWS nodes; node 2 is noticed at step 10 (the survivor commits
+    and resumes alone) and AWS has no capacity left; no move before ``patience_s`` (60 s),
+    one after it. Returns (node 1, its attempt)."""
+    n1, n2 = await sim.launched(1), await sim.launched(2)
+    sim.boot(n1)
+    sim.boot(n2)
+    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    a1 = sim.start([n1, n2], step=0)
+    sim.beat(n1, step=10)
+    nid = sim.notice(n2)
+    _checkpoint(f"file://{tmp_path}/use1", 10, 2)
+    sim.commit(n1, a1, 10, ids=(nid,), kinds=("interruption",))
+    sim.exit(n2)
+    await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
+    a2 = sim.start([n1], step=10, resumed_from=10)
+    await sim.until(lambda: provider.refused, what="no capacity for the replacement")
+    await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
+    sim.clock.advance(30)
+    sim.sup.wake()
+    await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="still starved")
+    assert not sim.events("migration_started")  # not before the patience
+    sim.clock.advance(31)
+    sim.sup.wake()
+    sim.beat(n1, step=20)
+    await sim.until(lambda: sim.events("migration_started"), what="migration started")
+    return n1, a2
+
+
 async def test_a_starved_domain_moves_the_whole_job(make_sim, tmp_path: Path) -> None:
     """The job runs on two AWS nodes; one gets a notice and AWS has no capacity left. After
     ``patience_s`` the job moves: Alibaba's pool is launched while the job trains on; then
@@ -134,31 +163,7 @@ async def test_a_starved_domain_moves_the_whole_job(make_sim, tmp_path: Path) ->
     async with make_sim(provider=provider, **_overrides(tmp_path)) as sim:
         bad: list[str] = []
         _one_domain_in_the_job(sim, bad)
-        n1, n2 = await sim.launched(1), await sim.launched(2)
-        sim.boot(n1)
-        sim.boot(n2)
-        await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
-        a1 = sim.start([n1, n2], step=0)
-        # node 2 is noticed at step 10: the survivors commit and resume alone
-        sim.beat(n1, step=10)
-        nid = sim.notice(n2)
-        _checkpoint(f"file://{tmp_path}/use1", 10, 2)
-        sim.commit(n1, a1, 10, ids=(nid,), kinds=("interruption",))
-        sim.exit(n2)
-        await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
-        a2 = sim.start([n1], step=10, resumed_from=10)
-        await sim.until(lambda: provider.refused, what="no capacity for the replacement")
-        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
-        sim.clock.advance(30)
-        sim.sup.wake()
-        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="still starved")
-        assert not sim.events("migration_started")  # not before the patience
-        sim.clock.advance(31)
-        sim.sup.wake()
-        await sim.until(lambda: sim.sup.migrator.starved_since is None or sim.events("migration_started"),
-                        what="a pass after the patience")
-        sim.beat(n1, step=20)
-        await sim.until(lambda: sim.events("migration_started"), what="migration started")
+        n1, a2 = await _starved_on_one_node(sim, provider, tmp_path)
         [started] = sim.events("migration_started")
         assert (started.data["source"], started.data["target"], started.data["reason"]) == \
             ("aws-use1", "aliyun-hz", "capacity")
@@ -199,28 +204,6 @@ async def test_a_starved_domain_moves_the_whole_job(make_sim, tmp_path: Path) ->
         assert sim.sup.status()["placement"]["domain"] == "aliyun-hz"
         assert sim.sup.job.state is JobState.RUNNING
         assert bad == []
-
-
-async def _starved_on_one_node(sim: Sim, provider: RegionProvider, tmp_path: Path) -> tuple[Node, str]:
-    """The job runs on two AWS nodes; node 2 is noticed at step 10 and AWS has no capacity
-    left; the patience passes and the move starts. Returns (node 1, its attempt)."""
-    n1, n2 = await sim.launched(1), await sim.launched(2)
-    sim.boot(n1)
-    sim.boot(n2)
-    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
-    a1 = sim.start([n1, n2], step=0)
-    sim.beat(n1, step=10)
-    nid = sim.notice(n2)
-    _checkpoint(f"file://{tmp_path}/use1", 10, 2)
-    sim.commit(n1, a1, 10, ids=(nid,), kinds=("interruption",))
-    sim.exit(n2)
-    await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
-    a2 = sim.start([n1], step=10, resumed_from=10)
-    await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
-    sim.clock.advance(61)
-    sim.sup.wake()
-    await sim.until(lambda: sim.events("migration_started"), what="migration started")
-    return n1, a2
 
 
 async def test_a_target_that_never_boots_gives_the_move_up_and_the_job_trains_on(make_sim, tmp_path) -> None:
