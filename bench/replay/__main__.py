@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from bench.replay.sim import JobModel, Market, Replay, Result
+from bench.replay.sim import JobModel, Market, Replay, Result, region_of
 from bench.replay.traces import TraceError, load_trace
+from daemon.control.migration import Plan
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names
 
 ON_DEMAND = "on_demand"
@@ -60,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: longer than the trace: it trains throughout)")
     p.add_argument("--deadline-x", type=float, default=1.5,
                    help="the deadline as a multiple of --job-hours (deadline_aware; default 1.5)")
+    p.add_argument("--domains", choices=("region", "zone", "one"), default="region",
+                   help="placement domains of a multi-zone trace: one per region (default: the job moves "
+                   "between regions as a whole), one per zone, or one for all (the job may span every zone)")
+    p.add_argument("--no-migration", action="store_true", help="never move the job to another domain")
+    p.add_argument("--egress-usd-per-gb", type=float, default=0.02,
+                   help="what copying the checkpoint out of a domain costs (AWS inter-region: $0.02/GB)")
+    p.add_argument("--copy-gb-s", type=float, default=0.5, help="the checkpoint copy's throughput between domains")
     p.add_argument("--json", type=Path, help="write the figures here, keyed by policy")
     p.add_argument("--png", type=Path, help="draw world size, spend and progress over time (needs matplotlib)")
     return p
@@ -67,13 +75,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def format_table(results: Sequence[Result]) -> str:
     head = ["POLICY", "STEPS", "STEPS/H", "LOST", "GOODPUT", "USD", "USD/STEP", "NODE-H", "OD NODE-H", "RESTARTS",
-            "RESIZES", "DONE AT H", "DEADLINE"]
+            "RESIZES", "MOVES", "DONE AT H", "DEADLINE"]
     rows = [head]
     for r in results:
         rows.append([r.policy, f"{r.steps:,}", f"{r.steps_per_hour:,.0f}", f"{r.lost_steps:,}",
                      "-" if r.goodput is None else f"{r.goodput:.3f}", f"{r.cost_usd:,.2f}",
                      "-" if r.usd_per_step is None else f"{r.usd_per_step:.5f}", f"{r.node_hours:,.1f}",
                      f"{r.on_demand_node_hours:,.1f}", str(r.restarts), str(r.resizes),
+                     f"{r.migrations}" + (f" ({r.migrations_failed} failed)" if r.migrations_failed else ""),
                      "-" if r.completed_at_h is None else f"{r.completed_at_h:.2f}",
                      {None: "-", True: "met", False: "MISSED"}[r.deadline_met]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -94,16 +103,26 @@ def run(args: argparse.Namespace) -> list[Result]:
                    checkpoint_bytes=args.checkpoint_gb * 1e9, checkpoint_every_steps=args.checkpoint_every,
                    boot_s=args.boot_s, restart_s=args.restart_s)
     deadline = None if args.job_hours is None else args.job_hours * args.deadline_x * 3600
+    domains = domains_for(zones or sorted(trace.zones), args.domains)
     out = []
     for name in args.policy or DEFAULT_POLICIES:
         market = Market(on_demand_usd_h=args.on_demand_usd_h, spot_usd_h=args.spot_usd_h, on_demand=name == ON_DEMAND)
         policy = get_policy(DEFAULT_POLICY if name == ON_DEMAND else name)
         r = Replay(trace, policy, job=job, market=market, target_nodes=target, zones=zones,
-                   deadline_s=deadline).run(
+                   deadline_s=deadline, domains=domains, migration=None if args.no_migration else Plan(),
+                   egress_usd_per_gb=args.egress_usd_per_gb, copy_bytes_s=args.copy_gb_s * 1e9).run(
             until_s=None if args.hours is None else args.hours * 3600)
         r.policy = name
         out.append(r)
     return out
+
+
+def domains_for(zones: Sequence[str], how: str) -> dict[str, str] | None:
+    """Each zone's placement domain: its region (``region``), itself (``zone``), or one
+    domain for all (``one``: None)."""
+    if how == "one":
+        return None
+    return {z: (region_of(z) if how == "region" else z) for z in zones}
 
 
 def draw(results: Sequence[Result], path: Path, title: str) -> str | None:

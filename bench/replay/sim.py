@@ -32,12 +32,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.control import actions as a
 from daemon.control.admission import Rules
-from daemon.control.deadline import Progress
+from daemon.control import migration as mig
+from daemon.control.deadline import Progress, in_markets
 from daemon.control.lifecycle import ADMITTED, LIVE, JobState, NodeState, TrainerState, training
 from daemon.control.offers import History, Offer, capacity_backoff_s
 from daemon.control.policies import RecoveryPolicy, lost_from_job
@@ -46,7 +48,17 @@ from daemon.control.reactions import on_notice
 
 from bench.replay.traces import Trace
 
-__all__ = ["JobModel", "Market", "Replay", "Result"]
+__all__ = ["JobModel", "Market", "Replay", "Result", "region_of"]
+
+_ZONE = re.compile(r"^([a-z]{2}(?:-[a-z]+)+-\d+)[a-z]$")  # us-east-1c -> us-east-1 (AWS, GCP-like names)
+
+
+def region_of(zone: str) -> str:
+    """The region of an AWS-style zone name (``us-east-1c`` → ``us-east-1``); other names
+    are their own region."""
+    m = _ZONE.match(zone)
+    return m.group(1) if m else zone
+
 
 
 @dataclass(frozen=True)
@@ -113,12 +125,27 @@ class _Node:
     noticed: bool = False
     left_cleanly: bool = False  # left after its notice's commit (nothing lost)
     replacing: bool = False  # a spot node is coming to take its place (then it is drained)
+    domain: str = ""
+    held: bool = False  # a migration's source node, kept (and billed) until the move is done
 
     def view(self) -> a.NodeView:
         return a.NodeView(id=self.id, state=self.state, gpus=self.gpus, created_at=self.created_at,
                           last_heartbeat=None, deadline=self.deadline, trainer=self.trainer,
                           ordinal=self.ordinal, ready_at=self.ready_at, replacing=self.replacing,
-                          market="on_demand" if self.on_demand else "spot")
+                          market="on_demand" if self.on_demand else "spot", domain=self.domain, held=self.held)
+
+
+@dataclass
+class _Move:
+    """A whole-job migration in flight (:mod:`daemon.control.migration`'s phases)."""
+
+    source: str
+    target: str
+    reason: str
+    started_at: float
+    phase: mig.Phase = mig.Phase.BOOTING
+    markets: frozenset[str] | None = None  # the target's markets while the move is in flight
+    switch_at: float | None = None  # the copy is done then: the job's domain becomes the target
 
 
 @dataclass
@@ -138,6 +165,10 @@ class Result:
     deadline_h: float | None = None
     on_demand_node_hours: float = 0.0
     timeline: list[tuple[float, int, float, int]] = field(default_factory=list)  # (h, world, usd, steps)
+    migrations: int = 0
+    migrations_failed: int = 0
+    egress_usd: float = 0.0
+    domain_hours: dict[str, float] = field(default_factory=dict)  # hours the job's domain was each
 
     @property
     def usd_per_step(self) -> float | None:
@@ -167,6 +198,9 @@ class Result:
                 "node_hours": round(self.node_hours, 2), "restarts": self.restarts, "resizes": self.resizes,
                 "completed_at_h": self.completed_at_h, "deadline_h": self.deadline_h,
                 "deadline_met": self.deadline_met, "on_demand_node_hours": round(self.on_demand_node_hours, 2),
+                "migrations": self.migrations, "migrations_failed": self.migrations_failed,
+                "egress_usd": round(self.egress_usd, 2),
+                "domain_hours": {k: round(v, 3) for k, v in sorted(self.domain_hours.items())},
                 "world_hours": {str(k): round(v, 3) for k, v in sorted(self.world_hours.items())},
                 "timeline": [[round(h, 4), w, round(usd, 2), s] for h, w, usd, s in self.timeline]}
 
@@ -176,14 +210,40 @@ class Replay:
     target (and max); ``min_nodes``: the fewest the job trains on; ``pass_s``: seconds
     between two reconcile passes when nothing happens (the daemon's default is 1 s; a
     pass per simulated minute changes no decision that matters at these time scales and
-    keeps 45 days at about 65,000 passes)."""
+    keeps 45 days at about 65,000 passes).
+
+    **Placement domains.** ``domains`` maps each zone to its placement domain (default:
+    one domain for every zone, the job may span them all); the job trains in one domain
+    at a time, starting in the first zone's. ``migration`` (None: never move) drives a
+    whole-job move with the daemon's own decisions: :func:`daemon.control.migration.starved_since`
+    and the policy's :meth:`~daemon.control.policies.RecoveryPolicy.migrate` pick when and
+    where, :func:`~daemon.control.migration.ready_for_commit` when to drain the source; the
+    job then commits, the checkpoint is copied at ``copy_bytes_s`` (its egress billed at
+    ``egress_usd_per_gb`` of the source, USD per 10^9 bytes), and the job restarts in the
+    target. The source's nodes are billed until the job has restarted there, as the
+    daemon holds them."""
 
     def __init__(self, trace: Trace, policy: RecoveryPolicy, *, job: JobModel = JobModel(),
                  market: Market = Market(), target_nodes: int | None = None, min_nodes: int = 1,
                  pass_s: float = 60.0, seed: int = 0, zones: list[str] | None = None,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, domains: dict[str, str] | None = None,
+                 migration: mig.Plan | None = mig.Plan(), egress_usd_per_gb: float = 0.02,
+                 copy_bytes_s: float = 0.5e9) -> None:
         self.trace, self.policy, self.job, self.market = trace, policy, job, market
         self.zones = zones or sorted(trace.zones)
+        self.domain_of = {z: (domains or {}).get(z, "all" if domains is None else z) for z in self.zones}
+        self.domain_names = list(dict.fromkeys(self.domain_of[z] for z in self.zones))
+        self.domain = self.domain_names[0]
+        self.migration = migration
+        self.egress_usd_per_gb, self.copy_bytes_s = egress_usd_per_gb, copy_bytes_s
+        self.move: _Move | None = None
+        self.starved: float | None = None
+        self.last_move_end: float | None = None  # the last completed move's end
+        self.failed_moves: dict[str, float] = {}  # target domain -> when a move there failed
+        self.migrations = self.migrations_failed = 0
+        self.egress = 0.0
+        self.losses: list[tuple[float, str]] = []  # (time, domain) of each node the market took
+        self.domain_hours: dict[str, float] = {}
         cap = target_nodes or trace.max_nodes or 1
         self.target = cap
         self.min_nodes = min_nodes
@@ -192,11 +252,11 @@ class Replay:
         # a spot and an on-demand offer per zone; the planner is given those the market and
         # the policy allow (Market.on_demand: on-demand only; RecoveryPolicy.markets)
         k = len(self.zones)
-        self.all_offers = [Offer(index=i, provider="aws", region=z, zone=z, instance_type="sim",
+        self.all_offers = [Offer(index=i, provider="aws", region=self.domain_of[z], zone=z, instance_type="sim",
                                  gpus_per_node=market.gpus_per_node, on_demand=False,
                                  price_usd_h=self.trace.zones[z].price_at(0) or market.spot_usd_h)
                            for i, z in enumerate(self.zones)]
-        self.all_offers += [Offer(index=k + i, provider="aws", region=z, zone=z, instance_type="sim",
+        self.all_offers += [Offer(index=k + i, provider="aws", region=self.domain_of[z], zone=z, instance_type="sim",
                                   gpus_per_node=market.gpus_per_node, on_demand=True,
                                   price_usd_h=market.on_demand_usd_h) for i, z in enumerate(self.zones)]
         self.deadline_s = deadline_s
@@ -256,14 +316,17 @@ class Replay:
                       completed_at_h=None if self.completed_at is None else self.completed_at / 3600,
                       world_hours=self.world_hours, timeline=self.timeline,
                       deadline_h=None if self.deadline_s is None else self.deadline_s / 3600,
-                      on_demand_node_hours=self.od_node_hours)
+                      on_demand_node_hours=self.od_node_hours, migrations=self.migrations,
+                      migrations_failed=self.migrations_failed, egress_usd=self.egress,
+                      domain_hours=self.domain_hours)
 
     # -- the daemon's decisions -------------------------------------------------------------------
     def state(self) -> a.PoolState:
         rj = self.rejoin
         return a.PoolState(nodes=tuple(n.view() for n in self.nodes.values()), job=self.job_state,
                            desired_nodes=0 if self.job_state.is_terminal() else self.target,
-                           target_nodes=self.target, rejoin=rj, first_ready_at=self.first_ready_at)
+                           target_nodes=self.target, rejoin=rj, first_ready_at=self.first_ready_at,
+                           domain=self.domain if len(self.domain_names) > 1 else "")
 
     def _reconcile(self) -> None:
         # the nodes in the job at the end of the last pass (the daemon takes them before it
@@ -273,12 +336,17 @@ class Replay:
         history = History(backoff_until=dict(self.backoff))
         allowed = None if self.market.on_demand else self.policy.markets(self.progress_now(), now=self.now,
                                                                          previous=self.allowed)
+        self._migration_step(history)
         self.allowed = allowed
         for act in self.policy.market_actions(self.state(), allowed, now=self.now):
             self._apply(act)
         s = self.state()
-        for act in plan(Desired(s.desired_nodes, self.rules.valid_world_sizes), s.nodes, self._offers(allowed),
-                        history, now=self.now, timeouts=Timeouts(heartbeat_timeout_s=1e9, launch_timeout_s=1e9)):
+        build = self.move.target if self.move is not None else self.domain
+        if self.move is not None and self.move.markets is not None and allowed is not None:
+            allowed = self.move.markets & allowed or allowed
+        for act in plan(Desired(s.desired_nodes, self.rules.valid_world_sizes), s.nodes, self._offers(allowed, build),
+                        history, now=self.now, timeouts=Timeouts(heartbeat_timeout_s=1e9, launch_timeout_s=1e9),
+                        domain=build if len(self.domain_names) > 1 else None):
             self._apply(act)
         self._after_loss(members)
         grew: list[str] = []
@@ -292,21 +360,101 @@ class Replay:
             self._restart(lose="rejoin" not in grew)
         self._in_job = {n.id for n in self.nodes.values() if n.state in ADMITTED}
 
-    def _offers(self, allowed: frozenset[str] | None) -> list[Offer]:
-        """The offers the planner may buy from now: the market's, then the policy's markets."""
+    def _offers(self, allowed: frozenset[str] | None, domain: str | None = None) -> list[Offer]:
+        """The offers the planner may buy from now in ``domain`` (None: every domain): the
+        market's, then the policy's markets (:func:`daemon.control.deadline.in_markets`)."""
+        offers = [o for o in self.all_offers if domain is None or o.region == domain]
         if self.market.on_demand:
-            return [o for o in self.all_offers if o.on_demand]
+            return [o for o in offers if o.on_demand]
         if allowed is None:
-            return [o for o in self.all_offers if not o.on_demand]
-        return [o for o in self.all_offers if ("on_demand" if o.on_demand else "spot") in allowed]
+            return [o for o in offers if not o.on_demand]
+        return in_markets(offers, allowed)
+
+    # -- whole-job migration, as daemon/controlnode/migrator.py carries it out ------------------------
+    def _migration_step(self, history: History) -> None:
+        if self.migration is None or len(self.domain_names) < 2 or self.market.on_demand:
+            return
+        m, now = self.move, self.now
+        if m is None:
+            self._maybe_move(history)
+            return
+        s = self.state()
+        if m.phase is mig.Phase.BOOTING:
+            if mig.ready_for_commit(s, m.target, valid_world_sizes=self.rules.valid_world_sizes,
+                                    min_nodes=self.rules.min_nodes):
+                self._drain_source(m)
+            elif now - m.started_at > self.migration.boot_timeout_s or mig.target_out(
+                    s, next(v for v in self._views(history, m.markets) if v.name == m.target), history, now=now):
+                self._move_failed(m)
+        elif m.phase is mig.Phase.COPYING and m.switch_at is not None and now >= m.switch_at:
+            m.phase, self.domain = mig.Phase.STARTING, m.target  # the job's domain is the target now
+            if self.job_state is JobState.RUNNING:
+                self.job_state = JobState.PENDING
+            self.first_ready_at = None
+        elif (m.phase is mig.Phase.STARTING and self.job_state is JobState.RUNNING and self.busy_until <= now) \
+                or self.job_state is JobState.COMPLETED:
+            for n in [n for n in self.nodes.values() if n.domain == m.source]:
+                self._end(n, NodeState.TERMINATED)  # released once the job trains in the target
+            self.migrations += 1
+            self.move, self.last_move_end, self.starved = None, now, None
+
+    def _views(self, history: History, markets: frozenset[str] | None = None) -> list[mig.DomainView]:
+        self.losses = [(t, d) for t, d in self.losses if self.now - t < 3600.0]
+        allowed = self.allowed if markets is None or self.allowed is None else (markets & self.allowed or self.allowed)
+        return [mig.DomainView(d, tuple(self._offers(allowed, d)), egress_usd_per_gb=self.egress_usd_per_gb,
+                               preemptions=sum(1 for _, x in self.losses if x == d)) for d in self.domain_names]
+
+    def _maybe_move(self, history: History) -> None:
+        assert self.migration is not None
+        s, views = self.state(), self._views(history)
+        here = next(v for v in views if v.name == self.domain)
+        self.starved = mig.starved_since(self.starved, s, here, history, now=self.now)
+        gpus = max(1, sum(n.gpus for n in self.nodes.values() if n.state in ADMITTED and n.domain == self.domain))
+        move = self.policy.migrate(s, views, self.domain, history, now=self.now, plan=self.migration,
+                                   starved_since=self.starved, checkpoint_bytes=int(self.job.checkpoint_bytes),
+                                   last_move_ended_at=self.last_move_end, gpus=gpus,
+                                   failed_moves=self.failed_moves)
+        if move is not None:
+            self.move = _Move(move.source, move.target, move.reason, self.now, markets=move.markets)
+
+    def _drain_source(self, m: _Move) -> None:
+        """Every node of the job in the source commits at one step boundary and stops (held,
+        billed, until the move is done); the copy starts once the commit is in."""
+        members = [n for n in self.nodes.values() if n.domain == m.source and n.state in ADMITTED]
+        if members and self.job_state is JobState.RUNNING:
+            self._commit_now()
+        for n in self.nodes.values():
+            if n.domain == m.source:
+                n.held = True
+                if n.state in ADMITTED:
+                    n.state, n.trainer = NodeState.DRAINING, TrainerState.EXITED
+        self._in_job -= {n.id for n in members}
+        copy_s = 0.0
+        if self.committed > 0:
+            copy_s = self.job.checkpoint_bytes / self.copy_bytes_s
+            self.egress += self.job.checkpoint_bytes / 1e9 * self.egress_usd_per_gb
+            self.cost += self.job.checkpoint_bytes / 1e9 * self.egress_usd_per_gb
+        self.progress = float(self.committed)  # nothing after the commit is computed
+        m.phase, m.switch_at = mig.Phase.COPYING, max(self.busy_until, self.now) + copy_s
+        self._schedule(m.switch_at, "switch", "")
+
+    def _move_failed(self, m: _Move) -> None:
+        """The target brought up no nodes in time: its nodes are released; the job stays."""
+        for n in [n for n in self.nodes.values() if n.domain == m.target]:
+            self._end(n, NodeState.TERMINATED)
+        self.migrations_failed += 1
+        self.failed_moves[m.target] = self.now
+        self.move = None
 
     def progress_now(self) -> Progress | None:
         """Where the job stands against its deadline (None: no deadline)."""
         if self.deadline_s is None:
             return None
         world = self.target * self.market.gpus_per_node
+        # seconds per step as the daemon measures it: the periodic commits' pauses included
+        step_s = self.job.step_time(world) + self.job.save_s(self.target) / max(1, self.job.checkpoint_every_steps)
         return Progress(step=int(self.progress), target_steps=self.job.target_steps, started_at=0.0,
-                        deadline=self.deadline_s, step_s=self.job.step_time(world),
+                        deadline=self.deadline_s, step_s=step_s,
                         restart_s=self.job.boot_s + self.job.restart_s + self.job.load_s(self.target))
 
     def _after_loss(self, members: set[str]) -> None:
@@ -378,7 +526,7 @@ class Replay:
             self.backoff[offer] = self.now + capacity_backoff_s(self.failures[offer], self.rng)
             return
         self.failures.pop(offer, None)
-        n = _Node(nid, o.zone, offer, self.seq, self.now, o.gpus_per_node, o.on_demand)
+        n = _Node(nid, o.zone, offer, self.seq, self.now, o.gpus_per_node, o.on_demand, domain=o.region)
         self.nodes[nid] = n
         self._schedule(self.now + self.job.boot_s, "ready", nid)
 
@@ -427,6 +575,7 @@ class Replay:
         self.od_node_hours += sum(1 for n in held if n.on_demand) * dt / 3600
         world = self._world()
         self.world_hours[world] = self.world_hours.get(world, 0.0) + dt / 3600
+        self.domain_hours[self.domain] = self.domain_hours.get(self.domain, 0.0) + dt / 3600
         if self.job_state is JobState.RUNNING and world > 0 and not self.holding:
             start = max(self.now, self.busy_until)
             if to > start:
@@ -500,6 +649,7 @@ class Replay:
                 if n.taken_at is not None:
                     self._notice(n)
             elif kind == "taken" and not n.state.is_terminal():
+                self.losses.append((self.now, n.domain))
                 in_job = n.state in ADMITTED or n.trainer is TrainerState.RUNNING
                 self._end(n, NodeState.LOST if not n.noticed else NodeState.TERMINATED)
                 if in_job and not self.policy.acts_on_notices and self.policy.name != "restart_on_preemption":

@@ -22,11 +22,13 @@ of those markets (``daemon.control.offers.rank_offers`` still ranks spot before 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from daemon.control.actions import Action, MarkReplacing, PoolState
 from daemon.control.lifecycle import ADMITTED
+from daemon.control.offers import Offer
 
-__all__ = ["Progress", "markets", "back_to_spot", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
+__all__ = ["Progress", "markets", "back_to_spot", "in_markets", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
 
 SPOT, ON_DEMAND = "spot", "on_demand"
 SPOT_ONLY = frozenset({SPOT})
@@ -52,6 +54,16 @@ class Progress:
     def remaining_s(self) -> float:
         """Seconds of training left at the target size."""
         return max(0, self.target_steps - self.step) * self.step_s
+
+
+def in_markets(offers: Iterable[Offer], allowed: frozenset[str] | None) -> list[Offer]:
+    """The offers of ``offers`` in the markets ``allowed`` (None: all of them). What the
+    planner may buy from, and what a migration decision counts as usable in a domain: a
+    domain whose spot offers are out while the deadline allows spot only is starved,
+    though it has an on-demand offer."""
+    if allowed is None:
+        return list(offers)
+    return [o for o in offers if (ON_DEMAND if o.on_demand else SPOT) in allowed]
 
 
 def back_to_spot(s: PoolState, allowed: frozenset[str]) -> list[Action]:
@@ -80,7 +92,7 @@ def markets(p: Progress, now: float, *, previous: frozenset[str] | None = None,
         return ON_DEMAND_ONLY
     span = p.deadline - p.started_at
     expected = p.target_steps * (now - p.started_at) / span if span > 0 else p.target_steps
+    restart_steps = p.restart_s / p.step_s if p.step_s > 0 else 0.0
     if previous is not None and ON_DEMAND in previous:
-        ahead_by = 2 * p.restart_s / p.step_s if p.step_s > 0 else 0.0
-        return BOTH if p.step < expected + ahead_by else SPOT_ONLY
-    return BOTH if p.step < expected else SPOT_ONLY
+        return BOTH if p.step < expected + 2 * restart_steps else SPOT_ONLY
+    return BOTH if p.step < expected - restart_steps else SPOT_ONLY

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from daemon.control.actions import PoolState
 from daemon.control.lifecycle import ADMITTED, COUNTED, NodeState
 from daemon.control.offers import History, Offer, rank_offers
 
 __all__ = ["Phase", "DomainView", "Plan", "Move", "starved_since", "choose_target", "decide", "move_cost_usd",
-           "ready_for_commit", "RISK_PENALTY"]
+           "ready_for_commit", "target_out", "RISK_PENALTY"]
 
 # each recent preemption or capacity failure in a domain weighs like this fraction of its
 # price per GPU-hour (a domain that just failed us is not where to go first)
@@ -100,6 +100,9 @@ class Move:
     target: str
     reason: str
     why: Mapping[str, object] = field(default_factory=dict)
+    # the markets the target is built from while the move is in flight (None: those the
+    # recovery policy allows): a move made to find spot does not buy on-demand there
+    markets: frozenset[str] | None = None
 
 
 def move_cost_usd(checkpoint_bytes: int | None, source: DomainView) -> float:
@@ -141,16 +144,17 @@ def _score(d: DomainView, history: History, now: float) -> float:
 
 
 def choose_target(domains: Sequence[DomainView], current: str, history: History, *, now: float,
-                  checkpoint_bytes: int | None, payback_h: float, gpus: int) -> tuple[DomainView, dict] | None:
-    """The domain to move to, with the figures that chose it; None when no other domain has
-    a usable offer. Cost per GPU-hour after the risk penalty (a domain whose price is unknown
-    ranks after every priced one), plus the move's egress spread
-    over ``payback_h`` hours and ``gpus`` GPUs; config order breaks ties."""
+                  checkpoint_bytes: int | None, payback_h: float, gpus: int,
+                  avoid: Collection[str] = ()) -> tuple[DomainView, dict] | None:
+    """The domain to move to, with the figures that chose it; None when no other domain
+    (outside ``avoid``) has a usable offer. Cost per GPU-hour after the risk penalty (a
+    domain whose price is unknown ranks after every priced one), plus the move's egress
+    spread over ``payback_h`` hours and ``gpus`` GPUs; config order breaks ties."""
     source = next((d for d in domains if d.name == current), None)
     egress = move_cost_usd(checkpoint_bytes, source) if source is not None else 0.0
     scored = []
     for i, d in enumerate(domains):
-        if d.name == current or not d.usable(history, now):
+        if d.name == current or d.name in avoid or not d.usable(history, now):
             continue
         # a usable domain whose price is unknown stays a candidate, after every priced one
         score = _score(d, history, now)
@@ -176,11 +180,14 @@ def _finite(x: float) -> float | None:
 
 def decide(s: PoolState, domains: Sequence[DomainView], current: str, history: History, *, now: float,
            plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
-           last_move_ended_at: float | None, gpus: int) -> Move | None:
+           last_move_ended_at: float | None, gpus: int, failed_moves: Mapping[str, float] | None = None) -> Move | None:
     """Whether to move the job now, and where (module docstring). None: stay.
 
-    Never while paused or over, never within ``cooldown_s`` of the last move's end,
-    and never without a target domain that can launch now."""
+    Never while paused or over, never within ``cooldown_s`` of the last completed move's
+    end (``last_move_ended_at``), never to a domain a move to which failed within
+    ``cooldown_s`` (``failed_moves``: domain → when, unix s; another domain may be tried
+    at once: a starved job should not sit out the cooldown because one target could not
+    boot), and never without a target domain that can launch now."""
     if s.job.is_terminal() or s.paused or len(domains) < 2:
         return None
     if last_move_ended_at is not None and now - last_move_ended_at < plan.cooldown_s:
@@ -188,8 +195,9 @@ def decide(s: PoolState, domains: Sequence[DomainView], current: str, history: H
     src = next((d for d in domains if d.name == current), None)
     if src is None:
         return None
+    avoid = {d for d, t in (failed_moves or {}).items() if now - t < plan.cooldown_s}
     picked = choose_target(domains, current, history, now=now, checkpoint_bytes=checkpoint_bytes,
-                           payback_h=plan.payback_h, gpus=gpus)
+                           payback_h=plan.payback_h, gpus=gpus, avoid=avoid)
     if picked is None:
         return None
     target, why = picked
@@ -207,6 +215,16 @@ def decide(s: PoolState, domains: Sequence[DomainView], current: str, history: H
         return None
     return Move(current, target.name, "price",
                 {**why, "source_usd_per_gpu_h": round(here, 4), "saving_usd_over_payback": round(saving, 2)})
+
+
+def target_out(s: PoolState, target: DomainView, history: History, *, now: float) -> bool:
+    """A move in its ``booting`` phase cannot go on: its target has no node launching or up
+    and none of its offers is usable (every launch there failed for capacity: the
+    provider said so at once, e.g. EC2's ``InsufficientInstanceCapacity``). The move
+    fails now rather than at ``boot_timeout_s``, and another domain may be tried."""
+    if any(n.domain == target.name and n.state in COUNTED for n in s.nodes):
+        return False
+    return not target.usable(history, now)
 
 
 def ready_for_commit(s: PoolState, target: str, *, valid_world_sizes: frozenset[int], min_nodes: int) -> bool:

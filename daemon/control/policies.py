@@ -33,12 +33,13 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar, Iterable, Mapping, Sequence
 
 from daemon.control.actions import Action, Admit, PoolState, RestartJob, Terminate
 from daemon.control.admission import Rules, admit, largest_valid
 from daemon.control.lifecycle import ADMITTED, JobState, NodeState, leaving
-from daemon.control.deadline import Progress
+from daemon.control.deadline import SPOT_ONLY, Progress
 from daemon.control.deadline import back_to_spot
 from daemon.control.deadline import markets as deadline_markets
 from daemon.control.migration import DomainView, Move, Plan
@@ -60,6 +61,9 @@ __all__ = [
 ]
 
 DEFAULT_POLICY = "spotvisor"
+# deadline_aware: a domain's spot this much cheaper per GPU-hour than the on-demand nodes
+# filling in for it moves the job there (spot is 10-30 % of on-demand: any spot domain is)
+ON_DEMAND_BRIDGE_SAVING = 0.5
 
 _REGISTRY: dict[str, type["RecoveryPolicy"]] = {}
 
@@ -94,13 +98,15 @@ class RecoveryPolicy:
 
     def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
                 now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
-                last_move_ended_at: float | None, gpus: int) -> Move | None:
+                last_move_ended_at: float | None, gpus: int,
+                failed_moves: Mapping[str, float] | None = None) -> Move | None:
         """Whether to move the whole job from domain ``current`` to another, and where; None:
         stay. By default :func:`daemon.control.migration.decide` (starved past the patience,
         or cheaper by ``plan.min_saving_fraction``; the cheapest usable domain after its
-        recent losses and the copy's egress)."""
+        recent losses and the copy's egress; not where a move failed within the cooldown)."""
         return decide_move(s, domains, current, history, now=now, plan=plan, starved_since=starved_since,
-                           checkpoint_bytes=checkpoint_bytes, last_move_ended_at=last_move_ended_at, gpus=gpus)
+                           checkpoint_bytes=checkpoint_bytes, last_move_ended_at=last_move_ended_at, gpus=gpus,
+                           failed_moves=failed_moves)
 
 
 def register(cls: type[RecoveryPolicy]) -> type[RecoveryPolicy]:
@@ -253,3 +259,30 @@ class DeadlineAware(Spotvisor):
 
     def market_actions(self, s: PoolState, allowed: frozenset[str] | None, *, now: float) -> list[Action]:
         return [] if allowed is None else back_to_spot(s, allowed)
+
+    def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
+                now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
+                last_move_ended_at: float | None, gpus: int,
+                failed_moves: Mapping[str, float] | None = None) -> Move | None:
+        """The default's moves, and one more: when the job's domain has no usable spot
+        offer while spot and on-demand are allowed (the job is behind its line: on-demand
+        would fill in here), the job moves at once to a domain whose spot is at least
+        :data:`ON_DEMAND_BRIDGE_SAVING` cheaper than that on-demand (``spot_elsewhere``,
+        built from spot only): spot anywhere before on-demand, as Uniform Progress with
+        failover across regions does (UP(S) in SkyNomad's comparison, arXiv 2601.06520).
+        Once only on-demand is allowed, no domain offers spot and nothing moves."""
+        kw = dict(now=now, starved_since=starved_since, checkpoint_bytes=checkpoint_bytes,
+                  last_move_ended_at=last_move_ended_at, gpus=gpus, failed_moves=failed_moves)
+        move = super().migrate(s, domains, current, history, plan=plan, **kw)  # type: ignore[arg-type]
+        if move is not None:
+            return move
+        here = next((d for d in domains if d.name == current), None)
+        if here is None or any(not o.on_demand for o in here.usable(history, now)):
+            return None  # spot can be had here (or on-demand only is allowed: no spot offer at all)
+        if not any(not o.on_demand for d in domains for o in d.offers):
+            return None
+        move = super().migrate(s, domains, current, history,  # type: ignore[arg-type]
+                               plan=replace(plan, min_saving_fraction=ON_DEMAND_BRIDGE_SAVING), **kw)
+        # built from spot only: if the target has none either, the move fails at once
+        # (migration.target_out) and on-demand fills in where the job is
+        return None if move is None else replace(move, reason="spot_elsewhere", markets=SPOT_ONLY)

@@ -31,6 +31,7 @@ import structlog
 
 from daemon.control import migration as decide
 from daemon.control.actions import Action, Terminate
+from daemon.control.deadline import in_markets
 from daemon.control.lifecycle import ADMITTED, JobState, NodeState
 from daemon.control.migration import Phase
 from daemon.controlnode.core import Core
@@ -65,6 +66,7 @@ class Move:
     commit_step: int | None = None
     replicated_at: float | None = None
     copy: dict[str, Any] = field(default_factory=dict)
+    markets: list[str] | None = None  # the target's markets while in flight (None: the policy's)
 
 
 class Migrator:
@@ -81,7 +83,8 @@ class Migrator:
         self.domain: str = self.domains[0].name  # where the job runs (kept in the store)
         self.move: Move | None = None
         self.starved_since: float | None = None
-        self.last_ended_at: float | None = None
+        self.last_ended_at: float | None = None  # the last completed move's end (the cooldown)
+        self.failed_moves: dict[str, float] = {}  # target domain -> when a move there failed
         self.completed = 0
         self.failed = 0
         self._copy: asyncio.Task[Any] | None = None
@@ -175,12 +178,26 @@ class Migrator:
             return self._copying(now)
         return self._starting(now)
 
-    def _views(self, now: float) -> list[decide.DomainView]:
+    def build_markets(self) -> frozenset[str] | None:
+        """The markets the planner buys from in :attr:`build_domain`: the policy's, narrowed
+        by a move in flight that is built from some markets only (``spot_elsewhere``)."""
+        allowed = self.placement.allowed
+        if self.move is None or self.move.markets is None or allowed is None:
+            return allowed
+        return (allowed & frozenset(self.move.markets)) or allowed
+
+    def _views(self, now: float, markets: list[str] | None = None) -> list[decide.DomainView]:
         self._losses = [(t, d) for t, d in self._losses if now - t < _PREEMPTION_WINDOW_S]
         out = []
         for d in self.domains:
             losses = sum(1 for _, name in self._losses if name == d.name)
-            offers = tuple(self.fleet.offer(i) for i in d.offers if i not in self.fleet.unusable)
+            # the markets the policy allows now: a domain is starved when its spot offers
+            # are out while only spot is allowed, whatever on-demand offer it has
+            allowed = self.placement.allowed
+            if markets is not None and allowed is not None:
+                allowed = (allowed & frozenset(markets)) or allowed
+            offers = tuple(in_markets((self.fleet.offer(i) for i in d.offers if i not in self.fleet.unusable),
+                                      allowed))
             out.append(decide.DomainView(d.name, offers, egress_usd_per_gb=d.egress_usd_per_gb, preemptions=losses))
         return out
 
@@ -194,11 +211,13 @@ class Migrator:
         gpus = max(1, sum(n.gpus for n in s.nodes if n.state in ADMITTED and n.domain == self.domain))
         move = self.policy.migrate(s, views, self.domain, history, now=now, plan=self.plan,
                                    starved_since=self.starved_since, checkpoint_bytes=core.job.last_commit_bytes,
-                                   last_move_ended_at=self.last_ended_at, gpus=gpus)
+                                   last_move_ended_at=self.last_ended_at, gpus=gpus,
+                                   failed_moves=self.failed_moves)
         if move is None:
             return []
         self.move = Move(id=f"mig-{secrets.token_hex(4)}", source=move.source, target=move.target,
-                         reason=move.reason, started_at=now, why=dict(move.why), from_step=core.job.step)
+                         reason=move.reason, started_at=now, why=dict(move.why), from_step=core.job.step,
+                         markets=None if move.markets is None else sorted(move.markets))
         self._save()
         core.record(EventKind.MIGRATION_STARTED, None, migration=self.move.id, source=move.source,
                     target=move.target, reason=move.reason, step=core.job.step, **dict(move.why))
@@ -221,6 +240,9 @@ class Migrator:
             return []
         if now - m.started_at > self.plan.boot_timeout_s:
             return self._fail("boot_timeout", now)
+        target = next(v for v in self._views(now, m.markets) if v.name == m.target)
+        if decide.target_out(s, target, self.fleet.history(now), now=now):
+            return self._fail("target_out_of_capacity", now)
         return []
 
     def _committing(self, now: float) -> list[Action]:
@@ -354,7 +376,8 @@ class Migrator:
         log.warning("migration_failed", migration=m.id, reason=reason)
         self.failed += 1
         core.store.set("migrations_failed", self.failed)
-        self.move, self.last_ended_at = None, now
+        self.move = None
+        self.failed_moves[m.target] = now  # not a target again within the cooldown; another may be
         self._copy = None
         self._save()
         core.wake()

@@ -17,7 +17,7 @@ from typing import Any
 
 from daemon.config import DEADLINE_START_S
 from daemon.control.actions import Action, Terminate
-from daemon.control.deadline import Progress
+from daemon.control.deadline import Progress, in_markets
 from daemon.control.offers import Offer
 from daemon.controlnode.core import Core
 from daemon.model import EventKind, Node
@@ -55,9 +55,8 @@ class Placement:
         ``mix_gpu_types`` off, only those in the zone / of the GPU type of the domain's
         oldest live node (the attempt's)."""
         dom = self._domains[domain]
-        allowed = self.allowed
-        offers = [o for o in self.fleet.usable_offers() if o.index in dom.offers
-                  and (allowed is None or ("on_demand" if o.on_demand else "spot") in allowed)]
+        allowed = self.migrator.build_markets() if domain == self.migrator.build_domain else self.allowed
+        offers = in_markets((o for o in self.fleet.usable_offers() if o.index in dom.offers), allowed)
         if dom.mix_zones and dom.mix_gpu_types:
             return offers
         live = sorted((n for n in self.core.nodes.values()

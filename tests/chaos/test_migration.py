@@ -289,7 +289,8 @@ class SpotShortProvider(ChaosProvider):
 
 async def test_a_job_behind_its_deadline_buys_on_demand_and_goes_back_to_spot_when_ahead(make_sim) -> None:
     """job.deadline: the daemon runs deadline_aware. Spot has room for one node of two. On
-    the uniform line (at the start) the pool waits for spot; once the job is behind it, the
+    the uniform line (at the start) the pool waits for spot; once the job is behind it by
+    more than a start's worth, the
     missing node is bought on demand (market_changed); far ahead again, spot only, and the
     on-demand node is marked to be replaced by a spot one."""
     from daemon.control.deadline import SPOT_ONLY
@@ -308,7 +309,10 @@ async def test_a_job_behind_its_deadline_buys_on_demand_and_goes_back_to_spot_wh
         assert not [n for n in sim.sup.nodes.values() if n.market == "on_demand"]
         sim.boot(n1)
         await sim.until(lambda: sim.sup.first_ready_at is not None, what="node 1 ready")
-        sim.clock.advance(31)  # the job starts on one node after rejoin_timeout_s: behind the line now
+        # the job starts on one node after rejoin_timeout_s, and makes no step: behind the line
+        # by more than one start's worth (600 s = 600 steps here) after 4 h × 600 / 3600 s of work
+        sim.clock.advance(2401)
+        sim.beat(n1, trainer="not_started")
         sim.sup.wake()
         await sim.until(lambda: sim.events("market_changed"), what="market changed")
         [changed] = sim.events("market_changed")
@@ -318,6 +322,7 @@ async def test_a_job_behind_its_deadline_buys_on_demand_and_goes_back_to_spot_wh
         await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start")
         sim.start([n1], step=0)
         od = next(n for n in sim.sup.nodes.values() if n.market == "on_demand")
+        await sim.until(lambda: od.state is NodeState.LAUNCHING, what="the on-demand instance launched")
         sim.boot(od)
         await sim.until(lambda: od.state in (NodeState.ADMITTING, NodeState.RUNNING), what="on-demand joins")
         if od.state is NodeState.ADMITTING:  # the grow's rejoin commit
