@@ -19,6 +19,13 @@ def test_behind_the_line_may_fall_back_to_on_demand() -> None:
     assert markets(Progress(step=35 * 3600, **P), now=60 * H) == BOTH
 
 
+def test_behind_by_less_than_one_restart_waits_for_spot() -> None:
+    """A job the length of one restart (720 steps here) behind its line is not behind yet:
+    the start itself puts every job there, and the safety net keeps the deadline."""
+    assert markets(Progress(step=40 * 3600 - 700, **P), now=60 * H) == SPOT_ONLY
+    assert markets(Progress(step=40 * 3600 - 740, **P), now=60 * H) == BOTH
+
+
 def test_just_ahead_is_not_ahead_enough_to_go_back() -> None:
     """After on-demand, within two restarts' worth of steps of the line the pool keeps its
     on-demand nodes; a job on spot just ahead stays on spot."""

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from daemon.control.actions import NodeView, PoolState
 from daemon.control.lifecycle import JobState, NodeState, TrainerState
 from daemon.control.migration import (DomainView, Plan, choose_target, decide, job_left, ready_for_commit,
-                                      starved_since)
+                                      starved_since, target_out)
+from daemon.control.policies import get_policy
 from daemon.control.offers import History, Offer
 
 T = 1_000_000.0
@@ -170,3 +171,52 @@ def test_choose_target_reports_the_figures_it_chose_by() -> None:
     assert best.name == "c"
     assert why["candidates"] == {"c": 0.9009, "b": 1.2009}  # + 0.18 USD egress / 24 h / 8 GPUs
     assert why["egress_usd"] == 0.18 and why["target_usd_per_gpu_h"] == 0.9
+
+
+# -- a move that fails, and where to go next ------------------------------------------------------
+
+def test_a_target_that_refused_every_launch_fails_the_move_at_once() -> None:
+    """Booting: the target's only offer came back out of capacity and nothing is launching
+    there: the move fails now, not at boot_timeout_s."""
+    out_b = History(backoff_until={1: T + 60})
+    assert target_out(pool(node(1, "a")), B, out_b, now=T)
+    assert not target_out(pool(node(1, "a")), B, History(), now=T)  # it may still launch
+    assert not target_out(pool(node(1, "a"), node(2, "b", NodeState.LAUNCHING)), B, out_b, now=T)
+
+
+def test_a_failed_target_is_avoided_for_the_cooldown_and_another_is_tried_at_once() -> None:
+    s = pool(node(1, "a"))
+    first = _decide(s, T, now=T + 300)
+    assert first is not None and first.target == "c"  # the cheapest
+    kw = dict(plan=PLAN, starved_since=T, checkpoint_bytes=10**10, last_move_ended_at=None, gpus=2)
+    second = decide(s, (A, B, C), "a", OUT_A, now=T + 400, failed_moves={"c": T + 350}, **kw)
+    assert second is not None and second.target == "b"  # no cooldown after a failure: the next one
+    assert decide(s, (A, B, C), "a", OUT_A, now=T + 400, failed_moves={"c": T + 350, "b": T + 390}, **kw) is None
+    again = decide(s, (A, B, C), "a", OUT_A, now=T + 350 + PLAN.cooldown_s, failed_moves={"c": T + 350}, **kw)
+    assert again is not None and again.target == "c"  # the cooldown is over
+
+
+def _spot(i: int, region: str, price: float) -> Offer:
+    return offer(i, region, price)
+
+
+def _od(i: int, region: str) -> Offer:
+    return Offer(index=i, provider="aws", region=region, zone=f"{region}a", instance_type="g5", gpus_per_node=1,
+                 price_usd_h=3.06, on_demand=True)
+
+
+def test_deadline_aware_moves_to_spot_elsewhere_before_buying_on_demand() -> None:
+    """Spot and on-demand allowed (behind the line), the job's domain out of spot: the
+    default waits out its patience (on-demand fills in meanwhile); deadline_aware moves at
+    once to the domain with spot, and builds it from spot only. With on-demand only
+    allowed (no spot offer anywhere) nothing moves."""
+    a = DomainView("a", (_spot(0, "us-east-1", 1.0), _od(3, "us-east-1")))
+    b = DomainView("b", (_spot(1, "us-west-2", 1.1), _od(4, "us-west-2")))
+    s = pool(node(1, "a"), target=2)
+    kw = dict(now=T, plan=Plan(), starved_since=None, checkpoint_bytes=10**10, last_move_ended_at=None, gpus=1)
+    assert get_policy("spotvisor").migrate(s, (a, b), "a", OUT_A, **kw) is None
+    move = get_policy("deadline_aware").migrate(s, (a, b), "a", OUT_A, **kw)
+    assert move is not None and (move.target, move.reason, move.markets) == ("b", "spot_elsewhere", frozenset({"spot"}))
+    assert get_policy("deadline_aware").migrate(s, (a, b), "a", History(), **kw) is None  # spot here: stay
+    od_a, od_b = DomainView("a", (_od(3, "us-east-1"),)), DomainView("b", (_od(4, "us-west-2"),))
+    assert get_policy("deadline_aware").migrate(s, (od_a, od_b), "a", History(), **kw) is None

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bench.replay.__main__ import main
 from bench.replay.sim import JobModel, Market, Replay
 from bench.replay.traces import parse_events
+from daemon.control.lifecycle import ADMITTED
 from daemon.control.policies import Spotvisor, get_policy
 from daemon.model import NodeState
 
@@ -169,3 +170,68 @@ def test_deadline_aware_never_misses_a_deadline_that_on_demand_meets(moves, job_
     da = Replay(trace, get_policy("deadline_aware"), job=job, target_nodes=target, deadline_s=deadline).run()
     assert da.deadline_met, (da.completed_at_h, deadline / 3600, od.completed_at_h)
     assert da.cost_usd <= od.cost_usd * 1.05 + 1.0  # and never much dearer than on-demand
+
+
+# -- placement domains and whole-job migration ------------------------------------------------------
+
+def _two_regions(east_out_at_s: float = 1800.0, hours: float = 6.0):
+    """us-east-1a holds 2 spot nodes until ``east_out_at_s``, then none; us-west-2a always 2."""
+    from bench.replay.traces import Trace, ZoneSeries
+
+    east = ZoneSeries("us-east-1a", (0.0, east_out_at_s), (2, 0), (1.0, 1.0))
+    west = ZoneSeries("us-west-2a", (0.0,), (2,), (1.2,))
+    return Trace({"us-east-1a": east, "us-west-2a": west}, hours * 3600, "zones", "test")
+
+
+def _replay(trace, policy: str = "spotvisor", **kw):
+    return Replay(trace, get_policy(policy), job=JOB, target_nodes=2, zones=["us-east-1a", "us-west-2a"],
+                  domains={"us-east-1a": "us-east-1", "us-west-2a": "us-west-2"}, **kw).run()
+
+
+def test_a_starved_region_moves_the_whole_job_and_it_never_spans_two() -> None:
+    """us-east-1 runs dry: after the patience the whole job moves to us-west-2 (one
+    migration, its egress billed, no step lost); it never trains on nodes of both."""
+    spans: list[float] = []
+    r = Replay(_two_regions(), get_policy("spotvisor"), job=JOB, target_nodes=2, zones=["us-east-1a", "us-west-2a"],
+               domains={"us-east-1a": "us-east-1", "us-west-2a": "us-west-2"})
+    advance = r._advance
+
+    def watch(to: float) -> None:
+        if len({n.domain for n in r.nodes.values() if n.state in ADMITTED}) > 1:
+            spans.append(r.now)
+        advance(to)
+
+    r._advance = watch  # type: ignore[method-assign]
+    res = r.run()
+    assert (res.migrations, res.migrations_failed, res.lost_steps) == (1, 0, 0)
+    assert res.egress_usd == pytest.approx(JOB.checkpoint_bytes / 1e9 * 0.02)
+    assert res.domain_hours["us-west-2"] > 5 and spans == []
+    stay = _replay(_two_regions(), migration=None)  # the move off: the job waits in us-east-1
+    assert stay.migrations == 0 and stay.steps < res.steps / 2
+
+
+class _Stays(Spotvisor):
+    """The default, except that it never moves the job."""
+
+    name = "stays_test"
+
+    def migrate(self, *args, **kw):  # type: ignore[override]
+        return None
+
+
+def test_the_replay_moves_by_the_policys_own_decision() -> None:
+    """A policy that says stay keeps the job in the starved region in the replay as in the
+    daemon (tests/chaos/test_migration.py::test_the_recovery_policy_decides_whether_to_move)."""
+    r = Replay(_two_regions(), _Stays(), job=JOB, target_nodes=2, zones=["us-east-1a", "us-west-2a"],
+               domains={"us-east-1a": "us-east-1", "us-west-2a": "us-west-2"}).run()
+    assert r.migrations == 0 and r.domain_hours == {"us-east-1": pytest.approx(6.0)}
+
+
+def test_a_move_to_a_region_without_capacity_fails_fast_and_the_job_stays() -> None:
+    from bench.replay.traces import Trace, ZoneSeries
+
+    east = ZoneSeries("us-east-1a", (0.0, 1800.0), (2, 0))
+    west = ZoneSeries("us-west-2a", (0.0,), (0,))
+    r = _replay(Trace({"us-east-1a": east, "us-west-2a": west}, 4 * 3600, "zones", "test"))
+    assert r.migrations == 0 and r.migrations_failed >= 1 and r.lost_steps == 0
+    assert r.domain_hours == {"us-east-1": pytest.approx(4.0)}

@@ -223,6 +223,19 @@ async def test_a_target_that_never_boots_gives_the_move_up_and_the_job_trains_on
         assert not sim.events("checkpoint_replicated")
 
 
+async def test_a_target_out_of_capacity_fails_the_move_at_once(make_sim, tmp_path) -> None:
+    """Alibaba refuses the target's launches for capacity: the move is given up at once
+    (target_out_of_capacity), not after boot_timeout_s, and the job never left AWS."""
+    provider = RegionProvider({"us-east-1": 2, "cn-hangzhou": 0})
+    async with make_sim(provider=provider, **_overrides(tmp_path, boot_timeout_s=3600)) as sim:
+        n1, _ = await _starved_on_one_node(sim, provider, tmp_path)
+        await sim.until(lambda: sim.events("migration_failed"), what="migration given up")
+        [failed] = sim.events("migration_failed")
+        assert failed.data["reason"] == "target_out_of_capacity" and failed.data["phase"] == "booting"
+        assert failed.time - sim.events("migration_started")[0].time < 3600  # long before the boot timeout
+        assert n1.state is NodeState.RUNNING and sim.sup.domain == "aws-use1"  # never drained
+
+
 async def test_a_failed_copy_never_starts_the_job_on_a_torn_checkpoint(make_sim, tmp_path) -> None:
     """The commit the job made for the move is not in the store (a trainer that reported a
     step it did not write): the copy refuses, the move fails, the target is released and

@@ -1,0 +1,139 @@
+"""``python -m bench.replay.windows [--traces DIR] [--ratios 1.2,1.5,2] [--json OUT]``
+
+The deadline property over every window of every public trace: for each trace, each
+deadline ratio and each window (the trace cut into windows of the deadline's length,
+one starting every ``stride``), it replays always-on-demand and ``deadline_aware``
+(and spot alone, ``spotvisor``, for scale) and checks that ``deadline_aware`` meets
+every deadline that on-demand meets. It prints one row per trace and ratio: windows,
+deadlines on-demand met, deadlines ``deadline_aware`` missed among those (the property
+says 0), its mean cost relative to on-demand, and how often spot alone met them.
+
+The traces and their settings (:data:`SETTINGS`): Bamboo's p3 and g4dn groups (cap 32
+and 24 nodes, a 2-hour job at the cap), and the 9-zone V100 data at SkyNomad's setting
+(the three zones of its V100 experiment, one region each, a 39.9-hour job; every
+window of the 45 days). Sources and licences: shared/traces/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from bench.replay.__main__ import domains_for
+from bench.replay.sim import JobModel, Market, Replay
+from bench.replay.traces import Trace, TraceError, load_trace
+from daemon.control.policies import get_policy
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one trace is replayed: its path under the traces folder, the zones, the pool's
+    target, the job's length (hours at the target on on-demand), the window stride (hours;
+    None: the deadline's length, the windows tile the trace as SkyNomad's artifact does)."""
+
+    path: str
+    target: int
+    job_h: float
+    stride_h: float | None
+    zones: tuple[str, ...] | None = None
+    step_s: float = 2.0
+    checkpoint_gb: float = 16.0
+    restart_s: float = 60.0
+
+
+SETTINGS = (
+    Setting("bamboo/p3-trace.csv", target=32, job_h=2.0, stride_h=1.0),
+    Setting("bamboo/g4dn-trace.csv", target=24, job_h=2.0, stride_h=1.0),
+    Setting("skynomad/v100-9zone", target=1, job_h=39.94, stride_h=None, zones=("us-east-1c", "us-east-2b", "us-west-2a"),
+            step_s=60.0, checkpoint_gb=50.0, restart_s=550.0),
+)
+
+
+@dataclass
+class Row:
+    """One window: start (hours into the trace) and, per policy, cost (USD) and whether met."""
+
+    start_h: float
+    on_demand: tuple[float, bool]
+    deadline_aware: tuple[float, bool]
+    spot: tuple[float, bool]
+
+
+def windows(trace: Trace, length_s: float, stride_s: float) -> Iterator[tuple[float, Trace]]:
+    """Every window of ``length_s`` starting each ``stride_s`` that fits in the trace."""
+    start = 0.0
+    while start + length_s <= trace.duration_s + 1e-6:
+        yield start, trace.window(start, start + length_s)
+        start += stride_s
+
+
+def check(trace: Trace, s: Setting, ratio: float) -> list[Row]:
+    """The three policies on every window of ``trace`` at deadline ``ratio × s.job_h``."""
+    job = JobModel(target_steps=max(1, round(s.job_h * 3600 / s.step_s)), step_s=s.step_s, ref_gpus=s.target,
+                   checkpoint_bytes=s.checkpoint_gb * 1e9, restart_s=s.restart_s,
+                   checkpoint_every_steps=max(1, round(1800 / s.step_s)))
+    deadline = s.job_h * ratio * 3600
+    zones = list(s.zones) if s.zones else None
+    domains = domains_for(zones or sorted(trace.zones), "region")
+    rows = []
+    for start, w in windows(trace, deadline, deadline if s.stride_h is None else s.stride_h * 3600):
+        def run(name: str, market: Market) -> tuple[float, bool]:
+            r = Replay(w, get_policy(name), job=job, market=market, target_nodes=s.target, zones=zones,
+                       deadline_s=deadline, domains=domains).run()
+            return r.cost_usd, bool(r.deadline_met)
+
+        rows.append(Row(start / 3600, run("spotvisor", Market(on_demand=True)), run("deadline_aware", Market()),
+                        run("spotvisor", Market())))
+    return rows
+
+
+def summary(rows: list[Row]) -> dict[str, object]:
+    met = [r for r in rows if r.on_demand[1]]
+    missed = [r.start_h for r in met if not r.deadline_aware[1]]
+    rel = [r.deadline_aware[0] / r.on_demand[0] for r in met if r.on_demand[0] > 0]
+    return {"windows": len(rows), "on_demand_met": len(met), "deadline_aware_missed": len(missed),
+            "missed_at_h": missed, "deadline_aware_cost_vs_on_demand": round(sum(rel) / len(rel), 3) if rel else None,
+            "spot_alone_met": sum(1 for r in met if r.spot[1])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.replay.windows", description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", type=Path, default=SHARED, help="the shared traces folder")
+    p.add_argument("--ratios", default="1.2,1.5,2.0", help="deadlines as multiples of the job's length")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    try:
+        ratios = [float(x) for x in args.ratios.split(",")]
+        traces = [(s, load_trace(args.traces / s.path)) for s in SETTINGS]
+    except (TraceError, ValueError) as exc:
+        print(f"bench.replay.windows: {exc}", file=sys.stderr)
+        return 2
+    out, bad = {}, 0
+    head = ["TRACE", "RATIO", "WINDOWS", "OD MET", "DA MISSED", "DA COST/OD", "SPOT ALONE MET", "S"]
+    table = [head]
+    for s, trace in traces:
+        for ratio in ratios:
+            t0 = time.perf_counter()
+            sm = summary(check(trace, s, ratio))
+            out[f"{s.path}@{ratio}"] = sm
+            bad += int(sm["deadline_aware_missed"])  # type: ignore[call-overload]
+            table.append([s.path, f"{ratio:g}", str(sm["windows"]), str(sm["on_demand_met"]),
+                          str(sm["deadline_aware_missed"]), str(sm["deadline_aware_cost_vs_on_demand"]),
+                          f"{sm['spot_alone_met']}/{sm['on_demand_met']}", f"{time.perf_counter() - t0:.0f}"])
+    widths = [max(len(r[c]) for r in table) for c in range(len(head))]
+    for r in table:
+        print("  ".join(x.ljust(wd) if c == 0 else x.rjust(wd) for c, (x, wd) in enumerate(zip(r, widths))))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
