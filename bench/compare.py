@@ -9,7 +9,9 @@ recovery policy differs (:mod:`daemon.control.policies`):
 - ``spotvisor``: notice-driven collective commit, elastic shrink, rejoin commit on grow;
 - ``restart_on_preemption``: periodic commits every K steps; on a node loss stop all,
   relaunch all, resume from the last periodic commit (SkyPilot managed jobs);
-- ``elastic_only``: torchrun elastic with periodic commits and no notice handling.
+- ``elastic_only``: torchrun elastic with periodic commits and no notice handling;
+- ``no_preemption``: the default policy and no trace at all: the uninterrupted run each
+  system's goodput is also given against (``vs none``).
 
 The trace is a list of preemptions ``WHEN:NODE:LEAD_S``: at ``WHEN`` (``20s``: seconds
 after the job first started; ``step40``: once the job reached step 40) the NODE-th
@@ -50,7 +52,8 @@ if __package__ in (None, ""):  # run as a script: import this checkout's package
 
 import yaml  # noqa: E402
 
-from bench.compare_metrics import acceptance, format_profile, format_table, load_run, run_metrics  # noqa: E402
+from bench.compare_metrics import (NO_PREEMPTION, acceptance, add_relative_goodput, format_profile,  # noqa: E402
+                                   format_table, load_run, run_metrics)
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names  # noqa: E402
 from daemon.controlnode.chaos import ready_to_fire  # noqa: E402
 from daemon.config import ChaosEvent, Config  # noqa: E402
@@ -64,7 +67,12 @@ DEFAULT_TRACE = "5s:2:20,40s:3:20,75s:1:20"
 DEFAULT_K = 10
 DEFAULT_LAUNCH_DELAY_S = 5.0
 DEFAULT_TARGET_STEPS = 250
-SYSTEMS = (DEFAULT_POLICY, "restart_on_preemption", "elastic_only")
+SYSTEMS = (DEFAULT_POLICY, "restart_on_preemption", "elastic_only", NO_PREEMPTION)
+
+
+def policy_of(system: str) -> str:
+    """The recovery policy a system runs (``no_preemption``: the default, without a trace)."""
+    return DEFAULT_POLICY if system == NO_PREEMPTION else system
 
 
 # --------------------------------------------------------------------------- the trace
@@ -223,7 +231,7 @@ async def run_system(name: str, config: Config, trace: Sequence[TraceEvent], *, 
     """Run the job once under ``name``'s policy and ``trace``; its metrics."""
     from daemon.interfaces.cli import format_event, rendezvous_process, running_daemon
 
-    policy = get_policy(name)
+    policy = get_policy(policy_of(name))
     t0 = time.time()
     completed = False
 
@@ -269,7 +277,8 @@ def analyze(name: str, config: Config, events: Sequence[Event] | None = None) ->
     steps, status = load_run(state / "nodes")
     summary = summarize(state / "nodes", events, target_steps=config.job.target_steps,
                         global_batch_size=config.job.global_batch_size)
-    return {"policy": get_policy(name).description, **run_metrics(steps, status, events, summary),
+    description = "the same job with no preemption" if name == NO_PREEMPTION else get_policy(name).description
+    return {"policy": description, **run_metrics(steps, status, events, summary),
             "summary": summary, "state_dir": str(state)}
 
 
@@ -283,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-steps", type=int, default=DEFAULT_TARGET_STEPS,
                    help=f"steps the job trains (default {DEFAULT_TARGET_STEPS})")
     p.add_argument("--config", default="configs/local.yaml", help="the job, pool and offers (default configs/local.yaml)")
-    p.add_argument("--system", action="append", choices=policy_names(), help="only these systems (repeatable)")
+    p.add_argument("--system", action="append", choices=(*policy_names(), NO_PREEMPTION),
+                   help="only these systems (repeatable)")
     p.add_argument("--timeout-s", type=float, default=480.0, help="per system (default 480)")
     p.add_argument("--workdir", type=Path, help="state of the runs (default .spotvisor/bench-<time>)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results file (default {DEFAULT_OUT})")
@@ -319,11 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.analyze is not None:
             results[name] = analyze(name, config)
             continue
-        say(f"[{i}/{len(systems)}] {name}: {get_policy(name).description}")
+        say(f"[{i}/{len(systems)}] {name}: " + ("no trace" if name == NO_PREEMPTION else get_policy(name).description))
         t = time.monotonic()
         try:
-            results[name] = asyncio.run(run_system(name, config, trace, timeout_s=args.timeout_s, out=say,
-                                                   verbose=args.verbose))
+            results[name] = asyncio.run(run_system(name, config, () if name == NO_PREEMPTION else trace,
+                                                   timeout_s=args.timeout_s, out=say, verbose=args.verbose))
         except KeyboardInterrupt:
             return 130
         except RuntimeError as exc:  # e.g. the rendezvous store could not start
@@ -332,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"    done in {time.monotonic() - t:.1f} s" + ("" if results[name]["completed"] else " (NOT completed)"))
     wall_s = time.monotonic() - started
 
+    add_relative_goodput(results)
     took = "analyzed again" if args.analyze is not None else f"{wall_s:.0f} s in all"
     say(f"\nsame job ({args.target_steps} steps, {base.get('pool', {}).get('target_nodes')} nodes), "
         f"same trace, K {args.k}, launch delay {args.launch_delay_s:g} s; {took}")

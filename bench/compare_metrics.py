@@ -25,6 +25,8 @@ __all__ = [
     "useful_step_time",
     "full_world_step_times",
     "apply_goodput",
+    "add_relative_goodput",
+    "NO_PREEMPTION",
     "preemption_profile",
     "run_metrics",
     "format_table",
@@ -227,6 +229,18 @@ def run_metrics(steps: Sequence[dict], status: Sequence[dict], events: Sequence[
     return result
 
 
+NO_PREEMPTION = "no_preemption"
+
+
+def add_relative_goodput(results: dict[str, dict[str, Any]], reference: str = NO_PREEMPTION) -> None:
+    """``goodput_vs_no_preemption`` in each result (in place): its goodput ÷ that of the same
+    job run without a trace (``reference``), when that ran."""
+    ref = results.get(reference)
+    for r in results.values():
+        r["goodput_vs_no_preemption"] = (round(r["goodput"] / ref["goodput"], 3)
+                                         if ref is not None and ref["goodput"] else None)
+
+
 def _med_max(values: Sequence[float]) -> str:
     return "-" if not values else f"{statistics.median(values):.1f} / {max(values):.1f}"
 
@@ -238,13 +252,16 @@ def _restarts(r: dict[str, Any]) -> str:
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    head = (f"{'system':<22} {'wall_s':>7} {'useful':>6} {'lost':>5} {'step_s':>6} {'goodput':>7} "
+    head = (f"{'system':<22} {'wall_s':>7} {'useful':>6} {'lost':>5} {'step_s':>6} {'goodput':>7} {'vs none':>7} "
             f"{'notice->commit s':>17} {'notice->resume s':>17} {'restarts':>8} {'preempted':>9}")
-    lines = [head, f"{'':<22} {'':>7} {'steps':>6} {'steps':>5} {'':>6} {'':>7} {'median / max':>17} {'median / max':>17}"]
+    lines = [head, f"{'':<22} {'':>7} {'steps':>6} {'steps':>5} {'':>6} {'':>7} {'':>7} {'median / max':>17} "
+                   f"{'median / max':>17}"]
     for name, r in results.items():
         step_s = "-" if r.get("step_s") is None else f"{r['step_s']:.3f}"
+        rel = r.get("goodput_vs_no_preemption")
         lines.append(f"{name:<22} {r['wall_s']:>7.1f} {r['useful_steps']:>6} {r['lost_steps']:>5} {step_s:>6} "
-                     f"{r['goodput']:>7.3f} {_med_max(r['notice_to_commit_s']):>17} "
+                     f"{r['goodput']:>7.3f} {'-' if rel is None else f'{rel:.3f}':>7} "
+                     f"{_med_max(r['notice_to_commit_s']):>17} "
                      f"{_med_max(r['notice_to_resume_s']):>17} {_restarts(r):>8} {r['preemptions']:>9}"
                      + ("" if r["completed"] else "   (did not complete)"))
     return "\n".join(lines)
@@ -274,13 +291,17 @@ def acceptance(results: dict[str, dict[str, Any]], *, trace_len: int | None = No
     (its job completed before the next one could fire: its figures are not comparable)."""
     out = [f"WARNING: {name} met {r['preemptions']} of the trace's {trace_len} preemptions (its job completed "
            "before a node was taken): lengthen --target-steps" for name, r in results.items()
-           if trace_len is not None and r["preemptions"] < trace_len]
+           if trace_len is not None and r["preemptions"] < trace_len and name != NO_PREEMPTION]
     sv = results.get(DEFAULT_POLICY)
     if sv is None:
         return out
     out += [f"spotvisor lost steps on notice: {sv['lost_steps_on_notice']} (goal 0): "
            + ("met" if sv["lost_steps_on_notice"] == 0 else "MISSED")]
-    for name in (n for n in results if n != DEFAULT_POLICY):
+    rel = sv.get("goodput_vs_no_preemption")
+    if rel is not None:
+        out.append(f"goodput: spotvisor {rel:.3f} of no_preemption's (goal >= 0.9): "
+                   + ("met" if rel >= 0.9 else "MISSED"))
+    for name in (n for n in results if n not in (DEFAULT_POLICY, NO_PREEMPTION)):
         b = results[name]
         ratio = sv["goodput"] / b["goodput"] if b["goodput"] else float("inf")
         out.append(f"goodput: spotvisor {sv['goodput']:.3f} vs {name} {b['goodput']:.3f} "

@@ -14,6 +14,7 @@ from bench.compare import TraceEvent, parse_trace
 from bench.compare_metrics import (
     acceptance,
     apply_goodput,
+    add_relative_goodput,
     format_table,
     full_world_step_times,
     lineage,
@@ -184,6 +185,23 @@ def test_table_and_acceptance_lines() -> None:
     assert lines[0].startswith("WARNING: restart_on_preemption met 1 of the trace's 2")
     assert lines[1].endswith("met") and "+25.0 %" in lines[2]
     assert "4.5x (goal >= 5x): MISSED by 1.1x" in lines[3]
+
+
+def test_goodput_is_also_given_against_the_run_without_preemptions() -> None:
+    """no_preemption: the same job with no trace; every system's goodput against it, and
+    spotvisor's goal of 0.9 of it (issue 17). It meets no preemption and is not warned about."""
+    row = {"completed": True, "wall_s": 100.0, "useful_steps": 200, "lost_steps": 0, "lost_steps_on_notice": 0,
+           "goodput": 0.45, "notice_to_commit_s": [1.0], "notice_to_resume_s": [10.0], "restarts": 2,
+           "preemptions": 1}
+    none = {**row, "goodput": 0.6, "notice_to_commit_s": [], "notice_to_resume_s": [], "preemptions": 0}
+    results = {"spotvisor": row, "no_preemption": none}
+    add_relative_goodput(results)
+    assert row["goodput_vs_no_preemption"] == 0.75 and none["goodput_vs_no_preemption"] == 1.0
+    assert " 0.750 " in format_table(results)
+    lines = acceptance(results, trace_len=1)
+    assert not any(line.startswith("WARNING") for line in lines)
+    assert "goodput: spotvisor 0.750 of no_preemption's (goal >= 0.9): MISSED" in lines
+    assert not any("vs no_preemption" in line for line in lines)  # not a baseline to beat
 
 
 # -- the baseline policies ----------------------------------------------------------------------
