@@ -63,10 +63,10 @@ from daemon.controlnode.summary import summarize  # noqa: E402
 __all__ = ["TraceEvent", "parse_trace", "inject", "system_config", "run_system", "analyze", "main"]
 
 DEFAULT_OUT = "bench-results.json"
-DEFAULT_TRACE = "5s:2:20,40s:3:20,75s:1:20"
+DEFAULT_TRACE = "5s:2:20,40s:3:20,75s:1:20,110s:2:0"
 DEFAULT_K = 10
 DEFAULT_LAUNCH_DELAY_S = 5.0
-DEFAULT_TARGET_STEPS = 250
+DEFAULT_TARGET_STEPS = 300
 SYSTEMS = (DEFAULT_POLICY, "restart_on_preemption", "elastic_only", NO_PREEMPTION)
 
 

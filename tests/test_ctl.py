@@ -628,3 +628,17 @@ def test_status_shows_a_migration_in_flight_and_the_counts() -> None:
     pool = render_status(status, now=0.0).splitlines()[2]
     assert pool.endswith("domain aws-use1 (1 migrations, 0 failed)  migrating aws-use1 -> aliyun-hz "
                          "(booting, capacity)"), pool
+
+
+def test_the_pool_line_shows_the_deadline_and_the_expected_finish() -> None:
+    from daemon.interfaces.ctl import _placement
+
+    now = time.time()
+    line = _placement({"domain": "aws-use1", "deadline": {
+        "deadline": now + 10 * 3600, "hours_to_deadline": 10.0, "hours_of_work_left": 12.5,
+        "expected_finish": now + 12.5 * 3600, "slack_h": -2.5, "markets": ["on_demand"]}})
+    assert "deadline in 10 h, 12.5 h of work left, expected to finish" in line
+    assert "(-2.5 h LATE), buying on_demand" in line
+    ok = _placement({"domain": "d", "deadline": {"deadline": now, "hours_to_deadline": 5, "hours_of_work_left": 1,
+                                                 "expected_finish": now + 3600, "slack_h": 4, "markets": None}})
+    assert "(4 h to spare), buying any" in ok

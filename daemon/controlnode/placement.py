@@ -104,12 +104,16 @@ class Placement:
         return self.core.policy.market_actions(self.core.state(), allowed, now=now)
 
     def status(self, now: float) -> dict[str, Any] | None:
-        """``spotctl status``'s deadline line: the deadline, the work left, the markets."""
+        """``spotctl status``'s deadline line: the deadline, the work left, the expected
+        finish (unix s: the work left at the target size from now) and the slack it leaves
+        before the deadline (hours, negative: late), the markets."""
         p = self.progress(now)
         if p is None:
             return None
+        finish = now + p.remaining_s()  # at the target size from now on, at job.step_s
         return {"deadline": p.deadline, "hours_to_deadline": round((p.deadline - now) / 3600, 2),
-                "hours_of_work_left": round(p.remaining_s() / 3600, 2), "markets": _names(self.allowed)}
+                "hours_of_work_left": round(p.remaining_s() / 3600, 2), "expected_finish": finish,
+                "slack_h": round((p.deadline - finish) / 3600, 2), "markets": _names(self.allowed)}
 
     def strays(self, but: set[str] = frozenset()) -> list[Terminate]:  # type: ignore[assignment]
         """Nodes of a domain that is neither the job's nor a migration's (other than ``but``,

@@ -165,8 +165,12 @@ def _placement(p: dict[str, Any]) -> str:
         out += f"  migrating {m['from']} -> {m['to']} ({m['phase']}, {m['reason']})"
     d = p.get("deadline")
     if d:
-        out += (f"  deadline in {d['hours_to_deadline']:g} h, {d['hours_of_work_left']:g} h of work left, "
-                f"buying {'+'.join(d['markets'] or ['any'])}")
+        out += f"  deadline in {d['hours_to_deadline']:g} h, {d['hours_of_work_left']:g} h of work left"
+        if d.get("expected_finish") is not None:
+            at = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["expected_finish"]))
+            slack = d.get("slack_h") or 0.0
+            out += f", expected to finish {at} ({slack:g} h {'to spare' if slack >= 0 else 'LATE'})"
+        out += f", buying {'+'.join(d['markets'] or ['any'])}"
     return out
 
 
