@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import itertools
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -309,9 +308,10 @@ async def test_throttling_past_the_retry_budget_is_transient(provider, faults, n
 async def test_timeout_after_the_request_landed_yields_one_instance(provider, faults, node_spec, ec2) -> None:
     faults.delay_next("RunInstances", seconds=_READ_TIMEOUT_S * 4)  # moto creates it, the answer is late
     node = node_spec()
-    started = time.monotonic()
     inst = await provider.launch(_offer(), node)
-    assert time.monotonic() - started < _READ_TIMEOUT_S * 4
+    # it did not wait for the late answer (a wall-clock bound here failed under load):
+    # it gave up at its read timeout and looked the instance up by its node tag
+    assert any(s.action == "DescribeInstances" for s in faults.requests)
     assert _live_for_node(ec2, node.node_id) == [inst.id]
     assert inst.node_id == node.node_id
     assert len(faults.actions("RunInstances")) == 1  # the retry found it instead of launching again

@@ -464,8 +464,7 @@ async def test_daemon_sigkill_mid_checkpoint(world: dict[str, Any], matrix: Matr
     a = world["daemon"]()
     await a.start()
     await a.until(lambda: a.saw("job_resumed"), what="the job running")
-    await asyncio.sleep(0.3)  # a few steps in
-    sim.notice(f"{pool}-1", lead_s=60)
+    sim.notice(f"{pool}-1", lead_s=60)  # at whatever step the job is: its trainer reads notices every step
     await a.until(lambda: a.saw("interruption_notice") and a.saw("node_launched", f"{pool}-2"),
                   what="the notice and the replacement launched")
     await a.sigkill()  # the flush is in progress (the gate is closed)
