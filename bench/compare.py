@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import platform
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ if __package__ in (None, ""):  # run as a script: import this checkout's package
 
 import yaml  # noqa: E402
 
+from bench.ports import free_port  # noqa: E402
 from bench.compare_metrics import (NO_PREEMPTION, acceptance, add_relative_goodput, format_profile,  # noqa: E402
                                    format_table, load_run, run_metrics)
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names  # noqa: E402
@@ -207,10 +207,6 @@ async def _take_later(provider: Any, instance_id: str, lead_s: float) -> None:
 # --------------------------------------------------------------------------- running
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def system_config(base: dict[str, Any], *, state_dir: Path, k: int, launch_delay_s: float,
@@ -219,7 +215,7 @@ def system_config(base: dict[str, Any], *, state_dir: Path, k: int, launch_delay
     raw = json.loads(json.dumps(base))  # a deep copy
     raw.setdefault("job", {}).update(target_steps=target_steps, checkpoint_interval_steps=k)
     raw.setdefault("providers", {}).setdefault("local", {})["launch_delay_s"] = launch_delay_s
-    raw.setdefault("rendezvous", {})["port"] = _free_port()
+    raw.setdefault("rendezvous", {})["port"] = free_port()
     raw.setdefault("daemon", {}).update(state_dir=str(state_dir), socket=str(state_dir.with_suffix(".sock")))
     raw["chaos"] = []
     raw.pop("notify", None)

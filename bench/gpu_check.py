@@ -34,18 +34,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
+from bench.ports import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _sync(device) -> None:
@@ -209,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if ranks < 2:
         p.error("--ranks: at least 2 (one leaves, one grows back)")
     backend = "nccl" if gpus >= ranks else "gloo"
-    port = _free_port()
+    port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
            "OMP_NUM_THREADS": "1"}

@@ -30,18 +30,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
+from bench.ports import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _model(params_m: float):
@@ -60,7 +57,7 @@ def worker(replica: int, lighthouse: str, params_m: float, steps: int, out: Path
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     t_start = time.time()
-    port = _free_port()
+    port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the group's own store
     model, width = _model(params_m)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -51,3 +51,11 @@ def test_back_on_spot_the_on_demand_nodes_in_the_job_are_replaced_make_before_br
                          _node(4, "on_demand", NodeState.READY)), job=JobState.RUNNING, target_nodes=3)
     assert back_to_spot(s, SPOT_ONLY) == [MarkReplacing("n2", "deadline_slack")]
     assert back_to_spot(s, BOTH) == [] and back_to_spot(s, ON_DEMAND_ONLY) == []
+
+
+def test_a_move_built_from_spot_narrows_the_markets_but_never_past_the_policy() -> None:
+    from daemon.control.deadline import narrow
+
+    assert narrow(BOTH, SPOT_ONLY) == SPOT_ONLY
+    assert narrow(ON_DEMAND_ONLY, SPOT_ONLY) == ON_DEMAND_ONLY  # near the deadline the policy's word wins
+    assert narrow(None, SPOT_ONLY) is None and narrow(BOTH, None) == BOTH

@@ -85,7 +85,12 @@ def format_table(results: Sequence[Result]) -> str:
                      f"{r.migrations}" + (f" ({r.migrations_failed} failed)" if r.migrations_failed else ""),
                      "-" if r.completed_at_h is None else f"{r.completed_at_h:.2f}",
                      {None: "-", True: "met", False: "MISSED"}[r.deadline_met]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return render(rows)
+
+
+def render(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as aligned columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)
 

@@ -39,7 +39,7 @@ from typing import Any
 from daemon.control import actions as a
 from daemon.control.admission import Rules
 from daemon.control import migration as mig
-from daemon.control.deadline import Progress, in_markets
+from daemon.control.deadline import Progress, in_markets, narrow
 from daemon.control.lifecycle import ADMITTED, LIVE, JobState, NodeState, TrainerState, training
 from daemon.control.offers import History, Offer, capacity_backoff_s
 from daemon.control.policies import RecoveryPolicy, lost_from_job
@@ -342,8 +342,8 @@ class Replay:
             self._apply(act)
         s = self.state()
         build = self.move.target if self.move is not None else self.domain
-        if self.move is not None and self.move.markets is not None and allowed is not None:
-            allowed = self.move.markets & allowed or allowed
+        if self.move is not None:
+            allowed = narrow(allowed, self.move.markets)
         for act in plan(Desired(s.desired_nodes, self.rules.valid_world_sizes), s.nodes, self._offers(allowed, build),
                         history, now=self.now, timeouts=Timeouts(heartbeat_timeout_s=1e9, launch_timeout_s=1e9),
                         domain=build if len(self.domain_names) > 1 else None):
@@ -400,7 +400,7 @@ class Replay:
 
     def _views(self, history: History, markets: frozenset[str] | None = None) -> list[mig.DomainView]:
         self.losses = [(t, d) for t, d in self.losses if self.now - t < 3600.0]
-        allowed = self.allowed if markets is None or self.allowed is None else (markets & self.allowed or self.allowed)
+        allowed = narrow(self.allowed, markets)
         return [mig.DomainView(d, tuple(self._offers(allowed, d)), egress_usd_per_gb=self.egress_usd_per_gb,
                                preemptions=sum(1 for _, x in self.losses if x == d)) for d in self.domain_names]
 

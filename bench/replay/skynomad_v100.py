@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.replay.__main__ import ON_DEMAND, domains_for
+from bench.replay.__main__ import render, ON_DEMAND, domains_for
 from bench.replay.sim import JobModel, Market, Replay, Result
 from bench.replay.traces import Trace, TraceError, load_trace
 from daemon.control.migration import Plan
@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append([name] + [f"{r.cost_usd:.2f}" + ("" if r.deadline_met else " MISSED") for r in rs]
                      + [f"{mean:.2f}", f"{sum(bool(r.deadline_met) for r in rs)}/{len(rs)}",
                         str(sum(r.migrations for r in rs)), f"{sum(r.on_demand_node_hours for r in rs):.1f}"])
-    widths = [max(len(r[c]) for r in table) for c in range(len(head))]
-    for r in table:
-        print("  ".join(x.ljust(wd) if c == 0 else x.rjust(wd) for c, (x, wd) in enumerate(zip(r, widths))))
+    print(render(table))
     print("published by the SkyNomad artifact for the same five windows (mean USD): "
           + "; ".join(f"{k} {v:.2f}" for k, v in PUBLISHED.items()))
     if args.json:

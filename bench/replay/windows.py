@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from bench.replay.__main__ import domains_for
+from bench.replay.__main__ import render, domains_for
 from bench.replay.sim import JobModel, Market, Replay
 from bench.replay.traces import Trace, TraceError, load_trace
 from daemon.control.policies import get_policy
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             table.append([s.path, f"{ratio:g}", str(sm["windows"]), str(sm["on_demand_met"]),
                           str(sm["deadline_aware_missed"]), str(sm["deadline_aware_cost_vs_on_demand"]),
                           f"{sm['spot_alone_met']}/{sm['on_demand_met']}", f"{time.perf_counter() - t0:.0f}"])
-    widths = [max(len(r[c]) for r in table) for c in range(len(head))]
-    for r in table:
-        print("  ".join(x.ljust(wd) if c == 0 else x.rjust(wd) for c, (x, wd) in enumerate(zip(r, widths))))
+    print(render(table))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 1 if bad else 0

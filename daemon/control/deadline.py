@@ -28,7 +28,7 @@ from daemon.control.actions import Action, MarkReplacing, PoolState
 from daemon.control.lifecycle import ADMITTED
 from daemon.control.offers import Offer
 
-__all__ = ["Progress", "markets", "back_to_spot", "in_markets", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
+__all__ = ["Progress", "markets", "back_to_spot", "in_markets", "narrow", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
 
 SPOT, ON_DEMAND = "spot", "on_demand"
 SPOT_ONLY = frozenset({SPOT})
@@ -64,6 +64,15 @@ def in_markets(offers: Iterable[Offer], allowed: frozenset[str] | None) -> list[
     if allowed is None:
         return list(offers)
     return [o for o in offers if (ON_DEMAND if o.on_demand else SPOT) in allowed]
+
+
+def narrow(allowed: frozenset[str] | None, markets: frozenset[str] | None) -> frozenset[str] | None:
+    """The markets ``allowed`` by the policy, narrowed to ``markets`` (a move built from spot
+    only, :attr:`daemon.control.migration.Move.markets`); the policy's alone when either is
+    None or they share none (the policy's word wins: on-demand only near the deadline)."""
+    if allowed is None or markets is None:
+        return allowed
+    return (allowed & markets) or allowed
 
 
 def back_to_spot(s: PoolState, allowed: frozenset[str]) -> list[Action]:

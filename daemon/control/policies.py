@@ -279,8 +279,6 @@ class DeadlineAware(Spotvisor):
         here = next((d for d in domains if d.name == current), None)
         if here is None or any(not o.on_demand for o in here.usable(history, now)):
             return None  # spot can be had here (or on-demand only is allowed: no spot offer at all)
-        if not any(not o.on_demand for d in domains for o in d.offers):
-            return None
         move = super().migrate(s, domains, current, history,  # type: ignore[arg-type]
                                plan=replace(plan, min_saving_fraction=ON_DEMAND_BRIDGE_SAVING), **kw)
         # built from spot only: if the target has none either, the move fails at once

@@ -31,7 +31,7 @@ import structlog
 
 from daemon.control import migration as decide
 from daemon.control.actions import Action, Terminate
-from daemon.control.deadline import in_markets
+from daemon.control.deadline import in_markets, narrow
 from daemon.control.lifecycle import ADMITTED, JobState, NodeState
 from daemon.control.migration import Phase
 from daemon.controlnode.core import Core
@@ -181,10 +181,11 @@ class Migrator:
     def build_markets(self) -> frozenset[str] | None:
         """The markets the planner buys from in :attr:`build_domain`: the policy's, narrowed
         by a move in flight that is built from some markets only (``spot_elsewhere``)."""
-        allowed = self.placement.allowed
-        if self.move is None or self.move.markets is None or allowed is None:
-            return allowed
-        return (allowed & frozenset(self.move.markets)) or allowed
+        return narrow(self.placement.allowed, None if self.move is None else self._markets(self.move.markets))
+
+    @staticmethod
+    def _markets(markets: list[str] | None) -> frozenset[str] | None:
+        return None if markets is None else frozenset(markets)
 
     def _views(self, now: float, markets: list[str] | None = None) -> list[decide.DomainView]:
         self._losses = [(t, d) for t, d in self._losses if now - t < _PREEMPTION_WINDOW_S]
@@ -193,11 +194,8 @@ class Migrator:
             losses = sum(1 for _, name in self._losses if name == d.name)
             # the markets the policy allows now: a domain is starved when its spot offers
             # are out while only spot is allowed, whatever on-demand offer it has
-            allowed = self.placement.allowed
-            if markets is not None and allowed is not None:
-                allowed = (allowed & frozenset(markets)) or allowed
             offers = tuple(in_markets((self.fleet.offer(i) for i in d.offers if i not in self.fleet.unusable),
-                                      allowed))
+                                      narrow(self.placement.allowed, self._markets(markets))))
             out.append(decide.DomainView(d.name, offers, egress_usd_per_gb=d.egress_usd_per_gb, preemptions=losses))
         return out
 
