@@ -66,6 +66,7 @@ STANDIN = textwrap.dedent(
 
     status, notices = os.environ["SPOTVISOR_STATUS_FILE"], os.environ["SPOTVISOR_NOTICE_FILE"]
     ledger, gate = os.environ["STANDIN_LEDGER"], os.environ.get("STANDIN_GATE")
+    hold_at = int(os.environ.get("STANDIN_HOLD_AT", "-1"))  # a first run waits here for its notice
     target, step_s = int(os.environ["STANDIN_TARGET"]), float(os.environ["STANDIN_STEP_S"])
     attempt = "standin-%d" % os.getpid()
 
@@ -113,6 +114,9 @@ STANDIN = textwrap.dedent(
                 emit("holding", step, notice_ids=ids, kinds=kinds, timeout_s=90)
                 while True:  # held until the agent's SIGTERM
                     time.sleep(1)
+        if step == hold_at and not handled and not committed():
+            time.sleep(0.02)  # the job cannot finish before the test's notice reaches it
+            continue
         if step >= target:
             commit(step, "final")
             emit("completed", step)
@@ -461,10 +465,11 @@ async def test_daemon_sigkill_mid_checkpoint(world: dict[str, Any], matrix: Matr
     after the noticed node has left; the job completes."""
     sim: Ec2Sim = world["sim"]
     pool = world["pool"]
+    world["trainer_env"]["STANDIN_HOLD_AT"] = "5"  # 30 steps of 0.05 s could end before a notice under load
     a = world["daemon"]()
     await a.start()
     await a.until(lambda: a.saw("job_resumed"), what="the job running")
-    sim.notice(f"{pool}-1", lead_s=60)  # at whatever step the job is: its trainer reads notices every step
+    sim.notice(f"{pool}-1", lead_s=60)  # the trainer reads it at step 5 or before
     await a.until(lambda: a.saw("interruption_notice") and a.saw("node_launched", f"{pool}-2"),
                   what="the notice and the replacement launched")
     await a.sigkill()  # the flush is in progress (the gate is closed)
