@@ -17,6 +17,9 @@ The agent starts ``torchrun`` with these in the environment:
 :data:`OSS_ENDPOINT_ENV`    ``job.oss_endpoint``)
 :data:`RDZV_ENDPOINT_ENV`   ``host:port`` of the rendezvous store on the control node, where
                             the survivors of a notice re-form their group in-process
+:data:`RUN_ID_ENV`          the job's run id, the same on every node (torchrun's ``--rdzv-id``)
+:data:`JOIN_ENV`            ``1``: this node joins the running group in-process
+                            (:mod:`trainer.membership`) instead of starting one
 ==========================  ==============================================================
 
 Importing this module imports neither torch nor the daemon.
@@ -41,6 +44,8 @@ __all__ = [
     "S3_ENDPOINT_ENV",
     "OSS_ENDPOINT_ENV",
     "RDZV_ENDPOINT_ENV",
+    "RUN_ID_ENV",
+    "JOIN_ENV",
     "NoticeKind",
     "NoticeEntry",
     "NoticeFileError",
@@ -62,6 +67,8 @@ NODE_ID_ENV = "SPOTVISOR_NODE_ID"
 S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
 OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
 RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
+RUN_ID_ENV = "SPOTVISOR_RUN_ID"
+JOIN_ENV = "SPOTVISOR_JOIN"
 
 
 # --------------------------------------------------------------------------- the notice file

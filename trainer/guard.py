@@ -54,7 +54,9 @@ class Decision:
 
     ``kinds[i]`` is the kind of ``notice_ids[i]``. ``leaving_ranks``: the ranks whose
     own node has an interruption notice (they read it from their node's notice file),
-    ascending; the rest of the world survives the preemption.
+    ascending; the rest of the world survives the preemption. ``joiners``: how many
+    workers rank 0 found waiting to join (:mod:`trainer.membership`); not a reason to
+    commit: they get the state from a peer.
     """
 
     checkpoint: bool = False
@@ -62,6 +64,7 @@ class Decision:
     notice_ids: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
     leaving_ranks: tuple[int, ...] = ()
+    joiners: int = 0
 
     def __bool__(self) -> bool:
         return self.checkpoint or self.hold
@@ -170,11 +173,13 @@ class PreemptionGuard:
             self._warned = True
             log.warning("%s", message)
 
-    def check(self) -> Decision:
+    def check(self, joiners: int = 0) -> Decision:
         """Decide, on every rank alike, whether to commit and whether to hold.
 
-        Collective (one all-reduce of two ints; plus an ``all_gather_object``
+        Collective (one all-reduce of three ints; plus an ``all_gather_object``
         only when some rank has a notice). Blocks until every rank has called it.
+        ``joiners``: rank 0's count of workers waiting to join (0 elsewhere); every rank
+        gets it back as ``Decision.joiners``.
 
         Raises:
             RuntimeError: (from torch.distributed) a peer left; let it propagate.
@@ -184,19 +189,20 @@ class PreemptionGuard:
         need_hold = int(any(n.kind.needs_hold for n in local))
         if _dist_world() <= 1:
             if not local:
-                return Decision()
+                return Decision(joiners=joiners)
             return Decision(
                 checkpoint=True,
                 hold=bool(need_hold),
                 notice_ids=tuple(n.id for n in local),
                 kinds=tuple(n.kind.value for n in local),
                 leaving_ranks=(0,) if any(n.kind is NoticeKind.INTERRUPTION for n in local) else (),
+                joiners=joiners,
             )
-        flags = torch.tensor([need_ckpt, need_hold], dtype=torch.int64, device=_collective_device())
+        flags = torch.tensor([need_ckpt, need_hold, joiners], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        need_ckpt, need_hold = (int(v) for v in flags.tolist())
+        need_ckpt, need_hold, joiners = (int(v) for v in flags.tolist())
         if not need_ckpt:
-            return Decision()
+            return Decision(joiners=joiners)
         # with the node (torchrun's GROUP_RANK): every local rank of a noticed node leaves,
         # even one that read the notice file a moment before the agent wrote it
         node = os.environ.get("GROUP_RANK", str(dist.get_rank()))
@@ -216,6 +222,7 @@ class PreemptionGuard:
             notice_ids=tuple(union),
             kinds=tuple(union.values()),
             leaving_ranks=tuple(leaving),
+            joiners=joiners,
         )
 
     def hold_for_restart(self, timeout_s: float, step: int) -> None:

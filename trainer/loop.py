@@ -6,6 +6,7 @@ One step boundary, on every rank alike::
     commit if notice / periodic / final           # the job's commit, status line
     shrink if interruption (survivors)            # re-form the group in-process, go on
     hold if rejoin (or no in-process shrink)      # keep-alive until restarted
+    grow if rank 0 found nodes waiting to join    # re-form the group with them, share the state
     train one step (grad accumulation)            # positions = step * G + ...
 
 :class:`ElasticJob` is that loop; a job (the reference trainer's GPT-2 in
@@ -28,28 +29,35 @@ import argparse
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainer.batch import BatchError, BatchPlan, ElasticBatch
 from trainer.checkpoint import Manifest, open_store
-from trainer.contract import LOG_DIR_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
+from trainer.contract import LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.data import DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
+from trainer.membership import JoinQueue, JoinTimeout, Ticket, joining, run_id
+from trainer.sampler import ElasticSampler
 from trainer.runtime import (
     DistContext,
     StatusWriter,
     StepLog,
     barrier,
+    broadcast_bytes,
     configure_logging,
     configure_threads,
     env_world,
+    joiner_context,
     new_attempt_id,
     normalize_uri,
+    regroup,
     rendezvous_endpoint,
     setup_distributed,
     shrink_process_group,
@@ -104,6 +112,10 @@ class ElasticJob:
         self.committed_step: int | None = None  # every rank: the newest step this run committed or resumed from
         self.guard = PreemptionGuard()
         self.ddp: torch.nn.Module = self.state.model
+        self.joined_in_process = False  # this worker joined a running group (announced by join_running)
+        self._queue: JoinQueue | None = None
+        self._pick: list[Ticket] = []  # rank 0: the joiners this boundary's decision admits
+        self._queue_warned = False
 
     # -- what a job brings
 
@@ -149,9 +161,10 @@ class ElasticJob:
     def run(self) -> None:
         args, target = self.args, self.args.target_steps
         resumed_from = self.last_committed.step if self.last_committed else None
-        self.status.emit("started", self.state.step, resumed_from=resumed_from,
-                         global_batch_size=self.G, micro_batch_size=self.plan.micro_batch_size,
-                         grad_accum_steps=self.plan.grad_accum_steps)
+        if not self.joined_in_process:  # a joiner's started line is join_running's
+            self.status.emit("started", self.state.step, resumed_from=resumed_from,
+                             global_batch_size=self.G, micro_batch_size=self.plan.micro_batch_size,
+                             grad_accum_steps=self.plan.grad_accum_steps)
         if self.ctx.is_leader:
             log.info("attempt %s: world %d, global batch %d = %d x %d accum x %d ranks, %d samples, step %d/%d",
                      self.attempt, self.ctx.world_size, self.G, self.plan.micro_batch_size,
@@ -160,7 +173,7 @@ class ElasticJob:
         t_window, n_window = time.perf_counter(), 0
         while True:
             step = self.state.step
-            decision = self.guard.check()
+            decision = self.guard.check(self._joiners_waiting() if step < target else 0)
             final = step >= target
             # not a step committed already (the survivors of an in-process shrink are
             # back at the notice's step: committing it again at their world size would
@@ -186,6 +199,10 @@ class ElasticJob:
                 if self.ctx.is_leader:
                     log.warning("no restart within %.0f s of holding: training on", args.hold_timeout_s)
                 t_window, n_window = time.perf_counter(), 0
+            elif decision.joiners:
+                self.grow(decision.joiners)
+                t_window, n_window = time.perf_counter(), 0
+                continue  # the same boundary again, with the joiners (their loop starts there)
             loss, local_loss, positions = self.train_step()
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.state.step}")
@@ -251,6 +268,13 @@ class ElasticJob:
         self.ddp = self.state.model  # drop DDP's hooks on the old group before it goes
         self.ctx = shrink_process_group(self.ctx, survivors, f"spotvisor/{run_id}/shrink/{self.attempt}/{step}",
                                         endpoint, self.args.pg_timeout_s)
+        self._after_resize(old_world, t0, "shrunk")
+
+    def _after_resize(self, old_world: int, t0: float, verb: str, **fields: Any) -> None:
+        """A new attempt in these processes at the same step, after the group changed:
+        the batch re-planned, new status and step logs, the model re-wrapped, and its
+        ``started`` line (``resized: "in_process"``)."""
+        step = self.state.step
         self.plan = ElasticBatch(self.G, self.plan.micro_batch_size).plan(self.ctx.world_size)
         self.attempt = new_attempt_id(self.ctx)
         self.steplog.close()
@@ -259,11 +283,124 @@ class ElasticJob:
         self.wrap()
         seconds = time.perf_counter() - t0
         if self.ctx.is_leader:
-            log.info("shrunk in-process from world %d to %d at step %d in %.3f s (attempt %s)",
-                     old_world, self.ctx.world_size, step, seconds, self.attempt)
+            log.info("%s in-process from world %d to %d at step %d in %.3f s (attempt %s)",
+                     verb, old_world, self.ctx.world_size, step, seconds, self.attempt)
         self.status.emit("started", step, resumed_from=step, resized="in_process", old_world_size=old_world,
                          resize_s=round(seconds, 4), global_batch_size=self.G,
-                         micro_batch_size=self.plan.micro_batch_size, grad_accum_steps=self.plan.grad_accum_steps)
+                         micro_batch_size=self.plan.micro_batch_size, grad_accum_steps=self.plan.grad_accum_steps,
+                         **fields)
+
+    # -- in-process grow (trainer.membership)
+
+    def _can_grow(self) -> bool:
+        return bool(self.in_process_resize and getattr(self.args, "resize", "restart") == "in-process"
+                    and self.ctx.initialized and rendezvous_endpoint() is not None)
+
+    def _joiners_waiting(self) -> int:
+        """Rank 0: how many workers to admit at this boundary (0 on other ranks, and when
+        the store cannot be read: training never waits for the queue)."""
+        self._pick = []
+        if not (self.ctx.is_leader and self._can_grow()):
+            return 0
+        try:
+            if self._queue is None:
+                endpoint = rendezvous_endpoint()
+                assert endpoint is not None
+                self._queue = JoinQueue(endpoint, run_id(), timeout_s=min(10.0, self.args.pg_timeout_s))
+            batch = ElasticBatch(self.G, self.plan.micro_batch_size)
+            self._pick = self._queue.ready(self.ctx.world_size, batch.is_valid)
+        except Exception as exc:  # the control node's store unreachable a moment: next boundary
+            if not self._queue_warned:
+                self._queue_warned = True
+                log.warning("cannot read the join queue (%s): no in-process grow until it can", exc)
+            self._queue = None
+            return 0
+        self._queue_warned = False
+        return len(self._pick)
+
+    def grow(self, joiners: int) -> None:
+        """Admit ``joiners`` waiting workers into the running group at this step boundary,
+        without restarting anyone.
+
+        Called on every rank of the group; rank 0 found them (:meth:`_joiners_waiting`)
+        and writes their admissions. Every rank joins the new group (old ranks keep
+        their numbers, the joiners follow), rank 0 sends the whole state to the joiners
+        (:meth:`_share_state`: a broadcast over rank 0 and them only), and a new attempt
+        starts at the same step. Nothing is committed or loaded. If anything fails here
+        the worker exits non-zero and torchrun restarts the group from the last commit.
+        """
+        step, old_world, t0 = self.state.step, self.ctx.world_size, time.perf_counter()
+        endpoint = rendezvous_endpoint()
+        assert endpoint is not None  # _can_grow, on rank 0; the same environment everywhere
+        world = old_world + joiners
+        prefix = f"spotvisor/{run_id()}/grow/{self.attempt}/{step}"
+        if self.ctx.is_leader:
+            assert self._queue is not None and len(self._pick) == joiners
+            self._queue.admit(self._pick, prefix=prefix, first_rank=old_world, world_size=world)
+            log.info("admitting %d joining worker(s) of node(s) %s at step %d", joiners,
+                     ",".join(dict.fromkeys(t.node for t in self._pick)), step)
+        self.ddp = self.state.model  # drop DDP's hooks on the old group before it goes
+        self.ctx = regroup(self.ctx, self.ctx.rank, world, prefix, endpoint, self.args.pg_timeout_s)
+        self._share_state(old_world)
+        self._after_resize(old_world, t0, "grew", joined=joiners)
+
+    def join_running(self) -> None:
+        """This worker joins the running group (``SPOTVISOR_JOIN=1``), instead of
+        :meth:`resume`: it queues itself (:class:`~trainer.membership.JoinQueue`), waits
+        (``--join-timeout-s``) for rank 0 to admit it at a step boundary, joins the new
+        group and takes the state from rank 0. The object store is not read.
+
+        Raises:
+            ConfigError: no ``$SPOTVISOR_RDZV_ENDPOINT``.
+            SystemExit(1): nobody admitted it in time (after one warning line).
+        """
+        endpoint = rendezvous_endpoint()
+        if endpoint is None:
+            raise ConfigError("SPOTVISOR_JOIN=1 needs $SPOTVISOR_RDZV_ENDPOINT (host:port of the rendezvous store)")
+        node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        queue = JoinQueue(endpoint, run_id(), timeout_s=self.args.pg_timeout_s)
+        ticket = queue.register(node, self.ctx.local_rank, local_world, wait_s=self.args.join_timeout_s)
+        if self.ctx.is_local_leader:
+            log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
+        try:
+            admission = queue.wait(ticket)
+        except JoinTimeout as exc:
+            log.warning("%s; exiting", exc)
+            raise SystemExit(1) from None
+        t0 = time.perf_counter()
+        self.ctx = regroup(self.ctx, admission.rank, admission.world_size, admission.prefix, endpoint,
+                           self.args.pg_timeout_s, node_key=f"joined:{node}")
+        self._share_state(admission.first_rank)
+        self.joined_in_process = True
+        self._after_resize(admission.first_rank, t0, "joined", joined=admission.world_size - admission.first_rank)
+
+    def _share_state(self, old_world: int) -> None:
+        """Collective over the new group: rank 0 sends its state and progress to ranks
+        ``old_world ..`` (the joiners) over a group of just them; the other survivors only
+        take part in creating that group."""
+        joiners = list(range(old_world, self.ctx.world_size))
+        group = dist.new_group([0, *joiners])
+        if self.ctx.rank != 0 and self.ctx.rank not in joiners:
+            return
+        leader = self.ctx.rank == 0
+        meta: list[Any] = [{"step": self.state.step, "seed": self.seed, "committed_step": self.committed_step,
+                            "handled_ids": self.guard.handled_ids} if leader else None]
+        dist.broadcast_object_list(meta, src=0, group=group)
+        data = broadcast_bytes(self.state_bytes() if leader else None, src=0, device=self.ctx.device, group=group)
+        dist.destroy_process_group(group)
+        if leader:
+            return
+        info = meta[0]
+        self.load_state_bytes(data)
+        if self.state.step != info["step"]:
+            raise RuntimeError(f"the state from rank 0 is at step {self.state.step}, its progress says {info['step']}")
+        self.seed = int(info["seed"])
+        self.committed_step = info["committed_step"]
+        self.guard.mark_handled(info["handled_ids"])
+        self.sampler = ElasticSampler(len(self.dataset), self.seed)
+        if self.ctx.is_local_leader:
+            log.warning("took the state of step %d from rank 0 (%d bytes)", self.state.step, len(data))
 
     def close(self) -> None:
         self.steplog.close()
@@ -291,9 +428,12 @@ def run_job(
     rank, _, world = env_world()
     configure_logging(rank)
     configure_threads()
+    join = joining()
     try:
-        # Refuse before joining the group: every rank sees the same WORLD_SIZE.
-        plan = ElasticBatch(args.global_batch_size, args.micro_batch_size).plan(world)
+        # Refuse before joining the group: every rank sees the same WORLD_SIZE (a joiner's
+        # is its own node's until it is admitted: the batch is planned again then)
+        batch = ElasticBatch(args.global_batch_size, args.micro_batch_size)
+        plan = batch.plan(batch.valid_world_sizes()[0] if join else world)
         tokens = encode(load_corpus(args.data))
         if tokens.numel() < args.seq_len + 1:
             raise DataError(f"corpus has {tokens.numel()} tokens, fewer than seq_len + 1 = {args.seq_len + 1}")
@@ -302,11 +442,16 @@ def run_job(
         return 2
     if prepare is not None:
         prepare()
-    ctx = setup_distributed(args.pg_timeout_s)
+    ctx = joiner_context() if join else setup_distributed(args.pg_timeout_s)
     job = None
     try:
         job = job_cls(args, ctx, plan, tokens)
-        if job.wrap_before_resume:
+        if join:
+            if not (job.in_process_resize and getattr(args, "resize", "restart") == "in-process"):
+                raise ConfigError(f"{job_cls.__name__} cannot join a running group in-process "
+                                  "(SPOTVISOR_JOIN=1): set job.grow: restart in the daemon's config")
+            job.join_running()  # wraps the model, as every resize does
+        elif job.wrap_before_resume:
             job.wrap()
             job.resume()
         else:
@@ -319,6 +464,7 @@ def run_job(
     finally:
         if job is not None:
             job.close()
+    ctx = job.ctx  # after an in-process resize, not the group this process started in
     barrier(ctx)
     teardown_distributed(ctx)
     return 0

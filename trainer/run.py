@@ -243,6 +243,12 @@ class ReferenceJob(ElasticJob):
     def wrap(self) -> None:
         self.ddp = wrap_ddp(self.ctx, self.state.model)
 
+    def state_bytes(self) -> bytes:
+        return state_to_bytes(self.state)
+
+    def load_state_bytes(self, data: bytes) -> None:
+        load_state(self.state, data, self.ctx.device)
+
     def train_step(self) -> tuple[float, float, list[int]]:
         return causal_lm_step(self)
 

@@ -38,9 +38,12 @@ __all__ = [
     "DistContext",
     "env_world",
     "setup_distributed",
+    "joiner_context",
     "teardown_distributed",
     "rendezvous_endpoint",
     "shrink_process_group",
+    "regroup",
+    "broadcast_bytes",
     "new_attempt_id",
     "barrier",
     "mean_loss",
@@ -100,6 +103,8 @@ def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32
                    help="how long to hold after a notice commit before training on (seconds)")
     p.add_argument("--pg-timeout-s", type=float, default=120.0,
                    help="process-group set-up and collective timeout (seconds)")
+    p.add_argument("--join-timeout-s", type=float, default=300.0,
+                   help="how long a node started to join the running group waits to be admitted (seconds)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=keep_checkpoints,
                    help="committed checkpoints kept by gc")
     return p
@@ -157,6 +162,18 @@ def setup_distributed(timeout_s: float = 120.0) -> DistContext:
     return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True)
 
 
+def joiner_context() -> DistContext:
+    """This process before it joins a running group (``SPOTVISOR_JOIN=1``): its local rank
+    and device, no group yet (:mod:`trainer.membership`). Its launcher's ``RANK`` and
+    ``WORLD_SIZE`` are its own node's and are not used."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return DistContext(0, local_rank, 1, "nccl" if cuda else "gloo", device, False)
+
+
 def teardown_distributed(ctx: DistContext) -> None:
     if ctx.initialized and dist.is_initialized():
         dist.destroy_process_group()
@@ -199,33 +216,65 @@ def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpo
     """
     if not ctx.initialized or ctx.rank not in survivors:
         raise ValueError(f"rank {ctx.rank} cannot shrink into {survivors}")
-    new_rank = survivors.index(ctx.rank)
-    dist.destroy_process_group()
+    return regroup(ctx, survivors.index(ctx.rank), len(survivors), key, endpoint, timeout_s)
+
+
+def regroup(ctx: DistContext, rank: int, world_size: int, key: str, endpoint: tuple[str, int],
+            timeout_s: float, *, node_key: str | None = None) -> DistContext:
+    """Destroy this process's default group (if any) and join a new one of ``world_size``
+    ranks as ``rank``, through ``PrefixStore(key, TCPStore client of endpoint)``: the
+    shrink's survivors, and an in-process grow's survivors and joiners
+    (:mod:`trainer.membership`). Rewrites torchrun's variables (:func:`publish_world_env`;
+    ``node_key`` names this process's node there, default its ``GROUP_RANK``).
+
+    Raises:
+        RuntimeError / DistStoreError: (torch) a member did not join within ``timeout_s``.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    backend = ctx.backend or ("nccl" if ctx.device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
     client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
-    dist.init_process_group(backend=ctx.backend, store=dist.PrefixStore(key, client), rank=new_rank,
-                            world_size=len(survivors), timeout=timeout,
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(key, client), rank=rank,
+                            world_size=world_size, timeout=timeout,
                             **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
-    new = DistContext(new_rank, ctx.local_rank, len(survivors), ctx.backend, ctx.device, True)
-    publish_world_env(new)
+    new = DistContext(rank, ctx.local_rank, world_size, backend, ctx.device, True)
+    publish_world_env(new, node_key=node_key)
     return new
 
 
-def publish_world_env(ctx: DistContext) -> None:
+def broadcast_bytes(data: bytes | None, *, src: int, device: torch.device, group: Any = None) -> bytes:
+    """``data`` of rank ``src`` on every rank of ``group`` (default: the default group):
+    its length with ``broadcast_object_list``, then the bytes as one uint8 tensor on
+    ``device`` (NCCL needs the GPU). Collective. Returns the bytes (``data`` on ``src``)."""
+    box = [len(data) if data is not None else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    n = int(box[0])
+    if data is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return data if data is not None else buf.cpu().numpy().tobytes()
+
+
+def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
     """Rewrite torchrun's worker variables in this process for the group ``ctx`` after an
     in-process resize, so that code reading them (a user's script, a library) sees the new
     world: ``RANK`` and ``ROLE_RANK``, ``WORLD_SIZE`` and ``ROLE_WORLD_SIZE``, and
     ``GROUP_RANK`` / ``GROUP_WORLD_SIZE``, the remaining nodes numbered in their old order
-    (one ``all_gather_object`` of the old ``GROUP_RANK``). ``LOCAL_RANK`` and
+    (one ``all_gather_object`` of the old ``GROUP_RANK``, or of ``node_key``: a joiner's
+    node, numbered after the survivors' as its ranks are). ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` do not change; ``MASTER_ADDR`` / ``MASTER_PORT`` still name the
     old group's store, which may be gone. Called on every rank of ``ctx``'s group.
 
     The variables: https://docs.pytorch.org/docs/stable/elastic/run.html#environment-variables
     """
-    old_node = os.environ.get("GROUP_RANK", str(ctx.rank))
+    old_node = node_key if node_key is not None else os.environ.get("GROUP_RANK", str(ctx.rank))
     nodes: list[str | None] = [None] * ctx.world_size
     dist.all_gather_object(nodes, old_node)
-    order = sorted({n for n in nodes if n is not None}, key=lambda n: (len(n), n))  # "10" after "9"
+    # a node's ranks are contiguous and in node order (torchrun's numbering, kept by every resize)
+    order = list(dict.fromkeys(n for n in nodes if n is not None))
     os.environ.update({
         "RANK": str(ctx.rank), "ROLE_RANK": str(ctx.rank),
         "WORLD_SIZE": str(ctx.world_size), "ROLE_WORLD_SIZE": str(ctx.world_size),

@@ -1,0 +1,180 @@
+"""In-process grow: a new node's workers join the running group at a step boundary and
+take the state from rank 0; nobody restarts (``trainer.membership``,
+``trainer.loop.ElasticJob.grow`` / ``join_running``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from trainer.contract import JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
+from trainer.membership import EXPIRY_MARGIN_S, JoinQueue, JoinTimeout
+
+
+@pytest.fixture
+def rdzv():
+    """The job's rendezvous store, as the control node runs it (on 127.0.0.1)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield store
+
+
+def _queue(rdzv: TCPStore, run: str = "r") -> JoinQueue:
+    return JoinQueue(("127.0.0.1", rdzv.port), run, timeout_s=10)
+
+
+def _even(world: int) -> bool:
+    return world % 2 == 0
+
+
+# -- the queue, against a real TCPStore ------------------------------------------------------
+
+
+def test_nobody_waiting_is_nothing_to_admit(rdzv) -> None:
+    assert _queue(rdzv).ready(2, lambda w: True) == []
+
+
+def test_a_node_is_admitted_only_with_all_its_workers(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    a0 = joiner.register("n3", 0, 2, wait_s=300)
+    assert leader.ready(2, lambda w: True) == []  # its second worker has not queued yet
+    a1 = joiner.register("n3", 1, 2, wait_s=300)
+    assert [t.number for t in leader.ready(2, lambda w: True)] == [a0.number, a1.number]
+
+
+def test_only_a_world_size_the_batch_splits_over(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    joiner.register("n3", 0, 1, wait_s=300)
+    assert leader.ready(2, _even) == []  # 3 ranks: the global batch does not split
+    joiner.register("n4", 0, 1, wait_s=300)
+    assert [t.node for t in leader.ready(2, _even)] == ["n3", "n4"]  # 4 does
+
+
+def test_admission_reaches_the_joiner_and_the_queue_moves_on(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    t = joiner.register("n3", 0, 1, wait_s=300)
+    pick = leader.ready(2, lambda w: True)
+    leader.admit(pick, prefix="p/grow/1", first_rank=2, world_size=3)
+    a = joiner.wait(t)
+    assert (a.prefix, a.rank, a.world_size, a.first_rank) == ("p/grow/1", 2, 3, 2)
+    assert leader.ready(3, lambda w: True) == []  # admitted once
+    assert _queue(rdzv).ready(3, lambda w: True) == []  # also for a new rank 0 (after a shrink)
+
+
+def test_a_ticket_near_its_expiry_is_left_and_its_joiner_withdraws(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    t = joiner.register("n3", 0, 1, wait_s=EXPIRY_MARGIN_S - 29.9)
+    assert leader.ready(2, lambda w: True) == []
+    with pytest.raises(JoinTimeout, match="n3"):
+        joiner.wait(t)
+    assert leader.ready(2, lambda w: True) == []  # withdrawn: never admitted later
+
+
+def test_queues_of_two_runs_are_apart(rdzv) -> None:
+    _queue(rdzv, "other").register("n9", 0, 1, wait_s=300)
+    assert _queue(rdzv, "r").ready(1, lambda w: True) == []
+
+
+# -- the whole grow, in real worker processes --------------------------------------------------
+
+_JOB = """
+import os, sys, time, torch
+from trainer.membership import JoinQueue, run_id
+from trainer.run import ReferenceJob, main
+from trainer.runtime import rendezvous_endpoint
+
+class GrowAtFive(ReferenceJob):
+    # rank 0 waits after step 5 until the joiner has queued, so the grow lands at step 5
+    def train_step(self):
+        out = super().train_step()
+        if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process:
+            q = JoinQueue(rendezvous_endpoint(), run_id())
+            while int(q.store.add("tickets", 0)) < int(os.environ["EXPECT_JOINERS"]):
+                time.sleep(0.05)
+        return out
+
+    def close(self):
+        super().close()
+        opt = self.state.optimizer
+        digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
+                  float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
+        with open(os.path.join(os.environ["OUT"], "final-%s.json" % os.getpid()), "w") as f:
+            f.write(repr(digest))
+
+sys.exit(main(sys.argv[1:], job_cls=GrowAtFive))
+"""
+
+G = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str) -> subprocess.Popen:
+    node = tmp_path / name
+    node.mkdir()
+    full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: "grow",
+            NODE_ID_ENV: name, "EXPECT_JOINERS": "1",
+            "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
+            "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
+    argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+            "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", str(G),
+            "--micro-batch-size", "2", "--pg-timeout-s", "60", "--join-timeout-s", "120"]
+    return subprocess.Popen([sys.executable, "-c", _JOB, *argv], env=full, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _lines(tmp_path: Path, node: str) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / node / "status.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rdzv) -> None:
+    """Two workers train (world 2); a third, started with SPOTVISOR_JOIN=1 as a new node's
+    launcher starts it, joins at step 5. Nobody restarts: the two original processes run
+    from step 0 to the end. Every step's global batch is trained exactly once, and all
+    three end with the same model and the same optimizer state: the joiner got rank 0's."""
+    master, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
+                                            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                            "MASTER_PORT": str(master)}, rdzv.port, ckpt) for r in range(2)]
+    # the new node boots while the job trains (its first steps are in the status file); its
+    # launcher is its own (torchrun --standalone): RANK 0 of a world of 1
+    status = tmp_path / "node0" / "status.jsonl"
+    while not (status.exists() and '"event":"step"' in status.read_text()):
+        assert procs[0].poll() is None, procs[0].communicate()[0]
+        time.sleep(0.05)
+    procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0", "LOCAL_RANK": "0",
+                                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                            "MASTER_PORT": str(_free_port()), JOIN_ENV: "1"}, rdzv.port, ckpt))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)
+
+    for node in ("node0", "node1"):
+        started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, node)
+                   if x["event"] == "started"]
+        assert started == [(0, None, 2), (5, "in_process", 3)]  # the same process, no restart
+    (joined,) = [x for x in _lines(tmp_path, "node2") if x["event"] == "started"]
+    assert (joined["step"], joined["resized"], joined["joined"], joined["rank"]) == (5, "in_process", 1, 2)
+    assert [x["step"] for x in _lines(tmp_path, "node2") if x["event"] == "completed"] == [12]
+
+    trained: dict[int, list[int]] = {}
+    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
+        for rec in map(json.loads, log.read_text().splitlines()):
+            trained.setdefault(rec["step"], []).extend(rec["positions"])
+    # the step log names the step completed: step s trained positions (s-1)*G .. s*G-1
+    assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+
+    digests = {f.read_text() for f in tmp_path.glob("final-*.json")}
+    assert len(list(tmp_path.glob("final-*.json"))) == 3 and len(digests) == 1, digests
