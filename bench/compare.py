@@ -210,10 +210,13 @@ async def _take_later(provider: Any, instance_id: str, lead_s: float) -> None:
 
 
 def system_config(base: dict[str, Any], *, state_dir: Path, k: int, launch_delay_s: float,
-                  target_steps: int) -> Config:
-    """``base`` (a parsed config) with the bench's parameters, its own state and ports, no chaos, no feed."""
+                  target_steps: int, grow: str | None = None) -> Config:
+    """``base`` (a parsed config) with the bench's parameters, its own state and ports, no chaos, no feed;
+    ``grow``: ``job.grow`` (None: the base's)."""
     raw = json.loads(json.dumps(base))  # a deep copy
     raw.setdefault("job", {}).update(target_steps=target_steps, checkpoint_interval_steps=k)
+    if grow is not None:
+        raw["job"]["grow"] = grow
     raw.setdefault("providers", {}).setdefault("local", {})["launch_delay_s"] = launch_delay_s
     raw.setdefault("rendezvous", {})["port"] = free_port()
     raw.setdefault("daemon", {}).update(state_dir=str(state_dir), socket=str(state_dir.with_suffix(".sock")))
@@ -320,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(systems, 1):
+        # the baselines grow as torchrun does, by restarting every worker; spotvisor as configured
         config = system_config(base, state_dir=workdir / name, k=args.k, launch_delay_s=args.launch_delay_s,
-                               target_steps=args.target_steps)
+                               target_steps=args.target_steps,
+                               grow=None if name in (DEFAULT_POLICY, NO_PREEMPTION) else "restart")
         if args.analyze is not None:
             results[name] = analyze(name, config)
             continue

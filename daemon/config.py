@@ -215,6 +215,12 @@ class JobSpec(_Spec):
     s3_endpoint_url: str | None = None
     oss_endpoint: str | None = None  # e.g. https://oss-cn-hangzhou.aliyuncs.com; needed for oss://
     hold_timeout_s: PositiveS = 90.0
+    # how a new node enters the running job: "restart" (the survivors commit, hold, and
+    # torchrun restarts every worker with it) or "in_process" (its workers join the running
+    # group at a step boundary and take the state from a peer; no worker restarts:
+    # trainer/membership.py; needs a trainer built on trainer.loop.ElasticJob that can
+    # resize in-process, like trainer.run)
+    grow: Literal["restart", "in_process"] = "restart"
     # pre-flight (daemon/controlnode/preflight.py): absent model → memory and flush checks skipped
     model: ModelSpec | None = None
     flush_safety_factor: float = Field(2.0, ge=1)  # notice window / flush time below this = at risk

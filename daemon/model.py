@@ -122,6 +122,7 @@ class Node:
     detail: str = ""
     ended_at: float | None = None  # when it reached a terminal state (terminated / lost / failed)
     market: str = "spot"  # the offer's market: spot or on_demand
+    joins_running: bool = False  # admitted into a running job in-process (job.grow: in_process)
 
     @property
     def offer_key(self) -> str:

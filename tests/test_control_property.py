@@ -67,7 +67,8 @@ class Model:
     """The pool as the supervisor keeps it, with its actions applied the way the
     supervisor's actuators apply them (daemon/controlnode/actuator.py, fleet.py)."""
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, target: int, rules: Rules = RULES) -> None:
+        self.rules = rules
         self.now = 1_000.0
         self.nodes: dict[str, N] = {}
         self.job = JobView()
@@ -161,7 +162,7 @@ class Model:
         self.apply(plan(Desired(self.desired, VALID), self.state().nodes, OFFERS, History(), now=self.now,
                         timeouts=TIMEOUTS))
         self._after_loss(members)
-        admits = self.policy.admit(self.state(), RULES, now=self.now)
+        admits = self.policy.admit(self.state(), self.rules, now=self.now)
         self.apply(admits)
         if any(isinstance(x, a.Admit) for x in admits):
             world = sum(n.gpus for n in self.nodes.values() if n.state in ADMITTED)
@@ -314,6 +315,35 @@ def test_random_reports_observations_and_commands_keep_every_invariant(target: i
     for ev in events:
         m.step(ev)
     m.settle()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(target=st.sampled_from(COUNTS), events=st.lists(EVENTS, max_size=80))
+def test_the_invariants_hold_when_new_nodes_join_in_process(target: int, events: list[tuple]) -> None:
+    m = Model(target, dataclasses.replace(RULES, grow_in_process=True))
+    m.reconcile()
+    for ev in events:
+        m.step(ev)
+    m.settle()
+
+
+def test_an_in_process_grow_admits_at_once_with_no_rejoin_commit() -> None:
+    """job.grow: in_process. Two nodes run; two register, one still importing: both are
+    admitted at once (their workers queue; the running group takes them in at a step
+    boundary), no rejoin commit is asked for, and only a world the batch splits over."""
+    rules = dataclasses.replace(RULES, grow_in_process=True)
+    m = Model(4, rules)
+    states = [NodeState.RUNNING, NodeState.RUNNING, NodeState.READY, NodeState.READY, NodeState.READY]
+    for i, state in enumerate(states, 1):
+        m.nodes[f"n{i}"] = N(f"n{i}", i, m.now, state=state,
+                             trainer=TrainerState.WARMING if i == 4 else TrainerState.RUNNING
+                             if state is NodeState.RUNNING else TrainerState.NOT_STARTED,
+                             last_heartbeat=m.now, ready_at=m.now)
+    m.job.to(JobState.RUNNING)
+    acts = Spotvisor().admit(m.state(), rules, now=m.now)
+    assert acts == [a.Admit("n3", "join_running"), a.Admit("n4", "join_running")]  # 2 + 2 = 4; 5 is not valid
+    # the restart grow: a rejoin commit first, and the importing node waits for its turn
+    assert Spotvisor().admit(m.state(), RULES, now=m.now) == [a.RequestRejoin(("n3", "n5"), ("n1", "n2"), "grow")]
 
 
 def test_a_grow_whose_world_changed_admits_only_a_valid_prefix() -> None:

@@ -92,17 +92,25 @@ from trainer.run import ReferenceJob, main
 from trainer.runtime import rendezvous_endpoint
 
 class GrowAtFive(ReferenceJob):
-    # rank 0 waits after step 5 until the joiner has queued, so the grow lands at step 5
+    # rank 0 waits after step 5 until the joiner has queued, so the grow lands at step 5;
+    # node0 (rank 0, the committer) gets an interruption notice at step 8
     def train_step(self):
         out = super().train_step()
         if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process:
             q = JoinQueue(rendezvous_endpoint(), run_id())
             while int(q.store.add("tickets", 0)) < int(os.environ["EXPECT_JOINERS"]):
                 time.sleep(0.05)
+        if self.state.step == 8 and os.environ["SPOTVISOR_NODE_ID"] == "node0":
+            path = os.environ["SPOTVISOR_NOTICE_FILE"]
+            with open(path + ".tmp", "w") as f:
+                f.write('[{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": null}]')
+            os.replace(path + ".tmp", path)
         return out
 
     def close(self):
         super().close()
+        if self.state.step < self.args.target_steps:
+            return  # node0, which left
         opt = self.state.optimizer
         digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
                   float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
@@ -130,7 +138,7 @@ def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt:
             "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
     argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", str(G),
-            "--micro-batch-size", "2", "--pg-timeout-s", "60", "--join-timeout-s", "120"]
+            "--micro-batch-size", "2", "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3"]
     return subprocess.Popen([sys.executable, "-c", _JOB, *argv], env=full, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -142,13 +150,16 @@ def _lines(tmp_path: Path, node: str) -> list[dict]:
 @pytest.mark.slow
 def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rdzv) -> None:
     """Two workers train (world 2); a third, started with SPOTVISOR_JOIN=1 as a new node's
-    launcher starts it, joins at step 5. Nobody restarts: the two original processes run
-    from step 0 to the end. Every step's global batch is trained exactly once, and all
-    three end with the same model and the same optimizer state: the joiner got rank 0's."""
+    launcher starts it, joins at step 5. Then node0, rank 0 and the committer, gets a
+    notice at step 8: the other two, one of them the joiner (whose own launcher has another
+    torchrun run id), shrink in-process and finish. Nobody restarts. Every step's global
+    batch is trained exactly once, and the two that finish end with the same model and
+    optimizer state: the joiner got rank 0's."""
     master, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
     procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
                                             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                            "MASTER_PORT": str(master)}, rdzv.port, ckpt) for r in range(2)]
+                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "grow"},
+                    rdzv.port, ckpt) for r in range(2)]
     # the new node boots while the job trains (its first steps are in the status file); its
     # launcher is its own (torchrun --standalone): RANK 0 of a world of 1
     status = tmp_path / "node0" / "status.jsonl"
@@ -157,16 +168,18 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
         time.sleep(0.05)
     procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0", "LOCAL_RANK": "0",
                                             "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                            "MASTER_PORT": str(_free_port()), JOIN_ENV: "1"}, rdzv.port, ckpt))
+                                            "MASTER_PORT": str(_free_port()), JOIN_ENV: "1",
+                                            "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt))
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)
+    # node0 left after its notice commit (no agent stops it here: it exits after its hold)
+    assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)
 
-    for node in ("node0", "node1"):
-        started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, node)
-                   if x["event"] == "started"]
-        assert started == [(0, None, 2), (5, "in_process", 3)]  # the same process, no restart
-    (joined,) = [x for x in _lines(tmp_path, "node2") if x["event"] == "started"]
-    assert (joined["step"], joined["resized"], joined["joined"], joined["rank"]) == (5, "in_process", 1, 2)
+    started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, "node1")
+               if x["event"] == "started"]
+    assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)]  # one process throughout
+    started = [x for x in _lines(tmp_path, "node2") if x["event"] == "started"]
+    assert [(x["step"], x["resized"], x.get("joined"), x["rank"]) for x in started] == [
+        (5, "in_process", 1, 2), (8, "in_process", None, 1)]
     assert [x["step"] for x in _lines(tmp_path, "node2") if x["event"] == "completed"] == [12]
 
     trained: dict[int, list[int]] = {}
@@ -177,4 +190,39 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
 
     digests = {f.read_text() for f in tmp_path.glob("final-*.json")}
-    assert len(list(tmp_path.glob("final-*.json"))) == 3 and len(digests) == 1, digests
+    assert len(list(tmp_path.glob("final-*.json"))) == 2 and len(digests) == 1, digests
+
+
+# -- the daemon's side: the join launcher, admission, a failed joiner ---------------------------
+
+
+def test_the_job_spec_gives_a_join_launcher_only_for_in_process_grows() -> None:
+    from daemon.config import load_config
+    from daemon.controlnode.jobspec import job_spec
+    from daemon.model import Node
+
+    config = load_config("configs/local.yaml")
+    node = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=2,
+                price_usd_h=0.0, token="x")
+    spec = job_spec(config, node, "abc")
+    join = spec["join"]
+    # the node's own launcher: not in torchrun's rendezvous (the survivors' agents never see it)
+    assert "--standalone" in join["argv"] and not any(a.startswith("--rdzv") for a in join["argv"])
+    assert "--nproc-per-node=2" in join["argv"]
+    assert join["argv"][join["argv"].index("-m", 2):] == spec["argv"][spec["argv"].index("-m", 2):]  # same trainer
+    assert join["env"][JOIN_ENV] == "1" and JOIN_ENV not in spec["env"]
+    assert join["env"][RUN_ID_ENV] == spec["env"][RUN_ID_ENV] == f"{config.job.id}-abc"  # one queue for both
+    restart = config.model_copy(update={"job": config.job.model_copy(update={"grow": "restart"})})
+    assert "join" not in job_spec(restart, node, "abc")
+
+
+def test_a_joined_node_whose_trainer_fails_leaves_and_is_replaced() -> None:
+    from daemon.control import actions as a
+    from daemon.control.lifecycle import NodeState, TrainerState
+    from daemon.control.reactions import on_trainer_exit
+
+    view = a.NodeView(id="n3", state=NodeState.RUNNING, gpus=1, created_at=0.0, trainer=TrainerState.EXITED)
+    assert on_trainer_exit(view, exit_code=1, joined_in_process=True) == [a.Leave("n3", "joined in-process, "
+                                                                                 "trainer exited 1")]
+    assert on_trainer_exit(view, exit_code=0, joined_in_process=True) == []  # the job's end
+    assert on_trainer_exit(view, exit_code=1, joined_in_process=False) == []  # torchrun's restarts are torchrun's

@@ -264,16 +264,20 @@ class ElasticJob:
         old_world, t0 = self.ctx.world_size, time.perf_counter()
         endpoint = rendezvous_endpoint()
         assert endpoint is not None  # _can_shrink
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "job")
         self.ddp = self.state.model  # drop DDP's hooks on the old group before it goes
-        self.ctx = shrink_process_group(self.ctx, survivors, f"spotvisor/{run_id}/shrink/{self.attempt}/{step}",
+        # run_id(): the same on a node that joined in-process (its launcher's own torchrun
+        # has another TORCHELASTIC_RUN_ID; the first bench run hung here for the pg timeout)
+        self.ctx = shrink_process_group(self.ctx, survivors, f"spotvisor/{run_id()}/shrink/{self.attempt}/{step}",
                                         endpoint, self.args.pg_timeout_s)
-        self._after_resize(old_world, t0, "shrunk")
+        self._after_resize(old_world, t0, "shrunk", resumed_from=step)
 
-    def _after_resize(self, old_world: int, t0: float, verb: str, **fields: Any) -> None:
+    def _after_resize(self, old_world: int, t0: float, verb: str, *, resumed_from: int | None,
+                      **fields: Any) -> None:
         """A new attempt in these processes at the same step, after the group changed:
         the batch re-planned, new status and step logs, the model re-wrapped, and its
-        ``started`` line (``resized: "in_process"``)."""
+        ``started`` line (``resized: "in_process"``). ``resumed_from``: the commit it goes
+        on from (a shrink: the notice's), None for a grow (the state came from a peer,
+        not from a commit)."""
         step = self.state.step
         self.plan = ElasticBatch(self.G, self.plan.micro_batch_size).plan(self.ctx.world_size)
         self.attempt = new_attempt_id(self.ctx)
@@ -285,7 +289,7 @@ class ElasticJob:
         if self.ctx.is_leader:
             log.info("%s in-process from world %d to %d at step %d in %.3f s (attempt %s)",
                      verb, old_world, self.ctx.world_size, step, seconds, self.attempt)
-        self.status.emit("started", step, resumed_from=step, resized="in_process", old_world_size=old_world,
+        self.status.emit("started", step, resumed_from=resumed_from, resized="in_process", old_world_size=old_world,
                          resize_s=round(seconds, 4), global_batch_size=self.G,
                          micro_batch_size=self.plan.micro_batch_size, grad_accum_steps=self.plan.grad_accum_steps,
                          **fields)
@@ -342,7 +346,7 @@ class ElasticJob:
         self.ddp = self.state.model  # drop DDP's hooks on the old group before it goes
         self.ctx = regroup(self.ctx, self.ctx.rank, world, prefix, endpoint, self.args.pg_timeout_s)
         self._share_state(old_world)
-        self._after_resize(old_world, t0, "grew", joined=joiners)
+        self._after_resize(old_world, t0, "grew", resumed_from=None, joined=joiners)
 
     def join_running(self) -> None:
         """This worker joins the running group (``SPOTVISOR_JOIN=1``), instead of
@@ -373,7 +377,8 @@ class ElasticJob:
                            self.args.pg_timeout_s, node_key=f"joined:{node}")
         self._share_state(admission.first_rank)
         self.joined_in_process = True
-        self._after_resize(admission.first_rank, t0, "joined", joined=admission.world_size - admission.first_rank)
+        self._after_resize(admission.first_rank, t0, "joined", resumed_from=None,
+                           joined=admission.world_size - admission.first_rank)
 
     def _share_state(self, old_world: int) -> None:
         """Collective over the new group: rank 0 sends its state and progress to ranks

@@ -7,7 +7,9 @@ returns the actions that move nodes into the job. It is the default policy's
 1. **The job starts** (``pending``): once ``target_nodes`` nodes are ready (or
    ``min_nodes`` are and ``rejoin_timeout_s`` passed since the first was), the largest
    valid prefix of them, oldest first, is admitted together (``job_start``).
-2. **A grow** (the job runs): the new nodes must not cost the job a step. The nodes in
+2. **A grow** (the job runs): the new nodes must not cost the job a step. With
+   ``grow_in_process`` they are admitted at once (``join_running``): their workers join
+   the running group at a step boundary (:mod:`trainer.membership`). Otherwise the nodes in
    the job are asked for a **rejoin** commit (:class:`RequestRejoin`); the new nodes
    wait in ``admitting`` and are admitted once the commit is answered, or after
    ``rejoin_timeout_s``. Not while a noticed node is still in the job (its workers would
@@ -44,13 +46,16 @@ class Rules:
     ``valid_world_sizes``: world sizes the global batch splits over;
     ``rejoin_timeout_s``: how long a pending job waits for its target, and a grow for
     its rejoin commit; ``prewarm_wait_s``: how long a grow waits for a new node's
-    torchrun to finish importing before it asks for the rejoin commit anyway.
+    torchrun to finish importing before it asks for the rejoin commit anyway;
+    ``grow_in_process``: a new node joins the running group in-process
+    (``job.grow: in_process``): admitted at once, no rejoin commit, nobody holds.
     """
 
     min_nodes: int
     valid_world_sizes: frozenset[int]
     rejoin_timeout_s: float
     prewarm_wait_s: float = 60.0
+    grow_in_process: bool = False
 
 
 def largest_valid(candidates: Sequence[NodeView], world: int, valid: frozenset[int]) -> list[NodeView]:
@@ -114,6 +119,11 @@ def admit(s: PoolState, rules: Rules, *, now: float) -> list[Action]:
 
     if not ready or going:
         return []
+    if rules.grow_in_process and running:
+        # its workers queue and the running group takes them in at a step boundary, with
+        # the state from a peer: nobody holds, so nothing waits for its import either
+        chosen = largest_valid(ready, sum(n.gpus for n in running), rules.valid_world_sizes)
+        return [Admit(n.id, "join_running") for n in chosen]
     # a node whose torchrun is still importing would make the survivors hold, idle,
     # through that import: they train on until it is warm, or prewarm_wait_s after it registered
     ready = [n for n in ready

@@ -18,7 +18,7 @@ from __future__ import annotations
 from daemon.control.actions import Action, AvoidZone, Leave, MarkReplacing, NodeView, RequestCheckpoint, WatchFlush
 from daemon.control.lifecycle import NodeState, training
 
-__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance"]
+__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance", "on_trainer_exit"]
 
 # a commit reported just before a notice's deadline may still be on its way (the
 # agent's report retry backs off up to 5 s): wait this long past it before saying
@@ -39,6 +39,17 @@ def on_notice(node: NodeView, *, notice_id: str | None, deadline: float | None, 
     # the replacement prefers another zone (SkyPilot's EAGER_NEXT_REGION, first retry)
     out.append(AvoidZone(node.id, "interruption notice"))
     return out
+
+
+def on_trainer_exit(node: NodeView, *, exit_code: int, joined_in_process: bool) -> list[Action]:
+    """``node``'s trainer exited with ``exit_code``. A node that joined the running group
+    in-process (``job.grow: in_process``) and failed (its group failed, or nobody admitted
+    it) was never in torchrun's rendezvous, so no torchrun restart will take it back: it
+    leaves, is released, and the planner replaces it. Every other exit: nothing here (a
+    torchrun node's restarts are torchrun's; exit 0 is the job's end)."""
+    if joined_in_process and exit_code != 0 and node.state is NodeState.RUNNING:
+        return [Leave(node.id, f"joined in-process, trainer exited {exit_code}")]
+    return []
 
 
 def on_rebalance(node: NodeView, *, policy: str, notice_id: str | None) -> list[Action]:

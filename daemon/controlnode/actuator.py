@@ -37,7 +37,9 @@ class Actuator:
         """Carry out one decision that needs no provider call. Raises TypeError: not such an action."""
         sup = self.core
         if isinstance(action, a.Admit):
-            sup.set_state(sup.nodes[action.node_id], NodeState.RUNNING)
+            node = sup.nodes[action.node_id]
+            node.joins_running = action.reason == "join_running"  # its agent starts the join spec
+            sup.set_state(node, NodeState.RUNNING)
             sup.record(EventKind.NODE_ADMITTED, action.node_id, reason=action.reason)
         elif isinstance(action, a.StartJob):
             sup.job.to(JobState.RUNNING)

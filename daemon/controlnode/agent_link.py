@@ -167,7 +167,10 @@ class AgentLink:
     def reply(self, node: Node) -> dict[str, Any]:
         """Take ``node``'s queued commands and its start/stop decision into a reply."""
         start = self._told_start[node.id] = self.should_run(node)
-        return {"commands": self._commands.pop(node.id, []), "start_trainer": start}
+        reply: dict[str, Any] = {"commands": self._commands.pop(node.id, []), "start_trainer": start}
+        if start and node.joins_running:
+            reply["join"] = True  # start the job spec's "join" launcher: into the running group
+        return reply
 
     def rescale_heartbeat(self) -> None:
         """The pool's heartbeat interval for its live nodes now (:func:`daemon.control.pool.heartbeat_interval_s`)."""

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import structlog
 
-from daemon.control.reactions import on_notice, on_rebalance
+from daemon.control.reactions import on_notice, on_rebalance, on_trainer_exit
 from daemon.control.reports import MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report
 from daemon.controlnode.core import Core
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
@@ -68,6 +68,9 @@ class Intake:
                 node.trainer = TrainerState.EXITED
                 core.store.put_node(node)
                 core.record(EventKind.TRAINER_EXITED, node.id, exit_code=msg.exit_code)
+                for action in on_trainer_exit(core.view(node), exit_code=msg.exit_code,
+                                              joined_in_process=node.joins_running):
+                    core.act(action)
                 core.wake()
 
     def _notice(self, node: Node, n: NoticeReport) -> None:

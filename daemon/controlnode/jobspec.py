@@ -11,14 +11,18 @@ from typing import Any
 
 from daemon.config import Config
 from daemon.model import Node
-from trainer.contract import OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, S3_ENDPOINT_ENV
+from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["job_spec"]
 
 
 def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None) -> dict[str, Any]:
     """The torchrun command line (after ``python``) and environment for ``node``: ``{"argv",
-    "env"}``. ``run_nonce`` makes the rendezvous id of this pool's run (kept in the store).
+    "env"}``, and with ``job.grow: in_process`` a ``"join"`` spec of the same shape: the
+    node's own ``torchrun --standalone`` whose workers join the running group in-process
+    (``SPOTVISOR_JOIN=1``, :mod:`trainer.membership`), started instead when the daemon
+    admits the node into a running job. ``run_nonce`` makes the rendezvous id of this pool's
+    run (kept in the store).
     ``domain``: the node's placement domain (None: the first); its rendezvous endpoint and
     checkpoint store are the ones the node uses, each on that domain's private network."""
     c, job = config, config.job
@@ -33,8 +37,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
             f"join_timeout={rdzv.join_timeout_s:g}",
         ]
     )
-    argv = [
-        "-m", "torch.distributed.run",
+    launcher = [
         f"--nnodes={c.pool.min_nodes}:{c.pool.max_nodes}",
         f"--nproc-per-node={node.gpus}",
         "--rdzv-backend=c10d",
@@ -42,7 +45,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         f"--rdzv-id={job.id}-{run_nonce}",
         f"--rdzv-conf={rdzv_conf}",
         f"--max-restarts={rdzv.max_restarts}",
-        "--monitor-interval=0.5",
+    ]
+    trainer = [
         "-m", job.module,
         "--target-steps", str(job.target_steps),
         "--global-batch-size", str(job.global_batch_size),
@@ -52,6 +56,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         "--hold-timeout-s", f"{job.hold_timeout_s:g}",
         *job.args,
     ]
+    argv = ["-m", "torch.distributed.run", *launcher, "--monitor-interval=0.5", *trainer]
     env = {
         # pytorch#135712: a node joining a surviving group otherwise deadlocks
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -59,9 +64,17 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         "PYTHONUNBUFFERED": "1",
         # the survivors of a notice re-form their group here, in-process (trainer.runtime.shrink_process_group)
         RDZV_ENDPOINT_ENV: f"{rdzv.host}:{rdzv.port}",
+        RUN_ID_ENV: f"{job.id}-{run_nonce}",
     }
     if d.s3_endpoint_url:
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
-    return {"argv": argv, "env": env}
+    spec: dict[str, Any] = {"argv": argv, "env": env}
+    if job.grow == "in_process":
+        # no --max-restarts: a worker that fails exits the node's torchrun, and the daemon
+        # takes the node out (its workers were never in torchrun's rendezvous to restart in)
+        spec["join"] = {"argv": ["-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                                 f"--nproc-per-node={node.gpus}", "--monitor-interval=0.5", *trainer],
+                        "env": {**env, JOIN_ENV: "1"}}
+    return spec

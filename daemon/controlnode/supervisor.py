@@ -318,7 +318,8 @@ class Supervisor:
 
     def _rules(self) -> Rules:
         return Rules(min_nodes=self.config.pool.min_nodes, valid_world_sizes=frozenset(self.config.valid_world_sizes()),
-                     rejoin_timeout_s=self.config.daemon.rejoin_timeout_s, prewarm_wait_s=PREWARM_WAIT_S)
+                     rejoin_timeout_s=self.config.daemon.rejoin_timeout_s, prewarm_wait_s=PREWARM_WAIT_S,
+                     grow_in_process=self.config.job.grow == "in_process")
 
     def limits(self) -> Limits:
         return Limits(max_step=self.config.job.target_steps, max_world_size=self.config.max_world_size())

@@ -437,7 +437,7 @@ class NodeAgent:
                 log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind.value)
         if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
                 and self._interruption is None):
-            await self.runner.start()
+            await self.runner.start(join=bool(reply.get("join")))
 
     async def _status_loop(self) -> None:
         tail = StatusTail(self.status_path)

@@ -153,10 +153,10 @@ class TrainerProcess:
         if self.state is TrainerState.WARMING:  # else: started meanwhile, its import went on in torchrun
             self._to(TrainerState.NOT_STARTED)
 
-    async def _go(self, warm: asyncio.subprocess.Process, env: dict[str, str]) -> bool:
+    async def _go(self, warm: asyncio.subprocess.Process, argv: list[str], env: dict[str, str]) -> bool:
         """Hand the job to the prewarmed launcher; False if it is gone."""
         assert warm.stdin is not None
-        line = json.dumps({"argv": self.job["argv"][len(TORCHRUN_ARGV):], "env": env, "cwd": self.job.get("cwd")})
+        line = json.dumps({"argv": argv[len(TORCHRUN_ARGV):], "env": env, "cwd": self.job.get("cwd")})
         try:
             warm.stdin.write(line.encode() + b"\n")
             await warm.stdin.drain()
@@ -166,19 +166,26 @@ class TrainerProcess:
             return False
         return True
 
-    async def start(self) -> None:
+    async def start(self, *, join: bool = False) -> None:
+        """Start the job: torchrun's command, or with ``join`` the job's ``"join"`` spec
+        (its workers join the running group in-process; the daemon says so when it admits
+        this node into a running job with ``job.grow: in_process``)."""
+        spec = self.job.get("join") if join and self.job.get("join") else self.job
         env = self.job_env()
+        env.update(spec.get("env", {}))
+        argv = list(spec["argv"])
         importing = self.state is TrainerState.WARMING
         warm, self.warm = self.warm, None
-        if warm is not None and warm.returncode is None and await self._go(warm, env):
+        if warm is not None and warm.returncode is None and tuple(argv[:2]) == TORCHRUN_ARGV \
+                and await self._go(warm, argv, env):
             self.proc = warm
         else:
-            self.proc = await self._spawn(self.job["argv"], env, asyncio.subprocess.DEVNULL)
+            self.proc = await self._spawn(argv, env, asyncio.subprocess.DEVNULL)
         self._to(TrainerState.RUNNING)
         # prewarmed: torchrun's process was already started (imported: and done importing,
         # else it goes on from where its import is)
         log.info("trainer_started", node_id=self.node_id, pid=self.proc.pid, prewarmed=self.proc is warm,
-                 imported=self.proc is warm and not importing)
+                 imported=self.proc is warm and not importing, **({"join": True} if spec is not self.job else {}))
 
     async def stop_prewarmed(self) -> None:
         warm, self.warm = self.warm, None
