@@ -226,3 +226,65 @@ def test_a_joined_node_whose_trainer_fails_leaves_and_is_replaced() -> None:
                                                                                  "trainer exited 1")]
     assert on_trainer_exit(view, exit_code=0, joined_in_process=True) == []  # the job's end
     assert on_trainer_exit(view, exit_code=1, joined_in_process=False) == []  # torchrun's restarts are torchrun's
+
+
+# -- a peer lost without notice, in-process --------------------------------------------------
+
+_LOSS_JOB = """
+import os, signal, sys
+from trainer.run import ReferenceJob, main
+
+class KilledAtSix(ReferenceJob):
+    # node2's worker is killed (SIGKILL: no notice, no commit) as the others start step 7
+    def train_step(self):
+        if self.state.step == 6 and os.environ["SPOTVISOR_NODE_ID"] == "node2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().train_step()
+
+    def close(self):
+        super().close()
+        opt = self.state.optimizer
+        digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
+                  float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
+        with open(os.path.join(os.environ["OUT"], "final-%s.json" % os.getpid()), "w") as f:
+            f.write(repr(digest))
+
+sys.exit(main(sys.argv[1:], job_cls=KilledAtSix))
+"""
+
+
+@pytest.mark.slow
+def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Path, rdzv) -> None:
+    """Three workers; node2's is SIGKILLed at step 6, with periodic commits off. The two
+    survivors' collective fails, they re-form the group in their own processes and train
+    step 7 again at world 2: every step's global batch exactly once, no commit read back
+    (there is none), the same model and optimizer on both at the end."""
+    master, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
+    procs = []
+    for r in range(3):
+        node = tmp_path / f"node{r}"
+        node.mkdir()
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r), "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master),
+               "TORCHELASTIC_RUN_ID": "loss", "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), NODE_ID_ENV: f"node{r}",
+               "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
+               "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv.port}"}
+        argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+                "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", "12",
+                "--micro-batch-size", "2", "--pg-timeout-s", "60"]
+        procs.append(subprocess.Popen([sys.executable, "-c", _LOSS_JOB, *argv], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+
+    for node in ("node0", "node1"):
+        started = [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in _lines(tmp_path, node)
+                   if x["event"] == "started"]
+        assert started == [(0, None, 3, None), (6, "in_process", 2, 1)]  # the same processes throughout
+    trained: dict[int, list[int]] = {}
+    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
+        for rec in map(json.loads, log.read_text().splitlines()):
+            trained.setdefault(rec["step"], []).extend(rec["positions"])
+    assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * 12, s * 12)) for s in range(1, 13)}
+    digests = {f.read_text() for f in tmp_path.glob("final-*.json")}
+    assert len(list(tmp_path.glob("final-*.json"))) == 2 and len(digests) == 1, digests

@@ -7,6 +7,7 @@ One step boundary, on every rank alike::
     shrink if interruption (survivors)            # re-form the group in-process, go on
     hold if rejoin (or no in-process shrink)      # keep-alive until restarted
     grow if rank 0 found nodes waiting to join    # re-form the group with them, share the state
+    train one step; a peer lost without notice    # survivors re-form the group, redo the step
     train one step (grad accumulation)            # positions = step * G + ...
 
 :class:`ElasticJob` is that loop; a job (the reference trainer's GPT-2 in
@@ -43,7 +44,7 @@ from trainer.checkpoint import Manifest, open_store
 from trainer.contract import LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.data import DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
-from trainer.membership import JoinQueue, JoinTimeout, Ticket, joining, run_id
+from trainer.membership import JoinQueue, JoinTimeout, Ticket, joining, run_id, settle_survivors
 from trainer.sampler import ElasticSampler
 from trainer.runtime import (
     DistContext,
@@ -69,6 +70,11 @@ __all__ = ["ConfigError", "ElasticJob", "run_job"]
 log = logging.getLogger("trainer.run")
 
 PROGRESS_EVERY = 10
+
+
+#: gloo's messages when a peer's connection is gone (its errors are plain RuntimeErrors)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
+              "Timed out waiting", "Broken pipe", "Socket closed")
 
 
 class ConfigError(Exception):
@@ -173,7 +179,14 @@ class ElasticJob:
         t_window, n_window = time.perf_counter(), 0
         while True:
             step = self.state.step
-            decision = self.guard.check(self._joiners_waiting() if step < target else 0)
+            try:
+                decision = self.guard.check(self._joiners_waiting() if step < target else 0)
+            except RuntimeError as exc:
+                if not self._lost_a_peer(exc):
+                    raise
+                self.recover(exc)  # a peer lost without notice: the survivors go on without it
+                t_window, n_window = time.perf_counter(), 0
+                continue
             final = step >= target
             # not a step committed already (the survivors of an in-process shrink are
             # back at the notice's step: committing it again at their world size would
@@ -203,7 +216,14 @@ class ElasticJob:
                 self.grow(decision.joiners)
                 t_window, n_window = time.perf_counter(), 0
                 continue  # the same boundary again, with the joiners (their loop starts there)
-            loss, local_loss, positions = self.train_step()
+            try:
+                loss, local_loss, positions = self.train_step()
+            except RuntimeError as exc:
+                if not self._lost_a_peer(exc):
+                    raise
+                self.recover(exc)  # and the step again, at the smaller world (or the step done, healed)
+                t_window, n_window = time.perf_counter(), 0
+                continue
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.state.step}")
             self.steplog.write(self.state.step, positions, local_loss)
@@ -329,7 +349,7 @@ class ElasticJob:
         Called on every rank of the group; rank 0 found them (:meth:`_joiners_waiting`)
         and writes their admissions. Every rank joins the new group (old ranks keep
         their numbers, the joiners follow), rank 0 sends the whole state to the joiners
-        (:meth:`_share_state`: a broadcast over rank 0 and them only), and a new attempt
+        (:meth:`_send_state`: a broadcast over rank 0 and them only), and a new attempt
         starts at the same step. Nothing is committed or loaded. If anything fails here
         the worker exits non-zero and torchrun restarts the group from the last commit.
         """
@@ -345,7 +365,7 @@ class ElasticJob:
                      ",".join(dict.fromkeys(t.node for t in self._pick)), step)
         self.ddp = self.state.model  # drop DDP's hooks on the old group before it goes
         self.ctx = regroup(self.ctx, self.ctx.rank, world, prefix, endpoint, self.args.pg_timeout_s)
-        self._share_state(old_world)
+        self._send_state(0, list(range(old_world, world)))
         self._after_resize(old_world, t0, "grew", resumed_from=None, joined=joiners)
 
     def join_running(self) -> None:
@@ -375,37 +395,96 @@ class ElasticJob:
         t0 = time.perf_counter()
         self.ctx = regroup(self.ctx, admission.rank, admission.world_size, admission.prefix, endpoint,
                            self.args.pg_timeout_s, node_key=f"joined:{node}")
-        self._share_state(admission.first_rank)
+        self._send_state(0, list(range(admission.first_rank, admission.world_size)))
         self.joined_in_process = True
         self._after_resize(admission.first_rank, t0, "joined", resumed_from=None,
                            joined=admission.world_size - admission.first_rank)
 
-    def _share_state(self, old_world: int) -> None:
-        """Collective over the new group: rank 0 sends its state and progress to ranks
-        ``old_world ..`` (the joiners) over a group of just them; the other survivors only
-        take part in creating that group."""
-        joiners = list(range(old_world, self.ctx.world_size))
-        group = dist.new_group([0, *joiners])
-        if self.ctx.rank != 0 and self.ctx.rank not in joiners:
+    # -- a peer lost without notice, in-process
+
+    def _lost_a_peer(self, exc: RuntimeError) -> bool:
+        """Whether ``exc`` is a collective that failed because a peer is gone (and this
+        job can go on without it in these processes). torch's distributed errors
+        (``DistError``: NCCL's ``DistBackendError`` after an abort, a store's
+        ``DistNetworkError``) and gloo's transport errors, which are plain RuntimeErrors."""
+        if not self._can_grow():
+            return False
+        if isinstance(exc, dist.DistError):
+            return True
+        text = str(exc)
+        return any(marker in text for marker in _PEER_GONE)
+
+    def recover(self, exc: RuntimeError) -> None:
+        """The survivors of a peer lost without notice go on in these processes.
+
+        Called on every survivor whose collective failed (they all do: a rank whose peer
+        is gone errors, and so does every rank blocked on it once the first ones drop
+        the old group). Each drops the old group, agrees on the new membership with the
+        others through the rendezvous store (:func:`~trainer.membership.settle_survivors`:
+        a settle window of ``--loss-settle-s``), joins the new group, and the ranks a step
+        behind take the state from the most advanced survivor (a rank whose optimizer
+        step completed before its last collective failed). Then a new attempt at that
+        step: the step that failed is trained again at the smaller world, with the same
+        global batch. Replicated state only (DDP): a sharded job has lost shards.
+
+        Raises:
+            SystemExit(1): the survivors' world size cannot take the global batch, or this
+                rank arrived after the others re-formed (torchrun or the daemon takes over).
+        """
+        old_rank, old_world, step, t0 = self.ctx.rank, self.ctx.world_size, self.state.step, time.perf_counter()
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, first)
+        endpoint = rendezvous_endpoint()
+        assert endpoint is not None  # _lost_a_peer
+        self.ddp = self.state.model
+        if dist.is_initialized():
+            dist.destroy_process_group()  # its sockets close: peers still blocked on this rank fail now
+        try:
+            rank, world, prefix = settle_survivors(endpoint, run_id(), self.attempt, old_rank,
+                                                   settle_s=self.args.loss_settle_s, timeout_s=self.args.pg_timeout_s)
+        except JoinTimeout as exc2:
+            log.warning("%s; exiting", exc2)
+            raise SystemExit(1) from None
+        if not ElasticBatch(self.G, self.plan.micro_batch_size).is_valid(world):
+            log.warning("the global batch %d cannot be split over the %d surviving ranks; exiting for a restart",
+                        self.G, world)
+            raise SystemExit(1)
+        self.ctx = regroup(self.ctx, rank, world, prefix, endpoint, self.args.pg_timeout_s)
+        steps: list[int | None] = [None] * world
+        dist.all_gather_object(steps, self.state.step)
+        top = max(s for s in steps if s is not None)
+        behind = [r for r, s in enumerate(steps) if s != top]
+        if behind:
+            self._send_state(steps.index(top), behind)
+        self._after_resize(old_world, t0, "recovered", resumed_from=None, lost_ranks=old_world - world,
+                           failed_step=step)
+
+    def _send_state(self, src: int, receivers: list[int]) -> None:
+        """Collective over the new group: rank ``src`` sends its state and progress to
+        ``receivers`` over a group of just them (the joiners of a grow; the survivors a
+        step behind after a loss); the other ranks only take part in creating that group."""
+        group = dist.new_group([src, *receivers])
+        if self.ctx.rank != src and self.ctx.rank not in receivers:
             return
-        leader = self.ctx.rank == 0
+        leader = self.ctx.rank == src
         meta: list[Any] = [{"step": self.state.step, "seed": self.seed, "committed_step": self.committed_step,
                             "handled_ids": self.guard.handled_ids} if leader else None]
-        dist.broadcast_object_list(meta, src=0, group=group)
-        data = broadcast_bytes(self.state_bytes() if leader else None, src=0, device=self.ctx.device, group=group)
+        dist.broadcast_object_list(meta, src=src, group=group)
+        data = broadcast_bytes(self.state_bytes() if leader else None, src=src, device=self.ctx.device, group=group)
         dist.destroy_process_group(group)
         if leader:
             return
         info = meta[0]
         self.load_state_bytes(data)
         if self.state.step != info["step"]:
-            raise RuntimeError(f"the state from rank 0 is at step {self.state.step}, its progress says {info['step']}")
+            raise RuntimeError(f"the state from rank {src} is at step {self.state.step}, "
+                               f"its progress says {info['step']}")
         self.seed = int(info["seed"])
         self.committed_step = info["committed_step"]
         self.guard.mark_handled(info["handled_ids"])
         self.sampler = ElasticSampler(len(self.dataset), self.seed)
         if self.ctx.is_local_leader:
-            log.warning("took the state of step %d from rank 0 (%d bytes)", self.state.step, len(data))
+            log.warning("took the state of step %d from rank %d (%d bytes)", self.state.step, src, len(data))
 
     def close(self) -> None:
         self.steplog.close()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
 
-__all__ = ["Admission", "JoinQueue", "Ticket", "JoinTimeout", "joining", "run_id", "EXPIRY_MARGIN_S"]
+__all__ = ["Admission", "JoinQueue", "Ticket", "JoinTimeout", "joining", "run_id", "settle_survivors", "EXPIRY_MARGIN_S"]
 
 #: Rank 0 leaves a ticket this close to its expiry alone (seconds): its joiner may withdraw it.
 EXPIRY_MARGIN_S = 30.0
@@ -213,3 +213,37 @@ class JoinQueue:
             n += 1
         if n > start:
             self.store.set("next", str(n))
+
+
+def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, *, settle_s: float,
+                     timeout_s: float = 60.0) -> tuple[int, int, str]:
+    """After a collective failed (a peer lost without notice): agree with the other
+    survivors of attempt ``attempt`` on the new group. Returns ``(new rank, world size,
+    store prefix)``, the same on every survivor.
+
+    Each survivor registers under ``spotvisor/<run>/loss/<attempt>``; the first to arrive
+    sets a deadline ``settle_s`` seconds on; after it the first reader closes the round
+    (compare-and-set of the count), so all see one member list. New ranks keep the old
+    order. A failed collective reaches every survivor within about the time the failed
+    ones take to destroy their group (their sockets close), so ``settle_s`` covers them.
+
+    Raises:
+        JoinTimeout: this survivor arrived after the round closed: it must leave (exit
+            non-zero); the daemon replaces its node or torchrun restarts it.
+    """
+    client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefix = f"spotvisor/{run}/loss/{attempt}"
+    store = dist.PrefixStore(prefix, client)
+    n = int(store.add("count", 1))
+    store.set(f"m/{n}", str(old_rank))
+    if n == 1:
+        store.compare_set("deadline", "", repr(time.time() + settle_s))
+    store.wait(["deadline"])
+    left = float(store.get("deadline").decode()) - time.time()
+    if left > 0:
+        time.sleep(left)  # the settle window: survivors whose collective fails later arrive meanwhile
+    closed = int(store.compare_set("closed", "", str(int(store.add("count", 0)))).decode())
+    if n > closed:
+        raise JoinTimeout(f"rank {old_rank} reached the survivors' round of attempt {attempt} after it closed")
+    ranks = sorted(int(store.get(f"m/{i}").decode()) for i in range(1, closed + 1))
+    return ranks.index(old_rank), closed, f"{prefix}/group"

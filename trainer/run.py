@@ -283,8 +283,8 @@ def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(job.state.model.parameters(), 1.0)
     opt.step()
+    job.state.step += 1  # the step is done: a peer lost in the loss all-reduce below finds it done here
     glob, local = mean_loss(job.ctx, total, len(micro))
-    job.state.step += 1
     return glob, local, [p for mb in micro for p in mb]
 
 
