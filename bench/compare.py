@@ -6,7 +6,8 @@ times on the local provider, each time under the same injected preemption trace,
 with the real daemon, real node agents and real ``torchrun`` elastic. Only the
 recovery policy differs (:mod:`daemon.control.policies`):
 
-- ``spotvisor``: notice-driven collective commit, elastic shrink, rejoin commit on grow;
+- ``spotvisor``: notice-driven collective commit, elastic shrink, a grow in-process
+  (``job.grow: in_process`` in configs/local.yaml);
 - ``restart_on_preemption``: periodic commits every K steps; on a node loss stop all,
   relaunch all, resume from the last periodic commit (SkyPilot managed jobs);
 - ``elastic_only``: torchrun elastic with periodic commits and no notice handling;

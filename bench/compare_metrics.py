@@ -129,7 +129,9 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
     first step trained at the world size of before the notice again (after the
     replacement joined); ``grow_hold_s``: from the rejoin commit that let the
     replacement in to ``full_again_s``, the time every rank waited for the grow's
-    restart (spotvisor only). ``taken``: the node
+    restart (spotvisor only); after an in-process grow (``job.grow: in_process``), from
+    rank 0's last step before it to the grown attempt's ``started`` line: the boundary's
+    check, the new group, the state sent to the joiners, the re-wrap. ``taken``: the node
     ended before the job completed (``completed_at``); a baseline's job may complete
     within the lead, and then the preemption never hit it.
     """
@@ -168,6 +170,18 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
     if full_again is not None:
         rejoin = max((s["time"] for s in status if s.get("event") == "checkpoint_committed" and t0 < s["time"] < full_again
                       and any(str(i).startswith("rejoin-") for i in s.get("notice_ids") or [])), default=None)
+    grown = None  # an in-process grow: the started line of the attempt the replacement joined
+    if full_again is not None and rejoin is None:
+        grown = min((s for s in status if s.get("event") == "started" and s.get("joined") and s.get("rank") == 0
+                     and t0 < s["time"] <= full_again), key=lambda s: s["time"], default=None)
+    last_before = None if grown is None else max(
+        (r["time"] for r in steps if r.get("rank") == 0 and r["time"] < grown["time"]), default=None)
+    if rejoin is not None and full_again is not None:
+        grow_hold = round(full_again - rejoin, 2)
+    elif grown is not None and last_before is not None:
+        grow_hold = round(grown["time"] - last_before, 2)
+    else:
+        grow_hold = None
     return {
         "index": fired.data.get("index"),
         "node": node,
@@ -185,7 +199,7 @@ def preemption_profile(fired: Event, steps: Sequence[dict], status: Sequence[dic
         "resumed_from_step": resumed_from.get(first_step[1]) if first_step else None,
         "resume_s": rel(first_step[0]) if first_step else None,
         "full_again_s": rel(full_again),
-        "grow_hold_s": None if rejoin is None or full_again is None else round(full_again - rejoin, 2),
+        "grow_hold_s": grow_hold,
         "taken": gone is not None and (completed_at is None or gone < completed_at),
     }
 

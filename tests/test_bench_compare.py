@@ -159,6 +159,19 @@ def test_full_again_is_the_first_step_at_the_world_size_of_before_the_notice() -
     assert (p["resume_s"], p["full_again_s"], p["grow_hold_s"]) == (1.5, 13.0, 10.0)
 
 
+def test_an_in_process_grow_holds_from_the_last_step_to_the_grown_start() -> None:
+    """No rejoin commit: the survivors pause at one boundary, from rank 0's last step
+    (110.0) to the grown attempt's started line (110.4); the step after is training."""
+    fired = _ev(1, 103.0, "chaos_injected", "n2", index=0, action="notice", published=True, published_at=103.0)
+    steps = [_step("a", 1, 101.0, world=3), _step("b", 2, 104.5, world=2), _step("b", 3, 110.0, world=2),
+             _step("c", 4, 111.0, world=3)]
+    status = [dict(_status("started", "a", 100.0, 0), world_size=3, rank=0),
+              dict(_status("started", "b", 104.0, 1), rank=0, resized="in_process"),
+              dict(_status("started", "c", 110.4, 3), world_size=3, rank=0, resized="in_process", joined=1)]
+    p = preemption_profile(fired, steps, status, [fired])
+    assert (p["full_again_s"], p["grow_hold_s"]) == (8.0, 0.4)
+
+
 def test_run_metrics_for_a_baseline_without_a_notice_commit() -> None:
     events = [_ev(1, 90.0, "node_launch_requested", "n1"),
               _ev(2, 103.0, "chaos_injected", "n2", index=0, action="notice", lead_s=1, published=False,

@@ -51,7 +51,7 @@ from trainer.runtime import (
     StatusWriter,
     StepLog,
     barrier,
-    broadcast_bytes,
+    broadcast_state,
     configure_logging,
     configure_threads,
     env_world,
@@ -70,6 +70,17 @@ __all__ = ["ConfigError", "ElasticJob", "run_job"]
 log = logging.getLogger("trainer.run")
 
 PROGRESS_EVERY = 10
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a ``state_dict``-like tree."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
 
 
 #: gloo's messages when a peer's connection is gone (its errors are plain RuntimeErrors)
@@ -146,6 +157,17 @@ class ElasticJob:
 
     def train_step(self) -> tuple[float, float, list[int]]:
         """One optimizer step. Returns (global mean loss, this rank's mean loss, positions)."""
+        raise NotImplementedError
+
+    def peer_state(self) -> dict[str, Any]:
+        """The whole training state (model, optimizer, step) as a ``state_dict``-like
+        tree of tensors, for a peer that joins or fell a step behind
+        (:func:`~trainer.runtime.broadcast_state`). Jobs with ``in_process_resize``
+        implement it."""
+        raise NotImplementedError
+
+    def load_peer_state(self, state: dict[str, Any]) -> None:
+        """Load :meth:`peer_state` of a peer into ``self.state``."""
         raise NotImplementedError
 
     def _check_compatible(self, manifest: Manifest) -> None:
@@ -470,12 +492,13 @@ class ElasticJob:
         meta: list[Any] = [{"step": self.state.step, "seed": self.seed, "committed_step": self.committed_step,
                             "handled_ids": self.guard.handled_ids} if leader else None]
         dist.broadcast_object_list(meta, src=src, group=group)
-        data = broadcast_bytes(self.state_bytes() if leader else None, src=src, device=self.ctx.device, group=group)
+        t0 = time.perf_counter()
+        state = broadcast_state(self.peer_state() if leader else None, src=src, device=self.ctx.device, group=group)
         dist.destroy_process_group(group)
         if leader:
             return
         info = meta[0]
-        self.load_state_bytes(data)
+        self.load_peer_state(state)
         if self.state.step != info["step"]:
             raise RuntimeError(f"the state from rank {src} is at step {self.state.step}, "
                                f"its progress says {info['step']}")
@@ -484,7 +507,9 @@ class ElasticJob:
         self.guard.mark_handled(info["handled_ids"])
         self.sampler = ElasticSampler(len(self.dataset), self.seed)
         if self.ctx.is_local_leader:
-            log.warning("took the state of step %d from rank %d (%d bytes)", self.state.step, src, len(data))
+            nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+            log.warning("took the state of step %d from rank %d (%d bytes in %.2f s)", self.state.step, src, nbytes,
+                        time.perf_counter() - t0)
 
     def close(self) -> None:
         self.steplog.close()

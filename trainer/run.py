@@ -243,11 +243,14 @@ class ReferenceJob(ElasticJob):
     def wrap(self) -> None:
         self.ddp = wrap_ddp(self.ctx, self.state.model)
 
-    def state_bytes(self) -> bytes:
-        return state_to_bytes(self.state)
+    def peer_state(self) -> dict:
+        return {"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict(),
+                "step": self.state.step}
 
-    def load_state_bytes(self, data: bytes) -> None:
-        load_state(self.state, data, self.ctx.device)
+    def load_peer_state(self, state: dict) -> None:
+        self.state.model.load_state_dict(state["model"])
+        self.state.optimizer.load_state_dict(state["optimizer"])
+        self.state.step = int(state["step"])
 
     def train_step(self) -> tuple[float, float, list[int]]:
         return causal_lm_step(self)

@@ -43,7 +43,7 @@ __all__ = [
     "rendezvous_endpoint",
     "shrink_process_group",
     "regroup",
-    "broadcast_bytes",
+    "broadcast_state",
     "new_attempt_id",
     "barrier",
     "mean_loss",
@@ -246,19 +246,58 @@ def regroup(ctx: DistContext, rank: int, world_size: int, key: str, endpoint: tu
     return new
 
 
-def broadcast_bytes(data: bytes | None, *, src: int, device: torch.device, group: Any = None) -> bytes:
-    """``data`` of rank ``src`` on every rank of ``group`` (default: the default group):
-    its length with ``broadcast_object_list``, then the bytes as one uint8 tensor on
-    ``device`` (NCCL needs the GPU). Collective. Returns the bytes (``data`` on ``src``)."""
-    box = [len(data) if data is not None else None]
+def broadcast_state(state: Any, *, src: int, device: torch.device, group: Any = None) -> Any:
+    """``state`` of rank ``src`` (nested dicts, lists and tuples of tensors and plain
+    values: a ``state_dict``) on every rank of ``group`` (default: the default group).
+    Collective. The structure, with each tensor's shape and dtype in its place, goes
+    with one ``broadcast_object_list``; then each tensor with ``broadcast`` on ``device``
+    (NCCL needs the GPU), into a tensor the receiver allocates: nothing is pickled but
+    the structure, and each side holds the state once. Returns ``state`` on ``src`` and
+    the received copy (tensors on ``device``) elsewhere; ``state`` is ignored there."""
+    leaves: list[torch.Tensor] = []
+
+    def skeleton(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+            return _TensorSlot(len(leaves) - 1, tuple(x.shape), x.dtype)
+        if isinstance(x, dict):
+            return {k: skeleton(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(skeleton(v) for v in x)
+        return x
+
+    is_src = dist.get_rank() == src  # src is a global rank, as broadcast takes it
+    box = [skeleton(state) if is_src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    n = int(box[0])
-    if data is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(n, dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src, group=group)
-    return data if data is not None else buf.cpu().numpy().tobytes()
+    received: list[torch.Tensor] = []
+
+    def fill(x: Any) -> Any:
+        if isinstance(x, _TensorSlot):
+            if is_src:
+                t = leaves[x.index]
+                buf = t.detach().to(device) if t.device != device else t.detach()
+            else:
+                buf = torch.empty(x.shape, dtype=x.dtype, device=device)
+            dist.broadcast(buf, src=src, group=group)
+            received.append(buf)
+            return buf
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    out = fill(box[0])  # the same order on every rank: the skeleton's
+    return state if is_src else out
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorSlot:
+    """Where a tensor sits in a broadcast state's structure (:func:`broadcast_state`)."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:

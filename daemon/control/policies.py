@@ -149,17 +149,20 @@ def lost_from_job(in_job: Iterable[str], states: Mapping[str, NodeState]) -> lis
 
 @register
 class Spotvisor(RecoveryPolicy):
-    """Notice-driven collective commit, elastic shrink, rejoin commit on grow (the default).
+    """Notice-driven collective commit, elastic shrink, and a grow in-process or by a
+    rejoin commit (``job.grow``). The default.
 
     Example (target 3): n1 n2 n3 train at world size 3. n2's agent reads its notice; every
     rank commits at the next step boundary (step S); n2 leaves; n1 n3 go on at world size
     2 from S in their running processes. The replacement n4, launched at the notice
-    (a draining node does not count as capacity), registers; n1 n3 are asked for a rejoin
+    (a draining node does not count as capacity), registers. With ``job.grow:
+    in_process`` it is admitted at once and its workers join n1 n3 at their next step
+    boundary, with the state from n1. With ``restart``, n1 n3 are asked for a rejoin
     commit, hold at it, and n4 is admitted: world size 3 from that step. No step is lost.
     """
 
     name = DEFAULT_POLICY
-    description = "notice-driven collective commit, elastic shrink, rejoin commit on grow"
+    description = "notice-driven collective commit, elastic shrink, a grow in-process or by a rejoin commit"
 
 
 @register

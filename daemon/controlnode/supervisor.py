@@ -317,9 +317,8 @@ class Supervisor:
                           heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
 
     def _rules(self) -> Rules:
-        return Rules(min_nodes=self.config.pool.min_nodes, valid_world_sizes=frozenset(self.config.valid_world_sizes()),
-                     rejoin_timeout_s=self.config.daemon.rejoin_timeout_s, prewarm_wait_s=PREWARM_WAIT_S,
-                     grow_in_process=self.config.job.grow == "in_process")
+        return Rules((c := self.config).pool.min_nodes, frozenset(c.valid_world_sizes()), c.daemon.rejoin_timeout_s,
+                     PREWARM_WAIT_S, grow_in_process=c.job.grow == "in_process")
 
     def limits(self) -> Limits:
         return Limits(max_step=self.config.job.target_steps, max_world_size=self.config.max_world_size())
