@@ -176,7 +176,7 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
 
     started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, "node1")
                if x["event"] == "started"]
-    assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)]  # one process throughout
+    assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)], "\n".join(outs)  # one process
     started = [x for x in _lines(tmp_path, "node2") if x["event"] == "started"]
     assert [(x["step"], x["resized"], x.get("joined"), x["rank"]) for x in started] == [
         (5, "in_process", 1, 2), (8, "in_process", None, 1)]
@@ -231,14 +231,18 @@ def test_a_joined_node_whose_trainer_fails_leaves_and_is_replaced() -> None:
 # -- a peer lost without notice, in-process --------------------------------------------------
 
 _LOSS_JOB = """
-import os, signal, sys
+import os, signal, sys, time
 from trainer.run import ReferenceJob, main
 
 class KilledAtSix(ReferenceJob):
-    # node2's worker is killed (SIGKILL: no notice, no commit) as the others start step 7
+    # node2's worker is killed (SIGKILL: no notice, no commit) as the others start step 7;
+    # node1 computes 0.3 s longer every step, so it reaches the failed collective that much
+    # after node0, which was waiting in it
     def train_step(self):
         if self.state.step == 6 and os.environ["SPOTVISOR_NODE_ID"] == "node2":
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ["SPOTVISOR_NODE_ID"] == "node1":
+            time.sleep(0.3)
         return super().train_step()
 
     def close(self):
@@ -258,7 +262,9 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     """Three workers; node2's is SIGKILLed at step 6, with periodic commits off. The two
     survivors' collective fails, they re-form the group in their own processes and train
     step 7 again at world 2: every step's global batch exactly once, no commit read back
-    (there is none), the same model and optimizer on both at the end."""
+    (there is none), the same model and optimizer on both at the end. node1, slower by
+    0.3 s a step, still makes the new group although the settle window asked for is 0.05 s:
+    the survivors wait at least twice a step's time for each other."""
     master, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
     procs = []
     for r in range(3):
@@ -271,10 +277,15 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
                "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv.port}"}
         argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
                 "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", "12",
-                "--micro-batch-size", "2", "--pg-timeout-s", "60"]
+                "--micro-batch-size", "2", "--pg-timeout-s", "60", "--loss-settle-s", "0.05"]
         procs.append(subprocess.Popen([sys.executable, "-c", _LOSS_JOB, *argv], env=env, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=int(os.environ.get("GROW_TEST_TIMEOUT", "300")))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError("\n".join(p.communicate()[0] for p in procs)) from None
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
 
     for node in ("node0", "node1"):

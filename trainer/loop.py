@@ -27,6 +27,8 @@ model/optimizer state (the job's) and the data position
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import logging
 import math
 import os
@@ -44,7 +46,8 @@ from trainer.checkpoint import Manifest, open_store
 from trainer.contract import LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.data import DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
-from trainer.membership import JoinQueue, JoinTimeout, Ticket, joining, run_id, settle_survivors
+from trainer.membership import (JobCompleted, JoinQueue, JoinTimeout, LossWatch, Ticket, joining, run_id,
+                                settle_survivors)
 from trainer.sampler import ElasticSampler
 from trainer.runtime import (
     DistContext,
@@ -70,6 +73,10 @@ __all__ = ["ConfigError", "ElasticJob", "run_job"]
 log = logging.getLogger("trainer.run")
 
 PROGRESS_EVERY = 10
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -133,6 +140,8 @@ class ElasticJob:
         self._queue: JoinQueue | None = None
         self._pick: list[Ticket] = []  # rank 0: the joiners this boundary's decision admits
         self._queue_warned = False
+        self._step_s = 0.0  # the last step's duration (s): a lost peer's survivors wait about that long for each other
+        self._watch: LossWatch | None = None  # unblocks this worker when other survivors re-form without it
 
     # -- what a job brings
 
@@ -198,15 +207,19 @@ class ElasticJob:
                      self.attempt, self.ctx.world_size, self.G, self.plan.micro_batch_size,
                      self.plan.grad_accum_steps, self.ctx.world_size, len(self.dataset), self.state.step, target)
         start_step = self.state.step
+        self._follow()
         t_window, n_window = time.perf_counter(), 0
         while True:
             step = self.state.step
+            failed = None  # a collective failed because a peer is gone: its first line
             try:
                 decision = self.guard.check(self._joiners_waiting() if step < target else 0)
             except RuntimeError as exc:
                 if not self._lost_a_peer(exc):
                     raise
-                self.recover(exc)  # a peer lost without notice: the survivors go on without it
+                failed = _first_line(exc)
+            if failed is not None:  # out of the except clause: its traceback no longer holds the old group
+                self.recover(failed)  # a peer lost without notice: the survivors go on without it
                 t_window, n_window = time.perf_counter(), 0
                 continue
             final = step >= target
@@ -238,12 +251,16 @@ class ElasticJob:
                 self.grow(decision.joiners)
                 t_window, n_window = time.perf_counter(), 0
                 continue  # the same boundary again, with the joiners (their loop starts there)
+            t_step = time.perf_counter()
             try:
                 loss, local_loss, positions = self.train_step()
+                self._step_s = time.perf_counter() - t_step
             except RuntimeError as exc:
                 if not self._lost_a_peer(exc):
                     raise
-                self.recover(exc)  # and the step again, at the smaller world (or the step done, healed)
+                failed = _first_line(exc)
+            if failed is not None:
+                self.recover(failed)  # and the step again, at the smaller world (or the step done, healed)
                 t_window, n_window = time.perf_counter(), 0
                 continue
             if not math.isfinite(loss):
@@ -259,6 +276,9 @@ class ElasticJob:
         self.status.emit("completed", self.state.step)
         if self.ctx.is_leader:
             log.info("completed: step %d committed", self.state.step)
+            if self._can_grow():  # nobody waits to join a job that has ended
+                with contextlib.suppress(Exception):
+                    JoinQueue(rendezvous_endpoint(), run_id(), timeout_s=10).complete(self.state.step)
 
     # -- in-process shrink (DESIGN: "where it is going")
 
@@ -327,6 +347,7 @@ class ElasticJob:
         self.status = StatusWriter(os.environ.get(STATUS_FILE_ENV), self.ctx, self.attempt)
         self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), self.ctx, self.attempt)
         self.wrap()
+        self._follow()
         seconds = time.perf_counter() - t0
         if self.ctx.is_leader:
             log.info("%s in-process from world %d to %d at step %d in %.3f s (attempt %s)",
@@ -400,25 +421,38 @@ class ElasticJob:
             ConfigError: no ``$SPOTVISOR_RDZV_ENDPOINT``.
             SystemExit(1): nobody admitted it in time (after one warning line).
         """
-        endpoint = rendezvous_endpoint()
-        if endpoint is None:
+        if rendezvous_endpoint() is None:
             raise ConfigError("SPOTVISOR_JOIN=1 needs $SPOTVISOR_RDZV_ENDPOINT (host:port of the rendezvous store)")
         node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self._queue_and_join(node, self.ctx.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.joined_in_process = True
+
+    def _queue_and_join(self, node: str, local_rank: int, local_world: int) -> None:
+        """Queue as ``local_rank`` of ``local_world`` workers of ``node``, wait to be
+        admitted, join the group and take the state from its rank 0 (a collective with it).
+
+        Raises:
+            SystemExit(1): nobody admitted it within ``--join-timeout-s`` (one warning line).
+        """
+        endpoint = rendezvous_endpoint()
+        assert endpoint is not None
         queue = JoinQueue(endpoint, run_id(), timeout_s=self.args.pg_timeout_s)
-        ticket = queue.register(node, self.ctx.local_rank, local_world, wait_s=self.args.join_timeout_s)
-        if self.ctx.is_local_leader:
+        ticket = queue.register(node, local_rank, local_world, wait_s=self.args.join_timeout_s)
+        if self.ctx.is_local_leader or local_world == 1:
             log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
         try:
             admission = queue.wait(ticket)
+        except JobCompleted as exc:
+            log.warning("%s; exiting", exc)
+            raise SystemExit(0) from None
         except JoinTimeout as exc:
             log.warning("%s; exiting", exc)
             raise SystemExit(1) from None
         t0 = time.perf_counter()
+        self.ddp = self.state.model
         self.ctx = regroup(self.ctx, admission.rank, admission.world_size, admission.prefix, endpoint,
                            self.args.pg_timeout_s, node_key=f"joined:{node}")
         self._send_state(0, list(range(admission.first_rank, admission.world_size)))
-        self.joined_in_process = True
         self._after_resize(admission.first_rank, t0, "joined", resumed_from=None,
                            joined=admission.world_size - admission.first_rank)
 
@@ -436,37 +470,53 @@ class ElasticJob:
         text = str(exc)
         return any(marker in text for marker in _PEER_GONE)
 
-    def recover(self, exc: RuntimeError) -> None:
+    def recover(self, failure: str) -> None:
         """The survivors of a peer lost without notice go on in these processes.
 
         Called on every survivor whose collective failed (they all do: a rank whose peer
         is gone errors, and so does every rank blocked on it once the first ones drop
         the old group). Each drops the old group, agrees on the new membership with the
         others through the rendezvous store (:func:`~trainer.membership.settle_survivors`:
-        a settle window of ``--loss-settle-s``), joins the new group, and the ranks a step
+        a settle window of ``--loss-settle-s`` or twice the last step's time, whichever is
+        longer: a survivor that was computing when its peers' collective failed arrives up
+        to a step later), joins the new group, and the ranks a step
         behind take the state from the most advanced survivor (a rank whose optimizer
         step completed before its last collective failed). Then a new attempt at that
         step: the step that failed is trained again at the smaller world, with the same
         global batch. Replicated state only (DDP): a sharded job has lost shards.
 
         Raises:
-            SystemExit(1): the survivors' world size cannot take the global batch, or this
-                rank arrived after the others re-formed (torchrun or the daemon takes over).
+            SystemExit(1): the survivors' world size cannot take the global batch (torchrun
+                or the daemon takes over). A rank that arrives after the others re-formed
+                joins them through the join queue instead, a boundary later.
         """
         old_rank, old_world, step, t0 = self.ctx.rank, self.ctx.world_size, self.state.step, time.perf_counter()
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, first)
+        log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, failure)
         endpoint = rendezvous_endpoint()
         assert endpoint is not None  # _lost_a_peer
-        self.ddp = self.state.model
+        if self._watch is not None:
+            self._watch.pause()  # before this rank's own entry in the round, and before its sockets go
+        self.ddp = self.state.model  # DDP's reducer holds the old group
         if dist.is_initialized():
-            dist.destroy_process_group()  # its sockets close: peers still blocked on this rank fail now
+            # close its connections now: a survivor still blocked on this rank fails at once
+            # instead of when this process exits (seen: 4 s later, after the job had ended)
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                dist.distributed_c10d._get_default_group().abort()
+            dist.destroy_process_group()
+        gc.collect()
         try:
-            rank, world, prefix = settle_survivors(endpoint, run_id(), self.attempt, old_rank,
-                                                   settle_s=self.args.loss_settle_s, timeout_s=self.args.pg_timeout_s)
+            # a survivor that was still computing the step reaches its failed collective up to
+            # a step later than one that was waiting in it (seen in make demo: 1.0 s apart)
+            settle_s = max(self.args.loss_settle_s, 2.0 * self._step_s)
+            rank, world, prefix = settle_survivors(endpoint, run_id(), self.attempt, old_rank, old_world,
+                                                   settle_s=settle_s, timeout_s=self.args.pg_timeout_s)
         except JoinTimeout as exc2:
-            log.warning("%s; exiting", exc2)
-            raise SystemExit(1) from None
+            # its collective failed later than the others' (gloo: seconds apart, in a test):
+            # they re-formed without it, and it joins them as a newcomer at their next boundary
+            log.warning("%s; joining the survivors' group as a newcomer", exc2)
+            node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
+            self._queue_and_join(f"{node}/rank{old_rank}", 0, 1)
+            return
         if not ElasticBatch(self.G, self.plan.micro_batch_size).is_valid(world):
             log.warning("the global batch %d cannot be split over the %d surviving ranks; exiting for a restart",
                         self.G, world)
@@ -480,6 +530,16 @@ class ElasticJob:
             self._send_state(steps.index(top), behind)
         self._after_resize(old_world, t0, "recovered", resumed_from=None, lost_ranks=old_world - world,
                            failed_step=step)
+
+    def _follow(self) -> None:
+        """Point the loss watch at this attempt's group (started on first use)."""
+        if not self._can_grow():
+            return
+        if self._watch is None:
+            endpoint = rendezvous_endpoint()
+            assert endpoint is not None
+            self._watch = LossWatch(endpoint, run_id())
+        self._watch.follow(self.attempt, self.ctx.rank, set(self.ctx.group_fds))
 
     def _send_state(self, src: int, receivers: list[int]) -> None:
         """Collective over the new group: rank ``src`` sends its state and progress to
@@ -513,6 +573,8 @@ class ElasticJob:
 
     def close(self) -> None:
         self.steplog.close()
+        if self._watch is not None:
+            self._watch.stop()
         # DDP's reducer holds the process group: let teardown_distributed destroy the group
         # (GIL released) rather than the reducer's dealloc at exit, where gloo's worker
         # thread can wait for the GIL that dealloc holds (seen once in tests/test_shrink.py)

@@ -33,16 +33,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
 
-__all__ = ["Admission", "JoinQueue", "Ticket", "JoinTimeout", "joining", "run_id", "settle_survivors", "EXPIRY_MARGIN_S"]
+__all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinTimeout", "LossWatch", "joining", "run_id",
+           "settle_survivors", "EXPIRY_MARGIN_S"]
 
 #: Rank 0 leaves a ticket this close to its expiry alone (seconds): its joiner may withdraw it.
 EXPIRY_MARGIN_S = 30.0
@@ -58,6 +62,10 @@ def run_id() -> str:
     """The job's run id, the same on every node: ``$SPOTVISOR_RUN_ID``, else torchrun's
     ``TORCHELASTIC_RUN_ID``, else ``job``."""
     return os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+
+
+class JobCompleted(RuntimeError):
+    """The job reached its target while this worker waited to join. ``str()`` is one line."""
 
 
 class JoinTimeout(RuntimeError):
@@ -125,11 +133,15 @@ class JoinQueue:
 
         Raises:
             JoinTimeout: its expiry passed first (the ticket is withdrawn).
+            JobCompleted: the job reached its target meanwhile (:meth:`complete`).
         """
         key = f"a/{ticket.number}"
         while time.time() < ticket.expires:
             if self.store.check([key]):
                 return self._admission(self.store.get(key).decode())
+            if self.store.check(["completed"]):
+                raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
+                                   f"before node {ticket.node} joined")
             time.sleep(poll_s)
         won = self.store.compare_set(key, "", WITHDRAWN).decode()
         if won != WITHDRAWN:  # rank 0 admitted it at the last moment
@@ -190,6 +202,10 @@ class JoinQueue:
             self._resolved.add(t.number)
         self._advance()
 
+    def complete(self, step: int) -> None:
+        """Rank 0, at the job's end: workers still waiting to join exit (:class:`JobCompleted`)."""
+        self.store.set("completed", str(step))
+
     def _read(self, number: int) -> Ticket | None:
         """Ticket ``number``, or None while its joiner is still writing it."""
         if not self.store.check([f"t/{number}"]):
@@ -215,8 +231,8 @@ class JoinQueue:
             self.store.set("next", str(n))
 
 
-def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, *, settle_s: float,
-                     timeout_s: float = 60.0) -> tuple[int, int, str]:
+def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, old_world: int, *,
+                     settle_s: float, timeout_s: float = 60.0) -> tuple[int, int, str]:
     """After a collective failed (a peer lost without notice): agree with the other
     survivors of attempt ``attempt`` on the new group. Returns ``(new rank, world size,
     store prefix)``, the same on every survivor.
@@ -224,8 +240,8 @@ def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank
     Each survivor registers under ``spotvisor/<run>/loss/<attempt>``; the first to arrive
     sets a deadline ``settle_s`` seconds on; after it the first reader closes the round
     (compare-and-set of the count), so all see one member list. New ranks keep the old
-    order. A failed collective reaches every survivor within about the time the failed
-    ones take to destroy their group (their sockets close), so ``settle_s`` covers them.
+    order. The first one also wakes every other rank's :class:`LossWatch`, which makes a
+    survivor blocked on a survivor (not on the lost peer) fail its collective and come.
 
     Raises:
         JoinTimeout: this survivor arrived after the round closed: it must leave (exit
@@ -238,6 +254,9 @@ def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank
     store.set(f"m/{n}", str(old_rank))
     if n == 1:
         store.compare_set("deadline", "", repr(time.time() + settle_s))
+        for r in range(old_world):  # wake the others' LossWatch: a survivor blocked on a survivor joins now
+            if r != old_rank:
+                store.set(f"wake/{r}", "loss")
     store.wait(["deadline"])
     left = float(store.get("deadline").decode()) - time.time()
     if left > 0:
@@ -247,3 +266,116 @@ def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank
         raise JoinTimeout(f"rank {old_rank} reached the survivors' round of attempt {attempt} after it closed")
     ranks = sorted(int(store.get(f"m/{i}").decode()) for i in range(1, closed + 1))
     return ranks.index(old_rank), closed, f"{prefix}/group"
+
+
+class LossWatch:
+    """Unblocks this worker when other survivors have started a loss round it is not in.
+
+    A survivor blocked in a collective on *another survivor* (not on the lost peer) is
+    never told: neither gloo's ``destroy`` nor its ``abort`` closes a connection (measured
+    with torch 2.13: the peer's blocked ``all_reduce`` fails only when the process that
+    dropped the group exits), and a peer's NCCL kernel waits for its watchdog's timeout.
+    The first survivor of a loss sets ``wake/<rank>`` for every rank of the failed attempt
+    (:func:`settle_survivors`); this daemon thread waits for its own key in the store
+    (``TCPStore.wait``: one outstanding request, no polling). When it comes and this
+    worker is not re-forming already, the thread aborts the group (NCCL) and shuts down
+    the group's connected sockets (gloo: the descriptors its ``init_process_group`` opened,
+    never the listener), so the blocked collective fails at once and the worker joins
+    the round. A worker wakes its own thread the same way when its attempt changes
+    (:meth:`follow`) or it ends (:meth:`stop`).
+    """
+
+    def __init__(self, endpoint: tuple[str, int], run: str) -> None:
+        self._endpoint, self._run = endpoint, run
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._watching: tuple[str, int] | None = None  # (attempt, rank)
+        self._waiting_on: tuple[str, int] | None = None  # what the thread waits for now
+        self._fds: set[int] = set()
+        self._pg: Any = None
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self.unblocked = 0  # how many times it shut a blocked group down
+
+    def _key(self, attempt: str, rank: int) -> str:
+        return f"spotvisor/{self._run}/loss/{attempt}/wake/{rank}"
+
+    def follow(self, attempt: str, rank: int, group_fds: set[int]) -> None:
+        """Watch ``attempt`` as ``rank``, whose default group opened ``group_fds``."""
+        with self._lock:
+            self._watching, self._fds = (attempt, rank), set(group_fds)
+            self._pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+            stale = self._waiting_on if self._waiting_on != self._watching else None  # its own wake reads as a loss
+        if self._thread is None:
+            self._client = dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
+                                         timeout=timedelta(seconds=30))
+            self._thread = threading.Thread(target=self._run_loop, name="spotvisor-loss-watch", daemon=True)
+            self._thread.start()
+        self._wake(stale)
+
+    def pause(self) -> None:
+        """This worker re-forms its group itself: nothing to unblock until :meth:`follow`."""
+        with self._lock:
+            self._watching, self._fds, self._pg = None, set(), None
+
+    def stop(self) -> None:
+        """End the thread (the worker ends): it is woken and joined, never left in a C++ wait."""
+        with self._lock:
+            self._stopped = True
+            stale = self._waiting_on
+        self._wake(stale)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _wake(self, target: tuple[str, int] | None) -> None:
+        self._changed.set()
+        if target is not None:
+            try:
+                dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
+                              timeout=timedelta(seconds=10)).set(self._key(*target), "self")
+            except Exception:  # the store out of reach: the thread's wait ends at its timeout
+                pass
+
+    def _run_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                target = self._waiting_on = self._watching
+                self._changed.clear()
+            if target is None:
+                self._changed.wait(1.0)
+                continue
+            try:
+                self._client.wait([self._key(*target)], timedelta(seconds=3600))
+            except Exception:  # an hour without a loss, or the store briefly out of reach
+                continue
+            with self._lock:  # held throughout: pause() returns only once no descriptor is touched
+                if self._stopped:
+                    return
+                if self._watching != target:
+                    continue  # woken by its own worker: the attempt changed
+                fds, pg = self._fds, self._pg
+                self._watching, self._fds, self._pg = None, set(), None
+                self._shut(fds, pg)
+
+    def _shut(self, fds: set[int], pg: Any) -> None:
+        if pg is not None:
+            try:
+                pg.abort()  # NCCL: its pending kernels end with an error
+            except Exception:
+                pass
+        for fd in fds:
+            try:
+                s = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                s.getpeername()  # a connection to a peer; never the listener (gloo aborts the process)
+                s.shutdown(socket.SHUT_RDWR)  # the blocked read fails; the descriptor stays the group's
+            except OSError:
+                pass
+            finally:
+                s.detach()
+        self.unblocked += 1

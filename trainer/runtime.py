@@ -39,6 +39,7 @@ __all__ = [
     "env_world",
     "setup_distributed",
     "joiner_context",
+    "socket_fds",
     "teardown_distributed",
     "rendezvous_endpoint",
     "shrink_process_group",
@@ -107,7 +108,7 @@ def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32
                    help="how long a node started to join the running group waits to be admitted (seconds)")
     p.add_argument("--loss-settle-s", type=float, default=1.0,
                    help="after a peer is lost without notice, how long the survivors wait for each other "
-                        "before re-forming the group (seconds)")
+                        "before re-forming the group (seconds; at least twice the last step's time)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=keep_checkpoints,
                    help="committed checkpoints kept by gc")
     return p
@@ -126,6 +127,7 @@ class DistContext:
     backend: str | None
     device: torch.device
     initialized: bool
+    group_fds: frozenset[int] = frozenset()  # the sockets its default group opened (trainer.membership.LossWatch)
 
     @property
     def is_leader(self) -> bool:
@@ -160,9 +162,28 @@ def setup_distributed(timeout_s: float = 120.0) -> DistContext:
     if "RANK" not in os.environ:
         return DistContext(0, 0, 1, None, device, False)
     backend = "nccl" if cuda else "gloo"
+    before = socket_fds()
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                             **({"device_id": device} if cuda else {}))
-    return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True)
+    return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True,
+                       frozenset(socket_fds() - before))
+
+
+def socket_fds() -> set[int]:
+    """This process's open socket file descriptors (Linux ``/proc/self/fd``; empty elsewhere)."""
+    out: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.add(int(name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor among them)
+    return out
+
 
 
 def joiner_context() -> DistContext:
@@ -238,10 +259,11 @@ def regroup(ctx: DistContext, rank: int, world_size: int, key: str, endpoint: tu
     backend = ctx.backend or ("nccl" if ctx.device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
     client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
+    before = socket_fds()
     dist.init_process_group(backend=backend, store=dist.PrefixStore(key, client), rank=rank,
                             world_size=world_size, timeout=timeout,
                             **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
-    new = DistContext(rank, ctx.local_rank, world_size, backend, ctx.device, True)
+    new = DistContext(rank, ctx.local_rank, world_size, backend, ctx.device, True, frozenset(socket_fds() - before))
     publish_world_env(new, node_key=node_key)
     return new
 
