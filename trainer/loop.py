@@ -498,12 +498,12 @@ class ElasticJob:
             self._watch.pause()  # before this rank's own entry in the round, and before its sockets go
         self.ddp = self.state.model  # DDP's reducer holds the old group
         if dist.is_initialized():
-            # close its connections now: a survivor still blocked on this rank fails at once
-            # instead of when this process exits (seen: 4 s later, after the job had ended)
+            # NCCL: abort ends this rank's pending kernels. gloo closes no connection on abort
+            # or destroy (a survivor blocked on this rank is woken by its own LossWatch)
             with contextlib.suppress(RuntimeError, NotImplementedError):
                 dist.distributed_c10d._get_default_group().abort()
             dist.destroy_process_group()
-        gc.collect()
+        gc.collect()  # the failed step's graph, and with it DDP's reducer on the old group
         try:
             # a survivor that was still computing the step reaches its failed collective up to
             # a step later than one that was waiting in it (seen in make demo: 1.0 s apart)

@@ -1,4 +1,6 @@
-"""In-process grow: a new node's workers join the running group at a step boundary.
+"""Membership across nodes, in the running workers: a new node's workers join the
+running group at a step boundary (the grow), and the survivors of a peer lost without
+notice agree on their new group (:func:`settle_survivors`, :class:`LossWatch`).
 
 The join queue lives in the job's rendezvous store on the control node
 (``$SPOTVISOR_RDZV_ENDPOINT``, a ``TCPStore``; the same store the in-process shrink
