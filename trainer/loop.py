@@ -137,6 +137,9 @@ class ElasticJob:
         self.guard = PreemptionGuard()
         self.ddp: torch.nn.Module = self.state.model
         self.joined_in_process = False  # this worker joined a running group (announced by join_running)
+        #: every rank holds the same model state now (set by an in-process resize for
+        #: :meth:`wrap`): a wrapper may skip its initial broadcast of the parameters
+        self.states_in_sync = False
         self._queue: JoinQueue | None = None
         self._pick: list[Ticket] = []  # rank 0: the joiners this boundary's decision admits
         self._queue_warned = False
@@ -346,7 +349,11 @@ class ElasticJob:
         self.steplog.close()
         self.status = StatusWriter(os.environ.get(STATUS_FILE_ENV), self.ctx, self.attempt)
         self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), self.ctx, self.attempt)
-        self.wrap()
+        self.states_in_sync = True  # the survivors' own, or sent by a peer just now
+        try:
+            self.wrap()
+        finally:
+            self.states_in_sync = False
         self._follow()
         seconds = time.perf_counter() - t0
         if self.ctx.is_leader:
