@@ -299,3 +299,11 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * 12, s * 12)) for s in range(1, 13)}
     digests = {f.read_text() for f in tmp_path.glob("final-*.json")}
     assert len(list(tmp_path.glob("final-*.json"))) == 2 and len(digests) == 1, digests
+
+
+def test_the_scaling_bench_refuses_an_unknown_size(capsys) -> None:
+    from bench.resize_scaling import main
+
+    assert main(["--sizes", "3m,7b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --sizes: unknown 7b (use 3m, 50m, 200m)"]
