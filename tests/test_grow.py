@@ -307,3 +307,10 @@ def test_the_scaling_bench_refuses_an_unknown_size(capsys) -> None:
     assert main(["--sizes", "3m,7b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --sizes: unknown 7b (use 3m, 50m, 200m)"]
+
+
+def test_a_worker_queued_twice_counts_once(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    joiner.register("n3", 0, 1, wait_s=300)
+    again = joiner.register("n3", 0, 1, wait_s=300)  # its worker started again before it was admitted
+    assert [t.number for t in leader.ready(2, lambda w: True)] == [again.number]

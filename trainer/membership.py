@@ -173,17 +173,17 @@ class JoinQueue:
                 t = self._read(number)
                 if t is not None:
                     self._seen[number] = t
-        nodes: dict[str, list[Ticket]] = {}
+        nodes: dict[str, dict[int, Ticket]] = {}
         for number in range(start, count + 1):
             t = self._seen.get(number)
             if t is not None and number not in self._resolved and now < t.expires - EXPIRY_MARGIN_S:
-                nodes.setdefault(t.node, []).append(t)
+                nodes.setdefault(t.node, {})[t.local_rank] = t  # a worker queued twice: its newest ticket
         pick: list[Ticket] = []
         total = world
         chosen: list[Ticket] = []
-        for tickets in nodes.values():  # in order of each node's first ticket
-            ranks = {t.local_rank for t in tickets}
-            if ranks != set(range(tickets[0].local_world)):
+        for by_rank in nodes.values():  # in order of each node's first ticket
+            tickets = list(by_rank.values())
+            if set(by_rank) != set(range(tickets[0].local_world)):
                 continue  # not all of its workers are here yet
             chosen += sorted(tickets, key=lambda t: t.local_rank)
             total += tickets[0].local_world
