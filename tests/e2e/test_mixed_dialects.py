@@ -11,8 +11,12 @@ pytestmark = pytest.mark.slow
 
 def test_every_dialect_delivers_a_notice_and_no_step_is_lost(run_demo) -> None:
     # nodes 1-3 are aws, aliyun, gcp; node 4 (the first replacement) is azure
+    # grow: restart. In-process the job trains on while each replacement imports (~10 s
+    # here), and 260 steps of the small model end before the fourth notice: this test is
+    # about the dialects; test_demo and test_mass_notice run the in-process grow
     s = run_demo(
         target_steps=260,
+        grow="restart",
         dialects=["aws", "aliyun", "gcp", "azure"],
         chaos=[
             {"action": "notice", "node": 1, "at_step": 20, "lead_s": 10},
