@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
+from bench.ports import free_port
 from trainer.contract import JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
 from trainer.membership import EXPIRY_MARGIN_S, JoinQueue, JoinTimeout
 
@@ -85,6 +85,19 @@ def test_queues_of_two_runs_are_apart(rdzv) -> None:
 
 # -- the whole grow, in real worker processes --------------------------------------------------
 
+# a worker that finished the job writes a digest of its model and AdamW state
+_DIGEST_AT_THE_END = """
+    def close(self):
+        super().close()
+        if self.state.step < self.args.target_steps:
+            return  # a node that left
+        opt = self.state.optimizer
+        digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
+                  float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
+        with open(os.path.join(os.environ["OUT"], "final-%s.json" % os.getpid()), "w") as f:
+            f.write(repr(digest))
+"""
+
 _JOB = """
 import os, sys, time, torch
 from trainer.membership import JoinQueue, run_id
@@ -107,40 +120,54 @@ class GrowAtFive(ReferenceJob):
             os.replace(path + ".tmp", path)
         return out
 
-    def close(self):
-        super().close()
-        if self.state.step < self.args.target_steps:
-            return  # node0, which left
-        opt = self.state.optimizer
-        digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
-                  float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
-        with open(os.path.join(os.environ["OUT"], "final-%s.json" % os.getpid()), "w") as f:
-            f.write(repr(digest))
-
+""" + _DIGEST_AT_THE_END + """
 sys.exit(main(sys.argv[1:], job_cls=GrowAtFive))
 """
 
 G = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str) -> subprocess.Popen:
+def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, *, script: str = _JOB,
+           extra: tuple[str, ...] = ("--join-timeout-s", "120", "--hold-timeout-s", "3")) -> subprocess.Popen:
+    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables)."""
     node = tmp_path / name
     node.mkdir()
-    full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: "grow",
-            NODE_ID_ENV: name, "EXPECT_JOINERS": "1",
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: "grow",
+            NODE_ID_ENV: name, "EXPECT_JOINERS": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", **env,
             "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
             "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
     argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", str(G),
-            "--micro-batch-size", "2", "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3"]
-    return subprocess.Popen([sys.executable, "-c", _JOB, *argv], env=full, cwd=tmp_path,
+            "--micro-batch-size", "2", "--pg-timeout-s", "60", *extra]
+    return subprocess.Popen([sys.executable, "-c", script, *argv], env=full, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[str]:
+    """Each worker's output once all have exited; on a hang, all of it in the failure."""
+    try:
+        return [p.communicate(timeout=300)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError("\n".join(p.communicate()[0] for p in procs)) from None
+
+
+def _assert_every_batch_once(tmp_path: Path, steps: int) -> None:
+    """The step logs name the step completed: step s trained positions (s-1)*G .. s*G-1, once."""
+    trained: dict[int, list[int]] = {}
+    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
+        for rec in map(json.loads, log.read_text().splitlines()):
+            trained.setdefault(rec["step"], []).extend(rec["positions"])
+    assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * G, s * G))
+                                                          for s in range(1, steps + 1)}
+
+
+def _assert_same_state(tmp_path: Path, finishers: int) -> None:
+    """Every worker that finished wrote the same digest of its model and AdamW state."""
+    digests = [f.read_text() for f in tmp_path.glob("final-*.json")]
+    assert len(digests) == finishers and len(set(digests)) == 1, digests
 
 
 def _lines(tmp_path: Path, node: str) -> list[dict]:
@@ -155,9 +182,8 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     torchrun run id), shrink in-process and finish. Nobody restarts. Every step's global
     batch is trained exactly once, and the two that finish end with the same model and
     optimizer state: the joiner got rank 0's."""
-    master, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
-                                            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                             "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "grow"},
                     rdzv.port, ckpt) for r in range(2)]
     # the new node boots while the job trains (its first steps are in the status file); its
@@ -166,11 +192,10 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     while not (status.exists() and '"event":"step"' in status.read_text()):
         assert procs[0].poll() is None, procs[0].communicate()[0]
         time.sleep(0.05)
-    procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0", "LOCAL_RANK": "0",
-                                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                            "MASTER_PORT": str(_free_port()), JOIN_ENV: "1",
+    procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
+                                            "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
                                             "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    outs = _finish(procs)
     # node0 left after its notice commit (no agent stops it here: it exits after its hold)
     assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)
 
@@ -182,15 +207,8 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
         (5, "in_process", 1, 2), (8, "in_process", None, 1)]
     assert [x["step"] for x in _lines(tmp_path, "node2") if x["event"] == "completed"] == [12]
 
-    trained: dict[int, list[int]] = {}
-    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
-        for rec in map(json.loads, log.read_text().splitlines()):
-            trained.setdefault(rec["step"], []).extend(rec["positions"])
-    # the step log names the step completed: step s trained positions (s-1)*G .. s*G-1
-    assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
-
-    digests = {f.read_text() for f in tmp_path.glob("final-*.json")}
-    assert len(list(tmp_path.glob("final-*.json"))) == 2 and len(digests) == 1, digests
+    _assert_every_batch_once(tmp_path, 12)
+    _assert_same_state(tmp_path, 2)
 
 
 # -- the daemon's side: the join launcher, admission, a failed joiner ---------------------------
@@ -245,14 +263,7 @@ class KilledAtSix(ReferenceJob):
             time.sleep(0.3)
         return super().train_step()
 
-    def close(self):
-        super().close()
-        opt = self.state.optimizer
-        digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
-                  float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
-        with open(os.path.join(os.environ["OUT"], "final-%s.json" % os.getpid()), "w") as f:
-            f.write(repr(digest))
-
+""" + _DIGEST_AT_THE_END + """
 sys.exit(main(sys.argv[1:], job_cls=KilledAtSix))
 """
 
@@ -265,40 +276,19 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     (there is none), the same model and optimizer on both at the end. node1, slower by
     0.3 s a step, still makes the new group although the settle window asked for is 0.05 s:
     the survivors wait at least twice a step's time for each other."""
-    master, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
-    procs = []
-    for r in range(3):
-        node = tmp_path / f"node{r}"
-        node.mkdir()
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r), "LOCAL_RANK": "0",
-               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master),
-               "TORCHELASTIC_RUN_ID": "loss", "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), NODE_ID_ENV: f"node{r}",
-               "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
-               "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv.port}"}
-        argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
-                "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", "12",
-                "--micro-batch-size", "2", "--pg-timeout-s", "60", "--loss-settle-s", "0.05"]
-        procs.append(subprocess.Popen([sys.executable, "-c", _LOSS_JOB, *argv], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=int(os.environ.get("GROW_TEST_TIMEOUT", "300")))[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError("\n".join(p.communicate()[0] for p in procs)) from None
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
+                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "loss"},
+                    rdzv.port, ckpt, script=_LOSS_JOB, extra=("--loss-settle-s", "0.05")) for r in range(3)]
+    outs = _finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
 
     for node in ("node0", "node1"):
         started = [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in _lines(tmp_path, node)
                    if x["event"] == "started"]
         assert started == [(0, None, 3, None), (6, "in_process", 2, 1)]  # the same processes throughout
-    trained: dict[int, list[int]] = {}
-    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
-        for rec in map(json.loads, log.read_text().splitlines()):
-            trained.setdefault(rec["step"], []).extend(rec["positions"])
-    assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * 12, s * 12)) for s in range(1, 13)}
-    digests = {f.read_text() for f in tmp_path.glob("final-*.json")}
-    assert len(list(tmp_path.glob("final-*.json"))) == 2 and len(digests) == 1, digests
+    _assert_every_batch_once(tmp_path, 12)
+    _assert_same_state(tmp_path, 2)
 
 
 def test_the_scaling_bench_refuses_an_unknown_size(capsys) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from trainer.batch import BatchError, BatchPlan, ElasticBatch
 from trainer.checkpoint import Manifest, open_store
@@ -77,17 +78,6 @@ PROGRESS_EVERY = 10
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in a ``state_dict``-like tree."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
 
 
 #: gloo's messages when a peer's connection is gone (its errors are plain RuntimeErrors)
@@ -574,7 +564,7 @@ class ElasticJob:
         self.guard.mark_handled(info["handled_ids"])
         self.sampler = ElasticSampler(len(self.dataset), self.seed)
         if self.ctx.is_local_leader:
-            nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+            nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
             log.warning("took the state of step %d from rank %d (%d bytes in %.2f s)", self.state.step, src, nbytes,
                         time.perf_counter() - t0)
 

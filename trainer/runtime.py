@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
 
@@ -271,55 +272,37 @@ def regroup(ctx: DistContext, rank: int, world_size: int, key: str, endpoint: tu
 def broadcast_state(state: Any, *, src: int, device: torch.device, group: Any = None) -> Any:
     """``state`` of rank ``src`` (nested dicts, lists and tuples of tensors and plain
     values: a ``state_dict``) on every rank of ``group`` (default: the default group).
-    Collective. The structure, with each tensor's shape and dtype in its place, goes
-    with one ``broadcast_object_list``; then each tensor with ``broadcast`` on ``device``
-    (NCCL needs the GPU), into a tensor the receiver allocates: nothing is pickled but
-    the structure, and each side holds the state once. Returns ``state`` on ``src`` and
-    the received copy (tensors on ``device``) elsewhere; ``state`` is ignored there."""
-    leaves: list[torch.Tensor] = []
-
-    def skeleton(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            leaves.append(x)
-            return _TensorSlot(len(leaves) - 1, tuple(x.shape), x.dtype)
-        if isinstance(x, dict):
-            return {k: skeleton(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(skeleton(v) for v in x)
-        return x
-
+    Collective. The structure (torch's pytree spec) and each leaf, a tensor's shape and
+    dtype in its place, go with one ``broadcast_object_list``; then each tensor with
+    ``broadcast`` on ``device`` (NCCL needs the GPU), into a tensor the receiver
+    allocates: nothing is pickled but the structure, and each side holds the state once.
+    Returns ``state`` on ``src`` and the received copy (tensors on ``device``) elsewhere;
+    ``state`` is ignored there."""
     is_src = dist.get_rank() == src  # src is a global rank, as broadcast takes it
-    box = [skeleton(state) if is_src else None]
+    leaves, spec = tree_flatten(state) if is_src else ([], None)
+    box = [(spec, [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _Plain(x) for x in leaves])
+           if is_src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    received: list[torch.Tensor] = []
-
-    def fill(x: Any) -> Any:
-        if isinstance(x, _TensorSlot):
-            if is_src:
-                t = leaves[x.index]
-                buf = t.detach().to(device) if t.device != device else t.detach()
-            else:
-                buf = torch.empty(x.shape, dtype=x.dtype, device=device)
-            dist.broadcast(buf, src=src, group=group)
-            received.append(buf)
-            return buf
-        if isinstance(x, dict):
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(fill(v) for v in x)
-        return x
-
-    out = fill(box[0])  # the same order on every rank: the skeleton's
-    return state if is_src else out
+    spec, metas = box[0]
+    out: list[Any] = []
+    for i, meta in enumerate(metas):
+        if isinstance(meta, _Plain):
+            out.append(meta.value)
+            continue
+        if is_src:
+            buf = leaves[i].detach().to(device)  # no copy when it is there already
+        else:
+            buf = torch.empty(meta[0], dtype=meta[1], device=device)
+        dist.broadcast(buf, src=src, group=group)
+        out.append(buf)
+    return state if is_src else tree_unflatten(out, spec)
 
 
 @dataclass(frozen=True, slots=True)
-class _TensorSlot:
-    """Where a tensor sits in a broadcast state's structure (:func:`broadcast_state`)."""
+class _Plain:
+    """A leaf of a broadcast state that is not a tensor: sent as it is (:func:`broadcast_state`)."""
 
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    value: Any
 
 
 def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
