@@ -287,10 +287,12 @@ def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / len(micro)).backward()
         total += loss.detach()
+    # every collective of the step (DDP's gradient all-reduce, the loss's) before the update:
+    # a peer lost in any of them leaves every survivor at the same state, the step not taken
+    glob, local = mean_loss(job.ctx, total, len(micro))
     torch.nn.utils.clip_grad_norm_(job.state.model.parameters(), 1.0)
     opt.step()
-    job.state.step += 1  # the step is done: a peer lost in the loss all-reduce below finds it done here
-    glob, local = mean_loss(job.ctx, total, len(micro))
+    job.state.step += 1
     return glob, local, [p for mb in micro for p in mb]
 
 
