@@ -103,10 +103,18 @@ class ElasticJob:
     """
 
     wrap_before_resume = False
-    #: The survivors of a notice can go on in the same processes (:meth:`shrink`): true when
-    #: every rank holds the whole model and optimizer state (DDP). A sharded job (ZeRO,
-    #: FSDP) must reload at the new world size, so its subclass sets it False.
+    #: The job resizes in its running processes (:meth:`shrink`, :meth:`grow`, :meth:`recover`):
+    #: it implements :meth:`peer_state` (and, when sharded, :meth:`stage_state` and
+    #: :meth:`reshard`). A job that cannot rebuild its engine at another world size in the
+    #: same process (DeepSpeed, the HF Trainer) sets it False and restarts on every change.
     in_process_resize = True
+    #: Every rank holds the whole model and optimizer state (DDP): a resize moves no state
+    #: between the ranks that stay, and a peer lost without notice costs no step (the
+    #: survivors hold everything). A sharded job (FSDP2) sets it False: its resize gathers
+    #: the state before the group changes (:meth:`stage_state`) and spreads it over the new
+    #: world after (:meth:`reshard`); a lost peer took its shards with it, so the survivors
+    #: reload the last commit, in their running processes.
+    state_replicated = True
 
     def __init__(
         self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor
@@ -171,6 +179,23 @@ class ElasticJob:
     def load_peer_state(self, state: dict[str, Any]) -> None:
         """Load :meth:`peer_state` of a peer into ``self.state``."""
         raise NotImplementedError
+
+    def stage_state(self, keep: list[int]) -> None:
+        """Collective over the group about to change, on every rank of it (the leaving ranks
+        of a notice too), before it changes: put what :meth:`reshard` needs where it will
+        be. ``keep``: the old ranks that stay, ascending (``keep[0]`` becomes rank 0).
+        Replicated state needs nothing (the default); a sharded job gathers its shards."""
+
+    def reshard(self, *, from_commit: bool) -> int | None:
+        """Spread the state over the new group after it changed (every rank of it, the
+        joiners too), and wrap the model for it. ``from_commit``: a peer was lost with its
+        shards (never for replicated state): load the newest commit instead.
+
+        Returns:
+            the step loaded from a commit, or None when the state came from memory or peers.
+        """
+        self.wrap()
+        return None
 
     def _check_compatible(self, manifest: Manifest) -> None:
         if manifest.global_batch_size != self.G:
@@ -309,13 +334,14 @@ class ElasticJob:
         """
         step = self.state.step
         leaving = set(decision.leaving_ranks)
+        survivors = [r for r in range(self.ctx.world_size) if r not in leaving]
+        self.stage_state(survivors)  # with the leaving ranks: a sharded job's shards are theirs too
         if self.ctx.rank in leaving:
             self.status.emit("holding", step, notice_ids=list(decision.notice_ids),
                              kinds=list(decision.kinds), timeout_s=self.args.hold_timeout_s)
             time.sleep(self.args.hold_timeout_s)  # the agent stops this node after the commit
             raise RuntimeError(f"rank {self.ctx.rank} was not stopped within {self.args.hold_timeout_s:.0f} s "
                                "of leaving; exiting so torchrun restarts it")
-        survivors = [r for r in range(self.ctx.world_size) if r not in leaving]
         old_world, t0 = self.ctx.world_size, time.perf_counter()
         endpoint = rendezvous_endpoint()
         assert endpoint is not None  # _can_shrink
@@ -327,13 +353,13 @@ class ElasticJob:
         self._after_resize(old_world, t0, "shrunk", resumed_from=step)
 
     def _after_resize(self, old_world: int, t0: float, verb: str, *, resumed_from: int | None,
-                      **fields: Any) -> None:
-        """A new attempt in these processes at the same step, after the group changed:
-        the batch re-planned, new status and step logs, the model re-wrapped, and its
-        ``started`` line (``resized: "in_process"``). ``resumed_from``: the commit it goes
-        on from (a shrink: the notice's), None for a grow (the state came from a peer,
-        not from a commit)."""
-        step = self.state.step
+                      from_commit: bool = False, **fields: Any) -> None:
+        """A new attempt in these processes, after the group changed: the batch re-planned,
+        new status and step logs, the state spread over the new world and the model
+        re-wrapped (:meth:`reshard`), and its ``started`` line (``resized: "in_process"``).
+        ``resumed_from``: the commit it goes on from (a shrink: the notice's), None for a
+        grow (the state came from a peer, not from a commit). ``from_commit``: the state
+        is reloaded from the newest commit (a sharded job that lost a peer's shards)."""
         self.plan = ElasticBatch(self.G, self.plan.micro_batch_size).plan(self.ctx.world_size)
         self.attempt = new_attempt_id(self.ctx)
         self.steplog.close()
@@ -341,9 +367,12 @@ class ElasticJob:
         self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), self.ctx, self.attempt)
         self.states_in_sync = True  # the survivors' own, or sent by a peer just now
         try:
-            self.wrap()
+            loaded = self.reshard(from_commit=from_commit)
         finally:
             self.states_in_sync = False
+        if from_commit:
+            resumed_from = loaded
+        step = self.state.step
         self._follow()
         seconds = time.perf_counter() - t0
         if self.ctx.is_leader:
@@ -398,6 +427,7 @@ class ElasticJob:
         assert endpoint is not None  # _can_grow, on rank 0; the same environment everywhere
         world = old_world + joiners
         prefix = f"spotvisor/{run_id()}/grow/{self.attempt}/{step}"
+        self.stage_state(list(range(old_world)))
         if self.ctx.is_leader:
             assert self._queue is not None and len(self._pick) == joiners
             self._queue.admit(self._pick, prefix=prefix, first_rank=old_world, world_size=world)
@@ -480,7 +510,10 @@ class ElasticJob:
         behind take the state from the most advanced survivor (a rank whose optimizer
         step completed before its last collective failed). Then a new attempt at that
         step: the step that failed is trained again at the smaller world, with the same
-        global batch. Replicated state only (DDP): a sharded job has lost shards.
+        global batch. That is for replicated state (DDP); a sharded job
+        (``state_replicated`` False) lost the peer's shards, so its survivors reload the
+        newest commit in these processes (:meth:`reshard` ``from_commit``) and train on
+        from there: the steps since that commit are lost, no worker restarts.
 
         Raises:
             SystemExit(1): the survivors' world size cannot take the global batch (torchrun
@@ -519,6 +552,10 @@ class ElasticJob:
                         self.G, world)
             raise SystemExit(1)
         self.ctx = regroup(self.ctx, rank, world, prefix, endpoint, self.args.pg_timeout_s)
+        if not self.state_replicated:  # the lost peer's shards are in the newest commit only
+            self._after_resize(old_world, t0, "reloaded", resumed_from=None, from_commit=True,
+                               lost_ranks=old_world - world, failed_step=step)
+            return
         steps: list[int | None] = [None] * world
         dist.all_gather_object(steps, self.state.step)
         top = max(s for s in steps if s is not None)

@@ -111,7 +111,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def build_state(args: argparse.Namespace, device: torch.device) -> TrainState:
-    model = build_model(args).to(device)
+    """The GPT-2 of ``args`` and its AdamW on ``device``; on ``meta``, shapes only (nothing
+    is allocated or initialised: a resize fills it from a peer)."""
+    if device.type == "meta":
+        with torch.device("meta"):
+            model = build_model(args)
+    else:
+        model = build_model(args).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return TrainState(model=model, optimizer=optimizer, step=0)
 

@@ -1,0 +1,186 @@
+"""FSDP2 resizes in-process (``trainer.examples.fsdp_dcp.DcpJob``: ``stage_state`` /
+``reshard``): a new node's workers join a running sharded job, a notice shrinks it, a
+peer killed without notice makes the survivors reload the newest commit; no worker
+restarts, and across each planned resize the full model and optimizer state is
+bit-identical before and after, although every rank's shards changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from bench.ports import free_port
+from trainer.contract import JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
+
+pytestmark = pytest.mark.slow
+
+G = 12
+
+# The full state's digest before stage_state and after reshard (rank 0 writes both; a
+# gather of the full state, collective, costs a test only). Rank 0 waits after step 5 for
+# the joiner, so the grow lands at step 5; node0 (old rank 0: the state must travel to the
+# new rank 0) gets a notice at step 8; node2 is SIGKILLed at step 6 when KILL is set.
+_JOB = """
+import hashlib, os, signal, sys, time, torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from trainer.examples.fsdp_dcp import DcpJob, main
+from trainer.membership import JoinQueue, run_id
+from trainer.runtime import rendezvous_endpoint
+
+def digest(job):
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(job.ddp, options=opts)
+    optim = get_optimizer_state_dict(job.ddp, job.state.optimizer, options=opts)
+    h = hashlib.sha256()
+    for k in sorted(model):
+        h.update(k.encode()); h.update(model[k].numpy().tobytes())
+    for k in sorted(optim.get("state", {})):
+        for name, t in sorted(optim["state"][k].items()):
+            h.update(f"{k}.{name}".encode()); h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+class Resized(DcpJob):
+    def _record(self, when):
+        d = digest(self)
+        if self.ctx.rank == 0:
+            with open(os.path.join(os.environ["OUT"], "%s-%d.txt" % (when, self.state.step)), "w") as f:
+                f.write("%s world %d" % (d, self.ctx.world_size))
+
+    def stage_state(self, keep):
+        self._record("before")
+        super().stage_state(keep)
+
+    def reshard(self, *, from_commit):
+        out = super().reshard(from_commit=from_commit)
+        self._record("after")
+        return out
+
+    def train_step(self):
+        node = os.environ["SPOTVISOR_NODE_ID"]
+        if os.environ.get("KILL") and self.state.step == 6 and node == "node2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = super().train_step()
+        if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process and not os.environ.get("KILL"):
+            q = JoinQueue(rendezvous_endpoint(), run_id())
+            while int(q.store.add("tickets", 0)) < 1:
+                time.sleep(0.05)
+        if self.state.step == 8 and node == "node0" and not os.environ.get("KILL"):
+            path = os.environ["SPOTVISOR_NOTICE_FILE"]
+            with open(path + ".tmp", "w") as f:
+                f.write('[{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": null}]')
+            os.replace(path + ".tmp", path)
+        return out
+
+sys.exit(main(sys.argv[1:], job_cls=Resized))
+"""
+
+
+@pytest.fixture
+def rdzv():
+    """The job's rendezvous store, as the control node runs it (on 127.0.0.1)."""
+    yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str,
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables)."""
+    node = tmp_path / name
+    node.mkdir()
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: "fsdp",
+            NODE_ID_ENV: name, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", **env,
+            "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
+            "SPOTVISOR_LOG_DIR": str(node / "logs"), "SPOTVISOR_SCRATCH_DIR": str(node / "scratch"),
+            RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
+    argv = ["--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+            "--target-steps", "12", "--global-batch-size", str(G), "--micro-batch-size", "2",
+            "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3", "--wrap", "fsdp", *extra]
+    return subprocess.Popen([sys.executable, "-c", _JOB, *argv], env=full, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[str]:
+    try:
+        return [p.communicate(timeout=300)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError("\n".join(p.communicate()[0] for p in procs)) from None
+
+
+def _lines(tmp_path: Path, node: str) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / node / "status.jsonl").read_text().splitlines()]
+
+
+def _trained(tmp_path: Path) -> dict[int, list[int]]:
+    """Step -> the positions trained for it, over every worker's step logs."""
+    out: dict[int, list[int]] = {}
+    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
+        for rec in map(json.loads, log.read_text().splitlines()):
+            out.setdefault(rec["step"], []).extend(rec["positions"])
+    return out
+
+
+def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(tmp_path: Path, rdzv) -> None:
+    """FSDP2 at world 2; a third worker joins at step 5 (world 3); node0, old rank 0, gets
+    a notice at step 8 and the other two go on (world 2) to step 12. Nobody restarts, the
+    joiner reads no commit, every step's global batch is trained exactly once, and at both
+    resizes the full state (every parameter, AdamW's moments) hashes the same before the
+    group changed and after it was resharded at the new world."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
+                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "fsdp"},
+                    rdzv.port, ckpt, ("--checkpoint-interval", "0")) for r in range(2)]
+    status = tmp_path / "node0" / "status.jsonl"
+    while not (status.exists() and '"event":"step"' in status.read_text()):
+        assert procs[0].poll() is None, procs[0].communicate()[0]
+        time.sleep(0.05)
+    procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
+                                            "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
+                                            "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt,
+                        ("--checkpoint-interval", "0")))
+    outs = _finish(procs)
+    assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)  # node0 left after its notice
+
+    started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, "node1")
+               if x["event"] == "started"]
+    assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)], "\n".join(outs)
+    joiner = _lines(tmp_path, "node2")
+    assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 2), (8, 1)]
+    assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from rank 0
+    assert {s: sorted(p) for s, p in _trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    for step, world in ((5, 3), (8, 2)):
+        before = (tmp_path / f"before-{step}.txt").read_text().split()
+        after = (tmp_path / f"after-{step}.txt").read_text().split()
+        assert after[0] == before[0] and after[-1] == str(world), (step, before, after)
+
+
+def test_a_sharded_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_path: Path, rdzv) -> None:
+    """FSDP2 at world 3, a commit every 4 steps; node2's worker is SIGKILLed at step 6 (no
+    notice, its shards gone). The two survivors re-form the group in their own processes,
+    load step 4 from the commit at world 2 and train on to step 12: steps 5 and 6 are
+    trained again (the only loss), every later step once, the step logs continuous."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
+                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "fsdp", "KILL": "1"},
+                    rdzv.port, ckpt, ("--checkpoint-interval", "4", "--loss-settle-s", "0.05")) for r in range(3)]
+    outs = _finish(procs)
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+    for node in ("node0", "node1"):
+        started = [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"), x.get("lost_ranks"))
+                   for x in _lines(tmp_path, node) if x["event"] == "started"]
+        assert started == [(0, None, 3, None, None), (4, "in_process", 2, 4, 1)], "\n".join(outs)
+    trained = _trained(tmp_path)
+    want = {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    for s in (5, 6):  # at world 3 before the loss, at 2 after
+        assert sorted(trained[s]) == sorted(want[s] * 2)
+    assert {s: sorted(p) for s, p in trained.items() if s not in (5, 6)} == {
+        s: p for s, p in want.items() if s not in (5, 6)}
