@@ -130,7 +130,8 @@ def _trained(tmp_path: Path) -> dict[int, list[int]]:
 
 def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(tmp_path: Path, rdzv) -> None:
     """FSDP2 at world 2; a third worker joins at step 5 (world 3); node0, old rank 0, gets
-    a notice at step 8 and the other two go on (world 2) to step 12. Nobody restarts, the
+    a notice at step 8, is stopped the moment its commit is written (as its agent does),
+    and the other two go on (world 2) to step 12. Nobody restarts, the
     joiner reads no commit, every step's global batch is trained exactly once, and at both
     resizes the full state (every parameter, AdamW's moments) hashes the same before the
     group changed and after it was resharded at the new world."""
@@ -146,8 +147,13 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
                                             "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
                                             "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt,
                         ("--checkpoint-interval", "0")))
+    # node0's agent stops it as soon as its notice is answered by a commit, as a real one does
+    while '"reason":"notice"' not in status.read_text():
+        assert procs[0].poll() is None, procs[0].communicate()[0]
+        time.sleep(0.05)
+    procs[0].terminate()
     outs = _finish(procs)
-    assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)  # node0 left after its notice
+    assert [p.returncode for p in procs] == [-15, 0, 0], "\n".join(outs)
 
     started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, "node1")
                if x["event"] == "started"]

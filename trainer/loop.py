@@ -246,12 +246,17 @@ class ElasticJob:
             # be a second, different manifest for one step)
             periodic = (args.checkpoint_interval > 0 and step > start_step and step != self.committed_step
                         and step % args.checkpoint_interval == 0)
+            shrinking = not final and decision.hold and self._can_shrink(decision)
+            if shrinking:
+                # before the commit: its status line lets the leaving nodes' agents stop them,
+                # and a sharded job's leaving ranks hold shards the survivors still need
+                self.stage_state([r for r in range(self.ctx.world_size) if r not in set(decision.leaving_ranks)])
             if final or decision.checkpoint or periodic:
                 reason = "final" if final else ("notice" if decision.checkpoint else "periodic")
                 self.commit(reason=reason, decision=decision)
             if final:
                 break
-            if decision.hold and self._can_shrink(decision):
+            if shrinking:
                 self.shrink(decision)
                 t_window, n_window = time.perf_counter(), 0
                 continue
@@ -321,7 +326,8 @@ class ElasticJob:
     def shrink(self, decision: Decision) -> None:
         """The survivors of a notice go on at the smaller world size without a restart.
 
-        Called on every rank right after the notice commit. A leaving rank (its node has
+        Called on every rank right after the notice commit (and :meth:`stage_state`, before
+        it, while the leaving ranks are sure to be there). A leaving rank (its node has
         the notice) waits for its agent to stop it, as a held rank does. A survivor
         re-forms the default process group over the survivors
         (:func:`~trainer.runtime.shrink_process_group`), re-plans the batch (same global
@@ -335,7 +341,6 @@ class ElasticJob:
         step = self.state.step
         leaving = set(decision.leaving_ranks)
         survivors = [r for r in range(self.ctx.world_size) if r not in leaving]
-        self.stage_state(survivors)  # with the leaving ranks: a sharded job's shards are theirs too
         if self.ctx.rank in leaving:
             self.status.emit("holding", step, notice_ids=list(decision.notice_ids),
                              kinds=list(decision.kinds), timeout_s=self.args.hold_timeout_s)
