@@ -1,8 +1,9 @@
 """How an in-process resize grows with the model, beside the checkpoint-reload path.
 
-``python -m bench.resize_scaling [--sizes 3m,50m,200m] [--json OUT]``
+``python -m bench.resize_scaling [--sizes 3m,50m,200m] [--wraps ddp,fsdp] [--json OUT]``
 
-For each size of the reference trainer's GPT-2 (byte-level, ``trainer.run``) it runs
+For each size of the reference trainer's GPT-2 (byte-level; ``ddp``: ``trainer.run``,
+replicated; ``fsdp``: ``trainer.examples.fsdp_dcp``, FSDP2 shards and DCP commits) it runs
 real worker processes on this machine, as torchrun starts them (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, one worker per "node", gloo on CPU), with the job's
 rendezvous store on 127.0.0.1:
@@ -10,16 +11,20 @@ rendezvous store on 127.0.0.1:
 1. two workers train; a third is started with ``SPOTVISOR_JOIN=1`` (a new node's own
    launcher) and joins at step 2: the **grow**. Measured: the survivors' pause (rank 0's
    last step before the grow to the grown attempt's ``started`` line: the new group, the
-   model, AdamW state and progress sent to the joiner tensor by tensor, the DDP re-wrap),
-   and the joiner's own time from its admission to its ``started`` line;
+   model, AdamW state and progress sent to the joiner tensor by tensor, the DDP re-wrap;
+   FSDP2: the shards gathered on rank 0, the model rebuilt on the meta device, sharded
+   at 3 and filled from rank 0), and the joiner's own time from its admission to its
+   ``started`` line;
 2. at step 4 the joiner's node gets an interruption notice: every rank commits, the
    joiner leaves and the two survivors re-form their group: the **shrink** (its
-   ``resize_s``; the notice commit is its own column);
+   ``resize_s``, plus FSDP2's gather before the commit, ``stage_s``; the notice commit
+   is its own column);
 3. the **reload path**, what a restart pays for the state alone: the commit just made
    (save and upload, from its status line) and loading it back into a fresh model and
-   optimizer (read the shard, deserialize, ``load_state_dict``), measured here. A
-   torchrun restart adds process start, imports and group set-up on top (``make bench``:
-   ``restarts`` and ``grow_hold_s``).
+   optimizer, measured here in one process (DDP: read the shard, deserialize,
+   ``load_state_dict``; FSDP2: fetch the DCP files, ``dcp.load``, ``set_state_dict``).
+   A torchrun restart adds process start, imports and group set-up on top
+   (``make bench``: ``restarts`` and ``grow_hold_s``).
 
 Prints a table; ``--json`` writes the figures.
 """
@@ -42,13 +47,16 @@ from bench.ports import free_port
 # name -> (n_layer, n_embd, n_head): GPT-2 blocks hold ~12 * n_layer * n_embd^2 parameters
 SIZES = {"3m": (4, 256, 4), "50m": (8, 720, 12), "200m": (16, 1024, 16)}
 
+#: --wraps choice -> (module of the job class and main, its class, extra trainer flags)
+WRAPS = {"ddp": ("trainer.run", "ReferenceJob", ()), "fsdp": ("trainer.examples.fsdp_dcp", "DcpJob", ("--wrap", "fsdp"))}
+
 _JOB = """
 import os, sys, time
 from trainer.membership import JoinQueue, run_id
-from trainer.run import ReferenceJob, main
+from {module} import {job} as Job, main
 from trainer.runtime import rendezvous_endpoint
 
-class Scaled(ReferenceJob):
+class Scaled(Job):
     def train_step(self):
         out = super().train_step()
         if self.state.step == 2 and self.ctx.rank == 0 and not self.joined_in_process:
@@ -77,25 +85,28 @@ def _steps(node: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_size(name: str, workdir: Path) -> dict[str, Any]:
-    """One size: the grow, the shrink and the reload path (module docstring). Seconds, bytes."""
+def run_size(name: str, workdir: Path, wrap: str = "ddp") -> dict[str, Any]:
+    """One size and trainer: the grow, the shrink and the reload path (module docstring). Seconds, bytes."""
     from torch.distributed import TCPStore
 
     n_layer, n_embd, n_head = SIZES[name]
+    module, job, flags = WRAPS[wrap]
+    script = _JOB.replace("{module}", module).replace("{job}", job)
     rdzv = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     master, ckpt = free_port(), (workdir / "ckpt").as_uri()
     argv = ["--checkpoint-uri", ckpt, "--n-layer", str(n_layer), "--n-embd", str(n_embd), "--n-head", str(n_head),
             "--seq-len", "16", "--target-steps", "6", "--checkpoint-interval", "0", "--global-batch-size", "6",
-            "--micro-batch-size", "1", "--pg-timeout-s", "300", "--join-timeout-s", "600", "--hold-timeout-s", "5"]
+            "--micro-batch-size", "1", "--pg-timeout-s", "300", "--join-timeout-s", "600", "--hold-timeout-s", "5",
+            *flags]
 
     def start(node: str, env: dict[str, str]) -> subprocess.Popen:
         d = workdir / node
         d.mkdir(parents=True, exist_ok=True)
         full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "SPOTVISOR_RUN_ID": f"scale-{name}",
-                "SPOTVISOR_NODE_ID": node, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "SPOTVISOR_NODE_ID": node, "SPOTVISOR_SCRATCH_DIR": str(d / "scratch"), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "SPOTVISOR_NOTICE_FILE": str(d / "notices.json"), "SPOTVISOR_STATUS_FILE": str(d / "status.jsonl"),
                 "SPOTVISOR_LOG_DIR": str(d / "logs"), "SPOTVISOR_RDZV_ENDPOINT": f"127.0.0.1:{rdzv.port}"}
-        return subprocess.Popen([sys.executable, "-c", _JOB, *argv], env=full, cwd=workdir,
+        return subprocess.Popen([sys.executable, "-c", script, *argv], env=full, cwd=workdir,
                                 stdout=open(d / "out.log", "w"), stderr=subprocess.STDOUT)
 
     procs = [start(f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
@@ -118,14 +129,14 @@ def run_size(name: str, workdir: Path) -> dict[str, Any]:
     last_before = max(r["time"] for r in _steps(workdir / "node0") if r["time"] < grown["time"])
     joiner = next(x for x in _lines(workdir / "node2" / "status.jsonl") if x["event"] == "started")
     commit = next(x for x in s0 if x["event"] == "checkpoint_committed" and x.get("reason") == "notice")
-    load_s, params = _load_time(argv, ckpt)
-    return {"size": name, "params": params, "state_bytes": commit["bytes"],
+    load_s, params = (_load_dcp_time if wrap == "fsdp" else _load_time)(argv, ckpt, workdir)
+    return {"size": name, "wrap": wrap, "params": params, "state_bytes": commit["bytes"],
             "grow_pause_s": round(grown["time"] - last_before, 3), "grow_resize_s": grown["resize_s"],
             "joiner_resize_s": joiner["resize_s"], "shrink_resize_s": shrunk["resize_s"],
-            "commit_s": commit["seconds"], "load_s": round(load_s, 3)}
+            "shrink_stage_s": shrunk.get("stage_s", 0.0), "commit_s": commit["seconds"], "load_s": round(load_s, 3)}
 
 
-def _load_time(argv: list[str], ckpt: str) -> tuple[float, int]:
+def _load_time(argv: list[str], ckpt: str, workdir: Path) -> tuple[float, int]:
     """Seconds to load the newest commit into a fresh model and optimizer, and the parameter count."""
     import torch
 
@@ -142,27 +153,56 @@ def _load_time(argv: list[str], ckpt: str) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(p.numel() for p in state.model.parameters())
 
 
+def _load_dcp_time(argv: list[str], ckpt: str, workdir: Path) -> tuple[float, int]:
+    """Seconds to fetch the newest DCP commit and load it into a fresh model and optimizer
+    (one process, no group: DCP without collectives), and the parameter count."""
+    import torch
+
+    from trainer.checkpoint import open_store
+    from trainer.examples.fsdp_dcp import build_parser
+    from trainer.guard import PreemptionGuard
+    from trainer.integrations.dcp import DcpCheckpointer
+    from trainer.run import build_state
+    from trainer.runtime import DistContext, StatusWriter
+
+    args = build_parser().parse_args([*argv, "--data", str(Path(__file__))])
+    state = build_state(args, torch.device("cpu"))
+    ctx = DistContext(0, 0, 1, None, torch.device("cpu"), False)
+    ckpt_io = DcpCheckpointer(ctx, open_store(ckpt), state.model, state.optimizer, scratch=workdir / "reload",
+                              status=StatusWriter(None, ctx, "reload"), guard=PreemptionGuard())
+    t0 = time.perf_counter()
+    if ckpt_io.resume() is None:
+        raise RuntimeError(f"no DCP commit in {ckpt}")
+    return time.perf_counter() - t0, sum(p.numel() for p in state.model.parameters())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.resize_scaling", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="3m,50m,200m", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--wraps", default="ddp,fsdp", help=f"comma-separated, of {', '.join(WRAPS)}")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in SIZES]
-    if bad:
-        print(f"error: --sizes: unknown {', '.join(bad)} (use {', '.join(SIZES)})", file=sys.stderr)
-        return 2
+    wraps = [w.strip() for w in args.wraps.split(",") if w.strip()]
+    for flag, got, known in (("--sizes", sizes, SIZES), ("--wraps", wraps, WRAPS)):
+        bad = [s for s in got if s not in known]
+        if bad or not got:
+            print(f"error: {flag}: unknown {', '.join(bad) or 'empty'} (use {', '.join(known)})", file=sys.stderr)
+            return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="spotvisor-scaling-") as tmp:
-        for s in sizes:
-            print(f"{s}: running ...", flush=True)
-            rows.append(run_size(s, Path(tmp) / s))
-    head = ("params", "state MB", "grow: pause", "joiner", "shrink", "commit", "load")
+        for w in wraps:
+            for s in sizes:
+                print(f"{w} {s}: running ...", flush=True)
+                rows.append(run_size(s, Path(tmp) / f"{w}-{s}", w))
+    head = ("trainer", "params", "state MB", "grow: pause", "joiner", "shrink", "commit", "load")
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['params'] / 1e6:.1f} M | {r['state_bytes'] / 1e6:,.0f} | {r['grow_pause_s']:.2f} s "
-              f"| {r['joiner_resize_s']:.2f} s | {r['shrink_resize_s']:.2f} s | {r['commit_s']:.2f} s "
-              f"| {r['load_s']:.2f} s |")
+        shrink = f"{r['shrink_resize_s']:.2f} s"
+        if r["shrink_stage_s"]:
+            shrink = f"{r['shrink_stage_s'] + r['shrink_resize_s']:.2f} s ({r['shrink_stage_s']:.2f} gather)"
+        print(f"| {r['wrap']} | {r['params'] / 1e6:.1f} M | {r['state_bytes'] / 1e6:,.0f} | {r['grow_pause_s']:.2f} s "
+              f"| {r['joiner_resize_s']:.2f} s | {shrink} | {r['commit_s']:.2f} s | {r['load_s']:.2f} s |")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

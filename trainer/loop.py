@@ -143,6 +143,7 @@ class ElasticJob:
         self._queue_warned = False
         self._step_s = 0.0  # the last step's duration (s): a lost peer's survivors wait about that long for each other
         self._watch: LossWatch | None = None  # unblocks this worker when other survivors re-form without it
+        self._stage_s = 0.0  # the last notice's stage_state, before its commit (s): the shrink's started line has it
 
     # -- what a job brings
 
@@ -250,7 +251,9 @@ class ElasticJob:
             if shrinking:
                 # before the commit: its status line lets the leaving nodes' agents stop them,
                 # and a sharded job's leaving ranks hold shards the survivors still need
+                t_stage = time.perf_counter()
                 self.stage_state([r for r in range(self.ctx.world_size) if r not in set(decision.leaving_ranks)])
+                self._stage_s = time.perf_counter() - t_stage
             if final or decision.checkpoint or periodic:
                 reason = "final" if final else ("notice" if decision.checkpoint else "periodic")
                 self.commit(reason=reason, decision=decision)
@@ -355,7 +358,8 @@ class ElasticJob:
         # has another TORCHELASTIC_RUN_ID; the first bench run hung here for the pg timeout)
         self.ctx = shrink_process_group(self.ctx, survivors, f"spotvisor/{run_id()}/shrink/{self.attempt}/{step}",
                                         endpoint, self.args.pg_timeout_s)
-        self._after_resize(old_world, t0, "shrunk", resumed_from=step)
+        self._after_resize(old_world, t0, "shrunk", resumed_from=step,
+                           **({"stage_s": round(self._stage_s, 4)} if self._stage_s else {}))
 
     def _after_resize(self, old_world: int, t0: float, verb: str, *, resumed_from: int | None,
                       from_commit: bool = False, **fields: Any) -> None:
