@@ -13,6 +13,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
 from bench.ports import free_port
@@ -246,6 +248,55 @@ def test_a_joined_node_whose_trainer_fails_leaves_and_is_replaced() -> None:
     assert on_trainer_exit(view, exit_code=1, joined_in_process=False) == []  # torchrun's restarts are torchrun's
 
 
+def _pool(*nodes: tuple[str, str], attempt: str = "a7", world: int = 3, job: str = "running"):
+    from daemon.control import actions as a
+    from daemon.control.lifecycle import JobState, NodeState
+
+    views = tuple(a.NodeView(id=n, state=NodeState.LOST, gpus=1, created_at=0.0, attempt=att) for n, att in nodes)
+    return a.PoolState(nodes=views, job=JobState(job), attempt=attempt, world_size=world)
+
+
+def test_a_node_lost_in_the_running_attempt_wakes_its_survivors() -> None:
+    from daemon.control import actions as a
+    from daemon.control.policies import Spotvisor
+    from daemon.control.reactions import on_loss_without_notice
+
+    s = _pool(("n1", "a7"), ("n2", "a6"), ("n3", ""))
+    assert on_loss_without_notice(s, ["n1", "n2", "n3"]) == [a.WakeSurvivors("a7", 3, ("n1",))]
+    assert Spotvisor().after_loss(s, ["n1"], now=0.0) == [a.WakeSurvivors("a7", 3, ("n1",))]  # the default policy's
+    assert on_loss_without_notice(s, ["n2", "n3"]) == []  # left an earlier attempt; never reported one
+    assert on_loss_without_notice(_pool(("n1", "a7"), job="pending"), ["n1"]) == []  # no job running
+    assert on_loss_without_notice(_pool(("n1", "a7"), world=1), ["n1"]) == []  # nobody to wake
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["n1", "n2", "n3", "n4"]), st.sampled_from(["", "a6", "a7"])),
+                unique_by=lambda t: t[0]),
+       st.sets(st.sampled_from(["n1", "n2", "n3", "n4", "n9"])))
+def test_survivors_are_woken_exactly_when_a_lost_node_held_ranks_of_the_running_attempt(nodes, lost) -> None:
+    from daemon.control.reactions import on_loss_without_notice
+
+    out = on_loss_without_notice(_pool(*nodes), sorted(lost))
+    held = sorted(n for n, att in nodes if n in lost and att == "a7")
+    assert [(w.attempt, w.world_size, list(w.lost)) for w in out] == ([("a7", 3, held)] if held else [])
+
+
+async def test_the_supervisor_writes_the_wake_into_the_rendezvous_store(spot_daemon, rdzv, monkeypatch) -> None:
+    """``WakeSurvivors`` sets every rank's wake key of the attempt, under the run id the
+    job spec gives the trainers; a store out of reach is a log line, not a crash."""
+    from daemon.control.actions import WakeSurvivors
+
+    h = spot_daemon
+    config = h.sup.config
+    h.sup.config = config.model_copy(update={"rendezvous": config.rendezvous.model_copy(update={"port": rdzv.port})})
+    await h.sup.wake_survivors(WakeSurvivors("a7", 3, ("n2",)))
+    run = f"{config.job.id}-{h.sup.run_nonce}"
+    assert [rdzv.get(f"spotvisor/{run}/loss/a7/wake/{r}") for r in range(3)] == [b"daemon: n2 lost"] * 3
+    monkeypatch.setattr("daemon.controlnode.supervisor.WAKE_TIMEOUT_S", 0.5)
+    h.sup.config = config.model_copy(update={"rendezvous": config.rendezvous.model_copy(update={"port": free_port()})})
+    await h.sup.wake_survivors(WakeSurvivors("a8", 2, ("n3",)))  # nobody listens there: logged, returns
+
+
 # -- a peer lost without notice, in-process --------------------------------------------------
 
 _LOSS_JOB = """
@@ -287,6 +338,58 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
         started = [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in _lines(tmp_path, node)
                    if x["event"] == "started"]
         assert started == [(0, None, 3, None), (6, "in_process", 2, 1)]  # the same processes throughout
+    _assert_every_batch_once(tmp_path, 12)
+    _assert_same_state(tmp_path, 2)
+
+
+_SILENT_JOB = """
+import os, signal, sys
+from trainer.run import ReferenceJob, main
+
+class StoppedAtSix(ReferenceJob):
+    # node2's worker stops dead at step 6 (SIGSTOP: its connections stay open and silent, as
+    # a powered-off instance's do: its peers' collective neither fails nor returns)
+    def train_step(self):
+        if self.state.step == 6 and os.environ["SPOTVISOR_NODE_ID"] == "node2":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().train_step()
+
+""" + _DIGEST_AT_THE_END + """
+sys.exit(main(sys.argv[1:], job_cls=StoppedAtSix))
+"""
+
+
+@pytest.mark.slow
+def test_the_daemon_wakes_the_survivors_of_a_silent_node(tmp_path: Path, rdzv) -> None:
+    """Three workers, a collective timeout of 60 s; node2's worker goes silent at step 6 (SIGSTOP).
+    The survivors block in their all-reduce on it. The daemon, which learns of the loss from
+    the node's heartbeats or the provider, wakes every rank of the running attempt
+    (:func:`trainer.membership.wake_survivors`, as the supervisor's ``WakeSurvivors`` action
+    does): the two survivors re-form without node2 in their own processes at once, not
+    after the 60 s timeout, and lose no step."""
+    from trainer.membership import wake_survivors
+
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
+                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "silent"},
+                    rdzv.port, ckpt, script=_SILENT_JOB) for r in range(3)]
+    try:
+        while Path(f"/proc/{procs[2].pid}/stat").read_text().split(")")[1].split()[0] != "T":
+            assert procs[2].poll() is None, procs[2].communicate()[0]
+            time.sleep(0.05)
+        stopped_at = time.time()
+        running = [x for x in _lines(tmp_path, "node0") if x["event"] == "started"][-1]
+        wake_survivors(("127.0.0.1", rdzv.port), "grow", running["attempt"], running["world_size"], reason="daemon")
+        outs = _finish(procs[:2])
+    finally:
+        procs[2].kill()
+        procs[2].communicate()
+    assert [p.returncode for p in procs[:2]] == [0, 0], "\n".join(outs)
+    for node in ("node0", "node1"):
+        started = [x for x in _lines(tmp_path, node) if x["event"] == "started"]
+        assert [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in started] == [
+            (0, None, 3, None), (6, "in_process", 2, 1)]
+        assert started[-1]["time"] - stopped_at < 30, "the survivors waited for the collective timeout"
     _assert_every_batch_once(tmp_path, 12)
     _assert_same_state(tmp_path, 2)
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
 
 __all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinTimeout", "LossWatch", "joining", "run_id",
-           "settle_survivors", "EXPIRY_MARGIN_S"]
+           "settle_survivors", "wake_survivors", "EXPIRY_MARGIN_S"]
 
 #: Rank 0 leaves a ticket this close to its expiry alone (seconds): its joiner may withdraw it.
 EXPIRY_MARGIN_S = 30.0
@@ -268,6 +268,25 @@ def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank
         raise JoinTimeout(f"rank {old_rank} reached the survivors' round of attempt {attempt} after it closed")
     ranks = sorted(int(store.get(f"m/{i}").decode()) for i in range(1, closed + 1))
     return ranks.index(old_rank), closed, f"{prefix}/group"
+
+
+def wake_survivors(endpoint: tuple[str, int], run: str, attempt: str, world_size: int, *, reason: str,
+                   timeout_s: float = 10.0) -> None:
+    """Wake every rank of attempt ``attempt`` (ranks ``0 .. world_size - 1``) as the first
+    survivor of a loss does (:func:`settle_survivors`): each rank's :class:`LossWatch`
+    fails its blocked collective and the rank joins the survivors' round. For the daemon,
+    which learns of a node lost without a trace (powered off: no connection reset, so its
+    peers would wait in their collective until its timeout, ``--pg-timeout-s``) from its
+    heartbeats or the provider. Harmless on an attempt that has ended (nobody watches its
+    keys any more). Blocking (store round trips): call it off the event loop.
+
+    Raises:
+        torch.distributed.DistError / RuntimeError: (torch) the store is out of reach.
+    """
+    client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(f"spotvisor/{run}/loss/{attempt}", client)
+    for r in range(world_size):
+        store.set(f"wake/{r}", reason)
 
 
 class LossWatch:

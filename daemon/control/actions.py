@@ -47,6 +47,7 @@ __all__ = [
     "RequestCheckpoint",
     "MarkReplacing",
     "Action",
+    "WakeSurvivors",
 ]
 
 
@@ -74,6 +75,9 @@ class NodeView:
     # in the domain a migration is leaving: kept (not released as drained) until the job
     # has trained its first step in the new domain
     held: bool = False
+    # the trainer attempt its workers last reported starting ("" unknown): a node of the
+    # job's running attempt holds ranks its peers may be blocked on
+    attempt: str = ""
 
     @property
     def trainer_exited(self) -> bool:
@@ -109,6 +113,9 @@ class PoolState:
     first_ready_at: float | None = None
     # the placement domain the job runs in: admission looks at its nodes only ("" = all)
     domain: str = ""
+    # the trainer attempt the job runs now, and its world size ("" and 0: none reported)
+    attempt: str = ""
+    world_size: int = 0
 
     def in_domain(self) -> PoolState:
         """This state with only the nodes of the job's domain (all of them when ``domain`` is "")."""
@@ -243,5 +250,17 @@ class MarkReplacing:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class WakeSurvivors:
+    """Nodes of the running attempt were lost without notice (``lost``, ids): wake every
+    rank of ``attempt`` (``world_size`` ranks) through the rendezvous store, so the
+    survivors blocked in a collective on a silent peer re-form without it now
+    (:func:`trainer.membership.wake_survivors`), not at the collective's timeout."""
+
+    attempt: str
+    world_size: int
+    lost: tuple[str, ...]
+
+
 Action = Union[Launch, Terminate, MarkLost, Admit, StartJob, RestartJob, RequestRejoin, EndRejoin, Drain,
-               NoteFirstReady, Leave, AvoidZone, WatchFlush, RequestCheckpoint, MarkReplacing]
+               NoteFirstReady, Leave, AvoidZone, WatchFlush, RequestCheckpoint, MarkReplacing, WakeSurvivors]

@@ -45,6 +45,7 @@ from daemon.control.deadline import markets as deadline_markets
 from daemon.control.migration import DomainView, Move, Plan
 from daemon.control.migration import decide as decide_move
 from daemon.control.offers import History
+from daemon.control.reactions import on_loss_without_notice
 
 __all__ = [
     "RecoveryPolicy",
@@ -163,6 +164,11 @@ class Spotvisor(RecoveryPolicy):
 
     name = DEFAULT_POLICY
     description = "notice-driven collective commit, elastic shrink, a grow in-process or by a rejoin commit"
+
+    def after_loss(self, s: PoolState, lost: Sequence[str], *, now: float) -> list[Action]:
+        """A node lost without notice: its peers in the running attempt are woken to re-form
+        without it now (:func:`daemon.control.reactions.on_loss_without_notice`)."""
+        return on_loss_without_notice(s, lost)
 
 
 @register

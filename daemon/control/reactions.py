@@ -15,10 +15,13 @@ launches a replacement, ranked away from n2's zone; the flush watch says
 
 from __future__ import annotations
 
-from daemon.control.actions import Action, AvoidZone, Leave, MarkReplacing, NodeView, RequestCheckpoint, WatchFlush
-from daemon.control.lifecycle import NodeState, training
+from collections.abc import Sequence
 
-__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance", "on_trainer_exit"]
+from daemon.control.actions import (Action, AvoidZone, Leave, MarkReplacing, NodeView, PoolState, RequestCheckpoint,
+                                    WakeSurvivors, WatchFlush)
+from daemon.control.lifecycle import JobState, NodeState, training
+
+__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance", "on_trainer_exit", "on_loss_without_notice"]
 
 # a commit reported just before a notice's deadline may still be on its way (the
 # agent's report retry backs off up to 5 s): wait this long past it before saying
@@ -65,3 +68,26 @@ def on_rebalance(node: NodeView, *, policy: str, notice_id: str | None) -> list[
     if policy == "checkpoint":
         return [RequestCheckpoint(f"rebalance-{notice_id}", (node.id,), "rebalance", about=node.id)]
     return [] if node.replacing else [MarkReplacing(node.id, "rebalance_recommendation")]
+
+
+def on_loss_without_notice(s: PoolState, lost: Sequence[str]) -> list[Action]:
+    """Nodes that were in the job ended (``lost``, ids: heartbeats stopped, or the provider
+    lists the instance no more). Those whose workers last reported the attempt the job runs
+    now held ranks of it, and their peers may be blocked in a collective on them: an
+    instance powered off resets no connection, so the peers would wait for the
+    collective's timeout (``--pg-timeout-s``, 120 s by default) before re-forming. Wake
+    every rank of that attempt (:class:`WakeSurvivors`): the survivors re-form without
+    the lost ranks at once. A node that had left (its notice answered, its attempt over)
+    or never reported the running attempt wakes nobody.
+
+    Example: n1 n2 n3 train attempt ``a7`` at world size 3; n2's instance is powered off
+    (no notice). 20 s later its heartbeats have stopped for ``heartbeat_timeout_s`` and
+    the planner marks it lost: ``[WakeSurvivors("a7", 3, ("n2",))]``; n1's and n3's
+    workers leave their blocked all-reduce and go on at world size 2 from the step that
+    failed, 100 s before their collective would have timed out.
+    """
+    if s.job is not JobState.RUNNING or not s.attempt or s.world_size < 2:
+        return []
+    ids = set(lost)
+    held = tuple(sorted(n.id for n in s.nodes if n.id in ids and n.attempt == s.attempt))
+    return [WakeSurvivors(s.attempt, s.world_size, held)] if held else []

@@ -30,6 +30,7 @@ class JobView:
     started_at: float | None = None
     resumed_at: float | None = None
     attempts: set[str] = field(default_factory=set)
+    attempt: str | None = None  # the newest attempt recorded (job_resumed): the one running
     resizes_in_process: int = 0  # attempts that were the survivors going on in their processes
     commit_steps: set[int] = field(default_factory=set)  # steps with a checkpoint_committed event
 

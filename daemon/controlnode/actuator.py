@@ -27,8 +27,10 @@ class Actuator:
     """Turns decisions into agent commands and recorded state (see the module docstring)."""
 
     def __init__(self, core: Core, *, drain: Callable[[Node, str], None], avoid_zone: Callable[[Node], None],
-                 watch_flush: Callable[[str, str, float], None]) -> None:
+                 watch_flush: Callable[[str, str, float], None],
+                 wake_survivors: Callable[[a.WakeSurvivors], None]) -> None:
         self.core = core
+        self._wake_survivors = wake_survivors  # Supervisor.wake_survivors: a store write, off the loop
         self._drain = drain  # Operator.drain
         self._avoid_zone = avoid_zone  # Fleet.avoid_zone_of
         self._watch_flush = watch_flush  # JobTracker.watch_flush
@@ -73,6 +75,8 @@ class Actuator:
             sup.nodes[action.node_id].replacing = True
             sup.store.put_node(sup.nodes[action.node_id])
             sup.wake()
+        elif isinstance(action, a.WakeSurvivors):
+            self._wake_survivors(action)
         else:
             raise TypeError(f"not an action for act(): {action!r}")
 

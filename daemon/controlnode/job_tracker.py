@@ -55,6 +55,9 @@ class JobTracker:
         self._started: set[str] = set()  # attempts whose job_resumed is recorded (this daemon or the store)
         # commits reported before their own attempt's start: (node, line, since, unconfirmed)
         self._early_commits: list[tuple[str | None, StatusLine, float, bool]] = []
+        #: node → the attempt its workers last reported starting (any rank): who holds ranks
+        #: of the running attempt (daemon.control.reactions.on_loss_without_notice)
+        self.node_attempt: dict[str, str] = {}
 
     def pick_up(self) -> bool:
         """A restarted daemon takes over the job the last one left running.
@@ -131,6 +134,7 @@ class JobTracker:
             return
         leader = self._attempt_leader.get(line.attempt)
         if line.event == "started":
+            self.node_attempt[node.id] = line.attempt
             if line.rank != 0 or (leader is not None and leader != node.id):
                 self.core.drop(node, "trainer_status", f"started of attempt {line.attempt} from rank {line.rank} "
                            f"(attempt held by {leader or 'nobody'})", line.event)
@@ -223,6 +227,7 @@ class JobTracker:
 
     def _record_resume_event(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool) -> None:
         self.core.job.attempts.add(line.attempt)
+        self.core.job.attempt = line.attempt
         if line.resized == "in_process":
             self.core.job.resizes_in_process += 1
         if self.core.job.started_at is None:
