@@ -4,6 +4,7 @@ take the state from rank 0; nobody restarts (``trainer.membership``,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -281,20 +282,26 @@ def test_survivors_are_woken_exactly_when_a_lost_node_held_ranks_of_the_running_
     assert [(w.attempt, w.world_size, list(w.lost)) for w in out] == ([("a7", 3, held)] if held else [])
 
 
-async def test_the_supervisor_writes_the_wake_into_the_rendezvous_store(spot_daemon, rdzv, monkeypatch) -> None:
-    """``WakeSurvivors`` sets every rank's wake key of the attempt, under the run id the
-    job spec gives the trainers; a store out of reach is a log line, not a crash."""
+async def test_the_daemon_writes_the_wake_into_the_lost_nodes_rendezvous_store(spot_daemon, rdzv,
+                                                                              monkeypatch) -> None:
+    """``WakeSurvivors`` sets every rank's wake key of the attempt in the rendezvous store,
+    under the run id, that the lost node's job spec gave its workers; a store out of reach
+    is a log line, not a crash."""
     from daemon.control.actions import WakeSurvivors
+    from daemon.model import Node
 
     h = spot_daemon
     config = h.sup.config
     h.sup.config = config.model_copy(update={"rendezvous": config.rendezvous.model_copy(update={"port": rdzv.port})})
-    await h.sup.wake_survivors(WakeSurvivors("a7", 3, ("n2",)))
-    run = f"{config.job.id}-{h.sup.run_nonce}"
-    assert [rdzv.get(f"spotvisor/{run}/loss/a7/wake/{r}") for r in range(3)] == [b"daemon: n2 lost"] * 3
-    monkeypatch.setattr("daemon.controlnode.supervisor.WAKE_TIMEOUT_S", 0.5)
-    h.sup.config = config.model_copy(update={"rendezvous": config.rendezvous.model_copy(update={"port": free_port()})})
-    await h.sup.wake_survivors(WakeSurvivors("a8", 2, ("n3",)))  # nobody listens there: logged, returns
+    h.sup.nodes["n2"] = Node(id="n2", ordinal=2, provider="local", region="local", zone=None, instance_type="t",
+                             gpus=1, price_usd_h=0.0, token="x")
+    run = h.sup.job_spec(h.sup.nodes["n2"])["env"][RUN_ID_ENV]
+    h.sup.act(WakeSurvivors("a7", 3, ("n2",)))
+    keys = [f"spotvisor/{run}/loss/a7/wake/{r}" for r in range(3)]
+    await asyncio.to_thread(rdzv.wait, keys, timedelta(seconds=30))  # the action's task writes them
+    assert [rdzv.get(k) for k in keys] == [b"daemon: n2 lost"] * 3
+    monkeypatch.setattr("daemon.controlnode.actuator.WAKE_TIMEOUT_S", 0.5)
+    await h.sup.actuator.wake_survivors(WakeSurvivors("a8", 2, ("n2",)), ("127.0.0.1", free_port()), run)  # logged
 
 
 # -- a peer lost without notice, in-process --------------------------------------------------

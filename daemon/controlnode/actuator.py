@@ -7,6 +7,7 @@ other action of :mod:`daemon.control.actions` comes here.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Callable
 
@@ -17,20 +18,22 @@ from daemon.control.lifecycle import JobState, NodeState
 from daemon.control.state import Rejoin
 from daemon.controlnode.core import Core
 from daemon.model import EventKind, Node
+from trainer.contract import RDZV_ENDPOINT_ENV, RUN_ID_ENV
 
 __all__ = ["Actuator"]
 
 log = structlog.get_logger("spotvisor.daemon")
+
+#: how long the wake of a loss's survivors tries to reach the rendezvous store (seconds)
+WAKE_TIMEOUT_S = 5.0
 
 
 class Actuator:
     """Turns decisions into agent commands and recorded state (see the module docstring)."""
 
     def __init__(self, core: Core, *, drain: Callable[[Node, str], None], avoid_zone: Callable[[Node], None],
-                 watch_flush: Callable[[str, str, float], None],
-                 wake_survivors: Callable[[a.WakeSurvivors], None]) -> None:
+                 watch_flush: Callable[[str, str, float], None]) -> None:
         self.core = core
-        self._wake_survivors = wake_survivors  # Supervisor.wake_survivors: a store write, off the loop
         self._drain = drain  # Operator.drain
         self._avoid_zone = avoid_zone  # Fleet.avoid_zone_of
         self._watch_flush = watch_flush  # JobTracker.watch_flush
@@ -76,9 +79,26 @@ class Actuator:
             sup.store.put_node(sup.nodes[action.node_id])
             sup.wake()
         elif isinstance(action, a.WakeSurvivors):
-            self._wake_survivors(action)
+            # the rendezvous store and run id the lost node's workers were given (its domain's)
+            env = sup.job_spec(sup.nodes[action.lost[0]])["env"]
+            host, _, port = env[RDZV_ENDPOINT_ENV].rpartition(":")
+            sup.spawn(self.wake_survivors(action, (host.strip("[]"), int(port)), env[RUN_ID_ENV]), "wake-survivors")
         else:
             raise TypeError(f"not an action for act(): {action!r}")
+
+    async def wake_survivors(self, action: a.WakeSurvivors, endpoint: tuple[str, int], run: str) -> None:
+        """Wake every rank of ``action.attempt`` through the rendezvous store at ``endpoint``
+        (:func:`trainer.membership.wake_survivors`, in a thread: store round trips). A store
+        out of reach is logged: the survivors still re-form at their collective's timeout."""
+        from trainer.membership import wake_survivors
+
+        try:
+            await asyncio.to_thread(wake_survivors, endpoint, run, action.attempt, action.world_size,
+                                    reason=f"daemon: {','.join(action.lost)} lost", timeout_s=WAKE_TIMEOUT_S)
+        except Exception as exc:  # torch's store errors: DistError, RuntimeError, OSError
+            log.warning("wake_survivors_failed", attempt=action.attempt, lost=list(action.lost), error=str(exc))
+            return
+        log.info("survivors_woken", attempt=action.attempt, world_size=action.world_size, lost=list(action.lost))
 
     def _rejoin(self, action: a.RequestRejoin | a.EndRejoin) -> None:
         sup = self.core

@@ -110,6 +110,10 @@ class JobTracker:
                                  overdue_s=round(now - due + FLUSH_GRACE_S, 1),
                                  last_commit_step=self.core.job.last_commit_step)
 
+    def attempt_of(self, node_id: str) -> str:
+        """The trainer attempt ``node_id``'s workers last reported starting ("" if none)."""
+        return self.node_attempt.get(node_id, "")
+
     def on_status(self, node: Node, line: StatusLine) -> None:
         """A trainer's ``started``, ``checkpoint_committed`` or ``completed`` line.
 

@@ -66,8 +66,6 @@ log = structlog.get_logger("spotvisor.daemon")
 # instance's cold disk can take tens of seconds, during which the survivors train on.
 PREWARM_WAIT_S = 60.0
 _PROVIDER_ACTIONS = (a.Launch, a.Terminate, a.MarkLost)
-#: how long the wake of a loss's survivors tries to reach the rendezvous store (seconds)
-WAKE_TIMEOUT_S = 5.0
 
 
 class Supervisor:
@@ -103,8 +101,7 @@ class Supervisor:
                              published_at=self.fleet.notice_published_at)
         self.operator = Operator(self)
         self.actuator = Actuator(self, drain=self.operator.drain, avoid_zone=self.fleet.avoid_zone_of,
-                                 watch_flush=self.tracker.watch_flush,
-                                 wake_survivors=lambda act: self.spawn(self.wake_survivors(act), "wake-survivors"))
+                                 watch_flush=self.tracker.watch_flush)
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
@@ -173,22 +170,6 @@ class Supervisor:
 
         task.add_done_callback(done)
         return task
-
-    async def wake_survivors(self, action: a.WakeSurvivors) -> None:
-        """Wake every rank of ``action.attempt`` through the rendezvous store
-        (:func:`trainer.membership.wake_survivors`, in a thread: store round trips). A store
-        out of reach is logged: the survivors still re-form at their collective's timeout."""
-        from trainer.membership import wake_survivors
-
-        rdzv = self.config.rendezvous
-        run = f"{self.config.job.id}-{self.run_nonce}"  # the job spec's SPOTVISOR_RUN_ID
-        try:
-            await asyncio.to_thread(wake_survivors, (rdzv.host, rdzv.port), run, action.attempt, action.world_size,
-                                    reason=f"daemon: {','.join(action.lost)} lost", timeout_s=WAKE_TIMEOUT_S)
-        except Exception as exc:  # torch's store errors: DistError, RuntimeError, OSError
-            log.warning("wake_survivors_failed", attempt=action.attempt, lost=list(action.lost), error=str(exc))
-            return
-        log.info("survivors_woken", attempt=action.attempt, world_size=action.world_size, lost=list(action.lost))
 
     # -- events -----------------------------------------------------------------------
     def subscribe(self, listener: Callable[[Event], None]) -> None:
@@ -328,11 +309,10 @@ class Supervisor:
 
     def view(self, n: Node) -> a.NodeView:
         domain = self.domain_of(n)
-        return a.NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at,
-                          domain=domain, held=self.migrator.held(domain), market=n.market,
+        return a.NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at, domain=domain,
+                          held=self.migrator.held(domain), market=n.market, attempt=self.tracker.attempt_of(n.id),
                           last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
                           trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
-                          attempt=self.tracker.node_attempt.get(n.id, ""),
                           # not told by this daemon (it restarted): what it would be told now
                           heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
 
