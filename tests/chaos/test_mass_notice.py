@@ -27,7 +27,7 @@ import yaml
 
 from chaos.conftest import Matrix, lost_events
 from daemon.model import Event
-from e2e.conftest import ROOT, SMALL_MODEL, _run_demo_config
+from e2e.conftest import ROOT, _run_demo_config, paced
 from trainer.checkpoint import FileStore, list_committed
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -49,11 +49,12 @@ def _instance_processes(instance_ids: set[str]) -> list[int]:
 
 def test_all_nodes_but_one_noticed_at_once(tmp_path: Path, matrix: Matrix) -> None:
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    # 700 steps: after the in-process shrink node 1 alone trains at once, ~0.05 s a step here, and
-    # must still be training when the two replacements have booted, imported and joined the running
-    # group (~10 s, 200 steps; twice that under load)
-    raw["job"].update({"target_steps": 700, "checkpoint_interval_steps": 25,
-                       "args": [*SMALL_MODEL, "--keep-checkpoints", "1000"]})
+    # paced while the world is short of 3 (e2e.paced_trainer): after the in-process shrink node 1
+    # alone trains at once and must still be training when the two replacements have booted,
+    # imported and joined the running group (10-30 s)
+    job = paced(3)
+    raw["job"].update({"target_steps": 150, "checkpoint_interval_steps": 25, "module": job["module"],
+                       "args": [*job["args"], "--keep-checkpoints", "1000"]})
     raw["providers"]["local"]["launch_delay_s"] = 0.5
     raw["chaos"] = [
         {"action": "notice", "node": 2, "at_step": 15, "lead_s": 30},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -16,6 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A small model so a run is dominated by the resizes, not the training.
 SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "4"]
+
+
+def paced(full_world: int, pace_s: float = 0.5) -> dict[str, Any]:
+    """Job fields that run the small model under ``e2e.paced_trainer``: slowed while the world
+    is smaller than ``full_world``, so a run cannot end before its replacements have joined."""
+    return {"module": "e2e.paced_trainer",
+            "args": [*SMALL_MODEL, "--full-world", str(full_world), "--pace-s", str(pace_s)]}
 
 
 def _free_port() -> int:
@@ -36,10 +44,12 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float) -> d
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     out = tmp_path / "summary.json"
+    tests = str(ROOT / "tests")  # e2e.paced_trainer, for the nodes' workers
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
          "--timeout-s", str(timeout_s)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from e2e.conftest import paced
+
 pytestmark = pytest.mark.slow
 
 KEYS = ("target_steps", "steps_completed", "preemptions_with_notice", "nodes_lost_without_notice",
@@ -19,16 +21,16 @@ KEYS = ("target_steps", "steps_completed", "preemptions_with_notice", "nodes_los
 
 
 def test_shortened_demo_survives_notices_and_a_kill(run_demo) -> None:
-    # 1,400 steps: the job trains on while each replacement imports and joins (~10 s, about
-    # 200 steps of this small model), and every fault must land before the end
-    s = run_demo(target_steps=1400, chaos=[
+    # paced while the world is short of 3 (e2e.paced_trainer): the job trains on while each
+    # replacement imports and joins (10-30 s), and every grow must land before the end
+    s = run_demo(target_steps=300, **paced(3), chaos=[
         {"action": "notice", "node": 2, "at_step": 20, "lead_s": 20},
         {"action": "notice", "node": 3, "at_step": 60, "lead_s": 20},
         {"action": "kill", "node": 1, "at_step": 105},
     ])
     for key in KEYS:
         assert key in s, key
-    assert s["steps_completed"] == s["target_steps"] == 1400
+    assert s["steps_completed"] == s["target_steps"] == 300
     assert s["lost_steps_on_notice"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     assert s["preemptions_with_notice"] == 2

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from e2e.conftest import paced
+
 pytestmark = pytest.mark.slow
 
 OFFERS = [
@@ -23,10 +25,11 @@ OFFERS = [
 
 
 def test_mixed_gpu_counts_keep_the_global_batch_through_a_preemption(run_demo) -> None:
-    # 150 steps: at ~0.06 s a step the survivors (in-process, at once) would otherwise
-    # finish before the replacement boots and the world grows back
+    # paced while the world is short of 3: the survivor (in-process, at once) would
+    # otherwise finish before the replacement boots and the world grows back
     s = run_demo(
         target_steps=150,
+        **paced(3),
         offers=OFFERS,
         pool={"min_nodes": 1, "target_nodes": 2, "max_nodes": 2},
         chaos=[{"action": "notice", "node": 1, "at_step": 20, "lead_s": 20}],

@@ -1,0 +1,39 @@
+"""The reference trainer (``trainer.run``), paced while the world is short of its full size.
+
+An end-to-end run checks that a shrunk job grows back before it ends; with the small
+model a step takes ~0.05 s here, so the job could end before a replacement has booted
+and imported (10-30 s on a loaded 2-core CI machine) and the grow would never show.
+Every rank of a world smaller than ``--full-world`` sleeps ``--pace-s`` before each
+step (the world size is the same on every rank, so they stay in step); at the full
+world it trains at full speed. A run therefore lasts as long as its grows take, not
+a fixed number of steps sized for the slowest day.
+
+Run by torchrun as ``-m e2e.paced_trainer`` (``job.module``; the demo's workers start in
+the repository root, and the tests put ``tests/`` on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from trainer.loop import run_job
+from trainer.run import ReferenceJob, build_parser
+
+
+class PacedJob(ReferenceJob):
+    def train_step(self) -> tuple[float, float, list[int]]:
+        if self.ctx.world_size < self.args.full_world:
+            time.sleep(self.args.pace_s)
+        return super().train_step()
+
+
+def main() -> int:
+    p = build_parser()
+    p.add_argument("--full-world", type=int, required=True, help="the world size of the full pool")
+    p.add_argument("--pace-s", type=float, default=0.5, help="sleep before each step while the world is smaller")
+    return run_job(None, job_cls=PacedJob, parser=p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
