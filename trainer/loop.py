@@ -359,7 +359,7 @@ class ElasticJob:
         self.ctx = shrink_process_group(self.ctx, survivors, f"spotvisor/{run_id()}/shrink/{self.attempt}/{step}",
                                         endpoint, self.args.pg_timeout_s)
         self._after_resize(old_world, t0, "shrunk", resumed_from=step,
-                           **({"stage_s": round(self._stage_s, 4)} if self._stage_s else {}))
+                           **({} if self.state_replicated else {"stage_s": round(self._stage_s, 4)}))
 
     def _after_resize(self, old_world: int, t0: float, verb: str, *, resumed_from: int | None,
                       from_commit: bool = False, **fields: Any) -> None:

@@ -82,6 +82,9 @@ class Actuator:
             # the rendezvous store and run id the lost node's workers were given (its domain's)
             env = sup.job_spec(sup.nodes[action.lost[0]])["env"]
             host, _, port = env[RDZV_ENDPOINT_ENV].rpartition(":")
+            if not port.isdigit():  # cannot come from job_spec; never crash the reconcile loop over it
+                log.warning("wake_survivors_failed", attempt=action.attempt, error=f"endpoint {env[RDZV_ENDPOINT_ENV]!r}")
+                return
             sup.spawn(self.wake_survivors(action, (host.strip("[]"), int(port)), env[RUN_ID_ENV]), "wake-survivors")
         else:
             raise TypeError(f"not an action for act(): {action!r}")
