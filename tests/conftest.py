@@ -266,3 +266,13 @@ async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
             await proc.wait()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+def rdzv():
+    """The job's rendezvous store, as the control node runs it (a TCPStore on 127.0.0.1)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

@@ -6,19 +6,15 @@ bit-identical before and after, although every rank's shards changed."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from torch.distributed import TCPStore
 
 from bench.ports import free_port
-from trainer.contract import JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
+from trainer.contract import JOIN_ENV
+from worker_procs import finish, start_worker, status_lines, trained
 
 pytestmark = pytest.mark.slow
 
@@ -83,49 +79,13 @@ sys.exit(main(sys.argv[1:], job_cls=Resized))
 """
 
 
-@pytest.fixture
-def rdzv():
-    """The job's rendezvous store, as the control node runs it (on 127.0.0.1)."""
-    yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-
-
 def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str,
            extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables)."""
-    node = tmp_path / name
-    node.mkdir()
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: "fsdp",
-            NODE_ID_ENV: name, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", **env,
-            "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
-            "SPOTVISOR_LOG_DIR": str(node / "logs"), "SPOTVISOR_SCRATCH_DIR": str(node / "scratch"),
-            RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
     argv = ["--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--global-batch-size", str(G), "--micro-batch-size", "2",
             "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3", "--wrap", "fsdp", *extra]
-    return subprocess.Popen([sys.executable, "-c", _JOB, *argv], env=full, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(procs: list[subprocess.Popen]) -> list[str]:
-    try:
-        return [p.communicate(timeout=300)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError("\n".join(p.communicate()[0] for p in procs)) from None
-
-
-def _lines(tmp_path: Path, node: str) -> list[dict]:
-    return [json.loads(x) for x in (tmp_path / node / "status.jsonl").read_text().splitlines()]
-
-
-def _trained(tmp_path: Path) -> dict[int, list[int]]:
-    """Step -> the positions trained for it, over every worker's step logs."""
-    out: dict[int, list[int]] = {}
-    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
-        for rec in map(json.loads, log.read_text().splitlines()):
-            out.setdefault(rec["step"], []).extend(rec["positions"])
-    return out
+    return start_worker(tmp_path, name, env, rdzv_port, _JOB, argv, run_id="fsdp")
 
 
 def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(tmp_path: Path, rdzv) -> None:
@@ -152,16 +112,16 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
         assert procs[0].poll() is None, procs[0].communicate()[0]
         time.sleep(0.05)
     procs[0].terminate()
-    outs = _finish(procs)
+    outs = finish(procs)
     assert [p.returncode for p in procs] == [-15, 0, 0], "\n".join(outs)
 
-    started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, "node1")
+    started = [(x["step"], x.get("resized"), x["world_size"]) for x in status_lines(tmp_path, "node1")
                if x["event"] == "started"]
     assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)], "\n".join(outs)
-    joiner = _lines(tmp_path, "node2")
+    joiner = status_lines(tmp_path, "node2")
     assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 2), (8, 1)]
     assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from rank 0
-    assert {s: sorted(p) for s, p in _trained(tmp_path).items()} == {
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
         s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
     for step, world in ((5, 3), (8, 2)):
         before = (tmp_path / f"before-{step}.txt").read_text().split()
@@ -178,15 +138,15 @@ def test_a_sharded_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_
     procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
                                             "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "fsdp", "KILL": "1"},
                     rdzv.port, ckpt, ("--checkpoint-interval", "4", "--loss-settle-s", "0.05")) for r in range(3)]
-    outs = _finish(procs)
+    outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
     for node in ("node0", "node1"):
         started = [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"), x.get("lost_ranks"))
-                   for x in _lines(tmp_path, node) if x["event"] == "started"]
+                   for x in status_lines(tmp_path, node) if x["event"] == "started"]
         assert started == [(0, None, 3, None, None), (4, "in_process", 2, 4, 1)], "\n".join(outs)
-    trained = _trained(tmp_path)
+    got = trained(tmp_path)
     want = {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
     for s in (5, 6):  # at world 3 before the loss, at 2 after
-        assert sorted(trained[s]) == sorted(want[s] * 2)
-    assert {s: sorted(p) for s, p in trained.items() if s not in (5, 6)} == {
+        assert sorted(got[s]) == sorted(want[s] * 2)
+    assert {s: sorted(p) for s, p in got.items() if s not in (5, 6)} == {
         s: p for s, p in want.items() if s not in (5, 6)}

@@ -5,10 +5,7 @@ take the state from rank 0; nobody restarts (``trainer.membership``,
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,15 +16,9 @@ from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
 from bench.ports import free_port
-from trainer.contract import JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
+from trainer.contract import JOIN_ENV, RUN_ID_ENV
 from trainer.membership import EXPIRY_MARGIN_S, JoinQueue, JoinTimeout
-
-
-@pytest.fixture
-def rdzv():
-    """The job's rendezvous store, as the control node runs it (on 127.0.0.1)."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    yield store
+from worker_procs import finish, start_worker, status_lines, trained
 
 
 def _queue(rdzv: TCPStore, run: str = "r") -> JoinQueue:
@@ -133,48 +124,22 @@ G = 12
 def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, *, script: str = _JOB,
            extra: tuple[str, ...] = ("--join-timeout-s", "120", "--hold-timeout-s", "3")) -> subprocess.Popen:
     """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables)."""
-    node = tmp_path / name
-    node.mkdir()
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: "grow",
-            NODE_ID_ENV: name, "EXPECT_JOINERS": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", **env,
-            "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
-            "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
     argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", str(G),
             "--micro-batch-size", "2", "--pg-timeout-s", "60", *extra]
-    return subprocess.Popen([sys.executable, "-c", script, *argv], env=full, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(procs: list[subprocess.Popen]) -> list[str]:
-    """Each worker's output once all have exited; on a hang, all of it in the failure."""
-    try:
-        return [p.communicate(timeout=300)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError("\n".join(p.communicate()[0] for p in procs)) from None
+    return start_worker(tmp_path, name, {"EXPECT_JOINERS": "1", **env}, rdzv_port, script, argv, run_id="grow")
 
 
 def _assert_every_batch_once(tmp_path: Path, steps: int) -> None:
     """The step logs name the step completed: step s trained positions (s-1)*G .. s*G-1, once."""
-    trained: dict[int, list[int]] = {}
-    for log in tmp_path.glob("node*/logs/steps-*.jsonl"):
-        for rec in map(json.loads, log.read_text().splitlines()):
-            trained.setdefault(rec["step"], []).extend(rec["positions"])
-    assert {s: sorted(p) for s, p in trained.items()} == {s: list(range((s - 1) * G, s * G))
-                                                          for s in range(1, steps + 1)}
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {s: list(range((s - 1) * G, s * G))
+                                                                    for s in range(1, steps + 1)}
 
 
 def _assert_same_state(tmp_path: Path, finishers: int) -> None:
     """Every worker that finished wrote the same digest of its model and AdamW state."""
     digests = [f.read_text() for f in tmp_path.glob("final-*.json")]
     assert len(digests) == finishers and len(set(digests)) == 1, digests
-
-
-def _lines(tmp_path: Path, node: str) -> list[dict]:
-    return [json.loads(x) for x in (tmp_path / node / "status.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -198,17 +163,17 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
                                             "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
                                             "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt))
-    outs = _finish(procs)
+    outs = finish(procs)
     # node0 left after its notice commit (no agent stops it here: it exits after its hold)
     assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)
 
-    started = [(x["step"], x.get("resized"), x["world_size"]) for x in _lines(tmp_path, "node1")
+    started = [(x["step"], x.get("resized"), x["world_size"]) for x in status_lines(tmp_path, "node1")
                if x["event"] == "started"]
     assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)], "\n".join(outs)  # one process
-    started = [x for x in _lines(tmp_path, "node2") if x["event"] == "started"]
+    started = [x for x in status_lines(tmp_path, "node2") if x["event"] == "started"]
     assert [(x["step"], x["resized"], x.get("joined"), x["rank"]) for x in started] == [
         (5, "in_process", 1, 2), (8, "in_process", None, 1)]
-    assert [x["step"] for x in _lines(tmp_path, "node2") if x["event"] == "completed"] == [12]
+    assert [x["step"] for x in status_lines(tmp_path, "node2") if x["event"] == "completed"] == [12]
 
     _assert_every_batch_once(tmp_path, 12)
     _assert_same_state(tmp_path, 2)
@@ -338,11 +303,11 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
                                             "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "loss"},
                     rdzv.port, ckpt, script=_LOSS_JOB, extra=("--loss-settle-s", "0.05")) for r in range(3)]
-    outs = _finish(procs)
+    outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
 
     for node in ("node0", "node1"):
-        started = [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in _lines(tmp_path, node)
+        started = [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in status_lines(tmp_path, node)
                    if x["event"] == "started"]
         assert started == [(0, None, 3, None), (6, "in_process", 2, 1)]  # the same processes throughout
     _assert_every_batch_once(tmp_path, 12)
@@ -385,15 +350,15 @@ def test_the_daemon_wakes_the_survivors_of_a_silent_node(tmp_path: Path, rdzv) -
             assert procs[2].poll() is None, procs[2].communicate()[0]
             time.sleep(0.05)
         stopped_at = time.time()
-        running = [x for x in _lines(tmp_path, "node0") if x["event"] == "started"][-1]
+        running = [x for x in status_lines(tmp_path, "node0") if x["event"] == "started"][-1]
         wake_survivors(("127.0.0.1", rdzv.port), "grow", running["attempt"], running["world_size"], reason="daemon")
-        outs = _finish(procs[:2])
+        outs = finish(procs[:2])
     finally:
         procs[2].kill()
         procs[2].communicate()
     assert [p.returncode for p in procs[:2]] == [0, 0], "\n".join(outs)
     for node in ("node0", "node1"):
-        started = [x for x in _lines(tmp_path, node) if x["event"] == "started"]
+        started = [x for x in status_lines(tmp_path, node) if x["event"] == "started"]
         assert [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in started] == [
             (0, None, 3, None), (6, "in_process", 2, 1)]
         assert started[-1]["time"] - stopped_at < 30, "the survivors waited for the collective timeout"
