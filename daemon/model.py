@@ -73,6 +73,9 @@ class EventKind(str, Enum):
     MIGRATION_FAILED = "migration_failed"
     # spending to a deadline: the markets the pool may buy from changed (daemon/control/deadline.py)
     MARKET_CHANGED = "market_changed"
+    # the trainer reported the job complete, but its final commit cannot be read from the store (yet):
+    # an unverifiable completion is never a completion; the daemon keeps reading (job_tracker.py)
+    COMPLETION_UNVERIFIED = "completion_unverified"
 
 
 @dataclass(frozen=True, slots=True)

@@ -398,8 +398,10 @@ async def test_plain_checkpoint_command(spot_daemon, fake, clock, monkeypatch) -
 
 async def test_only_rank_0_and_a_noticed_node_report_the_jobs_lines(spot_daemon, fake, clock, monkeypatch) -> None:
     """Every node's trainer writes the same ``started`` and ``checkpoint_committed``
-    lines; a node that does not host rank 0 forwards only the commit that answers its
-    own notice (at 1,000 nodes: one report per commit, not 1,000), and still leaves on it."""
+    lines; a node that does not host rank 0 forwards its own ``started`` (its word on who
+    leads the attempt, daemon/control/attempts.py) and, of the commits, only the one that
+    answers its own notice (at 1,000 nodes: one report per commit, not 1,000), and still
+    leaves on it."""
     h = spot_daemon
     gate = h.tmp_path / "commit-ok"
     async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_GATE": str(gate), "STANDIN_RANK": "1"}) as agent:
@@ -416,6 +418,7 @@ async def test_only_rank_0_and_a_noticed_node_report_the_jobs_lines(spot_daemon,
         (notice,) = h.events("interruption_notice")
         assert [c.data["notice_ids"] for c in h.events("checkpoint_committed")] == [[notice.data["notice_id"]]]
         assert not h.events("job_resumed")  # rank 0's node reports the attempt's start
+        assert h.sup.tracker.attempt_of(node.id)  # this node's own start came: it holds ranks of the attempt
         lines = [json.loads(x)["event"] for x in agent.status_path.read_text().splitlines()]
         assert lines.count("checkpoint_committed") == 2
 

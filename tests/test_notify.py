@@ -923,6 +923,9 @@ async def _running_node_on_manual_clock(h) -> tuple[Node, Any]:
     h.sup.agents.on_heartbeat(node, {"trainer": {"state": "running"}})
     clock = ManualClock(time.time())
     h.sup.clock = clock
+    # its trainer's attempt a1 starts (its rank 0 here): the commits below are of a led attempt
+    h.sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
+        "event": "started", "attempt": "a1", "rank": 0, "world_size": 1, "step": 0}}])
     return node, clock
 
 

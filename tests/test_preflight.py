@@ -332,6 +332,8 @@ async def test_supervisor_never_launches_an_unusable_offer_and_reports_measured_
         node = next(iter(sup.nodes.values()))
         node.state = NodeState.RUNNING  # its trainer is in the job: rank 0 reports its commits
         sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
+            "event": "started", "attempt": "a1", "rank": 0, "world_size": 1, "step": 0}}])
+        sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {
             "event": "checkpoint_committed", "attempt": "a1", "rank": 0, "step": 10, "bytes": 10**9,
             "save_s": 6.0, "upload_s": 14.0, "seconds": 20.0}}])
         sup.intake.on_reports(node, [{"kind": "trainer_status", "line": {

@@ -42,8 +42,9 @@ _TRAINER_VALUES = frozenset(t.value for t in TrainerState)
 class AgentLink:
     """Register, heartbeat and command long-poll of every node of one pool."""
 
-    def __init__(self, core: Core, *, rng: random.Random) -> None:
+    def __init__(self, core: Core, *, rng: random.Random, on_step: Callable[[Node, int], None]) -> None:
         self.core = core
+        self._on_step = on_step  # JobTracker.on_step: whose step is the job's is the tracker's rule
         self._rng = rng
         config = core.config
         self.node_logs = NodeLogs()  # each node's trainer.log tail, shipped with its heartbeats
@@ -98,9 +99,7 @@ class AgentLink:
             self.core.drop(node, "heartbeat", str(exc), body.get("step"))
             step = None
         if step is not None:
-            node.step = step
-            if self.core.job.step is None or step > self.core.job.step:
-                self.core.job.step = step
+            self._on_step(node, step)
         self.node_logs.feed(node.id, body.get("log"))
         low = self.gpu_watch.observe(node.id, parse_samples(body.get("gpu")), now=self.core.clock(),
                                      training=training(node))

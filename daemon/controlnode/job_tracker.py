@@ -4,9 +4,11 @@
 "in_process"`` for the survivors' in-process shrink, ``checkpoint_committed``,
 ``completed``) from :mod:`.intake` and keeps the supervisor's
 :class:`~daemon.control.state.JobView`. A line changes the job only from the node
-that holds rank 0 of its attempt (or, for a commit, from the node whose own notice it
-answers); a commit is recorded once its manifest verifies in the job's store; a
-resume waits for the commit it resumes from. It also watches each notice's flush
+that holds rank 0 of its attempt (:mod:`daemon.control.attempts` decides who that is;
+for a commit, also the node whose own notice it answers), and so does a heartbeat's
+step (:meth:`JobTracker.on_step`); a commit is recorded once its manifest verifies in
+the job's store; a resume waits for the commit it resumes from; a completion needs its
+final commit verified, whatever the wait. It also watches each notice's flush
 (:meth:`JobTracker.watch_flush`): a commit that has not come by the notice's deadline
 is its own event.
 """
@@ -14,17 +16,20 @@ is its own event.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
-from typing import Any
+from typing import NamedTuple
 
 import structlog
-from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
+from daemon.control.attempts import Verdict
 from daemon.control.lifecycle import ADMITTED, LIVE, MEMBERS, leaving
 from daemon.control.reactions import FLUSH_GRACE_S
 from daemon.control.reports import StatusLine
 from daemon.controlnode import preflight
 from daemon.controlnode.core import Core
+from daemon.controlnode.leaders import Leaders
+from daemon.controlnode.manifests import CONFIRM_ATTEMPTS, ManifestReader, commit_problem, read_retried
 from daemon.model import EventKind, JobState, Node
 
 __all__ = ["JobTracker", "RESUME_HOLD_S", "CONFIRM_ATTEMPTS"]
@@ -34,9 +39,21 @@ log = structlog.get_logger("spotvisor.daemon")
 # a resume whose commit no node has reported yet waits this long (seconds) for the
 # report before the daemon reads the commit's manifest from the store itself
 RESUME_HOLD_S = 10.0
-# reads of that manifest that fail (the store out of reach) before the resume is
-# recorded anyway, marked ``commit_unconfirmed``
-CONFIRM_ATTEMPTS = 3
+# CONFIRM_ATTEMPTS (daemon.controlnode.manifests): reads of that manifest that fail (the store out
+# of reach) before the resume is recorded anyway, marked ``commit_unconfirmed`` (a completion
+# never is: it waits, and says so)
+# completions of an attempt nobody leads yet, kept until it is led (or RESUME_HOLD_S)
+UNLED_KEPT = 16
+
+
+class _Early(NamedTuple):
+    """A commit reported before its attempt's start was recorded."""
+
+    node: str | None
+    line: StatusLine
+    since: float
+    unconfirmed: bool  # the store was out of reach
+    verified: bool  # its manifest was read from the store and verifies
 
 
 class JobTracker:
@@ -45,19 +62,21 @@ class JobTracker:
     def __init__(self, core: Core) -> None:
         self.core = core
         self._flushes: dict[str, tuple[str, float]] = {}  # notice id → (node id, due: unix s) until its commit
-        self._attempt_leader: dict[str, str] = {}  # trainer attempt → the node of its rank 0
+        self.leaders = Leaders(core)  # who leads which attempt (daemon.control.attempts)
+        self._attempt_leader = self.leaders.of  # trainer attempt → the node of its rank 0
         self._held: list[tuple[str, StatusLine, float]] = []  # (node, started/completed line, since) awaiting a commit
         self._to_verify: asyncio.Queue[tuple[str, StatusLine]] = asyncio.Queue()  # reported commits (verify_commits)
-        self._checkpoint_store: Any = None  # the job's store, opened by the first manifest read
+        self._read_manifest = ManifestReader(core).read  # a step's verified manifest, or None (blocking)
         self._confirming: set[int] = set()  # steps whose manifest is being read from the store
         self._confirm_failures: dict[int, int] = {}  # step → failed reads of its manifest
         self._answered: set[str] = set()  # notice and request ids a recorded commit named
         self._started: set[str] = set()  # attempts whose job_resumed is recorded (this daemon or the store)
-        # commits reported before their own attempt's start: (node, line, since, unconfirmed)
-        self._early_commits: list[tuple[str | None, StatusLine, float, bool]] = []
-        #: node → the attempt its workers last reported starting (any rank): who holds ranks
-        #: of the running attempt (daemon.control.reactions.on_loss_without_notice)
-        self.node_attempt: dict[str, str] = {}
+        self._early_commits: list[_Early] = []  # commits reported before their own attempt's start
+        self._unled: collections.deque[tuple[str, StatusLine, float]] = collections.deque(maxlen=UNLED_KEPT)
+        self._unconfirmed: set[int] = set()  # commit steps recorded unconfirmed (the store out of reach)
+        self._said_unverified: set[int] = set()  # steps whose completion_unverified is recorded
+        self.attempt_of = self.leaders.attempt_of
+        self.running_leader = self.leaders.running
 
     def pick_up(self) -> bool:
         """A restarted daemon takes over the job the last one left running.
@@ -78,13 +97,23 @@ class JobTracker:
                 node.last_heartbeat = now
         if any(n.state in ADMITTED or leaving(n) for n in sup.nodes.values()):
             sup.job.to(JobState.RUNNING)
-        sup.job.step = max((n.step for n in sup.nodes.values() if n.step is not None), default=None)
-        self._started.update(ev.data["attempt"] for ev in sup.store.events(kinds=[EventKind.JOB_RESUMED.value])
-                             if isinstance(ev.data.get("attempt"), str))
+        for ev in sup.store.events(kinds=[EventKind.JOB_RESUMED.value]):
+            if isinstance(ev.data.get("attempt"), str):
+                self._started.add(ev.data["attempt"])
+                sup.job.attempt = ev.data["attempt"]  # the newest: the attempt running, and its leader
+                if ev.node is not None:
+                    self._attempt_leader[ev.data["attempt"]] = ev.node
+        leader = sup.nodes.get(self.running_leader() or "")
+        steps = [n.step for n in ([leader] if leader is not None else sup.nodes.values()) if n.step is not None]
+        sup.job.step = max(steps, default=None)
+        confirmed: set[int] = set()
         for ev in sup.store.events(kinds=[EventKind.CHECKPOINT_COMMITTED.value]):
             if isinstance(ev.data.get("step"), int):
                 sup.job.commit_steps.add(ev.data["step"])
+                if not ev.data.get("commit_unconfirmed"):
+                    confirmed.add(ev.data["step"])
                 self._answered.update(i for i in ev.data.get("notice_ids") or () if isinstance(i, str))
+        self._unconfirmed = sup.job.commit_steps - confirmed
         if sup.store.events(kinds=[EventKind.JOB_COMPLETED.value], limit=1):
             sup.job.to(JobState.COMPLETED)
             sup.job_completed()
@@ -110,9 +139,13 @@ class JobTracker:
                                  overdue_s=round(now - due + FLUSH_GRACE_S, 1),
                                  last_commit_step=self.core.job.last_commit_step)
 
-    def attempt_of(self, node_id: str) -> str:
-        """The trainer attempt ``node_id``'s workers last reported starting ("" if none)."""
-        return self.node_attempt.get(node_id, "")
+    def on_step(self, node: Node, step: int) -> None:
+        """A heartbeat's step (bounded already): the node's own; the job's only from the
+        node that leads the running attempt, and only forward (a restart sets it back
+        through its ``job_resumed``)."""
+        node.step = step
+        if node.id == self.running_leader() and (self.core.job.step is None or step > self.core.job.step):
+            self.core.job.step = step
 
     def on_status(self, node: Node, line: StatusLine) -> None:
         """A trainer's ``started``, ``checkpoint_committed`` or ``completed`` line.
@@ -138,26 +171,25 @@ class JobTracker:
             return
         leader = self._attempt_leader.get(line.attempt)
         if line.event == "started":
-            self.node_attempt[node.id] = line.attempt
-            if line.rank != 0 or (leader is not None and leader != node.id):
-                self.core.drop(node, "trainer_status", f"started of attempt {line.attempt} from rank {line.rank} "
-                           f"(attempt held by {leader or 'nobody'})", line.event)
-                return
-            if line.attempt in self.core.job.attempts or any(h.attempt == line.attempt for _, h, _ in self._held):
-                return
-            self._attempt_leader[line.attempt] = node.id
-            if line.resumed_from is not None and line.resumed_from not in self.core.job.commit_steps:
-                self._held.append((node.id, line, self.core.clock()))
-                return
-            self._record_resume(node.id, line)
+            self.leaders.heard(node.id, line)
+            if line.rank == 0 and leader is not None and leader != node.id:
+                self.core.drop(node, "trainer_status", f"started of attempt {line.attempt} from rank 0 "
+                               f"(attempt held by {leader})", line.event)
+            elif line.rank == 0 and leader is None and self._claim(node.id, line) is Verdict.CONFLICT:
+                self.core.drop(node, "trainer_status", f"started of attempt {line.attempt} from rank 0, which "
+                               "another node claims too: neither is taken", line.event)
+            self.settle_claims()  # another node's word may be what a waiting claim needed
             return
         own_notice = any(i.startswith(f"{node.id}:") for i in line.notice_ids)
-        if not (leader == node.id or (leader is None and line.rank == 0) or
-                (line.event == "checkpoint_committed" and own_notice)):
+        commit = line.event == "checkpoint_committed"
+        if leader is None and line.rank == 0 and not commit:  # its attempt's start may still be waiting
+            self._unled.append((node.id, line, self.core.clock()))
+            return
+        if not (leader == node.id or (leader is None and line.rank == 0) or (commit and own_notice)):
             self.core.drop(node, "trainer_status", f"{line.event} of attempt {line.attempt} from rank {line.rank} "
                        f"(attempt held by {leader or 'nobody'})", line.event)
             return
-        if line.event == "checkpoint_committed":
+        if commit:
             if not self.core.config.daemon.verify_commits:
                 self._record_commit(node.id, line)
             elif not (line.step in self.core.job.commit_steps and self._answered.issuperset(line.notice_ids)):
@@ -167,10 +199,46 @@ class JobTracker:
                 self.core.drop(node, "trainer_status", f"completed at step {line.step}, before job.target_steps "
                            f"{self.core.config.job.target_steps}", line.event)
                 return
-            if self.core.config.daemon.verify_commits and line.step not in self.core.job.commit_steps:
+            if not self._settled(line.step):
                 self._held.append((node.id, line, self.core.clock()))  # its final commit is still being verified
                 return
             self._record_completion(node.id, line)
+
+    def _claim(self, node_id: str, line: StatusLine) -> Verdict:
+        """A claim to rank 0 of an attempt nobody leads yet (:func:`claim_verdict`): taken,
+        kept waiting for another node's word, or refused for a rival claim."""
+        verdict = self.leaders.verdict(node_id, line)
+        if verdict is Verdict.ACCEPT:
+            self._take(node_id, line)
+        return verdict
+
+    def settle_claims(self) -> None:
+        """Decide again the claims to rank 0 still waiting (each new ``started`` line, each
+        reconcile pass: a node may have left since)."""
+        for node_id, line in self.leaders.waiting():
+            if line.attempt not in self._attempt_leader:
+                self._claim(node_id, line)
+
+    def _take(self, node_id: str, line: StatusLine) -> None:
+        """``node_id`` leads ``line.attempt``: its start is recorded (after the commit it
+        resumes from), and the lines of that attempt that waited for a leader go on."""
+        self._attempt_leader[line.attempt] = node_id
+        if not (line.attempt in self.core.job.attempts or any(h.attempt == line.attempt for _, h, _ in self._held)):
+            if line.resumed_from is not None and line.resumed_from not in self.core.job.commit_steps:
+                self._held.append((node_id, line, self.core.clock()))
+            else:
+                self._record_resume(node_id, line)
+        for unled in [u for u in self._unled if u[1].attempt == line.attempt]:
+            self._unled.remove(unled)
+            node = self.core.nodes.get(unled[0])
+            if node is not None:
+                self.on_status(node, unled[1])
+
+    def _settled(self, step: int) -> bool:
+        """A completion at ``step`` may be recorded: its commit is recorded and verified
+        (with ``daemon.verify_commits`` off, the operator vouches for the trainer's word)."""
+        return not self.core.config.daemon.verify_commits or (
+            step in self.core.job.commit_steps and step not in self._unconfirmed)
 
     def _record_completion(self, node_id: str | None, line: StatusLine) -> None:
         if self.core.job.state is JobState.COMPLETED:
@@ -191,43 +259,45 @@ class JobTracker:
         not wait for the control node's view of the store."""
         while True:
             node_id, line = await self._to_verify.get()
-            manifest, error = None, None
             try:
-                async for attempt in AsyncRetrying(
-                        stop=stop_after_attempt(CONFIRM_ATTEMPTS), wait=wait_exponential(min=1, max=4), reraise=True,
-                        before_sleep=lambda rs, step=line.step: log.warning(
-                            "commit_verify_failed", step=step, attempt=rs.attempt_number,
-                            error=str(rs.outcome.exception())[:200] if rs.outcome else None)):
-                    with attempt:
-                        manifest = await asyncio.to_thread(self._read_manifest, line.step)
+                manifest = await read_retried(self._read_manifest, line.step)
             except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
                 log.warning("commit_verify_failed", step=line.step, attempt=CONFIRM_ATTEMPTS, error=str(exc)[:200])
-                error = exc
-            node = self.core.nodes.get(node_id)
-            if error is not None:
                 self._record_commit(node_id, line, unconfirmed=True)
                 continue
-            problem = None
-            if manifest is None:
-                problem = f"step {line.step} is not committed in {self.core.config.checkpoint_uri(self.core.domain)}"
-            else:
-                named = manifest.extra.get("notice_ids") if isinstance(manifest.extra, dict) else None
-                if isinstance(named, list) and not set(line.notice_ids) <= set(named):
-                    problem = f"the manifest of step {line.step} does not name notices {sorted(set(line.notice_ids) - set(named))}"
+            problem = commit_problem(line, manifest, self.core.config.checkpoint_uri(self.core.domain))
             if problem is not None:
-                if node is not None:
+                if (node := self.core.nodes.get(node_id)) is not None:
                     self.core.drop(node, "trainer_status", problem, line.event)
                 continue
             if line.bytes is None:
                 line = dataclasses.replace(line, bytes=sum(sh.size for sh in manifest.shards))
-            self._record_commit(node_id, line)
+            self._record_commit(node_id, line, verified=True)
 
     def _record_resume(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool = False) -> None:
         self._record_resume_event(node_id, line, commit_unconfirmed=commit_unconfirmed)
         self._started.add(line.attempt)
-        for early in [e for e in self._early_commits if e[1].attempt == line.attempt]:
+        for early in [e for e in self._early_commits if e.line.attempt == line.attempt]:
             self._early_commits.remove(early)
-            self._record_commit(early[0], early[1], unconfirmed=early[3], early_ok=True)
+            self._release_early(early)
+
+    def _trusted(self, early: _Early) -> bool:
+        """Its manifest verified, or its node leads its attempt or answers its own notice."""
+        if early.verified or early.node is None:
+            return early.verified
+        own = any(i.startswith(f"{early.node}:") for i in early.line.notice_ids)
+        return own or self._attempt_leader.get(early.line.attempt) == early.node
+
+    def _release_early(self, early: _Early) -> None:
+        """An early commit whose wait is over is recorded if it can be trusted: its manifest
+        verified, or its node leads its attempt (or answers its own notice); otherwise it is
+        dropped: a report of a node that does not lead the attempt, unverifiable, counts for nothing."""
+        node = self.core.nodes.get(early.node or "")
+        if self._trusted(early):
+            self._record_commit(early.node, early.line, unconfirmed=early.unconfirmed, early_ok=True)
+        elif node is not None:
+            self.core.drop(node, "trainer_status", f"unverified commit of step {early.line.step} for attempt "
+                           f"{early.line.attempt}, which its node does not lead", early.line.event)
 
     def _record_resume_event(self, node_id: str | None, line: StatusLine, *, commit_unconfirmed: bool) -> None:
         self.core.job.attempts.add(line.attempt)
@@ -252,17 +322,19 @@ class JobTracker:
                     **({"commit_unconfirmed": True} if commit_unconfirmed else {}))
 
     def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None,
-                       unconfirmed: bool = False, early_ok: bool = False) -> None:
+                       unconfirmed: bool = False, early_ok: bool = False, verified: bool = False) -> None:
         """Record one commit (once per step and notice: the first report of it), apply
         what it answers (notice flushes, the rejoin), then the resumes that waited for it.
 
         Causal order, the other way round: a commit of an attempt whose own start is not
         recorded yet (the survivors of a shrink commit at their first step, and the node
         that reports that commit may be faster than rank 0's node reporting their start)
-        waits for that start, at most :data:`RESUME_HOLD_S` (``early_ok``: the wait is over)."""
-        if (source is None and not early_ok and line.attempt and line.attempt not in self._started
-                and self._started):
-            self._early_commits.append((node_id, line, self.core.clock(), unconfirmed))
+        waits for that start, at most :data:`RESUME_HOLD_S` (``early_ok``: the wait is over;
+        :meth:`_release_early` says whether it is recorded then)."""
+        early = _Early(node_id, line, self.core.clock(), unconfirmed, verified)
+        if source is None and not early_ok and line.attempt not in self._started and (
+                self._started or not self._trusted(early)):  # no start recorded yet: no order to keep
+            self._early_commits.append(early)
             return
         step, ids = line.step, list(line.notice_ids)
         for nid in ids:
@@ -275,6 +347,10 @@ class JobTracker:
         # (a commit of a recorded step that answers new notices is recorded again: the
         # survivors of a shrink answering the next notice at the same step boundary)
         self._answered.update(ids)
+        if unconfirmed and step not in self.core.job.commit_steps:
+            self._unconfirmed.add(step)
+        elif not unconfirmed:
+            self._unconfirmed.discard(step)
         self.core.job.commit_steps.add(step)
         if self.core.job.last_commit_step is None or step >= self.core.job.last_commit_step:
             self.core.job.last_commit_step = step
@@ -294,7 +370,13 @@ class JobTracker:
             if check.at_risk:  # the measured flush would not fit a notice window with the safety factor
                 self.core.record(EventKind.CHECKPOINT_DEADLINE_RISK, node_id, step=step,
                             **check.event_data("measured"))
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """The held lines whose commit is now recorded (verified, for a completion) go on."""
         for held in [h for h in self._held if _waits_on(h[1]) in self.core.job.commit_steps]:
+            if held[1].event == "completed" and not self._settled(held[1].step):
+                continue
             self._held.remove(held)
             if held[1].event == "completed":
                 self._record_completion(held[0], held[1])
@@ -307,11 +389,24 @@ class JobTracker:
         the store: the commit's manifest read in a thread; found, the commit is recorded
         (``source: "store"``) and the resume after it; not found, the resume is dropped;
         the store out of reach :data:`CONFIRM_ATTEMPTS` times, :data:`RESUME_HOLD_S` apart,
-        the resume is recorded with ``commit_unconfirmed: true``."""
+        the resume is recorded with ``commit_unconfirmed: true``. A held completion is
+        never recorded unverified: its final commit is read again every
+        :data:`RESUME_HOLD_S`, and after :data:`CONFIRM_ATTEMPTS` failed reads one
+        ``completion_unverified`` event says why the job is not over. Also: the claims
+        to rank 0 still waiting are decided again (:meth:`settle_claims`), and the lines
+        of attempts nobody came to lead are dropped."""
         now = self.core.clock()
-        for early in [e for e in self._early_commits if now - e[2] >= RESUME_HOLD_S]:
+        self.settle_claims()
+        for early in [e for e in self._early_commits if now - e.since >= RESUME_HOLD_S]:
             self._early_commits.remove(early)  # its attempt's start never came (its rank 0's node died)
-            self._record_commit(early[0], early[1], unconfirmed=early[3], early_ok=True)
+            self._release_early(early)
+        claims = {(n, s.attempt) for n, s in self.leaders.waiting()}
+        for unled in [u for u in self._unled if now - u[2] >= RESUME_HOLD_S and (u[0], u[1].attempt) not in claims]:
+            self._unled.remove(unled)  # nobody came to lead its attempt, and its node claims it no more
+            node = self.core.nodes.get(unled[0])
+            if node is not None:
+                self.core.drop(node, "trainer_status", f"{unled[1].event} of attempt {unled[1].attempt}, "
+                               "which no node leads", unled[1].event)
         for node_id, line, held_at in list(self._held):
             step = _waits_on(line)
             if now - held_at < RESUME_HOLD_S or step is None or step in self._confirming:
@@ -328,17 +423,18 @@ class JobTracker:
             held = [h for h in self._held if _waits_on(h[1]) == step]
             for h in held:
                 self._held.remove(h)
-                if failures < CONFIRM_ATTEMPTS:
+                if failures < CONFIRM_ATTEMPTS or h[1].event == "completed":
+                    # fail closed: an unverifiable completion is never a completion; read again later
                     self._held.append((h[0], h[1], self.core.clock()))
-                elif h[1].event == "completed":
-                    self._record_completion(h[0], h[1])
+                    if h[1].event == "completed" and failures >= CONFIRM_ATTEMPTS and step not in self._said_unverified:
+                        self._said_unverified.add(step)  # the operator's reason the job is not over yet
+                        self.core.record(EventKind.COMPLETION_UNVERIFIED, h[0], step=step, attempt=h[1].attempt,
+                                         reads=failures, error=str(exc)[:200])
                 else:  # availability over order: the job's view must not freeze with the store out of reach
                     self._record_resume(h[0], h[1], commit_unconfirmed=True)
             return
         finally:
             self._confirming.discard(step)
-        if step in self.core.job.commit_steps:
-            return
         if manifest is None:
             for held in [h for h in self._held if _waits_on(h[1]) == step]:
                 self._held.remove(held)
@@ -347,6 +443,11 @@ class JobTracker:
                     self.core.drop(node, "trainer_status", f"{held[1].event} at step {step}, which is not committed",
                                held[1].event)
             return
+        if step in self.core.job.commit_steps:
+            if step in self._unconfirmed:
+                self._unconfirmed.discard(step)  # verified after all: a completion waiting on it goes on
+                self._release_held()
+            return
         extra = manifest.extra if isinstance(manifest.extra, dict) else {}
         self._record_commit(None, StatusLine(
             event="checkpoint_committed", attempt=str(extra.get("attempt") or "?"), rank=None,
@@ -354,21 +455,6 @@ class JobTracker:
             notice_ids=tuple(i for i in extra.get("notice_ids") or () if isinstance(i, str)),
             reason=extra.get("reason") if isinstance(extra.get("reason"), str) else None,
             bytes=sum(s.size for s in manifest.shards)), source="store")
-
-    def _read_manifest(self, step: int) -> Any:
-        """The verified manifest of ``step`` in the job's checkpoint store, or None (blocking: a thread).
-
-        Raises:
-            trainer.storage.StorageError: the store failed (out of reach, no access).
-        """
-        from trainer.checkpoint import open_store, scan_step
-
-        domain = self.core.config.domain(self.core.domain)  # the job's store is its domain's
-        uri = self.core.config.checkpoint_uri(domain.name)
-        if self._checkpoint_store is None or self._checkpoint_store[0] != uri:  # one client per store
-            self._checkpoint_store = (uri, open_store(uri, s3_endpoint_url=domain.s3_endpoint_url,
-                                                      oss_endpoint=domain.oss_endpoint))
-        return scan_step(self._checkpoint_store[1], step)
 
 
 def _waits_on(line: StatusLine) -> int | None:

@@ -95,8 +95,8 @@ class Supervisor:
         self.run_nonce = ""
         self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self.fleet = Fleet(self, providers=providers, provider=provider, rng=rng)
-        self.agents = AgentLink(self, rng=rng)
         self.tracker = JobTracker(self)
+        self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step)
         self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status,
                              published_at=self.fleet.notice_published_at)
         self.operator = Operator(self)

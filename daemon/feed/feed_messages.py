@@ -91,6 +91,7 @@ EMOJI: dict[str, str] = {
     "migration_completed": "🏁",
     "migration_failed": "🛑",
     "market_changed": "💱",
+    "completion_unverified": "❓",
 }
 _DEFAULT_EMOJI = "🔔"
 

@@ -460,13 +460,16 @@ class NodeAgent:
             self._step = line["step"]
         # the daemon keeps the first report of a line (by attempt and step), so only the node
         # of global rank 0 reports it, and a node whose own notice a commit answers: at
-        # 1,000 nodes one report per commit instead of 1,000 (bench/scale.py)
+        # 1,000 nodes one report per commit instead of 1,000 (bench/scale.py). Every node
+        # reports its own ``started`` (once per attempt): the daemon takes a node's claim to
+        # rank 0 of a new attempt on another node's word (daemon/control/attempts.py), and
+        # learns which nodes hold ranks of the running attempt.
         if event not in FORWARDED:
             return
         ids = list(line.get("notice_ids") or []) if event == "checkpoint_committed" else []
         mine = self._interruption
         answers_mine = mine is not None and mine.id in ids
-        if line.get("rank", 0) == 0 or answers_mine:
+        if line.get("rank", 0) == 0 or answers_mine or event == "started":
             self._report("trainer_status", line=line)
         if event == "checkpoint_committed":
             self.notices.remove(ids)

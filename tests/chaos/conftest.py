@@ -234,11 +234,14 @@ class Sim:
 
     def start(self, nodes: list[Node], step: int, resumed_from: int | None = None) -> str:
         """The nodes' trainers (re)start as one torchrun attempt at world size len(nodes);
-        ``nodes[0]`` holds rank 0 and forwards the ``started`` line (as an agent does)."""
+        ``nodes[0]`` holds rank 0; every node's agent forwards its own workers' ``started``
+        line (rank ``i`` on ``nodes[i]``), rank 0's first."""
         attempt = f"a{next(self._attempts)}"  # type: ignore[call-overload]
         for n in nodes:
             self.beat(n, step=step)
-        self._status(nodes[0], "started", step, attempt=attempt, world_size=len(nodes), resumed_from=resumed_from)
+        for rank, n in enumerate(nodes):
+            self._status(n, "started", step, attempt=attempt, world_size=len(nodes), resumed_from=resumed_from,
+                         rank=rank)
         self.sup.wake()
         return attempt
 
@@ -299,6 +302,8 @@ def make_sim(tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextMan
     before the supervisor as ``running_daemon`` does (keys from ``notify_environ``) and
     closed without waiting for a sink (what it has not delivered stays in the outbox)."""
 
+    attempts = itertools.count(1)  # attempt ids go on across a restarted daemon, as a trainer's random ones differ
+
     @contextlib.asynccontextmanager
     async def make(*, provider: ChaosProvider | None = None, notify_environ: dict[str, str] | None = None,
                    **overrides: Any) -> AsyncIterator[Sim]:
@@ -309,7 +314,7 @@ def make_sim(tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextMan
         provider = provider or ChaosProvider()
         clock = ManualClock(time.time())
         sup = Supervisor(config, provider=provider, store=store, clock=clock)
-        sim = Sim(sup, provider, clock, store)
+        sim = Sim(sup, provider, clock, store, _attempts=attempts)
         sup.subscribe(sim.seen.append)
         notifier = None
         if config.notify:
