@@ -51,6 +51,23 @@ def test_on_demand_is_never_taken_and_costs_the_on_demand_price() -> None:
     assert r.cost_usd == pytest.approx(3.0 * r.node_hours)
 
 
+def test_every_zone_short_of_capacity_for_days_replays_to_the_end() -> None:
+    """Issue 25, item 13: a 16-node V100 pool whose two zones can sell nothing for a week
+    (after the first hour) retries each offer thousands of times in a row; the capacity
+    backoff once overflowed a float after ~1,500 of them and the replay died. It replays
+    to the end, and the job trains at full size again once capacity returns."""
+    from bench.replay.traces import Trace, ZoneSeries
+
+    day = 86_400.0
+    zones = {z: ZoneSeries(z, (0.0, 3600.0, 7 * day), (None, 0, None)) for z in ("us-east-1a", "us-east-1b")}
+    trace = Trace(zones, 8 * day, "zones", "test: a week without capacity")
+    r = Replay(trace, get_policy("spotvisor"), job=JobModel(target_steps=10**9, step_s=1.0, ref_gpus=16),
+               target_nodes=16).run()
+    assert r.hours == pytest.approx(8 * 24)
+    assert r.timeline[-1][1] == 16  # the whole pool again at the end
+    assert r.steps > 0
+
+
 class _NeverGrows(Spotvisor):
     """The default, except that a running job never takes a new node."""
 

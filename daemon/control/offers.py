@@ -17,6 +17,7 @@ offer whose GPUs keep the world size valid.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -98,11 +99,22 @@ def rank_offers(offers: Sequence[Offer], history: History, *, now: float) -> lis
     return sorted(spot or usable, key=lambda o: (o.zone_key in history.avoid_zones, o.usd_per_gpu_h(), o.index))
 
 
+# the capacity backoff (SkyPilot's managed-jobs schedule): seconds, growth per failure, cap
+_BACKOFF_BASE_S, _BACKOFF_GROWTH, _BACKOFF_CAP_S = 60.0, 1.6, 300.0
+# the exponent at which the schedule reaches its cap (60 x 1.6^4 = 393 s > 300 s): the
+# exponent never goes past it, so no count of failures overflows the power
+_BACKOFF_MAX_EXPONENT = math.ceil(math.log(_BACKOFF_CAP_S / _BACKOFF_BASE_S, _BACKOFF_GROWTH))
+
+
 def capacity_backoff_s(failures: int, rng: random.Random) -> float:
-    """How long an offer that ran out of capacity sits out, in seconds.
+    """How long an offer that ran out of capacity sits out, in seconds: in
+    [36, 420] for any ``failures`` (the count of capacity errors in a row, 1 for the
+    first; any int, however long the outage has lasted).
 
     SkyPilot's managed-jobs schedule: 60 s x 1.6^(failures-1), capped at 300 s, with
-    +-40 % jitter so many pools do not retry in step.
+    +-40 % jitter so many pools do not retry in step. Example: failures 1, 2, 3, 4, 5,
+    1,600 (five days at the cap) → 60, 96, 153.6, 245.8, 300, 300 s before jitter.
     """
-    base = min(300.0, 60.0 * 1.6 ** max(0, failures - 1))
+    exponent = min(max(0, failures - 1), _BACKOFF_MAX_EXPONENT)
+    base = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * _BACKOFF_GROWTH ** exponent)
     return base * (1.0 + rng.uniform(-0.4, 0.4))
