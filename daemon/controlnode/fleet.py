@@ -251,8 +251,29 @@ class Fleet:
         return node
 
     async def _launch_call(self, node: Node, offer_index: int) -> None:
+        """The launch task: the provider call and what its outcome means. Whatever it
+        raises (a provider's bug, an error of this daemon's own), the node ends ``failed``
+        with a ``node_launch_failed`` event (``error``: the exception's type) and the offer
+        backs off as for a provider error, so no node stays ``requested`` with no call in
+        flight. A cancel (the daemon stopping) is not a failure: the next daemon adopts
+        or fails the node (``error: interrupted``)."""
+        try:
+            await self._launch_and_record(node, offer_index)
+        except Exception as exc:  # noqa: BLE001 - the node must not be left requested forever
+            log.error("launch_call_crashed", node_id=node.id, error=repr(exc), exc_info=exc)
+            core = self.core
+            self._backoff[offer_index] = max(self._backoff.get(offer_index, 0.0),
+                                             core.clock() + capacity_backoff_s(1, self._rng))
+            self._launch_failed(node, f"{type(exc).__name__}: {exc}")
+            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc)[:512],
+                        offer=node.offer_key)
+        finally:
+            self.core.wake()
+
+    async def _launch_and_record(self, node: Node, offer_index: int) -> None:
         core = self.core
-        assert core.agent_url is not None
+        if core.agent_url is None:
+            raise RuntimeError("the launch ran before the daemon knew its agent URL (Supervisor.start)")
         spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
                         tags={POOL_TAG: core.pool, NODE_TAG: node.id},
                         ca_cert_pem=getattr(core, "agent_ca_pem", None))  # set by start(); absent: plain HTTP
@@ -296,7 +317,6 @@ class Fleet:
                 core.set_state(node, NodeState.LAUNCHING)
                 core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
                             price_usd_h=node.price_usd_h)
-        core.wake()
 
     def _launch_failed(self, node: Node, detail: str) -> None:
         """The launch call failed: the node is ``failed`` (unless it was released meanwhile)."""

@@ -135,3 +135,54 @@ async def test_every_offer_out_of_capacity_for_a_while(make_sim, matrix: Matrix)
         assert len(sim.provider.refused) == failures() >= 8
         assert [w.data["new"] for w in sim.events("world_size_changed")] == [2, 1, 2]
         assert not sim.events("node_lost")
+
+
+async def test_an_outage_of_days_then_a_crashing_launch_leave_no_node_requested(make_sim, matrix: Matrix) -> None:
+    """Issue 25, item 13. Both offers have answered "no capacity" 1,600 times in a row
+    (five days at the 300 s cap): the next refusal still backs the offer off 36-420 s
+    and fails its node (the schedule once overflowed a float here, the launch task died
+    and its node stayed ``requested`` for good). Then a launch raises something no
+    provider error covers (a provider's bug): that node is failed too, with the
+    exception's type. When launches work again, the job grows back and completes."""
+    async with make_sim() as sim:
+        n1, n2, a1 = await _two_node_job(sim)
+        sim.provider.out_of_capacity = True
+        sim.sup.fleet._capacity_failures.update({0: 1600, 1: 1600})  # days of refusals already
+        a2 = await _lose_node_2_on_notice(sim, n1, n2, a1)
+        failed = lambda: sim.events("node_launch_failed")  # noqa: E731
+        await sim.until(lambda: len(failed()) >= 2, what="both offers refused after days of refusals")
+        for e in failed():
+            assert e.data["error"] == "capacity" and e.data["failures"] == 1601
+            assert 36.0 <= e.data["backoff_s"] <= 420.0
+        booting = lambda: [n for n in sim.sup.nodes.values()  # noqa: E731
+                           if n.state in (NodeState.REQUESTED, NodeState.LAUNCHING)]
+        await sim.until(lambda: not booting() and not sim.sup.fleet.launching, what="no launch left in flight")
+
+        async def crashing(offer, node):  # a provider's bug, not a ProviderError
+            raise RuntimeError("provider bug: 'NoneType' object is not subscriptable")
+
+        sim.provider.out_of_capacity = False
+        sim.provider.launch = crashing  # type: ignore[method-assign]
+        sim.clock.advance(430)  # past every backoff
+        sim.beat(n1, step=12)
+        sim.sup.wake()
+        await sim.until(lambda: any(e.data["error"] == "RuntimeError" for e in failed()), what="the crash recorded")
+        crashed = next(e for e in failed() if e.data["error"] == "RuntimeError")
+        assert "provider bug" in crashed.data["message"]
+        assert sim.sup.nodes[crashed.node].state is NodeState.FAILED
+        await sim.until(lambda: not sim.sup.fleet.launching, what="the crashed launch over")
+        assert sim.sup.job.state is JobState.RUNNING and n1.state is NodeState.RUNNING
+
+        del sim.provider.launch  # the provider works again
+        sim.clock.advance(430)
+        sim.beat(n1, step=15)
+        sim.sup.wake()
+        await sim.until(lambda: any(n.state is NodeState.LAUNCHING for n in sim.sup.nodes.values()),
+                        what="a launch that works")
+        new = next(n for n in sim.sup.nodes.values() if n.state is NodeState.LAUNCHING)
+        await _grow_back_and_complete(sim, n1, new, a2, 15)
+        row = matrix.row("out of capacity for days, then a crashing launch",
+                         job_completed=bool(sim.events("job_completed")),
+                         lost_checkpoints=_lost_checkpoints(sim, {10, 15, 100}),
+                         leaked_instances=len(sim.provider.live()), lost_events=sim.lost_events())
+        assert row.clean(), row
