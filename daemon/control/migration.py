@@ -44,6 +44,8 @@ __all__ = ["Phase", "DomainView", "Plan", "Move", "starved_since", "choose_targe
 # each recent preemption or capacity failure in a domain weighs like this fraction of its
 # price per GPU-hour (a domain that just failed us is not where to go first)
 RISK_PENALTY = 0.10
+# a domain's recent losses past this many add no more penalty (a window of an hour holds far fewer)
+MAX_RECENT_LOSSES = 10**6
 _GB = 1e9
 
 
@@ -137,10 +139,14 @@ def starved_since(prev: float | None, s: PoolState, domain: DomainView, history:
 
 
 def _score(d: DomainView, history: History, now: float) -> float:
+    """USD per GPU-hour after the risk penalty (inf: no usable priced offer). The recent
+    losses counted are capped at :data:`MAX_RECENT_LOSSES` so that no count, however
+    large, overflows the float (the ranking is the same past the cap)."""
     price = d.usd_per_gpu_h(history, now)
     if price == float("inf"):
         return price
-    return price * (1.0 + RISK_PENALTY * (d.preemptions + d.capacity_failures))
+    losses = min(max(0, d.preemptions + d.capacity_failures), MAX_RECENT_LOSSES)
+    return price * (1.0 + RISK_PENALTY * losses)
 
 
 def choose_target(domains: Sequence[DomainView], current: str, history: History, *, now: float,
