@@ -7,6 +7,7 @@ callers.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,9 +27,21 @@ __all__ = [
     "IllegalTransition",
     "check_transition",
     "TORCHRUN_ARGV",
+    "NODE_ID_RE",
+    "is_node_id",
 ]
 
 NodeId = NewType("NodeId", str)
+
+# What the control API and spotctl take as a node id (one URL path segment): the daemon's
+# own ids are ``<pool>-<ordinal>`` (pool names: ``[a-z0-9][a-z0-9-]{0,62}``); this allows
+# more, but never a '/', a '.'/'..' segment, a '?', '%' or a space.
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def is_node_id(text: object) -> bool:
+    """Whether ``text`` is a string of the form :data:`NODE_ID_RE` (whole)."""
+    return isinstance(text, str) and NODE_ID_RE.fullmatch(text) is not None
 
 
 class EventKind(str, Enum):

@@ -439,6 +439,71 @@ async def test_simulate_preemption_on_the_local_provider(tmp_path, sockdir, monk
         assert len(h.events("chaos_injected")) == 1
 
 
+# -- node ids in the URL, and answers of another shape (issue 25, item 8) ----------------------
+async def test_a_node_id_never_reaches_another_route(spot_daemon) -> None:
+    """``spotctl drain "x/../../checkpoint?"`` once sent ``POST /v1/checkpoint`` (the URL's
+    ``..`` segments resolved) and ``../pause?`` would pause the job. spotctl refuses what is
+    not a node id in one line (exit 2); the daemon refuses one that reaches it anyway (400),
+    and nothing is checkpointed, drained or paused."""
+    h = spot_daemon
+    await running_node(h)
+    sock = ["--socket", h.socket_path]
+    for argv in (["drain", "x/../../checkpoint?"], ["drain", "../pause?"], ["drain", ".."],
+                 ["tail", "test-1/../../pause"], ["simulate-preemption", "../../pause?x="]):
+        rc, out, err = await spotctl(*sock, *argv)
+        assert rc == 2 and out == "", (argv, err)
+        assert f"{argv[1]!r} is not a node id" in one_line(err), err
+    import yarl
+
+    conn = aiohttp.UnixConnector(path=h.socket_path)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        for raw in ("x%2F..%2F..%2Fcheckpoint%3F", "..%2Fpause", "%2E%2E", "test-1%20"):
+            url = yarl.URL(f"http://spotvisord/v1/nodes/{raw}/drain", encoded=True)  # sent as is
+            async with s.post(url) as r:
+                assert r.status == 400, (raw, r.status)
+                assert "is not a node id" in (await r.json())["error"], raw
+    assert not h.events("checkpoint_requested") and not h.sup.paused
+    assert h.sup.nodes["test-1"].state is NodeState.RUNNING
+    rc, out, err = await spotctl(*sock, "drain", "test-1")  # a real id still works
+    assert rc == 0 and out.startswith("test-1: draining"), err
+
+
+@pytest.mark.parametrize(("argv", "answer"), [
+    (["drain", "test-1"], {"request_id": "manual-1"}),  # what the path-confused request got back
+    (["checkpoint"], {"node": "test-1"}),
+    (["status"], []),
+    (["cost"], {"nodes": "x"}),
+    (["scale", "2"], {"target_nodes": 2}),
+    (["resume"], "ok"),
+    (["simulate-preemption", "test-1"], {"node": "test-1", "deadline": "soon", "lead_s": 30}),
+    (["events"], "[1, 2]\n"),
+    (["events"], "not json\n"),
+    (["tail", "test-1"], "{}\n"),
+])
+async def test_an_answer_of_another_shape_is_one_line_exit_1(sockdir: str, argv: list[str], answer: Any) -> None:
+    from aiohttp import web
+
+    async def reply(request: web.Request) -> web.Response:
+        if isinstance(answer, str) and answer.endswith("\n"):
+            return web.Response(text=answer, content_type="application/x-ndjson")
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", reply)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = f"{sockdir}/odd.sock"
+    await web.UnixSite(runner, sock).start()
+    try:
+        rc, out, err = await spotctl("--socket", sock, *argv)
+    finally:
+        await runner.cleanup()
+    assert rc == 1, (argv, out, err)
+    line = one_line(err)
+    assert line.startswith(f"spotctl: unexpected answer from spotvisord at {sock}: "), line
+    assert "same version" in line
+
+
 # -- the interactive shell, through a pty -------------------------------------------------------
 _ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\x07")  # escapes, and the bell of an ambiguous completion
 

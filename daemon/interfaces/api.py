@@ -58,7 +58,7 @@ from aiohttp import web
 
 from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
                                         node_gpu_view)
-from daemon.model import EventKind, Node, NodeState
+from daemon.model import EventKind, Node, NodeState, is_node_id
 from daemon.controlnode.supervisor import Supervisor
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
@@ -173,6 +173,11 @@ async def _events(request: web.Request) -> web.StreamResponse:
 
 
 def _node(sup: Supervisor, node_id: str) -> Node | web.Response:
+    """The node a ``/v1/nodes/{id}/...`` route names: 400 for a string that is not a node
+    id (:data:`daemon.model.NODE_ID_RE`), 404 for one the pool does not have."""
+    if not is_node_id(node_id):
+        return _error(400, f"{node_id[:80]!r} is not a node id (letters, digits, '.', '_', '-'; "
+                           "as `spotctl nodes` shows them)")
     node = sup.nodes.get(node_id)
     if node is None:
         known = ", ".join(n.id for n in sup.nodes.values() if not n.state.is_terminal()) or "none"

@@ -18,8 +18,11 @@ The socket is ``--socket PATH``, else ``$SPOTVISOR_SOCKET``, else the daemon
 socket of ``--config FILE``, else ``.spotvisor/spotvisord.sock`` (the local
 default) if it exists, else ``/run/spotvisor/spotvisord.sock`` (systemd).
 
-Exit codes: 0 ok, 1 daemon unreachable (one line naming the socket), 2 usage error
-(one line: a bad argument, or a request the daemon refused, e.g. an unknown node).
+Exit codes: 0 ok, 1 daemon unreachable or its answer unreadable (one line naming the
+socket), 2 usage error (one line: a bad argument, or a request the daemon refused, e.g.
+an unknown node). A node id goes into the URL percent-quoted, and only in the form
+:data:`daemon.model.NODE_ID_RE` allows (no '/', '?', '..'): it names one node, never
+another route.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ import os
 import shlex
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from daemon.model import Event
+from daemon.model import Event, is_node_id
 from daemon.interfaces.pipes import quiet_broken_pipe
 
 # aiohttp is imported by the first request, not here: it is most of spotctl's start-up
@@ -59,6 +63,10 @@ class Refused(Exception):
 
 class UsageError(Exception):
     """A bad command line (exit 2)."""
+
+
+class BadAnswer(Exception):
+    """The daemon answered 200 with something this spotctl cannot read (exit 1)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -231,11 +239,18 @@ async def _request(sock: Path, path: str, *, stream: bool = False, out: Callable
                 if r.status != 200:
                     raise Unreachable(f"spotvisord answered {r.status}: {(await r.text()).strip()}")
                 if not stream:
-                    return await r.json()
+                    try:
+                        return await r.json()
+                    except (ValueError, aiohttp.ContentTypeError):
+                        raise BadAnswer(f"{path.split('?')[0]}: the answer is not JSON") from None
                 assert out is not None
                 async for raw in r.content:
                     if raw.strip():
-                        out(json.loads(raw))
+                        try:
+                            item = json.loads(raw)
+                        except ValueError:
+                            raise BadAnswer(f"{path.split('?')[0]}: a line of the answer is not JSON") from None
+                        out(item)
     except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError) as exc:
         raise Unreachable(
             f"cannot reach spotvisord at {sock} ({exc.__class__.__name__}); is it running? "
@@ -254,6 +269,20 @@ def _common(*, suppress: bool) -> argparse.ArgumentParser:
     common.add_argument("--config", help="read the socket path from this config", **d)
     common.add_argument("--json", action="store_true", help="machine-readable output", **d)
     return common
+
+
+def _node_path(node: str, *rest: str) -> str:
+    """``/v1/nodes/<node>/<rest...>``, each segment percent-quoted (nothing is safe: a '/',
+    '?' or '..' in a node id can never reach another route)."""
+    return "/".join(["/v1/nodes", *(urllib.parse.quote(part, safe="") for part in (node, *rest))])
+
+
+def _node_id(text: str) -> str:
+    if not is_node_id(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a node id (letters, digits, '.', '_', '-', as `spotctl nodes` shows them, "
+            f"e.g. default-1)")
+    return text
 
 
 def _nonneg_int(text: str) -> int:
@@ -303,13 +332,13 @@ def _parser() -> _Parser:
     e.add_argument("--since", type=_nonneg_int, default=0, metavar="SEQ", help="only events after SEQ")
     e.add_argument("--kind", action="append", default=[], help="only this kind (repeatable)")
     t = v["tail"]
-    t.add_argument("node", help="node id, as `spotctl nodes` shows it")
+    t.add_argument("node", type=_node_id, help="node id, as `spotctl nodes` shows it")
     t.add_argument("-n", "--lines", type=_nonneg_int, default=10, metavar="N", help="the last N lines (default 10)")
     t.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    v["drain"].add_argument("node", help="node id, as `spotctl nodes` shows it")
+    v["drain"].add_argument("node", type=_node_id, help="node id, as `spotctl nodes` shows it")
     v["scale"].add_argument("nodes", type=_nonneg_int, metavar="N", help="target number of nodes")
     s = v["simulate-preemption"]
-    s.add_argument("node", help="node id, as `spotctl nodes` shows it")
+    s.add_argument("node", type=_node_id, help="node id, as `spotctl nodes` shows it")
     s.add_argument("--lead-s", type=_seconds, default=30.0, metavar="S",
                    help="seconds between the notice and the reclaim (default 30)")
     return p
@@ -341,8 +370,8 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
             seen += 1
             print(json.dumps({"node": args.node, **ln}) if as_json else ln["line"], flush=True)
 
-        await _request(sock, f"/v1/nodes/{args.node}/log?lines={args.lines}" + ("&follow=1" if args.follow else ""),
-                       stream=True, out=line)
+        query = f"?lines={args.lines}" + ("&follow=1" if args.follow else "")
+        await _request(sock, _node_path(args.node, "log") + query, stream=True, out=line)
         if not seen and not args.follow and not as_json:
             print(f"spotctl: no trainer log from {args.node} yet", file=sys.stderr)
         elif args.follow and not as_json:  # the daemon ends a follow when the node has terminated
@@ -352,7 +381,7 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
         _emit(as_json, reply, lambda: f"checkpoint requested ({reply['request_id']}): "
                                       "the job commits at its next step boundary")
     elif c == "drain":
-        reply = await _request(sock, f"/v1/nodes/{args.node}/drain", method="POST")
+        reply = await _request(sock, _node_path(args.node, "drain"), method="POST")
         _emit(as_json, reply, lambda: f"{reply['node']}: {reply['state']} "
                                       "(its trainer commits, then the node leaves the job)")
     elif c == "scale":
@@ -372,7 +401,7 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
         _emit(as_json, r, lambda: f"resuming: launching {r['target_nodes']} nodes; "
                                   f"the job resumes from its last commit ({frm})")
     elif c == "simulate-preemption":
-        r = await _request(sock, f"/v1/nodes/{args.node}/simulate-preemption", method="POST",
+        r = await _request(sock, _node_path(args.node, "simulate-preemption"), method="POST",
                            body={"lead_s": args.lead_s})
         at = time.strftime("%H:%M:%S", time.localtime(r["deadline"]))
         _emit(as_json, r, lambda: f"{r['node']}: interruption notice published; the local provider "
@@ -392,6 +421,15 @@ def run_verb(args: argparse.Namespace, sock: Path) -> int:
     except Refused as exc:
         print(f"spotctl: {exc}", file=sys.stderr)
         return 2
+    except BadAnswer as exc:
+        print(f"spotctl: unexpected answer from spotvisord at {sock}: {exc} "
+              "(are spotctl and spotvisord the same version?)", file=sys.stderr)
+        return 1
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:  # a reply of another shape
+        what = f"no {exc.args[0]!r} in it" if isinstance(exc, KeyError) and exc.args else type(exc).__name__
+        print(f"spotctl: unexpected answer from spotvisord at {sock}: {what} "
+              "(are spotctl and spotvisord the same version?)", file=sys.stderr)
+        return 1
 
 
 # -- interactive shell -------------------------------------------------------------------------
@@ -518,7 +556,7 @@ class SpotShell(cmd.Cmd):
             try:
                 status = asyncio.run(_request(self.sock, "/v1/status", timeout_s=2.0))
                 ids = [n["id"] for n in status["nodes"] if n["state"] not in ("terminated", "lost", "failed")]
-            except (Unreachable, Refused, asyncio.TimeoutError):
+            except (Unreachable, Refused, BadAnswer, asyncio.TimeoutError, KeyError, TypeError):
                 ids = []
             self._node_ids = (time.monotonic(), ids)
         return ids
