@@ -1106,9 +1106,12 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         if deep_line is not None:
             raise ConfigError([f"{p}: line {deep_line} nested deeper than {MAX_NESTING} levels "
                                "(a config is a few levels deep; check the brackets)"])
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
         if raw is None:  # an empty file (or only comments): all defaults; but [] / 0 / "" are not mappings
             raw = {}
+    except _BadScalar as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else "?"
+        raise ConfigError([f"{p}: line {line}: {exc.problem}"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -1121,6 +1124,34 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(format_problems(exc)) from None
     except RecursionError:  # aliases nesting each other: flat events, a deep document
         raise ConfigError([f"{p}: nested too deeply (a config is a few levels deep; check its anchors)"]) from None
+
+
+class _BadScalar(yaml.constructor.ConstructorError):
+    """A scalar YAML recognises but its type refuses (an integer of more digits than Python
+    reads, a date that does not exist); ``problem`` is one line, ``problem_mark`` where it is."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with every scalar its constructor refuses (``ValueError``)
+    reported as :class:`_BadScalar` at its line (the field's own bounds judge the rest)."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except ValueError as exc:
+            raise _BadScalar(None, None, f"{str(node.value)[:40]!r} cannot be read ({str(exc)[:120]}); fix the value",
+                             node.start_mark) from None
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python reads no integer of more than 4,300 digits (sys.get_int_max_str_digits)
+            raise _BadScalar(None, None, f"an integer {len(str(node.value))} characters long is out of range "
+                                         "(no setting takes one of more than a few digits); fix the value",
+                             node.start_mark) from None
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
 
 
 def _too_deep(text: str) -> int | None:

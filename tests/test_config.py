@@ -159,6 +159,11 @@ BAD = [
         "offers:\n  - {provider: aws, region: us-east-1, gpus_per_node: 8}\n",
         ["offers.0.instance_type: ", "required for provider aws"],
     ),
+    # issue 25, item 9: Python reads no integer of more than 4,300 digits (it raised ValueError)
+    ("integer_of_5000_digits", "pool:\n  name: x\n  max_nodes: " + "9" * 5000 + "\n",
+     ["line 3: an integer 5000 characters long is out of range"]),
+    ("date_that_does_not_exist", "job:\n  deadline: 2023-02-30\n", ["line 2: '2023-02-30' cannot be read",
+                                                                      "day is out of range"]),
 ]
 
 
