@@ -108,7 +108,7 @@ def test_the_lost_node_timeout_is_finite_and_never_below_its_floor(told: float |
 
 progress = st.builds(
     Progress,
-    step=st.integers(min_value=0, max_value=2**63 - 1),  # a config integer's range (daemon/config.py)
+    step=st.integers(min_value=0, max_value=2**63 - 1),  # as far as SQLite (the store) keeps an integer
     target_steps=st.integers(min_value=1, max_value=2**63 - 1),
     started_at=st.floats(min_value=0.0, max_value=2e9),
     deadline=st.floats(min_value=0.0, max_value=2e9 + 365 * DAY_S),

@@ -24,9 +24,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+import structlog
+
 from daemon.model import Event, Node, NodeState, TrainerState, check_transition
 
 __all__ = ["Store"]
+
+log = structlog.get_logger("spotvisor.store")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -70,12 +74,13 @@ class Store:
     ``busy_timeout_s``: how long a write waits for another connection's write to the
     same file (seconds; sqlite3's default, 5)."""
 
-    __slots__ = ("path", "busy_timeout_s", "_db")
+    __slots__ = ("path", "busy_timeout_s", "_db", "_reported")
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 5.0) -> None:
         self.path = Path(path)
         self.busy_timeout_s = busy_timeout_s
         self._db: sqlite3.Connection | None = None
+        self._reported: set[int] = set()  # seqs of events whose data was not an object (logged once)
 
     @property
     def in_memory(self) -> bool:
@@ -133,9 +138,11 @@ class Store:
         return Event(seq=int(cur.lastrowid), time=t, kind=kind, node=node, data=body)
 
     def events(self, *, since: int = 0, kinds: Iterable[str] | None = None, limit: int | None = None) -> list[Event]:
-        """Events with ``seq > since``, oldest first; optionally only ``kinds``."""
+        """Events with ``seq > since``, oldest first; optionally only ``kinds``. Each event's
+        ``data`` is a dict (:meth:`_data`). A ``since`` past SQLite's integers (2^63-1)
+        matches nothing."""
         sql = "SELECT seq, time, kind, node, data FROM events WHERE seq > ?"
-        args: list[Any] = [since]
+        args: list[Any] = [max(-(2**63), min(since, 2**63 - 1))]
         kinds = list(kinds or [])
         if kinds:
             sql += f" AND kind IN ({','.join('?' * len(kinds))})"
@@ -144,7 +151,23 @@ class Store:
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
-        return [Event(s, t, k, n, json.loads(d)) for s, t, k, n, d in self.db.execute(sql, args)]
+        return [Event(s, t, k, n, self._data(s, d)) for s, t, k, n, d in self.db.execute(sql, args)]
+
+    def _data(self, seq: int, text: str) -> dict[str, Any]:
+        """An event's stored data as the object every reader expects. What this daemon never
+        writes (a JSON array or scalar, or no JSON: an older daemon's, a hand edit) is wrapped
+        as ``{"value": ...}``, with one ``store_event_data_not_an_object`` log line per event
+        and store, so no reader meets a list where it reads keys (the daemon starts)."""
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError):
+            data = text
+        if isinstance(data, dict):
+            return data
+        if seq not in self._reported:
+            self._reported.add(seq)
+            log.warning("store_event_data_not_an_object", seq=seq, type=type(data).__name__, data=repr(data)[:200])
+        return {"value": data}
 
     def last_seq(self) -> int:
         row = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()
