@@ -29,6 +29,8 @@ __all__ = [
     "TORCHRUN_ARGV",
     "NODE_ID_RE",
     "is_node_id",
+    "MAX_EVENT_SEQ",
+    "MAX_NOTICE_LEAD_S",
 ]
 
 NodeId = NewType("NodeId", str)
@@ -42,6 +44,14 @@ NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 def is_node_id(text: object) -> bool:
     """Whether ``text`` is a string of the form :data:`NODE_ID_RE` (whole)."""
     return isinstance(text, str) and NODE_ID_RE.fullmatch(text) is not None
+
+
+# the largest event seq (SQLite's INTEGER PRIMARY KEY is a signed 64-bit integer): what
+# ``spotctl events --since`` and ``GET /v1/events?since=`` take, from 0
+MAX_EVENT_SEQ = 2**63 - 1
+# ``spotctl simulate-preemption --lead-s``: seconds from the notice to the reclaim, in
+# (0, this]; a day is far past any cloud's notice (AWS 120 s, Alibaba 300 s, GCP/Azure 30 s)
+MAX_NOTICE_LEAD_S = 86_400.0
 
 
 class EventKind(str, Enum):

@@ -35,6 +35,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import structlog
 
 from conftest import DaemonHarness, RecordingProvider, spotctl
 from daemon.gpunode.agent import NodeAgent
@@ -475,7 +476,7 @@ async def test_a_node_id_never_reaches_another_route(spot_daemon) -> None:
     (["cost"], {"nodes": "x"}),
     (["scale", "2"], {"target_nodes": 2}),
     (["resume"], "ok"),
-    (["simulate-preemption", "test-1"], {"node": "test-1", "deadline": "soon", "lead_s": 30}),
+    (["simulate-preemption", "test-1"], {"node": "test-1", "lead_s": 30}),
     (["events"], "[1, 2]\n"),
     (["events"], "not json\n"),
     (["tail", "test-1"], "{}\n"),
@@ -502,6 +503,78 @@ async def test_an_answer_of_another_shape_is_one_line_exit_1(sockdir: str, argv:
     line = one_line(err)
     assert line.startswith(f"spotctl: unexpected answer from spotvisord at {sock}: "), line
     assert "same version" in line
+
+
+# -- hostile values: one line, or rendered (issue 25, item 9) ----------------------------------
+async def _control(h: DaemonHarness, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One raw request on the control socket: (status, JSON body or text)."""
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=h.socket_path)) as s:
+        async with s.request(method, f"http://spotvisord{path}", json=body) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+
+@pytest.mark.parametrize("case", ["since", "lead_s", "event_time", "event_data_not_an_object"])
+async def test_hostile_values_are_one_line_errors_or_rendered(tmp_path, sockdir, case: str, monkeypatch) -> None:
+    """``events --since 10^23`` broke the stream (SQLite integers end at 2^63-1);
+    ``simulate-preemption --lead-s inf|nan|1e308`` answered 500; a stored event time of
+    1e308 crashed ``spotctl events``; a stored event whose data is a JSON array stopped
+    the daemon from starting. (A config integer of 5,000 digits: test_config.BAD.)"""
+    from daemon.controlnode import store as store_mod
+    from daemon.controlnode.store import Store
+
+    monkeypatch.setattr(store_mod, "log", structlog.get_logger("spotvisor.store"))  # uncached: captured
+    if case.startswith("event_"):  # what an older daemon, or a hand edit, left in the store
+        seeded = Store(tmp_path / "state" / "spotvisord.db").open()
+        if case == "event_time":
+            seeded.append_event("chaos_injected", "test-1", {"action": "notice"}, at=1e308)
+        else:
+            for kind in ("job_resumed", "checkpoint_committed", "node_launched"):
+                seeded.db.execute("INSERT INTO events(time, kind, node, data) VALUES (?, ?, ?, ?)",
+                                  (time.time(), kind, None, "[1, 2]"))
+            seeded.db.execute("INSERT INTO events(time, kind, node, data) VALUES (?, ?, ?, ?)",
+                              (time.time(), "job_resumed", None, "not json"))
+        seeded.close()
+    raw = {"pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2}}
+    with structlog.testing.capture_logs() as logs:
+        async with own_daemon(tmp_path, sockdir, raw) as h:  # it starts, whatever the store holds
+            sock = ["--socket", h.socket_path]
+            if case == "since":
+                for since in (str(10**23), str(2**63), "9" * 5000):
+                    rc, out, err = await spotctl(*sock, "events", "--since", since)
+                    assert rc == 2 and out == "" and "--since" in one_line(err), err
+                for since in (str(10**23), "1e23", "-1", "9" * 5000):
+                    status, body = await _control(h, "GET", f"/v1/events?since={since}")
+                    assert status == 400 and "since must be an event seq" in body["error"], (since, body)
+                rc, out, err = await spotctl(*sock, "events", "--since", str(2**63 - 1))
+                assert rc == 0 and out == "", err  # the largest seq: nothing after it
+            elif case == "lead_s":
+                await h.until(lambda: "test-1" in h.sup.nodes, what="a node")
+                for lead in ("inf", "nan", "1e308", "-1", "86401"):
+                    rc, out, err = await spotctl(*sock, "simulate-preemption", "test-1", "--lead-s", lead)
+                    assert rc == 2 and out == "" and "--lead-s" in one_line(err) and "(0, 86400]" in err, err
+                for lead in (float("inf"), float("nan"), 1e308, 10**400, 0):
+                    status, body = await _control(h, "POST", "/v1/nodes/test-1/simulate-preemption",
+                                                  {"lead_s": lead})
+                    assert status == 400, (lead, status, body)
+                    assert body["error"] == "lead_s must be a number of seconds in (0, 86400]", body
+                assert not h.events("chaos_injected")
+            else:
+                rc, out, err = await spotctl(*sock, "events", "--kind", "chaos_injected", "--kind", "job_resumed")
+                assert rc == 0 and err == "", err
+                if case == "event_time":
+                    assert out.startswith("<time 1e+308> #1"), out
+                else:
+                    assert "value=1,2" in out and "value=not json" in out, out
+                    assert all(isinstance(e.data, dict) for e in h.sup.store.events())
+                rc, out, err = await spotctl(*sock, "status")
+                assert rc == 0, err
+    if case == "event_data_not_an_object":
+        bad = [e for e in logs if e["event"] == "store_event_data_not_an_object"]
+        assert sorted(e["seq"] for e in bad) == [1, 2, 3, 4]  # one line per event, however often it is read
 
 
 # -- the interactive shell, through a pty -------------------------------------------------------

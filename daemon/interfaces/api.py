@@ -19,7 +19,9 @@
   ========================================  ==============================================
 - **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are
   ``{"error": "<one line>"}`` with 400 (bad request), 404 (unknown node) or 409
-  (not possible now); spotctl prints the line and exits 2.
+  (not possible now); spotctl prints the line and exits 2. ``{id}`` is a node id of the
+  form :data:`daemon.model.NODE_ID_RE` (else 400); ``SEQ`` a whole number in 0..2^63-1;
+  ``S`` seconds in (0, :data:`daemon.model.MAX_NOTICE_LEAD_S`] (a day).
 
   ========================================  ==============================================
   ``GET /v1/status``                        job (state, step, durations, recoveries), pool,
@@ -58,7 +60,7 @@ from aiohttp import web
 
 from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
                                         node_gpu_view)
-from daemon.model import EventKind, Node, NodeState, is_node_id
+from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, Node, NodeState, is_node_id
 from daemon.controlnode.supervisor import Supervisor
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
@@ -153,8 +155,10 @@ async def _events(request: web.Request) -> web.StreamResponse:
     sup = request.app[SUPERVISOR]
     try:
         since = int(request.query.get("since", "0"))
-    except ValueError:
-        return _error(400, "since must be an integer event seq")
+    except ValueError:  # not an integer (or one of more than 4,300 digits)
+        since = -1
+    if not 0 <= since <= MAX_EVENT_SEQ:
+        return _error(400, f"since must be an event seq, a whole number in 0..{MAX_EVENT_SEQ}")
     kinds = [k for k in request.query.getall("kind", []) if k]
     follow = request.query.get("follow") in ("1", "true")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -292,8 +296,8 @@ async def _simulate_preemption(request: web.Request) -> web.Response:
     if isinstance(body, web.Response):
         return body
     lead_s = body.get("lead_s", 30.0)
-    if not isinstance(lead_s, (int, float)) or isinstance(lead_s, bool) or lead_s <= 0:
-        return _error(400, "lead_s must be a number of seconds > 0")
+    if isinstance(lead_s, bool) or not isinstance(lead_s, (int, float)) or not 0 < lead_s <= MAX_NOTICE_LEAD_S:
+        return _error(400, f"lead_s must be a number of seconds in (0, {MAX_NOTICE_LEAD_S:g}]")
     provider = sup.fleet.provider_for(node.provider)
     publish = getattr(provider, "publish_interruption", None)
     if provider.name != "local" or publish is None:

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import cmd
 import json
+import math
 import os
 import shlex
 import sys
@@ -39,7 +40,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from daemon.model import Event, is_node_id
+from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, Event, is_node_id
 from daemon.interfaces.pipes import quiet_broken_pipe
 
 # aiohttp is imported by the first request, not here: it is most of spotctl's start-up
@@ -92,8 +93,17 @@ def _socket_path(args: argparse.Namespace) -> Path:
 
 
 # -- rendering ---------------------------------------------------------------------------------
+def _clock(t: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    """Unix seconds ``t`` as local time in ``fmt``; a value no clock shows (inf, nan, 1e308,
+    not a number: a stored value spotctl did not write) as ``<time VALUE>``, never an error."""
+    try:
+        return time.strftime(fmt, time.localtime(t))
+    except (OverflowError, ValueError, OSError, TypeError):
+        return f"<time {t!r}>"
+
+
 def _duration(s: float | None) -> str:
-    if s is None:
+    if s is None or not math.isfinite(s):
         return "-"
     s = int(s)
     if s < 60:
@@ -175,7 +185,7 @@ def _placement(p: dict[str, Any]) -> str:
     if d:
         out += f"  deadline in {d['hours_to_deadline']:g} h, {d['hours_of_work_left']:g} h of work left"
         if d.get("expected_finish") is not None:
-            at = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["expected_finish"]))
+            at = _clock(d["expected_finish"], "%Y-%m-%d %H:%M")
             slack = d.get("slack_h") or 0.0
             out += f", expected to finish {at} ({slack:g} h {'to spare' if slack >= 0 else 'LATE'})"
         out += f", buying {'+'.join(d['markets'] or ['any'])}"
@@ -217,8 +227,7 @@ def render_event(ev: dict[str, Any]) -> str:
 
     e = Event(ev["seq"], ev["time"], ev["kind"], ev.get("node"), ev.get("data") or {})
     line = format_event(e, 0.0)
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
-    return stamp + line[line.index("]") + 1:]
+    return _clock(e.time) + line[line.index("]") + 1:]
 
 
 # -- transport ---------------------------------------------------------------------------------
@@ -289,19 +298,26 @@ def _nonneg_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text[:30]!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
 
 
-def _seconds(text: str) -> float:
+def _seq(text: str) -> int:
+    value = _nonneg_int(text)
+    if value > MAX_EVENT_SEQ:
+        raise argparse.ArgumentTypeError(f"{text[:30]} is past the largest event seq (2^63-1)")
+    return value
+
+
+def _lead_s(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    if not 0 < value <= MAX_NOTICE_LEAD_S:  # nan, inf and 1e308 too
+        raise argparse.ArgumentTypeError(f"{text} is not within (0, {MAX_NOTICE_LEAD_S:g}] seconds")
     return value
 
 
@@ -329,7 +345,7 @@ def _parser() -> _Parser:
     v = {verb: sub.add_parser(verb, parents=[common], help=text, description=text) for verb, text in HELP.items()}
     e = v["events"]
     e.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
-    e.add_argument("--since", type=_nonneg_int, default=0, metavar="SEQ", help="only events after SEQ")
+    e.add_argument("--since", type=_seq, default=0, metavar="SEQ", help="only events after SEQ")
     e.add_argument("--kind", action="append", default=[], help="only this kind (repeatable)")
     t = v["tail"]
     t.add_argument("node", type=_node_id, help="node id, as `spotctl nodes` shows it")
@@ -339,8 +355,8 @@ def _parser() -> _Parser:
     v["scale"].add_argument("nodes", type=_nonneg_int, metavar="N", help="target number of nodes")
     s = v["simulate-preemption"]
     s.add_argument("node", type=_node_id, help="node id, as `spotctl nodes` shows it")
-    s.add_argument("--lead-s", type=_seconds, default=30.0, metavar="S",
-                   help="seconds between the notice and the reclaim (default 30)")
+    s.add_argument("--lead-s", type=_lead_s, default=30.0, metavar="S",
+                   help=f"seconds between the notice and the reclaim, in (0, {MAX_NOTICE_LEAD_S:g}] (default 30)")
     return p
 
 
@@ -403,7 +419,7 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
     elif c == "simulate-preemption":
         r = await _request(sock, _node_path(args.node, "simulate-preemption"), method="POST",
                            body={"lead_s": args.lead_s})
-        at = time.strftime("%H:%M:%S", time.localtime(r["deadline"]))
+        at = _clock(r["deadline"], "%H:%M:%S")
         _emit(as_json, r, lambda: f"{r['node']}: interruption notice published; the local provider "
                                   f"reclaims it at {at} (in {r['lead_s']:g} s)")
     else:  # pragma: no cover - argparse only lets the verbs above through
