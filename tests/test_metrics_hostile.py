@@ -75,3 +75,39 @@ async def test_non_numeric_job_state_from_old_node_rows_leaves_the_series_out(sp
     m = samples(text)
     assert not [k for k in m if k[0] in ("spotvisor_world_size", "spotvisor_job_step", "spotvisor_goodput_ratio")]
     assert m[("spotvisor_job_target_steps", ())] == h.config.job.target_steps
+
+
+async def test_gpu_figures_out_of_bounds_are_dropped_at_intake_and_counted(spot_daemon) -> None:
+    """Issue 25, item 10: a heartbeat's GPU figures reached /metrics unbounded
+    (``sm_utilization_percent 1e+308``, ``memory_used_bytes -1e+30``). Utilisation must be
+    a percent in [0, 100] and memory an integer in [0, 1 TiB]: a figure outside is dropped
+    alone (that GPU's series is absent), logged and counted; the good figures stay."""
+    from test_metrics import agent_post
+
+    h = spot_daemon
+    await h.until(lambda: "test-1" in h.sup.nodes and h.sup.nodes["test-1"].instance_id, what="a node")
+    node = h.sup.nodes["test-1"]
+    gpu = [
+        {"index": 0, "sm_util_pct": 1e308, "mem_used_bytes": -10**30, "mem_total_bytes": 80 * 2**30},
+        {"index": 1, "sm_util_pct": 55.5, "mem_used_bytes": 10 * 2**30, "mem_total_bytes": 2**41},
+        {"index": 2, "sm_util_pct": -3.0, "mem_used_bytes": True, "mem_total_bytes": 80 * 2**30},
+    ]
+    await agent_post(h, node, "/v1/agent/register", {})
+    await agent_post(h, node, "/v1/agent/heartbeat", {"step": None, "trainer": {"state": "not_started"}, "gpu": gpu})
+    _, text = await scrape_socket(h.socket_path)
+    m = samples(text)
+
+    def gpu_series(name: str) -> dict[str, float]:
+        return {dict(k[1])["gpu"]: v for k, v in m.items() if k[0] == name and dict(k[1]).get("node") == "test-1"}
+
+    assert gpu_series("spotvisor_gpu_sm_utilization_percent") == {"1": 55.5}
+    assert gpu_series("spotvisor_gpu_memory_used_bytes") == {"1": 10 * 2**30}
+    assert gpu_series("spotvisor_gpu_memory_total_bytes") == {"0": 80 * 2**30, "2": 80 * 2**30}
+    assert m[("spotvisor_agent_reports_dropped_total", (("kind", "gpu"),))] == 5
+    # a payload of another shape is dropped whole, and counted once
+    await agent_post(h, node, "/v1/agent/heartbeat", {"trainer": {"state": "not_started"},
+                                                      "gpu": [{"index": 10**30, "sm_util_pct": 50}]})
+    m = samples((await scrape_socket(h.socket_path))[1])
+    assert m[("spotvisor_agent_reports_dropped_total", (("kind", "gpu"),))] == 6
+    assert gpu_series("spotvisor_gpu_sm_utilization_percent") == {}  # the node's sample is absent now
+    assert h.sup.agents.gpu_watch.latest("test-1") is None

@@ -101,8 +101,8 @@ class AgentLink:
         if step is not None:
             self._on_step(node, step)
         self.node_logs.feed(node.id, body.get("log"))
-        low = self.gpu_watch.observe(node.id, parse_samples(body.get("gpu")), now=self.core.clock(),
-                                     training=training(node))
+        samples = parse_samples(body.get("gpu"), drop=lambda problem, what: self.core.drop(node, "gpu", problem, what))
+        low = self.gpu_watch.observe(node.id, samples, now=self.core.clock(), training=training(node))
         if low is not None:
             self.core.record(EventKind.GPU_UNDERUTILIZED, node.id, **low)
         reply = self.reply(node)

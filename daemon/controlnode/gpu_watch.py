@@ -21,41 +21,76 @@ reads 20 % again, and at 12:15:00 a second event fires.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
 from daemon.gpunode.gpu import GpuSample
 
-__all__ = ["GpuWatch", "parse_samples", "mean_sm_util"]
+__all__ = ["GpuWatch", "parse_samples", "mean_sm_util", "MAX_GPU_MEMORY_BYTES", "MAX_GPUS"]
 
 log = structlog.get_logger("spotvisor.gpu")
 
 
-def parse_samples(raw: object) -> list[GpuSample] | None:
+# the most memory one GPU may report (bytes): 1 TiB, past any GPU made (the largest hold
+# 288 GB: AMD MI355X; NVIDIA B300). A larger or negative figure is a lie, never exported.
+MAX_GPU_MEMORY_BYTES = 2**40
+# the most GPUs one node may list (an index is 0..this-1); 8 or 16 on any instance today
+MAX_GPUS = 256
+
+Drop = Callable[[str, object], None]
+
+
+def _log_drop(problem: str, what: object) -> None:
+    log.warning("gpu_sample_unparsable", problem=problem, raw=repr(what)[:200])
+
+
+def _bounded(item: dict[str, Any], key: str, hi: float, drop: Drop, *, integer: bool) -> float | int | None:
+    """``item[key]`` if it is a number (an int, for ``integer``) in ``[0, hi]``, finite; else
+    None, and ``drop`` is told unless the value was absent (null)."""
+    v = item.get(key)
+    if v is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(v, bool) or not isinstance(v, kinds):
+        drop(f"{key} is not {'an integer' if integer else 'a number'}", item)
+        return None
+    if not (math.isfinite(v) and 0 <= v <= hi):
+        drop(f"{key} {v!r} is outside [0, {hi:g}]", item)
+        return None
+    return int(v) if integer else float(v)
+
+
+def parse_samples(raw: object, *, drop: Drop | None = None) -> list[GpuSample] | None:
     """A heartbeat's ``gpu`` field → samples; ``None`` (absent) for null or a bad payload.
 
-    A payload that is not a list of GPU objects is logged and dropped (absent),
-    never guessed at.
+    A payload that is not a list of at most :data:`MAX_GPUS` GPU objects (each with an
+    ``index`` in ``0..MAX_GPUS-1``) is dropped whole (absent), never guessed at. A figure
+    out of bounds is dropped alone (that GPU's figure is absent): ``sm_util_pct`` must be
+    a finite percent in [0, 100], ``mem_used_bytes`` and ``mem_total_bytes`` integers in
+    [0, :data:`MAX_GPU_MEMORY_BYTES`]. Each drop calls ``drop(problem, what)`` once (the
+    daemon logs one line and counts it, :meth:`Supervisor.drop`); default: a log line.
     """
+    drop = drop or _log_drop
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        log.warning("gpu_sample_unparsable", raw=repr(raw)[:200])
+    if not isinstance(raw, list) or len(raw) > MAX_GPUS:
+        drop("gpu is not a list of at most 256 GPUs", raw)
         return None
     out = []
     for item in raw:
-        if not isinstance(item, dict) or not isinstance(item.get("index"), int):
-            log.warning("gpu_sample_unparsable", raw=repr(item)[:200])
+        index = item.get("index") if isinstance(item, dict) else None
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_GPUS:
+            drop("a GPU without an index in 0..255", item)
             return None
-        util, used, total = item.get("sm_util_pct"), item.get("mem_used_bytes"), item.get("mem_total_bytes")
         out.append(GpuSample(
-            index=item["index"],
-            sm_util_pct=float(util) if isinstance(util, (int, float)) else None,
-            mem_used_bytes=int(used) if isinstance(used, int) else None,
-            mem_total_bytes=int(total) if isinstance(total, int) else None,
-            name=str(item.get("name") or ""),
+            index=index,
+            sm_util_pct=_bounded(item, "sm_util_pct", 100.0, drop, integer=False),  # type: ignore[arg-type]
+            mem_used_bytes=_bounded(item, "mem_used_bytes", MAX_GPU_MEMORY_BYTES, drop, integer=True),  # type: ignore[arg-type]
+            mem_total_bytes=_bounded(item, "mem_total_bytes", MAX_GPU_MEMORY_BYTES, drop, integer=True),  # type: ignore[arg-type]
+            name=str(item.get("name") or "")[:64],
         ))
     return out or None
 
