@@ -14,9 +14,7 @@ check-config`` prints them and exits 2.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import string
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from daemon.control.offers import offer_key
 from daemon.model import EventKind
+from daemon.hosts import exposed_address, is_loopback
 from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
 from trainer.batch import ElasticBatch, BatchError
 
@@ -324,35 +323,6 @@ class RendezvousSpec(_Spec):
         return host
 
 
-_PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
-
-
-def exposed_address(host: str) -> str | None:
-    """Why ``host`` would expose a listener beyond loopback and private networks:
-    ``"a wildcard address (every interface)"``, ``"not a private address"``, or None
-    (loopback, private, or a host name, which is not judged)."""
-    text = host.strip()
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    if not text:
-        return "a wildcard address (every interface)"
-    addr: ipaddress.IPv4Address | ipaddress.IPv6Address
-    try:
-        addr = ipaddress.ip_address(text)
-    except ValueError:
-        try:  # the forms the resolver also takes as IPv4: "0", "127.1", "0x7f000001"
-            addr = ipaddress.IPv4Address(socket.inet_aton(text))
-        except OSError:
-            return None  # a name
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    if addr.is_unspecified:
-        return "a wildcard address (every interface)"
-    if addr.is_loopback or any(addr in net for net in _PRIVATE_NETS):
-        return None
-    return "not a private address"
-
-
 class AgentSpec(_Spec):
     """Node agent timing. ``metadata_alarm_after``: failed metadata polls in a row
     before the agent raises a ``metadata_unreachable`` alarm (a failed poll is never
@@ -481,25 +451,8 @@ class DaemonSpec(_Spec):
                              "daemon.agent_tls: on, or remove the three files)")
         return self
 
-    @staticmethod
-    def is_loopback(host: str) -> bool:
-        """``host`` is ``localhost`` or a loopback address (127.0.0.0/8, ::1, ::ffff:127.x)."""
-        text = host.strip().lower().rstrip(".")
-        if text.startswith("[") and text.endswith("]"):
-            text = text[1:-1]
-        if text == "localhost":
-            return True
-        addr: ipaddress.IPv4Address | ipaddress.IPv6Address
-        try:
-            addr = ipaddress.ip_address(text)
-        except ValueError:
-            try:  # the forms the resolver also takes as IPv4: "127.1", "0x7f000001"
-                addr = ipaddress.IPv4Address(socket.inet_aton(text))
-            except OSError:
-                return False  # a name
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return addr.is_loopback
+    # ``host`` is ``localhost`` or a loopback address (:func:`daemon.hosts.is_loopback`)
+    is_loopback = staticmethod(is_loopback)
 
     def agent_tls_on(self) -> bool:
         """Whether the agent port speaks TLS: ``on``; ``auto`` with a non-loopback
