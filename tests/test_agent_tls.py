@@ -439,3 +439,27 @@ def test_the_agent_reads_its_ca_file_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SPOTVISOR_DAEMON_CA_FILE", "")
     assert agent_mod._parse(["run", "--daemon-url", "https://h:1", "--node-id", "n"]).ca_file is None
 
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5:7480", "http://ctl.internal:7480", "http://0.0.0.0:7480",
+                                 "ftp://10.0.0.5/", "10.0.0.5:7480"])
+def test_the_agent_never_sends_its_token_in_clear_beyond_loopback(tmp_path: Path, url: str) -> None:
+    """Issue 25, item 10: told a plain-http daemon URL on another host, the agent sent its
+    token in clear. It refuses to start (one line naming the fix, exit 2); https, and
+    http to a loopback host, are taken."""
+    imds = AwsImds("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="--daemon-url"):
+        NodeAgent(daemon_url=url, token="t", node_id="n-1", metadata=imds, workdir=tmp_path)
+    for ok in ("https://10.0.0.5:7480", "http://127.0.0.1:7480", "http://localhost:1", "http://[::1]:1"):
+        NodeAgent(daemon_url=ok, token="t", node_id="n-1", metadata=imds, workdir=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "daemon.gpunode.agent", "run", "--daemon-url", url,
+                        "--node-id", "n-1", "--workdir", str(tmp_path / "w")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SPOTVISOR_AGENT_TOKEN": "t"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"spotvisor-agent: --daemon-url {url}") or line.startswith(
+        f"spotvisor-agent: --daemon-url {url!r}"), line
+    if url.startswith("http://"):
+        assert "in clear" in line and "https" in line, line

@@ -20,7 +20,9 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   certificate; with no CA file, the system's store. A daemon whose certificate does
   not verify never sees a request (the handshake fails first, so the token is not
   sent): the agent logs ``daemon_certificate_untrusted`` and retries with backoff, as
-  for any daemon it cannot reach (a restarted daemon keeps its CA).
+  for any daemon it cannot reach (a restarted daemon keeps its CA). A plain ``http://``
+  daemon URL is taken only for a loopback host (:func:`check_daemon_url`): the agent
+  refuses to start rather than send its token in clear across the network.
 - ``commands``: keep one ``POST /v1/agent/commands`` long-poll outstanding, so a
   command reaches the node at once however long the heartbeat interval is; its
   reply is applied as a heartbeat reply is (each command comes by one channel or the
@@ -53,6 +55,7 @@ import signal
 import ssl
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,7 @@ from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_i
                       wait_exponential, wait_exponential_jitter)
 
 from daemon.gpunode.gpu import GpuMeans, GpuSampler, NvmlSampler
+from daemon.hosts import is_loopback
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
@@ -70,7 +74,7 @@ from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import FORWARDED, NoticeEntry, NoticeFile, NoticeKind, StatusTail
 from daemon.gpunode.nodelog import read_chunk
 
-__all__ = ["NodeAgent", "main", "daemon_ssl_context"]
+__all__ = ["NodeAgent", "main", "daemon_ssl_context", "check_daemon_url"]
 
 log = structlog.get_logger("spotvisor.agent")
 
@@ -101,6 +105,26 @@ def daemon_ssl_context(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=os.fspath(ca_file))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+def check_daemon_url(url: str) -> None:
+    """Refuse a daemon URL that would carry this node's token in clear beyond the machine:
+    ``https://`` anywhere, ``http://`` only to a loopback host (localhost, 127.0.0.0/8, ::1).
+
+    Raises:
+        ValueError: one line naming the URL and the fix.
+    """
+    parts = urllib.parse.urlsplit(url)
+    scheme, host = parts.scheme.lower(), parts.hostname or ""
+    if scheme == "https" and host:
+        return
+    if scheme == "http" and host and is_loopback(host):
+        return
+    if scheme not in ("http", "https") or not host:
+        raise ValueError(f"--daemon-url {url!r} is not an http(s) URL with a host (e.g. https://10.0.0.10:7480)")
+    raise ValueError(f"--daemon-url {url} is plain http to a host that is not loopback: the node's token would "
+                     "cross the network in clear; use the https URL the daemon serves (daemon.agent_tls: auto, "
+                     "with --ca-file), or a loopback address")
 
 
 def _daemon_unreachable(event: str, rs: RetryCallState) -> None:
@@ -148,6 +172,10 @@ class NodeAgent:
         command_wait_s: how long each command long-poll may be held (seconds).
         ca_file: the daemon's CA certificate (PEM): for an https ``daemon_url``, trust it
             and no other CA (:func:`daemon_ssl_context`); None: the system's store.
+
+    Raises:
+        ValueError: ``daemon_url`` is plain http to a host that is not loopback
+            (:func:`check_daemon_url`): the token is never sent in clear beyond the machine.
     """
 
     def __init__(self, *, daemon_url: str, token: str, node_id: str, metadata: MetadataDialect, workdir: Path,
@@ -155,6 +183,7 @@ class NodeAgent:
                  metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0,
                  gpu_sampler: GpuSampler | None = None, command_wait_s: float = COMMAND_WAIT_S,
                  ca_file: str | os.PathLike[str] | None = None) -> None:
+        check_daemon_url(daemon_url)
         self.daemon_url = daemon_url.rstrip("/")
         self.ca_file = ca_file
         self.token = token
@@ -559,6 +588,11 @@ async def _amain(args: argparse.Namespace) -> int:
     token = os.environ.get("SPOTVISOR_AGENT_TOKEN", "")
     if not token:
         print("spotvisor-agent: SPOTVISOR_AGENT_TOKEN is not set (the daemon issues it at launch)", file=sys.stderr)
+        return 2
+    try:
+        check_daemon_url(args.daemon_url)
+    except ValueError as exc:
+        print(f"spotvisor-agent: {exc}", file=sys.stderr)
         return 2
     try:  # a CA file that cannot be used is a configuration error: stop here, not retry
         await asyncio.to_thread(daemon_ssl_context, args.ca_file)
