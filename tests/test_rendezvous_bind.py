@@ -140,6 +140,21 @@ def test_an_empty_host_is_one_line_and_exit_2(argv: list[str]) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "0", "[::]"])
+def test_a_wildcard_host_is_refused_in_one_line(host: str) -> None:
+    """Issue 25, item 10: ``--host 0.0.0.0`` bound every interface with only a warning. It is
+    refused before anything listens (exit 2), in one line naming the fix."""
+    from daemon.controlnode.rendezvous import listen_socket
+
+    with pytest.raises(ValueError, match="wildcard"):
+        listen_socket(host, 0).close()
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", "--host", host, "--port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert f"--host {host} is a wildcard" in line and "control node's private address" in line, line
+
+
 def test_a_taken_port_is_one_line_and_exit_1(loopback_store: _Store) -> None:
     r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", "--host", "127.0.0.1",
                         "--port", str(loopback_store.port)], cwd=ROOT, capture_output=True, text=True, timeout=60)

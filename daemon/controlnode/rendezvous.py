@@ -30,6 +30,8 @@ import threading
 from datetime import timedelta
 from typing import Callable
 
+from daemon.hosts import is_wildcard
+
 __all__ = ["DEFAULT_HOST", "listen_socket", "serve", "wait_until_listening", "main"]
 
 DEFAULT_HOST = "127.0.0.1"
@@ -41,10 +43,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     ``host``: an address or a name (its first address). Raises ``ValueError`` for an
     empty ``host`` (never read as "every interface"), ``socket.gaierror`` for a name
     that does not resolve, ``OSError`` when the bind fails (the port is taken, the
-    address is not this machine's)."""
+    address is not this machine's).
+
+    Raises ``ValueError`` too for a wildcard (0.0.0.0, ::, "0", or a name that resolves to
+    one): every interface, never what a store without authentication should listen on."""
     if not host.strip():
         raise ValueError("empty host")
+    if is_wildcard(host):
+        raise ValueError("wildcard host")
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(addr[0].split("%")[0]).is_unspecified:
+        raise ValueError("wildcard host")
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds through TIME_WAIT
@@ -109,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print("spotvisor-rendezvous: --host is empty; give the control node's private address "
               "(the unit reads it from SPOTVISOR_RDZV_HOST in /etc/spotvisor/rendezvous.env)", file=sys.stderr)
         return 2
+    if is_wildcard(host):
+        print(f"spotvisor-rendezvous: --host {host} is a wildcard (every interface), and whoever reaches the "
+              "port can run code in the job's torchrun agents; give the control node's private address "
+              "(e.g. 10.0.0.10, reachable by the job's nodes only)", file=sys.stderr)
+        return 2
     shown = f"[{host}]" if ":" in host else host
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def listening(address: str, port: int) -> None:
         print(f"rendezvous store listening on {f'[{address}]' if ':' in address else address}:{port}", flush=True)
-        if ipaddress.ip_address(address).is_unspecified:
-            print(f"spotvisor-rendezvous: warning: --host {host} listens on every interface; whoever reaches "
-                  "the port can run code in the job's torchrun agents (README, \"Trust model\")",
-                  file=sys.stderr, flush=True)
 
     try:
         serve(host, args.port, stop, on_listening=listening)
+    except ValueError:  # a name that resolves to a wildcard address
+        print(f"spotvisor-rendezvous: --host {host} resolves to a wildcard address (every interface); give "
+              "the control node's private address (e.g. 10.0.0.10, reachable by the job's nodes only)",
+              file=sys.stderr)
+        return 2
     except socket.gaierror as exc:
         print(f"spotvisor-rendezvous: --host {host!r} does not resolve ({exc.strerror}); "
               "give the control node's private address", file=sys.stderr)
