@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -380,6 +381,60 @@ def test_filestore_io_failure_is_storage_error(tmp_path):
     with pytest.raises(StorageError) as info:
         store.put_bytes("step-00000001/x", b"data")
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_filestore_skips_what_is_not_a_regular_file_and_resume_takes_the_newest_verified(tmp_path, monkeypatch):
+    """Issue 25, item 10: a symlink loop in the store made resume raise, and a FIFO named
+    ``manifest.json`` blocked it forever. Such entries (and a dangling symlink, a socket)
+    are skipped with one log line each; resume takes the newest verified checkpoint."""
+    import socket
+    import structlog
+    import threading
+
+    import trainer.storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "log", structlog.get_logger("trainer.storage"))  # uncached: captured
+    store = FileStore(tmp_path.as_uri())
+    for step in (1, 2, 3, 4):
+        save(store, step)
+    # step 4: its manifest replaced by a symlink to itself (a loop); step 3: by a FIFO
+    (tmp_path / key(4, "manifest.json")).unlink()
+    os.symlink("manifest.json", tmp_path / key(4, "manifest.json"))
+    (tmp_path / key(3, "manifest.json")).unlink()
+    os.mkfifo(tmp_path / key(3, "manifest.json"))
+    os.symlink(tmp_path / "nowhere", tmp_path / key(2, "dangling"))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / key(2, "sock")))
+
+    got: list = []
+    done = threading.Event()
+
+    def resume() -> None:
+        try:
+            got.append(latest_committed(store))
+        except BaseException as exc:  # noqa: BLE001 - what resume raised is the finding
+            got.append(exc)
+        finally:
+            done.set()
+
+    with structlog.testing.capture_logs() as logs:
+        threading.Thread(target=resume, daemon=True).start()
+        try:
+            # generous: a FIFO read blocks until a writer comes, so a wait that ends at all is the test
+            assert done.wait(60), "resume blocked on the FIFO named manifest.json"
+        finally:
+            with contextlib.suppress(OSError):  # free a reader blocked on the FIFO (only if it is)
+                os.close(os.open(tmp_path / key(3, "manifest.json"), os.O_WRONLY | os.O_NONBLOCK))
+            sock.close()
+    (result,) = got
+    assert not isinstance(result, BaseException), repr(result)
+    assert result is not None and result.step == 2  # the newest that verifies
+    skipped = sorted(e["key"] for e in logs if e["event"] == "checkpoint_store_entry_skipped")
+    assert skipped == [key(2, "dangling"), key(2, "sock"), key(3, "manifest.json"), key(4, "manifest.json")]
+    for k in (key(3, "manifest.json"), key(4, "manifest.json")):  # read by name: not found, never blocking
+        with pytest.raises(ObjectNotFoundError):
+            store.get_bytes(k)
+    assert load_shard(store, result, "rank-0.pt") == _shard_bytes(2, 0)
 
 
 def test_s3_multipart_round_trip(s3_server):

@@ -10,9 +10,11 @@ rather than holding the object in memory.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
+import stat
 import tempfile
 import urllib.parse
 from abc import ABC, abstractmethod
@@ -23,6 +25,7 @@ import boto3
 from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
+import structlog
 
 __all__ = [
     "CheckpointError",
@@ -35,6 +38,8 @@ __all__ = [
 ]
 
 _MIB = 1024 * 1024
+
+log = structlog.get_logger(__name__)
 
 
 # --------------------------------------------------------------------------- errors
@@ -202,22 +207,45 @@ class FileStore(CheckpointStore):
         except OSError as exc:
             raise StorageError(f"copying {path} to {self.uri}/{key}: {exc}") from exc
 
-    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        src_path = self._path(key)
+    def _open(self, key: str) -> io.BufferedReader:
+        """The object ``key`` opened for reading, if it is a regular file (or a symlink to
+        one). Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a
+        FIFO, a socket or a device under a key's name never blocks or is read as data.
+
+        Raises:
+            ObjectNotFoundError: nothing there, a symlink that does not resolve (a loop,
+                a dangling target), or not a regular file.
+            OSError: any other failure to open it.
+        """
+        path = self._path(key)
         try:
-            with open(src_path, "rb") as src:
-                _atomic_local_write(Path(path), lambda f: shutil.copyfileobj(src, f, 8 * _MIB))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ObjectNotFoundError(f"{self.uri}/{key} is a symlink that does not resolve") from exc
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ObjectNotFoundError(f"{self.uri}/{key} is not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        try:
+            with self._open(key) as src:
+                _atomic_local_write(Path(path), lambda f: shutil.copyfileobj(src, f, 8 * _MIB))
         except OSError as exc:
             raise StorageError(f"copying {self.uri}/{key} to {path}: {exc}") from exc
 
     def get_bytes(self, key: str) -> bytes:
-        path = self._path(key)
         try:
-            return path.read_bytes()
-        except FileNotFoundError as exc:
-            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from exc
+            with self._open(key) as src:
+                return src.read()
         except OSError as exc:
             raise StorageError(f"reading {self.uri}/{key}: {exc}") from exc
 
@@ -242,13 +270,34 @@ class FileStore(CheckpointStore):
                     key = name if rel_dir == "." else f"{rel_dir}/{name}"
                     if not key.startswith(prefix):
                         continue
-                    try:
-                        out[key] = os.stat(os.path.join(dirpath, name)).st_size
-                    except FileNotFoundError:  # deleted while we walked
-                        continue
+                    size = self._regular_size(os.path.join(dirpath, name), key)
+                    if size is not None:
+                        out[key] = size
         except OSError as exc:
             raise StorageError(f"listing {self.uri}/{prefix}: {exc}") from exc
         return out
+
+    def _regular_size(self, path: str, key: str) -> int | None:
+        """The size of the regular file at ``path`` (a symlink is followed), or None: gone
+        since the walk, or skipped with one ``checkpoint_store_entry_skipped`` log line: a
+        symlink that does not resolve (a loop, a dangling target) or not a regular file (a
+        FIFO, a socket, a device), which no checkpoint of ours ever is. Raises OSError for
+        any other failure (an unreadable directory must never look like "no checkpoint")."""
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and not os.path.islink(path):
+                return None  # deleted while we walked
+            if not os.path.islink(path):
+                raise
+            log.warning("checkpoint_store_entry_skipped", uri=self.uri, key=key,
+                        reason=f"a symlink that does not resolve ({exc.strerror})")
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            log.warning("checkpoint_store_entry_skipped", uri=self.uri, key=key,
+                        reason=f"not a regular file (mode {stat.filemode(st.st_mode)})")
+            return None
+        return st.st_size
 
     def delete(self, keys: Iterable[str]) -> None:
         parents: set[Path] = set()
