@@ -1,0 +1,152 @@
+"""spotctl's rendering: the daemon's JSON answers as the tables and lines a person reads.
+
+Pure functions of the answer (and ``now``); a value no clock can show renders as
+``<time VALUE>`` rather than failing (:func:`_clock`). :mod:`daemon.interfaces.ctl` prints them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from daemon.model import Event
+
+__all__ = ["render_status", "render_nodes", "render_cost", "render_event"]
+
+
+def _clock(t: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    """Unix seconds ``t`` as local time in ``fmt``; a value no clock shows (inf, nan, 1e308,
+    not a number: a stored value spotctl did not write) as ``<time VALUE>``, never an error."""
+    try:
+        return time.strftime(fmt, time.localtime(t))
+    except (OverflowError, ValueError, OSError, TypeError):
+        return f"<time {t!r}>"
+
+
+def _duration(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _gpu(n: dict[str, Any]) -> str:
+    g = n.get("gpu")
+    return "n/a" if not g or g.get("sm_util_pct") is None else f"{g['sm_util_pct']:.0f}%"
+
+
+def render_nodes(status: dict[str, Any]) -> str:
+    """The nodes table. ``SM%``: mean GPU utilization of the node now (n/a: no GPU sample)."""
+    rows = [["NODE", "DOMAIN", "PROVIDER", "ZONE", "TYPE", "GPUS", "STATE", "UPTIME", "USD/H", "STEP", "SM%"]]
+    for n in status["nodes"]:
+        rows.append([
+            n["id"], n.get("domain") or "-", n["provider"], n.get("zone") or "-", n["instance_type"], str(n["gpus"]),
+            n["state"],
+            _duration(n.get("uptime_s")), f"{n.get('price_usd_h') or 0:.3f}",
+            "-" if n.get("step") is None else str(n["step"]), _gpu(n),
+        ])
+    return _table(rows)
+
+
+def render_status(status: dict[str, Any], now: float | None = None) -> str:
+    """The job table (like ``sky jobs queue``), the pool line and the live nodes, as ``spotctl status`` prints them.
+
+    SUBMITTED: the first launch request; TOT. DURATION: since then; JOB DURATION: since
+    the trainer first started, minus time paused; #RECOVERIES: job members lost (with or
+    without notice) that the job carried on without; RESTARTS: worker-group restarts by
+    torchrun, then ``+N`` in-process resizes (survivors of a notice that went on without one).
+    """
+    now = time.time() if now is None else now
+    job, pool = status["job"], status["pool"]
+    commit = "none"
+    if job.get("last_commit_step") is not None:
+        ago = "" if job.get("last_commit_time") is None else f" ({_duration(now - job['last_commit_time'])} ago)"
+        commit = f"step {job['last_commit_step']}{ago}"
+    submitted = job.get("submitted_at")
+    step = "-" if job.get("step") is None else str(job["step"])
+    head = _table([
+        ["JOB", "STATE", "STEP", "WORLD", "SUBMITTED", "TOT. DURATION", "JOB DURATION", "#RECOVERIES", "RESTARTS",
+         "LAST COMMIT"],
+        [str(job["id"]), job["state"].upper(), f"{step}/{job['target_steps']}", str(job.get("world_size") or "-"),
+         "-" if submitted is None else f"{_duration(now - submitted)} ago", _duration(job.get("total_s")),
+         _duration(job.get("running_s")), str(job.get("recoveries", 0)),
+         str(job.get("restarts", 0)) + (f"+{job['resizes_in_process']}" if job.get("resizes_in_process") else ""),
+         commit],
+    ])
+    live = [n for n in status["nodes"] if n["state"] not in ("terminated", "lost", "failed")]
+    line = (f"pool {pool['name']}  {len(live)} live / target {pool['target_nodes']} nodes "
+            f"({pool.get('min_nodes', '?')}..{pool.get('max_nodes', '?')})")
+    if pool.get("paused"):
+        line += ("  paused: releasing " + ", ".join(n["id"] for n in live) if live
+                 else "  paused: no capacity held (spotctl resume relaunches)")
+    line += _placement(status.get("placement") or {})
+    return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
+
+
+def _placement(p: dict[str, Any]) -> str:
+    """``  domain D`` (+ ``, N migrations``) and the move in flight, for the pool line."""
+    if not p.get("domain"):
+        return ""
+    out = f"  domain {p['domain']}"
+    if p.get("migrations") or p.get("migrations_failed"):
+        out += f" ({p.get('migrations', 0)} migrations, {p.get('migrations_failed', 0)} failed)"
+    m = p.get("migration")
+    if m:
+        out += f"  migrating {m['from']} -> {m['to']} ({m['phase']}, {m['reason']})"
+    d = p.get("deadline")
+    if d:
+        out += f"  deadline in {d['hours_to_deadline']:g} h, {d['hours_of_work_left']:g} h of work left"
+        if d.get("expected_finish") is not None:
+            at = _clock(d["expected_finish"], "%Y-%m-%d %H:%M")
+            slack = d.get("slack_h") or 0.0
+            out += f", expected to finish {at} ({slack:g} h {'to spare' if slack >= 0 else 'LATE'})"
+        out += f", buying {'+'.join(d['markets'] or ['any'])}"
+    return out
+
+
+def _usd(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def render_cost(cost: dict[str, Any]) -> str:
+    """One row per node (hours x USD/h = USD, spot and on demand), totals and how they are derived."""
+    rows = [["NODE", "OFFER", "STATE", "HOURS", "SPOT USD/H", "SPOT USD", "ON-DEMAND USD/H", "ON-DEMAND USD"]]
+    for n in cost["nodes"]:
+        od_h = n["on_demand_price_usd_h"]
+        rows.append([n["id"], n["offer"], n["state"], f"{n['hours']:.3f}", f"{n['price_usd_h']:.3f}",
+                     _usd(n["spot_usd"]), "n/a" if od_h is None else f"{od_h:.3f}", _usd(n["on_demand_usd"])])
+    rows.append(["total", "", "", f"{cost['hours']:.3f}", "", _usd(cost["spot_usd"]), "", _usd(cost["on_demand_usd"])])
+    out = [_table(rows), "",
+           f"spot USD so far {_usd(cost['spot_usd'])} (now {cost['spot_usd_h_now']:.3f} USD/h)"]
+    if cost["savings_usd"] is None:
+        out.append("on-demand equivalent: n/a (set offers[].on_demand_price_usd_h in the config)")
+    else:
+        out.append(f"on-demand equivalent USD {_usd(cost['on_demand_usd'])}, savings USD {_usd(cost['savings_usd'])}"
+                   f" ({cost['savings_pct'] if cost['savings_pct'] is not None else 'n/a'} %)")
+    if cost["unpriced_nodes"]:
+        out.append(f"no on-demand price for: {', '.join(cost['unpriced_nodes'])} (left out of the savings)")
+    if cost.get("egress_usd"):
+        out.append(f"migration egress USD {_usd(cost['egress_usd'])} (checkpoint copies between domains)")
+    if cost.get("on_demand_nodes_usd"):
+        out.append(f"on-demand nodes USD {_usd(cost['on_demand_nodes_usd'])} (the fallback; with job.deadline, "
+                   "what keeping the deadline cost)")
+    out.append(f"how: {cost['how']}")
+    return "\n".join(out)
+
+
+def render_event(ev: dict[str, Any]) -> str:
+    from daemon.interfaces.cli import format_event
+
+    e = Event(ev["seq"], ev["time"], ev["kind"], ev.get("node"), ev.get("data") or {})
+    line = format_event(e, 0.0)
+    return _clock(e.time) + line[line.index("]") + 1:]
