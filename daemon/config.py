@@ -656,6 +656,11 @@ class ChaosEvent(_Spec):
     job runs at the pool's target size, so a demo's shape does not depend on the
     machine's speed.
 
+    ``kill_store``: SIGKILL the rendezvous store (the first placement domain's, which
+    ``spotvisord demo`` runs as its child) and start it again, empty, ``restart_after_s``
+    later, as its unit's ``Restart=`` would; no ``node``. Under ``spotvisord run`` the
+    store is its own unit: the event is recorded as skipped.
+
     ``hold_replacements_for_steps``: from the fault on, launched instances do not
     boot until the job, resumed after the fault (at the smaller world size), has
     trained that many steps (the schedule waits for it before the next event), so the
@@ -664,7 +669,7 @@ class ChaosEvent(_Spec):
     ``at_step`` by the time its notice commit lands.
     """
 
-    action: Literal["notice", "kill", "capacity_out"]
+    action: Literal["notice", "kill", "capacity_out", "kill_store"]
     node: int | None = Field(None, ge=1)
     at_step: int | None = Field(None, ge=0)
     at_s: float | None = Field(None, ge=0, le=MAX_DURATION_S)
@@ -675,15 +680,23 @@ class ChaosEvent(_Spec):
     # error, for ``for_s`` seconds (as a region out of a GPU type does)
     domain: str | None = None
     for_s: float = Field(600.0, gt=0, le=MAX_DURATION_S)
+    # kill_store: seconds from the kill to the store's restart (empty)
+    restart_after_s: float = Field(3.0, ge=0, le=MAX_DURATION_S)
 
     @model_validator(mode="after")
     def _when(self) -> "ChaosEvent":
         if (self.at_step is None) == (self.at_s is None):
             raise ValueError("give exactly one of at_step or at_s (when the fault fires)")
+        if self.action == "kill_store":
+            if self.node is not None:
+                raise ValueError("node: kill_store hits the rendezvous store, not a node (remove node)")
+        elif "restart_after_s" in self.model_fields_set:
+            raise ValueError(f"restart_after_s: only kill_store restarts something ({self.action} does not; "
+                             "remove it)")
         if self.action == "capacity_out":
             if self.domain is None:
                 raise ValueError("domain: capacity_out names the placement domain that runs out (domains.*.name)")
-        elif self.node is None:
+        elif self.node is None and self.action != "kill_store":
             raise ValueError(f"node: {self.action} names the node it hits (1 = the first launched)")
         return self
 

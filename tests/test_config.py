@@ -148,6 +148,16 @@ BAD = [
         ["chaos.0.at_step: ", "never reached", "job.target_steps 150"],
     ),
     (
+        "kill_store_naming_a_node",  # the store is no node's
+        "chaos:\n  - {action: kill_store, node: 1, at_step: 3}\n",
+        ["chaos.0: ", "kill_store hits the rendezvous store, not a node", "remove node"],
+    ),
+    (
+        "restart_after_on_a_node_kill",
+        "chaos:\n  - {action: kill, node: 1, at_step: 3, restart_after_s: 5}\n",
+        ["chaos.0: ", "restart_after_s: only kill_store", "remove it"],
+    ),
+    (
         "cloud_offer_without_region",  # it would default to the local provider's "local"
         "providers:\n  aws: {image_id: ami-0123456789abcdef0}\n"
         "offers:\n  - {provider: aws, instance_type: p4d.24xlarge, gpus_per_node: 8}\n",

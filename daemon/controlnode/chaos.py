@@ -5,7 +5,10 @@ has reached its ``at_step`` (the trainer's reported step) or ``at_s`` seconds
 after the job first started, and — with ``wait_full_pool`` — when the job runs at
 the pool's target world size with no node joining or leaving. Then it either
 publishes an interruption notice on the node's metadata endpoint (the provider
-SIGKILLs the node when the notice's time comes) or SIGKILLs it at once. With
+SIGKILLs the node when the notice's time comes) or SIGKILLs it at once; or
+(``kill_store``) SIGKILLs the rendezvous store this run started and starts it again,
+empty, ``restart_after_s`` later; or (``capacity_out``) answers a domain's launches
+with capacity errors for a while. With
 ``hold_replacements_for_steps`` the instances launched after the fault do not
 boot until the job, resumed after the fault, has trained that many steps (the
 schedule waits for it).
@@ -14,12 +17,17 @@ schedule waits for it).
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import TYPE_CHECKING
 
 import structlog
 
 from daemon.config import ChaosEvent
 from daemon.model import EventKind, NodeState
 from daemon.controlnode.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from daemon.controlnode.rendezvous import StoreProcess
 
 __all__ = ["run_chaos", "ready_to_fire"]
 
@@ -56,8 +64,11 @@ def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tupl
     return True
 
 
-async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float = 0.25) -> None:
-    """Fire ``events`` in order. Needs a provider with ``publish_interruption``/``kill``."""
+async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float = 0.25,
+                    rendezvous: "StoreProcess | None" = None) -> None:
+    """Fire ``events`` in order. Needs a provider with ``publish_interruption``/``kill``;
+    ``kill_store`` needs the store process this run started (``rendezvous``; without it
+    the event is recorded as skipped: under ``spotvisord run`` the store is its own unit)."""
     provider = sup.fleet.provider
     if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
         log.warning("chaos_unsupported", provider=provider.name)
@@ -68,6 +79,9 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             if sup.job.state.is_terminal():
                 return
             await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
+        if ev.action == "kill_store":
+            await _kill_store(sup, i, ev, rendezvous)
+            continue
         if ev.action == "capacity_out":
             domain = sup.config.domain(ev.domain)
             provider.capacity_out(domain.region, ev.for_s)
@@ -106,3 +120,27 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             finally:
                 provider.release_boots()
             log.info("chaos_replacements_released", index=i, step=sup.job.step)
+
+
+async def _kill_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "StoreProcess | None") -> None:
+    """SIGKILL the rendezvous store, wait ``ev.restart_after_s``, start it again (empty),
+    each recorded as ``chaos_injected``. A store that will not start again is logged and
+    recorded: the job then stalls until it is back, and says so (``job_stalled``)."""
+    if store is None:
+        log.warning("chaos_target_not_running", index=index, target="rendezvous store")
+        sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="kill_store", skipped=True,
+                   reason="no rendezvous store process here (spotvisord demo runs one; a unit restarts its own)")
+        return
+    await asyncio.to_thread(store.kill)
+    killed_at = time.monotonic()
+    sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="kill_store", step=sup.job.step,
+               restart_after_s=ev.restart_after_s)
+    await asyncio.sleep(ev.restart_after_s)  # the outage itself, not a synchronisation
+    try:
+        await asyncio.to_thread(store.start)
+    except RuntimeError as exc:
+        log.error("chaos_store_restart_failed", index=index, error=str(exc))
+        sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="store_restart_failed", error=str(exc))
+        return
+    sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="store_restarted",
+               down_s=round(time.monotonic() - killed_at, 2), step=sup.job.step)

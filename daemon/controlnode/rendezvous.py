@@ -25,6 +25,7 @@ import argparse
 import ipaddress
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from datetime import timedelta
@@ -32,7 +33,7 @@ from typing import Callable
 
 from daemon.hosts import is_wildcard
 
-__all__ = ["DEFAULT_HOST", "listen_socket", "serve", "wait_until_listening", "main"]
+__all__ = ["DEFAULT_HOST", "StoreProcess", "listen_socket", "serve", "wait_until_listening", "main"]
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -99,6 +100,71 @@ def wait_until_listening(host: str, port: int, timeout_s: float) -> bool:
         except OSError:
             time.sleep(0.1)
     return False
+
+
+class StoreProcess:
+    """The store as a child process of a one-shot run (``spotvisord demo``): it stops when
+    this process ends, SIGKILL included (``--exit-with-stdin``: its standard input is a
+    pipe only this process holds). :meth:`kill` and :meth:`start` again are the chaos
+    schedule's ``kill_store``: the store SIGKILLed, then a new one, empty, on the same
+    port, as the unit's ``Restart=`` would. Every method blocks (a thread, from an event
+    loop)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start the store and wait until it accepts connections (``timeout_s`` seconds).
+
+        Raises:
+            RuntimeError: it did not listen in time or exited (the port is taken); the
+                message says so, with the store's own line.
+        """
+        self.proc = proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", self.host, "--port", str(self.port),
+             "--exit-with-stdin"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        if not wait_until_listening(self.host, self.port, timeout_s) or proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.poll() is not None and proc.stderr else ""
+            self.stop()
+            raise RuntimeError(f"rendezvous store did not start on {self.host}:{self.port} ({err or 'timeout'}); "
+                               "is the port taken? set rendezvous.port")
+
+    def kill(self) -> None:
+        """SIGKILL the store (its state is gone with it) and reap it; :meth:`start` starts a new one."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.kill()
+        proc.wait()
+        _close_pipes(proc)
+
+    def stop(self) -> None:
+        """Stop the store: SIGTERM and end of input, SIGKILL after 10 s. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _close_pipes(proc)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdin, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def main(argv: list[str] | None = None) -> int:

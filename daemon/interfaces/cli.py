@@ -35,7 +35,6 @@ import fcntl
 import json
 import os
 import stat
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -55,6 +54,7 @@ from daemon.controlnode.store import Store
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
     from daemon.control.policies import RecoveryPolicy
+    from daemon.controlnode.rendezvous import StoreProcess
     from daemon.controlnode.supervisor import Supervisor
 
 __all__ = ["main", "running_daemon", "format_event", "prepare_state_dir", "state_dir_lock", "StateDirBusy"]
@@ -117,12 +117,14 @@ def state_dir_lock(path: Path) -> Iterator[None]:
 @contextlib.asynccontextmanager
 async def running_daemon(config: Config, *, with_chaos: bool = True,
                          providers: Mapping[str, Provider] | None = None,
-                         policy: "RecoveryPolicy | None" = None) -> AsyncIterator["Supervisor"]:
+                         policy: "RecoveryPolicy | None" = None,
+                         rendezvous: "StoreProcess | None" = None) -> AsyncIterator["Supervisor"]:
     """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
 
     ``providers``: by name, instead of those the config names (tests). ``policy``: the
     recovery policy (default: the default one; the benchmark runs the baselines,
-    :mod:`daemon.control.policies`).
+    :mod:`daemon.control.policies`). ``rendezvous``: the store process this run started
+    (:func:`rendezvous_process`), which the chaos schedule's ``kill_store`` kills.
     Closing never terminates an instance (:meth:`Supervisor.aclose`).
     """
     from daemon.interfaces.api import ApiServer
@@ -155,7 +157,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
         await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode())
         if with_chaos and config.chaos:
-            sup.spawn(run_chaos(sup, list(config.chaos)), "chaos")
+            sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
         yield sup
     finally:
         await sup.aclose()
@@ -171,7 +173,7 @@ def rendezvous_process(config: Config):
     cloud domain's store runs on that domain's private network, not here). They end with
     this process however this one ends (SIGKILL included): each stops when its standard
     input, a pipe only this process holds the other end of, ends (``--exit-with-stdin``).
-    Yields the first domain's process."""
+    Yields the first domain's (:class:`~daemon.controlnode.rendezvous.StoreProcess`)."""
     with contextlib.ExitStack() as stack:
         procs = [stack.enter_context(_rendezvous_process(d.rendezvous))
                  for i, d in enumerate(config.domains_resolved()) if i == 0 or d.provider == "local"]
@@ -180,29 +182,14 @@ def rendezvous_process(config: Config):
 
 @contextlib.contextmanager
 def _rendezvous_process(rdzv):
-    from daemon.controlnode.rendezvous import wait_until_listening
+    from daemon.controlnode.rendezvous import StoreProcess
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", rdzv.host, "--port", str(rdzv.port),
-         "--exit-with-stdin"],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )
+    store = StoreProcess(rdzv.host, rdzv.port)
     try:
-        if not wait_until_listening(rdzv.host, rdzv.port, 30.0) or proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace").strip() if proc.poll() is not None else ""
-            raise RuntimeError(
-                f"rendezvous store did not start on {rdzv.host}:{rdzv.port} ({err or 'timeout'}); "
-                "is the port taken? set rendezvous.port"
-            )
-        yield proc
+        store.start()
+        yield store
     finally:
-        proc.terminate()
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        store.stop()
 
 
 def format_event(ev: Event, t0: float) -> str:
@@ -226,8 +213,8 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
     from daemon.controlnode.summary import summarize
 
     t0 = time.time()
-    with rendezvous_process(config):
-        async with running_daemon(config) as sup:
+    with rendezvous_process(config) as store:
+        async with running_daemon(config, rendezvous=store) as sup:
             sup.subscribe(lambda ev: out(format_event(ev, t0)))
             out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
                 f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
