@@ -38,6 +38,7 @@ __all__ = [
     "RendezvousSpec",
     "AgentSpec",
     "DaemonSpec",
+    "StallSpec",
     "LocalProviderSpec",
     "AwsProviderSpec",
     "AliyunProviderSpec",
@@ -341,6 +342,25 @@ class AgentSpec(_Spec):
     command_wait_s: float = Field(300.0, gt=0, le=600)
 
 
+class StallSpec(_Spec):
+    """When the daemon calls the job stalled and restarts its trainers in place
+    (:mod:`daemon.control.stall`). Seconds.
+
+    ``first_step_s``: from a (re)start of the job, of an attempt, or a change in which
+    nodes train, to the first step: rendezvous, import and loading the checkpoint (give
+    a large model's load room: a stall here restarts it). ``floor_s`` and
+    ``step_factor``: once steps come, no step for ``max(floor_s, step_factor x the
+    median recent step interval)`` is a stall. ``exit_grace_s``: every trainer of the
+    job exited (not all with 0) this long is a stall (doubled after each restart that
+    brought no step, at most ``first_step_s``).
+    """
+
+    first_step_s: PositiveS = 900.0
+    floor_s: PositiveS = 300.0
+    step_factor: float = Field(20.0, ge=1, le=1e6)
+    exit_grace_s: PositiveS = 10.0
+
+
 class DaemonSpec(_Spec):
     """The daemon's own state and listeners.
 
@@ -392,6 +412,9 @@ class DaemonSpec(_Spec):
     # job's store and verifies (the control node needs read access to the store); off
     # only for trainers that write no manifests (the tests' stand-ins, the scale bench)
     verify_commits: bool = True
+    # a job with no progress (every trainer exited, or no step for a bound from its step
+    # time) is reported (job_stalled) and its trainers restarted in place (daemon/control/stall.py)
+    stall: StallSpec = StallSpec()
 
     @field_validator("state_dir")
     @classmethod

@@ -158,6 +158,11 @@ BAD = [
         ["chaos.0: ", "restart_after_s: only kill_store", "remove it"],
     ),
     (
+        "stall_factor_below_one",  # a bound below the step time: every step would be late
+        "daemon:\n  stall: {step_factor: 0.5}\n",
+        ["daemon.stall.step_factor: ", "greater than or equal to 1"],
+    ),
+    (
         "cloud_offer_without_region",  # it would default to the local provider's "local"
         "providers:\n  aws: {image_id: ami-0123456789abcdef0}\n"
         "offers:\n  - {provider: aws, instance_type: p4d.24xlarge, gpus_per_node: 8}\n",

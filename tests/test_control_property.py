@@ -9,7 +9,16 @@ After every step:
 - every admission leaves the job at a world size the global batch can be split over;
 - a noticed node whose commit has not happened is never released before its deadline
   (+ grace): only its heartbeat's loss or its instance's end take it;
-and once capacity is back and the disruptions stop, the job reaches its target again.
+- a stall restarts only trainers of nodes in the job, at a valid world size;
+and once capacity is back and the disruptions stop, the job reaches its target again,
+with every trainer of the job running and steps coming (trainers that all exited, or
+hung, are restarted: :mod:`daemon.control.stall`).
+
+And the stall detector's property (issue 25): every reachable state with the job not
+completed has an action that makes progress or an operator-visible reason. Once the
+world goes quiet (no step, no boot, no report), a job neither completed nor paused
+is reported stalled (``JobStalled``) within twice its first-step bound, whatever
+happened before.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from daemon.control.offers import History, Offer  # noqa: E402
 from daemon.control.policies import Spotvisor, lost_from_job  # noqa: E402
 from daemon.control.pool import Desired, Timeouts, plan  # noqa: E402
 from daemon.control.reactions import on_notice, on_rebalance  # noqa: E402
+from daemon.control.stall import Progress, StallRules, check, observe, recover  # noqa: E402
 from daemon.control.state import JobView  # noqa: E402
 
 MIN_NODES, MAX_NODES = 1, 4
@@ -40,6 +50,7 @@ VALID = frozenset({1, 2, 4})  # world sizes a global batch of 8 in micro batches
 COUNTS = [1, 2, 4]
 TIMEOUTS = Timeouts(heartbeat_timeout_s=20.0, launch_timeout_s=180.0, drain_grace_s=30.0)
 RULES = Rules(min_nodes=MIN_NODES, valid_world_sizes=VALID, rejoin_timeout_s=120.0, prewarm_wait_s=60.0)
+STALL = StallRules(first_step_s=600.0, floor_s=120.0, step_factor=10.0, exit_grace_s=10.0)
 OFFERS = [Offer(index=0, provider="local", region="local", zone="a", instance_type="t", gpus_per_node=1,
                 price_usd_h=1.0)]
 
@@ -79,6 +90,13 @@ class Model:
         self.capacity = True
         self.policy = Spotvisor()
         self.ids = itertools.count(1)
+        # the trainer's progress, as the daemon hears it, and the stall watch (controlnode/stall_watch.py)
+        self.steps = 0  # the newest step the job reported
+        self.attempt = ""
+        self.hung = False  # the trainers run but make no step (until restarted)
+        self.exit_codes: dict[str, int] = {}
+        self.progress = Progress(since=self.now)
+        self.stalls: list[a.JobStalled] = []
 
     # -- the pool as one value ------------------------------------------------------------
     def state(self) -> a.PoolState:
@@ -88,7 +106,7 @@ class Model:
                                    trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
                                    heartbeat_interval_s=1.0) for n in self.nodes.values()),
             job=self.job.state, paused=self.paused, desired_nodes=self.desired, target_nodes=self.target,
-            rejoin=self.rejoin, first_ready_at=self.first_ready_at)
+            rejoin=self.rejoin, first_ready_at=self.first_ready_at, attempt=self.attempt)
 
     def to(self, n: N, state: NodeState) -> None:
         check_transition(n.state, state)  # IllegalTransition fails the test
@@ -97,6 +115,8 @@ class Model:
     def trainer_to(self, n: N, state: TrainerState) -> None:
         check_trainer_transition(n.trainer, state)
         n.trainer = state
+        if state is TrainerState.RUNNING:  # torchrun's next round: a new attempt
+            self.attempt = f"a{next(self.ids)}"
 
     # -- actions --------------------------------------------------------------------------
     def apply(self, actions: list[a.Action]) -> None:
@@ -146,6 +166,22 @@ class Model:
                     self.rejoin = dataclasses.replace(self.rejoin, nodes=self.rejoin.nodes - {n.id})
             elif isinstance(act, a.MarkReplacing):
                 self.nodes[act.node_id].replacing = True
+            elif isinstance(act, a.JobStalled):
+                self.stalls.append(act)
+                world = sum(self.nodes[nid].gpus for nid in act.restart)
+                if act.restart and world not in VALID:
+                    raise Violation(f"a stall restarts {act.restart}: world size {world}, not in {sorted(VALID)}")
+                for nid in act.restart:  # the agent stops what still runs, then starts it again
+                    n = self.nodes[nid]
+                    if n.state not in ADMITTED:
+                        raise Violation(f"a stall restarts {nid}, which is {n.state.value}, not in the job")
+                    if n.trainer is TrainerState.RUNNING:
+                        self.trainer_to(n, TrainerState.EXITED)
+                    if n.trainer is TrainerState.EXITED:
+                        self.trainer_to(n, TrainerState.NOT_STARTED)
+                    self.exit_codes.pop(nid, None)
+                if act.restart:
+                    self.hung = False
             elif isinstance(act, (a.AvoidZone, a.WatchFlush, a.RequestCheckpoint)):
                 pass  # ranking, feed and agent commands: no state of the pool's
             else:
@@ -171,6 +207,15 @@ class Model:
         counted = [n for n in self.nodes.values() if n.state in COUNTED and not n.replacing]
         if len(counted) > MAX_NODES:
             raise Violation(f"{len(counted)} nodes counted as capacity, max_nodes {MAX_NODES}")
+        self.watch_stall()
+
+    def watch_stall(self) -> None:
+        s = self.state()
+        self.progress = observe(self.progress, s, step=self.steps, now=self.now)
+        stall = check(self.progress, s, now=self.now, rules=STALL, exit_codes=self.exit_codes)
+        if stall is not None:
+            self.progress = self.progress.recovered(self.now)
+            self.apply(recover(s, stall, VALID))
 
     def _after_loss(self, members: set[str]) -> None:
         lost = lost_from_job(members, {n.id: n.state for n in self.nodes.values()})
@@ -208,6 +253,18 @@ class Model:
             if n is not None:
                 view = next(v for v in self.state().nodes if v.id == n.id)
                 self.apply(on_rebalance(view, policy="replace", notice_id="rb"))
+        elif kind == "trainer_exited":  # one node's torchrun gave up (its workers failed past its restarts)
+            n = self.pick(k, {NodeState.RUNNING})
+            if n is not None and n.trainer is TrainerState.RUNNING:
+                self.trainer_to(n, TrainerState.EXITED)
+                self.exit_codes[n.id] = 1
+        elif kind == "store_restart":  # the rendezvous store restarted empty: every torchrun exits 1
+            for n in self.nodes.values():
+                if n.state in (NodeState.RUNNING, NodeState.DRAINING) and n.trainer is TrainerState.RUNNING:
+                    self.trainer_to(n, TrainerState.EXITED)
+                    self.exit_codes[n.id] = 1
+        elif kind == "hang":  # the trainers block (a collective on a peer that never answers)
+            self.hung = True
         elif kind == "committed":  # a noticed (or drained) node's commit landed: its trainer leaves
             n = self.pick(k, {NodeState.DRAINING})
             if n is not None and n.trainer is TrainerState.RUNNING:
@@ -257,6 +314,14 @@ class Model:
                 self.trainer_to(n, TrainerState.EXITED)
         if commit and self.rejoin is not None:
             self.rejoin = dataclasses.replace(self.rejoin, answered=True)
+        if self.training():
+            self.steps += 1
+
+    def training(self) -> bool:
+        """The job trains: it runs, and every node in it has its trainer running, not hung."""
+        admitted = [n for n in self.nodes.values() if n.state in ADMITTED]
+        return (self.job.state is JobState.RUNNING and not self.hung and bool(admitted)
+                and all(n.trainer is TrainerState.RUNNING for n in admitted))
 
     def scale(self, nodes: int) -> None:
         try:
@@ -283,24 +348,36 @@ class Model:
     def settle(self) -> None:
         """Capacity is back, nothing else goes wrong: every node does what a healthy one does."""
         self.capacity = True
-        for _ in range(60):
+        for _ in range(80):
             if self.paused:
                 self.resume()
+            before = self.steps
             self.healthy_round(commit=True)
             self.now += 30.0
             self.reconcile()
             admitted = [n for n in self.nodes.values() if n.state in ADMITTED]
-            if not self.paused and self.job.state is JobState.RUNNING and len(admitted) == self.target:
+            if (not self.paused and self.job.state is JobState.RUNNING and len(admitted) == self.target
+                    and self.training() and self.steps > before):
                 return
-        raise Violation(f"the job did not reach its target {self.target}: "
-                        f"{sorted((n.id, n.state.value) for n in self.nodes.values() if not n.state.is_terminal())}, "
-                        f"job {self.job.state.value}, rejoin {self.rejoin}")
+        raise Violation(f"the job did not reach its target {self.target} and train: "
+                        f"{sorted((n.id, n.state.value, n.trainer.value) for n in self.nodes.values() if not n.state.is_terminal())}, "
+                        f"job {self.job.state.value}, rejoin {self.rejoin}, hung {self.hung}")
+
+    def quiet(self, horizon_s: float, pass_s: float = 30.0) -> list[a.JobStalled]:
+        """Nothing happens in the world for ``horizon_s`` (no step, no boot, no report; the
+        live agents keep heartbeating): the stalls reported meanwhile."""
+        seen = len(self.stalls)
+        end = self.now + horizon_s
+        while self.now < end:
+            self.now += pass_s
+            self.reconcile()
+        return self.stalls[seen:]
 
 
 # weighted: mostly a pool going about its life, with notices, grows and shrinks in it
 KINDS = (["progress"] * 8 + ["notice", "scale", "committed", "rejoin_answered"] * 3
          + ["launched", "registered", "trainer_started", "rebalance", "instance_gone", "silent", "capacity",
-            "pause", "resume"])
+            "pause", "resume", "trainer_exited", "store_restart", "hang"])
 EVENTS = st.one_of(
     st.tuples(st.sampled_from(KINDS), st.integers(0, 7)),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 5.0, 30.0, 130.0])),
@@ -324,6 +401,42 @@ def test_the_invariants_hold_when_new_nodes_join_in_process(target: int, events:
     m.reconcile()
     for ev in events:
         m.step(ev)
+    m.settle()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(target=st.sampled_from(COUNTS), events=st.lists(EVENTS, max_size=80))
+def test_a_job_not_completed_is_never_left_silent(target: int, events: list[tuple]) -> None:
+    """Issue 25: every reachable state with the job not completed has an action that makes
+    progress or an operator-visible reason. Whatever came before, once nothing happens any
+    more a job neither completed nor paused is reported stalled (job_stalled) within its
+    first-step bound of the last change in who trains (a noticed node leaves by its
+    deadline + grace, a silent one is lost after its heartbeat timeout: 2 x the bound is
+    more than enough), and the report restarts the trainers of the nodes still in it;
+    when the world is healthy again it trains again."""
+    m = Model(target)
+    m.reconcile()
+    for ev in events:
+        m.step(ev)
+    stalls = m.quiet(2 * STALL.first_step_s)
+    if not m.paused and not m.job.state.is_terminal():
+        assert stalls, (f"silent: job {m.job.state.value}, nodes "
+                        f"{sorted((n.id, n.state.value, n.trainer.value) for n in m.nodes.values())}")
+    m.settle()
+
+
+def test_every_trainer_exited_is_restarted_and_trains_again() -> None:
+    """The hang of issue 25 in the model: four nodes train, the store restarts, every
+    trainer exits 1. Before, nothing ever happened again (no action, no event); now the
+    job is reported stalled and its four trainers restart in place."""
+    m = Model(4)
+    m.reconcile()
+    for _ in range(4):
+        m.step(("progress", 1))
+    assert m.training()
+    m.step(("store_restart", 0))
+    stalls = m.quiet(60.0, pass_s=5.0)
+    assert [(x.reason, x.restart) for x in stalls] == [("trainers_exited", ("n1", "n2", "n3", "n4"))]
     m.settle()
 
 

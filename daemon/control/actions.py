@@ -18,6 +18,8 @@ agent commands, store writes, events). Nothing here does I/O.
   notice (:func:`daemon.control.reactions.on_notice`).
 - :class:`RequestCheckpoint` / :class:`MarkReplacing`: a rebalance recommendation
   (:func:`daemon.control.reactions.on_rebalance`).
+- :class:`JobStalled`: the job made no progress (:mod:`daemon.control.stall`): report it,
+  and restart its trainers in place.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "MarkReplacing",
     "Action",
     "WakeSurvivors",
+    "JobStalled",
 ]
 
 
@@ -262,5 +265,21 @@ class WakeSurvivors:
     lost: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class JobStalled:
+    """The job stalled (:func:`daemon.control.stall.check`): record ``job_stalled`` with
+    ``reason``, ``message``, the seconds with no step (``idle_s``) and the bound that
+    applied (``bound_s``), then restart the trainers of ``restart`` (node ids) in place,
+    under a new rendezvous id; they resume from the newest commit. ``restart`` empty:
+    reported only."""
+
+    reason: str
+    message: str
+    idle_s: float
+    bound_s: float
+    restart: tuple[str, ...] = ()
+
+
 Action = Union[Launch, Terminate, MarkLost, Admit, StartJob, RestartJob, RequestRejoin, EndRejoin, Drain,
-               NoteFirstReady, Leave, AvoidZone, WatchFlush, RequestCheckpoint, MarkReplacing, WakeSurvivors]
+               NoteFirstReady, Leave, AvoidZone, WatchFlush, RequestCheckpoint, MarkReplacing, WakeSurvivors,
+               JobStalled]

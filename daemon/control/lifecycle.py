@@ -104,7 +104,9 @@ class TrainerState(str, Enum):
 
     not_started → (warming →) running → exited. ``warming``: the prewarmed torchrun
     process is importing (``daemon/gpunode/launcher.py``), not yet handed the job; it goes back
-    to ``not_started`` once imported (held, ready) or if the import failed.
+    to ``not_started`` once imported (held, ready) or if the import failed. ``exited →
+    not_started``: the daemon restarts it in place, the job having stalled
+    (:mod:`daemon.control.stall`; a running one is stopped first).
     """
 
     NOT_STARTED = "not_started"
@@ -141,7 +143,7 @@ TRAINER_TRANSITIONS: Mapping[TrainerState, frozenset[TrainerState]] = {
     _T.NOT_STARTED: frozenset({_T.WARMING, _T.RUNNING}),
     _T.WARMING: frozenset({_T.NOT_STARTED, _T.RUNNING}),
     _T.RUNNING: frozenset({_T.EXITED}),
-    _T.EXITED: frozenset(),
+    _T.EXITED: frozenset({_T.NOT_STARTED}),  # restarted in place: the job stalled
 }
 
 _E = TypeVar("_E", bound=Enum)

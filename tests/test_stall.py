@@ -1,0 +1,231 @@
+"""daemon/control/stall.py: when a job that makes no progress is a stall, and what is done
+about it. Pure, with an injected clock (``now``): a job whose trainers all exited (the
+rendezvous store restarted under them, issue 25), or that reports no step for a bound
+from its step time, is reported and its trainers restarted in place; never silent."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.control import actions as a
+from daemon.control.lifecycle import JobState, NodeState, TrainerState
+from daemon.control.stall import STEP_WINDOW, Progress, Stall, StallRules, check, observe, recover
+
+T0 = 100_000.0
+RULES = StallRules(first_step_s=900.0, floor_s=300.0, step_factor=20.0, exit_grace_s=10.0)
+VALID = frozenset({1, 2, 3, 6})
+R, X, N = TrainerState.RUNNING, TrainerState.EXITED, TrainerState.NOT_STARTED
+
+
+def pool(*trainers: TrainerState, job: JobState = JobState.RUNNING, attempt: str = "a1",
+         states: tuple[NodeState, ...] = (), **kw) -> a.PoolState:
+    """Nodes n1, n2, ... running (or ``states``) with these trainers."""
+    nodes = tuple(a.NodeView(id=f"n{i}", state=states[i - 1] if states else NodeState.RUNNING, gpus=1,
+                             created_at=0.0, trainer=t, ordinal=i) for i, t in enumerate(trainers, 1))
+    return a.PoolState(nodes=nodes, job=job, attempt=attempt, target_nodes=len(trainers), **kw)
+
+
+class Run:
+    """One job's progress, looked at every ``dt`` seconds (a reconcile pass)."""
+
+    def __init__(self, s: a.PoolState, *, step: int | None = 0) -> None:
+        self.now, self.s, self.step = T0, s, step
+        self.p = observe(Progress(since=T0), s, step=step, now=T0)
+
+    def look(self, dt: float, *, step: int | None = None, s: a.PoolState | None = None) -> Progress:
+        self.now += dt
+        self.s = s or self.s
+        self.step = self.step if step is None else step
+        self.p = observe(self.p, self.s, step=self.step, now=self.now)
+        return self.p
+
+    def stall(self, codes: dict[str, int] | None = None, **kw) -> Stall | None:
+        return check(self.p, self.s, now=self.now, rules=RULES, exit_codes=codes or {}, **kw)
+
+    def train(self, steps: int, step_s: float) -> None:
+        for _ in range(steps):
+            self.look(step_s, step=self.step + 1)
+
+
+# -- every trainer exited --------------------------------------------------------------------------------
+
+def test_every_trainer_exited_nonzero_is_a_stall_after_the_grace() -> None:
+    """Issue 25's hang: the store restarted empty, every torchrun exited 1 within 5 s, and
+    nothing ever happened again. Now: a stall 10 s (exit_grace_s) after the last exit."""
+    run = Run(pool(R, R, R))
+    run.train(40, 0.5)
+    run.look(1.0, s=pool(X, R, R))
+    run.look(2.0, s=pool(X, X, X))
+    run.look(9.0)
+    assert run.stall({"n1": 1, "n2": 1, "n3": 1}) is None  # 9 s: inside the grace
+    run.look(1.0)
+    stall = run.stall({"n1": 1, "n2": 1, "n3": 1})
+    assert stall is not None and stall.reason == "trainers_exited" and stall.bound_s == 10.0
+    assert "status 1" in stall.message
+
+
+def test_every_trainer_exited_zero_is_the_jobs_end_not_a_stall() -> None:
+    """Trainers exit 0 only at the job's end, whose completion may still be being verified:
+    no restart for that (only the no-step bound, much later, if nothing comes)."""
+    run = Run(pool(R, R))
+    run.train(10, 0.5)
+    run.look(1.0, s=pool(X, X))
+    run.look(60.0)
+    assert run.stall({"n1": 0, "n2": 0}) is None
+    # a status the daemon never heard (a restarted daemon): not known to be the end
+    assert run.stall({"n1": 0}).reason == "trainers_exited"
+
+
+def test_some_trainers_still_running_is_not_the_exit_stall() -> None:
+    run = Run(pool(R, R, R))
+    run.train(10, 0.5)
+    run.look(1.0, s=pool(X, R, R))
+    run.look(120.0, step=run.step + 100)  # the others train on
+    assert run.stall({"n1": 1}) is None
+
+
+def test_a_restart_into_a_store_still_down_backs_off() -> None:
+    """Each recovery that brought no step doubles the exit grace (10, 20, 40 s ...), so a
+    store that stays down for minutes is reported a few times, not every 10 s."""
+    run = Run(pool(R, R))
+    run.train(5, 0.5)
+    run.look(1.0, s=pool(X, X))
+    graces = []
+    for _ in range(4):
+        waited = 0.0
+        while run.stall({"n1": 1, "n2": 1}) is None:
+            run.look(1.0)
+            waited += 1.0
+        graces.append(run.stall({"n1": 1, "n2": 1}).bound_s)
+        run.p = run.p.recovered(run.now)
+        # the restarted trainers fail at once again
+        run.look(1.0, s=pool(R, R))
+        run.look(1.0, s=pool(X, X))
+    assert graces == [10.0, 20.0, 40.0, 80.0]
+    run.look(1.0, s=pool(R, R))
+    run.look(1.0, step=run.step + 1)  # a step: the next failure gets the short grace again
+    assert run.p.recoveries == 0
+
+
+# -- no step ------------------------------------------------------------------------------------------------
+
+def test_no_step_bound_is_derived_from_the_step_time() -> None:
+    """max(floor_s, step_factor x median step interval): 2 s steps → 300 s (the floor),
+    30 s steps → 600 s."""
+    fast = Run(pool(R, R))
+    fast.train(STEP_WINDOW + 5, 2.0)
+    assert fast.p.step_s() == pytest.approx(2.0)
+    assert fast.p.bound_s(RULES) == 300.0
+    fast.look(299.0)
+    assert fast.stall() is None
+    fast.look(1.0)
+    assert fast.stall().reason == "no_step"
+
+    slow = Run(pool(R, R))
+    slow.train(5, 30.0)
+    assert slow.p.bound_s(RULES) == pytest.approx(600.0)
+    slow.look(599.0)
+    assert slow.stall() is None
+    slow.look(1.0)
+    stall = slow.stall()
+    assert stall.reason == "no_step" and stall.idle_s == pytest.approx(600.0) and "after step" in stall.message
+
+
+def test_steps_seen_in_batches_estimate_the_step_time_per_step() -> None:
+    """Heartbeats carry the newest step about once a second: 0.2 s steps are seen 5 at a time."""
+    run = Run(pool(R))
+    for _ in range(10):
+        run.look(1.0, step=run.step + 5)
+    assert run.p.step_s() == pytest.approx(0.2)
+
+
+def test_the_first_step_gets_the_generous_bound() -> None:
+    """Import and load time: the first step of an attempt may take first_step_s."""
+    run = Run(pool(R, R), step=None)
+    run.look(899.0)
+    assert run.stall() is None
+    run.look(1.0)
+    stall = run.stall()
+    assert stall.reason == "no_step" and stall.bound_s == 900.0 and "no first step" in stall.message
+
+
+def test_a_new_attempt_or_a_change_of_who_trains_begins_a_new_wait() -> None:
+    """A torchrun restart after a node lost without notice: no step until the survivors'
+    new attempt has loaded; that is waited for with first_step_s, not the running bound."""
+    run = Run(pool(R, R, R))
+    run.train(30, 1.0)
+    run.look(200.0, s=pool(R, R, states=(NodeState.RUNNING, NodeState.RUNNING)))  # n3 lost
+    run.look(200.0)
+    assert run.p.idle_s(run.now) == 200.0  # counted from the change
+    assert run.stall() is None  # 400 s without a step: the floor (300 s) no longer applies
+    run.look(100.0, s=pool(R, R, attempt="a2"), step=20)  # resumed from the commit at step 20
+    assert run.p.last_step_at is None and run.p.since == run.now
+    run.look(1.0, step=21)
+    assert run.p.last_step_at == run.now and run.p.bound_s(RULES) == 300.0
+
+
+def test_a_pending_job_is_reported_after_first_step_s_and_never_restarted() -> None:
+    run = Run(pool(job=JobState.PENDING, attempt=""), step=None)
+    run.look(899.0)
+    assert run.stall() is None
+    run.look(1.0)
+    stall = run.stall()
+    assert stall.reason == "not_started" and "pending for 900 s" in stall.message
+    assert recover(run.s, stall, VALID) == [a.JobStalled("not_started", stall.message, 900.0, 900.0)]
+
+
+@pytest.mark.parametrize("kw", [dict(job=JobState.PAUSED), dict(job=JobState.COMPLETED), dict(paused=True)])
+def test_a_paused_or_completed_job_never_stalls(kw) -> None:
+    run = Run(pool(X, X, **kw))
+    run.look(10_000.0)
+    assert run.stall({"n1": 1, "n2": 1}) is None
+
+
+def test_a_migration_in_flight_never_stalls() -> None:
+    run = Run(pool(X, X))
+    run.look(10_000.0)
+    assert run.stall({"n1": 1}, migrating=True) is None
+    assert run.stall({"n1": 1}) is not None
+
+
+def test_rules_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="floor_s"):
+        StallRules(floor_s=0)
+    with pytest.raises(ValueError, match="step_factor"):
+        StallRules(step_factor=0.5)
+
+
+# -- recovery ------------------------------------------------------------------------------------------------
+
+STALL = Stall("trainers_exited", 12.0, 10.0, "every trainer of the job exited (status 1) 10 s ago")
+
+
+def test_recovery_restarts_the_trainers_of_the_nodes_in_the_job_in_place() -> None:
+    s = pool(X, X, X)
+    assert recover(s, STALL, VALID) == [a.JobStalled("trainers_exited", STALL.message, 12.0, 10.0,
+                                                     restart=("n1", "n2", "n3"))]
+
+
+def test_recovery_keeps_a_world_the_global_batch_splits_over() -> None:
+    """Four nodes left in the job, valid world sizes {1, 2, 3, 6}: three restart, the
+    youngest leaves (the planner replaces it)."""
+    s = pool(X, X, X, X)
+    acts = recover(s, STALL, VALID)
+    assert acts[0].restart == ("n1", "n2", "n3")
+    assert acts[1:] == [a.Leave("n4", "job stalled: its world size cannot share the global batch")]
+
+
+def test_recovery_ends_a_grow_in_flight() -> None:
+    """The restarted job resumes from its newest commit: the rejoin request is withdrawn
+    (a restarted trainer would otherwise commit and hold for it) and the waiting node
+    goes back to ready."""
+    s = pool(X, X, N, states=(NodeState.RUNNING, NodeState.RUNNING, NodeState.ADMITTING),
+             rejoin=a.RejoinView("r1", frozenset({"n3"}), T0))
+    acts = recover(s, STALL, VALID)
+    assert acts[0] == a.EndRejoin("r1", "job_stalled", withdraw_from=("n1", "n2"), back_to_ready=("n3",))
+    assert acts[1].restart == ("n1", "n2")
+
+
+def test_nothing_to_restart_is_reported_only() -> None:
+    s = pool(X, states=(NodeState.LOST,))
+    assert recover(s, STALL, VALID) == [a.JobStalled("trainers_exited", STALL.message, 12.0, 10.0)]
