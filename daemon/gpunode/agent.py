@@ -13,7 +13,8 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   less when the trainer starts or exits: the daemon must know at once whether a
   trainer runs (a drain asks it to commit; a node with none is released). The
   reply carries the daemon's commands too: start the trainer, request a checkpoint
-  (kind ``rejoin`` or ``checkpoint``), drain, cancel a request.
+  (kind ``rejoin`` or ``checkpoint``), drain, cancel a request, restart the trainer
+  in place with a new job spec (the job stalled: :mod:`daemon.control.stall`).
 - TLS: with an ``https://`` daemon URL and ``--ca-file`` (the daemon's CA, which
   it hands to each node it launches: :mod:`daemon.controlnode.tls`), the agent trusts
   that CA only, not the system's store, and checks the daemon's name against the
@@ -464,9 +465,26 @@ class NodeAgent:
                 kind = NoticeKind.REJOIN if cmd.get("reason") == "rejoin" else NoticeKind.CHECKPOINT
                 self.notices.add(NoticeEntry(cmd["id"], kind, time.time(), None))
                 log.info("checkpoint_requested", node_id=self.node_id, request_id=cmd["id"], kind=kind.value)
+            elif cmd.get("kind") == "restart":
+                await self._restart(cmd)
         if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
                 and self._interruption is None):
             await self.runner.start(join=bool(reply.get("join")))
+
+    async def _restart(self, cmd: dict[str, Any]) -> None:
+        """The daemon restarts the trainer in place (the job stalled): stop what still runs,
+        take the new job spec; the reply's ``start_trainer`` starts it again. Not on a node
+        that is leaving (its own notice), nor without a spec."""
+        job = cmd.get("job")
+        if not (isinstance(job, dict) and isinstance(job.get("argv"), list)) or self._interruption is not None:
+            log.warning("restart_ignored", node_id=self.node_id, request_id=cmd.get("id"),
+                        why="leaving" if self._interruption is not None else "no job spec")
+            return
+        code = await self.runner.restart(job)
+        if code is not None:
+            self._report("trainer_exited", exit_code=code)
+        self._step = None  # the old trainer's: the restarted one reports its own
+        log.info("trainer_restart", node_id=self.node_id, request_id=cmd.get("id"), stopped_exit_code=code)
 
     async def _status_loop(self) -> None:
         tail = StatusTail(self.status_path)

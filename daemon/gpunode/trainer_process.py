@@ -187,6 +187,25 @@ class TrainerProcess:
         log.info("trainer_started", node_id=self.node_id, pid=self.proc.pid, prewarmed=self.proc is warm,
                  imported=self.proc is warm and not importing, **({"join": True} if spec is not self.job else {}))
 
+    async def restart(self, job: dict[str, Any]) -> int | None:
+        """The daemon restarts this node's trainer in place (the job stalled:
+        :mod:`daemon.control.stall`): stop the one still running (SIGTERM, SIGKILL after
+        40 s), take ``job`` (the daemon's ``{"argv", "env", "join"?}``, a new rendezvous id)
+        for the next :meth:`start`, and go back to ``not_started``. A trainer not started
+        yet only takes the new spec (a prewarmed launcher goes on importing: it is handed
+        the spec at :meth:`start`). Returns the exit status of the trainer it stopped;
+        None if none ran, or its exit was reaped already (and reported by the caller of
+        :meth:`reap`)."""
+        code = None
+        if self.state is TrainerState.RUNNING:
+            await self.stop()
+            code = self.reap()
+        self.job = job
+        if self.state is TrainerState.EXITED:
+            self.proc, self.exit_code = None, None
+            self._to(TrainerState.NOT_STARTED)
+        return code
+
     async def stop_prewarmed(self) -> None:
         warm, self.warm = self.warm, None
         if warm is not None and warm.returncode is None:
