@@ -72,6 +72,9 @@ class EventKind(str, Enum):
     NODE_ADMITTED = "node_admitted"
     WORLD_SIZE_CHANGED = "world_size_changed"
     JOB_RESUMED = "job_resumed"
+    # no progress for a bound (every trainer exited, or no step): reported, and the trainers
+    # restarted in place (daemon/control/stall.py); the job_resumed after it is the recovery
+    JOB_STALLED = "job_stalled"
     JOB_COMPLETED = "job_completed"
     POOL_RELEASED = "pool_released"
     GPU_UNDERUTILIZED = "gpu_underutilized"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import textwrap
@@ -38,16 +39,21 @@ STANDIN = textwrap.dedent(
     status = os.environ["SPOTVISOR_STATUS_FILE"]
     notices = os.environ["SPOTVISOR_NOTICE_FILE"]
     gate = os.environ.get("STANDIN_GATE")  # if set: commit only once this file exists
+    fail_once = os.environ.get("STANDIN_FAIL_ONCE")  # if set: the first run exits 1 once started
     step = 7
+    attempt = "standin-%d" % os.getpid() if fail_once else "standin-1"
 
     def emit(event, **fields):
-        rec = {"event": event, "time": time.time(), "attempt": "standin-1",
+        rec = {"event": event, "time": time.time(), "attempt": attempt,
                "rank": int(os.environ.get("STANDIN_RANK", "0")),
                "world_size": 1, "step": step, "pid": os.getpid(), **fields}
         with open(status, "a") as f:
             f.write(json.dumps(rec) + "\\n")
 
     emit("started", resumed_from=None)
+    if fail_once and not os.path.exists(fail_once):  # its rendezvous store went away under it
+        open(fail_once, "w").close()
+        sys.exit(1)
     handled = set()
     while True:  # a trainer's step boundaries; default SIGTERM handling ends it
         try:
@@ -558,3 +564,31 @@ async def test_an_older_daemon_without_the_long_poll(spot_daemon, fake, clock, m
             assert polls == [1]  # asked once, got 404, did not retry
     finally:
         await runner.cleanup()
+
+
+async def test_a_job_whose_trainers_all_exited_is_reported_and_restarted_in_place(
+        spot_daemon, fake, clock, monkeypatch) -> None:
+    """Issue 25: the only trainer of the job exits 1 (its rendezvous store restarted
+    empty) and, before, nothing ever happened again. Now the daemon reports
+    ``job_stalled`` (trainers_exited) after the exit grace, moves the job to a new
+    rendezvous id and sends the node ``restart``; its agent starts the trainer again in
+    place (same node, no relaunch) and the new attempt is recorded (``job_resumed``)."""
+    h = spot_daemon
+    h.sup.stall.rules = dataclasses.replace(h.sup.stall.rules, exit_grace_s=0.2)
+    nonce = h.sup.run_nonce
+    marker = h.tmp_path / "failed-once"
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_FAIL_ONCE": str(marker)}) as agent:
+        await h.until(lambda: len(h.events("job_resumed")) == 2 and trainer_running(agent), timeout_s=30,
+                      what="the trainer restarted in place")
+        node = the_node(h)
+        (exited,) = h.events("trainer_exited")
+        (stalled,) = h.events("job_stalled")
+        first, second = h.events("job_resumed")
+        assert exited.data["exit_code"] == 1 and exited.node == node.id
+        assert stalled.data["reason"] == "trainers_exited" and stalled.data["restart"] == [node.id]
+        assert first.seq < exited.seq < stalled.seq < second.seq
+        assert first.data["attempt"] != second.data["attempt"]
+        assert h.sup.run_nonce != nonce and h.sup.store.get("run_nonce") == h.sup.run_nonce  # a new rendezvous id
+        assert node.state is NodeState.RUNNING and len(h.sup.nodes) == 1  # the same node: nothing relaunched
+        status = [json.loads(x) for x in agent.status_path.read_text().splitlines()]
+        assert [x["event"] for x in status] == ["started", "started"]

@@ -86,6 +86,8 @@ class Actuator:
                 log.warning("wake_survivors_failed", attempt=action.attempt, error=f"endpoint {env[RDZV_ENDPOINT_ENV]!r}")
                 return
             sup.spawn(self.wake_survivors(action, (host.strip("[]"), int(port)), env[RUN_ID_ENV]), "wake-survivors")
+        elif isinstance(action, a.JobStalled):
+            self._stalled(action)
         else:
             raise TypeError(f"not an action for act(): {action!r}")
 
@@ -102,6 +104,32 @@ class Actuator:
             log.warning("wake_survivors_failed", attempt=action.attempt, lost=list(action.lost), error=str(exc))
             return
         log.info("survivors_woken", attempt=action.attempt, world_size=action.world_size, lost=list(action.lost))
+
+    def _stalled(self, action: a.JobStalled) -> None:
+        """Record ``job_stalled``; with nodes to restart, move the job to a new rendezvous id
+        (a torchrun agent that failed closed the old one for good: torch's launcher shuts
+        its rendezvous down on any exit but a signal) and send every node that holds the
+        job's spec the new one: ``restart`` to the nodes of ``action.restart`` (their agents
+        stop what still runs and start torchrun again, which resumes from the newest
+        commit) and to every node registered but not in the job yet (its next start must
+        join the new rendezvous, not the old)."""
+        sup = self.core
+        sup.record(EventKind.JOB_STALLED, None, reason=action.reason, message=action.message,
+                   idle_s=round(action.idle_s, 1), bound_s=round(action.bound_s, 1), step=sup.job.step,
+                   last_commit_step=sup.job.last_commit_step, restart=list(action.restart))
+        if not action.restart:
+            return
+        sup.run_nonce = secrets.token_hex(4)
+        sup.store.set("run_nonce", sup.run_nonce)
+        rid = f"restart-{secrets.token_hex(4)}"
+        for node in sup.nodes.values():
+            if node.id in action.restart or node.state in (NodeState.READY, NodeState.ADMITTING):
+                if node.joins_running:  # restarted with the job's torchrun command, not the join one
+                    node.joins_running = False
+                    sup.store.put_node(node)
+                sup.send(node.id, {"kind": "restart", "id": rid, "job": sup.job_spec(node)})
+        log.info("trainers_restarting", request_id=rid, nodes=list(action.restart), run_nonce=sup.run_nonce)
+        sup.wake()
 
     def _rejoin(self, action: a.RequestRejoin | a.EndRejoin) -> None:
         sup = self.core

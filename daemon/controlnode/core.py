@@ -38,6 +38,7 @@ class Core(Protocol):
     first_ready_at: float | None  # when the first node of a pending job was up (unix s)
     domain: str  # the placement domain the job runs in (daemon.controlnode.migrator)
     policy: Any  # the RecoveryPolicy (daemon.control.policies)
+    run_nonce: str  # the job's rendezvous id is <job.id>-<run_nonce> (daemon.controlnode.jobspec); kept in the store
 
     def clock(self) -> float: ...
 

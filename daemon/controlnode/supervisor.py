@@ -10,7 +10,7 @@ the **reconcile loop**; each pass:
    the recovery policy on nodes lost from the job
    (:meth:`~daemon.control.policies.RecoveryPolicy.after_loss`), the planner
    (:func:`daemon.control.pool.plan`) and admission
-   (:meth:`~daemon.control.policies.RecoveryPolicy.admit`);
+   (:meth:`~daemon.control.policies.RecoveryPolicy.admit`), then the stall check (:mod:`daemon.control.stall`);
 3. **act** — provider calls (:class:`~daemon.controlnode.fleet.Fleet`) and agent
    commands (:meth:`AgentLink.send`), nothing else;
 4. **record** — every change is a node row and an event in the store.
@@ -51,6 +51,7 @@ from daemon.controlnode.job_tracker import JobTracker
 from daemon.controlnode.jobspec import job_spec
 from daemon.controlnode.migrator import Migrator
 from daemon.controlnode.operator import Operator
+from daemon.controlnode.stall_watch import StallWatch
 from daemon.controlnode.store import Store
 from daemon.controlnode.views import spot_cost, status
 from daemon.model import Event, EventKind, Node
@@ -60,10 +61,9 @@ __all__ = ["Supervisor", "PREWARM_WAIT_S"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
-# how long admission waits for a replacement's torchrun to import (trainer "warming",
-# daemon/gpunode/launcher.py) before it asks the survivors for the rejoin commit anyway
-# (seconds). The import takes 1.5-2.5 s on a warm page cache; the first one on a fresh
-# instance's cold disk can take tens of seconds, during which the survivors train on.
+# how long admission waits for a replacement's torchrun to import (trainer "warming", daemon/gpunode/launcher.py)
+# before it asks the survivors for the rejoin commit anyway (seconds). The import takes 1.5-2.5 s on a warm page
+# cache; the first one on a fresh instance's cold disk can take tens of seconds, during which the survivors train on.
 PREWARM_WAIT_S = 60.0
 _PROVIDER_ACTIONS = (a.Launch, a.Terminate, a.MarkLost)
 
@@ -71,11 +71,10 @@ _PROVIDER_ACTIONS = (a.Launch, a.Terminate, a.MarkLost)
 class Supervisor:
     """The control plane for one pool. Constructor does no I/O.
 
-    Lifecycle: ``await start(agent_url=...)`` (loads the store, recovers nodes, starts
-    the reconcile loop), then ``aclose()`` (idempotent; stops tasks, closes the
-    providers' clients). Parts: ``fleet`` (provider calls), ``agents`` (register,
-    heartbeat, commands), ``intake`` (reports), ``tracker`` (the trainer's status
-    lines), ``operator`` (spotctl's verbs).
+    Lifecycle: ``await start(agent_url=...)`` (loads the store, recovers nodes, starts the reconcile
+    loop), then ``aclose()`` (idempotent; stops tasks, closes the providers' clients). Parts: ``fleet``
+    (provider calls), ``agents`` (register, heartbeat, commands), ``intake`` (reports), ``tracker`` (the
+    trainer's status lines), ``operator`` (spotctl's verbs), ``stall`` (a job making no progress).
     """
 
     def __init__(self, config: Config, *, store: Store, provider: Provider | None = None,
@@ -105,10 +104,11 @@ class Supervisor:
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
+        self.stall = StallWatch(self, migrating=lambda: self.migrator.move is not None)
         self._wake, self._event_added = asyncio.Event(), asyncio.Event()
         self._released, self._completed = asyncio.Event(), asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event]
+        self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event, self.stall.on_event]
         self._closed = False
         self._reconciler: asyncio.Task[Any] | None = None
 
@@ -245,8 +245,8 @@ class Supervisor:
             timeouts=Timeouts(heartbeat_timeout_s=d.heartbeat_timeout_s, launch_timeout_s=d.launch_timeout_s),
             domain=build))
         await self._after_loss(members, now)  # heartbeat lost (MarkLost) is a loss too
-        for action in self.policy.admit(self.state(), self._rules(), now=now):
-            self.act(action)
+        await self._act_all(self.policy.admit(self.state(), self._rules(), now=now))
+        await self._act_all(self.stall.check(now))  # no progress: job_stalled, and a restart in place
         self.operator.check_paused()
         self.tracker.check_flushes()
         self.tracker.confirm_held_resumes()

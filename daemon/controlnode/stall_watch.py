@@ -1,0 +1,66 @@
+"""The edge of stall detection (:mod:`daemon.control.stall`): one look per reconcile pass.
+
+:class:`StallWatch` keeps the job's :class:`~daemon.control.stall.Progress`, fed at
+each pass with the supervisor's view (the job's step and attempt, each node's
+trainer), and each node's last trainer exit status (from the ``trainer_exited``
+events). A stall becomes the actions of :func:`~daemon.control.stall.recover`, which
+the actuator carries out (``job_stalled``, then the trainers restarted in place:
+:meth:`daemon.controlnode.actuator.Actuator.act`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import structlog
+
+from daemon.control.actions import Action, JobStalled
+from daemon.control.stall import Progress, StallRules, check, observe, recover
+from daemon.controlnode.core import Core
+from daemon.model import Event, EventKind
+
+__all__ = ["StallWatch"]
+
+log = structlog.get_logger("spotvisor.daemon")
+
+
+class StallWatch:
+    """Watches one job for a stall (see the module docstring). Constructor does no I/O.
+
+    ``migrating``: whether a whole-job migration is in flight (no stall then: the
+    migration has its own deadlines and events)."""
+
+    def __init__(self, core: Core, *, migrating: Callable[[], bool]) -> None:
+        self.core = core
+        spec = core.config.daemon.stall
+        self.rules = StallRules(first_step_s=spec.first_step_s, floor_s=spec.floor_s,
+                                step_factor=spec.step_factor, exit_grace_s=spec.exit_grace_s)
+        self._migrating = migrating
+        self.progress: Progress | None = None  # from the first pass (a restarted daemon waits anew)
+        self.exit_codes: dict[str, int] = {}  # node id → its trainer's last exit status
+
+    def on_event(self, ev: Event) -> None:
+        """An event listener: keeps each node's last trainer exit status."""
+        code = ev.data.get("exit_code") if isinstance(ev.data, dict) else None
+        if ev.kind == EventKind.TRAINER_EXITED.value and ev.node and isinstance(code, int):
+            self.exit_codes[ev.node] = code
+
+    def check(self, now: float) -> list[Action]:
+        """One pass (``now``: unix s): the actions for a stall, or none."""
+        core = self.core
+        s = core.state()
+        progress = observe(self.progress or Progress(since=now, attempt=s.attempt), s, step=core.job.step, now=now)
+        stall = check(progress, s, now=now, rules=self.rules, exit_codes=self.exit_codes,
+                      migrating=self._migrating())
+        if stall is None:
+            self.progress = progress
+            return []
+        self.progress = progress.recovered(now)  # the next report, if it lasts, one bound later
+        actions = recover(s, stall, frozenset(core.config.valid_world_sizes()))
+        for action in actions:
+            if isinstance(action, JobStalled):
+                for node_id in action.restart:  # their next exit is the restarted trainer's
+                    self.exit_codes.pop(node_id, None)
+        log.warning("job_stalled", pool=core.pool, reason=stall.reason, message=stall.message,
+                    idle_s=round(stall.idle_s, 1), step=core.job.step, recoveries=self.progress.recoveries)
+        return actions
