@@ -106,6 +106,29 @@ async def test_an_unverifiable_completion_is_never_a_completion(make_sim, monkey
                    leaked_instances=0, lost_events=sim.lost_events())
 
 
+async def test_a_final_manifest_that_is_a_symlink_to_itself_completes_nothing(make_sim) -> None:
+    """Item 1 as the probe did it: the final step's ``manifest.json`` replaced by a symlink
+    to itself. Rank 0's commit and ``completed`` at the target are reported; the job is
+    not completed and the pool is not released."""
+    from daemon.controlnode.job_tracker import RESUME_HOLD_S
+
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _running(sim, 2)
+        a1 = sim.start([n1, n2], step=0)
+        _commit_in_store(sim, 100, world_size=2)
+        root = Path(sim.sup.config.checkpoint_uri().removeprefix("file://"))
+        (manifest,) = [p for p in root.rglob("manifest.json") if "100" in str(p)]
+        manifest.unlink()
+        manifest.symlink_to(manifest)
+        sim.commit(n1, a1, 100, reason="final")
+        sim.complete(n1, a1, 100)
+        for _ in range(5):
+            await _passes(sim, 1, RESUME_HOLD_S + 1)
+            await sim.until(lambda: not sim.sup.tracker._confirming, what="the store read")
+        assert not sim.events("job_completed") and sim.sup.job.state is JobState.RUNNING
+        assert not sim.sup._released.is_set() and sim.provider.live()
+
+
 async def test_a_completion_of_an_attempt_nobody_leads_is_dropped(make_sim) -> None:
     """Item 1, the report itself: ``completed`` of a new attempt, rank 0, at the target,
     from a node that leads nothing, with its commit in the store: never the job's end."""
