@@ -244,3 +244,16 @@ def test_the_service_unit_says_what_the_daemon_does(installed_units: Path) -> No
     assert directives == {"Type": "notify", "WatchdogSec": "30", "Restart": "on-failure", "User": "spotvisor",
                           "StateDirectory": "spotvisor", "RuntimeDirectory": "spotvisor",
                           "ConfigurationDirectory": "spotvisor"}
+
+
+def test_the_units_raise_the_open_file_limit_the_agent_port_is_sized_from() -> None:
+    """Issue 25, item 4: spotvisord's LimitNOFILE leaves the agent port room for a
+    10,000-node pool's connections (4 a node) after the reserve; the rendezvous store,
+    which every torchrun agent connects to, is past the default 1,024 too."""
+    from daemon.control.bounds import CONNECTIONS_PER_NODE, connection_caps
+
+    units = ROOT / "systemd"
+    (daemon_limit,) = re.findall(r"^LimitNOFILE=(\d+)$", (units / "spotvisord.service").read_text(), re.M)
+    assert connection_caps(int(daemon_limit), max_nodes=10_000).total >= CONNECTIONS_PER_NODE * 10_000
+    (rdzv_limit,) = re.findall(r"^LimitNOFILE=(\d+)$", (units / "spotvisor-rendezvous.service").read_text(), re.M)
+    assert int(rdzv_limit) >= 9 * 1000  # a 1,000-node pool, 8 workers and an agent a node

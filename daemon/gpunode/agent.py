@@ -70,6 +70,7 @@ from daemon.hosts import is_loopback
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
+from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
 from daemon.control.lifecycle import TrainerState
 from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import FORWARDED, NoticeEntry, NoticeFile, NoticeKind, StatusTail
@@ -147,6 +148,30 @@ def _until_daemon_answers(event: str) -> AsyncRetrying:
         before_sleep=lambda rs: _daemon_unreachable(event, rs),
         reraise=True,
     )
+
+
+_ENVELOPE_BYTES = 512  # {"node_id": ..., "events": []} around the reports, with room to spare
+
+
+def _next_batch(pending: list[tuple[dict[str, Any], int]]) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], int]]]:
+    """The oldest reports of ``pending`` that fit one request (count and bytes), and the
+    rest. A report that could never fit is dropped with one log line (the daemon would
+    answer 413 to it for ever, holding back every report after it)."""
+    batch: list[dict[str, Any]] = []
+    size = _ENVELOPE_BYTES
+    i = 0
+    while i < len(pending) and len(batch) < MAX_REPORTS_PER_POST:
+        report, n = pending[i]
+        if _ENVELOPE_BYTES + n > MAX_AGENT_BODY_BYTES:
+            log.error("report_too_large", kind=str(report.get("kind"))[:40], bytes=n, limit=MAX_AGENT_BODY_BYTES)
+            i += 1
+            continue
+        if size + n > MAX_AGENT_BODY_BYTES:
+            break
+        batch.append(report)
+        size += n
+        i += 1
+    return batch, pending[i:]
 
 
 def _no_command_route(exc: BaseException) -> bool:
@@ -285,15 +310,24 @@ class NodeAgent:
         self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
 
     async def _outbox_loop(self) -> None:
-        """Deliver reports in order, retrying while the daemon is unreachable (0.2 s up to 5 s apart)."""
+        """Deliver reports in order, retrying while the daemon is unreachable (0.2 s up to 5 s
+        apart), in requests the daemon takes: at most ``MAX_REPORTS_PER_POST`` reports and
+        ``MAX_AGENT_BODY_BYTES`` (:mod:`daemon.control.bounds`) each."""
+        pending: list[tuple[dict[str, Any], int]] = []  # report, its JSON size (bytes)
         while True:
-            first = await self._outbox.get()
-            batch = [first]
+            if not pending:
+                pending.append(self._sized(await self._outbox.get()))
             while not self._outbox.empty():
-                batch.append(self._outbox.get_nowait())
+                pending.append(self._sized(self._outbox.get_nowait()))
+            batch, pending = _next_batch(pending)
+            if not batch:
+                continue
             async for attempt in _until_daemon_answers("report_failed"):
                 with attempt:
                     await self._post("/v1/agent/events", {"events": batch})
+
+    def _sized(self, report: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        return report, len(json.dumps(report).encode()) + 2  # and the ", " between reports
 
     # -- loops --------------------------------------------------------------------
     async def _metadata_loop(self) -> None:

@@ -17,6 +17,11 @@
                                             300 s, at a random share: spread re-polls); then the commands
   ``POST /v1/agent/events``                 ``{"events": [...]}``: the agent's reports
   ========================================  ==============================================
+  What one peer may spend there is bounded (issue 25): connections, total and per address,
+  sized from ``RLIMIT_NOFILE`` (:mod:`daemon.interfaces.listener`); a request's head within
+  ``FIRST_REQUEST_S`` of connecting, its body within ``BODY_READ_S`` and at most
+  :data:`~daemon.control.bounds.MAX_AGENT_BODY_BYTES` (413 beyond); an idle connection closed after ``KEEPALIVE_S``;
+  reports per node by rate, per POST by count (:mod:`daemon.controlnode.report_limits`).
 - **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are
   ``{"error": "<one line>"}`` with 400 (bad request), 404 (unknown node) or 409
   (not possible now); spotctl prints the line and exits 2. ``{id}`` is a node id of the
@@ -50,18 +55,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
 from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
                                         node_gpu_view)
 from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, Node, NodeState, is_node_id
 from daemon.controlnode.supervisor import Supervisor
+from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, AgentListener, LoopAcceptErrors,
+                                        agent_connection_caps)
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
 
@@ -82,8 +91,13 @@ def _error(status: int, message: str) -> web.Response:
 async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
     sup = request.app[SUPERVISOR]
     try:
-        body = await request.json()
-    except ValueError:
+        async with asyncio.timeout(BODY_READ_S):  # a body trickled in byte by byte ends here
+            raw = await request.read()  # at most MAX_AGENT_BODY_BYTES: 413 beyond
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the body did not arrive within {BODY_READ_S:g} s") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise web.HTTPBadRequest(text="body must be JSON") from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text="body must be a JSON object")
@@ -131,8 +145,15 @@ async def _reports(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+@web.middleware
+async def _request_started(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    AgentListener.request_started(request.transport)  # its connection's first-request timer stops
+    return await handler(request)
+
+
 def agent_app(sup: Supervisor) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_AGENT_BODY_BYTES, middlewares=[_request_started])
     app[SUPERVISOR] = sup
     app.router.add_post("/v1/agent/register", _register)
     app.router.add_post("/v1/agent/heartbeat", _heartbeat)
@@ -350,24 +371,36 @@ class ApiServer:
     agent port speaks TLS with it (``https://`` agent URL; :mod:`daemon.controlnode.tls`)."""
 
     def __init__(self, sup: Supervisor, *, agent_host: str, agent_port: int, socket_path: str,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, caps: ConnectionCaps | None = None,
+                 first_request_s: float = FIRST_REQUEST_S) -> None:
         self.sup = sup
         self.agent_host = agent_host
         self.agent_port = agent_port
         self.ssl_context = ssl_context
         self.socket_path = socket_path
+        self.caps = caps  # None: from RLIMIT_NOFILE at start (daemon.interfaces.listener)
+        self.first_request_s = first_request_s
         self.metrics = DaemonMetrics(sup)  # this daemon's own registry
         self._runners: list[web.AppRunner] = []
+        self.listener: AgentListener | None = None
+        self._accept_errors = LoopAcceptErrors()
         self.agent_url: str | None = None
         self.metrics_url: str | None = None
 
     async def start(self) -> None:
-        agent = web.AppRunner(agent_app(self.sup), access_log=None)
+        """Bind the listeners. Raises ValueError: the open-file limit is too low for the
+        agent port (:func:`~daemon.interfaces.listener.agent_connection_caps`); OSError: a
+        listener cannot bind."""
+        caps = self.caps if self.caps is not None else agent_connection_caps(self.sup.config.pool.max_nodes)
+        self._accept_errors.install()
+        agent = web.AppRunner(agent_app(self.sup), access_log=None, keepalive_timeout=KEEPALIVE_S)
         await agent.setup()
         self._runners.append(agent)
-        site = web.TCPSite(agent, self.agent_host, self.agent_port, ssl_context=self.ssl_context)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        assert agent.server is not None
+        self.listener = AgentListener(agent.server, caps=caps, ssl_context=self.ssl_context,
+                                      first_request_s=self.first_request_s)
+        port = await self.listener.start(self.agent_host, self.agent_port)
+        self.metrics.registry.register(self.listener)  # type: ignore[arg-type]  # a custom collector
         self.agent_url = f"{'http' if self.ssl_context is None else 'https'}://{self.agent_host}:{port}"
 
         control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
@@ -388,5 +421,8 @@ class ApiServer:
             self.metrics_url = f"http://127.0.0.1:{msite._server.sockets[0].getsockname()[1]}/metrics"  # type: ignore[union-attr]
 
     async def aclose(self) -> None:
+        if self.listener is not None:
+            await self.listener.aclose()  # no new agent connection from here on
         while self._runners:
             await self._runners.pop().cleanup()
+        self._accept_errors.uninstall()

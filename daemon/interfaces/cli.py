@@ -329,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         for line in exc.problems:
             print(f"{path}: {line}", file=sys.stderr)
         return 2
+    from daemon.interfaces.listener import agent_connection_caps
+
+    try:  # the agent port's connection caps come from the open-file limit
+        agent_connection_caps(config.pool.max_nodes)
+    except ValueError as exc:
+        print(f"spotvisord {args.cmd}: {exc}", file=sys.stderr)
+        return 2
     if args.cmd == "run":
         from daemon.interfaces.service import watchdog_interval_s
 
