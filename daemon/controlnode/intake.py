@@ -4,7 +4,9 @@ Each report is parsed and bounded once (:func:`daemon.control.reports.parse_repo
 into a typed message; a notice or a rebalance recommendation goes to its pure
 reaction (:mod:`daemon.control.reactions`) and the supervisor carries out the actions;
 a trainer's status line goes to the :class:`~daemon.controlnode.job_tracker.JobTracker`;
-a metadata alarm and a trainer's exit are recorded as they are.
+a metadata alarm and a trainer's exit are recorded as they are. Before any of that, the
+node's rate limit (:class:`~daemon.controlnode.report_limits.ReportLimiter`) keeps a batch
+within its bounds: a node's token cannot make the daemon record events without end.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import structlog
 from daemon.control.reactions import on_notice, on_rebalance, on_trainer_exit
 from daemon.control.reports import MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report
 from daemon.controlnode.core import Core
+from daemon.controlnode.report_limits import ReportLimiter
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, Node, TrainerState
 
@@ -33,17 +36,22 @@ class Intake:
         self._seen = seen  # AgentLink.seen: a report is a sign of life
         self._on_status = on_status  # JobTracker.on_status
         self._published_at = published_at  # Fleet.notice_published_at
+        self.limiter = ReportLimiter(core.clock, is_live=self._is_live)  # per-node rates, before any parsing
 
     def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
         """Apply an agent's batch of reports, in order. One that cannot be used is dropped
         whole with one log line and one count (``Supervisor.drop``), never stored, and the
         rest of the batch goes on: raising here would answer 500, and the agent resends a
         failed batch until it is accepted, re-applying the reports before the bad one each
-        time and holding back every report after it (a notice, a commit) for good."""
+        time and holding back every report after it (a notice, a commit) for good.
+
+        Before any of that, the node's limits (:class:`ReportLimiter`) cut the batch: past
+        the per-POST cap, a repeat within it, or over the node's rate, a report is counted
+        (``spotvisor_agent_reports_limited_total``) and never parsed."""
         core = self.core
         self._seen(node)
         limits = core.limits()
-        for r in reports:
+        for r in self.limiter.admit(node.id, reports):
             kind = r.get("kind") if isinstance(r, dict) else None
             try:
                 msg = parse_report(r, limits)
@@ -72,6 +80,10 @@ class Intake:
                                               joined_in_process=node.joins_running):
                     core.act(action)
                 core.wake()
+
+    def _is_live(self, node_id: str) -> bool:
+        node = self.core.nodes.get(node_id)
+        return node is not None and not node.state.is_terminal()
 
     def _notice(self, node: Node, n: NoticeReport) -> None:
         core = self.core

@@ -401,6 +401,7 @@ class ApiServer:
                                       first_request_s=self.first_request_s)
         port = await self.listener.start(self.agent_host, self.agent_port)
         self.metrics.registry.register(self.listener)  # type: ignore[arg-type]  # a custom collector
+        self.metrics.registry.register(self.sup.intake.limiter)  # type: ignore[arg-type]
         self.agent_url = f"{'http' if self.ssl_context is None else 'https'}://{self.agent_host}:{port}"
 
         control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
