@@ -30,7 +30,7 @@ import pytest
 from aiohttp import web
 from slack_sdk.models.blocks import Block, ContextBlock, HeaderBlock, SectionBlock
 
-from conftest import RecordingProvider
+from conftest import UNTIL_TIMEOUT_S, RecordingProvider
 from daemon.interfaces.cli import main as spotvisord_main
 from daemon.config import SLACK_MAX_BATCH, WEBHOOK_MAX_BATCH, Config, ConfigError, SinkSpec, load_config
 from daemon.model import Event, EventKind, Node, NodeState
@@ -965,3 +965,32 @@ async def test_notice_without_commit_by_the_deadline_is_a_flush_timed_out_event(
     assert ev.data["notice_id"] == "n-hung" and ev.data["last_commit_step"] == 40
     await h.sup.reconcile_once()
     assert len(h.events("checkpoint_flush_timed_out")) == 1  # said once
+
+
+async def test_a_flood_of_low_value_events_is_shed_and_the_vital_ones_all_arrive(store: Store, receiver: Receiver) -> None:
+    """Issue 25, item 5: 6,000 job_resumed events of one node (a report flood) with 30
+    commits among them. The sink, far behind, sends every commit and only the newest
+    job_resumed of each window it reads, so it falls at most FEED_BACKLOG_BOUND events
+    behind the flood, not 6,000 (on main it sent all of them, 40 minutes of Slack)."""
+    n = Notifier(store, [webhook("hook", receiver.url())], pool="test", environ=ENV)
+    await n.start()
+    try:
+        events = [("job_resumed", "n1", {"attempt": f"a{i}", "step": 0}) for i in range(6000)]
+        for k in range(30):
+            events.insert(200 * k + 100, ("checkpoint_committed", "n2", {"step": k}))
+        seqs = emit_all(store, n, events)
+        assert await n.drain(UNTIL_TIMEOUT_S), n.stats("hook")
+    finally:
+        await n.aclose()
+    got = receiver.events()
+    commits = [e["data"]["step"] for e in got if e["kind"] == "checkpoint_committed"]
+    resumed = [e for e in got if e["kind"] == "job_resumed"]
+    assert commits == list(range(30))
+    assert len(resumed) <= notify.FEED_BACKLOG_BOUND + 5
+    assert [e["seq"] for e in got] == sorted(e["seq"] for e in got)  # still in order
+    assert resumed[-1]["seq"] == seqs[-1] or got[-1]["seq"] == seqs[-1]  # the newest state arrives
+    stats = n.stats("hook")
+    assert stats.shed == 6000 - len(resumed) and stats.cursor == seqs[-1]
+    (shed_family, _) = list(n.collect())
+    assert [(s.labels, s.value) for s in shed_family.samples if s.name.endswith("_total")] == \
+        [({"sink": "hook"}, stats.shed)]

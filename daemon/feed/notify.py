@@ -39,7 +39,14 @@ connection and never touch Supervisor objects, and their progress comes back to
   next wait). A sink that answers 4xx is retried too: the queue waits until the
   operator fixes it;
 - a sink seen for the first time starts after the newest event already stored (a
-  sink added to a long-lived pool does not replay its history).
+  sink added to a long-lived pool does not replay its history);
+- **a backlog stays bounded**: a sink more than :data:`FEED_BACKLOG_BOUND` events behind
+  (a flood of reports, a sink down for hours) reads :data:`FEED_SHED_WINDOW` events at a
+  time and, of the low-value kinds (:data:`daemon.control.bounds.SHEDDABLE_KINDS`: a
+  ``job_resumed``, an alarm), sends only the newest per kind and node of the window; the
+  others are skipped (the cursor moves past them), counted in ``SinkStats.shed`` and
+  ``spotvisor_feed_events_shed_total{sink}``, and logged at most every 10 s
+  (``notify_backlog_shed``). Notices, commits, losses and the job's end are always sent.
 
 **Generic webhook** (``type: webhook``): ``POST url`` with ``Content-Type:
 application/json`` and the UTF-8 JSON body (:func:`webhook_batch_body`)
@@ -106,17 +113,19 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 import structlog
 import yarl
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from slack_sdk.errors import SlackObjectFormationError
 from slack_sdk.webhook.async_client import AsyncWebhookClient
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 from tenacity.wait import wait_base
 
 from daemon.config import ConfigError, SinkSpec
+from daemon.control.bounds import shed
 from daemon.feed.feed_messages import (  # what an event says; re-exported here
     EMOJI,
     SLACK_DIGEST_LINE_MAX_CHARS,
@@ -180,6 +189,9 @@ TIMESTAMP_HEADER = "X-Spotvisor-Timestamp"
 SIGNATURE_HEADER = "X-Spotvisor-Signature"
 CURSOR_KEY = "notify.cursor.{}"
 _READ = 500  # events read at a time by a sink that filters kinds (at least its max_batch)
+FEED_BACKLOG_BOUND = 1000  # a sink further behind than this many events sheds low-value ones
+FEED_SHED_WINDOW = 2000  # events read at a time while shedding (the span a kind and node coalesce over)
+_SHED_LOG_EVERY_S = 10.0
 RETRY_AFTER_MAX_S = 3600.0  # a Retry-After longer than this is taken as this
 FEED_THREAD = "spotvisor-feed"  # the thread the workers run on, with their own event loop
 _JOIN_TIMEOUT_S = 10.0  # aclose waits this long for the feed's thread (its workers get 5 s to stop)
@@ -537,13 +549,14 @@ class _wait_retry_after(wait_base):
         return wait if asked is None else max(wait, asked)
 
 
-def _take(events: Sequence[Event], wants: Callable[[str], bool], limit: int) -> tuple[list[Event], int]:
+def _take(events: Sequence[Event], wants: Callable[[int], bool], limit: int) -> tuple[list[Event], int]:
     """The next batch from ``events`` (oldest first, all after the cursor): the first
-    ``limit`` events the sink wants, and the ``seq`` the cursor moves to once they are
-    delivered (past the events it does not want, up to the next one it does)."""
+    ``limit`` events the sink wants (``wants(i)`` for ``events[i]``), and the ``seq`` the
+    cursor moves to once they are delivered (past the events it does not want, up to the
+    next one it does)."""
     batch: list[Event] = []
-    for ev in events:
-        if wants(ev.kind):
+    for i, ev in enumerate(events):
+        if wants(i):
             if len(batch) == limit:
                 return batch, batch[-1].seq
             batch.append(ev)
@@ -555,18 +568,20 @@ class SinkStats:
     """One sink's delivery so far (this process): ``cursor`` = last ``seq`` done with,
     ``delivered`` = events answered 2xx, ``failed_attempts`` = attempts (requests) that
     were not, ``failing`` = the batch in hand has failed and is being retried,
-    ``batches`` = requests answered 2xx."""
+    ``batches`` = requests answered 2xx, ``shed`` = low-value events skipped while it was
+    far behind (:data:`FEED_BACKLOG_BOUND`)."""
 
     cursor: int
     delivered: int
     failed_attempts: int
     failing: bool
     batches: int = 0
+    shed: int = 0  # events skipped while the sink was over FEED_BACKLOG_BOUND behind
 
 
 class _Worker:
     __slots__ = ("target", "sender", "cursor", "wake", "task", "stopped", "failing", "delivered",
-                 "failed_attempts", "batches")
+                 "failed_attempts", "batches", "shed", "shed_logged_at", "shed_unlogged")
 
     def __init__(self, target: Target, sender: _Sender, cursor: int) -> None:
         self.target = target
@@ -579,6 +594,9 @@ class _Worker:
         self.delivered = 0
         self.failed_attempts = 0
         self.batches = 0
+        self.shed = 0
+        self.shed_logged_at: float | None = None  # loop time of the last notify_backlog_shed line
+        self.shed_unlogged = 0
 
 
 class Notifier:
@@ -670,7 +688,22 @@ class Notifier:
     def stats(self, sink: str) -> SinkStats:
         """Where sink ``sink`` stands (for ``/metrics`` and tests)."""
         w = self._workers[sink]
-        return SinkStats(w.cursor, w.delivered, w.failed_attempts, w.failing, w.batches)
+        return SinkStats(w.cursor, w.delivered, w.failed_attempts, w.failing, w.batches, w.shed)
+
+    def collect(self) -> Iterable[Metric]:
+        """Per sink: events behind and events shed (a prometheus_client custom collector;
+        ``/metrics`` registers it)."""
+        shed_total = CounterMetricFamily("spotvisor_feed_events_shed", "Low-value events a sink skipped while it "
+                                         "was more than FEED_BACKLOG_BOUND events behind (daemon/feed/notify.py).",
+                                         labels=["sink"])
+        behind = GaugeMetricFamily("spotvisor_feed_backlog_events", "Events stored that a sink is not done with.",
+                                   labels=["sink"])
+        last = self.store.last_seq() if self._workers else 0
+        for name, w in sorted(self._workers.items()):
+            shed_total.add_metric([name], w.shed)
+            behind.add_metric([name], max(0, last - w.cursor))
+        yield shed_total
+        yield behind
 
     async def wait_until(self, pred: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``pred()`` holds, re-checked whenever a worker delivers, skips or
@@ -808,12 +841,18 @@ class Notifier:
         while True:
             await w.sender.pace()
             w.wake.clear()  # before reading: an event recorded from here on sets it again
-            pending = store.events(since=w.cursor, limit=read)
+            behind = store.last_seq() - w.cursor
+            shedding = behind > FEED_BACKLOG_BOUND
+            pending = store.events(since=w.cursor, limit=max(read, FEED_SHED_WINDOW) if shedding else read)
             if not pending:
                 self._moved()
                 await w.wake.wait()
                 continue
-            batch, upto = _take(pending, w.target.wants, limit)
+            send = shed([(ev.kind, ev.node) for ev in pending], backlog=behind, bound=FEED_BACKLOG_BOUND)
+            batch, upto = _take(pending, lambda i: send[i] and w.target.wants(pending[i].kind), limit)
+            if shedding:
+                self._count_shed(w, sum(1 for i, ev in enumerate(pending)
+                                        if ev.seq <= upto and not send[i] and w.target.wants(ev.kind)), behind)
             if batch:
                 # only the nodes this batch names, by key: reading the whole node table per
                 # batch stalled the loop ~20 ms per batch with 1,000 nodes (bench/scale.py)
@@ -827,6 +866,18 @@ class Notifier:
             w.cursor = upto
             store.set(key, upto)  # waits up to busy_timeout_s for the daemon's write
             self._moved()
+
+    def _count_shed(self, w: _Worker, n: int, behind: int) -> None:
+        if n <= 0:
+            return
+        w.shed += n
+        w.shed_unlogged += n
+        now = asyncio.get_running_loop().time()
+        if w.shed_logged_at is None or now - w.shed_logged_at >= _SHED_LOG_EVERY_S:
+            w.shed_logged_at = now
+            log.warning("notify_backlog_shed", sink=w.target.name, skipped=w.shed_unlogged, behind=behind,
+                        bound=FEED_BACKLOG_BOUND, note="low-value events; the newest per kind and node is sent")
+            w.shed_unlogged = 0
 
     async def _deliver(self, w: _Worker, batch: list[tuple[Event, Node | None]]) -> None:
         try:

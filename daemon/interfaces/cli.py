@@ -155,6 +155,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         await api.start()
         assert api.agent_url is not None
         await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
+        api.metrics.registry.register(notifier)  # type: ignore[arg-type]  # the sinks' backlog and shed counts
         await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode())
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
