@@ -42,8 +42,8 @@ RESUME_HOLD_S = 10.0
 # CONFIRM_ATTEMPTS (daemon.controlnode.manifests): reads of that manifest that fail (the store out
 # of reach) before the resume is recorded anyway, marked ``commit_unconfirmed`` (a completion
 # never is: it waits, and says so)
-# completions of an attempt nobody leads yet, kept until it is led (or RESUME_HOLD_S)
-UNLED_KEPT = 16
+# a node's reported commits waiting for their manifest's read: one token cannot queue more
+VERIFY_PENDING_MAX = 16
 
 
 class _Early(NamedTuple):
@@ -72,7 +72,7 @@ class JobTracker:
         self._answered: set[str] = set()  # notice and request ids a recorded commit named
         self._started: set[str] = set()  # attempts whose job_resumed is recorded (this daemon or the store)
         self._early_commits: list[_Early] = []  # commits reported before their own attempt's start
-        self._unled: collections.deque[tuple[str, StatusLine, float]] = collections.deque(maxlen=UNLED_KEPT)
+        self._verifying: collections.Counter[str] = collections.Counter()  # node → its commits in _to_verify
         self._unconfirmed: set[int] = set()  # commit steps recorded unconfirmed (the store out of reach)
         self._said_unverified: set[int] = set()  # steps whose completion_unverified is recorded
         self.attempt_of = self.leaders.attempt_of
@@ -150,13 +150,10 @@ class JobTracker:
     def on_status(self, node: Node, line: StatusLine) -> None:
         """A trainer's ``started``, ``checkpoint_committed`` or ``completed`` line.
 
-        A node's token vouches for that node, not for the job, so a line changes the job
-        only when it comes from the node that holds rank 0 of its attempt (the first node
-        whose ``started`` line says rank 0 claims the attempt; a line of another node for
-        that attempt is dropped), or, for a commit, from the node whose own notice the
-        commit answers. ``completed`` must be at ``job.target_steps``. A commit is
-        recorded once its manifest verifies in the job's store (:meth:`verify_commits`,
-        ``daemon.verify_commits``).
+        A line changes the job only from the node that leads its attempt
+        (:mod:`daemon.control.attempts`: every ``started`` line is that rule's input), or,
+        for a commit, the node whose own notice it answers; ``completed`` only at
+        ``job.target_steps``; a commit once its manifest verifies (:meth:`verify_commits`).
 
         Causal order: a ``started`` line that resumes from a commit not recorded yet (the
         survivors of an in-process shrink report their resume while the leaving node,
@@ -183,7 +180,7 @@ class JobTracker:
         own_notice = any(i.startswith(f"{node.id}:") for i in line.notice_ids)
         commit = line.event == "checkpoint_committed"
         if leader is None and line.rank == 0 and not commit:  # its attempt's start may still be waiting
-            self._unled.append((node.id, line, self.core.clock()))
+            self.leaders.hold_unled(node.id, line, self.core.clock())
             return
         if not (leader == node.id or (leader is None and line.rank == 0) or (commit and own_notice)):
             self.core.drop(node, "trainer_status", f"{line.event} of attempt {line.attempt} from rank {line.rank} "
@@ -193,6 +190,9 @@ class JobTracker:
             if not self.core.config.daemon.verify_commits:
                 self._record_commit(node.id, line)
             elif not (line.step in self.core.job.commit_steps and self._answered.issuperset(line.notice_ids)):
+                if self._verifying[node.id] >= VERIFY_PENDING_MAX:
+                    return self.core.drop(node, "trainer_status", "too many commits wait for a read", line.event)
+                self._verifying[node.id] += 1
                 self._to_verify.put_nowait((node.id, line))  # verify_commits records it once its manifest verifies
         elif line.event == "completed":
             if line.step < self.core.config.job.target_steps:
@@ -228,8 +228,7 @@ class JobTracker:
                 self._held.append((node_id, line, self.core.clock()))
             else:
                 self._record_resume(node_id, line)
-        for unled in [u for u in self._unled if u[1].attempt == line.attempt]:
-            self._unled.remove(unled)
+        for unled in self.leaders.take_unled(lambda u: u[1].attempt == line.attempt):
             node = self.core.nodes.get(unled[0])
             if node is not None:
                 self.on_status(node, unled[1])
@@ -259,6 +258,7 @@ class JobTracker:
         not wait for the control node's view of the store."""
         while True:
             node_id, line = await self._to_verify.get()
+            self._verifying[node_id] -= 1
             try:
                 manifest = await read_retried(self._read_manifest, line.step)
             except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
@@ -401,8 +401,8 @@ class JobTracker:
             self._early_commits.remove(early)  # its attempt's start never came (its rank 0's node died)
             self._release_early(early)
         claims = {(n, s.attempt) for n, s in self.leaders.waiting()}
-        for unled in [u for u in self._unled if now - u[2] >= RESUME_HOLD_S and (u[0], u[1].attempt) not in claims]:
-            self._unled.remove(unled)  # nobody came to lead its attempt, and its node claims it no more
+        # nobody came to lead its attempt, and its node claims it no more
+        for unled in self.leaders.take_unled(lambda u: now - u[2] >= RESUME_HOLD_S and (u[0], u[1].attempt) not in claims):
             node = self.core.nodes.get(unled[0])
             if node is not None:
                 self.core.drop(node, "trainer_status", f"{unled[1].event} of attempt {unled[1].attempt}, "

@@ -10,16 +10,21 @@ the verdict.
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 from daemon.control.attempts import StartReport, Verdict, claim_verdict
 from daemon.control.lifecycle import ADMITTED, MEMBERS
 from daemon.control.reports import StatusLine
 from daemon.controlnode.core import Core
 
-__all__ = ["Leaders", "STARTS_KEPT"]
+__all__ = ["Leaders", "STARTS_KEPT", "UNLED_KEPT"]
 
 # the ``started`` lines kept per node (its newest): the other nodes' word on who leads an attempt
 STARTS_KEPT = 4
+# completions of an attempt nobody leads yet, kept per node until it is led (the tracker's hold)
+UNLED_KEPT = 4
+
+Unled = tuple[str, StatusLine, float]  # (node, line, since: unix s)
 
 
 class Leaders:
@@ -32,6 +37,22 @@ class Leaders:
         #: node → the attempt its workers last reported starting (any rank): who holds ranks
         #: of the running attempt (daemon.control.reactions.on_loss_without_notice)
         self.node_attempt: dict[str, str] = {}
+        self._unled: list[Unled] = []  # lines of attempts nobody leads yet, at most UNLED_KEPT a node
+
+    def hold_unled(self, node_id: str, line: StatusLine, now: float) -> None:
+        """Keep ``line`` until its attempt is led; a node's oldest goes first (one token
+        pushes out only its own)."""
+        mine = [u for u in self._unled if u[0] == node_id]
+        if len(mine) >= UNLED_KEPT:
+            self._unled.remove(mine[0])
+        self._unled.append((node_id, line, now))
+
+    def take_unled(self, which: Callable[[Unled], bool]) -> list[Unled]:
+        """The kept lines ``which`` selects, no longer kept."""
+        taken = [u for u in self._unled if which(u)]
+        for u in taken:
+            self._unled.remove(u)
+        return taken
 
     def attempt_of(self, node_id: str) -> str:
         """The trainer attempt ``node_id``'s workers last reported starting ("" if none)."""

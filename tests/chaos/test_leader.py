@@ -316,3 +316,19 @@ def test_reports_of_tokens_that_do_not_hold_rank_0_change_nothing(scenario) -> N
         expected = asyncio.run(_run(Path(alone), script, []))
         got = asyncio.run(_run(Path(attacked), script, hostile))
     assert got == expected
+
+
+async def test_one_token_cannot_queue_commits_without_bound(make_sim) -> None:
+    """Commits of attempts nobody leads yet wait for their manifest's read: one node's
+    token queues at most VERIFY_PENDING_MAX of them; the leader's own still goes in."""
+    from daemon.controlnode.job_tracker import VERIFY_PENDING_MAX
+
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _running(sim, 2)
+        a1 = sim.start([n1, n2], step=0)
+        sim.sup.intake.on_reports(n2, [_line("checkpoint_committed", s, f"evil-{s}", rank=0, world_size=1)
+                                       for s in range(1, 91)])
+        queued = sim.sup.tracker._to_verify.qsize()
+        assert queued <= VERIFY_PENDING_MAX
+        sim.commit(n1, a1, 95, reason="periodic")
+        assert sim.sup.tracker._to_verify.qsize() == queued + 1
