@@ -3,24 +3,27 @@ trainer (:mod:`trainer.guard`, :mod:`trainer.runtime`): the one module both impo
 
 The agent starts ``torchrun`` with these in the environment:
 
-==========================  ==============================================================
-:data:`NOTICE_FILE_ENV`     the notice file: a JSON list of :class:`NoticeEntry`, replaced
-                            atomically by the agent (:class:`NoticeFile`), read by every
-                            rank at each step boundary (:func:`read_notice_file`)
-:data:`STATUS_FILE_ENV`     JSON lines appended by LOCAL_RANK 0, one per :class:`StatusKind`;
-                            the agent tails it (:class:`StatusTail`) and forwards
-                            :data:`FORWARDED` kinds to the daemon
-:data:`LOG_DIR_ENV`         one JSON-lines step log per rank and attempt (data positions)
-:data:`SCRATCH_DIR_ENV`     a node-local directory for framework checkpoints before upload
-:data:`NODE_ID_ENV`         this node's id in the pool
-:data:`S3_ENDPOINT_ENV`,    the object store's endpoint (``job.s3_endpoint_url``,
-:data:`OSS_ENDPOINT_ENV`    ``job.oss_endpoint``)
-:data:`RDZV_ENDPOINT_ENV`   ``host:port`` of the rendezvous store on the control node, where
-                            the survivors of a notice re-form their group in-process
-:data:`RUN_ID_ENV`          the job's run id, the same on every node (torchrun's ``--rdzv-id``)
-:data:`JOIN_ENV`            ``1``: this node joins the running group in-process
-                            (:mod:`trainer.membership`) instead of starting one
-==========================  ==============================================================
+============================  ==============================================================
+:data:`NOTICE_FILE_ENV`       the notice file: a JSON list of :class:`NoticeEntry`, replaced
+                              atomically by the agent (:class:`NoticeFile`), read by every
+                              rank at each step boundary (:func:`read_notice_file`)
+:data:`STATUS_FILE_ENV`       JSON lines appended by LOCAL_RANK 0, one per :class:`StatusKind`;
+                              the agent tails it (:class:`StatusTail`) and forwards
+                              :data:`FORWARDED` kinds to the daemon
+:data:`LOG_DIR_ENV`           one JSON-lines step log per rank and attempt (data positions)
+:data:`SCRATCH_DIR_ENV`       a node-local directory for framework checkpoints before upload
+:data:`NODE_ID_ENV`           this node's id in the pool
+:data:`S3_ENDPOINT_ENV`,      the object store's endpoint (``job.s3_endpoint_url``,
+:data:`OSS_ENDPOINT_ENV`      ``job.oss_endpoint``)
+:data:`RDZV_ENDPOINT_ENV`     ``host:port`` of the rendezvous store on the control node, where
+                              the survivors of a notice re-form their group in-process
+:data:`RUN_ID_ENV`            the job's run id, the same on every node (torchrun's ``--rdzv-id``)
+:data:`JOIN_ENV`              ``1``: this node joins the running group in-process
+                              (:mod:`trainer.membership`) instead of starting one
+:data:`JOIN_CREDENTIAL_ENV`   this node's join credential (:mod:`trainer.credential`), from the
+                              daemon when it admitted the node: a secret, read once and
+                              removed from the workers' environment
+============================  ==============================================================
 
 Importing this module imports neither torch nor the daemon.
 """
@@ -46,6 +49,7 @@ __all__ = [
     "RDZV_ENDPOINT_ENV",
     "RUN_ID_ENV",
     "JOIN_ENV",
+    "JOIN_CREDENTIAL_ENV",
     "NoticeKind",
     "NoticeEntry",
     "NoticeFileError",
@@ -69,6 +73,7 @@ OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
 RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
 RUN_ID_ENV = "SPOTVISOR_RUN_ID"
 JOIN_ENV = "SPOTVISOR_JOIN"
+JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
 
 
 # --------------------------------------------------------------------------- the notice file
