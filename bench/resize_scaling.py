@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.ports import free_port
+from trainer.contract import JOIN_CREDENTIAL_ENV
+from trainer.credential import Authority
 
 # name -> (n_layer, n_embd, n_head): GPT-2 blocks hold ~12 * n_layer * n_embd^2 parameters
 SIZES = {"3m": (4, 256, 4), "50m": (8, 720, 12), "200m": (16, 1024, 16)}
@@ -99,10 +101,14 @@ def run_size(name: str, workdir: Path, wrap: str = "ddp") -> dict[str, Any]:
             "--micro-batch-size", "1", "--pg-timeout-s", "300", "--join-timeout-s", "600", "--hold-timeout-s", "5",
             *flags]
 
+    authority = Authority.generate()  # the daemon's join key, as it gives each node a credential
+
     def start(node: str, env: dict[str, str]) -> subprocess.Popen:
         d = workdir / node
         d.mkdir(parents=True, exist_ok=True)
+        cred = authority.issue(run=f"scale-{name}", node=node, now=time.time())
         full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "SPOTVISOR_RUN_ID": f"scale-{name}",
+                JOIN_CREDENTIAL_ENV: cred,
                 "SPOTVISOR_NODE_ID": node, "SPOTVISOR_SCRATCH_DIR": str(d / "scratch"), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "SPOTVISOR_NOTICE_FILE": str(d / "notices.json"), "SPOTVISOR_STATUS_FILE": str(d / "status.jsonl"),
                 "SPOTVISOR_LOG_DIR": str(d / "logs"), "SPOTVISOR_RDZV_ENDPOINT": f"127.0.0.1:{rdzv.port}"}

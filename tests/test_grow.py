@@ -5,6 +5,7 @@ take the state from rank 0; nobody restarts (``trainer.membership``,
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 from datetime import timedelta
@@ -17,12 +18,18 @@ from torch.distributed import TCPStore
 
 from bench.ports import free_port
 from trainer.contract import JOIN_ENV, RUN_ID_ENV
-from trainer.membership import EXPIRY_MARGIN_S, JoinQueue, JoinTimeout
-from worker_procs import finish, start_worker, status_lines, trained
+from trainer.credential import NodeCredential, Verifier
+from trainer.membership import EXPIRY_MARGIN_S, MAX_READS_PER_STEP, JoinQueue, JoinRefused, JoinTimeout
+from worker_procs import AUTHORITY, finish, start_worker, status_lines, trained
 
 
 def _queue(rdzv: TCPStore, run: str = "r") -> JoinQueue:
-    return JoinQueue(("127.0.0.1", rdzv.port), run, timeout_s=10)
+    """The queue of run ``run``, checking tickets as a rank 0 with a credential of the tests' daemon does."""
+    return JoinQueue(("127.0.0.1", rdzv.port), run, timeout_s=10, verifier=Verifier(AUTHORITY.public_key, run))
+
+
+def _cred(node: str, run: str = "r") -> NodeCredential:
+    return NodeCredential(AUTHORITY.issue(run=run, node=node, now=time.time()))
 
 
 def _even(world: int) -> bool:
@@ -38,23 +45,23 @@ def test_nobody_waiting_is_nothing_to_admit(rdzv) -> None:
 
 def test_a_node_is_admitted_only_with_all_its_workers(rdzv) -> None:
     joiner, leader = _queue(rdzv), _queue(rdzv)
-    a0 = joiner.register("n3", 0, 2, wait_s=300)
+    a0 = joiner.register("n3", 0, 2, wait_s=300, credential=_cred("n3"))
     assert leader.ready(2, lambda w: True) == []  # its second worker has not queued yet
-    a1 = joiner.register("n3", 1, 2, wait_s=300)
+    a1 = joiner.register("n3", 1, 2, wait_s=300, credential=_cred("n3"))
     assert [t.number for t in leader.ready(2, lambda w: True)] == [a0.number, a1.number]
 
 
 def test_only_a_world_size_the_batch_splits_over(rdzv) -> None:
     joiner, leader = _queue(rdzv), _queue(rdzv)
-    joiner.register("n3", 0, 1, wait_s=300)
+    joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
     assert leader.ready(2, _even) == []  # 3 ranks: the global batch does not split
-    joiner.register("n4", 0, 1, wait_s=300)
+    joiner.register("n4", 0, 1, wait_s=300, credential=_cred("n4"))
     assert [t.node for t in leader.ready(2, _even)] == ["n3", "n4"]  # 4 does
 
 
 def test_admission_reaches_the_joiner_and_the_queue_moves_on(rdzv) -> None:
     joiner, leader = _queue(rdzv), _queue(rdzv)
-    t = joiner.register("n3", 0, 1, wait_s=300)
+    t = joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
     pick = leader.ready(2, lambda w: True)
     leader.admit(pick, prefix="p/grow/1", first_rank=2, world_size=3)
     a = joiner.wait(t)
@@ -65,7 +72,7 @@ def test_admission_reaches_the_joiner_and_the_queue_moves_on(rdzv) -> None:
 
 def test_a_ticket_near_its_expiry_is_left_and_its_joiner_withdraws(rdzv) -> None:
     joiner, leader = _queue(rdzv), _queue(rdzv)
-    t = joiner.register("n3", 0, 1, wait_s=EXPIRY_MARGIN_S - 29.9)
+    t = joiner.register("n3", 0, 1, wait_s=EXPIRY_MARGIN_S - 29.9, credential=_cred("n3"))
     assert leader.ready(2, lambda w: True) == []
     with pytest.raises(JoinTimeout, match="n3"):
         joiner.wait(t)
@@ -73,8 +80,68 @@ def test_a_ticket_near_its_expiry_is_left_and_its_joiner_withdraws(rdzv) -> None
 
 
 def test_queues_of_two_runs_are_apart(rdzv) -> None:
-    _queue(rdzv, "other").register("n9", 0, 1, wait_s=300)
+    _queue(rdzv, "other").register("n9", 0, 1, wait_s=300, credential=_cred("n9", "other"))
     assert _queue(rdzv, "r").ready(1, lambda w: True) == []
+
+
+# -- who may join: a credential the daemon issued, proved by the node itself (issue 25, item 11) --
+
+
+def test_a_ticket_without_a_credential_is_refused_and_its_joiner_told(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    t = joiner.register("n3", 0, 1, wait_s=300, credential=None)
+    assert leader.ready(2, lambda w: True) == []
+    with pytest.raises(JoinRefused, match="refused node n3's ticket 1 \\(no certificate\\)"):
+        joiner.wait(t)
+    assert leader.ready(2, lambda w: True) == [] and leader.refused == 1  # read and refused once
+    assert _queue(rdzv).ready(2, lambda w: True) == []  # a later rank 0 does not read it again
+
+
+def test_a_ticket_copied_to_a_new_number_is_refused_and_does_not_displace_its_node(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    t = joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
+    copy = int(joiner.store.add("tickets", 1))  # an outsider read it off the store and queued it again
+    joiner.store.set(f"t/{copy}", joiner.store.get(f"t/{t.number}"))
+    assert [x.number for x in leader.ready(2, lambda w: True)] == [t.number]  # not the newer copy
+    assert leader.refused == 1
+
+
+def test_a_credential_of_another_node_or_key_is_refused(rdzv) -> None:
+    from trainer.credential import Authority
+
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    joiner.register("n4", 0, 1, wait_s=300, credential=_cred("n3"))  # n3's credential, queued as n4
+    forged = NodeCredential(Authority.generate().issue(run="r", node="n5", now=time.time()))
+    joiner.register("n5", 0, 1, wait_s=300, credential=forged)
+    assert leader.ready(2, lambda w: True) == [] and leader.refused == 2
+
+
+def test_a_rank_0_without_a_credential_admits_nobody(rdzv) -> None:
+    _queue(rdzv).register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
+    leader = JoinQueue(("127.0.0.1", rdzv.port), "r", timeout_s=10, verifier=None)
+    assert leader.ready(2, lambda w: True) == [] and leader.refused == 1
+
+
+def test_a_malformed_ticket_is_refused_and_the_queue_goes_on(rdzv) -> None:
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    for junk in (b"\xff not json", b"[]", b'{"node": "n9"}', b'{"node": "n9", "local_rank": "x"}'):
+        n = int(joiner.store.add("tickets", 1))
+        joiner.store.set(f"t/{n}", junk)
+    t = joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
+    assert [x.number for x in leader.ready(2, lambda w: True)] == [t.number]
+    assert leader.refused == 4
+
+
+def test_a_flooded_queue_costs_a_step_boundedly_many_reads(rdzv, monkeypatch) -> None:
+    """An outsider adds a billion to the ticket count: rank 0 reads at most
+    MAX_READS_PER_STEP tickets at a boundary, and training goes on."""
+    leader = _queue(rdzv)
+    leader.store.add("tickets", 10**9)  # numbers no joiner ever writes
+    reads = []
+    read = leader._read
+    monkeypatch.setattr(leader, "_read", lambda number, now: reads.append(number) or read(number, now))
+    assert leader.ready(2, lambda w: True) == []
+    assert len(reads) == MAX_READS_PER_STEP
 
 
 # -- the whole grow, in real worker processes --------------------------------------------------
@@ -177,6 +244,90 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
 
     _assert_every_batch_once(tmp_path, 12)
     _assert_same_state(tmp_path, 2)
+
+
+_OUTSIDER_JOB = """
+import os, sys, time
+from trainer.membership import JoinQueue, run_id
+from trainer.run import ReferenceJob, main
+from trainer.runtime import rendezvous_endpoint
+
+class WaitForTickets(ReferenceJob):
+    # rank 0 waits after step 5 until every ticket (the joiner's and the outsider's) is queued
+    def train_step(self):
+        out = super().train_step()
+        if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process:
+            q = JoinQueue(rendezvous_endpoint(), run_id())
+            while int(q.store.add("tickets", 0)) < int(os.environ["EXPECT_JOINERS"]):
+                time.sleep(0.05)
+        return out
+
+""" + _DIGEST_AT_THE_END + """
+sys.exit(main(sys.argv[1:], job_cls=WaitForTickets))
+"""
+
+
+@pytest.mark.slow
+def test_an_outsider_on_the_network_never_joins_and_a_node_with_a_credential_does(tmp_path: Path, rdzv) -> None:
+    """Issue 25, item 11. Two workers train; node2, a node the daemon admitted (it has a
+    credential), queues to join. An outsider who reaches the rendezvous store then queues
+    three tickets: node2's ticket copied off the store (a replay), one with no credential
+    (what any joiner wrote before credentials), and one with a credential from another key
+    (forged). Rank 0 refuses all three (each gets ``refused: ...`` as its admission and one
+    log line) and admits node2 only: the world goes 2 -> 3, never further, and the three
+    that finish hold the same model and optimizer state."""
+    from torch.distributed import PrefixStore
+
+    from trainer.credential import Authority
+
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    env = {"EXPECT_JOINERS": "4"}
+    procs = [_start(tmp_path, f"node{r}", {**env, "RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
+                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "grow"},
+                    rdzv.port, ckpt, script=_OUTSIDER_JOB) for r in range(2)]
+    try:
+        status = tmp_path / "node0" / "status.jsonl"
+        while not (status.exists() and '"event":"step"' in status.read_text()):
+            assert procs[0].poll() is None, procs[0].communicate()[0]
+            time.sleep(0.05)
+        procs.append(_start(tmp_path, "node2", {**env, "RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
+                                                "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
+                                                "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt,
+                            script=_OUTSIDER_JOB))
+        # the outsider: a plain store client on the private network, no credential of its own
+        store = PrefixStore("spotvisor/grow/join", TCPStore("127.0.0.1", rdzv.port, is_master=False,
+                                                            timeout=timedelta(seconds=120)))
+        store.wait(["t/1"])
+        genuine = store.get("t/1").decode()  # node2's ticket
+        replay = int(store.add("tickets", 1))
+        store.set(f"t/{replay}", genuine)
+        bare = int(store.add("tickets", 1))
+        store.set(f"t/{bare}", json.dumps({"node": "intruder", "local_rank": 0, "local_world": 1,
+                                           "expires": time.time() + 300}))
+        forged = NodeCredential(Authority.generate().issue(run="grow", node="intruder2", now=time.time()))
+        n = int(store.add("tickets", 1))
+        fields = {"node": "intruder2", "local_rank": 0, "local_world": 1, "expires": time.time() + 300}
+        store.set(f"t/{n}", json.dumps({**fields, **forged.prove("ticket", {**fields, "run": "grow", "number": n})}))
+        answers = []
+        for ticket in (replay, bare, n):  # each answered: an admission, or a refusal
+            store.wait([f"a/{ticket}"])
+            answers.append(store.get(f"a/{ticket}").decode())
+            assert answers[-1].startswith("refused: "), answers
+        outs = finish(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:  # the assertions' failure, not finish's
+                p.kill()
+                p.communicate()
+    assert "signature" in answers[0] and "not signed by this job's daemon" in answers[2], answers
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)
+    assert outs[0].count("refused join ticket") == 3, outs[0]
+    for node in ("node0", "node1", "node2"):
+        assert max(x["world_size"] for x in status_lines(tmp_path, node) if x["event"] == "started") == 3
+    joined = [x for x in status_lines(tmp_path, "node2") if x["event"] == "started"]
+    assert [(x["resized"], x.get("joined"), x["rank"], x["world_size"]) for x in joined] == [("in_process", 1, 2, 3)]
+    _assert_every_batch_once(tmp_path, 12)
+    _assert_same_state(tmp_path, 3)
 
 
 # -- the daemon's side: the join launcher, admission, a failed joiner ---------------------------
@@ -376,6 +527,7 @@ def test_the_scaling_bench_refuses_an_unknown_size(capsys) -> None:
 
 def test_a_worker_queued_twice_counts_once(rdzv) -> None:
     joiner, leader = _queue(rdzv), _queue(rdzv)
-    joiner.register("n3", 0, 1, wait_s=300)
-    again = joiner.register("n3", 0, 1, wait_s=300)  # its worker started again before it was admitted
+    joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
+    # its worker started again before it was admitted
+    again = joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
     assert [t.number for t in leader.ready(2, lambda w: True)] == [again.number]

@@ -44,11 +44,12 @@ from torch.utils._pytree import tree_leaves
 
 from trainer.batch import BatchError, BatchPlan, ElasticBatch
 from trainer.checkpoint import Manifest, open_store
-from trainer.contract import LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
+from trainer.contract import JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.data import DataError, TokenDataset, encode, load_corpus
 from trainer.guard import Decision, PreemptionGuard
-from trainer.membership import (JobCompleted, JoinQueue, JoinTimeout, LossWatch, Ticket, joining, run_id,
-                                settle_survivors)
+from trainer.credential import CredentialError, NodeCredential
+from trainer.membership import (JobCompleted, JoinQueue, JoinRefused, JoinTimeout, LossWatch, Ticket, joining,
+                                run_id, settle_survivors)
 from trainer.sampler import ElasticSampler
 from trainer.runtime import (
     DistContext,
@@ -89,6 +90,21 @@ class ConfigError(Exception):
     """A configuration this job can never run with; exit 2, one line on stderr."""
 
 
+def _credential() -> NodeCredential | None:
+    """This node's join credential, out of the environment (None when the daemon gave none).
+
+    Raises:
+        ConfigError: it is malformed, or for another run than ``$SPOTVISOR_RUN_ID``.
+    """
+    try:
+        cred = NodeCredential.from_env()
+    except CredentialError as exc:
+        raise ConfigError(str(exc)) from None
+    if cred is not None and cred.run != run_id():
+        raise ConfigError(f"${JOIN_CREDENTIAL_ENV} is for run {cred.run!r}, this worker's run is {run_id()!r}")
+    return cred
+
+
 class ElasticJob:
     """One incarnation of an elastic training job on one rank (built by :func:`run_job`).
 
@@ -119,6 +135,9 @@ class ElasticJob:
     def __init__(
         self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor
     ) -> None:
+        #: this node's join credential (trainer.credential), taken out of the environment
+        #: first thing: rank 0 checks joiners' tickets with it, a joiner proves itself with it
+        self.credential = _credential()
         self.args = args
         self.ctx = ctx
         self.plan = plan
@@ -408,7 +427,8 @@ class ElasticJob:
             if self._queue is None:
                 endpoint = rendezvous_endpoint()
                 assert endpoint is not None
-                self._queue = JoinQueue(endpoint, run_id(), timeout_s=min(10.0, self.args.pg_timeout_s))
+                self._queue = JoinQueue(endpoint, run_id(), timeout_s=min(10.0, self.args.pg_timeout_s),
+                                        verifier=None if self.credential is None else self.credential.verifier())
             batch = ElasticBatch(self.G, self.plan.micro_batch_size)
             self._pick = self._queue.ready(self.ctx.world_size, batch.is_valid)
         except Exception as exc:  # the control node's store unreachable a moment: next boundary
@@ -454,11 +474,15 @@ class ElasticJob:
         group and takes the state from rank 0. The object store is not read.
 
         Raises:
-            ConfigError: no ``$SPOTVISOR_RDZV_ENDPOINT``.
-            SystemExit(1): nobody admitted it in time (after one warning line).
+            ConfigError: no ``$SPOTVISOR_RDZV_ENDPOINT``, or no ``$SPOTVISOR_JOIN_CREDENTIAL``.
+            SystemExit(1): nobody admitted it in time, or rank 0 refused its ticket (after
+                one warning line).
         """
         if rendezvous_endpoint() is None:
             raise ConfigError("SPOTVISOR_JOIN=1 needs $SPOTVISOR_RDZV_ENDPOINT (host:port of the rendezvous store)")
+        if self.credential is None:
+            raise ConfigError(f"SPOTVISOR_JOIN=1 needs ${JOIN_CREDENTIAL_ENV}: the daemon gives it to each node it "
+                              "admits (a running group admits no ticket without it)")
         node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
         self._queue_and_join(node, self.ctx.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.joined_in_process = True
@@ -468,12 +492,18 @@ class ElasticJob:
         admitted, join the group and take the state from its rank 0 (a collective with it).
 
         Raises:
-            SystemExit(1): nobody admitted it within ``--join-timeout-s`` (one warning line).
+            SystemExit(1): nobody admitted it within ``--join-timeout-s``, rank 0 refused
+                its ticket, or it has no join credential (one warning line).
         """
         endpoint = rendezvous_endpoint()
         assert endpoint is not None
+        if self.credential is None:
+            log.warning("node %s has no join credential (%s): no running group would admit it; exiting", node,
+                        JOIN_CREDENTIAL_ENV)
+            raise SystemExit(1)
         queue = JoinQueue(endpoint, run_id(), timeout_s=self.args.pg_timeout_s)
-        ticket = queue.register(node, local_rank, local_world, wait_s=self.args.join_timeout_s)
+        ticket = queue.register(node, local_rank, local_world, wait_s=self.args.join_timeout_s,
+                                credential=self.credential)
         if self.ctx.is_local_leader or local_world == 1:
             log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
         try:
@@ -481,7 +511,7 @@ class ElasticJob:
         except JobCompleted as exc:
             log.warning("%s; exiting", exc)
             raise SystemExit(0) from None
-        except JoinTimeout as exc:
+        except (JoinTimeout, JoinRefused) as exc:
             log.warning("%s; exiting", exc)
             raise SystemExit(1) from None
         t0 = time.perf_counter()

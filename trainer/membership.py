@@ -11,16 +11,28 @@ were started by their node's own launcher (``torchrun --standalone``) with
 
 The protocol, in store keys (``t`` is a ticket, 1, 2, ... in arrival order)::
 
-    joiner (every local rank)        tickets += 1 -> t;  t/<t> = {"node", "local_rank", "local_world", "expires"}
-                                     then waits for a/<t>
-    rank 0 of the group, each step   tickets > next?  read t/next .. t/tickets; a node is complete once
-                                     all its local ranks have a ticket; pick the longest prefix of
-                                     complete nodes whose world size the global batch splits over
+    joiner (every local rank)        tickets += 1 -> t;  t/<t> = {"node", "local_rank", "local_world", "expires",
+                                     "cert", "cert_sig", "sig"}  then waits for a/<t>
+    rank 0 of the group, each step   tickets > next?  read t/next .. t/tickets (at most MAX_READS_PER_STEP);
+                                     a ticket whose proof fails is refused: a/<t> = "refused: <why>";
+                                     a node is complete once all its local ranks have a ticket; pick the
+                                     longest prefix of complete nodes whose world size the global batch
+                                     splits over
     every rank of the group          the pick's size is all-reduced with the notice flags
                                      (trainer.guard.PreemptionGuard.check): all agree to grow
     rank 0                           a/<t> = {"prefix", "rank", "world_size"} for every picked ticket
                                      (compare-and-set: a joiner that gave up wrote "withdrawn" first)
     everyone                         init_process_group(PrefixStore(prefix, client), rank, world_size)
+
+**Who may join.** The store has no authentication, so a ticket counts only with a
+proof (:mod:`trainer.credential`): the certificate the job's daemon issued to the node
+when it admitted it (``$SPOTVISOR_JOIN_CREDENTIAL``) and that node key's signature
+over the ticket's fields, its number and the run id included. Rank 0 checks it with
+the daemon's public key from its own credential (:class:`~trainer.credential.Verifier`);
+a ticket without one, of another run, expired, of another node, forged or copied off
+the store to a new number is refused: rank 0 writes ``refused: <why>`` as its
+admission (the joiner exits, :class:`JoinRefused`), logs it and counts it
+(:attr:`JoinQueue.refused`). A rank 0 without a credential refuses every ticket.
 
 A joiner waits at most until its ticket's ``expires`` (unix seconds) and then
 withdraws it with the same compare-and-set, so exactly one of "admitted" and
@@ -34,6 +46,7 @@ https://docs.pytorch.org/docs/stable/distributed.html#distributed-key-value-stor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -46,13 +59,22 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
+from trainer.credential import CredentialRefused, NodeCredential, Verifier
 
-__all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinTimeout", "LossWatch", "joining", "run_id",
-           "settle_survivors", "wake_survivors", "EXPIRY_MARGIN_S"]
+__all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinRefused", "JoinTimeout", "LossWatch", "joining",
+           "run_id", "settle_survivors", "wake_survivors", "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
+
+log = logging.getLogger("trainer.membership")
 
 #: Rank 0 leaves a ticket this close to its expiry alone (seconds): its joiner may withdraw it.
 EXPIRY_MARGIN_S = 30.0
+#: Rank 0 reads at most this many new tickets at one step boundary (a flooded queue
+#: costs each step that many store round trips, no more); the rest wait for the next.
+MAX_READS_PER_STEP = 64
+#: Refused tickets rank 0 logs one by one; after that, every 100th (with the count).
+LOGGED_REFUSALS = 10
 WITHDRAWN = "withdrawn"
+REFUSED = "refused"
 
 
 def joining() -> bool:
@@ -72,6 +94,10 @@ class JobCompleted(RuntimeError):
 
 class JoinTimeout(RuntimeError):
     """No rank 0 admitted this joiner before its ticket expired. ``str()`` is one line."""
+
+
+class JoinRefused(RuntimeError):
+    """Rank 0 refused this joiner's ticket (its proof did not hold). ``str()`` is one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,15 +126,21 @@ class JoinQueue:
     """The join queue of run ``run`` in the store at ``endpoint`` (``(host, port)``).
 
     One client connection, opened on first use. ``timeout_s`` bounds every store call.
+    ``verifier``: what rank 0 checks tickets with (from its own credential:
+    :meth:`~trainer.credential.NodeCredential.verifier`); None refuses every ticket.
     """
 
-    def __init__(self, endpoint: tuple[str, int], run: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, endpoint: tuple[str, int], run: str, *, timeout_s: float = 60.0,
+                 verifier: Verifier | None = None) -> None:
         self.endpoint = endpoint
+        self.run = run
         self.prefix = f"spotvisor/{run}/join"
         self.timeout_s = timeout_s
+        self.verifier = verifier
+        self.refused = 0  # tickets rank 0 refused (their proof did not hold)
         self._store: dist.Store | None = None
-        self._seen: dict[int, Ticket] = {}  # the tickets rank 0 has read
-        self._resolved: set[int] = set()  # admitted or withdrawn
+        self._seen: dict[int, Ticket] = {}  # the tickets rank 0 has read and checked
+        self._resolved: set[int] = set()  # admitted, withdrawn or refused
 
     @property
     def store(self) -> dist.Store:
@@ -118,16 +150,25 @@ class JoinQueue:
             self._store = dist.PrefixStore(self.prefix, client)
         return self._store
 
+    def _fields(self, number: int, node: str, local_rank: int, local_world: int, expires: float) -> dict[str, Any]:
+        """What a ticket's proof signs: its fields, its number and the run."""
+        return {"run": self.run, "number": number, "node": node, "local_rank": local_rank,
+                "local_world": local_world, "expires": expires}
+
     # -- the joiner's side
 
     def register(self, node: str, local_rank: int, local_world: int, *, wait_s: float,
-                 now: float | None = None) -> Ticket:
-        """Queue this worker; returns its ticket (it expires ``wait_s`` from ``now``)."""
+                 credential: NodeCredential | None, now: float | None = None) -> Ticket:
+        """Queue this worker with its node's ``credential`` (None: rank 0 will refuse it);
+        returns its ticket (it expires ``wait_s`` from ``now``)."""
         now = time.time() if now is None else now
         number = int(self.store.add("tickets", 1))
         ticket = Ticket(number, node, local_rank, local_world, now + wait_s)
-        self.store.set(f"t/{number}", json.dumps({"node": node, "local_rank": local_rank,
-                                                  "local_world": local_world, "expires": ticket.expires}))
+        fields = self._fields(number, node, local_rank, local_world, ticket.expires)
+        body = {k: fields[k] for k in ("node", "local_rank", "local_world", "expires")}
+        if credential is not None:
+            body.update(credential.prove("ticket", fields))
+        self.store.set(f"t/{number}", json.dumps(body))
         return ticket
 
     def wait(self, ticket: Ticket, *, poll_s: float = 0.05) -> Admission:
@@ -135,24 +176,28 @@ class JoinQueue:
 
         Raises:
             JoinTimeout: its expiry passed first (the ticket is withdrawn).
+            JoinRefused: rank 0 refused it (its proof did not hold).
             JobCompleted: the job reached its target meanwhile (:meth:`complete`).
         """
         key = f"a/{ticket.number}"
         while time.time() < ticket.expires:
             if self.store.check([key]):
-                return self._admission(self.store.get(key).decode())
+                return self._admission(ticket, self.store.get(key).decode())
             if self.store.check(["completed"]):
                 raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
                                    f"before node {ticket.node} joined")
             time.sleep(poll_s)
         won = self.store.compare_set(key, "", WITHDRAWN).decode()
-        if won != WITHDRAWN:  # rank 0 admitted it at the last moment
-            return self._admission(won)
+        if won != WITHDRAWN:  # rank 0 admitted (or refused) it at the last moment
+            return self._admission(ticket, won)
         raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) "
                           f"before its wait ended")
 
     @staticmethod
-    def _admission(raw: str) -> Admission:
+    def _admission(ticket: Ticket, raw: str) -> Admission:
+        if raw.startswith(REFUSED):
+            raise JoinRefused(f"the running group refused node {ticket.node}'s ticket {ticket.number} "
+                              f"({raw[len(REFUSED):].lstrip(': ')[:200]})")
         body = json.loads(raw)
         return Admission(str(body["prefix"]), int(body["rank"]), int(body["world_size"]), int(body["first_rank"]))
 
@@ -161,22 +206,30 @@ class JoinQueue:
     def ready(self, world: int, valid: Callable[[int], bool], *, now: float | None = None) -> list[Ticket]:
         """The tickets to admit at this step boundary, ranks in order: the longest prefix of
         complete nodes (every local rank queued, none within :data:`EXPIRY_MARGIN_S` of its
-        expiry) whose ranks added to ``world`` give a world size ``valid`` accepts.
-        Cheap when nobody waits: one ``add(0)`` round trip."""
+        expiry) whose ranks added to ``world`` give a world size ``valid`` accepts. Each
+        ticket's proof is checked once, when it is read; one that fails is refused
+        (:meth:`_refuse`). Cheap when nobody waits: one ``add(0)`` round trip; at most
+        :data:`MAX_READS_PER_STEP` tickets are read at one boundary."""
         now = time.time() if now is None else now
         count = int(self.store.add("tickets", 0))
         start = self._next()
         if count < start:
             return []
-        for number in range(start, count + 1):
+        reads, refused = 0, self.refused
+        for number in range(start, count + 1):  # bounded: tickets already read, plus MAX_READS_PER_STEP
             if number not in self._seen and number not in self._resolved:
-                t = self._read(number)
+                if reads == MAX_READS_PER_STEP:
+                    break
+                reads += 1
+                t = self._read(number, now)
                 if t is not None:
                     self._seen[number] = t
+        if self.refused > refused:
+            self._advance()  # later scans start past the refused ones
         nodes: dict[str, dict[int, Ticket]] = {}
-        for number in range(start, count + 1):
-            t = self._seen.get(number)
-            if t is not None and number not in self._resolved and now < t.expires - EXPIRY_MARGIN_S:
+        for number in sorted(n for n in self._seen if start <= n <= count):
+            t = self._seen[number]
+            if number not in self._resolved and now < t.expires - EXPIRY_MARGIN_S:
                 nodes.setdefault(t.node, {})[t.local_rank] = t  # a worker queued twice: its newest ticket
         pick: list[Ticket] = []
         total = world
@@ -208,20 +261,55 @@ class JoinQueue:
         """Rank 0, at the job's end: workers still waiting to join exit (:class:`JobCompleted`)."""
         self.store.set("completed", str(step))
 
-    def _read(self, number: int) -> Ticket | None:
-        """Ticket ``number``, or None while its joiner is still writing it."""
+    def _read(self, number: int, now: float) -> Ticket | None:
+        """Ticket ``number`` once its proof holds; None while its joiner is still writing
+        it, once it is resolved, or when it is refused."""
         if not self.store.check([f"t/{number}"]):
             return None
         if self.store.check([f"a/{number}"]):
-            self._resolved.add(number)  # withdrawn (or admitted by an earlier rank 0)
+            self._resolved.add(number)  # withdrawn, refused (or admitted by an earlier rank 0)
             return None
-        body = json.loads(self.store.get(f"t/{number}").decode())
-        return Ticket(number, str(body["node"]), int(body["local_rank"]), int(body["local_world"]),
-                      float(body["expires"]))
+        raw = self.store.get(f"t/{number}")
+        try:
+            body = json.loads(raw.decode())
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+            ticket = Ticket(number, str(body["node"]), int(body["local_rank"]), int(body["local_world"]),
+                            float(body["expires"]))
+        except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            self._refuse(number, f"malformed ticket ({type(exc).__name__})", "?")
+            return None
+        if self.verifier is None:
+            self._refuse(number, "this group holds no join credential to check tickets with", ticket.node)
+            return None
+        try:
+            self.verifier.check("ticket", self._fields(number, ticket.node, ticket.local_rank, ticket.local_world,
+                                                       ticket.expires), body, now=now)
+        except CredentialRefused as exc:
+            self._refuse(number, str(exc), ticket.node)
+            return None
+        if not (0 <= ticket.local_rank < ticket.local_world):
+            self._refuse(number, f"local rank {ticket.local_rank} of {ticket.local_world}", ticket.node)
+            return None
+        return ticket
+
+    def _refuse(self, number: int, why: str, node: str) -> None:
+        """Answer ticket ``number`` with a refusal (compare-and-set: unless its joiner has
+        withdrawn it), never read it again, count it, log it (the first
+        :data:`LOGGED_REFUSALS` one by one, then every 100th)."""
+        self.store.compare_set(f"a/{number}", "", f"{REFUSED}: {why}")
+        self._resolved.add(number)
+        self.refused += 1
+        if self.refused <= LOGGED_REFUSALS or self.refused % 100 == 0:
+            log.warning("refused join ticket %d of node %r: %s (%d refused so far)", number, node[:64], why,
+                        self.refused)
 
     def _next(self) -> int:
         """The first ticket not yet resolved (1 when none is)."""
-        return int(self.store.get("next").decode()) if self.store.check(["next"]) else 1
+        if not self.store.check(["next"]):
+            return 1
+        raw = self.store.get("next").decode(errors="replace")
+        return int(raw) if raw.isdigit() and len(raw) < 19 else 1  # rewritten by someone else: scan from 1
 
     def _advance(self) -> None:
         """Move ``next`` past the tickets resolved or expired, so later scans start there."""
