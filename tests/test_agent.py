@@ -235,6 +235,29 @@ async def test_interruption_commit_then_sigterm(spot_daemon, fake, clock, monkey
         assert [s["event"] for s in status] == ["started", "checkpoint_committed", "holding"]
 
 
+async def test_the_trainer_gets_its_nodes_join_credential_in_its_environment_only(
+        spot_daemon, fake, clock, monkeypatch, capfd) -> None:
+    """Issue 25, item 11: the daemon's reply that starts the trainer carries the node's
+    join credential; the agent puts it in the trainer's environment (never its command
+    line), and neither the agent nor the daemon logs it."""
+    from trainer.contract import JOIN_CREDENTIAL_ENV
+
+    h = spot_daemon
+    monkeypatch.setenv(JOIN_CREDENTIAL_ENV, "the agent's own: never passed on")
+    async with running_agent(h, fake, clock, monkeypatch) as agent:
+        await h.until(lambda: trainer_running(agent) and h.events("job_resumed"), what="trainer started")
+        assert agent.runner.proc is not None
+        pid = agent.runner.proc.pid
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.decode().split("=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        issued = h.sup.agents.credential(the_node(h))
+        assert env[JOIN_CREDENTIAL_ENV] == issued
+        assert not any(issued in a or "cert_sig" in a for a in _cmdline(pid))
+    secret = json.loads(issued)["key"]
+    out, err = capfd.readouterr()
+    assert secret not in out + err and "cert_sig" not in out + err
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

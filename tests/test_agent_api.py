@@ -9,6 +9,7 @@ condition (``DaemonHarness.until``) or an awaited request, bounded by a timeout.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -114,7 +115,7 @@ async def test_a_command_queued_while_a_long_poll_waits_is_answered_at_once_and_
     await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
     # the start decision changed since the node was last told: the first poll answers at once
     status, reply = await asyncio.wait_for(agent.poll(20), 5)
-    assert status == 200 and reply == {"commands": [], "start_trainer": True}
+    assert status == 200 and reply.pop("join_credential") and reply == {"commands": [], "start_trainer": True}
     await agent.heartbeat("running")  # the trainer runs: a checkpoint can be asked for
 
     t0 = time.monotonic()
@@ -191,3 +192,28 @@ async def test_the_long_poll_needs_the_nodes_token(spot_daemon, agent) -> None:
         async with s.post(f"{agent.url}/v1/agent/commands", json={"node_id": agent.node.id, "wait_s": 0},
                           headers={"Authorization": "Bearer wrong"}) as r:
             assert r.status == 401
+
+
+async def test_a_node_told_to_start_gets_its_join_credential_and_no_other_node_does(spot_daemon, agent) -> None:
+    """Issue 25, item 11: the reply that tells a node to start its trainer carries the
+    node's join credential (trainer.credential), for this node and this run, signed with
+    the pool's join key, which the store keeps; a node not in the job gets none."""
+    from daemon.controlnode.agent_link import JOIN_KEY
+    from trainer.credential import Authority, NodeCredential
+
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    reply = await agent.heartbeat("running")
+    cred = NodeCredential(reply["join_credential"])
+    assert (cred.node, cred.run) == (agent.node.id, h.sup.job_spec(agent.node)["env"]["SPOTVISOR_RUN_ID"])
+    key = Authority(bytes.fromhex(h.sup.store.get(JOIN_KEY)))
+    fields = {"run": cred.run, "node": cred.node, "number": 1}
+    assert key.public_key == json.loads(reply["join_credential"])["authority"]
+    assert cred.verifier().check("ticket", fields, cred.prove("ticket", fields), now=time.time()) == agent.node.id
+    assert (await agent.heartbeat("running"))["join_credential"] == reply["join_credential"]  # issued once
+    h.sup.run_nonce = "restarted"  # a stalled job's restart moves it to a new run id: a credential for that one
+    assert NodeCredential((await agent.heartbeat("running"))["join_credential"]).run == f"{h.sup.config.job.id}-restarted"
+    h.sup.operator.drain(agent.node, "operator")
+    assert agent.node.state is NodeState.DRAINING
+    assert "join_credential" not in await agent.heartbeat("running")  # leaving: not told to start any more

@@ -7,6 +7,12 @@
   heartbeats arrive evenly spread; the node's lost timeout scales with what it was
   told (``NodeView.heartbeat_interval_s``). A heartbeat carries the trainer's state and
   step, the GPUs' figures (:mod:`.gpu_watch`) and a ``trainer.log`` chunk (:mod:`.node_logs`).
+- **Join credentials**: every reply that tells a node to start its trainer carries the
+  node's credential (:meth:`AgentLink.credential`, :mod:`trainer.credential`), issued
+  with the pool's join key, which the store keeps (``spotvisord.db``, 0600): the node's
+  workers prove with it that the daemon admitted their node when they join a running
+  group through the rendezvous store. It travels in this channel only (TLS beyond
+  loopback), never in a log line.
 - **Commands** (start the trainer, checkpoint / rejoin, drain, cancel) do not wait for
   a heartbeat: every producer goes through :meth:`AgentLink.send`, which wakes the
   node's outstanding ``POST /v1/agent/commands`` long-poll (:meth:`AgentLink.wait_commands`),
@@ -31,12 +37,15 @@ from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interva
 from daemon.control.reports import ReportError, parse_step
 from daemon.controlnode.core import Core, wait_event
 from daemon.controlnode.gpu_watch import GpuWatch, parse_samples
+from daemon.controlnode.jobspec import run_id
 from daemon.controlnode.node_logs import NodeLogs
 from daemon.model import TORCHRUN_ARGV, EventKind, Node, NodeState
+from trainer.credential import Authority
 
 __all__ = ["AgentLink"]
 
 _TRAINER_VALUES = frozenset(t.value for t in TrainerState)
+JOIN_KEY = "join_key"  # the store's key for the pool's join key (hex of its 32 bytes)
 
 
 class AgentLink:
@@ -56,6 +65,8 @@ class AgentLink:
         self._command_polls: dict[str, int] = {}  # node id → generation of its newest long-poll
         self._told_start: dict[str, bool] = {}  # node id → the start_trainer it was last told
         self.told_interval: dict[str, float] = {}  # node id → the heartbeat interval it was last told (s)
+        self._authority: Authority | None = None  # the pool's join key, from the store on first use
+        self._credentials: dict[str, tuple[str, str]] = {}  # node id → (run id, the join credential it is given)
 
     def close(self) -> None:
         """The daemon closes: every held long-poll answers now."""
@@ -167,9 +178,29 @@ class AgentLink:
         """Take ``node``'s queued commands and its start/stop decision into a reply."""
         start = self._told_start[node.id] = self.should_run(node)
         reply: dict[str, Any] = {"commands": self._commands.pop(node.id, []), "start_trainer": start}
+        if start:
+            reply["join_credential"] = self.credential(node)  # the workers' proof that the daemon admitted it
         if start and node.joins_running:
             reply["join"] = True  # start the job spec's "join" launcher: into the running group
         return reply
+
+    def credential(self, node: Node) -> str:
+        """``node``'s join credential for the job's run id now (:meth:`trainer.credential.Authority.issue`),
+        issued once per node, run and daemon (a stalled job's restart moves it to a new run
+        id: a new one then): a secret, for the agent's reply only. The pool's join key is
+        made (32 bytes from :mod:`secrets`) the first time and kept in the store."""
+        run = run_id(self.core.config, self.core.run_nonce)
+        held = self._credentials.get(node.id)
+        if held is not None and held[0] == run:
+            return held[1]
+        if self._authority is None:
+            seed = self.core.store.get(JOIN_KEY)
+            self._authority = Authority(bytes.fromhex(seed)) if seed else Authority.generate()
+            if not seed:
+                self.core.store.set(JOIN_KEY, self._authority.seed.hex())
+        cred = self._authority.issue(run=run, node=node.id, now=self.core.clock())
+        self._credentials[node.id] = (run, cred)
+        return cred
 
     def rescale_heartbeat(self) -> None:
         """The pool's heartbeat interval for its live nodes now (:func:`daemon.control.pool.heartbeat_interval_s`)."""

@@ -13,7 +13,12 @@ from daemon.config import Config
 from daemon.model import Node
 from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
-__all__ = ["job_spec"]
+__all__ = ["job_spec", "run_id"]
+
+
+def run_id(config: Config, run_nonce: str) -> str:
+    """The job's run id on every node (torchrun's ``--rdzv-id``, ``$SPOTVISOR_RUN_ID``)."""
+    return f"{config.job.id}-{run_nonce}"
 
 
 def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None) -> dict[str, Any]:
@@ -42,7 +47,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         f"--nproc-per-node={node.gpus}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
-        f"--rdzv-id={job.id}-{run_nonce}",
+        f"--rdzv-id={run_id(config, run_nonce)}",
         f"--rdzv-conf={rdzv_conf}",
         f"--max-restarts={rdzv.max_restarts}",
     ]
@@ -64,7 +69,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         "PYTHONUNBUFFERED": "1",
         # the survivors of a notice re-form their group here, in-process (trainer.runtime.shrink_process_group)
         RDZV_ENDPOINT_ENV: f"{rdzv.host}:{rdzv.port}",
-        RUN_ID_ENV: f"{job.id}-{run_nonce}",
+        RUN_ID_ENV: run_id(config, run_nonce),
     }
     if d.s3_endpoint_url:
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url

@@ -503,7 +503,9 @@ class NodeAgent:
                 await self._restart(cmd)
         if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
                 and self._interruption is None):
-            await self.runner.start(join=bool(reply.get("join")))
+            credential = reply.get("join_credential")  # the daemon's, for the workers' environment only
+            await self.runner.start(join=bool(reply.get("join")),
+                                    credential=credential if isinstance(credential, str) else None)
 
     async def _restart(self, cmd: dict[str, Any]) -> None:
         """The daemon restarts the trainer in place (the job stalled): stop what still runs,

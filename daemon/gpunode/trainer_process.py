@@ -23,7 +23,8 @@ import structlog
 from daemon.control.lifecycle import TrainerState, check_trainer_transition
 from daemon.gpunode.launcher import READY_FD_ENV
 from daemon.model import TORCHRUN_ARGV
-from trainer.contract import LOG_DIR_ENV, NODE_ID_ENV, NOTICE_FILE_ENV, SCRATCH_DIR_ENV, STATUS_FILE_ENV
+from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_FILE_ENV, SCRATCH_DIR_ENV,
+                              STATUS_FILE_ENV)
 
 __all__ = ["TrainerProcess"]
 
@@ -69,9 +70,11 @@ class TrainerProcess:
 
     @staticmethod
     def _untokened_env() -> dict[str, str]:
-        """The agent's environment without its token (never handed to the trainer)."""
+        """The agent's environment without its token (never handed to the trainer), nor a
+        join credential of its own (the trainer's is the daemon's, given at :meth:`start`)."""
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
+        env.pop(JOIN_CREDENTIAL_ENV, None)
         return env
 
     def job_env(self) -> dict[str, str]:
@@ -166,13 +169,18 @@ class TrainerProcess:
             return False
         return True
 
-    async def start(self, *, join: bool = False) -> None:
+    async def start(self, *, join: bool = False, credential: str | None = None) -> None:
         """Start the job: torchrun's command, or with ``join`` the job's ``"join"`` spec
         (its workers join the running group in-process; the daemon says so when it admits
-        this node into a running job with ``job.grow: in_process``)."""
+        this node into a running job with ``job.grow: in_process``). ``credential``: the
+        node's join credential from the daemon's reply, for the workers'
+        ``$SPOTVISOR_JOIN_CREDENTIAL``: in their environment only (a prewarmed launcher
+        gets it on its standard input), never on a command line or in a log line."""
         spec = self.job.get("join") if join and self.job.get("join") else self.job
         env = self.job_env()
         env.update(spec.get("env", {}))
+        if credential:
+            env[JOIN_CREDENTIAL_ENV] = credential
         argv = list(spec["argv"])
         importing = self.state is TrainerState.WARMING
         warm, self.warm = self.warm, None
