@@ -71,6 +71,9 @@ class EventKind(str, Enum):
     NODE_TERMINATED = "node_terminated"
     NODE_ADMITTED = "node_admitted"
     WORLD_SIZE_CHANGED = "world_size_changed"
+    # a started line whose world size exceeds the GPUs of the nodes in the job: ranks the daemon
+    # never admitted train (daemon/control/reactions.py, world_size_mismatch)
+    WORLD_SIZE_MISMATCH = "world_size_mismatch"
     JOB_RESUMED = "job_resumed"
     # no progress for a bound (every trainer exited, or no step): reported, and the trainers
     # restarted in place (daemon/control/stall.py); the job_resumed after it is the recovery

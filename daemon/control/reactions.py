@@ -15,13 +15,15 @@ launches a replacement, ranked away from n2's zone; the flush watch says
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from daemon.control.actions import (Action, AvoidZone, Leave, MarkReplacing, NodeView, PoolState, RequestCheckpoint,
                                     WakeSurvivors, WatchFlush)
-from daemon.control.lifecycle import JobState, NodeState, training
+from daemon.control.lifecycle import MEMBERS, JobState, NodeState, training
 
-__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance", "on_trainer_exit", "on_loss_without_notice"]
+__all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance", "on_trainer_exit", "on_loss_without_notice",
+           "WorldSizeMismatch", "world_size_mismatch"]
 
 # a commit reported just before a notice's deadline may still be on its way (the
 # agent's report retry backs off up to 5 s): wait this long past it before saying
@@ -91,3 +93,31 @@ def on_loss_without_notice(s: PoolState, lost: Sequence[str]) -> list[Action]:
     ids = set(lost)
     held = tuple(sorted(n.id for n in s.nodes if n.id in ids and n.attempt == s.attempt))
     return [WakeSurvivors(s.attempt, s.world_size, held)] if held else []
+
+
+@dataclass(frozen=True, slots=True)
+class WorldSizeMismatch:
+    """A trainer attempt with more ranks than the daemon admitted: ``world_size`` ranks
+    reported, ``admitted_ranks`` the GPUs of the ``admitted_nodes`` nodes in the job."""
+
+    world_size: int
+    admitted_ranks: int
+    admitted_nodes: int
+
+
+def world_size_mismatch(world_size: int, nodes: Iterable[NodeView]) -> WorldSizeMismatch | None:
+    """Whether a ``started`` line's ``world_size`` (rank 0's word) disagrees with the daemon:
+    more ranks than the GPUs of the nodes in the job (:data:`~daemon.control.lifecycle.MEMBERS`:
+    running or draining; each runs ``gpus`` ranks). Ranks the daemon never admitted are
+    training: an outsider that reached the rendezvous store, or a node the daemon counts as
+    lost whose workers still run. A world *smaller* than that is normal for a while and is
+    not flagged: an in-process joiner is ``running`` from its admission but joins the group
+    only once its workers have imported, and a node lost without notice is ``running``
+    until its heartbeats time out, while its survivors re-form at once.
+
+    Example: n1 and n2 run, one GPU each; rank 0 reports attempt ``a3`` at world size 3:
+    ``WorldSizeMismatch(3, 2, 2)``, and the daemon records ``world_size_mismatch``.
+    """
+    members = [n.gpus for n in nodes if n.state in MEMBERS]
+    admitted = sum(members)
+    return WorldSizeMismatch(world_size, admitted, len(members)) if world_size > admitted else None

@@ -24,7 +24,7 @@ import structlog
 
 from daemon.control.attempts import Verdict
 from daemon.control.lifecycle import ADMITTED, LIVE, MEMBERS, leaving
-from daemon.control.reactions import FLUSH_GRACE_S
+from daemon.control.reactions import FLUSH_GRACE_S, world_size_mismatch
 from daemon.control.reports import StatusLine
 from daemon.controlnode import preflight
 from daemon.controlnode.core import Core
@@ -320,6 +320,7 @@ class JobTracker:
                     resumed_from=line.resumed_from, world_size=world, trainer_time=line.time,
                     lost_steps=lost, **({"resized": line.resized} if line.resized else {}),
                     **({"commit_unconfirmed": True} if commit_unconfirmed else {}))
+        _check_world_size(self.core, node_id, line)
 
     def _record_commit(self, node_id: str | None, line: StatusLine, *, source: str | None = None,
                        unconfirmed: bool = False, early_ok: bool = False, verified: bool = False) -> None:
@@ -460,3 +461,12 @@ class JobTracker:
 def _waits_on(line: StatusLine) -> int | None:
     """The step whose commit a held line waits for: a resume's origin, a completion's step."""
     return line.step if line.event == "completed" else line.resumed_from
+
+
+def _check_world_size(core: Core, node_id: str | None, line: StatusLine) -> None:
+    """``world_size_mismatch`` when a recorded attempt has more ranks than the daemon
+    admitted (:func:`daemon.control.reactions.world_size_mismatch`)."""
+    found = world_size_mismatch(line.world_size, [core.view(n) for n in core.nodes.values()])
+    if found is not None:
+        log.warning("world_size_mismatch", attempt=line.attempt, **dataclasses.asdict(found))
+        core.record(EventKind.WORLD_SIZE_MISMATCH, node_id, attempt=line.attempt, **dataclasses.asdict(found))

@@ -72,6 +72,7 @@ EMOJI: dict[str, str] = {
     "node_terminated": "🔻",
     "node_admitted": "➕",
     "world_size_changed": "🔀",
+    "world_size_mismatch": "🚨",
     "job_resumed": "▶️",
     "job_stalled": "🧊",
     "job_completed": "🎉",

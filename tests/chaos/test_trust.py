@@ -231,3 +231,25 @@ async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(m
         (c,) = sim.events("checkpoint_committed")
         assert c.data["step"] == 10 and c.data["commit_unconfirmed"] is True
         assert reads == [10] * CONFIRM_ATTEMPTS
+
+
+async def test_a_world_larger_than_the_daemon_admitted_is_flagged(make_sim, matrix: Matrix) -> None:
+    """Issue 25, item 11: two nodes of one GPU run the job; rank 0 reports an attempt at
+    world size 3 (an outsider joined through the rendezvous store): the daemon records
+    ``world_size_mismatch`` beside the resume, once. A world the nodes account for, or a
+    smaller one (a joiner still importing, a loss the heartbeats have not shown yet), is
+    not flagged."""
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        sim.start([n1, n2], step=0)
+        sim.sup.intake.on_reports(n1, [_line("started", 5, "a2", rank=0, world_size=3, resumed_from=None,
+                                             resized="in_process", joined=1)])
+        sim.sup.intake.on_reports(n1, [_line("started", 5, "a2", rank=0, world_size=3, resumed_from=None)])  # again
+        sim.sup.intake.on_reports(n1, [_line("started", 8, "a3", rank=0, world_size=1, resumed_from=None,
+                                             resized="in_process")])
+        (flag,) = sim.events("world_size_mismatch")
+        assert flag.node == n1.id and flag.data == {"attempt": "a2", "world_size": 3, "admitted_ranks": 2,
+                                                    "admitted_nodes": 2}
+        assert [e.data["world_size"] for e in sim.events("job_resumed")] == [2, 3, 1]  # recorded all the same
+        matrix.row("a world larger than the nodes admitted", job_completed=None, lost_checkpoints=0,
+                   leaked_instances=0, lost_events=sim.lost_events())
