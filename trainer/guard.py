@@ -9,8 +9,8 @@ Only the ranks on the noticed node can see it, and a collective save entered by
 some ranks only hangs. So at every step boundary every rank calls
 :meth:`PreemptionGuard.check`, which all-reduces (MAX) the local flags
 ``[need_checkpoint, need_hold]``; only when something is needed do the ranks
-``all_gather_object`` the notice ids, so each rank holds the same union and the
-commit records it. Example with two nodes::
+all-gather the notice ids (as JSON: :mod:`trainer.exchange`), so each rank holds the
+same union and the commit records it. Example with two nodes::
 
     step 41: node B's agent writes an interruption notice n-1
     step 42 boundary: B's ranks see n-1 -> flags [1, 1]; A's ranks [0, 0]
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.contract import NOTICE_FILE_ENV, NoticeEntry, NoticeFileError, NoticeKind, parse_notices
+from trainer.exchange import all_gather_json
 
 __all__ = [
     "Decision",
@@ -176,8 +177,8 @@ class PreemptionGuard:
     def check(self, joiners: int = 0) -> Decision:
         """Decide, on every rank alike, whether to commit and whether to hold.
 
-        Collective (one all-reduce of three ints; plus an ``all_gather_object``
-        only when some rank has a notice). Blocks until every rank has called it.
+        Collective (one all-reduce of three ints; plus an all-gather of the notices,
+        as JSON, only when some rank has a notice). Blocks until every rank has called it.
         ``joiners``: rank 0's count of workers waiting to join (0 elsewhere); every rank
         gets it back as ``Decision.joiners``.
 
@@ -206,8 +207,7 @@ class PreemptionGuard:
         # with the node (torchrun's GROUP_RANK): every local rank of a noticed node leaves,
         # even one that read the notice file a moment before the agent wrote it
         node = os.environ.get("GROUP_RANK", str(dist.get_rank()))
-        gathered: list[tuple[str, list[tuple[str, str]]] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (node, [(n.id, n.kind.value) for n in local]))
+        gathered = all_gather_json([node, [[n.id, n.kind.value] for n in local]])  # parsed, never unpickled
         union: dict[str, str] = {}
         noticed_nodes: set[str] = set()
         for node_id, part in filter(None, gathered):

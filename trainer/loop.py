@@ -45,9 +45,10 @@ from torch.utils._pytree import tree_leaves
 from trainer.batch import BatchError, BatchPlan, ElasticBatch
 from trainer.checkpoint import Manifest, open_store
 from trainer.contract import JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
-from trainer.data import DataError, TokenDataset, encode, load_corpus
-from trainer.guard import Decision, PreemptionGuard
 from trainer.credential import CredentialError, NodeCredential
+from trainer.data import DataError, TokenDataset, encode, load_corpus
+from trainer.exchange import all_gather_json, broadcast_json
+from trainer.guard import Decision, PreemptionGuard
 from trainer.membership import (JobCompleted, JoinQueue, JoinRefused, JoinTimeout, LossWatch, Ticket, joining,
                                 run_id, settle_survivors)
 from trainer.sampler import ElasticSampler
@@ -595,9 +596,8 @@ class ElasticJob:
             self._after_resize(old_world, t0, "reloaded", resumed_from=None, from_commit=True,
                                lost_ranks=old_world - world, failed_step=step)
             return
-        steps: list[int | None] = [None] * world
-        dist.all_gather_object(steps, self.state.step)
-        top = max(s for s in steps if s is not None)
+        steps = [int(s) for s in all_gather_json(self.state.step)]
+        top = max(steps)
         behind = [r for r, s in enumerate(steps) if s != top]
         if behind:
             self._send_state(steps.index(top), behind)
@@ -622,15 +622,13 @@ class ElasticJob:
         if self.ctx.rank != src and self.ctx.rank not in receivers:
             return
         leader = self.ctx.rank == src
-        meta: list[Any] = [{"step": self.state.step, "seed": self.seed, "committed_step": self.committed_step,
-                            "handled_ids": self.guard.handled_ids} if leader else None]
-        dist.broadcast_object_list(meta, src=src, group=group)
+        info = broadcast_json({"step": self.state.step, "seed": self.seed, "committed_step": self.committed_step,
+                               "handled_ids": self.guard.handled_ids} if leader else None, src=src, group=group)
         t0 = time.perf_counter()
         state = broadcast_state(self.peer_state() if leader else None, src=src, device=self.ctx.device, group=group)
         dist.destroy_process_group(group)
         if leader:
             return
-        info = meta[0]
         self.load_peer_state(state)
         if self.state.step != info["step"]:
             raise RuntimeError(f"the state from rank {src} is at step {self.state.step}, "

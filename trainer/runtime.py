@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
+from trainer.exchange import all_gather_json, broadcast_json
 
 __all__ = [
     "add_job_arguments",
@@ -310,16 +311,16 @@ def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
     in-process resize, so that code reading them (a user's script, a library) sees the new
     world: ``RANK`` and ``ROLE_RANK``, ``WORLD_SIZE`` and ``ROLE_WORLD_SIZE``, and
     ``GROUP_RANK`` / ``GROUP_WORLD_SIZE``, the remaining nodes numbered in their old order
-    (one ``all_gather_object`` of the old ``GROUP_RANK``, or of ``node_key``: a joiner's
-    node, numbered after the survivors' as its ranks are). ``LOCAL_RANK`` and
+    (one all-gather, as JSON: :func:`trainer.exchange.all_gather_json`, of the old
+    ``GROUP_RANK``, or of ``node_key``: a joiner's node, numbered after the survivors' as
+    its ranks are). ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` do not change; ``MASTER_ADDR`` / ``MASTER_PORT`` still name the
     old group's store, which may be gone. Called on every rank of ``ctx``'s group.
 
     The variables: https://docs.pytorch.org/docs/stable/elastic/run.html#environment-variables
     """
     old_node = node_key if node_key is not None else os.environ.get("GROUP_RANK", str(ctx.rank))
-    nodes: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(nodes, old_node)
+    nodes = all_gather_json(old_node)  # a joiner's word: parsed, never unpickled
     # a node's ranks are contiguous and in node order (torchrun's numbering, kept by every resize)
     order = list(dict.fromkeys(n for n in nodes if n is not None))
     os.environ.update({
@@ -331,10 +332,10 @@ def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
 
 def new_attempt_id(ctx: DistContext) -> str:
     """A fresh id for this worker-group incarnation, identical on every rank."""
-    box = [uuid.uuid4().hex[:12] if ctx.is_leader else None]
+    attempt = uuid.uuid4().hex[:12] if ctx.is_leader else None
     if ctx.initialized and ctx.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+        attempt = broadcast_json(attempt, src=0)
+    return str(attempt)
 
 
 def barrier(ctx: DistContext) -> None:
