@@ -144,6 +144,40 @@ def test_a_flooded_queue_costs_a_step_boundedly_many_reads(rdzv, monkeypatch) ->
     assert len(reads) == MAX_READS_PER_STEP
 
 
+def test_a_loss_round_leaves_out_an_outsiders_and_a_copied_entry(rdzv) -> None:
+    """The survivors' round after a loss is a way into the group too: an outsider's entry
+    (no proof) and a survivor's entry copied to a new number are left out; both survivors
+    agree on a group of the two of them. A survivor without a credential is refused."""
+    import threading
+
+    from torch.distributed import PrefixStore
+
+    from trainer.membership import settle_survivors
+
+    endpoint = ("127.0.0.1", rdzv.port)
+    store = PrefixStore("spotvisor/r/loss/a7", TCPStore("127.0.0.1", rdzv.port, is_master=False,
+                                                        timeout=timedelta(seconds=30)))
+    store.set(f"m/{int(store.add('count', 1))}", json.dumps({"rank": 1, "node": "intruder"}))
+    out: dict[str, object] = {}
+
+    def survivor(node: str, rank: int) -> None:
+        out[node] = settle_survivors(endpoint, "r", "a7", rank, 3, settle_s=3.0, credential=_cred(node),
+                                     node=node, timeout_s=30)
+
+    first = threading.Thread(target=survivor, args=("n1", 0))
+    first.start()
+    store.wait(["m/2"])
+    store.set(f"m/{int(store.add('count', 1))}", store.get("m/2"))  # n1's entry again, under a new number
+    second = threading.Thread(target=survivor, args=("n3", 2))
+    second.start()
+    first.join()
+    second.join()
+    prefix = "spotvisor/r/loss/a7/group"
+    assert out == {"n1": (0, 2, prefix), "n3": (1, 2, prefix)}
+    with pytest.raises(JoinRefused, match="no join credential"):
+        settle_survivors(endpoint, "r", "a8", 0, 2, settle_s=0.01, credential=None, node="n1", timeout_s=30)
+
+
 # -- the whole grow, in real worker processes --------------------------------------------------
 
 # a worker that finished the job writes a digest of its model and AdamW state

@@ -556,9 +556,10 @@ class ElasticJob:
         from there: the steps since that commit are lost, no worker restarts.
 
         Raises:
-            SystemExit(1): the survivors' world size cannot take the global batch (torchrun
-                or the daemon takes over). A rank that arrives after the others re-formed
-                joins them through the join queue instead, a boundary later.
+            SystemExit(1): the survivors' world size cannot take the global batch, or this
+                rank's entry in the survivors' round does not verify (no join credential):
+                torchrun or the daemon takes over. A rank that arrives after the others
+                re-formed joins them through the join queue instead, a boundary later.
         """
         old_rank, old_world, step, t0 = self.ctx.rank, self.ctx.world_size, self.state.step, time.perf_counter()
         log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, failure)
@@ -574,19 +575,23 @@ class ElasticJob:
                 dist.distributed_c10d._get_default_group().abort()
             dist.destroy_process_group()
         gc.collect()  # the failed step's graph, and with it DDP's reducer on the old group
+        node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
         try:
             # a survivor that was still computing the step reaches its failed collective up to
             # a step later than one that was waiting in it (seen in make demo: 1.0 s apart)
             settle_s = max(self.args.loss_settle_s, 2.0 * self._step_s)
             rank, world, prefix = settle_survivors(endpoint, run_id(), self.attempt, old_rank, old_world,
-                                                   settle_s=settle_s, timeout_s=self.args.pg_timeout_s)
+                                                   settle_s=settle_s, timeout_s=self.args.pg_timeout_s,
+                                                   credential=self.credential, node=node)
         except JoinTimeout as exc2:
             # its collective failed later than the others' (gloo: seconds apart, in a test):
             # they re-formed without it, and it joins them as a newcomer at their next boundary
             log.warning("%s; joining the survivors' group as a newcomer", exc2)
-            node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
             self._queue_and_join(f"{node}/rank{old_rank}", 0, 1)
             return
+        except JoinRefused as exc2:
+            log.warning("%s; exiting for a restart", exc2)
+            raise SystemExit(1) from None
         if not ElasticBatch(self.G, self.plan.micro_batch_size).is_valid(world):
             log.warning("the global batch %d cannot be split over the %d surviving ranks; exiting for a restart",
                         self.G, world)

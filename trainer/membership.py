@@ -33,6 +33,8 @@ a ticket without one, of another run, expired, of another node, forged or copied
 the store to a new number is refused: rank 0 writes ``refused: <why>`` as its
 admission (the joiner exits, :class:`JoinRefused`), logs it and counts it
 (:attr:`JoinQueue.refused`). A rank 0 without a credential refuses every ticket.
+The survivors' round after a loss (:func:`settle_survivors`) is a way into the group
+too: its entries carry the same proofs, and every survivor leaves out those that fail.
 
 A joiner waits at most until its ticket's ``expires`` (unix seconds) and then
 withdraws it with the same compare-and-set, so exactly one of "admitted" and
@@ -322,40 +324,83 @@ class JoinQueue:
 
 
 def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, old_world: int, *,
-                     settle_s: float, timeout_s: float = 60.0) -> tuple[int, int, str]:
+                     settle_s: float, credential: NodeCredential | None, node: str,
+                     timeout_s: float = 60.0) -> tuple[int, int, str]:
     """After a collective failed (a peer lost without notice): agree with the other
     survivors of attempt ``attempt`` on the new group. Returns ``(new rank, world size,
     store prefix)``, the same on every survivor.
 
-    Each survivor registers under ``spotvisor/<run>/loss/<attempt>``; the first to arrive
-    sets a deadline ``settle_s`` seconds on; after it the first reader closes the round
-    (compare-and-set of the count), so all see one member list. New ranks keep the old
-    order. The first one also wakes every other rank's :class:`LossWatch`, which makes a
-    survivor blocked on a survivor (not on the lost peer) fail its collective and come.
+    Each survivor registers under ``spotvisor/<run>/loss/<attempt>`` with its old rank,
+    its ``node`` and a proof by its node's ``credential`` (:mod:`trainer.credential`) over
+    those, the run, the attempt and its entry's number; the first to arrive sets a
+    deadline ``settle_s`` seconds on (and wakes every other rank's :class:`LossWatch`,
+    which makes a survivor blocked on a survivor, not on the lost peer, fail its
+    collective and come); after it the first reader closes the round (compare-and-set of
+    the count), so all see one member list. Every survivor checks every entry with its
+    own credential's verifier and leaves out those that fail (an outsider's, a copy),
+    the same ones on every survivor. New ranks keep the old order.
 
     Raises:
         JoinTimeout: this survivor arrived after the round closed: it must leave (exit
             non-zero); the daemon replaces its node or torchrun restarts it.
+        JoinRefused: this survivor's own entry does not verify (it has no credential,
+            or an expired one): the same.
     """
     client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timedelta(seconds=timeout_s))
     prefix = f"spotvisor/{run}/loss/{attempt}"
     store = dist.PrefixStore(prefix, client)
     n = int(store.add("count", 1))
-    store.set(f"m/{n}", str(old_rank))
-    if n == 1:
-        store.compare_set("deadline", "", repr(time.time() + settle_s))
+    body: dict[str, Any] = {"rank": old_rank, "node": node}
+    if credential is not None:
+        body.update(credential.prove("loss", {"run": run, "attempt": attempt, "number": n, **body}))
+    store.set(f"m/{n}", json.dumps(body))
+    mine = repr(time.time() + settle_s)
+    if store.compare_set("deadline", "", mine).decode() == mine:  # the first to arrive (an outsider's count aside)
         for r in range(old_world):  # wake the others' LossWatch: a survivor blocked on a survivor joins now
             if r != old_rank:
                 store.set(f"wake/{r}", "loss")
     store.wait(["deadline"])
-    left = float(store.get("deadline").decode()) - time.time()
+    deadline = float(store.get("deadline").decode())
+    left = min(deadline - time.time(), settle_s)
     if left > 0:
         time.sleep(left)  # the settle window: survivors whose collective fails later arrive meanwhile
     closed = int(store.compare_set("closed", "", str(int(store.add("count", 0)))).decode())
     if n > closed:
         raise JoinTimeout(f"rank {old_rank} reached the survivors' round of attempt {attempt} after it closed")
-    ranks = sorted(int(store.get(f"m/{i}").decode()) for i in range(1, closed + 1))
-    return ranks.index(old_rank), closed, f"{prefix}/group"
+    verifier = credential.verifier() if credential is not None else None
+    ranks: set[int] = set()
+    for i in range(1, closed + 1):
+        rank = _survivor(store.get(f"m/{i}"), verifier, run=run, attempt=attempt, number=i, now=deadline)
+        if rank is not None and 0 <= rank < old_world:
+            ranks.add(rank)
+    if old_rank not in ranks:
+        raise JoinRefused(f"rank {old_rank}'s entry in the survivors' round of attempt {attempt} does not verify "
+                          f"({'no join credential' if credential is None else 'its credential'})")
+    order = sorted(ranks)
+    return order.index(old_rank), len(order), f"{prefix}/group"
+
+
+def _survivor(raw: bytes, verifier: Verifier | None, *, run: str, attempt: str, number: int,
+              now: float) -> int | None:
+    """The old rank entry ``number`` of a loss round registers, once its proof holds (else
+    None, with one log line). ``now``: the round's deadline, the same on every survivor,
+    so all of them keep the same entries."""
+    try:
+        body = json.loads(raw.decode())
+        rank, node = int(body["rank"]), str(body["node"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        log.warning("left out entry %d of the survivors' round of attempt %s: malformed", number, attempt)
+        return None
+    if verifier is None:
+        return None
+    try:
+        verifier.check("loss", {"run": run, "attempt": attempt, "number": number, "rank": rank, "node": node}, body,
+                       now=now)
+    except CredentialRefused as exc:
+        log.warning("left out entry %d (rank %d of node %r) of the survivors' round of attempt %s: %s", number,
+                    rank, node[:64], attempt, exc)
+        return None
+    return rank
 
 
 def wake_survivors(endpoint: tuple[str, int], run: str, attempt: str, world_size: int, *, reason: str,
