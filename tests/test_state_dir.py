@@ -1,5 +1,5 @@
 """One daemon per state directory, and a state directory only its owner can read
-(issue 13, defects 5 and 9).
+(issue 13, defects 5 and 9; issue 25, item 6).
 
 Two ``spotvisord`` on one state directory each saw half the job (the second replaced
 the control socket and declared the first one's node lost); the store holds every
@@ -7,11 +7,15 @@ node's agent token and was 0644 in a 0755 directory. Each test runs the real
 ``spotvisord run`` as its own process (a local pool whose one instance never boots
 within the test: no agent, no torch) and waits for its READY=1 on a notify socket,
 as systemd does.
+
+Issue 25: ``spotvisord run`` on a live demo's run directory marked the demo's nodes
+lost and launched duplicates (the demo locked only the directory above it).
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import socket
 import stat
@@ -158,3 +162,90 @@ def test_a_state_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path, sockd
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and str(state) in err[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def _ready_or_exit(proc: subprocess.Popen[str], notify: socket.socket) -> int | None:
+    """None once ``proc`` sends READY=1 on ``notify``; its exit code if it exits first.
+    Waits on the process (a pidfd) and the socket together, up to 120 s (start-up
+    imports take seconds on a busy machine)."""
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+            sel.register(notify, selectors.EVENT_READ, "notify")
+            while True:
+                ready = sel.select(timeout=120)
+                if not ready:
+                    pytest.fail("neither READY=1 nor an exit within 120 s")
+                for key, _ in ready:
+                    if key.data == "exit":
+                        return proc.wait()
+                    if "READY=1" in notify.recv(4096).decode().split("\n"):
+                        return None
+    finally:
+        os.close(pidfd)
+
+
+def _start_run(config: Path, notify_path: Path) -> tuple[subprocess.Popen[str], socket.socket]:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "PYTHONUNBUFFERED": "1"}
+    env.pop("WATCHDOG_USEC", None)
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(config)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, notify
+
+
+def _refused(config: Path, notify_path: Path) -> str:
+    """``spotvisord run --config CONFIG`` must exit 2 before READY=1, with one line on
+    stderr besides its log and no traceback; returns that line. A daemon that starts is
+    stopped and failed."""
+    proc, notify = _start_run(config, notify_path)
+    try:
+        rc = _ready_or_exit(proc, notify)
+        if rc is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            pytest.fail("the daemon started")
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        notify.close()
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("timestamp=")]  # the daemon's own log
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (rc, err)
+    return lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockdir: Path) -> None:
+    """A live ``spotvisord demo`` (its one node never boots) holds the lock on its own run
+    directory too: ``spotvisord run`` there exits 2 naming the demo's pid, and the demo
+    runs on."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config",
+         str(_config(tmp_path, tmp_path / "state", sockdir / "demo.sock")),
+         "--rendezvous-port", str(_free_port()), "--timeout-s", "600"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        head = demo.stdout.readline()  # "spotvisor demo: pool sd, ..., state in RUN_DIR", once it is up
+        assert " state in " in head, (head, demo.poll())
+        run_dir = Path(head.rsplit(" state in ", 1)[1].strip())
+        assert run_dir.parent == tmp_path / "state" and (run_dir / "spotvisord.db").is_file(), run_dir
+        second = tmp_path / "second"
+        second.mkdir()
+        line = _refused(_config(second, run_dir, sockdir / "second.sock"), sockdir / "notify")
+        assert line.startswith("spotvisord run: ") and str(run_dir) in line and f"pid {demo.pid}" in line, line
+        assert demo.poll() is None, "the demo runs on"
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGINT)
+        demo.communicate(timeout=60)

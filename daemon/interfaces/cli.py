@@ -17,10 +17,11 @@
   (``spotvisor-rendezvous.service``), listening on ``H`` only (default 127.0.0.1).
 
 ``run`` and ``demo`` hold an exclusive lock on the state directory (``spotvisord.lock``
-in it, :func:`state_dir_lock`) for their lifetime, taken before the store or the
-control socket is opened: a second daemon on the same directory exits 2 with one
-line naming the directory and the pid that holds it. The state directory is created
-0700 and the store 0600 whatever the umask (it holds every node's agent token).
+in it, :func:`daemon.state_dir.state_dir_lock`) for their lifetime, taken before the
+store or the control socket is opened; ``demo`` holds the configured directory's and
+its run directory's: a second daemon on either exits 2 with one line naming the
+directory and the pid that holds it. The state directory is created 0700 and the
+store 0600 whatever the umask (it holds every node's agent token).
 
 Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
 """
@@ -30,16 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
-import fcntl
 import json
-import os
-import stat
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping
 
 import structlog
 
@@ -51,6 +48,7 @@ from daemon.model import Event
 from daemon.feed.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.store import Store
+from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, serving, state_dir_lock
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
     from daemon.control.policies import RecoveryPolicy
@@ -60,58 +58,6 @@ if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it run
 __all__ = ["main", "running_daemon", "format_event", "prepare_state_dir", "state_dir_lock", "StateDirBusy"]
 
 log = structlog.get_logger("spotvisor.cli")
-
-LOCK_NAME = "spotvisord.lock"
-
-
-class StateDirBusy(Exception):
-    """Another process holds the state directory's lock; the message names it and its pid."""
-
-
-def prepare_state_dir(path: Path) -> Path:
-    """Create ``path`` 0700 whatever the umask (missing parents as the umask says), or
-    take access for others away from an existing one (a group's, e.g. systemd's
-    ``StateDirectoryMode=0750``, is kept). Returns ``path``. Raises ``OSError``: not a
-    directory, not writable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
-        if mode & 0o007:
-            os.chmod(path, mode & 0o770)
-            log.warning("state_dir_tightened", state_dir=str(path), mode=f"{mode & 0o770:04o}", was=f"{mode:04o}")
-    else:
-        os.chmod(path, 0o700)  # the umask may have taken bits from mkdir's mode
-    return path
-
-
-@contextlib.contextmanager
-def state_dir_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path/spotvisord.lock`` (0600, holding this pid)
-    while the block runs; the kernel drops it when the process dies, however it dies.
-    Creates the directory as :func:`prepare_state_dir`. Raises :class:`StateDirBusy`
-    when another process holds it, ``OSError`` when the directory cannot be made."""
-    prepare_state_dir(path)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise StateDirBusy(f"state directory {path} is in use by another spotvisord (pid {holder}); "
-                               "stop that one, or give this one its own daemon.state_dir") from None
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)  # still held: no reader sees a stale pid
-    finally:
-        os.close(fd)
 
 
 @contextlib.asynccontextmanager
@@ -125,14 +71,29 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     recovery policy (default: the default one; the benchmark runs the baselines,
     :mod:`daemon.control.policies`). ``rendezvous``: the store process this run started
     (:func:`rendezvous_process`), which the chaos schedule's ``kill_store`` kills.
-    Closing never terminates an instance (:meth:`Supervisor.aclose`).
+    Closing never terminates an instance (:meth:`Supervisor.aclose`). Holds the state
+    directory's lock while it runs (:func:`daemon.state_dir.serving`).
+
+    Raises:
+        StateDirBusy: the state directory is another daemon's (:mod:`daemon.state_dir`);
+            an ``OSError``, as are a taken port and a bad certificate.
     """
+    with serving(config.daemon.state_path()) as state:  # the state dir's lock, for the daemon's life
+        async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
+                              rendezvous=rendezvous) as sup:
+            yield sup
+
+
+@contextlib.asynccontextmanager
+async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers: Mapping[str, Provider] | None,
+                     policy: "RecoveryPolicy | None",
+                     rendezvous: "StoreProcess | None") -> AsyncIterator["Supervisor"]:
+    """:func:`running_daemon` in ``state``, its locked state directory."""
     from daemon.interfaces.api import ApiServer
     from daemon.controlnode.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
     from daemon.controlnode.tls import agent_tls
 
-    state = prepare_state_dir(config.daemon.state_path())
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
     store = Store(state / "spotvisord.db").open()
     agent_args = [
@@ -349,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(state_dir_lock(config.daemon.state_path()))
-            except (StateDirBusy, OSError) as exc:
+            except OSError as exc:
                 print(f"spotvisord run: {_state_dir_problem(config, exc)}", file=sys.stderr)
                 return 2
             try:
                 return asyncio.run(_run(config, watchdog_s))
+            except StateDirError as exc:
+                print(f"spotvisord run: {exc}", file=sys.stderr)
+                return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 1
@@ -362,15 +326,19 @@ def main(argv: list[str] | None = None) -> int:
         config = config.model_copy(
             update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
     with contextlib.ExitStack() as held:
-        try:  # the configured directory: the demo's control socket is there, its run dir under it
+        try:  # the configured directory (the demo's control socket is there), then its run dir under it
             held.enter_context(state_dir_lock(config.daemon.state_path()))
-        except (StateDirBusy, OSError) as exc:
+            config = _with_run_dir(config)
+            held.enter_context(state_dir_lock(config.daemon.state_path()))
+        except OSError as exc:
             print(f"spotvisord demo: {_state_dir_problem(config, exc)}", file=sys.stderr)
             return 2
-        config = _with_run_dir(config)
         try:
             return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
-        except RuntimeError as exc:
+        except StateDirError as exc:
+            print(f"spotvisord demo: {exc}", file=sys.stderr)
+            return 2
+        except (RuntimeError, OSError) as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
@@ -379,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _state_dir_problem(config: Config, exc: Exception) -> str:
     """One line for a state directory that cannot be locked or made."""
-    if isinstance(exc, StateDirBusy):
+    if isinstance(exc, StateDirError):
         return str(exc)
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return f"daemon.state_dir {config.daemon.state_path()}: {reason}; give a directory this user can write"
