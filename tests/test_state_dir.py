@@ -1,5 +1,5 @@
 """One daemon per state directory, and a state directory only its owner can read
-(issue 13, defects 5 and 9; issue 25, item 6).
+(issue 13, defects 5 and 9; issue 25, items 6 and 7).
 
 Two ``spotvisord`` on one state directory each saw half the job (the second replaced
 the control socket and declared the first one's node lost); the store holds every
@@ -9,7 +9,9 @@ within the test: no agent, no torch) and waits for its READY=1 on a notify socke
 as systemd does.
 
 Issue 25: ``spotvisord run`` on a live demo's run directory marked the demo's nodes
-lost and launched duplicates (the demo locked only the directory above it).
+lost and launched duplicates (the demo locked only the directory above it); a state
+directory another user owns was taken over, and links planted in it were followed (a
+victim file truncated and made 0600, a linked database gave a traceback).
 """
 
 from __future__ import annotations
@@ -249,3 +251,58 @@ def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockd
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGINT)
         demo.communicate(timeout=60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_a_state_dir_another_user_owns_is_refused_and_left_as_it_was(tmp_path: Path, sockdir: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o777)
+    os.chown(state, 65534, 65534)
+    line = _refused(_config(tmp_path, state, sockdir / "d.sock"), sockdir / "notify")
+    assert str(state) in line and "uid 65534" in line and "chown" in line, line
+    st = state.stat()
+    assert (st.st_uid, _mode(state), os.listdir(state)) == (65534, 0o777, [])
+
+
+_PLANTED = {
+    "lock link": ("spotvisord.lock", "symlink"),
+    "database link": ("spotvisord.db", "symlink"),
+    "wal link": ("spotvisord.db-wal", "symlink"),
+    "database fifo": ("spotvisord.db", "fifo"),
+    "lock hard link": ("spotvisord.lock", "hardlink"),
+    "tls dir link": ("tls", "dirlink"),
+}
+
+
+@pytest.mark.parametrize("name,kind", list(_PLANTED.values()), ids=list(_PLANTED))
+def test_a_link_or_fifo_planted_in_the_state_dir_is_refused_never_followed(tmp_path: Path, sockdir: Path,
+                                                                           name: str, kind: str) -> None:
+    """Whatever the daemon opens in its state directory it opens itself: a symbolic
+    link, a FIFO or a second hard link there is refused in one line, and what it points
+    at is neither truncated, written nor chmodded."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    victim, elsewhere = tmp_path / "victim", tmp_path / "elsewhere"
+    victim.write_text("precious\n")
+    os.chmod(victim, 0o644)
+    elsewhere.mkdir()
+    os.chmod(elsewhere, 0o755)
+    planted = state / name
+    if kind == "symlink":
+        planted.symlink_to(victim)
+    elif kind == "dirlink":
+        planted.symlink_to(elsewhere, target_is_directory=True)
+    elif kind == "hardlink":
+        os.link(victim, planted)
+    else:
+        os.mkfifo(planted, 0o600)
+    config = _config(tmp_path, state, sockdir / "d.sock")
+    if name == "tls":  # the daemon's own CA goes in <state_dir>/tls
+        config.write_text(config.read_text().replace("reconcile_interval_s: 0.2",
+                                                     "reconcile_interval_s: 0.2, agent_tls: on"))
+    line = _refused(config, sockdir / "notify")
+    assert str(planted) in line, line
+    assert (victim.read_text(), _mode(victim)) == ("precious\n", 0o644)
+    assert (os.listdir(elsewhere), _mode(elsewhere)) == ([], 0o755)
+    assert planted.is_symlink() or kind != "symlink"

@@ -37,6 +37,7 @@ from daemon.control.migration import Phase
 from daemon.controlnode.core import Core
 from daemon.controlnode.placement import Placement
 from daemon.model import Event, EventKind
+from daemon.state_dir import private_dir
 
 __all__ = ["Migrator", "Move"]
 
@@ -272,6 +273,7 @@ class Migrator:
         def run() -> dict[str, Any]:
             from trainer.replicate import open_store_for, replicate
 
+            private_dir(work, root=state_dir)  # a link planted in the state dir is refused, not followed
             # open_store_for: an OSS store keeps oss2's part-level resume records in the work dir
             a = open_store_for(fill(src.checkpoint_uri), work, s3_endpoint_url=src.s3_endpoint_url,
                                oss_endpoint=src.oss_endpoint)

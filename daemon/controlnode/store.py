@@ -14,12 +14,10 @@ connection with :meth:`Store.open_sibling`: WAL lets it read while the daemon wr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import sqlite3
-import stat
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -27,6 +25,7 @@ from typing import Any, Iterable
 import structlog
 
 from daemon.model import Event, Node, NodeState, TrainerState, check_transition
+from daemon.state_dir import check_private, chmod_private, open_private
 
 __all__ = ["Store"]
 
@@ -54,18 +53,13 @@ CREATE TABLE IF NOT EXISTS kv (
 
 def _owner_only(path: Path) -> None:
     """Create ``path`` (empty: SQLite reads it as a new database) if it is missing, and make
-    it and any SQLite files beside it 0600."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-    for suffix in ("-wal", "-shm", "-journal"):
-        side = path.with_name(path.name + suffix)
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_IMODE(side.stat().st_mode) != 0o600:
-                os.chmod(side, 0o600)
+    it and any SQLite files beside it 0600; none of them may be a symbolic link, a FIFO
+    or another uid's (:mod:`daemon.state_dir`: SQLite would follow a link)."""
+    if not check_private(path):
+        os.close(open_private(path, os.O_RDWR | os.O_CREAT))
+    for f in (path, *(path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+        if check_private(f):  # no descriptor opened and closed: that would drop this process's SQLite locks
+            chmod_private(f, 0o600)
 
 
 class Store:
@@ -90,7 +84,9 @@ class Store:
     def open(self) -> "Store":
         """Open (creating) the database. The file is made 0600 whatever the umask, and so
         are SQLite's ``-wal``/``-shm`` beside it (SQLite gives them the database's mode):
-        it holds every node's agent token. Raises ``OSError``/``sqlite3.Error``."""
+        it holds every node's agent token. Raises ``OSError``/``sqlite3.Error``;
+        :class:`daemon.state_dir.UnsafeStatePath` (an ``OSError``) for a symbolic link,
+        FIFO or another uid's file at any of them."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.in_memory:
             _owner_only(self.path)

@@ -73,6 +73,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from daemon.state_dir import UnsafeStatePath, open_private, private_dir
+
 if TYPE_CHECKING:
     from daemon.config import DaemonSpec
 
@@ -165,9 +167,15 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
 
 def ensure_own_ca(tls_dir: Path, agent_host: str, *, now: dt.datetime | None = None) -> tuple[Path, Path, bytes]:
     """The daemon's CA and agent-port certificate under ``tls_dir``, made or renewed as
-    needed (module docstring). Returns (server cert path, server key path, CA PEM). Blocking."""
+    needed (module docstring). Returns (server cert path, server key path, CA PEM). Blocking.
+
+    Raises:
+        UnsafeStatePath: ``tls_dir`` or a file in it is a symbolic link, a FIFO or
+            another uid's (:mod:`daemon.state_dir`); nothing is followed or replaced.
+    """
     now = now or dt.datetime.now(dt.timezone.utc)
-    tls_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tls_dir.parent.mkdir(parents=True, exist_ok=True)  # the state directory (made before, by the daemon)
+    private_dir(tls_dir, root=tls_dir.parent)  # a link planted there is refused, not followed
     os.chmod(tls_dir, 0o700)
     for stale in tls_dir.glob(".*.tmp"):  # a write a crash cut short
         with contextlib.suppress(FileNotFoundError):
@@ -234,11 +242,20 @@ def _server_problem(server: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] 
 
 def _load_pair(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None:
     """The certificate and its key, or None when either is missing, unreadable, not
-    PEM, or the key is not the certificate's."""
+    PEM, or the key is not the certificate's. Raises :class:`UnsafeStatePath` for a
+    symbolic link, FIFO or another uid's file there (not replaced as damaged)."""
     try:
-        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError):
+        cert_pem, key_pem = _read_private(cert_path), _read_private(key_path)
+    except UnsafeStatePath:
+        raise
+    except OSError:
+        return None
+    if cert_pem is None or key_pem is None:
+        return None
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):
         return None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         return None
@@ -366,6 +383,16 @@ def fingerprint(pem: bytes) -> str:
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
+
+
+def _read_private(path: Path) -> bytes | None:
+    """``path``'s bytes, None when missing; never through a link (:func:`open_private`)."""
+    try:
+        fd = open_private(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:

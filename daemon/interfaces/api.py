@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import ssl
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -68,6 +68,7 @@ from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
 from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
                                         node_gpu_view)
 from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, Node, NodeState, is_node_id
+from daemon.state_dir import chmod_socket, clear_stale_socket
 from daemon.controlnode.supervisor import Supervisor
 from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, AgentListener, LoopAcceptErrors,
                                         agent_connection_caps)
@@ -407,10 +408,9 @@ class ApiServer:
         control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
         await control.setup()
         self._runners.append(control)
-        if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)  # a stale socket from a killed daemon
+        clear_stale_socket(Path(self.socket_path))  # a killed daemon's; anything else there is refused
         await web.UnixSite(control, self.socket_path).start()
-        os.chmod(self.socket_path, 0o660)
+        chmod_socket(Path(self.socket_path), 0o660)
 
         metrics_port = self.sup.config.daemon.metrics_port
         if metrics_port is not None:

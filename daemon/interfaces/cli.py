@@ -20,8 +20,9 @@
 in it, :func:`daemon.state_dir.state_dir_lock`) for their lifetime, taken before the
 store or the control socket is opened; ``demo`` holds the configured directory's and
 its run directory's: a second daemon on either exits 2 with one line naming the
-directory and the pid that holds it. The state directory is created 0700 and the
-store 0600 whatever the umask (it holds every node's agent token).
+directory and the pid that holds it. The state directory must be this uid's; it is
+created 0700 and the store 0600 whatever the umask (it holds every node's agent
+token), and a link or FIFO planted in it is refused, exit 2 (:mod:`daemon.state_dir`).
 
 Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
 """
@@ -75,8 +76,9 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     directory's lock while it runs (:func:`daemon.state_dir.serving`).
 
     Raises:
-        StateDirBusy: the state directory is another daemon's (:mod:`daemon.state_dir`);
-            an ``OSError``, as are a taken port and a bad certificate.
+        StateDirError: the state directory is another daemon's, or not this one's own
+            (:mod:`daemon.state_dir`); an ``OSError``, as are a taken port and a bad
+            certificate.
     """
     with serving(config.daemon.state_path()) as state:  # the state dir's lock, for the daemon's life
         async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             try:
                 return asyncio.run(_run(config, watchdog_s))
-            except StateDirError as exc:
+            except StateDirError as exc:  # a file planted in the state dir
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable

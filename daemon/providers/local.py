@@ -37,7 +37,8 @@ import structlog
 from daemon.config import LocalProviderSpec
 from daemon.gpunode.metadata.registry import make_fake
 from daemon.control.pool import Offer
-from daemon.providers.base import CapacityError, Instance, NodeSpec, Provider, register_provider
+from daemon.providers.base import CapacityError, Instance, NodeSpec, Provider, ProviderError, register_provider
+from daemon.state_dir import UnsafeStatePath, open_private, private_dir
 
 __all__ = ["LocalProvider"]
 
@@ -164,6 +165,14 @@ class _LocalInstance:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` (0600) in the state directory, never through a planted link."""
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT)
+    with os.fdopen(fd, "wb") as f:
+        f.truncate(0)
+        f.write(data)
+
+
 @register_provider("local")
 class LocalProvider(Provider):
     """Process-group instances; see the module docstring.
@@ -203,7 +212,10 @@ class LocalProvider(Provider):
         self._seq += 1
         iid = f"local-{os.getpid()}-{self._seq:04d}"
         workdir = self.state_dir / "nodes" / node.node_id
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:  # a link planted on the way is refused, not followed (daemon.state_dir)
+            private_dir(workdir, root=self.state_dir)
+        except UnsafeStatePath as exc:
+            raise ProviderError(str(exc)) from exc
         dialects = self.spec.metadata_dialects
         inst = _LocalInstance(iid, node, offer, workdir, time.time(), dialect=dialects[(self._seq - 1) % len(dialects)])
         self._instances[iid] = inst
@@ -300,7 +312,7 @@ class LocalProvider(Provider):
             return
         inst.imds = make_fake(inst.dialect)
         await inst.imds.start()
-        log_file = open(inst.workdir / "instance.log", "ab")
+        log_file = os.fdopen(open_private(inst.workdir / "instance.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
         try:
             env = dict(os.environ)
             env["SPOTVISOR_AGENT_TOKEN"] = inst.node.token
@@ -311,7 +323,7 @@ class LocalProvider(Provider):
             watch_fd = self._lifeline[0]
             ca_args = [] if inst.node.ca_cert_pem is None else ["--ca-file", str(inst.workdir / "daemon-ca.pem")]
             if ca_args:  # an https daemon URL: the agent trusts the daemon's CA only
-                await asyncio.to_thread(Path(ca_args[1]).write_text, inst.node.ca_cert_pem)
+                await asyncio.to_thread(_write_private, Path(ca_args[1]), inst.node.ca_cert_pem.encode())
             inst.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", _INSTANCE_INIT, str(watch_fd),
                 "-m", "daemon.gpunode.agent", "run",
