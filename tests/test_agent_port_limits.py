@@ -26,20 +26,9 @@ import structlog
 from conftest import UNTIL_TIMEOUT_S, DaemonHarness, RecordingProvider
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
 from daemon.interfaces import listener as listener_mod
-from daemon.model import NodeState
+from test_api import running_node
 
 ATTACKER = "127.0.0.2"
-
-
-async def running_node(h: DaemonHarness) -> Any:
-    """The first node, registered and running (its 'agent' is this test)."""
-    await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
-    node = next(iter(h.sup.nodes.values()))
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
-        async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": node.id}) as r:
-            assert r.status == 200
-    await h.until(lambda: node.state is NodeState.RUNNING, what="node running")
-    return node
 
 
 async def metrics(h: DaemonHarness) -> str:

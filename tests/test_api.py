@@ -17,19 +17,20 @@ from pathlib import Path
 import aiohttp
 
 from conftest import spotctl
-from daemon.model import NodeState
+from daemon.model import Node, NodeState
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-async def running_node(h) -> None:
-    """Let the first node come up: it launches, its 'agent' registers, the job starts on it."""
+async def running_node(h) -> Node:
+    """Let the first node come up: it launches, its 'agent' registers, the job starts on it; returns it."""
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
     node = next(iter(h.sup.nodes.values()))
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
         async with s.post(f"{h.api.agent_url}/v1/agent/register", json={"node_id": node.id}) as r:
             assert r.status == 200
     await h.until(lambda: node.state is NodeState.RUNNING, what="node running")
+    return node
 
 
 async def test_status_json(spot_daemon) -> None:
