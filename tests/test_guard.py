@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -147,14 +146,14 @@ def test_local_hold_returns_after_timeout() -> None:
 # --------------------------------------------------------------------------- two gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_url(tmp_path: Path) -> str:
+    """The ranks meet through a file, not a port picked in advance: a port found free and
+    then bound by the workers can be taken in between (EADDRINUSE under load)."""
+    return f"file://{tmp_path}/pg-init"
 
 
-def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _two_rank_worker(rank: int, init: str, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         notice_file = Path(tmp) / f"notices-{rank}.json"  # node-local: only rank 1's node gets one
         guard = PreemptionGuard(notice_file, handled_ids=["stale"])
@@ -180,7 +179,7 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
 
 
 def test_two_ranks_decide_at_the_same_step(tmp_path: Path) -> None:
-    mp.spawn(_two_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(_init_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "result-0.json").read_text())
     r1 = json.loads((tmp_path / "result-1.json").read_text())
     assert r0["decisions"] == r1["decisions"]
@@ -195,8 +194,8 @@ def test_two_ranks_decide_at_the_same_step(tmp_path: Path) -> None:
         assert 0.55 <= r["held"] < 5.0
 
 
-def _peer_leaves_worker(rank: int, port: int, tmp: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _peer_leaves_worker(rank: int, init: str, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     guard = PreemptionGuard(None)
     guard.check()
     if rank == 1:
@@ -213,7 +212,7 @@ def _peer_leaves_worker(rank: int, port: int, tmp: str) -> None:
 
 
 def test_hold_raises_when_a_peer_leaves(tmp_path: Path) -> None:
-    mp.spawn(_peer_leaves_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_peer_leaves_worker, args=(_init_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
     r = json.loads((tmp_path / "peer-left.json").read_text())
     assert r["outcome"] == "PeerLeftError"  # one line for the trainer's log, not gloo's traceback
     assert r["after"] < 15.0
@@ -235,10 +234,10 @@ def test_a_trainer_holding_exits_1_with_one_line_when_a_peer_leaves(caplog: pyte
                                 "exiting for torchrun to restart the group from that commit")
 
 
-def _node_leaves_worker(rank: int, port: int, tmp: str) -> None:
+def _node_leaves_worker(rank: int, init: str, tmp: str) -> None:
     # four ranks on two "nodes" (torchrun's GROUP_RANK): ranks 0, 1 on node 0, ranks 2, 3 on node 1
     os.environ["GROUP_RANK"] = str(rank // 2)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
     try:
         notice_file = Path(tmp) / f"notices-node{rank // 2}-rank{rank}.json"
         if rank == 3:  # only one rank of node 1 has read the notice at this boundary
@@ -252,6 +251,6 @@ def _node_leaves_worker(rank: int, port: int, tmp: str) -> None:
 def test_every_rank_of_a_noticed_node_leaves(tmp_path: Path) -> None:
     """The survivors are whole nodes: a rank of the noticed node that read the notice file
     a moment before the agent wrote it still counts as leaving, with its node."""
-    mp.spawn(_node_leaves_worker, args=(_free_port(), str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(_node_leaves_worker, args=(_init_url(tmp_path), str(tmp_path)), nprocs=4, join=True)
     for rank in range(4):
         assert json.loads((tmp_path / f"leaving-{rank}.json").read_text()) == [2, 3]

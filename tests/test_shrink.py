@@ -78,8 +78,9 @@ def _worker(rank: int, group_port: int, store_port: int, tmp: str) -> None:
 
 
 def test_survivors_go_on_after_the_store_host_leaves(tmp_path: Path) -> None:
-    store_port = _free_port()
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    # port 0: the store binds a port the kernel gives it (one found free first can be taken in between)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    store_port = store.port
     try:
         mp.spawn(_worker, args=(_free_port(), store_port, str(tmp_path)), nprocs=3, join=True)
     finally:
