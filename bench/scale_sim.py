@@ -352,10 +352,13 @@ class SimJob:
         for a in self.members.values():
             a.rank = rank
             rank += a.gpus
-            if a.rank == 0:  # the agents of the other nodes do not forward it (daemon.gpunode.agent._on_status)
-                a.report("trainer_status", line=self._line(a, "started", now, resumed_from=self.last_commit,
-                                                           global_batch_size=0, micro_batch_size=0,
-                                                           grad_accum_steps=0))
+        # every node's agent forwards its own workers' started line, rank 0's first here
+        # (daemon.gpunode.agent._on_status): a new rank 0 is taken on the old one's word
+        # (daemon.control.attempts)
+        for a in self.members.values():
+            a.report("trainer_status", line=self._line(a, "started", now, resumed_from=self.last_commit,
+                                                       global_batch_size=0, micro_batch_size=0,
+                                                       grad_accum_steps=0))
 
     async def _commit(self) -> None:
         ids = list(self.requests)
