@@ -88,6 +88,26 @@ def test_a_skipped_sample_is_reported(tmp_path: Path) -> None:
     assert s["samples_skipped"] == G  # positions of the missing step (range covers 2 steps' worth)
 
 
+def test_a_rank_killed_before_its_last_log_line_skips_nothing_but_a_gap_is_still_a_skip(tmp_path: Path) -> None:
+    """Rank 0 of a world of 2 is killed after step 2's collectives, before its log line:
+    rank 1 logged step 2, so rank 0's share was trained on (a logged step had
+    every rank in its all-reduce): not skipped, counted as unlogged. A step every rank
+    logged with a position missing is a skip."""
+    n = tmp_path / "nodes" / "n1"
+    _write(n, "a", 2, range(1, 4), 100.0, status=[{"event": "started", "time": 99.0, "step": 0}])
+    f = n / "logs" / "steps-a-rank0.jsonl"
+    f.write_text("\n".join(l for l in f.read_text().splitlines() if json.loads(l)["step"] != 2) + "\n")
+    s = summarize(tmp_path / "nodes", [], target_steps=3, global_batch_size=G)
+    assert (s["samples_skipped"], s["samples_unlogged"], s["global_batch_sizes"]) == (0, G // 2, [G])
+    # every rank logged step 3, one position short: a skip, whatever
+    f = n / "logs" / "steps-a-rank1.jsonl"
+    lines = [json.loads(l) for l in f.read_text().splitlines()]
+    lines[-1]["positions"] = lines[-1]["positions"][:-1]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = summarize(tmp_path / "nodes", [], target_steps=3, global_batch_size=G)
+    assert (s["samples_skipped"], s["samples_unlogged"]) == (1, G // 2)
+
+
 def test_an_in_process_shrink_is_a_resize_not_a_restart(tmp_path: Path) -> None:
     n = tmp_path / "nodes" / "n1"
     # attempt a at world 2 commits on notice at 6; its survivors go on in-process as attempt b

@@ -15,7 +15,9 @@ step number, its last execution. Executions that a later attempt redid are
 *lost steps*; they count as lost *on notice* when their attempt ended by a
 notice-driven commit and hold. ``samples_seen_twice``/``samples_skipped`` are
 counted over the lineage: every global position in ``[0, steps × global batch)``
-must appear exactly once.
+must appear exactly once. A step logged by only some ranks of its world (a rank killed
+after the step's last collective, before its log line) was trained on whole: the
+missing share counts as ``samples_unlogged``, not skipped (:func:`_taken`).
 
 **Restarts and in-process resizes.** An attempt whose ``started`` line says
 ``resized: "in_process"`` is the survivors of a notice going on in the same worker
@@ -71,8 +73,9 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
     execs: dict[tuple[str, int], dict[str, Any]] = {}
     for r in steps:
         key = (str(r.get("attempt")), int(r["step"]))
-        e = execs.setdefault(key, {"positions": [], "loss": None, "world_size": r.get("world_size")})
+        e = execs.setdefault(key, {"positions": [], "loss": None, "world_size": r.get("world_size"), "ranks": set()})
         e["positions"] += list(r.get("positions") or [])
+        e["ranks"].add(r.get("rank"))
         if r.get("rank") == 0:
             e["loss"] = r.get("loss")
     last_exec: dict[int, str] = {}
@@ -86,8 +89,12 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
     lost_on_notice = sum(n for a, n in lost_by_attempt.items() if a in ended_on_notice)
 
     seen: Counter[int] = Counter()
+    unlogged = 0
     for step in lineage_steps:
-        seen.update(execs[(last_exec[step], step)]["positions"])
+        e = execs[(last_exec[step], step)]
+        e["positions"], inferred = _taken(step, e, global_batch_size)
+        unlogged += inferred
+        seen.update(e["positions"])
     done = len(lineage_steps)
     expected = range((lineage_steps[-1] if lineage_steps else 0) * global_batch_size)
     twice = sum(c - 1 for c in seen.values() if c > 1)
@@ -137,6 +144,7 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "global_batch_sizes": sorted({len(execs[(last_exec[st], st)]["positions"]) for st in lineage_steps}),
         "samples_seen_twice": twice,
         "samples_skipped": skipped,
+        "samples_unlogged": unlogged,
         "restarts": max(0, len(order) - 1 - len(in_process)),
         "resizes_in_process": len(in_process),
         "resumes_before_their_commit": resumes_before_their_commit(events),
@@ -216,3 +224,21 @@ def _attempts_ended_on_notice(status: list[dict[str, Any]], execs: dict[tuple[st
         if last_step <= hold_step:
             out.add(a)
     return out
+
+
+def _taken(step: int, e: dict[str, Any], global_batch_size: int) -> tuple[list[int], int]:
+    """The positions the execution ``e`` of ``step`` trained on, and how many of them no
+    log line shows.
+
+    A rank killed after its step's last collective and before its log line leaves the
+    step logged by the other ranks only. Every collective of a step the survivors logged
+    had every rank in it (the reference step runs them all before ``optimizer.step()``),
+    so the missing ranks' share of the step's global batch, ``[(step - 1) × G, step × G)``,
+    was trained on as well: counted as seen (``samples_unlogged``), not skipped. A step
+    that every rank of its world logged is taken as logged, gaps and all."""
+    positions = list(e["positions"])
+    lo, hi = (step - 1) * global_batch_size, step * global_batch_size
+    if len(e["ranks"]) < (e.get("world_size") or 0) and all(lo <= p < hi for p in positions):
+        missing = [p for p in range(lo, hi) if p not in set(positions)]
+        return positions + missing, len(missing)
+    return positions, 0
