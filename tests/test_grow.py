@@ -193,21 +193,29 @@ _DIGEST_AT_THE_END = """
             f.write(repr(digest))
 """
 
-_JOB = """
+# rank 0 waits after step 5 until every expected ticket is queued (EXPECT_JOINERS), so a grow
+# lands at step 5: the base of the grow tests' jobs
+_WAIT_AT_FIVE = """
 import os, sys, time, torch
 from trainer.membership import JoinQueue, run_id
 from trainer.run import ReferenceJob, main
 from trainer.runtime import rendezvous_endpoint
 
-class GrowAtFive(ReferenceJob):
-    # rank 0 waits after step 5 until the joiner has queued, so the grow lands at step 5;
-    # node0 (rank 0, the committer) gets an interruption notice at step 8
+class WaitForTickets(ReferenceJob):
     def train_step(self):
         out = super().train_step()
         if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process:
             q = JoinQueue(rendezvous_endpoint(), run_id())
             while int(q.store.add("tickets", 0)) < int(os.environ["EXPECT_JOINERS"]):
-                time.sleep(0.05)
+                time.sleep(0.05)  # polling another process's ticket count
+        return out
+"""
+
+_JOB = _WAIT_AT_FIVE + """
+class GrowAtFive(WaitForTickets):
+    # the grow lands at step 5; node0 (rank 0, the committer) gets an interruption notice at step 8
+    def train_step(self):
+        out = super().train_step()
         if self.state.step == 8 and os.environ["SPOTVISOR_NODE_ID"] == "node0":
             path = os.environ["SPOTVISOR_NOTICE_FILE"]
             with open(path + ".tmp", "w") as f:
@@ -280,22 +288,7 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     _assert_same_state(tmp_path, 2)
 
 
-_OUTSIDER_JOB = """
-import os, sys, time
-from trainer.membership import JoinQueue, run_id
-from trainer.run import ReferenceJob, main
-from trainer.runtime import rendezvous_endpoint
-
-class WaitForTickets(ReferenceJob):
-    # rank 0 waits after step 5 until every ticket (the joiner's and the outsider's) is queued
-    def train_step(self):
-        out = super().train_step()
-        if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process:
-            q = JoinQueue(rendezvous_endpoint(), run_id())
-            while int(q.store.add("tickets", 0)) < int(os.environ["EXPECT_JOINERS"]):
-                time.sleep(0.05)
-        return out
-
+_OUTSIDER_JOB = _WAIT_AT_FIVE + """
 """ + _DIGEST_AT_THE_END + """
 sys.exit(main(sys.argv[1:], job_cls=WaitForTickets))
 """
