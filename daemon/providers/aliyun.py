@@ -240,13 +240,13 @@ class AliyunProvider(Provider):
         return f"AliyunProvider(regions={sorted(self._regions)!r}, endpoint={self.spec.endpoint!r})"
 
     # -- contract -------------------------------------------------------------------
-    async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
-        """RunInstances for one spot instance of ``offer``, tagged with the pool and node.
+    def run_instances_request(self, offer: Offer, node: NodeSpec) -> Callable[[], RpcRequest]:
+        """A builder of the exact RunInstances request that launches ``node`` for ``offer``
+        (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-runinstances).
 
-        Raises CapacityError (PriceError for a price limit under the market price),
-        QuotaError, AuthError, TransientError (after ``retry_attempts`` tries; each retry
-        reuses the ClientToken, so at most one instance is bought), ValueError when the
-        offer's zone has no vSwitch in the spec.
+        Pure (no I/O): :meth:`launch` sends it, and ``spotvisord check`` sends it again with
+        ``DryRun=true``. Raises ValueError when the offer's zone has no vSwitch in the spec,
+        the node carries too many tags, or a node field cannot go into the user-data.
         """
         zone = offer.zone or self._default_zone(offer.region)
         vswitch = self.spec.vswitch_ids.get(zone)
@@ -283,6 +283,18 @@ class AliyunProvider(Provider):
             req.set_ClientToken(token)
             return req
 
+        return build
+
+    async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
+        """RunInstances for one spot instance of ``offer``, tagged with the pool and node.
+
+        Raises CapacityError (PriceError for a price limit under the market price),
+        QuotaError, AuthError, TransientError (after ``retry_attempts`` tries; each retry
+        reuses the ClientToken, so at most one instance is bought), ValueError when the
+        offer's zone has no vSwitch in the spec.
+        """
+        build = self.run_instances_request(offer, node)
+        zone = offer.zone or self._default_zone(offer.region)
         body = await self._call(offer.region, build)
         ids = body.get("InstanceIdSets", {}).get("InstanceIdSet", [])
         if not ids:

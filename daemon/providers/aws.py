@@ -333,7 +333,13 @@ class AwsProvider(Provider):
         tags.setdefault(NODE_TAG, node.node_id)
         return [{"Key": k, "Value": v} for k, v in tags.items()]
 
-    async def _run_instances(self, region: str, offer: Offer, node: NodeSpec) -> Instance:
+    def run_instances_request(self, offer: Offer, node: NodeSpec) -> dict[str, Any]:
+        """The exact RunInstances parameters (boto3 keywords) that launch ``node`` for ``offer``.
+
+        Pure (no I/O): :meth:`launch` sends it, and ``spotvisord check`` sends it again with
+        ``DryRun=True`` (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_RunInstances.html).
+        Raises ValueError when a node field cannot go into the user-data.
+        """
         spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
         if offer.max_price_usd_h is not None:
             spot["MaxPrice"] = str(offer.max_price_usd_h)
@@ -360,6 +366,10 @@ class AwsProvider(Provider):
             kwargs["IamInstanceProfile"] = self._profile()
         if self.spec.key_name:
             kwargs["KeyName"] = self.spec.key_name
+        return kwargs
+
+    async def _run_instances(self, region: str, offer: Offer, node: NodeSpec) -> Instance:
+        kwargs = self.run_instances_request(offer, node)
         resp = await self._call_once(region, "run_instances", **kwargs)
         return _view(resp["Instances"][0], self.name)
 
