@@ -62,8 +62,8 @@ import botocore.session
 from botocore import xform_name
 
 __all__ = [
-    "Call", "DeriveError", "derive", "load_sources", "side_of", "IAM_ACTION_OVERRIDES",
-    "OSS2_CALLS", "S3_TRANSFER_OPS",
+    "Call", "DeriveError", "derive", "load_sources", "side_of", "iam_actions", "IAM_ACTION_OVERRIDES",
+    "OSS2_CALLS", "OSS_API_ACTIONS", "S3_TRANSFER_OPS",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,6 +140,15 @@ OSS2_CALLS: dict[str, tuple[str, ...]] = {
     "oss2.ObjectIteratorV2": ("oss:ListObjects",),
     "oss2.PartIterator": ("oss:ListParts",),
     "oss2.MultipartUploadIterator": ("oss:ListMultipartUploads",),
+}
+#: OSS API operation -> RAM action, from the same OSS page (object- and bucket-level tables).
+OSS_API_ACTIONS: dict[str, str] = {
+    "PutObject": "oss:PutObject", "InitiateMultipartUpload": "oss:PutObject", "UploadPart": "oss:PutObject",
+    "CompleteMultipartUpload": "oss:PutObject", "AbortMultipartUpload": "oss:AbortMultipartUpload",
+    "ListParts": "oss:ListParts", "ListMultipartUploads": "oss:ListMultipartUploads",
+    "GetObject": "oss:GetObject", "HeadObject": "oss:GetObject", "GetObjectMeta": "oss:GetObject",
+    "DeleteObject": "oss:DeleteObject", "DeleteMultipleObjects": "oss:DeleteObject",
+    "ListObjects": "oss:ListObjects", "ListObjectsV2": "oss:ListObjects",
 }
 #: oss2.Bucket attributes that are not requests (no RAM action).
 _OSS2_LOCAL = frozenset({"bucket_name", "endpoint", "auth"})

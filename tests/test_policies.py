@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policy_derive import CONTROL, NODE, Call, DeriveError, derive, load_sources  # noqa: E402
+from policy_derive import OSS_API_ACTIONS, iam_actions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY_DIR = ROOT / "configs" / "policies"
@@ -163,8 +164,8 @@ def test_a_grant_the_code_no_longer_needs_fails_naming_it() -> None:
                      "in daemon/ or trainer/ calls on this side"]
 
 
-def test_a_non_call_grant_goes_when_the_call_that_needs_it_goes() -> None:
-    calls = [c for c in derive(load_sources()) if c.action != "ec2:RunInstances"]
+def test_a_non_call_grant_goes_when_the_call_that_needs_it_goes(real_calls: list[Call]) -> None:
+    calls = [c for c in real_calls if c.action != "ec2:RunInstances"]
     found = problems(calls, load_policies())
     assert any("iam:PassRole for ec2:RunInstances" in line for line in found)
     assert any("ec2:RunInstances" in line and "no code" in line for line in found)
@@ -236,3 +237,72 @@ def test_the_calls_issue_26_adds_will_be_found_without_changing_the_derivation()
         ("kms:GetSecretValue", "daemon/controlnode/secrets.py"),
     }
     assert all(c.sides == {CONTROL} for c in calls if c.path.endswith(("check.py", "secrets.py")))
+
+
+# --------------------------------------------------------------------------- the tables, against the SDKs
+
+
+def test_what_s3store_sends_is_what_the_derivation_says(s3_server: str, tmp_path: Path,
+                                                       real_calls: list[Call]) -> None:
+    """The S3 store, driven through every method (a multipart upload and a ranged download
+    included) against moto: each S3 operation boto3 sends maps to an action the derivation
+    found in trainer/storage.py (so the managed-transfer table is not stale)."""
+    import uuid
+
+    import boto3
+
+    from trainer.storage import S3Store
+
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    bucket = f"policy-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    sent: list[str] = []
+    client.meta.events.register("before-call.s3", lambda model, **_: sent.append(model.name))
+    mib = 1024 * 1024
+    store = S3Store(f"s3://{bucket}/job", client=client, multipart_threshold=5 * mib, multipart_chunksize=5 * mib)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (11 * mib))
+    store.put_bytes("a/small", b"1")
+    store.put_file("a/big", big)
+    assert store.get_bytes("a/small") == b"1"
+    store.get_file("a/big", tmp_path / "back")
+    assert sorted(store.list("a/")) == ["a/big", "a/small"]
+    store.delete(["a/small", "a/big"])
+    assert {"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "HeadObject",
+            "GetObject", "ListObjectsV2", "DeleteObjects"} <= set(sent)
+    derived = {c.action for c in real_calls if c.path == "trainer/storage.py"}
+    assert {a for op in sent for a in iam_actions("s3", op)} <= derived
+
+
+def test_what_ossstore_sends_is_what_the_derivation_says(oss_server, tmp_path: Path,
+                                                        real_calls: list[Call]) -> None:
+    """The OSS store through every method (multipart and resumed upload, ranged download)
+    against the OSS fake: each OSS operation it sends maps to an action the derivation
+    found in trainer/oss_store.py."""
+    import uuid
+
+    from trainer.oss_store import OssStore
+
+    bucket = f"policy-{uuid.uuid4().hex[:12]}"
+    oss_server.create_bucket(bucket)
+    store = OssStore(f"oss://{bucket}/job", endpoint=oss_server.endpoint, region="cn-hangzhou",
+                     multipart_threshold=100 * 1024, part_size=100 * 1024, num_threads=2,
+                     checkpoint_dir=tmp_path / "resume")
+    big = tmp_path / "big"
+    big.write_bytes(b"y" * (350 * 1024))
+    start = len(oss_server.requests)
+    oss_server.fail_next(1, 503, op="CompleteMultipartUpload")  # the retry resumes: ListParts
+    try:
+        store.put_bytes("a/small", b"1")
+        store.put_file("a/big", big)
+    finally:
+        oss_server.reset_faults()
+    assert store.get_bytes("a/small") == b"1"
+    store.get_file("a/big", tmp_path / "back")
+    assert sorted(store.list("a/")) == ["a/big", "a/small"]
+    store.delete(["a/small", "a/big"])
+    sent = {s.op for s in oss_server.requests[start:]}
+    assert {"PutObject", "InitiateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "ListParts",
+            "HeadObject", "GetObject", "ListObjectsV2", "DeleteMultipleObjects"} <= sent
+    derived = {c.action for c in real_calls if c.path == "trainer/oss_store.py"}
+    assert {OSS_API_ACTIONS[op] for op in sent} <= derived
