@@ -215,6 +215,12 @@ class JobSpec(_Spec):
     s3_endpoint_url: str | None = None
     oss_endpoint: str | None = None  # e.g. https://oss-cn-hangzhou.aliyuncs.com; needed for oss://
     hold_timeout_s: PositiveS = 90.0
+    # the interpreter torchrun and its workers run on, on each node: e.g. the image's
+    # /opt/conda/bin/python or /usr/bin/python3 on the Deep Learning AMI, with its own
+    # torch. spotvisor's trainer package reaches it through PYTHONPATH (the bootstrap
+    # puts trainer/ alone in /opt/spotvisor/pythonpath), never the agent's virtualenv.
+    # Absent: the agent's own interpreter (which then needs torch)
+    python: str | None = None
     # how a new node enters the running job: "restart" (the survivors commit, hold, and
     # torchrun restarts every worker with it) or "in_process" (its workers join the running
     # group at a step boundary and take the state from a peer; no worker restarts:
@@ -232,6 +238,14 @@ class JobSpec(_Spec):
     # seconds per step at the pool's target size, on the offers' GPUs: what the deadline
     # plans with (needed with a deadline; measure it with a short run)
     step_s: float | None = Field(None, gt=0)
+
+    @field_validator("python")
+    @classmethod
+    def _interpreter(cls, python: str | None) -> str | None:
+        if python is not None and (not python.startswith("/") or any(c in python for c in "\0\n")):
+            raise ValueError(f"{python!r} is not an absolute path (give the node's interpreter, e.g. "
+                             "/opt/conda/bin/python)")
+        return python
 
     @field_validator("args")
     @classmethod
@@ -399,6 +413,15 @@ class DaemonSpec(_Spec):
     # small control node whatever the pool's size; 1,000 nodes are told 40 s
     max_heartbeats_per_second: float = Field(25.0, gt=0)
     launch_timeout_s: PositiveS = 180.0
+    # how a cloud node gets its agent (daemon/providers/bootstrap.py): "wheel" (default:
+    # its user data installs this daemon's own wheel, published to the job's store, into
+    # /opt/spotvisor/venv on any stock image) or "image" (the image carries spotvisor
+    # and its unit: `sudo make install-systemd` at image build)
+    agent_install: Literal["wheel", "image"] = "wheel"
+    # with agent_install: wheel, the wheel to publish (`pip wheel --no-deps .`, same
+    # version as the daemon); absent: built from the daemon's source tree, or packed
+    # from its installed distribution (daemon/providers/agent_wheel.py)
+    agent_wheel: str | None = None
     rejoin_timeout_s: PositiveS = 90.0
     reconcile_interval_s: PositiveS = 1.0
     # Prometheus: /metrics is always served on the control socket; with a port it is

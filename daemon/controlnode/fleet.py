@@ -22,8 +22,9 @@ from daemon.control.offers import History, Offer, capacity_backoff_s
 from daemon.controlnode.core import Core
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, Node, NodeState
-from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
-                                   ProviderError, QuotaError)
+from daemon.providers.agent_wheel import AgentWheelError, AgentWheels
+from daemon.providers.base import (NODE_TAG, POOL_TAG, AgentWheelRef, AuthError, CapacityError, Instance, NodeSpec,
+                                   Provider, ProviderError, QuotaError)
 
 __all__ = ["Fleet", "AVOID_ZONE_S"]
 
@@ -55,6 +56,10 @@ class Fleet:
         self._groups = {i: d.placement_group for d in core.config.domains_resolved() for i in d.offers}
         self.launching: set[str] = set()  # node ids whose provider.launch call is in flight
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
+        d = core.config.daemon
+        # the agent's wheel for nodes that install it at boot; a URL lives a bit over a launch
+        self.agent_wheels = AgentWheels(configured=d.agent_wheel, work_dir=d.state_path() / "agent-wheel",
+                                        open_store=self._checkpoint_store, expires_s=int(d.launch_timeout_s) + 600)
 
     # -- providers ----------------------------------------------------------------------------
     @property
@@ -270,13 +275,40 @@ class Fleet:
         finally:
             self.core.wake()
 
+    def _checkpoint_store(self, domain: str) -> tuple[str, Any]:
+        """The checkpoint store of ``domain``: ``(uri, store)`` (no I/O)."""
+        from trainer.checkpoint import open_store
+
+        d, uri = self.core.config.domain(domain), self.core.config.checkpoint_uri(domain)
+        return uri, open_store(uri, s3_endpoint_url=d.s3_endpoint_url, oss_endpoint=d.oss_endpoint)
+
+    async def _agent_wheel(self, node: Node, offer_index: int) -> AgentWheelRef | None | bool:
+        """The wheel a node of this offer installs; None: its image has the agent; False: the
+        wheel cannot be had, and the launch has failed (fail closed: no node is bought that
+        could not start its agent), with a ``node_launch_failed`` saying why."""
+        offer, core = self.offer(offer_index), self.core
+        if not self.provider_for(offer.provider).installs_agent or core.config.daemon.agent_install == "image":
+            return None
+        try:
+            return await self.agent_wheels.ref(core.config.domain_of_offer(offer_index))
+        except AgentWheelError as exc:
+            self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
+            self._launch_failed(node, str(exc))
+            log.error("agent_wheel_unavailable", offer=offer.key, reason=str(exc))
+            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="agent_wheel", message=str(exc), offer=offer.key)
+            return False
+
     async def _launch_and_record(self, node: Node, offer_index: int) -> None:
         core = self.core
         if core.agent_url is None:
             raise RuntimeError("the launch ran before the daemon knew its agent URL (Supervisor.start)")
+        wheel = await self._agent_wheel(node, offer_index)
+        if wheel is False:
+            return
         spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
                         tags={POOL_TAG: core.pool, NODE_TAG: node.id},
-                        ca_cert_pem=getattr(core, "agent_ca_pem", None))  # set by start(); absent: plain HTTP
+                        ca_cert_pem=getattr(core, "agent_ca_pem", None),  # set by start(); absent: plain HTTP
+                        agent_wheel=wheel or None)
         offer = self.offer(offer_index)
         try:
             inst = await self.provider_for(offer.provider).launch(offer, spec)

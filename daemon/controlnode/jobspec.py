@@ -29,7 +29,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     admits the node into a running job. ``run_nonce`` makes the rendezvous id of this pool's
     run (kept in the store).
     ``domain``: the node's placement domain (None: the first); its rendezvous endpoint and
-    checkpoint store are the ones the node uses, each on that domain's private network."""
+    checkpoint store are the ones the node uses, each on that domain's private network.
+    With ``job.python``: ``"python"``, the interpreter the node runs the command with."""
     c, job = config, config.job
     d = config.domain(domain)
     rdzv = d.rendezvous
@@ -76,6 +77,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     if d.oss_endpoint:
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
     spec: dict[str, Any] = {"argv": argv, "env": env}
+    if job.python:  # the node's interpreter for torchrun (the agent's own when absent)
+        spec["python"] = job.python
     if job.grow == "in_process":
         # no --max-restarts: a worker that fails exits the node's torchrun, and the daemon
         # takes the node out (its workers were never in torchrun's rendezvous to restart in)

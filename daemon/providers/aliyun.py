@@ -206,6 +206,7 @@ class AliyunProvider(Provider):
     """
 
     name = "aliyun"
+    installs_agent = True
 
     def __init__(self, *, spec: AliyunProviderSpec, access_key_id: str | None = None,
                  access_key_secret: str | None = None, regions: list[str] | None = None,

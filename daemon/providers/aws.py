@@ -185,6 +185,7 @@ class AwsProvider(Provider):
     """
 
     name = "aws"
+    installs_agent = True
 
     def __init__(self, *, spec: AwsProviderSpec, region: str | None = None, regions: Iterable[str] = (),
                  retry_attempts: int = 4, retry_initial_s: float = 0.5, retry_max_s: float = 8.0,

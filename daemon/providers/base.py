@@ -117,9 +117,12 @@ class Instance:
 
 
 class Provider(abc.ABC):
-    """A source of spot instances."""
+    """A source of spot instances. ``installs_agent``: its instances boot from the user
+    data of :mod:`daemon.providers.bootstrap`, which installs the agent from the daemon's
+    wheel (``NodeSpec.agent_wheel``; the daemon publishes it before such a launch)."""
 
     name: str = ""
+    installs_agent: bool = False
 
     @abc.abstractmethod
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:

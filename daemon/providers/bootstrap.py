@@ -46,14 +46,13 @@ import re
 import shlex
 
 from daemon.providers.base import NodeSpec
+from trainer.contract import TRAINER_PYTHONPATH_ENV
 
-__all__ = ["render_user_data", "CA_FILE", "VENV", "TRAINER_PYTHONPATH", "AGENT_BIN", "MAX_USER_DATA_BYTES",
-           "TRAINER_PYTHONPATH_ENV"]
+__all__ = ["render_user_data", "CA_FILE", "VENV", "TRAINER_PYTHONPATH", "AGENT_BIN", "MAX_USER_DATA_BYTES"]
 
 CA_FILE = "/etc/spotvisor/daemon-ca.pem"
 VENV = "/opt/spotvisor/venv"
 TRAINER_PYTHONPATH = "/opt/spotvisor/pythonpath"
-TRAINER_PYTHONPATH_ENV = "SPOTVISOR_TRAINER_PYTHONPATH"
 AGENT_BIN = "/usr/local/bin/spotvisor-agent"  # systemd/spotvisor-agent.service's ExecStart
 # EC2 takes at most 16 KiB of user data before base64 (RunInstances UserData,
 # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html); Alibaba 32 KiB
