@@ -28,6 +28,8 @@ from daemon.model import EventKind
 from daemon.hosts import exposed_address, is_loopback
 from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
 from trainer.batch import ElasticBatch, BatchError
+from daemon.launchspec import (AliyunDomainLaunch, AliyunLaunchSpec, AwsDomainLaunch, AwsLaunchSpec, resolve_aliyun,
+                               resolve_aws)
 
 __all__ = [
     "ConfigError",
@@ -42,6 +44,10 @@ __all__ = [
     "LocalProviderSpec",
     "AwsProviderSpec",
     "AliyunProviderSpec",
+    "AwsDomainLaunch",
+    "AliyunDomainLaunch",
+    "AwsLaunchSpec",
+    "AliyunLaunchSpec",
     "ProvidersSpec",
     "OfferSpec",
     "DomainSpec",
@@ -412,7 +418,14 @@ class DaemonSpec(_Spec):
     # kernel's share (bench/scale.py), so 25 a second keep them near 2 % of one core on a
     # small control node whatever the pool's size; 1,000 nodes are told 40 s
     max_heartbeats_per_second: float = Field(25.0, gt=0)
-    launch_timeout_s: PositiveS = 180.0
+    # from a launch request to the node's agent registering (seconds), for every offer that
+    # names no ``launch_timeout_s`` of its own. 600 s, not 180 s: a p4d/p5 spot instance
+    # spends 1-3 min from RunInstances to ``running``, then a Deep Learning AMI's first boot
+    # loads the NVIDIA and EFA drivers, fabric manager and cloud-init (3-5 min more), then the
+    # bootstrap starts the agent; a timeout below that kills nodes that would have joined
+    # (each one billed) in a loop that never fills the pool, while one above it only delays
+    # the replacement of a launch that truly hung (DEADLINE_START_S assumes the same)
+    launch_timeout_s: PositiveS = 600.0
     # how a cloud node gets its agent (daemon/providers/bootstrap.py): "wheel" (default:
     # its user data installs this daemon's own wheel, published to the job's store, into
     # /opt/spotvisor/venv on any stock image) or "image" (the image carries spotvisor
@@ -536,15 +549,27 @@ class AwsProviderSpec(_Spec):
     """AWS EC2 spot capacity (boto3). Credentials come from boto3's standard chain
     (environment, profile, instance role), never from this file.
 
+    The launch fields here are the defaults of every AWS placement domain; a domain's
+    ``launch:`` block (:class:`daemon.launchspec.AwsDomainLaunch`) overrides them for its
+    region (AMIs, subnets and security groups are region-scoped). ``image_id`` may be left
+    out when every AWS domain gives its own.
+
     ``subnet_ids``: availability zone → subnet id (an offer's zone picks its subnet).
-    ``endpoint_url``: only for tests or VPC endpoints.
+    ``root_volume_gib``: root EBS volume size in GiB (absent: the AMI's); ``root_volume_type``:
+    its type (gp3). ``efa``: EFA interfaces (one per network card) where the instance type
+    supports them. ``instance_store_scratch``: the type's instance-store NVMe disks become
+    the node's checkpoint scratch. ``endpoint_url``: only for tests or VPC endpoints.
     """
 
-    image_id: str = Field(pattern=r"^ami-[0-9a-f]+$")
+    image_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]+$")
     subnet_ids: dict[str, str] = {}
     security_group_ids: list[str] = []
     iam_instance_profile: str | None = None
     key_name: str | None = None
+    root_volume_gib: int | None = Field(None, ge=1, le=16384)
+    root_volume_type: Literal["gp3", "gp2", "io1", "io2"] = "gp3"
+    efa: bool = True
+    instance_store_scratch: bool = True
     launch_method: Literal["run_instances", "create_fleet"] = "run_instances"
     endpoint_url: str | None = None
     agent_metadata_dialect: Literal["aws"] = "aws"
@@ -555,13 +580,23 @@ class AliyunProviderSpec(_Spec):
     Credentials come from the SDK's chain (``ALIBABA_CLOUD_ACCESS_KEY_ID`` /
     ``ALIBABA_CLOUD_ACCESS_KEY_SECRET``, profile, RAM role), never from this file.
 
-    ``vswitch_ids``: zone id → vSwitch id. ``endpoint``: only for tests
-    (``127.0.0.1:PORT``, plain HTTP).
+    The launch fields are the defaults of every Alibaba domain; a domain's ``launch:``
+    block (:class:`daemon.launchspec.AliyunDomainLaunch`) overrides them for its region.
+    ``image_id`` / ``security_group_id`` may be left out when every Alibaba domain gives its own.
+
+    ``vswitch_ids``: zone id → vSwitch id. ``ram_role``: the instance RAM role
+    (``RamRoleName``). ``system_disk_gib`` (20..2048) / ``system_disk_category``: the system
+    disk (absent: ECS's defaults). ``endpoint``: only for tests (``127.0.0.1:PORT``, plain HTTP).
     """
 
-    image_id: str
-    security_group_id: str
+    image_id: str | None = None
+    security_group_id: str | None = None
     vswitch_ids: dict[str, str] = {}
+    ram_role: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]{1,64}$")
+    key_pair_name: str | None = None
+    system_disk_gib: int | None = Field(None, ge=20, le=2048)
+    system_disk_category: Literal["cloud_efficiency", "cloud_ssd", "cloud_essd", "cloud_auto", "cloud_essd_entry",
+                                  "cloud"] | None = None
     spot_strategy: Literal["SpotAsPriceGo", "SpotWithPriceLimit"] = "SpotWithPriceLimit"
     endpoint: str | None = None
 
@@ -590,6 +625,9 @@ class OfferSpec(_Spec):
     # the on-demand list price of this instance type here (USD/hour), for ``spotctl cost``'s
     # on-demand equivalent and savings; absent: that node's savings are shown as unknown
     on_demand_price_usd_h: float | None = Field(None, ge=0)
+    # from its launch request to its agent registering (seconds), else the node is
+    # terminated as launch_timeout; absent: daemon.launch_timeout_s (600 s, why: see there)
+    launch_timeout_s: PositiveS | None = None
 
     def memory_gib(self) -> float | None:
         """GiB of memory per GPU: ``gpu_memory_gib``, else from ``gpu_type`` (None: no GPU).
@@ -648,6 +686,24 @@ class DomainSpec(_Spec):
     oss_endpoint: str | None = None
     rendezvous: DomainRendezvous | None = None
     egress_usd_per_gb: float = Field(0.0, ge=0)
+    # what its instances are launched with, over the provider section's defaults
+    # (daemon/launchspec.py: AwsDomainLaunch for aws, AliyunDomainLaunch for aliyun)
+    launch: AwsDomainLaunch | AliyunDomainLaunch | None = None
+
+    @field_validator("launch", mode="wrap")
+    @classmethod
+    def _launch_of_provider(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        if value is None or isinstance(value, (AwsDomainLaunch, AliyunDomainLaunch)):
+            return value
+        provider = info.data.get("provider", "local")
+        kind = {"aws": AwsDomainLaunch, "aliyun": AliyunDomainLaunch}.get(provider)
+        if kind is None:
+            raise ValueError(f"the {provider} provider has no launch settings (remove launch)")
+        if isinstance(value, dict):
+            for key in value:
+                if key not in kind.model_fields:
+                    raise ValueError(f"{key} is not a launch setting of an {provider} domain (valid: {kind.keys()})")
+        return kind.model_validate(value)  # its errors come out at domains.N.launch.FIELD
 
 
 class MigrationSpec(_Spec):
@@ -675,11 +731,14 @@ class Domain:
     """A resolved placement domain: its name, place, store, rendezvous and offers.
 
     ``offers``: indices into ``config.offers``. ``rendezvous``: the endpoint (with the
-    top-level section's timeouts). Built by :meth:`Config.domains_resolved`.
+    top-level section's timeouts). ``launch``: its ``launch:`` block (None: the provider
+    section's defaults alone); ``index``: its position in ``domains:`` (None: the implicit
+    domain of a config without ``domains:``). Built by :meth:`Config.domains_resolved`.
     """
 
     __slots__ = ("name", "provider", "region", "placement_group", "mix_zones", "mix_gpu_types",
-                 "checkpoint_uri", "s3_endpoint_url", "oss_endpoint", "rendezvous", "egress_usd_per_gb", "offers")
+                 "checkpoint_uri", "s3_endpoint_url", "oss_endpoint", "rendezvous", "egress_usd_per_gb", "offers",
+                 "launch", "index")
 
     def __init__(self, **kw: Any) -> None:
         for k in self.__slots__:
@@ -923,6 +982,84 @@ class Config(_Spec):
                                  f"job.target_steps {self.job.target_steps} (use a smaller step)")
         return self
 
+    @model_validator(mode="after")
+    def _launch_specs(self) -> "Config":
+        """Every cloud domain resolves to a launch spec (an image at least), and no
+        region-scoped id is shared by two regions: an AMI id, a security group id, an
+        Alibaba custom image (``m-...``) or security group names a resource of one region,
+        so the same id in a second region cannot launch there."""
+        seen: dict[tuple[str, str, str], tuple[str, str]] = {}  # (provider, field, id) -> (region, domain)
+        for d in _resolve_domains(self):
+            if d.provider not in ("aws", "aliyun") or getattr(self.providers, d.provider) is None:
+                continue
+            spec = self.launch_spec(d.name)  # ValueError: no image / group, named by field
+            where = _launch_path(d)
+            if isinstance(spec, AwsLaunchSpec):
+                ids = [("image_id", spec.image_id), *(("security_group_ids", g) for g in spec.security_group_ids)]
+            else:
+                ids = [("security_group_id", spec.security_group_id)]
+                if spec.image_id.startswith("m-"):  # a custom image (a public image's id is the same everywhere)
+                    ids.append(("image_id", spec.image_id))
+            for name, value in ids:
+                other = seen.setdefault((d.provider, name, value), (d.region, d.name))
+                if other[0] != d.region:
+                    what = {"image_id": "an image id names an image in one region only",
+                            "security_group_ids": "a security group belongs to one region's VPC",
+                            "security_group_id": "a security group belongs to one region's VPC"}[name]
+                    how = (f", e.g. from aws ec2 copy-image --source-region {other[0]} --region {d.region}"
+                           if (d.provider, name) == ("aws", "image_id") else "")
+                    raise ValueError(f"{where}.{name}: {value} is already domain {other[1]}'s in {other[0]}, and {what} "
+                                     f"(set {where}.{name} to {d.name}'s own in {d.region}{how})")
+        return self
+
+    def launch_spec(self, target: "str | Domain | OfferSpec | Any | None" = None) -> AwsLaunchSpec | AliyunLaunchSpec:
+        """What an instance is launched with: the domain's ``launch:`` fields over the
+        provider section's (:mod:`daemon.launchspec`). Pure.
+
+        ``target``: a domain name, a :class:`Domain`, an offer (:class:`OfferSpec` or the
+        planner's ``daemon.control.offers.Offer``: its domain is the config's offer with
+        the same key, else the first domain of its provider and region), or None (the first
+        domain).
+
+        Raises:
+            KeyError: no such domain, or an offer in no domain of this config.
+            ValueError: the domain's provider launches nothing (local), or the spec lacks
+                an image / security group (one line naming the field and the fix).
+        """
+        domain = self._domain_for(target)
+        provider = getattr(self.providers, domain.provider, None)
+        if domain.provider == "aws" and provider is not None:
+            return resolve_aws(provider, domain.launch, domain=domain.name, region=domain.region,  # type: ignore[arg-type]
+                               where=_launch_path(domain))
+        if domain.provider == "aliyun" and provider is not None:
+            return resolve_aliyun(provider, domain.launch, domain=domain.name, region=domain.region,  # type: ignore[arg-type]
+                                  where=_launch_path(domain))
+        raise ValueError(f"domain {domain.name!r}: the {domain.provider} provider has no launch spec")
+
+    def launch_timeout_s(self, offer_key: str | None) -> float:
+        """Seconds a node bought from offer ``offer_key`` may take from its launch request to
+        its agent registering: the offer's ``launch_timeout_s``, else ``daemon.launch_timeout_s``
+        (also for a key no offer of this config has any more)."""
+        for o in self.offers:
+            if o.key == offer_key and o.launch_timeout_s is not None:
+                return o.launch_timeout_s
+        return self.daemon.launch_timeout_s
+
+    def _domain_for(self, target: Any) -> Domain:
+        if target is None or isinstance(target, str):
+            return self.domain(target)
+        if isinstance(target, Domain):
+            return target
+        name = getattr(target, "domain", None) if isinstance(target, OfferSpec) else None
+        if name is None:
+            name = self.domain_of_key(getattr(target, "key", None))
+        if name is not None:
+            return self.domain(name)
+        for d in _resolve_domains(self):  # an offer this config does not list: its place's domain
+            if (d.provider, d.region) == (getattr(target, "provider", None), getattr(target, "region", None)):
+                return d
+        raise KeyError(f"no placement domain for offer {getattr(target, 'key', target)!r}")
+
     def _check_deadline(self) -> None:
         """A deadline needs a step time to plan with and on-demand offers to fall back on,
         and must leave room for the job on on-demand nodes (boot, start, every step)."""
@@ -1062,7 +1199,8 @@ def _resolve_domains(c: Config) -> list[Domain]:
                           mix_zones=d.mix_zones, mix_gpu_types=d.mix_gpu_types, checkpoint_uri=uri,
                           s3_endpoint_url=d.s3_endpoint_url or c.job.s3_endpoint_url,
                           oss_endpoint=d.oss_endpoint or c.job.oss_endpoint, rendezvous=rdzv,
-                          egress_usd_per_gb=d.egress_usd_per_gb, offers=tuple(members[d.name])))
+                          egress_usd_per_gb=d.egress_usd_per_gb, offers=tuple(members[d.name]), launch=d.launch,
+                          index=i if c.domains else None))
     endpoints = [(d.rendezvous.host, d.rendezvous.port) for d in out]
     for i, ep in enumerate(endpoints):
         if ep in endpoints[:i]:
@@ -1072,6 +1210,12 @@ def _resolve_domains(c: Config) -> list[Domain]:
         if ev.domain is not None and ev.domain not in names:
             raise ValueError(f"chaos.{i}.domain: no domain named {ev.domain!r} (domains: {', '.join(names)})")
     return out
+
+
+def _launch_path(d: Domain) -> str:
+    """Where a domain's launch fields are set: ``domains.N.launch``, or the provider section
+    for the implicit domain of a config without ``domains:``."""
+    return f"providers.{d.provider}" if d.index is None else f"domains.{d.index}.launch"
 
 
 def _slug(text: str) -> str:

@@ -311,8 +311,8 @@ class Supervisor:
         domain = self.domain_of(n)
         return a.NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at, domain=domain,
                           held=self.migrator.held(domain), market=n.market, attempt=self.tracker.attempt_of(n.id),
-                          last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
-                          trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
+                          last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing, trainer=n.trainer,
+                          ordinal=n.ordinal, ready_at=n.ready_at, launch_timeout_s=self.config.launch_timeout_s(n.offer_key),
                           # not told by this daemon (it restarted): what it would be told now
                           heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
 
