@@ -47,6 +47,7 @@ import shlex
 
 from daemon.providers.base import NodeSpec
 from trainer.contract import TRAINER_PYTHONPATH_ENV
+from daemon.providers.scratch import scratch_snippet
 
 __all__ = ["render_user_data", "CA_FILE", "VENV", "TRAINER_PYTHONPATH", "AGENT_BIN", "MAX_USER_DATA_BYTES"]
 
@@ -77,7 +78,7 @@ SPOTVISOR_AGENT_TOKEN={token}
 SPOTVISOR_METADATA_DIALECT={dialect}
 {ca_env}{extra_env}SPOTVISOR_ENV
 umask 022
-{install_block}systemctl daemon-reload
+{install_block}{scratch}systemctl daemon-reload
 systemctl enable --now spotvisor-agent.service
 """
 
@@ -151,9 +152,11 @@ def _install_block(node: NodeSpec) -> str:
                            venv=VENV, pythonpath=TRAINER_PYTHONPATH, agent_bin=AGENT_BIN)
 
 
-def render_user_data(node: NodeSpec, *, dialect: str) -> str:
+def render_user_data(node: NodeSpec, *, dialect: str, scratch: bool = False) -> str:
     """The user-data script (text, at most :data:`MAX_USER_DATA_BYTES`: EC2's limit) that
     installs (with ``node.agent_wheel``) and starts this node's agent.
+    ``scratch``: first make the instance-store NVMe disks its checkpoint scratch
+    (:func:`daemon.providers.scratch.scratch_snippet`).
 
     Raises:
         ValueError: a field holds characters that cannot go in an env file line, the
@@ -173,7 +176,8 @@ def render_user_data(node: NodeSpec, *, dialect: str) -> str:
     ca_env = "" if ca is None else f"SPOTVISOR_DAEMON_CA_FILE={CA_FILE}\n"
     extra_env = "" if node.agent_wheel is None else f"{TRAINER_PYTHONPATH_ENV}={TRAINER_PYTHONPATH}\n"
     script = _TEMPLATE.format(**fields, etc_mode="0700" if ca is None else "0755", ca_block=ca_block, ca_env=ca_env,
-                              extra_env=extra_env, install_block=_install_block(node))
+                              extra_env=extra_env, install_block=_install_block(node),
+                              scratch=scratch_snippet() if scratch else "")
     if len(script.encode()) > MAX_USER_DATA_BYTES:
         raise ValueError(f"node bootstrap: the user data is {len(script.encode())} bytes, over EC2's "
                          f"{MAX_USER_DATA_BYTES} (a CA bundle or URL too long)")
