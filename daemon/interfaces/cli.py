@@ -106,7 +106,11 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
     providers = dict(providers) if providers is not None else {
-        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
+        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args,
+                              # the clouds launch each offer with its domain's spec (daemon/launchspec.py) and
+                              # search every offer's region (a restarted daemon finds its instances at once)
+                              **({} if name == "local" else {"launch_spec": config.launch_spec, "regions": sorted(
+                                  {o.region for o in config.offers if o.provider == name})}))
         for name in sorted({o.provider for o in config.offers})
     }
     sup = Supervisor(config, providers=providers, store=store, policy=policy)

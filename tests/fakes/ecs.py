@@ -28,7 +28,14 @@ It follows the documents (and the SDK source where the documents are silent):
   ``SpotPriceLimit``, ``SpotDuration`` (0..6), ``SpotInterruptionBehavior``,
   ``UserData`` (base64, at most 32 KB), ``Tag.N.Key`` / ``Tag.N.Value`` (N in 1..20),
   ``Amount`` (1..100), ``ClientToken`` (at most 64 ASCII characters, idempotency: the
-  same token answers the same ``InstanceIdSets`` without creating anything).
+  same token answers the same ``InstanceIdSets`` without creating anything),
+  ``RamRoleName`` (the instance RAM role; one the account lacks is
+  ``InvalidRamRole.NotFound``, 404), ``KeyPairName``, ``SystemDisk.Size`` (GiB: 20..500
+  for ``cloud``, 20..2048 for the other categories, else
+  ``InvalidSystemDiskSize.ValueNotSupported``, 400) and ``SystemDisk.Category``
+  (``cloud``, ``cloud_efficiency``, ``cloud_ssd``, ``cloud_essd``, ``cloud_auto``,
+  ``cloud_essd_entry``, else ``InvalidSystemDiskCategory.ValueNotSupported``, 400)
+  (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-runinstances).
   Response ``{"RequestId", "InstanceIdSets": {"InstanceIdSet": [...]}, "OrderId",
   "TradePrice"}``.
 - DescribeInstances (api-describeinstances): ``InstanceIds`` (a JSON array string, at
@@ -52,13 +59,16 @@ the HTTP status of ``InvalidVersion`` / ``InvalidParameter.Format`` / missing co
 parameters (400 here); the code for ``SpotWithPriceLimit`` without ``SpotPriceLimit``
 (``MissingParameter``, 400); a reused ``ClientToken`` with different parameters
 (``IdempotentParameterMismatch``, 400); how long ECS remembers a ``ClientToken``
-(forever here); deleting a ``Pending`` instance (``IncorrectInstanceStatus.Initializing``,
+(forever here); the lower bound of ``SystemDisk.Size`` per ESSD performance level and
+the image's own size (20 GiB for every category here); the HTTP status of
+``InvalidRamRole.NotFound`` (404, as in AttachInstanceRamRole's table); deleting a ``Pending`` instance (``IncorrectInstanceStatus.Initializing``,
 403); the order of ``SpotPriceType`` entries (oldest first here).
 
 Test hooks (not part of ECS): :meth:`FakeEcs.fail_next` (answer the next calls of an
 action with a documented error), :meth:`FakeEcs.delay_next` (apply the call, then
 answer late -- a client timeout after the request reached ECS), :attr:`FakeEcs.prices`
 (``(instance_type, zone) -> [(timestamp, price)]``), :attr:`FakeEcs.currency`,
+:attr:`FakeEcs.ram_roles` (the account's RAM role names; None: any name exists),
 :meth:`FakeEcs.reclaim` (ECS releases a spot instance), and the logs
 :attr:`FakeEcs.requests` (every signed request's parameters, by action) and
 :attr:`FakeEcs.instances`.
@@ -118,7 +128,12 @@ ERROR_STATUS: dict[str, int] = {
     "InvalidUserData.SizeExceeded": 400,
     "InvalidUserData.Base64FormatInvalid": 400,
     "InvalidAction.NotFound": 404,
+    "InvalidSystemDiskSize.ValueNotSupported": 400,
+    "InvalidSystemDiskCategory.ValueNotSupported": 400,
+    "InvalidRamRole.NotFound": 404,
 }
+
+SYSTEM_DISK_CATEGORIES = ("cloud", "cloud_efficiency", "cloud_ssd", "cloud_essd", "cloud_auto", "cloud_essd_entry")
 
 _REQUIRED_COMMON = ("Action", "Version", "Format", "AccessKeyId", "SignatureMethod",
                     "SignatureVersion", "SignatureNonce", "Timestamp", "Signature")
@@ -168,6 +183,10 @@ class FakeInstance:
     created: float
     status: str | None = None
     lock_reasons: list[str] = field(default_factory=list)
+    ram_role: str | None = None
+    key_pair_name: str | None = None
+    system_disk_gib: int | None = None  # None: ECS's default (max(40, image size))
+    system_disk_category: str | None = None
 
 
 @dataclass(slots=True)
@@ -209,6 +228,7 @@ class FakeEcs:
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.prices: dict[tuple[str, str], list[tuple[str, float]]] = {}
         self.currency = "USD"
+        self.ram_roles: set[str] | None = None
         self.auth_failures = 0
         self._tokens: dict[tuple[str, str], tuple[str, list[str]]] = {}  # (region, token) -> (digest, ids)
         self._faults: dict[str, list[_Fault]] = {}
@@ -411,6 +431,10 @@ class FakeEcs:
         for n in range(1, 21):
             if f"Tag.{n}.Key" in p:
                 tags[p[f"Tag.{n}.Key"]] = p.get(f"Tag.{n}.Value", "")
+        disk = self._system_disk(p)
+        role = p.get("RamRoleName") or None
+        if role is not None and self.ram_roles is not None and role not in self.ram_roles:
+            raise _ApiError("InvalidRamRole.NotFound", "The specified RAMRoleName does not exist.")
         amount = int(p.get("Amount", "1"))
         if not 1 <= amount <= 100:
             raise _ApiError("InvalidParameter", "The specified Amount is not valid.")
@@ -419,11 +443,30 @@ class FakeEcs:
             iid = f"i-fake{next(self._seq):012x}"
             self.instances[iid] = FakeInstance(
                 iid, region, zone, itype, p["ImageId"], p["SecurityGroupId"], p["VSwitchId"], strategy, limit,
-                duration, charge, user_data, dict(tags), time.time())
+                duration, charge, user_data, dict(tags), time.time(), ram_role=role,
+                key_pair_name=p.get("KeyPairName") or None, system_disk_gib=disk[0], system_disk_category=disk[1])
             ids.append(iid)
         if token:
             self._tokens[(region, token)] = (digest, ids)
         return {"InstanceIdSets": {"InstanceIdSet": ids}, "OrderId": str(next(self._seq)), "TradePrice": 0.0}
+
+    @staticmethod
+    def _system_disk(p: dict[str, str]) -> tuple[int | None, str | None]:
+        """``SystemDisk.Size`` (GiB) and ``SystemDisk.Category`` as RunInstances checks them."""
+        category = p.get("SystemDisk.Category") or None
+        if category is not None and category not in SYSTEM_DISK_CATEGORIES:
+            raise _ApiError("InvalidSystemDiskCategory.ValueNotSupported",
+                            "The specified parameter \"SystemDisk.Category\" is not valid.")
+        size = None
+        if p.get("SystemDisk.Size"):
+            try:
+                size = int(p["SystemDisk.Size"])
+            except ValueError:
+                size = -1
+            if not 20 <= size <= (500 if category == "cloud" else 2048):
+                raise _ApiError("InvalidSystemDiskSize.ValueNotSupported",
+                                "The specified parameter SystemDisk.Size is invalid.")
+        return size, category
 
     def _describe_instances(self, p: dict[str, str]) -> dict[str, object]:
         region = p["RegionId"]
