@@ -60,11 +60,9 @@ still complete cloud-side; ``describe(tag)`` is the source of truth afterwards.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import boto3
@@ -90,7 +88,17 @@ from daemon.providers.base import (
     TransientError,
     register_provider,
 )
-from daemon.providers.bootstrap import render_user_data
+from daemon.providers.aws_launch import (
+    ImageFacts,
+    LaunchFacts,
+    TypeFacts,
+    build_run_instances,
+    efa_interfaces,
+    facts_from,
+    image_facts,
+    launch_template_data,
+    type_facts,
+)
 
 __all__ = ["AwsProvider", "PriceError", "client_token", "map_client_error", "LaunchFacts", "ImageFacts",
            "TypeFacts", "efa_interfaces", "launch_template_data"]
@@ -120,70 +128,6 @@ _TRANSIENT_CODES = frozenset({
 })
 _NOT_FOUND_CODES = frozenset({"InvalidInstanceID.NotFound"})
 
-
-
-@dataclass(frozen=True, slots=True)
-class ImageFacts:
-    """What a launch needs to know of an AMI (DescribeImages): its root device's name."""
-
-    root_device_name: str
-
-
-@dataclass(frozen=True, slots=True)
-class TypeFacts:
-    """What a launch needs to know of an instance type (DescribeInstanceTypes).
-
-    ``efa_interfaces``: EFA interfaces it takes, one per network card (0: no EFA);
-    ``instance_store_disks``: its instance-store NVMe disks (0: none).
-    """
-
-    efa_interfaces: int = 0
-    instance_store_disks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchFacts:
-    """The EC2 facts one offer's launch request depends on. ``image`` None: not needed
-    (the spec sets no root-volume size)."""
-
-    image: ImageFacts | None
-    itype: TypeFacts
-
-
-def efa_interfaces(cards: int, *, subnet: str | None, groups: tuple[str, ...]) -> list[dict[str, Any]]:
-    """RunInstances ``NetworkInterfaces`` for ``cards`` EFA interfaces, one per network card:
-    card 0 device 0 ``efa`` (the primary: EFA with ENA, carries the instance's IP), cards
-    1..N-1 device 0 ``efa-only`` (no IP address). Pure. Source: "Maximize network
-    bandwidth on Amazon EC2 instances with multiple network cards",
-    https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html.
-    """
-    out: list[dict[str, Any]] = []
-    for card in range(cards):
-        ni: dict[str, Any] = {"NetworkCardIndex": card, "DeviceIndex": 0,
-                              "InterfaceType": "efa" if card == 0 else "efa-only", "DeleteOnTermination": True}
-        if subnet:
-            ni["SubnetId"] = subnet
-        if groups:
-            ni["Groups"] = list(groups)
-        out.append(ni)
-    return out
-
-
-# RunInstances keywords a launch template carries as they are (LaunchTemplateData has the same shapes:
-# https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_RequestLaunchTemplateData.html)
-_TEMPLATE_KEYS = ("ImageId", "TagSpecifications", "SecurityGroupIds", "IamInstanceProfile", "KeyName",
-                  "BlockDeviceMappings", "NetworkInterfaces")
-
-
-def launch_template_data(request: dict[str, Any]) -> dict[str, Any]:
-    """The ``LaunchTemplateData`` of the create_fleet path for a RunInstances request
-    (:meth:`AwsProvider.run_instances_request`): the same image, tags, groups, profile,
-    key, root volume and EFA interfaces, the user data base64-encoded (templates take it
-    encoded). The instance type, zone, subnet (without EFA), spot options and placement go
-    into the fleet's overrides instead. Pure."""
-    data = {k: request[k] for k in _TEMPLATE_KEYS if k in request}
-    data["UserData"] = base64.b64encode(request["UserData"].encode()).decode()
-    return data
 
 
 def client_token(node_id: str) -> str:
@@ -451,119 +395,42 @@ class AwsProvider(Provider):
 
         Raises AuthError, TransientError, ProviderError (the image is not in the region).
         """
-        launch = self.launch_spec_of(offer)
-        region = offer.region
-        image: ImageFacts | None = None
-        if launch.root_volume_gib is not None:
-            key = (region, launch.image_id)
-            if key not in self._images:
-                resp = await self._call(region, "describe_images", ImageIds=[launch.image_id])
-                images = resp.get("Images", [])
-                if not images or not images[0].get("RootDeviceName"):
-                    raise ProviderError(f"DescribeImages in {region}: no image {launch.image_id} (set the domain's "
-                                        f"launch.image_id to an AMI of {region})")
-                self._images[key] = ImageFacts(root_device_name=images[0]["RootDeviceName"])
-            image = self._images[key]
-        itype = TypeFacts()
-        if launch.efa or launch.instance_store_scratch:
-            key = (region, offer.instance_type)
-            if key not in self._types:
-                self._types[key] = await self._type_facts(region, offer.instance_type)
-            itype = self._types[key]
-        return LaunchFacts(image=image, itype=itype)
+        launch, region = self.launch_spec_of(offer), offer.region
+        if launch.root_volume_gib is not None and (region, launch.image_id) not in self._images:
+            resp = await self._call(region, "describe_images", ImageIds=[launch.image_id])
+            self._images[(region, launch.image_id)] = image_facts(resp, region=region, image_id=launch.image_id)
+        if (launch.efa or launch.instance_store_scratch) and (region, offer.instance_type) not in self._types:
+            self._types[(region, offer.instance_type)] = await self._type_facts(region, offer.instance_type)
+        return facts_from(launch, offer, self._images, self._types)  # type: ignore[return-value]  (all cached now)
 
     async def _type_facts(self, region: str, instance_type: str) -> TypeFacts:
         try:
-            resp = await self._call(region, "describe_instance_types", InstanceTypes=[instance_type])
+            return type_facts(await self._call(region, "describe_instance_types", InstanceTypes=[instance_type]))
         except ProviderError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, botocore.exceptions.ClientError) and _error_code(cause) == "InvalidInstanceType":
-                log.warning("aws_unknown_instance_type", region=region, instance_type=instance_type)
-                return TypeFacts()
-            raise
-        types = resp.get("InstanceTypes", [])
-        if not types:
+            if not (isinstance(exc.__cause__, botocore.exceptions.ClientError)
+                    and _error_code(exc.__cause__) == "InvalidInstanceType"):
+                raise
+            log.warning("aws_unknown_instance_type", region=region, instance_type=instance_type)
             return TypeFacts()
-        net = types[0].get("NetworkInfo", {})
-        efa = 0
-        if net.get("EfaSupported"):
-            cards = int(net.get("MaximumNetworkCards") or 1)
-            efa = min(cards, int(net.get("EfaInfo", {}).get("MaximumEfaInterfaces") or cards))
-        disks = sum(int(d.get("Count", 0)) for d in types[0].get("InstanceStorageInfo", {}).get("Disks", []))
-        return TypeFacts(efa_interfaces=efa, instance_store_disks=disks)
 
     def cached_facts(self, offer: Offer) -> LaunchFacts | None:
         """The facts :meth:`launch_facts` found for ``offer``, or None when not all are cached."""
-        launch = self.launch_spec_of(offer)
-        image = None
-        if launch.root_volume_gib is not None:
-            image = self._images.get((offer.region, launch.image_id))
-            if image is None:
-                return None
-        itype = TypeFacts()
-        if launch.efa or launch.instance_store_scratch:
-            found = self._types.get((offer.region, offer.instance_type))
-            if found is None:
-                return None
-            itype = found
-        return LaunchFacts(image=image, itype=itype)
+        return facts_from(self.launch_spec_of(offer), offer, self._images, self._types)
 
     def run_instances_request(self, offer: Offer, node: NodeSpec, facts: LaunchFacts | None = None) -> dict[str, Any]:
         """The exact RunInstances parameters (boto3 keywords) that launch ``node`` for ``offer``.
-
         Pure (no I/O): :meth:`launch` sends it, and ``spotvisord check`` sends it again with
         ``DryRun=True`` (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_RunInstances.html).
-        ``facts``: the EC2 facts it depends on; None: those :meth:`launch_facts` cached
-        (``await provider.launch_facts(offer)`` first).
-
-        Raises:
-            RuntimeError: no ``facts`` given and none cached for this offer.
-            ValueError: a node field cannot go into the user-data, or the spec has no image.
-        """
+        ``facts``: the EC2 facts it depends on; None: those cached by ``await launch_facts(offer)``.
+        Raises RuntimeError (no ``facts`` and none cached), ValueError (a node field cannot go
+        into the user-data, or the spec has no image)."""
         launch = self.launch_spec_of(offer)
         if facts is None:
             facts = self.cached_facts(offer)
             if facts is None:
                 raise RuntimeError(f"no EC2 facts for {offer.key}: call `await provider.launch_facts(offer)` first")
-        spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
-        if offer.max_price_usd_h is not None:
-            spot["MaxPrice"] = str(offer.max_price_usd_h)
-        scratch = launch.instance_store_scratch and facts.itype.instance_store_disks > 0
-        kwargs: dict[str, Any] = {
-            "ImageId": launch.image_id,
-            "InstanceType": offer.instance_type,
-            "MinCount": 1,
-            "MaxCount": 1,
-            "UserData": render_user_data(node, dialect=self.spec.agent_metadata_dialect,  # boto3 base64-encodes
-                                         scratch=scratch),
-            "TagSpecifications": [{"ResourceType": "instance", "Tags": self._tags(node)}],
-            "ClientToken": client_token(node.node_id),
-        }
-        if not offer.on_demand:  # the on-demand fallback launches without market options
-            kwargs["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
-        subnet = launch.subnet(offer.zone)
-        if offer.zone:
-            kwargs["Placement"] = {"AvailabilityZone": offer.zone}
-        if offer.placement_group:  # the domain's cluster placement group (RunInstances Placement.GroupName)
-            kwargs.setdefault("Placement", {})["GroupName"] = offer.placement_group
-        if launch.efa and facts.itype.efa_interfaces > 0:
-            # subnet and groups live in the interfaces: RunInstances refuses them at both levels
-            kwargs["NetworkInterfaces"] = efa_interfaces(facts.itype.efa_interfaces, subnet=subnet,
-                                                         groups=launch.security_group_ids)
-        else:
-            if subnet:
-                kwargs["SubnetId"] = subnet
-            if launch.security_group_ids:
-                kwargs["SecurityGroupIds"] = list(launch.security_group_ids)
-        if launch.root_volume_gib is not None and facts.image is not None:
-            kwargs["BlockDeviceMappings"] = [{"DeviceName": facts.image.root_device_name, "Ebs": {
-                "VolumeSize": launch.root_volume_gib, "VolumeType": launch.root_volume_type,
-                "DeleteOnTermination": True}}]
-        if launch.iam_instance_profile:
-            kwargs["IamInstanceProfile"] = _profile(launch.iam_instance_profile)
-        if launch.key_name:
-            kwargs["KeyName"] = launch.key_name
-        return kwargs
+        return build_run_instances(offer, node, launch, facts, dialect=self.spec.agent_metadata_dialect,
+                                   tags=self._tags(node), token=client_token(node.node_id))
 
     async def _run_instances(self, region: str, offer: Offer, node: NodeSpec) -> Instance:
         kwargs = self.run_instances_request(offer, node)
