@@ -48,6 +48,13 @@ NON_CALL_GRANTS: dict[str, dict[str, tuple[str, str]]] = {
             "for tag-on-create, scoped with ec2:CreateAction "
             "(https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/supported-iam-actions-tagging.html)"),
     },
+    "configs/policies/aliyun-control-node.json": {
+        "ram:PassRole": (
+            "ecs:RunInstances",
+            "RunInstances carries RamRoleName (a domain's launch.ram_role); attaching a RAM role to an "
+            "instance needs ram:PassRole on that role "
+            "(https://www.alibabacloud.com/help/en/ecs/user-guide/attach-an-instance-ram-role-to-an-ecs-instance)"),
+    },
 }
 
 
