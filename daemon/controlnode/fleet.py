@@ -57,9 +57,11 @@ class Fleet:
         self.launching: set[str] = set()  # node ids whose provider.launch call is in flight
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
         d = core.config.daemon
-        # the agent's wheel for nodes that install it at boot; a URL lives a bit over a launch
+        # the agent's wheel for nodes that install it at boot; a URL lives a bit over the
+        # slowest offer's launch timeout (a node fetches it while it boots)
+        slowest = max([core.config.launch_timeout_s(o.key) for o in core.config.offers] or [d.launch_timeout_s])
         self.agent_wheels = AgentWheels(configured=d.agent_wheel, work_dir=d.state_path() / "agent-wheel",
-                                        open_store=self._checkpoint_store, expires_s=int(d.launch_timeout_s) + 600)
+                                        open_store=self._checkpoint_store, expires_s=int(slowest) + 600)
 
     # -- providers ----------------------------------------------------------------------------
     @property
