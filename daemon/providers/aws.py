@@ -468,6 +468,10 @@ class AwsProvider(Provider):
         try:
             resp = await self._call_once(
                 region, "create_fleet", Type="instant", ClientToken=token,
+                # the request itself carries the instance tags too (an instant fleet tags its
+                # instances at launch): the control node's policy allows a launch only of
+                # instances tagged with its pool (aws:RequestTag, configs/policies/)
+                TagSpecifications=[{"ResourceType": "instance", "Tags": self._tags(node)}],
                 SpotOptions={"AllocationStrategy": "price-capacity-optimized",
                              "InstanceInterruptionBehavior": "terminate"},
                 LaunchTemplateConfigs=[{
