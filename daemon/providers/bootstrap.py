@@ -108,12 +108,22 @@ else
   esac
   GOT="$(sha256sum "$W" | cut -d' ' -f1)"
   [ "$GOT" = "$SHA" ] || {{ say "agent wheel sha256 $GOT, expected $SHA: refusing to install it"; exit 1; }}
-  PY=""
-  for c in python3 python3.13 python3.12 python3.11 /opt/conda/bin/python3 /opt/pytorch/bin/python3; do
-    if command -v "$c" >/dev/null && "$c" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' \
-        2>/dev/null; then PY="$c"; break; fi
-  done
-  [ -n "$PY" ] || {{ say "no Python >= 3.11 with venv and ensurepip on this image"; exit 1; }}
+  find_py() {{
+    for c in python3 python3.13 python3.12 python3.11 /opt/conda/bin/python3 /opt/pytorch/bin/python3; do
+      if command -v "$c" >/dev/null && "$c" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' \
+          2>/dev/null; then echo "$c"; return 0; fi
+    done
+    return 1
+  }}
+  PY="$(find_py || true)"
+  # Ubuntu's own python3 (24.04: 3.12) ships venv's ensurepip in a separate package
+  if [ -z "$PY" ] && command -v apt-get >/dev/null \
+      && python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    say "installing python3-venv for the agent's own virtualenv"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv >&2 || true
+    PY="$(find_py || true)"
+  fi
+  [ -n "$PY" ] || {{ say "no Python >= 3.11 with venv and ensurepip on this image (Ubuntu 24.04 images have one)"; exit 1; }}
   VE="$R{venv}"
   rm -rf "$VE"
   "$PY" -m venv "$VE"
