@@ -27,6 +27,7 @@ from daemon.control.offers import offer_key
 from daemon.model import EventKind
 from daemon.hosts import exposed_address, is_loopback
 from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
+from daemon.secretref import SecretRef, check_env_name, parse_secret_ref
 from trainer.batch import ElasticBatch, BatchError
 from daemon.launchspec import (AliyunDomainLaunch, AliyunLaunchSpec, AwsDomainLaunch, AwsLaunchSpec, resolve_aliyun,
                                resolve_aws)
@@ -62,6 +63,7 @@ __all__ = [
     "MAX_POOL_NODES",
     "LOCAL_MAX_NODES",
     "MAX_JOB_ARGS_BYTES",
+    "MAX_JOB_ENV_BYTES",
     "load_config",
     "format_problems",
 ]
@@ -116,6 +118,10 @@ LOCAL_MAX_NODES = 64
 # 8 MiB stack; E2BIG "Argument list too long") or one string over MAX_ARG_STRLEN
 # (131072 bytes); 64 KiB leaves room for spotvisor's own flags and the environment.
 MAX_JOB_ARGS_BYTES = 65536
+
+# job.env's values, all together (bytes of NAME=value, as the kernel counts them): the
+# workers' environment shares ARG_MAX with their command line (job.args, 64 KiB above)
+MAX_JOB_ENV_BYTES = 65536
 
 
 class PoolSpec(_Spec):
@@ -208,6 +214,14 @@ class JobSpec(_Spec):
     flags below (``--target-steps`` ...) and then ``args``. ``module`` and ``args``
     together take at most :data:`MAX_JOB_ARGS_BYTES` (64 KiB, each string counted in
     UTF-8 with its terminating NUL, as the kernel counts it) and hold no NUL character.
+
+    ``env``: ``{NAME: value}`` added to the trainer's environment on every node (at most
+    :data:`MAX_JOB_ENV_BYTES` in all). ``secrets``: ``{NAME: SOURCE}``, each value read by
+    the daemon at start from ``SOURCE`` (``file:/path[#KEY]``, ``ssm:/name``,
+    ``secretsmanager:name[#KEY]``, ``kms:name[#KEY]``, cloud ones with an optional
+    ``?region=``: :mod:`daemon.secretref`) and handed to the trainers only, over the agent
+    channel (:mod:`daemon.controlnode.job_secrets`). Names: POSIX, none of spotvisor's or
+    torchrun's own, none in both maps.
     """
 
     id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -244,6 +258,39 @@ class JobSpec(_Spec):
     # seconds per step at the pool's target size, on the offers' GPUs: what the deadline
     # plans with (needed with a deadline; measure it with a short run)
     step_s: float | None = Field(None, gt=0)
+    env: dict[str, str] = {}
+    secrets: dict[str, str] = {}
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            problem = check_env_name(name)
+            if problem is not None:
+                raise ValueError(problem)
+            if "\0" in value:
+                raise ValueError(f"{name}: the value contains a NUL character, which no environment can carry")
+        size = sum(len(f"{k}={v}".encode("utf-8", "surrogatepass")) + 1 for k, v in env.items())
+        if size > MAX_JOB_ENV_BYTES:
+            raise ValueError(f"{size} bytes, over the {MAX_JOB_ENV_BYTES} the workers' environment can safely take "
+                             "(put long settings in a file the job reads)")
+        return env
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, secrets: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        for name, source in secrets.items():
+            problem = check_env_name(name)
+            if problem is None and name in (info.data.get("env") or {}):
+                problem = f"{name} is in job.env too (give it in one of them)"
+            if problem is None:
+                try:
+                    parse_secret_ref(source)
+                except ValueError as exc:
+                    problem = f"{name}: {exc}"
+            if problem is not None:
+                raise ValueError(problem)
+        return secrets
 
     @field_validator("python")
     @classmethod
@@ -911,6 +958,25 @@ class Config(_Spec):
         """Every offer in exactly one placement domain; no job across two (issue 15)."""
         _resolve_domains(self)
         return self
+
+    @model_validator(mode="after")
+    def _secret_regions(self) -> "Config":
+        """Every cloud secret source has a region: its own ``?region=`` or a domain of its cloud's."""
+        for name, source in self.job.secrets.items():
+            ref = parse_secret_ref(source)
+            if ref.scheme != "file" and self.secret_region(ref) is None:
+                cloud = "aliyun" if ref.scheme == "kms" else "aws"
+                raise ValueError(f"job.secrets.{name}: {ref} has no region and the config has no {cloud} "
+                                 f"domain to take it from (add ?region=REGION before any #KEY)")
+        return self
+
+    def secret_region(self, ref: "SecretRef") -> str | None:
+        """The region a cloud secret source is read in: its ``?region=``, else the region of
+        the first placement domain of its cloud (aws for ssm / secretsmanager, aliyun for kms)."""
+        if ref.region is not None:
+            return ref.region
+        cloud = "aliyun" if ref.scheme == "kms" else "aws"
+        return next((d.region for d in self.domains_resolved() if d.provider == cloud), None)
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":

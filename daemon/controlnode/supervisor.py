@@ -71,7 +71,7 @@ _PROVIDER_ACTIONS = (a.Launch, a.Terminate, a.MarkLost)
 class Supervisor:
     """The control plane for one pool. Constructor does no I/O.
 
-    Lifecycle: ``await start(agent_url=...)`` (loads the store, recovers nodes, starts the reconcile
+    Lifecycle: ``await start(agent_url=..., job_secrets=...)`` (loads the store, recovers nodes, starts the reconcile
     loop), then ``aclose()`` (idempotent; stops tasks, closes the providers' clients). Parts: ``fleet``
     (provider calls), ``agents`` (register, heartbeat, commands), ``intake`` (reports), ``tracker`` (the
     trainer's status lines), ``operator`` (spotctl's verbs), ``stall`` (a job making no progress).
@@ -91,7 +91,7 @@ class Supervisor:
         self.rejoin: Rejoin | None = None  # the grow in flight
         self.first_ready_at: float | None = None
         self.agent_url: str | None = None
-        self.run_nonce = ""
+        self.run_nonce, self.secrets = "", dict[str, str]()  # secrets: the job's, from start(); in memory only
         self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self.fleet = Fleet(self, providers=providers, provider=provider, rng=rng)
         self.tracker = JobTracker(self)
@@ -113,8 +113,9 @@ class Supervisor:
         self._reconciler: asyncio.Task[Any] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
-    async def start(self, *, agent_url: str, agent_ca_pem: str | None = None) -> None:
-        self.agent_url, self.agent_ca_pem = agent_url, agent_ca_pem
+    async def start(self, *, agent_url: str, agent_ca_pem: str | None = None,
+                    job_secrets: Mapping[str, str] | None = None) -> None:
+        self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
         self.store.set("run_nonce", self.run_nonce)
         for node in self.store.nodes():
@@ -143,8 +144,7 @@ class Supervisor:
             return
         self._closed = True
         self.agents.close()  # held long-polls answer now
-        tasks = list(self._tasks)
-        for t in tasks:
+        for t in (tasks := list(self._tasks)):
             t.cancel()
         if tasks:
             _, stuck = await asyncio.wait(tasks, timeout=10.0)
@@ -332,8 +332,8 @@ class Supervisor:
     def send(self, node_id: str, command: dict[str, Any]) -> None:
         self.agents.send(node_id, command)
 
-    def job_spec(self, node: Node) -> dict[str, Any]:
-        return job_spec(self.config, node, self.run_nonce, domain=self.domain_of(node))
+    def job_spec(self, node: Node) -> dict[str, Any]:  # with the job's secrets: for the agent channel only
+        return job_spec(self.config, node, self.run_nonce, domain=self.domain_of(node), secrets=self.secrets)
 
     @property
     def domain(self) -> str:

@@ -32,7 +32,7 @@ log = structlog.get_logger("spotvisor.agent")
 
 
 class TrainerProcess:
-    """One node's torchrun. ``job``: the daemon's ``{"argv", "env", "cwd"?}`` (set at
+    """One node's torchrun. ``job``: the daemon's ``{"argv", "env", "secrets"?, "cwd"?}`` (set at
     registration); ``state``, ``exit_code``: what heartbeats report."""
 
     def __init__(self, *, workdir: Path, node_id: str, on_change: Callable[[], None]) -> None:
@@ -86,13 +86,16 @@ class TrainerProcess:
         return self.python != sys.executable
 
     def job_env(self) -> dict[str, str]:
-        """The trainer's environment: the agent's (less its token), the job's, and the contract's files.
+        """The trainer's environment: the agent's (less its token), the job's, its secrets
+        (the spec's ``"secrets"``: in this environment only, never on a command line, in a
+        file or a log line), and the contract's files.
         On another interpreter than the agent's (``job.python``), the directory named by
         ``$SPOTVISOR_TRAINER_PYTHONPATH`` (the bootstrap's copy of ``trainer/`` alone) comes
         first on its ``PYTHONPATH``: spotvisor's trainer package without the agent's
         virtualenv before the image's torch."""
         env = self._untokened_env()
         env.update(self.job.get("env", {}))
+        env.update(self.job.get("secrets", {}))
         extra = env.get(TRAINER_PYTHONPATH_ENV, "")
         if self._foreign() and extra and os.path.isdir(extra):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)

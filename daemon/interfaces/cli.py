@@ -24,6 +24,10 @@ directory and the pid that holds it. The state directory must be this uid's; it 
 created 0700 and the store 0600 whatever the umask (it holds every node's agent
 token), and a link or FIFO planted in it is refused, exit 2 (:mod:`daemon.state_dir`).
 
+``run`` and ``demo`` read the job's secrets (``job.secrets``) before anything else; one that
+cannot be read is one line naming it and its source, exit 2 (1 for an outage or a timeout),
+and nothing is bought (:mod:`daemon.controlnode.job_secrets`).
+
 Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
 """
 
@@ -48,6 +52,7 @@ from daemon.interfaces.pipes import quiet_broken_pipe
 from daemon.model import Event
 from daemon.feed.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
+from daemon.controlnode.job_secrets import SecretError
 from daemon.controlnode.store import Store
 from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, serving, state_dir_lock
 
@@ -79,6 +84,8 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         StateDirError: the state directory is another daemon's, or not this one's own
             (:mod:`daemon.state_dir`); an ``OSError``, as are a taken port and a bad
             certificate.
+        SecretError: a ``job.secrets`` value cannot be read, or could only be sent in plain
+            HTTP beyond loopback (:mod:`daemon.controlnode.job_secrets`); nothing is bought.
     """
     with serving(config.daemon.state_path()) as state:  # the state dir's lock, for the daemon's life
         async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
@@ -95,7 +102,9 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     from daemon.controlnode.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
     from daemon.controlnode.tls import agent_tls
+    from daemon.controlnode.job_secrets import check_channel, resolve_secrets
 
+    job_secrets = await resolve_secrets(config)  # before anything is started or bought; SecretError
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
     store = Store(state / "spotvisord.db").open()
     agent_args = [
@@ -121,9 +130,12 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     try:
         await api.start()
         assert api.agent_url is not None
+        if job_secrets:
+            check_channel(api.agent_url)  # SecretError: never in plain HTTP beyond loopback
         await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
         api.metrics.registry.register(notifier)  # type: ignore[arg-type]  # the sinks' backlog and shed counts
-        await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode())
+        await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode(),
+                        job_secrets=job_secrets)
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
         yield sup
@@ -321,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             try:
                 return asyncio.run(_run(config, watchdog_s))
+            except SecretError as exc:  # one line naming the secret and its source, never its value
+                print(f"spotvisord run: {exc}", file=sys.stderr)
+                return exc.exit_code
             except StateDirError as exc:  # a file planted in the state dir
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
@@ -341,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
+        except SecretError as exc:
+            print(f"spotvisord demo: {exc}", file=sys.stderr)
+            return exc.exit_code
         except StateDirError as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return 2

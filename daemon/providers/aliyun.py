@@ -84,7 +84,8 @@ from daemon.providers.base import (
 )
 from daemon.providers.bootstrap import render_user_data
 
-__all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "POOL_TAG", "NODE_TAG"]
+__all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "credential_kwargs", "POOL_TAG",
+           "NODE_TAG"]
 
 log = structlog.get_logger("spotvisor.provider.aliyun")
 
@@ -185,6 +186,39 @@ def _parse_time(text: str | None) -> float | None:
         except ValueError:
             continue
     return None
+
+
+def credential_kwargs(ak_id: str | None = None, ak_secret: str | None = None) -> dict[str, Any]:
+    """AcsClient keyword arguments for the first credential the chain of the module docstring
+    finds (``ak_id``/``ak_secret`` first). Raises AuthError when none is found."""
+    env = os.environ
+    if ak_id is not None:
+        return {"ak": ak_id, "secret": ak_secret}
+    ak, sk = env.get("ALIBABA_CLOUD_ACCESS_KEY_ID"), env.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
+    if ak and sk:
+        sts = env.get("ALIBABA_CLOUD_SECURITY_TOKEN")
+        return {"credential": StsTokenCredential(ak, sk, sts)} if sts else {"ak": ak, "secret": sk}
+    ak, sk = env.get("ALIYUN_ACCESS_KEY_ID"), env.get("ALIYUN_ACCESS_KEY_SECRET")
+    if ak and sk:
+        return {"ak": ak, "secret": sk}
+    path = Path(env.get("ALIBABA_CLOUD_CREDENTIALS_FILE") or Path.home() / ".alibabacloud" / "credentials")
+    profile = env.get("ALIBABA_CLOUD_PROFILE", "default")
+    if path.is_file():
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error as exc:
+            raise AuthError(f"aliyun: cannot parse credentials file {path}") from exc
+        if parser.has_section(profile) and parser[profile].get("type", "access_key") == "access_key":
+            ak, sk = parser[profile].get("access_key_id"), parser[profile].get("access_key_secret")
+            if ak and sk:
+                return {"ak": ak, "secret": sk}
+    role = env.get("ALIBABA_CLOUD_ECS_METADATA")
+    if role:
+        return {"credential": EcsRamRoleCredential(role)}
+    raise AuthError("aliyun: no credentials (set ALIBABA_CLOUD_ACCESS_KEY_ID and "
+                    "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, "
+                    "or ALIBABA_CLOUD_ECS_METADATA)")
 
 
 @register_provider("aliyun")
@@ -450,34 +484,7 @@ class AliyunProvider(Provider):
 
     def _credentials(self) -> dict[str, Any]:
         """AcsClient keyword arguments for the first credential the chain finds."""
-        env = os.environ
-        if self._ak_id is not None:
-            return {"ak": self._ak_id, "secret": self._ak_secret}
-        ak, sk = env.get("ALIBABA_CLOUD_ACCESS_KEY_ID"), env.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
-        if ak and sk:
-            sts = env.get("ALIBABA_CLOUD_SECURITY_TOKEN")
-            return {"credential": StsTokenCredential(ak, sk, sts)} if sts else {"ak": ak, "secret": sk}
-        ak, sk = env.get("ALIYUN_ACCESS_KEY_ID"), env.get("ALIYUN_ACCESS_KEY_SECRET")
-        if ak and sk:
-            return {"ak": ak, "secret": sk}
-        path = Path(env.get("ALIBABA_CLOUD_CREDENTIALS_FILE") or Path.home() / ".alibabacloud" / "credentials")
-        profile = env.get("ALIBABA_CLOUD_PROFILE", "default")
-        if path.is_file():
-            parser = configparser.ConfigParser()
-            try:
-                parser.read(path)
-            except configparser.Error as exc:
-                raise AuthError(f"aliyun: cannot parse credentials file {path}") from exc
-            if parser.has_section(profile) and parser[profile].get("type", "access_key") == "access_key":
-                ak, sk = parser[profile].get("access_key_id"), parser[profile].get("access_key_secret")
-                if ak and sk:
-                    return {"ak": ak, "secret": sk}
-        role = env.get("ALIBABA_CLOUD_ECS_METADATA")
-        if role:
-            return {"credential": EcsRamRoleCredential(role)}
-        raise AuthError("aliyun: no credentials (set ALIBABA_CLOUD_ACCESS_KEY_ID and "
-                        "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, "
-                        "or ALIBABA_CLOUD_ECS_METADATA)")
+        return credential_kwargs(self._ak_id, self._ak_secret)
 
     def _client(self, region: str) -> AcsClient:
         if self._closed:
