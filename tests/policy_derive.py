@@ -276,10 +276,12 @@ def _str(node: ast.AST | None) -> str | None:
 
 
 def _client_service(call: ast.Call) -> str | None:
-    """The boto3 service of ``x.client("svc", ...)`` / ``boto3.resource(service_name="svc")``."""
+    """The boto3 service of ``x.client("svc", ...)`` / ``boto3.resource(service_name="svc")``,
+    and of a wrapper named like one (``_aws_client("ssm", region)``): a literal service name
+    handed to any ``*client`` / ``*resource`` function brings that service into reach."""
     func = call.func
     name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-    if name not in ("client", "resource"):
+    if name is None or not name.endswith(("client", "resource")):
         return None
     svc = _str(call.args[0]) if call.args else None
     for kw in call.keywords:
@@ -295,7 +297,9 @@ class _ModuleScan:
         self.path = path
         self.tree = ast.parse(text, filename=path)
         self.services: set[str] = set()
-        self.boto_receivers: dict[str, str] = {}  # dotted target -> service
+        # dotted target -> every service assigned to that name in the module (two functions'
+        # ``client`` variables are one name here: a call on it may be either's)
+        self.boto_receivers: dict[str, set[str]] = {}
         self.oss_receivers: set[str] = set()
         self.aliases: dict[str, str] = {}  # local name -> imported dotted name
         for node in ast.walk(self.tree):
@@ -321,7 +325,7 @@ class _ModuleScan:
                         if kind == "oss2":
                             self.oss_receivers.add(d)
                         else:
-                            self.boto_receivers[d] = kind
+                            self.boto_receivers.setdefault(d, set()).add(kind)
 
     def _resolve(self, dotted: str | None) -> str | None:
         if dotted is None:
@@ -364,7 +368,7 @@ class _ModuleScan:
         if isinstance(func, ast.Attribute):
             recv = func.value
             if isinstance(recv, ast.Call) and _client_service(recv):
-                svc: str | None = _client_service(recv)
+                svc: set[str] | None = {_client_service(recv)}  # type: ignore[set-item]
             else:
                 svc = self.boto_receivers.get(_dotted(recv) or "")
             if _dotted(recv) not in self.oss_receivers:
@@ -372,8 +376,8 @@ class _ModuleScan:
         return out
 
     def _boto_name(self, name: str, services: set[str], node: ast.Call, via: str, *,
-                   receiver: str | None) -> list[Call]:
-        cands = {receiver} if receiver else services
+                   receiver: set[str] | None) -> list[Call]:
+        cands = receiver if receiver else services
         if name in S3_TRANSFER_OPS and "s3" in cands:
             if via.startswith("literal"):
                 return []  # "copy" etc. as a literal is no managed transfer

@@ -164,6 +164,25 @@ def test_a_new_provider_call_fails_naming_the_action_and_the_policy() -> None:
     assert "daemon/providers/volumes.py:4" in found[0]
 
 
+def test_a_call_through_a_client_helper_sharing_a_variable_name_is_found() -> None:
+    """Two functions each make their client through a helper into a variable of the same
+    name: a call on either is found (it was once dropped silently, the name bound to the
+    other service)."""
+    snippet = (
+        "import boto3\n"
+        "def _make_client(service):\n"
+        "    return boto3.client(service)\n"
+        "def a():\n"
+        "    client = _make_client(\"ssm\")\n"
+        "    return client.delete_parameter(Name='x')\n"
+        "def b():\n"
+        "    client = _make_client(\"secretsmanager\")\n"
+        "    return client.get_secret_value(SecretId='y')\n"
+    )
+    found = problems(_with({"daemon/providers/more_secrets.py": snippet}), load_policies())
+    assert len(found) == 1 and "ssm:DeleteParameter is called (daemon/providers/more_secrets.py:6" in found[0]
+
+
 def test_a_grant_the_code_no_longer_needs_fails_naming_it() -> None:
     calls = _with({}, edit={"daemon/providers/aws.py": ('"delete_launch_template"', "template_op")})
     found = problems(calls, load_policies())
