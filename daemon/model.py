@@ -105,6 +105,13 @@ class EventKind(str, Enum):
     # the trainer reported the job complete, but its final commit cannot be read from the store (yet):
     # an unverifiable completion is never a completion; the daemon keeps reading (job_tracker.py)
     COMPLETION_UNVERIFIED = "completion_unverified"
+    # the cloud check (daemon/controlnode/cloud_check.py, also ``spotvisord check``): a check failed, so the
+    # offers it concerns are not bought until it passes (it is tried again on a backoff); every check passed
+    CLOUD_CHECK_FAILED = "cloud_check_failed"
+    CLOUD_CHECK_PASSED = "cloud_check_passed"
+    # a quota or auth error at launch: that offer family (aws/us-east-1/p5; the provider, for auth) sits
+    # out a backoff (daemon/control/quota.py); the event says when it is tried again
+    OFFER_FAMILY_BACKOFF = "offer_family_backoff"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 :class:`Fleet` carries out the planner's capacity actions (:class:`Launch`,
 :class:`Terminate`, :class:`MarkLost`), lists the pool's instances each pass
 (:meth:`Fleet.observe`), and keeps what the outcomes say about offers: capacity
-backoff, providers disabled by a quota or auth error, zones that just preempted a
+backoff, offer families sitting out a quota or auth error, zones that just preempted a
 node, spot prices. Nothing else in the daemon calls a provider.
 """
 
@@ -18,7 +18,11 @@ import structlog
 
 from daemon.control.actions import Launch, MarkLost, Terminate
 from daemon.control.lifecycle import LIVE
+from daemon.control import quota
 from daemon.control.offers import History, Offer, capacity_backoff_s
+from daemon.control.quota import offer_family
+from daemon.controlnode.check_gate import CheckGate
+from daemon.controlnode.cloud_probe import run_checks
 from daemon.controlnode.core import Core
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, Node, NodeState
@@ -50,6 +54,7 @@ class Fleet:
         self._prices: dict[int, float | None] = {}
         self._backoff: dict[int, float] = {}  # offer index → unix s until which it is not used
         self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
+        self._families: dict[str, quota.FamilyBackoff] = {}  # offer family → its quota/auth backoff
         self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         # offer index → its placement domain's placement group, launched into (None: none)
@@ -62,6 +67,8 @@ class Fleet:
         slowest = max([core.config.launch_timeout_s(o.key) for o in core.config.offers] or [d.launch_timeout_s])
         self.agent_wheels = AgentWheels(configured=d.agent_wheel, work_dir=d.state_path() / "agent-wheel",
                                         open_store=self._checkpoint_store, expires_s=int(slowest) + 600)
+        # the cloud check (spotvisord check's), at start and on a backoff while it fails: the gate on buying
+        self.checks = CheckGate(core, run=lambda: run_checks(core.config, self.provider_for))
 
     # -- providers ----------------------------------------------------------------------------
     @property
@@ -82,9 +89,11 @@ class Fleet:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def preflight(self) -> None:
+    async def preflight(self) -> None:
         """The pre-flight at start (pure: GPU memory per offer, estimated flush per notice
-        window): offers that cannot hold the job are never bought; its findings are events."""
+        window): offers that cannot hold the job are never bought; its findings are events.
+        Then the cloud check (:mod:`.check_gate`): its first run is awaited, a failed one
+        is retried in a task of its own."""
         from daemon.controlnode import preflight
 
         pre = preflight.at_start(self.core.config)
@@ -93,6 +102,8 @@ class Fleet:
             log.info("preflight_skipped", pool=self.core.pool, note=pre.note)
         for kind, data in pre.events:
             self.core.record(EventKind(kind), None, **data)
+        await self.checks.check_once()
+        self.core.spawn(self.checks.retry_loop(), "cloud-check")
 
     # -- offers ---------------------------------------------------------------------------------
     def offer(self, i: int) -> Offer:
@@ -107,7 +118,9 @@ class Fleet:
         return [self.offer(i) for i in range(len(self.core.config.offers)) if i not in self.unusable]
 
     def history(self, now: float) -> History:
-        return History(backoff_until=dict(self._backoff),
+        """What recent outcomes say about offers; an offer a failed cloud check concerns is out."""
+        held = {i: float("inf") for i in self.checks.blocked()}
+        return History(backoff_until={**self._backoff, **held},
                        avoid_zones=frozenset(z for z, until in self._avoid_zone.items() if until > now))
 
     def avoid_zone_of(self, node: Node) -> None:
@@ -323,14 +336,11 @@ class Fleet:
             core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
                         backoff_s=round(wait, 1), failures=n)
         except (QuotaError, AuthError) as exc:
-            # no retry helps: every offer of this provider is out until the daemon restarts
-            for o, spec_o in enumerate(core.config.offers):
-                if spec_o.provider == offer.provider:
-                    self._backoff[o] = float("inf")
+            # an account limit (or a refused permission): its offer family sits out a backoff (daemon.control.quota)
             self._launch_failed(node, str(exc))
-            log.error("provider_disabled", provider=offer.provider, error=type(exc).__name__, message=str(exc))
+            family = self._family_out(offer, exc)
             core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
-                        offer=offer.key, provider_disabled=offer.provider)
+                        offer=offer.key, family=family)
         except ProviderError as exc:
             self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
             self._launch_failed(node, str(exc))
@@ -338,6 +348,8 @@ class Fleet:
                         offer=offer.key)
         else:
             self._capacity_failures.pop(offer_index, None)
+            self._families = quota.after_success(self._families, offer_family(offer.provider, offer.region,
+                                                                              offer.instance_type), offer.provider)
             node.instance_id = inst.id
             if node.state.is_terminal():
                 # released while its launch was in flight (job completed, scale-in): the
@@ -351,6 +363,25 @@ class Fleet:
                 core.set_state(node, NodeState.LAUNCHING)
                 core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
                             price_usd_h=node.price_usd_h)
+
+    def _family_out(self, offer: Offer, exc: ProviderError) -> str:
+        """``offer``'s family (its provider's offers, for an auth error) sits out its backoff
+        (:func:`daemon.control.quota.after_error`): an ``offer_family_backoff`` event says
+        until when. Returns the family."""
+        core, now = self.core, self.core.clock()
+        family = offer_family(offer.provider, offer.region,
+                              None if isinstance(exc, AuthError) else offer.instance_type)
+        self._families = quota.after_error(self._families, family, now=now)
+        out = self._families[family]
+        for o, spec_o in enumerate(core.config.offers):
+            if family in (spec_o.provider, offer_family(spec_o.provider, spec_o.region, spec_o.instance_type)):
+                self._backoff[o] = max(self._backoff.get(o, 0.0), out.until)
+        log.error("offer_family_backoff", family=family, error=type(exc).__name__, message=str(exc),
+                  retry_in_s=out.until - now)
+        core.record(EventKind.OFFER_FAMILY_BACKOFF, None, family=family, error=type(exc).__name__,
+                    message=str(exc)[:512], failures=out.failures, retry_in_s=round(out.until - now, 1),
+                    retry_at=round(out.until, 3))
+        return family
 
     def _launch_failed(self, node: Node, detail: str) -> None:
         """The launch call failed: the node is ``failed`` (unless it was released meanwhile)."""

@@ -125,7 +125,7 @@ class Supervisor:
         self.operator.restore()
         self.migrator.restore()
         await self.fleet.refresh_prices()
-        self.fleet.preflight()
+        await self.fleet.preflight()  # and the cloud check: nothing is bought before it ran, nor what it failed
         self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
         if self.config.daemon.verify_commits:
             self.spawn(self.tracker.verify_commits(), "verify-commits")
@@ -347,4 +347,4 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return status(self.config, self.job, self.nodes.values(), target_nodes=self.target_nodes,
                       desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(),
-                      placement=self.migrator.status(), domain_of=self.domain_of)
+                      placement=self.migrator.status(), domain_of=self.domain_of, checks=self.fleet.checks.status())

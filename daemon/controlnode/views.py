@@ -26,9 +26,10 @@ def spot_cost(nodes: Iterable[Node], now: float) -> dict[str, Any]:
 
 def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes: int, desired_nodes: int,
            paused: bool, now: float, placement: dict[str, Any] | None = None,
-           domain_of: Callable[[Node], str] | None = None) -> dict[str, Any]:
+           domain_of: Callable[[Node], str] | None = None, checks: dict[str, Any] | None = None) -> dict[str, Any]:
     """``GET /v1/status``: the pool, the job, every node (oldest first, with its placement
-    domain), and ``placement``: the job's domain, the migration in flight, the counts."""
+    domain), ``placement``: the job's domain, the migration in flight, the counts, and
+    ``checks``: the cloud check (:meth:`daemon.controlnode.check_gate.CheckGate.status`)."""
     return {
         "pool": {"name": config.pool.name, "target_nodes": target_nodes, "desired_nodes": desired_nodes,
                  "min_nodes": config.pool.min_nodes, "max_nodes": config.pool.max_nodes, "paused": paused},
@@ -50,4 +51,5 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
             for n in sorted(nodes, key=lambda n: n.ordinal)
         ],
         "placement": placement or {},
+        "checks": checks or {},
     }

@@ -3,6 +3,12 @@
 - ``spotvisord check-config FILE`` — validate; one line per problem, exit 2; with a
   ``job.model``, the pre-flight tables (GPU memory per offer, checkpoint flush per
   notice window), exit 2 when no offer can hold the job.
+- ``spotvisord check FILE`` — the cloud check: live, read-only calls with this machine's
+  credentials (credentials, each offer's exact launch request as a dry run, images, quotas,
+  each domain's checkpoint store: put/get/delete of a probe object). One line per check,
+  ``ok   <what>`` or ``FAIL <what>: <why>; fix: <the fix, naming the config field>``;
+  exit 1 when any failed (:mod:`daemon.controlnode.cloud_check`). The daemon runs the
+  same checks at start and buys nothing a failed one concerns.
 - ``spotvisord preflight [--config FILE] [--preset NAME ...] [--nodes N ...]`` —
   which GPUs hold the model, and can a checkpoint beat the notice
   (:mod:`daemon.interfaces.preflight_cli`).
@@ -259,6 +265,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check-config", help="validate a config file")
     c.add_argument("file")
+    k = sub.add_parser("check", help="check the cloud side of a config (live, read-only: credentials, dry-run "
+                                     "launches, images, quotas, checkpoint stores)")
+    k.add_argument("file")
+    k.add_argument("--timeout-s", type=float, default=60.0, help="seconds each check may take (default %(default)s)")
     r = sub.add_parser("run", help="run the daemon (systemd service)")
     r.add_argument("--config", required=True)
     d = sub.add_parser("demo", help="run the job on the local provider with its chaos schedule")
@@ -284,13 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         return rdzv_main(["--host", args.host, "--port", str(args.port)])
     if args.cmd == "preflight":
         return preflight_cli.run(args)
-    path = args.file if args.cmd == "check-config" else args.config
+    path = args.file if args.cmd in ("check-config", "check") else args.config
     try:
         config = load_config(path)
     except ConfigError as exc:
         for line in exc.problems:  # file-level problems already name the file
             print(line if line.startswith(f"{path}:") else f"{path}: {line}", file=sys.stderr)
         return 2
+    if args.cmd == "check":
+        return _cloud_check(config, args.timeout_s, lambda s: print(s, flush=True))
     report, no_fit = preflight_cli.check_config_report(config)
     if args.cmd == "check-config":
         if not no_fit:
@@ -367,6 +379,35 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         except KeyboardInterrupt:
             return 130
+
+
+def _cloud_check(config: Config, timeout_s: float, out: Callable[[str], None]) -> int:
+    """``spotvisord check``: every check's line, then exit 0 (all ok) or 1 (any FAIL)."""
+    from daemon.controlnode.cloud_check import render_all
+    from daemon.controlnode.cloud_probe import run_checks
+
+    async def checks() -> list:
+        clouds = {name: create_provider(name, spec=getattr(config.providers, name), agent_args=[])
+                  for name in sorted({o.provider for o in config.offers} & {"aws", "aliyun"})}
+        try:
+            return await run_checks(config, lambda name: clouds.get(name), timeout_s=timeout_s)  # type: ignore[arg-type,return-value]
+        finally:
+            for p in clouds.values():
+                await p.aclose()
+
+    try:
+        results = asyncio.run(checks())
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        out(f"FAIL spotvisord check: {type(exc).__name__}: {str(exc)[:300]}; fix: see the message")
+        return 1
+    lines = render_all(results)
+    for line in lines:
+        out(line)
+    bad = sum(line.startswith("FAIL") for line in lines)
+    out(f"{bad} of {len(lines)} checks failed" if bad else f"all {len(lines)} checks ok")
+    return 1 if bad else 0
 
 
 def _state_dir_problem(config: Config, exc: Exception) -> str:
