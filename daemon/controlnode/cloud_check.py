@@ -62,8 +62,8 @@ def render(r: CheckResult) -> str:
     """``ok   <name>`` (`` (<detail>)`` when there is one), or
     ``FAIL <name>: <detail>; fix: <fix>``: one line, whatever the cloud's message held."""
     if r.ok:
-        return _one_line(f"ok   {r.name}" + (f" ({r.detail})" if r.detail else ""))
-    return _one_line(f"FAIL {r.name}: {r.detail or 'failed'}; fix: {r.fix or 'see the detail'}")
+        return "ok   " + _one_line(r.name + (f" ({r.detail})" if r.detail else ""))
+    return "FAIL " + _one_line(f"{r.name}: {r.detail or 'failed'}; fix: {r.fix or 'see the detail'}")
 
 
 def render_all(results: Sequence[CheckResult]) -> list[str]:
