@@ -65,8 +65,12 @@ def quota_backoff_s(failures: int) -> float:
 
 def after_error(state: Mapping[str, FamilyBackoff], family: str, *, now: float) -> dict[str, FamilyBackoff]:
     """The backoffs after a quota (or auth) error in ``family`` at ``now`` (unix s): one
-    more failure in a row, sitting out :func:`quota_backoff_s` from ``now``. Pure."""
+    more failure in a row, sitting out :func:`quota_backoff_s` from ``now``. An error while
+    the family already sits out (a launch that was in flight when it went out) changes
+    nothing: one quota episode is one step of the schedule. Pure."""
     prev = state.get(family)
+    if prev is not None and prev.until > now:
+        return dict(state)
     failures = (prev.failures if prev is not None else 0) + 1
     return {**state, family: FamilyBackoff(failures, now + quota_backoff_s(failures))}
 

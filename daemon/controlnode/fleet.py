@@ -371,8 +371,11 @@ class Fleet:
         core, now = self.core, self.core.clock()
         family = offer_family(offer.provider, offer.region,
                               None if isinstance(exc, AuthError) else offer.instance_type)
+        before = self._families.get(family)
         self._families = quota.after_error(self._families, family, now=now)
         out = self._families[family]
+        if out == before:  # already sitting out (this launch was in flight): said once already
+            return family
         for o, spec_o in enumerate(core.config.offers):
             if family in (spec_o.provider, offer_family(spec_o.provider, spec_o.region, spec_o.instance_type)):
                 self._backoff[o] = max(self._backoff.get(o, 0.0), out.until)
