@@ -209,3 +209,93 @@ def test_no_credentials_is_one_line_not_a_traceback(aws, capsys, monkeypatch) ->
     assert rc == 1
     creds = [ln for ln in _fails(lines) if "aws: credentials" in ln]
     assert len(creds) == 1 and "NoCredentialsError" in creds[0] and "never in the config" in creds[0]
+
+
+# ---------------------------------------------------------------------------- Alibaba, against the fakes
+
+AK_ID, AK_SECRET = "LTAI-check-id", "check-secret-value"
+
+
+@pytest.fixture
+async def ecs(monkeypatch: pytest.MonkeyPatch):
+    from fakes.ecs import FakeEcs
+
+    for name in ("ALIBABA_CLOUD_SECURITY_TOKEN", "ALIYUN_ACCESS_KEY_ID", "ALIBABA_CLOUD_ECS_METADATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_ID", AK_ID)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_SECRET", AK_SECRET)
+    monkeypatch.setenv("SPOTVISOR_OSS_REGION", "cn-hangzhou")  # the fake OSS is on 127.0.0.1
+    async with FakeEcs(access_key_id=AK_ID, access_key_secret=AK_SECRET) as fake:
+        fake.images["cn-hangzhou"] = {"m-good"}
+        fake.security_groups["cn-hangzhou"] = {"sg-good"}
+        fake.available = {("cn-hangzhou-h", "ecs.gn7i-c32g1.8xlarge"), ("cn-hangzhou-i", "ecs.gn7i-c32g1.8xlarge")}
+        yield fake
+
+
+def _aliyun_config(tmp: Path, ecs_endpoint: str, oss_endpoint: str, bucket: str, image: str = "m-good") -> Path:
+    cfg = {
+        "pool": {"name": f"chk-{uuid.uuid4().hex[:6]}", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "chk", "target_steps": 10, "global_batch_size": 8, "micro_batch_size": 1,
+                "checkpoint_uri": f"oss://{bucket}/spotvisor/chk", "oss_endpoint": oss_endpoint},
+        "rendezvous": {"host": "172.16.0.10"},
+        "daemon": {"state_dir": str(tmp / "state"), "agent_host": "172.16.0.10"},
+        "providers": {"local": None, "aliyun": {
+            "image_id": image, "security_group_id": "sg-good", "endpoint": ecs_endpoint,
+            "vswitch_ids": {"cn-hangzhou-h": "vsw-h", "cn-hangzhou-i": "vsw-i"}}},
+        "offers": [{"provider": "aliyun", "region": "cn-hangzhou", "zone": z, "instance_type": "ecs.gn7i-c32g1.8xlarge",
+                    "max_price_usd_h": 1.2} for z in ("cn-hangzhou-h", "cn-hangzhou-i")],
+    }
+    path = tmp / "aliyun.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+async def _acheck(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    import asyncio
+
+    rc = await asyncio.to_thread(main, ["check", str(path), "--timeout-s", "30"])  # the fake serves on this loop
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, [line for line in out.splitlines() if line.startswith(("ok", "FAIL"))]
+
+
+@pytest.fixture
+def bucket(oss_server) -> str:
+    name = f"chk-{uuid.uuid4().hex[:8]}"
+    oss_server.create_bucket(name)
+    yield name
+    oss_server.reset_faults()
+
+
+async def test_aliyun_config_passes(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
+    assert rc == 0, "\n".join(lines)
+    assert len(lines) == 1 + 1 + 2 * 2 + 1  # image, security group, 2 x (available, dry run), store
+    dry = ecs.calls("RunInstances")
+    assert len(dry) == 2 and all(p["DryRun"].lower() == "true" and p["ImageId"] == "m-good" for p in dry)
+    assert ecs.instances == {}  # nothing bought
+
+
+async def test_aliyun_wrong_image(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket,
+                                             image="m-elsewhere"), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert "image m-elsewhere" in line and "not found in cn-hangzhou" in line and "fix: providers.aliyun.image_id" in line
+
+
+async def test_aliyun_missing_permission(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    ecs.denied.add("RunInstances")
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)  # both offers denied alike: one line
+    assert "Forbidden.RAM" in line and "fix: grant the control node's RAM user or role ecs:RunInstances" in line
+
+
+async def test_aliyun_unwritable_bucket(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    oss_server.fail_next(1, 403, op="PutObject", code="AccessDenied")
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert f"oss://{bucket}" in line and "put failed" in line and "AccessDenied" in line
+    assert "fix: job.checkpoint_uri" in line and "oss:PutObject" in line

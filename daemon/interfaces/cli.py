@@ -395,6 +395,10 @@ def _cloud_check(config: Config, timeout_s: float, out: Callable[[str], None]) -
             for p in clouds.values():
                 await p.aclose()
 
+    import logging
+
+    # the ECS SDK logs every error answer at ERROR, a dry run's DryRunOperation included: the lines say it all
+    logging.getLogger("aliyunsdkcore").setLevel(logging.CRITICAL)
     try:
         results = asyncio.run(checks())
     except KeyboardInterrupt:

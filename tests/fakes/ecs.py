@@ -54,6 +54,25 @@ It follows the documents (and the SDK source where the documents are silent):
   {"SpotPriceType": [{"ZoneId", "InstanceType", "IoOptimized", "NetworkType",
   "SpotPrice", "OriginPrice", "Timestamp"}]}, "Currency", "NextOffset", "RequestId"}``.
 
+- DescribeImages (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-describeimages):
+  ``ImageId`` (comma-separated); ``{"Images": {"Image": [{"ImageId", "Status", ...}]},
+  "TotalCount", "PageNumber", "PageSize"}``; an id not in the region is simply not
+  listed. DescribeSecurityGroups (api-ecs-2014-05-26-describesecuritygroups):
+  ``SecurityGroupIds`` (a JSON array string); ``{"SecurityGroups": {"SecurityGroup":
+  [{"SecurityGroupId", "VpcId", ...}]}, "TotalCount"}``.
+  DescribeAvailableResource (api-ecs-2014-05-26-describeavailableresource):
+  ``DestinationResource`` required (``InstanceType`` here), ``ZoneId``,
+  ``InstanceType``, ``InstanceChargeType``, ``SpotStrategy``; ``{"AvailableZones":
+  {"AvailableZone": [{"RegionId", "ZoneId", "Status", "StatusCategory",
+  "AvailableResources": {"AvailableResource": [{"Type": "InstanceType",
+  "SupportedResources": {"SupportedResource": [{"Value", "Status", "StatusCategory"}]}}]}}]}}``.
+- ``DryRun=true`` on RunInstances (api-ecs-2014-05-26-runinstances): the request is
+  checked (permission, parameters, image, security group) and answered with the error
+  code ``DryRunOperation`` when it would have succeeded; nothing is created.
+- A RAM policy that does not grant the action: ``Forbidden.RAM`` (403), "User not
+  authorized to operate on the specified resource, or this API doesn't support RAM."
+  (the ECS common error codes, https://api.aliyun.com/document/Ecs/2014-05-26/errorCode).
+
 UNCONFIRMED (the documents do not say; the fake picks the plausible behaviour):
 the HTTP status of ``InvalidVersion`` / ``InvalidParameter.Format`` / missing common
 parameters (400 here); the code for ``SpotWithPriceLimit`` without ``SpotPriceLimit``
@@ -62,7 +81,14 @@ parameters (400 here); the code for ``SpotWithPriceLimit`` without ``SpotPriceLi
 (forever here); the lower bound of ``SystemDisk.Size`` per ESSD performance level and
 the image's own size (20 GiB for every category here); the HTTP status of
 ``InvalidRamRole.NotFound`` (404, as in AttachInstanceRamRole's table); deleting a ``Pending`` instance (``IncorrectInstanceStatus.Initializing``,
-403); the order of ``SpotPriceType`` entries (oldest first here).
+403); the order of ``SpotPriceType`` entries (oldest first here); the HTTP status of
+``DryRunOperation`` (400 here); the code for an unknown image or security group in
+RunInstances (``InvalidImageId.NotFound`` / ``InvalidSecurityGroupId.NotFound``, 404).
+
+Resources (test hooks): :attr:`FakeEcs.images` and :attr:`FakeEcs.security_groups`
+(region → ids; a region without an entry accepts any id in RunInstances, as before),
+:attr:`FakeEcs.available` (``(zone, instance_type)`` pairs for sale; None: every type in
+every zone), :attr:`FakeEcs.denied` (actions the caller's RAM policy does not grant).
 
 Test hooks (not part of ECS): :meth:`FakeEcs.fail_next` (answer the next calls of an
 action with a documented error), :meth:`FakeEcs.delay_next` (apply the call, then
@@ -131,6 +157,9 @@ ERROR_STATUS: dict[str, int] = {
     "InvalidSystemDiskSize.ValueNotSupported": 400,
     "InvalidSystemDiskCategory.ValueNotSupported": 400,
     "InvalidRamRole.NotFound": 404,
+    "DryRunOperation": 400,
+    "InvalidImageId.NotFound": 404,
+    "InvalidSecurityGroupId.NotFound": 404,
 }
 
 SYSTEM_DISK_CATEGORIES = ("cloud", "cloud_efficiency", "cloud_ssd", "cloud_essd", "cloud_auto", "cloud_essd_entry")
@@ -230,6 +259,10 @@ class FakeEcs:
         self.currency = "USD"
         self.ram_roles: set[str] | None = None
         self.auth_failures = 0
+        self.images: dict[str, set[str]] = {}  # region -> image ids (no entry: any id launches)
+        self.security_groups: dict[str, set[str]] = {}  # region -> security group ids (likewise)
+        self.available: set[tuple[str, str]] | None = None  # (zone, instance type) for sale; None: all
+        self.denied: set[str] = set()  # actions answered Forbidden.RAM
         self._tokens: dict[tuple[str, str], tuple[str, list[str]]] = {}  # (region, token) -> (digest, ids)
         self._faults: dict[str, list[_Fault]] = {}
         self._delays: dict[str, list[_Delay]] = {}
@@ -309,6 +342,9 @@ class FakeEcs:
             fault = self._take_fault(action, params)
             if fault is not None:
                 raise _ApiError(fault.code, fault.message, fault.status)
+            if action in self.denied:
+                raise _ApiError("Forbidden.RAM", "User not authorized to operate on the specified resource, "
+                                "or this API doesn't support RAM.")
             delay = self._take(self._delays, action)
             if delay is not None and not delay.after_apply:
                 await self._wait(delay.seconds)
@@ -368,6 +404,9 @@ class FakeEcs:
             "DescribeInstances": self._describe_instances,
             "DeleteInstances": self._delete_instances,
             "DescribeSpotPriceHistory": self._describe_spot_price_history,
+            "DescribeImages": self._describe_images,
+            "DescribeSecurityGroups": self._describe_security_groups,
+            "DescribeAvailableResource": self._describe_available_resource,
         }.get(action)
         if handler is None:
             raise _ApiError("InvalidAction.NotFound", "Specified api is not found, please check your url and method.")
@@ -388,6 +427,12 @@ class FakeEcs:
                 raise _ApiError("MissingParameter", f"The input parameter \"{name}\" that is mandatory for "
                                 "processing this request is not supplied.")
         region, zone, itype = p["RegionId"], p.get("ZoneId", ""), p["InstanceType"]
+        if region in self.images and p["ImageId"] not in self.images[region]:
+            raise _ApiError("InvalidImageId.NotFound", "The specified ImageId does not exist.")
+        if region in self.security_groups and p["SecurityGroupId"] not in self.security_groups[region]:
+            raise _ApiError("InvalidSecurityGroupId.NotFound", "The specified SecurityGroupId does not exist.")
+        if p.get("DryRun", "").lower() == "true":
+            raise _ApiError("DryRunOperation", "Request validation has been passed with DryRun flag set.")
         token = p.get("ClientToken")
         if token is not None and (len(token) > 64 or not token.isascii()):
             raise _ApiError("InvalidParameter", "The specified parameter ClientToken is not valid.")
@@ -558,3 +603,33 @@ class FakeEcs:
                              "NetworkType": p["NetworkType"], "SpotPrice": price,
                              "OriginPrice": round(price * 4, 4), "Timestamp": ts})
         return {"SpotPrices": {"SpotPriceType": rows}, "Currency": self.currency, "NextOffset": 0}
+
+
+    def _describe_images(self, p: dict[str, str]) -> dict[str, object]:
+        wanted = [i for i in p.get("ImageId", "").split(",") if i]
+        found = [i for i in sorted(self.images.get(p["RegionId"], set())) if not wanted or i in wanted]
+        return {"Images": {"Image": [{"ImageId": i, "Status": "Available", "OSType": "linux"} for i in found]},
+                "TotalCount": len(found), "PageNumber": 1, "PageSize": 10, "RegionId": p["RegionId"]}
+
+    def _describe_security_groups(self, p: dict[str, str]) -> dict[str, object]:
+        try:
+            wanted = json.loads(p.get("SecurityGroupIds") or "[]")
+        except json.JSONDecodeError:
+            raise _ApiError("InvalidParameter", "The specified parameter SecurityGroupIds is not valid.") from None
+        found = [g for g in sorted(self.security_groups.get(p["RegionId"], set())) if not wanted or g in wanted]
+        return {"SecurityGroups": {"SecurityGroup": [{"SecurityGroupId": g, "VpcId": "vpc-fake"} for g in found]},
+                "TotalCount": len(found), "PageNumber": 1, "PageSize": 10, "RegionId": p["RegionId"]}
+
+    def _describe_available_resource(self, p: dict[str, str]) -> dict[str, object]:
+        if not p.get("DestinationResource"):
+            raise _ApiError("MissingParameter", "The input parameter \"DestinationResource\" that is mandatory "
+                            "for processing this request is not supplied.")
+        zone, itype = p.get("ZoneId", ""), p.get("InstanceType", "")
+        ok = self.available is None or (zone, itype) in self.available
+        if not ok:
+            return {"AvailableZones": {"AvailableZone": []}}
+        item = {"Value": itype, "Status": "Available", "StatusCategory": "WithStock"}
+        return {"AvailableZones": {"AvailableZone": [{
+            "RegionId": p["RegionId"], "ZoneId": zone, "Status": "Available", "StatusCategory": "WithStock",
+            "AvailableResources": {"AvailableResource": [
+                {"Type": "InstanceType", "SupportedResources": {"SupportedResource": [item]}}]}}]}}
