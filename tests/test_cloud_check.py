@@ -165,9 +165,16 @@ def test_wrong_image_in_one_region(aws, capsys) -> None:
 
 
 def test_missing_iam_permission(aws, capsys) -> None:
-    aws.proxy.fail_next("RunInstances", "UnauthorizedOperation", 403, n=3,
-                        message="You are not authorized to perform this operation. Encoded authorization failure "
-                                "message: abc")
+    from fakes.aws_faults import ec2_error_xml
+
+    outer = aws.proxy._responder
+    denied = ec2_error_xml("UnauthorizedOperation", "You are not authorized to perform this operation. "
+                           "Encoded authorization failure message: abc")
+
+    def respond(seen: Seen) -> tuple[int, str, str] | None:  # the role lacks ec2:RunInstances (moto enforces no IAM)
+        return (403, denied, "text/xml") if seen.action == "RunInstances" else outer(seen)
+
+    aws.proxy.answer(respond)
     rc, lines = _check(aws.config(), capsys)
     assert rc == 1
     (line,) = _fails(lines)  # three offers denied alike: one line

@@ -38,10 +38,11 @@ read-only calls with the control node's own credentials, each answered by a
    ``L-DB2E81BA``, P ``L-417A185B``. Other families are not checked (said in the
    line).
 
-Endpoints: EC2 goes where the provider's goes (``providers.aws.endpoint_url``); STS and
-Service Quotas follow boto3's own configuration (``AWS_ENDPOINT_URL_STS``,
-``AWS_ENDPOINT_URL_SERVICE_QUOTAS``, ``AWS_ENDPOINT_URL``: how tests point them at
-moto), never the EC2 endpoint (a VPC endpoint for EC2 serves EC2 only).
+Endpoints: ``providers.aws.endpoint_url`` (a test's moto, which serves every service
+on one endpoint) when set, for EC2, STS and Service Quotas alike; otherwise boto3's own
+resolution (``AWS_ENDPOINT_URL_STS``, ``AWS_ENDPOINT_URL_SERVICE_QUOTAS``, the regional
+endpoints). A quota Service Quotas has no value for (``NoSuchResourceException`` for the
+applied and the default value) is reported as not checked, not as a failure.
 Blocking: every boto3 call runs in a worker thread. Errors: none raised; every failure
 is a failed result (the caller bounds the time).
 """
@@ -124,7 +125,7 @@ class _Clients:
         if key not in self._clients:
             if self._session is None:
                 self._session = boto3.session.Session()
-            endpoint = self._endpoint if service == "ec2" else None
+            endpoint = self._endpoint  # None: boto3's own resolution, per service
             self._clients[key] = self._session.client(service, region_name=region, endpoint_url=endpoint,
                                                       config=self._config)
         return self._clients[key]
@@ -307,6 +308,12 @@ async def _quota(config: Config, clients: _Clients, region: str, code: str, grou
     need = config.pool.max_nodes * vcpus[biggest]
     try:
         value = await _quota_value(clients, region, code)
+    except botocore.exceptions.ClientError as exc:
+        if _code(exc) != "NoSuchResourceException":
+            return [failed(name, f"cannot read it: {_message(exc)}",
+                           "grant the control node's IAM role servicequotas:GetServiceQuota"
+                           if _code(exc) == "AccessDeniedException" else "see the Service Quotas error", idx)]
+        return [passed(name, f"not checked: Service Quotas has no value for it in {region}; the pool needs {need}")]
     except Exception as exc:  # noqa: BLE001
         denied = isinstance(exc, botocore.exceptions.ClientError) and _code(exc) == "AccessDeniedException"
         return [failed(name, f"cannot read it: {_message(exc)}",
@@ -327,6 +334,9 @@ async def _quota_value(clients: _Clients, region: str, code: str) -> float:
     except botocore.exceptions.ClientError as exc:
         if _code(exc) != "NoSuchResourceException":
             raise
-        resp = await clients.call("service-quotas", region, "get_aws_default_service_quota",
-                                  ServiceCode="ec2", QuotaCode=code)
+        try:
+            resp = await clients.call("service-quotas", region, "get_aws_default_service_quota",
+                                      ServiceCode="ec2", QuotaCode=code)
+        except botocore.exceptions.ClientError:
+            raise exc from None  # no applied value and no default: NoSuchResourceException, not checked
     return float(resp["Quota"]["Value"])

@@ -20,6 +20,9 @@ body) to moto and returns moto's answer, except for requests whose EC2 ``Action`
 - :meth:`AwsFaultProxy.reply_next`: answer with a given body and status (e.g. a 200
   CreateFleet response whose ``Errors[]`` lists capacity failures).
 
+Requests with ``DryRun=true`` (the daemon's cloud check) never take an armed fault: the
+faults are for the launches a test means; :meth:`AwsFaultProxy.answer` sees them.
+
 - :meth:`AwsFaultProxy.answer`: a responder consulted for every request no armed fault
   took (e.g. Service Quotas, which moto 5 serves for ``vpc`` only, or an S3 ``PUT``
   refused ``AccessDenied``): it returns ``(status, body, content type)`` or None to
@@ -229,7 +232,8 @@ class AwsFaultProxy:
             action = params.get("Action", "")
         scope = re.search(r"Credential=[^/]+/[^/]+/([^/]+)/", request.headers.get("Authorization", ""))
         seen = Seen(action, params, None, request.method, request.path, scope.group(1) if scope else "")
-        fault = self._take(action)
+        # a dry run (the cloud check's, spotvisord check) is not one of "the next requests" a fault is armed for
+        fault = None if str(params.get("DryRun", "")).lower() == "true" else self._take(action)
         with self._lock:
             responder = self._responder
         answered = responder(seen) if fault is None and responder is not None else None

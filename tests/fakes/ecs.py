@@ -85,8 +85,12 @@ the image's own size (20 GiB for every category here); the HTTP status of
 ``DryRunOperation`` (400 here); the code for an unknown image or security group in
 RunInstances (``InvalidImageId.NotFound`` / ``InvalidSecurityGroupId.NotFound``, 404).
 
+A ``DryRun=true`` call (the daemon's cloud check) never takes an armed fault or delay:
+they are for the launches a test means.
+
 Resources (test hooks): :attr:`FakeEcs.images` and :attr:`FakeEcs.security_groups`
-(region → ids; a region without an entry accepts any id in RunInstances, as before),
+(region → ids; a region without an entry has every id asked for, as RunInstances
+accepted any before),
 :attr:`FakeEcs.available` (``(zone, instance_type)`` pairs for sale; None: every type in
 every zone), :attr:`FakeEcs.denied` (actions the caller's RAM policy does not grant).
 
@@ -339,13 +343,14 @@ class FakeEcs:
             self._authenticate(request.method, params)
             action = params["Action"]
             self.requests.append((action, dict(params)))
-            fault = self._take_fault(action, params)
+            dry = params.get("DryRun", "").lower() == "true"  # the cloud check's: armed faults are for launches
+            fault = None if dry else self._take_fault(action, params)
             if fault is not None:
                 raise _ApiError(fault.code, fault.message, fault.status)
             if action in self.denied:
                 raise _ApiError("Forbidden.RAM", "User not authorized to operate on the specified resource, "
                                 "or this API doesn't support RAM.")
-            delay = self._take(self._delays, action)
+            delay = None if dry else self._take(self._delays, action)
             if delay is not None and not delay.after_apply:
                 await self._wait(delay.seconds)
             body = self._dispatch(action, params, request_id)
@@ -607,7 +612,8 @@ class FakeEcs:
 
     def _describe_images(self, p: dict[str, str]) -> dict[str, object]:
         wanted = [i for i in p.get("ImageId", "").split(",") if i]
-        found = [i for i in sorted(self.images.get(p["RegionId"], set())) if not wanted or i in wanted]
+        known = self.images.get(p["RegionId"], set(wanted))  # no entry for the region: any id exists
+        found = [i for i in sorted(known) if not wanted or i in wanted]
         return {"Images": {"Image": [{"ImageId": i, "Status": "Available", "OSType": "linux"} for i in found]},
                 "TotalCount": len(found), "PageNumber": 1, "PageSize": 10, "RegionId": p["RegionId"]}
 
@@ -616,7 +622,8 @@ class FakeEcs:
             wanted = json.loads(p.get("SecurityGroupIds") or "[]")
         except json.JSONDecodeError:
             raise _ApiError("InvalidParameter", "The specified parameter SecurityGroupIds is not valid.") from None
-        found = [g for g in sorted(self.security_groups.get(p["RegionId"], set())) if not wanted or g in wanted]
+        known = self.security_groups.get(p["RegionId"], set(wanted))  # no entry for the region: any id exists
+        found = [g for g in sorted(known) if not wanted or g in wanted]
         return {"SecurityGroups": {"SecurityGroup": [{"SecurityGroupId": g, "VpcId": "vpc-fake"} for g in found]},
                 "TotalCount": len(found), "PageNumber": 1, "PageSize": 10, "RegionId": p["RegionId"]}
 
