@@ -144,12 +144,13 @@ def test_two_region_config_passes(aws, capsys, method: str) -> None:
     for what in ("credentials resolve", "us-east-1: image", "us-west-2: image", "L-7212CCBC", "L-3819A6DF",
                  "ckpt-use1", "ckpt-usw2"):
         assert what in text
-    runs = aws.proxy.actions("RunInstances")
+    runs = aws.proxy.actions("RunInstances", dry_run=True)
     assert len(runs) == 3 and all(r.params["DryRun"] == "true" for r in runs)  # the exact requests, dry
     assert {r.region for r in runs} == {"us-east-1", "us-west-2"}
     assert all(r.params["ImageId"] == aws.both for r in runs)
     if method == "create_fleet":
-        assert len(aws.proxy.actions("CreateFleet")) == 3 and len(aws.proxy.actions("CreateLaunchTemplate")) == 3
+        assert len(aws.proxy.actions("CreateFleet", dry_run=True)) == 3
+        assert len(aws.proxy.actions("CreateLaunchTemplate", dry_run=True)) == 3
     for region in ("us-east-1", "us-west-2"):  # nothing was bought
         ec2 = boto3.client("ec2", region_name=region, endpoint_url=aws.proxy.upstream)
         found = ec2.describe_instances(Filters=[{"Name": "tag:spotvisor-node", "Values": ["*-check"]}])
@@ -278,7 +279,7 @@ async def test_aliyun_config_passes(ecs, oss_server, bucket, tmp_path, capsys) -
     rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
     assert rc == 0, "\n".join(lines)
     assert len(lines) == 1 + 1 + 2 * 2 + 1  # image, security group, 2 x (available, dry run), store
-    dry = ecs.calls("RunInstances")
+    dry = ecs.calls("RunInstances", dry_run=True)
     assert len(dry) == 2 and all(p["DryRun"].lower() == "true" and p["ImageId"] == "m-good" for p in dry)
     assert ecs.instances == {}  # nothing bought
 

@@ -30,7 +30,8 @@ def test_backoff_is_bounded_grows_and_resets(steps) -> None:
                 assert state[family] == before
                 continue
             streak[family] = streak.get(family, 0) + 1
-            wait = state[family].until - now
+            wait = quota.quota_backoff_s(state[family].failures)
+            assert state[family].until == now + wait and state[family].failures == streak[family]
             # never forever, never under 10 min, at most 2 h; one more error never waits less
             assert quota.QUOTA_BACKOFF_BASE_S <= wait <= quota.QUOTA_BACKOFF_CAP_S
             if before is not None:

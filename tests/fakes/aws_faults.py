@@ -135,10 +135,12 @@ class AwsFaultProxy:
             self.requests.clear()
             self._responder = None
 
-    def actions(self, action: str) -> list[Seen]:
-        """The recorded requests for ``action``, oldest first."""
+    def actions(self, action: str, *, dry_run: bool = False) -> list[Seen]:
+        """The recorded requests for ``action``, oldest first: those a test means (no
+        ``DryRun=true``), or with ``dry_run`` the dry runs only (the cloud check's)."""
         with self._lock:
-            return [s for s in self.requests if s.action == action]
+            return [s for s in self.requests
+                    if s.action == action and (str(s.params.get("DryRun", "")).lower() == "true") == dry_run]
 
     def _arm(self, action: str, fault: _Fault) -> None:
         if fault.remaining < 1:

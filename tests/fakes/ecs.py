@@ -328,9 +328,10 @@ class FakeEcs:
         """ECS releases a spot instance (it disappears from DescribeInstances)."""
         self.instances.pop(instance_id, None)
 
-    def calls(self, action: str) -> list[dict[str, str]]:
-        """Parameters of every correctly signed call of ``action``, oldest first."""
-        return [p for a, p in self.requests if a == action]
+    def calls(self, action: str, *, dry_run: bool = False) -> list[dict[str, str]]:
+        """Parameters of every correctly signed call of ``action``, oldest first: those a
+        test means (no ``DryRun=true``), or with ``dry_run`` the dry runs only."""
+        return [p for a, p in self.requests if a == action and (p.get("DryRun", "").lower() == "true") == dry_run]
 
     # -- HTTP --------------------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.Response:
