@@ -1111,6 +1111,19 @@ class Config(_Spec):
                 return o.launch_timeout_s
         return self.daemon.launch_timeout_s
 
+    def launch_field(self, target: Any, name: str) -> str:
+        """Where ``name`` of ``target``'s launch spec is set, as a config path for an error's
+        fix: ``domains.N.launch.NAME`` when that domain's ``launch:`` block sets it, else
+        ``providers.<provider>.NAME`` (``target``: as :meth:`launch_spec`). Pure."""
+        try:
+            d = self._domain_for(target)
+        except KeyError:
+            return f"providers.{getattr(target, 'provider', 'aws')}.{name}"
+        field = name.split(".")[0]
+        if d.index is not None and d.launch is not None and field in d.launch.model_fields_set:
+            return f"domains.{d.index}.launch.{name}"
+        return f"providers.{d.provider}.{name}"
+
     def _domain_for(self, target: Any) -> Domain:
         if target is None or isinstance(target, str):
             return self.domain(target)

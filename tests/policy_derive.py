@@ -309,11 +309,18 @@ class _ModuleScan:
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for a in node.names:
                     self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        uses_boto = any(v.startswith(("boto3", "botocore")) for v in self.aliases.values())
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Call):
                 svc = _client_service(node)
                 if svc:
                     self.services.add(svc)
+            # a module that uses boto3 and names a service in a literal anywhere (a client made
+            # from a variable: ``session.client(service)`` behind ``call("sts", ...)``) has it in
+            # reach: over-approximate, never drop a call silently
+            if uses_boto and isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value in boto_services():
+                self.services.add(node.value)
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 kinds = self._value_kinds(node.value)

@@ -81,11 +81,15 @@ def aws(faults, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     class Aws:
         proxy = faults
         quota = quotas
-        both = sorted(east & west)[0]  # moto's stock images: a few exist in both regions
+        # each region its own image (AMI ids are per region; a few of moto's stock images are
+        # in both, which a config may not send to two regions)
+        east_images = east - west
         east_only = sorted(east - west)[0]
+        west_only = sorted(west - east)[0]
 
-        def config(self, *, image: str | None = None, **aws_spec: object) -> Path:
-            return _aws_config(tmp_path, faults.url, buckets, image or self.both, **aws_spec)
+        def config(self, *, west_image: str | None = None, **aws_spec: object) -> Path:
+            return _aws_config(tmp_path, faults.url, buckets, self.east_only, west_image or self.west_only,
+                               **aws_spec)
 
     yield Aws()
 
@@ -94,19 +98,22 @@ def _images(region: str, url: str) -> list[dict]:
     return boto3.client("ec2", region_name=region, endpoint_url=url).describe_images(Owners=["amazon"])["Images"]
 
 
-def _aws_config(tmp: Path, url: str, buckets: dict[str, str], image: str, **aws_spec: object) -> Path:
-    """Two placement domains (us-east-1, us-west-2), each with its own bucket: a P and a G
-    offer in us-east-1, a P offer in us-west-2; at most 2 nodes."""
+def _aws_config(tmp: Path, url: str, buckets: dict[str, str], east_image: str, west_image: str,
+                **aws_spec: object) -> Path:
+    """Two placement domains (us-east-1, us-west-2), each with its own bucket and image
+    (``domains[].launch.image_id``): a P and a G offer in us-east-1, a P offer in
+    us-west-2; at most 2 nodes."""
     cfg = {
         "pool": {"name": f"chk-{uuid.uuid4().hex[:6]}", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "chk", "target_steps": 10, "global_batch_size": 64, "micro_batch_size": 1,
                 "checkpoint_uri": f"s3://{buckets['us-east-1']}/spotvisor/chk", "s3_endpoint_url": url},
         "rendezvous": {"host": "10.0.0.10"},
         "daemon": {"state_dir": str(tmp / "state"), "agent_host": "10.0.0.10"},
-        "providers": {"local": None, "aws": {"image_id": image, "endpoint_url": url, **aws_spec}},
+        "providers": {"local": None, "aws": {"endpoint_url": url, **aws_spec}},
         "domains": [
-            {"name": "use1", "provider": "aws", "region": "us-east-1"},
+            {"name": "use1", "provider": "aws", "region": "us-east-1", "launch": {"image_id": east_image}},
             {"name": "usw2", "provider": "aws", "region": "us-west-2", "s3_endpoint_url": url,
+             "launch": {"image_id": west_image},
              "checkpoint_uri": f"s3://{buckets['us-west-2']}/spotvisor/chk",
              "rendezvous": {"host": "10.1.0.10"}},
         ],
@@ -147,7 +154,8 @@ def test_two_region_config_passes(aws, capsys, method: str) -> None:
     runs = aws.proxy.actions("RunInstances", dry_run=True)
     assert len(runs) == 3 and all(r.params["DryRun"] == "true" for r in runs)  # the exact requests, dry
     assert {r.region for r in runs} == {"us-east-1", "us-west-2"}
-    assert all(r.params["ImageId"] == aws.both for r in runs)
+    assert {(r.region, r.params["ImageId"]) for r in runs} == {("us-east-1", aws.east_only),
+                                                                ("us-west-2", aws.west_only)}
     if method == "create_fleet":
         assert len(aws.proxy.actions("CreateFleet", dry_run=True)) == 3
         assert len(aws.proxy.actions("CreateLaunchTemplate", dry_run=True)) == 3
@@ -158,10 +166,10 @@ def test_two_region_config_passes(aws, capsys, method: str) -> None:
 
 
 def test_wrong_image_in_one_region(aws, capsys) -> None:
-    rc, lines = _check(aws.config(image=aws.east_only), capsys)
+    rc, lines = _check(aws.config(west_image=sorted(aws.east_images - {aws.east_only})[0]), capsys)
     assert rc == 1
     (line,) = _fails(lines)
-    assert "us-west-2" in line and aws.east_only in line and "fix: providers.aws.image_id" in line
+    assert "us-west-2" in line and "InvalidAMIID" in line and "fix: domains.1.launch.image_id" in line
     assert any(ln.startswith("ok") and "us-east-1: image" in ln for ln in lines)
 
 

@@ -205,15 +205,31 @@ def test_calls_on_the_node_are_held_to_the_gpu_node_policy() -> None:
 
 
 def test_aliyun_request_classes_and_oss2_methods_are_found() -> None:
-    ecs = ("from aliyunsdkecs.request.v20140526.DescribeImagesRequest import DescribeImagesRequest\n"
-           "def build():\n    return DescribeImagesRequest()\n")
+    ecs = ("from aliyunsdkecs.request.v20140526.DescribeDisksRequest import DescribeDisksRequest\n"
+           "def build():\n    return DescribeDisksRequest()\n")
     oss = ("import oss2\nfrom trainer.oss_store import OssStore\n"
            "class Meta(OssStore):\n    def size(self, key):\n"
            "        return oss2.Bucket(None, 'e', 'b').head_object(key).content_length\n")
     found = problems(_with({"daemon/controlnode/images.py": ecs, "trainer/meta.py": oss}), load_policies())
-    assert any(line.startswith("ecs:DescribeImages is called (daemon/controlnode/images.py:3")
+    assert any(line.startswith("ecs:DescribeDisks is called (daemon/controlnode/images.py:3")
                and "aliyun-control-node.json" in line for line in found)
     assert all("oss:" not in line for line in found)  # HeadObject -> oss:GetObject, already granted
+
+
+def test_a_client_made_from_a_variable_service_is_found_through_its_literal() -> None:
+    """A helper makes clients from a variable (``session.client(service)``) and callers name
+    the service and the operation in literals: the call is found (the cloud check's
+    sts/service-quotas calls once went unseen this way)."""
+    snippet = (
+        "import boto3\n"
+        "class Clients:\n"
+        "    def call(self, service, op):\n"
+        "        return getattr(boto3.session.Session().client(service), op)()\n"
+        "def who(c):\n"
+        "    return c.call(\"iam\", \"list_users\")\n"
+    )
+    found = problems(_with({"daemon/providers/whoami.py": snippet}), load_policies())
+    assert len(found) == 1 and found[0].startswith("iam:ListUsers is called (daemon/providers/whoami.py:6")
 
 
 def test_an_oss2_method_missing_from_the_table_stops_the_derivation() -> None:

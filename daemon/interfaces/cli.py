@@ -122,10 +122,7 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     ]
     providers = dict(providers) if providers is not None else {
         name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args,
-                              # the clouds launch each offer with its domain's spec (daemon/launchspec.py) and
-                              # search every offer's region (a restarted daemon finds its instances at once)
-                              **({} if name == "local" else {"launch_spec": config.launch_spec, "regions": sorted(
-                                  {o.region for o in config.offers if o.provider == name})}))
+                              **_cloud_kwargs(config, name))
         for name in sorted({o.provider for o in config.offers})
     }
     sup = Supervisor(config, providers=providers, store=store, policy=policy)
@@ -381,13 +378,25 @@ def main(argv: list[str] | None = None) -> int:
             return 130
 
 
+def _cloud_kwargs(config: Config, name: str) -> dict[str, Any]:
+    """A cloud provider launches each offer with its domain's spec (daemon/launchspec.py)
+    and searches every offer's region (a restarted daemon finds its instances at once);
+    the daemon and ``spotvisord check`` make theirs alike, so the check tries the very
+    requests the daemon would send."""
+    if name == "local":
+        return {}
+    return {"launch_spec": config.launch_spec,
+            "regions": sorted({o.region for o in config.offers if o.provider == name})}
+
+
 def _cloud_check(config: Config, timeout_s: float, out: Callable[[str], None]) -> int:
     """``spotvisord check``: every check's line, then exit 0 (all ok) or 1 (any FAIL)."""
     from daemon.controlnode.cloud_check import render_all
     from daemon.controlnode.cloud_probe import run_checks
 
     async def checks() -> list:
-        clouds = {name: create_provider(name, spec=getattr(config.providers, name), agent_args=[])
+        clouds = {name: create_provider(name, spec=getattr(config.providers, name), agent_args=[],
+                                        **_cloud_kwargs(config, name))
                   for name in sorted({o.provider for o in config.offers} & {"aws", "aliyun"})}
         try:
             return await run_checks(config, lambda name: clouds.get(name), timeout_s=timeout_s)  # type: ignore[arg-type,return-value]

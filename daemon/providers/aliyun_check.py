@@ -88,28 +88,30 @@ async def check_aliyun(config: Config, provider: AliyunProvider, offers: list[Of
             images[(o.region, str(params.get("ImageId")))].append(o.index)
             groups[(o.region, str(params.get("SecurityGroupId")))].append(o.index)
     out: list[CheckResult] = []
+    by_index = {o.index: o for o in offers}
     for (region, image), idx in sorted(images.items()):
-        r = await _image(provider, region, image, idx)
+        r = await _image(provider, region, image, idx, config.launch_field(by_index[idx[0]], "image_id"))
         out.append(r)
         if not r.ok and "credentials" in r.detail:
             return out  # nothing else can pass
     for (region, group), idx in sorted(groups.items()):
-        out.append(await _security_group(provider, region, group, idx))
+        out.append(await _security_group(provider, region, group, idx,
+                                         config.launch_field(by_index[idx[0]], "security_group_id")))
     done = {i for r in out if not r.ok for i in r.offers}  # already failed: a dry run would only repeat it
     for o, build, problem in builds:
         if o.index in done:
             continue
         name = f"aliyun {o.region}: offers.{o.index} ({o.instance_type} in {o.zone or o.region})"
         if build is None:
-            out.append(failed(name, problem, "providers.aliyun.vswitch_ids: a vSwitch for the offer's zone",
+            out.append(failed(name, problem, f"{config.launch_field(o, 'vswitch_ids')}: a vSwitch for the offer's zone",
                               [o.index]))
             continue
         out.append(await _available(provider, o, name))
-        out.append(await _dry_run(provider, o, build, name))
+        out.append(await _dry_run(config, provider, o, build, name))
     return out
 
 
-async def _image(provider: AliyunProvider, region: str, image: str, offers: list[int]) -> CheckResult:
+async def _image(provider: AliyunProvider, region: str, image: str, offers: list[int], field: str) -> CheckResult:
     name = f"aliyun {region}: image {image}"
 
     def build() -> RpcRequest:
@@ -123,12 +125,13 @@ async def _image(provider: AliyunProvider, region: str, image: str, offers: list
         return _failure(name, exc, "DescribeImages", offers)
     if not body.get("Images", {}).get("Image"):
         return failed(name, f"not found in {region}",
-                      f"providers.aliyun.image_id: an image that exists in {region} (images are per region: copy "
+                      f"{field}: an image that exists in {region} (images are per region: copy "
                       "it there with CopyImage, or share it with this account)", offers)
     return passed(name, "exists")
 
 
-async def _security_group(provider: AliyunProvider, region: str, group: str, offers: list[int]) -> CheckResult:
+async def _security_group(provider: AliyunProvider, region: str, group: str, offers: list[int],
+                          field: str) -> CheckResult:
     name = f"aliyun {region}: security group {group}"
 
     def build() -> RpcRequest:
@@ -142,7 +145,7 @@ async def _security_group(provider: AliyunProvider, region: str, group: str, off
         return _failure(name, exc, "DescribeSecurityGroups", offers)
     if not body.get("SecurityGroups", {}).get("SecurityGroup"):
         return failed(name, f"not found in {region}",
-                      f"providers.aliyun.security_group_id: a security group of the vSwitches' VPC in {region}", offers)
+                      f"{field}: a security group of the vSwitches' VPC in {region}", offers)
     return passed(name, "exists")
 
 
@@ -176,7 +179,7 @@ async def _available(provider: AliyunProvider, offer: Offer, name: str) -> Check
                   "DescribeAvailableResource lists", [offer.index])
 
 
-async def _dry_run(provider: AliyunProvider, offer: Offer, build: Any, name: str) -> CheckResult:
+async def _dry_run(config: Config, provider: AliyunProvider, offer: Offer, build: Any, name: str) -> CheckResult:
     def dry() -> RpcRequest:
         req = build()
         req.set_DryRun(True)
@@ -190,13 +193,18 @@ async def _dry_run(provider: AliyunProvider, offer: Offer, build: Any, name: str
             return passed(f"{name}: dry-run RunInstances", "DryRunOperation")
         if code.startswith("InvalidImageId"):
             return failed(f"{name}: dry-run RunInstances", f"{code} in {offer.region}",
-                          f"providers.aliyun.image_id: an image that exists in {offer.region}", [offer.index])
+                          f"{config.launch_field(offer, 'image_id')}: an image that exists in {offer.region}", [offer.index])
         if code.startswith(("InvalidVSwitchId", "InvalidVSwitch")):
             return failed(f"{name}: dry-run RunInstances", code,
-                          f"providers.aliyun.vswitch_ids.{offer.zone}: a vSwitch of that zone", [offer.index])
+                          f"{config.launch_field(offer, 'vswitch_ids')}.{offer.zone}: a vSwitch of that zone", [offer.index])
         if code.startswith(("InvalidSecurityGroupId", "InvalidSecurityGroup")):
             return failed(f"{name}: dry-run RunInstances", code,
-                          "providers.aliyun.security_group_id: a security group of the vSwitch's VPC", [offer.index])
+                          f"{config.launch_field(offer, 'security_group_id')}: a security group of the vSwitch's VPC",
+                          [offer.index])
+        if code.startswith("InvalidRamRole"):
+            return failed(f"{name}: dry-run RunInstances", code,
+                          f"{config.launch_field(offer, 'ram_role')}: an instance RAM role that exists (trusted by "
+                          "ecs.aliyuncs.com)", [offer.index])
         return _failure(f"{name}: dry-run RunInstances", exc, "RunInstances", [offer.index])
     return failed(f"{name}: dry-run RunInstances", "ECS answered a DryRun request with success",
                   "check providers.aliyun.endpoint points at ECS", [offer.index])

@@ -375,9 +375,7 @@ class AwsProvider(Provider):
 
     # -- launch paths ---------------------------------------------------------
     def _tags(self, node: NodeSpec) -> list[dict[str, str]]:
-        tags = dict(node.tags)
-        tags.setdefault(POOL_TAG, node.pool)
-        tags.setdefault(NODE_TAG, node.node_id)
+        tags = {POOL_TAG: node.pool, NODE_TAG: node.node_id, **node.tags}  # node.tags wins, as setdefault did
         return [{"Key": k, "Value": v} for k, v in tags.items()]
 
     def launch_spec_of(self, offer: Offer) -> AwsLaunchSpec:
@@ -468,9 +466,7 @@ class AwsProvider(Provider):
         try:
             resp = await self._call_once(
                 region, "create_fleet", Type="instant", ClientToken=token,
-                # the request itself carries the instance tags too (an instant fleet tags its
-                # instances at launch): the control node's policy allows a launch only of
-                # instances tagged with its pool (aws:RequestTag, configs/policies/)
+                # the request's own tags: the policy launches only pool-tagged instances (aws:RequestTag)
                 TagSpecifications=[{"ResourceType": "instance", "Tags": self._tags(node)}],
                 SpotOptions={"AllocationStrategy": "price-capacity-optimized",
                              "InstanceInterruptionBehavior": "terminate"},

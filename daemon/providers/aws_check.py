@@ -62,7 +62,7 @@ from daemon.config import Config
 from daemon.control.pool import Offer
 from daemon.controlnode.cloud_check import CheckResult, failed, passed
 from daemon.providers.aws import AwsProvider
-from daemon.providers.base import NodeSpec
+from daemon.providers.base import NodeSpec, ProviderError
 
 __all__ = ["check_aws", "spot_quota_code", "quota_class"]
 
@@ -166,18 +166,28 @@ async def _check(config: Config, provider: AwsProvider, offers: list[Offer], nod
                        "give the control node AWS credentials through boto3's chain (its instance role, "
                        "AWS_PROFILE, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY); never in the config", every)]
     out = [passed("aws: credentials resolve", str(who.get("Arn", "")))]
-    requests: list[tuple[Offer, dict[str, Any] | None, str]] = []
+    # the image first (AMI ids are per region), from each offer's own launch spec; the request
+    # is built from EC2 facts about that image and the instance type, so only past it
+    images: dict[tuple[str, str], list[int]] = defaultdict(list)
+    unspecified: list[CheckResult] = []
     for o in offers:
         try:
-            requests.append((o, provider.run_instances_request(o, node), ""))
+            images[(o.region, provider.launch_spec_of(o).image_id)].append(o.index)
         except ValueError as exc:
+            unspecified.append(failed(f"aws {o.region}: image of offers.{o.index}", str(exc),
+                                      f"set {config.launch_field(o, 'image_id')} to an AMI of {o.region}", [o.index]))
+    checks = [_image(config, offers, clients, region, image, idx) for (region, image), idx in sorted(images.items())]
+    out += unspecified + [r for rs in await asyncio.gather(*checks) for r in rs]
+    bad_image = {i for r in out if not r.ok for i in r.offers}
+    requests: list[tuple[Offer, dict[str, Any] | None, str]] = []
+    for o in offers:
+        if o.index in bad_image:
+            continue
+        try:
+            facts = await provider.launch_facts(o)
+            requests.append((o, provider.run_instances_request(o, node, facts), ""))
+        except (ValueError, ProviderError) as exc:
             requests.append((o, None, str(exc)))
-    images: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for o, req, _ in requests:
-        if req is not None:
-            images[(o.region, str(req.get("ImageId")))].append(o.index)
-    checks = [_image(clients, region, image, idx) for (region, image), idx in sorted(images.items())]
-    out += [r for rs in await asyncio.gather(*checks) for r in rs]
     done = {i for r in out if not r.ok for i in r.offers}  # a wrong image: its dry run would only repeat it
     dry_runs = [_dry_run(config, provider, clients, o, req, problem) for o, req, problem in requests
                 if o.index not in done]
@@ -187,9 +197,11 @@ async def _check(config: Config, provider: AwsProvider, offers: list[Offer], nod
     return out
 
 
-async def _image(clients: _Clients, region: str, image: str, offers: list[int]) -> list[CheckResult]:
+async def _image(config: Config, every: list[Offer], clients: _Clients, region: str, image: str,
+                 offers: list[int]) -> list[CheckResult]:
     name = f"aws {region}: image {image}"
-    fix = (f"providers.aws.image_id: an AMI that exists in {region} (AMI ids are per region: "
+    first = next(o for o in every if o.index == offers[0])
+    fix = (f"{config.launch_field(first, 'image_id')}: an AMI that exists in {region} (AMI ids are per region: "
            f"copy it there with `aws ec2 copy-image --source-region ... --region {region}`)")
     try:
         resp = await clients.call("ec2", region, "describe_images", ImageIds=[image])
@@ -208,27 +220,27 @@ async def _image(clients: _Clients, region: str, image: str, offers: list[int]) 
     return [passed(name, "exists")]
 
 
-def _dry_run_problem(code: str, message: str, offer: Offer, what: str) -> tuple[str, str]:
+def _dry_run_problem(config: Config, code: str, message: str, offer: Offer, what: str) -> tuple[str, str]:
     """(detail, fix) for an EC2 error answering a dry run."""
     zone = offer.zone or "-"
     if code == "UnauthorizedOperation":
         return (f"UnauthorizedOperation: the control node may not call {what}",
                 f"grant the control node's IAM role ec2:{what}, ec2:CreateTags and iam:PassRole on the role of "
-                "providers.aws.iam_instance_profile (decode the reason with `aws sts decode-authorization-message`)")
+                f"{config.launch_field(offer, 'iam_instance_profile')} (decode the reason with `aws sts decode-authorization-message`)")
     if code.startswith("InvalidAMIID"):
-        return (f"{code} in {offer.region}", f"providers.aws.image_id: an AMI that exists in {offer.region}")
+        return (f"{code} in {offer.region}", f"{config.launch_field(offer, 'image_id')}: an AMI that exists in {offer.region}")
     if code.startswith(("InvalidSubnetID", "InvalidSubnet")):
         return (f"{code} in {offer.region}: {message}",
-                f"providers.aws.subnet_ids.{zone}: a subnet of zone {zone} in {offer.region}")
+                f"{config.launch_field(offer, 'subnet_ids')}.{zone}: a subnet of zone {zone} in {offer.region}")
     if code.startswith(("InvalidGroup", "InvalidSecurityGroupID", "InvalidGroupId")):
         return (f"{code} in {offer.region}: {message}",
-                f"providers.aws.security_group_ids: security groups of the subnets' VPC in {offer.region}")
+                f"{config.launch_field(offer, 'security_group_ids')}: security groups of the subnets' VPC in {offer.region}")
     if code.startswith("InvalidKeyPair"):
-        return (f"{code} in {offer.region}", f"providers.aws.key_name: a key pair that exists in {offer.region}")
+        return (f"{code} in {offer.region}", f"{config.launch_field(offer, 'key_name')}: a key pair that exists in {offer.region}")
     if code.startswith("InvalidPlacementGroup"):
         return (f"{code} in {offer.region}", "domains[].placement_group: a cluster placement group in that region")
     if code in _PROFILE_CODES and "profile" in message.lower():
-        return (f"{code}: {message}", "providers.aws.iam_instance_profile: an instance profile that exists "
+        return (f"{code}: {message}", f"{config.launch_field(offer, 'iam_instance_profile')}: an instance profile that exists "
                 "(its role must trust ec2.amazonaws.com)")
     if code in ("Unsupported", "InvalidInstanceType") or code.startswith("InvalidParameterValue") and \
             "instance type" in message.lower():
@@ -264,7 +276,7 @@ async def _dry_run(config: Config, provider: AwsProvider, clients: _Clients, off
             code = _code(exc)
             if code == "DryRunOperation" or (what == "CreateFleet" and code.startswith("InvalidLaunchTemplate")):
                 continue
-            detail, fix = _dry_run_problem(code, _message(exc), offer, what)
+            detail, fix = _dry_run_problem(config, code, _message(exc), offer, what)
             out.append(failed(f"aws {offer.region}: dry-run {what} of offers.{offer.index}", detail, fix,
                               [offer.index]))
             return out
