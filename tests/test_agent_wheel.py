@@ -54,7 +54,7 @@ tops -= set(sys.stdlib_module_names) | {"daemon", "trainer"}
 print(json.dumps(sorted({d for t in tops for d in owners.get(t, [])})))
 """
 # structlog imports these for its console renderer when they are installed (not needed)
-_OPTIONAL = {"rich", "Pygments"}
+_OPTIONAL = {"rich", "Pygments", "colorama", "better-exceptions"}
 
 
 def test_the_agent_imports_nothing_but_its_requirements() -> None:
