@@ -39,6 +39,7 @@ class Core(Protocol):
     domain: str  # the placement domain the job runs in (daemon.controlnode.migrator)
     policy: Any  # the RecoveryPolicy (daemon.control.policies)
     run_nonce: str  # the job's rendezvous id is <job.id>-<run_nonce> (daemon.controlnode.jobspec); kept in the store
+    code: Any  # the CodeDelivery (daemon.controlnode.code_delivery): the pinned job.workdir, preparations
 
     def clock(self) -> float: ...
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from daemon.config import Config
+from daemon.controlnode.workdir import CodePin
 from daemon.model import Node
 from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
-__all__ = ["job_spec", "run_id"]
+__all__ = ["job_spec", "run_id", "prepares"]
 
 
 def run_id(config: Config, run_nonce: str) -> str:
@@ -21,9 +22,20 @@ def run_id(config: Config, run_nonce: str) -> str:
     return f"{config.job.id}-{run_nonce}"
 
 
-def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None) -> dict[str, Any]:
+def prepares(config: Config) -> bool:
+    """Whether a node prepares before it is ready (``preparing``): it has a ``job.workdir``
+    to fetch or a ``job.setup`` to run (:mod:`daemon.control.setup`)."""
+    return bool(config.job.workdir or config.job.setup)
+
+
+def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None, *,
+             code: CodePin | None = None) -> dict[str, Any]:
     """The torchrun command line (after ``python``) and environment for ``node``: ``{"argv",
-    "env"}``, and with ``job.grow: in_process`` a ``"join"`` spec of the same shape: the
+    "env"}``; with ``code`` (the daemon run's pinned ``job.workdir``) ``"workdir": {"uri",
+    "sha256", "bytes"}`` in the node's domain's store, and with ``job.setup`` ``"setup":
+    {"commands", "timeout_s"}``: the agent fetches, verifies and unpacks the workdir, runs
+    the setup there, and only then runs the trainer, in it (:mod:`daemon.gpunode.code`).
+    With ``job.grow: in_process`` a ``"join"`` spec of the same shape as the first: the
     node's own ``torchrun --standalone`` whose workers join the running group in-process
     (``SPOTVISOR_JOIN=1``, :mod:`trainer.membership`), started instead when the daemon
     admits the node into a running job. ``run_nonce`` makes the rendezvous id of this pool's
@@ -76,6 +88,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     if d.oss_endpoint:
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
     spec: dict[str, Any] = {"argv": argv, "env": env}
+    if code is not None:
+        spec["workdir"] = code.spec(d.name)
+    if job.setup:
+        spec["setup"] = {"commands": list(job.setup), "timeout_s": job.setup_timeout_s}
     if job.grow == "in_process":
         # no --max-restarts: a worker that fails exits the node's torchrun, and the daemon
         # takes the node out (its workers were never in torchrun's rendezvous to restart in)
