@@ -263,3 +263,23 @@ def test_a_setup_past_its_timeout_is_killed_with_its_children(tmp_path: Path) ->
 def test_code_pin_spec_names_the_domain_uri() -> None:
     pin = CodePin("a" * 64, 10, {"east": "s3://b/e/code/x", "west": "oss://b/w/code/x"})
     assert pin.spec("west") == {"uri": "oss://b/w/code/x", "sha256": "a" * 64, "bytes": 10}
+
+
+def test_spotvisord_run_refuses_a_workdir_over_its_cap_in_one_line(tmp_path: Path, sockdir: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from daemon.interfaces import cli
+
+    wd = _tree(tmp_path / "w")
+    (wd / "model.safetensors").write_bytes(b"x" * 3000)
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(
+        "pool: {name: sd, min_nodes: 1, target_nodes: 1, max_nodes: 1}\n"
+        f"job: {{workdir: '{wd}', workdir_max_bytes: 2048}}\n"
+        f"daemon: {{state_dir: '{tmp_path / 'state'}', socket: '{sockdir / 'd.sock'}'}}\n"
+        "providers: {local: {launch_delay_s: 3600}}\n"
+        "offers: [{provider: local, zone: local-a}]\n"
+    )
+    assert cli.main(["run", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the daemon's own log lines, then the one line
+    assert err[-1].startswith(f"spotvisord run: job.workdir: {wd} holds over 2048 bytes")
+    assert not any("Traceback" in line for line in err)

@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Mapping
 
 from daemon.config import Config
-from trainer.checkpoint import open_store
-from trainer.storage import CheckpointError
 
 __all__ = ["WorkdirError", "Packed", "CodePin", "ALWAYS_EXCLUDED", "code_key", "pack", "publish"]
 
@@ -176,6 +174,9 @@ def publish(config: Config, packed: Packed) -> CodePin:
     Raises:
         WorkdirError: a store cannot be reached or written (one line naming the URI).
     """
+    from trainer.checkpoint import open_store  # boto3 and oss2 load here, not for spotvisord check-config
+    from trainer.storage import CheckpointError
+
     key = code_key(packed.sha256)
     uris: dict[str, str] = {}
     done: set[str] = set()

@@ -49,6 +49,7 @@ from daemon.model import Event
 from daemon.feed.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.store import Store
+from daemon.controlnode.workdir import WorkdirError
 from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, serving, state_dir_lock
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             try:
                 return asyncio.run(_run(config, watchdog_s))
-            except StateDirError as exc:  # a file planted in the state dir
+            except (StateDirError, WorkdirError) as exc:  # a file planted in the state dir; job.workdir
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
-        except StateDirError as exc:
+        except (StateDirError, WorkdirError) as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return 2
         except (RuntimeError, OSError) as exc:

@@ -32,9 +32,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float) -> dict[str, Any]:
+def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float,
+                     on_line: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``spotvisord demo`` on ``raw`` (a parsed config) with a free rendezvous port and
-    state under ``tmp_path``; the summary dict, with the daemon's stdout under ``_stdout``."""
+    state under ``tmp_path``; the summary dict, with the daemon's stdout under ``_stdout``.
+    ``on_line``: called with each line the demo prints (its events) as it prints it."""
     raw["rendezvous"]["port"] = _free_port()
     for domain in raw.get("domains", []):  # each placement domain's own rendezvous store
         if domain.get("rendezvous"):
@@ -46,14 +48,25 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float) -> d
     out = tmp_path / "summary.json"
     tests = str(ROOT / "tests")  # e2e.paced_trainer, for the nodes' workers
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
-         "--timeout-s", str(timeout_s)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    argv = [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
+            "--timeout-s", str(timeout_s)]
+    if on_line is None:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60, env=env)
+        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+        stdout = proc.stdout
+    else:  # line by line (stderr with it: one pipe, never full); the demo's --timeout-s bounds it
+        with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) as live:
+            assert live.stdout is not None
+            lines = []
+            for line in live.stdout:
+                lines.append(line)
+                on_line(line)
+            code = live.wait(timeout=60)
+        stdout = "".join(lines)
+        assert code == 0, stdout[-8000:]
     summary = json.loads(out.read_text())
-    summary["_stdout"] = proc.stdout
+    summary["_stdout"] = stdout
     return summary
 
 
@@ -74,7 +87,7 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
 
     def run(*, chaos: list[dict[str, Any]], dialects: list[str] | None = None, timeout_s: float = 420,
             offers: list[dict[str, Any]] | None = None, pool: dict[str, Any] | None = None,
-            **job: Any) -> dict[str, Any]:
+            on_line: Callable[[str], None] | None = None, **job: Any) -> dict[str, Any]:
         raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
         raw["job"].update({"checkpoint_interval_steps": 10, "args": SMALL_MODEL, **job})
         if dialects:
@@ -83,6 +96,6 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
             raw["offers"] = offers
         raw["pool"].update(pool or {})
         raw["chaos"] = chaos
-        return _run_demo_config(raw, tmp_path, timeout_s)
+        return _run_demo_config(raw, tmp_path, timeout_s, on_line)
 
     return run
