@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from daemon.controlnode.workdir import pack
 from e2e.conftest import SMALL_MODEL
 
 pytestmark = pytest.mark.slow
@@ -81,10 +82,13 @@ def workdir_job(tmp_path: Path, full_world: int = 3) -> dict[str, Any]:
 def test_the_job_runs_delivered_code_through_the_chaos_schedule(run_demo, tmp_path: Path) -> None:
     job = workdir_job(tmp_path)
     module = Path(job["workdir"]) / "spot_code_job.py"
+    # the version the daemon must pin: packing is deterministic, so the test's own pack of v1 is it
+    sha = pack(job["workdir"], tmp_path / "expected", exclude=("data",), max_bytes=2**20).sha256
     edited = []
 
     def on_line(line: str) -> None:
-        if "code_published" in line and not edited:  # the daemon has pinned v1: the user edits the code
+        # the daemon published and pinned v1 before its first purchase: now the user edits the code
+        if "node_launch_requested" in line and not edited:
             module.write_text(JOB_MODULE.replace('CODE_VERSION = "v1"', 'CODE_VERSION = "v2"'))
             edited.append(line)
 
@@ -93,12 +97,11 @@ def test_the_job_runs_delivered_code_through_the_chaos_schedule(run_demo, tmp_pa
         {"action": "notice", "node": 3, "at_step": 60, "lead_s": 20},
         {"action": "kill", "node": 1, "at_step": 105},
     ])
-    assert edited, "no code_published line"
+    assert edited, "no node_launch_requested line"
     assert s["steps_completed"] == s["target_steps"] == 300
     assert s["preemptions_with_notice"] == 2 and s["nodes_lost_without_notice"] == 1
     assert s["lost_steps_on_notice"] == 0 and s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     out = s["_stdout"]
-    (sha,) = set(re.findall(r"code_published\s+code_version=([0-9a-f]{64})", out))
     ready = re.findall(r"node_ready\s+(\S+)\s+.*code_version=([0-9a-f]{64})", out)
     assert len(ready) >= 6, out[-3000:]  # 3 first nodes and 3 replacements, all prepared
     assert {v for _, v in ready} == {sha}  # the replacements bought after the edit too
