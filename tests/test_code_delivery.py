@@ -112,7 +112,10 @@ async def test_a_preparing_node_is_never_admitted_and_is_ready_with_its_code_ver
         await h.until(lambda: n1.state is NodeState.RUNNING, what="the prepared node admitted")
         status = h.sup.status()
         assert status["code"]["version"] == sha and status["nodes"][0]["code_version"] == sha
-        assert f"code {sha[:12]}" in render_status(status)
+        shown = render_status(status)
+        assert f"code {sha[:12]}" in shown
+        header, row = shown.splitlines()[-2:]
+        assert header.split()[-1] == "CODE" and row.split()[-1] == sha[:12]
 
 
 async def test_setup_failures_replace_nodes_then_stop_the_buying_with_one_line(tmp_path, sockdir) -> None:
@@ -248,3 +251,17 @@ async def test_a_tampered_archive_fails_the_node_closed(tmp_path, sockdir, monke
             assert ev.data["stage"] == "verify" and f"is not the pinned {sha}" in ev.data["last_line"]
             assert not (agent.workdir / "code" / sha).exists() and agent.runner.proc is None
     shutil.rmtree(tmp_path / "node", ignore_errors=True)
+
+
+async def test_a_setup_without_a_workdir_runs_in_the_agents_directory(tmp_path, sockdir, monkeypatch) -> None:
+    _workdir(tmp_path / "node")  # the stand-in, where the agent's trainer runs by default (its cwd is this test's)
+    monkeypatch.chdir(tmp_path / "node")
+    config = _config(tmp_path, sockdir, setup=["pwd > where; touch setup-marker"])
+    async with daemon(config, tmp_path, sockdir) as h:
+        assert not h.events("code_published")
+        async with real_agent(h, monkeypatch) as agent:
+            ran = agent.workdir / "ran.json"
+            await h.until(lambda: ran.exists() and ran.read_text(), what="the trainer started")
+            assert (agent.workdir / "where").read_text().strip() == str(agent.workdir)
+            (ready,) = h.events("node_ready")
+            assert ready.data["code_version"] is None and ready.data["setup_s"] >= 0
