@@ -27,7 +27,10 @@ from daemon.control.offers import offer_key
 from daemon.model import EventKind
 from daemon.hosts import exposed_address, is_loopback
 from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
+from daemon.secretref import SecretRef, check_env_name, parse_secret_ref
 from trainer.batch import ElasticBatch, BatchError
+from daemon.launchspec import (AliyunDomainLaunch, AliyunLaunchSpec, AwsDomainLaunch, AwsLaunchSpec, resolve_aliyun,
+                               resolve_aws)
 
 __all__ = [
     "ConfigError",
@@ -42,6 +45,10 @@ __all__ = [
     "LocalProviderSpec",
     "AwsProviderSpec",
     "AliyunProviderSpec",
+    "AwsDomainLaunch",
+    "AliyunDomainLaunch",
+    "AwsLaunchSpec",
+    "AliyunLaunchSpec",
     "ProvidersSpec",
     "OfferSpec",
     "DomainSpec",
@@ -56,6 +63,7 @@ __all__ = [
     "MAX_POOL_NODES",
     "LOCAL_MAX_NODES",
     "MAX_JOB_ARGS_BYTES",
+    "MAX_JOB_ENV_BYTES",
     "load_config",
     "format_problems",
 ]
@@ -112,6 +120,10 @@ LOCAL_MAX_NODES = 64
 # 8 MiB stack; E2BIG "Argument list too long") or one string over MAX_ARG_STRLEN
 # (131072 bytes); 64 KiB leaves room for spotvisor's own flags and the environment.
 MAX_JOB_ARGS_BYTES = 65536
+
+# job.env's values, all together (bytes of NAME=value, as the kernel counts them): the
+# workers' environment shares ARG_MAX with their command line (job.args, 64 KiB above)
+MAX_JOB_ENV_BYTES = 65536
 
 
 class PoolSpec(_Spec):
@@ -204,6 +216,14 @@ class JobSpec(_Spec):
     flags below (``--target-steps`` ...) and then ``args``. ``module`` and ``args``
     together take at most :data:`MAX_JOB_ARGS_BYTES` (64 KiB, each string counted in
     UTF-8 with its terminating NUL, as the kernel counts it) and hold no NUL character.
+
+    ``env``: ``{NAME: value}`` added to the trainer's environment on every node (at most
+    :data:`MAX_JOB_ENV_BYTES` in all). ``secrets``: ``{NAME: SOURCE}``, each value read by
+    the daemon at start from ``SOURCE`` (``file:/path[#KEY]``, ``ssm:/name``,
+    ``secretsmanager:name[#KEY]``, ``kms:name[#KEY]``, cloud ones with an optional
+    ``?region=``: :mod:`daemon.secretref`) and handed to the trainers only, over the agent
+    channel (:mod:`daemon.controlnode.job_secrets`). Names: POSIX, none of spotvisor's or
+    torchrun's own, none in both maps.
     """
 
     id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -217,6 +237,12 @@ class JobSpec(_Spec):
     s3_endpoint_url: str | None = None
     oss_endpoint: str | None = None  # e.g. https://oss-cn-hangzhou.aliyuncs.com; needed for oss://
     hold_timeout_s: PositiveS = 90.0
+    # the interpreter torchrun and its workers run on, on each node: e.g. the image's
+    # /opt/conda/bin/python or /usr/bin/python3 on the Deep Learning AMI, with its own
+    # torch. spotvisor's trainer package reaches it through PYTHONPATH (the bootstrap
+    # puts trainer/ alone in /opt/spotvisor/pythonpath), never the agent's virtualenv.
+    # Absent: the agent's own interpreter (which then needs torch)
+    python: str | None = None
     # how a new node enters the running job: "restart" (the survivors commit, hold, and
     # torchrun restarts every worker with it) or "in_process" (its workers join the running
     # group at a step boundary and take the state from a peer; no worker restarts:
@@ -278,6 +304,48 @@ class JobSpec(_Spec):
             raise ValueError(f"{v!r} is not a directory on this machine (give the directory holding the job's "
                              "code, e.g. workdir: ~/my-job)")
         return str(path.resolve())
+
+    env: dict[str, str] = {}
+    secrets: dict[str, str] = {}
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            problem = check_env_name(name)
+            if problem is not None:
+                raise ValueError(problem)
+            if "\0" in value:
+                raise ValueError(f"{name}: the value contains a NUL character, which no environment can carry")
+        size = sum(len(f"{k}={v}".encode("utf-8", "surrogatepass")) + 1 for k, v in env.items())
+        if size > MAX_JOB_ENV_BYTES:
+            raise ValueError(f"{size} bytes, over the {MAX_JOB_ENV_BYTES} the workers' environment can safely take "
+                             "(put long settings in a file the job reads)")
+        return env
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, secrets: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        for name, source in secrets.items():
+            problem = check_env_name(name)
+            if problem is None and name in (info.data.get("env") or {}):
+                problem = f"{name} is in job.env too (give it in one of them)"
+            if problem is None:
+                try:
+                    parse_secret_ref(source)
+                except ValueError as exc:
+                    problem = f"{name}: {exc}"
+            if problem is not None:
+                raise ValueError(problem)
+        return secrets
+
+    @field_validator("python")
+    @classmethod
+    def _interpreter(cls, python: str | None) -> str | None:
+        if python is not None and (not python.startswith("/") or any(c in python for c in "\0\n")):
+            raise ValueError(f"{python!r} is not an absolute path (give the node's interpreter, e.g. "
+                             "/opt/conda/bin/python)")
+        return python
 
     @field_validator("args")
     @classmethod
@@ -444,7 +512,23 @@ class DaemonSpec(_Spec):
     # kernel's share (bench/scale.py), so 25 a second keep them near 2 % of one core on a
     # small control node whatever the pool's size; 1,000 nodes are told 40 s
     max_heartbeats_per_second: float = Field(25.0, gt=0)
-    launch_timeout_s: PositiveS = 180.0
+    # from a launch request to the node's agent registering (seconds), for every offer that
+    # names no ``launch_timeout_s`` of its own. 600 s, not 180 s: a p4d/p5 spot instance
+    # spends 1-3 min from RunInstances to ``running``, then a Deep Learning AMI's first boot
+    # loads the NVIDIA and EFA drivers, fabric manager and cloud-init (3-5 min more), then the
+    # bootstrap starts the agent; a timeout below that kills nodes that would have joined
+    # (each one billed) in a loop that never fills the pool, while one above it only delays
+    # the replacement of a launch that truly hung (DEADLINE_START_S assumes the same)
+    launch_timeout_s: PositiveS = 600.0
+    # how a cloud node gets its agent (daemon/providers/bootstrap.py): "wheel" (default:
+    # its user data installs this daemon's own wheel, published to the job's store, into
+    # /opt/spotvisor/venv on any stock image) or "image" (the image carries spotvisor
+    # and its unit: `sudo make install-systemd` at image build)
+    agent_install: Literal["wheel", "image"] = "wheel"
+    # with agent_install: wheel, the wheel to publish (`pip wheel --no-deps .`, same
+    # version as the daemon); absent: built from the daemon's source tree, or packed
+    # from its installed distribution (daemon/providers/agent_wheel.py)
+    agent_wheel: str | None = None
     rejoin_timeout_s: PositiveS = 90.0
     reconcile_interval_s: PositiveS = 1.0
     # Prometheus: /metrics is always served on the control socket; with a port it is
@@ -559,15 +643,27 @@ class AwsProviderSpec(_Spec):
     """AWS EC2 spot capacity (boto3). Credentials come from boto3's standard chain
     (environment, profile, instance role), never from this file.
 
+    The launch fields here are the defaults of every AWS placement domain; a domain's
+    ``launch:`` block (:class:`daemon.launchspec.AwsDomainLaunch`) overrides them for its
+    region (AMIs, subnets and security groups are region-scoped). ``image_id`` may be left
+    out when every AWS domain gives its own.
+
     ``subnet_ids``: availability zone → subnet id (an offer's zone picks its subnet).
-    ``endpoint_url``: only for tests or VPC endpoints.
+    ``root_volume_gib``: root EBS volume size in GiB (absent: the AMI's); ``root_volume_type``:
+    its type (gp3). ``efa``: EFA interfaces (one per network card) where the instance type
+    supports them. ``instance_store_scratch``: the type's instance-store NVMe disks become
+    the node's checkpoint scratch. ``endpoint_url``: only for tests or VPC endpoints.
     """
 
-    image_id: str = Field(pattern=r"^ami-[0-9a-f]+$")
+    image_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]+$")
     subnet_ids: dict[str, str] = {}
     security_group_ids: list[str] = []
     iam_instance_profile: str | None = None
     key_name: str | None = None
+    root_volume_gib: int | None = Field(None, ge=1, le=16384)
+    root_volume_type: Literal["gp3", "gp2", "io1", "io2"] = "gp3"
+    efa: bool = True
+    instance_store_scratch: bool = True
     launch_method: Literal["run_instances", "create_fleet"] = "run_instances"
     endpoint_url: str | None = None
     agent_metadata_dialect: Literal["aws"] = "aws"
@@ -578,13 +674,23 @@ class AliyunProviderSpec(_Spec):
     Credentials come from the SDK's chain (``ALIBABA_CLOUD_ACCESS_KEY_ID`` /
     ``ALIBABA_CLOUD_ACCESS_KEY_SECRET``, profile, RAM role), never from this file.
 
-    ``vswitch_ids``: zone id → vSwitch id. ``endpoint``: only for tests
-    (``127.0.0.1:PORT``, plain HTTP).
+    The launch fields are the defaults of every Alibaba domain; a domain's ``launch:``
+    block (:class:`daemon.launchspec.AliyunDomainLaunch`) overrides them for its region.
+    ``image_id`` / ``security_group_id`` may be left out when every Alibaba domain gives its own.
+
+    ``vswitch_ids``: zone id → vSwitch id. ``ram_role``: the instance RAM role
+    (``RamRoleName``). ``system_disk_gib`` (20..2048) / ``system_disk_category``: the system
+    disk (absent: ECS's defaults). ``endpoint``: only for tests (``127.0.0.1:PORT``, plain HTTP).
     """
 
-    image_id: str
-    security_group_id: str
+    image_id: str | None = None
+    security_group_id: str | None = None
     vswitch_ids: dict[str, str] = {}
+    ram_role: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]{1,64}$")
+    key_pair_name: str | None = None
+    system_disk_gib: int | None = Field(None, ge=20, le=2048)
+    system_disk_category: Literal["cloud_efficiency", "cloud_ssd", "cloud_essd", "cloud_auto", "cloud_essd_entry",
+                                  "cloud"] | None = None
     spot_strategy: Literal["SpotAsPriceGo", "SpotWithPriceLimit"] = "SpotWithPriceLimit"
     endpoint: str | None = None
 
@@ -613,6 +719,9 @@ class OfferSpec(_Spec):
     # the on-demand list price of this instance type here (USD/hour), for ``spotctl cost``'s
     # on-demand equivalent and savings; absent: that node's savings are shown as unknown
     on_demand_price_usd_h: float | None = Field(None, ge=0)
+    # from its launch request to its agent registering (seconds), else the node is
+    # terminated as launch_timeout; absent: daemon.launch_timeout_s (600 s, why: see there)
+    launch_timeout_s: PositiveS | None = None
 
     def memory_gib(self) -> float | None:
         """GiB of memory per GPU: ``gpu_memory_gib``, else from ``gpu_type`` (None: no GPU).
@@ -671,6 +780,24 @@ class DomainSpec(_Spec):
     oss_endpoint: str | None = None
     rendezvous: DomainRendezvous | None = None
     egress_usd_per_gb: float = Field(0.0, ge=0)
+    # what its instances are launched with, over the provider section's defaults
+    # (daemon/launchspec.py: AwsDomainLaunch for aws, AliyunDomainLaunch for aliyun)
+    launch: AwsDomainLaunch | AliyunDomainLaunch | None = None
+
+    @field_validator("launch", mode="wrap")
+    @classmethod
+    def _launch_of_provider(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        if value is None or isinstance(value, (AwsDomainLaunch, AliyunDomainLaunch)):
+            return value
+        provider = info.data.get("provider", "local")
+        kind = {"aws": AwsDomainLaunch, "aliyun": AliyunDomainLaunch}.get(provider)
+        if kind is None:
+            raise ValueError(f"the {provider} provider has no launch settings (remove launch)")
+        if isinstance(value, dict):
+            for key in value:
+                if key not in kind.model_fields:
+                    raise ValueError(f"{key} is not a launch setting of an {provider} domain (valid: {kind.keys()})")
+        return kind.model_validate(value)  # its errors come out at domains.N.launch.FIELD
 
 
 class MigrationSpec(_Spec):
@@ -698,11 +825,14 @@ class Domain:
     """A resolved placement domain: its name, place, store, rendezvous and offers.
 
     ``offers``: indices into ``config.offers``. ``rendezvous``: the endpoint (with the
-    top-level section's timeouts). Built by :meth:`Config.domains_resolved`.
+    top-level section's timeouts). ``launch``: its ``launch:`` block (None: the provider
+    section's defaults alone); ``index``: its position in ``domains:`` (None: the implicit
+    domain of a config without ``domains:``). Built by :meth:`Config.domains_resolved`.
     """
 
     __slots__ = ("name", "provider", "region", "placement_group", "mix_zones", "mix_gpu_types",
-                 "checkpoint_uri", "s3_endpoint_url", "oss_endpoint", "rendezvous", "egress_usd_per_gb", "offers")
+                 "checkpoint_uri", "s3_endpoint_url", "oss_endpoint", "rendezvous", "egress_usd_per_gb", "offers",
+                 "launch", "index")
 
     def __init__(self, **kw: Any) -> None:
         for k in self.__slots__:
@@ -877,6 +1007,25 @@ class Config(_Spec):
         return self
 
     @model_validator(mode="after")
+    def _secret_regions(self) -> "Config":
+        """Every cloud secret source has a region: its own ``?region=`` or a domain of its cloud's."""
+        for name, source in self.job.secrets.items():
+            ref = parse_secret_ref(source)
+            if ref.scheme != "file" and self.secret_region(ref) is None:
+                cloud = "aliyun" if ref.scheme == "kms" else "aws"
+                raise ValueError(f"job.secrets.{name}: {ref} has no region and the config has no {cloud} "
+                                 f"domain to take it from (add ?region=REGION before any #KEY)")
+        return self
+
+    def secret_region(self, ref: "SecretRef") -> str | None:
+        """The region a cloud secret source is read in: its ``?region=``, else the region of
+        the first placement domain of its cloud (aws for ssm / secretsmanager, aliyun for kms)."""
+        if ref.region is not None:
+            return ref.region
+        cloud = "aliyun" if ref.scheme == "kms" else "aws"
+        return next((d.region for d in self.domains_resolved() if d.provider == cloud), None)
+
+    @model_validator(mode="after")
     def _cross(self) -> "Config":
         keys = [o.key for o in self.offers]
         for i, key in enumerate(keys):
@@ -945,6 +1094,84 @@ class Config(_Spec):
                 raise ValueError(f"chaos.{i}.at_step: {ev.at_step} is never reached, the job ends at "
                                  f"job.target_steps {self.job.target_steps} (use a smaller step)")
         return self
+
+    @model_validator(mode="after")
+    def _launch_specs(self) -> "Config":
+        """Every cloud domain resolves to a launch spec (an image at least), and no
+        region-scoped id is shared by two regions: an AMI id, a security group id, an
+        Alibaba custom image (``m-...``) or security group names a resource of one region,
+        so the same id in a second region cannot launch there."""
+        seen: dict[tuple[str, str, str], tuple[str, str]] = {}  # (provider, field, id) -> (region, domain)
+        for d in _resolve_domains(self):
+            if d.provider not in ("aws", "aliyun") or getattr(self.providers, d.provider) is None:
+                continue
+            spec = self.launch_spec(d.name)  # ValueError: no image / group, named by field
+            where = _launch_path(d)
+            if isinstance(spec, AwsLaunchSpec):
+                ids = [("image_id", spec.image_id), *(("security_group_ids", g) for g in spec.security_group_ids)]
+            else:
+                ids = [("security_group_id", spec.security_group_id)]
+                if spec.image_id.startswith("m-"):  # a custom image (a public image's id is the same everywhere)
+                    ids.append(("image_id", spec.image_id))
+            for name, value in ids:
+                other = seen.setdefault((d.provider, name, value), (d.region, d.name))
+                if other[0] != d.region:
+                    what = {"image_id": "an image id names an image in one region only",
+                            "security_group_ids": "a security group belongs to one region's VPC",
+                            "security_group_id": "a security group belongs to one region's VPC"}[name]
+                    how = (f", e.g. from aws ec2 copy-image --source-region {other[0]} --region {d.region}"
+                           if (d.provider, name) == ("aws", "image_id") else "")
+                    raise ValueError(f"{where}.{name}: {value} is already domain {other[1]}'s in {other[0]}, and {what} "
+                                     f"(set {where}.{name} to {d.name}'s own in {d.region}{how})")
+        return self
+
+    def launch_spec(self, target: "str | Domain | OfferSpec | Any | None" = None) -> AwsLaunchSpec | AliyunLaunchSpec:
+        """What an instance is launched with: the domain's ``launch:`` fields over the
+        provider section's (:mod:`daemon.launchspec`). Pure.
+
+        ``target``: a domain name, a :class:`Domain`, an offer (:class:`OfferSpec` or the
+        planner's ``daemon.control.offers.Offer``: its domain is the config's offer with
+        the same key, else the first domain of its provider and region), or None (the first
+        domain).
+
+        Raises:
+            KeyError: no such domain, or an offer in no domain of this config.
+            ValueError: the domain's provider launches nothing (local), or the spec lacks
+                an image / security group (one line naming the field and the fix).
+        """
+        domain = self._domain_for(target)
+        provider = getattr(self.providers, domain.provider, None)
+        if domain.provider == "aws" and provider is not None:
+            return resolve_aws(provider, domain.launch, domain=domain.name, region=domain.region,  # type: ignore[arg-type]
+                               where=_launch_path(domain))
+        if domain.provider == "aliyun" and provider is not None:
+            return resolve_aliyun(provider, domain.launch, domain=domain.name, region=domain.region,  # type: ignore[arg-type]
+                                  where=_launch_path(domain))
+        raise ValueError(f"domain {domain.name!r}: the {domain.provider} provider has no launch spec")
+
+    def launch_timeout_s(self, offer_key: str | None) -> float:
+        """Seconds a node bought from offer ``offer_key`` may take from its launch request to
+        its agent registering: the offer's ``launch_timeout_s``, else ``daemon.launch_timeout_s``
+        (also for a key no offer of this config has any more)."""
+        for o in self.offers:
+            if o.key == offer_key and o.launch_timeout_s is not None:
+                return o.launch_timeout_s
+        return self.daemon.launch_timeout_s
+
+    def _domain_for(self, target: Any) -> Domain:
+        if target is None or isinstance(target, str):
+            return self.domain(target)
+        if isinstance(target, Domain):
+            return target
+        name = getattr(target, "domain", None) if isinstance(target, OfferSpec) else None
+        if name is None:
+            name = self.domain_of_key(getattr(target, "key", None))
+        if name is not None:
+            return self.domain(name)
+        for d in _resolve_domains(self):  # an offer this config does not list: its place's domain
+            if (d.provider, d.region) == (getattr(target, "provider", None), getattr(target, "region", None)):
+                return d
+        raise KeyError(f"no placement domain for offer {getattr(target, 'key', target)!r}")
 
     def _check_deadline(self) -> None:
         """A deadline needs a step time to plan with and on-demand offers to fall back on,
@@ -1085,7 +1312,8 @@ def _resolve_domains(c: Config) -> list[Domain]:
                           mix_zones=d.mix_zones, mix_gpu_types=d.mix_gpu_types, checkpoint_uri=uri,
                           s3_endpoint_url=d.s3_endpoint_url or c.job.s3_endpoint_url,
                           oss_endpoint=d.oss_endpoint or c.job.oss_endpoint, rendezvous=rdzv,
-                          egress_usd_per_gb=d.egress_usd_per_gb, offers=tuple(members[d.name])))
+                          egress_usd_per_gb=d.egress_usd_per_gb, offers=tuple(members[d.name]), launch=d.launch,
+                          index=i if c.domains else None))
     endpoints = [(d.rendezvous.host, d.rendezvous.port) for d in out]
     for i, ep in enumerate(endpoints):
         if ep in endpoints[:i]:
@@ -1095,6 +1323,12 @@ def _resolve_domains(c: Config) -> list[Domain]:
         if ev.domain is not None and ev.domain not in names:
             raise ValueError(f"chaos.{i}.domain: no domain named {ev.domain!r} (domains: {', '.join(names)})")
     return out
+
+
+def _launch_path(d: Domain) -> str:
+    """Where a domain's launch fields are set: ``domains.N.launch``, or the provider section
+    for the implicit domain of a config without ``domains:``."""
+    return f"providers.{d.provider}" if d.index is None else f"domains.{d.index}.launch"
 
 
 def _slug(text: str) -> str:

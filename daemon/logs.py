@@ -2,6 +2,10 @@
 
 Logs go to stderr as ``key=value`` lines (``SPOTVISOR_LOG_FORMAT=json`` for JSON,
 e.g. under journald); ``SPOTVISOR_LOG_LEVEL`` sets the level (default INFO).
+
+Every line passes :func:`mask_secrets` before it is rendered: a job's secret value (or a
+secret URL of the feed) registered with :mod:`daemon.feed.notify` reads ``***`` in any
+field, however deep, so a stray log of a job spec shows no secret.
 """
 
 from __future__ import annotations
@@ -9,10 +13,30 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "mask_secrets"]
+
+_REDACTION = "daemon.feed.notify"  # the registry of secrets (register_secret_value, register_secret_url)
+
+
+def mask_secrets(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: every registered secret in the line's fields is masked. A field
+    that is not a string is judged by its ``repr`` (what the renderers print) and replaced by
+    that, masked, when it held one. Nothing registered (the registry not even imported, as
+    in the agent, which never holds a feed URL): the line is left as it is."""
+    registry = sys.modules.get(_REDACTION)
+    if registry is None or getattr(registry, "_secrets_re", None) is None:
+        return event_dict
+    redact = registry.redact_secrets
+    for key, value in event_dict.items():
+        text = value if isinstance(value, str) else repr(value)
+        clean = redact(text)
+        if clean != text:
+            event_dict[key] = clean
+    return event_dict
 
 
 def configure_logging(level: str | None = None, *, stream=None) -> None:
@@ -30,6 +54,7 @@ def configure_logging(level: str | None = None, *, stream=None) -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            mask_secrets,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

@@ -112,6 +112,13 @@ class EventKind(str, Enum):
     CODE_PUBLISHED = "code_published"
     NODE_SETUP_FAILED = "node_setup_failed"
     SETUP_HALTED = "setup_halted"
+    # the cloud check (daemon/controlnode/cloud_check.py, also ``spotvisord check``): a check failed, so the
+    # offers it concerns are not bought until it passes (it is tried again on a backoff); every check passed
+    CLOUD_CHECK_FAILED = "cloud_check_failed"
+    CLOUD_CHECK_PASSED = "cloud_check_passed"
+    # a quota or auth error at launch: that offer family (aws/us-east-1/p5; the provider, for auth) sits
+    # out a backoff (daemon/control/quota.py); the event says when it is tried again
+    OFFER_FAMILY_BACKOFF = "offer_family_backoff"
 
 
 @dataclass(frozen=True, slots=True)

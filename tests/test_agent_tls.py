@@ -411,7 +411,7 @@ def test_the_user_data_writes_the_ca_for_the_agent(tmp_path: Path) -> None:
     # without a CA: the script as before
     plain = render_user_data(NodeSpec(node_id="p-1", pool="p", token="tok123", daemon_url="http://127.0.0.1:1"),
                              dialect="aws")
-    assert "CA_FILE" not in plain and "install -d -m 0700 /etc/spotvisor" in plain
+    assert "CA_FILE" not in plain and 'install -d -m 0700 "$R/etc/spotvisor"' in plain
     with pytest.raises(ValueError, match="ca_cert_pem"):
         render_user_data(NodeSpec(node_id="p-1", pool="p", token="t", daemon_url="https://h:1",
                                   ca_cert_pem="-----BEGIN CERTIFICATE-----\n'; rm -rf /\n-----END CERTIFICATE-----"),

@@ -17,6 +17,8 @@ from daemon.control.pool import Offer
 from daemon.providers.aws import AwsProvider, PriceError, client_token, map_client_error
 from daemon.providers.base import (
     AuthError,
+    NODE_TAG,
+    POOL_TAG,
     CapacityError,
     NodeSpec,
     ProviderError,
@@ -220,6 +222,11 @@ async def test_fleet_leaves_no_launch_template(faults, node_spec, ec2) -> None:
         (req,) = faults.actions("CreateFleet")
         assert req.params["SpotOptions.AllocationStrategy"] == "price-capacity-optimized"
         assert req.params["Type"] == "instant"
+        # the request itself names the pool tag: the control node's policy (aws:RequestTag) needs it
+        assert req.params["TagSpecification.1.ResourceType"] == "instance"
+        tags = {req.params[k]: req.params[k[:-3] + "Value"] for k in req.params
+                if k.startswith("TagSpecification.1.Tag.") and k.endswith(".Key")}
+        assert tags[POOL_TAG] == node.pool and tags[NODE_TAG] == node.node_id
         with pytest.raises(botocore.exceptions.ClientError):
             ec2.describe_launch_templates(LaunchTemplateNames=[client_token(node.node_id)])
     finally:

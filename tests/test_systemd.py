@@ -246,6 +246,23 @@ def test_the_service_unit_says_what_the_daemon_does(installed_units: Path) -> No
                           "ConfigurationDirectory": "spotvisor"}
 
 
+def test_the_service_reads_its_own_secrets_from_an_optional_environment_file(installed_units: Path) -> None:
+    """Issue 26: the Slack webhook URL and cloud keys reach the daemon through
+    ``EnvironmentFile=`` (optional: "-"), never through the config or a drop-in; the
+    config names them by variable (notify[].url_env), which resolve_sinks reads."""
+    from daemon.config import SinkSpec
+    from daemon.feed.notify import resolve_sinks
+
+    text = (installed_units / "spotvisord.service").read_text()
+    assert re.findall(r"^EnvironmentFile=(.*)$", text, re.M) == ["-/etc/spotvisor/spotvisord.env"]
+    assert "0600" in text  # the comment says how to make it
+    hook = "https://hooks.slack.com/services/T000/B000/" + "x" * 24
+    env_file = "# /etc/spotvisor/spotvisord.env\nSPOTVISOR_SLACK_WEBHOOK_URL=" + hook + "\n"
+    environ = dict(line.split("=", 1) for line in env_file.splitlines() if line and not line.startswith("#"))
+    (target,) = resolve_sinks([SinkSpec(name="ops", type="slack", url_env="SPOTVISOR_SLACK_WEBHOOK_URL")], environ)
+    assert target.url == hook
+
+
 def test_the_units_raise_the_open_file_limit_the_agent_port_is_sized_from() -> None:
     """Issue 25, item 4: spotvisord's LimitNOFILE leaves the agent port room for a
     10,000-node pool's connections (4 a node) after the reserve; the rendezvous store,

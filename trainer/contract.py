@@ -50,6 +50,7 @@ __all__ = [
     "RUN_ID_ENV",
     "JOIN_ENV",
     "JOIN_CREDENTIAL_ENV",
+    "TRAINER_PYTHONPATH_ENV",
     "NoticeKind",
     "NoticeEntry",
     "NoticeFileError",
@@ -74,6 +75,10 @@ RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
 RUN_ID_ENV = "SPOTVISOR_RUN_ID"
 JOIN_ENV = "SPOTVISOR_JOIN"
 JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
+# in the agent's environment (its env file): a directory holding spotvisor's trainer
+# package alone, which the agent puts first on PYTHONPATH for a trainer on another
+# interpreter than its own (job.python; daemon/providers/bootstrap.py writes it)
+TRAINER_PYTHONPATH_ENV = "SPOTVISOR_TRAINER_PYTHONPATH"
 
 
 # --------------------------------------------------------------------------- the notice file

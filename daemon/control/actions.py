@@ -81,6 +81,9 @@ class NodeView:
     # the trainer attempt its workers last reported starting ("" unknown): a node of the
     # job's running attempt holds ranks its peers may be blocked on
     attempt: str = ""
+    # seconds from its launch request to its agent registering before it is terminated as
+    # launch_timeout: its offer's (OfferSpec.launch_timeout_s); None: Timeouts.launch_timeout_s
+    launch_timeout_s: float | None = None
 
     @property
     def trainer_exited(self) -> bool:

@@ -71,7 +71,7 @@ class History:
     """What recent outcomes say about offers.
 
     ``backoff_until[offer_index]``: unix s until which the offer is not used (capacity
-    errors; ``inf`` for a provider disabled by a quota or auth error).
+    errors, an offer family's quota backoff: :mod:`daemon.control.quota`, a failed cloud check's retry).
     ``avoid_zones``: zone keys (``Offer.zone_key``) just preempted: offers there are
     ranked last, not excluded, so the first replacement goes elsewhere when it can.
     """

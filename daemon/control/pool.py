@@ -55,6 +55,8 @@ class Desired:
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     """Seconds. ``drain_grace_s``: how long past its notice deadline a draining node may linger.
+    ``launch_timeout_s``: a launching node's bound when its view names none of its own
+    (``NodeView.launch_timeout_s``, from its offer).
 
     ``heartbeat_timeout_s`` is the floor of the lost-node timeout; a node told a long
     heartbeat interval gets ``heartbeat_misses`` of them plus ``heartbeat_grace_s``
@@ -115,7 +117,8 @@ def plan(
     for n in observed:
         if n.state.is_terminal():
             continue
-        if n.state is NodeState.LAUNCHING and now - n.created_at > timeouts.launch_timeout_s:
+        launch_timeout_s = timeouts.launch_timeout_s if n.launch_timeout_s is None else n.launch_timeout_s
+        if n.state is NodeState.LAUNCHING and now - n.created_at > launch_timeout_s:
             removals.append(Terminate(n.id, "launch_timeout", NodeState.FAILED))
             removed.add(n.id)
         elif (

@@ -9,7 +9,7 @@ class, so what a part may touch is written down here.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Iterator, Protocol
+from typing import Any, Awaitable, Iterator, Mapping, Protocol
 
 from daemon.config import Config
 from daemon.control.actions import Action, NodeView, PoolState
@@ -38,6 +38,7 @@ class Core(Protocol):
     first_ready_at: float | None  # when the first node of a pending job was up (unix s)
     domain: str  # the placement domain the job runs in (daemon.controlnode.migrator)
     policy: Any  # the RecoveryPolicy (daemon.control.policies)
+    secrets: Mapping[str, str]  # the job's secrets {NAME: value} (daemon.controlnode.job_secrets): never shown
     run_nonce: str  # the job's rendezvous id is <job.id>-<run_nonce> (daemon.controlnode.jobspec); kept in the store
     code: Any  # the CodeDelivery (daemon.controlnode.code_delivery): the pinned job.workdir, preparations
 

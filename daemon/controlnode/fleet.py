@@ -3,7 +3,7 @@
 :class:`Fleet` carries out the planner's capacity actions (:class:`Launch`,
 :class:`Terminate`, :class:`MarkLost`), lists the pool's instances each pass
 (:meth:`Fleet.observe`), and keeps what the outcomes say about offers: capacity
-backoff, providers disabled by a quota or auth error, zones that just preempted a
+backoff, offer families sitting out a quota or auth error, zones that just preempted a
 node, spot prices. Nothing else in the daemon calls a provider.
 """
 
@@ -18,12 +18,17 @@ import structlog
 
 from daemon.control.actions import Launch, MarkLost, Terminate
 from daemon.control.lifecycle import LIVE
+from daemon.control import quota
 from daemon.control.offers import History, Offer, capacity_backoff_s
+from daemon.control.quota import offer_family
+from daemon.controlnode.check_gate import CheckGate
+from daemon.controlnode.cloud_probe import run_checks
 from daemon.controlnode.core import Core
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, Node, NodeState
-from daemon.providers.base import (NODE_TAG, POOL_TAG, AuthError, CapacityError, Instance, NodeSpec, Provider,
-                                   ProviderError, QuotaError)
+from daemon.providers.agent_wheel import AgentWheelError, AgentWheels
+from daemon.providers.base import (NODE_TAG, POOL_TAG, AgentWheelRef, AuthError, CapacityError, Instance, NodeSpec,
+                                   Provider, ProviderError, QuotaError)
 
 __all__ = ["Fleet", "AVOID_ZONE_S"]
 
@@ -49,12 +54,21 @@ class Fleet:
         self._prices: dict[int, float | None] = {}
         self._backoff: dict[int, float] = {}  # offer index → unix s until which it is not used
         self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
+        self._families: dict[str, quota.FamilyBackoff] = {}  # offer family → its quota/auth backoff
         self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         # offer index → its placement domain's placement group, launched into (None: none)
         self._groups = {i: d.placement_group for d in core.config.domains_resolved() for i in d.offers}
         self.launching: set[str] = set()  # node ids whose provider.launch call is in flight
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
+        d = core.config.daemon
+        # the agent's wheel for nodes that install it at boot; a URL lives a bit over the
+        # slowest offer's launch timeout (a node fetches it while it boots)
+        slowest = max([core.config.launch_timeout_s(o.key) for o in core.config.offers] or [d.launch_timeout_s])
+        self.agent_wheels = AgentWheels(configured=d.agent_wheel, work_dir=d.state_path() / "agent-wheel",
+                                        open_store=self._checkpoint_store, expires_s=int(slowest) + 600)
+        # the cloud check (spotvisord check's), at start and on a backoff while it fails: the gate on buying
+        self.checks = CheckGate(core, run=lambda: run_checks(core.config, self.provider_for))
 
     # -- providers ----------------------------------------------------------------------------
     @property
@@ -75,9 +89,11 @@ class Fleet:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def preflight(self) -> None:
+    async def preflight(self) -> None:
         """The pre-flight at start (pure: GPU memory per offer, estimated flush per notice
-        window): offers that cannot hold the job are never bought; its findings are events."""
+        window): offers that cannot hold the job are never bought; its findings are events.
+        Then the cloud check (:mod:`.check_gate`): its first run is awaited, a failed one
+        is retried in a task of its own."""
         from daemon.controlnode import preflight
 
         pre = preflight.at_start(self.core.config)
@@ -86,6 +102,8 @@ class Fleet:
             log.info("preflight_skipped", pool=self.core.pool, note=pre.note)
         for kind, data in pre.events:
             self.core.record(EventKind(kind), None, **data)
+        await self.checks.check_once()
+        self.core.spawn(self.checks.retry_loop(), "cloud-check")
 
     # -- offers ---------------------------------------------------------------------------------
     def offer(self, i: int) -> Offer:
@@ -100,7 +118,9 @@ class Fleet:
         return [self.offer(i) for i in range(len(self.core.config.offers)) if i not in self.unusable]
 
     def history(self, now: float) -> History:
-        return History(backoff_until=dict(self._backoff),
+        """What recent outcomes say about offers; an offer a failed cloud check concerns is out."""
+        held = {i: float("inf") for i in self.checks.blocked()}
+        return History(backoff_until={**self._backoff, **held},
                        avoid_zones=frozenset(z for z, until in self._avoid_zone.items() if until > now))
 
     def avoid_zone_of(self, node: Node) -> None:
@@ -270,13 +290,40 @@ class Fleet:
         finally:
             self.core.wake()
 
+    def _checkpoint_store(self, domain: str) -> tuple[str, Any]:
+        """The checkpoint store of ``domain``: ``(uri, store)`` (no I/O)."""
+        from trainer.checkpoint import open_store
+
+        d, uri = self.core.config.domain(domain), self.core.config.checkpoint_uri(domain)
+        return uri, open_store(uri, s3_endpoint_url=d.s3_endpoint_url, oss_endpoint=d.oss_endpoint)
+
+    async def _agent_wheel(self, node: Node, offer_index: int) -> AgentWheelRef | None | bool:
+        """The wheel a node of this offer installs; None: its image has the agent; False: the
+        wheel cannot be had, and the launch has failed (fail closed: no node is bought that
+        could not start its agent), with a ``node_launch_failed`` saying why."""
+        offer, core = self.offer(offer_index), self.core
+        if not self.provider_for(offer.provider).installs_agent or core.config.daemon.agent_install == "image":
+            return None
+        try:
+            return await self.agent_wheels.ref(core.config.domain_of_offer(offer_index))
+        except AgentWheelError as exc:
+            self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
+            self._launch_failed(node, str(exc))
+            log.error("agent_wheel_unavailable", offer=offer.key, reason=str(exc))
+            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="agent_wheel", message=str(exc), offer=offer.key)
+            return False
+
     async def _launch_and_record(self, node: Node, offer_index: int) -> None:
         core = self.core
         if core.agent_url is None:
             raise RuntimeError("the launch ran before the daemon knew its agent URL (Supervisor.start)")
+        wheel = await self._agent_wheel(node, offer_index)
+        if wheel is False:
+            return
         spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
                         tags={POOL_TAG: core.pool, NODE_TAG: node.id},
-                        ca_cert_pem=getattr(core, "agent_ca_pem", None))  # set by start(); absent: plain HTTP
+                        ca_cert_pem=getattr(core, "agent_ca_pem", None),  # set by start(); absent: plain HTTP
+                        agent_wheel=wheel or None)
         offer = self.offer(offer_index)
         try:
             inst = await self.provider_for(offer.provider).launch(offer, spec)
@@ -289,14 +336,11 @@ class Fleet:
             core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
                         backoff_s=round(wait, 1), failures=n)
         except (QuotaError, AuthError) as exc:
-            # no retry helps: every offer of this provider is out until the daemon restarts
-            for o, spec_o in enumerate(core.config.offers):
-                if spec_o.provider == offer.provider:
-                    self._backoff[o] = float("inf")
+            # an account limit (or a refused permission): its offer family sits out a backoff (daemon.control.quota)
             self._launch_failed(node, str(exc))
-            log.error("provider_disabled", provider=offer.provider, error=type(exc).__name__, message=str(exc))
+            family = self._family_out(offer, exc)
             core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
-                        offer=offer.key, provider_disabled=offer.provider)
+                        offer=offer.key, family=family)
         except ProviderError as exc:
             self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
             self._launch_failed(node, str(exc))
@@ -304,6 +348,8 @@ class Fleet:
                         offer=offer.key)
         else:
             self._capacity_failures.pop(offer_index, None)
+            self._families = quota.after_success(self._families, offer_family(offer.provider, offer.region,
+                                                                              offer.instance_type), offer.provider)
             node.instance_id = inst.id
             if node.state.is_terminal():
                 # released while its launch was in flight (job completed, scale-in): the
@@ -317,6 +363,28 @@ class Fleet:
                 core.set_state(node, NodeState.LAUNCHING)
                 core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
                             price_usd_h=node.price_usd_h)
+
+    def _family_out(self, offer: Offer, exc: ProviderError) -> str:
+        """``offer``'s family (its provider's offers, for an auth error) sits out its backoff
+        (:func:`daemon.control.quota.after_error`): an ``offer_family_backoff`` event says
+        until when. Returns the family."""
+        core, now = self.core, self.core.clock()
+        family = offer_family(offer.provider, offer.region,
+                              None if isinstance(exc, AuthError) else offer.instance_type)
+        before = self._families.get(family)
+        self._families = quota.after_error(self._families, family, now=now)
+        out = self._families[family]
+        if out == before:  # already sitting out (this launch was in flight): said once already
+            return family
+        for o, spec_o in enumerate(core.config.offers):
+            if family in (spec_o.provider, offer_family(spec_o.provider, spec_o.region, spec_o.instance_type)):
+                self._backoff[o] = max(self._backoff.get(o, 0.0), out.until)
+        log.error("offer_family_backoff", family=family, error=type(exc).__name__, message=str(exc),
+                  retry_in_s=out.until - now)
+        core.record(EventKind.OFFER_FAMILY_BACKOFF, None, family=family, error=type(exc).__name__,
+                    message=str(exc)[:512], failures=out.failures, retry_in_s=round(out.until - now, 1),
+                    retry_at=round(out.until, 3))
+        return family
 
     def _launch_failed(self, node: Node, detail: str) -> None:
         """The launch call failed: the node is ``failed`` (unless it was released meanwhile)."""

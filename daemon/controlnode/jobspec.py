@@ -2,19 +2,26 @@
 
 ``python -m torch.distributed.run --nnodes=MIN:MAX ... -m <job.module> <trainer flags>``
 with the rendezvous on the control node (``is_host=false``: no spot node hosts it) and
-the environment the trainer's contract names (:mod:`trainer.contract`).
+the environment the trainer's contract names (:mod:`trainer.contract`), then ``job.env``.
+
+The job's secrets (:mod:`daemon.controlnode.job_secrets`) ride in the spec's own
+``"secrets"`` map, apart from ``"env"``: the agent adds them to the trainer's environment
+only (:meth:`daemon.gpunode.trainer_process.TrainerProcess.job_env`), and whatever shows
+a spec can leave that one key out (:func:`shown`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.model import Node
 from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
-__all__ = ["job_spec", "run_id", "prepares"]
+__all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY"]
+
+SECRETS_KEY = "secrets"  # the spec's map of the job's secrets: {NAME: value}
 
 
 def run_id(config: Config, run_nonce: str) -> str:
@@ -28,8 +35,15 @@ def prepares(config: Config) -> bool:
     return bool(config.job.workdir or config.job.setup)
 
 
-def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None, *,
-             code: CodePin | None = None) -> dict[str, Any]:
+def shown(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` as it may be shown or logged: each secret's value is ``***``."""
+    if SECRETS_KEY not in spec:
+        return spec
+    return {**spec, SECRETS_KEY: {name: "***" for name in spec[SECRETS_KEY]}}
+
+
+def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None,
+             secrets: Mapping[str, str] | None = None, *, code: CodePin | None = None) -> dict[str, Any]:
     """The torchrun command line (after ``python``) and environment for ``node``: ``{"argv",
     "env"}``; with ``code`` (the daemon run's pinned ``job.workdir``) ``"workdir": {"uri",
     "sha256", "bytes"}`` in the node's domain's store, and with ``job.setup`` ``"setup":
@@ -41,7 +55,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     admits the node into a running job. ``run_nonce`` makes the rendezvous id of this pool's
     run (kept in the store).
     ``domain``: the node's placement domain (None: the first); its rendezvous endpoint and
-    checkpoint store are the ones the node uses, each on that domain's private network."""
+    checkpoint store are the ones the node uses, each on that domain's private network.
+    With ``job.python``: ``"python"``, the interpreter the node runs the command with.
+    ``secrets``: the job's resolved secrets ``{NAME: value}``, carried as ``"secrets"``
+    (absent when there are none)."""
     c, job = config, config.job
     d = config.domain(domain)
     rdzv = d.rendezvous
@@ -87,11 +104,16 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
+    env.update(job.env)  # names checked against spotvisor's own (daemon.secretref); OMP_NUM_THREADS is the job's
     spec: dict[str, Any] = {"argv": argv, "env": env}
     if code is not None:
         spec["workdir"] = code.spec(d.name)
     if job.setup:
         spec["setup"] = {"commands": list(job.setup), "timeout_s": job.setup_timeout_s}
+    if job.python:  # the node's interpreter for torchrun (the agent's own when absent)
+        spec["python"] = job.python
+    if secrets:
+        spec[SECRETS_KEY] = dict(secrets)
     if job.grow == "in_process":
         # no --max-restarts: a worker that fails exits the node's torchrun, and the daemon
         # takes the node out (its workers were never in torchrun's rendezvous to restart in)

@@ -71,7 +71,7 @@ _PROVIDER_ACTIONS = (a.Launch, a.Terminate, a.MarkLost)
 class Supervisor:
     """The control plane for one pool. Constructor does no I/O.
 
-    Lifecycle: ``await start(agent_url=...)`` (loads the store, recovers nodes, starts the reconcile
+    Lifecycle: ``await start(agent_url=..., job_secrets=...)`` (loads the store, recovers nodes, starts the reconcile
     loop), then ``aclose()`` (idempotent; stops tasks, closes the providers' clients). Parts: ``fleet``
     (provider calls), ``agents`` (register, heartbeat, commands), ``intake`` (reports), ``tracker`` (the
     trainer's status lines), ``operator`` (spotctl's verbs), ``stall`` (a job making no progress).
@@ -91,7 +91,7 @@ class Supervisor:
         self.rejoin: Rejoin | None = None  # the grow in flight
         self.first_ready_at: float | None = None
         self.agent_url: str | None = None
-        self.run_nonce = ""
+        self.run_nonce, self.secrets = "", dict[str, str]()  # secrets: the job's, from start(); in memory only
         self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self.fleet = Fleet(self, providers=providers, provider=provider, rng=rng)
         self.tracker = JobTracker(self)
@@ -113,8 +113,9 @@ class Supervisor:
         self._reconciler: asyncio.Task[Any] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
-    async def start(self, *, agent_url: str, agent_ca_pem: str | None = None) -> None:
-        self.agent_url, self.agent_ca_pem = agent_url, agent_ca_pem
+    async def start(self, *, agent_url: str, agent_ca_pem: str | None = None,
+                    job_secrets: Mapping[str, str] | None = None) -> None:
+        self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
         self.store.set("run_nonce", self.run_nonce)
         self.nodes.update((node.id, node) for node in self.store.nodes())
@@ -123,7 +124,7 @@ class Supervisor:
         self.operator.restore()
         self.migrator.restore()
         await self.fleet.refresh_prices()
-        self.fleet.preflight()
+        await self.fleet.preflight()  # and the cloud check: nothing is bought before it ran, nor what it failed
         await self.code.publish()  # job.workdir packed, uploaded and pinned for this run (WorkdirError)
         self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
         if self.config.daemon.verify_commits:
@@ -143,8 +144,7 @@ class Supervisor:
             return
         self._closed = True
         self.agents.close()  # held long-polls answer now
-        tasks = list(self._tasks)
-        for t in tasks:
+        for t in (tasks := list(self._tasks)):
             t.cancel()
         if tasks:
             _, stuck = await asyncio.wait(tasks, timeout=10.0)
@@ -311,8 +311,8 @@ class Supervisor:
         domain = self.domain_of(n)
         return a.NodeView(id=n.id, state=n.state, gpus=n.gpus, created_at=n.created_at, domain=domain,
                           held=self.migrator.held(domain), market=n.market, attempt=self.tracker.attempt_of(n.id),
-                          last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing,
-                          trainer=n.trainer, ordinal=n.ordinal, ready_at=n.ready_at,
+                          last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing, trainer=n.trainer,
+                          ordinal=n.ordinal, ready_at=n.ready_at, launch_timeout_s=self.config.launch_timeout_s(n.offer_key),
                           # not told by this daemon (it restarted): what it would be told now
                           heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
 
@@ -332,8 +332,8 @@ class Supervisor:
     def send(self, node_id: str, command: dict[str, Any]) -> None:
         self.agents.send(node_id, command)
 
-    def job_spec(self, node: Node) -> dict[str, Any]:
-        return job_spec(self.config, node, self.run_nonce, domain=self.domain_of(node), code=self.code.pin)
+    def job_spec(self, node: Node) -> dict[str, Any]:  # with the job's secrets: for the agent channel only
+        return job_spec(self.config, node, self.run_nonce, self.domain_of(node), self.secrets, code=self.code.pin)
 
     @property
     def domain(self) -> str:
@@ -346,5 +346,5 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         return status(self.config, self.job, self.nodes.values(), target_nodes=self.target_nodes,
-                      desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(),
-                      placement=self.migrator.status(), domain_of=self.domain_of, code=self.code.status())
+                      desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(), code=self.code.status(),
+                      placement=self.migrator.status(), domain_of=self.domain_of, checks=self.fleet.checks.status())

@@ -94,7 +94,9 @@ lines (a delivery error quotes aiohttp's exception, which holds the URL), slack-
 DEBUG lines (it logs each request's URL; its client logs through
 ``spotvisor.notify.slack_sdk``), and any stdlib record that passes a handler of the
 root logger or one of slack-sdk's, aiohttp's or asyncio's loggers
-(:class:`SecretRedactingFilter`).
+(:class:`SecretRedactingFilter`). A job's secret values
+(:func:`register_secret_value`, :mod:`daemon.controlnode.job_secrets`) are masked the
+same way, as ``***``, and in structlog's lines too (:mod:`daemon.logs`).
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ import email.utils
 import functools
 import hashlib
 import hmac
+import json
 import logging
 import math
 import os
@@ -171,6 +174,8 @@ __all__ = [
     "redact_secrets",
     "redact_url",
     "register_secret_url",
+    "register_secret_value",
+    "MASK",
     # re-exported from daemon.feed.feed_messages
     "slack_escape",
     "title",
@@ -250,6 +255,30 @@ def register_secret_url(url: str) -> str:
         _secrets_re = re.compile("|".join(re.escape(k) for k in sorted(_secrets, key=len, reverse=True)))
     install_log_redaction()
     return shown
+
+
+MASK = "***"  # what a registered secret value is shown as
+MIN_MASKED_CHARS = 4  # a shorter value is not looked for (masking every "1" would garble every log line)
+
+
+def register_secret_value(value: str) -> bool:
+    """Remember ``value`` (a job's secret, :mod:`daemon.controlnode.job_secrets`) as a
+    secret: from now on :func:`redact_secrets`, :class:`SecretRedactingFilter` and the
+    structlog processor of :mod:`daemon.logs` show it as ``***``, also as JSON or ``repr``
+    escape it (a value with a quote, backslash or newline). A value of fewer than
+    :data:`MIN_MASKED_CHARS` characters is not registered (returns False). Thread-safe; idempotent."""
+    global _secrets_re
+    if len(value) < MIN_MASKED_CHARS:
+        return False
+    forms = {value, json.dumps(value)[1:-1], repr(value)[1:-1], value.strip()}
+    forms = {f for f in forms if len(f) >= MIN_MASKED_CHARS}
+    with _secrets_lock:
+        if all(k in _secrets for k in forms):
+            return True
+        _secrets.update(dict.fromkeys(forms, MASK))
+        _secrets_re = re.compile("|".join(re.escape(k) for k in sorted(_secrets, key=len, reverse=True)))
+    install_log_redaction()
+    return True
 
 
 def redact_secrets(text: str) -> str:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -586,8 +587,17 @@ class NodeAgent:
         except MetadataUnavailable as exc:
             log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("spotvisor")
+    except importlib.metadata.PackageNotFoundError:  # a bare checkout
+        return "unknown"
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spotvisor-agent", description="spotvisor node agent")
+    # what a node's bootstrap compares with the daemon's version (daemon/providers/bootstrap.py)
+    p.add_argument("--version", action="version", version=f"spotvisor-agent {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the agent on this node")
     r.add_argument("--daemon-url", required=True)

@@ -209,8 +209,11 @@ async def prepare_node(runner: Any, *, report: Callable[..., None], beat_now: as
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ship_log_s):
                     await beat_sent.wait()
-        report("setup_failed", stage=exc.stage, exit_code=exc.exit_code, last_line=str(exc)[:MAX_LINE_CHARS],
-               sha256=sha)
+        said = str(exc)
+        for value in (job.get("secrets") or {}).values():  # the job's secrets reach the setup: never an event
+            if isinstance(value, str) and value:
+                said = said.replace(value, "***")
+        report("setup_failed", stage=exc.stage, exit_code=exc.exit_code, last_line=said[:MAX_LINE_CHARS], sha256=sha)
         return False
     runner.prepared = True
     await runner.prewarm()

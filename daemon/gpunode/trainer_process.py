@@ -24,7 +24,7 @@ from daemon.control.lifecycle import TrainerState, check_trainer_transition
 from daemon.gpunode.launcher import READY_FD_ENV
 from daemon.model import TORCHRUN_ARGV
 from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_FILE_ENV, SCRATCH_DIR_ENV,
-                              STATUS_FILE_ENV)
+                              STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV)
 
 __all__ = ["TrainerProcess"]
 
@@ -32,7 +32,7 @@ log = structlog.get_logger("spotvisor.agent")
 
 
 class TrainerProcess:
-    """One node's torchrun. ``job``: the daemon's ``{"argv", "env", "cwd"?}`` (set at
+    """One node's torchrun. ``job``: the daemon's ``{"argv", "env", "secrets"?, "cwd"?}`` (set at
     registration); ``state``, ``exit_code``: what heartbeats report; ``code_dir``: the
     unpacked ``job.workdir`` (:mod:`daemon.gpunode.code`), the trainer's working directory
     and first on its ``PYTHONPATH``, kept for the node's life (a restart's new spec
@@ -82,10 +82,28 @@ class TrainerProcess:
         env.pop(JOIN_CREDENTIAL_ENV, None)
         return env
 
+    @property
+    def python(self) -> str:
+        """The interpreter the trainer runs on: the job's ``"python"`` (``job.python``), else the agent's."""
+        return self.job.get("python") or sys.executable
+
+    def _foreign(self) -> bool:
+        return self.python != sys.executable
+
     def job_env(self) -> dict[str, str]:
-        """The trainer's environment: the agent's (less its token), the job's, and the contract's files."""
+        """The trainer's environment: the agent's (less its token), the job's, its secrets
+        (the spec's ``"secrets"``: in this environment only, never on a command line, in a
+        file or a log line), and the contract's files.
+        On another interpreter than the agent's (``job.python``), the directory named by
+        ``$SPOTVISOR_TRAINER_PYTHONPATH`` (the bootstrap's copy of ``trainer/`` alone) comes
+        first on its ``PYTHONPATH``: spotvisor's trainer package without the agent's
+        virtualenv before the image's torch."""
         env = self._untokened_env()
         env.update(self.job.get("env", {}))
+        env.update(self.job.get("secrets", {}))
+        extra = env.get(TRAINER_PYTHONPATH_ENV, "")
+        if self._foreign() and extra and os.path.isdir(extra):
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
         env.update(
             {NOTICE_FILE_ENV: str(self.workdir / "notices.json"), STATUS_FILE_ENV: str(self.workdir / "status.jsonl"),
              LOG_DIR_ENV: str(self.workdir / "logs"), SCRATCH_DIR_ENV: str(self.workdir / "scratch"),
@@ -104,7 +122,7 @@ class TrainerProcess:
         out = open(self.workdir / "trainer.log", "ab")
         try:
             return await asyncio.create_subprocess_exec(
-                sys.executable, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+                self.python, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
                 cwd=self.cwd(), pass_fds=pass_fds,
             )
         finally:
@@ -113,10 +131,11 @@ class TrainerProcess:
     async def prewarm(self) -> None:
         """Start torchrun's process now, importing, for :meth:`start` to set
         going when the daemon admits this node (:mod:`daemon.gpunode.launcher`). Only for a job
-        whose command is ``-m torch.distributed.run``. Until the launcher says it has
-        imported (or exits), heartbeats report the trainer ``warming``
-        (:meth:`until_warm`)."""
-        if tuple(self.job.get("argv", ())[:2]) != TORCHRUN_ARGV:
+        whose command is ``-m torch.distributed.run``, on the agent's own interpreter (the
+        launcher is spotvisor's: another interpreter, ``job.python``, has only ``trainer``).
+        Until the launcher says it has imported (or exits), heartbeats report the trainer
+        ``warming`` (:meth:`until_warm`)."""
+        if tuple(self.job.get("argv", ())[:2]) != TORCHRUN_ARGV or self._foreign():
             return
         env = self._untokened_env()
         ready_r, ready_w = os.pipe()

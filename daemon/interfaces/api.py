@@ -3,7 +3,9 @@
 - **Agent port** (TCP; TLS unless it listens on loopback, ``daemon.agent_tls``:
   :mod:`daemon.controlnode.tls`): node agents register, heartbeat, long-poll for commands
   and report. Each request carries ``Authorization: Bearer <token>``, the node's own
-  token issued at launch; a wrong or missing token gets 401.
+  token issued at launch; a wrong or missing token gets 401. With ``job.secrets``, a request
+  that came in plain HTTP from a non-loopback address gets 403: the replies carry the
+  secrets (:mod:`daemon.controlnode.job_secrets`).
 
   ========================================  ==============================================
   ``POST /v1/agent/register``               the job spec and ``heartbeat_interval_s``
@@ -62,6 +64,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import structlog
 from aiohttp import web
 
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
@@ -69,11 +72,14 @@ from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_repo
                                         node_gpu_view)
 from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, Node, NodeState, is_node_id
 from daemon.state_dir import chmod_socket, clear_stale_socket
+from daemon.controlnode.job_secrets import private_channel
 from daemon.controlnode.supervisor import Supervisor
 from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, AgentListener, LoopAcceptErrors,
                                         agent_connection_caps)
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
+
+log = structlog.get_logger("spotvisor.api")
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 METRICS = web.AppKey("metrics", DaemonMetrics)
@@ -107,6 +113,10 @@ async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
     node = sup.agents.authenticate(str(body.get("node_id", "")), token)
     if node is None:
         raise web.HTTPUnauthorized(text="unknown node or bad token")
+    if sup.secrets and not private_channel(secure=request.secure, peer=request.remote):
+        # a reply may carry the job's secrets (the spec, a restart command): never in plain HTTP beyond loopback
+        log.error("agent_plain_http_refused", node_id=node.id, peer=request.remote)
+        raise web.HTTPForbidden(text="this daemon hands out job secrets over TLS or loopback only")
     return node, body
 
 

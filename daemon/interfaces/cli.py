@@ -3,6 +3,12 @@
 - ``spotvisord check-config FILE`` — validate; one line per problem, exit 2; with a
   ``job.model``, the pre-flight tables (GPU memory per offer, checkpoint flush per
   notice window), exit 2 when no offer can hold the job.
+- ``spotvisord check FILE`` — the cloud check: live, read-only calls with this machine's
+  credentials (credentials, each offer's exact launch request as a dry run, images, quotas,
+  each domain's checkpoint store: put/get/delete of a probe object). One line per check,
+  ``ok   <what>`` or ``FAIL <what>: <why>; fix: <the fix, naming the config field>``;
+  exit 1 when any failed (:mod:`daemon.controlnode.cloud_check`). The daemon runs the
+  same checks at start and buys nothing a failed one concerns.
 - ``spotvisord preflight [--config FILE] [--preset NAME ...] [--nodes N ...]`` —
   which GPUs hold the model, and can a checkpoint beat the notice
   (:mod:`daemon.interfaces.preflight_cli`).
@@ -23,6 +29,10 @@ its run directory's: a second daemon on either exits 2 with one line naming the
 directory and the pid that holds it. The state directory must be this uid's; it is
 created 0700 and the store 0600 whatever the umask (it holds every node's agent
 token), and a link or FIFO planted in it is refused, exit 2 (:mod:`daemon.state_dir`).
+
+``run`` and ``demo`` read the job's secrets (``job.secrets``) before anything else; one that
+cannot be read is one line naming it and its source, exit 2 (1 for an outage or a timeout),
+and nothing is bought (:mod:`daemon.controlnode.job_secrets`).
 
 Exit codes: 0 ok, 1 runtime failure (job failed, timeout), 2 usage/config error.
 """
@@ -48,6 +58,7 @@ from daemon.interfaces.pipes import quiet_broken_pipe
 from daemon.model import Event
 from daemon.feed.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
+from daemon.controlnode.job_secrets import SecretError
 from daemon.controlnode.store import Store
 from daemon.controlnode.workdir import WorkdirError
 from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, serving, state_dir_lock
@@ -80,6 +91,8 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         StateDirError: the state directory is another daemon's, or not this one's own
             (:mod:`daemon.state_dir`); an ``OSError``, as are a taken port and a bad
             certificate.
+        SecretError: a ``job.secrets`` value cannot be read, or could only be sent in plain
+            HTTP beyond loopback (:mod:`daemon.controlnode.job_secrets`); nothing is bought.
     """
     with serving(config.daemon.state_path()) as state:  # the state dir's lock, for the daemon's life
         async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
@@ -96,7 +109,9 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     from daemon.controlnode.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
     from daemon.controlnode.tls import agent_tls
+    from daemon.controlnode.job_secrets import check_channel, resolve_secrets
 
+    job_secrets = await resolve_secrets(config)  # before anything is started or bought; SecretError
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
     store = Store(state / "spotvisord.db").open()
     agent_args = [
@@ -107,7 +122,11 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
     providers = dict(providers) if providers is not None else {
-        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args)
+        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args,
+                              # the clouds launch each offer with its domain's spec (daemon/launchspec.py) and
+                              # search every offer's region (a restarted daemon finds its instances at once)
+                              **({} if name == "local" else {"launch_spec": config.launch_spec, "regions": sorted(
+                                  {o.region for o in config.offers if o.provider == name})}))
         for name in sorted({o.provider for o in config.offers})
     }
     sup = Supervisor(config, providers=providers, store=store, policy=policy)
@@ -118,9 +137,12 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     try:
         await api.start()
         assert api.agent_url is not None
+        if job_secrets:
+            check_channel(api.agent_url)  # SecretError: never in plain HTTP beyond loopback
         await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
         api.metrics.registry.register(notifier)  # type: ignore[arg-type]  # the sinks' backlog and shed counts
-        await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode())
+        await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode(),
+                        job_secrets=job_secrets)
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
         yield sup
@@ -244,6 +266,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check-config", help="validate a config file")
     c.add_argument("file")
+    k = sub.add_parser("check", help="check the cloud side of a config (live, read-only: credentials, dry-run "
+                                     "launches, images, quotas, checkpoint stores)")
+    k.add_argument("file")
+    k.add_argument("--timeout-s", type=float, default=60.0, help="seconds each check may take (default %(default)s)")
     r = sub.add_parser("run", help="run the daemon (systemd service)")
     r.add_argument("--config", required=True)
     d = sub.add_parser("demo", help="run the job on the local provider with its chaos schedule")
@@ -269,13 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         return rdzv_main(["--host", args.host, "--port", str(args.port)])
     if args.cmd == "preflight":
         return preflight_cli.run(args)
-    path = args.file if args.cmd == "check-config" else args.config
+    path = args.file if args.cmd in ("check-config", "check") else args.config
     try:
         config = load_config(path)
     except ConfigError as exc:
         for line in exc.problems:  # file-level problems already name the file
             print(line if line.startswith(f"{path}:") else f"{path}: {line}", file=sys.stderr)
         return 2
+    if args.cmd == "check":
+        return _cloud_check(config, args.timeout_s, lambda s: print(s, flush=True))
     report, no_fit = preflight_cli.check_config_report(config)
     if args.cmd == "check-config":
         if not no_fit:
@@ -318,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             try:
                 return asyncio.run(_run(config, watchdog_s))
-            except (StateDirError, WorkdirError) as exc:  # a file planted in the state dir; job.workdir
+            except SecretError as exc:  # one line naming the secret and its source, never its value
+                print(f"spotvisord run: {exc}", file=sys.stderr)
+                return exc.exit_code
+            except (StateDirError, WorkdirError) as exc:  # a file planted in the state dir
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
@@ -338,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
+        except SecretError as exc:
+            print(f"spotvisord demo: {exc}", file=sys.stderr)
+            return exc.exit_code
         except (StateDirError, WorkdirError) as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return 2
@@ -346,6 +380,39 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         except KeyboardInterrupt:
             return 130
+
+
+def _cloud_check(config: Config, timeout_s: float, out: Callable[[str], None]) -> int:
+    """``spotvisord check``: every check's line, then exit 0 (all ok) or 1 (any FAIL)."""
+    from daemon.controlnode.cloud_check import render_all
+    from daemon.controlnode.cloud_probe import run_checks
+
+    async def checks() -> list:
+        clouds = {name: create_provider(name, spec=getattr(config.providers, name), agent_args=[])
+                  for name in sorted({o.provider for o in config.offers} & {"aws", "aliyun"})}
+        try:
+            return await run_checks(config, lambda name: clouds.get(name), timeout_s=timeout_s)  # type: ignore[arg-type,return-value]
+        finally:
+            for p in clouds.values():
+                await p.aclose()
+
+    import logging
+
+    # the ECS SDK logs every error answer at ERROR, a dry run's DryRunOperation included: the lines say it all
+    logging.getLogger("aliyunsdkcore").setLevel(logging.CRITICAL)
+    try:
+        results = asyncio.run(checks())
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        out(f"FAIL spotvisord check: {type(exc).__name__}: {str(exc)[:300]}; fix: see the message")
+        return 1
+    lines = render_all(results)
+    for line in lines:
+        out(line)
+    bad = sum(line.startswith("FAIL") for line in lines)
+    out(f"{bad} of {len(lines)} checks failed" if bad else f"all {len(lines)} checks ok")
+    return 1 if bad else 0
 
 
 def _state_dir_problem(config: Config, exc: Exception) -> str:

@@ -93,12 +93,25 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         line += ("  paused: releasing " + ", ".join(n["id"] for n in live) if live
                  else "  paused: no capacity held (spotctl resume relaunches)")
     line += _placement(status.get("placement") or {})
+    line += _checks(status.get("checks") or {}, now)
     code = status.get("code") or {}
     if code.get("version"):
         line += f"  code {code['version'][:12]}"
     if code.get("halted"):  # job.setup failed on node after node: nothing is bought until a restart
         line += "\nNOT BUYING: " + code["halted"]
     return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
+
+
+def _checks(c: dict[str, Any], now: float) -> str:
+    """The cloud check's lines under the pool line: why offers are not bought, and when it is tried again."""
+    if c.get("state") == "pending":
+        return "\n  not buying yet: the cloud check is running"
+    if c.get("state") != "failing":
+        return ""
+    retry = "" if c.get("retry_at") is None else f", tried again in {_duration(max(0.0, c['retry_at'] - now))}"
+    offers = ", ".join(f"offers.{i}" for i in c.get("blocked_offers") or []) or "none"
+    out = f"\n  not buying {offers}: the cloud check failed (spotvisord check CONFIG){retry}"
+    return out + "".join(f"\n    {line}" for line in c.get("failed") or [])
 
 
 def _placement(p: dict[str, Any]) -> str:

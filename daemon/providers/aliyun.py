@@ -66,6 +66,7 @@ from aliyunsdkecs.request.v20140526.RunInstancesRequest import RunInstancesReque
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from daemon.config import AliyunProviderSpec
+from daemon.launchspec import AliyunLaunchSpec, resolve_aliyun
 from daemon.control.pool import Offer
 from daemon.providers.base import (
     AuthError,
@@ -83,7 +84,8 @@ from daemon.providers.base import (
 )
 from daemon.providers.bootstrap import render_user_data
 
-__all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "POOL_TAG", "NODE_TAG"]
+__all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "credential_kwargs", "POOL_TAG",
+           "NODE_TAG"]
 
 log = structlog.get_logger("spotvisor.provider.aliyun")
 
@@ -186,12 +188,48 @@ def _parse_time(text: str | None) -> float | None:
     return None
 
 
+def credential_kwargs(ak_id: str | None = None, ak_secret: str | None = None) -> dict[str, Any]:
+    """AcsClient keyword arguments for the first credential the chain of the module docstring
+    finds (``ak_id``/``ak_secret`` first). Raises AuthError when none is found."""
+    env = os.environ
+    if ak_id is not None:
+        return {"ak": ak_id, "secret": ak_secret}
+    ak, sk = env.get("ALIBABA_CLOUD_ACCESS_KEY_ID"), env.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
+    if ak and sk:
+        sts = env.get("ALIBABA_CLOUD_SECURITY_TOKEN")
+        return {"credential": StsTokenCredential(ak, sk, sts)} if sts else {"ak": ak, "secret": sk}
+    ak, sk = env.get("ALIYUN_ACCESS_KEY_ID"), env.get("ALIYUN_ACCESS_KEY_SECRET")
+    if ak and sk:
+        return {"ak": ak, "secret": sk}
+    path = Path(env.get("ALIBABA_CLOUD_CREDENTIALS_FILE") or Path.home() / ".alibabacloud" / "credentials")
+    profile = env.get("ALIBABA_CLOUD_PROFILE", "default")
+    if path.is_file():
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error as exc:
+            raise AuthError(f"aliyun: cannot parse credentials file {path}") from exc
+        if parser.has_section(profile) and parser[profile].get("type", "access_key") == "access_key":
+            ak, sk = parser[profile].get("access_key_id"), parser[profile].get("access_key_secret")
+            if ak and sk:
+                return {"ak": ak, "secret": sk}
+    role = env.get("ALIBABA_CLOUD_ECS_METADATA")
+    if role:
+        return {"credential": EcsRamRoleCredential(role)}
+    raise AuthError("aliyun: no credentials (set ALIBABA_CLOUD_ACCESS_KEY_ID and "
+                    "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, "
+                    "or ALIBABA_CLOUD_ECS_METADATA)")
+
+
 @register_provider("aliyun")
 class AliyunProvider(Provider):
     """ECS spot instances; see the module docstring.
 
     Args:
-        spec: image, security group, zone → vSwitch map, spot strategy, test endpoint.
+        spec: the ``providers.aliyun`` section: launch defaults, spot strategy, test endpoint.
+        launch_spec: offer → its domain's :class:`AliyunLaunchSpec` (``Config.launch_spec``:
+            image, security group, vSwitches, RAM role, key pair, system disk); None: every
+            offer gets ``spec``'s own fields.
         access_key_id, access_key_secret: explicit credentials (both or neither);
             default: the credential chain of the module docstring.
         regions: regions ``describe`` searches besides those in use; default: the
@@ -206,8 +244,10 @@ class AliyunProvider(Provider):
     """
 
     name = "aliyun"
+    installs_agent = True
 
-    def __init__(self, *, spec: AliyunProviderSpec, access_key_id: str | None = None,
+    def __init__(self, *, spec: AliyunProviderSpec, launch_spec: Callable[[Offer], AliyunLaunchSpec] | None = None,
+                 access_key_id: str | None = None,
                  access_key_secret: str | None = None, regions: list[str] | None = None,
                  retry_attempts: int = 4, retry_wait_s: float = 0.5, read_timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, price_cache_s: float = 60.0,
@@ -221,6 +261,7 @@ class AliyunProvider(Provider):
             if value < 0 or (label.endswith("timeout_s") and value == 0):
                 raise ValueError(f"{label} must be positive, got {value}")
         self.spec = spec
+        self._launch_spec = launch_spec
         self._ak_id = access_key_id
         self._ak_secret = access_key_secret
         self._regions = set(regions or ()) | {region_of_zone(z) for z in spec.vswitch_ids}
@@ -245,13 +286,18 @@ class AliyunProvider(Provider):
         (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-runinstances).
 
         Pure (no I/O): :meth:`launch` sends it, and ``spotvisord check`` sends it again with
-        ``DryRun=true``. Raises ValueError when the offer's zone has no vSwitch in the spec,
-        the node carries too many tags, or a node field cannot go into the user-data.
+        ``DryRun=true``. The image, security group, vSwitch, ``RamRoleName``, ``KeyPairName``
+        and ``SystemDisk.Size`` / ``SystemDisk.Category`` are the offer's domain's
+        (:meth:`launch_spec_of`). Raises ValueError when the offer's zone has no vSwitch in
+        the spec, the node carries too many tags, or a node field cannot go into the user-data.
         """
-        zone = offer.zone or self._default_zone(offer.region)
-        vswitch = self.spec.vswitch_ids.get(zone)
+        launch = self.launch_spec_of(offer)
+        zone = offer.zone or self._default_zone(offer.region, launch)
+        vswitch = launch.vswitch_ids.get(zone)
         if vswitch is None:
-            raise ValueError(f"aliyun: no vSwitch for zone {zone!r} in providers.aliyun.vswitch_ids")
+            raise ValueError(f"aliyun: no vSwitch for zone {zone!r} in the vswitch_ids of domain "
+                             f"{launch.domain or offer.region!r} (add {zone}: vsw-... to its launch.vswitch_ids "
+                             "or providers.aliyun.vswitch_ids)")
         tags = {**node.tags, POOL_TAG: node.pool, NODE_TAG: node.node_id}
         if len(tags) > _MAX_TAGS:
             raise ValueError(f"aliyun: at most {_MAX_TAGS} tags per instance, got {len(tags)}")
@@ -270,11 +316,19 @@ class AliyunProvider(Provider):
             if strategy != "NoSpot":
                 req.set_SpotDuration(0)
                 req.set_SpotInterruptionBehavior("Terminate")
-            req.set_ImageId(self.spec.image_id)
+            req.set_ImageId(launch.image_id)
             req.set_InstanceType(offer.instance_type)
             req.set_ZoneId(zone)
-            req.set_SecurityGroupId(self.spec.security_group_id)
+            req.set_SecurityGroupId(launch.security_group_id)
             req.set_VSwitchId(vswitch)
+            if launch.ram_role:
+                req.set_RamRoleName(launch.ram_role)
+            if launch.key_pair_name:
+                req.set_KeyPairName(launch.key_pair_name)
+            if launch.system_disk_gib is not None:
+                req.set_SystemDiskSize(launch.system_disk_gib)
+            if launch.system_disk_category is not None:
+                req.set_SystemDiskCategory(launch.system_disk_category)
             if offer.placement_group:  # the domain's deployment set (RunInstances DeploymentSetId)
                 req.set_DeploymentSetId(offer.placement_group)
             req.set_UserData(user_data)
@@ -294,7 +348,7 @@ class AliyunProvider(Provider):
         offer's zone has no vSwitch in the spec.
         """
         build = self.run_instances_request(offer, node)
-        zone = offer.zone or self._default_zone(offer.region)
+        zone = offer.zone or self._default_zone(offer.region, self.launch_spec_of(offer))
         body = await self._call(offer.region, build)
         ids = body.get("InstanceIdSets", {}).get("InstanceIdSet", [])
         if not ids:
@@ -406,8 +460,15 @@ class AliyunProvider(Provider):
                 await asyncio.to_thread(session.close)
 
     # -- internals --------------------------------------------------------------------
-    def _default_zone(self, region: str) -> str:
-        zones = sorted(z for z in self.spec.vswitch_ids if region_of_zone(z) == region)
+    def launch_spec_of(self, offer: Offer) -> AliyunLaunchSpec:
+        """The launch spec of ``offer`` (its domain's; see the constructor). Raises ValueError
+        when it has no image or security group."""
+        if self._launch_spec is not None:
+            return self._launch_spec(offer)
+        return resolve_aliyun(self.spec, None, domain="", region=offer.region)
+
+    def _default_zone(self, region: str, launch: AliyunLaunchSpec) -> str:
+        zones = sorted(z for z in launch.vswitch_ids if region_of_zone(z) == region)
         if not zones:
             raise ValueError(f"aliyun: offer in {region!r} has no zone and no vSwitch in that region")
         return zones[0]
@@ -423,34 +484,7 @@ class AliyunProvider(Provider):
 
     def _credentials(self) -> dict[str, Any]:
         """AcsClient keyword arguments for the first credential the chain finds."""
-        env = os.environ
-        if self._ak_id is not None:
-            return {"ak": self._ak_id, "secret": self._ak_secret}
-        ak, sk = env.get("ALIBABA_CLOUD_ACCESS_KEY_ID"), env.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
-        if ak and sk:
-            sts = env.get("ALIBABA_CLOUD_SECURITY_TOKEN")
-            return {"credential": StsTokenCredential(ak, sk, sts)} if sts else {"ak": ak, "secret": sk}
-        ak, sk = env.get("ALIYUN_ACCESS_KEY_ID"), env.get("ALIYUN_ACCESS_KEY_SECRET")
-        if ak and sk:
-            return {"ak": ak, "secret": sk}
-        path = Path(env.get("ALIBABA_CLOUD_CREDENTIALS_FILE") or Path.home() / ".alibabacloud" / "credentials")
-        profile = env.get("ALIBABA_CLOUD_PROFILE", "default")
-        if path.is_file():
-            parser = configparser.ConfigParser()
-            try:
-                parser.read(path)
-            except configparser.Error as exc:
-                raise AuthError(f"aliyun: cannot parse credentials file {path}") from exc
-            if parser.has_section(profile) and parser[profile].get("type", "access_key") == "access_key":
-                ak, sk = parser[profile].get("access_key_id"), parser[profile].get("access_key_secret")
-                if ak and sk:
-                    return {"ak": ak, "secret": sk}
-        role = env.get("ALIBABA_CLOUD_ECS_METADATA")
-        if role:
-            return {"credential": EcsRamRoleCredential(role)}
-        raise AuthError("aliyun: no credentials (set ALIBABA_CLOUD_ACCESS_KEY_ID and "
-                        "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, "
-                        "or ALIBABA_CLOUD_ECS_METADATA)")
+        return credential_kwargs(self._ak_id, self._ak_secret)
 
     def _client(self, region: str) -> AcsClient:
         if self._closed:

@@ -27,6 +27,30 @@ SDK errors are translated here, at the edge (``from exc``) — see
 - anything else (a bad AMI id, a bad parameter) → plain :class:`ProviderError`: a
   configuration problem no retry or other offer fixes.
 
+Launch specs (:mod:`daemon.launchspec`): each offer is launched with its placement
+domain's :class:`AwsLaunchSpec` (image, subnet of its zone, security groups, key, instance
+profile, root volume, EFA, instance-store scratch), from the ``launch_spec`` callable the
+daemon passes (``Config.launch_spec``); without one, from ``providers.aws`` alone. Two
+facts come from EC2 and are cached per region (:meth:`AwsProvider.launch_facts`):
+
+- the AMI's ``RootDeviceName`` (DescribeImages,
+  https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeImages.html), the
+  device the root-volume ``BlockDeviceMappings`` entry must name to resize it
+  (https://docs.aws.amazon.com/ebs/latest/userguide/block-device-mapping-concepts.html);
+  asked only when the spec sets ``root_volume_gib``;
+- the instance type's ``NetworkInfo`` (``EfaSupported``, ``MaximumNetworkCards``,
+  ``EfaInfo.MaximumEfaInterfaces``) and ``InstanceStorageInfo`` (DescribeInstanceTypes,
+  https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeInstanceTypes.html).
+  Where EFA is supported the request carries one EFA interface per network card
+  (``NetworkInterfaces``: card 0 device 0 ``InterfaceType=efa``, the primary, EFA with
+  ENA; cards 1..N-1 device 0 ``efa-only``, which take no IP address; subnet and groups
+  move into the interfaces, as RunInstances refuses them at both levels:
+  https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html,
+  https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_InstanceNetworkInterfaceSpecification.html).
+  A p5.48xlarge gets 32. With several interfaces EC2 assigns no public IP: the subnet
+  needs a NAT gateway or VPC endpoints to reach S3. Where the type has instance-store
+  disks, the user data makes them the checkpoint scratch (:mod:`daemon.providers.scratch`).
+
 Credentials come from boto3's default chain only and are never logged.
 
 Cancellation: cancelling a call abandons the worker thread's request, which may
@@ -36,7 +60,6 @@ still complete cloud-side; ``describe(tag)`` is the source of truth afterwards.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -49,6 +72,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from daemon.config import AwsProviderSpec
+from daemon.launchspec import AwsLaunchSpec, resolve_aws
 from daemon.control.pool import Offer
 from daemon.providers.base import (
     AuthError,
@@ -64,9 +88,20 @@ from daemon.providers.base import (
     TransientError,
     register_provider,
 )
-from daemon.providers.bootstrap import render_user_data
+from daemon.providers.aws_launch import (
+    ImageFacts,
+    LaunchFacts,
+    TypeFacts,
+    build_run_instances,
+    efa_interfaces,
+    facts_from,
+    image_facts,
+    launch_template_data,
+    type_facts,
+)
 
-__all__ = ["AwsProvider", "PriceError", "client_token", "map_client_error"]
+__all__ = ["AwsProvider", "PriceError", "client_token", "map_client_error", "LaunchFacts", "ImageFacts",
+           "TypeFacts", "efa_interfaces", "launch_template_data"]
 
 log = structlog.get_logger("spotvisor.provider.aws")
 
@@ -149,6 +184,10 @@ def _translate(exc: BaseException, what: str) -> ProviderError | None:
     return None
 
 
+def _profile(profile: str) -> dict[str, str]:
+    return {"Arn": profile} if profile.startswith("arn:") else {"Name": profile}
+
+
 def _view(raw: dict[str, Any], provider: str) -> Instance:
     tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}
     state = raw.get("State", {}).get("Name", "")
@@ -169,8 +208,10 @@ class AwsProvider(Provider):
     """EC2 spot instances; see the module docstring.
 
     Args:
-        spec: AMI, subnets per zone, security groups, instance profile, key pair,
-            ``launch_method`` (``run_instances`` | ``create_fleet``), ``endpoint_url``.
+        spec: the ``providers.aws`` section: launch defaults, ``launch_method``
+            (``run_instances`` | ``create_fleet``), ``endpoint_url``.
+        launch_spec: offer → its domain's :class:`AwsLaunchSpec` (``Config.launch_spec``);
+            None: every offer gets ``spec``'s own fields (a config without domain launch blocks).
         region: a region always searched by ``describe`` (besides every region this
             provider launched in). Offers carry their own region for launches.
         regions: more regions to search (e.g. every offer's region, so a restarted
@@ -185,8 +226,10 @@ class AwsProvider(Provider):
     """
 
     name = "aws"
+    installs_agent = True
 
-    def __init__(self, *, spec: AwsProviderSpec, region: str | None = None, regions: Iterable[str] = (),
+    def __init__(self, *, spec: AwsProviderSpec, launch_spec: Callable[[Offer], AwsLaunchSpec] | None = None,
+                 region: str | None = None, regions: Iterable[str] = (),
                  retry_attempts: int = 4, retry_initial_s: float = 0.5, retry_max_s: float = 8.0,
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0, price_ttl_s: float = 60.0,
                  **_ignored: object) -> None:
@@ -198,6 +241,9 @@ class AwsProvider(Provider):
             if value < 0:
                 raise ValueError(f"{label} must be >= 0, got {value}")
         self.spec = spec
+        self._launch_spec = launch_spec
+        self._images: dict[tuple[str, str], ImageFacts] = {}  # (region, image id) -> facts
+        self._types: dict[tuple[str, str], TypeFacts] = {}  # (region, instance type) -> facts
         self._default_region = region
         self._regions: set[str] = set(regions) | ({region} if region else set())
         self._retry_attempts = retry_attempts
@@ -234,6 +280,7 @@ class AwsProvider(Provider):
         """
         region = offer.region
         self._regions.add(region)
+        await self.launch_facts(offer)  # cached; the request below is built from them
         attempt = 0
 
         async def once() -> Instance:  # one try; its calls are single attempts (no nested retries)
@@ -333,40 +380,57 @@ class AwsProvider(Provider):
         tags.setdefault(NODE_TAG, node.node_id)
         return [{"Key": k, "Value": v} for k, v in tags.items()]
 
-    def run_instances_request(self, offer: Offer, node: NodeSpec) -> dict[str, Any]:
-        """The exact RunInstances parameters (boto3 keywords) that launch ``node`` for ``offer``.
+    def launch_spec_of(self, offer: Offer) -> AwsLaunchSpec:
+        """The launch spec of ``offer`` (its domain's; see the constructor). Raises ValueError
+        when it has no image."""
+        if self._launch_spec is not None:
+            return self._launch_spec(offer)
+        return resolve_aws(self.spec, None, domain="", region=offer.region)
 
+    async def launch_facts(self, offer: Offer) -> LaunchFacts:
+        """The EC2 facts ``offer``'s launch request is built from (see the module docstring),
+        cached per region: DescribeImages (only with a root-volume size) and
+        DescribeInstanceTypes (only with EFA or instance-store scratch on). An instance type
+        EC2 does not know gets no EFA and no scratch (RunInstances then says what is wrong).
+
+        Raises AuthError, TransientError, ProviderError (the image is not in the region).
+        """
+        launch, region = self.launch_spec_of(offer), offer.region
+        if launch.root_volume_gib is not None and (region, launch.image_id) not in self._images:
+            resp = await self._call(region, "describe_images", ImageIds=[launch.image_id])
+            self._images[(region, launch.image_id)] = image_facts(resp, region=region, image_id=launch.image_id)
+        if (launch.efa or launch.instance_store_scratch) and (region, offer.instance_type) not in self._types:
+            self._types[(region, offer.instance_type)] = await self._type_facts(region, offer.instance_type)
+        return facts_from(launch, offer, self._images, self._types)  # type: ignore[return-value]  (all cached now)
+
+    async def _type_facts(self, region: str, instance_type: str) -> TypeFacts:
+        try:
+            return type_facts(await self._call(region, "describe_instance_types", InstanceTypes=[instance_type]))
+        except ProviderError as exc:
+            if not (isinstance(exc.__cause__, botocore.exceptions.ClientError)
+                    and _error_code(exc.__cause__) == "InvalidInstanceType"):
+                raise
+            log.warning("aws_unknown_instance_type", region=region, instance_type=instance_type)
+            return TypeFacts()
+
+    def cached_facts(self, offer: Offer) -> LaunchFacts | None:
+        """The facts :meth:`launch_facts` found for ``offer``, or None when not all are cached."""
+        return facts_from(self.launch_spec_of(offer), offer, self._images, self._types)
+
+    def run_instances_request(self, offer: Offer, node: NodeSpec, facts: LaunchFacts | None = None) -> dict[str, Any]:
+        """The exact RunInstances parameters (boto3 keywords) that launch ``node`` for ``offer``.
         Pure (no I/O): :meth:`launch` sends it, and ``spotvisord check`` sends it again with
         ``DryRun=True`` (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_RunInstances.html).
-        Raises ValueError when a node field cannot go into the user-data.
-        """
-        spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
-        if offer.max_price_usd_h is not None:
-            spot["MaxPrice"] = str(offer.max_price_usd_h)
-        kwargs: dict[str, Any] = {
-            "ImageId": self.spec.image_id,
-            "InstanceType": offer.instance_type,
-            "MinCount": 1,
-            "MaxCount": 1,
-            "UserData": render_user_data(node, dialect=self.spec.agent_metadata_dialect),  # boto3 base64-encodes
-            "TagSpecifications": [{"ResourceType": "instance", "Tags": self._tags(node)}],
-            "ClientToken": client_token(node.node_id),
-        }
-        if not offer.on_demand:  # the on-demand fallback launches without market options
-            kwargs["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
-        if offer.zone:
-            kwargs["Placement"] = {"AvailabilityZone": offer.zone}
-            if offer.zone in self.spec.subnet_ids:
-                kwargs["SubnetId"] = self.spec.subnet_ids[offer.zone]
-        if offer.placement_group:  # the domain's cluster placement group (RunInstances Placement.GroupName)
-            kwargs.setdefault("Placement", {})["GroupName"] = offer.placement_group
-        if self.spec.security_group_ids:
-            kwargs["SecurityGroupIds"] = list(self.spec.security_group_ids)
-        if self.spec.iam_instance_profile:
-            kwargs["IamInstanceProfile"] = self._profile()
-        if self.spec.key_name:
-            kwargs["KeyName"] = self.spec.key_name
-        return kwargs
+        ``facts``: the EC2 facts it depends on; None: those cached by ``await launch_facts(offer)``.
+        Raises RuntimeError (no ``facts`` and none cached), ValueError (a node field cannot go
+        into the user-data, or the spec has no image)."""
+        launch = self.launch_spec_of(offer)
+        if facts is None:
+            facts = self.cached_facts(offer)
+            if facts is None:
+                raise RuntimeError(f"no EC2 facts for {offer.key}: call `await provider.launch_facts(offer)` first")
+        return build_run_instances(offer, node, launch, facts, dialect=self.spec.agent_metadata_dialect,
+                                   tags=self._tags(node), token=client_token(node.node_id))
 
     async def _run_instances(self, region: str, offer: Offer, node: NodeSpec) -> Instance:
         kwargs = self.run_instances_request(offer, node)
@@ -381,18 +445,8 @@ class AwsProvider(Provider):
         """
         token = client_token(node.node_id)
         template = token  # valid launch template name: [a-zA-Z0-9().-/_], ≤ 128
-        user_data = render_user_data(node, dialect=self.spec.agent_metadata_dialect)
-        data: dict[str, Any] = {
-            "ImageId": self.spec.image_id,
-            "UserData": base64.b64encode(user_data.encode()).decode(),  # templates take it encoded
-            "TagSpecifications": [{"ResourceType": "instance", "Tags": self._tags(node)}],
-        }
-        if self.spec.security_group_ids:
-            data["SecurityGroupIds"] = list(self.spec.security_group_ids)
-        if self.spec.iam_instance_profile:
-            data["IamInstanceProfile"] = self._profile()
-        if self.spec.key_name:
-            data["KeyName"] = self.spec.key_name
+        request = self.run_instances_request(offer, node)  # the template carries what RunInstances would
+        data = launch_template_data(request)
         try:
             await self._call_once(region, "create_launch_template", LaunchTemplateName=template,
                              LaunchTemplateData=data, ClientToken=token)
@@ -402,8 +456,8 @@ class AwsProvider(Provider):
                     and _error_code(cause) == "InvalidLaunchTemplateName.AlreadyExistsException"):
                 raise
         override: dict[str, Any] = {"InstanceType": offer.instance_type}
-        if offer.zone in self.spec.subnet_ids:
-            override["SubnetId"] = self.spec.subnet_ids[offer.zone]  # the subnet fixes the zone
+        if "SubnetId" in request:
+            override["SubnetId"] = request["SubnetId"]  # the subnet fixes the zone
         elif offer.zone:
             override["AvailabilityZone"] = offer.zone
         if offer.max_price_usd_h is not None:
@@ -414,6 +468,10 @@ class AwsProvider(Provider):
         try:
             resp = await self._call_once(
                 region, "create_fleet", Type="instant", ClientToken=token,
+                # the request itself carries the instance tags too (an instant fleet tags its
+                # instances at launch): the control node's policy allows a launch only of
+                # instances tagged with its pool (aws:RequestTag, configs/policies/)
+                TagSpecifications=[{"ResourceType": "instance", "Tags": self._tags(node)}],
                 SpotOptions={"AllocationStrategy": "price-capacity-optimized",
                              "InstanceInterruptionBehavior": "terminate"},
                 LaunchTemplateConfigs=[{
@@ -456,10 +514,6 @@ class AwsProvider(Provider):
                     "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound"):
                 return
             log.warning("aws_launch_template_delete_failed", template=template, error=str(exc))
-
-    def _profile(self) -> dict[str, str]:
-        profile = self.spec.iam_instance_profile or ""
-        return {"Arn": profile} if profile.startswith("arn:") else {"Name": profile}
 
     async def _find_node(self, region: str, node: NodeSpec) -> Instance | None:
         filters = [{"Name": f"tag:{NODE_TAG}", "Values": [node.node_id]},

@@ -37,6 +37,7 @@ __all__ = [
     "TransientError",
     "Instance",
     "NodeSpec",
+    "AgentWheelRef",
     "Provider",
     "register_provider",
     "create_provider",
@@ -70,6 +71,17 @@ class TransientError(ProviderError):
 
 
 @dataclass(frozen=True, slots=True)
+class AgentWheelRef:
+    """Where a node fetches the agent from (:mod:`daemon.providers.agent_wheel`): ``url``
+    (a presigned S3 GET, a signed OSS URL, or a ``file://`` URI), the wheel's ``sha256``
+    (hex) and ``version`` (the daemon's)."""
+
+    url: str
+    sha256: str
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSpec:
     """What a new node needs to join: its identity and where the daemon is.
 
@@ -78,6 +90,8 @@ class NodeSpec:
     ``ca_cert_pem``: with an ``https://`` ``daemon_url``, the CA certificate (PEM) the
     agent trusts, and no other (:mod:`daemon.controlnode.tls`; the agent's ``--ca-file``);
     None: plain HTTP, or the node's own trust store.
+    ``agent_wheel``: the agent to install at boot (:mod:`daemon.providers.bootstrap`);
+    None: the image carries it.
     """
 
     node_id: str
@@ -86,6 +100,7 @@ class NodeSpec:
     daemon_url: str
     tags: dict[str, str] = field(default_factory=dict)
     ca_cert_pem: str | None = None
+    agent_wheel: AgentWheelRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +117,12 @@ class Instance:
 
 
 class Provider(abc.ABC):
-    """A source of spot instances."""
+    """A source of spot instances. ``installs_agent``: its instances boot from the user
+    data of :mod:`daemon.providers.bootstrap`, which installs the agent from the daemon's
+    wheel (``NodeSpec.agent_wheel``; the daemon publishes it before such a launch)."""
 
     name: str = ""
+    installs_agent: bool = False
 
     @abc.abstractmethod
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:

@@ -32,11 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float,
-                     on_line: Callable[[str], None] | None = None) -> dict[str, Any]:
+def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float, *,
+                     env: dict[str, str] | None = None,
+                     during: Callable[[subprocess.Popen, Path], None] | None = None) -> dict[str, Any]:
     """Run ``spotvisord demo`` on ``raw`` (a parsed config) with a free rendezvous port and
-    state under ``tmp_path``; the summary dict, with the daemon's stdout under ``_stdout``.
-    ``on_line``: called with each line the demo prints (its events) as it prints it."""
+    state under ``tmp_path``; the summary dict, with the daemon's stdout under ``_stdout``
+    and its stderr under ``_stderr``. ``env``: added to the daemon's environment.
+    ``during(proc, socket)``: called once the daemon runs (it may watch it through its
+    control socket until ``proc`` exits)."""
     raw["rendezvous"]["port"] = _free_port()
     for domain in raw.get("domains", []):  # each placement domain's own rendezvous store
         if domain.get("rendezvous"):
@@ -47,26 +50,25 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float,
     cfg.write_text(yaml.safe_dump(raw))
     out = tmp_path / "summary.json"
     tests = str(ROOT / "tests")  # e2e.paced_trainer, for the nodes' workers
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
-    argv = [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
-            "--timeout-s", str(timeout_s)]
-    if on_line is None:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60, env=env)
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-        stdout = proc.stdout
-    else:  # line by line (stderr with it: one pipe, never full); the demo's --timeout-s bounds it
-        with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) as live:
-            assert live.stdout is not None
-            lines = []
-            for line in live.stdout:
-                lines.append(line)
-                on_line(line)
-            code = live.wait(timeout=60)
-        stdout = "".join(lines)
-        assert code == 0, stdout[-8000:]
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
+    out_path, err_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f, subprocess.Popen(  # files: never a full pipe
+        [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(cfg), "--summary-json", str(out),
+         "--timeout-s", str(timeout_s)],
+        cwd=ROOT, stdout=out_f, stderr=err_f, env=env,
+    ) as proc:
+        try:
+            if during is not None:
+                during(proc, tmp_path / "d.sock")
+            proc.wait(timeout=timeout_s + 60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stdout, stderr = out_path.read_text(), err_path.read_text()
+    assert proc.returncode == 0, stdout[-5000:] + stderr[-3000:]
     summary = json.loads(out.read_text())
-    summary["_stdout"] = stdout
+    summary["_stdout"], summary["_stderr"] = stdout, stderr
     return summary
 
 
@@ -83,11 +85,14 @@ def run_config_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
 
 @pytest.fixture
 def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
-    """``run_demo(chaos=[...], **job)`` → the summary dict of a demo run from configs/local.yaml."""
+    """``run_demo(chaos=[...], **job)`` → the summary dict of a demo run from configs/local.yaml.
+    ``config``: other sections' fields, merged in; ``daemon_env`` (the daemon's ``env``) and
+    ``during``: as :func:`_run_demo_config`."""
 
     def run(*, chaos: list[dict[str, Any]], dialects: list[str] | None = None, timeout_s: float = 420,
             offers: list[dict[str, Any]] | None = None, pool: dict[str, Any] | None = None,
-            on_line: Callable[[str], None] | None = None, **job: Any) -> dict[str, Any]:
+            config: dict[str, Any] | None = None, daemon_env: dict[str, str] | None = None,
+            during: Callable[[subprocess.Popen, Path], None] | None = None, **job: Any) -> dict[str, Any]:
         raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
         raw["job"].update({"checkpoint_interval_steps": 10, "args": SMALL_MODEL, **job})
         if dialects:
@@ -96,6 +101,8 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
             raw["offers"] = offers
         raw["pool"].update(pool or {})
         raw["chaos"] = chaos
-        return _run_demo_config(raw, tmp_path, timeout_s, on_line)
+        for section, fields in (config or {}).items():  # e.g. {"notify": [...], "daemon": {...}}
+            raw[section] = {**raw.get(section, {}), **fields} if isinstance(fields, dict) else fields
+        return _run_demo_config(raw, tmp_path, timeout_s, env=daemon_env, during=during)
 
     return run

@@ -20,6 +20,21 @@ body) to moto and returns moto's answer, except for requests whose EC2 ``Action`
 - :meth:`AwsFaultProxy.reply_next`: answer with a given body and status (e.g. a 200
   CreateFleet response whose ``Errors[]`` lists capacity failures).
 
+Requests with ``DryRun=true`` (the daemon's cloud check) never take an armed fault: the
+faults are for the launches a test means; :meth:`AwsFaultProxy.answer` sees them.
+
+- :meth:`AwsFaultProxy.answer`: a responder consulted for every request no armed fault
+  took (e.g. Service Quotas, which moto 5 serves for ``vpc`` only, or an S3 ``PUT``
+  refused ``AccessDenied``): it returns ``(status, body, content type)`` or None to
+  forward. Requests of the JSON protocols (Service Quotas) are named by their
+  ``X-Amz-Target`` header (``ServiceQuotasV20190624.GetServiceQuota`` →
+  ``GetServiceQuota``) with their JSON body as parameters; the region is the SigV4
+  credential scope's (https://docs.aws.amazon.com/IAM/latest/UserGuide/create-signed-request.html).
+  Error bodies: the JSON protocol's ``{"__type": code, "message": ...}``
+  (https://smithy.io/2.0/aws/protocols/aws-json-1_1-protocol.html#operation-error-serialization),
+  S3's ``<Error><Code/><Message/></Error>``
+  (https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html).
+
 The proxy runs its own event loop in a background thread, so both sync boto3 calls
 made by a test and ``asyncio.to_thread`` calls made by a provider can reach it.
 Every request's action and form parameters are recorded in :attr:`requests`.
@@ -28,8 +43,11 @@ Every request's action and form parameters are recorded in :attr:`requests`.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 from xml.sax.saxutils import escape
@@ -67,7 +85,10 @@ class Seen:
 
     action: str
     params: dict[str, str]
-    fault: str | None = None  # fail | delay | reply | None (forwarded untouched)
+    fault: str | None = None  # fail | delay | reply | answer | None (forwarded untouched)
+    method: str = "POST"
+    path: str = "/"
+    region: str = ""  # from the SigV4 credential scope ("" unsigned)
 
 
 @dataclass
@@ -79,6 +100,7 @@ class AwsFaultProxy:
 
     def __post_init__(self) -> None:
         self._faults: dict[str, list[_Fault]] = {}
+        self._responder: Callable[[Seen], tuple[int, str, str] | None] | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -101,15 +123,24 @@ class AwsFaultProxy:
         """Answer the next ``n`` ``action`` requests with ``body`` (XML) and ``status``, not forwarding."""
         self._arm(action, _Fault("reply", n, status=status, body=body))
 
+    def answer(self, responder: "Callable[[Seen], tuple[int, str, str] | None] | None") -> None:
+        """Consult ``responder`` for every request no armed fault takes; it returns
+        ``(status, body, content type)`` to answer it, None to forward it. None: forward all."""
+        with self._lock:
+            self._responder = responder
+
     def reset(self) -> None:
         with self._lock:
             self._faults.clear()
             self.requests.clear()
+            self._responder = None
 
-    def actions(self, action: str) -> list[Seen]:
-        """The recorded requests for ``action``, oldest first."""
+    def actions(self, action: str, *, dry_run: bool = False) -> list[Seen]:
+        """The recorded requests for ``action``, oldest first: those a test means (no
+        ``DryRun=true``), or with ``dry_run`` the dry runs only (the cloud check's)."""
         with self._lock:
-            return [s for s in self.requests if s.action == action]
+            return [s for s in self.requests
+                    if s.action == action and (str(s.params.get("DryRun", "")).lower() == "true") == dry_run]
 
     def _arm(self, action: str, fault: _Fault) -> None:
         if fault.remaining < 1:
@@ -190,13 +221,30 @@ class AwsFaultProxy:
     # -- handling -------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()} if body else {}
-        if "Action" not in params:
-            params.update({k: v for k, v in request.query.items()})
-        action = params.get("Action", "")
-        fault = self._take(action)
+        target = request.headers.get("X-Amz-Target", "")
+        if target:  # a JSON protocol: the action is the target's operation, the parameters its body
+            params = json.loads(body or b"{}")
+            action = target.rsplit(".", 1)[-1]
+        else:
+            is_form = request.content_type == "application/x-www-form-urlencoded"
+            params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()} \
+                if body and is_form else {}
+            if "Action" not in params:
+                params.update({k: v for k, v in request.query.items()})
+            action = params.get("Action", "")
+        scope = re.search(r"Credential=[^/]+/[^/]+/([^/]+)/", request.headers.get("Authorization", ""))
+        seen = Seen(action, params, None, request.method, request.path, scope.group(1) if scope else "")
+        # a dry run (the cloud check's, spotvisord check) is not one of "the next requests" a fault is armed for
+        fault = None if str(params.get("DryRun", "")).lower() == "true" else self._take(action)
         with self._lock:
-            self.requests.append(Seen(action, params, fault.kind if fault else None))
+            responder = self._responder
+        answered = responder(seen) if fault is None and responder is not None else None
+        seen.fault = fault.kind if fault else ("answer" if answered else None)
+        with self._lock:
+            self.requests.append(seen)
+        if answered is not None:
+            status, text, ctype = answered
+            return web.Response(status=status, body=text.encode(), content_type=ctype)
         if fault is not None and fault.kind in ("fail", "reply"):
             return web.Response(status=fault.status, body=fault.body.encode(), content_type="text/xml")
         if fault is not None and not fault.after_forward:
@@ -220,4 +268,6 @@ class AwsFaultProxy:
                                          data=body, allow_redirects=False) as resp:
             payload = await resp.read()
             out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
+            if request.method == "HEAD" and "Content-Length" in resp.headers:  # the object's size (S3 HeadObject)
+                out["Content-Length"] = resp.headers["Content-Length"]
             return resp.status, out, payload

@@ -28,7 +28,14 @@ It follows the documents (and the SDK source where the documents are silent):
   ``SpotPriceLimit``, ``SpotDuration`` (0..6), ``SpotInterruptionBehavior``,
   ``UserData`` (base64, at most 32 KB), ``Tag.N.Key`` / ``Tag.N.Value`` (N in 1..20),
   ``Amount`` (1..100), ``ClientToken`` (at most 64 ASCII characters, idempotency: the
-  same token answers the same ``InstanceIdSets`` without creating anything).
+  same token answers the same ``InstanceIdSets`` without creating anything),
+  ``RamRoleName`` (the instance RAM role; one the account lacks is
+  ``InvalidRamRole.NotFound``, 404), ``KeyPairName``, ``SystemDisk.Size`` (GiB: 20..500
+  for ``cloud``, 20..2048 for the other categories, else
+  ``InvalidSystemDiskSize.ValueNotSupported``, 400) and ``SystemDisk.Category``
+  (``cloud``, ``cloud_efficiency``, ``cloud_ssd``, ``cloud_essd``, ``cloud_auto``,
+  ``cloud_essd_entry``, else ``InvalidSystemDiskCategory.ValueNotSupported``, 400)
+  (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-runinstances).
   Response ``{"RequestId", "InstanceIdSets": {"InstanceIdSet": [...]}, "OrderId",
   "TradePrice"}``.
 - DescribeInstances (api-describeinstances): ``InstanceIds`` (a JSON array string, at
@@ -47,18 +54,51 @@ It follows the documents (and the SDK source where the documents are silent):
   {"SpotPriceType": [{"ZoneId", "InstanceType", "IoOptimized", "NetworkType",
   "SpotPrice", "OriginPrice", "Timestamp"}]}, "Currency", "NextOffset", "RequestId"}``.
 
+- DescribeImages (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-describeimages):
+  ``ImageId`` (comma-separated); ``{"Images": {"Image": [{"ImageId", "Status", ...}]},
+  "TotalCount", "PageNumber", "PageSize"}``; an id not in the region is simply not
+  listed. DescribeSecurityGroups (api-ecs-2014-05-26-describesecuritygroups):
+  ``SecurityGroupIds`` (a JSON array string); ``{"SecurityGroups": {"SecurityGroup":
+  [{"SecurityGroupId", "VpcId", ...}]}, "TotalCount"}``.
+  DescribeAvailableResource (api-ecs-2014-05-26-describeavailableresource):
+  ``DestinationResource`` required (``InstanceType`` here), ``ZoneId``,
+  ``InstanceType``, ``InstanceChargeType``, ``SpotStrategy``; ``{"AvailableZones":
+  {"AvailableZone": [{"RegionId", "ZoneId", "Status", "StatusCategory",
+  "AvailableResources": {"AvailableResource": [{"Type": "InstanceType",
+  "SupportedResources": {"SupportedResource": [{"Value", "Status", "StatusCategory"}]}}]}}]}}``.
+- ``DryRun=true`` on RunInstances (api-ecs-2014-05-26-runinstances): the request is
+  checked (permission, parameters, image, security group) and answered with the error
+  code ``DryRunOperation`` when it would have succeeded; nothing is created.
+- A RAM policy that does not grant the action: ``Forbidden.RAM`` (403), "User not
+  authorized to operate on the specified resource, or this API doesn't support RAM."
+  (the ECS common error codes, https://api.aliyun.com/document/Ecs/2014-05-26/errorCode).
+
 UNCONFIRMED (the documents do not say; the fake picks the plausible behaviour):
 the HTTP status of ``InvalidVersion`` / ``InvalidParameter.Format`` / missing common
 parameters (400 here); the code for ``SpotWithPriceLimit`` without ``SpotPriceLimit``
 (``MissingParameter``, 400); a reused ``ClientToken`` with different parameters
 (``IdempotentParameterMismatch``, 400); how long ECS remembers a ``ClientToken``
-(forever here); deleting a ``Pending`` instance (``IncorrectInstanceStatus.Initializing``,
-403); the order of ``SpotPriceType`` entries (oldest first here).
+(forever here); the lower bound of ``SystemDisk.Size`` per ESSD performance level and
+the image's own size (20 GiB for every category here); the HTTP status of
+``InvalidRamRole.NotFound`` (404, as in AttachInstanceRamRole's table); deleting a ``Pending`` instance (``IncorrectInstanceStatus.Initializing``,
+403); the order of ``SpotPriceType`` entries (oldest first here); the HTTP status of
+``DryRunOperation`` (400 here); the code for an unknown image or security group in
+RunInstances (``InvalidImageId.NotFound`` / ``InvalidSecurityGroupId.NotFound``, 404).
+
+A ``DryRun=true`` call (the daemon's cloud check) never takes an armed fault or delay:
+they are for the launches a test means.
+
+Resources (test hooks): :attr:`FakeEcs.images` and :attr:`FakeEcs.security_groups`
+(region → ids; a region without an entry has every id asked for, as RunInstances
+accepted any before),
+:attr:`FakeEcs.available` (``(zone, instance_type)`` pairs for sale; None: every type in
+every zone), :attr:`FakeEcs.denied` (actions the caller's RAM policy does not grant).
 
 Test hooks (not part of ECS): :meth:`FakeEcs.fail_next` (answer the next calls of an
 action with a documented error), :meth:`FakeEcs.delay_next` (apply the call, then
 answer late -- a client timeout after the request reached ECS), :attr:`FakeEcs.prices`
 (``(instance_type, zone) -> [(timestamp, price)]``), :attr:`FakeEcs.currency`,
+:attr:`FakeEcs.ram_roles` (the account's RAM role names; None: any name exists),
 :meth:`FakeEcs.reclaim` (ECS releases a spot instance), and the logs
 :attr:`FakeEcs.requests` (every signed request's parameters, by action) and
 :attr:`FakeEcs.instances`.
@@ -118,7 +158,15 @@ ERROR_STATUS: dict[str, int] = {
     "InvalidUserData.SizeExceeded": 400,
     "InvalidUserData.Base64FormatInvalid": 400,
     "InvalidAction.NotFound": 404,
+    "InvalidSystemDiskSize.ValueNotSupported": 400,
+    "InvalidSystemDiskCategory.ValueNotSupported": 400,
+    "InvalidRamRole.NotFound": 404,
+    "DryRunOperation": 400,
+    "InvalidImageId.NotFound": 404,
+    "InvalidSecurityGroupId.NotFound": 404,
 }
+
+SYSTEM_DISK_CATEGORIES = ("cloud", "cloud_efficiency", "cloud_ssd", "cloud_essd", "cloud_auto", "cloud_essd_entry")
 
 _REQUIRED_COMMON = ("Action", "Version", "Format", "AccessKeyId", "SignatureMethod",
                     "SignatureVersion", "SignatureNonce", "Timestamp", "Signature")
@@ -168,6 +216,10 @@ class FakeInstance:
     created: float
     status: str | None = None
     lock_reasons: list[str] = field(default_factory=list)
+    ram_role: str | None = None
+    key_pair_name: str | None = None
+    system_disk_gib: int | None = None  # None: ECS's default (max(40, image size))
+    system_disk_category: str | None = None
 
 
 @dataclass(slots=True)
@@ -209,7 +261,12 @@ class FakeEcs:
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.prices: dict[tuple[str, str], list[tuple[str, float]]] = {}
         self.currency = "USD"
+        self.ram_roles: set[str] | None = None
         self.auth_failures = 0
+        self.images: dict[str, set[str]] = {}  # region -> image ids (no entry: any id launches)
+        self.security_groups: dict[str, set[str]] = {}  # region -> security group ids (likewise)
+        self.available: set[tuple[str, str]] | None = None  # (zone, instance type) for sale; None: all
+        self.denied: set[str] = set()  # actions answered Forbidden.RAM
         self._tokens: dict[tuple[str, str], tuple[str, list[str]]] = {}  # (region, token) -> (digest, ids)
         self._faults: dict[str, list[_Fault]] = {}
         self._delays: dict[str, list[_Delay]] = {}
@@ -271,9 +328,10 @@ class FakeEcs:
         """ECS releases a spot instance (it disappears from DescribeInstances)."""
         self.instances.pop(instance_id, None)
 
-    def calls(self, action: str) -> list[dict[str, str]]:
-        """Parameters of every correctly signed call of ``action``, oldest first."""
-        return [p for a, p in self.requests if a == action]
+    def calls(self, action: str, *, dry_run: bool = False) -> list[dict[str, str]]:
+        """Parameters of every correctly signed call of ``action``, oldest first: those a
+        test means (no ``DryRun=true``), or with ``dry_run`` the dry runs only."""
+        return [p for a, p in self.requests if a == action and (p.get("DryRun", "").lower() == "true") == dry_run]
 
     # -- HTTP --------------------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.Response:
@@ -286,10 +344,14 @@ class FakeEcs:
             self._authenticate(request.method, params)
             action = params["Action"]
             self.requests.append((action, dict(params)))
-            fault = self._take_fault(action, params)
+            dry = params.get("DryRun", "").lower() == "true"  # the cloud check's: armed faults are for launches
+            fault = None if dry else self._take_fault(action, params)
             if fault is not None:
                 raise _ApiError(fault.code, fault.message, fault.status)
-            delay = self._take(self._delays, action)
+            if action in self.denied:
+                raise _ApiError("Forbidden.RAM", "User not authorized to operate on the specified resource, "
+                                "or this API doesn't support RAM.")
+            delay = None if dry else self._take(self._delays, action)
             if delay is not None and not delay.after_apply:
                 await self._wait(delay.seconds)
             body = self._dispatch(action, params, request_id)
@@ -348,6 +410,9 @@ class FakeEcs:
             "DescribeInstances": self._describe_instances,
             "DeleteInstances": self._delete_instances,
             "DescribeSpotPriceHistory": self._describe_spot_price_history,
+            "DescribeImages": self._describe_images,
+            "DescribeSecurityGroups": self._describe_security_groups,
+            "DescribeAvailableResource": self._describe_available_resource,
         }.get(action)
         if handler is None:
             raise _ApiError("InvalidAction.NotFound", "Specified api is not found, please check your url and method.")
@@ -368,6 +433,12 @@ class FakeEcs:
                 raise _ApiError("MissingParameter", f"The input parameter \"{name}\" that is mandatory for "
                                 "processing this request is not supplied.")
         region, zone, itype = p["RegionId"], p.get("ZoneId", ""), p["InstanceType"]
+        if region in self.images and p["ImageId"] not in self.images[region]:
+            raise _ApiError("InvalidImageId.NotFound", "The specified ImageId does not exist.")
+        if region in self.security_groups and p["SecurityGroupId"] not in self.security_groups[region]:
+            raise _ApiError("InvalidSecurityGroupId.NotFound", "The specified SecurityGroupId does not exist.")
+        if p.get("DryRun", "").lower() == "true":
+            raise _ApiError("DryRunOperation", "Request validation has been passed with DryRun flag set.")
         token = p.get("ClientToken")
         if token is not None and (len(token) > 64 or not token.isascii()):
             raise _ApiError("InvalidParameter", "The specified parameter ClientToken is not valid.")
@@ -411,6 +482,10 @@ class FakeEcs:
         for n in range(1, 21):
             if f"Tag.{n}.Key" in p:
                 tags[p[f"Tag.{n}.Key"]] = p.get(f"Tag.{n}.Value", "")
+        disk = self._system_disk(p)
+        role = p.get("RamRoleName") or None
+        if role is not None and self.ram_roles is not None and role not in self.ram_roles:
+            raise _ApiError("InvalidRamRole.NotFound", "The specified RAMRoleName does not exist.")
         amount = int(p.get("Amount", "1"))
         if not 1 <= amount <= 100:
             raise _ApiError("InvalidParameter", "The specified Amount is not valid.")
@@ -419,11 +494,30 @@ class FakeEcs:
             iid = f"i-fake{next(self._seq):012x}"
             self.instances[iid] = FakeInstance(
                 iid, region, zone, itype, p["ImageId"], p["SecurityGroupId"], p["VSwitchId"], strategy, limit,
-                duration, charge, user_data, dict(tags), time.time())
+                duration, charge, user_data, dict(tags), time.time(), ram_role=role,
+                key_pair_name=p.get("KeyPairName") or None, system_disk_gib=disk[0], system_disk_category=disk[1])
             ids.append(iid)
         if token:
             self._tokens[(region, token)] = (digest, ids)
         return {"InstanceIdSets": {"InstanceIdSet": ids}, "OrderId": str(next(self._seq)), "TradePrice": 0.0}
+
+    @staticmethod
+    def _system_disk(p: dict[str, str]) -> tuple[int | None, str | None]:
+        """``SystemDisk.Size`` (GiB) and ``SystemDisk.Category`` as RunInstances checks them."""
+        category = p.get("SystemDisk.Category") or None
+        if category is not None and category not in SYSTEM_DISK_CATEGORIES:
+            raise _ApiError("InvalidSystemDiskCategory.ValueNotSupported",
+                            "The specified parameter \"SystemDisk.Category\" is not valid.")
+        size = None
+        if p.get("SystemDisk.Size"):
+            try:
+                size = int(p["SystemDisk.Size"])
+            except ValueError:
+                size = -1
+            if not 20 <= size <= (500 if category == "cloud" else 2048):
+                raise _ApiError("InvalidSystemDiskSize.ValueNotSupported",
+                                "The specified parameter SystemDisk.Size is invalid.")
+        return size, category
 
     def _describe_instances(self, p: dict[str, str]) -> dict[str, object]:
         region = p["RegionId"]
@@ -515,3 +609,35 @@ class FakeEcs:
                              "NetworkType": p["NetworkType"], "SpotPrice": price,
                              "OriginPrice": round(price * 4, 4), "Timestamp": ts})
         return {"SpotPrices": {"SpotPriceType": rows}, "Currency": self.currency, "NextOffset": 0}
+
+
+    def _describe_images(self, p: dict[str, str]) -> dict[str, object]:
+        wanted = [i for i in p.get("ImageId", "").split(",") if i]
+        known = self.images.get(p["RegionId"], set(wanted))  # no entry for the region: any id exists
+        found = [i for i in sorted(known) if not wanted or i in wanted]
+        return {"Images": {"Image": [{"ImageId": i, "Status": "Available", "OSType": "linux"} for i in found]},
+                "TotalCount": len(found), "PageNumber": 1, "PageSize": 10, "RegionId": p["RegionId"]}
+
+    def _describe_security_groups(self, p: dict[str, str]) -> dict[str, object]:
+        try:
+            wanted = json.loads(p.get("SecurityGroupIds") or "[]")
+        except json.JSONDecodeError:
+            raise _ApiError("InvalidParameter", "The specified parameter SecurityGroupIds is not valid.") from None
+        known = self.security_groups.get(p["RegionId"], set(wanted))  # no entry for the region: any id exists
+        found = [g for g in sorted(known) if not wanted or g in wanted]
+        return {"SecurityGroups": {"SecurityGroup": [{"SecurityGroupId": g, "VpcId": "vpc-fake"} for g in found]},
+                "TotalCount": len(found), "PageNumber": 1, "PageSize": 10, "RegionId": p["RegionId"]}
+
+    def _describe_available_resource(self, p: dict[str, str]) -> dict[str, object]:
+        if not p.get("DestinationResource"):
+            raise _ApiError("MissingParameter", "The input parameter \"DestinationResource\" that is mandatory "
+                            "for processing this request is not supplied.")
+        zone, itype = p.get("ZoneId", ""), p.get("InstanceType", "")
+        ok = self.available is None or (zone, itype) in self.available
+        if not ok:
+            return {"AvailableZones": {"AvailableZone": []}}
+        item = {"Value": itype, "Status": "Available", "StatusCategory": "WithStock"}
+        return {"AvailableZones": {"AvailableZone": [{
+            "RegionId": p["RegionId"], "ZoneId": zone, "Status": "Available", "StatusCategory": "WithStock",
+            "AvailableResources": {"AvailableResource": [
+                {"Type": "InstanceType", "SupportedResources": {"SupportedResource": [item]}}]}}]}}

@@ -1,0 +1,202 @@
+"""The Alibaba Cloud half of the cloud check (``spotvisord check``, and the daemon at
+start): live, read-only ECS calls with the control node's own credentials, through the
+provider's own client (:meth:`AliyunProvider._call`: its credential chain, endpoint and
+error translation). Documents followed:
+
+- DescribeImages (https://www.alibabacloud.com/help/en/ecs/developer-reference/api-ecs-2014-05-26-describeimages):
+  ``ImageId`` in the region; an image that is not there is an empty ``Images.Image``
+  (``TotalCount`` 0), not an error. The first call also proves the credentials.
+- DescribeSecurityGroups (api-ecs-2014-05-26-describesecuritygroups): ``SecurityGroupIds``
+  (a JSON array string); absent = empty ``SecurityGroups.SecurityGroup``.
+- DescribeAvailableResource (api-ecs-2014-05-26-describeavailableresource):
+  ``DestinationResource=InstanceType`` with the offer's ``ZoneId``, ``InstanceType``,
+  ``InstanceChargeType=PostPaid`` and spot strategy; the type is buyable when it is
+  listed under ``AvailableZones.AvailableZone[].AvailableResources.AvailableResource[]
+  .SupportedResources.SupportedResource[]`` with ``Status: Available``.
+- RunInstances with ``DryRun=true`` (api-ecs-2014-05-26-runinstances): "the system
+  checks the request for potential issues, including missing parameter values,
+  incorrect request syntax, service limits, and unavailable ECS resources ... If the
+  request passes the dry run, the ``DryRunOperation`` error code is returned." The
+  request is the provider's own (:meth:`AliyunProvider.run_instances_request`), so the
+  dry run covers what a launch carries (image, vSwitch, security group, RAM role once the
+  request names one). RAM denial: ``Forbidden.RAM`` / ``Forbidden``.
+
+Errors: none raised; every failure is a failed result (the caller bounds the time).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from aliyunsdkcore.request import RpcRequest
+from aliyunsdkecs.request.v20140526.DescribeAvailableResourceRequest import DescribeAvailableResourceRequest
+from aliyunsdkecs.request.v20140526.DescribeImagesRequest import DescribeImagesRequest
+from aliyunsdkecs.request.v20140526.DescribeSecurityGroupsRequest import DescribeSecurityGroupsRequest
+
+from daemon.config import Config
+from daemon.control.pool import Offer
+from daemon.controlnode.cloud_check import CheckResult, failed, passed
+from daemon.providers.aliyun import AliyunProvider
+from daemon.providers.base import AuthError, NodeSpec, ProviderError
+
+__all__ = ["check_aliyun"]
+
+_CREDENTIALS_FIX = ("give the control node Alibaba Cloud credentials (ALIBABA_CLOUD_ACCESS_KEY_ID / "
+                    "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, or its RAM role); "
+                    "never in the config")
+
+
+def _ram_fix(action: str) -> str:
+    return (f"grant the control node's RAM user or role ecs:{action} (e.g. a policy with "
+            f'"Action": ["ecs:{action}"]; ecs:RunInstances also needs ram:PassRole for an instance RAM role)')
+
+
+def _denied(exc: ProviderError) -> bool:
+    code = str(getattr(exc, "code", ""))
+    return code.startswith("Forbidden")
+
+
+def _failure(name: str, exc: ProviderError, action: str, offers: list[int]) -> CheckResult:
+    """A failed ECS call as a result: credentials, RAM permission, or anything else."""
+    code = str(getattr(exc, "code", "") or type(exc).__name__)
+    if _denied(exc):
+        return failed(name, f"{code}: the control node may not call {action}", _ram_fix(action), offers)
+    if isinstance(exc, AuthError):
+        return failed(name, f"{code}: credentials refused", _CREDENTIALS_FIX, offers)
+    return failed(name, str(exc)[:300], "see the ECS error code in the API reference of " + action, offers)
+
+
+async def check_aliyun(config: Config, provider: AliyunProvider, offers: list[Offer],
+                       node: NodeSpec) -> list[CheckResult]:
+    """Every Alibaba Cloud check for ``offers`` (``index``: their place in
+    ``config.offers``); ``node``: the node a launch would carry (a dummy token)."""
+    if not offers:
+        return []
+    builds: list[tuple[Offer, Any, str]] = []
+    for o in offers:
+        try:
+            builds.append((o, provider.run_instances_request(o, node), ""))
+        except ValueError as exc:
+            builds.append((o, None, str(exc)))
+    images: dict[tuple[str, str], list[int]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for o, build, _ in builds:
+        if build is not None:
+            params = build().get_query_params()
+            images[(o.region, str(params.get("ImageId")))].append(o.index)
+            groups[(o.region, str(params.get("SecurityGroupId")))].append(o.index)
+    out: list[CheckResult] = []
+    for (region, image), idx in sorted(images.items()):
+        r = await _image(provider, region, image, idx)
+        out.append(r)
+        if not r.ok and "credentials" in r.detail:
+            return out  # nothing else can pass
+    for (region, group), idx in sorted(groups.items()):
+        out.append(await _security_group(provider, region, group, idx))
+    done = {i for r in out if not r.ok for i in r.offers}  # already failed: a dry run would only repeat it
+    for o, build, problem in builds:
+        if o.index in done:
+            continue
+        name = f"aliyun {o.region}: offers.{o.index} ({o.instance_type} in {o.zone or o.region})"
+        if build is None:
+            out.append(failed(name, problem, "providers.aliyun.vswitch_ids: a vSwitch for the offer's zone",
+                              [o.index]))
+            continue
+        out.append(await _available(provider, o, name))
+        out.append(await _dry_run(provider, o, build, name))
+    return out
+
+
+async def _image(provider: AliyunProvider, region: str, image: str, offers: list[int]) -> CheckResult:
+    name = f"aliyun {region}: image {image}"
+
+    def build() -> RpcRequest:
+        req = DescribeImagesRequest()
+        req.set_ImageId(image)
+        return req
+
+    try:
+        body = await provider._call(region, build)
+    except ProviderError as exc:
+        return _failure(name, exc, "DescribeImages", offers)
+    if not body.get("Images", {}).get("Image"):
+        return failed(name, f"not found in {region}",
+                      f"providers.aliyun.image_id: an image that exists in {region} (images are per region: copy "
+                      "it there with CopyImage, or share it with this account)", offers)
+    return passed(name, "exists")
+
+
+async def _security_group(provider: AliyunProvider, region: str, group: str, offers: list[int]) -> CheckResult:
+    name = f"aliyun {region}: security group {group}"
+
+    def build() -> RpcRequest:
+        req = DescribeSecurityGroupsRequest()
+        req.set_SecurityGroupIds(json.dumps([group]))
+        return req
+
+    try:
+        body = await provider._call(region, build)
+    except ProviderError as exc:
+        return _failure(name, exc, "DescribeSecurityGroups", offers)
+    if not body.get("SecurityGroups", {}).get("SecurityGroup"):
+        return failed(name, f"not found in {region}",
+                      f"providers.aliyun.security_group_id: a security group of the vSwitches' VPC in {region}", offers)
+    return passed(name, "exists")
+
+
+async def _available(provider: AliyunProvider, offer: Offer, name: str) -> CheckResult:
+    zone = offer.zone or ""
+    strategy = "NoSpot" if offer.on_demand else provider.spec.spot_strategy
+
+    def build() -> RpcRequest:
+        req = DescribeAvailableResourceRequest()
+        req.set_DestinationResource("InstanceType")
+        req.set_InstanceChargeType("PostPaid")
+        req.set_SpotStrategy(strategy)
+        req.set_InstanceType(offer.instance_type)
+        if zone:
+            req.set_ZoneId(zone)
+        return req
+
+    try:
+        body = await provider._call(offer.region, build)
+    except ProviderError as exc:
+        return _failure(f"{name}: available", exc, "DescribeAvailableResource", [offer.index])
+    for z in body.get("AvailableZones", {}).get("AvailableZone", []):
+        if zone and z.get("ZoneId") != zone:
+            continue
+        for res in z.get("AvailableResources", {}).get("AvailableResource", []):
+            for item in res.get("SupportedResources", {}).get("SupportedResource", []):
+                if item.get("Value") == offer.instance_type and item.get("Status") == "Available":
+                    return passed(f"{name}: available", item.get("StatusCategory", "Available"))
+    return failed(f"{name}: available", f"{offer.instance_type} is not sold as {strategy} in {zone or offer.region}",
+                  f"offers.{offer.index}.instance_type / offers.{offer.index}.zone: a type and zone "
+                  "DescribeAvailableResource lists", [offer.index])
+
+
+async def _dry_run(provider: AliyunProvider, offer: Offer, build: Any, name: str) -> CheckResult:
+    def dry() -> RpcRequest:
+        req = build()
+        req.set_DryRun(True)
+        return req
+
+    try:
+        await provider._call(offer.region, dry)
+    except ProviderError as exc:
+        code = str(getattr(exc, "code", ""))
+        if code == "DryRunOperation":
+            return passed(f"{name}: dry-run RunInstances", "DryRunOperation")
+        if code.startswith("InvalidImageId"):
+            return failed(f"{name}: dry-run RunInstances", f"{code} in {offer.region}",
+                          f"providers.aliyun.image_id: an image that exists in {offer.region}", [offer.index])
+        if code.startswith(("InvalidVSwitchId", "InvalidVSwitch")):
+            return failed(f"{name}: dry-run RunInstances", code,
+                          f"providers.aliyun.vswitch_ids.{offer.zone}: a vSwitch of that zone", [offer.index])
+        if code.startswith(("InvalidSecurityGroupId", "InvalidSecurityGroup")):
+            return failed(f"{name}: dry-run RunInstances", code,
+                          "providers.aliyun.security_group_id: a security group of the vSwitch's VPC", [offer.index])
+        return _failure(f"{name}: dry-run RunInstances", exc, "RunInstances", [offer.index])
+    return failed(f"{name}: dry-run RunInstances", "ECS answered a DryRun request with success",
+                  "check providers.aliyun.endpoint points at ECS", [offer.index])

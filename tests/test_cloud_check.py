@@ -1,0 +1,309 @@
+"""``spotvisord check CONFIG`` against moto's server (behind tests/fakes/aws_faults.py, which
+answers Service Quotas, that moto serves for ``vpc`` only, and injects the denials moto
+cannot enforce), and against the ECS and OSS fakes: every check passes on a good
+two-region config; each broken thing is one ``FAIL`` line naming the field and its fix,
+exit 1. The pure parts (rendering, merging, the buy gate, the retry schedule) too."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+
+from daemon.controlnode.cloud_check import (CheckResult, blocked_offers, failed, merge_failures, passed, render,
+                                            retry_delay_s)
+from daemon.interfaces.cli import main
+from fakes.aws_faults import Seen
+
+# ---------------------------------------------------------------------------- the pure parts
+
+
+def test_render_is_one_line_naming_the_fix() -> None:
+    assert render(passed("aws: credentials resolve", "arn:x")) == "ok   aws: credentials resolve (arn:x)"
+    line = render(failed("aws us-west-2: image ami-1", "InvalidAMIID.NotFound\nin us-west-2",
+                         "providers.aws.image_id: an AMI in us-west-2"))
+    assert line == ("FAIL aws us-west-2: image ami-1: InvalidAMIID.NotFound in us-west-2; "
+                    "fix: providers.aws.image_id: an AMI in us-west-2")
+
+
+def test_same_failure_of_many_offers_is_one_line_blocking_them_all() -> None:
+    results = [passed("creds"),
+               failed("dry-run of offers.0", "UnauthorizedOperation", "grant ec2:RunInstances", [0]),
+               failed("dry-run of offers.2", "UnauthorizedOperation", "grant ec2:RunInstances", [2]),
+               failed("image", "not found", "providers.aws.image_id", [1])]
+    merged = merge_failures(results)
+    assert [r.name for r in merged] == ["creds", "dry-run of offers.0, dry-run of offers.2", "image"]
+    blocked = blocked_offers(results, 4)
+    assert sorted(blocked) == [0, 1, 2]  # offer 3 concerned by no failure: it may be bought
+    assert "grant ec2:RunInstances" in blocked[0] and blocked[0] == blocked[2]
+
+
+def test_no_result_yet_blocks_everything_and_an_unscoped_failure_too() -> None:
+    assert sorted(blocked_offers(None, 3)) == [0, 1, 2]
+    assert sorted(blocked_offers([failed("store", "denied", "job.checkpoint_uri")], 2)) == [0, 1]
+    assert blocked_offers([passed("store")], 2) == {}
+
+
+def test_retry_schedule_doubles_to_ten_minutes() -> None:
+    assert [retry_delay_s(n) for n in (1, 2, 3, 4, 5, 6, 10**6)] == [60, 120, 240, 480, 600, 600, 600]
+
+
+# ---------------------------------------------------------------------------- AWS, against moto
+
+
+@pytest.fixture
+def aws(faults, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Moto behind the fault proxy for every AWS service the check calls; two buckets; a
+    Service Quotas answer per (region, code) in ``quotas`` (vCPUs); yields a helper."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", faults.url)  # STS and Service Quotas (boto3's own setting)
+    quotas: dict[tuple[str, str], float] = {}
+
+    def respond(seen: Seen) -> tuple[int, str, str] | None:
+        if seen.action in ("GetServiceQuota", "GetAWSDefaultServiceQuota"):
+            value = quotas.get((seen.region, seen.params["QuotaCode"]), 10_000.0)
+            body = {"Quota": {"ServiceCode": "ec2", "QuotaCode": seen.params["QuotaCode"], "Value": value}}
+            return 200, json.dumps(body), "application/x-amz-json-1.1"
+        return None
+
+    faults.answer(respond)
+    suffix = uuid.uuid4().hex[:8]
+    buckets = {"us-east-1": f"ckpt-use1-{suffix}", "us-west-2": f"ckpt-usw2-{suffix}"}
+    s3 = boto3.client("s3", endpoint_url=faults.upstream, region_name="us-east-1")
+    for b in buckets.values():
+        s3.create_bucket(Bucket=b)
+    east = {i["ImageId"] for i in _images("us-east-1", faults.upstream)}
+    west = {i["ImageId"] for i in _images("us-west-2", faults.upstream)}
+
+    class Aws:
+        proxy = faults
+        quota = quotas
+        both = sorted(east & west)[0]  # moto's stock images: a few exist in both regions
+        east_only = sorted(east - west)[0]
+
+        def config(self, *, image: str | None = None, **aws_spec: object) -> Path:
+            return _aws_config(tmp_path, faults.url, buckets, image or self.both, **aws_spec)
+
+    yield Aws()
+
+
+def _images(region: str, url: str) -> list[dict]:
+    return boto3.client("ec2", region_name=region, endpoint_url=url).describe_images(Owners=["amazon"])["Images"]
+
+
+def _aws_config(tmp: Path, url: str, buckets: dict[str, str], image: str, **aws_spec: object) -> Path:
+    """Two placement domains (us-east-1, us-west-2), each with its own bucket: a P and a G
+    offer in us-east-1, a P offer in us-west-2; at most 2 nodes."""
+    cfg = {
+        "pool": {"name": f"chk-{uuid.uuid4().hex[:6]}", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "chk", "target_steps": 10, "global_batch_size": 64, "micro_batch_size": 1,
+                "checkpoint_uri": f"s3://{buckets['us-east-1']}/spotvisor/chk", "s3_endpoint_url": url},
+        "rendezvous": {"host": "10.0.0.10"},
+        "daemon": {"state_dir": str(tmp / "state"), "agent_host": "10.0.0.10"},
+        "providers": {"local": None, "aws": {"image_id": image, "endpoint_url": url, **aws_spec}},
+        "domains": [
+            {"name": "use1", "provider": "aws", "region": "us-east-1"},
+            {"name": "usw2", "provider": "aws", "region": "us-west-2", "s3_endpoint_url": url,
+             "checkpoint_uri": f"s3://{buckets['us-west-2']}/spotvisor/chk",
+             "rendezvous": {"host": "10.1.0.10"}},
+        ],
+        "offers": [
+            {"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "p5.48xlarge",
+             "gpus_per_node": 8},
+            {"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "g5.12xlarge",
+             "gpus_per_node": 4},
+            {"provider": "aws", "region": "us-west-2", "zone": "us-west-2a", "instance_type": "p4d.24xlarge",
+             "gpus_per_node": 8},
+        ],
+    }
+    path = tmp / "aws.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _check(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    rc = main(["check", str(path), "--timeout-s", "30"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, [line for line in out.splitlines() if line.startswith(("ok", "FAIL"))]
+
+
+def _fails(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("FAIL")]
+
+
+@pytest.mark.parametrize("method", ["run_instances", "create_fleet"])
+def test_two_region_config_passes(aws, capsys, method: str) -> None:
+    rc, lines = _check(aws.config(launch_method=method), capsys)
+    assert rc == 0, "\n".join(lines)
+    assert _fails(lines) == []
+    text = "\n".join(lines)
+    for what in ("credentials resolve", "us-east-1: image", "us-west-2: image", "L-7212CCBC", "L-3819A6DF",
+                 "ckpt-use1", "ckpt-usw2"):
+        assert what in text
+    runs = aws.proxy.actions("RunInstances", dry_run=True)
+    assert len(runs) == 3 and all(r.params["DryRun"] == "true" for r in runs)  # the exact requests, dry
+    assert {r.region for r in runs} == {"us-east-1", "us-west-2"}
+    assert all(r.params["ImageId"] == aws.both for r in runs)
+    if method == "create_fleet":
+        assert len(aws.proxy.actions("CreateFleet", dry_run=True)) == 3
+        assert len(aws.proxy.actions("CreateLaunchTemplate", dry_run=True)) == 3
+    for region in ("us-east-1", "us-west-2"):  # nothing was bought
+        ec2 = boto3.client("ec2", region_name=region, endpoint_url=aws.proxy.upstream)
+        found = ec2.describe_instances(Filters=[{"Name": "tag:spotvisor-node", "Values": ["*-check"]}])
+        assert found["Reservations"] == []
+
+
+def test_wrong_image_in_one_region(aws, capsys) -> None:
+    rc, lines = _check(aws.config(image=aws.east_only), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert "us-west-2" in line and aws.east_only in line and "fix: providers.aws.image_id" in line
+    assert any(ln.startswith("ok") and "us-east-1: image" in ln for ln in lines)
+
+
+def test_missing_iam_permission(aws, capsys) -> None:
+    from fakes.aws_faults import ec2_error_xml
+
+    outer = aws.proxy._responder
+    denied = ec2_error_xml("UnauthorizedOperation", "You are not authorized to perform this operation. "
+                           "Encoded authorization failure message: abc")
+
+    def respond(seen: Seen) -> tuple[int, str, str] | None:  # the role lacks ec2:RunInstances (moto enforces no IAM)
+        return (403, denied, "text/xml") if seen.action == "RunInstances" else outer(seen)
+
+    aws.proxy.answer(respond)
+    rc, lines = _check(aws.config(), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)  # three offers denied alike: one line
+    assert "UnauthorizedOperation" in line and "fix: grant the control node's IAM role ec2:RunInstances" in line
+    assert "offers.0" in line and "offers.1" in line and "offers.2" in line
+
+
+def test_spot_quota_below_the_need(aws, capsys) -> None:
+    aws.quota[("us-east-1", "L-7212CCBC")] = 192.0  # one p5.48xlarge; max_nodes 2 needs 384
+    rc, lines = _check(aws.config(), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert "us-east-1: quota L-7212CCBC" in line and "192 vCPUs, the pool needs 384" in line
+    assert "--quota-code L-7212CCBC --desired-value 384" in line and "pool.max_nodes" in line
+
+
+def test_unwritable_bucket(aws, capsys) -> None:
+    denied = '<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+    outer = aws.proxy._responder
+
+    def respond(seen: Seen) -> tuple[int, str, str] | None:
+        if seen.method == "PUT" and seen.path.startswith("/ckpt-usw2-"):
+            return 403, denied, "application/xml"
+        return outer(seen)
+
+    aws.proxy.answer(respond)
+    rc, lines = _check(aws.config(), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert "ckpt-usw2" in line and "put failed" in line and "AccessDenied" in line
+    assert "fix: domains.1.checkpoint_uri" in line and "s3:PutObject" in line
+
+
+def test_no_credentials_is_one_line_not_a_traceback(aws, capsys, monkeypatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    rc, lines = _check(aws.config(), capsys)
+    assert rc == 1
+    creds = [ln for ln in _fails(lines) if "aws: credentials" in ln]
+    assert len(creds) == 1 and "NoCredentialsError" in creds[0] and "never in the config" in creds[0]
+
+
+# ---------------------------------------------------------------------------- Alibaba, against the fakes
+
+AK_ID, AK_SECRET = "LTAI-check-id", "check-secret-value"
+
+
+@pytest.fixture
+async def ecs(monkeypatch: pytest.MonkeyPatch):
+    from fakes.ecs import FakeEcs
+
+    for name in ("ALIBABA_CLOUD_SECURITY_TOKEN", "ALIYUN_ACCESS_KEY_ID", "ALIBABA_CLOUD_ECS_METADATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_ID", AK_ID)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_SECRET", AK_SECRET)
+    monkeypatch.setenv("SPOTVISOR_OSS_REGION", "cn-hangzhou")  # the fake OSS is on 127.0.0.1
+    async with FakeEcs(access_key_id=AK_ID, access_key_secret=AK_SECRET) as fake:
+        fake.images["cn-hangzhou"] = {"m-good"}
+        fake.security_groups["cn-hangzhou"] = {"sg-good"}
+        fake.available = {("cn-hangzhou-h", "ecs.gn7i-c32g1.8xlarge"), ("cn-hangzhou-i", "ecs.gn7i-c32g1.8xlarge")}
+        yield fake
+
+
+def _aliyun_config(tmp: Path, ecs_endpoint: str, oss_endpoint: str, bucket: str, image: str = "m-good") -> Path:
+    cfg = {
+        "pool": {"name": f"chk-{uuid.uuid4().hex[:6]}", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "chk", "target_steps": 10, "global_batch_size": 8, "micro_batch_size": 1,
+                "checkpoint_uri": f"oss://{bucket}/spotvisor/chk", "oss_endpoint": oss_endpoint},
+        "rendezvous": {"host": "172.16.0.10"},
+        "daemon": {"state_dir": str(tmp / "state"), "agent_host": "172.16.0.10"},
+        "providers": {"local": None, "aliyun": {
+            "image_id": image, "security_group_id": "sg-good", "endpoint": ecs_endpoint,
+            "vswitch_ids": {"cn-hangzhou-h": "vsw-h", "cn-hangzhou-i": "vsw-i"}}},
+        "offers": [{"provider": "aliyun", "region": "cn-hangzhou", "zone": z, "instance_type": "ecs.gn7i-c32g1.8xlarge",
+                    "max_price_usd_h": 1.2} for z in ("cn-hangzhou-h", "cn-hangzhou-i")],
+    }
+    path = tmp / "aliyun.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+async def _acheck(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    import asyncio
+
+    rc = await asyncio.to_thread(main, ["check", str(path), "--timeout-s", "30"])  # the fake serves on this loop
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, [line for line in out.splitlines() if line.startswith(("ok", "FAIL"))]
+
+
+@pytest.fixture
+def bucket(oss_server) -> str:
+    name = f"chk-{uuid.uuid4().hex[:8]}"
+    oss_server.create_bucket(name)
+    yield name
+    oss_server.reset_faults()
+
+
+async def test_aliyun_config_passes(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
+    assert rc == 0, "\n".join(lines)
+    assert len(lines) == 1 + 1 + 2 * 2 + 1  # image, security group, 2 x (available, dry run), store
+    dry = ecs.calls("RunInstances", dry_run=True)
+    assert len(dry) == 2 and all(p["DryRun"].lower() == "true" and p["ImageId"] == "m-good" for p in dry)
+    assert ecs.instances == {}  # nothing bought
+
+
+async def test_aliyun_wrong_image(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket,
+                                             image="m-elsewhere"), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert "image m-elsewhere" in line and "not found in cn-hangzhou" in line and "fix: providers.aliyun.image_id" in line
+
+
+async def test_aliyun_missing_permission(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    ecs.denied.add("RunInstances")
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)  # both offers denied alike: one line
+    assert "Forbidden.RAM" in line and "fix: grant the control node's RAM user or role ecs:RunInstances" in line
+
+
+async def test_aliyun_unwritable_bucket(ecs, oss_server, bucket, tmp_path, capsys) -> None:
+    oss_server.fail_next(1, 403, op="PutObject", code="AccessDenied")
+    rc, lines = await _acheck(_aliyun_config(tmp_path, ecs.endpoint, oss_server.endpoint, bucket), capsys)
+    assert rc == 1
+    (line,) = _fails(lines)
+    assert f"oss://{bucket}" in line and "put failed" in line and "AccessDenied" in line
+    assert "fix: job.checkpoint_uri" in line and "oss:PutObject" in line
