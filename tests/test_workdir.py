@@ -8,6 +8,8 @@ import asyncio
 import io
 import os
 import select
+import subprocess
+import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -265,10 +267,7 @@ def test_code_pin_spec_names_the_domain_uri() -> None:
     assert pin.spec("west") == {"uri": "oss://b/w/code/x", "sha256": "a" * 64, "bytes": 10}
 
 
-def test_spotvisord_run_refuses_a_workdir_over_its_cap_in_one_line(tmp_path: Path, sockdir: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from daemon.interfaces import cli
-
+def test_spotvisord_run_refuses_a_workdir_over_its_cap_in_one_line(tmp_path: Path, sockdir: Path) -> None:
     wd = _tree(tmp_path / "w")
     (wd / "model.safetensors").write_bytes(b"x" * 3000)
     cfg = tmp_path / "pool.yaml"
@@ -279,7 +278,9 @@ def test_spotvisord_run_refuses_a_workdir_over_its_cap_in_one_line(tmp_path: Pat
         "providers: {local: {launch_delay_s: 3600}}\n"
         "offers: [{provider: local, zone: local-a}]\n"
     )
-    assert cli.main(["run", "--config", str(cfg)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()  # the daemon's own log lines, then the one line
-    assert err[-1].startswith(f"spotvisord run: job.workdir: {wd} holds over 2048 bytes")
-    assert not any("Traceback" in line for line in err)
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.strip().splitlines()  # the daemon's own log lines, then the one line
+    assert err[-1].startswith(f"spotvisord run: job.workdir: {wd} holds over 2048 bytes"), err[-3:]
+    assert "Traceback" not in r.stderr

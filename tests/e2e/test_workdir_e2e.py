@@ -14,15 +14,19 @@ To extend (``job.env``, ``job.secrets``): add fields to :func:`workdir_job`'s di
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from daemon.controlnode.workdir import pack
-from e2e.conftest import SMALL_MODEL
+from e2e.conftest import ROOT, SMALL_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -79,25 +83,44 @@ def workdir_job(tmp_path: Path, full_world: int = 3) -> dict[str, Any]:
     }
 
 
+def _spotctl_status(socket: Path) -> dict[str, Any] | None:
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.ctl", "--socket", str(socket), "status", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=30)
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return None  # not up yet
+
+
 def test_the_job_runs_delivered_code_through_the_chaos_schedule(run_demo, tmp_path: Path) -> None:
     job = workdir_job(tmp_path)
     module = Path(job["workdir"]) / "spot_code_job.py"
     # the version the daemon must pin: packing is deterministic, so the test's own pack of v1 is it
     sha = pack(job["workdir"], tmp_path / "expected", exclude=("data",), max_bytes=2**20).sha256
-    edited = []
+    before_edit: set[str] = set()
 
-    def on_line(line: str) -> None:
-        # the daemon published and pinned v1 before its first purchase: now the user edits the code
-        if "node_launch_requested" in line and not edited:
-            module.write_text(JOB_MODULE.replace('CODE_VERSION = "v1"', 'CODE_VERSION = "v2"'))
-            edited.append(line)
+    def during(proc: subprocess.Popen, socket: Path) -> None:
+        """Once spotctl status shows the pinned version, the user edits the workdir (v2)."""
+        while proc.poll() is None:
+            status = _spotctl_status(socket) if socket.exists() else None
+            if status and (status.get("code") or {}).get("version"):
+                assert status["code"]["version"] == sha
+                module.write_text(JOB_MODULE.replace('CODE_VERSION = "v1"', 'CODE_VERSION = "v2"'))
+                before_edit.update(n["id"] for n in status["nodes"])
+                return
+            try:
+                proc.wait(timeout=0.5)  # the watch's period; returns early when the daemon exits
+            except subprocess.TimeoutExpired:
+                pass
 
-    s = run_demo(target_steps=300, on_line=on_line, **job, chaos=[
+    t0 = time.monotonic()
+    s = run_demo(target_steps=300, during=during, **job, chaos=[
         {"action": "notice", "node": 2, "at_step": 20, "lead_s": 20},
         {"action": "notice", "node": 3, "at_step": 60, "lead_s": 20},
         {"action": "kill", "node": 1, "at_step": 105},
     ])
-    assert edited, "no node_launch_requested line"
+    print(f"workdir e2e: {time.monotonic() - t0:.0f} s wall, world sizes {s['world_sizes']}")
+    assert before_edit, "the daemon never showed its pinned version"
     assert s["steps_completed"] == s["target_steps"] == 300
     assert s["preemptions_with_notice"] == 2 and s["nodes_lost_without_notice"] == 1
     assert s["lost_steps_on_notice"] == 0 and s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
@@ -105,6 +128,7 @@ def test_the_job_runs_delivered_code_through_the_chaos_schedule(run_demo, tmp_pa
     ready = re.findall(r"node_ready\s+(\S+)\s+.*code_version=([0-9a-f]{64})", out)
     assert len(ready) >= 6, out[-3000:]  # 3 first nodes and 3 replacements, all prepared
     assert {v for _, v in ready} == {sha}  # the replacements bought after the edit too
+    assert {node for node, _ in ready} - before_edit, "no node was bought after the edit"
     assert "node_setup_failed" not in out and "setup_halted" not in out
     (run_dir,) = (tmp_path / "state").glob("demo-*")
     for node, _ in ready:
