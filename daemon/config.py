@@ -86,6 +86,8 @@ class _Spec(BaseModel):
 # The longest duration any setting may give (seconds): 30 days. A timeout of 1e308 s is
 # finite, yet waits on it overflow (threading's TIMEOUT_MAX is about 9.2e9 s here).
 MAX_DURATION_S = 30 * 86400.0
+# job.workdir's default cap: its files' total size (bytes)
+WORKDIR_MAX_BYTES = 256 * 2**20
 PositiveS = Annotated[float, Field(gt=0, le=MAX_DURATION_S)]
 
 # what a deadline allows for starting the job on on-demand nodes: an instance's boot, the
@@ -258,6 +260,51 @@ class JobSpec(_Spec):
     # seconds per step at the pool's target size, on the offers' GPUs: what the deadline
     # plans with (needed with a deadline; measure it with a short run)
     step_s: float | None = Field(None, gt=0)
+    # code delivery (daemon/controlnode/workdir.py, daemon/gpunode/code.py): a directory on the
+    # control node, packed at daemon start (deterministic tar.gz, .git and __pycache__ left out,
+    # and names matching workdir_exclude: fnmatch patterns of the relative path or the name),
+    # uploaded once per content hash to each domain's checkpoint store under code/, and
+    # unpacked on each node as its trainer's working directory (and on its PYTHONPATH). The
+    # version is pinned per daemon run: an edit reaches new nodes after a daemon restart.
+    workdir: str | None = None
+    workdir_exclude: list[str] = []
+    workdir_max_bytes: int = Field(WORKDIR_MAX_BYTES, ge=1, le=16 * 2**30)  # the files' total size
+    # shell commands run once per node (bash -c, in the workdir, with the job's environment)
+    # after the workdir is unpacked and before the trainer starts; their output goes to the
+    # node's trainer.log (spotctl logs NODE). A failure (non-zero exit, or past setup_timeout_s)
+    # fails the node, which is replaced; setup_max_failures failures in a row stop the buying
+    setup: list[str] = []
+    setup_timeout_s: PositiveS = 1800.0
+    setup_max_failures: int = Field(3, ge=1, le=1000)
+
+    @field_validator("setup", mode="before")
+    @classmethod
+    def _setup_commands(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # one command as a string
+
+    @field_validator("setup")
+    @classmethod
+    def _setup_text(cls, v: list[str]) -> list[str]:
+        for i, cmd in enumerate(v):
+            if "\0" in cmd or not cmd.strip():
+                raise ValueError(f"item {i} is empty or holds a NUL character (give a shell command, e.g. "
+                                 "'pip install -r requirements.txt')")
+        if sum(len(c.encode("utf-8", "surrogatepass")) + 1 for c in v) > MAX_JOB_ARGS_BYTES:
+            raise ValueError(f"over {MAX_JOB_ARGS_BYTES} bytes of commands (put them in a script in job.workdir "
+                             "and run that)")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_dir(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        path = Path(os.path.expanduser(v))
+        if not path.is_dir():
+            raise ValueError(f"{v!r} is not a directory on this machine (give the directory holding the job's "
+                             "code, e.g. workdir: ~/my-job)")
+        return str(path.resolve())
+
     env: dict[str, str] = {}
     secrets: dict[str, str] = {}
 

@@ -105,6 +105,13 @@ class EventKind(str, Enum):
     # the trainer reported the job complete, but its final commit cannot be read from the store (yet):
     # an unverifiable completion is never a completion; the daemon keeps reading (job_tracker.py)
     COMPLETION_UNVERIFIED = "completion_unverified"
+    # code delivery (daemon/controlnode/code_delivery.py): the job.workdir version this daemon run
+    # pins (its sha256, uploaded to each domain's store); a node whose fetch, verify or job.setup
+    # failed (it is failed and replaced); job.setup_max_failures such failures in a row: the
+    # daemon buys no more nodes until it is restarted (node_ready carries each node's code_version)
+    CODE_PUBLISHED = "code_published"
+    NODE_SETUP_FAILED = "node_setup_failed"
+    SETUP_HALTED = "setup_halted"
     # the cloud check (daemon/controlnode/cloud_check.py, also ``spotvisord check``): a check failed, so the
     # offers it concerns are not bought until it passes (it is tried again on a backoff); every check passed
     CLOUD_CHECK_FAILED = "cloud_check_failed"
@@ -162,6 +169,7 @@ class Node:
     ended_at: float | None = None  # when it reached a terminal state (terminated / lost / failed)
     market: str = "spot"  # the offer's market: spot or on_demand
     joins_running: bool = False  # admitted into a running job in-process (job.grow: in_process)
+    code_version: str = ""  # the job.workdir sha256 its agent was handed ("" none), kept for its life
 
     @property
     def offer_key(self) -> str:

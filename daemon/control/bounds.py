@@ -121,7 +121,8 @@ class ReportClass(str, Enum):
     ROUTINE = "routine"  # a trainer's started line, metadata alarms, a kind this daemon does not know, junk
 
 
-_VITAL_KINDS = frozenset({"interruption_notice", "rebalance_recommendation", "trainer_exited"})
+_VITAL_KINDS = frozenset({"interruption_notice", "rebalance_recommendation", "trainer_exited", "code_ready",
+                          "setup_failed"})
 _VITAL_LINES = frozenset({"checkpoint_committed", "completed"})
 
 

@@ -54,19 +54,22 @@ class IllegalTransition(RuntimeError):
 class NodeState(str, Enum):
     """Where one node (one spot instance) is in its life.
 
-    requested → launching → ready → (admitting →) running → draining → terminated,
-    with ``lost`` (gone without notice) and ``failed`` (launch failed) as the other ends.
+    requested → launching → (preparing →) ready → (admitting →) running → draining →
+    terminated, with ``lost`` (gone without notice) and ``failed`` (launch failed, or its
+    ``job.setup`` / code fetch failed while ``preparing``) as the other ends.
     """
 
     REQUESTED = "requested"  # launch decided, provider call in flight
     LAUNCHING = "launching"  # provider accepted; instance boots; no heartbeat yet
+    # agent registered; fetching job.workdir and running job.setup (never admitted while so)
+    PREPARING = "preparing"
     READY = "ready"  # agent registered; not yet part of the training job
     ADMITTING = "admitting"  # waiting for the job's rejoin checkpoint before joining
     RUNNING = "running"  # its torchrun agent is part of the job
     DRAINING = "draining"  # interruption notice (or drain request): leaving soon
     TERMINATED = "terminated"  # gone, as planned (after a drain, a release, a scale-in)
     LOST = "lost"  # gone without notice (heartbeat lost or provider says it's gone)
-    FAILED = "failed"  # the launch itself failed (capacity, quota, boot timeout)
+    FAILED = "failed"  # the launch failed (capacity, quota, boot timeout), or its preparation
 
     @classmethod
     def terminal(cls) -> frozenset["NodeState"]:
@@ -121,7 +124,8 @@ _JOB_TERMINAL = frozenset({_J.COMPLETED})
 
 NODE_TRANSITIONS: Mapping[NodeState, frozenset[NodeState]] = {
     _N.REQUESTED: frozenset({_N.LAUNCHING, _N.FAILED, _N.TERMINATED}),
-    _N.LAUNCHING: frozenset({_N.READY, _N.LOST, _N.FAILED, _N.TERMINATED, _N.DRAINING}),
+    _N.LAUNCHING: frozenset({_N.READY, _N.PREPARING, _N.LOST, _N.FAILED, _N.TERMINATED, _N.DRAINING}),
+    _N.PREPARING: frozenset({_N.READY, _N.LOST, _N.FAILED, _N.TERMINATED, _N.DRAINING}),
     _N.READY: frozenset({_N.ADMITTING, _N.RUNNING, _N.DRAINING, _N.LOST, _N.TERMINATED}),
     _N.ADMITTING: frozenset({_N.RUNNING, _N.READY, _N.DRAINING, _N.LOST, _N.TERMINATED}),
     _N.RUNNING: frozenset({_N.DRAINING, _N.LOST, _N.TERMINATED}),
@@ -169,12 +173,12 @@ def check_trainer_transition(old: TrainerState, new: TrainerState) -> None:
     _check("trainer", TRAINER_TRANSITIONS, old, new)
 
 
-LIVE = frozenset({_N.LAUNCHING, _N.READY, _N.ADMITTING, _N.RUNNING, _N.DRAINING})
-COUNTED = frozenset({_N.REQUESTED, _N.LAUNCHING, _N.READY, _N.ADMITTING, _N.RUNNING})
+LIVE = frozenset({_N.LAUNCHING, _N.PREPARING, _N.READY, _N.ADMITTING, _N.RUNNING, _N.DRAINING})
+COUNTED = frozenset({_N.REQUESTED, _N.LAUNCHING, _N.PREPARING, _N.READY, _N.ADMITTING, _N.RUNNING})
 ADMITTED = frozenset({_N.RUNNING})
 MEMBERS = frozenset({_N.RUNNING, _N.DRAINING})
 # removed first when the pool shrinks, in this order: nodes not yet part of the job, youngest first
-NOT_IN_JOB_YET = (_N.REQUESTED, _N.LAUNCHING, _N.READY, _N.ADMITTING)
+NOT_IN_JOB_YET = (_N.REQUESTED, _N.LAUNCHING, _N.PREPARING, _N.READY, _N.ADMITTING)
 
 
 class _HasStates(Protocol):

@@ -239,7 +239,8 @@ def ready_for_commit(s: PoolState, target: str, *, valid_world_sizes: frozenset[
     ready = [n for n in s.nodes if n.domain == target and n.state is NodeState.READY]
     if len(ready) >= s.target_nodes:
         return True
-    booting = [n for n in s.nodes if n.domain == target and n.state in (NodeState.REQUESTED, NodeState.LAUNCHING)]
+    booting = [n for n in s.nodes if n.domain == target and n.state in (NodeState.REQUESTED, NodeState.LAUNCHING,
+                                                                        NodeState.PREPARING)]
     world = sum(n.gpus for n in ready)
     return not booting and len(ready) >= min_nodes and world in valid_world_sizes
 

@@ -122,7 +122,8 @@ def plan(
             removals.append(Terminate(n.id, "launch_timeout", NodeState.FAILED))
             removed.add(n.id)
         elif (
-            n.state in (NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING)
+            n.state in (NodeState.PREPARING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING,
+                        NodeState.DRAINING)
             and n.last_heartbeat is not None
             and now - n.last_heartbeat > timeouts.lost_after_s(n.heartbeat_interval_s)
         ):

@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = [
     "Limits", "ReportError", "StatusLine", "NoticeReport", "MetadataAlarm", "TrainerExited",
-    "parse_report", "parse_step", "STATUS_EVENTS",
+    "CodeReady", "SetupFailed", "SETUP_STAGES", "parse_report", "parse_step", "STATUS_EVENTS",
 ]
 
 # the trainer status lines an agent forwards (trainer/runtime.py writes them)
@@ -97,7 +97,40 @@ class TrainerExited:
     exit_code: int | None
 
 
-Report = StatusLine | NoticeReport | MetadataAlarm | TrainerExited
+# where a node's preparation failed (daemon/gpunode/code.py)
+SETUP_STAGES = frozenset({"fetch", "verify", "unpack", "setup", "timeout"})
+_SHA256_CHARS = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class CodeReady:
+    """The node prepared: ``sha256`` of the workdir it unpacked ("" none), ``setup_s``
+    its setup took, ``trainer`` its torchrun's state now (``warming`` once prewarming)."""
+
+    sha256: str
+    setup_s: float | None
+    trainer: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SetupFailed:
+    """The node's preparation failed at ``stage`` (:data:`SETUP_STAGES`); ``exit_code``
+    of the setup command, the last line of its output (or the error), the workdir's ``sha256``."""
+
+    stage: str
+    exit_code: int | None
+    last_line: str
+    sha256: str
+
+
+Report = StatusLine | NoticeReport | MetadataAlarm | TrainerExited | CodeReady | SetupFailed
+
+
+def _sha(d: dict[str, Any]) -> str:
+    v = d.get("sha256") or ""
+    if not isinstance(v, str) or (v and (len(v) != 64 or not set(v) <= _SHA256_CHARS)):
+        raise ReportError("sha256 is not a hex sha256")
+    return v
 
 
 def _int(d: dict[str, Any], key: str, lo: int, hi: int, *, required: bool = False) -> int | None:
@@ -224,4 +257,13 @@ def parse_report(r: Any, limits: Limits) -> Report | None:
                              error=_text(r, "error", cut=True), url=_text(r, "url", cut=True))
     if kind == "trainer_exited":
         return TrainerExited(exit_code=_int(r, "exit_code", -255, 255))
+    if kind == "code_ready":
+        return CodeReady(sha256=_sha(r), setup_s=_num(r, "setup_s", 0.0, MAX_SECONDS),
+                         trainer=_text(r, "trainer", 32))
+    if kind == "setup_failed":
+        stage = r.get("stage")
+        if stage not in SETUP_STAGES:
+            raise ReportError(f"stage {str(stage)[:40]!r} is not one of {', '.join(sorted(SETUP_STAGES))}")
+        return SetupFailed(stage=stage, exit_code=_int(r, "exit_code", -255, 255),
+                           last_line=_text(r, "last_line", cut=True) or "", sha256=_sha(r))
     return None

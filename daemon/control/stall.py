@@ -187,8 +187,10 @@ def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_code
         if idle < rules.first_step_s:
             return None
         ready = len(s.in_domain().in_state(NodeState.READY))
+        preparing = len(s.in_domain().in_state(NodeState.PREPARING))
         return Stall("not_started", idle, rules.first_step_s,
-                     f"pending for {idle:.0f} s with {ready} of {s.target_nodes} nodes ready")
+                     f"pending for {idle:.0f} s with {ready} of {s.target_nodes} nodes ready"
+                     + (f" ({preparing} preparing: job.workdir, job.setup)" if preparing else ""))
     in_job = _in_job(s)
     if p.exited_since is not None and not all(exit_codes.get(n.id) == 0 for n in in_job):
         grace = min(rules.first_step_s, rules.exit_grace_s * 2 ** p.recoveries)

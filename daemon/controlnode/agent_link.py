@@ -37,7 +37,7 @@ from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interva
 from daemon.control.reports import ReportError, parse_step
 from daemon.controlnode.core import Core, wait_event
 from daemon.controlnode.gpu_watch import GpuWatch, parse_samples
-from daemon.controlnode.jobspec import run_id
+from daemon.controlnode.jobspec import prepares, run_id
 from daemon.controlnode.node_logs import NodeLogs
 from daemon.model import TORCHRUN_ARGV, EventKind, Node, NodeState
 from trainer.credential import Authority
@@ -81,7 +81,8 @@ class AgentLink:
 
     def on_register(self, node: Node, *, prewarm: bool = False) -> dict[str, Any]:
         """An agent came up: the node is ``ready``; returns the job spec it runs and its
-        heartbeat interval (seconds).
+        heartbeat interval (seconds). The node keeps the ``job.workdir`` version the spec
+        hands it (``Node.code_version``: the daemon run's pin, :mod:`.code_delivery`).
 
         ``prewarm``: the agent starts a torchrun job's process at once
         (:mod:`daemon.gpunode.launcher`) and its heartbeats say ``warming`` until it has imported;
@@ -91,7 +92,12 @@ class AgentLink:
         self.seen(node)
         self.rescale_heartbeat()  # one more live node
         spec = self.core.job_spec(node)
-        if prewarm and tuple(spec["argv"][:2]) == TORCHRUN_ARGV and node.trainer is TrainerState.NOT_STARTED:
+        version = spec.get("workdir", {}).get("sha256", "")
+        if version != node.code_version:
+            node.code_version = version
+            self.core.store.put_node(node)
+        if prewarm and tuple(spec["argv"][:2]) == TORCHRUN_ARGV and node.trainer is TrainerState.NOT_STARTED \
+                and node.state is not NodeState.PREPARING:  # a preparing agent prewarms once prepared
             node.trainer = TrainerState.WARMING
             self.core.store.put_node(node)
         return {"job": spec, "heartbeat_interval_s": self.tell_interval(node)}
@@ -233,9 +239,12 @@ class AgentLink:
         return interval
 
     def seen(self, node: Node) -> None:
-        """A sign of life from ``node``'s agent: its heartbeat clock, and ``ready`` on the first."""
+        """A sign of life from ``node``'s agent: its heartbeat clock, and ``ready`` on the first
+        (``preparing`` when it has a ``job.workdir`` or ``job.setup`` to prepare: :mod:`.code_delivery`)."""
         node.last_heartbeat = self.core.clock()
-        if node.state is NodeState.LAUNCHING:
+        if node.state is NodeState.LAUNCHING and prepares(self.core.config):
+            self.core.set_state(node, NodeState.PREPARING)
+        elif node.state is NodeState.LAUNCHING:
             node.ready_at = node.last_heartbeat
             self.core.set_state(node, NodeState.READY)
             self.core.record(EventKind.NODE_READY, node.id, boot_s=round(node.ready_at - node.created_at, 2))

@@ -40,6 +40,7 @@ class Core(Protocol):
     policy: Any  # the RecoveryPolicy (daemon.control.policies)
     secrets: Mapping[str, str]  # the job's secrets {NAME: value} (daemon.controlnode.job_secrets): never shown
     run_nonce: str  # the job's rendezvous id is <job.id>-<run_nonce> (daemon.controlnode.jobspec); kept in the store
+    code: Any  # the CodeDelivery (daemon.controlnode.code_delivery): the pinned job.workdir, preparations
 
     def clock(self) -> float: ...
 

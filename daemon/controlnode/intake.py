@@ -4,8 +4,9 @@ Each report is parsed and bounded once (:func:`daemon.control.reports.parse_repo
 into a typed message; a notice or a rebalance recommendation goes to its pure
 reaction (:mod:`daemon.control.reactions`) and the supervisor carries out the actions;
 a trainer's status line goes to the :class:`~daemon.controlnode.job_tracker.JobTracker`;
-a metadata alarm and a trainer's exit are recorded as they are. Before any of that, the
-node's rate limit (:class:`~daemon.controlnode.report_limits.ReportLimiter`) keeps a batch
+a metadata alarm and a trainer's exit are recorded as they are; a node's preparation
+(``code_ready``, ``setup_failed``) goes to :class:`~daemon.controlnode.code_delivery.CodeDelivery`.
+Before any of that, the node's rate limit (:class:`~daemon.controlnode.report_limits.ReportLimiter`) keeps a batch
 within its bounds: a node's token cannot make the daemon record events without end.
 """
 
@@ -16,7 +17,8 @@ from typing import Any, Callable
 import structlog
 
 from daemon.control.reactions import on_notice, on_rebalance, on_trainer_exit
-from daemon.control.reports import MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report
+from daemon.control.reports import (CodeReady, MetadataAlarm, NoticeReport, ReportError, SetupFailed, StatusLine,
+                                    TrainerExited, parse_report)
 from daemon.controlnode.core import Core
 from daemon.controlnode.report_limits import ReportLimiter
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
@@ -72,6 +74,10 @@ class Intake:
                                 error=msg.error, url=msg.url)
                 else:
                     core.record(EventKind.METADATA_RECOVERED, node.id, failures=msg.failures)
+            elif isinstance(msg, CodeReady):
+                core.code.on_ready(node, msg)
+            elif isinstance(msg, SetupFailed):
+                core.code.on_setup_failed(node, msg)
             elif isinstance(msg, TrainerExited):
                 node.trainer = TrainerState.EXITED
                 core.store.put_node(node)

@@ -15,10 +15,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from daemon.config import Config
+from daemon.controlnode.workdir import CodePin
 from daemon.model import Node
 from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
-__all__ = ["job_spec", "run_id", "shown", "SECRETS_KEY"]
+__all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY"]
 
 SECRETS_KEY = "secrets"  # the spec's map of the job's secrets: {NAME: value}
 
@@ -26,6 +27,12 @@ SECRETS_KEY = "secrets"  # the spec's map of the job's secrets: {NAME: value}
 def run_id(config: Config, run_nonce: str) -> str:
     """The job's run id on every node (torchrun's ``--rdzv-id``, ``$SPOTVISOR_RUN_ID``)."""
     return f"{config.job.id}-{run_nonce}"
+
+
+def prepares(config: Config) -> bool:
+    """Whether a node prepares before it is ready (``preparing``): it has a ``job.workdir``
+    to fetch or a ``job.setup`` to run (:mod:`daemon.control.setup`)."""
+    return bool(config.job.workdir or config.job.setup)
 
 
 def shown(spec: dict[str, Any]) -> dict[str, Any]:
@@ -36,9 +43,13 @@ def shown(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = None,
-             secrets: Mapping[str, str] | None = None) -> dict[str, Any]:
+             secrets: Mapping[str, str] | None = None, *, code: CodePin | None = None) -> dict[str, Any]:
     """The torchrun command line (after ``python``) and environment for ``node``: ``{"argv",
-    "env"}``, and with ``job.grow: in_process`` a ``"join"`` spec of the same shape: the
+    "env"}``; with ``code`` (the daemon run's pinned ``job.workdir``) ``"workdir": {"uri",
+    "sha256", "bytes"}`` in the node's domain's store, and with ``job.setup`` ``"setup":
+    {"commands", "timeout_s"}``: the agent fetches, verifies and unpacks the workdir, runs
+    the setup there, and only then runs the trainer, in it (:mod:`daemon.gpunode.code`).
+    With ``job.grow: in_process`` a ``"join"`` spec of the same shape as the first: the
     node's own ``torchrun --standalone`` whose workers join the running group in-process
     (``SPOTVISOR_JOIN=1``, :mod:`trainer.membership`), started instead when the daemon
     admits the node into a running job. ``run_nonce`` makes the rendezvous id of this pool's
@@ -95,6 +106,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
     env.update(job.env)  # names checked against spotvisor's own (daemon.secretref); OMP_NUM_THREADS is the job's
     spec: dict[str, Any] = {"argv": argv, "env": env}
+    if code is not None:
+        spec["workdir"] = code.spec(d.name)
+    if job.setup:
+        spec["setup"] = {"commands": list(job.setup), "timeout_s": job.setup_timeout_s}
     if job.python:  # the node's interpreter for torchrun (the agent's own when absent)
         spec["python"] = job.python
     if secrets:

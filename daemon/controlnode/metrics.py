@@ -66,8 +66,8 @@ log = structlog.get_logger("spotvisor.metrics")
 _K = EventKind
 TIMELINE_KINDS = [k.value for k in (_K.NODE_LAUNCH_REQUESTED, _K.NODE_ADMITTED, _K.JOB_RESUMED, _K.JOB_COMPLETED,
                                     _K.JOB_PAUSING, _K.JOB_UNPAUSED, _K.INTERRUPTION_NOTICE, _K.NODE_LOST)]
-_BILLED = frozenset({NodeState.LAUNCHING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING,
-                     NodeState.DRAINING})
+_BILLED = frozenset({NodeState.LAUNCHING, NodeState.PREPARING, NodeState.READY, NodeState.ADMITTING,
+                     NodeState.RUNNING, NodeState.DRAINING})
 
 
 def goodput(step: int | None, lost_steps: int) -> float | None:

@@ -20,8 +20,7 @@ The notice → replacement path: an agent reports a notice (:meth:`Intake.on_rep
 :data:`~daemon.control.lifecycle.COUNTED`) → the pass plans a ``Launch`` → the commit
 arrives (:class:`JobTracker`), the node is ``Terminate``-d as ``drained`` → the
 replacement registers, admission asks for a rejoin commit, then ``Admit``-s it. A pass
-also takes a whole-job migration's next step (:class:`Migrator`, one domain per job).
-"""
+also takes a whole-job migration's next step (:class:`Migrator`, one domain per job)."""
 
 from __future__ import annotations
 
@@ -44,6 +43,7 @@ from daemon.control.reports import Limits
 from daemon.control.state import JobView, Rejoin
 from daemon.controlnode.actuator import Actuator
 from daemon.controlnode.agent_link import AgentLink
+from daemon.controlnode.code_delivery import CodeDelivery
 from daemon.controlnode.core import leaves, wait_event
 from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.intake import Intake
@@ -98,7 +98,7 @@ class Supervisor:
         self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step)
         self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status,
                              published_at=self.fleet.notice_published_at)
-        self.operator = Operator(self)
+        self.operator, self.code = Operator(self), CodeDelivery(self, terminate=self.fleet.apply)
         self.actuator = Actuator(self, drain=self.operator.drain, avoid_zone=self.fleet.avoid_zone_of,
                                  watch_flush=self.tracker.watch_flush)
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
@@ -118,14 +118,14 @@ class Supervisor:
         self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
         self.store.set("run_nonce", self.run_nonce)
-        for node in self.store.nodes():
-            self.nodes[node.id] = node
+        self.nodes.update((node.id, node) for node in self.store.nodes())
         if self.tracker.pick_up():
             self._released.set()
         self.operator.restore()
         self.migrator.restore()
         await self.fleet.refresh_prices()
         await self.fleet.preflight()  # and the cloud check: nothing is bought before it ran, nor what it failed
+        await self.code.publish()  # job.workdir packed, uploaded and pinned for this run (WorkdirError)
         self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
         if self.config.daemon.verify_commits:
             self.spawn(self.tracker.verify_commits(), "verify-commits")
@@ -241,7 +241,7 @@ class Supervisor:
         build = self.migrator.build_domain  # the job's domain; a migration's target while it moves
         await self._act_all(plan(
             Desired(self.desired_nodes, frozenset(self.config.valid_world_sizes())), self.state().nodes,
-            self.placement.offers_in(build), self.fleet.history(now), now=now,
+            self.code.offers(self.placement.offers_in(build)), self.fleet.history(now), now=now,
             timeouts=Timeouts(heartbeat_timeout_s=d.heartbeat_timeout_s, launch_timeout_s=d.launch_timeout_s),
             domain=build))
         await self._after_loss(members, now)  # heartbeat lost (MarkLost) is a loss too
@@ -333,7 +333,7 @@ class Supervisor:
         self.agents.send(node_id, command)
 
     def job_spec(self, node: Node) -> dict[str, Any]:  # with the job's secrets: for the agent channel only
-        return job_spec(self.config, node, self.run_nonce, domain=self.domain_of(node), secrets=self.secrets)
+        return job_spec(self.config, node, self.run_nonce, self.domain_of(node), self.secrets, code=self.code.pin)
 
     @property
     def domain(self) -> str:
@@ -346,5 +346,5 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         return status(self.config, self.job, self.nodes.values(), target_nodes=self.target_nodes,
-                      desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(),
+                      desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(), code=self.code.status(),
                       placement=self.migrator.status(), domain_of=self.domain_of, checks=self.fleet.checks.status())

@@ -26,10 +26,13 @@ def spot_cost(nodes: Iterable[Node], now: float) -> dict[str, Any]:
 
 def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes: int, desired_nodes: int,
            paused: bool, now: float, placement: dict[str, Any] | None = None,
-           domain_of: Callable[[Node], str] | None = None, checks: dict[str, Any] | None = None) -> dict[str, Any]:
+           domain_of: Callable[[Node], str] | None = None, checks: dict[str, Any] | None = None,
+           code: dict[str, Any] | None = None) -> dict[str, Any]:
     """``GET /v1/status``: the pool, the job, every node (oldest first, with its placement
-    domain), ``placement``: the job's domain, the migration in flight, the counts, and
-    ``checks``: the cloud check (:meth:`daemon.controlnode.check_gate.CheckGate.status`)."""
+    domain and the ``job.workdir`` version it runs), ``placement``: the job's domain, the
+    migration in flight, the counts, ``checks``: the cloud check
+    (:meth:`daemon.controlnode.check_gate.CheckGate.status`), and ``code``: the version this
+    daemon run pins, and the line saying the buying halted over ``job.setup`` failures ("" while it buys)."""
     return {
         "pool": {"name": config.pool.name, "target_nodes": target_nodes, "desired_nodes": desired_nodes,
                  "min_nodes": config.pool.min_nodes, "max_nodes": config.pool.max_nodes, "paused": paused},
@@ -47,9 +50,11 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
                 "uptime_s": None if n.ready_at is None or n.state.is_terminal() else round(now - n.ready_at, 1),
                 "price_usd_h": n.price_usd_h, "step": n.step, "detail": n.detail,
                 "domain": domain_of(n) if domain_of is not None else None,
+                "code_version": n.code_version or None,
             }
             for n in sorted(nodes, key=lambda n: n.ordinal)
         ],
         "placement": placement or {},
         "checks": checks or {},
+        "code": code or {},
     }

@@ -94,6 +94,9 @@ EMOJI: dict[str, str] = {
     "migration_failed": "🛑",
     "market_changed": "💱",
     "completion_unverified": "❓",
+    "code_published": "📤",
+    "node_setup_failed": "🧰",
+    "setup_halted": "⛔",
 }
 _DEFAULT_EMOJI = "🔔"
 
@@ -192,6 +195,11 @@ _KNOWN: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("error", "Error", _plain),
     ("message", "Message", _plain),
     ("failures", "Failures", _count),
+    ("code_version", "Code", lambda v: _plain(v)[:12]),
+    ("setup_s", "Setup", _secs),
+    ("stage", "Failed at", _plain),
+    ("exit_code", "Exit code", _plain),
+    ("last_line", "Last line", _plain),
 )
 
 

@@ -39,7 +39,10 @@ It has these jobs, each an owned task in one ``TaskGroup``:
 - ``trainer``: start and supervise ``torchrun --nnodes=MIN:MAX`` as a c10d
   rendezvous client of the rendezvous store (:class:`~daemon.gpunode.trainer_process.TrainerProcess`:
   started at registration, handed the job when the daemon admits the node, so the
-  import is not spent while the survivors hold).
+  import is not spent while the survivors hold). A job with a ``job.workdir`` or a ``job.setup``
+  prepares first (:mod:`daemon.gpunode.code`: fetched, verified, unpacked, set up; the
+  daemon keeps the node ``preparing``, never admitted): the prewarm follows, and a node
+  whose preparation failed reports ``setup_failed`` and never starts a trainer.
 
 The node-local contract with the trainer (the environment, the notice file, the
 status file) is :mod:`trainer.contract`, which both sides import.
@@ -73,6 +76,7 @@ from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, N
 from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
 from daemon.control.lifecycle import TrainerState
+from daemon.gpunode.code import needs_preparing, prepare_node
 from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import FORWARDED, NoticeEntry, NoticeFile, NoticeKind, StatusTail
 from daemon.gpunode.nodelog import read_chunk
@@ -232,6 +236,7 @@ class NodeAgent:
         self._session: aiohttp.ClientSession | None = None
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
+        self._beat_sent = asyncio.Event()  # set after each heartbeat (a failed setup's log is shipped first)
         self.runner = TrainerProcess(workdir=self.workdir, node_id=node_id, on_change=self._beat_now.set)
         self._step: int | None = None
         self._interruption: NoticeEntry | None = None  # this node's own notice, once seen
@@ -263,9 +268,11 @@ class NodeAgent:
         )
         try:
             self.runner.job = await self._register()
-            await self.runner.prewarm()
+            self.runner.prepared = not needs_preparing(self.runner.job)  # job.workdir / job.setup first
+            if self.runner.prepared:
+                await self.runner.prewarm()
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.runner.until_warm(), name=f"agent:prewarm:{self.node_id}")
+                tg.create_task(self._warm(), name=f"agent:prewarm:{self.node_id}")
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
                 if self.metadata.has_rebalance:  # AWS only
                     tg.create_task(self._rebalance_loop(), name=f"agent:rebalance:{self.node_id}")
@@ -276,6 +283,11 @@ class NodeAgent:
                 tg.create_task(self._outbox_loop(), name=f"agent:outbox:{self.node_id}")
         finally:
             await asyncio.shield(self._shutdown())
+
+    async def _warm(self) -> None:
+        if self.runner.prepared or await prepare_node(self.runner, report=self._report, beat_now=self._beat_now,
+                                                      beat_sent=self._beat_sent):
+            await self.runner.until_warm()
 
     async def _shutdown(self) -> None:
         await self.runner.stop_prewarmed()
@@ -446,6 +458,7 @@ class NodeAgent:
                     self._log_want = reply["log"].get("offset")
                 self._heed_interval(reply)
                 await self._apply(reply)
+                self._beat_sent.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.told_interval_s or self.heartbeat_interval_s):
                     await self._beat_now.wait()
@@ -503,7 +516,7 @@ class NodeAgent:
             elif cmd.get("kind") == "restart":
                 await self._restart(cmd)
         if (reply.get("start_trainer") and self.trainer in (TrainerState.NOT_STARTED, TrainerState.WARMING)
-                and self._interruption is None):
+                and self._interruption is None and self.runner.prepared):
             credential = reply.get("join_credential")  # the daemon's, for the workers' environment only
             await self.runner.start(join=bool(reply.get("join")),
                                     credential=credential if isinstance(credential, str) else None)

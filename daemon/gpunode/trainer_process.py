@@ -33,12 +33,17 @@ log = structlog.get_logger("spotvisor.agent")
 
 class TrainerProcess:
     """One node's torchrun. ``job``: the daemon's ``{"argv", "env", "secrets"?, "cwd"?}`` (set at
-    registration); ``state``, ``exit_code``: what heartbeats report."""
+    registration); ``state``, ``exit_code``: what heartbeats report; ``code_dir``: the
+    unpacked ``job.workdir`` (:mod:`daemon.gpunode.code`), the trainer's working directory
+    and first on its ``PYTHONPATH``, kept for the node's life (a restart's new spec
+    does not change the version this node runs)."""
 
     def __init__(self, *, workdir: Path, node_id: str, on_change: Callable[[], None]) -> None:
         self.workdir = workdir
         self.node_id = node_id
         self.job: dict[str, Any] = {}
+        self.code_dir: Path | None = None
+        self.prepared = True  # False while job.workdir / job.setup are not done: it never starts (code.py)
         self.state = TrainerState.NOT_STARTED
         self.exit_code: int | None = None
         self.proc: asyncio.subprocess.Process | None = None
@@ -104,7 +109,13 @@ class TrainerProcess:
              LOG_DIR_ENV: str(self.workdir / "logs"), SCRATCH_DIR_ENV: str(self.workdir / "scratch"),
              NODE_ID_ENV: self.node_id}
         )
+        if self.code_dir is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.code_dir), env.get("PYTHONPATH")) if p)
         return env
+
+    def cwd(self) -> str | None:
+        """The trainer's working directory: the unpacked workdir, else the job's ``cwd`` (None: the agent's)."""
+        return str(self.code_dir) if self.code_dir is not None else self.job.get("cwd") or None
 
     async def _spawn(self, argv: list[str], env: dict[str, str], stdin: int,
                      pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
@@ -112,7 +123,7 @@ class TrainerProcess:
         try:
             return await asyncio.create_subprocess_exec(
                 self.python, *argv, stdin=stdin, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-                cwd=self.job.get("cwd") or None, pass_fds=pass_fds,
+                cwd=self.cwd(), pass_fds=pass_fds,
             )
         finally:
             out.close()
@@ -178,7 +189,7 @@ class TrainerProcess:
     async def _go(self, warm: asyncio.subprocess.Process, argv: list[str], env: dict[str, str]) -> bool:
         """Hand the job to the prewarmed launcher; False if it is gone."""
         assert warm.stdin is not None
-        line = json.dumps({"argv": argv[len(TORCHRUN_ARGV):], "env": env, "cwd": self.job.get("cwd")})
+        line = json.dumps({"argv": argv[len(TORCHRUN_ARGV):], "env": env, "cwd": self.cwd()})
         try:
             warm.stdin.write(line.encode() + b"\n")
             await warm.stdin.drain()

@@ -60,6 +60,7 @@ from daemon.feed.notify import Notifier, resolve_sinks
 from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.job_secrets import SecretError
 from daemon.controlnode.store import Store
+from daemon.controlnode.workdir import WorkdirError
 from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, serving, state_dir_lock
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             except SecretError as exc:  # one line naming the secret and its source, never its value
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return exc.exit_code
-            except StateDirError as exc:  # a file planted in the state dir
+            except (StateDirError, WorkdirError) as exc:  # a file planted in the state dir
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         except SecretError as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return exc.exit_code
-        except StateDirError as exc:
+        except (StateDirError, WorkdirError) as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return 2
         except (RuntimeError, OSError) as exc:

@@ -46,15 +46,18 @@ def _gpu(n: dict[str, Any]) -> str:
 
 
 def render_nodes(status: dict[str, Any]) -> str:
-    """The nodes table. ``SM%``: mean GPU utilization of the node now (n/a: no GPU sample)."""
-    rows = [["NODE", "DOMAIN", "PROVIDER", "ZONE", "TYPE", "GPUS", "STATE", "UPTIME", "USD/H", "STEP", "SM%"]]
+    """The nodes table. ``SM%``: mean GPU utilization of the node now (n/a: no GPU sample);
+    ``CODE``: the ``job.workdir`` version it runs (its sha256's first 12 digits; a job with one only)."""
+    code = any(n.get("code_version") for n in status["nodes"])
+    rows = [["NODE", "DOMAIN", "PROVIDER", "ZONE", "TYPE", "GPUS", "STATE", "UPTIME", "USD/H", "STEP", "SM%"]
+            + (["CODE"] if code else [])]
     for n in status["nodes"]:
         rows.append([
             n["id"], n.get("domain") or "-", n["provider"], n.get("zone") or "-", n["instance_type"], str(n["gpus"]),
             n["state"],
             _duration(n.get("uptime_s")), f"{n.get('price_usd_h') or 0:.3f}",
             "-" if n.get("step") is None else str(n["step"]), _gpu(n),
-        ])
+        ] + ([(n.get("code_version") or "-")[:12]] if code else []))
     return _table(rows)
 
 
@@ -91,6 +94,11 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
                  else "  paused: no capacity held (spotctl resume relaunches)")
     line += _placement(status.get("placement") or {})
     line += _checks(status.get("checks") or {}, now)
+    code = status.get("code") or {}
+    if code.get("version"):
+        line += f"  code {code['version'][:12]}"
+    if code.get("halted"):  # job.setup failed on node after node: nothing is bought until a restart
+        line += "\nNOT BUYING: " + code["halted"]
     return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
 
 
