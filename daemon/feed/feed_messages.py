@@ -97,6 +97,9 @@ EMOJI: dict[str, str] = {
     "code_published": "📤",
     "node_setup_failed": "🧰",
     "setup_halted": "⛔",
+    "cloud_check_failed": "🔒",
+    "cloud_check_passed": "🔓",
+    "offer_family_backoff": "🧮",
 }
 _DEFAULT_EMOJI = "🔔"
 
