@@ -79,6 +79,9 @@ JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
 # package alone, which the agent puts first on PYTHONPATH for a trainer on another
 # interpreter than its own (job.python; daemon/providers/bootstrap.py writes it)
 TRAINER_PYTHONPATH_ENV = "SPOTVISOR_TRAINER_PYTHONPATH"
+# an Alibaba Cloud node's instance RAM role (a domain's launch.ram_role): OSS credentials come
+# from the instance metadata service for it when no $OSS_ACCESS_KEY_ID is set (trainer/oss_store.py)
+OSS_RAM_ROLE_ENV = "SPOTVISOR_OSS_RAM_ROLE"
 
 
 # --------------------------------------------------------------------------- the notice file

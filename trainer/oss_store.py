@@ -18,6 +18,7 @@ import requests
 import structlog
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from trainer.contract import OSS_RAM_ROLE_ENV
 from trainer.storage import (
     _MIB,
     CheckpointStore,
@@ -36,6 +37,31 @@ T = TypeVar("T")
 # (https://www.alibabacloud.com/help/en/oss/user-guide/regions-and-endpoints).
 _OSS_REGION_RE = re.compile(r"(?:^|\.)oss-([a-z0-9-]+?)(?:-internal)?\.aliyuncs\.com$")
 _OSS_GLOBAL_ENDPOINTS = ("accelerate", "accelerate-overseas", "rg-china-mainland")
+
+
+#: the ECS instance metadata service (Alibaba Cloud, "Instance metadata": an instance RAM
+#: role's temporary credentials at ``/latest/meta-data/ram/security-credentials/<role>``,
+#: https://www.alibabacloud.com/help/en/ecs/user-guide/attach-an-instance-ram-role-to-an-ecs-instance)
+METADATA_BASE_URL = "http://100.100.100.200"
+
+
+def ram_role_credentials_url(role: str, base_url: str = METADATA_BASE_URL) -> str:
+    """Where an ECS instance reads ``role``'s temporary credentials (JSON with
+    ``AccessKeyId``, ``AccessKeySecret``, ``SecurityToken``, ``Expiration``).
+    Raises ValueError for a name that is not a RAM role name."""
+    if not re.fullmatch(r"[A-Za-z0-9.-]{1,64}", role):
+        raise ValueError(f"{role!r} is not a RAM role name (letters, digits, '.', '-'; at most 64)")
+    return f"{base_url.rstrip('/')}/latest/meta-data/ram/security-credentials/{role}"
+
+
+def _default_credentials() -> "oss2.credentials.CredentialsProvider":
+    """Keys from the environment, else the instance RAM role named in ``$SPOTVISOR_OSS_RAM_ROLE``
+    (a GPU node launched with a domain's ``launch.ram_role`` has no keys of its own)."""
+    role = os.environ.get(OSS_RAM_ROLE_ENV, "").strip()
+    if os.environ.get("OSS_ACCESS_KEY_ID") or not role:
+        return oss2.credentials.EnvironmentVariableCredentialsProvider()
+    base = os.environ.get("SPOTVISOR_ALIYUN_METADATA_URL", METADATA_BASE_URL)  # tests: a local stand-in
+    return oss2.credentials.EcsRamRoleCredentialsProvider(ram_role_credentials_url(role, base))
 
 
 def _oss_region_of(endpoint: str) -> str | None:
@@ -96,7 +122,10 @@ class OssStore(CheckpointStore):
             ``oss-<region>`` endpoint, else from ``$SPOTVISOR_OSS_REGION``.
         auth: an ``oss2`` auth object. None: signature V4 with the credentials in
             ``$OSS_ACCESS_KEY_ID`` / ``$OSS_ACCESS_KEY_SECRET`` (and
-            ``$OSS_SESSION_TOKEN`` for STS), read at each request.
+            ``$OSS_SESSION_TOKEN`` for STS), read at each request; without
+            ``$OSS_ACCESS_KEY_ID`` and with ``$SPOTVISOR_OSS_RAM_ROLE``, the instance RAM
+            role's temporary credentials from the ECS metadata service
+            (:func:`ram_role_credentials_url`; oss2 refreshes them before they expire).
         multipart_threshold: bytes; files (and objects, for ``get_file``) of at
             least this size move in parts.
         part_size: bytes per part, >= 100 KiB (OSS's minimum for all parts but the
@@ -157,7 +186,7 @@ class OssStore(CheckpointStore):
                     f"OSS endpoint {self.endpoint!r} does not name a region: pass region= "
                     "or set $SPOTVISOR_OSS_REGION (e.g. cn-hangzhou)"
                 )
-            auth = oss2.ProviderAuthV4(oss2.credentials.EnvironmentVariableCredentialsProvider())
+            auth = oss2.ProviderAuthV4(_default_credentials())
         try:
             self._bucket = oss2.Bucket(auth, self.endpoint, self.bucket, connect_timeout=timeout_s,
                                        region=self.region)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.model import Node
-from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
+from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY"]
 
@@ -104,6 +104,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
+    if d.provider == "aliyun" and (role := getattr(config.launch_spec(d), "ram_role", None)):
+        env[OSS_RAM_ROLE_ENV] = role  # the node has no OSS keys of its own: its instance RAM role's are used
     env.update(job.env)  # names checked against spotvisor's own (daemon.secretref); OMP_NUM_THREADS is the job's
     spec: dict[str, Any] = {"argv": argv, "env": env}
     if code is not None:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.contract import OSS_ENDPOINT_ENV, S3_ENDPOINT_ENV
+from trainer.contract import OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["PrepareError", "fetch", "run_setup", "last_line", "needs_preparing", "prepare_node", "FETCH_TIMEOUT_S"]
 
@@ -190,6 +190,8 @@ async def prepare_node(runner: Any, *, report: Callable[..., None], beat_now: as
         code_dir = None
         if isinstance(spec, dict):
             s3, oss = env.get(S3_ENDPOINT_ENV), env.get(OSS_ENDPOINT_ENV)
+            if env.get(OSS_RAM_ROLE_ENV):  # the node's RAM role: its OSS credentials, for the agent's fetch too
+                os.environ.setdefault(OSS_RAM_ROLE_ENV, env[OSS_RAM_ROLE_ENV])
             timeout_s = float(setup.get("timeout_s") or FETCH_TIMEOUT_S)
             try:
                 async with asyncio.timeout(timeout_s):
