@@ -109,3 +109,63 @@ def test_first_pool_on_aws_runs_as_written(tmp_path: Path, ec2_server: str) -> N
     assert ssm.get_parameter(Name="/llama-ft/hf-token", WithDecryption=True)["Parameter"]["Value"] == token
     assert not ec2.describe_instances(Filters=[{"Name": "tag:spotvisor-pool", "Values": ["llama-ft"]}])[
         "Reservations"]  # the check bought nothing
+
+
+_ALI_AK, _ALI_SK = "LTAI-walkthrough", "walkthrough-secret"
+
+
+async def test_first_pool_on_alibaba_runs_as_written(tmp_path: Path, oss_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console's values (image, security group, vSwitches, bucket) come from the
+    environment, as the doc says; the config's endpoints are pointed at the fakes before
+    ``spotvisord check`` (the real ones are the SDKs' defaults and the doc's OSS endpoint)."""
+    import asyncio
+
+    import yaml
+
+    from fakes.ecs import FakeEcs
+
+    bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+    oss_server.create_bucket(bucket)
+    ws = _workspace(tmp_path)
+    env = {"PATH": f"{BIN}:{os.environ['PATH']}", "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "ACCOUNT": "1234567890123456", "BUCKET": bucket, "IMAGE": "m-bp1walkthrough0000", "SG": "sg-bp1walk0000",
+           "VSW_H": "vsw-bp1walkh", "VSW_I": "vsw-bp1walki", "PRIVATE_IP": "172.16.0.10",
+           "ALIBABA_CLOUD_ACCESS_KEY_ID": _ALI_AK, "ALIBABA_CLOUD_ACCESS_KEY_SECRET": _ALI_SK,
+           "OSS_ACCESS_KEY_ID": os.environ["OSS_ACCESS_KEY_ID"], "OSS_ACCESS_KEY_SECRET": os.environ["OSS_ACCESS_KEY_SECRET"],
+           "SPOTVISOR_OSS_REGION": "cn-hangzhou"}
+    blocks = sh_blocks(REPO / "docs" / "first-pool-aliyun.md")
+    assert blocks[-1].strip() == "spotvisord check qwen-sft.yaml"
+
+    async def bash(script: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec("bash", "-c", "set -euo pipefail\n" + script, cwd=ws, env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 300)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    rc, out, err = await bash("\n".join(blocks[:-1]))
+    assert rc == 0, (out + err)[-4000:]
+    assert "qwen-sft.yaml: ok" in out
+    for name in ("gpu-node-policy.json", "control-node-policy.json"):
+        text = (ws / name).read_text()
+        assert bucket in text and "CHECKPOINT_BUCKET" not in text and "ACCOUNT_ID" not in text
+    config_path = ws / "qwen-sft.yaml"
+    cfg = yaml.safe_load(config_path.read_text())
+    assert cfg["domains"][0]["launch"]["image_id"] == "m-bp1walkthrough0000"
+    async with FakeEcs(access_key_id=_ALI_AK, access_key_secret=_ALI_SK) as ecs:
+        ecs.images["cn-hangzhou"] = {env["IMAGE"]}
+        ecs.security_groups["cn-hangzhou"] = {env["SG"]}
+        ecs.ram_roles = {"spotvisor-node"}
+        ecs.available = {(z, "ecs.gn7i-c32g1.8xlarge") for z in ("cn-hangzhou-h", "cn-hangzhou-i")}
+        cfg["providers"]["aliyun"]["endpoint"] = ecs.endpoint  # the fakes stand in for the clouds' endpoints
+        cfg["job"]["oss_endpoint"] = oss_server.endpoint
+        config_path.write_text(yaml.safe_dump(cfg))
+        rc, out, err = await bash(blocks[-1])
+        assert rc == 0, (out + err)[-4000:]
+        assert "Traceback" not in out + err
+        checks = [ln for ln in out.splitlines() if ln.startswith(("ok ", "FAIL"))]
+        assert checks and not [ln for ln in checks if ln.startswith("FAIL")], "\n".join(checks)
+        assert any(f"store oss://{bucket}/qwen-sft" in ln for ln in checks)
+        dry = ecs.calls("RunInstances", dry_run=True)
+        assert len(dry) == 2 and all(p["RamRoleName"] == "spotvisor-node" and p["ImageId"] == env["IMAGE"]
+                                     and p["SystemDisk.Category"] == "cloud_essd" for p in dry)
+        assert ecs.instances == {}  # the check bought nothing
