@@ -254,6 +254,7 @@ async def _daemon(tmp_path: Path, policy: str) -> tuple[Supervisor, RecordingPro
     sup = Supervisor(config, provider=provider, store=Store(tmp_path / "db.sqlite").open(), clock=ManualClock(1000.0),
                      policy=get_policy(policy))
     sup.agent_url = "http://127.0.0.1:1"
+    await sup.fleet.checks.check_once()  # what the daemon's start does: the cloud check (here the store probe)
     await _pass(sup)
     for n in list(sup.nodes.values()):
         sup.agents.on_register(n)
