@@ -3,7 +3,7 @@
 ``sh`` block of ``docs/first-pool-aliyun.md`` against the ECS and OSS fakes.
 
 What the test arranges is what a real account already has and the reader is told to
-have: the AWS Deep Learning AMI in each region (an image owned by ``amazon``), the control
+have: a fresh account whose region has the AWS Deep Learning AMI (owned by ``amazon``), the control
 node (an instance tagged ``Name=spotvisor-control``), a Hugging Face token in the
 environment. Nothing else: the docs' own commands make the bucket, the roles, the
 security group, the config, and run the checks.
@@ -11,13 +11,18 @@ security group, the config, and run the checks.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -45,34 +50,60 @@ def _workspace(tmp_path: Path) -> Path:
     return ws
 
 
-def _dlami(region: str) -> str:
-    """A Deep Learning AMI (owner alias ``amazon``, as AWS publishes it) in ``region`` of
-    moto's account, with its own id there: AMI ids are per region."""
-    from moto.ec2.models import ec2_backends
-    from moto.ec2.models.amis import Ami
-    from moto.ec2.utils import random_ami_id
+DLAMI = {"ami_id": "ami-0d1a0000000000001", "state": "available", "public": True, "owner_id": "898082745236",
+         "image_location": "amazon/Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Ubuntu 24.04) 20261120",
+         "sriov": "simple", "root_device_type": "ebs", "root_device_name": "/dev/sda1",
+         "description": "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Ubuntu 24.04)", "image_type": "machine",
+         "platform": None, "architecture": "x86_64", "virtualization_type": "hvm", "hypervisor": "xen",
+         "name": "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Ubuntu 24.04) 20261120"}
 
-    backend = ec2_backends["123456789012"][region]
-    ami_id = random_ami_id()
-    backend.amis[ami_id] = Ami(backend, ami_id=ami_id, owner_alias="amazon", public=True,
-                               name="Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Ubuntu 24.04) 20261120",
-                               root_device_name="/dev/sda1", architecture="x86_64")
-    return ami_id
+
+@pytest.fixture
+def account(tmp_path: Path) -> Iterator[str]:
+    """A fresh AWS account: moto's server in its own process (the session's moto is shared
+    by every test, and holds their roles and profiles), whose only image is the Deep
+    Learning AMI as AWS publishes it (owner ``amazon``: moto's ``MOTO_AMIS_PATH``)."""
+    amis = tmp_path / "amis.json"
+    amis.write_text(json.dumps([DLAMI]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, "MOTO_AMIS_PATH": str(amis)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # up when it answers (its start is an import of moto: seconds)
+            try:
+                with urllib.request.urlopen(f"{url}/moto-api/", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start (exit {proc.poll()})") from None
+                time.sleep(0.2)  # polling a server's readiness, not ordering two of our own steps
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+_CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}  # moto takes any
 
 
 def _control_node(endpoint: str) -> str:
+    """The reader's control node: an instance tagged ``Name=spotvisor-control``."""
     import boto3
 
-    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=endpoint)
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    inst = ec2.run_instances(ImageId=image, InstanceType="m7i.large", MinCount=1, MaxCount=1,
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=endpoint, **_CREDS)
+    inst = ec2.run_instances(ImageId=DLAMI["ami_id"], InstanceType="m7i.large", MinCount=1, MaxCount=1,
                              TagSpecifications=[{"ResourceType": "instance",
                                                  "Tags": [{"Key": "Name", "Value": "spotvisor-control"}]}])
     return inst["Instances"][0]["InstanceId"]
 
 
-def test_first_pool_on_aws_runs_as_written(tmp_path: Path, ec2_server: str) -> None:
-    ami = _dlami("us-east-1")
+def test_first_pool_on_aws_runs_as_written(tmp_path: Path, account: str) -> None:
+    ec2_server, ami = account, DLAMI["ami_id"]
     control = _control_node(ec2_server)
     ws = _workspace(tmp_path)
     home = tmp_path / "home"
@@ -98,14 +129,14 @@ def test_first_pool_on_aws_runs_as_written(tmp_path: Path, ec2_server: str) -> N
 
     import boto3
 
-    iam = boto3.client("iam", endpoint_url=ec2_server, region_name="us-east-1")
+    iam = boto3.client("iam", endpoint_url=ec2_server, region_name="us-east-1", **_CREDS)
     profile = iam.get_instance_profile(InstanceProfileName="spotvisor-node")["InstanceProfile"]
     assert [r["RoleName"] for r in profile["Roles"]] == ["spotvisor-node"]
-    ec2 = boto3.client("ec2", endpoint_url=ec2_server, region_name="us-east-1")
+    ec2 = boto3.client("ec2", endpoint_url=ec2_server, region_name="us-east-1", **_CREDS)
     assoc = ec2.describe_iam_instance_profile_associations(
         Filters=[{"Name": "instance-id", "Values": [control]}])["IamInstanceProfileAssociations"]
     assert assoc and assoc[0]["IamInstanceProfile"]["Arn"].endswith("/spotvisor-control")
-    ssm = boto3.client("ssm", endpoint_url=ec2_server, region_name="us-east-1")
+    ssm = boto3.client("ssm", endpoint_url=ec2_server, region_name="us-east-1", **_CREDS)
     assert ssm.get_parameter(Name="/llama-ft/hf-token", WithDecryption=True)["Parameter"]["Value"] == token
     assert not ec2.describe_instances(Filters=[{"Name": "tag:spotvisor-pool", "Values": ["llama-ft"]}])[
         "Reservations"]  # the check bought nothing
