@@ -72,7 +72,8 @@ class Scaled(Job):
             os.replace(path + ".tmp", path)
         return out
 
-sys.exit(main(sys.argv[1:], job_cls=Scaled))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=Scaled))
 """
 
 

@@ -75,7 +75,8 @@ class Resized(DcpJob):
             os.replace(path + ".tmp", path)
         return out
 
-sys.exit(main(sys.argv[1:], job_cls=Resized))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=Resized))
 """
 
 

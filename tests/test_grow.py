@@ -224,7 +224,8 @@ class GrowAtFive(WaitForTickets):
         return out
 
 """ + _DIGEST_AT_THE_END + """
-sys.exit(main(sys.argv[1:], job_cls=GrowAtFive))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=GrowAtFive))
 """
 
 G = 12
@@ -290,7 +291,8 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
 
 _OUTSIDER_JOB = _WAIT_AT_FIVE + """
 """ + _DIGEST_AT_THE_END + """
-sys.exit(main(sys.argv[1:], job_cls=WaitForTickets))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=WaitForTickets))
 """
 
 
@@ -465,7 +467,8 @@ class KilledAtSix(ReferenceJob):
         return super().train_step()
 
 """ + _DIGEST_AT_THE_END + """
-sys.exit(main(sys.argv[1:], job_cls=KilledAtSix))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=KilledAtSix))
 """
 
 
@@ -505,7 +508,8 @@ class StoppedAtSix(ReferenceJob):
         return super().train_step()
 
 """ + _DIGEST_AT_THE_END + """
-sys.exit(main(sys.argv[1:], job_cls=StoppedAtSix))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=StoppedAtSix))
 """
 
 

@@ -158,7 +158,8 @@ class NoticeAtTen(ReferenceJob):  # node 0's notice appears after step 10, so th
             os.replace(path + ".tmp", path)
         return out
 
-sys.exit(main(sys.argv[1:], job_cls=NoticeAtTen))
+from trainer.runtime import exit_process
+exit_process(main(sys.argv[1:], job_cls=NoticeAtTen))
 """
 
 

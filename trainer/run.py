@@ -311,4 +311,6 @@ def main(argv: Sequence[str] | None = None, *, job_cls: type[ElasticJob] = Refer
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.runtime import exit_process
+
+    exit_process(main())

@@ -45,4 +45,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.runtime import exit_process
+
+    exit_process(main())

@@ -82,7 +82,9 @@ JOB_MODULE = textwrap.dedent(
 
 
     if __name__ == "__main__":
-        sys.exit(main())
+        from trainer.runtime import exit_process
+
+        exit_process(main())
     """
 )
 

@@ -171,4 +171,6 @@ def main(argv: Sequence[str] | None = None, *, job_cls: type[DeepSpeedJob] = Dee
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.runtime import exit_process
+
+    exit_process(main())

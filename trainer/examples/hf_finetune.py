@@ -183,4 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.runtime import exit_process
+
+    exit_process(main())
