@@ -107,3 +107,20 @@ async def test_wait_returns_on_new_lines() -> None:
     logs.feed("n1", {"offset": 0, "next": 2, "size": 2, "data": "a\n"})
     await asyncio.wait_for(waiter, 5)
     await logs.wait("n1", 1, timeout_s=0.01)  # nothing newer: returns after the timeout
+
+
+def test_a_secret_printed_by_the_job_is_masked_in_the_daemons_copy(tmp_path: Path) -> None:
+    """A job.setup that echoes a secret (``set -x``, a token in an index URL): ``spotctl tail``
+    shows ``***``, never the value."""
+    import uuid
+
+    from daemon.feed.notify import register_secret_value
+
+    secret = f"hf_{uuid.uuid4().hex}"
+    assert register_secret_value(secret)
+    f = tmp_path / "trainer.log"
+    f.write_text(f"+ pip install --index-url https://user:{secret}@pypi.example/simple x\nstep 1\n")
+    logs = NodeLogs()
+    logs.feed("n-1", read_chunk(f, 0))
+    lines = [ln.line for ln in logs.tail("n-1", 10)]
+    assert lines == ["+ pip install --index-url https://user:***@pypi.example/simple x", "step 1"]

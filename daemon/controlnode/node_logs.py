@@ -1,6 +1,9 @@
 """The daemon's copy of each node's trainer log, fed by the heartbeats' chunks.
 
 The protocol and its limits are :mod:`daemon.gpunode.nodelog`'s (the agent's side).
+Every line is held with the job's secret values masked (``***``,
+:func:`daemon.feed.notify.redact_secrets`): a ``job.setup`` or a trainer that prints one
+(a token in a URL, a ``set -x``) does not carry it into ``spotctl tail``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from daemon.feed.notify import redact_secrets
 from daemon.gpunode.nodelog import BUFFER_MAX_BYTES
 
 __all__ = ["NodeLogs", "LogLine"]
@@ -125,6 +129,7 @@ class NodeLogs:
             return
 
     def _append(self, buf: _Buffer, text: str) -> None:
+        text = redact_secrets(text)  # the job's secrets (a no-op while none is registered)
         buf.last_seq += 1
         buf.lines.append(LogLine(buf.last_seq, text))
         buf.bytes += len(text) + 1
