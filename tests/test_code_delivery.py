@@ -32,7 +32,7 @@ from daemon.model import JobState, NodeState
 # saying where it runs and whether the setup's marker was there before it started
 STANDIN = textwrap.dedent(
     """\
-    import json, os, time
+    import json, os, signal, time
 
     VERSION = "v1"
     with open(os.path.join(os.environ["SPOTVISOR_LOG_DIR"], "..", "ran.json"), "w") as f:
@@ -40,8 +40,7 @@ STANDIN = textwrap.dedent(
     with open(os.environ["SPOTVISOR_STATUS_FILE"], "a") as f:
         f.write(json.dumps({"event": "started", "time": time.time(), "attempt": "a1", "rank": 0,
                             "world_size": 1, "step": 0}) + "\\n")
-    while True:
-        time.sleep(0.05)
+    signal.pause()  # trains nothing: runs until the agent stops it
     """
 )
 
