@@ -15,6 +15,7 @@ check-config`` prints them and exits 2.
 from __future__ import annotations
 
 import os
+import shlex
 import string
 from datetime import datetime, timezone
 from pathlib import Path
@@ -229,6 +230,12 @@ class JobSpec(_Spec):
     id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     module: str = "trainer.run"
     args: list[str] = []
+    # the user's own script, run unchanged: what follows torchrun's flags, e.g.
+    # "train.py --lr 3e-4 --save-dir /ckpt" or "-m mypkg.train" (a string is split as a
+    # shell would, without running one). spotvisor adds no flag to it: the script gets
+    # torchrun's environment and spotvisor's (trainer/contract.py: the checkpoint store's
+    # URI, the notice file). Instead of job.module/job.args
+    command: list[str] | None = None
     target_steps: int = Field(100, ge=1)
     global_batch_size: int = Field(12, ge=1)
     micro_batch_size: int = Field(2, ge=1)
@@ -276,6 +283,35 @@ class JobSpec(_Spec):
     setup: list[str] = []
     setup_timeout_s: PositiveS = 1800.0
     setup_max_failures: int = Field(3, ge=1, le=1000)
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command_words(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return shlex.split(v)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (quote it as a shell would, or give a list of words)") from None
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if not v or not v[0].strip() or v == ["-m"]:
+            raise ValueError("empty (give the script and its own flags, e.g. command: train.py --lr 3e-4)")
+        if v[0].startswith("-") and v[0] != "-m":
+            raise ValueError(f"starts with the flag {v[0]!r} (give the script first, or -m MODULE; torchrun's "
+                             "own flags come from the pool and rendezvous settings)")
+        for i, word in enumerate(v):
+            if "\0" in word:
+                raise ValueError(f"item {i} contains a NUL character, which no command line can carry (remove it)")
+        size = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in v)
+        if size > MAX_JOB_ARGS_BYTES:
+            raise ValueError(f"{size} bytes, over the {MAX_JOB_ARGS_BYTES} a command line can safely take "
+                             "(put long settings in a file the job reads)")
+        return v
 
     @field_validator("setup", mode="before")
     @classmethod
@@ -361,6 +397,14 @@ class JobSpec(_Spec):
                 "(torchrun would fail with 'Argument list too long'; put long settings in a file the job reads)"
             )
         return args
+
+    @model_validator(mode="after")
+    def _one_entry(self) -> "JobSpec":
+        if self.command is not None and self.model_fields_set & {"module", "args"}:
+            given = " and ".join(f"job.{f}" for f in ("module", "args") if f in self.model_fields_set)
+            raise ValueError(f"command: give either job.command (your own script, unchanged) or {given} "
+                             "(a trainer that takes spotvisor's flags), not both")
+        return self
 
     @model_validator(mode="after")
     def _batch(self) -> "JobSpec":

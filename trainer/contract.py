@@ -20,6 +20,8 @@ The agent starts ``torchrun`` with these in the environment:
 :data:`RUN_ID_ENV`            the job's run id, the same on every node (torchrun's ``--rdzv-id``)
 :data:`JOIN_ENV`              ``1``: this node joins the running group in-process
                               (:mod:`trainer.membership`) instead of starting one
+:data:`CHECKPOINT_URI_ENV`    with ``job.command`` only: the checkpoint store of the node's
+                              domain (the user's script gets no ``--checkpoint-uri`` flag)
 :data:`JOIN_CREDENTIAL_ENV`   this node's join credential (:mod:`trainer.credential`), from the
                               daemon when it admitted the node: a secret, read once and
                               removed from the workers' environment
@@ -50,6 +52,7 @@ __all__ = [
     "RUN_ID_ENV",
     "JOIN_ENV",
     "JOIN_CREDENTIAL_ENV",
+    "CHECKPOINT_URI_ENV",
     "TRAINER_PYTHONPATH_ENV",
     "NoticeKind",
     "NoticeEntry",
@@ -75,6 +78,9 @@ RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
 RUN_ID_ENV = "SPOTVISOR_RUN_ID"
 JOIN_ENV = "SPOTVISOR_JOIN"
 JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
+# job.command (the user's own script, no flag added): the node's domain's checkpoint
+# store (file://, s3://, oss://), where spotvisor's integrations commit (the HF callback)
+CHECKPOINT_URI_ENV = "SPOTVISOR_CHECKPOINT_URI"
 # in the agent's environment (its env file): a directory holding spotvisor's trainer
 # package alone, which the agent puts first on PYTHONPATH for a trainer on another
 # interpreter than its own (job.python; daemon/providers/bootstrap.py writes it)

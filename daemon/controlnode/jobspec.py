@@ -1,7 +1,8 @@
 """The job's command line, as the daemon hands it to every node's agent. Pure.
 
 ``python -m torch.distributed.run --nnodes=MIN:MAX ... -m <job.module> <trainer flags>``
-with the rendezvous on the control node (``is_host=false``: no spot node hosts it) and
+(or ``... <job.command>``: the user's own script and its own flags, nothing added; the
+checkpoint store's URI then rides in ``$SPOTVISOR_CHECKPOINT_URI``) with the rendezvous on the control node (``is_host=false``: no spot node hosts it) and
 the environment the trainer's contract names (:mod:`trainer.contract`), then ``job.env``.
 
 The job's secrets (:mod:`daemon.controlnode.job_secrets`) ride in the spec's own
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.model import Node
-from trainer.contract import JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
+from trainer.contract import CHECKPOINT_URI_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY"]
 
@@ -80,7 +81,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         f"--rdzv-conf={rdzv_conf}",
         f"--max-restarts={rdzv.max_restarts}",
     ]
-    trainer = [
+    trainer = list(job.command) if job.command is not None else [
         "-m", job.module,
         "--target-steps", str(job.target_steps),
         "--global-batch-size", str(job.global_batch_size),
@@ -100,6 +101,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         RDZV_ENDPOINT_ENV: f"{rdzv.host}:{rdzv.port}",
         RUN_ID_ENV: run_id(config, run_nonce),
     }
+    if job.command is not None:  # the user's own script takes no flag of ours: what it may use rides in the env
+        env[CHECKPOINT_URI_ENV] = c.checkpoint_uri(d.name)
     if d.s3_endpoint_url:
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:

@@ -1,0 +1,60 @@
+"""``job.command``: the user's own script runs under torchrun with no flag of spotvisor's."""
+
+from __future__ import annotations
+
+import pytest
+
+import json
+
+from daemon.config import Config, ConfigError, load_config
+from daemon.controlnode.jobspec import job_spec
+from daemon.model import Node
+from trainer.contract import CHECKPOINT_URI_ENV
+
+NODE = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=2,
+            price_usd_h=0.0, token="x")
+
+
+def _with_job(config: Config, **job: object) -> Config:
+    return Config.model_validate({**config.model_dump(mode="json", exclude_unset=True),
+                                  "job": {**config.job.model_dump(mode="json", exclude_unset=True,
+                                                                  exclude={"module", "args"}), **job}})
+
+
+def test_the_script_and_its_own_flags_follow_torchruns_and_nothing_else() -> None:
+    config = _with_job(load_config("configs/local.yaml"), command="train.py --save-dir '/ckpt dir' --lr 3e-4")
+    spec = job_spec(config, NODE, "abc")
+    argv = spec["argv"]
+    # torchrun's own flags, then exactly the user's words: no --target-steps, no --checkpoint-uri
+    assert argv[argv.index("--monitor-interval=0.5") + 1:] == ["train.py", "--save-dir", "/ckpt dir", "--lr", "3e-4"]
+    assert not any(a.startswith(("--target-steps", "--checkpoint-uri", "--global-batch-size")) for a in argv)
+    # what spotvisor's integrations need instead rides in the environment
+    assert spec["env"][CHECKPOINT_URI_ENV] == config.checkpoint_uri(config.domain(None).name)
+    # the in-process join launcher (job.grow: in_process) runs the same words
+    if "join" in spec:
+        join = spec["join"]["argv"]
+        assert join[join.index("--monitor-interval=0.5") + 1:] == argv[argv.index("--monitor-interval=0.5") + 1:]
+
+
+def test_a_module_job_keeps_its_flags_and_no_uri_in_the_env() -> None:
+    config = load_config("configs/local.yaml")
+    spec = job_spec(config, NODE, "abc")
+    assert "--target-steps" in spec["argv"] and CHECKPOINT_URI_ENV not in spec["env"]
+
+
+@pytest.mark.parametrize(
+    ("job", "needle"),
+    [
+        ({"command": ""}, "job.command: empty"),
+        ({"command": "--nproc-per-node=8 train.py"}, "job.command: starts with the flag '--nproc-per-node=8'"),
+        ({"command": "train.py 'unclosed"}, "job.command: No closing quotation"),
+        ({"command": "train.py", "module": "x.y"}, "job: command: give either job.command"),
+        ({"command": ["train.py", "a\0b"]}, "job.command: item 1 contains a NUL"),
+    ],
+)
+def test_a_bad_command_is_one_line_naming_the_field(tmp_path, job: dict, needle: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("daemon: {state_dir: %s}\njob: %s\n" % (tmp_path, json.dumps(job)))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert any(line.startswith(needle) for line in err.value.problems), err.value.problems
