@@ -86,13 +86,21 @@ class JobState(str, Enum):
     back to ``pending`` on ``resume``; ``running → pending`` when a recovery policy
     restarts the whole pool (:class:`daemon.control.policy.RestartOnPreemption`).
     A job that cannot grow (every offer out of capacity) stays ``pending`` or
-    ``running`` and says why in its events; it is never given up by the daemon.
+    ``running`` and says why in its events; it is never given up for that.
+
+    ``failed``: its trainer failed ``job.max_restarts_on_errors`` tries in a row without
+    progress (:mod:`daemon.control.tries`); ``cancelled``: the operator's ``spotctl down``.
+    Both hold no node and keep the checkpoints; only the operator's ``spotctl resume``
+    takes them back to ``pending``. Terminal (:meth:`is_terminal`): nothing the daemon
+    does by itself starts the job again; ``completed`` is the only end for good.
     """
 
     PENDING = "pending"  # waiting for the first nodes
     RUNNING = "running"  # at least one node's trainer is part of the job
     PAUSED = "paused"  # operator's `spotctl pause`: committed, capacity released; `resume` → pending
     COMPLETED = "completed"  # the trainer reported its target step, final checkpoint committed
+    FAILED = "failed"  # job.max_restarts_on_errors tries without progress: every node released
+    CANCELLED = "cancelled"  # spotctl down: committed (bounded wait), every node released
 
     @classmethod
     def terminal(cls) -> frozenset["JobState"]:
@@ -120,7 +128,7 @@ class TrainerState(str, Enum):
 
 _N, _J, _T = NodeState, JobState, TrainerState
 _NODE_TERMINAL = frozenset({_N.TERMINATED, _N.LOST, _N.FAILED})
-_JOB_TERMINAL = frozenset({_J.COMPLETED})
+_JOB_TERMINAL = frozenset({_J.COMPLETED, _J.FAILED, _J.CANCELLED})
 
 NODE_TRANSITIONS: Mapping[NodeState, frozenset[NodeState]] = {
     _N.REQUESTED: frozenset({_N.LAUNCHING, _N.FAILED, _N.TERMINATED}),
@@ -136,11 +144,14 @@ NODE_TRANSITIONS: Mapping[NodeState, frozenset[NodeState]] = {
 }
 
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    _J.PENDING: frozenset({_J.RUNNING, _J.PAUSED, _J.COMPLETED}),
-    _J.RUNNING: frozenset({_J.PENDING, _J.PAUSED, _J.COMPLETED}),
+    _J.PENDING: frozenset({_J.RUNNING, _J.PAUSED, _J.COMPLETED, _J.FAILED, _J.CANCELLED}),
+    _J.RUNNING: frozenset({_J.PENDING, _J.PAUSED, _J.COMPLETED, _J.FAILED, _J.CANCELLED}),
     # a pause's drain commit may be the final step: the trainer then reports completed
-    _J.PAUSED: frozenset({_J.PENDING, _J.COMPLETED}),
+    _J.PAUSED: frozenset({_J.PENDING, _J.COMPLETED, _J.CANCELLED}),
     _J.COMPLETED: frozenset(),
+    _J.FAILED: frozenset({_J.PENDING}),  # spotctl resume
+    # spotctl resume; a down's drain commit may be the final step, as for a pause
+    _J.CANCELLED: frozenset({_J.PENDING, _J.COMPLETED}),
 }
 
 TRAINER_TRANSITIONS: Mapping[TrainerState, frozenset[TrainerState]] = {

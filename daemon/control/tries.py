@@ -1,0 +1,124 @@
+"""When a job that keeps failing is given up: ``job.max_restarts_on_errors``. Pure.
+
+A **try** is one run of the job's trainer: it begins when the job starts, when the
+daemon restarts the trainers in place (a stall, :mod:`daemon.control.stall`), and at
+each ``started`` line an attempt of a status-reporting trainer writes (torchrun's own
+restarts of its workers each make one: :mod:`trainer.contract`); it ends at the next
+begin, when a trainer exits non-zero, or at a stall. A try **fails** when it ends with
+no progress: no step past the one it began at. It does not count when it was
+**disturbed**: a node of the job was noticed, lost, terminated, drained or admitted
+while it ran (a preemption or a resize ends a try without any fault of the trainer's).
+Progress resets the count. Once ``max_failures`` tries in a row have failed, the job
+is ``failed`` (:func:`gives_up`).
+
+How the tries reach the daemon: a status-reporting trainer (``trainer.run``, the HF
+callback) names each torchrun restart of its workers in a ``started`` line, so its
+torchrun keeps its large restart budget and every try is seen. A trainer that reports
+nothing (``job.command``) is seen only when its torchrun exits; its torchrun is given
+``--max-restarts`` of ``max_failures - 1`` (:mod:`daemon.controlnode.jobspec`), so one
+exit is ``max_failures`` tries (:class:`Ended` ``tries``), and with no step to go by, a
+try that lasted ``long_s`` (``daemon.stall.first_step_s``: the time a first step may
+take) counts as progress.
+
+Example (``max_failures`` 3, a script that exits 1 at start, reporting nothing, torchrun
+given ``--max-restarts=2``): the job starts (``Began``, t=0); torchrun runs the script
+three times and exits 1 at t=9 (``Ended(tries=3)``): ``failed`` is 3, :func:`gives_up`.
+The same with a notice at t=4 (``Disturbed``): the try does not count; the stall
+restart begins the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Began", "Stepped", "Disturbed", "Ended", "Observation", "Tries", "observe", "gives_up"]
+
+
+@dataclass(frozen=True, slots=True)
+class Began:
+    """A try began at ``at`` (unix s) from ``step`` (None: unknown). ``attempt``: the
+    trainer's attempt id, for a ``started`` line; None for a start or restart of the
+    trainers by the daemon, whose first ``started`` line then names the same try."""
+
+    at: float
+    step: int | None = None
+    attempt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """The job's trainer reported ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Disturbed:
+    """A node of the job was noticed, lost, terminated, drained or admitted (``what``)."""
+
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The running try ended at ``at`` (unix s), ``why`` (``exit``, ``stalled``,
+    ``restarted``); ``tries``: how many tries this end stands for (a torchrun exit after
+    its own restarts); ``node`` and ``exit_code`` where an exit ended it."""
+
+    at: float
+    why: str
+    tries: int = 1
+    node: str | None = None
+    exit_code: int | None = None
+
+
+Observation = Began | Stepped | Disturbed | Ended
+
+
+@dataclass(frozen=True, slots=True)
+class Tries:
+    """The count, and the try running. ``failed``: tries in a row that failed;
+    ``last``: the newest of them (what the ``job_failed`` event shows)."""
+
+    failed: int = 0
+    running: bool = False
+    began_at: float | None = None
+    start_step: int | None = None
+    attempt: str | None = None
+    progressed: bool = False
+    disturbed: bool = False
+    steps_seen: bool = False  # the trainer ever reported a step (else time stands in for progress)
+    last: Ended | None = None
+
+
+def observe(t: Tries, obs: Observation, *, long_s: float) -> Tries:
+    """``t`` after ``obs``. ``long_s``: seconds after which a try of a trainer that never
+    reported a step counts as progress (see the module docstring)."""
+    if isinstance(obs, Stepped):
+        if t.running and (t.start_step is None or obs.step > t.start_step):
+            return replace(t, failed=0, progressed=True, steps_seen=True)
+        return t if t.steps_seen else replace(t, steps_seen=True)
+    if isinstance(obs, Disturbed):
+        return replace(t, disturbed=True) if t.running else t
+    if isinstance(obs, Ended):
+        if not t.running:
+            return t  # the second node's exit of the same try, or an exit after a stall
+        long = not t.steps_seen and t.began_at is not None and obs.at - t.began_at >= long_s
+        if t.progressed or t.disturbed or long:
+            return replace(t, running=False, failed=0 if (t.progressed or long) else t.failed)
+        return replace(t, running=False, failed=t.failed + max(1, obs.tries), last=obs)
+    if t.running and obs.attempt is None:
+        return t  # the daemon starting the trainers of the try that runs (one more node of the job's start)
+    if t.running and t.attempt is None and not t.disturbed:
+        # the first started line of a try the daemon began: the same try, now named
+        step = obs.step if obs.step is not None else t.start_step
+        return replace(t, attempt=obs.attempt, start_step=step)
+    if t.running:
+        t = observe(t, Ended(obs.at, "restarted"), long_s=long_s)
+    return replace(t, running=True, began_at=obs.at, start_step=obs.step, attempt=obs.attempt,
+                   progressed=False, disturbed=False)
+
+
+def gives_up(t: Tries, max_failures: int) -> bool:
+    """Whether the job is ``failed``: ``max_failures`` tries in a row failed."""
+    return t.failed >= max_failures
