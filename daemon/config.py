@@ -283,6 +283,10 @@ class JobSpec(_Spec):
     setup: list[str] = []
     setup_timeout_s: PositiveS = 1800.0
     setup_max_failures: int = Field(3, ge=1, le=1000)
+    # the trainer's tries in a row that may fail without progress (exit non-zero, or stall, with
+    # no new step; a preemption's never counts): the one that makes this many ends the job
+    # "failed", every node released, checkpoints kept (daemon/control/tries.py; spotctl resume)
+    max_restarts_on_errors: int = Field(3, ge=1, le=1000)
 
     @field_validator("command", mode="before")
     @classmethod

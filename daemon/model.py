@@ -95,6 +95,14 @@ class EventKind(str, Enum):
     JOB_PAUSING = "job_pausing"
     JOB_PAUSED = "job_paused"
     JOB_UNPAUSED = "job_unpaused"
+    # the job's life (daemon/controlnode/job_life.py): given up after job.max_restarts_on_errors tries
+    # without progress (with the failing node's log tail; every node released, checkpoints kept);
+    # spotctl down (job_cancelling when asked, job_cancelled once no node is left); spotctl resume
+    # of a failed or cancelled job (job_relaunched)
+    JOB_FAILED = "job_failed"
+    JOB_CANCELLING = "job_cancelling"
+    JOB_CANCELLED = "job_cancelled"
+    JOB_RELAUNCHED = "job_relaunched"
     # whole-job migration between placement domains (daemon/control/migration.py)
     MIGRATION_STARTED = "migration_started"
     CHECKPOINT_REPLICATED = "checkpoint_replicated"

@@ -28,7 +28,7 @@ three signs:
     The job has been pending (waiting for its nodes) for ``first_step_s``: reported
     only, the planner and admission are what can start it.
 
-A paused job (the operator's doing), a completed one and one in the middle of a
+A paused job (the operator's doing), an ended one (completed, failed, cancelled) and one in the middle of a
 whole-job migration (which has its own deadlines and events) never stall.
 
 :func:`recover` turns a stall into actions: one
@@ -180,7 +180,7 @@ def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_code
 
     ``exit_codes``: node id → its trainer's last exit status, where known (a node
     missing counts as a failure). ``migrating``: a whole-job migration is in flight."""
-    if s.job is JobState.COMPLETED or s.job is JobState.PAUSED or s.paused or migrating:
+    if s.job.is_terminal() or s.job is JobState.PAUSED or s.paused or migrating:
         return None
     idle = p.idle_s(now)
     if s.job is JobState.PENDING:

@@ -33,6 +33,7 @@ class JobView:
     attempt: str | None = None  # the newest attempt recorded (job_resumed): the one running
     resizes_in_process: int = 0  # attempts that were the survivors going on in their processes
     commit_steps: set[int] = field(default_factory=set)  # steps with a checkpoint_committed event
+    end_reason: str | None = None  # why the job is failed or cancelled (spotctl status)
 
     @property
     def state(self) -> JobState:

@@ -79,7 +79,9 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
         f"--rdzv-id={run_id(config, run_nonce)}",
         f"--rdzv-conf={rdzv_conf}",
-        f"--max-restarts={rdzv.max_restarts}",
+        # a script that reports nothing (job.command) is seen failing only when its torchrun exits:
+        # after job.max_restarts_on_errors tries of its own (daemon/control/tries.py)
+        f"--max-restarts={rdzv.max_restarts if job.command is None else job.max_restarts_on_errors - 1}",
     ]
     trainer = list(job.command) if job.command is not None else [
         "-m", job.module,

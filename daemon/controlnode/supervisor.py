@@ -47,6 +47,7 @@ from daemon.controlnode.code_delivery import CodeDelivery
 from daemon.controlnode.core import leaves, wait_event
 from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.intake import Intake
+from daemon.controlnode.job_life import JobLife
 from daemon.controlnode.job_tracker import JobTracker
 from daemon.controlnode.jobspec import job_spec
 from daemon.controlnode.migrator import Migrator
@@ -54,7 +55,7 @@ from daemon.controlnode.operator import Operator
 from daemon.controlnode.stall_watch import StallWatch
 from daemon.controlnode.store import Store
 from daemon.controlnode.views import spot_cost, status
-from daemon.model import Event, EventKind, Node
+from daemon.model import Event, EventKind, JobState, Node
 from daemon.providers.base import Provider, ProviderError
 
 __all__ = ["Supervisor", "PREWARM_WAIT_S"]
@@ -105,10 +106,10 @@ class Supervisor:
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
         self.stall = StallWatch(self, migrating=lambda: self.migrator.move is not None)
-        self._wake, self._event_added = asyncio.Event(), asyncio.Event()
-        self._released, self._completed = asyncio.Event(), asyncio.Event()
+        self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
+        self._wake, self._event_added, self._released, self._completed = (asyncio.Event() for _ in range(4))
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event, self.stall.on_event]
+        self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event, self.stall.on_event, self.life.on_event]
         self._closed = False
         self._reconciler: asyncio.Task[Any] | None = None
 
@@ -122,6 +123,7 @@ class Supervisor:
         if self.tracker.pick_up():
             self._released.set()
         self.operator.restore()
+        self.life.restore()  # a failed or cancelled job stays so
         self.migrator.restore()
         await self.fleet.refresh_prices()
         await self.fleet.preflight()  # and the cloud check: nothing is bought before it ran, nor what it failed
@@ -133,13 +135,9 @@ class Supervisor:
         log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
 
     async def aclose(self) -> None:
-        """Stop the daemon's tasks and close the providers' clients. Idempotent.
-
-        Never terminates an instance: a stop (SIGTERM, ``systemctl restart``) leaves the
-        job running and the next daemon picks it up from the store. The one exception is
-        by design: the ``local`` provider's instances are this process's children and
-        end with it (:mod:`daemon.providers.local`).
-        """
+        """Stop the daemon's tasks and close the providers' clients. Idempotent. Never terminates an
+        instance: a stop (SIGTERM, ``systemctl stop``) leaves the job running, and billing, for the next
+        daemon (``spotctl down`` ends it: :mod:`.job_life`); the ``local`` provider's instances, its children, end with it."""
         if self._closed:
             return
         self._closed = True
@@ -247,10 +245,11 @@ class Supervisor:
         await self._after_loss(members, now)  # heartbeat lost (MarkLost) is a loss too
         await self._act_all(self.policy.admit(self.state(), self._rules(), now=now))
         await self._act_all(self.stall.check(now))  # no progress: job_stalled, and a restart in place
+        self.life.check(now)  # a job given up (failed), a down's end, their pool_released
         self.operator.check_paused()
         self.tracker.check_flushes()
         self.tracker.confirm_held_resumes()
-        if (self.job.state.is_terminal() and self.desired_nodes == 0 and not self._released.is_set()
+        if (self.job.state is JobState.COMPLETED and self.desired_nodes == 0 and not self._released.is_set()
                 and all(n.state.is_terminal() for n in self.nodes.values())
                 and not self.fleet.launching):  # a launch in flight may yet return an instance to release
             # the final bill: every instance is released, so no node's cost grows any more

@@ -42,6 +42,7 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
             "last_commit_step": job.last_commit_step, "last_commit_time": job.last_commit_time,
             "restarts": max(0, len(job.attempts) - 1 - job.resizes_in_process),
             "resizes_in_process": job.resizes_in_process,
+            "why": job.end_reason,  # failed or cancelled: why (daemon/controlnode/job_life.py)
         },
         "nodes": [
             {

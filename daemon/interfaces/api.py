@@ -45,7 +45,9 @@
   ``POST /v1/checkpoint``                   the job commits at its next step boundary
   ``POST /v1/nodes/{id}/drain``             the node commits, then leaves the job
   ``POST /v1/scale`` ``{"nodes": N}``       the pool's target size, within min..max
-  ``POST /v1/pause`` / ``POST /v1/resume``  commit and release every node / relaunch
+  ``POST /v1/pause`` / ``POST /v1/resume``  commit and release every node / relaunch (a paused,
+                                            failed or cancelled job)
+  ``POST /v1/down``                         commit, release every node, end the job cancelled
   ``POST /v1/nodes/{id}/simulate-preemption``  ``{"lead_s": S}``: local provider only, an
                                             interruption notice on the node's metadata
                                             endpoint, as :mod:`daemon.controlnode.chaos` publishes it
@@ -70,7 +72,7 @@ from aiohttp import web
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
 from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
                                         node_gpu_view)
-from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, Node, NodeState, is_node_id
+from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, JobState, Node, NodeState, is_node_id
 from daemon.state_dir import chmod_socket, clear_stale_socket
 from daemon.controlnode.job_secrets import private_channel
 from daemon.controlnode.supervisor import Supervisor
@@ -311,8 +313,18 @@ async def _pause(request: web.Request) -> web.Response:
 
 
 async def _resume(request: web.Request) -> web.Response:
+    sup = request.app[SUPERVISOR]
+    try:  # a failed or cancelled job is the job life's (daemon/controlnode/job_life.py); a paused one the operator's
+        if sup.job.state in (JobState.FAILED, JobState.CANCELLED):
+            return web.json_response(sup.life.resume())
+        return web.json_response(sup.operator.resume())
+    except ValueError as exc:
+        return _error(409, str(exc))
+
+
+async def _down(request: web.Request) -> web.Response:
     try:
-        return web.json_response(request.app[SUPERVISOR].operator.resume())
+        return web.json_response(request.app[SUPERVISOR].life.down())
     except ValueError as exc:
         return _error(409, str(exc))
 
@@ -366,6 +378,7 @@ def control_app(sup: Supervisor, metrics: DaemonMetrics | None = None) -> web.Ap
     app.router.add_post("/v1/scale", _scale)
     app.router.add_post("/v1/pause", _pause)
     app.router.add_post("/v1/resume", _resume)
+    app.router.add_post("/v1/down", _down)
     return app
 
 

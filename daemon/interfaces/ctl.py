@@ -10,7 +10,9 @@
     spotctl drain NODE                         the node commits, then leaves the job cleanly
     spotctl scale N                            the pool's target size (min..max; kept across restarts)
     spotctl pause                              commit, then release every node; the job is kept
-    spotctl resume                             relaunch to the target; resume from the last commit
+    spotctl resume                             relaunch to the target (a paused, failed or cancelled
+                                               job); resume from the last commit
+    spotctl down                               commit, release every instance, end the job cancelled
     spotctl simulate-preemption NODE [--lead-s S]   local provider only: an interruption notice
 
 Every verb takes ``--json`` (machine-readable output) and works in the shell too.
@@ -194,7 +196,8 @@ HELP = {
     "drain": "make a node leave the job cleanly (commit, then leave)",
     "scale": "set the pool's target size (within pool min..max; kept across daemon restarts)",
     "pause": "commit a checkpoint, then release every node (the job and its checkpoints are kept)",
-    "resume": "relaunch a paused job to its target size; it resumes from the last commit",
+    "resume": "relaunch a paused, failed or cancelled job to its target size; it resumes from the last commit",
+    "down": "commit a checkpoint, release every instance and end the job cancelled (stops the bill)",
     "simulate-preemption": "local provider only: publish an interruption notice on the node's metadata endpoint",
 }
 VERBS = tuple(HELP)
@@ -277,8 +280,16 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
     elif c == "resume":
         r = await _request(sock, "/v1/resume", method="POST")
         frm = "the start" if r["resume_from_step"] is None else f"step {r['resume_from_step']}"
-        _emit(as_json, r, lambda: f"resuming: launching {r['target_nodes']} nodes; "
+        was = f" the {r['was']} job" if r.get("was") else ""
+        _emit(as_json, r, lambda: f"resuming{was}: launching {r['target_nodes']} nodes; "
                                   f"the job resumes from its last commit ({frm})")
+    elif c == "down":
+        r = await _request(sock, "/v1/down", method="POST")
+        who = (f"the job commits a checkpoint ({', '.join(r['committing'])})" if r["committing"]
+               else "no trainer runs: nothing to commit")
+        _emit(as_json, r, lambda: f"cancelling: {who}, then every instance is released (a node whose "
+                                  f"commit has not come in {r['wait_s']:g} s is released anyway; "
+                                  "job_cancelled when done; spotctl resume starts it again)")
     elif c == "simulate-preemption":
         r = await _request(sock, _node_path(args.node, "simulate-preemption"), method="POST",
                            body={"lead_s": args.lead_s})

@@ -92,6 +92,9 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     if pool.get("paused"):
         line += ("  paused: releasing " + ", ".join(n["id"] for n in live) if live
                  else "  paused: no capacity held (spotctl resume relaunches)")
+    if job["state"] in ("failed", "cancelled"):
+        line += (f"  {job['state']}: releasing " + ", ".join(n["id"] for n in live) if live
+                 else f"  {job['state']}: no capacity held (spotctl resume starts it again)")
     line += _placement(status.get("placement") or {})
     line += _checks(status.get("checks") or {}, now)
     code = status.get("code") or {}
@@ -99,6 +102,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         line += f"  code {code['version'][:12]}"
     if code.get("halted"):  # job.setup failed on node after node: nothing is bought until a restart
         line += "\nNOT BUYING: " + code["halted"]
+    if job["state"] in ("failed", "cancelled"):  # why (daemon/controlnode/job_life.py)
+        line += f"\n{job['state'].upper()}: {job.get('why') or 'no reason recorded'}"
     return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
 
 
