@@ -47,6 +47,7 @@ TAIL_LINE_CHARS = 240  # each cut to this many characters (the feed's message st
 # how long the job_failed event waits for the failing node's next heartbeat, which ships its
 # log's last lines (seconds); the nodes are released only after it
 LOG_WAIT_S = 10.0
+_TAIL_SCAN = 200  # lines looked at for the tail (torchrun's own failure report is cut from them)
 _END_KEY = "job_end"  # the store's key: {"state": "failed" | "cancelled", "why": str, "at": unix s}
 _DISTURBING = {EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value, EventKind.NODE_TERMINATED.value,
                EventKind.MIGRATION_STARTED.value}
@@ -140,10 +141,17 @@ class JobLife:
         log.error("job_failed", pool=core.pool, why=why)
 
     def log_tail(self, node_id: str | None) -> list[str]:
-        """``node_id``'s last :data:`TAIL_LINES` log lines, masked and cut (empty: none held)."""
+        """``node_id``'s last :data:`TAIL_LINES` log lines, masked and cut (empty: none held), before
+        torchrun's own report of the failure (its traceback ending in ``ChildFailedError``, which
+        names the failed rank but would push the script's own last lines out)."""
         if node_id is None:
             return []
-        return [redact_secrets(ln.line)[:TAIL_LINE_CHARS] for ln in self._logs.tail(node_id, TAIL_LINES)]
+        lines = [ln.line for ln in self._logs.tail(node_id, _TAIL_SCAN)]
+        end = next((i for i in range(len(lines) - 1, -1, -1) if "ChildFailedError" in lines[i]), None)
+        if end is not None:
+            start = next((i for i in range(end, -1, -1) if lines[i].startswith("Traceback (most recent call last)")), end)
+            lines = lines[:start]
+        return [redact_secrets(line)[:TAIL_LINE_CHARS] for line in lines[-TAIL_LINES:]]
 
     def _end(self, state: JobState, why: str, now: float) -> None:
         core = self.core
