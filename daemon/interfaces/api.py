@@ -31,7 +31,9 @@
   ``S`` seconds in (0, :data:`daemon.model.MAX_NOTICE_LEAD_S`] (a day).
 
   ========================================  ==============================================
-  ``GET /v1/status``                        job (state, step, durations, recoveries), pool,
+  ``GET /v1/status``                        job (state, step, durations, recoveries, progress:
+                                            steps/s, tokens/s, loss, expected finish, deadline
+                                            slack, goodput), pool,
                                             nodes (with their GPU sample)
   ``GET /v1/events?since=SEQ&kind=K``       NDJSON, one event per line; ``&follow=1`` keeps
                                             the response open and streams new events
@@ -73,6 +75,7 @@ from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_repo
 from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, Node, NodeState, is_node_id
 from daemon.state_dir import chmod_socket, clear_stale_socket
 from daemon.controlnode.job_secrets import private_channel
+from daemon.controlnode.progress_view import job_progress
 from daemon.controlnode.supervisor import Supervisor
 from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, AgentListener, LoopAcceptErrors,
                                         agent_connection_caps)
@@ -178,6 +181,9 @@ async def _status(request: web.Request) -> web.Response:
     sup = request.app[SUPERVISOR]
     status = sup.status()
     status["job"].update(job_timeline(sup.store.events(kinds=TIMELINE_KINDS), sup.clock()).to_dict())
+    metrics = request.app[METRICS]
+    metrics.refresh()  # the lost steps so far, for goodput
+    status["job"]["progress"] = job_progress(sup, sup.clock(), metrics.lost_steps)
     for n in status["nodes"]:
         n["gpu"] = None if NodeState(n["state"]).is_terminal() else node_gpu_view(sup, n["id"])
     return web.json_response(status)
