@@ -3,7 +3,7 @@
 - :class:`DaemonMetrics`: a per-daemon ``CollectorRegistry`` (never the global
   one, so one process can run several daemons, as the tests do), served as the
   Prometheus text exposition by ``GET /metrics`` on the control socket and, with
-  ``daemon.metrics_port``, on ``127.0.0.1:PORT``. Counters are tallied from the
+  ``daemon.metrics_port``, on ``daemon.metrics_host:PORT``. Counters are tallied from the
   event log at scrape time (only the events since the last scrape are read), so
   a restarted daemon's counters start from the pool's whole history; gauges are
   read from the supervisor's state at scrape time.
