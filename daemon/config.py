@@ -1101,8 +1101,8 @@ class Config(_Spec):
                     f"offers.{i}.market: on_demand offers are a fallback that is off "
                     "(set pool.on_demand_fallback: true, or remove the offer)"
                 )
-            if offer.provider == "local" and offer.market == "on_demand":
-                raise ValueError(f"offers.{i}.market: the local provider has no on-demand market (use spot)")
+            # (a local offer may be on_demand: its nodes are process groups like the spot ones,
+            # which lets a local run plan against job.deadline; bench/dashboard_png.py does)
             if getattr(self.providers, offer.provider, None) is None:
                 raise ValueError(
                     f"offers.{i}.provider: {offer.provider!r} has no providers.{offer.provider} "
