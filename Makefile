@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo bench test test-quick install install-systemd clean
+.PHONY: demo bench test test-quick test-deps install install-systemd clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# what the tests need from the system: Debian's prometheus (the dashboard test scrapes the
+# daemon with a real one and fails, never skips, without it). Needs root (or sudo).
+test-deps:
+	@command -v prometheus >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus; }
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m 'not slow'

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from daemon.control.offers import offer_key
 from daemon.model import EventKind
-from daemon.hosts import exposed_address, is_loopback
+from daemon.hosts import address_of, exposed_address, is_loopback
 from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
 from daemon.secretref import SecretRef, check_env_name, parse_secret_ref
 from trainer.batch import ElasticBatch, BatchError
@@ -580,7 +580,11 @@ class DaemonSpec(_Spec):
     rejoin_timeout_s: PositiveS = 90.0
     reconcile_interval_s: PositiveS = 1.0
     # Prometheus: /metrics is always served on the control socket; with a port it is
-    # also served on 127.0.0.1:PORT for a scraper (0 = any free port; absent = off)
+    # also served on metrics_host:PORT for a scraper (0 = any free port; absent = off).
+    # /metrics has no authentication: metrics_host is loopback (default) or a private
+    # address of the control node (10/8, 172.16/12, 192.168/16, fc00::/7) that only the
+    # scraper reaches (a security group, as for the agent port); anything else is refused
+    metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(None, ge=0, le=65535)
     # gpu_underutilized: a running node's mean SM utilization (percent) stays below
     # this for the window (seconds); one event per episode (daemon/gpunode/gpu.py)
@@ -606,6 +610,21 @@ class DaemonSpec(_Spec):
         except OSError:  # e.g. no permission to look: the daemon says so when it creates it
             pass
         return state_dir
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _metrics_private(cls, host: str) -> str:
+        why = exposed_address(host)
+        if why is None and not is_loopback(host) and address_of(host) is None:
+            why = "a host name (it may resolve to a public address)"
+        if why is not None:
+            raise ValueError(
+                f"{host or repr(host)} is {why}; /metrics has no authentication, so it is served on loopback "
+                "or a private network only (give 127.0.0.1, or the control node's private address, e.g. "
+                "10.0.0.10, with a security group that admits only your Prometheus; or scrape through an "
+                "SSH tunnel or an authenticating proxy)"
+            )
+        return host
 
     @field_validator("agent_tls", mode="before")
     @classmethod
@@ -1086,8 +1105,8 @@ class Config(_Spec):
                     f"offers.{i}.market: on_demand offers are a fallback that is off "
                     "(set pool.on_demand_fallback: true, or remove the offer)"
                 )
-            if offer.provider == "local" and offer.market == "on_demand":
-                raise ValueError(f"offers.{i}.market: the local provider has no on-demand market (use spot)")
+            # (a local offer may be on_demand: its nodes are process groups like the spot ones,
+            # which lets a local run plan against job.deadline; bench/dashboard_png.py does)
             if getattr(self.providers, offer.provider, None) is None:
                 raise ValueError(
                     f"offers.{i}.provider: {offer.provider!r} has no providers.{offer.provider} "

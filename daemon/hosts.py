@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-__all__ = ["exposed_address", "is_loopback", "is_wildcard"]
+__all__ = ["address_of", "exposed_address", "is_loopback", "is_wildcard"]
 
 _PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
 _WILDCARD = "a wildcard address (every interface)"
@@ -33,6 +33,11 @@ def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return addr
+
+
+def address_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` spells (as :func:`exposed_address` reads it), or None for a name."""
+    return _address(host) if host.strip() else None
 
 
 def exposed_address(host: str) -> str | None:

@@ -237,13 +237,14 @@ class StatusKind(str, enum.Enum):
     world_size, step``)."""
 
     STARTED = "started"  # an attempt began (``resumed_from``; ``resized: in_process`` for a shrink)
-    STEP = "step"  # an optimizer step finished (``loss``)
+    STEP = "step"  # an optimizer step finished (``loss``; ``tokens``: trained in it, all ranks, optional)
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # ``notice_ids`` it answers, ``seconds``, ``bytes``
     HOLDING = "holding"  # committed for an interruption or rejoin: waiting for the restart
     COMPLETED = "completed"  # the target step is committed
 
 
-#: The kinds the agent forwards to the daemon (``step`` only updates the heartbeat;
+#: The kinds the agent forwards to the daemon (``step`` rides the next heartbeat: the newest
+#: step, its loss and the tokens summed, once a heartbeat however fast the steps come;
 #: ``holding`` is for the run's summary).
 FORWARDED = frozenset({StatusKind.STARTED.value, StatusKind.CHECKPOINT_COMMITTED.value, StatusKind.COMPLETED.value})
 

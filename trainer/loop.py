@@ -190,6 +190,14 @@ class ElasticJob:
         """One optimizer step. Returns (global mean loss, this rank's mean loss, positions)."""
         raise NotImplementedError
 
+    def step_tokens(self) -> int | None:
+        """Tokens one optimizer step trains, all ranks together (the ``step`` line's
+        ``tokens``: tokens/s in ``/metrics`` and ``spotctl status``): the global batch x
+        the dataset's ``seq_len``; None when the dataset has none. A job whose samples
+        differ in length returns the step's own count."""
+        seq_len = getattr(self.dataset, "seq_len", None)
+        return self.G * seq_len if isinstance(seq_len, int) else None
+
     def peer_state(self) -> dict[str, Any]:
         """The whole training state (model, optimizer, step) as a ``state_dict``-like
         tree of tensors, for a peer that joins or fell a step behind
@@ -312,7 +320,7 @@ class ElasticJob:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.state.step}")
             self.steplog.write(self.state.step, positions, local_loss)
-            self.status.emit("step", self.state.step, loss=loss)
+            self.status.step(self.state.step, loss=loss, tokens=self.step_tokens())
             n_window += 1
             if self.ctx.is_leader and (self.state.step % PROGRESS_EVERY == 0 or self.state.step == target):
                 dt = (time.perf_counter() - t_window) / max(n_window, 1)

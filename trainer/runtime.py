@@ -418,6 +418,17 @@ class StatusWriter:
             f.write(line)
             f.flush()
 
+    def step(self, step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
+        """One optimizer step finished: a ``step`` line. ``loss``: the step's loss (a float);
+        ``tokens``: the tokens trained in that step by all ranks together (the global batch's
+        tokens, padding excluded if the trainer can tell; None: not counted). The agent sends the
+        newest step line with each heartbeat and the daemon derives steps/s, tokens/s and the
+        expected finish from them (``/metrics``, ``spotctl status``)."""
+        fields: dict[str, Any] = {"loss": None if loss is None else float(loss)}
+        if tokens is not None:
+            fields["tokens"] = int(tokens)
+        self.emit("step", step, **fields)
+
 
 class StepLog:
     """``$SPOTVISOR_LOG_DIR/steps-<attempt>-rank<RANK>.jsonl``: what each rank trained on."""

@@ -23,7 +23,8 @@ from typing import Any
 
 __all__ = [
     "Limits", "ReportError", "StatusLine", "NoticeReport", "MetadataAlarm", "TrainerExited",
-    "CodeReady", "SetupFailed", "SETUP_STAGES", "parse_report", "parse_step", "STATUS_EVENTS",
+    "CodeReady", "SetupFailed", "SETUP_STAGES", "parse_report", "parse_step", "parse_progress", "StepProgress",
+    "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS",
 ]
 
 # the trainer status lines an agent forwards (trainer/runtime.py writes them)
@@ -36,6 +37,8 @@ MAX_SECONDS = 7 * 86400.0  # a commit, a save or an upload that took a week is a
 # unix times from an agent (a trainer line's time, a notice's deadline): finite, from
 # 1970 to the year 5138; no tighter, as a node's clock is its own
 MAX_UNIX_S = 1e11
+MAX_TOKENS = 2**62  # tokens trained since an agent started: ~4.6e18, far past any run
+MAX_LOSS = 1e30  # |loss|; a NaN or infinite loss is dropped (the feed and the gauges take finite numbers)
 
 
 class ReportError(ValueError):
@@ -188,6 +191,38 @@ def parse_step(value: Any, limits: Limits) -> int | None:
         ReportError: anything else.
     """
     return _int({"step": value}, "step", 0, limits.max_step)
+
+
+@dataclass(frozen=True, slots=True)
+class StepProgress:
+    """A heartbeat's ``progress``: the trainer's newest ``step`` line as its agent read it.
+    ``tokens``: tokens trained since the agent started (the sum of the step lines'
+    ``tokens``; None: the trainer reports none); ``loss``: the newest step's loss."""
+
+    step: int
+    tokens: int | None
+    loss: float | None
+
+
+def parse_progress(value: Any, limits: Limits) -> StepProgress | None:
+    """A heartbeat's ``progress`` object: None when absent; ``step`` in ``[0,
+    limits.max_step]``, ``tokens`` in ``[0, MAX_TOKENS]``, ``loss`` finite and within
+    ``±MAX_LOSS``.
+
+    Raises:
+        ReportError: anything else (one line naming the field).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ReportError("progress is not an object")
+    step = _int(value, "step", 0, limits.max_step, required=True)
+    assert step is not None
+    loss = value.get("loss")
+    if isinstance(loss, int) and not isinstance(loss, bool) and abs(loss) > MAX_LOSS:
+        raise ReportError(f"loss is outside [{-MAX_LOSS:g}, {MAX_LOSS:g}]")  # (an int too large for a float)
+    return StepProgress(step=step, tokens=_int(value, "tokens", 0, MAX_TOKENS),
+                        loss=_num(value, "loss", -MAX_LOSS, MAX_LOSS))
 
 
 def _status_line(line: Any, limits: Limits) -> StatusLine:

@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 from daemon.control.lifecycle import LIVE, TrainerState, training
 from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interval
-from daemon.control.reports import ReportError, parse_step
+from daemon.control.progress import ProgressWindow, Sample
+from daemon.control.reports import ReportError, parse_progress, parse_step
 from daemon.controlnode.core import Core, wait_event
 from daemon.controlnode.gpu_watch import GpuWatch, parse_samples
 from daemon.controlnode.jobspec import prepares, run_id
@@ -51,9 +52,13 @@ JOIN_KEY = "join_key"  # the store's key for the pool's join key (hex of its 32 
 class AgentLink:
     """Register, heartbeat and command long-poll of every node of one pool."""
 
-    def __init__(self, core: Core, *, rng: random.Random, on_step: Callable[[Node, int], None]) -> None:
+    def __init__(self, core: Core, *, rng: random.Random, on_step: Callable[[Node, int], None],
+                 leader: Callable[[], str | None] = lambda: None) -> None:
         self.core = core
         self._on_step = on_step  # JobTracker.on_step: whose step is the job's is the tracker's rule
+        self._leader = leader  # the node that leads the running attempt (JobTracker.running_leader)
+        # the job's progress, one sample per heartbeat of the leading node (daemon/control/progress.py)
+        self.progress = ProgressWindow()
         self._rng = rng
         config = core.config
         self.node_logs = NodeLogs()  # each node's trainer.log tail, shipped with its heartbeats
@@ -117,6 +122,7 @@ class AgentLink:
             step = None
         if step is not None:
             self._on_step(node, step)
+        self._on_progress(node, body.get("progress"))
         self.node_logs.feed(node.id, body.get("log"))
         samples = parse_samples(body.get("gpu"), drop=lambda problem, what: self.core.drop(node, "gpu", problem, what))
         low = self.gpu_watch.observe(node.id, samples, now=self.core.clock(), training=training(node))
@@ -126,6 +132,16 @@ class AgentLink:
         reply["heartbeat_interval_s"] = self.tell_interval(node)  # when to send the next one
         reply["log"] = self.node_logs.ack(node.id)  # where the next trainer.log chunk starts (daemon/gpunode/nodelog.py)
         return reply
+
+    def _on_progress(self, node: Node, value: Any) -> None:
+        """A heartbeat's ``progress``: a sample of the job's only from the node leading its attempt."""
+        try:
+            p = parse_progress(value, self.core.limits())
+        except ReportError as exc:
+            self.core.drop(node, "progress", str(exc), value)
+            return
+        if p is not None and node.id == self._leader():
+            self.progress.add(node.id, Sample(t=self.core.clock(), step=p.step, tokens=p.tokens, loss=p.loss))
 
     async def wait_commands(self, node: Node, wait_s: float, *,
                             connected: Callable[[], bool] = lambda: True) -> dict[str, Any] | None:

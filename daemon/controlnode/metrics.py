@@ -3,7 +3,7 @@
 - :class:`DaemonMetrics`: a per-daemon ``CollectorRegistry`` (never the global
   one, so one process can run several daemons, as the tests do), served as the
   Prometheus text exposition by ``GET /metrics`` on the control socket and, with
-  ``daemon.metrics_port``, on ``127.0.0.1:PORT``. Counters are tallied from the
+  ``daemon.metrics_port``, on ``daemon.metrics_host:PORT``. Counters are tallied from the
   event log at scrape time (only the events since the last scrape are read), so
   a restarted daemon's counters start from the pool's whole history; gauges are
   read from the supervisor's state at scrape time.
@@ -52,7 +52,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from daemon.control.progress import goodput
 from daemon.controlnode.gpu_watch import mean_sm_util
+from daemon.controlnode.progress_view import job_progress
 from daemon.model import Event, EventKind, JobState, Node, NodeState
 
 if TYPE_CHECKING:
@@ -68,13 +70,6 @@ TIMELINE_KINDS = [k.value for k in (_K.NODE_LAUNCH_REQUESTED, _K.NODE_ADMITTED, 
                                     _K.JOB_PAUSING, _K.JOB_UNPAUSED, _K.INTERRUPTION_NOTICE, _K.NODE_LOST)]
 _BILLED = frozenset({NodeState.LAUNCHING, NodeState.PREPARING, NodeState.READY, NodeState.ADMITTING,
                      NodeState.RUNNING, NodeState.DRAINING})
-
-
-def goodput(step: int | None, lost_steps: int) -> float | None:
-    """Steps completed ÷ steps executed (see the module docstring); None before the first step."""
-    if step is None or step + lost_steps <= 0:
-        return None
-    return step / (step + lost_steps)
 
 
 # -- timeline -----------------------------------------------------------------------------------
@@ -424,6 +419,7 @@ class _StateCollector:
         if g is not None:
             yield GaugeMetricFamily("spotvisor_goodput_ratio", "Steps completed / steps executed (1 = none lost).",
                                     value=g)
+        yield from _progress_families(job_progress(sup, now, self.m.lost_steps))
         yield GaugeMetricFamily("spotvisor_pool_target_nodes", "The pool's target size (nodes).",
                                 value=sup.target_nodes)
         yield GaugeMetricFamily("spotvisor_paused", "1 while the job is paused.",
@@ -447,6 +443,7 @@ class _StateCollector:
                                   value=tl.recoveries)
 
         cost = cost_report(list(sup.nodes.values()), sup.config.offers, now, egress_usd=egress_usd(sup.store))
+        yield _pool_family(sup)
         domain = GaugeMetricFamily("spotvisor_placement_domain", "1 for the placement domain the job runs in.",
                                    labels=["domain"])
         for d in sup.config.domains_resolved():
@@ -477,6 +474,49 @@ class _StateCollector:
         yield util
         yield used
         yield total
+
+
+#: the progress gauges: (job_progress key, metric name, help)
+_PROGRESS = (
+    ("steps_per_s", "spotvisor_job_steps_per_second", "Optimizer steps per second over the last 5 minutes "
+     "(the leading node's heartbeats; progress kept: a restart's redone steps start the window over)."),
+    ("tokens_per_s", "spotvisor_job_tokens_per_second", "Tokens trained per second over the last 5 minutes "
+     "(the trainer's step lines' tokens)."),
+    ("loss", "spotvisor_job_loss", "The newest step's training loss (absent: none reported, or not finite)."),
+    ("expected_finish", "spotvisor_job_expected_finish_timestamp_seconds", "When the job reaches job.target_steps "
+     "at the measured step rate (unix seconds)."),
+    ("deadline", "spotvisor_job_deadline_timestamp_seconds", "job.deadline (unix seconds)."),
+    ("deadline_slack_s", "spotvisor_job_deadline_slack_seconds", "Seconds between the expected finish and "
+     "job.deadline (negative: late)."),
+)
+
+
+def _progress_families(p: Mapping[str, Any]) -> Iterable[Metric]:
+    """The progress gauges of :func:`~daemon.controlnode.progress_view.job_progress`; a
+    value not known (or not finite) has no series."""
+    for key, name, help_text in _PROGRESS:
+        v = _finite(p.get(key))
+        if v is not None:
+            yield GaugeMetricFamily(name, help_text, value=v)
+
+
+def _pool_family(sup: "Supervisor") -> Metric:
+    """``spotvisor_pool_nodes{domain, market}``: live nodes (launching to draining) by
+    placement domain and market, every configured pair present (0 included)."""
+    fam = GaugeMetricFamily("spotvisor_pool_nodes", "Live nodes (launching to draining) by placement domain "
+                            "and market (spot, on_demand).", labels=["domain", "market"])
+    counts: dict[tuple[str, str], int] = {}
+    markets = {o.market for o in sup.config.offers} | {"spot"}
+    for d in sup.config.domains_resolved():
+        for m in markets:
+            counts[(d.name, m)] = 0
+    for n in sup.nodes.values():
+        if n.state in _BILLED:
+            key = (sup.domain_of(n), n.market)
+            counts[key] = counts.get(key, 0) + 1
+    for (domain, market), c in sorted(counts.items()):
+        fam.add_metric([domain, market], c)
+    return fam
 
 
 def node_gpu_view(sup: "Supervisor", node_id: str) -> dict[str, Any] | None:

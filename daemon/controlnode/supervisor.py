@@ -96,7 +96,7 @@ class Supervisor:
         self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self.fleet = Fleet(self, providers=providers, provider=provider, rng=rng)
         self.tracker = JobTracker(self)
-        self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step)
+        self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step, leader=self.tracker.running_leader)
         self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status,
                              published_at=self.fleet.notice_published_at)
         self.operator, self.code = Operator(self), CodeDelivery(self, terminate=self.fleet.apply)

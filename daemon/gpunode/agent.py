@@ -5,7 +5,8 @@ It has these jobs, each an owned task in one ``TaskGroup``:
 - ``metadata``: poll the cloud's metadata endpoint (default every 1 s) for an
   interruption notice; on a new one, write it to the notice file at once (the
   trainer ranks read it at their next step boundary) and report it to the daemon.
-- ``heartbeat``: tell the daemon the node is alive (and the trainer's step, the
+- ``heartbeat``: tell the daemon the node is alive (and the trainer's step, its newest
+  ``step`` line's loss and the tokens trained since the agent started, the
   GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpunode.gpu` — and the
   next chunk of ``trainer.log``, :mod:`daemon.gpunode.nodelog`), then sleep the interval the
   daemon's last reply said (``heartbeat_interval_s``: it grows with the pool,
@@ -55,6 +56,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import signal
 import ssl
@@ -92,6 +94,7 @@ COMMAND_WAIT_S = 600.0
 _COMMAND_SLACK_S = 10.0
 # a told heartbeat interval outside (0, this] is not used (seconds)
 _MAX_HEARTBEAT_INTERVAL_S = 600.0
+_MAX_TOKENS_PER_STEP = 2**40  # a step line's `tokens` above this is not counted (a trainer's bug)
 # an idle connection to the daemon is kept this long (seconds): longer than any heartbeat
 # interval used, shorter than aiohttp's server keep-alive (3630 s)
 KEEPALIVE_S = _MAX_HEARTBEAT_INTERVAL_S + 60.0
@@ -188,6 +191,36 @@ def _command_poll_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)) and not _no_command_route(exc)
 
 
+class StepProgress:
+    """The trainer's newest ``step`` line and the tokens trained since this agent started
+    (the sum of the step lines' ``tokens``). Each heartbeat carries :meth:`body`, so the
+    daemon hears of progress once a heartbeat however many steps a second: nothing grows."""
+
+    __slots__ = ("_newest", "_tokens")
+
+    def __init__(self) -> None:
+        self._newest: dict[str, Any] | None = None
+        self._tokens: int | None = None
+
+    def on_line(self, line: dict[str, Any]) -> None:
+        """A status line. ``step``: the newest step and its loss (None unless a finite
+        number); its ``tokens`` (an integer in [0, 2**40]) added to the total. ``started``
+        (a new attempt): no newest step until its first. Others: nothing."""
+        step, loss, tokens = line.get("step"), line.get("loss"), line.get("tokens")
+        if line.get("event") == "started":
+            self._newest = None
+        if line.get("event") != "step" or not isinstance(step, int) or isinstance(step, bool):
+            return
+        ok_loss = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
+        self._newest = {"step": step, "loss": float(loss) if ok_loss else None}
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and 0 <= tokens <= _MAX_TOKENS_PER_STEP:
+            self._tokens = (self._tokens or 0) + tokens
+
+    def body(self) -> dict[str, Any] | None:
+        """The heartbeat's ``progress`` (:func:`daemon.control.reports.parse_progress`)."""
+        return None if self._newest is None else {**self._newest, "tokens": self._tokens}
+
+
 class NodeAgent:
     """One node's agent. Construct (no I/O), then ``await run()`` until cancelled.
 
@@ -239,6 +272,7 @@ class NodeAgent:
         self._beat_sent = asyncio.Event()  # set after each heartbeat (a failed setup's log is shipped first)
         self.runner = TrainerProcess(workdir=self.workdir, node_id=node_id, on_change=self._beat_now.set)
         self._step: int | None = None
+        self._progress = StepProgress()  # the newest step line, for the heartbeats
         self._interruption: NoticeEntry | None = None  # this node's own notice, once seen
         self._seen_notice_ids: set[str] = set()
         self._background: set[asyncio.Future[None]] = set()
@@ -447,8 +481,8 @@ class NodeAgent:
             try:
                 reply = await self._post(
                     "/v1/agent/heartbeat",
-                    {"step": self._step, "trainer": {"state": self.trainer.value,
-                                                     "exit_code": self.runner.exit_code},
+                    {"step": self._step, "progress": self._progress.body(),
+                     "trainer": {"state": self.trainer.value, "exit_code": self.runner.exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -555,6 +589,7 @@ class NodeAgent:
         event = line.get("event")
         if isinstance(line.get("step"), int):
             self._step = line["step"]
+        self._progress.on_line(line)
         # the daemon keeps the first report of a line (by attempt and step), so only the node
         # of global rank 0 reports it, and a node whose own notice a commit answers: at
         # 1,000 nodes one report per commit instead of 1,000 (bench/scale.py). Every node

@@ -31,7 +31,9 @@
   ``S`` seconds in (0, :data:`daemon.model.MAX_NOTICE_LEAD_S`] (a day).
 
   ========================================  ==============================================
-  ``GET /v1/status``                        job (state, step, durations, recoveries), pool,
+  ``GET /v1/status``                        job (state, step, durations, recoveries, progress:
+                                            steps/s, tokens/s, loss, expected finish, deadline
+                                            slack, goodput), pool,
                                             nodes (with their GPU sample)
   ``GET /v1/events?since=SEQ&kind=K``       NDJSON, one event per line; ``&follow=1`` keeps
                                             the response open and streams new events
@@ -53,8 +55,12 @@
                                             endpoint, as :mod:`daemon.controlnode.chaos` publishes it
   ========================================  ==============================================
 
-- **Metrics port** (TCP, optional): ``daemon.metrics_port`` serves ``GET /metrics``
-  on 127.0.0.1 for a Prometheus scraper (0 = any free port, see ``metrics_url``).
+- **Metrics port** (TCP, optional): ``daemon.metrics_port`` serves ``GET /metrics`` on
+  ``daemon.metrics_host`` (127.0.0.1, or a private address: it has no authentication, the
+  config refuses any other) for a Prometheus scraper (0 = any free port, see
+  ``metrics_url``). Its connections are bounded as the agent port's are
+  (:data:`~daemon.interfaces.listener.METRICS_CAPS`, the first-request and keep-alive
+  timeouts); a request body is never read.
 """
 
 from __future__ import annotations
@@ -75,9 +81,10 @@ from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_repo
 from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, JobState, Node, NodeState, is_node_id
 from daemon.state_dir import chmod_socket, clear_stale_socket
 from daemon.controlnode.job_secrets import private_channel
+from daemon.controlnode.progress_view import job_progress
 from daemon.controlnode.supervisor import Supervisor
-from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, AgentListener, LoopAcceptErrors,
-                                        agent_connection_caps)
+from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, METRICS_CAPS, AgentListener,
+                                        LoopAcceptErrors, agent_connection_caps)
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
 
@@ -180,6 +187,9 @@ async def _status(request: web.Request) -> web.Response:
     sup = request.app[SUPERVISOR]
     status = sup.status()
     status["job"].update(job_timeline(sup.store.events(kinds=TIMELINE_KINDS), sup.clock()).to_dict())
+    metrics = request.app[METRICS]
+    metrics.refresh()  # the lost steps so far, for goodput
+    status["job"]["progress"] = job_progress(sup, sup.clock(), metrics.lost_steps)
     for n in status["nodes"]:
         n["gpu"] = None if NodeState(n["state"]).is_terminal() else node_gpu_view(sup, n["id"])
     return web.json_response(status)
@@ -383,7 +393,9 @@ def control_app(sup: Supervisor, metrics: DaemonMetrics | None = None) -> web.Ap
 
 
 def metrics_app(metrics: DaemonMetrics) -> web.Application:
-    app = web.Application()
+    """``GET /metrics`` alone; the request's head starts its connection's clock
+    (:class:`~daemon.interfaces.listener.AgentListener`), a body is never read."""
+    app = web.Application(client_max_size=1024, middlewares=[_request_started])
     app.router.add_get("/metrics", metrics.handler)
     return app
 
@@ -407,6 +419,7 @@ class ApiServer:
         self.metrics = DaemonMetrics(sup)  # this daemon's own registry
         self._runners: list[web.AppRunner] = []
         self.listener: AgentListener | None = None
+        self.metrics_listener: AgentListener | None = None
         self._accept_errors = LoopAcceptErrors()
         self.agent_url: str | None = None
         self.metrics_url: str | None = None
@@ -435,18 +448,23 @@ class ApiServer:
         await web.UnixSite(control, self.socket_path).start()
         chmod_socket(Path(self.socket_path), 0o660)
 
-        metrics_port = self.sup.config.daemon.metrics_port
-        if metrics_port is not None:
-            runner = web.AppRunner(metrics_app(self.metrics), access_log=None, shutdown_timeout=1.0)
+        spec = self.sup.config.daemon
+        if spec.metrics_port is not None:  # loopback or a private address (the config refuses any other)
+            runner = web.AppRunner(metrics_app(self.metrics), access_log=None, shutdown_timeout=1.0,
+                                   keepalive_timeout=KEEPALIVE_S)
             await runner.setup()
             self._runners.append(runner)
-            msite = web.TCPSite(runner, "127.0.0.1", metrics_port)  # local scrapers only
-            await msite.start()
-            self.metrics_url = f"http://127.0.0.1:{msite._server.sockets[0].getsockname()[1]}/metrics"  # type: ignore[union-attr]
+            assert runner.server is not None
+            self.metrics_listener = AgentListener(runner.server, caps=METRICS_CAPS, name="metrics",
+                                                  first_request_s=self.first_request_s)
+            mport = await self.metrics_listener.start(spec.metrics_host, spec.metrics_port)
+            host = f"[{spec.metrics_host}]" if ":" in spec.metrics_host else spec.metrics_host
+            self.metrics_url = f"http://{host}:{mport}/metrics"
 
     async def aclose(self) -> None:
-        if self.listener is not None:
-            await self.listener.aclose()  # no new agent connection from here on
+        for listener in (self.listener, self.metrics_listener):
+            if listener is not None:
+                await listener.aclose()  # no new connection from here on
         while self._runners:
             await self._runners.pop().cleanup()
         self._accept_errors.uninstall()

@@ -104,7 +104,35 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         line += "\nNOT BUYING: " + code["halted"]
     if job["state"] in ("failed", "cancelled"):  # why (daemon/controlnode/job_life.py)
         line += f"\n{job['state'].upper()}: {job.get('why') or 'no reason recorded'}"
-    return head + "\n" + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
+    progress = _progress(job.get("progress") or {}, now)
+    return head + "\n" + progress + line + "\n" + render_nodes({"nodes": live or status["nodes"]})
+
+
+def _progress(p: dict[str, Any], now: float) -> str:
+    """The progress line under the job table (``""`` while nothing is known): steps/s and
+    tokens/s over the window, the newest loss, the expected finish at that rate, the slack
+    before ``job.deadline``, goodput."""
+    parts = []
+    if _num(p.get("steps_per_s")):
+        parts.append(f"{p['steps_per_s']:.3g} steps/s")
+    if _num(p.get("tokens_per_s")):
+        parts.append(f"{p['tokens_per_s']:,.0f} tokens/s")
+    if _num(p.get("loss")):
+        parts.append(f"loss {p['loss']:.4g}")
+    if _num(p.get("expected_finish")):
+        left = p["expected_finish"] - now
+        parts.append(f"expected finish {_clock(p['expected_finish'], '%Y-%m-%d %H:%M')}"
+                     + (f" (in {_duration(left)})" if left > 0 else ""))
+    if _num(p.get("deadline_slack_s")):
+        slack = p["deadline_slack_s"]
+        parts.append(f"deadline slack {_duration(abs(slack))}" + ("" if slack >= 0 else " LATE"))
+    if _num(p.get("goodput")):
+        parts.append(f"goodput {p['goodput']:.3f}")
+    return "progress  " + "  ".join(parts) + "\n" if parts else ""
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _checks(c: dict[str, Any], now: float) -> str:

@@ -23,8 +23,12 @@ descriptor, one aiohttp handler) is bounded here, before aiohttp sees it:
   since the last line; the loop then waits for a connection to close (or 1 s) before
   it accepts again, instead of spinning on a socket that stays readable.
 
-:class:`LoopAcceptErrors` does the same for the daemon's other listeners (the control
-socket, the metrics port), which stay asyncio's: it rate-limits the loop's
+ The metrics port (``daemon.metrics_host``: loopback or a private address, no
+authentication) runs the same listener with small caps (:data:`METRICS_CAPS`), so
+a scraper's connections are bounded as an agent's are.
+
+:class:`LoopAcceptErrors` does the same for the daemon's other listener (the control
+socket), which stays asyncio's: it rate-limits the loop's
 ``socket.accept() out of system resource`` reports. Counts are exported by
 :meth:`AgentListener.collect` (``/metrics``).
 """
@@ -47,7 +51,7 @@ from daemon.control.bounds import ConnectionCaps, connection_caps
 from daemon.controlnode.core import wait_event
 
 __all__ = ["AgentListener", "LoopAcceptErrors", "nofile_limit", "agent_connection_caps", "FIRST_REQUEST_S",
-           "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S"]
+           "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S", "METRICS_CAPS"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
@@ -60,6 +64,8 @@ KEEPALIVE_S = 720.0
 LOG_EVERY_S = 10.0  # at most one line per kind of trouble this often (seconds)
 _ACCEPT_RETRY_S = 1.0  # after EMFILE, accept again once a connection closes, or after this long
 _BACKLOG = 1024  # the listen queue (the kernel caps it at net.core.somaxconn)
+#: the metrics port's caps: a Prometheus server keeps one connection; a few scrapers, a few each
+METRICS_CAPS = ConnectionCaps(total=64, per_peer=8)
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -167,10 +173,12 @@ class AgentListener:
         caps: the connection caps (:func:`agent_connection_caps`).
         ssl_context: TLS for every connection, or None.
         first_request_s: seconds a connection has for its TLS handshake and first request head.
+        name: the listener's name in its log lines and task names (``agent``, ``metrics``).
     """
 
     def __init__(self, protocol_factory: Callable[[], asyncio.Protocol], *, caps: ConnectionCaps,
-                 ssl_context: ssl.SSLContext | None = None, first_request_s: float = FIRST_REQUEST_S) -> None:
+                 ssl_context: ssl.SSLContext | None = None, first_request_s: float = FIRST_REQUEST_S,
+                 name: str = "agent") -> None:
         if first_request_s <= 0:
             raise ValueError(f"first_request_s must be > 0 seconds, got {first_request_s}")
         self.protocol_factory = protocol_factory
@@ -188,8 +196,9 @@ class AgentListener:
         self._guards: set[_Guarded] = set()
         self._freed = asyncio.Event()
         self._closed = False
-        self._log_refused = _RateLimitedLog("agent_connection_refused")
-        self._log_accept = _RateLimitedLog("agent_accept_failed")
+        self.name = name
+        self._log_refused = _RateLimitedLog(f"{name}_connection_refused")
+        self._log_accept = _RateLimitedLog(f"{name}_accept_failed")
 
     async def start(self, host: str, port: int) -> int:
         """Bind ``host:port`` (every address ``host`` resolves to; port 0: a free one, the
@@ -220,7 +229,7 @@ class AgentListener:
             self._close_sockets()
             raise
         for sock in self._sockets:
-            self._spawn(self._accept_loop(sock), f"agent-accept:{sock.getsockname()[1]}")
+            self._spawn(self._accept_loop(sock), f"{self.name}-accept:{sock.getsockname()[1]}")
         return int(self._sockets[0].getsockname()[1])
 
     async def aclose(self) -> None:
@@ -286,7 +295,7 @@ class AgentListener:
         guard = _Guarded(self, peer)
         self._guards.add(guard)
         guard.arm(self.first_request_s)  # from accept: the TLS handshake counts too
-        self._spawn(self._connect(conn, guard), "agent-connection")
+        self._spawn(self._connect(conn, guard), f"{self.name}-connection")
 
     async def _connect(self, conn: socket.socket, guard: _Guarded) -> None:
         """Hand ``conn`` to asyncio (and its TLS handshake); a failed handshake frees its place."""
