@@ -28,7 +28,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.compare
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(PY) -m pytest -q
 
 # what the tests need from the system: Debian's prometheus (the dashboard test scrapes the
@@ -38,7 +38,7 @@ test-deps:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus; }
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) test-deps
 	$(PY) -m pytest -q -m 'not slow'
 
 clean:
