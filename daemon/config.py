@@ -408,6 +408,10 @@ class JobSpec(_Spec):
             given = " and ".join(f"job.{f}" for f in ("module", "args") if f in self.model_fields_set)
             raise ValueError(f"command: give either job.command (your own script, unchanged) or {given} "
                              "(a trainer that takes spotvisor's flags), not both")
+        if self.command is not None and self.grow == "in_process":
+            raise ValueError("grow: in_process needs spotvisor's elastic trainer (trainer.loop.ElasticJob) to take "
+                             "a new node in its running workers; job.command runs your own script, which torchrun "
+                             "restarts to grow (remove job.grow, or set it to restart)")
         return self
 
     @model_validator(mode="after")

@@ -18,7 +18,7 @@ NODE = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, ins
 def _with_job(config: Config, **job: object) -> Config:
     return Config.model_validate({**config.model_dump(mode="json", exclude_unset=True),
                                   "job": {**config.job.model_dump(mode="json", exclude_unset=True,
-                                                                  exclude={"module", "args"}), **job}})
+                                                                  exclude={"module", "args", "grow"}), **job}})
 
 
 def test_the_script_and_its_own_flags_follow_torchruns_and_nothing_else() -> None:

@@ -22,10 +22,31 @@ The agent starts ``torchrun`` with these in the environment:
                               (:mod:`trainer.membership`) instead of starting one
 :data:`CHECKPOINT_URI_ENV`    with ``job.command`` only: the checkpoint store of the node's
                               domain (the user's script gets no ``--checkpoint-uri`` flag)
+:data:`NOTICE_ENV`            with ``job.command`` only: the path of this node's plain notice
+                              (:func:`write_plain_notice`); absent until a notice comes, when
+                              the workers get SIGTERM (see "The plain notice" below)
 :data:`JOIN_CREDENTIAL_ENV`   this node's join credential (:mod:`trainer.credential`), from the
                               daemon when it admitted the node: a secret, read once and
                               removed from the workers' environment
 ============================  ==============================================================
+
+The plain notice (``job.command``: the user's own script, unchanged)
+--------------------------------------------------------------------
+A script run as ``job.command`` reads no notice file at its step boundaries. When this
+node gets an interruption notice (or the daemon drains it), the agent first writes the
+file named by ``$SPOTVISOR_NOTICE`` (atomically: tmp + fsync + rename), then sends
+SIGTERM to torchrun, which forwards it to every worker at once. torchrun waits for its
+workers up to ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (the daemon sets it above the longest
+documented notice lead) instead of its own 30 s; the agent SIGKILLs what still runs at
+the deadline. The file is one JSON object, readable with plain ``json.load``::
+
+    {"id": "n2:9f2c...", "kind": "interruption",   # or "drain" (the daemon's, no deadline of the cloud)
+     "time": 1767225600.2,                           # when the agent saw it (unix s)
+     "deadline": 1767225720.0,                       # when the node is taken (unix s); null: unknown
+     "seconds_left": 119.8}                          # deadline - time (null with the deadline)
+
+A SIGTERM handler that finds no file (torchrun's own restart of the workers, when a
+replacement joins) has no deadline of spotvisor's: torchrun SIGKILLs after its timeout.
 
 Importing this module imports neither torch nor the daemon.
 """
@@ -53,7 +74,10 @@ __all__ = [
     "JOIN_ENV",
     "JOIN_CREDENTIAL_ENV",
     "CHECKPOINT_URI_ENV",
+    "NOTICE_ENV",
+    "SHUTDOWN_TIMEOUT_ENV",
     "TRAINER_PYTHONPATH_ENV",
+    "write_plain_notice",
     "NoticeKind",
     "NoticeEntry",
     "NoticeFileError",
@@ -81,6 +105,11 @@ JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
 # job.command (the user's own script, no flag added): the node's domain's checkpoint
 # store (file://, s3://, oss://), where spotvisor's integrations commit (the HF callback)
 CHECKPOINT_URI_ENV = "SPOTVISOR_CHECKPOINT_URI"
+# job.command: the plain notice's path (module docstring, "The plain notice")
+NOTICE_ENV = "SPOTVISOR_NOTICE"
+# torchrun's own (torch >= 2.9: torch/distributed/launcher/api.py): how long it waits for its
+# workers after it forwards a SIGTERM to them, before it SIGKILLs them (its default: 30 s)
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 # in the agent's environment (its env file): a directory holding spotvisor's trainer
 # package alone, which the agent puts first on PYTHONPATH for a trainer on another
 # interpreter than its own (job.python; daemon/providers/bootstrap.py writes it)
@@ -227,6 +256,24 @@ class NoticeFile:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+
+
+def write_plain_notice(path: Path, *, notice_id: str, kind: str, seen_at: float, deadline: float | None) -> dict[str, Any]:
+    """Write the plain notice (module docstring) to ``path`` atomically; returns what was written.
+    ``kind``: ``interruption`` or ``drain``; times in unix seconds.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    body = {"id": notice_id, "kind": kind, "time": seen_at, "deadline": deadline,
+            "seconds_left": None if deadline is None else round(deadline - seen_at, 3)}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return body
 
 
 # --------------------------------------------------------------------------- the status file

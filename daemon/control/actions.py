@@ -159,7 +159,7 @@ class MarkLost:
 @dataclass(frozen=True, slots=True)
 class Admit:
     node_id: str
-    reason: str  # job_start | rejoin | no_survivors | elastic_join
+    reason: str  # job_start | rejoin | no_survivors | join_running | elastic_join | restart (job.command)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,9 @@ returns the actions that move nodes into the job. It is the default policy's
    valid prefix of them, oldest first, is admitted together (``job_start``).
 2. **A grow** (the job runs): the new nodes must not cost the job a step. With
    ``grow_in_process`` they are admitted at once (``join_running``): their workers join
-   the running group at a step boundary (:mod:`trainer.membership`). Otherwise the nodes in
+   the running group at a step boundary (:mod:`trainer.membership`); a ``job.command``
+   job's are admitted at once too (``restart``: torchrun restarts every worker with
+   them; the script resumes from its own checkpoint). Otherwise the nodes in
    the job are asked for a **rejoin** commit (:class:`RequestRejoin`); the new nodes
    wait in ``admitting`` and are admitted once the commit is answered, or after
    ``rejoin_timeout_s``. Not while a noticed node is still in the job (its workers would
@@ -48,7 +50,10 @@ class Rules:
     its rejoin commit; ``prewarm_wait_s``: how long a grow waits for a new node's
     torchrun to finish importing before it asks for the rejoin commit anyway;
     ``grow_in_process``: a new node joins the running group in-process
-    (``job.grow: in_process``): admitted at once, no rejoin commit, nobody holds.
+    (``job.grow: in_process``): admitted at once, no rejoin commit, nobody holds;
+    ``rejoin_commit``: False for the user's own script (``job.command``), which answers
+    no commit request: a new node is admitted at once (``restart``), torchrun restarts
+    every worker with it, and the script resumes from its own checkpoint.
     """
 
     min_nodes: int
@@ -56,6 +61,7 @@ class Rules:
     rejoin_timeout_s: float
     prewarm_wait_s: float = 60.0
     grow_in_process: bool = False
+    rejoin_commit: bool = True
 
 
 def largest_valid(candidates: Sequence[NodeView], world: int, valid: frozenset[int]) -> list[NodeView]:
@@ -124,6 +130,10 @@ def admit(s: PoolState, rules: Rules, *, now: float) -> list[Action]:
         # the state from a peer: nobody holds, so nothing waits for its import either
         chosen = largest_valid(ready, sum(n.gpus for n in running), rules.valid_world_sizes)
         return [Admit(n.id, "join_running") for n in chosen]
+    if not rules.rejoin_commit and running:
+        # nobody would answer the commit request: no hold, so nothing waits for its import either
+        chosen = largest_valid(ready, sum(n.gpus for n in running), rules.valid_world_sizes)
+        return [Admit(n.id, "restart") for n in chosen]
     # a node whose torchrun is still importing would make the survivors hold, idle,
     # through that import: they train on until it is warm, or prewarm_wait_s after it registered
     ready = [n for n in ready

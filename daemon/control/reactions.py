@@ -15,15 +15,15 @@ launches a replacement, ranked away from n2's zone; the flush watch says
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from daemon.control.actions import (Action, AvoidZone, Leave, MarkReplacing, NodeView, PoolState, RequestCheckpoint,
                                     WakeSurvivors, WatchFlush)
-from daemon.control.lifecycle import MEMBERS, JobState, NodeState, training
+from daemon.control.lifecycle import ADMITTED, MEMBERS, JobState, NodeState, TrainerState, leaving, training
 
 __all__ = ["FLUSH_GRACE_S", "on_notice", "on_rebalance", "on_trainer_exit", "on_loss_without_notice",
-           "WorldSizeMismatch", "world_size_mismatch"]
+           "WorldSizeMismatch", "world_size_mismatch", "script_completed"]
 
 # a commit reported just before a notice's deadline may still be on its way (the
 # agent's report retry backs off up to 5 s): wait this long past it before saying
@@ -32,11 +32,13 @@ FLUSH_GRACE_S = 5.0
 
 
 def on_notice(node: NodeView, *, notice_id: str | None, deadline: float | None, lead_s: float,
-              now: float) -> list[Action]:
+              now: float, commits: bool = True) -> list[Action]:
     """An interruption notice on ``node``: deadline (unix s, None: unknown, then ``now +
-    lead_s``, the cloud's documented lead)."""
+    lead_s``, the cloud's documented lead). ``commits``: False for the user's own script
+    (``job.command``), which reports no commit: no flush is watched (its node is SIGTERMed
+    by its agent, leaves and is replaced all the same)."""
     out: list[Action] = []
-    if training(node) and notice_id is not None:  # its flush must commit before the deadline
+    if training(node) and notice_id is not None and commits:  # its flush must commit before the deadline
         due = deadline if deadline is not None else now + lead_s
         out.append(WatchFlush(notice_id, node.id, due + FLUSH_GRACE_S))
     if not node.state.is_terminal() and node.state is not NodeState.DRAINING:
@@ -121,3 +123,22 @@ def world_size_mismatch(world_size: int, nodes: Iterable[NodeView]) -> WorldSize
     members = [n.gpus for n in nodes if n.state in MEMBERS]
     admitted = sum(members)
     return WorldSizeMismatch(world_size, admitted, len(members)) if world_size > admitted else None
+
+
+def script_completed(s: PoolState, exit_codes: Mapping[str, int]) -> bool:
+    """Whether the user's own script (``job.command``, which reports no step and no
+    ``completed`` line) has finished: the job runs, at least one node of the job's domain
+    is in it, every such node's torchrun has exited 0 (``exit_codes``: node id → its
+    trainer's last exit status; torchrun exits 0 only when every local worker did, and a
+    SIGTERMed torchrun exits 1), and no noticed node is still in the job. A crash, a
+    notice's node or a node lost is never a completion; a node admitted whose trainer has
+    not exited yet keeps the job running.
+
+    Example: n1 n3 n4 in the job; n4's, n1's and then n3's torchrun exit 0 → True at
+    n3's exit (the daemon then records ``job_completed`` and releases the pool).
+    """
+    if s.job is not JobState.RUNNING:
+        return False
+    in_job = s.in_domain().in_state(*ADMITTED)
+    return bool(in_job) and not any(leaving(n) for n in s.nodes) and all(
+        n.trainer is TrainerState.EXITED and exit_codes.get(n.id) == 0 for n in in_job)

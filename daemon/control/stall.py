@@ -175,11 +175,13 @@ def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progr
 
 
 def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_codes: Mapping[str, int],
-          migrating: bool = False) -> Stall | None:
+          migrating: bool = False, steps_expected: bool = True) -> Stall | None:
     """Whether the job is stalled at ``now`` (module docstring); None: it is not.
 
     ``exit_codes``: node id → its trainer's last exit status, where known (a node
-    missing counts as a failure). ``migrating``: a whole-job migration is in flight."""
+    missing counts as a failure). ``migrating``: a whole-job migration is in flight.
+    ``steps_expected``: False for a trainer that has never reported a step (the user's
+    own script, ``job.command``): its silence is no ``no_step`` stall (its exits still are)."""
     if s.job.is_terminal() or s.job is JobState.PAUSED or s.paused or migrating:
         return None
     idle = p.idle_s(now)
@@ -201,7 +203,7 @@ def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_code
             return Stall("trainers_exited", idle, grace,
                          f"every trainer of the job exited (status {codes}) {now - p.exited_since:.0f} s ago")
     bound = p.bound_s(rules)
-    if idle >= bound:
+    if idle >= bound and steps_expected:
         what = "no first step" if p.last_step_at is None else f"no step after step {p.step}"
         return Stall("no_step", idle, bound, f"{what} for {idle:.0f} s (bound {bound:.0f} s)")
     return None

@@ -48,6 +48,8 @@ class Actuator:
             sup.record(EventKind.NODE_ADMITTED, action.node_id, reason=action.reason)
         elif isinstance(action, a.StartJob):
             sup.job.to(JobState.RUNNING)
+            if sup.config.job.command is not None and sup.job.started_at is None:
+                sup.job.started_at = sup.clock()  # the user's script reports no start of its own
         elif isinstance(action, a.NoteFirstReady):
             sup.first_ready_at = action.at
         elif isinstance(action, a.Drain):

@@ -102,7 +102,8 @@ class Intake:
                     else round(n.seen_at - published_at, 3))
         view = core.view(node)
         for action in on_notice(view, notice_id=n.notice_id, deadline=node.deadline,
-                                lead_s=DOCUMENTED_LEAD_S.get(n.provider or "", 120.0), now=core.clock()):
+                                lead_s=DOCUMENTED_LEAD_S.get(n.provider or "", 120.0), now=core.clock(),
+                                commits=core.config.job.command is None):
             core.act(action)
         core.wake()
 

@@ -17,10 +17,16 @@ from typing import Any, Mapping
 
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
+from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Node
-from trainer.contract import CHECKPOINT_URI_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
+from trainer.contract import (CHECKPOINT_URI_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV,
+                              RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV)
 
-__all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY"]
+__all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY", "PLAIN_SHUTDOWN_TIMEOUT_S"]
+
+# job.command: torchrun's wait for its SIGTERMed workers (seconds), past the longest notice
+# lead a cloud documents (Alibaba's 5 min); the notice's own deadline is the agent's to enforce
+PLAIN_SHUTDOWN_TIMEOUT_S = int(max(DOCUMENTED_LEAD_S.values())) + 30
 
 SECRETS_KEY = "secrets"  # the spec's map of the job's secrets: {NAME: value}
 
@@ -105,6 +111,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     }
     if job.command is not None:  # the user's own script takes no flag of ours: what it may use rides in the env
         env[CHECKPOINT_URI_ENV] = c.checkpoint_uri(d.name)
+        # on a notice the agent SIGTERMs torchrun, which forwards it to the workers and, by
+        # default, SIGKILLs them 30 s later: wait past any cloud's notice instead (the agent
+        # itself SIGKILLs what still runs at the notice's own deadline)
+        env[SHUTDOWN_TIMEOUT_ENV] = str(PLAIN_SHUTDOWN_TIMEOUT_S)
     if d.s3_endpoint_url:
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:
@@ -113,6 +123,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         env[OSS_RAM_ROLE_ENV] = role  # the node has no OSS keys of its own: its instance RAM role's are used
     env.update(job.env)  # names checked against spotvisor's own (daemon.secretref); OMP_NUM_THREADS is the job's
     spec: dict[str, Any] = {"argv": argv, "env": env}
+    if job.command is not None:  # a notice is a SIGTERM to the script (daemon/gpunode/trainer_process.py)
+        spec["notice_signal"] = True
     if code is not None:
         spec["workdir"] = code.spec(d.name)
     if job.setup:

@@ -14,7 +14,9 @@ from typing import Callable
 
 import structlog
 
-from daemon.control.actions import Action, JobStalled
+from daemon.control.actions import Action, JobStalled, PoolState
+from daemon.control.lifecycle import ADMITTED, JobState
+from daemon.control.reactions import script_completed
 from daemon.control.stall import Progress, StallRules, check, observe, recover
 from daemon.controlnode.core import Core
 from daemon.model import Event, EventKind
@@ -46,12 +48,18 @@ class StallWatch:
             self.exit_codes[ev.node] = code
 
     def check(self, now: float) -> list[Action]:
-        """One pass (``now``: unix s): the actions for a stall, or none."""
+        """One pass (``now``: unix s): the actions for a stall, or none. First, for the
+        user's own script (``job.command``): whether it has finished
+        (:func:`~daemon.control.reactions.script_completed`), which ends the job."""
         core = self.core
         s = core.state()
+        script = core.config.job.command is not None
+        if script and script_completed(s, self.exit_codes):
+            self._complete_script(s)
+            return []
         progress = observe(self.progress or Progress(since=now, attempt=s.attempt), s, step=core.job.step, now=now)
         stall = check(progress, s, now=now, rules=self.rules, exit_codes=self.exit_codes,
-                      migrating=self._migrating())
+                      migrating=self._migrating(), steps_expected=not script or core.job.step is not None)
         if stall is None:
             self.progress = progress
             return []
@@ -64,3 +72,12 @@ class StallWatch:
         log.warning("job_stalled", pool=core.pool, reason=stall.reason, message=stall.message,
                     idle_s=round(stall.idle_s, 1), step=core.job.step, recoveries=self.progress.recoveries)
         return actions
+
+    def _complete_script(self, s: PoolState) -> None:
+        """``job_completed`` for a script's end: the job holds nothing from now on."""
+        core = self.core
+        nodes = sorted(n.id for n in s.in_domain().in_state(*ADMITTED))
+        core.job.to(JobState.COMPLETED)
+        core.record(EventKind.JOB_COMPLETED, None, step=core.job.step, how="every_trainer_exited_0", nodes=nodes)
+        log.info("job_completed", pool=core.pool, how="every_trainer_exited_0", nodes=nodes)
+        core.job_completed()

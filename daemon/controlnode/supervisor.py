@@ -317,7 +317,7 @@ class Supervisor:
 
     def _rules(self) -> Rules:
         return Rules((c := self.config).pool.min_nodes, frozenset(c.valid_world_sizes()), c.daemon.rejoin_timeout_s,
-                     PREWARM_WAIT_S, grow_in_process=c.job.grow == "in_process")
+                     PREWARM_WAIT_S, grow_in_process=c.job.grow == "in_process", rejoin_commit=c.job.command is None)
 
     def limits(self) -> Limits:
         return Limits(max_step=self.config.job.target_steps, max_world_size=self.config.max_world_size())

@@ -32,6 +32,11 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   agent on heartbeats alone.
 - ``gpu``: sample the GPUs every second; each heartbeat carries the per-GPU means
   since the last one (:class:`daemon.gpunode.gpu.GpuMeans`).
+- a ``job.command`` job (the user's own script, which reads no notice file): on a
+  notice or a drain the agent writes the plain notice (``$SPOTVISOR_NOTICE``:
+  :mod:`trainer.contract`) and SIGTERMs torchrun at once, which forwards it to every
+  worker; what still runs at the deadline is SIGKILLed
+  (:meth:`~daemon.gpunode.trainer_process.TrainerProcess.notice`).
 - ``status``: tail the trainer's status file and forward what matters
   (``started``, ``checkpoint_committed``, ``holding``, ``completed``). When the
   checkpoint that answers this node's interruption notice is committed, the node
@@ -448,9 +453,9 @@ class NodeAgent:
         log.warning("interruption_notice", node_id=self.node_id, deadline=deadline, action=notice.action)
         self._report("interruption_notice", notice={**notice.to_dict(), "id": nid}, seen_at=seen_at,
                      deadline=deadline)
-        if self.trainer is not TrainerState.RUNNING:
-            return
-        if deadline is not None:
+        if self.runner.signals_on_notice:  # job.command: SIGTERM; the script's own handler saves
+            self.runner.notice(nid, kind="interruption", seen_at=seen_at, deadline=deadline)
+        elif self.trainer is TrainerState.RUNNING and deadline is not None:
             asyncio.get_running_loop().call_later(
                 max(0.0, deadline - time.time() - 3.0), self._leave_if_still_running, entry.id
             )
@@ -540,6 +545,7 @@ class NodeAgent:
                 if self.notices.add(entry):
                     self._interruption = entry
                     log.info("drain_requested", node_id=self.node_id, request_id=cmd["id"])
+                    self.runner.notice(cmd["id"], kind="drain", seen_at=time.time(), deadline=None)  # job.command
             elif cmd.get("kind") == "cancel":
                 self.notices.remove([cmd["id"]])
                 log.info("checkpoint_request_cancelled", node_id=self.node_id, request_id=cmd["id"])

@@ -18,17 +18,24 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import time
+
 import structlog
 
 from daemon.control.lifecycle import TrainerState, check_trainer_transition
 from daemon.gpunode.launcher import READY_FD_ENV
+from daemon.gpunode.proctree import kill_tree
 from daemon.model import TORCHRUN_ARGV
-from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_FILE_ENV, SCRATCH_DIR_ENV,
-                              STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV)
+from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_ENV, NOTICE_FILE_ENV,
+                              SCRATCH_DIR_ENV, STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV, write_plain_notice)
 
-__all__ = ["TrainerProcess"]
+__all__ = ["TrainerProcess", "DRAIN_GRACE_S"]
 
 log = structlog.get_logger("spotvisor.agent")
+
+# job.command, a drain (the daemon's, no cloud deadline): the script's SIGTERM handler has
+# this long (seconds) before what still runs is SIGKILLed; AWS's documented notice lead
+DRAIN_GRACE_S = 120.0
 
 
 class TrainerProcess:
@@ -50,6 +57,8 @@ class TrainerProcess:
         self.warm: asyncio.subprocess.Process | None = None  # torchrun importing, not started (prewarm)
         self._ready_pipe: int | None = None  # the read end of the launcher's "ready" pipe, until awaited
         self._on_change = on_change
+        self._left: asyncio.subprocess.Process | None = None  # the process leave() signalled (once)
+        self._deadline_kill: asyncio.TimerHandle | None = None
 
     def _to(self, new: TrainerState) -> None:
         check_trainer_transition(self.state, new)
@@ -58,12 +67,51 @@ class TrainerProcess:
 
     def leave(self, why: str, **fields: Any) -> bool:
         """SIGTERM torchrun (never its workers exiting 0: that would close the rendezvous
-        for good, pytorch#123678), logged as ``why``. False if no trainer runs."""
-        if self.proc is None or self.proc.returncode is not None:
+        for good, pytorch#123678), logged as ``why``; once per process (a second SIGTERM
+        would cut torchrun's wait for its workers short). False if no trainer runs."""
+        if self.proc is None or self.proc.returncode is not None or self._left is self.proc:
             return False
         log.info(why, node_id=self.node_id, **fields)
+        self._left = self.proc
         self.proc.send_signal(signal.SIGTERM)
         return True
+
+    @property
+    def signals_on_notice(self) -> bool:
+        """The job is the user's own script (``job.command``): a notice is a SIGTERM and
+        the plain notice (:func:`trainer.contract.write_plain_notice`), not a commit request."""
+        return bool(self.job.get("notice_signal"))
+
+    @property
+    def plain_notice_path(self) -> Path:
+        return self.workdir / "notice.json"
+
+    def notice(self, notice_id: str, *, kind: str, seen_at: float, deadline: float | None) -> bool:
+        """``job.command``: write the plain notice, then SIGTERM torchrun, which forwards it to
+        every worker at once and waits for them (``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, set
+        by the daemon past any cloud's lead); at ``deadline`` (unix s; None: ``seen_at`` +
+        :data:`DRAIN_GRACE_S`) whatever still runs is SIGKILLed, workers and torchrun.
+        False if no trainer runs (the file is written anyway: a worker may still read it),
+        or the job is not ``job.command`` (:attr:`signals_on_notice`: nothing is done)."""
+        if not self.signals_on_notice:
+            return False
+        body = write_plain_notice(self.plain_notice_path, notice_id=notice_id, kind=kind, seen_at=seen_at,
+                                  deadline=deadline)
+        if not self.leave("notice_sigterm", notice_id=notice_id, seconds_left=body["seconds_left"]):
+            return False
+        proc = self.proc
+        assert proc is not None
+        due = (deadline if deadline is not None else seen_at + DRAIN_GRACE_S) - time.time()
+        if self._deadline_kill is not None:
+            self._deadline_kill.cancel()
+        self._deadline_kill = asyncio.get_running_loop().call_later(max(0.0, due), self._kill_at_deadline, proc)
+        return True
+
+    def _kill_at_deadline(self, proc: asyncio.subprocess.Process) -> None:
+        self._deadline_kill = None
+        if proc.returncode is None:
+            reached = kill_tree(proc.pid)
+            log.warning("trainer_killed_at_deadline", node_id=self.node_id, pids=len(reached))
 
     def reap(self) -> int | None:
         """If the running trainer has exited: its exit code (the state becomes ``exited``)."""
@@ -109,6 +157,8 @@ class TrainerProcess:
              LOG_DIR_ENV: str(self.workdir / "logs"), SCRATCH_DIR_ENV: str(self.workdir / "scratch"),
              NODE_ID_ENV: self.node_id}
         )
+        if self.signals_on_notice:
+            env[NOTICE_ENV] = str(self.plain_notice_path)
         if self.code_dir is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.code_dir), env.get("PYTHONPATH")) if p)
         return env
@@ -207,6 +257,7 @@ class TrainerProcess:
         ``$SPOTVISOR_JOIN_CREDENTIAL``: in their environment only (a prewarmed launcher
         gets it on its standard input), never on a command line or in a log line."""
         spec = self.job.get("join") if join and self.job.get("join") else self.job
+        self.plain_notice_path.unlink(missing_ok=True)  # a notice file there is from no notice of this trainer
         env = self.job_env()
         env.update(spec.get("env", {}))
         if credential:

@@ -95,6 +95,7 @@ def run_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
             during: Callable[[subprocess.Popen, Path], None] | None = None, **job: Any) -> dict[str, Any]:
         raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
         raw["job"].update({"checkpoint_interval_steps": 10, "args": SMALL_MODEL, **job})
+        raw["job"] = {k: v for k, v in raw["job"].items() if v is not None}  # None: the field left out
         if dialects:
             raw["providers"]["local"]["metadata_dialects"] = dialects
         if offers is not None:
