@@ -552,11 +552,14 @@ class _SlackSender(_Sender):
 
     async def send(self, prepared: SlackMessage) -> None:
         await self.pace()  # a retry counts against the rate limit too
-        self._next_at = asyncio.get_running_loop().time() + SLACK_MIN_INTERVAL_S
         try:
             resp = await self.client.send(text=prepared.text, blocks=prepared.blocks or None)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DeliveryError(f"{type(exc).__name__}: {exc}") from None  # its URL: not kept on the chain
+        finally:
+            # the next slot counts from the answer: Slack saw this message by then, so the
+            # next one reaches it at least the interval later however slow the way there
+            self._next_at = asyncio.get_running_loop().time() + SLACK_MIN_INTERVAL_S
         if not 200 <= resp.status_code < 300:
             raise DeliveryError(f"HTTP {resp.status_code}: {clip(str(resp.body).strip(), 200)}",
                                 retry_after_s=retry_after_s(resp.status_code, resp.headers or {}))
