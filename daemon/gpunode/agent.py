@@ -199,19 +199,23 @@ def _command_poll_retryable(exc: BaseException) -> bool:
 class StepProgress:
     """The trainer's newest ``step`` line and the tokens trained since this agent started
     (the sum of the step lines' ``tokens``). Each heartbeat carries :meth:`body`, so the
-    daemon hears of progress once a heartbeat however many steps a second: nothing grows."""
+    daemon hears of progress once a heartbeat however many steps a second: nothing grows.
+    ``step``: the step of the newest status line of any kind (None after a restart)."""
 
-    __slots__ = ("_newest", "_tokens")
+    __slots__ = ("_newest", "_tokens", "step")
 
     def __init__(self) -> None:
         self._newest: dict[str, Any] | None = None
         self._tokens: int | None = None
+        self.step: int | None = None
 
     def on_line(self, line: dict[str, Any]) -> None:
         """A status line. ``step``: the newest step and its loss (None unless a finite
         number); its ``tokens`` (an integer in [0, 2**40]) added to the total. ``started``
         (a new attempt): no newest step until its first. Others: nothing."""
         step, loss, tokens = line.get("step"), line.get("loss"), line.get("tokens")
+        if isinstance(step, int):
+            self.step = step
         if line.get("event") == "started":
             self._newest = None
         if line.get("event") != "step" or not isinstance(step, int) or isinstance(step, bool):
@@ -276,7 +280,6 @@ class NodeAgent:
         self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
         self._beat_sent = asyncio.Event()  # set after each heartbeat (a failed setup's log is shipped first)
         self.runner = TrainerProcess(workdir=self.workdir, node_id=node_id, on_change=self._beat_now.set)
-        self._step: int | None = None
         self._progress = StepProgress()  # the newest step line, for the heartbeats
         self._interruption: NoticeEntry | None = None  # this node's own notice, once seen
         self._seen_notice_ids: set[str] = set()
@@ -486,7 +489,7 @@ class NodeAgent:
             try:
                 reply = await self._post(
                     "/v1/agent/heartbeat",
-                    {"step": self._step, "progress": self._progress.body(),
+                    {"step": self._progress.step, "progress": self._progress.body(),
                      "trainer": {"state": self.trainer.value, "exit_code": self.runner.exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
@@ -573,7 +576,7 @@ class NodeAgent:
         code = await self.runner.restart(job)
         if code is not None:
             self._report("trainer_exited", exit_code=code)
-        self._step = None  # the old trainer's: the restarted one reports its own
+        self._progress.step = None  # the old trainer's: the restarted one reports its own
         log.info("trainer_restart", node_id=self.node_id, request_id=cmd.get("id"), stopped_exit_code=code)
 
     async def _status_loop(self) -> None:
@@ -593,8 +596,6 @@ class NodeAgent:
     def _on_status(self, line: dict[str, Any]) -> None:
         assert self.notices is not None
         event = line.get("event")
-        if isinstance(line.get("step"), int):
-            self._step = line["step"]
         self._progress.on_line(line)
         # the daemon keeps the first report of a line (by attempt and step), so only the node
         # of global rank 0 reports it, and a node whose own notice a commit answers: at
