@@ -41,13 +41,15 @@ def save_model(path: Path, *, n_positions: int = 64) -> Path:
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tokenizer()), n_positions=n_positions,
+                        bos_token_id=tokenizer().eos_token_id, eos_token_id=tokenizer().eos_token_id,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
 
 
-def write_docs(path: Path, n: int, *, seed: int = 0) -> Path:
-    """``n`` documents of varied length (a few words to several samples long) as JSONL ``{"text": ...}``."""
+def write_docs(path: Path, n: int, *, seed: int = 0, lengths: tuple[int, ...] = (3, 10, 40, 120)) -> Path:
+    """``n`` documents of varied length (``lengths``: words; a few to several samples long) as JSONL
+    ``{"text": ...}``."""
     import random
 
     from trainer.data import default_corpus
@@ -56,6 +58,6 @@ def write_docs(path: Path, n: int, *, seed: int = 0) -> Path:
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i in range(n):
-            start, length = rng.randrange(len(words) - 200), rng.choice([3, 10, 40, 120])
+            start, length = rng.randrange(len(words) - 200), rng.choice(lengths)
             f.write(json.dumps({"id": i, "text": " ".join(words[start:start + length])}) + "\n")
     return path

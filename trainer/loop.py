@@ -241,8 +241,8 @@ class ElasticJob:
         """``(input_ids, labels)`` of the samples at global ``positions``, int64 ``(len, seq_len)``."""
         if self.streaming:
             return self.dataset.batch(positions)
-        if self.sampler is None:
-            raise RuntimeError("no sample order yet: the job's resume() must call start_data()")
+        if self.sampler is None:  # a resume() that did not call start_data: the order of this seed
+            self.start_data()
         return self.dataset.batch([self.sampler.index(p) for p in positions])
 
     def data_position(self, step: int) -> dict[str, Any]:
@@ -299,9 +299,10 @@ class ElasticJob:
                              global_batch_size=self.G, micro_batch_size=self.plan.micro_batch_size,
                              grad_accum_steps=self.plan.grad_accum_steps)
         if self.ctx.is_leader:
-            log.info("attempt %s: world %d, global batch %d = %d x %d accum x %d ranks, %d samples, step %d/%d",
+            log.info("attempt %s: world %d, global batch %d = %d x %d accum x %d ranks, %s samples, step %d/%d",
                      self.attempt, self.ctx.world_size, self.G, self.plan.micro_batch_size,
-                     self.plan.grad_accum_steps, self.ctx.world_size, len(self.dataset), self.state.step, target)
+                     self.plan.grad_accum_steps, self.ctx.world_size,
+                     "a stream of" if self.streaming else len(self.dataset), self.state.step, target)
         start_step = self.state.step
         self._follow()
         t_window, n_window = time.perf_counter(), 0
