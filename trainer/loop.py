@@ -46,12 +46,14 @@ from trainer.batch import BatchError, BatchPlan, ElasticBatch
 from trainer.checkpoint import Manifest, open_store
 from trainer.contract import JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.credential import CredentialError, NodeCredential
-from trainer.data import DataError, TokenDataset, encode, load_corpus
+from trainer.data import DataError, MapSamples, as_samples, load_data
 from trainer.exchange import all_gather_json, broadcast_json
 from trainer.guard import Decision, PreemptionGuard
 from trainer.membership import (JobCompleted, JoinQueue, JoinRefused, JoinTimeout, LossWatch, Ticket, joining,
                                 run_id, settle_survivors)
 from trainer.sampler import ElasticSampler
+from trainer.stream import StreamSamples
+from trainer.tokens import TokenWindows
 from trainer.runtime import (
     DistContext,
     StatusWriter,
@@ -60,6 +62,7 @@ from trainer.runtime import (
     broadcast_state,
     configure_logging,
     configure_threads,
+    data_position,
     env_world,
     joiner_context,
     new_attempt_id,
@@ -133,9 +136,7 @@ class ElasticJob:
     #: reload the last commit, in their running processes.
     state_replicated = True
 
-    def __init__(
-        self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor
-    ) -> None:
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
         #: this node's join credential (trainer.credential), taken out of the environment
         #: first thing: rank 0 checks joiners' tickets with it, a joiner proves itself with it
         self.credential = _credential()
@@ -147,7 +148,14 @@ class ElasticJob:
         self.store = open_store(args.checkpoint_uri, s3_endpoint_url=os.environ.get(S3_ENDPOINT_ENV) or None)
         self.status = StatusWriter(os.environ.get(STATUS_FILE_ENV), ctx, self.attempt)
         self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), ctx, self.attempt)
-        self.dataset = TokenDataset(tokens, args.seq_len)
+        #: the samples (:func:`trainer.data.as_samples` of ``data``: token ids, a map-style
+        #: dataset, a resumable stream); read them with :meth:`batch`
+        self.dataset: TokenWindows | MapSamples | StreamSamples = as_samples(data, args.seq_len)
+        if isinstance(self.dataset, StreamSamples):
+            self.dataset.set_mark_every(self.G)  # a step trained again starts from its step's mark
+        if getattr(args, "vocab_size", None) is None:  # a model built from scratch sizes its embeddings by it
+            args.vocab_size = getattr(self.dataset, "vocab_size", None)
+        self.sampler: ElasticSampler | None = None  # map-style data's order: set by start_data
         self.seed = args.seed
         self.state = self.build_state()
         self.last_committed: Manifest | None = None  # rank 0's copy of the newest commit
@@ -209,6 +217,50 @@ class ElasticJob:
         """Load :meth:`peer_state` of a peer into ``self.state``."""
         raise NotImplementedError
 
+    # -- the data position (every job's; a job calls start_data in its resume)
+
+    @property
+    def streaming(self) -> bool:
+        """The samples come off a stream (no length, no shuffle; the position has a state)."""
+        return isinstance(self.dataset, StreamSamples)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Token positions one optimizer step trains on, over all ranks: ``G x seq_len``
+        (a padded map-style example counts its padding)."""
+        return self.G * self.dataset.seq_len
+
+    def start_data(self, position: dict[str, Any] | None = None) -> None:
+        """Set the sample order up for ``self.seed`` and put a stream at ``position`` (a
+        commit's ``data_position``, or a peer's; None: the start). Called by :meth:`resume`
+        and after taking a peer's state."""
+        if not self.streaming:
+            self.sampler = ElasticSampler(len(self.dataset), self.seed)
+            return
+        assert isinstance(self.dataset, StreamSamples)
+        position = position or {}
+        state = position.get("stream")
+        if state is None and position.get("consumed_samples"):
+            log.warning("the data position has no stream state: reading the stream from its start to sample %d",
+                        position["consumed_samples"])
+        self.dataset.restore(state if state is not None else self.dataset.initial_state())
+
+    def batch(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, labels)`` of the samples at global ``positions``, int64 ``(len, seq_len)``."""
+        if self.streaming:
+            return self.dataset.batch(positions)
+        if self.sampler is None:  # a resume() that did not call start_data: the order of this seed
+            self.start_data()
+        return self.dataset.batch([self.sampler.index(p) for p in positions])
+
+    def data_position(self, step: int) -> dict[str, Any]:
+        """The manifest's ``data_position`` after ``step`` steps: where the sample stream resumes."""
+        consumed = step * self.G
+        if self.streaming:
+            assert isinstance(self.dataset, StreamSamples)
+            return {"consumed_samples": consumed, "seed": self.seed, "stream": self.dataset.state_at(consumed)}
+        return data_position(step, self.G, self.seed, len(self.dataset))
+
     def stage_state(self, keep: list[int]) -> None:
         """Collective over the group about to change, on every rank of it (the leaving ranks
         of a notice too), before it changes: put what :meth:`reshard` needs where it will
@@ -238,7 +290,12 @@ class ElasticJob:
             log.warning("checkpoint seed %s differs from --seed %s: keeping the checkpoint's", seed, self.seed)
             self.seed = int(seed)
         n = pos.get("dataset_len")
-        if n is not None and n != len(self.dataset):
+        if self.streaming != ("stream" in pos) and manifest.step > 0:
+            raise ConfigError(f"checkpoint step {manifest.step} in {self.store.uri} was trained on "
+                              f"{'a stream' if 'stream' in pos else 'a map-style dataset'}, this job reads "
+                              f"{'a stream' if self.streaming else 'a map-style dataset'}: the data position would "
+                              "not be exact")
+        if n is not None and not self.streaming and n != len(self.dataset):
             log.warning("dataset has %d samples, checkpoint was written with %d: the sample order changes",
                         len(self.dataset), n)
 
@@ -250,9 +307,10 @@ class ElasticJob:
                              global_batch_size=self.G, micro_batch_size=self.plan.micro_batch_size,
                              grad_accum_steps=self.plan.grad_accum_steps)
         if self.ctx.is_leader:
-            log.info("attempt %s: world %d, global batch %d = %d x %d accum x %d ranks, %d samples, step %d/%d",
+            log.info("attempt %s: world %d, global batch %d = %d x %d accum x %d ranks, %s samples, step %d/%d",
                      self.attempt, self.ctx.world_size, self.G, self.plan.micro_batch_size,
-                     self.plan.grad_accum_steps, self.ctx.world_size, len(self.dataset), self.state.step, target)
+                     self.plan.grad_accum_steps, self.ctx.world_size,
+                     "a stream of" if self.streaming else len(self.dataset), self.state.step, target)
         start_step = self.state.step
         self._follow()
         t_window, n_window = time.perf_counter(), 0
@@ -636,7 +694,9 @@ class ElasticJob:
             return
         leader = self.ctx.rank == src
         info = broadcast_json({"step": self.state.step, "seed": self.seed, "committed_step": self.committed_step,
-                               "handled_ids": self.guard.handled_ids} if leader else None, src=src, group=group)
+                               "handled_ids": self.guard.handled_ids,
+                               "data": self.data_position(self.state.step) if self.streaming else None}
+                              if leader else None, src=src, group=group)
         t0 = time.perf_counter()
         state = broadcast_state(self.peer_state() if leader else None, src=src, device=self.ctx.device, group=group)
         dist.destroy_process_group(group)
@@ -649,7 +709,7 @@ class ElasticJob:
         self.seed = int(info["seed"])
         self.committed_step = info["committed_step"]
         self.guard.mark_handled(info["handled_ids"])
-        self.sampler = ElasticSampler(len(self.dataset), self.seed)
+        self.start_data(info["data"])
         if self.ctx.is_local_leader:
             nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
             log.warning("took the state of step %d from rank %d (%d bytes in %.2f s)", self.state.step, src, nbytes,
@@ -671,12 +731,17 @@ def run_job(
     job_cls: type[ElasticJob],
     parser: argparse.ArgumentParser,
     prepare: Callable[[], None] | None = None,
+    data: Callable[[argparse.Namespace], Any] = load_data,
 ) -> int:
     """Run ``job_cls`` on this rank; returns the exit code (0 done, 2 bad configuration).
 
     ``parser``: the job's flags (:func:`trainer.runtime.add_job_arguments` plus its own,
-    ``--data`` and ``--seq-len`` among them); ``prepare`` runs before the process group
-    is set up (e.g. DeepSpeed's environment).
+    ``--seq-len`` among them); ``prepare`` runs before the process group is set up (e.g.
+    DeepSpeed's environment). ``data(args)`` builds what the job trains on, before the
+    process group too (a :class:`~trainer.data.DataError` is exit 2): token ids, a map-style
+    dataset, a resumable stream, or a source of :func:`trainer.data.as_samples` (wrap texts
+    with their tokenizer there: ``StreamSamples(stream, args.seq_len, tokenizer)``); default
+    :func:`trainer.data.load_data` (the reference trainer's ``--data`` / ``--tokenizer`` / ...).
     """
     args = parser.parse_args(argv)
     args.checkpoint_uri = normalize_uri(args.checkpoint_uri)
@@ -689,9 +754,7 @@ def run_job(
         # is its own node's until it is admitted: the batch is planned again then)
         batch = ElasticBatch(args.global_batch_size, args.micro_batch_size)
         plan = batch.plan(batch.valid_world_sizes()[0] if join else world)
-        tokens = encode(load_corpus(args.data))
-        if tokens.numel() < args.seq_len + 1:
-            raise DataError(f"corpus has {tokens.numel()} tokens, fewer than seq_len + 1 = {args.seq_len + 1}")
+        samples = as_samples(data(args), args.seq_len)
     except (BatchError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -700,7 +763,7 @@ def run_job(
     ctx = joiner_context() if join else setup_distributed(args.pg_timeout_s)
     job = None
     try:
-        job = job_cls(args, ctx, plan, tokens)
+        job = job_cls(args, ctx, plan, samples)
         if join:
             if not (job.in_process_resize and getattr(args, "resize", "restart") == "in-process"):
                 raise ConfigError(f"{job_cls.__name__} cannot join a running group in-process "

@@ -1,6 +1,8 @@
 """Reference trainer: ``python -m trainer.run`` on every rank (torchrun) or alone.
 
-Trains a small GPT-2 (transformers) on bytes with DDP, a constant global batch,
+Trains a causal LM (transformers) with DDP: a small GPT-2 on bytes by default, or
+``--model`` / ``--tokenizer`` by name or path (``from_pretrained``) on ``--data`` files,
+a ``--dataset`` or a ``--streaming`` read of either (:func:`trainer.data.load_data`); with a constant global batch,
 notice-driven checkpoint commits and resume at any valid world size. The node
 agent starts it under ``torchrun --nnodes=MIN:MAX``; torchrun restarts the workers
 on a membership change (a node joining, or lost without notice), and each new
@@ -22,8 +24,9 @@ import io
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +44,11 @@ from trainer.checkpoint import (
     step_dir,
     write_shard,
 )
-from trainer.data import VOCAB_SIZE
+from trainer.data import VOCAB_SIZE, add_data_arguments, load_data
 from trainer.guard import Decision
 from trainer.integrations.common import newest_intact
 from trainer.loop import ConfigError, ElasticJob, run_job
-from trainer.runtime import DistContext, add_job_arguments, barrier, data_position, mean_loss, positive_int
+from trainer.runtime import DistContext, add_job_arguments, barrier, mean_loss, positive_int
 from trainer.sampler import ElasticSampler
 
 __all__ = ["main", "build_parser", "build_state", "causal_lm_step", "wrap_ddp", "ReferenceJob", "TrainState",
@@ -62,10 +65,14 @@ MODEL_SHARD = "model.pt"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer.run",
-        description="spotvisor reference trainer: byte-level GPT-2, elastic DDP, committed checkpoints.",
+        description="spotvisor reference trainer: a causal LM (byte-level GPT-2 by default), elastic DDP, "
+                    "committed checkpoints.",
     )
     add_job_arguments(p)
     p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="a transformers causal LM (AutoModelForCausalLM.from_pretrained); default: a new GPT-2 "
+                        "of --n-layer/--n-embd/--n-head")
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-embd", type=positive_int, default=256)
     p.add_argument("--n-head", type=positive_int, default=4)
@@ -73,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--data", action="append", default=[], metavar="PATH",
                    help=".txt or .jsonl ({\"text\": ...} lines) file; repeatable; default: CPython's help texts")
+    add_data_arguments(p)
     p.add_argument("--resize", choices=("in-process", "restart"), default="in-process",
                    help="after a notice commit, the survivors re-form the process group in their running "
                         "workers (in-process, needs $SPOTVISOR_RDZV_ENDPOINT) or hold for torchrun's restart")
@@ -91,14 +99,24 @@ class TrainState:
     step: int = 0
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, *, meta: bool = False) -> torch.nn.Module:
+    """``--model`` (``from_pretrained``; on ``meta``, its config only) or a new GPT-2 of
+    ``args.vocab_size`` ids (:func:`trainer.data.load_data` sets it; 256 bytes if unset).
+
+    Raises:
+        ConfigError: the model cannot be loaded, holds fewer ids than the tokenizer, or
+            fewer positions than ``--seq-len``.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    vocab = getattr(args, "vocab_size", None) or VOCAB_SIZE
+    if getattr(args, "model", None):
+        return _pretrained(args, vocab, meta=meta)
     config = GPT2Config(
         n_layer=args.n_layer,
         n_embd=args.n_embd,
         n_head=args.n_head,
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab,
         n_positions=args.seq_len,
         bos_token_id=0,
         eos_token_id=0,
@@ -110,12 +128,33 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def _pretrained(args: argparse.Namespace, vocab: int, *, meta: bool) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+        model = (AutoModelForCausalLM.from_config(config) if meta
+                 else AutoModelForCausalLM.from_pretrained(args.model, config=config))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {args.model}: cannot load it ({(str(exc).splitlines() or [''])[0][:200]})") from None
+    ids = model.get_input_embeddings().num_embeddings
+    if ids < vocab:
+        raise ConfigError(f"--model {args.model} embeds {ids} ids, the tokenizer has {vocab}: use the model's "
+                          "tokenizer (--tokenizer) or resize its embeddings")
+    positions = next((getattr(config, k) for k in ("n_positions", "max_position_embeddings")
+                      if isinstance(getattr(config, k, None), int)), None)
+    if positions is not None and positions < args.seq_len:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than --model {args.model}'s {positions} positions")
+    return model
+
+
 def build_state(args: argparse.Namespace, device: torch.device) -> TrainState:
     """The GPT-2 of ``args`` and its AdamW on ``device``; on ``meta``, shapes only (nothing
     is allocated or initialised: a resize fills it from a peer)."""
     if device.type == "meta":
         with torch.device("meta"):
-            model = build_model(args)
+            model = build_model(args, meta=True)
     else:
         model = build_model(args).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -165,7 +204,7 @@ class ReferenceJob(ElasticJob):
                      manifest.step, manifest.world_size, self.ctx.world_size)
         self.last_committed = manifest
         self.committed_step = manifest.step if manifest is not None else None
-        self.sampler = ElasticSampler(len(self.dataset), self.seed)
+        self.start_data(manifest.data_position if manifest is not None else None)
 
     def commit(self, *, reason: str, decision: Decision) -> None:
         """Collective: rank 0 writes shard + manifest; all ranks pass; status line; gc."""
@@ -237,7 +276,7 @@ class ReferenceJob(ElasticJob):
             step=step,
             world_size=self.ctx.world_size,
             global_batch_size=self.G,
-            data_position=data_position(step, self.G, self.seed, len(self.dataset)),
+            data_position=self.data_position(step),
             shards=(info,),
             time=time.time(),
             extra=self._manifest_extra(reason),
@@ -278,13 +317,13 @@ def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
     model): ``grad_accum_steps`` micro batches, gradients synced on the last. Returns
     (global mean loss, this rank's mean loss, the sample positions it trained on)."""
     step = job.state.step
-    micro = job.sampler.positions_for(step, job.plan, job.ctx.rank)
+    micro = ElasticSampler.positions_for(step, job.plan, job.ctx.rank)
     model, opt = job.ddp, job.state.optimizer
     model.train()
     opt.zero_grad(set_to_none=True)
     total = torch.zeros((), device=job.ctx.device)
     for i, mb in enumerate(micro):
-        x, y = job.dataset.batch([job.sampler.index(p) for p in mb])
+        x, y = job.batch(mb)
         x, y = x.to(job.ctx.device, non_blocking=True), y.to(job.ctx.device, non_blocking=True)
         last = i == len(micro) - 1
         sync = contextlib.nullcontext() if (last or not isinstance(model, DDP)) else model.no_sync()
@@ -305,9 +344,11 @@ def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
 # --------------------------------------------------------------------------- entry point
 
 
-def main(argv: Sequence[str] | None = None, *, job_cls: type[ElasticJob] = ReferenceJob) -> int:
-    """Run the reference job on this rank; returns the exit code (0 done, 2 bad configuration)."""
-    return run_job(argv, job_cls=job_cls, parser=build_parser())
+def main(argv: Sequence[str] | None = None, *, job_cls: type[ElasticJob] = ReferenceJob,
+         data: Callable[[argparse.Namespace], Any] = load_data) -> int:
+    """Run the reference job on this rank; returns the exit code (0 done, 2 bad configuration).
+    ``data``: what it trains on, from its flags (:func:`trainer.loop.run_job`'s)."""
+    return run_job(argv, job_cls=job_cls, parser=build_parser(), data=data)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,6 @@ from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
 from trainer.runtime import (
     DistContext,
-    data_position,
     mean_loss,
     scratch_dir,
 )
@@ -84,8 +84,8 @@ class DeepSpeedJob(ElasticJob):
 
     in_process_resize = False  # each rank holds a shard: a new world size reloads from the commit
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
-        super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, build_state(), guard
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
+        super().__init__(args, ctx, plan, data)  # store, status, step log, data, build_state(), guard
         import deepspeed
         from deepspeed.utils import logger as ds_logger
 
@@ -128,7 +128,7 @@ class DeepSpeedJob(ElasticJob):
             info.pop("step", None)
             self.status.emit("checkpoint_loaded", manifest.step, **info)
         self.last_committed = manifest
-        self.sampler = ElasticSampler(len(self.dataset), self.seed)
+        self.start_data(manifest.data_position if manifest is not None else None)
 
     def wrap(self) -> None:
         """Nothing to wrap: the engine is built with the job (resume needs it)."""
@@ -136,19 +136,19 @@ class DeepSpeedJob(ElasticJob):
     def commit(self, *, reason: str, decision: Decision) -> None:
         step = self.state.step
         self.ckpt.commit(step, reason=reason, decision=decision,
-                         data_position=data_position(step, self.G, self.seed, len(self.dataset)),
+                         data_position=self.data_position(step),
                          client_state={"attempt": self.attempt})
         self.last_committed = self.ckpt.last_committed
 
     def train_step(self) -> tuple[float, float, list[int]]:
         """One optimizer step (``grad_accum_steps`` micro batches). Returns (global loss, local loss, positions)."""
         step = self.state.step
-        micro = self.sampler.positions_for(step, self.plan, self.ctx.rank)
+        micro = ElasticSampler.positions_for(step, self.plan, self.ctx.rank)
         engine = self.engine
         engine.train()
         total = torch.zeros((), device=self.ctx.device)
         for mb in micro:
-            x, y = self.dataset.batch([self.sampler.index(p) for p in mb])
+            x, y = self.batch(mb)
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             logits = engine(input_ids=x, use_cache=False).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))

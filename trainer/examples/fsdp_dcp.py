@@ -59,10 +59,8 @@ from trainer.run import build_parser as _run_parser
 from trainer.runtime import (
     DistContext,
     broadcast_state,
-    data_position,
     scratch_dir,
 )
-from trainer.sampler import ElasticSampler
 
 __all__ = ["main", "build_parser", "DcpJob", "WRAPS"]
 
@@ -134,8 +132,8 @@ class DcpJob(ElasticJob):
 
     wrap_before_resume = True  # DCP loads into FSDP2's sharded parameters
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, tokens: torch.Tensor) -> None:
-        super().__init__(args, ctx, plan, tokens)  # store, status, step log, data, build_state(), guard
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
+        super().__init__(args, ctx, plan, data)  # store, status, step log, data, build_state(), guard
         self.ckpt: DcpCheckpointer | None = None
         #: new rank 0 during a resize: the full state, host memory ({"model", "optim"})
         self._staged: dict[str, Any] | None = None
@@ -294,14 +292,14 @@ class DcpJob(ElasticJob):
             self.status.emit("checkpoint_loaded", manifest.step, **info)
         self.last_committed = manifest
         self.committed_step = manifest.step if manifest is not None else None
-        self.sampler = ElasticSampler(len(self.dataset), self.seed)
+        self.start_data(manifest.data_position if manifest is not None else None)
 
     def commit(self, *, reason: str, decision: Decision) -> None:
         if self.ckpt is None:
             raise RuntimeError("call wrap() before commit()")
         step = self.state.step
         self.ckpt.commit(step, reason=reason, decision=decision, global_batch_size=self.G,
-                         data_position=data_position(step, self.G, self.seed, len(self.dataset)),
+                         data_position=self.data_position(step),
                          extra={"attempt": self.attempt, "wrap": self.wrapping})
         self.last_committed = self.ckpt.last_committed
         self.committed_step = step
