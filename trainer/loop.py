@@ -200,11 +200,10 @@ class ElasticJob:
 
     def step_tokens(self) -> int | None:
         """Tokens one optimizer step trains, all ranks together (the ``step`` line's
-        ``tokens``: tokens/s in ``/metrics`` and ``spotctl status``): the global batch x
-        the dataset's ``seq_len``; None when the dataset has none. A job whose samples
+        ``tokens``: tokens/s in ``/metrics`` and ``spotctl status``): :attr:`tokens_per_step`;
+        None when the dataset has no ``seq_len``. A job whose samples
         differ in length returns the step's own count."""
-        seq_len = getattr(self.dataset, "seq_len", None)
-        return self.G * seq_len if isinstance(seq_len, int) else None
+        return self.tokens_per_step if isinstance(getattr(self.dataset, "seq_len", None), int) else None
 
     def peer_state(self) -> dict[str, Any]:
         """The whole training state (model, optimizer, step) as a ``state_dict``-like
