@@ -22,6 +22,7 @@ The agent starts ``torchrun`` with these in the environment:
                               (:mod:`trainer.membership`) instead of starting one
 :data:`CHECKPOINT_URI_ENV`    with ``job.command`` only: the checkpoint store of the node's
                               domain (the user's script gets no ``--checkpoint-uri`` flag)
+:data:`HOLD_TIMEOUT_ENV`      with ``job.command`` only: ``job.hold_timeout_s`` (the HF callback)
 :data:`JOIN_CREDENTIAL_ENV`   this node's join credential (:mod:`trainer.credential`), from the
                               daemon when it admitted the node: a secret, read once and
                               removed from the workers' environment
@@ -53,6 +54,8 @@ __all__ = [
     "JOIN_ENV",
     "JOIN_CREDENTIAL_ENV",
     "CHECKPOINT_URI_ENV",
+    "HOLD_TIMEOUT_ENV",
+    "LOG_INPUTS_ENV",
     "TRAINER_PYTHONPATH_ENV",
     "NoticeKind",
     "NoticeEntry",
@@ -81,6 +84,10 @@ JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
 # job.command (the user's own script, no flag added): the node's domain's checkpoint
 # store (file://, s3://, oss://), where spotvisor's integrations commit (the HF callback)
 CHECKPOINT_URI_ENV = "SPOTVISOR_CHECKPOINT_URI"
+# job.command: seconds the HF callback holds after an interruption/rejoin commit (job.hold_timeout_s)
+HOLD_TIMEOUT_ENV = "SPOTVISOR_HOLD_TIMEOUT_S"
+# "1": the HF callback's step log records a digest of every input_ids row the model was fed (tests)
+LOG_INPUTS_ENV = "SPOTVISOR_LOG_INPUTS"
 # in the agent's environment (its env file): a directory holding spotvisor's trainer
 # package alone, which the agent puts first on PYTHONPATH for a trainer on another
 # interpreter than its own (job.python; daemon/providers/bootstrap.py writes it)

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.model import Node
-from trainer.contract import CHECKPOINT_URI_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
+from trainer.contract import CHECKPOINT_URI_ENV, HOLD_TIMEOUT_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY"]
 
@@ -81,16 +81,23 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         f"--rdzv-conf={rdzv_conf}",
         f"--max-restarts={rdzv.max_restarts}",
     ]
-    trainer = list(job.command) if job.command is not None else [
-        "-m", job.module,
-        "--target-steps", str(job.target_steps),
-        "--global-batch-size", str(job.global_batch_size),
-        "--micro-batch-size", str(job.micro_batch_size),
-        "--checkpoint-uri", c.checkpoint_uri(d.name),
-        "--checkpoint-interval", str(job.checkpoint_interval_steps),
-        "--hold-timeout-s", f"{job.hold_timeout_s:g}",
-        *job.args,
-    ]
+    hf_launch = [*(["--output-dir", job.output_dir] if job.output_dir else []),
+                 *(["--accelerate-config", job.accelerate_config] if job.accelerate_config else [])]
+    if job.command is not None and hf_launch:  # restore the newest commit into output_dir, then the script
+        trainer = ["-m", "trainer.integrations.hf_launch", *hf_launch, "--", *job.command]
+    elif job.command is not None:
+        trainer = list(job.command)
+    else:
+        trainer = [
+            "-m", job.module,
+            "--target-steps", str(job.target_steps),
+            "--global-batch-size", str(job.global_batch_size),
+            "--micro-batch-size", str(job.micro_batch_size),
+            "--checkpoint-uri", c.checkpoint_uri(d.name),
+            "--checkpoint-interval", str(job.checkpoint_interval_steps),
+            "--hold-timeout-s", f"{job.hold_timeout_s:g}",
+            *job.args,
+        ]
     argv = ["-m", "torch.distributed.run", *launcher, "--monitor-interval=0.5", *trainer]
     env = {
         # pytorch#135712: a node joining a surviving group otherwise deadlocks
@@ -103,6 +110,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     }
     if job.command is not None:  # the user's own script takes no flag of ours: what it may use rides in the env
         env[CHECKPOINT_URI_ENV] = c.checkpoint_uri(d.name)
+        env[HOLD_TIMEOUT_ENV] = f"{job.hold_timeout_s:g}"
     if d.s3_endpoint_url:
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:
