@@ -232,6 +232,10 @@ def attach(args: Any, train_dataloader: Any, status_factory: Any, signals: Signa
     except ValueError as exc:
         fail(f"bad job setting ({HOLD_TIMEOUT_ENV} / {CHECKPOINT_URI_ENV}): {exc}")
     ctx = _context()
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and int(args.world_size) != ctx.world_size:
+        fail(f"torchrun started {launched} ranks but the Trainer trains as {args.world_size} process(es), each on "
+             "all the data: on CPU pass use_cpu=True to TrainingArguments")
     plan = BatchPlan(ctx.world_size, int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps))
     guard = SignalGuard(signals)
     status: StatusWriter = status_factory(ctx)

@@ -40,7 +40,8 @@ def main() -> None:
                                        bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(output_dir=a.output_dir, max_steps=a.max_steps, save_steps=a.save_steps,
                              per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
-                             logging_steps=10, report_to="none", seed=0, disable_tqdm=True)
+                             logging_steps=10, report_to="none", seed=0, disable_tqdm=True,
+                             use_cpu=not torch.cuda.is_available())
     trainer = Trainer(model=model, args=args, train_dataset=TokenRows(a.samples, a.seq_len))
     trainer.train(resume_from_checkpoint=get_last_checkpoint(a.output_dir))
     trainer.save_model()
