@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from daemon.config import Config, load_config
+from daemon.controlnode.jobspec import job_spec
+from daemon.model import Node
 from trainer.checkpoint import FileStore, latest_committed, step_dir
+from trainer.contract import HOLD_TIMEOUT_ENV
+from trainer.integrations.hf_launch import LaunchError, accelerate_env
 
 REPO = Path(__file__).resolve().parents[1]
 USER = REPO / "tests" / "e2e" / "hf_user"
@@ -36,6 +41,43 @@ def test_the_script_is_the_vanilla_one_plus_the_import_and_add_callback() -> Non
         "+ from trainer.integrations.hf import SpotvisorCallback",
         "+     trainer.add_callback(SpotvisorCallback())",
     ]
+
+
+def _job(**job: object) -> Config:
+    config = load_config(REPO / "configs" / "local.yaml")
+    return Config.model_validate({**config.model_dump(mode="json", exclude_unset=True),
+                                  "job": {**config.job.model_dump(mode="json", exclude_unset=True,
+                                                                  exclude={"module", "args"}), **job}})
+
+
+def test_output_dir_and_accelerate_config_run_the_script_through_the_restore() -> None:
+    node = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=2,
+                price_usd_h=0.0, token="x")
+    config = _job(command="train.py --lr 3e-4", output_dir="out", accelerate_config="ds.yaml", hold_timeout_s=45)
+    spec = job_spec(config, node, "abc")
+    argv = spec["argv"]
+    assert argv[argv.index("--monitor-interval=0.5") + 1:] == [
+        "-m", "trainer.integrations.hf_launch", "--output-dir", "out", "--accelerate-config", "ds.yaml", "--",
+        "train.py", "--lr", "3e-4"]
+    assert spec["env"][HOLD_TIMEOUT_ENV] == "45"
+    plain = job_spec(_job(command="train.py"), node, "abc")["argv"]  # no HF field: the script alone
+    assert plain[plain.index("--monitor-interval=0.5") + 1:] == ["train.py"]
+
+
+def test_output_dir_without_a_command_is_one_config_error() -> None:
+    with pytest.raises(ValueError, match="output_dir: needs job.command"):
+        Config.model_validate({**load_config(REPO / "configs" / "local.yaml").model_dump(mode="json",
+                                                                                        exclude_unset=True),
+                               "job": {"output_dir": "out"}})
+
+
+def test_accelerate_config_gives_the_environment_accelerate_launch_would() -> None:
+    env = accelerate_env(USER / "ds_zero2.yaml", base={})
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "2"
+    assert not {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PYTHONPATH"} & set(env)  # torchrun's
+    with pytest.raises(LaunchError, match="job.accelerate_config: nope.yaml not found"):
+        accelerate_env("nope.yaml", base={})
 
 
 # --------------------------------------------------------------------------- torchrun
