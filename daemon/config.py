@@ -236,6 +236,15 @@ class JobSpec(_Spec):
     # torchrun's environment and spotvisor's (trainer/contract.py: the checkpoint store's
     # URI, the notice file). Instead of job.module/job.args
     command: list[str] | None = None
+    # with job.command, an HF Trainer script with trainer.add_callback(SpotvisorCallback()):
+    # its TrainingArguments.output_dir (relative to its working directory). Before the script
+    # starts (each worker start), the newest committed checkpoint is put there as
+    # checkpoint-<step>, for trainer.train(resume_from_checkpoint=True) to resume from
+    output_dir: str | None = Field(None, min_length=1, max_length=4096)
+    # with job.command: an accelerate config file (DeepSpeed ZeRO, FSDP), relative to the
+    # working directory; the script gets the environment `accelerate launch --config_file`
+    # would give it, under spotvisor's torchrun and rendezvous
+    accelerate_config: str | None = Field(None, min_length=1, max_length=4096)
     target_steps: int = Field(100, ge=1)
     global_batch_size: int = Field(12, ge=1)
     micro_batch_size: int = Field(2, ge=1)
@@ -404,6 +413,8 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _one_entry(self) -> "JobSpec":
+        if self.command is None and (extra := sorted(self.model_fields_set & {"output_dir", "accelerate_config"})):
+            raise ValueError(f"{extra[0]}: needs job.command (the HF Trainer script it belongs to)")
         if self.command is not None and self.model_fields_set & {"module", "args"}:
             given = " and ".join(f"job.{f}" for f in ("module", "args") if f in self.model_fields_set)
             raise ValueError(f"command: give either job.command (your own script, unchanged) or {given} "

@@ -25,6 +25,7 @@ The agent starts ``torchrun`` with these in the environment:
 :data:`NOTICE_ENV`            with ``job.command`` only: the path of this node's plain notice
                               (:func:`write_plain_notice`); absent until a notice comes, when
                               the workers get SIGTERM (see "The plain notice" below)
+:data:`HOLD_TIMEOUT_ENV`      with ``job.command`` only: ``job.hold_timeout_s`` (the HF callback)
 :data:`JOIN_CREDENTIAL_ENV`   this node's join credential (:mod:`trainer.credential`), from the
                               daemon when it admitted the node: a secret, read once and
                               removed from the workers' environment
@@ -76,6 +77,8 @@ __all__ = [
     "CHECKPOINT_URI_ENV",
     "NOTICE_ENV",
     "SHUTDOWN_TIMEOUT_ENV",
+    "HOLD_TIMEOUT_ENV",
+    "LOG_INPUTS_ENV",
     "TRAINER_PYTHONPATH_ENV",
     "write_plain_notice",
     "NoticeKind",
@@ -110,6 +113,10 @@ NOTICE_ENV = "SPOTVISOR_NOTICE"
 # torchrun's own (torch >= 2.9: torch/distributed/launcher/api.py): how long it waits for its
 # workers after it forwards a SIGTERM to them, before it SIGKILLs them (its default: 30 s)
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+# job.command: seconds the HF callback holds after an interruption/rejoin commit (job.hold_timeout_s)
+HOLD_TIMEOUT_ENV = "SPOTVISOR_HOLD_TIMEOUT_S"
+# "1": the HF callback's step log records a digest of every input_ids row the model was fed (tests)
+LOG_INPUTS_ENV = "SPOTVISOR_LOG_INPUTS"
 # in the agent's environment (its env file): a directory holding spotvisor's trainer
 # package alone, which the agent puts first on PYTHONPATH for a trainer on another
 # interpreter than its own (job.python; daemon/providers/bootstrap.py writes it)

@@ -444,7 +444,8 @@ class StepLog:
             path = Path(log_dir) / f"steps-{attempt}-rank{ctx.rank}.jsonl"
             self._f = open(path, "a", encoding="utf-8")
 
-    def write(self, step: int, positions: list[int], loss: float) -> None:
+    def write(self, step: int, positions: list[int], loss: float, **extra: Any) -> None:
+        """One step's line; ``extra``: more fields (e.g. ``inputs``: digests of what the model was fed)."""
         if self._f is None:
             return
         record = {
@@ -455,6 +456,7 @@ class StepLog:
             "positions": positions,
             "loss": loss,
             "time": time.time(),
+            **extra,
         }
         self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._f.flush()

@@ -19,8 +19,8 @@ from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import Node
-from trainer.contract import (CHECKPOINT_URI_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, RDZV_ENDPOINT_ENV,
-                              RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV)
+from trainer.contract import (CHECKPOINT_URI_ENV, HOLD_TIMEOUT_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV,
+                              RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV)
 
 __all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY", "PLAIN_SHUTDOWN_TIMEOUT_S"]
 
@@ -89,16 +89,23 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         # after job.max_restarts_on_errors tries of its own (daemon/control/tries.py)
         f"--max-restarts={rdzv.max_restarts if job.command is None else job.max_restarts_on_errors - 1}",
     ]
-    trainer = list(job.command) if job.command is not None else [
-        "-m", job.module,
-        "--target-steps", str(job.target_steps),
-        "--global-batch-size", str(job.global_batch_size),
-        "--micro-batch-size", str(job.micro_batch_size),
-        "--checkpoint-uri", c.checkpoint_uri(d.name),
-        "--checkpoint-interval", str(job.checkpoint_interval_steps),
-        "--hold-timeout-s", f"{job.hold_timeout_s:g}",
-        *job.args,
-    ]
+    hf_launch = [*(["--output-dir", job.output_dir] if job.output_dir else []),
+                 *(["--accelerate-config", job.accelerate_config] if job.accelerate_config else [])]
+    if job.command is not None and hf_launch:  # restore the newest commit into output_dir, then the script
+        trainer = ["-m", "trainer.integrations.hf_launch", *hf_launch, "--", *job.command]
+    elif job.command is not None:
+        trainer = list(job.command)
+    else:
+        trainer = [
+            "-m", job.module,
+            "--target-steps", str(job.target_steps),
+            "--global-batch-size", str(job.global_batch_size),
+            "--micro-batch-size", str(job.micro_batch_size),
+            "--checkpoint-uri", c.checkpoint_uri(d.name),
+            "--checkpoint-interval", str(job.checkpoint_interval_steps),
+            "--hold-timeout-s", f"{job.hold_timeout_s:g}",
+            *job.args,
+        ]
     argv = ["-m", "torch.distributed.run", *launcher, "--monitor-interval=0.5", *trainer]
     env = {
         # pytorch#135712: a node joining a surviving group otherwise deadlocks
@@ -115,6 +122,7 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         # default, SIGKILLs them 30 s later: wait past any cloud's notice instead (the agent
         # itself SIGKILLs what still runs at the notice's own deadline)
         env[SHUTDOWN_TIMEOUT_ENV] = str(PLAIN_SHUTDOWN_TIMEOUT_S)
+        env[HOLD_TIMEOUT_ENV] = f"{job.hold_timeout_s:g}"
     if d.s3_endpoint_url:
         env[S3_ENDPOINT_ENV] = d.s3_endpoint_url
     if d.oss_endpoint:

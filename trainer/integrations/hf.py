@@ -69,8 +69,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from trainer.batch import BatchPlan, ElasticBatch
 from trainer.checkpoint import Manifest
 from trainer.guard import Decision, PreemptionGuard
+from trainer.integrations import hf_env
 from trainer.integrations.common import DirCheckpointer
-from trainer.runtime import DistContext, StatusWriter, StepLog, data_position
+from trainer.contract import LOG_DIR_ENV, STATUS_FILE_ENV
+from trainer.runtime import DistContext, StatusWriter, StepLog, data_position, new_attempt_id
 from trainer.sampler import ElasticSampler
 
 __all__ = [
@@ -279,16 +281,21 @@ class SpotvisorCallback(TrainerCallback):
     def __init__(
         self,
         *,
-        ctx: DistContext,
-        checkpointer: DirCheckpointer,
-        plan: BatchPlan,
-        steplog: StepLog,
-        hold_timeout_s: float,
-        seed: int,
-        dataset_len: int,
+        ctx: DistContext | None = None,
+        checkpointer: DirCheckpointer | None = None,
+        plan: BatchPlan | None = None,
+        steplog: StepLog | None = None,
+        hold_timeout_s: float | None = None,
+        seed: int = 0,
+        dataset_len: int | None = None,
         resume_dir: Path | None = None,
     ) -> None:
-        if hold_timeout_s < 0:
+        explicit = (ctx, checkpointer, plan, steplog, hold_timeout_s, dataset_len)
+        self.standalone = all(v is None for v in explicit) and resume_dir is None
+        if not self.standalone and any(v is None for v in explicit):
+            raise TypeError("SpotvisorCallback: give no argument (the job's environment says everything) or all of "
+                            "ctx, checkpointer, plan, steplog, hold_timeout_s, dataset_len")
+        if hold_timeout_s is not None and hold_timeout_s < 0:
             raise ValueError(f"hold_timeout_s must be >= 0, got {hold_timeout_s}")
         self.ctx = ctx
         self.checkpointer = checkpointer
@@ -303,6 +310,10 @@ class SpotvisorCallback(TrainerCallback):
         self._decision: Decision | None = None
         self._stopped_for_hold = False
         self._step_end_t: float | None = None
+        # the one-line path: SIGTERM becomes a notice (main thread); the rest at on_train_begin
+        self.active = not self.standalone
+        self._signals = hf_env.SignalNotice() if self.standalone else None
+        self._recorder: hf_env.InputRecorder | None = None
 
     @property
     def guard(self) -> PreemptionGuard:
@@ -320,11 +331,18 @@ class SpotvisorCallback(TrainerCallback):
     # -- hooks
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if self.standalone:
+            self.active = self._attach(args, state, kw)
+        if not self.active:
+            return control
         if self.ctx.is_local_leader:
             # Left by a worker killed between the Trainer's save and its commit: never committed,
             # and a save at the same step would mix its files (e.g. another world's rng_state_r).
+            # (The one-line path keeps the folder it resumed from: its rng_state is read later.)
+            keep = {self.resume_dir.name} if self.standalone and self.resume_dir is not None else set()
             for stale in Path(args.output_dir).glob("checkpoint-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale.name not in keep:
+                    shutil.rmtree(stale, ignore_errors=True)
         last = self.checkpointer.last_committed
         self.status.emit("started", state.global_step, resumed_from=last.step if last else None,
                          global_batch_size=self.plan.global_batch_size,
@@ -346,12 +364,23 @@ class SpotvisorCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if not self.active:
+            return control
         step = state.global_step
         if self.resume_dir is not None:
             self.checkpointer.cleanup(self.resume_dir)  # collective; everything was loaded before step 1
             self.resume_dir = None
-        loss = self._global_loss()
-        self.steplog.write(step, self._positions, self._loss)
+        extra: dict[str, Any] = {}
+        if self._recorder is not None:
+            loss_sum, tokens, inputs = self._recorder.take()
+            self._positions = hf_env.step_positions(step, self.plan, self.ctx.rank)
+            if self._recorder.digests:
+                extra["inputs"] = inputs
+            self._loss = loss_sum / max(tokens, 1)
+            loss = self._token_mean(loss_sum, tokens)
+        else:
+            loss = self._global_loss()
+        self.steplog.write(step, self._positions, self._loss, **extra)
         self.status.emit("step", step, loss=loss)
         self._positions, self._loss = [], 0.0
         decision = self.guard.check()
@@ -367,6 +396,8 @@ class SpotvisorCallback(TrainerCallback):
         return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if not self.active:
+            return control
         step = state.global_step
         decision, self._decision = self._decision, None
         final = step >= state.max_steps
@@ -397,6 +428,13 @@ class SpotvisorCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any):
+        if self._signals is not None:
+            self._signals.exit_now = True  # training is over: a SIGTERM ends the worker
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+        if not self.active:
+            return control
         if self.resume_dir is not None:  # resumed at the target step: no step ran
             self.checkpointer.cleanup(self.resume_dir)
             self.resume_dir = None
@@ -415,9 +453,46 @@ class SpotvisorCallback(TrainerCallback):
         if self.ctx.is_leader:
             log.info("holding at step %d for a restart (notices %s, timeout %.0f s)", step,
                      ",".join(decision.notice_ids), self.hold_timeout_s)
-        self.guard.hold_for_restart(self.hold_timeout_s, step)
+        if self._signals is not None:
+            self._signals.exit_now = True  # committed: torchrun's SIGTERM (a restart) may end us now
+        try:
+            self.guard.hold_for_restart(self.hold_timeout_s, step)
+        finally:
+            if self._signals is not None:
+                self._signals.exit_now = False
         if self.ctx.is_leader:
             log.warning("no restart within %.0f s of holding: training on", self.hold_timeout_s)
+
+    def _attach(self, args: TrainingArguments, state: TrainerState, kw: dict[str, Any]) -> bool:
+        """The one-line path's set-up (:mod:`trainer.integrations.hf_env`): False when not a spotvisor run."""
+        attempt: list[str] = []
+
+        def status(ctx: DistContext) -> StatusWriter:
+            attempt.append(new_attempt_id(ctx))
+            return StatusWriter(os.environ.get(STATUS_FILE_ENV), ctx, attempt[0])
+
+        at = hf_env.attach(args, kw.get("train_dataloader"), status, self._signals)
+        if at is None:
+            return False
+        self.ctx, self.checkpointer, self.plan = at.ctx, at.checkpointer, at.plan
+        self.hold_timeout_s, self.dataset_len, self.seed = at.hold_timeout_s, at.dataset_len, int(args.seed)
+        self.steplog = StepLog(os.environ.get(LOG_DIR_ENV), at.ctx, attempt[0])
+        manifest = hf_env.check_resumed(at, state.global_step, args.output_dir)
+        if manifest is not None:
+            self.resume_dir = hf_env.resumed_folder(args.output_dir, manifest.step)
+        model = kw.get("model")
+        if model is None:
+            hf_env.fail("SpotvisorCallback: the Trainer passed no model to its callbacks")
+        self._recorder = hf_env.InputRecorder(model, digests=os.environ.get(hf_env.LOG_INPUTS_ENV) == "1")
+        self._signals.exit_now = False
+        return True
+
+    def _token_mean(self, loss_sum: float, tokens: int) -> float:
+        """The step's loss over every rank's target tokens (collective)."""
+        t = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.initialized and self.ctx.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t[0].item()) / max(float(t[1].item()), 1.0)
 
     def _global_loss(self) -> float:
         if not (self.ctx.initialized and self.ctx.world_size > 1):
