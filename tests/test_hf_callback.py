@@ -47,7 +47,7 @@ def _job(**job: object) -> Config:
     config = load_config(REPO / "configs" / "local.yaml")
     return Config.model_validate({**config.model_dump(mode="json", exclude_unset=True),
                                   "job": {**config.job.model_dump(mode="json", exclude_unset=True,
-                                                                  exclude={"module", "args"}), **job}})
+                                                                  exclude={"module", "args", "grow"}), **job}})
 
 
 def test_output_dir_and_accelerate_config_run_the_script_through_the_restore() -> None:
