@@ -36,7 +36,7 @@ def _job(tmp_path: Path, *, accelerate: bool) -> dict[str, Any]:
     wd.mkdir()
     shutil.copy(USER / "train.py", wd / "train.py")
     job: dict[str, Any] = {
-        "command": ["train.py", "--max-steps", str(STEPS), "--save-steps", "10", "--samples",
+        "command": ["train.py", "--max-steps", str(STEPS), "--step-s", "0.3", "--save-steps", "10", "--samples",
                     str(STEPS * GLOBAL_BATCH)],
         "output_dir": "out",
         "workdir": str(wd),

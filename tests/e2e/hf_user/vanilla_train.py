@@ -7,9 +7,10 @@ plus the import and the ``add_callback`` line (tests/test_hf_callback.py checks 
 """
 
 import argparse
+import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 
@@ -26,6 +27,20 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
+class Pace(TrainerCallback):
+    """Each optimizer step takes at least ``step_s`` seconds: the real model's compute, on
+    a model this small (so a schedule by step lands where it says on any machine)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.began = step_s, time.monotonic()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(max(0.0, self.step_s - (time.monotonic() - self.began)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--output-dir", default="out")
@@ -33,6 +48,7 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--samples", type=int, default=480)
     p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--step-s", type=float, default=0.0)
     a = p.parse_args()
 
     torch.manual_seed(0)
@@ -42,7 +58,8 @@ def main() -> None:
                              per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
                              logging_steps=10, report_to="none", seed=0, disable_tqdm=True,
                              use_cpu=not torch.cuda.is_available())
-    trainer = Trainer(model=model, args=args, train_dataset=TokenRows(a.samples, a.seq_len))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenRows(a.samples, a.seq_len),
+                      callbacks=[Pace(a.step_s)])
     trainer.train(resume_from_checkpoint=get_last_checkpoint(a.output_dir))
     trainer.save_model()
 
