@@ -28,11 +28,17 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.compare
 
+# Two pytest-xdist workers (CI has 2 cores): the `slow` tests (torchrun jobs, demo runs) form
+# one group that runs one test at a time on one worker while the others share both
+# (tests/conftest.py). TEST_WORKERS=0 runs everything in this process, one test at a time.
+TEST_WORKERS ?= 2
+TEST_XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TEST_XDIST)
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q -m 'not slow' $(TEST_XDIST)
 
 clean:
 	rm -rf .spotvisor .spotvisor-migrate demo-summary.json .pytest_cache

@@ -37,6 +37,40 @@ def s3_server() -> Iterator[str]:
             server.stop()
 
 
+# -- the whole suite under pytest-xdist (make test: -n 2 --dist loadgroup) ---------------------
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``slow`` tests (torchrun jobs, demo runs, a flood) form one xdist group: under
+    ``--dist loadgroup`` they run one after another on one worker while the other tests
+    share both workers, so no two of them load the 2 cores at once. Without xdist the
+    mark does nothing."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("slow"))
+
+
+class _ChaosMatrixRows:
+    """Gathers the chaos matrix's rows (tests/chaos/conftest.py) from each test's teardown
+    report, in this process or, under xdist, in the controller from the workers' reports;
+    prints the table at the end."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "teardown":
+            self.rows += [value for key, value in report.user_properties if key == "chaos_row"]
+
+    def pytest_terminal_summary(self, terminalreporter: object) -> None:
+        if self.rows:
+            from chaos.conftest import Row, print_matrix
+            print_matrix(terminalreporter, [Row(**row) for row in self.rows])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_ChaosMatrixRows(), "spotvisor-chaos-matrix")
+
+
 # -- a real daemon (Supervisor + ApiServer) in the test's event loop -------------------------
 
 import asyncio  # noqa: E402
