@@ -39,6 +39,7 @@ def s3_server() -> Iterator[str]:
 
 # -- the whole suite under pytest-xdist (make test: -n 2 --dist loadgroup) ---------------------
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups (it was registered after this file)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``slow`` tests (torchrun jobs, demo runs, a flood) form one xdist group: under
     ``--dist loadgroup`` they run one after another on one worker while the other tests
