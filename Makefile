@@ -28,8 +28,15 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.compare
 
+# Three pytest-xdist workers (CI has 2 cores; most tests wait on subprocesses): the `slow`
+# tests (torchrun jobs, demo runs) form two lanes, each run one test at a time on its own
+# worker, while the third worker takes the rest (tests/conftest.py). TEST_WORKERS=0 runs
+# everything in this process, one test at a time.
+TEST_WORKERS ?= 3
+TEST_XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TEST_XDIST)
 
 # what the tests need from the system: Debian's prometheus (the dashboard test scrapes the
 # daemon with a real one and fails, never skips, without it). Needs root (or sudo).
@@ -39,7 +46,7 @@ test-deps:
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus; }
 
 test-quick: $(STAMP) test-deps
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q -m 'not slow' $(TEST_XDIST)
 
 clean:
 	rm -rf .spotvisor .spotvisor-migrate demo-summary.json .pytest_cache

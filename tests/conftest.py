@@ -37,6 +37,68 @@ def s3_server() -> Iterator[str]:
             server.stop()
 
 
+# -- the whole suite under pytest-xdist (make test: -n 3 --dist loadgroup) ---------------------
+
+SLOW_LANES = ("slow-a", "slow-b")  # the xdist groups the slow tests are split into
+
+
+def slow_weight(item: pytest.Item) -> int:
+    """A slow test's rough cost, for balancing the lanes: a run of the whole daemon (an
+    e2e or chaos demo, a minute or more) weighs 6, a torchrun job of a few ranks 1."""
+    path = item.nodeid.split("::", 1)[0]
+    return 6 if path.startswith(("tests/e2e/", "tests/chaos/")) else 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``slow`` tests (torchrun jobs, demo runs, a flood) form two lanes under
+    pytest-xdist's ``--dist loadgroup`` (:data:`SLOW_LANES`, balanced by
+    :func:`slow_weight` in collection order, the same on every worker): each lane runs one
+    test at a time on its own worker, so at most two of them load the cores at once, while
+    the other tests go to the remaining workers. Without xdist nothing changes.
+
+    The group is what xdist's ``xdist_group`` mark would give, an ``@<group>`` suffix on
+    the test's id, which is what its scheduler reads; it is set here because xdist 3.8 sets
+    it through ``Item._nodeid``, which pytest 9 no longer reads (its id is ``Item._id``),
+    so the mark groups nothing there. The scheduler hands out its largest groups first,
+    one per worker: the two lanes start at once on two workers.
+    tests/test_suite_schedule.py checks the suffixes."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
+        return
+    load = dict.fromkeys(SLOW_LANES, 0)
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            lane = min(SLOW_LANES, key=lambda g: (load[g], g))
+            load[lane] += slow_weight(item)
+            grouped = f"{item.nodeid}@{lane}"
+            if hasattr(item, "_id"):  # pytest >= 9: a structured id
+                from _pytest.nodeid import NodeId
+                item._id = NodeId.parse(grouped)
+            else:
+                item._nodeid = grouped
+
+
+class _ChaosMatrixRows:
+    """Gathers the chaos matrix's rows (tests/chaos/conftest.py) from each test's teardown
+    report, in this process or, under xdist, in the controller from the workers' reports;
+    prints the table at the end."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "teardown":
+            self.rows += [value for key, value in report.user_properties if key == "chaos_row"]
+
+    def pytest_terminal_summary(self, terminalreporter: object) -> None:
+        if self.rows:
+            from chaos.conftest import Row, print_matrix
+            print_matrix(terminalreporter, [Row(**row) for row in self.rows])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_ChaosMatrixRows(), "spotvisor-chaos-matrix")
+
+
 # -- a real daemon (Supervisor + ApiServer) in the test's event loop -------------------------
 
 import asyncio  # noqa: E402

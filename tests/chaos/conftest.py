@@ -3,7 +3,8 @@
 Every test of ``tests/chaos/`` records one row per scenario through the ``matrix``
 fixture: did the job complete, how many committed checkpoints were lost, how many
 instances were leaked, how many events were lost. The rows are printed as one table
-at the end of the session (:func:`pytest_terminal_summary`, also under ``-q``); a
+at the end of the session (:func:`print_matrix`, from the root conftest's
+``pytest_terminal_summary``, also under ``-q`` and with pytest-xdist); a
 test records its row *before* asserting the zeros, so a failing cell shows its
 numbers. A test that fails before recording shows up as a row of ``?``.
 
@@ -30,7 +31,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -82,14 +83,16 @@ class Row:
                 and self.leaked_instances == 0 and self.lost_events == 0)
 
 
-_ROWS = pytest.StashKey[list[Row]]()
-
-
 class Matrix:
-    """One test's rows. ``row(...)`` records a scenario's outcome (before the test asserts it)."""
+    """One test's rows. ``row(...)`` records a scenario's outcome (before the test asserts it).
 
-    def __init__(self, rows: list[Row], test: str) -> None:
-        self._rows = rows
+    A row travels in the test's report (``user_properties``, key ``chaos_row``), so the
+    table is the same whether the tests ran in this process or in pytest-xdist's workers:
+    the root conftest gathers the rows from the reports and prints the table
+    (:func:`print_matrix`)."""
+
+    def __init__(self, properties: list[tuple[str, object]], test: str) -> None:
+        self._properties = properties
         self._test = test
         self._t0 = time.monotonic()
         self.recorded = 0
@@ -98,29 +101,29 @@ class Matrix:
             lost_events: int) -> Row:
         row = Row(scenario, job_completed, lost_checkpoints, leaked_instances, lost_events,
                   seconds=time.monotonic() - self._t0, test=self._test)
-        self._rows.append(row)
+        self._properties.append((ROW_PROPERTY, asdict(row)))
         self.recorded += 1
         self._t0 = time.monotonic()
         return row
 
 
+ROW_PROPERTY = "chaos_row"
+
+
 @pytest.fixture
 def matrix(request: pytest.FixtureRequest) -> Iterable[Matrix]:
-    rows = request.config.stash.setdefault(_ROWS, [])
-    m = Matrix(rows, request.node.nodeid)
+    properties = request.node.user_properties
+    m = Matrix(properties, request.node.nodeid)
     yield m
     if not m.recorded:  # failed (or skipped) before it could say: a row of "?"
-        rows.append(Row(request.node.name, test=request.node.nodeid, recorded=False))
+        properties.append((ROW_PROPERTY, asdict(Row(request.node.name, test=request.node.nodeid, recorded=False))))
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    rows = config.stash.get(_ROWS, [])
-    if not rows:
-        return
+def print_matrix(tr: Any, rows: list[Row]) -> None:
+    """The table of ``rows``, one line per scenario, and a line counting the clean ones."""
     head = ["scenario", *COLUMNS, "seconds"]
     table = [head] + [r.cells() for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-    tr = terminalreporter
     tr.write_sep("=", "chaos matrix")
     for i, line in enumerate(table):
         text = "  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(line, widths)))
