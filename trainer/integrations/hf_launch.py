@@ -155,6 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.accelerate_config:
             os.environ.update(accelerate_env(args.accelerate_config))
+            if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+                from trainer.integrations.deepspeed import disable_jit_ops
+
+                # on a CPU node DeepSpeed would JIT-build its shared-memory all-reduce (minutes
+                # of C++ at the first start of a fresh node) that training never uses
+                disable_jit_ops()
         if args.output_dir:
             restore(args.output_dir, pg_timeout_s=args.pg_timeout_s)
     except LaunchError as exc:
