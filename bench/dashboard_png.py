@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "configs" / "grafana" / "spotvisor.json"
@@ -62,12 +62,6 @@ def dashboard_queries(path: Path = DASHBOARD, variables: dict[str, str] = VARIAB
             out.append(Query(p["title"], p.get("fieldConfig", {}).get("defaults", {}).get("unit", "none"), expr,
                              t.get("legendFormat", ""), (g["x"], g["y"], g["w"], g["h"])))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prometheus_binary() -> str | None:

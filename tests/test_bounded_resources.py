@@ -31,7 +31,6 @@ import json
 import os
 import re
 import resource
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ import yaml
 from bench.loopwatch import LoopWatch
 from daemon.control.bounds import INTAKE_RATES, ReportClass
 from daemon.controlnode.rendezvous import wait_until_listening
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_MODEL = ["--seq-len", "32", "--n-layer", "1", "--n-embd", "64", "--n-head", "2"]
@@ -73,12 +73,6 @@ RSS_GROWTH_MAX_MB = 100.0  # 5,200 connections' handlers and buffers, the flood'
 DB_GROWTH_MAX_MB = 5.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _unit_nofile() -> int:
     (v,) = re.findall(r"^LimitNOFILE=(\d+)$", (ROOT / "systemd" / "spotvisord.service").read_text(), re.M)
     return int(v)
@@ -86,7 +80,7 @@ def _unit_nofile() -> int:
 
 @pytest.fixture(scope="module")
 def rendezvous() -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", "127.0.0.1",
                              "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -122,7 +116,7 @@ def test_a_daemon_under_connection_and_report_floods_keeps_serving_its_nodes(tmp
         raw["job"].update({"target_steps": 1_000_000, "checkpoint_interval_steps": 10, "args": SMALL_MODEL})
         raw["job"].pop("model", None)
         raw["rendezvous"]["port"] = rendezvous
-        agent_port = _free_port()
+        agent_port = free_port()
         raw["daemon"].update({"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
                               "agent_host": "127.0.0.1", "agent_port": agent_port, "reconcile_interval_s": 0.1})
         raw["providers"]["local"]["launch_delay_s"] = 0.1

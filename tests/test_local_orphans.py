@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -32,16 +31,11 @@ import pytest
 import yaml
 
 from daemon.controlnode.rendezvous import wait_until_listening
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _ID = "SPOTVISOR_LOCAL_INSTANCE_ID"
 SMALL_MODEL = ["--seq-len", "32", "--n-layer", "1", "--n-embd", "64", "--n-head", "2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _instance_processes(prefix: str) -> dict[int, psutil.Process]:
@@ -71,7 +65,7 @@ def _describe(procs: list[psutil.Process]) -> list[str]:
 def rendezvous() -> Iterator[int]:
     """The c10d store, as ``spotvisord rendezvous`` runs it beside the daemon; its port.
     Each test's job has a run id of its own (the daemon's nonce), so they can share it."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", "127.0.0.1", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

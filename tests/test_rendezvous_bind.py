@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"rendezvous store listening on (\S+):(\d+)")
@@ -85,16 +86,10 @@ def _start(argv: list[str], timeout_s: float = 60.0) -> Iterator[_Store]:
             f.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def loopback_store() -> Iterator[_Store]:
     """``spotvisord rendezvous --host 127.0.0.1 --port P``, P a free port."""
-    port = _free_port()
+    port = free_port()
     yield from _start([sys.executable, "-m", "daemon.interfaces.cli", "rendezvous", "--host", "127.0.0.1", "--port", str(port)])
 
 
@@ -221,7 +216,7 @@ def test_a_one_shot_runs_store_ends_with_it_even_on_sigkill() -> None:
     """``spotvisord demo`` starts the store as its own process: SIGKILL the demo and the
     store still ends (its standard input, a pipe only the demo held, ends), not an
     orphan holding the port."""
-    port = _free_port()
+    port = free_port()
     parent = subprocess.Popen([sys.executable, "-c", _ONE_SHOT, str(port)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
     try:

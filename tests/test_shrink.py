@@ -22,12 +22,7 @@ from trainer.guard import Decision
 from trainer.run import ReferenceJob
 from trainer.contract import RDZV_ENDPOINT_ENV
 from trainer.runtime import DistContext, rendezvous_endpoint, shrink_process_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.ports import free_port
 
 
 def _gone(port: int, timeout_s: float) -> bool:
@@ -82,7 +77,7 @@ def test_survivors_go_on_after_the_store_host_leaves(tmp_path: Path) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
     store_port = store.port
     try:
-        mp.spawn(_worker, args=(_free_port(), store_port, str(tmp_path)), nprocs=3, join=True)
+        mp.spawn(_worker, args=(free_port(), store_port, str(tmp_path)), nprocs=3, join=True)
     finally:
         del store
     r1 = json.loads((tmp_path / "rank1.json").read_text())
@@ -177,7 +172,7 @@ def test_a_notice_on_a_periodic_step_shrinks_and_goes_on(tmp_path: Path) -> None
     from trainer.checkpoint import list_committed, open_store
 
     rdzv = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    master_port, ckpt = _free_port(), (tmp_path / "ckpt").as_uri()
+    master_port, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     procs = []
     for rank in range(3):
         node = tmp_path / f"node{rank}"

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -221,12 +222,6 @@ def _refused(config: Path, notify_path: Path) -> str:
     return lines[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockdir: Path) -> None:
     """A live ``spotvisord demo`` (its one node never boots) holds the lock on its own run
     directory too: ``spotvisord run`` there exits 2 naming the demo's pid, and the demo
@@ -234,7 +229,7 @@ def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockd
     demo = subprocess.Popen(
         [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config",
          str(_config(tmp_path, tmp_path / "state", sockdir / "demo.sock")),
-         "--rendezvous-port", str(_free_port()), "--timeout-s", "600"],
+         "--rendezvous-port", str(free_port()), "--timeout-s", "600"],
         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
     try:

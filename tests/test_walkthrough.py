@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from bench.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -65,9 +65,7 @@ def account(tmp_path: Path) -> Iterator[str]:
     Learning AMI as AWS publishes it (owner ``amazon``: moto's ``MOTO_AMIS_PATH``)."""
     amis = tmp_path / "amis.json"
     amis.write_text(json.dumps([DLAMI]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
                             env={**os.environ, "MOTO_AMIS_PATH": str(amis)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -30,7 +30,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import sqlite3
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from daemon.gpunode.metadata.fake_aws import FakeImds
 from daemon.model import Event
 from daemon.providers.base import NODE_TAG, POOL_TAG
 from fakes.aws_faults import AwsFaultProxy
+from bench.ports import free_port
 
 pytestmark = pytest.mark.chaos
 
@@ -128,12 +128,6 @@ STANDIN = textwrap.dedent(
 )
 
 _LIVE = ("pending", "running")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Agent(NodeAgent):
@@ -337,7 +331,7 @@ async def world(tmp_path: Path, faults: AwsFaultProxy, ec2_server: str) -> Async
         "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1, "target_steps": 30},  # STANDIN_TARGET
         "agent": {"heartbeat_interval_s": 0.2},  # what the daemon tells the agents (as the Ec2Sim starts them)
         "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
-                   "agent_host": "127.0.0.1", "agent_port": _free_port(), "reconcile_interval_s": 0.1,
+                   "agent_host": "127.0.0.1", "agent_port": free_port(), "reconcile_interval_s": 0.1,
                    "rejoin_timeout_s": 5},
         "providers": {"local": None, "aws": {"image_id": "ami-03cf127a", "endpoint_url": faults.url}},
         "offers": [{"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "p4d.24xlarge",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, Callable
 
 import pytest
 import yaml
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,12 +26,6 @@ def paced(full_world: int, pace_s: float = 0.5) -> dict[str, Any]:
             "args": [*SMALL_MODEL, "--full-world", str(full_world), "--pace-s", str(pace_s)]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float, *,
                      env: dict[str, str] | None = None,
                      during: Callable[[subprocess.Popen, Path], None] | None = None) -> dict[str, Any]:
@@ -40,10 +34,10 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float, *,
     and its stderr under ``_stderr``. ``env``: added to the daemon's environment.
     ``during(proc, socket)``: called once the daemon runs (it may watch it through its
     control socket until ``proc`` exits)."""
-    raw["rendezvous"]["port"] = _free_port()
+    raw["rendezvous"]["port"] = free_port()
     for domain in raw.get("domains", []):  # each placement domain's own rendezvous store
         if domain.get("rendezvous"):
-            domain["rendezvous"]["port"] = _free_port()
+            domain["rendezvous"]["port"] = free_port()
     raw["daemon"]["state_dir"] = str(tmp_path / "state")
     raw["daemon"]["socket"] = str(tmp_path / "d.sock")
     cfg = tmp_path / "demo.yaml"
