@@ -264,6 +264,8 @@ class DaemonMetrics:
         self._seen_seq = 0
         self.lost_steps = 0
         self.events = Counter("spotvisor_events", "Events recorded, by kind.", ["kind"], registry=r)
+        for kind in EventKind:  # each kind's series from 0: a first event is an increase, not a new series
+            self.events.labels(kind=kind.value)
         self.notices = Counter("spotvisor_interruption_notices", "Spot interruption notices seen by the agents.",
                                ["provider"], registry=r)
         self.rebalances = Counter("spotvisor_rebalance_recommendations", "Rebalance recommendations seen.",
