@@ -38,7 +38,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
     try:
         raw = demo_config(port, tmp_path, target_steps=90)
         raw["job"].update({"args": SMALL_MODEL, "checkpoint_interval_steps": 10})
-        raw["chaos"] = [{"action": "notice", "node": 2, "at_step": 30, "lead_s": 30}]
+        raw["chaos"] = [{"action": "notice", "node": 2, "at_step": 30, "lead_s": 30, "wait_full_pool": False}]
         start = time.time()
         done = run_config(raw, tmp_path, timeout_s=300)
         end = time.time()
