@@ -180,7 +180,7 @@ async def _attack_and_measure(daemon: subprocess.Popen, db: Path, sock: str, age
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     atk = await asyncio.create_subprocess_exec(
         sys.executable, str(ROOT / "tests" / "flood_attacker.py"), "--agent-url", agent_url,
-        "--node-id", attacker["id"], "--token", attacker["token"], "--idle", str(IDLE), "--hosts", str(HOSTS),
+        "--node-id", attacker["id"], f"--token={attacker['token']}", "--idle", str(IDLE), "--hosts", str(HOSTS),
         "--one-host", str(ONE_HOST), "--flood-s", f"{FLOOD_S:g}", cwd=ROOT, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         preexec_fn=lambda: os.nice(ATTACKER_NICE))
