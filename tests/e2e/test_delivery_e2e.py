@@ -39,7 +39,8 @@ import pytest
 import yaml
 
 from daemon.controlnode.workdir import pack
-from e2e.conftest import ROOT, SMALL_MODEL, _free_port
+from bench.ports import free_port
+from e2e.conftest import ROOT, SMALL_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -182,7 +183,7 @@ def test_code_setup_env_and_a_secret_reach_every_worker_and_no_log(run_demo, tmp
     expect = {"E2E_SECRET": hashlib.sha256(secret.encode()).hexdigest(),
               "E2E_PLAIN": hashlib.sha256(b"plain-value").hexdigest()}
     url, bodies = webhook
-    metrics_port = _free_port()
+    metrics_port = free_port()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     seen: list[str] = []
     before_edit: set[str] = set()

@@ -24,7 +24,8 @@ from daemon.config import Config
 from daemon.controlnode.supervisor import Supervisor
 from daemon.interfaces.cli import rendezvous_process, running_daemon
 from daemon.model import Event, JobState
-from e2e.conftest import ROOT, SMALL_MODEL, _free_port
+from bench.ports import free_port
+from e2e.conftest import ROOT, SMALL_MODEL
 from trainer.checkpoint import FileStore, list_committed
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def _config(tmp_path: Path, job: dict[str, Any]) -> Config:
     raw["pool"].update({"target_nodes": 1, "max_nodes": 1})
     raw["job"] = {**{k: raw["job"][k] for k in ("id", "global_batch_size", "micro_batch_size", "checkpoint_uri")},
                   **job}
-    raw["rendezvous"]["port"] = _free_port()
+    raw["rendezvous"]["port"] = free_port()
     raw["daemon"].update({"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "d.sock"),
                           "rejoin_timeout_s": 30})
     raw["providers"]["local"]["launch_delay_s"] = 0.2
