@@ -36,7 +36,7 @@ TEST_WORKERS ?= 3
 TEST_XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q $(TEST_XDIST)
+	$(PY) -m pytest -q --durations=25 $(TEST_XDIST)
 
 # what the tests need from the system: Debian's prometheus (the dashboard test scrapes the
 # daemon with a real one and fails, never skips, without it). Needs root (or sudo).
