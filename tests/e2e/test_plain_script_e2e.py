@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "trainer" / "examples" / "plain_ddp.py"
-STEPS = 240
+STEPS = 180
 SAVE_EVERY = 20
 CHAOS_TIMEOUT_S = 240.0  # for each fault's moment to come (the script's start included)
 
@@ -104,7 +104,7 @@ def test_an_unmodified_ddp_script_survives_two_notices_and_a_kill(run_demo, tmp_
     run_demo(
         module=None, args=None, grow="restart",
         command=[str(SCRIPT), "--save-dir", str(save_dir),
-                 "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--step-s", "0.2"],
+                 "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--step-s", "0.15"],
         chaos=[], during=_chaos_by_the_scripts_own_progress(save_dir, tmp_path),
         timeout_s=600,
     )
