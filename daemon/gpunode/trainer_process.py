@@ -15,10 +15,9 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
-
-import time
 
 import structlog
 
