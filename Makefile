@@ -28,11 +28,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.compare
 
-# Four pytest-xdist workers (CI has 2 cores; most tests wait on subprocesses): the slow
-# tests that run a whole daemon form two lanes, each run one test at a time on its own
-# worker, while the other two workers take the rest (tests/conftest.py). TEST_WORKERS=0
-# runs everything in this process, one test at a time.
-TEST_WORKERS ?= 4
+# Three pytest-xdist workers (CI has 2 cores; most tests wait on subprocesses): the `slow`
+# tests (torchrun jobs, demo runs) form two lanes, each run one test at a time on its own
+# worker, while the third worker takes the rest (tests/conftest.py). TEST_WORKERS=0 runs
+# everything in this process, one test at a time.
+TEST_WORKERS ?= 3
 TEST_XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP) test-deps

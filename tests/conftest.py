@@ -37,46 +37,38 @@ def s3_server() -> Iterator[str]:
             server.stop()
 
 
-# -- the whole suite under pytest-xdist (make test: -n 4 --dist loadgroup) ---------------------
+# -- the whole suite under pytest-xdist (make test: -n 3 --dist loadgroup) ---------------------
 
-SLOW_LANES = ("slow-a", "slow-b")  # the xdist groups the daemon runs are split into
-# slow tests outside tests/e2e/ and tests/chaos/ that run a whole daemon too
-_DAEMON_RUNS = ("tests/test_bounded_resources.py", "tests/test_walkthrough.py")
+SLOW_LANES = ("slow-a", "slow-b")  # the xdist groups the slow tests are split into
 
 
-def lane_weight(item: pytest.Item) -> int:
-    """A slow test's place in the lanes: 0 for a torchrun job of a few ranks (no lane: any
-    worker takes it), else its rough cost for balancing them: an e2e run of the demo (a
-    minute or two) 2, another run of the whole daemon (a chaos cell, the flood) 1."""
-    if item.get_closest_marker("slow") is None:
-        return 0
+def slow_weight(item: pytest.Item) -> int:
+    """A slow test's rough cost, for balancing the lanes: a run of the whole daemon (an
+    e2e or chaos demo, a minute or more) weighs 6, a torchrun job of a few ranks 1."""
     path = item.nodeid.split("::", 1)[0]
-    if path.startswith("tests/e2e/"):
-        return 2
-    return 1 if path.startswith("tests/chaos/") or path in _DAEMON_RUNS else 0
+    return 6 if path.startswith(("tests/e2e/", "tests/chaos/")) else 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slow tests that run a whole daemon (:func:`lane_weight`) form two lanes under
-    pytest-xdist's ``--dist loadgroup`` (:data:`SLOW_LANES`, balanced in collection order,
-    the same on every worker): each lane runs one test at a time on its own worker, so at
-    most two daemon runs load the cores at once, while every other test (the torchrun jobs
-    of a few ranks among them) goes to whichever other worker is free. Without xdist
-    nothing changes.
+    """The ``slow`` tests (torchrun jobs, demo runs, a flood) form two lanes under
+    pytest-xdist's ``--dist loadgroup`` (:data:`SLOW_LANES`, balanced by
+    :func:`slow_weight` in collection order, the same on every worker): each lane runs one
+    test at a time on its own worker, so at most two of them load the cores at once, while
+    the other tests go to the remaining workers. Without xdist nothing changes.
 
     The group is what xdist's ``xdist_group`` mark would give, an ``@<group>`` suffix on
     the test's id, which is what its scheduler reads; it is set here because xdist 3.8 sets
     it through ``Item._nodeid``, which pytest 9 no longer reads (its id is ``Item._id``),
     so the mark groups nothing there. The scheduler hands out its largest groups first,
-    one per worker: the two lanes start at once on two workers and keep them.
+    one per worker: the two lanes start at once on two workers.
     tests/test_suite_schedule.py checks the suffixes."""
     if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
         return
     load = dict.fromkeys(SLOW_LANES, 0)
     for item in items:
-        if weight := lane_weight(item):
+        if item.get_closest_marker("slow") is not None:
             lane = min(SLOW_LANES, key=lambda g: (load[g], g))
-            load[lane] += weight
+            load[lane] += slow_weight(item)
             grouped = f"{item.nodeid}@{lane}"
             if hasattr(item, "_id"):  # pytest >= 9: a structured id
                 from _pytest.nodeid import NodeId
