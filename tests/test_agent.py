@@ -18,6 +18,7 @@ import dataclasses
 import json
 import signal
 import textwrap
+import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -266,9 +267,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return [a.decode() for a in f.read().split(b"\0") if a]
+def _cmdline(pid: int, timeout_s: float = 10.0) -> list[str]:
+    """``pid``'s command line; read again while it is empty (a process in the middle of
+    its exec shows none: a clean clone's run on loaded cores read ``[]`` once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0") if a]
+        if argv or time.monotonic() > deadline:
+            return argv
+        time.sleep(0.01)
 
 
 async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
