@@ -106,7 +106,7 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
                      rendezvous: "StoreProcess | None") -> AsyncIterator["Supervisor"]:
     """:func:`running_daemon` in ``state``, its locked state directory."""
     from daemon.interfaces.api import ApiServer
-    from daemon.controlnode.chaos import run_chaos
+    from daemon.providers.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
     from daemon.controlnode.tls import agent_tls
     from daemon.controlnode.job_secrets import check_channel, resolve_secrets
@@ -194,7 +194,7 @@ def _short(v: object) -> str:
 
 async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                 out: Callable[[str], None]) -> int:
-    from daemon.controlnode.summary import summarize
+    from daemon.analysis.summary import summarize
 
     t0 = time.time()
     with rendezvous_process(config) as store:
