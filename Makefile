@@ -12,6 +12,8 @@ $(PY):
 # torch first, pinned: on these machines it is a CPU build from local disk; then the
 # project with the same pin as a constraint, so nothing pulls a CUDA build in.
 # DS_BUILD_OPS=0: DeepSpeed builds no C++/CUDA ops at install (they are JIT-built if used).
+# .[test] is every role (pyproject.toml: node, control, rendezvous, bench) and the test tools:
+# make demo runs the daemon, the agents and the trainers on this machine.
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

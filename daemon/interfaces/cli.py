@@ -305,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "rendezvous":
         from daemon.controlnode.rendezvous import main as rdzv_main
 
+        try:  # the one command of a control node that needs torch
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            print("spotvisord rendezvous: the store is torch.distributed's TCPStore, and torch is not "
+                  "installed here; install it: pip install 'spotvisor[rendezvous]'", file=sys.stderr)
+            return 2
+
         return rdzv_main(["--host", args.host, "--port", str(args.port)])
     if args.cmd == "preflight":
         return preflight_cli.run(args)
