@@ -34,7 +34,7 @@ connection and never touch Supervisor objects, and their progress comes back to
   at the sink's ``max_backoff_s``, for as long as it is down; other sinks are not held
   up (each has its own worker task on the feed's loop). A 429 with a
   ``Retry-After`` (seconds or an HTTP date) waits at least that long (at most
-  :data:`RETRY_AFTER_MAX_S`). Every failed attempt is logged
+  :data:`~daemon.feed.sinks.RETRY_AFTER_MAX_S`). Every failed attempt is logged
   (``notify_attempt_failed``: sink, first and last seq of the batch, status or error,
   next wait). A sink that answers 4xx is retried too: the queue waits until the
   operator fixes it;
