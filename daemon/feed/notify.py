@@ -14,14 +14,11 @@ behind the others.
 own asyncio loop, which also holds their HTTP sessions, tenacity's retries and
 Slack's pacing, and its own SQLite connection to the store's file
 (:meth:`Store.open_sibling`; WAL lets it read while the daemon writes, and its cursor
-writes wait out the daemon's). On the daemon's loop, a worker woken in a burst (1,000
-agents reporting a commit or a restart within 100 ms) waited behind hundreds of
-queued HTTP handlers of ~250 µs each (the loop stalled 100–340 ms), so event →
-webhook p99 was 400 ms with 1,000 nodes (bench/scale.py); batching does not help with
-that. The daemon's loop now only appends the event and hands the wake over
-(``call_soon_threadsafe``); the workers read events and node rows through the feed's
-connection and never touch Supervisor objects, and their progress comes back to
-:meth:`Notifier.wait_until` on the daemon's loop the same way. So:
+writes wait out the daemon's): on the daemon's loop a worker woken in a burst waited
+behind hundreds of queued HTTP handlers (event → webhook p99 400 ms with 1,000 nodes,
+bench/scale.py). The daemon's loop only appends the event and hands the wake over
+(``call_soon_threadsafe``, :class:`_Handover`); the workers never touch Supervisor
+objects, and their progress comes back to :meth:`Notifier.wait_until` the same way. So:
 
 - **at least once, in order per sink**: a batch is re-sent, the same events, until
   a 2xx, and the next batch waits for it; events within a batch and batches are
@@ -144,6 +141,32 @@ class SinkStats:
     failing: bool
     batches: int = 0
     shed: int = 0  # events skipped while the sink was over FEED_BACKLOG_BOUND behind
+
+
+class _Handover:
+    """A call handed to another thread's event loop, at most one in flight however often it
+    is asked for: :meth:`send` (any thread) schedules ``fn`` on ``loop`` unless a hand-over
+    has not run yet; the flag clears before ``fn`` runs, so what happens from then on hands
+    over again. A closed loop is no error: nobody is there to call."""
+
+    __slots__ = ("_fn", "_pending")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._pending = False
+
+    def send(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if loop is None or self._pending:
+            return
+        self._pending = True
+        try:
+            loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # that loop has just closed
+            self._pending = False
+
+    def _run(self) -> None:
+        self._pending = False
+        self._fn()
 
 
 class _SinkWorker:
@@ -287,8 +310,8 @@ class Notifier:
         # on the daemon's loop: set (and replaced) whenever a worker moved; signalled from the
         # feed's thread through call_soon_threadsafe, at most one signal in flight
         self._progress = asyncio.Event()
-        self._progress_pending = False
-        self._wake_pending = False  # a wake handed to the feed's loop has not run yet
+        self._progress_handover = _Handover(self._progressed)  # feed's thread -> daemon's loop
+        self._wake_handover = _Handover(self._wake_workers)  # daemon's loop -> feed's loop
         self._caller: asyncio.AbstractEventLoop | None = None  # the daemon's loop
         self._loop: asyncio.AbstractEventLoop | None = None  # the feed's loop, while its workers run
         self._stop: asyncio.Event | None = None  # on the feed's loop
@@ -339,14 +362,7 @@ class Notifier:
     def wake(self, _event: Event | None = None) -> None:
         """New events exist: every worker looks. Never blocks (usable as a listener): it
         hands the wake to the feed's loop, one hand-over at a time however many events."""
-        loop = self._loop
-        if loop is None or self._wake_pending:
-            return
-        self._wake_pending = True
-        try:
-            loop.call_soon_threadsafe(self._wake_workers)
-        except RuntimeError:  # the feed's loop has just closed: the notifier is closing
-            pass
+        self._wake_handover.send(self._loop)  # None: the feed's loop is not running (yet, or any more)
 
     def stats(self, sink: str) -> SinkStats:
         """Where sink ``sink`` stands (for ``/metrics`` and tests)."""
@@ -471,7 +487,6 @@ class Notifier:
             store.close()
 
     def _wake_workers(self) -> None:  # on the feed's loop
-        self._wake_pending = False  # before setting: a wake() from now on hands over again
         for w in self._workers.values():
             w.wake.set()
 
@@ -481,17 +496,9 @@ class Notifier:
 
     def _moved(self) -> None:
         """A worker moved (on the feed's thread): wake the waiters on the daemon's loop."""
-        caller = self._caller
-        if caller is None or self._progress_pending:
-            return
-        self._progress_pending = True
-        try:
-            caller.call_soon_threadsafe(self._progressed)
-        except RuntimeError:  # the daemon's loop has closed: nobody waits
-            self._progress_pending = False
+        self._progress_handover.send(self._caller)
 
     def _progressed(self) -> None:  # on the daemon's loop
-        self._progress_pending = False  # before setting: a move from now on signals again
         self._progress.set()
         self._progress = asyncio.Event()
 
