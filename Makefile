@@ -56,8 +56,8 @@ clean:
 # `sudo make install-systemd`: the three units (systemd/*.service: what each runs and
 # why its hardening is what it is) and the `spotvisor` system user (systemd/spotvisor.sysusers),
 # then systemd-sysusers and daemon-reload. The commands must already be installed in
-# BINDIR (`pip install .` into the system, or into a venv outside /home and /root, which
-# ProtectHome= hides: e.g. `python3 -m venv /opt/spotvisor && /opt/spotvisor/bin/pip install .`
+# BINDIR (`pip install '.[control,rendezvous]'` into the system, or into a venv outside /home and /root, which
+# ProtectHome= hides: e.g. `python3 -m venv /opt/spotvisor && /opt/spotvisor/bin/pip install '.[control,rendezvous]'`
 # then BINDIR=/opt/spotvisor/bin); the units' ExecStart= lines are rewritten to BINDIR.
 # DESTDIR=DIR stages the files under DIR and touches nothing on the system (packaging; the
 # test that runs systemd-analyze verify on what this target installs).
@@ -65,7 +65,7 @@ BINDIR ?= /usr/local/bin
 UNITDIR ?= /etc/systemd/system
 SYSUSERSDIR ?= /etc/sysusers.d
 install-systemd:
-	@test -x $(BINDIR)/spotvisord || { echo "install-systemd: no $(BINDIR)/spotvisord; pip install . first, or set BINDIR=" >&2; exit 2; }
+	@test -x $(BINDIR)/spotvisord || { echo "install-systemd: no $(BINDIR)/spotvisord; pip install '.[control,rendezvous]' first, or set BINDIR=" >&2; exit 2; }
 	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR)
 	for unit in systemd/*.service; do \
 		sed 's|/usr/local/bin/|$(BINDIR)/|g' $$unit > $(DESTDIR)$(UNITDIR)/$$(basename $$unit) && \
