@@ -12,6 +12,8 @@ $(PY):
 # torch first, pinned: on these machines it is a CPU build from local disk; then the
 # project with the same pin as a constraint, so nothing pulls a CUDA build in.
 # DS_BUILD_OPS=0: DeepSpeed builds no C++/CUDA ops at install (they are JIT-built if used).
+# .[test] is every role (pyproject.toml: node, control, rendezvous, bench) and the test tools:
+# make demo runs the daemon, the agents and the trainers on this machine.
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -54,8 +56,8 @@ clean:
 # `sudo make install-systemd`: the three units (systemd/*.service: what each runs and
 # why its hardening is what it is) and the `spotvisor` system user (systemd/spotvisor.sysusers),
 # then systemd-sysusers and daemon-reload. The commands must already be installed in
-# BINDIR (`pip install .` into the system, or into a venv outside /home and /root, which
-# ProtectHome= hides: e.g. `python3 -m venv /opt/spotvisor && /opt/spotvisor/bin/pip install .`
+# BINDIR (`pip install '.[control,rendezvous]'` into the system, or into a venv outside /home and /root, which
+# ProtectHome= hides: e.g. `python3 -m venv /opt/spotvisor && /opt/spotvisor/bin/pip install '.[control,rendezvous]'`
 # then BINDIR=/opt/spotvisor/bin); the units' ExecStart= lines are rewritten to BINDIR.
 # DESTDIR=DIR stages the files under DIR and touches nothing on the system (packaging; the
 # test that runs systemd-analyze verify on what this target installs).
@@ -63,7 +65,7 @@ BINDIR ?= /usr/local/bin
 UNITDIR ?= /etc/systemd/system
 SYSUSERSDIR ?= /etc/sysusers.d
 install-systemd:
-	@test -x $(BINDIR)/spotvisord || { echo "install-systemd: no $(BINDIR)/spotvisord; pip install . first, or set BINDIR=" >&2; exit 2; }
+	@test -x $(BINDIR)/spotvisord || { echo "install-systemd: no $(BINDIR)/spotvisord; pip install '.[control,rendezvous]' first, or set BINDIR=" >&2; exit 2; }
 	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR)
 	for unit in systemd/*.service; do \
 		sed 's|/usr/local/bin/|$(BINDIR)/|g' $$unit > $(DESTDIR)$(UNITDIR)/$$(basename $$unit) && \

@@ -56,10 +56,10 @@ from bench.ports import free_port  # noqa: E402
 from bench.compare_metrics import (NO_PREEMPTION, acceptance, add_relative_goodput, format_profile,  # noqa: E402
                                    format_table, load_run, run_metrics)
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names  # noqa: E402
-from daemon.controlnode.chaos import ready_to_fire  # noqa: E402
+from daemon.providers.chaos import ready_to_fire  # noqa: E402
 from daemon.config import ChaosEvent, Config  # noqa: E402
 from daemon.model import Event, EventKind, NodeState  # noqa: E402
-from daemon.controlnode.summary import summarize  # noqa: E402
+from daemon.analysis.summary import summarize  # noqa: E402
 
 __all__ = ["TraceEvent", "parse_trace", "inject", "system_config", "run_system", "analyze", "main"]
 

@@ -1,6 +1,6 @@
 """The figures of ``bench/compare.py``, from one run's trainer logs and daemon events.
 
-Inputs, as :mod:`daemon.controlnode.summary` reads them: the per-rank step logs
+Inputs, as :mod:`daemon.analysis.summary` reads them: the per-rank step logs
 (``<node>/logs/steps-<attempt>-rank<R>.jsonl``), the trainer status lines
 (``<node>/status.jsonl``) and the daemon's events (the bench's ``chaos_injected``
 events carry each preemption's ``published_at``). Everything here but
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from daemon.control.policies import DEFAULT_POLICY
 from daemon.model import Event, EventKind
-from daemon.controlnode.summary import attempt_starts, read_jsonl
+from daemon.analysis.summary import attempt_starts, read_jsonl
 
 __all__ = [
     "load_run",
@@ -87,7 +87,7 @@ def step_durations(steps: Sequence[dict], status: Sequence[dict]) -> dict[tuple[
 
 
 def lineage(steps: Iterable[dict], status: Iterable[dict]) -> dict[int, str]:
-    """Step number → the attempt whose execution of it counts (the last one), as daemon/controlnode/summary.py."""
+    """Step number → the attempt whose execution of it counts (the last one), as daemon/analysis/summary.py."""
     steps = list(steps)
     order = attempt_starts(steps, status)
     last: dict[int, str] = {}

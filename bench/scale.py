@@ -85,7 +85,7 @@ from bench.loopwatch import LoopWatch  # noqa: E402
 from bench.scale_daemon import PROFILE_ENV  # noqa: E402
 from daemon.config import AgentSpec, DaemonSpec  # noqa: E402
 from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interval  # noqa: E402
-from daemon.feed.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
+from daemon.feed.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature  # noqa: E402
 
 __all__ = ["Options", "run", "main"]
 

@@ -97,7 +97,7 @@ DEADLINE_START_S = 600.0
 
 # events per request of a feed sink (``SinkSpec.max_batch``) when the config names none; a
 # Slack message holds at most 50 blocks: a header, a footer and two blocks per event
-# (daemon.feed.notify.slack_digest) leave room for 24
+# (daemon.feed.feed_messages.slack_digest) leave room for 24
 WEBHOOK_MAX_BATCH = 100
 SLACK_MAX_BATCH = 24
 
@@ -983,10 +983,10 @@ class ChaosEvent(_Spec):
 
 
 class SinkSpec(_Spec):
-    """One feed sink (``daemon/feed/notify.py``): where events go, which ones, and how they read.
+    """One feed sink (:mod:`daemon.feed.sinks`): where events go, which ones, and how they read.
 
     ``type``: ``slack`` (an incoming webhook; Block Kit message) or ``webhook`` (JSON
-    body signed with HMAC-SHA256, see :mod:`daemon.feed.notify`). The URL is ``url`` or,
+    body signed with HMAC-SHA256, see :mod:`daemon.feed.signing`). The URL is ``url`` or,
     to keep a secret out of this file, ``url_env`` (the name of an environment
     variable holding it; read when the daemon starts). ``secret_env``: the variable
     holding a webhook's signing key (required for ``webhook``; Slack hooks are not

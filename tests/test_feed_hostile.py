@@ -19,20 +19,12 @@ import pytest
 import structlog
 from slack_sdk.models.blocks import Block
 
-from daemon.feed import feed_messages, notify
+from daemon.feed import feed_messages, notify, sinks
 from daemon.config import SinkSpec
 from daemon.model import Event, Node, NodeState
-from daemon.feed.notify import (
-    CURSOR_KEY,
-    Notifier,
-    key_fields,
-    redact_secrets,
-    redact_url,
-    render_text,
-    slack_digest,
-    slack_message,
-    webhook_batch_body,
-)
+from daemon.feed.feed_messages import key_fields, render_text, slack_digest, slack_message, webhook_batch_body
+from daemon.feed.notify import CURSOR_KEY, Notifier
+from daemon.feed.redaction import Redactor, redact_url
 from daemon.controlnode.store import Store
 from test_notify import ENV, Receiver, emit, webhook
 
@@ -49,7 +41,7 @@ def strict_json(body: bytes) -> Any:
 
 @pytest.fixture
 def no_slack_pacing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(notify, "SLACK_MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(sinks, "SLACK_MIN_INTERVAL_S", 0.0)
 
 
 # events an older daemon stored as they came from a node (the issue's probes, and their kin)
@@ -124,22 +116,23 @@ async def test_a_rendering_bug_on_one_event_does_not_stop_the_sink(
     """Whatever goes wrong rendering one event (here: a bug injected for one ``seq``), the
     worker logs it once, sends a fallback line for it and goes on, in order."""
     bad: set[int] = set()
-    real = notify.render_text
+    real = sinks.render_text
 
     def buggy(ev: Event, **kw: Any) -> str:
         if ev.seq in bad:
             raise RuntimeError("renderer bug")
         return real(ev, **kw)
 
-    monkeypatch.setattr(notify, "render_text", buggy)
-    monkeypatch.setattr(notify, "slack_digest", lambda items, pool: (_ for _ in ()).throw(RuntimeError("bug")))
+    monkeypatch.setattr(sinks, "render_text", buggy)
+    monkeypatch.setattr(sinks, "slack_digest", lambda items, pool: (_ for _ in ()).throw(RuntimeError("bug")))
     rx = await Receiver().start()
     slack = SinkSpec(name="ops-slack", type="slack", url=rx.url("/services/T0/B0/X"), max_backoff_s=0.05)
     n = Notifier(store, [webhook("hook", rx.url("/hook")), slack], pool="p", environ=ENV)
     await n.start()
     try:
         with structlog.testing.capture_logs() as logs:
-            monkeypatch.setattr(notify, "log", structlog.get_logger("spotvisor.notify"))  # uncached: captured
+            for module in (notify, sinks):  # uncached loggers: captured
+                monkeypatch.setattr(module, "log", structlog.get_logger("spotvisor.notify"))
             first = emit(store, n, "node_ready", "n-1")
             bad.add(first + 1)
             seqs = [first, emit(store, n, "node_ready", "n-2"), emit(store, n, "node_ready", "n-3")]
@@ -183,16 +176,17 @@ async def test_a_malformed_url_env_url_never_reaches_the_logs(
                     max_backoff_s=0.01, timeout_s=1.0)
     caplog.set_level(logging.DEBUG)
     with structlog.testing.capture_logs() as captured:
-        monkeypatch.setattr(notify, "log", structlog.get_logger("spotvisor.notify"))  # uncached: captured
+        for module in (notify, sinks):  # uncached loggers: captured
+            monkeypatch.setattr(module, "log", structlog.get_logger("spotvisor.notify"))
         n = Notifier(store, [spec], pool="p", environ={**ENV, "SV_HOOK_URL": url})
         await n.start()
         try:
             emit(store, n, "node_ready", "n-1")
             assert await n.wait_until(lambda: n.stats("hook").failed_attempts >= 3, 10.0)
+            logging.getLogger("some.library").debug("posting to %s failed", url)  # anyone's record, redacted
+            logging.getLogger("some.library").error("boom", exc_info=ValueError(f"bad url {url}"))
         finally:
             await n.aclose(drain_timeout_s=0)
-        logging.getLogger("some.library").debug("posting to %s failed", url)  # anyone's record, redacted
-        logging.getLogger("some.library").error("boom", exc_info=ValueError(f"bad url {url}"))
     text = _all_logs(caplog, captured)
     assert "SECRET" not in text
     failed = [e for e in captured if e["event"] == "notify_attempt_failed"]
@@ -223,7 +217,8 @@ async def test_slack_sdk_debug_logs_never_show_the_hook_url(
 
 
 def test_redact_secrets_in_free_text() -> None:
-    notify.register_secret_url(f"https://hooks.example.com/{SECRET_PATH}")
+    redactor = Redactor()
+    redactor.add_url(f"https://hooks.example.com/{SECRET_PATH}")
     line = f"POST https://hooks.example.com/{SECRET_PATH} failed; path /{SECRET_PATH} again"
-    out = redact_secrets(line)
+    out = redactor.redact(line)
     assert "SECRET" not in out and "https://hooks.example.com/…" in out

@@ -18,7 +18,7 @@ from slack_sdk.models.blocks import Block  # noqa: E402
 
 from daemon.config import SLACK_MAX_BATCH  # noqa: E402
 from daemon.model import Event, EventKind, Node, NodeState  # noqa: E402
-from daemon.feed.notify import key_fields, render_text, slack_digest, slack_message, webhook_batch_body  # noqa: E402
+from daemon.feed.feed_messages import key_fields, render_text, slack_digest, slack_message, webhook_batch_body  # noqa: E402
 from test_feed_hostile import strict_json  # noqa: E402
 
 _NODE = Node(id="n-1", ordinal=1, provider="aws", region="us-east-1", zone="us-east-1a",

@@ -295,18 +295,21 @@ def test_the_daemon_stops_before_buying_when_a_secret_cannot_be_read(tmp_path: P
 
 async def test_a_resolved_value_is_masked_in_structlog_and_stdlib_lines(tmp_path: Path,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    from daemon.feed.redaction import Redactor
     from daemon.logs import configure_logging
 
     value = _secret() + "\"q"  # a quote: JSON and repr escape it, and the escaped form is masked too
     path = _private_file(tmp_path / "v", value)
-    await resolve_secrets(_config({"HF": f"file:{path}"}))
+    redactor = Redactor()  # as spotvisord's main and running_daemon use it
+    redactor.add_values((await resolve_secrets(_config({"HF": f"file:{path}"}))).values())
     out = io.StringIO()
-    configure_logging("INFO", stream=out)
+    configure_logging("INFO", stream=out, redactor=redactor)
     try:
         structlog.get_logger("t").info("spec_shown", spec={"secrets": {"HF": value}}, raw=value)
         logging.getLogger("spotvisor.test").warning("stray %s", value)
     finally:
         structlog.reset_defaults()
+        redactor.uninstall()
         for h in list(logging.getLogger().handlers):
             if getattr(h, "stream", None) is out:
                 logging.getLogger().removeHandler(h)

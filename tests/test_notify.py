@@ -34,27 +34,14 @@ from conftest import UNTIL_TIMEOUT_S, RecordingProvider
 from daemon.interfaces.cli import main as spotvisord_main
 from daemon.config import SLACK_MAX_BATCH, WEBHOOK_MAX_BATCH, Config, ConfigError, SinkSpec, load_config
 from daemon.model import Event, EventKind, Node, NodeState
-from daemon.feed.notify import (
-    CURSOR_KEY,
-    EMOJI,
-    SIGNATURE_HEADER,
-    SLACK_FIELD_MAX_CHARS,
-    SLACK_HEADER_MAX_CHARS,
-    SLACK_MAX_BLOCKS,
-    SLACK_MAX_FIELDS,
-    SLACK_SECTION_MAX_CHARS,
-    SLACK_TEXT_MAX_CHARS,
-    TIMESTAMP_HEADER,
-    Notifier,
-    render_text,
-    resolve_sinks,
-    retry_after_s,
-    slack_digest,
-    slack_message,
-    verify_signature,
-    webhook_batch_body,
-)
-from daemon.feed import notify
+from daemon.feed import feed_messages, notify, sinks
+from daemon.feed.feed_messages import (EMOJI, SLACK_FIELD_MAX_CHARS, SLACK_HEADER_MAX_CHARS, SLACK_MAX_BLOCKS,
+                                       SLACK_MAX_FIELDS, SLACK_SECTION_MAX_CHARS, SLACK_TEXT_MAX_CHARS, render_text,
+                                       slack_digest, slack_message, webhook_batch_body)
+from daemon.feed.notify import CURSOR_KEY, Notifier
+from daemon.feed.redaction import Redactor
+from daemon.feed.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
+from daemon.feed.sinks import retry_after_s, resolve_sinks
 from daemon.controlnode.store import Store
 from daemon.controlnode.supervisor import Supervisor
 
@@ -638,7 +625,7 @@ def test_slack_fields_carry_the_key_numbers() -> None:
 @pytest.fixture
 def no_slack_pacing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Slack's one message a second, off: tests that are not about it stay fast."""
-    monkeypatch.setattr(notify, "SLACK_MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(sinks, "SLACK_MIN_INTERVAL_S", 0.0)
 
 
 async def test_slack_sink_posts_block_kit_to_a_local_hooks_endpoint(store: Store, no_slack_pacing: None) -> None:
@@ -699,7 +686,7 @@ def test_slack_digest_fits_in_50_blocks_and_is_valid_block_kit() -> None:
     assert _digest_seqs(body) == [100 + i for i in range(SLACK_MAX_BATCH)]  # oldest first
     sections = [b for b in msg.blocks if isinstance(b, SectionBlock)]
     assert len(sections) == SLACK_MAX_BATCH
-    assert all(len(sec.text.text) <= notify.SLACK_DIGEST_LINE_MAX_CHARS for sec in sections)
+    assert all(len(sec.text.text) <= feed_messages.SLACK_DIGEST_LINE_MAX_CHARS for sec in sections)
     assert "spot_reclaimed &lt;&amp;&gt;" in sections[0].text.text  # event text is escaped for Slack
     assert f"seq 100–{100 + SLACK_MAX_BATCH - 1}" in body["blocks"][-1]["elements"][0]["text"]
     assert 0 < len(msg.text) <= SLACK_TEXT_MAX_CHARS and msg.text.startswith(f"{SLACK_MAX_BATCH} events in demo")
@@ -759,7 +746,7 @@ async def test_a_429_waits_its_retry_after(store: Store, no_slack_pacing: None, 
 
 
 async def test_slack_sends_at_most_one_message_per_interval(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(notify, "SLACK_MIN_INTERVAL_S", 0.3)
+    monkeypatch.setattr(sinks, "SLACK_MIN_INTERVAL_S", 0.3)
     rx = await Receiver().start()
     n = Notifier(store, [SinkSpec(name="s", type="slack", url=rx.url("/services/T/B/X"))], pool="demo", environ={})
     await n.start()
@@ -780,7 +767,7 @@ def test_retry_after_is_seconds_or_an_http_date() -> None:
     now = 1_700_000_000.0
     assert retry_after_s(429, {"Retry-After": "3"}) == 3.0
     assert retry_after_s(429, {"Retry-After": email.utils.formatdate(now + 30, usegmt=True)}, now=now) == 30.0
-    assert retry_after_s(429, {"Retry-After": "10000000"}) == notify.RETRY_AFTER_MAX_S
+    assert retry_after_s(429, {"Retry-After": "10000000"}) == sinks.RETRY_AFTER_MAX_S
     assert retry_after_s(429, {"Retry-After": "-5"}) == 0.0
     assert retry_after_s(429, {"Retry-After": "soon"}) is None
     assert retry_after_s(429, {"Retry-After": "nan"}) is None
@@ -887,7 +874,7 @@ def test_the_example_in_configs_local_yaml_validates() -> None:
     example = yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
     config = Config.model_validate(example)
     env = {"SPOTVISOR_SLACK_WEBHOOK_URL": "https://hooks.slack.com/services/T/B/X", "SPOTVISOR_WEBHOOK_KEY": "k"}
-    slack, audit = resolve_sinks(config.notify, env)
+    slack, audit = resolve_sinks(config.notify, env, redactor=Redactor())
     assert (slack.spec.type, audit.spec.type) == ("slack", "webhook")
     assert "hooks.slack.com" not in repr(slack) and "b'k'" not in repr(audit)  # secrets stay out of logs
 
@@ -896,10 +883,11 @@ def test_unset_environment_is_one_line_per_variable_and_run_refuses(tmp_path: Pa
     specs = [SinkSpec(name="ops", type="slack", url_env="SV_TEST_UNSET_HOOK"),
              SinkSpec(name="audit", type="webhook", url="https://h/x", secret_env="SV_TEST_UNSET_KEY")]
     with pytest.raises(ConfigError) as e:
-        resolve_sinks(specs, {})
+        resolve_sinks(specs, {}, redactor=Redactor())
     assert [p.split(":", 1)[0] for p in e.value.problems] == ["notify.0.url_env", "notify.1.secret_env"]
     assert "$SV_TEST_UNSET_HOOK is not set" in e.value.problems[0]
-    (t,) = resolve_sinks(specs[:1], {"SV_TEST_UNSET_HOOK": "https://hooks.slack.com/services/T/B/X"})
+    (t,) = resolve_sinks(specs[:1], {"SV_TEST_UNSET_HOOK": "https://hooks.slack.com/services/T/B/X"},
+                         redactor=Redactor())
     assert t.url == "https://hooks.slack.com/services/T/B/X" and t.secret is None
 
     cfg = tmp_path / "c.yaml"

@@ -1,4 +1,4 @@
-"""The demo summary counts what the trainer did, from its logs (daemon/controlnode/summary.py)."""
+"""The demo summary counts what the trainer did, from its logs (daemon/analysis/summary.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from daemon.model import Event
-from daemon.controlnode.summary import summarize
+from daemon.analysis.summary import summarize
 
 G = 4  # global batch size in these synthetic runs
 
@@ -133,7 +133,7 @@ def test_an_in_process_shrink_is_a_resize_not_a_restart(tmp_path: Path) -> None:
 
 
 def test_resumes_before_their_commit_counts_an_inverted_log() -> None:
-    from daemon.controlnode.summary import resumes_before_their_commit
+    from daemon.analysis.summary import resumes_before_their_commit
 
     def ev(seq: int, kind: str, **data) -> Event:
         return Event(seq, float(seq), kind, None, data)

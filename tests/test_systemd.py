@@ -251,7 +251,8 @@ def test_the_service_reads_its_own_secrets_from_an_optional_environment_file(ins
     ``EnvironmentFile=`` (optional: "-"), never through the config or a drop-in; the
     config names them by variable (notify[].url_env), which resolve_sinks reads."""
     from daemon.config import SinkSpec
-    from daemon.feed.notify import resolve_sinks
+    from daemon.feed.redaction import Redactor
+    from daemon.feed.sinks import resolve_sinks
 
     text = (installed_units / "spotvisord.service").read_text()
     assert re.findall(r"^EnvironmentFile=(.*)$", text, re.M) == ["-/etc/spotvisor/spotvisord.env"]
@@ -259,7 +260,8 @@ def test_the_service_reads_its_own_secrets_from_an_optional_environment_file(ins
     hook = "https://hooks.slack.com/services/T000/B000/" + "x" * 24
     env_file = "# /etc/spotvisor/spotvisord.env\nSPOTVISOR_SLACK_WEBHOOK_URL=" + hook + "\n"
     environ = dict(line.split("=", 1) for line in env_file.splitlines() if line and not line.startswith("#"))
-    (target,) = resolve_sinks([SinkSpec(name="ops", type="slack", url_env="SPOTVISOR_SLACK_WEBHOOK_URL")], environ)
+    (target,) = resolve_sinks([SinkSpec(name="ops", type="slack", url_env="SPOTVISOR_SLACK_WEBHOOK_URL")], environ,
+                              redactor=Redactor())
     assert target.url == hook
 
 

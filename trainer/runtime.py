@@ -1,7 +1,7 @@
 """What every trainer on spotvisor shares, whatever its framework: who this process is,
 the status file and step logs it writes (:class:`StatusWriter`, :class:`StepLog`), and the
 data position. The environment and file formats it shares with the agent are
-:mod:`trainer.contract`'s; the step logs are what ``daemon/controlnode/summary.py``
+:mod:`trainer.contract`'s; the step logs are what ``daemon/analysis/summary.py``
 counts lost and repeated samples from; :func:`shrink_process_group` forms the
 survivors' group after a preemption at ``$SPOTVISOR_RDZV_ENDPOINT`` without
 restarting them.

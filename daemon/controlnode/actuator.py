@@ -97,12 +97,12 @@ class Actuator:
         """Wake every rank of ``action.attempt`` through the rendezvous store at ``endpoint``
         (:func:`trainer.membership.wake_survivors`, in a thread: store round trips). A store
         out of reach is logged: the survivors still re-form at their collective's timeout."""
-        from trainer.membership import wake_survivors
-
         try:
+            from trainer.membership import wake_survivors  # torch's store client: ImportError without torch
+
             await asyncio.to_thread(wake_survivors, endpoint, run, action.attempt, action.world_size,
                                     reason=f"daemon: {','.join(action.lost)} lost", timeout_s=WAKE_TIMEOUT_S)
-        except Exception as exc:  # torch's store errors: DistError, RuntimeError, OSError
+        except Exception as exc:  # torch's store errors: DistError, RuntimeError, OSError; no torch here
             log.warning("wake_survivors_failed", attempt=action.attempt, lost=list(action.lost), error=str(exc))
             return
         log.info("survivors_woken", attempt=action.attempt, world_size=action.world_size, lost=list(action.lost))

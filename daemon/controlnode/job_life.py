@@ -35,7 +35,6 @@ from daemon.control.pool import Timeouts
 from daemon.control.tries import Began, Disturbed, Ended, Observation, Stepped, Tries, gives_up, observe
 from daemon.controlnode.core import Core
 from daemon.controlnode.node_logs import NodeLogs
-from daemon.feed.notify import redact_secrets
 from daemon.model import Event, EventKind, JobState
 
 __all__ = ["JobLife", "TAIL_LINES", "TAIL_LINE_CHARS", "LOG_WAIT_S"]
@@ -151,7 +150,7 @@ class JobLife:
         if end is not None:
             start = next((i for i in range(end, -1, -1) if lines[i].startswith("Traceback (most recent call last)")), end)
             lines = lines[:start]
-        return [redact_secrets(line)[:TAIL_LINE_CHARS] for line in lines[-TAIL_LINES:]]
+        return [line[:TAIL_LINE_CHARS] for line in lines[-TAIL_LINES:]]  # masked as NodeLogs took them
 
     def _end(self, state: JobState, why: str, now: float) -> None:
         core = self.core

@@ -9,10 +9,11 @@ and where it never does:
    the clouds' stores through their SDKs (:mod:`daemon.providers.cloud_secrets`). Any
    failure is a :class:`SecretError`: one line naming the secret and its source, and the
    daemon exits (2, or 1 for an outage a restart may get past) with no instance bought.
-2. **Masked**: every value is registered with the feed's redaction
-   (:func:`daemon.feed.notify.register_secret_value`), so a log line, a record of the
-   stdlib's logging or a structlog field that held one anyway reads ``***``
-   (:func:`daemon.logs.mask_secrets`).
+2. **Masked**: the daemon registers every value with its redactor
+   (:meth:`daemon.feed.redaction.Redactor.add_values`, in
+   :func:`daemon.interfaces.cli.running_daemon`), so a log line, a record of the stdlib's
+   logging, a structlog field (:func:`daemon.logs.configure_logging`) or a node's log
+   (:class:`daemon.controlnode.node_logs.NodeLogs`) that held one anyway reads ``***``.
 3. **Kept in memory** by the supervisor, and put in each node's job spec under its own key
    ``"secrets"`` (:func:`daemon.controlnode.jobspec.job_spec`): in the agent's
    registration reply and a stalled job's ``restart`` command, nowhere else. Not in the
@@ -158,15 +159,14 @@ def fetcher(endpoints: Mapping[str, str] | None = None, *, timeout_s: float = RE
 
 async def resolve_secrets(config: Config, *, timeout_s: float = RESOLVE_TIMEOUT_S, fetch: Fetch | None = None,
                           endpoints: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Read every ``job.secrets`` value, concurrently, each in a thread within ``timeout_s``,
-    and register each with the redaction (the module docstring). Returns ``{NAME: value}``
-    (empty without secrets).
+    """Read every ``job.secrets`` value, concurrently, each in a thread within ``timeout_s``.
+    Returns ``{NAME: value}`` (empty without secrets); the caller registers the values with
+    its redactor (the module docstring).
 
     Raises:
         SecretError: the first secret (in config order) that could not be read, or whose
             value is empty, holds a NUL or is over :data:`~daemon.secretref.MAX_SECRET_BYTES`.
     """
-    from daemon.feed.notify import register_secret_value
     from daemon.providers.cloud_secrets import FetchError
 
     if not config.job.secrets:
@@ -201,8 +201,6 @@ async def resolve_secrets(config: Config, *, timeout_s: float = RESOLVE_TIMEOUT_
         if t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     values = {name: t.result() for name, t in tasks.items()}
-    for value in values.values():
-        register_secret_value(value)
     log.info("job_secrets_resolved", names=sorted(values), sources=sorted({r.scheme for r in refs.values()}))
     return values
 

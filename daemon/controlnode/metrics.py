@@ -20,7 +20,7 @@ over ``spotvisor_job_total_seconds`` shows that side.
 **Lost steps** are counted at each resume as the highest step the trainer had
 reported (status lines and heartbeats, so up to one heartbeat late) minus the step
 it resumed from: an estimate from the daemon's view. The run summary
-(:mod:`daemon.controlnode.summary`) counts them exactly from the per-rank step logs.
+(:mod:`daemon.analysis.summary`) counts them exactly from the per-rank step logs.
 
 **Cost**: each node costs its spot price at launch (``price_usd_h``) × the hours
 it was held (:meth:`daemon.model.Node.hours_held`: from the launch request, an

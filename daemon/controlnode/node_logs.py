@@ -2,7 +2,7 @@
 
 The protocol and its limits are :mod:`daemon.gpunode.nodelog`'s (the agent's side).
 Every line is held with the job's secret values masked (``***``,
-:func:`daemon.feed.notify.redact_secrets`): a ``job.setup`` or a trainer that prints one
+:meth:`NodeLogs.mask`, which the supervisor calls with them at start): a ``job.setup`` or a trainer that prints one
 (a token in a URL, a ``set -x``) does not carry it into ``spotctl tail``.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import structlog
 
-from daemon.feed.notify import redact_secrets
+from daemon.feed.redaction import Redactor
 from daemon.gpunode.nodelog import BUFFER_MAX_BYTES
 
 __all__ = ["NodeLogs", "LogLine"]
@@ -48,10 +48,11 @@ class NodeLogs:
 
     Feed it each heartbeat's ``log`` field (:meth:`feed`), answer with :meth:`ack`;
     read with :meth:`tail` and :meth:`since`; :meth:`wait` returns when a node's log
-    grows (for ``spotctl tail -f``).
+    grows (for ``spotctl tail -f``). The values given to :meth:`mask` (the job's secrets)
+    read ``***`` in every line that arrives after.
     """
 
-    __slots__ = ("max_bytes", "max_nodes", "_buffers", "_grew")
+    __slots__ = ("max_bytes", "max_nodes", "_buffers", "_grew", "_redactor")
 
     def __init__(self, *, max_bytes: int = BUFFER_MAX_BYTES, max_nodes: int = 64) -> None:
         if max_bytes <= 0 or max_nodes <= 0:
@@ -60,6 +61,12 @@ class NodeLogs:
         self.max_nodes = max_nodes
         self._buffers: dict[str, _Buffer] = {}
         self._grew = asyncio.Event()
+        self._redactor = Redactor()  # the job's secret values, from mask()
+
+    def mask(self, values: Iterable[str]) -> None:
+        """From now on each of ``values`` (of at least
+        :data:`~daemon.feed.redaction.MIN_MASKED_CHARS` characters) reads ``***`` in the lines taken."""
+        self._redactor.add_values(values)
 
     def ack(self, node_id: str) -> dict[str, Any]:
         """The heartbeat reply's ``log`` field for ``node_id``."""
@@ -129,7 +136,7 @@ class NodeLogs:
             return
 
     def _append(self, buf: _Buffer, text: str) -> None:
-        text = redact_secrets(text)  # the job's secrets (a no-op while none is registered)
+        text = self._redactor.redact(text)  # the job's secrets (a no-op while none is registered)
         buf.last_seq += 1
         buf.lines.append(LogLine(buf.last_seq, text))
         buf.bytes += len(text) + 1

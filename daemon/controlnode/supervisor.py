@@ -117,6 +117,7 @@ class Supervisor:
     async def start(self, *, agent_url: str, agent_ca_pem: str | None = None,
                     job_secrets: Mapping[str, str] | None = None) -> None:
         self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
+        self.agents.node_logs.mask(self.secrets.values())  # a trainer that prints one: spotctl tail shows ***
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
         self.store.set("run_nonce", self.run_nonce)
         self.nodes.update((node.id, node) for node in self.store.nodes())

@@ -2,8 +2,8 @@
 generic webhook body, and its Slack Block Kit message or digest.
 
 Pure functions of an :class:`~daemon.model.Event` (and the node row it names); the
-delivery (signing, batching, retries, the feed's thread) is :mod:`daemon.feed.notify`, which
-re-exports these names.
+delivery is :mod:`daemon.feed.sinks` (a batch to one sink), :mod:`daemon.feed.signing`
+and :mod:`daemon.feed.notify` (batching, retries, the feed's thread).
 
 **Total**: every renderer returns for any event data, whatever an older daemon stored
 (``NaN``/``Infinity``, a string where a number belongs, a list, a huge integer, data

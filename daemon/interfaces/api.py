@@ -52,7 +52,7 @@
   ``POST /v1/down``                         commit, release every node, end the job cancelled
   ``POST /v1/nodes/{id}/simulate-preemption``  ``{"lead_s": S}``: local provider only, an
                                             interruption notice on the node's metadata
-                                            endpoint, as :mod:`daemon.controlnode.chaos` publishes it
+                                            endpoint, as :mod:`daemon.providers.chaos` publishes it
   ========================================  ==============================================
 
 - **Metrics port** (TCP, optional): ``daemon.metrics_port`` serves ``GET /metrics`` on

@@ -56,7 +56,9 @@ from daemon.config import Config, ConfigError, load_config
 from daemon.logs import configure_logging
 from daemon.interfaces.pipes import quiet_broken_pipe
 from daemon.model import Event
-from daemon.feed.notify import Notifier, resolve_sinks
+from daemon.feed.notify import Notifier
+from daemon.feed.redaction import Redactor
+from daemon.feed.sinks import resolve_sinks
 from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.job_secrets import SecretError
 from daemon.controlnode.store import Store
@@ -77,13 +79,17 @@ log = structlog.get_logger("spotvisor.cli")
 async def running_daemon(config: Config, *, with_chaos: bool = True,
                          providers: Mapping[str, Provider] | None = None,
                          policy: "RecoveryPolicy | None" = None,
-                         rendezvous: "StoreProcess | None" = None) -> AsyncIterator["Supervisor"]:
+                         rendezvous: "StoreProcess | None" = None,
+                         redactor: Redactor | None = None) -> AsyncIterator["Supervisor"]:
     """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
 
     ``providers``: by name, instead of those the config names (tests). ``policy``: the
     recovery policy (default: the default one; the benchmark runs the baselines,
     :mod:`daemon.control.policies`). ``rendezvous``: the store process this run started
     (:func:`rendezvous_process`), which the chaos schedule's ``kill_store`` kills.
+    ``redactor``: the process's (:func:`main` gives it to the logging set-up too); the
+    job's secret values and the feed's secret URLs are registered with it. Without one
+    the run has its own, on the logging handlers while it runs.
     Closing never terminates an instance (:meth:`Supervisor.aclose`). Holds the state
     directory's lock while it runs (:func:`daemon.state_dir.serving`).
 
@@ -95,23 +101,32 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
             HTTP beyond loopback (:mod:`daemon.controlnode.job_secrets`); nothing is bought.
     """
     with serving(config.daemon.state_path()) as state:  # the state dir's lock, for the daemon's life
-        async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
-                              rendezvous=rendezvous) as sup:
-            yield sup
+        own = redactor is None
+        redactor = Redactor() if redactor is None else redactor
+        if own:
+            redactor.install()
+        try:
+            async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
+                                  rendezvous=rendezvous, redactor=redactor) as sup:
+                yield sup
+        finally:
+            if own:
+                redactor.uninstall()
 
 
 @contextlib.asynccontextmanager
 async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers: Mapping[str, Provider] | None,
                      policy: "RecoveryPolicy | None",
-                     rendezvous: "StoreProcess | None") -> AsyncIterator["Supervisor"]:
+                     rendezvous: "StoreProcess | None", redactor: Redactor) -> AsyncIterator["Supervisor"]:
     """:func:`running_daemon` in ``state``, its locked state directory."""
     from daemon.interfaces.api import ApiServer
-    from daemon.controlnode.chaos import run_chaos
+    from daemon.providers.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
     from daemon.controlnode.tls import agent_tls
     from daemon.controlnode.job_secrets import check_channel, resolve_secrets
 
     job_secrets = await resolve_secrets(config)  # before anything is started or bought; SecretError
+    redactor.add_values(job_secrets.values())  # from now on no log line shows one
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
     store = Store(state / "spotvisord.db").open()
     agent_args = [
@@ -127,7 +142,7 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         for name in sorted({o.provider for o in config.offers})
     }
     sup = Supervisor(config, providers=providers, store=store, policy=policy)
-    notifier = Notifier(store, config.notify, pool=config.pool.name)  # the feed (daemon/feed/notify.py): its own thread
+    notifier = Notifier(store, config.notify, pool=config.pool.name, redactor=redactor)  # the feed (daemon/feed/notify.py): its own thread
     sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
                     socket_path=str(config.daemon.socket_path()), ssl_context=None if tls is None else tls.context)
@@ -193,12 +208,12 @@ def _short(v: object) -> str:
 
 
 async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
-                out: Callable[[str], None]) -> int:
-    from daemon.controlnode.summary import summarize
+                out: Callable[[str], None], *, redactor: Redactor | None = None) -> int:
+    from daemon.analysis.summary import summarize
 
     t0 = time.time()
     with rendezvous_process(config) as store:
-        async with running_daemon(config, rendezvous=store) as sup:
+        async with running_daemon(config, rendezvous=store, redactor=redactor) as sup:
             sup.subscribe(lambda ev: out(format_event(ev, t0)))
             out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
                 f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
@@ -242,13 +257,13 @@ def _move_line(m: dict) -> str:
             f"training paused {secs('paused_s')}")
 
 
-async def _run(config: Config, watchdog_s: float | None) -> int:
+async def _run(config: Config, watchdog_s: float | None, *, redactor: Redactor | None = None) -> int:
     """The service: READY=1 once up, WATCHDOG=1 from this loop, STOPPING=1 on SIGTERM
     or once the pool is released (:mod:`daemon.interfaces.service`); the job is left running."""
     from daemon.interfaces.service import SdNotifier, serve
 
     log.info("spotvisord_starting", pool=config.pool.name, socket=str(config.daemon.socket_path()))
-    return await serve(running_daemon(config), notifier=SdNotifier.from_env(), watchdog_interval_s=watchdog_s)
+    return await serve(running_daemon(config, redactor=redactor), notifier=SdNotifier.from_env(), watchdog_interval_s=watchdog_s)
 
 
 def _with_run_dir(config: Config) -> Config:
@@ -290,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "rendezvous":
         from daemon.controlnode.rendezvous import main as rdzv_main
 
+        try:  # the one command of a control node that needs torch
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            print("spotvisord rendezvous: the store is torch.distributed's TCPStore, and torch is not "
+                  "installed here; install it: pip install 'spotvisor[rendezvous]'", file=sys.stderr)
+            return 2
+
         return rdzv_main(["--host", args.host, "--port", str(args.port)])
     if args.cmd == "preflight":
         return preflight_cli.run(args)
@@ -314,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "check-config":
         return 0
+    redactor = Redactor()  # this process's secrets: the feed's URLs, then the job's values
     try:
-        resolve_sinks(config.notify)  # the feed's URLs and keys come from the environment
+        resolve_sinks(config.notify, redactor=redactor)  # the feed's URLs and keys come from the environment
     except ConfigError as exc:
         for line in exc.problems:
             print(f"{path}: {line}", file=sys.stderr)
@@ -335,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"spotvisord run: {exc}", file=sys.stderr)
             return 2
-        configure_logging()
+        configure_logging(redactor=redactor)
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(state_dir_lock(config.daemon.state_path()))
@@ -343,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"spotvisord run: {_state_dir_problem(config, exc)}", file=sys.stderr)
                 return 2
             try:
-                return asyncio.run(_run(config, watchdog_s))
+                return asyncio.run(_run(config, watchdog_s, redactor=redactor))
             except SecretError as exc:  # one line naming the secret and its source, never its value
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return exc.exit_code
@@ -353,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 1
-    configure_logging(level="WARNING" if args.cmd == "demo" else None)
+    configure_logging(level="WARNING" if args.cmd == "demo" else None, redactor=redactor)
     if args.rendezvous_port:
         config = config.model_copy(
             update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
@@ -366,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spotvisord demo: {_state_dir_problem(config, exc)}", file=sys.stderr)
             return 2
         try:
-            return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True)))
+            return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True),
+                                     redactor=redactor))
         except SecretError as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return exc.exit_code

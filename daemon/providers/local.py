@@ -6,7 +6,7 @@ being reclaimed), with its own working directory under ``<state_dir>/nodes/<node
 and its own metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
 (:class:`daemon.gpunode.metadata.fake_aws.FakeImds`).
 
-Chaos hooks, used by :mod:`daemon.controlnode.chaos`: :meth:`LocalProvider.publish_interruption`
+Chaos hooks, used by :mod:`daemon.providers.chaos`: :meth:`LocalProvider.publish_interruption`
 publishes a spot interruption notice on the instance's metadata endpoint and
 SIGKILLs the process group when the notice's time comes, as EC2 would;
 :meth:`LocalProvider.kill` SIGKILLs it at once, with no notice.

@@ -9,7 +9,7 @@ Run by every rank under ``torchrun`` with the flags the daemon passes (see
 
 The model is built from a ``GPT2Config`` (nothing downloaded) and trained on the same
 byte-level corpus as :mod:`trainer.run`; the data stream, status lines and step logs
-follow the same contract, so ``daemon/controlnode/summary.py`` counts lost and repeated samples
+follow the same contract, so ``daemon/analysis/summary.py`` counts lost and repeated samples
 of either trainer alike. What spotvisor adds to a plain Trainer script is in
 :mod:`trainer.integrations.hf`.
 

@@ -1,5 +1,5 @@
 """Can a DeepSpeed ZeRO-2 engine be rebuilt at another data-parallel size in the same
-process? A measured spike for issue 17 (``python -m bench.deepspeed_rebuild_spike``).
+process? A measured spike for issue 17 (``python -m bench.spikes.deepspeed_rebuild_spike``).
 
 Three ranks (gloo on CPU, DeepSpeed's CPU accelerator, the reference trainer's GPT-2 and
 ``trainer.integrations.deepspeed.ds_config``) train three steps at world 3. Then, at a
@@ -155,7 +155,7 @@ def main() -> int:
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3",
            "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "3"}
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.deepspeed_rebuild_spike", "--worker"],
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.spikes.deepspeed_rebuild_spike", "--worker"],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(3)]
     rows = []

@@ -1,4 +1,4 @@
-"""``python -m bench.torchft_spike [--replicas 3] [--params-m 3] [--steps 60]``: what torchft gives
+"""``python -m bench.spikes.torchft_spike [--replicas 3] [--params-m 3] [--steps 60]``: what torchft gives
 and costs, measured (issue 17's evaluation spike).
 
 torchft (pytorch/torchft, PyPI ``torchft``; 0.2.0 measured) keeps training inside running
@@ -128,7 +128,7 @@ def _wait(pred, timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.torchft_spike", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.spikes.torchft_spike", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--params-m", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=400)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from torchft.coordination import LighthouseServer
     except ImportError:
-        print("bench.torchft_spike: torchft is not installed (pip install torchft==0.2.0)", file=sys.stderr)
+        print("bench.spikes.torchft_spike: torchft is not installed (pip install torchft==0.2.0)", file=sys.stderr)
         return 2
     import tempfile
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lh.address(), "OMP_NUM_THREADS": "1"}
 
     def start(i: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "bench.torchft_spike", "--worker", str(i), "--lighthouse",
+        return subprocess.Popen([sys.executable, "-m", "bench.spikes.torchft_spike", "--worker", str(i), "--lighthouse",
                                  lh.address(), "--params-m", str(args.params_m), "--steps", str(args.steps),
                                  "--out", str(out)], env=env, stderr=(out.parent / f"replica-{i}.log").open("w"))
 
