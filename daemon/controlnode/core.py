@@ -1,9 +1,14 @@
-"""What the supervisor's parts share: the narrow view each part has of it.
+"""What the supervisor's parts share: the narrow, read-only view each part has of it.
 
 The :class:`~daemon.controlnode.supervisor.Supervisor` owns the pool's state (its
-nodes, the job, the store) and the loop; its parts (:mod:`.fleet`, :mod:`.agent_link`,
-:mod:`.intake`, :mod:`.job_tracker`, :mod:`.operator`) each get this protocol, not the
-class, so what a part may touch is written down here.
+nodes, the job, the operator's target and pause, the grow in flight) and the loop; its
+parts (:mod:`.fleet`, :mod:`.agent_link`, :mod:`.intake`, :mod:`.job_tracker`,
+:mod:`.operator`, ...) each get this protocol, not the class, so what a part may read
+and ask for is written down here. A part assigns none of it: it hands the supervisor
+a typed change or decision (:meth:`Core.act`: :mod:`daemon.control.changes`,
+:mod:`daemon.control.actions`), a node's next state (:meth:`Core.set_state`) or a new
+node (:meth:`Core.add_node`), and the supervisor applies it
+(:class:`~daemon.controlnode.actuator.Actuator`). ``tests/test_layout.py`` checks both.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Any, Awaitable, Iterator, Mapping, Protocol
 
 from daemon.config import Config
 from daemon.control.actions import Action, NodeView, PoolState
+from daemon.control.changes import Change
+from daemon.control.policies import RecoveryPolicy
 from daemon.control.reports import Limits
 from daemon.control.state import JobView, Rejoin
 from daemon.controlnode.store import Store
@@ -22,25 +29,52 @@ __all__ = ["Core", "wait_event", "leaves"]
 
 
 class Core(Protocol):
-    """The supervisor, as its parts see it."""
+    """The supervisor, as its parts see it: properties to read, methods to ask with."""
 
-    config: Config
-    store: Store
-    pool: str
-    nodes: dict[str, Node]
-    job: JobView
-    rejoin: Rejoin | None
-    agent_url: str | None
-    agent_ca_pem: str | None  # the CA the nodes trust for an https agent_url (daemon.controlnode.tls)
-    target_nodes: int  # the operator's target (spotctl scale)
-    desired_nodes: int  # what the pool should hold now (0 while paused or once the job is over)
-    paused: bool
-    first_ready_at: float | None  # when the first node of a pending job was up (unix s)
-    domain: str  # the placement domain the job runs in (daemon.controlnode.migrator)
-    policy: Any  # the RecoveryPolicy (daemon.control.policies)
-    secrets: Mapping[str, str]  # the job's secrets {NAME: value} (daemon.controlnode.job_secrets): never shown
-    run_nonce: str  # the job's rendezvous id is <job.id>-<run_nonce> (daemon.controlnode.jobspec); kept in the store
-    code: Any  # the CodeDelivery (daemon.controlnode.code_delivery): the pinned job.workdir, preparations
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def store(self) -> Store: ...  # the events and node rows (a part appends events through record())
+
+    @property
+    def pool(self) -> str: ...
+
+    @property
+    def nodes(self) -> Mapping[str, Node]: ...  # by id; a new one comes in through add_node()
+
+    @property
+    def job(self) -> JobView: ...  # what the trainer's reports say of the job; changed by the supervisor alone
+
+    @property
+    def rejoin(self) -> Rejoin | None: ...  # the grow in flight
+
+    @property
+    def agent_url(self) -> str | None: ...  # the agents' endpoint, from start() (None before)
+
+    @property
+    def agent_ca_pem(self) -> str | None: ...  # the CA the nodes trust for an https agent_url (daemon.controlnode.tls)
+
+    @property
+    def target_nodes(self) -> int: ...  # the operator's target (spotctl scale)
+
+    @property
+    def desired_nodes(self) -> int: ...  # what the pool should hold now (0 while paused or once the job is over)
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def domain(self) -> str: ...  # the placement domain the job runs in (daemon.controlnode.migrator)
+
+    @property
+    def policy(self) -> RecoveryPolicy: ...  # the recovery policy (daemon.control.policies)
+
+    @property
+    def run_nonce(self) -> str: ...  # the job's rendezvous id is <job.id>-<run_nonce> (daemon.controlnode.jobspec)
+
+    @property
+    def closed(self) -> bool: ...
 
     def clock(self) -> float: ...
 
@@ -50,7 +84,11 @@ class Core(Protocol):
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
 
+    def act(self, action: Action | Change) -> None: ...
+
     def set_state(self, node: Node, state: NodeState, detail: str = "") -> None: ...
+
+    def add_node(self, node: Node) -> None: ...
 
     def state(self) -> PoolState: ...
 
@@ -59,8 +97,6 @@ class Core(Protocol):
     def limits(self) -> Limits: ...
 
     def drop(self, node: Node, kind: str, problem: str, what: Any) -> None: ...
-
-    def act(self, action: Action) -> None: ...
 
     def send(self, node_id: str, command: dict[str, Any]) -> None: ...
 
@@ -71,9 +107,6 @@ class Core(Protocol):
     def spot_cost(self) -> dict[str, Any]: ...
 
     def domain_of(self, node: Node) -> str: ...
-
-    @property
-    def closed(self) -> bool: ...
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:

@@ -257,8 +257,7 @@ class Fleet:
             region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
             price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24), created_at=core.clock(),
         )
-        core.nodes[node.id] = node
-        core.store.put_node(node)
+        core.add_node(node)
         core.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=node.offer_key, reason=reason)
         self.launching.add(node.id)
         task = core.spawn(self._launch_call(node, offer_index), f"launch:{node.id}")
@@ -322,7 +321,7 @@ class Fleet:
             return
         spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
                         tags={POOL_TAG: core.pool, NODE_TAG: node.id},
-                        ca_cert_pem=getattr(core, "agent_ca_pem", None),  # set by start(); absent: plain HTTP
+                        ca_cert_pem=core.agent_ca_pem,  # None: plain HTTP
                         agent_wheel=wheel or None)
         offer = self.offer(offer_index)
         try:

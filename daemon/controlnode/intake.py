@@ -19,6 +19,7 @@ import structlog
 from daemon.control.reactions import on_notice, on_rebalance, on_trainer_exit
 from daemon.control.reports import (CodeReady, MetadataAlarm, NoticeReport, ReportError, SetupFailed, StatusLine,
                                     TrainerExited, parse_report)
+from daemon.controlnode.code_delivery import CodeDelivery
 from daemon.controlnode.core import Core
 from daemon.controlnode.report_limits import ReportLimiter
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
@@ -33,10 +34,11 @@ class Intake:
     """Applies one agent's batch of reports, in order."""
 
     def __init__(self, core: Core, *, seen: Callable[[Node], None], on_status: Callable[[Node, StatusLine], None],
-                 published_at: Callable[[Node, str | None, float | None], float | None]) -> None:
+                 code: CodeDelivery, published_at: Callable[[Node, str | None, float | None], float | None]) -> None:
         self.core = core
         self._seen = seen  # AgentLink.seen: a report is a sign of life
         self._on_status = on_status  # JobTracker.on_status
+        self._code = code  # a node's preparation: code_ready, setup_failed
         self._published_at = published_at  # Fleet.notice_published_at
         self.limiter = ReportLimiter(core.clock, is_live=self._is_live)  # per-node rates, before any parsing
 
@@ -75,9 +77,9 @@ class Intake:
                 else:
                     core.record(EventKind.METADATA_RECOVERED, node.id, failures=msg.failures)
             elif isinstance(msg, CodeReady):
-                core.code.on_ready(node, msg)
+                self._code.on_ready(node, msg)
             elif isinstance(msg, SetupFailed):
-                core.code.on_setup_failed(node, msg)
+                self._code.on_setup_failed(node, msg)
             elif isinstance(msg, TrainerExited):
                 node.trainer = TrainerState.EXITED
                 core.store.put_node(node)

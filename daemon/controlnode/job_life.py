@@ -28,11 +28,12 @@ from typing import Any, Callable
 
 import structlog
 
-from daemon.control import operator as decide
-from daemon.control.actions import Drain
+from daemon.control import changes as c
+from daemon.control import operator as op
 from daemon.control.lifecycle import ADMITTED, TrainerState
 from daemon.control.pool import Timeouts
 from daemon.control.tries import Began, Disturbed, Ended, Observation, Stepped, Tries, gives_up, observe
+from daemon.controlnode.actuator import JOB_END_KEY
 from daemon.controlnode.core import Core
 from daemon.controlnode.node_logs import NodeLogs
 from daemon.model import Event, EventKind, JobState
@@ -47,7 +48,6 @@ TAIL_LINE_CHARS = 240  # each cut to this many characters (the feed's message st
 # log's last lines (seconds); the nodes are released only after it
 LOG_WAIT_S = 10.0
 _TAIL_SCAN = 200  # lines looked at for the tail (torchrun's own failure report is cut from them)
-_END_KEY = "job_end"  # the store's key: {"state": "failed" | "cancelled", "why": str, "at": unix s}
 _DISTURBING = {EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value, EventKind.NODE_TERMINATED.value,
                EventKind.MIGRATION_STARTED.value}
 
@@ -153,15 +153,9 @@ class JobLife:
         return [line[:TAIL_LINE_CHARS] for line in lines[-TAIL_LINES:]]  # masked as NodeLogs took them
 
     def _end(self, state: JobState, why: str, now: float) -> None:
-        core = self.core
-        core.job.to(state)
-        core.job.end_reason = why
-        core.paused = False
-        core.store.set("paused", False)
-        core.store.set(_END_KEY, {"state": state.value, "why": why, "at": now})
-        core.desired_nodes = 0  # the planner releases every node; the checkpoints stay in the store
+        self.core.act(c.EndJob(state, why, at=now))  # kept in the store; the planner releases every node
         self._released = False
-        core.wake()
+        self.core.wake()
 
     # -- the operator's verbs ----------------------------------------------------------------
     def down(self) -> dict[str, Any]:
@@ -180,7 +174,7 @@ class JobLife:
         s = core.state()
         running = [n.id for n in s.in_state(*ADMITTED)]
         committing = [n.id for n in s.in_state(*ADMITTED) if n.trainer is TrainerState.RUNNING]
-        actions = decide.pause(s)  # the same commit-then-release as a pause: a drain of every running node
+        actions = op.pause(s)  # the same commit-then-release as a pause: a drain of every running node
         self._down = {"step": core.job.step, "last_commit_step": core.job.last_commit_step}
         self._give_up_at = None
         self._end(JobState.CANCELLED, "spotctl down", core.clock())
@@ -208,12 +202,8 @@ class JobLife:
             raise ValueError(f"the job is still releasing {', '.join(live)}: resume once they are gone "
                              "(spotctl status, or the pool_released event)")
         was = core.job.state.value
-        core.job.to(JobState.PENDING)
-        core.job.end_reason = None
-        core.store.set(_END_KEY, None)
+        core.act(c.Relaunch())  # pending at the operator's target, its end cleared
         self.tries, self._give_up_at, self._down = Tries(), None, None
-        core.first_ready_at = None
-        core.desired_nodes = core.target_nodes
         core.record(EventKind.JOB_RELAUNCHED, None, was=was, target_nodes=core.target_nodes,
                     resume_from_step=core.job.last_commit_step)
         core.wake()
@@ -223,7 +213,7 @@ class JobLife:
     def restore(self) -> None:
         """A restarted daemon keeps a failed or cancelled job so: nothing is relaunched."""
         core = self.core
-        end = core.store.get(_END_KEY)
+        end = core.store.get(JOB_END_KEY)
         if not isinstance(end, dict) or core.job.state is JobState.COMPLETED:
             return
         try:
@@ -233,9 +223,6 @@ class JobLife:
             state = JobState.CANCELLED  # fail closed: buy nothing until the operator resumes
         if state not in (JobState.FAILED, JobState.CANCELLED):
             return
-        if core.job.state is not state:
-            core.job.to(state)
-        core.job.end_reason = str(end.get("why") or "")[:500]
-        core.paused, core.desired_nodes = False, 0
+        core.act(c.EndJob(state, str(end.get("why") or "")[:500]))  # as the store has it: nothing written
         self._released = all(n.state.is_terminal() for n in core.nodes.values())  # recorded by the last daemon
 

@@ -1,8 +1,9 @@
 """The operator's verbs at the edge: ``spotctl scale / pause / resume / drain / checkpoint``.
 
 The decisions are :mod:`daemon.control.operator`'s (pure); :class:`Operator` checks,
-keeps the operator's choices in the store (a restarted daemon keeps its target and its
-pause), records the events and carries the actions out through the supervisor.
+hands the supervisor the operator's choices as changes (:mod:`daemon.control.changes`:
+the supervisor keeps them in the store, so a restarted daemon keeps its target and its
+pause), records the events and has the supervisor carry the decisions' actions out.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any
 
 import structlog
 
-from daemon.control import operator as decide
+from daemon.control import changes as c
+from daemon.control import operator as op
 from daemon.control.actions import Drain
 from daemon.control.lifecycle import ADMITTED, TrainerState, training
+from daemon.controlnode.actuator import PAUSED_KEY, TARGET_KEY
 from daemon.controlnode.core import Core
-from daemon.model import EventKind, JobState, Node, NodeState
+from daemon.model import EventKind, Node, NodeState
 
 __all__ = ["Operator"]
 
@@ -42,17 +45,16 @@ class Operator:
                 size the global batch cannot be split over, or the job is over.
         """
         core, pool, job = self.core, self.core.config.pool, self.core.config.job
-        decide.check_scale(core.state(), nodes, min_nodes=pool.min_nodes, max_nodes=pool.max_nodes,
+        op.check_scale(core.state(), nodes, min_nodes=pool.min_nodes, max_nodes=pool.max_nodes,
                            valid_counts=core.config.valid_node_counts(),
                            gpus_per_node=core.config.offers[0].gpus_per_node,
                            global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size)
-        old, core.target_nodes = core.target_nodes, nodes
-        if nodes != old:
-            core.store.set("target_nodes", nodes)
+        old = core.target_nodes
+        core.act(c.SetTarget(nodes))
         draining: list[str] = []
         if not core.paused and not (nodes == old and core.desired_nodes == nodes):  # else: nothing changes
-            core.desired_nodes = nodes
-            for action in decide.scale(core.state(), nodes, old=old):
+            core.act(c.SetDesired(nodes, "scale"))
+            for action in op.scale(core.state(), nodes, old=old):
                 core.act(action)
                 if isinstance(action, Drain):
                     draining.append(action.node_id)
@@ -74,14 +76,12 @@ class Operator:
         """
         core = self.core
         s = core.state()
-        decide.check_pause(s)
-        core.paused, self._paused_recorded = True, False
-        core.store.set("paused", True)
-        core.job.to(JobState.PAUSED)
-        core.desired_nodes = 0
+        op.check_pause(s)
+        self._paused_recorded = False
+        core.act(c.Pause())
         running = [n.id for n in s.in_state(*ADMITTED)]
         committing = [n.id for n in s.in_state(*ADMITTED) if n.trainer is TrainerState.RUNNING]
-        for action in decide.pause(s):
+        for action in op.pause(s):
             core.act(action)
         core.record(EventKind.JOB_PAUSING, None, step=core.job.step, last_commit_step=core.job.last_commit_step,
                     draining=running, committing=committing)
@@ -97,12 +97,8 @@ class Operator:
                 commit may not be written yet: resume once ``job_paused`` is recorded).
         """
         core = self.core
-        decide.check_resume(core.state())
-        core.paused = False
-        core.store.set("paused", False)
-        core.job.to(JobState.PENDING)  # the first nodes up start the job together
-        core.first_ready_at = None
-        core.desired_nodes = core.target_nodes
+        op.check_resume(core.state())
+        core.act(c.Unpause())  # pending at the target: the first nodes up start the job together
         core.record(EventKind.JOB_UNPAUSED, None, target_nodes=core.target_nodes,
                     resume_from_step=core.job.last_commit_step)
         core.wake()
@@ -119,17 +115,16 @@ class Operator:
     def restore(self) -> None:
         """``spotctl scale`` and ``pause`` outlive a daemon restart (kept in the store)."""
         core, pool = self.core, self.core.config.pool
-        target = core.store.get("target_nodes")
+        target = core.store.get(TARGET_KEY)
         if isinstance(target, int):
-            core.target_nodes = min(max(target, pool.min_nodes), pool.max_nodes)
+            core.act(c.SetTarget(min(max(target, pool.min_nodes), pool.max_nodes), restored=True))
             if core.target_nodes != target:
                 log.warning("scaled_target_clamped", stored=target, target_nodes=core.target_nodes)
-        core.paused = bool(core.store.get("paused", False)) and not core.job.state.is_terminal()
-        if core.paused:
-            core.job.to(JobState.PAUSED)
+        if bool(core.store.get(PAUSED_KEY, False)) and not core.job.state.is_terminal():
+            core.act(c.Pause("restored"))  # the job paused, nothing desired
             self._paused_recorded = all(n.state.is_terminal() for n in core.nodes.values())
-        if not core.job.state.is_terminal():
-            core.desired_nodes = 0 if core.paused else core.target_nodes
+        elif not core.job.state.is_terminal():
+            core.act(c.SetDesired(core.target_nodes, "restored"))
 
     def request_checkpoint(self, reason: str = "manual") -> str | None:
         """Ask the job to commit a checkpoint at its next step boundary and keep training.

@@ -15,7 +15,8 @@ from typing import Callable
 import structlog
 
 from daemon.control.actions import Action, JobStalled, PoolState
-from daemon.control.lifecycle import ADMITTED, JobState
+from daemon.control.changes import CompleteJob
+from daemon.control.lifecycle import ADMITTED
 from daemon.control.reactions import script_completed
 from daemon.control.stall import Progress, StallRules, check, observe, recover
 from daemon.controlnode.core import Core
@@ -77,7 +78,5 @@ class StallWatch:
         """``job_completed`` for a script's end: the job holds nothing from now on."""
         core = self.core
         nodes = sorted(n.id for n in s.in_domain().in_state(*ADMITTED))
-        core.job.to(JobState.COMPLETED)
-        core.record(EventKind.JOB_COMPLETED, None, step=core.job.step, how="every_trainer_exited_0", nodes=nodes)
+        core.act(CompleteJob(context=(("how", "every_trainer_exited_0"), ("nodes", nodes))))  # job_completed
         log.info("job_completed", pool=core.pool, how="every_trainer_exited_0", nodes=nodes)
-        core.job_completed()

@@ -11,9 +11,16 @@ the **reconcile loop**; each pass:
    (:meth:`~daemon.control.policies.RecoveryPolicy.after_loss`), the planner
    (:func:`daemon.control.pool.plan`) and admission
    (:meth:`~daemon.control.policies.RecoveryPolicy.admit`), then the stall check (:mod:`daemon.control.stall`);
-3. **act** — provider calls (:class:`~daemon.controlnode.fleet.Fleet`) and agent
-   commands (:meth:`AgentLink.send`), nothing else;
+3. **act** — provider calls (:class:`~daemon.controlnode.fleet.Fleet`), agent
+   commands (:meth:`AgentLink.send`) and state changes, through :class:`Actuator`;
 4. **record** — every change is a node row and an event in the store.
+
+**One owner of state**: the supervisor is the only code that changes its fields, the
+nodes' record and the job's lifecycle. Its parts read it through
+:class:`~daemon.controlnode.core.Core` (read-only) and hand it what should change:
+a decision (:mod:`daemon.control.actions`) or a change (:mod:`daemon.control.changes`)
+through :meth:`Supervisor.act`, a node's state through :meth:`Supervisor.set_state`,
+a new node through :meth:`Supervisor.add_node`.
 
 The notice → replacement path: an agent reports a notice (:meth:`Intake.on_reports`) →
 :func:`~daemon.control.reactions.on_notice` returns ``Leave`` (``draining``, not
@@ -36,6 +43,7 @@ import structlog
 from daemon.config import Config
 from daemon.control import actions as a
 from daemon.control.admission import Rules
+from daemon.control.changes import Change
 from daemon.control.lifecycle import ADMITTED, NodeState, check_transition
 from daemon.control.policies import DEFAULT_POLICY, RecoveryPolicy, get_policy, lost_from_job
 from daemon.control.pool import Desired, Timeouts, plan
@@ -44,7 +52,7 @@ from daemon.control.state import JobView, Rejoin
 from daemon.controlnode.actuator import Actuator
 from daemon.controlnode.agent_link import AgentLink
 from daemon.controlnode.code_delivery import CodeDelivery
-from daemon.controlnode.core import leaves, wait_event
+from daemon.controlnode.core import wait_event
 from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.intake import Intake
 from daemon.controlnode.job_life import JobLife
@@ -66,7 +74,6 @@ log = structlog.get_logger("spotvisor.daemon")
 # before it asks the survivors for the rejoin commit anyway (seconds). The import takes 1.5-2.5 s on a warm page
 # cache; the first one on a fresh instance's cold disk can take tens of seconds, during which the survivors train on.
 PREWARM_WAIT_S = 60.0
-_PROVIDER_ACTIONS = (a.Launch, a.Terminate, a.MarkLost)
 
 
 class Supervisor:
@@ -91,17 +98,18 @@ class Supervisor:
         self.paused = False  # spotctl pause (kept in the store)
         self.rejoin: Rejoin | None = None  # the grow in flight
         self.first_ready_at: float | None = None
-        self.agent_url: str | None = None
+        self.agent_url: str | None = None  # from start(): the agents' endpoint,
+        self.agent_ca_pem: str | None = None  # and the CA the nodes trust for it (None: plain HTTP)
         self.run_nonce, self.secrets = "", dict[str, str]()  # secrets: the job's, from start(); in memory only
         self.reports_dropped: collections.Counter[str] = collections.Counter()  # by report kind
         self.fleet = Fleet(self, providers=providers, provider=provider, rng=rng)
         self.tracker = JobTracker(self)
         self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step, leader=self.tracker.running_leader)
-        self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status,
-                             published_at=self.fleet.notice_published_at)
         self.operator, self.code = Operator(self), CodeDelivery(self, terminate=self.fleet.apply)
-        self.actuator = Actuator(self, drain=self.operator.drain, avoid_zone=self.fleet.avoid_zone_of,
-                                 watch_flush=self.tracker.watch_flush)
+        self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status, code=self.code,
+                             published_at=self.fleet.notice_published_at)
+        self.actuator = Actuator(self, provider_call=self.fleet.apply, drain=self.operator.drain,  # the apply arm
+                                 avoid_zone=self.fleet.avoid_zone_of, watch_flush=self.tracker.watch_flush)
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
@@ -235,17 +243,17 @@ class Supervisor:
         await self.fleet.observe()
         await self._after_loss(members, now)
         self.agents.rescale_heartbeat()
-        await self._act_all(self.migrator.check(now))  # a move's next step; nodes outside the job's domain
+        await self.actuator.act_all(self.migrator.check(now))  # a move's next step; nodes outside the job's domain
         d = self.config.daemon
         build = self.migrator.build_domain  # the job's domain; a migration's target while it moves
-        await self._act_all(plan(
+        await self.actuator.act_all(plan(
             Desired(self.desired_nodes, frozenset(self.config.valid_world_sizes())), self.state().nodes,
             self.code.offers(self.placement.offers_in(build)), self.fleet.history(now), now=now,
             timeouts=Timeouts(heartbeat_timeout_s=d.heartbeat_timeout_s, launch_timeout_s=d.launch_timeout_s),
             domain=build))
         await self._after_loss(members, now)  # heartbeat lost (MarkLost) is a loss too
-        await self._act_all(self.policy.admit(self.state(), self._rules(), now=now))
-        await self._act_all(self.stall.check(now))  # no progress: job_stalled, and a restart in place
+        await self.actuator.act_all(self.policy.admit(self.state(), self._rules(), now=now))
+        await self.actuator.act_all(self.stall.check(now))  # no progress: job_stalled, and a restart in place
         self.life.check(now)  # a job given up (failed), a down's end, their pool_released
         self.operator.check_paused()
         self.tracker.check_flushes()
@@ -261,30 +269,12 @@ class Supervisor:
         """The policy's decision once nodes that were in the job (``members``) have ended."""
         lost = lost_from_job(members, {n.id: n.state for n in self.nodes.values()})
         if lost:
-            await self._act_all(self.policy.after_loss(self.state(), lost, now=now))
+            await self.actuator.act_all(self.policy.after_loss(self.state(), lost, now=now))
 
-    async def _act_all(self, actions: list[a.Action]) -> None:
-        """Provider calls first, concurrently (100 terminations one after another kept the loop
-        from admitting anyone for ~50 s: bench/scale.py; a failing call cancels the rest, the
-        next pass retries them), then the rest in order."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for action in actions:
-                    if isinstance(action, _PROVIDER_ACTIONS):
-                        tg.create_task(self.fleet.apply(action))
-        except ExceptionGroup as group:
-            errors = list(leaves(group))
-            if not all(isinstance(e, ProviderError) for e in errors):
-                raise
-            for extra in errors[1:]:
-                log.error("reconcile_provider_error", error=str(extra))
-            raise errors[0] from None  # the loop logs it and retries next pass
-        for action in actions:
-            if not isinstance(action, _PROVIDER_ACTIONS):
-                self.act(action)
-
-    def act(self, action: a.Action) -> None:
-        """Carry out one decision that needs no provider call (:class:`Actuator`)."""
+    def act(self, action: a.Action | Change) -> None:
+        """Apply one decision that needs no provider call, or one change a part asks for
+        (:mod:`daemon.control.changes`): the supervisor's apply arm (:class:`Actuator`).
+        Raises TypeError: neither."""
         self.actuator.act(action)
 
     # -- state ------------------------------------------------------------------------------
@@ -297,6 +287,11 @@ class Supervisor:
         if state.is_terminal():
             self.agents.told_interval.pop(node.id, None)
         self.agents.poke(node.id)  # its start/stop decision may have changed: answer its long-poll
+
+    def add_node(self, node: Node) -> None:
+        """A node joins the pool's record (a launch requested): kept, and written through."""
+        self.nodes[node.id] = node
+        self.store.put_node(node)
 
     def state(self) -> a.PoolState:
         """The pool as one value, for the decisions (:mod:`daemon.control`)."""
@@ -317,8 +312,9 @@ class Supervisor:
                           heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
 
     def _rules(self) -> Rules:
-        return Rules((c := self.config).pool.min_nodes, frozenset(c.valid_world_sizes()), c.daemon.rejoin_timeout_s,
-                     PREWARM_WAIT_S, grow_in_process=c.job.grow == "in_process", rejoin_commit=c.job.command is None)
+        pool, job = self.config.pool, self.config.job
+        return Rules(pool.min_nodes, frozenset(self.config.valid_world_sizes()), self.config.daemon.rejoin_timeout_s,
+                     PREWARM_WAIT_S, grow_in_process=job.grow == "in_process", rejoin_commit=job.command is None)
 
     def limits(self) -> Limits:
         return Limits(max_step=self.config.job.target_steps, max_world_size=self.config.max_world_size())
