@@ -1,10 +1,12 @@
-"""The pool's actuator: every provider call the daemon makes, and what it learns from them.
+"""The pool's provider arm: every provider call the daemon makes, and what it learns from them.
 
 :class:`Fleet` carries out the planner's capacity actions (:class:`Launch`,
-:class:`Terminate`, :class:`MarkLost`), lists the pool's instances each pass
-(:meth:`Fleet.observe`), and keeps what the outcomes say about offers: capacity
-backoff, offer families sitting out a quota or auth error, zones that just preempted a
-node, spot prices. Nothing else in the daemon calls a provider.
+:class:`Terminate`, :class:`MarkLost`; a launch's call runs in its own task:
+:class:`~daemon.controlnode.launch_calls.LaunchCalls`), lists the pool's instances each
+pass (:meth:`Fleet.observe`), and tells its :class:`~daemon.controlnode.offer_book.OfferBook`
+what the outcomes say about offers: capacity backoff, offer families sitting out a
+quota or auth error, zones that just preempted a node, spot prices. Nothing else in
+the daemon calls a provider.
 """
 
 from __future__ import annotations
@@ -18,25 +20,22 @@ import structlog
 
 from daemon.control.actions import Launch, MarkLost, Terminate
 from daemon.control.lifecycle import LIVE
-from daemon.control import quota
-from daemon.control.offers import History, Offer, capacity_backoff_s
-from daemon.control.quota import offer_family
+from daemon.control.offers import History, Offer
 from daemon.controlnode.check_gate import CheckGate
 from daemon.controlnode.cloud_probe import run_checks
 from daemon.controlnode.core import Core
+from daemon.controlnode.launch_calls import LaunchCalls
+from daemon.controlnode.offer_book import AVOID_ZONE_S, OfferBook
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, Node, NodeState
-from daemon.providers.agent_wheel import AgentWheelError, AgentWheels
-from daemon.providers.base import (NODE_TAG, POOL_TAG, AgentWheelRef, AuthError, CapacityError, Instance, NodeSpec,
-                                   Provider, ProviderError, QuotaError)
+from daemon.providers.agent_wheel import AgentWheels
+from daemon.providers.base import Instance, Provider, ProviderError
 
 __all__ = ["Fleet", "AVOID_ZONE_S"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
 PRICE_REFRESH_S = 300.0
-# a noticed node's zone is avoided by replacements this long (seconds)
-AVOID_ZONE_S = 300.0
 
 
 class Fleet:
@@ -50,16 +49,8 @@ class Fleet:
         self.core = core
         self.providers: dict[str, Provider] = dict(providers or {})
         self._default = provider
-        self._rng = rng
-        self._prices: dict[int, float | None] = {}
-        self._backoff: dict[int, float] = {}  # offer index → unix s until which it is not used
-        self._capacity_failures: dict[int, int] = {}  # offer index → failures in a row
-        self._families: dict[str, quota.FamilyBackoff] = {}  # offer family → its quota/auth backoff
-        self._avoid_zone: dict[str, float] = {}  # "provider/region/zone" → until (unix s)
+        self.book = OfferBook(core.config, rng=rng)  # prices and backoffs, by offer index
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
-        # offer index → its placement domain's placement group, launched into (None: none)
-        self._groups = {i: d.placement_group for d in core.config.domains_resolved() for i in d.offers}
-        self.launching: set[str] = set()  # node ids whose provider.launch call is in flight
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
         d = core.config.daemon
         # the agent's wheel for nodes that install it at boot; a URL lives a bit over the
@@ -69,6 +60,12 @@ class Fleet:
                                         open_store=self._checkpoint_store, expires_s=int(slowest) + 600)
         # the cloud check (spotvisord check's), at start and on a backoff while it fails: the gate on buying
         self.checks = CheckGate(core, run=lambda: run_checks(core.config, self.provider_for))
+        self.calls = LaunchCalls(core, book=self.book, provider_for=self.provider_for, agent_wheels=self.agent_wheels)
+
+    @property
+    def launching(self) -> set[str]:
+        """Node ids whose ``provider.launch`` call is in flight (:class:`LaunchCalls`)."""
+        return self.calls.launching
 
     # -- providers ----------------------------------------------------------------------------
     @property
@@ -108,26 +105,18 @@ class Fleet:
     # -- offers ---------------------------------------------------------------------------------
     def offer(self, i: int) -> Offer:
         """Offer ``i`` of the config, with its current spot price (USD/hour, None: unknown)."""
-        o = self.core.config.offers[i]
-        return Offer(index=i, provider=o.provider, region=o.region, zone=o.zone, instance_type=o.instance_type,
-                     gpus_per_node=o.gpus_per_node, price_usd_h=self._prices.get(i),
-                     max_price_usd_h=o.max_price_usd_h, on_demand=o.market == "on_demand",
-                     placement_group=self._groups.get(i))
+        return self.book.offer(i)
 
     def usable_offers(self) -> list[Offer]:
         return [self.offer(i) for i in range(len(self.core.config.offers)) if i not in self.unusable]
 
     def history(self, now: float) -> History:
         """What recent outcomes say about offers; an offer a failed cloud check concerns is out."""
-        held = {i: float("inf") for i in self.checks.blocked()}
-        return History(backoff_until={**self._backoff, **held},
-                       avoid_zones=frozenset(z for z, until in self._avoid_zone.items() if until > now))
+        return self.book.history(now, held=self.checks.blocked())
 
     def avoid_zone_of(self, node: Node) -> None:
-        """A notice in ``node``'s zone: replacements prefer another for :data:`AVOID_ZONE_S`
-        (SkyPilot's EAGER_NEXT_REGION, first retry)."""
-        key = f"{node.provider}/{node.region}/{node.zone or '-'}"
-        self._avoid_zone[key] = self.core.clock() + AVOID_ZONE_S
+        """A notice in ``node``'s zone: replacements prefer another for :data:`AVOID_ZONE_S`."""
+        self.book.avoid_zone_of(node, self.core.clock())
 
     def notice_published_at(self, node: Node, provider: str | None, deadline: float | None) -> float | None:
         """When ``node``'s notice appeared: from the provider when it knows (the local
@@ -143,7 +132,7 @@ class Fleet:
     async def refresh_prices(self) -> None:
         for i, o in enumerate(self.core.config.offers):
             try:
-                self._prices[i] = await self.provider_for(o.provider).spot_price(self.offer(i))
+                self.book.prices[i] = await self.provider_for(o.provider).spot_price(self.offer(i))
             except ProviderError as exc:
                 log.warning("spot_price_failed", offer=self.offer(i).key, error=str(exc))
 
@@ -255,39 +244,13 @@ class Fleet:
         node = Node(
             id=f"{core.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, market=offer.market,
             region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
-            price_usd_h=self._prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24), created_at=core.clock(),
+            price_usd_h=self.book.prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24),
+            created_at=core.clock(),
         )
         core.add_node(node)
         core.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=node.offer_key, reason=reason)
-        self.launching.add(node.id)
-        task = core.spawn(self._launch_call(node, offer_index), f"launch:{node.id}")
-
-        def landed(_: asyncio.Task[Any], node_id: str = node.id) -> None:
-            self.launching.discard(node_id)
-            core.wake()
-
-        task.add_done_callback(landed)
+        self.calls.start(node, offer_index)
         return node
-
-    async def _launch_call(self, node: Node, offer_index: int) -> None:
-        """The launch task: the provider call and what its outcome means. Whatever it
-        raises (a provider's bug, an error of this daemon's own), the node ends ``failed``
-        with a ``node_launch_failed`` event (``error``: the exception's type) and the offer
-        backs off as for a provider error, so no node stays ``requested`` with no call in
-        flight. A cancel (the daemon stopping) is not a failure: the next daemon adopts
-        or fails the node (``error: interrupted``)."""
-        try:
-            await self._launch_and_record(node, offer_index)
-        except Exception as exc:  # noqa: BLE001 - the node must not be left requested forever
-            log.error("launch_call_crashed", node_id=node.id, error=repr(exc), exc_info=exc)
-            core = self.core
-            self._backoff[offer_index] = max(self._backoff.get(offer_index, 0.0),
-                                             core.clock() + capacity_backoff_s(1, self._rng))
-            self._launch_failed(node, f"{type(exc).__name__}: {exc}")
-            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc)[:512],
-                        offer=node.offer_key)
-        finally:
-            self.core.wake()
 
     def _checkpoint_store(self, domain: str) -> tuple[str, Any]:
         """The checkpoint store of ``domain``: ``(uri, store)`` (no I/O)."""
@@ -295,97 +258,3 @@ class Fleet:
 
         d, uri = self.core.config.domain(domain), self.core.config.checkpoint_uri(domain)
         return uri, open_store(uri, s3_endpoint_url=d.s3_endpoint_url, oss_endpoint=d.oss_endpoint)
-
-    async def _agent_wheel(self, node: Node, offer_index: int) -> AgentWheelRef | None | bool:
-        """The wheel a node of this offer installs; None: its image has the agent; False: the
-        wheel cannot be had, and the launch has failed (fail closed: no node is bought that
-        could not start its agent), with a ``node_launch_failed`` saying why."""
-        offer, core = self.offer(offer_index), self.core
-        if not self.provider_for(offer.provider).installs_agent or core.config.daemon.agent_install == "image":
-            return None
-        try:
-            return await self.agent_wheels.ref(core.config.domain_of_offer(offer_index))
-        except AgentWheelError as exc:
-            self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
-            self._launch_failed(node, str(exc))
-            log.error("agent_wheel_unavailable", offer=offer.key, reason=str(exc))
-            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="agent_wheel", message=str(exc), offer=offer.key)
-            return False
-
-    async def _launch_and_record(self, node: Node, offer_index: int) -> None:
-        core = self.core
-        if core.agent_url is None:
-            raise RuntimeError("the launch ran before the daemon knew its agent URL (Supervisor.start)")
-        wheel = await self._agent_wheel(node, offer_index)
-        if wheel is False:
-            return
-        spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
-                        tags={POOL_TAG: core.pool, NODE_TAG: node.id},
-                        ca_cert_pem=core.agent_ca_pem,  # None: plain HTTP
-                        agent_wheel=wheel or None)
-        offer = self.offer(offer_index)
-        try:
-            inst = await self.provider_for(offer.provider).launch(offer, spec)
-        except CapacityError as exc:
-            n = self._capacity_failures.get(offer_index, 0) + 1
-            self._capacity_failures[offer_index] = n
-            wait = capacity_backoff_s(n, self._rng)
-            self._backoff[offer_index] = core.clock() + wait
-            self._launch_failed(node, str(exc))
-            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="capacity", message=str(exc), offer=offer.key,
-                        backoff_s=round(wait, 1), failures=n)
-        except (QuotaError, AuthError) as exc:
-            # an account limit (or a refused permission): its offer family sits out a backoff (daemon.control.quota)
-            self._launch_failed(node, str(exc))
-            family = self._family_out(offer, exc)
-            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
-                        offer=offer.key, family=family)
-        except ProviderError as exc:
-            self._backoff[offer_index] = core.clock() + capacity_backoff_s(1, self._rng)
-            self._launch_failed(node, str(exc))
-            core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error=type(exc).__name__, message=str(exc),
-                        offer=offer.key)
-        else:
-            self._capacity_failures.pop(offer_index, None)
-            self._families = quota.after_success(self._families, offer_family(offer.provider, offer.region,
-                                                                              offer.instance_type), offer.provider)
-            node.instance_id = inst.id
-            if node.state.is_terminal():
-                # released while its launch was in flight (job completed, scale-in): the
-                # instance exists only now; give it back at once rather than leak it
-                await self.provider_for(offer.provider).terminate(inst.id)
-                node.ended_at = core.clock()
-                core.store.put_node(node)
-                core.record(EventKind.NODE_TERMINATED, node.id, reason="released_while_launching",
-                            instance_id=inst.id)
-            else:
-                core.set_state(node, NodeState.LAUNCHING)
-                core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
-                            price_usd_h=node.price_usd_h)
-
-    def _family_out(self, offer: Offer, exc: ProviderError) -> str:
-        """``offer``'s family (its provider's offers, for an auth error) sits out its backoff
-        (:func:`daemon.control.quota.after_error`): an ``offer_family_backoff`` event says
-        until when. Returns the family."""
-        core, now = self.core, self.core.clock()
-        family = offer_family(offer.provider, offer.region,
-                              None if isinstance(exc, AuthError) else offer.instance_type)
-        before = self._families.get(family)
-        self._families = quota.after_error(self._families, family, now=now)
-        out = self._families[family]
-        if out == before:  # already sitting out (this launch was in flight): said once already
-            return family
-        for o, spec_o in enumerate(core.config.offers):
-            if family in (spec_o.provider, offer_family(spec_o.provider, spec_o.region, spec_o.instance_type)):
-                self._backoff[o] = max(self._backoff.get(o, 0.0), out.until)
-        log.error("offer_family_backoff", family=family, error=type(exc).__name__, message=str(exc),
-                  retry_in_s=out.until - now)
-        core.record(EventKind.OFFER_FAMILY_BACKOFF, None, family=family, error=type(exc).__name__,
-                    message=str(exc)[:512], failures=out.failures, retry_in_s=round(out.until - now, 1),
-                    retry_at=round(out.until, 3))
-        return family
-
-    def _launch_failed(self, node: Node, detail: str) -> None:
-        """The launch call failed: the node is ``failed`` (unless it was released meanwhile)."""
-        if not node.state.is_terminal():
-            self.core.set_state(node, NodeState.FAILED, detail)

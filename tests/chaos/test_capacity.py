@@ -147,7 +147,7 @@ async def test_an_outage_of_days_then_a_crashing_launch_leave_no_node_requested(
     async with make_sim() as sim:
         n1, n2, a1 = await _two_node_job(sim)
         sim.provider.out_of_capacity = True
-        sim.sup.fleet._capacity_failures.update({0: 1600, 1: 1600})  # days of refusals already
+        sim.sup.fleet.book.capacity_failures.update({0: 1600, 1: 1600})  # days of refusals already
         a2 = await _lose_node_2_on_notice(sim, n1, n2, a1)
         failed = lambda: sim.events("node_launch_failed")  # noqa: E731
         await sim.until(lambda: len(failed()) >= 2, what="both offers refused after days of refusals")
