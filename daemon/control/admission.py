@@ -86,45 +86,63 @@ def admit(s: PoolState, rules: Rules, *, now: float) -> list[Action]:
     if s.job is JobState.PENDING:
         return _start(s, rules, ready, now)
     running = s.in_state(*ADMITTED)
+    drains = _drain_replaced(s, running, ready)
+    if drains:
+        return drains
+    going = [n.id for n in s.nodes if leaving(n)]
     admitting = s.in_state(NodeState.ADMITTING)
+    if admitting:
+        return _end_grow(s, rules, running, admitting, going, now)
+    if not ready or going:
+        return []
+    return _grow(rules, running, ready, now)
 
-    # rebalance policy "replace": once the replacement is up, drain the node at risk; and
-    # when no replacement is coming (none in flight, and the nodes staying already make the
-    # target: the operator scaled in meanwhile), drain it too, or it stays in the job for good
+
+def _drain_replaced(s: PoolState, running: list[NodeView], ready: list[NodeView]) -> list[Action]:
+    """Rebalance policy "replace": once the replacement is up, drain the node at risk; and
+    when no replacement is coming (none in flight, and the nodes staying already make the
+    target: the operator scaled in meanwhile), drain it too, or it stays in the job for good."""
     replacing = [n for n in running if n.replacing]
     if replacing and ready:
         return [Drain(n.id, "rebalance_replaced") for n in replacing]
     in_flight = [n for n in s.nodes if n.state in NOT_IN_JOB_YET]
     if replacing and not in_flight and len(running) - len(replacing) >= s.desired_nodes:
         return [Drain(n.id, "rebalance_not_replaced") for n in replacing]
+    return []
 
-    going = [n.id for n in s.nodes if leaving(n)]
+
+def _end_grow(s: PoolState, rules: Rules, running: list[NodeView], admitting: list[NodeView], going: list[str],
+              now: float) -> list[Action]:
+    """Nodes wait in ``admitting`` for a grow's rejoin commit: withdraw the request while a
+    noticed node is still in the job (``going``), wait while the commit is on its way, else
+    admit the largest valid prefix and end the grow."""
     rj = s.rejoin
-    if admitting:
-        if going and rj is not None and not rj.answered:
-            return [EndRejoin(rj.id, f"rejoin_deferred: {', '.join(going)} still in the job",
-                              withdraw_from=_ids(running), back_to_ready=_ids(admitting))]
-        timed_out = rj is not None and now - rj.requested_at > rules.rejoin_timeout_s
-        if rj is not None and not rj.answered and not timed_out and running:
-            return []  # the rejoin commit is on its way
-        # the world may have changed since the request (a node lost without notice): admit
-        # the largest valid prefix now; the rest go back to ready for the next grow
-        world = sum(n.gpus for n in running)
-        chosen = largest_valid(admitting, world, rules.valid_world_sizes)
-        rest = _ids(admitting[len(chosen):])
-        out: list[Action] = []
-        if rj is not None and rj.answered:
-            out.append(EndRejoin(rj.id, "answered", back_to_ready=rest))
-        elif rj is not None and timed_out:
-            out.append(EndRejoin(rj.id, "rejoin_checkpoint_timeout", withdraw_from=_ids(running), back_to_ready=rest))
-        elif rj is not None:
-            out.append(EndRejoin(rj.id, "no_survivors", back_to_ready=rest))  # nobody left in the job to answer it
-        elif rest:  # admitting nodes with no grow in flight (a restarted daemon): the rest wait
-            out += [EndRejoin("", "no_rejoin", back_to_ready=rest)]
-        return out + [Admit(n.id, "rejoin") for n in chosen]
+    if going and rj is not None and not rj.answered:
+        return [EndRejoin(rj.id, f"rejoin_deferred: {', '.join(going)} still in the job",
+                          withdraw_from=_ids(running), back_to_ready=_ids(admitting))]
+    timed_out = rj is not None and now - rj.requested_at > rules.rejoin_timeout_s
+    if rj is not None and not rj.answered and not timed_out and running:
+        return []  # the rejoin commit is on its way
+    # the world may have changed since the request (a node lost without notice): admit
+    # the largest valid prefix now; the rest go back to ready for the next grow
+    world = sum(n.gpus for n in running)
+    chosen = largest_valid(admitting, world, rules.valid_world_sizes)
+    rest = _ids(admitting[len(chosen):])
+    out: list[Action] = []
+    if rj is not None and rj.answered:
+        out.append(EndRejoin(rj.id, "answered", back_to_ready=rest))
+    elif rj is not None and timed_out:
+        out.append(EndRejoin(rj.id, "rejoin_checkpoint_timeout", withdraw_from=_ids(running), back_to_ready=rest))
+    elif rj is not None:
+        out.append(EndRejoin(rj.id, "no_survivors", back_to_ready=rest))  # nobody left in the job to answer it
+    elif rest:  # admitting nodes with no grow in flight (a restarted daemon): the rest wait
+        out += [EndRejoin("", "no_rejoin", back_to_ready=rest)]
+    return out + [Admit(n.id, "rejoin") for n in chosen]
 
-    if not ready or going:
-        return []
+
+def _grow(rules: Rules, running: list[NodeView], ready: list[NodeView], now: float) -> list[Action]:
+    """``ready`` nodes join the running job: at once when they join in-process or the
+    job is the user's script; else through a rejoin commit asked of ``running``."""
     if rules.grow_in_process and running:
         # its workers queue and the running group takes them in at a step boundary, with
         # the state from a peer: nobody holds, so nothing waits for its import either

@@ -112,52 +112,54 @@ def plan(
     leaving) is never counted, scaled in or replaced here. None: every node counts.
     A ``held`` node (a migration's old domain) is not released as drained or past its
     deadline: the migration releases it once the new domain has trained."""
-    removals: list[Action] = []
-    removed: set[str] = set()
-    for n in observed:
-        if n.state.is_terminal():
-            continue
-        launch_timeout_s = timeouts.launch_timeout_s if n.launch_timeout_s is None else n.launch_timeout_s
-        if n.state is NodeState.LAUNCHING and now - n.created_at > launch_timeout_s:
-            removals.append(Terminate(n.id, "launch_timeout", NodeState.FAILED))
-            removed.add(n.id)
-        elif (
-            n.state in (NodeState.PREPARING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING,
-                        NodeState.DRAINING)
-            and n.last_heartbeat is not None
-            and now - n.last_heartbeat > timeouts.lost_after_s(n.heartbeat_interval_s)
-        ):
-            removals.append(MarkLost(n.id, "heartbeat_lost"))
-            removed.add(n.id)
-        elif n.held:
-            continue
-        elif n.state is NodeState.DRAINING and n.trainer_exited:
-            # it has left the job: release it now rather than pay until the cloud takes it
-            removals.append(Terminate(n.id, "drained"))
-            removed.add(n.id)
-        elif n.state is NodeState.DRAINING and n.deadline is not None and now > n.deadline + timeouts.drain_grace_s:
-            removals.append(Terminate(n.id, "drain_deadline_passed"))
-            removed.add(n.id)
-
+    removals = [r for r in (_removal(n, now, timeouts) for n in observed) if r is not None]
+    removed = {r.node_id for r in removals}
     active = [n for n in observed if n.state in COUNTED and n.id not in removed and not n.replacing
               and (domain is None or n.domain == domain)]
     surplus = len(active) - desired.nodes
     if surplus > 0:
         victims = sorted(active, key=lambda n: (_SURPLUS_ORDER[n.state], -n.created_at))[:surplus]
-        removals += [Terminate(v.id, "scale_in") for v in victims]
-        return removals
+        return removals + [Terminate(v.id, "scale_in") for v in victims]
+    return removals + _launches(-surplus, sum(n.gpus for n in active), offers, history, desired.valid_world_sizes,
+                                now=now)
 
+
+def _removal(n: NodeView, now: float, timeouts: Timeouts) -> Terminate | MarkLost | None:
+    """What ends ``n`` now, if anything: a launch past its timeout, a heartbeat lost, a
+    drained node (unless ``held``) whose trainer has left or whose deadline passed."""
+    if n.state.is_terminal():
+        return None
+    launch_timeout_s = timeouts.launch_timeout_s if n.launch_timeout_s is None else n.launch_timeout_s
+    if n.state is NodeState.LAUNCHING and now - n.created_at > launch_timeout_s:
+        return Terminate(n.id, "launch_timeout", NodeState.FAILED)
+    if (n.state in (NodeState.PREPARING, NodeState.READY, NodeState.ADMITTING, NodeState.RUNNING, NodeState.DRAINING)
+            and n.last_heartbeat is not None
+            and now - n.last_heartbeat > timeouts.lost_after_s(n.heartbeat_interval_s)):
+        return MarkLost(n.id, "heartbeat_lost")
+    if n.held:
+        return None
+    if n.state is NodeState.DRAINING and n.trainer_exited:
+        # it has left the job: release it now rather than pay until the cloud takes it
+        return Terminate(n.id, "drained")
+    if n.state is NodeState.DRAINING and n.deadline is not None and now > n.deadline + timeouts.drain_grace_s:
+        return Terminate(n.id, "drain_deadline_passed")
+    return None
+
+
+def _launches(missing: int, world: int, offers: Sequence[Offer], history: History,
+              valid: frozenset[int] | None, *, now: float) -> list[Action]:
+    """Up to ``missing`` launches, best offer first, each keeping the world size
+    (``world`` GPUs so far) valid where an offer can."""
     launches: list[Action] = []
-    world = sum(n.gpus for n in active)
     by_index = {o.index: o for o in offers}
     ranked = rank_offers(offers, history, now=now)
-    for _ in range(-surplus):
-        choice = _first_valid(ranked, world, desired.valid_world_sizes)
+    for _ in range(missing):
+        choice = _first_valid(ranked, world, valid)
         if choice is None:
             break
         launches.append(Launch(choice.index, "below_target"))
         world += by_index[choice.index].gpus_per_node
-    return removals + launches
+    return launches
 
 
 def _first_valid(ranked: Sequence[Offer], world: int, valid: frozenset[int] | None) -> Offer | None:
