@@ -59,3 +59,36 @@ def test_a_move_built_from_spot_narrows_the_markets_but_never_past_the_policy() 
     assert narrow(BOTH, SPOT_ONLY) == SPOT_ONLY
     assert narrow(ON_DEMAND_ONLY, SPOT_ONLY) == ON_DEMAND_ONLY  # near the deadline the policy's word wins
     assert narrow(None, SPOT_ONLY) is None and narrow(BOTH, None) == BOTH
+
+
+def test_a_move_in_flight_narrows_the_markets_of_the_domain_being_built_only() -> None:
+    """A move made to find spot builds its target from spot alone; the job's own domain
+    (and any other) keeps what the policy allows."""
+    from daemon.control.deadline import markets_for
+
+    assert markets_for("b", build_domain="b", allowed=BOTH, move_markets=SPOT_ONLY) == SPOT_ONLY
+    assert markets_for("a", build_domain="b", allowed=BOTH, move_markets=SPOT_ONLY) == BOTH
+    assert markets_for("b", build_domain="b", allowed=ON_DEMAND_ONLY, move_markets=SPOT_ONLY) == ON_DEMAND_ONLY
+    assert markets_for("a", build_domain="a", allowed=None, move_markets=None) is None
+
+
+def test_a_market_change_is_reported_with_the_figures_behind_it_but_not_the_first_answer() -> None:
+    from daemon.control.deadline import market_change
+
+    p = Progress(step=35 * 3600, **P)
+    change = market_change(p, SPOT_ONLY, BOTH, now=60 * H, first=False)
+    assert change == {"old": ["spot"], "new": ["on_demand", "spot"], "step": 35 * 3600, "target_steps": 360_000,
+                      "hours_to_deadline": 90.0, "hours_of_work_left": 65.0}
+    assert market_change(p, None, SPOT_ONLY, now=60 * H, first=True) is None  # the policy's first answer
+    assert market_change(p, BOTH, BOTH, now=60 * H, first=False) is None  # no change
+    assert market_change(None, SPOT_ONLY, BOTH, now=60 * H, first=False) is None  # no deadline
+
+
+def test_the_status_line_says_when_the_job_would_finish_and_the_slack_left() -> None:
+    from daemon.control.deadline import deadline_status
+
+    line = deadline_status(Progress(step=35 * 3600, **P), BOTH, now=60 * H)
+    # 65 h of work left at 60 h: finish at 125 h, 25 h before the 150 h deadline
+    assert line == {"deadline": 150 * H, "hours_to_deadline": 90.0, "hours_of_work_left": 65.0,
+                    "expected_finish": 125 * H, "slack_h": 25.0, "markets": ["on_demand", "spot"]}
+    assert deadline_status(Progress(step=0, **P), None, now=60 * H)["slack_h"] == -10.0  # late: 100 h from 60 h

@@ -28,7 +28,8 @@ from daemon.control.actions import Action, MarkReplacing, PoolState
 from daemon.control.lifecycle import ADMITTED
 from daemon.control.offers import Offer
 
-__all__ = ["Progress", "markets", "back_to_spot", "in_markets", "narrow", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
+__all__ = ["Progress", "markets", "back_to_spot", "in_markets", "narrow", "markets_for", "market_change",
+           "deadline_status", "names", "SPOT", "ON_DEMAND", "SPOT_ONLY", "BOTH", "ON_DEMAND_ONLY"]
 
 SPOT, ON_DEMAND = "spot", "on_demand"
 SPOT_ONLY = frozenset({SPOT})
@@ -73,6 +74,42 @@ def narrow(allowed: frozenset[str] | None, markets: frozenset[str] | None) -> fr
     if allowed is None or markets is None:
         return allowed
     return (allowed & markets) or allowed
+
+
+def markets_for(domain: str, *, build_domain: str, allowed: frozenset[str] | None,
+                move_markets: frozenset[str] | None) -> frozenset[str] | None:
+    """The markets the planner may buy from in ``domain``: those the policy ``allowed``
+    (None: every market), narrowed by a move in flight built from some markets only
+    (``move_markets``, :attr:`daemon.control.migration.Move.markets`) when ``domain`` is
+    the one the pool is built in (``build_domain``: the move's target, else the job's)."""
+    return narrow(allowed, move_markets) if domain == build_domain else allowed
+
+
+def names(markets: frozenset[str] | None) -> list[str] | None:
+    """``markets`` as a sorted list for an event or a status (None: every market)."""
+    return None if markets is None else sorted(markets)
+
+
+def market_change(p: Progress | None, old: frozenset[str] | None, new: frozenset[str] | None, *, now: float,
+                  first: bool) -> dict[str, object] | None:
+    """The ``market_changed`` event's data when the markets allowed go from ``old`` to
+    ``new`` at ``now`` (unix s); None when there is nothing to say: no change, no
+    deadline (``p`` None), or the ``first`` answer the policy gives (no change from anything)."""
+    if new == old or p is None or first:
+        return None
+    return {"old": names(old), "new": names(new), "step": p.step, "target_steps": p.target_steps,
+            "hours_to_deadline": round((p.deadline - now) / 3600, 2),
+            "hours_of_work_left": round(p.remaining_s() / 3600, 2)}
+
+
+def deadline_status(p: Progress, allowed: frozenset[str] | None, *, now: float) -> dict[str, object]:
+    """``spotctl status``'s deadline line at ``now`` (unix s): the deadline, the hours to it
+    and of work left, the expected finish (unix s: the work left at the target size from
+    now, at ``step_s``), the slack it leaves (hours; negative: late) and the markets."""
+    finish = now + p.remaining_s()
+    return {"deadline": p.deadline, "hours_to_deadline": round((p.deadline - now) / 3600, 2),
+            "hours_of_work_left": round(p.remaining_s() / 3600, 2), "expected_finish": finish,
+            "slack_h": round((p.deadline - finish) / 3600, 2), "markets": names(allowed)}
 
 
 def back_to_spot(s: PoolState, allowed: frozenset[str]) -> list[Action]:

@@ -26,20 +26,31 @@ cheaper per GPU-hour and the saving over ``payback_h`` pays for the move. Where
 (:func:`choose_target`): the usable domain with the lowest cost per GPU-hour, after a
 penalty for its recent preemptions and capacity failures, plus the move's own cost
 (checkpoint bytes × the source's egress price), spread over ``payback_h``.
+
+A move in flight (:class:`Migration`) advances only through :func:`step`: the migrator
+(``daemon/controlnode/migrator.py``) reports what happened as a typed message (the
+target booted, the job left the source, the copy finished or failed, the job trained
+in the target, the move was given up) and carries out the effects it gets back
+(drains, releases, the copy, events). Every phase change is checked against
+:data:`PHASE_TRANSITIONS`; one the table does not list raises :class:`IllegalTransition`
+before anything changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence, Union
 
-from daemon.control.actions import PoolState
-from daemon.control.lifecycle import ADMITTED, COUNTED, NodeState
+from daemon.control.actions import Drain, PoolState, Terminate
+from daemon.control.lifecycle import ADMITTED, COUNTED, IllegalTransition, JobState, NodeState
 from daemon.control.offers import History, Offer, rank_offers
 
-__all__ = ["Phase", "DomainView", "Plan", "Move", "starved_since", "choose_target", "decide", "move_cost_usd",
-           "ready_for_commit", "target_out", "RISK_PENALTY"]
+__all__ = ["Phase", "PHASE_TRANSITIONS", "check_phase_transition", "DomainView", "Plan", "Move", "Migration",
+           "MigrationState", "starved_since", "choose_target", "decide", "move_cost_usd", "ready_for_commit",
+           "target_out", "job_left", "trained_there", "RISK_PENALTY", "Begin", "Booted", "BootFailed", "SourceLeft",
+           "CopyDone", "CopyFailed", "TrainedThere", "GiveUp", "Message", "Record", "StartCopy", "ResetStart",
+           "Effect", "step", "strays"]
 
 # each recent preemption or capacity failure in a domain weighs like this fraction of its
 # price per GPU-hour (a domain that just failed us is not where to go first)
@@ -50,12 +61,44 @@ _GB = 1e9
 
 
 class Phase(str, Enum):
-    """Where a move is (module docstring)."""
+    """Where a move is (module docstring): booting → committing → copying → starting →
+    done, or failed from any phase before starting (:data:`PHASE_TRANSITIONS`). Only a
+    move in flight is stored, so ``done`` and ``failed`` never are."""
 
-    BOOTING = "booting"
-    COMMITTING = "committing"
-    COPYING = "copying"
-    STARTING = "starting"
+    BOOTING = "booting"  # the target's pool launches; the job trains on in the source
+    COMMITTING = "committing"  # the source is drained: the job commits and stops there
+    COPYING = "copying"  # the newest commit is copied to the target's store
+    STARTING = "starting"  # the job's domain is the target; the source's nodes wait for a step there
+    DONE = "done"  # the job trained in the target: the source's nodes are released
+    FAILED = "failed"  # given up before the switch: the job stays, or goes back, where it was
+
+    @classmethod
+    def terminal(cls) -> frozenset["Phase"]:
+        return _PHASE_TERMINAL
+
+    def is_terminal(self) -> bool:
+        return self in _PHASE_TERMINAL
+
+
+_P = Phase
+_PHASE_TERMINAL = frozenset({_P.DONE, _P.FAILED})
+PHASE_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
+    _P.BOOTING: frozenset({_P.COMMITTING, _P.FAILED}),
+    # nothing committed yet goes through copying at once (nothing to copy)
+    _P.COMMITTING: frozenset({_P.COPYING, _P.FAILED}),
+    _P.COPYING: frozenset({_P.STARTING, _P.FAILED}),
+    _P.STARTING: frozenset({_P.DONE}),  # after the switch the job is in the target: no way back
+    _P.DONE: frozenset(),
+    _P.FAILED: frozenset(),
+}
+
+
+def check_phase_transition(old: Phase, new: Phase) -> None:
+    """Raises IllegalTransition unless ``old → new`` is in :data:`PHASE_TRANSITIONS`. Unlike
+    the node and job lifecycles, staying in a phase is no transition: every message that
+    :func:`step` takes moves a move on, so one that would leave it where it is is refused."""
+    if new not in PHASE_TRANSITIONS[old]:
+        raise IllegalTransition(f"migration phase {old.value} → {new.value} is not allowed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,3 +292,282 @@ def job_left(s: PoolState, source: str) -> bool:
     """Every node of the job in ``source`` has stopped training (its commit is in, or it is gone)."""
     return not any(n.domain == source and (n.state in ADMITTED or not n.trainer_exited)
                    and not n.state.is_terminal() for n in s.nodes)
+
+
+def trained_there(m: "Migration", job: JobState, step: int | None, resumed_at: float | None) -> bool:
+    """A switched move (``starting``) is done: the job trained a step past the moved commit
+    after resuming from the copy (``resumed_at``, unix s), or it completed."""
+    if job is JobState.COMPLETED:
+        return True
+    return (job is JobState.RUNNING and step is not None
+            and step > (m.commit_step if m.commit_step is not None else -1)
+            and resumed_at is not None and resumed_at >= (m.replicated_at or m.committed_at or 0))
+
+
+# -- a move in flight ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """A move in flight, as the store keeps it (:meth:`to_dict`). Times are unix seconds."""
+
+    id: str
+    source: str
+    target: str
+    reason: str
+    started_at: float
+    phase: Phase = Phase.BOOTING
+    why: Mapping[str, Any] = field(default_factory=dict)
+    from_step: int | None = None  # the job's step at the decision
+    booted_at: float | None = None  # the target had nodes for the job; the source was drained
+    drain_seq: int = 0  # the last event before the drain: the move's commit is recorded after it
+    committed_at: float | None = None  # the job left the source; its newest commit is what moves
+    commit_step: int | None = None
+    replicated_at: float | None = None
+    copy: Mapping[str, Any] = field(default_factory=dict)  # the copy's figures (step, bytes, shards, copy_s)
+    markets: frozenset[str] | None = None  # the target's markets while in flight (None: the policy's)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored form: JSON values, ``phase`` by its value, ``markets`` sorted."""
+        return {"id": self.id, "source": self.source, "target": self.target, "reason": self.reason,
+                "started_at": self.started_at, "phase": self.phase.value, "why": dict(self.why),
+                "from_step": self.from_step, "booted_at": self.booted_at, "drain_seq": self.drain_seq,
+                "committed_at": self.committed_at, "commit_step": self.commit_step,
+                "replicated_at": self.replicated_at, "copy": dict(self.copy),
+                "markets": None if self.markets is None else sorted(self.markets)}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Migration":
+        """The move :meth:`to_dict` stored. Raises TypeError (a field missing or unknown) or
+        ValueError (a phase that is not one of a move in flight)."""
+        fields = dict(raw)
+        phase = Phase(fields.pop("phase", Phase.BOOTING.value))
+        if phase.is_terminal():
+            raise ValueError(f"a stored migration cannot be {phase.value}")
+        markets = fields.pop("markets", None)
+        return cls(**fields, phase=phase, markets=None if markets is None else frozenset(markets))
+
+    def to(self, phase: Phase, **changes: Any) -> "Migration":
+        """This move in ``phase``, with ``changes``. Raises IllegalTransition (the table)."""
+        check_phase_transition(self.phase, phase)
+        return replace(self, phase=phase, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationState:
+    """Where the job is and its moves: the domain it runs in, the move in flight, the moves
+    completed and failed, the last completed move's end (unix s: the cooldown), when a move
+    to each domain last failed, and since when the job's domain has been starved."""
+
+    domain: str
+    migration: Migration | None = None
+    completed: int = 0
+    failed: int = 0
+    last_ended_at: float | None = None
+    failed_moves: Mapping[str, float] = field(default_factory=dict)
+    starved_since: float | None = None
+
+
+# -- what the migrator reports (messages) ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """The policy decided ``move`` (:func:`decide`); ``id`` names it; ``from_step``: the job's step."""
+
+    move: Move
+    id: str
+    from_step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Booted:
+    """The target holds nodes for the job (:func:`ready_for_commit`); ``drain_seq``: the
+    store's last event before the source is drained."""
+
+    drain_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class BootFailed:
+    """The target will not come up: ``boot_timeout`` or ``target_out_of_capacity`` (:func:`target_out`)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLeft:
+    """The job left the source (:func:`job_left` and its commit recorded, or the wait ran
+    out); ``commit_step``: its newest commit (None: nothing committed, nothing to copy)."""
+
+    commit_step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyDone:
+    """The copy finished and verified: ``result`` its figures (``step``, ``bytes``,
+    ``bytes_copied``, ``shards_copied``, ``shards_skipped``, ``copy_s``);
+    ``egress_usd_per_gb``: the source's egress price."""
+
+    result: Mapping[str, Any]
+    egress_usd_per_gb: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CopyFailed:
+    """The copy failed (a store or verification error, one line)."""
+
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedThere:
+    """The job trained in the target (:func:`trained_there`); ``step``: its step now."""
+
+    step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """The move ends before its switch: ``paused``, ``job_<state>`` or ``daemon_restarted``."""
+
+    reason: str
+
+
+Message = Union[Begin, Booted, BootFailed, SourceLeft, CopyDone, CopyFailed, TrainedThere, GiveUp]
+
+
+# -- what the migrator carries out (effects) ----------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Record event ``kind`` (a :class:`daemon.model.EventKind` value) with ``data``."""
+
+    kind: str
+    data: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StartCopy:
+    """Copy commit ``step`` of the job from ``source``'s store to ``target``'s, verified
+    (:func:`trainer.replicate.replicate`); the result comes back as CopyDone / CopyFailed."""
+
+    migration: str
+    source: str
+    target: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResetStart:
+    """The job has left its nodes for a move: a running job goes back to ``pending`` (the
+    next nodes up start it from its newest commit: the copy in the target, or its own
+    commit in the source after a failed move), and the wait for its first node starts
+    again (``first_ready_at`` cleared). Applied by the supervisor's actuator."""
+
+    reason: str  # migration_switched | migration_failed
+
+
+Effect = Union[Record, StartCopy, ResetStart, Drain, Terminate]
+
+
+def step(st: MigrationState, msg: Message, *, s: PoolState, now: float) -> tuple[MigrationState, list[Effect]]:
+    """The move's next state after ``msg`` at ``now`` (unix s), and what to carry out, in
+    order: events, drains of the source (:class:`Drain`), the copy, the job's reset, and
+    releases (:class:`Terminate`, from the nodes of ``s``).
+
+    Raises:
+        IllegalTransition: ``msg`` does not fit the move's phase (:data:`PHASE_TRANSITIONS`),
+            a move begins while one is in flight, or a message comes with none in flight.
+    """
+    m = st.migration
+    if isinstance(msg, Begin):
+        if m is not None:
+            raise IllegalTransition(f"migration {m.id} is in flight: no second move")
+        mv = msg.move
+        m = Migration(id=msg.id, source=mv.source, target=mv.target, reason=mv.reason, started_at=now,
+                      why=dict(mv.why), from_step=msg.from_step, markets=mv.markets)
+        return replace(st, migration=m), [Record("migration_started", {
+            "migration": m.id, "source": m.source, "target": m.target, "reason": m.reason, "step": m.from_step,
+            **dict(mv.why)})]
+    if m is None:
+        raise IllegalTransition(f"no migration in flight for {type(msg).__name__}")
+    if isinstance(msg, Booted):
+        drains: list[Effect] = [Drain(n.id, "migration") for n in s.nodes
+                                if n.domain == m.source and n.state in ADMITTED]
+        return replace(st, migration=m.to(_P.COMMITTING, booted_at=now, drain_seq=msg.drain_seq)), drains
+    if isinstance(msg, SourceLeft):
+        m = m.to(_P.COPYING, committed_at=now, commit_step=msg.commit_step)
+        if m.commit_step is None:
+            return _switch(replace(st, migration=m), m, [])  # nothing committed yet: the job starts afresh there
+        return replace(st, migration=m), [StartCopy(m.id, m.source, m.target, m.commit_step)]
+    if isinstance(msg, CopyDone):
+        if m.phase is not _P.COPYING:
+            raise IllegalTransition(f"migration phase {m.phase.value}: no copy to finish")
+        m = replace(m, copy=dict(msg.result), replicated_at=now)
+        egress = (m.copy.get("bytes_copied") or 0) / _GB * msg.egress_usd_per_gb
+        return _switch(replace(st, migration=m), m, [Record("checkpoint_replicated", {
+            "migration": m.id, "source": m.source, "target": m.target, "egress_usd": round(egress, 4), **m.copy})])
+    if isinstance(msg, TrainedThere):
+        return _complete(st, m, msg, s, now)
+    reason = f"copy_failed: {msg.error}" if isinstance(msg, CopyFailed) else msg.reason
+    return _fail(st, m, reason, s, now)
+
+
+def _switch(st: MigrationState, m: Migration, effects: list[Effect]) -> tuple[MigrationState, list[Effect]]:
+    """The job's domain is now the target: its nodes start the job from the copy."""
+    m = m.to(_P.STARTING)
+    return replace(st, migration=m, domain=m.target), [*effects, ResetStart("migration_switched")]
+
+
+def _complete(st: MigrationState, m: Migration, msg: TrainedThere, s: PoolState,
+              now: float) -> tuple[MigrationState, list[Effect]]:
+    """The job trained in the target: ``migration_completed`` with the move's timeline
+    (seconds), then the source's nodes, held until now, are released."""
+    check_phase_transition(m.phase, _P.DONE)  # only a switched move is done
+    timeline = {
+        "boot_s": _dt(m.started_at, m.booted_at),
+        "commit_s": _dt(m.booted_at, m.committed_at),
+        "copy_s": _dt(m.committed_at, m.replicated_at),
+        "first_step_s": _dt(m.replicated_at or m.committed_at, now),
+        "decision_to_first_step_s": _dt(m.started_at, now),
+        "paused_s": _dt(m.booted_at, now),  # the job trained nowhere from the drain to the first step
+    }
+    releases = _release(s, m.source, "migrated")
+    done = Record("migration_completed", {
+        "migration": m.id, "source": m.source, "target": m.target, "reason": m.reason, "from_step": m.from_step,
+        "commit_step": m.commit_step, "step": msg.step, "bytes": m.copy.get("bytes"),
+        "released": [a.node_id for a in releases], **timeline})
+    return (replace(st, migration=None, completed=st.completed + 1, last_ended_at=now, starved_since=None),
+            [done, *releases])
+
+
+def _fail(st: MigrationState, m: Migration, reason: str, s: PoolState,
+          now: float) -> tuple[MigrationState, list[Effect]]:
+    """Give the move up: the target's nodes are released; a job that left the source for
+    it (committing, copying) starts again there from its commit. A move to the same
+    target is not tried again within the cooldown (another target may be)."""
+    check_phase_transition(m.phase, _P.FAILED)  # after the switch there is no going back
+    effects: list[Effect] = []
+    releases = _release(s, m.target, "migration_failed")
+    if m.phase in (_P.COMMITTING, _P.COPYING):
+        releases += _release(s, m.source, "migration_failed")
+        effects.append(ResetStart("migration_failed"))
+    effects.append(Record("migration_failed", {"migration": m.id, "source": m.source, "target": m.target,
+                                               "phase": m.phase.value, "reason": reason, "stays_in": st.domain}))
+    return (replace(st, migration=None, failed=st.failed + 1, failed_moves={**st.failed_moves, m.target: now}),
+            [*effects, *releases])
+
+
+def _release(s: PoolState, domain: str, reason: str) -> list[Terminate]:
+    return [Terminate(n.id, reason) for n in s.nodes if n.domain == domain and not n.state.is_terminal()]
+
+
+def _dt(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(b - a, 3)
+
+
+def strays(s: PoolState, keep: Collection[str], but: Collection[str] = ()) -> list[Terminate]:
+    """The live nodes of ``s`` in a domain outside ``keep`` (the job's, and a move's source
+    and target), but those of ``but`` (released already): released. They come from a
+    daemon restarted during a move, or a config whose domains changed."""
+    return [Terminate(n.id, "outside_the_job_domain") for n in s.nodes
+            if not n.state.is_terminal() and n.domain not in keep and n.id not in but]

@@ -1,17 +1,22 @@
-"""Whole-job migration at the edge: carries out :mod:`daemon.control.migration`'s decisions.
+"""Whole-job migration at the edge: reports what happens to :func:`daemon.control.migration.step`
+and carries out what it returns.
 
 Each reconcile pass calls :meth:`Migrator.check`: with no move in flight it keeps how
 long the job's domain has been starved and asks the recovery policy
 (:meth:`~daemon.control.policies.RecoveryPolicy.migrate`, by default
-:func:`~daemon.control.migration.decide`) whether to move; with one in flight it takes
-the next step (booting → committing → copying → starting → done, the pure module's
-docstring). It records
-``migration_started``, ``checkpoint_replicated``, ``migration_completed`` and
-``migration_failed``, and keeps the job's domain and the move in flight in the store,
-so ``spotctl status`` and a restarted daemon know where the job is.
+:func:`~daemon.control.migration.decide`) whether to move; with one in flight it looks at
+what the move waits for (the target's nodes, the job's commit, the copy, a step in the
+target) and, when it happened, reports it as a typed message (``Booted``,
+``SourceLeft``, ``CopyDone``, ...). The pure step moves the phase on (booting →
+committing → copying → starting → done, its table refusing any other change) and says
+what to do: drain the source, start the copy, reset the job's start, record
+``migration_started``, ``checkpoint_replicated``, ``migration_completed`` or
+``migration_failed``, release nodes. The job's domain and the move in flight are kept in
+the store, so ``spotctl status`` and a restarted daemon know where the job is.
 
-The copy runs in a worker thread (:func:`trainer.replicate.replicate`: blocking SDK
-calls and hashing, never on the event loop), as a task the supervisor owns.
+The copy runs in a worker thread (:func:`copy_checkpoint`: blocking SDK calls and
+hashing, never on the event loop), as one task the supervisor owns, whose result is the
+message (``CopyDone`` or ``CopyFailed``).
 
 A daemon restarted during a move before the switch gives it up
 (``migration_failed``, ``daemon_restarted``): the job stays in its domain and the
@@ -23,23 +28,26 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
-from daemon.control import migration as decide
-from daemon.control.actions import Action, Terminate
+from daemon.config import Config
+from daemon.control import migration
+from daemon.control.actions import Action, Drain, PoolState
 from daemon.control.deadline import in_markets, narrow
-from daemon.control.lifecycle import ADMITTED, JobState, NodeState
-from daemon.control.migration import Phase
+from daemon.control.lifecycle import ADMITTED, JobState
+from daemon.control.migration import Migration, MigrationState, Phase
+from daemon.control.policies import RecoveryPolicy
 from daemon.controlnode.core import Core
+from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.placement import Placement
-from daemon.model import Event, EventKind
+from daemon.model import Event, EventKind, Node
 from daemon.state_dir import private_dir
 
-__all__ = ["Migrator", "Move"]
+__all__ = ["Migrator", "copy_checkpoint"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
@@ -47,94 +55,86 @@ log = structlog.get_logger("spotvisor.daemon")
 _LOSSES = frozenset({EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value,
                      EventKind.NODE_LAUNCH_FAILED.value})
 _PREEMPTION_WINDOW_S = 3600.0  # recent preemptions / capacity failures per domain: this window (seconds)
+_HELD = frozenset({Phase.COMMITTING, Phase.COPYING, Phase.STARTING})  # the source's nodes are kept
+_WAKES = frozenset({Phase.BOOTING, Phase.COMMITTING, Phase.STARTING})  # a pass at once: the pool changes
 
-
-@dataclass
-class Move:
-    """A move in flight (kept in the store as a dict). Times are unix seconds."""
-
-    id: str
-    source: str
-    target: str
-    reason: str
-    started_at: float
-    phase: str = Phase.BOOTING.value
-    why: dict[str, Any] = field(default_factory=dict)
-    from_step: int | None = None  # the job's step at the decision
-    booted_at: float | None = None  # the target had nodes for the job; the commit was asked
-    drain_seq: int = 0  # the last event before the drain: the move's commit is recorded after it
-    committed_at: float | None = None  # the job left the source; its newest commit is what moves
-    commit_step: int | None = None
-    replicated_at: float | None = None
-    copy: dict[str, Any] = field(default_factory=dict)
-    markets: list[str] | None = None  # the target's markets while in flight (None: the policy's)
+_Copied = migration.CopyDone | migration.CopyFailed
 
 
 class Migrator:
-    """Moves the whole job between placement domains (module docstring)."""
+    """Moves the whole job between placement domains (module docstring).
 
-    def __init__(self, core: Core, *, fleet: Any, drain: Any, policy: Any) -> None:
-        self.core = core
-        self.policy = policy  # the RecoveryPolicy whose migrate() decides when and where
-        self.fleet = fleet
+    ``fleet``: the :class:`~daemon.controlnode.fleet.Fleet` (offers, prices, capacity
+    history); ``drain``: makes a node leave the job cleanly (``Operator.drain``);
+    ``policy``: the RecoveryPolicy whose ``migrate()`` decides when and where."""
+
+    def __init__(self, core: Core, *, fleet: Fleet, drain: Callable[[Node, str], None],
+                 policy: RecoveryPolicy) -> None:
+        self.core, self.fleet, self.policy = core, fleet, policy
         self._drain = drain
         cfg = core.config
         self.domains = cfg.domains_resolved()
-        self.placement = Placement(core, self, fleet)  # which domain a node is in, which offers to buy
-        self.domain: str = self.domains[0].name  # where the job runs (kept in the store)
-        self.move: Move | None = None
-        self.starved_since: float | None = None
-        self.last_ended_at: float | None = None  # the last completed move's end (the cooldown)
-        self.failed_moves: dict[str, float] = {}  # target domain -> when a move there failed
-        self.completed = 0
-        self.failed = 0
-        self._copy: asyncio.Task[Any] | None = None
-        self._copy_result: dict[str, Any] | None = None
-        self._copy_error: str | None = None
+        # which domain a node is in, which offers to buy
+        self.placement = Placement(core, usable_offers=fleet.usable_offers, building=self._building)
+        self.state = MigrationState(domain=self.domains[0].name)
+        self._copy: asyncio.Task[_Copied] | None = None  # the move's checkpoint copy (its result: the message)
         self._losses: list[tuple[float, str]] = []  # (time, domain) of preemptions and capacity failures
         self._pending: list[Action] = []  # releases decided at restore, carried out by the first pass
         m = cfg.migration
-        self.plan = decide.Plan(patience_s=m.patience_s, boot_timeout_s=m.boot_timeout_s,
-                                min_saving_fraction=m.min_saving_fraction, payback_h=m.payback_h,
-                                cooldown_s=m.cooldown_s)
+        self.plan = migration.Plan(patience_s=m.patience_s, boot_timeout_s=m.boot_timeout_s,
+                                   min_saving_fraction=m.min_saving_fraction, payback_h=m.payback_h,
+                                   cooldown_s=m.cooldown_s)
 
     # -- store ----------------------------------------------------------------------------
     def restore(self) -> None:
         """The job's domain and the move in flight from the store. A move before its switch
         is given up (module docstring); the first pass releases what that needs."""
         core = self.core
-        names = {d.name for d in self.domains}
         stored = core.store.get("domain")
-        if isinstance(stored, str) and stored in names:
-            self.domain = stored
+        domain = stored if isinstance(stored, str) and stored in {d.name for d in self.domains} else self.domain
+        self.state = MigrationState(domain, completed=int(core.store.get("migrations_completed", 0) or 0),
+                                    failed=int(core.store.get("migrations_failed", 0) or 0))
         raw = core.store.get("migration")
-        self.completed = int(core.store.get("migrations_completed", 0) or 0)
-        self.failed = int(core.store.get("migrations_failed", 0) or 0)
         if not isinstance(raw, dict):
             return
         try:
-            move = Move(**raw)
-        except TypeError:
+            m = Migration.from_dict(raw)
+        except (TypeError, ValueError):
             core.store.set("migration", None)
             return
-        self.move = move
-        if move.phase in (Phase.BOOTING.value, Phase.COMMITTING.value, Phase.COPYING.value):
-            self._pending = self._fail("daemon_restarted", core.clock())
-
-    def _save(self) -> None:
-        self.core.store.set("migration", None if self.move is None else asdict(self.move))
+        self.state = replace(self.state, migration=m)
+        if m.phase is not Phase.STARTING:
+            self._pending = self._apply(migration.GiveUp("daemon_restarted"), core.clock(), core.state())
 
     # -- what the rest of the supervisor asks ----------------------------------------------
+    @property
+    def domain(self) -> str:
+        """The placement domain the job runs in."""
+        return self.state.domain
+
+    @property
+    def move(self) -> Migration | None:
+        """The move in flight (None: none)."""
+        return self.state.migration
+
+    @property
+    def starved_since(self) -> float | None:
+        """Since when (unix s) the job's domain has been starved (:func:`~daemon.control.migration.starved_since`)."""
+        return self.state.starved_since
+
     @property
     def build_domain(self) -> str:
         """The domain the planner builds the pool in: the target's during a move."""
         return self.move.target if self.move is not None else self.domain
 
+    def _building(self) -> tuple[str, frozenset[str] | None]:
+        """For :class:`Placement`: the build domain and a move's markets (``spot_elsewhere``)."""
+        return self.build_domain, None if self.move is None else self.move.markets
+
     def held(self, node_domain: str) -> bool:
         """A node of this domain is kept until the move is done (not released as drained)."""
         m = self.move
-        return (m is not None and node_domain == m.source
-                and m.phase in (Phase.COMMITTING.value, Phase.COPYING.value, Phase.STARTING.value))
+        return m is not None and node_domain == m.source and m.phase in _HELD
 
     def on_event(self, ev: Event) -> None:
         """A listener: a notice, a lost node or a failed launch weighs against its domain
@@ -143,253 +143,198 @@ class Migrator:
             self._losses.append((ev.time, self.core.domain_of(self.core.nodes[ev.node])))
 
     def status(self) -> dict[str, Any]:
-        m = self.move
-        return {"domain": self.domain, "migrations": self.completed, "migrations_failed": self.failed,
-                "starved_since": self.starved_since, "deadline": self.placement.status(self.core.clock()),
+        st, m = self.state, self.move
+        return {"domain": st.domain, "migrations": st.completed, "migrations_failed": st.failed,
+                "starved_since": st.starved_since, "deadline": self.placement.status(self.core.clock()),
                 "migration": None if m is None else {"id": m.id, "from": m.source, "to": m.target,
-                                                     "phase": m.phase, "reason": m.reason,
+                                                     "phase": m.phase.value, "reason": m.reason,
                                                      "started_at": m.started_at}}
 
     # -- the pass -----------------------------------------------------------------------------
     def check(self, now: float) -> list[Action]:
         """One reconcile pass's migration step; returns actions: releases of a move's nodes,
-        of any node outside both the job's domain and a move's (:meth:`Placement.strays`),
-        and the policy's actions for the markets it allows now (:meth:`Placement.check_markets`)."""
-        out = self._step(now)
-        return out + self.placement.strays(but={a.node_id for a in out}) + self.placement.check_markets(now)
+        of any node outside both the job's domain and a move's
+        (:func:`~daemon.control.migration.strays`), and the policy's actions for the
+        markets it allows now (:meth:`Placement.check_markets`)."""
+        pending, self._pending = self._pending, []
+        if len(self.domains) < 2 and not pending:  # one domain: nothing moves, no node is outside it
+            return self.placement.check_markets(now)
+        s = self.core.state()
+        out = pending or self._step(now, s)
+        keep = {self.domain, self.build_domain} | ({self.move.source} if self.move is not None else set())
+        return out + migration.strays(s, keep, but={a.node_id for a in out}) + self.placement.check_markets(now)
 
-    def _step(self, now: float) -> list[Action]:
-        core = self.core
-        if self._pending:
-            pending, self._pending = self._pending, []
-            return pending
-        if len(self.domains) < 2 or not core.config.migration.enabled:
+    def _step(self, now: float, s: PoolState) -> list[Action]:
+        if not self.core.config.migration.enabled:
             return []
-        if self.move is None:
-            return self._maybe_start(now)
-        if self.move.phase != Phase.STARTING.value and (core.paused or core.job.state.is_terminal()):
+        msg = self._observe(now, s)
+        return [] if msg is None else self._apply(msg, now, s)
+
+    def _apply(self, msg: migration.Message, now: float, s: PoolState) -> list[Action]:
+        """Step the move with ``msg``; carry out its effects; keep what changed. Returns the
+        releases, for the supervisor to carry out."""
+        old = self.state
+        self.state, effects = migration.step(old, msg, s=s, now=now)
+        out: list[Action] = []
+        for e in effects:
+            if isinstance(e, migration.Record):
+                self._record(e)
+            elif isinstance(e, Drain):
+                self._drain(self.core.nodes[e.node_id], e.reason)
+            elif isinstance(e, migration.StartCopy):
+                self._start_copy(e)
+            elif isinstance(e, migration.ResetStart):
+                self._reset_start(e)
+            else:
+                out.append(e)  # Terminate: a provider call, the supervisor's
+        self._keep(old)
+        if (self.move is not None and self.move.phase in _WAKES) or self.state.failed > old.failed:
+            self.core.wake()
+        return out
+
+    def _record(self, e: migration.Record) -> None:
+        self.core.record(EventKind(e.kind), None, **e.data)
+        if e.kind == EventKind.MIGRATION_STARTED.value:
+            log.info("migration_started", source=e.data["source"], target=e.data["target"], reason=e.data["reason"])
+        elif e.kind == EventKind.MIGRATION_FAILED.value:
+            log.warning("migration_failed", migration=e.data["migration"], reason=e.data["reason"])
+
+    def _reset_start(self, action: migration.ResetStart) -> None:
+        """Carry out ``action``. Issue 28 merge: the supervisor's actuator applies it
+        (``self.core.act(action)``, the branch in its report) and this body goes."""
+        core = self.core
+        if core.job.state is JobState.RUNNING:
+            core.job.to(JobState.PENDING)
+        core.first_ready_at = None
+
+    def _keep(self, old: MigrationState) -> None:
+        """Write to the store what the step changed."""
+        st, store = self.state, self.core.store
+        if st.migration is None or st.migration.phase is not Phase.COPYING:
+            self._copy = None  # (a copy still running for a move given up is not waited for)
+        if st.domain != old.domain:
+            store.set("domain", st.domain)
+            log.info("job_domain_changed", pool=self.core.pool, domain=st.domain)
+        if st.completed != old.completed:
+            store.set("migrations_completed", st.completed)
+        if st.failed != old.failed:
+            store.set("migrations_failed", st.failed)
+        if st.migration != old.migration:
+            store.set("migration", None if st.migration is None else st.migration.to_dict())
+
+    # -- what a move waits for, as a message ---------------------------------------------------
+    def _observe(self, now: float, s: PoolState) -> migration.Message | None:
+        core, m = self.core, self.move
+        if m is None:
+            return self._maybe_start(now, s)
+        if m.phase is not Phase.STARTING and (core.paused or core.job.state.is_terminal()):
             # the operator paused (or the job ended) before the switch: nothing to move any more
-            return self._fail("paused" if core.paused else f"job_{core.job.state.value}", now)
-        phase = self.move.phase
-        if phase == Phase.BOOTING.value:
-            return self._booting(now)
-        if phase == Phase.COMMITTING.value:
-            return self._committing(now)
-        if phase == Phase.COPYING.value:
-            return self._copying(now)
-        return self._starting(now)
+            return migration.GiveUp("paused" if core.paused else f"job_{core.job.state.value}")
+        if m.phase is Phase.BOOTING:
+            return self._booting(now, s, m)
+        if m.phase is Phase.COMMITTING:
+            return self._committing(now, s, m)
+        if m.phase is Phase.COPYING:
+            return self._copied(m)
+        j = core.job
+        if migration.trained_there(m, j.state, j.step, j.resumed_at):
+            return migration.TrainedThere(j.step)
+        if now - (m.replicated_at or m.committed_at or now) > self.plan.boot_timeout_s:
+            log.warning("migration_slow_start", migration=m.id)
+        return None
 
-    def build_markets(self) -> frozenset[str] | None:
-        """The markets the planner buys from in :attr:`build_domain`: the policy's, narrowed
-        by a move in flight that is built from some markets only (``spot_elsewhere``)."""
-        return narrow(self.placement.allowed, None if self.move is None else self._markets(self.move.markets))
-
-    @staticmethod
-    def _markets(markets: list[str] | None) -> frozenset[str] | None:
-        return None if markets is None else frozenset(markets)
-
-    def _views(self, now: float, markets: list[str] | None = None) -> list[decide.DomainView]:
+    def _views(self, now: float, markets: frozenset[str] | None = None) -> list[migration.DomainView]:
         self._losses = [(t, d) for t, d in self._losses if now - t < _PREEMPTION_WINDOW_S]
+        # the markets the policy allows now: a domain is starved when its spot offers
+        # are out while only spot is allowed, whatever on-demand offer it has
+        allowed = narrow(self.placement.allowed, markets)
         out = []
         for d in self.domains:
             losses = sum(1 for _, name in self._losses if name == d.name)
-            # the markets the policy allows now: a domain is starved when its spot offers
-            # are out while only spot is allowed, whatever on-demand offer it has
             offers = tuple(in_markets((self.fleet.offer(i) for i in d.offers if i not in self.fleet.unusable),
-                                      narrow(self.placement.allowed, self._markets(markets))))
-            out.append(decide.DomainView(d.name, offers, egress_usd_per_gb=d.egress_usd_per_gb, preemptions=losses))
+                                      allowed))
+            out.append(migration.DomainView(d.name, offers, egress_usd_per_gb=d.egress_usd_per_gb,
+                                            preemptions=losses))
         return out
 
-    def _maybe_start(self, now: float) -> list[Action]:
-        core = self.core
-        s = core.state()
+    def _maybe_start(self, now: float, s: PoolState) -> migration.Begin | None:
+        core, st = self.core, self.state
         views = self._views(now)
         history = self.fleet.history(now)
-        here = next(v for v in views if v.name == self.domain)
-        self.starved_since = decide.starved_since(self.starved_since, s, here, history, now=now)
-        gpus = max(1, sum(n.gpus for n in s.nodes if n.state in ADMITTED and n.domain == self.domain))
-        move = self.policy.migrate(s, views, self.domain, history, now=now, plan=self.plan,
-                                   starved_since=self.starved_since, checkpoint_bytes=core.job.last_commit_bytes,
-                                   last_move_ended_at=self.last_ended_at, gpus=gpus,
-                                   failed_moves=self.failed_moves)
-        if move is None:
-            return []
-        self.move = Move(id=f"mig-{secrets.token_hex(4)}", source=move.source, target=move.target,
-                         reason=move.reason, started_at=now, why=dict(move.why), from_step=core.job.step,
-                         markets=None if move.markets is None else sorted(move.markets))
-        self._save()
-        core.record(EventKind.MIGRATION_STARTED, None, migration=self.move.id, source=move.source,
-                    target=move.target, reason=move.reason, step=core.job.step, **dict(move.why))
-        log.info("migration_started", source=move.source, target=move.target, reason=move.reason)
-        core.wake()
-        return []
+        here = next(v for v in views if v.name == st.domain)
+        since = migration.starved_since(st.starved_since, s, here, history, now=now)
+        self.state = st = replace(st, starved_since=since)
+        gpus = max(1, sum(n.gpus for n in s.nodes if n.state in ADMITTED and n.domain == st.domain))
+        move = self.policy.migrate(s, views, st.domain, history, now=now, plan=self.plan, starved_since=since,
+                                   checkpoint_bytes=core.job.last_commit_bytes, last_move_ended_at=st.last_ended_at,
+                                   gpus=gpus, failed_moves=st.failed_moves)
+        return None if move is None else migration.Begin(move, f"mig-{secrets.token_hex(4)}", core.job.step)
 
-    def _booting(self, now: float) -> list[Action]:
-        core, m = self.core, self.move
-        assert m is not None
-        s = core.state()
-        rules_valid = frozenset(core.config.valid_world_sizes())
-        if decide.ready_for_commit(s, m.target, valid_world_sizes=rules_valid, min_nodes=core.config.pool.min_nodes):
-            m.phase, m.booted_at, m.drain_seq = Phase.COMMITTING.value, now, core.store.last_seq()
-            self._save()
-            for node in list(core.nodes.values()):
-                if self._domain_of(node) == m.source and node.state in ADMITTED:
-                    self._drain(node, "migration")
-            core.wake()
-            return []
+    def _booting(self, now: float, s: PoolState, m: Migration) -> migration.Message | None:
+        cfg = self.core.config
+        if migration.ready_for_commit(s, m.target, valid_world_sizes=frozenset(cfg.valid_world_sizes()),
+                                      min_nodes=cfg.pool.min_nodes):
+            return migration.Booted(self.core.store.last_seq())
         if now - m.started_at > self.plan.boot_timeout_s:
-            return self._fail("boot_timeout", now)
+            return migration.BootFailed("boot_timeout")
         target = next(v for v in self._views(now, m.markets) if v.name == m.target)
-        if decide.target_out(s, target, self.fleet.history(now), now=now):
-            return self._fail("target_out_of_capacity", now)
-        return []
+        if migration.target_out(s, target, self.fleet.history(now), now=now):
+            return migration.BootFailed("target_out_of_capacity")
+        return None
 
-    def _committing(self, now: float) -> list[Action]:
-        core, m = self.core, self.move
-        assert m is not None
-        s = core.state()
+    def _committing(self, now: float, s: PoolState, m: Migration) -> migration.SourceLeft | None:
+        core = self.core
         waited = now - (m.booted_at or now)
         # the job has left the source once no node there trains and its commit is recorded
         # (a trainer's exit can be reported before its commit line; a hung one: the timeout)
         committed = bool(core.store.events(since=m.drain_seq, kinds=[EventKind.CHECKPOINT_COMMITTED.value]))
-        left = decide.job_left(s, m.source) and (committed or core.job.last_commit_step is None)
+        left = migration.job_left(s, m.source) and (committed or core.job.last_commit_step is None)
         if not left and waited <= core.config.daemon.rejoin_timeout_s:
-            return []
-        m.phase, m.committed_at, m.commit_step = Phase.COPYING.value, now, core.job.last_commit_step
-        self._save()
-        if m.commit_step is None:
-            return self._switch(now)  # nothing committed yet: the job starts afresh there
-        self._start_copy(m)
-        return []
+            return None
+        return migration.SourceLeft(core.job.last_commit_step)
 
-    def _start_copy(self, m: Move) -> None:
+    def _copied(self, m: Migration) -> _Copied | None:
+        """The copy's result once it is done (None: still copying)."""
+        if self._copy is None and m.commit_step is not None:  # (a restored move never gets here: see restore)
+            self._start_copy(migration.StartCopy(m.id, m.source, m.target, m.commit_step))
+        return self._copy.result() if self._copy is not None and self._copy.done() else None
+
+    def _start_copy(self, e: migration.StartCopy) -> None:
         cfg = self.core.config
-        src, dst = cfg.domain(m.source), cfg.domain(m.target)
-        state_dir = Path(cfg.daemon.state_path())
-        fill = lambda uri: uri.replace("{state_dir}", str(state_dir))  # noqa: E731
-        step = m.commit_step
-        work = state_dir / "replicate" / f"{m.target}-step-{step}"  # a retried move resumes this copy
+        egress = cfg.domain(e.source).egress_usd_per_gb
 
-        def run() -> dict[str, Any]:
-            from trainer.replicate import open_store_for, replicate
-
-            private_dir(work, root=state_dir)  # a link planted in the state dir is refused, not followed
-            # open_store_for: an OSS store keeps oss2's part-level resume records in the work dir
-            a = open_store_for(fill(src.checkpoint_uri), work, s3_endpoint_url=src.s3_endpoint_url,
-                               oss_endpoint=src.oss_endpoint)
-            b = open_store_for(fill(dst.checkpoint_uri), work, s3_endpoint_url=dst.s3_endpoint_url,
-                               oss_endpoint=dst.oss_endpoint)
-            r = replicate(a, b, step=step, work_dir=work)
-            return {"step": r.step, "bytes": r.bytes_total, "bytes_copied": r.bytes_copied,
-                    "shards_copied": r.shards_copied, "shards_skipped": r.shards_skipped,
-                    "copy_s": round(r.seconds, 3)}
-
-        async def copy() -> None:
+        async def copy() -> _Copied:
             try:
-                self._copy_result = await asyncio.to_thread(run)
+                result = await asyncio.to_thread(copy_checkpoint, cfg, e.source, e.target, e.step)
             except Exception as exc:  # a store or verification failure: the move fails, the job stays
-                self._copy_error = f"{type(exc).__name__}: {exc}"[:300]
-            self.core.wake()
+                return migration.CopyFailed(f"{type(exc).__name__}: {exc}"[:300])
+            finally:
+                self.core.wake()
+            return migration.CopyDone(result, egress)
 
-        self._copy_result, self._copy_error = None, None
-        self._copy = self.core.spawn(copy(), f"replicate-{m.id}")
-
-    def _copying(self, now: float) -> list[Action]:
-        m = self.move
-        assert m is not None
-        if self._copy is None and self._copy_result is None and self._copy_error is None:
-            self._start_copy(m)  # (a restored move never gets here: see restore)
-            return []
-        if self._copy_error is not None:
-            return self._fail(f"copy_failed: {self._copy_error}", now)
-        if self._copy_result is None:
-            return []
-        m.copy, m.replicated_at = dict(self._copy_result), now
-        src = self.core.config.domain(m.source)
-        egress = (m.copy.get("bytes_copied") or 0) / 1e9 * src.egress_usd_per_gb
-        self.core.record(EventKind.CHECKPOINT_REPLICATED, None, migration=m.id, source=m.source, target=m.target,
-                         egress_usd=round(egress, 4), **m.copy)
-        return self._switch(now)
-
-    def _switch(self, now: float) -> list[Action]:
-        """The job's domain is now the target: its nodes start the job from the copy."""
-        core, m = self.core, self.move
-        assert m is not None
-        m.phase = Phase.STARTING.value
-        self.domain = m.target
-        core.store.set("domain", self.domain)
-        self._save()
-        if core.job.state is JobState.RUNNING:
-            core.job.to(JobState.PENDING)
-        core.first_ready_at = None
-        log.info("job_domain_changed", pool=core.pool, domain=self.domain)
-        core.wake()
-        return []
-
-    def _starting(self, now: float) -> list[Action]:
-        core, m = self.core, self.move
-        assert m is not None
-        j = core.job
-        trained_there = (j.state is JobState.RUNNING and j.step is not None
-                         and j.step > (m.commit_step if m.commit_step is not None else -1)
-                         and j.resumed_at is not None and j.resumed_at >= (m.replicated_at or m.committed_at or 0))
-        if j.state is JobState.COMPLETED:
-            trained_there = True
-        if not trained_there:
-            if now - (m.replicated_at or m.committed_at or now) > self.plan.boot_timeout_s:
-                log.warning("migration_slow_start", migration=m.id)
-            return []
-        timeline = {
-            "boot_s": _dt(m.started_at, m.booted_at),
-            "commit_s": _dt(m.booted_at, m.committed_at),
-            "copy_s": _dt(m.committed_at, m.replicated_at),
-            "first_step_s": _dt(m.replicated_at or m.committed_at, now),
-            "decision_to_first_step_s": _dt(m.started_at, now),
-            "paused_s": _dt(m.booted_at, now),  # the job trained nowhere from the drain to the first step
-        }
-        releases = self._release(m.source, "migrated")
-        core.record(EventKind.MIGRATION_COMPLETED, None, migration=m.id, source=m.source, target=m.target,
-                    reason=m.reason, from_step=m.from_step, commit_step=m.commit_step, step=j.step,
-                    bytes=m.copy.get("bytes"), released=[a.node_id for a in releases], **timeline)
-        self.completed += 1
-        core.store.set("migrations_completed", self.completed)
-        self.move, self.last_ended_at, self.starved_since = None, now, None
-        self._save()
-        return releases
-
-    def _fail(self, reason: str, now: float) -> list[Action]:
-        core, m = self.core, self.move
-        assert m is not None
-        switched = m.phase == Phase.STARTING.value
-        if not switched:
-            releases = self._release(m.target, "migration_failed")
-            if m.phase in (Phase.COMMITTING.value, Phase.COPYING.value):
-                # the job left the source for the move: it starts again there from its commit
-                releases += self._release(m.source, "migration_failed")
-                if core.job.state is JobState.RUNNING:
-                    core.job.to(JobState.PENDING)
-                core.first_ready_at = None
-        else:
-            releases = []
-        core.record(EventKind.MIGRATION_FAILED, None, migration=m.id, source=m.source, target=m.target,
-                    phase=m.phase, reason=reason, stays_in=self.domain)
-        log.warning("migration_failed", migration=m.id, reason=reason)
-        self.failed += 1
-        core.store.set("migrations_failed", self.failed)
-        self.move = None
-        self.failed_moves[m.target] = now  # not a target again within the cooldown; another may be
-        self._copy = None
-        self._save()
-        core.wake()
-        return releases
-
-    def _release(self, domain: str, reason: str) -> list[Action]:
-        return [Terminate(n.id, reason) for n in self.core.nodes.values()
-                if self._domain_of(n) == domain and not n.state.is_terminal()]
-
-    def _domain_of(self, node: Any) -> str:
-        return self.core.domain_of(node)
+        self._copy = self.core.spawn(copy(), f"replicate-{e.migration}")
 
 
-def _dt(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else round(b - a, 3)
+def copy_checkpoint(cfg: Config, source: str, target: str, step: int) -> dict[str, Any]:
+    """Copy commit ``step`` from domain ``source``'s checkpoint store to ``target``'s, every
+    shard verified against the manifest (:func:`trainer.replicate.replicate`); a retried
+    move resumes the copy from its work dir under the state dir. Blocking (SDK calls,
+    hashing): run it in a worker thread. Returns the copy's figures: ``step``, ``bytes``,
+    ``bytes_copied``, ``shards_copied``, ``shards_skipped``, ``copy_s``. Raises what the
+    stores and the verification raise (the move then fails)."""
+    from trainer.replicate import open_store_for, replicate
+
+    src, dst = cfg.domain(source), cfg.domain(target)
+    state_dir = Path(cfg.daemon.state_path())
+    work = state_dir / "replicate" / f"{target}-step-{step}"
+    private_dir(work, root=state_dir)  # a link planted in the state dir is refused, not followed
+
+    def uri(u: str) -> str:
+        return u.replace("{state_dir}", str(state_dir))
+
+    # open_store_for: an OSS store keeps oss2's part-level resume records in the work dir
+    a = open_store_for(uri(src.checkpoint_uri), work, s3_endpoint_url=src.s3_endpoint_url, oss_endpoint=src.oss_endpoint)
+    b = open_store_for(uri(dst.checkpoint_uri), work, s3_endpoint_url=dst.s3_endpoint_url, oss_endpoint=dst.oss_endpoint)
+    r = replicate(a, b, step=step, work_dir=work)
+    return {"step": r.step, "bytes": r.bytes_total, "bytes_copied": r.bytes_copied,
+            "shards_copied": r.shards_copied, "shards_skipped": r.shards_skipped, "copy_s": round(r.seconds, 3)}

@@ -1,7 +1,6 @@
 """Placement domains and markets at the edge: which domain a node is in, which offers the
 planner may buy from (the job's domain, the markets the recovery policy allows: a job
-with ``job.deadline`` spends to it, :mod:`daemon.control.deadline`), and which nodes sit
-outside the job's network.
+with ``job.deadline`` spends to it, :mod:`daemon.control.deadline`).
 
 One job, one network: a job attempt's nodes share one placement domain
 (:meth:`daemon.config.Config.domains_resolved`). The planner buys only from the domain
@@ -9,15 +8,19 @@ it builds in (:attr:`Migrator.build_domain`: the job's, or a migration's target)
 with ``mix_zones`` / ``mix_gpu_types`` off only in the zone / of the GPU type of the
 attempt's first node; admission admits only nodes of the job's domain
 (:meth:`daemon.control.actions.PoolState.in_domain`).
+
+The rules are pure (:func:`daemon.control.deadline.markets_for`,
+:func:`~daemon.control.deadline.market_change`, :func:`~daemon.control.deadline.deadline_status`);
+this part keeps the markets allowed now and reads what they need.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from daemon.config import DEADLINE_START_S
-from daemon.control.actions import Action, Terminate
-from daemon.control.deadline import Progress, in_markets
+from daemon.control.actions import Action
+from daemon.control.deadline import Progress, deadline_status, in_markets, market_change, markets_for
 from daemon.control.offers import Offer
 from daemon.controlnode.core import Core
 from daemon.model import EventKind, Node
@@ -26,10 +29,16 @@ __all__ = ["Placement"]
 
 
 class Placement:
-    """Domains of nodes and offers for one pool."""
+    """Domains of nodes and offers for one pool.
 
-    def __init__(self, core: Core, migrator: Any, fleet: Any) -> None:
-        self.core, self.migrator, self.fleet = core, migrator, fleet
+    ``usable_offers()``: the offers the pool may buy at all (the fleet's);
+    ``building()``: the domain the pool is built in now and the markets a move in flight
+    builds it from (None: the policy's), both from the migrator."""
+
+    def __init__(self, core: Core, *, usable_offers: Callable[[], Iterable[Offer]],
+                 building: Callable[[], tuple[str, frozenset[str] | None]]) -> None:
+        self.core = core
+        self._usable_offers, self._building = usable_offers, building
         config = core.config
         # each offer's domain by the offer's stable key (a node keeps its offer's key)
         self._by_key = {o.key: config.domain_of_offer(i) for i, o in enumerate(config.offers)}
@@ -51,12 +60,14 @@ class Placement:
 
     def offers_in(self, domain: str) -> list[Offer]:
         """The usable offers of ``domain`` in the markets the policy allows now
-        (:meth:`~daemon.control.policies.RecoveryPolicy.markets`); with ``mix_zones`` /
+        (:meth:`~daemon.control.policies.RecoveryPolicy.markets`, narrowed by a move in
+        flight: :func:`~daemon.control.deadline.markets_for`); with ``mix_zones`` /
         ``mix_gpu_types`` off, only those in the zone / of the GPU type of the domain's
         oldest live node (the attempt's)."""
         dom = self._domains[domain]
-        allowed = self.migrator.build_markets() if domain == self.migrator.build_domain else self.allowed
-        offers = in_markets((o for o in self.fleet.usable_offers() if o.index in dom.offers), allowed)
+        build, move_markets = self._building()
+        allowed = markets_for(domain, build_domain=build, allowed=self.allowed, move_markets=move_markets)
+        offers = in_markets((o for o in self._usable_offers() if o.index in dom.offers), allowed)
         if dom.mix_zones and dom.mix_gpu_types:
             return offers
         live = sorted((n for n in self.core.nodes.values()
@@ -93,38 +104,15 @@ class Placement:
         on a change; the policy's actions for them (back on spot: on-demand nodes replaced)."""
         p = self.progress(now)
         allowed = self.core.policy.markets(p, now=now, previous=self.allowed)
-        if allowed != self.allowed:
-            if p is not None and self._markets_known:  # (the first answer is no change)
-                self.core.record(EventKind.MARKET_CHANGED, None, old=_names(self.allowed), new=_names(allowed),
-                                 step=p.step, target_steps=p.target_steps,
-                                 hours_to_deadline=round((p.deadline - now) / 3600, 2),
-                                 hours_of_work_left=round(p.remaining_s() / 3600, 2))
-            self.allowed = allowed
+        change = market_change(p, self.allowed, allowed, now=now, first=not self._markets_known)
+        if change is not None:
+            self.core.record(EventKind.MARKET_CHANGED, None, **change)
+        self.allowed = allowed
         self._markets_known = self._markets_known or p is not None
         return self.core.policy.market_actions(self.core.state(), allowed, now=now)
 
     def status(self, now: float) -> dict[str, Any] | None:
-        """``spotctl status``'s deadline line: the deadline, the work left, the expected
-        finish (unix s: the work left at the target size from now) and the slack it leaves
-        before the deadline (hours, negative: late), the markets."""
+        """``spotctl status``'s deadline line (:func:`~daemon.control.deadline.deadline_status`;
+        None: no deadline)."""
         p = self.progress(now)
-        if p is None:
-            return None
-        finish = now + p.remaining_s()  # at the target size from now on, at job.step_s
-        return {"deadline": p.deadline, "hours_to_deadline": round((p.deadline - now) / 3600, 2),
-                "hours_of_work_left": round(p.remaining_s() / 3600, 2), "expected_finish": finish,
-                "slack_h": round((p.deadline - finish) / 3600, 2), "markets": _names(self.allowed)}
-
-    def strays(self, but: set[str] = frozenset()) -> list[Terminate]:  # type: ignore[assignment]
-        """Nodes of a domain that is neither the job's nor a migration's (other than ``but``,
-        released already): released. They come from a daemon restarted during a move, or a
-        config whose domains changed."""
-        keep = {self.migrator.domain, self.migrator.build_domain}
-        if self.migrator.move is not None:
-            keep.add(self.migrator.move.source)
-        return [Terminate(n.id, "outside_the_job_domain") for n in self.core.nodes.values()
-                if not n.state.is_terminal() and self.domain_of(n) not in keep and n.id not in but]
-
-
-def _names(markets: frozenset[str] | None) -> list[str] | None:
-    return None if markets is None else sorted(markets)
+        return None if p is None else deadline_status(p, self.allowed, now=now)

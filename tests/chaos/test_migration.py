@@ -259,6 +259,27 @@ async def test_a_failed_copy_never_starts_the_job_on_a_torn_checkpoint(make_sim,
         assert not sim.events("migration_completed")
 
 
+async def test_a_daemon_restarted_mid_move_gives_it_up_and_the_job_stays(make_sim, tmp_path) -> None:
+    """The daemon is restarted while the target boots (before the switch): the new daemon
+    gives the move up (``daemon_restarted``), releases the target's nodes on its first
+    pass and keeps the job, still training, in its domain; the store holds no move."""
+    provider = RegionProvider({"us-east-1": 2})
+    async with make_sim(provider=provider, **_overrides(tmp_path)) as sim:
+        n1, _ = await _starved_on_one_node(sim, provider, tmp_path)
+        h1, h2 = await sim.launched(4), await sim.launched(5)
+        assert sim.store.get("migration")["phase"] == "booting"
+    async with make_sim(provider=provider, **_overrides(tmp_path)) as sim:
+        [failed] = sim.events("migration_failed")
+        assert (failed.data["reason"], failed.data["phase"], failed.data["stays_in"]) == \
+            ("daemon_restarted", "booting", "aws-use1")
+        nodes = sim.sup.nodes
+        await sim.until(lambda: nodes[h1.id].state.is_terminal() and nodes[h2.id].state.is_terminal(),
+                        what="the target released")
+        assert nodes[n1.id].state is NodeState.RUNNING and sim.sup.domain == "aws-use1"
+        assert sim.sup.migrator.move is None and sim.store.get("migration") is None
+        assert sim.sup.status()["placement"]["migrations_failed"] == 1
+
+
 async def test_the_recovery_policy_decides_whether_to_move(make_sim, tmp_path: Path) -> None:
     """Which domain next is the registered policy's decision: one whose migrate() says stay
     keeps the job in its starved domain, however long."""
