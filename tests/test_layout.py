@@ -123,7 +123,6 @@ _OWNERS = {"daemon.controlnode.supervisor", "daemon.controlnode.actuator"}
 # issue 28: still assigning the supervisor's fields on this branch; H-migrate and H-job convert them to
 # typed changes applied by the actuator (daemon/control/changes.py). The merger empties this set.
 PENDING_OWNER = {
-    "daemon.controlnode.migrator",  # core.first_ready_at = None, core.job.to(...)
     "daemon.controlnode.job_tracker",  # sup.job.step = ..., self.core.rejoin.answered = True, ...
 }
 
@@ -240,7 +239,7 @@ def test_core_has_no_mutable_attributes() -> None:
 # job tracker, migrator, trainer loop). The merger empties this set.
 PENDING_CLASSES = {
     "daemon.providers.aliyun.AliyunProvider", "daemon.providers.aws.AwsProvider", "daemon.gpunode.agent.NodeAgent",
-    "daemon.controlnode.job_tracker.JobTracker", "daemon.controlnode.migrator.Migrator", "trainer.loop.ElasticJob",
+    "daemon.controlnode.job_tracker.JobTracker", "trainer.loop.ElasticJob",
 }
 # issue 28: functions over 60 lines that the trainer loop's change is cutting. The merger empties this set.
 PENDING_FUNCTIONS = {"trainer.loop.ElasticJob.run", "trainer.loop.ElasticJob.recover", "trainer.loop.run_job"}
@@ -287,7 +286,7 @@ def test_no_decision_or_loop_function_is_over_60_lines() -> None:
 CONVENTIONAL = {("numpy", "np"), ("torch.distributed", "dist"), ("torch.distributed.checkpoint", "dcp"),
                 ("torch.nn.functional", "F")}
 # issue 28: today's offenders; H-migrate renames this one. The merger empties this set.
-PENDING_ALIASES = {"daemon.controlnode.migrator: daemon.control.migration as decide"}
+PENDING_ALIASES: set[str] = set()
 
 
 def _abbreviates(alias: str, dotted: str) -> bool:

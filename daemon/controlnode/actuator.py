@@ -21,6 +21,7 @@ import structlog
 
 from daemon.control import actions as a
 from daemon.control import changes as c
+from daemon.control import migration
 from daemon.control.lifecycle import JobState, NodeState
 from daemon.control.state import Rejoin
 from daemon.controlnode.core import Core, leaves
@@ -76,7 +77,7 @@ class Actuator:
             a.WakeSurvivors: self._wake_survivors, a.JobStalled: self._stalled,
             c.SetTarget: self._set_target, c.SetDesired: self._set_desired, c.Pause: self._pause,
             c.Unpause: self._unpause, c.EndJob: self._end_job, c.Relaunch: self._relaunch,
-            c.CompleteJob: self._complete_job,
+            c.CompleteJob: self._complete_job, migration.ResetStart: self._reset_start,
         }
 
     async def act_all(self, actions: list[a.Action]) -> None:
@@ -129,6 +130,12 @@ class Actuator:
 
     def _note_first_ready(self, action: a.NoteFirstReady) -> None:
         self.core.first_ready_at = action.at
+
+    def _reset_start(self, action: migration.ResetStart) -> None:
+        sup = self.core
+        if sup.job.state is JobState.RUNNING:
+            sup.job.to(JobState.PENDING)  # the next nodes up start it from its newest commit
+        sup.first_ready_at = None
 
     def _restart_job(self, action: a.RestartJob) -> None:
         sup = self.core

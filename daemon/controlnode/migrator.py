@@ -184,7 +184,7 @@ class Migrator:
             elif isinstance(e, migration.StartCopy):
                 self._start_copy(e)
             elif isinstance(e, migration.ResetStart):
-                self._reset_start(e)
+                self.core.act(e)  # the supervisor applies it (actuator)
             else:
                 out.append(e)  # Terminate: a provider call, the supervisor's
         self._keep(old)
@@ -198,14 +198,6 @@ class Migrator:
             log.info("migration_started", source=e.data["source"], target=e.data["target"], reason=e.data["reason"])
         elif e.kind == EventKind.MIGRATION_FAILED.value:
             log.warning("migration_failed", migration=e.data["migration"], reason=e.data["reason"])
-
-    def _reset_start(self, action: migration.ResetStart) -> None:
-        """Carry out ``action``. Issue 28 merge: the supervisor's actuator applies it
-        (``self.core.act(action)``, the branch in its report) and this body goes."""
-        core = self.core
-        if core.job.state is JobState.RUNNING:
-            core.job.to(JobState.PENDING)
-        core.first_ready_at = None
 
     def _keep(self, old: MigrationState) -> None:
         """Write to the store what the step changed."""
