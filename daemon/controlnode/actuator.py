@@ -14,6 +14,7 @@ from typing import Callable
 import structlog
 
 from daemon.control import actions as a
+from daemon.control.job import JobProgress
 from daemon.control.lifecycle import JobState, NodeState
 from daemon.control.state import Rejoin
 from daemon.controlnode.core import Core
@@ -90,6 +91,16 @@ class Actuator:
             sup.spawn(self.wake_survivors(action, (host.strip("[]"), int(port)), env[RUN_ID_ENV]), "wake-survivors")
         elif isinstance(action, a.JobStalled):
             self._stalled(action)
+        elif isinstance(action, JobProgress):  # the trainer's word on the job (daemon.control.job)
+            for name, value in action.fields():
+                setattr(sup.job, name, value)
+            if action.state is not None and sup.job.state is not action.state:
+                sup.job.to(action.state)
+            if sup.job.started_at is None:
+                sup.job.started_at = action.started_at
+            if sup.rejoin is not None and sup.rejoin.id in action.answers:
+                sup.rejoin.answered = True
+                sup.wake()
         else:
             raise TypeError(f"not an action for act(): {action!r}")
 
