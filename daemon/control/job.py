@@ -30,7 +30,11 @@ the line goes on; not committed, the line is dropped; the store out of reach
 ``confirm_attempts`` times, a resume is recorded ``commit_unconfirmed`` (a completion
 never is: it waits, and one :class:`CompletionUnverified` says why). An early commit
 after :data:`RESUME_HOLD_S` is recorded if it can be trusted (its manifest verified, or
-its node leads its attempt or answers its own notice), else dropped.
+its node leads its attempt or answers its own notice), else dropped; but while its
+attempt's start is itself held (for a commit the store will settle) it waits on, and a
+held line whose commit is such an early commit reads nothing: that commit is known, and
+goes on with its attempt's start. (Before the job's first start is recorded there is no
+order to keep: a commit that can be trusted is recorded at once.)
 
 Example: n1 leads ``a1``; n1 is noticed, commits step 40 and leaves; the survivor n2
 reports ``started`` of ``a2`` (rank 0, resumed from 40) before n1's commit report
@@ -657,7 +661,10 @@ class _Run:
     def check_holds(self) -> None:
         now = self.world.now
         self.settle_claims()
-        over = [e for e in self.early if now - e.since >= RESUME_HOLD_S]
+        # an early commit whose attempt's start is itself held (for a commit the store will
+        # settle) waits on: that start is coming, or is dropped and the next pass ends this
+        starting = {h.line.attempt for h in self.held if h.line.event == "started"}
+        over = [e for e in self.early if now - e.since >= RESUME_HOLD_S and e.line.attempt not in starting]
         self.early = tuple(e for e in self.early if e not in over)
         for early in over:  # its attempt's start never came (its rank 0's node died)
             self.release_early(early)
@@ -667,9 +674,10 @@ class _Run:
         self.unled = tuple(u for u in self.unled if u not in gone)
         for u in gone:
             self.drop(u.node, f"{u.line.event} of attempt {u.line.attempt}, which no node leads", u.line.event)
+        reported = {e.line.step for e in self.early}  # known: they wait for their attempt's start
         for held in self.held:
             waited = waits_on(held.line)
-            if now - held.since < RESUME_HOLD_S or waited is None or waited in self.confirming:
+            if now - held.since < RESUME_HOLD_S or waited is None or waited in self.confirming | reported:
                 continue
             self.confirming |= {waited}
             self.actions.append(ReadCommit(waited))
