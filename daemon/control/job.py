@@ -52,16 +52,19 @@ is dropped).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Union
 
 from daemon.control.attempts import StartReport, Verdict, claim_verdict
-from daemon.control.lifecycle import ADMITTED, MEMBERS, JobState, NodeState
+from daemon.control.job_types import (
+    EARLY_KEPT, HELD_KEPT, RESUME_HOLD_S, STARTS_KEPT, UNLED_KEPT, VERIFY_PENDING_MAX, CheckFlushes, CheckHolds,
+    CommitRead, CommitRecorded, CompletionRecorded, CompletionUnverified, Drop, EarlyCommit, Flush, FlushTimedOut,
+    Heartbeat, Held, JobAction, JobProgress, JobRecord, JobTrack, Message, ReadCommit, Restore, ResumeRecorded,
+    Settings, Status, StoredCommit, StoredResume, Verified, Verify, WatchFlush, World, WorldSizeChanged,
+)
+from daemon.control.lifecycle import ADMITTED, MEMBERS, JobState
 from daemon.control.reactions import FLUSH_GRACE_S
 from daemon.control.reports import StatusLine
 
-__all__ = [
+__all__ = [  # the types re-exported: one import for the tracker's whole vocabulary
     "RESUME_HOLD_S", "VERIFY_PENDING_MAX", "STARTS_KEPT", "UNLED_KEPT", "HELD_KEPT", "EARLY_KEPT",
     "Settings", "JobRecord", "JobTrack", "World", "Held", "EarlyCommit", "Flush",
     "StoredResume", "StoredCommit", "Restore", "Status", "Heartbeat", "Verified", "CommitRead", "WatchFlush",
@@ -69,330 +72,6 @@ __all__ = [
     "JobProgress", "ResumeRecorded", "CommitRecorded", "CompletionRecorded", "WorldSizeChanged", "FlushTimedOut",
     "CompletionUnverified", "Drop", "Verify", "ReadCommit", "JobAction", "step", "waits_on",
 ]
-
-#: a resume whose commit no node has reported yet (and a commit whose attempt's start has
-#: not come) waits this long (seconds) before the store settles it
-RESUME_HOLD_S = 10.0
-#: a node's reported commits waiting for their manifest's read: one token cannot queue more
-VERIFY_PENDING_MAX = 16
-#: the ``started`` lines kept per node (its newest): the other nodes' word on who leads an attempt
-STARTS_KEPT = 4
-#: lines of an attempt nobody leads yet, kept per node until it is led (its oldest goes first)
-UNLED_KEPT = 4
-#: resumes and completions held for their commit, per node (more: the newest is dropped)
-HELD_KEPT = 16
-#: commits held for their attempt's start, per node (more: the newest is dropped)
-EARLY_KEPT = 16
-
-
-# -- the state ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The job's settings the rules read: ``verify_commits`` (a commit counts once its
-    manifest verifies: ``daemon.verify_commits``), ``target_steps`` (a completion counts
-    only there), ``confirm_attempts`` (failed reads of a held line's commit before a
-    resume is recorded unconfirmed)."""
-
-    verify_commits: bool = True
-    target_steps: int = 0
-    confirm_attempts: int = 3
-
-
-@dataclass(frozen=True, slots=True)
-class JobRecord:
-    """The job view's fields only the trainer's lines change (:class:`~daemon.control.state.JobView`
-    has the same names): steps are optimizer steps, times unix seconds, bytes bytes."""
-
-    step: int | None = None
-    attempt: str | None = None  # the newest attempt recorded: the one running
-    attempts: frozenset[str] = frozenset()
-    world_size: int | None = None
-    resumed_at: float | None = None
-    last_commit_step: int | None = None
-    last_commit_time: float | None = None  # the trainer's clock (unix s)
-    last_commit_bytes: int | None = None
-    commit_steps: frozenset[int] = frozenset()
-    resizes_in_process: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """A line waiting: a resume or a completion for its commit, or a line of an attempt
-    nobody leads yet for its leader; ``since`` unix s (None ``node``: the store's word)."""
-
-    node: str | None
-    line: StatusLine
-    since: float
-
-
-@dataclass(frozen=True, slots=True)
-class EarlyCommit:
-    """A commit reported before its attempt's start was recorded; ``unconfirmed``: the
-    store was out of reach; ``verified``: its manifest was read and verifies."""
-
-    node: str | None
-    line: StatusLine
-    since: float
-    unconfirmed: bool = False
-    verified: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Flush:
-    """A notice's commit due from ``node`` by ``due`` (unix s, grace included)."""
-
-    node: str
-    due: float
-
-
-@dataclass(frozen=True, slots=True)
-class JobTrack:
-    """Everything the tracker knows (frozen: :func:`step` returns a new one). The
-    mappings are never changed in place."""
-
-    settings: Settings = Settings()
-    record: JobRecord = JobRecord()
-    leader_of: Mapping[str, str] = field(default_factory=dict)  # attempt → the node of its rank 0 (taken)
-    starts: Mapping[str, tuple[StatusLine, ...]] = field(default_factory=dict)  # node → its newest started lines
-    node_attempt: Mapping[str, str] = field(default_factory=dict)  # node → the attempt its workers last started
-    unled: tuple[Held, ...] = ()  # lines of attempts nobody leads yet
-    held: tuple[Held, ...] = ()  # resumes and completions waiting for their commit
-    early: tuple[EarlyCommit, ...] = ()  # commits waiting for their attempt's start
-    flushes: Mapping[str, Flush] = field(default_factory=dict)  # notice id → its flush, until its commit
-    verifying: Mapping[str, int] = field(default_factory=dict)  # node → its commits waiting for a read
-    confirming: frozenset[int] = frozenset()  # steps whose manifest is being read for a held line
-    confirm_failures: Mapping[int, int] = field(default_factory=dict)  # step → failed reads
-    answered: frozenset[str] = frozenset()  # notice and request ids a recorded commit named
-    started: frozenset[str] = frozenset()  # attempts whose resume is recorded
-    unconfirmed: frozenset[int] = frozenset()  # commit steps recorded with the store out of reach
-    said_unverified: frozenset[int] = frozenset()  # steps whose completion_unverified is recorded
-
-    def running_leader(self) -> str | None:
-        """The node that holds rank 0 of the attempt the job runs (None: none recorded)."""
-        return self.leader_of.get(self.record.attempt or "")
-
-    def attempt_of(self, node: str) -> str:
-        """The attempt ``node``'s workers last reported starting ("" if none)."""
-        return self.node_attempt.get(node, "")
-
-
-@dataclass(frozen=True, slots=True)
-class World:
-    """What the rules read of the supervisor: ``now`` (unix s), every known node's state,
-    the job's state."""
-
-    now: float
-    nodes: Mapping[str, NodeState]
-    job_state: JobState = JobState.RUNNING
-
-
-# -- the messages -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StoredResume:
-    """A ``job_resumed`` event in the store: ``attempt``, led by ``node``."""
-
-    attempt: str
-    node: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredCommit:
-    """A ``checkpoint_committed`` event in the store."""
-
-    step: int
-    unconfirmed: bool
-    notice_ids: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Restore:
-    """A restarted daemon takes over: the store's resumes and commits (oldest first), each
-    node's last step, whether a node is in the job (``running``), whether a
-    ``job_completed`` is stored."""
-
-    resumes: tuple[StoredResume, ...] = ()
-    commits: tuple[StoredCommit, ...] = ()
-    node_steps: Mapping[str, int | None] = field(default_factory=dict)
-    running: bool = False
-    completed: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Status:
-    """A trainer's status line (``line.event``: ``started``, ``checkpoint_committed`` or
-    ``completed``) as ``node``'s agent forwarded it."""
-
-    node: str
-    line: StatusLine
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """A heartbeat of ``node`` at optimizer step ``step`` (bounded already)."""
-
-    node: str
-    step: int
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    """The manifest read of a commit ``node`` reported (:class:`Verify`): ``problem`` why
-    the store does not bear it out (None: it does; ``line.bytes`` then filled from the
-    manifest), ``unreachable``: the store was out of reach every try."""
-
-    node: str
-    line: StatusLine
-    problem: str | None = None
-    unreachable: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class CommitRead:
-    """The read of ``step``'s manifest for a held line (:class:`ReadCommit`): ``line`` the
-    commit as the manifest tells it (None: not committed), or ``error`` (the store out of
-    reach)."""
-
-    step: int
-    line: StatusLine | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class WatchFlush:
-    """Notice ``notice_id``'s commit is due from ``node`` by ``due`` (unix s, grace included)."""
-
-    notice_id: str
-    node: str
-    due: float
-
-
-@dataclass(frozen=True, slots=True)
-class CheckFlushes:
-    """A reconcile pass: a notice whose commit has not come by its deadline is its own event."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckHolds:
-    """A reconcile pass: decide waiting claims again, end the holds that are over."""
-
-
-Message = Union[Restore, Status, Heartbeat, Verified, CommitRead, WatchFlush, CheckFlushes, CheckHolds]
-
-
-# -- the actions --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class JobProgress:
-    """The job view's new fields, for the supervisor to apply: ``record`` replaces the
-    fields of :class:`JobRecord`; ``started_at`` (unix s) is the job's start where it has
-    none yet; ``state`` moves the job (None: stays); ``answers``: the notice and request
-    ids a commit answered (a rejoin in flight whose request is among them is answered)."""
-
-    record: JobRecord
-    started_at: float | None = None
-    state: JobState | None = None
-    answers: tuple[str, ...] = ()
-
-    def fields(self) -> list[tuple[str, object]]:
-        """``record``'s fields as the job view holds them (sets, not frozensets)."""
-        return [(f.name, set(v) if isinstance(v := getattr(self.record, f.name), frozenset) else v)
-                for f in dataclasses.fields(self.record)]
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeRecorded:
-    """Record ``job_resumed`` of ``line`` from ``node`` (None: released by the store's
-    word); ``lost_steps``: the highest step reached before minus the one resumed at."""
-
-    node: str | None
-    line: StatusLine
-    lost_steps: int
-    commit_unconfirmed: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class CommitRecorded:
-    """Record ``checkpoint_committed`` of ``line``; ``source`` ``"store"`` when the store's
-    manifest told it; ``world_size`` the job's (for the measured deadline checks)."""
-
-    node: str | None
-    line: StatusLine
-    world_size: int | None
-    source: str | None = None
-    unconfirmed: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionRecorded:
-    """Record ``job_completed`` at ``step`` of ``attempt``: the job is over."""
-
-    node: str | None
-    step: int
-    attempt: str
-
-
-@dataclass(frozen=True, slots=True)
-class WorldSizeChanged:
-    """Record ``world_size_changed`` from ``old`` to ``new`` ranks."""
-
-    old: int | None
-    new: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class FlushTimedOut:
-    """Record ``checkpoint_flush_timed_out`` of ``notice_id`` (``overdue_s`` seconds past
-    its deadline); the job will resume from ``last_commit_step``."""
-
-    node: str
-    notice_id: str
-    overdue_s: float
-    last_commit_step: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionUnverified:
-    """Record ``completion_unverified``: the final commit at ``step`` could not be read
-    ``reads`` times (``error``), so the job is not over yet."""
-
-    node: str | None
-    step: int
-    attempt: str
-    reads: int
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """Drop ``node``'s line (``event``): one log line, one count; ``problem`` says why."""
-
-    node: str
-    problem: str
-    event: str
-
-
-@dataclass(frozen=True, slots=True)
-class Verify:
-    """Read the manifest of the commit ``node`` reported, then send :class:`Verified`."""
-
-    node: str
-    line: StatusLine
-
-
-@dataclass(frozen=True, slots=True)
-class ReadCommit:
-    """Read ``step``'s manifest for the lines held on it, then send :class:`CommitRead`."""
-
-    step: int
-
-
-JobAction = Union[JobProgress, ResumeRecorded, CommitRecorded, CompletionRecorded, WorldSizeChanged, FlushTimedOut,
-                  CompletionUnverified, Drop, Verify, ReadCommit]
 
 
 def waits_on(line: StatusLine) -> int | None:
@@ -647,17 +326,6 @@ class _Run:
                 self.resume(held.node, held.line)
 
     # -- the reconcile pass
-    def check_flushes(self) -> None:
-        if self.job_state.is_terminal():
-            self.flushes = {}
-            return
-        now = self.world.now
-        for nid, flush in self.flushes.items():
-            if now >= flush.due:
-                self.actions.append(FlushTimedOut(flush.node, nid, round(now - flush.due + FLUSH_GRACE_S, 1),
-                                                  self.record.last_commit_step))
-        self.flushes = {k: v for k, v in self.flushes.items() if now < v.due}
-
     def check_holds(self) -> None:
         now = self.world.now
         self.settle_claims()
@@ -714,28 +382,53 @@ class _Run:
             else:  # availability over order: the job's view must not freeze with the store out of reach
                 self.resume(h.node, h.line, commit_unconfirmed=True)
 
-    # -- the others
-    def heartbeat(self, m: Heartbeat) -> None:
-        if m.node == self.running_leader() and (self.record.step is None or m.step > self.record.step):
-            self.progress(step=m.step)
 
-    def restore(self, m: Restore) -> None:
-        if m.running:
-            self.progress(state=JobState.RUNNING)
-        attempt = self.record.attempt
-        for r in m.resumes:
-            self.started |= {r.attempt}
-            attempt = r.attempt  # the newest: the attempt running, and its leader
-            if r.node is not None:
-                self.leader_of = {**self.leader_of, r.attempt: r.node}
-        leader = self.leader_of.get(attempt or "")
-        nodes = [leader] if leader in m.node_steps else list(m.node_steps)
-        steps = [s for n in nodes if (s := m.node_steps[n]) is not None]
-        commits = frozenset(c.step for c in m.commits)
-        self.answered |= frozenset(i for c in m.commits for i in c.notice_ids)
-        self.unconfirmed = commits - {c.step for c in m.commits if not c.unconfirmed}
-        self.progress(attempt=attempt, step=max(steps, default=None), commit_steps=self.record.commit_steps | commits,
-                      state=JobState.COMPLETED if m.completed else None)
+
+
+def _heartbeat(run: _Run, m: Heartbeat) -> None:
+    """The running attempt's leader's step is the job's, only forward."""
+    if m.node == run.running_leader() and (run.record.step is None or m.step > run.record.step):
+        run.progress(step=m.step)
+
+
+def _restore(run: _Run, m: Restore) -> None:
+    """The store's word after a daemon restart: the attempts started and their leaders (the
+    newest runs), the commits; the job's step is its leader's (else the highest any node has)."""
+    if m.running:
+        run.progress(state=JobState.RUNNING)
+    attempt = run.record.attempt
+    for r in m.resumes:
+        run.started |= {r.attempt}
+        attempt = r.attempt  # the newest: the attempt running, and its leader
+        if r.node is not None:
+            run.leader_of = {**run.leader_of, r.attempt: r.node}
+    leader = run.leader_of.get(attempt or "")
+    nodes = [leader] if leader in m.node_steps else list(m.node_steps)
+    steps = [s for n in nodes if (s := m.node_steps[n]) is not None]
+    commits = frozenset(c.step for c in m.commits)
+    run.answered |= frozenset(i for c in m.commits for i in c.notice_ids)
+    run.unconfirmed = commits - {c.step for c in m.commits if not c.unconfirmed}
+    run.progress(attempt=attempt, step=max(steps, default=None), commit_steps=run.record.commit_steps | commits,
+                 state=JobState.COMPLETED if m.completed else None)
+
+
+def _check_flushes(run: _Run) -> None:
+    """Each notice whose commit has not come by its deadline is its own event, once."""
+    if run.job_state.is_terminal():
+        run.flushes = {}
+        return
+    now = run.world.now
+    for nid, flush in run.flushes.items():
+        if now >= flush.due:
+            run.actions.append(FlushTimedOut(flush.node, nid, round(now - flush.due + FLUSH_GRACE_S, 1),
+                                             run.record.last_commit_step))
+    run.flushes = {k: v for k, v in run.flushes.items() if now < v.due}
+
+
+def _watch_flush(run: _Run, m: WatchFlush) -> None:
+    """The first deadline of a notice stands."""
+    if m.notice_id not in run.flushes:
+        run.flushes = {**run.flushes, m.notice_id: Flush(m.node, m.due)}
 
 
 def _without(held: tuple[Held, ...], one: Held) -> tuple[Held, ...]:
@@ -744,13 +437,12 @@ def _without(held: tuple[Held, ...], one: Held) -> tuple[Held, ...]:
 
 
 _HANDLERS = {
-    Restore: _Run.restore,
+    Restore: _restore,
     Status: lambda run, m: run.status(m.node, m.line),
-    Heartbeat: _Run.heartbeat,
+    Heartbeat: _heartbeat,
     Verified: _Run.verified,
     CommitRead: _Run.commit_read,
-    WatchFlush: lambda run, m: setattr(run, "flushes", run.flushes if m.notice_id in run.flushes
-                                       else {**run.flushes, m.notice_id: Flush(m.node, m.due)}),
-    CheckFlushes: lambda run, m: run.check_flushes(),
+    WatchFlush: _watch_flush,
+    CheckFlushes: lambda run, m: _check_flushes(run),
     CheckHolds: lambda run, m: run.check_holds(),
 }
