@@ -31,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from daemon.control.job_types import JobProgress
 from daemon.control.lifecycle import JobState
+from daemon.control.migration import ResetStart
 
 __all__ = ["SetTarget", "SetDesired", "Pause", "Unpause", "EndJob", "Relaunch", "CompleteJob", "Change"]
 
@@ -104,4 +106,5 @@ class CompleteJob:
     context: tuple[tuple[str, Any], ...] = ()
 
 
-Change = Union[SetTarget, SetDesired, Pause, Unpause, EndJob, Relaunch, CompleteJob]
+# with the job tracker's JobProgress (control/job.py) and the migrator's ResetStart (control/migration.py)
+Change = Union[SetTarget, SetDesired, Pause, Unpause, EndJob, Relaunch, CompleteJob, JobProgress, ResetStart]

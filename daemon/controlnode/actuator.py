@@ -22,6 +22,7 @@ import structlog
 from daemon.control import actions as a
 from daemon.control import changes as c
 from daemon.control import migration
+from daemon.control.job import JobProgress
 from daemon.control.lifecycle import JobState, NodeState
 from daemon.control.state import Rejoin
 from daemon.controlnode.core import Core, leaves
@@ -78,6 +79,7 @@ class Actuator:
             c.SetTarget: self._set_target, c.SetDesired: self._set_desired, c.Pause: self._pause,
             c.Unpause: self._unpause, c.EndJob: self._end_job, c.Relaunch: self._relaunch,
             c.CompleteJob: self._complete_job, migration.ResetStart: self._reset_start,
+            JobProgress: self._job_progress,
         }
 
     async def act_all(self, actions: list[a.Action]) -> None:
@@ -130,6 +132,19 @@ class Actuator:
 
     def _note_first_ready(self, action: a.NoteFirstReady) -> None:
         self.core.first_ready_at = action.at
+
+    def _job_progress(self, action: JobProgress) -> None:
+        """The trainer's word on the job (:mod:`daemon.control.job`)."""
+        sup = self.core
+        for name, value in action.fields():
+            setattr(sup.job, name, value)
+        if action.state is not None and sup.job.state is not action.state:
+            sup.job.to(action.state)
+        if sup.job.started_at is None:
+            sup.job.started_at = action.started_at
+        if sup.rejoin is not None and sup.rejoin.id in action.answers:
+            sup.rejoin.answered = True
+            sup.wake()
 
     def _reset_start(self, action: migration.ResetStart) -> None:
         sup = self.core
