@@ -71,7 +71,7 @@ from trainer.runtime import (
     teardown_distributed,
 )
 
-__all__ = ["ConfigError", "ElasticJob", "Boundary", "Progress", "check_compatible", "run_job"]
+__all__ = ["ConfigError", "ElasticJob", "Boundary", "Progress", "check_compatible", "loaded", "run_job"]
 
 log = logging.getLogger("trainer.run")
 
@@ -166,6 +166,21 @@ def check_compatible(job: ElasticJob, manifest: Manifest) -> None:
     if n is not None and not job.streaming and n != len(job.dataset):
         log.warning("dataset has %d samples, checkpoint was written with %d: the sample order changes",
                     len(job.dataset), n)
+
+
+def loaded(job: ElasticJob, manifest: Manifest | None, costs: dict[str, Any] | None) -> None:
+    """After a framework's resume (DCP, DeepSpeed): ``job`` at ``manifest``'s step, its
+    ``checkpoint_loaded`` status line (``costs``: the resume's, e.g. ``fetch_s``), and the
+    data position; or at step 0 when nothing is committed (``manifest`` None)."""
+    if manifest is None:
+        if job.ctx.is_leader:
+            log.info("no committed checkpoint in %s: starting at step 0", job.store.uri)
+    else:
+        job.state.step = manifest.step
+        job.status.emit("checkpoint_loaded", manifest.step, **{k: v for k, v in (costs or {}).items() if k != "step"})
+    job.last_committed = manifest
+    job.committed_step = manifest.step if manifest is not None else None
+    job.start_data(manifest.data_position if manifest is not None else None)
 
 
 class ElasticJob:
