@@ -8,7 +8,7 @@ agent starts it under ``torchrun --nnodes=MIN:MAX``; torchrun restarts the worke
 on a membership change (a node joining, or lost without notice), and each new
 incarnation ("attempt") resumes from the newest committed checkpoint. On an
 interruption notice the survivors instead go on in their running workers after the
-notice commit (:meth:`Job.shrink`: a new attempt at the same step, no restart).
+notice commit (:meth:`trainer.resize.Resizer.shrink`: a new attempt at the same step, no restart).
 
 The loop (guard check, commits, in-process shrink, hold, status lines, step logs) is
 :class:`trainer.loop.ElasticJob`'s; this module brings the model: :class:`ReferenceJob`

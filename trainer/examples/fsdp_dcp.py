@@ -200,7 +200,7 @@ class DcpJob(ElasticJob):
             keep=self.args.keep_checkpoints,
         )
 
-    # -- in-process resizes (trainer.loop.ElasticJob.shrink / grow / recover)
+    # -- in-process resizes (trainer.resize.Resizer, trainer.recovery.Recovery)
 
     def peer_state(self) -> dict[str, Any]:
         """DDP: the whole state, as the reference trainer sends it. FSDP2: the step only;
