@@ -6,6 +6,19 @@ tells that failure from any other; :meth:`Recovery.recover` re-forms the group w
 the lost peer in these processes, and the step that failed is trained again. A
 :class:`~trainer.membership.LossWatch` (:meth:`Recovery.follow`) wakes a survivor blocked
 on a silent peer when the others re-form.
+
+What :meth:`Recovery.recover` does on every survivor: drop the old group, agree on the
+new membership with the others through the rendezvous store
+(:func:`~trainer.membership.settle_survivors`: a settle window of ``--loss-settle-s`` or
+twice the last step's time, whichever is longer: a survivor that was computing when its
+peers' collective failed arrives up to a step later), join the new group; the ranks a
+step behind take the state from the most advanced survivor (a rank whose optimizer step
+completed before its last collective failed). Then a new attempt at that step: the step
+that failed is trained again at the smaller world, with the same global batch. That is
+for replicated state (DDP); a sharded job (``state_replicated`` False) lost the peer's
+shards, so its survivors reload the newest commit in these processes (the job's
+``reshard(from_commit=True)``) and train on from there: the steps since that commit are
+lost, no worker restarts.
 """
 
 from __future__ import annotations
@@ -76,21 +89,8 @@ class Recovery:
             self._watch.stop()
 
     def recover(self, failure: str) -> None:
-        """Re-form the group without the lost peer, in these processes.
-
-        Each survivor drops the old group (:meth:`_drop_group`), agrees on the new
-        membership with the others through the rendezvous store
-        (:func:`~trainer.membership.settle_survivors`: a settle window of
-        ``--loss-settle-s`` or twice the last step's time, whichever is longer: a survivor
-        that was computing when its peers' collective failed arrives up to a step later),
-        joins the new group, and the ranks a step behind take the state from the most
-        advanced survivor (a rank whose optimizer step completed before its last
-        collective failed). Then a new attempt at that step: the step that failed is
-        trained again at the smaller world, with the same global batch. That is for
-        replicated state (DDP); a sharded job (``state_replicated`` False) lost the peer's
-        shards, so its survivors reload the newest commit in these processes (the job's
-        ``reshard(from_commit=True)``) and train on from there: the steps since that
-        commit are lost, no worker restarts.
+        """Re-form the group without the lost peer, in these processes, and start a new
+        attempt at the step that failed (the module's docstring walks through it).
 
         Raises:
             SystemExit(1): the survivors' world size cannot take the global batch, or this
