@@ -166,9 +166,10 @@ class ShardWriter(Protocol):
     Each method is called on every rank, in this order, at the same point: ``prepare``
     (before the save is timed), ``save`` (the framework's save, collective if it likes:
     it is timed as ``save_s``), then, after a barrier, ``upload`` (timed as ``upload_s``;
-    the shards this rank uploaded, ``[]`` for none), and ``cleanup`` (always, once the
-    outcome is known). ``upload`` raises CheckpointError, ValueError or OSError for a
-    failure every rank then learns of.
+    the shards this rank uploaded, ``[]`` for none), and ``cleanup`` (once the outcome
+    is known, committed or not). ``upload`` raises CheckpointError, ValueError or OSError
+    for a failure every rank then learns of; a ``save`` that raises goes up as it is, on
+    the ranks where it did, and leaves what it wrote (no ``cleanup``).
     """
 
     def prepare(self, step: int) -> None: ...
@@ -253,24 +254,22 @@ class Committer:
         writer.prepare(step)
         barrier(self.ctx)
         t0 = time.perf_counter()
-        try:
-            writer.save(step)
-            barrier(self.ctx)
-            t1 = time.perf_counter()
-            shards, error = self._upload(writer, step)
-            t2 = time.perf_counter()
-            save_s, upload_s = presave_s + (t1 - t0), t2 - t1
-            gathered = all_gather_objects(self.ctx, (shards, error))
-            outcome: tuple[Manifest | None, str | None] = (None, None)
-            if self.ctx.is_leader:
-                extra = {**(extra or {}), "notice_ids": self.guard.handled_ids, "reason": reason,
-                         "save_s": round(save_s, 4), "upload_s": round(upload_s, 4)}
-                outcome = self._commit_manifest(step, gathered, global_batch_size, data_position, extra)
-            # every rank reports rank 0's timings (the daemon's flush check reads them as rank 0's node's)
-            manifest, err, save_s, upload_s = broadcast_object(  # type: ignore[misc]
-                self.ctx, (*outcome, save_s, upload_s))
-        finally:
-            writer.cleanup(step)
+        writer.save(step)
+        barrier(self.ctx)
+        t1 = time.perf_counter()
+        shards, error = self._upload(writer, step)
+        t2 = time.perf_counter()
+        save_s, upload_s = presave_s + (t1 - t0), t2 - t1
+        gathered = all_gather_objects(self.ctx, (shards, error))
+        outcome: tuple[Manifest | None, str | None] = (None, None)
+        if self.ctx.is_leader:
+            extra = {**(extra or {}), "notice_ids": self.guard.handled_ids, "reason": reason,
+                     "save_s": round(save_s, 4), "upload_s": round(upload_s, 4)}
+            outcome = self._commit_manifest(step, gathered, global_batch_size, data_position, extra)
+        # every rank reports rank 0's timings (the daemon's flush check reads them as rank 0's node's)
+        manifest, err, save_s, upload_s = broadcast_object(  # type: ignore[misc]
+            self.ctx, (*outcome, save_s, upload_s))
+        writer.cleanup(step)
         if manifest is None:
             raise CheckpointError(f"step {step} not committed: {err}")
         self.last_committed = manifest
