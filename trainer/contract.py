@@ -9,7 +9,7 @@ The agent starts ``torchrun`` with these in the environment:
                               rank at each step boundary (:func:`read_notice_file`)
 :data:`STATUS_FILE_ENV`       JSON lines appended by LOCAL_RANK 0, one per :class:`StatusKind`;
                               the agent tails it (:class:`StatusTail`) and forwards
-                              :data:`FORWARDED` kinds to the daemon
+                              the kinds ``daemon.control.reports.STATUS_EVENTS`` names
 :data:`LOG_DIR_ENV`           one JSON-lines step log per rank and attempt (data positions)
 :data:`SCRATCH_DIR_ENV`       a node-local directory for framework checkpoints before upload
 :data:`NODE_ID_ENV`           this node's id in the pool
@@ -88,7 +88,6 @@ __all__ = [
     "read_notice_file",
     "NoticeFile",
     "StatusKind",
-    "FORWARDED",
     "StatusTail",
 ]
 
@@ -296,11 +295,6 @@ class StatusKind(str, enum.Enum):
     HOLDING = "holding"  # committed for an interruption or rejoin: waiting for the restart
     COMPLETED = "completed"  # the target step is committed
 
-
-#: The kinds the agent forwards to the daemon (``step`` rides the next heartbeat: the newest
-#: step, its loss and the tokens summed, once a heartbeat however fast the steps come;
-#: ``holding`` is for the run's summary).
-FORWARDED = frozenset({StatusKind.STARTED.value, StatusKind.CHECKPOINT_COMMITTED.value, StatusKind.COMPLETED.value})
 
 
 class StatusTail:

@@ -8,7 +8,7 @@ agent starts it under ``torchrun --nnodes=MIN:MAX``; torchrun restarts the worke
 on a membership change (a node joining, or lost without notice), and each new
 incarnation ("attempt") resumes from the newest committed checkpoint. On an
 interruption notice the survivors instead go on in their running workers after the
-notice commit (:meth:`Job.shrink`: a new attempt at the same step, no restart).
+notice commit (:meth:`trainer.resize.Resizer.shrink`: a new attempt at the same step, no restart).
 
 The loop (guard check, commits, in-process shrink, hold, status lines, step logs) is
 :class:`trainer.loop.ElasticJob`'s; this module brings the model: :class:`ReferenceJob`
@@ -22,33 +22,20 @@ import argparse
 import contextlib
 import io
 import logging
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.checkpoint import (
-    MANIFEST_NAME,
-    CheckpointError,
-    Manifest,
-    commit,
-    gc,
-    load_shard,
-    record_answered,
-    step_dir,
-    write_shard,
-)
+from trainer.checkpoint import MANIFEST_NAME, CheckpointError, Manifest, ShardInfo, load_shard, step_dir, write_shard
 from trainer.data import VOCAB_SIZE, add_data_arguments, load_data
 from trainer.guard import Decision
-from trainer.integrations.common import newest_intact
+from trainer.integrations.common import Committer, CommitResult, newest_intact
 from trainer.loop import ConfigError, ElasticJob, run_job
-from trainer.runtime import DistContext, add_job_arguments, barrier, mean_loss, positive_int
+from trainer.runtime import DistContext, add_job_arguments, mean_loss, positive_int
 from trainer.sampler import ElasticSampler
 
 __all__ = ["main", "build_parser", "build_state", "causal_lm_step", "wrap_ddp", "ReferenceJob", "TrainState",
@@ -207,83 +194,31 @@ class ReferenceJob(ElasticJob):
         self.start_data(manifest.data_position if manifest is not None else None)
 
     def commit(self, *, reason: str, decision: Decision) -> None:
-        """Collective: rank 0 writes shard + manifest; all ranks pass; status line; gc."""
-        step = self.state.step
-        self.guard.mark_handled(decision.notice_ids)
-        barrier(self.ctx)
-        t0 = time.time()
-        result = torch.zeros(5, dtype=torch.float64)  # ok, bytes, reused, save_s, upload_s
-        error: BaseException | None = None
-        if self.ctx.is_leader:
-            try:
-                nbytes, reused, save_s, upload_s = self._write_checkpoint(step, reason)
-                result[:] = torch.tensor([1.0, float(nbytes), float(reused), save_s, upload_s],
-                                         dtype=torch.float64)
-            except Exception as exc:  # re-raised below, after the peers learn of it
-                error = exc
-        if self.ctx.initialized and self.ctx.world_size > 1:
-            t = result.to(self.ctx.device)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)  # only rank 0 contributes: a broadcast + barrier
-            result = t.cpu()
-        if error is not None:
-            raise error
-        ok, nbytes, reused, save_s, upload_s = result.tolist()
-        if not ok:
-            raise CheckpointError(f"rank 0 failed to commit step {step}; see its log")
-        self.committed_step = step
-        seconds = time.time() - t0
-        self.status.emit(
-            "checkpoint_committed",
-            step,
-            notice_ids=list(decision.notice_ids),
-            kinds=list(decision.kinds),
-            seconds=round(seconds, 4),
-            save_s=round(save_s, 4),  # state -> bytes on rank 0
-            upload_s=round(upload_s, 4),  # shard + manifest to the store
-            bytes=int(nbytes),
-            reason=reason,
-            reused=bool(reused),
-        )
-        if self.ctx.is_leader:
-            log.info("committed step %d (%s, %.2f s, %d bytes%s)", step, reason, seconds, int(nbytes),
-                     ", already stored" if reused else "")
-            try:
-                gc(self.store, keep=self.args.keep_checkpoints)
-            except CheckpointError as exc:
-                log.warning("checkpoint gc failed: %s", exc)
+        """Collective: rank 0 writes the shard, then the manifest (:class:`~trainer.integrations.common.Committer`)."""
+        self._commit(reason, decision)
 
-    def _manifest_extra(self, reason: str) -> dict:
-        return {"notice_ids": self.guard.handled_ids, "attempt": self.attempt, "reason": reason}
+    def _commit(self, reason: str, decision: Decision | None) -> CommitResult:
+        step = self.state.step
+        last = self.last_committed
+        if self.committed_step == step and (last is None or last.step != step):
+            # committed before this rank knew of it (it joined in-process since, or became
+            # rank 0 of a shrink): the manifest is in the store, not in memory
+            self.last_committed = Manifest.from_json(self.store.get_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"))
+        committer = Committer(self.ctx, self.store, self.status, self.guard, keep=self.args.keep_checkpoints,
+                              last_committed=self.last_committed)
+        result = committer.commit(step, _ModelShard(self), reason=reason, decision=decision,
+                                  global_batch_size=self.G, data_position=self.data_position(step),
+                                  extra={"attempt": self.attempt})
+        self.last_committed = committer.last_committed
+        self.committed_step = step
+        return result
 
     def _write_checkpoint(self, step: int, reason: str) -> tuple[int, bool, float, float]:
-        """Rank 0. Returns (bytes of the checkpoint, whether it was already committed, save s, upload s)."""
-        last = self.last_committed
-        if (last is None or last.step != step) and self.committed_step == step:
-            # This rank became rank 0 after the step was committed (an in-process shrink
-            # whose old rank 0 left): the manifest is in the store, not in memory.
-            last = self.last_committed = Manifest.from_json(
-                self.store.get_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"))
-        if last is not None and last.step == step:
-            # already committed (resumed here, or periodic + notice at one boundary)
-            last = self.last_committed = record_answered(self.store, last, self.guard.handled_ids,
-                                                         extra={"attempt": self.attempt, "reason": reason})
-            return sum(s.size for s in last.shards), True, 0.0, 0.0
-        t0 = time.perf_counter()
-        data = state_to_bytes(self.state)
-        t1 = time.perf_counter()
-        info = write_shard(self.store, step, MODEL_SHARD, data)
-        manifest = Manifest(
-            step=step,
-            world_size=self.ctx.world_size,
-            global_batch_size=self.G,
-            data_position=self.data_position(step),
-            shards=(info,),
-            time=time.time(),
-            extra=self._manifest_extra(reason),
-        )
-        commit(self.store, manifest)
-        self.last_committed = manifest
-        return info.size, False, t1 - t0, time.perf_counter() - t1
+        """Commit ``step`` (``state.step``), as :meth:`commit` does, for a benchmark.
+        Returns (bytes of the checkpoint, whether it was already committed, save s, upload s)."""
+        assert step == self.state.step
+        r = self._commit(reason, None)
+        return r.bytes, r.reused, r.save_s, r.upload_s
 
     def wrap(self) -> None:
         self.ddp = wrap_ddp(self.ctx, self.state.model, in_sync=self.states_in_sync)
@@ -299,6 +234,31 @@ class ReferenceJob(ElasticJob):
 
     def train_step(self) -> tuple[float, float, list[int]]:
         return causal_lm_step(self)
+
+
+class _ModelShard:
+    """The reference trainer's :class:`~trainer.integrations.common.ShardWriter`: rank 0
+    serialises model, optimizer and step (:func:`state_to_bytes`) and uploads them as
+    one shard, ``model.pt``, from memory."""
+
+    def __init__(self, job: ReferenceJob) -> None:
+        self.job = job
+        self.data: bytes | None = None
+
+    def prepare(self, step: int) -> None:
+        pass
+
+    def save(self, step: int) -> None:
+        if self.job.ctx.is_leader:
+            self.data = state_to_bytes(self.job.state)
+
+    def upload(self, step: int) -> list[ShardInfo]:
+        if self.data is None:
+            return []
+        return [write_shard(self.job.store, step, MODEL_SHARD, self.data)]
+
+    def cleanup(self, step: int) -> None:
+        self.data = None
 
 
 def wrap_ddp(ctx: DistContext, model: torch.nn.Module, *, in_sync: bool = False) -> torch.nn.Module:

@@ -27,7 +27,10 @@ __all__ = [
     "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS",
 ]
 
-# the trainer status lines an agent forwards (trainer/runtime.py writes them)
+#: The one set of trainer status lines (``trainer.contract.StatusKind`` values, written by
+#: trainer/runtime.py) an agent forwards to the daemon and the daemon accepts. ``step`` rides
+#: the next heartbeat instead (the newest step, its loss and the tokens summed, once a
+#: heartbeat however fast the steps come); ``holding`` is for the run's summary.
 STATUS_EVENTS = frozenset({"started", "checkpoint_committed", "completed"})
 MAX_ID_CHARS = 256
 MAX_IDS = 1024

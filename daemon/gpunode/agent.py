@@ -83,9 +83,10 @@ from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, N
 from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
 from daemon.control.lifecycle import TrainerState
+from daemon.control.reports import STATUS_EVENTS
 from daemon.gpunode.code import needs_preparing, prepare_node
 from daemon.gpunode.trainer_process import TrainerProcess
-from trainer.contract import FORWARDED, NoticeEntry, NoticeFile, NoticeKind, StatusTail
+from trainer.contract import NoticeEntry, NoticeFile, NoticeKind, StatusTail
 from daemon.gpunode.nodelog import read_chunk
 
 __all__ = ["NodeAgent", "main", "daemon_ssl_context", "check_daemon_url"]
@@ -603,7 +604,7 @@ class NodeAgent:
         # reports its own ``started`` (once per attempt): the daemon takes a node's claim to
         # rank 0 of a new attempt on another node's word (daemon/control/attempts.py), and
         # learns which nodes hold ranks of the running attempt.
-        if event not in FORWARDED:
+        if event not in STATUS_EVENTS:
             return
         ids = list(line.get("notice_ids") or []) if event == "checkpoint_committed" else []
         mine = self._interruption

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
-from trainer.loop import ElasticJob, run_job
+from trainer.loop import ElasticJob, loaded, run_job
 from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
 from trainer.runtime import (
@@ -119,16 +119,7 @@ class DeepSpeedJob(ElasticJob):
 
     def resume(self) -> None:
         manifest = self.ckpt.resume(check=self._check_compatible)
-        if manifest is None:
-            if self.ctx.is_leader:
-                log.info("no committed checkpoint in %s: starting at step 0", self.store.uri)
-        else:
-            self.state.step = manifest.step
-            info = self.ckpt.last_resume.as_dict() if self.ckpt.last_resume else {}
-            info.pop("step", None)
-            self.status.emit("checkpoint_loaded", manifest.step, **info)
-        self.last_committed = manifest
-        self.start_data(manifest.data_position if manifest is not None else None)
+        loaded(self, manifest, self.ckpt.last_resume.as_dict() if self.ckpt.last_resume else None)
 
     def wrap(self) -> None:
         """Nothing to wrap: the engine is built with the job (resume needs it)."""

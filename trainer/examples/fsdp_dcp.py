@@ -53,7 +53,7 @@ from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.common import broadcast_object
 from trainer.integrations.dcp import DcpCheckpointer, DcpError, ForeignCheckpointError
-from trainer.loop import ConfigError, ElasticJob, run_job
+from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
 from trainer.runtime import (
@@ -200,7 +200,7 @@ class DcpJob(ElasticJob):
             keep=self.args.keep_checkpoints,
         )
 
-    # -- in-process resizes (trainer.loop.ElasticJob.shrink / grow / recover)
+    # -- in-process resizes (trainer.resize.Resizer, trainer.recovery.Recovery)
 
     def peer_state(self) -> dict[str, Any]:
         """DDP: the whole state, as the reference trainer sends it. FSDP2: the step only;
@@ -282,17 +282,7 @@ class DcpJob(ElasticJob):
             manifest = self.ckpt.resume(check=self._check_compatible)
         except (ForeignCheckpointError, DcpError) as exc:
             raise ConfigError(str(exc)) from exc
-        if manifest is None:
-            if self.ctx.is_leader:
-                log.info("no committed checkpoint in %s: starting at step 0", self.store.uri)
-        else:
-            self.state.step = manifest.step
-            info = self.ckpt.last_load.as_dict() if self.ckpt.last_load else {}
-            info.pop("step", None)
-            self.status.emit("checkpoint_loaded", manifest.step, **info)
-        self.last_committed = manifest
-        self.committed_step = manifest.step if manifest is not None else None
-        self.start_data(manifest.data_position if manifest is not None else None)
+        loaded(self, manifest, self.ckpt.last_load.as_dict() if self.ckpt.last_load else None)
 
     def commit(self, *, reason: str, decision: Decision) -> None:
         if self.ckpt is None:

@@ -1,4 +1,9 @@
-"""The commit protocol for frameworks that save a *directory* (DeepSpeed, HF Trainer, DCP).
+"""The commit protocol, once for every trainer (:class:`Committer`), and its folder form
+for frameworks that save a *directory* (DeepSpeed, HF Trainer, DCP).
+
+:class:`Committer` is the protocol (save, upload, manifest last, status line, gc); a
+:class:`ShardWriter` is the format: the reference trainer's one in-memory shard
+(:mod:`trainer.run`), or a framework's folder (:class:`DirCheckpointer`).
 
 A framework writes its checkpoint folder on node-local disk, each rank its own
 files (DeepSpeed: ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank and the
@@ -34,7 +39,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch.distributed as dist
 
@@ -55,7 +60,7 @@ from trainer.checkpoint import (
 from trainer.guard import Decision, PreemptionGuard
 from trainer.runtime import DistContext, StatusWriter, barrier
 
-__all__ = ["DirCheckpointer", "CommitResult", "merge_shards", "all_gather_objects", "broadcast_object",
+__all__ = ["Committer", "ShardWriter", "DirCheckpointer", "CommitResult", "merge_shards", "all_gather_objects", "broadcast_object",
            "newest_intact"]
 
 log = logging.getLogger(__name__)
@@ -64,15 +69,18 @@ T = TypeVar("T")
 
 
 class CommitResult:
-    """What one :meth:`DirCheckpointer.commit` did: the manifest and its cost (seconds, bytes)."""
+    """What one :meth:`Committer.commit` did: the manifest and its cost (seconds, bytes);
+    ``reused``: the step was committed already, nothing saved."""
 
-    __slots__ = ("manifest", "save_s", "upload_s", "bytes")
+    __slots__ = ("manifest", "save_s", "upload_s", "bytes", "reused")
 
-    def __init__(self, manifest: Manifest, save_s: float, upload_s: float, nbytes: int) -> None:
+    def __init__(self, manifest: Manifest, save_s: float, upload_s: float, nbytes: int, *,
+                 reused: bool = False) -> None:
         self.manifest = manifest
         self.save_s = save_s
         self.upload_s = upload_s
         self.bytes = nbytes
+        self.reused = reused
 
 
 def merge_shards(per_rank: list[list[ShardInfo]]) -> tuple[ShardInfo, ...]:
@@ -151,8 +159,210 @@ def newest_intact(ctx: DistContext, store: CheckpointStore, fetch: Callable[[Man
         barrier(ctx)
 
 
-class DirCheckpointer:
-    """Commits a framework's checkpoint folder through the manifest-last protocol.
+@runtime_checkable
+class ShardWriter(Protocol):
+    """How one checkpoint format becomes shards in the store, for :meth:`Committer.commit`.
+
+    Each method is called on every rank, in this order, at the same point: ``prepare``
+    (before the save is timed), ``save`` (the framework's save, collective if it likes:
+    it is timed as ``save_s``), then, after a barrier, ``upload`` (timed as ``upload_s``;
+    the shards this rank uploaded, ``[]`` for none), and ``cleanup`` (once the outcome
+    is known, committed or not). ``upload`` raises CheckpointError, ValueError or OSError
+    for a failure every rank then learns of; a ``save`` that raises goes up as it is, on
+    the ranks where it did, and leaves what it wrote (no ``cleanup``).
+    """
+
+    def prepare(self, step: int) -> None: ...
+
+    def save(self, step: int) -> None: ...
+
+    def upload(self, step: int) -> list[ShardInfo]: ...
+
+    def cleanup(self, step: int) -> None: ...
+
+
+class Committer:
+    """The commit protocol, once for every format (:class:`ShardWriter`)::
+
+        all ranks    writer.save(step)            the format's own (collective) save
+        all ranks    barrier                      every file of this step is written
+        all ranks    writer.upload(step)          this rank's shards (streamed, sha256)
+        all ranks    all_gather_object(shards)    rank 0 learns every rank's shards
+        rank 0       commit(manifest)             manifest LAST: the single commit point
+        all ranks    broadcast(manifest)          nobody trains on until it is committed
+        all ranks    status line; rank 0 gc
+
+    A step already committed (:attr:`last_committed`: resumed there, or a periodic and a
+    notice commit at one boundary) is not saved again: its manifest records the notices
+    it now answers (:func:`~trainer.checkpoint.record_answered`), and its status line is
+    written so a waiting agent can leave.
+
+    Args:
+        ctx: this process (rank, local rank, world size).
+        store: where checkpoints are committed.
+        status: the agent's status file writer (``checkpoint_committed`` lines).
+        guard: the job's guard; the notices a commit answers are marked handled.
+        keep: committed checkpoints kept by gc after each commit (>= 1).
+        last_committed: the newest commit this rank knows of (every rank the same).
+
+    Every method is collective: all ranks call it at the same point.
+    """
+
+    def __init__(self, ctx: DistContext, store: CheckpointStore, status: StatusWriter, guard: PreemptionGuard,
+                 *, keep: int = 2, last_committed: Manifest | None = None) -> None:
+        self.ctx, self.store, self.status, self.guard = ctx, store, status, guard
+        self.keep = keep
+        self.last_committed = last_committed
+
+    def writer(self, save: ShardWriter | Callable[[Path], None]) -> ShardWriter:
+        """The :class:`ShardWriter` that ``save`` stands for (here: ``save`` itself)."""
+        if not isinstance(save, ShardWriter):
+            raise TypeError(f"{type(self).__name__}.commit needs a ShardWriter, got {type(save).__name__}")
+        return save
+
+    def commit(
+        self,
+        step: int,
+        save: ShardWriter | Callable[[Path], None],
+        *,
+        reason: str,
+        decision: Decision | None,
+        global_batch_size: int,
+        data_position: dict,
+        extra: dict | None = None,
+        presave_s: float = 0.0,
+    ) -> CommitResult:
+        """Save step ``step`` (``save``: the format's writer, :meth:`writer`), upload its shards
+        and commit it, manifest last.
+
+        ``presave_s``: seconds the framework already spent saving before this call
+        (e.g. the HF Trainer saves before ``on_save``); added to the reported ``save_s``
+        so the daemon's flush-deadline check sees the whole flush. The manifest's
+        ``extra`` holds ``extra``, the notice ids, ``reason``, ``save_s`` and ``upload_s``.
+
+        Returns:
+            The manifest and the measured save/upload seconds and bytes.
+
+        Raises:
+            CheckpointError: any rank failed; no manifest was written (raised on every rank).
+        """
+        self.guard.mark_handled(list(decision.notice_ids) if decision else [])
+        last = self.last_committed
+        if last is not None and last.step == step:
+            return self._reuse(last, decision, reason)
+        writer = self.writer(save)
+        writer.prepare(step)
+        barrier(self.ctx)
+        t0 = time.perf_counter()
+        writer.save(step)
+        barrier(self.ctx)
+        t1 = time.perf_counter()
+        shards, error = self._upload(writer, step)
+        t2 = time.perf_counter()
+        save_s, upload_s = presave_s + (t1 - t0), t2 - t1
+        gathered = all_gather_objects(self.ctx, (shards, error))
+        outcome: tuple[Manifest | None, str | None] = (None, None)
+        if self.ctx.is_leader:
+            extra = {**(extra or {}), "notice_ids": self.guard.handled_ids, "reason": reason,
+                     "save_s": round(save_s, 4), "upload_s": round(upload_s, 4)}
+            outcome = self._commit_manifest(step, gathered, global_batch_size, data_position, extra)
+        # every rank reports rank 0's timings (the daemon's flush check reads them as rank 0's node's)
+        manifest, err, save_s, upload_s = broadcast_object(  # type: ignore[misc]
+            self.ctx, (*outcome, save_s, upload_s))
+        writer.cleanup(step)
+        if manifest is None:
+            raise CheckpointError(f"step {step} not committed: {err}")
+        self.last_committed = manifest
+        result = CommitResult(manifest, save_s, upload_s, sum(s.size for s in manifest.shards))
+        self._emit(step, decision, reason, result)
+        self._gc(step, reason, result)
+        return result
+
+    def _upload(self, writer: ShardWriter, step: int) -> tuple[list[ShardInfo] | None, str | None]:
+        try:
+            return writer.upload(step), None
+        except (CheckpointError, ValueError, OSError) as exc:
+            return None, f"rank {self.ctx.rank}: {exc}"
+
+    def _commit_manifest(self, step: int, gathered: list, global_batch_size: int, data_position: dict,
+                         extra: dict) -> tuple[Manifest | None, str | None]:
+        """Rank 0: the manifest of every rank's shards, committed; or why not."""
+        errors = [e for _, e in gathered if e]
+        if errors:
+            return None, "; ".join(errors)
+        try:
+            manifest = Manifest(step=step, world_size=self.ctx.world_size, global_batch_size=global_batch_size,
+                                data_position=data_position, shards=merge_shards([s for s, _ in gathered]),
+                                time=time.time(), extra=extra)
+            commit(self.store, manifest)
+        except (CheckpointError, ValueError) as exc:
+            return None, str(exc)
+        return manifest, None
+
+    def _reuse(self, last: Manifest, decision: Decision | None, reason: str) -> CommitResult:
+        """The step is committed already: record the notices it answers now, nothing saved."""
+        answered = record_answered(self.store, last, self.guard.handled_ids, write=self.ctx.is_leader)
+        if answered is not last:
+            barrier(self.ctx)
+            self.last_committed = last = answered
+        result = CommitResult(last, 0.0, 0.0, sum(s.size for s in last.shards), reused=True)
+        self._emit(last.step, decision, reason, result)
+        return result
+
+    def _emit(self, step: int, decision: Decision | None, reason: str, r: CommitResult) -> None:
+        self.status.emit(
+            "checkpoint_committed",
+            step,
+            notice_ids=list(decision.notice_ids) if decision else [],
+            kinds=list(decision.kinds) if decision else [],
+            seconds=round(r.save_s + r.upload_s, 4),
+            save_s=round(r.save_s, 4),  # the format's save, rank 0's
+            upload_s=round(r.upload_s, 4),  # rank 0's node's shards to the store
+            bytes=r.bytes,
+            reason=reason,
+            reused=r.reused,
+        )
+
+    def _gc(self, step: int, reason: str, r: CommitResult) -> None:
+        if not self.ctx.is_leader:
+            return
+        log.info("committed step %d (%s): %d bytes, save %.2f s, upload %.2f s",
+                 step, reason, r.bytes, r.save_s, r.upload_s)
+        try:
+            gc(self.store, keep=self.keep)
+        except CheckpointError as exc:
+            log.warning("checkpoint gc failed: %s", exc)
+
+
+class _Folder:
+    """A :class:`ShardWriter` for a framework that saves a folder: ``save_fn(local)`` on
+    every rank into node-local ``scratch/save-<step>``, uploaded by each node's leader."""
+
+    def __init__(self, ctx: DistContext, store: CheckpointStore, scratch: Path,
+                 save_fn: Callable[[Path], None]) -> None:
+        self.ctx, self.store, self.scratch, self.save_fn = ctx, store, scratch, save_fn
+
+    def _local(self, step: int) -> Path:
+        return self.scratch / f"save-{step:08d}"
+
+    def prepare(self, step: int) -> None:
+        if self.ctx.is_local_leader:
+            shutil.rmtree(self._local(step), ignore_errors=True)
+
+    def save(self, step: int) -> None:
+        self.save_fn(self._local(step))
+
+    def upload(self, step: int) -> list[ShardInfo]:
+        return write_dir(self.store, step, self._local(step)) if self.ctx.is_local_leader else []
+
+    def cleanup(self, step: int) -> None:
+        if self.ctx.is_local_leader:
+            shutil.rmtree(self._local(step), ignore_errors=True)
+
+
+class DirCheckpointer(Committer):
+    """Commits a framework's checkpoint folder through the manifest-last protocol
+    (:class:`Committer`, with each node's folder as its shards) and fetches it back.
 
     Args:
         ctx: this process (rank, local rank, world size).
@@ -176,130 +386,13 @@ class DirCheckpointer:
         *,
         keep: int = 2,
     ) -> None:
-        self.ctx = ctx
-        self.store = store
+        super().__init__(ctx, store, status, guard, keep=keep)
         self.scratch = Path(scratch)
-        self.status = status
-        self.guard = guard
-        self.keep = keep
-        self.last_committed: Manifest | None = None
 
-    # -- commit
-
-    def commit(
-        self,
-        step: int,
-        save_fn: Callable[[Path], None],
-        *,
-        reason: str,
-        decision: Decision | None,
-        global_batch_size: int,
-        data_position: dict,
-        extra: dict | None = None,
-        presave_s: float = 0.0,
-    ) -> CommitResult:
-        """Save (``save_fn(local_dir)`` on every rank), upload, and commit step ``step``.
-
-        ``presave_s``: seconds the framework already spent saving before this call
-        (e.g. the HF Trainer saves before ``on_save``); added to the reported ``save_s``
-        so the daemon's flush-deadline check sees the whole flush.
-
-        A step already committed (e.g. the job resumed at it) is not saved again;
-        its status line is still written so a waiting agent can leave.
-
-        Returns:
-            The manifest and the measured save/upload seconds and bytes.
-
-        Raises:
-            CheckpointError: any rank failed; no manifest was written (raised on every rank).
-        """
-        notice_ids = list(decision.notice_ids) if decision else []
-        self.guard.mark_handled(notice_ids)
-        last = self.last_committed
-        if last is not None and last.step == step:
-            # already committed (resumed here, or periodic + notice at one boundary)
-            answered = record_answered(self.store, last, self.guard.handled_ids, write=self.ctx.is_leader)
-            if answered is not last:
-                barrier(self.ctx)
-                self.last_committed = last = answered
-            result = CommitResult(last, 0.0, 0.0, sum(s.size for s in last.shards))
-            self._emit(step, decision, reason, result, reused=True)
-            return result
-        local = self.scratch / f"save-{step:08d}"
-        if self.ctx.is_local_leader:
-            shutil.rmtree(local, ignore_errors=True)
-        barrier(self.ctx)
-        t0 = time.perf_counter()
-        save_fn(local)
-        barrier(self.ctx)
-        t1 = time.perf_counter()
-        save_s = presave_s + (t1 - t0)
-        shards: list[ShardInfo] | None = []
-        error = None
-        if self.ctx.is_local_leader:
-            try:
-                shards = write_dir(self.store, step, local)
-            except (CheckpointError, ValueError, OSError) as exc:
-                error = f"rank {self.ctx.rank}: {exc}"
-                shards = None
-        t2 = time.perf_counter()
-        gathered = all_gather_objects(self.ctx, (shards, error))
-        outcome: tuple[Manifest | None, str | None] = (None, None)
-        if self.ctx.is_leader:
-            errors = [e for _, e in gathered if e]
-            if errors:
-                outcome = (None, "; ".join(errors))
-            else:
-                try:
-                    manifest = Manifest(
-                        step=step,
-                        world_size=self.ctx.world_size,
-                        global_batch_size=global_batch_size,
-                        data_position=data_position,
-                        shards=merge_shards([s for s, _ in gathered]),
-                        time=time.time(),
-                        extra={
-                            **(extra or {}),
-                            "notice_ids": self.guard.handled_ids,
-                            "reason": reason,
-                            "save_s": round(save_s, 4),
-                            "upload_s": round(t2 - t1, 4),
-                        },
-                    )
-                    commit(self.store, manifest)
-                    outcome = (manifest, None)
-                except (CheckpointError, ValueError) as exc:
-                    outcome = (None, str(exc))
-        manifest, err = broadcast_object(self.ctx, outcome)  # type: ignore[misc]
-        if self.ctx.is_local_leader:
-            shutil.rmtree(local, ignore_errors=True)
-        if manifest is None:
-            raise CheckpointError(f"step {step} not committed: {err}")
-        self.last_committed = manifest
-        result = CommitResult(manifest, save_s, t2 - t1, sum(s.size for s in manifest.shards))
-        self._emit(step, decision, reason, result, reused=False)
-        if self.ctx.is_leader:
-            log.info("committed step %d (%s): %d bytes, save %.2f s, upload %.2f s",
-                     step, reason, result.bytes, result.save_s, result.upload_s)
-            try:
-                gc(self.store, keep=self.keep)
-            except CheckpointError as exc:
-                log.warning("checkpoint gc failed: %s", exc)
-        return result
-
-    def _emit(self, step: int, decision: Decision | None, reason: str, r: CommitResult, *, reused: bool) -> None:
-        self.status.emit(
-            "checkpoint_committed",
-            step,
-            notice_ids=list(decision.notice_ids) if decision else [],
-            kinds=list(decision.kinds) if decision else [],
-            seconds=round(r.save_s + r.upload_s, 4),
-            save_s=round(r.save_s, 4),
-            upload_s=round(r.upload_s, 4),
-            bytes=r.bytes,
-            reason=reason,
-            reused=reused,
-        )
+    def writer(self, save: ShardWriter | Callable[[Path], None]) -> ShardWriter:
+        """``save(local_dir)``, a framework's save into a folder, on every rank: each node's
+        folder (``scratch/save-<step>``) is uploaded by its leader and removed after."""
+        return save if isinstance(save, ShardWriter) else _Folder(self.ctx, self.store, self.scratch, save)
 
     # -- resume
 

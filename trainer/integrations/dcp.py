@@ -184,11 +184,8 @@ class DcpCheckpointer:
         clash = {_MODEL_KEY, _OPTIM_KEY} & set(stateful)
         if clash:
             raise ValueError(f"stateful names {sorted(clash)} are reserved for the model and optimizer")
-        self.ctx = ctx
-        self.model = model
-        self.optimizer = optimizer
-        self.stateful = stateful
-        self.process_group = process_group
+        self.ctx, self.model, self.optimizer = ctx, model, optimizer
+        self.stateful, self.process_group = stateful, process_group
         self.dir = DirCheckpointer(ctx, store, scratch, status, guard, keep=keep)
         #: The last :meth:`resume` that loaded something, else None.
         self.last_load: LoadReport | None = None

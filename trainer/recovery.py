@@ -1,0 +1,160 @@
+"""The recovery path of an :class:`~trainer.loop.ElasticJob`: a peer lost without notice.
+
+A collective fails on every survivor (a rank whose peer is gone errors, and so does every
+rank blocked on it once the first ones drop the old group). :meth:`Recovery.lost_a_peer`
+tells that failure from any other; :meth:`Recovery.recover` re-forms the group without
+the lost peer in these processes, and the step that failed is trained again. A
+:class:`~trainer.membership.LossWatch` (:meth:`Recovery.follow`) wakes a survivor blocked
+on a silent peer when the others re-form.
+
+What :meth:`Recovery.recover` does on every survivor: drop the old group, agree on the
+new membership with the others through the rendezvous store
+(:func:`~trainer.membership.settle_survivors`: a settle window of ``--loss-settle-s`` or
+twice the last step's time, whichever is longer: a survivor that was computing when its
+peers' collective failed arrives up to a step later), join the new group; the ranks a
+step behind take the state from the most advanced survivor (a rank whose optimizer step
+completed before its last collective failed). Then a new attempt at that step: the step
+that failed is trained again at the smaller world, with the same global batch. That is
+for replicated state (DDP); a sharded job (``state_replicated`` False) lost the peer's
+shards, so its survivors reload the newest commit in these processes (the job's
+``reshard(from_commit=True)``) and train on from there: the steps since that commit are
+lost, no worker restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.batch import ElasticBatch
+from trainer.contract import NODE_ID_ENV
+from trainer.exchange import all_gather_json
+from trainer.membership import JoinRefused, JoinTimeout, LossWatch, run_id, settle_survivors
+from trainer.runtime import regroup, rendezvous_endpoint
+
+__all__ = ["Recovery", "first_line"]
+
+log = logging.getLogger("trainer.run")
+
+#: gloo's messages when a peer's connection is gone (its errors are plain RuntimeErrors)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
+              "Timed out waiting", "Broken pipe", "Socket closed")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (at most 200 characters), or its type's name."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+class Recovery:
+    """The survivors of a peer lost without notice go on in their running processes."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.step_s = 0.0  # the last step's duration (s): a lost peer's survivors wait about that long for each other
+        self._watch: LossWatch | None = None  # unblocks this worker when other survivors re-form without it
+
+    def lost_a_peer(self, exc: RuntimeError) -> bool:
+        """Whether ``exc`` is a collective that failed because a peer is gone (and this
+        job can go on without it in these processes). torch's distributed errors
+        (``DistError``: NCCL's ``DistBackendError`` after an abort, a store's
+        ``DistNetworkError``) and gloo's transport errors, which are plain RuntimeErrors."""
+        if not self.job.resizer.can_grow:
+            return False
+        if isinstance(exc, dist.DistError):
+            return True
+        text = str(exc)
+        return any(marker in text for marker in _PEER_GONE)
+
+    def follow(self) -> None:
+        """Point the loss watch at this attempt's group (started on first use)."""
+        job = self.job
+        if not job.resizer.can_grow:
+            return
+        if self._watch is None:
+            endpoint = rendezvous_endpoint()
+            assert endpoint is not None
+            self._watch = LossWatch(endpoint, run_id())
+        self._watch.follow(job.attempt, job.ctx.rank, set(job.ctx.group_fds))
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+    def recover(self, failure: str) -> None:
+        """Re-form the group without the lost peer, in these processes, and start a new
+        attempt at the step that failed (the module's docstring walks through it).
+
+        Raises:
+            SystemExit(1): the survivors' world size cannot take the global batch, or this
+                rank's entry in the survivors' round does not verify (no join credential):
+                torchrun or the daemon takes over. A rank that arrives after the others
+                re-formed joins them through the join queue instead, a boundary later.
+        """
+        job = self.job
+        old_rank, old_world, step, t0 = job.ctx.rank, job.ctx.world_size, job.state.step, time.perf_counter()
+        log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, failure)
+        endpoint = rendezvous_endpoint()
+        assert endpoint is not None  # lost_a_peer
+        self._drop_group()
+        node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
+        try:
+            # a survivor that was still computing the step reaches its failed collective up to
+            # a step later than one that was waiting in it (seen in make demo: 1.0 s apart)
+            settle_s = max(job.args.loss_settle_s, 2.0 * self.step_s)
+            rank, world, prefix = settle_survivors(endpoint, run_id(), job.attempt, old_rank, old_world,
+                                                   settle_s=settle_s, timeout_s=job.args.pg_timeout_s,
+                                                   credential=job.credential, node=node)
+        except JoinTimeout as exc:
+            # its collective failed later than the others' (gloo: seconds apart, in a test):
+            # they re-formed without it, and it joins them as a newcomer at their next boundary
+            log.warning("%s; joining the survivors' group as a newcomer", exc)
+            job.resizer.join(f"{node}/rank{old_rank}", 0, 1)
+            return
+        except JoinRefused as exc:
+            log.warning("%s; exiting for a restart", exc)
+            raise SystemExit(1) from None
+        if not ElasticBatch(job.G, job.plan.micro_batch_size).is_valid(world):
+            log.warning("the global batch %d cannot be split over the %d surviving ranks; exiting for a restart",
+                        job.G, world)
+            raise SystemExit(1)
+        job.ctx = regroup(job.ctx, rank, world, prefix, endpoint, job.args.pg_timeout_s)
+        self._catch_up(old_world, t0, step)
+
+    def _drop_group(self) -> None:
+        """Leave the old group: pause the loss watch (before this rank's own entry in the
+        round, and before its sockets go), drop DDP's reducer, abort and destroy the group."""
+        job = self.job
+        if self._watch is not None:
+            self._watch.pause()
+        job.ddp = job.state.model  # DDP's reducer holds the old group
+        if dist.is_initialized():
+            # NCCL: abort ends this rank's pending kernels. gloo closes no connection on abort
+            # or destroy (a survivor blocked on this rank is woken by its own LossWatch)
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                dist.distributed_c10d._get_default_group().abort()
+            dist.destroy_process_group()
+        gc.collect()  # the failed step's graph, and with it DDP's reducer on the old group
+
+    def _catch_up(self, old_world: int, t0: float, step: int) -> None:
+        """In the new group: the survivors a step behind take the state of the most
+        advanced one (replicated), or every rank reloads the newest commit (sharded)."""
+        job, world = self.job, self.job.ctx.world_size
+        if not job.state_replicated:  # the lost peer's shards are in the newest commit only
+            job.resizer.restart_attempt(old_world, t0, "reloaded", resumed_from=None, from_commit=True,
+                                        lost_ranks=old_world - world, failed_step=step)
+            return
+        steps = [int(s) for s in all_gather_json(job.state.step)]
+        top = max(steps)
+        behind = [r for r, s in enumerate(steps) if s != top]
+        if behind:
+            job.resizer.send_state(steps.index(top), behind)
+        job.resizer.restart_attempt(old_world, t0, "recovered", resumed_from=None, lost_ranks=old_world - world,
+                                    failed_step=step)
