@@ -21,7 +21,7 @@ missing share counts as ``samples_unlogged``, not skipped (:func:`_taken`).
 
 **Restarts and in-process resizes.** An attempt whose ``started`` line says
 ``resized: "in_process"`` is the survivors of a notice going on in the same worker
-processes (``trainer.run.Job.shrink``): it counts in ``resizes_in_process``, not in
+processes (``trainer.resize.Resizer.shrink``): it counts in ``resizes_in_process``, not in
 ``restarts`` (worker-group restarts by torchrun).
 """
 

@@ -84,7 +84,7 @@ class JobState(str, Enum):
 
     pending → running → completed; ``paused`` by the operator (``spotctl pause``) and
     back to ``pending`` on ``resume``; ``running → pending`` when a recovery policy
-    restarts the whole pool (:class:`daemon.control.policy.RestartOnPreemption`).
+    restarts the whole pool (:class:`daemon.control.policies.RestartOnPreemption`).
     A job that cannot grow (every offer out of capacity) stays ``pending`` or
     ``running`` and says why in its events; it is never given up for that.
 

@@ -166,7 +166,7 @@ class Fleet:
                 core.record(EventKind.NODE_LOST, node.id, reason="instance_gone", last_step=node.step)
 
     async def settle_unowned(self, found: list[tuple[Provider, Instance]]) -> None:
-        """What a daemon killed at any instant leaves behind (DESIGN: Store), settled from
+        """What a daemon killed at any instant leaves behind (docs/architecture.md, Contracts: Store), settled from
         the pool's instances as the providers list them (their node tag names the node).
 
         - A node still ``requested`` with no launch call in flight in this process: the
