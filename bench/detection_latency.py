@@ -43,7 +43,8 @@ if __package__ in (None, ""):  # run as a script: import this checkout's daemon 
 from daemon.gpunode.agent import NodeAgent, _client, _parse  # noqa: E402
 from daemon.logs import configure_logging  # noqa: E402
 from daemon.gpunode.metadata.base import Notice  # noqa: E402
-from daemon.gpunode.metadata.registry import DIALECTS, make_fake  # noqa: E402
+from daemon.gpunode.metadata.registry import DIALECTS  # noqa: E402
+from daemon.providers.local_metadata import make_fake  # noqa: E402
 
 __all__ = ["Defaults", "Summary", "measure", "main"]
 

@@ -29,7 +29,7 @@ import pytest
 from daemon.gpunode.agent import NodeAgent
 from daemon.gpunode.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImds
 from daemon.gpunode.metadata.base import MetadataDialect
-from daemon.gpunode.metadata.fake_aws import FakeImds
+from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import NodeState
 from conftest import ManualClock as Clock
 

@@ -27,7 +27,8 @@ from daemon.gpunode.metadata.aws import INSTANCE_ACTION_PATH
 from daemon.gpunode.metadata.azure import SCHEDULED_EVENTS_PATH
 from daemon.gpunode.metadata.base import MetadataDialect
 from daemon.gpunode.metadata.gcp import PREEMPTED_PATH
-from daemon.gpunode.metadata.registry import DIALECTS, make_client, make_fake
+from daemon.gpunode.metadata.registry import DIALECTS, make_client
+from daemon.providers.local_metadata import make_fake
 from daemon.model import NodeState
 from test_agent import notice_file, running_agent, trainer_running
 

@@ -38,7 +38,7 @@ from daemon.config import Config, ConfigError, DaemonSpec, load_config
 from daemon.controlnode import tls
 from daemon.gpunode.agent import NodeAgent, daemon_ssl_context
 from daemon.gpunode.metadata.aws import AwsImds
-from daemon.gpunode.metadata.fake_aws import FakeImds
+from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import NodeState
 from daemon.providers.base import NodeSpec
 from daemon.providers.bootstrap import CA_FILE, render_user_data

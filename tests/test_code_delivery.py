@@ -24,7 +24,7 @@ from daemon.config import Config
 from daemon.controlnode.store import Store
 from daemon.gpunode.agent import NodeAgent
 from daemon.gpunode.metadata.aws import AwsImds
-from daemon.gpunode.metadata.fake_aws import FakeImds
+from daemon.providers.local_metadata.aws import FakeImds
 from daemon.interfaces.ctl_render import render_status
 from daemon.model import JobState, NodeState
 

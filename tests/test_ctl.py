@@ -42,7 +42,7 @@ from daemon.gpunode.agent import NodeAgent
 from daemon.config import Config
 from daemon.gpunode.gpu import GpuSampler
 from daemon.gpunode.metadata.aws import AwsImds
-from daemon.gpunode.metadata.fake_aws import FakeImds
+from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import NodeState
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from daemon.gpunode.metadata.aliyun import (
     TTL_HEADER,
     AliyunMetadata,
 )
-from daemon.gpunode.metadata.fake_aliyun import FakeAliyunMetadata
+from daemon.providers.local_metadata.aliyun import FakeAliyunMetadata
 from conftest import ManualClock as Clock
 
 DEADLINE = datetime(2015, 1, 5, 18, 2, tzinfo=timezone.utc)

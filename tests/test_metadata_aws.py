@@ -31,7 +31,7 @@ from daemon.gpunode.metadata.aws import (
     TTL_HEADER,
     AwsImds,
 )
-from daemon.gpunode.metadata.fake_aws import FakeImds
+from daemon.providers.local_metadata.aws import FakeImds
 from conftest import ManualClock as Clock
 
 DEADLINE = datetime(2017, 9, 18, 8, 22, tzinfo=timezone.utc)

@@ -18,7 +18,7 @@ import pytest
 
 from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, Notice, NoticeKind, notice_id
 from daemon.gpunode.metadata.azure import SCHEDULED_EVENTS_PATH, AzureScheduledEvents, parse_rfc1123
-from daemon.gpunode.metadata.fake_azure import FakeAzureScheduledEvents, format_rfc1123
+from daemon.providers.local_metadata.azure import FakeAzureScheduledEvents, format_rfc1123
 from conftest import ManualClock as Clock
 
 VM = "vm-spot-0"

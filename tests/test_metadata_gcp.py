@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, NoticeKind, notice_id
-from daemon.gpunode.metadata.fake_gcp import PROJECT_NUMBER, FakeGcpMetadata
+from daemon.providers.local_metadata.gcp import PROJECT_NUMBER, FakeGcpMetadata
 from daemon.gpunode.metadata.gcp import (
     FLAVOR_HEADER,
     MAINTENANCE_EVENT_PATH,

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from daemon.gpunode.metadata.registry import DIALECTS, make_fake
+from daemon.gpunode.metadata.registry import DIALECTS
+from daemon.providers.local_metadata import make_fake
 
 
 async def probe(dialect: str, url: str) -> tuple[int, str, str]:

@@ -4,7 +4,7 @@ Each instance is a node agent (``python -m daemon.gpunode.agent run``) started b
 (:data:`_INSTANCE_INIT`), in a session of their own (killed as a whole, like a VM
 being reclaimed), with its own working directory under ``<state_dir>/nodes/<node_id>/``
 and its own metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
-(:class:`daemon.gpunode.metadata.fake_aws.FakeImds`).
+(:class:`daemon.providers.local_metadata.aws.FakeImds`).
 
 Chaos hooks, used by :mod:`daemon.providers.chaos`: :meth:`LocalProvider.publish_interruption`
 publishes a spot interruption notice on the instance's metadata endpoint and
@@ -35,7 +35,7 @@ import psutil
 import structlog
 
 from daemon.config import LocalProviderSpec
-from daemon.gpunode.metadata.registry import make_fake
+from daemon.providers.local_metadata import make_fake
 from daemon.control.pool import Offer
 from daemon.providers.base import CapacityError, Instance, NodeSpec, Provider, ProviderError, register_provider
 from daemon.state_dir import UnsafeStatePath, open_private, private_dir

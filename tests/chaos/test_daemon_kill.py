@@ -9,7 +9,7 @@ possible (the local provider's instances die with the daemon by design).
 :class:`Ec2Sim` plays what runs *on* the instances: for every instance moto runs for
 the pool it "boots" (after ``boot_s``) a real node agent (:class:`daemon.gpunode.agent.NodeAgent`)
 configured from the instance's own user-data (daemon URL, node id, token), with its
-own IMDSv2 endpoint (:class:`daemon.gpunode.metadata.fake_aws.FakeImds`); the agent's trainer
+own IMDSv2 endpoint (:class:`daemon.providers.local_metadata.aws.FakeImds`); the agent's trainer
 is a stand-in process that trains one step every 50 ms, commits to a shared ledger
 (the "object store"), answers notices and completes at its target step. An instance
 moto stops listing as live takes its agent down with it.
@@ -50,7 +50,7 @@ import yaml
 from chaos.conftest import Matrix, lost_events
 from daemon.gpunode.agent import NodeAgent
 from daemon.gpunode.metadata.aws import AwsImds
-from daemon.gpunode.metadata.fake_aws import FakeImds
+from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import Event
 from daemon.providers.base import NODE_TAG, POOL_TAG
 from fakes.aws_faults import AwsFaultProxy

@@ -2,7 +2,7 @@
 interruption notice or rebalance recommendation into a typed :class:`Notice`.
 
 One module per cloud (``aws`` = IMDSv2); each takes a base URL so tests and the local
-provider point it at a fake (``fake_aws.FakeImds``). See ``base`` for the contract.
+provider point it at a fake (:mod:`daemon.providers.local_metadata`). See ``base`` for the contract.
 """
 
 from daemon.gpunode.metadata.base import (

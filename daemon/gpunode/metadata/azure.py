@@ -119,7 +119,7 @@ class AzureScheduledEvents(HttpDialect):
 
     Args:
         base_url: endpoint root, default ``http://169.254.169.254``; tests pass a
-            :class:`daemon.gpunode.metadata.fake_azure.FakeAzureScheduledEvents` URL.
+            :class:`daemon.providers.local_metadata.azure.FakeAzureScheduledEvents` URL.
         resource_name: this VM's name as it appears in ``Resources`` (compared
             case-insensitively: Azure resource names are); None = every ``Preempt``
             event in the document counts (a standalone VM only sees its own).

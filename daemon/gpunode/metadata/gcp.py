@@ -105,7 +105,7 @@ class GcpMetadata(HttpDialect):
 
     Args:
         base_url: endpoint root, default ``http://metadata.google.internal``; tests
-            pass a :class:`daemon.gpunode.metadata.fake_gcp.FakeGcpMetadata` URL.
+            pass a :class:`daemon.providers.local_metadata.gcp.FakeGcpMetadata` URL.
         timeout_s: bound on each plain request, seconds, > 0 (and the slack added to
             ``timeout_sec`` for hanging requests).
         wait_s: hanging-GET wait, seconds, >= 0; 0 disables hanging GETs.

@@ -1,8 +1,8 @@
-"""The metadata dialects by name: the node-side client and its local fake.
+"""The metadata dialects by name: the node-side client of each.
 
-``make_client("aliyun", url)`` builds the poller an agent runs; ``make_fake("gcp")``
-builds the fake endpoint the local provider gives a simulated node. Imports are
-lazy so a node only loads the dialect it uses.
+``make_client("aliyun", url)`` builds the poller an agent runs. Imports are lazy so a
+node only loads the dialect it uses. (The local fake endpoints, which the local provider
+gives its simulated nodes, are :mod:`daemon.providers.local_metadata`.)
 
 ``DOCUMENTED_LEAD_S`` is the notice lead each cloud documents (seconds between
 the notice appearing and the instance being taken), used to estimate when a
@@ -17,14 +17,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DIALECTS", "DEFAULT_URLS", "DOCUMENTED_LEAD_S", "make_client", "make_fake"]
+__all__ = ["DIALECTS", "DEFAULT_URLS", "DOCUMENTED_LEAD_S", "make_client"]
 
-# name -> (client module:class, fake module:class)
-_TABLE: dict[str, tuple[str, str]] = {
-    "aws": ("daemon.gpunode.metadata.aws:AwsImds", "daemon.gpunode.metadata.fake_aws:FakeImds"),
-    "aliyun": ("daemon.gpunode.metadata.aliyun:AliyunMetadata", "daemon.gpunode.metadata.fake_aliyun:FakeAliyunMetadata"),
-    "gcp": ("daemon.gpunode.metadata.gcp:GcpMetadata", "daemon.gpunode.metadata.fake_gcp:FakeGcpMetadata"),
-    "azure": ("daemon.gpunode.metadata.azure:AzureScheduledEvents", "daemon.gpunode.metadata.fake_azure:FakeAzureScheduledEvents"),
+# name -> client module:class
+_TABLE: dict[str, str] = {
+    "aws": "daemon.gpunode.metadata.aws:AwsImds",
+    "aliyun": "daemon.gpunode.metadata.aliyun:AliyunMetadata",
+    "gcp": "daemon.gpunode.metadata.gcp:GcpMetadata",
+    "azure": "daemon.gpunode.metadata.azure:AzureScheduledEvents",
 }
 DIALECTS: tuple[str, ...] = tuple(_TABLE)
 
@@ -55,10 +55,5 @@ def make_client(dialect: str, base_url: str | None = None, **kwargs: Any) -> Any
         ValueError: unknown dialect.
     """
     _check(dialect)
-    return _load(_TABLE[dialect][0])(base_url or DEFAULT_URLS[dialect], **kwargs)
+    return _load(_TABLE[dialect])(base_url or DEFAULT_URLS[dialect], **kwargs)
 
-
-def make_fake(dialect: str, **kwargs: Any) -> Any:
-    """A local fake endpoint of ``dialect`` (call ``await fake.start()``; then ``fake.url``)."""
-    _check(dialect)
-    return _load(_TABLE[dialect][1])(**kwargs)

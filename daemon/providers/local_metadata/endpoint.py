@@ -1,5 +1,5 @@
-"""What the local metadata fakes (``fake_aws``, ``fake_aliyun``, ``fake_gcp``,
-``fake_azure``) share: the aiohttp server lifecycle, the test hooks for fault injection
+"""What the local metadata fakes (``aws``, ``aliyun``, ``gcp``, ``azure`` of this
+package) share: the aiohttp server lifecycle, the test hooks for fault injection
 (:meth:`FakeEndpoint.fail_next`, :meth:`FakeEndpoint.hang_next`,
 :meth:`FakeEndpoint.wait_hanging`) applied to every request before its handler runs,
 ``request_log`` and ``published_at``; and, for the two IMDS-style fakes (AWS and

@@ -52,7 +52,7 @@ from daemon.gpunode.metadata.aws import (
     TOKEN_PATH,
     TTL_HEADER,
 )
-from daemon.gpunode.metadata.fake_base import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _fmt
+from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _fmt
 
 __all__ = ["FakeImds", "INTERRUPTION_LEAD"]
 
@@ -63,7 +63,7 @@ INTERRUPTION_LEAD = timedelta(minutes=2)
 class FakeImds(TokenMetadataEndpoint):
     """An aiohttp server on ``host`` speaking IMDSv2.
 
-    Lifecycle and test hooks: see :class:`~daemon.gpunode.metadata.fake_base.FakeEndpoint`.
+    Lifecycle and test hooks: see :class:`~daemon.providers.local_metadata.endpoint.FakeEndpoint`.
 
     Args:
         instance_id, instance_type, availability_zone: values of the

@@ -50,7 +50,7 @@ from datetime import datetime
 
 from aiohttp import web
 
-from daemon.gpunode.metadata.fake_base import FakeEndpoint
+from daemon.providers.local_metadata.endpoint import FakeEndpoint
 from daemon.gpunode.metadata.gcp import FLAVOR_HEADER, FLAVOR_VALUE, MAINTENANCE_EVENTS, METADATA_PREFIX
 
 __all__ = ["FakeGcpMetadata", "PROJECT_NUMBER"]

@@ -47,7 +47,7 @@ from daemon.gpunode.metadata.aliyun import (
     TOKEN_PATH,
     TTL_HEADER,
 )
-from daemon.gpunode.metadata.fake_base import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _stamp
+from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _stamp
 
 __all__ = ["FakeAliyunMetadata", "INTERRUPTION_LEAD", "TERMINATION_ITEM"]
 
@@ -59,7 +59,7 @@ TERMINATION_ITEM = "instance/spot/termination-time"
 class FakeAliyunMetadata(TokenMetadataEndpoint):
     """An aiohttp server on ``host`` speaking the ECS metadata protocol.
 
-    Lifecycle and test hooks: see :class:`~daemon.gpunode.metadata.fake_base.FakeEndpoint`.
+    Lifecycle and test hooks: see :class:`~daemon.providers.local_metadata.endpoint.FakeEndpoint`.
 
     Args:
         instance_id, instance_type, region_id, zone_id: values of the

@@ -65,7 +65,7 @@ from typing import Any
 from aiohttp import web
 
 from daemon.gpunode.metadata.azure import METADATA_HEADER, PREEMPT, PREEMPT_MIN_NOTICE, SCHEDULED_EVENTS_PATH
-from daemon.gpunode.metadata.fake_base import FakeEndpoint
+from daemon.providers.local_metadata.endpoint import FakeEndpoint
 
 __all__ = ["FakeAzureScheduledEvents", "SUPPORTED_API_VERSIONS", "EVENT_TYPES", "format_rfc1123"]
 
@@ -97,7 +97,7 @@ def format_rfc1123(when: datetime) -> str:
 class FakeAzureScheduledEvents(FakeEndpoint):
     """An aiohttp server on ``host`` speaking Azure Scheduled Events.
 
-    Lifecycle and test hooks: see :class:`~daemon.gpunode.metadata.fake_base.FakeEndpoint`.
+    Lifecycle and test hooks: see :class:`~daemon.providers.local_metadata.endpoint.FakeEndpoint`.
 
     Args:
         vm_name: this VM's name, put in ``Resources`` of published interruptions.
