@@ -40,12 +40,7 @@ from collections.abc import Callable
 import aiohttp
 
 from daemon.gpunode.metadata.base import MetadataUnavailable, Notice, NoticeKind, parse_utc
-from daemon.gpunode.metadata.http import (
-    HttpDialect,
-    MetadataToken,
-    check_token_ttl,
-    text_or_none,
-)
+from daemon.gpunode.metadata.http import META_DATA_PREFIX, ImdsDialect, TokenProtocol, text_or_none
 
 __all__ = [
     "AliyunMetadata",
@@ -58,11 +53,11 @@ __all__ = [
     "MIN_TOKEN_TTL_S",
     "MAX_TOKEN_TTL_S",
     "TERMINATE_ACTION",
+    "TOKEN_PROTOCOL",
 ]
 
 DEFAULT_BASE_URL = "http://100.100.100.200"
 TOKEN_PATH = "/latest/api/token"
-META_DATA_PREFIX = "/latest/meta-data/"
 TERMINATION_TIME_PATH = META_DATA_PREFIX + "instance/spot/termination-time"
 TTL_HEADER = "X-aliyun-ecs-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aliyun-ecs-metadata-token"
@@ -73,9 +68,12 @@ TERMINATE_ACTION = "terminate"
 
 #: Statuses taken to mean "token rejected" in hardened mode (UNCONFIRMED; see module doc).
 _TOKEN_REJECTED = frozenset({401, 403})
+#: Same refresh policy as the AWS dialect (:class:`daemon.gpunode.metadata.http.MetadataToken`).
+TOKEN_PROTOCOL = TokenProtocol(TOKEN_PATH, TTL_HEADER, TOKEN_HEADER, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S,
+                               rejected=_TOKEN_REJECTED)
 
 
-class AliyunMetadata(HttpDialect):
+class AliyunMetadata(ImdsDialect):
     """ECS metadata client implementing the metadata dialect (``provider = "aliyun"``).
 
     The constructor does no I/O. An HTTP session is created on first use unless one
@@ -85,7 +83,7 @@ class AliyunMetadata(HttpDialect):
 
     Args:
         base_url: endpoint root, default ``http://100.100.100.200``; tests pass a
-            :class:`daemon.gpunode.metadata.fake_aliyun.FakeAliyunMetadata` URL.
+            :class:`daemon.providers.local_metadata.aliyun.FakeAliyunMetadata` URL.
         hardened: use security hardening mode (token ``PUT``, token on every read).
         token_ttl_s: TTL requested for tokens, seconds, 1..21600 (hardened mode).
         timeout_s: bound on each HTTP request (token PUT or read), seconds, > 0.
@@ -98,9 +96,10 @@ class AliyunMetadata(HttpDialect):
             empty ``base_url``.
     """
 
-    __slots__ = ("_hardened", "_token")
+    __slots__ = ("_hardened",)
 
     provider = "aliyun"
+    TOKEN_PROTOCOL = TOKEN_PROTOCOL
 
     def __init__(
         self,
@@ -112,29 +111,9 @@ class AliyunMetadata(HttpDialect):
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(
-            base_url,
-            example_url=DEFAULT_BASE_URL,
-            timeout_s=timeout_s,
-            session=session,
-            clock=clock,
-            validate=lambda: check_token_ttl(token_ttl_s, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S),
-        )
+        super().__init__(base_url, example_url=DEFAULT_BASE_URL, token_ttl_s=token_ttl_s, timeout_s=timeout_s,
+                         session=session, clock=clock)
         self._hardened = bool(hardened)
-        # Same refresh policy as the AWS dialect (see daemon.gpunode.metadata.http.MetadataToken).
-        self._token = MetadataToken(
-            self,
-            path=TOKEN_PATH,
-            ttl_header=TTL_HEADER,
-            token_header=TOKEN_HEADER,
-            ttl_s=token_ttl_s,
-            rejected=_TOKEN_REJECTED,
-        )
-
-    async def aclose(self) -> None:
-        """Drop the token and close the session if this object created it. Idempotent."""
-        self._token.clear()
-        await super().aclose()
 
     @property
     def hardened(self) -> bool:
@@ -162,19 +141,6 @@ class AliyunMetadata(HttpDialect):
             return None
         return _parse_termination_time(raw)
 
-    async def get_metadata(self, item: str) -> str | None:
-        """Read one item under ``/latest/meta-data/`` (e.g. ``"instance-id"``,
-        ``"instance/instance-type"``, ``"region-id"``, ``"zone-id"``).
-
-        Returns:
-            The text value, or ``None`` if the item does not exist (404).
-
-        Raises:
-            MetadataUnavailable: as :meth:`poll`.
-            RuntimeError: called after :meth:`aclose`.
-        """
-        return await self._read(META_DATA_PREFIX + item.lstrip("/"))
-
     async def _read(self, path: str) -> str | None:
         """GET ``path``: body on 200, None on 404.
 
@@ -182,7 +148,7 @@ class AliyunMetadata(HttpDialect):
         fetch a new one and retry once. A second rejection is an error.
         """
         if self._hardened:
-            return text_or_none(path, await self._token.get(path))
+            return await super()._read(path)
         reply = await self._request("GET", path, headers={})
         if reply.status in _TOKEN_REJECTED:
             raise MetadataUnavailable(
@@ -204,10 +170,5 @@ def _parse_termination_time(raw: str) -> Notice:
         raise MetadataUnavailable(
             f"instance/spot/termination-time: not a UTC timestamp: {raw[:200]!r}"
         ) from exc
-    return Notice.build(
-        provider=AliyunMetadata.provider,
-        kind=NoticeKind.INTERRUPTION,
-        action=TERMINATE_ACTION,
-        deadline=deadline,
-        raw=raw,
-    )
+    return Notice.build(provider="aliyun", kind=NoticeKind.INTERRUPTION, action=TERMINATE_ACTION, deadline=deadline,
+                        raw=raw)

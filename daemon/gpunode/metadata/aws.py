@@ -45,12 +45,7 @@ from daemon.gpunode.metadata.base import (
     NoticeKind,
     parse_utc,
 )
-from daemon.gpunode.metadata.http import (
-    HttpDialect,
-    MetadataToken,
-    check_token_ttl,
-    text_or_none,
-)
+from daemon.gpunode.metadata.http import META_DATA_PREFIX, ImdsDialect, TokenProtocol
 
 __all__ = [
     "AwsImds",
@@ -63,23 +58,24 @@ __all__ = [
     "MIN_TOKEN_TTL_S",
     "MAX_TOKEN_TTL_S",
     "KNOWN_ACTIONS",
+    "TOKEN_PROTOCOL",
 ]
 
 DEFAULT_BASE_URL = "http://169.254.169.254"
 TOKEN_PATH = "/latest/api/token"
-META_DATA_PREFIX = "/latest/meta-data/"
 INSTANCE_ACTION_PATH = META_DATA_PREFIX + "spot/instance-action"
 REBALANCE_PATH = META_DATA_PREFIX + "events/recommendations/rebalance"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 MIN_TOKEN_TTL_S = 1
 MAX_TOKEN_TTL_S = 21600
+TOKEN_PROTOCOL = TokenProtocol(TOKEN_PATH, TTL_HEADER, TOKEN_HEADER, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S)
 
 #: Actions the spot interruption document lists. Others are accepted (see ``_parse_instance_action``).
 KNOWN_ACTIONS = frozenset({"terminate", "stop", "hibernate"})
 
 
-class AwsImds(HttpDialect):
+class AwsImds(ImdsDialect):
     """IMDSv2 client implementing the metadata dialect (``provider = "aws"``).
 
     The constructor does no I/O. An HTTP session is created on first use unless one
@@ -89,7 +85,7 @@ class AwsImds(HttpDialect):
 
     Args:
         base_url: endpoint root, default ``http://169.254.169.254``; tests pass a
-            :class:`daemon.gpunode.metadata.fake_aws.FakeImds` URL.
+            :class:`daemon.providers.local_metadata.aws.FakeImds` URL.
         token_ttl_s: TTL requested for session tokens, seconds, 1..21600.
         timeout_s: bound on each HTTP request (token PUT or read), seconds, > 0.
         session: an existing ``aiohttp.ClientSession`` to use (not closed by us).
@@ -101,11 +97,11 @@ class AwsImds(HttpDialect):
             empty ``base_url``.
     """
 
-    has_rebalance = True
-
-    __slots__ = ("_token",)
+    __slots__ = ()
 
     provider = "aws"
+    has_rebalance = True
+    TOKEN_PROTOCOL = TOKEN_PROTOCOL
 
     def __init__(
         self,
@@ -116,22 +112,8 @@ class AwsImds(HttpDialect):
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(
-            base_url,
-            example_url=DEFAULT_BASE_URL,
-            timeout_s=timeout_s,
-            session=session,
-            clock=clock,
-            validate=lambda: check_token_ttl(token_ttl_s, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S),
-        )
-        self._token = MetadataToken(
-            self, path=TOKEN_PATH, ttl_header=TTL_HEADER, token_header=TOKEN_HEADER, ttl_s=token_ttl_s
-        )
-
-    async def aclose(self) -> None:
-        """Drop the token and close the session if this object created it. Idempotent."""
-        self._token.clear()
-        await super().aclose()
+        super().__init__(base_url, example_url=DEFAULT_BASE_URL, token_ttl_s=token_ttl_s, timeout_s=timeout_s,
+                         session=session, clock=clock)
 
     # -- the dialect ---------------------------------------------------------------
 
@@ -171,27 +153,6 @@ class AwsImds(HttpDialect):
             return None
         return _parse_rebalance(raw)
 
-    async def get_metadata(self, item: str) -> str | None:
-        """Read one item under ``/latest/meta-data/`` (e.g. ``"instance-id"``,
-        ``"placement/availability-zone"``).
-
-        Returns:
-            The text value, or ``None`` if the item does not exist (404).
-
-        Raises:
-            MetadataUnavailable: as :meth:`poll`.
-            RuntimeError: called after :meth:`aclose`.
-        """
-        return await self._read(META_DATA_PREFIX + item.lstrip("/"))
-
-    async def _read(self, path: str) -> str | None:
-        """GET ``path`` with a valid token: body on 200, None on 404.
-
-        A 401 means the token expired or the endpoint forgot it (restart): drop it,
-        fetch a new one and retry once. A second 401 is an error.
-        """
-        return text_or_none(path, await self._token.get(path))
-
 
 def _load_object(raw: str, what: str) -> dict[str, Any]:
     try:
@@ -218,13 +179,7 @@ def _parse_instance_action(raw: str) -> Notice:
         deadline = parse_utc(doc.get("time"))  # type: ignore[arg-type]
     except ValueError as exc:
         raise MetadataUnavailable(f"spot/instance-action: bad 'time': {raw[:200]!r}") from exc
-    return Notice.build(
-        provider=AwsImds.provider,
-        kind=NoticeKind.INTERRUPTION,
-        action=action,
-        deadline=deadline,
-        raw=raw,
-    )
+    return Notice.build(provider="aws", kind=NoticeKind.INTERRUPTION, action=action, deadline=deadline, raw=raw)
 
 
 def _parse_rebalance(raw: str) -> Notice:
@@ -236,10 +191,4 @@ def _parse_rebalance(raw: str) -> Notice:
         raise MetadataUnavailable(
             f"events/recommendations/rebalance: bad 'noticeTime': {raw[:200]!r}"
         ) from exc
-    return Notice.build(
-        provider=AwsImds.provider,
-        kind=NoticeKind.REBALANCE,
-        action=None,
-        deadline=None,
-        raw=raw,
-    )
+    return Notice.build(provider="aws", kind=NoticeKind.REBALANCE, action=None, deadline=None, raw=raw)

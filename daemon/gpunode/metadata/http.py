@@ -12,13 +12,17 @@
   ``PUT <token path>`` with a TTL header, the body is the token, every read sends it in
   a token header. Refreshed shortly before it expires; a rejected token is dropped,
   re-fetched and the read retried once (field practice: AWS Node Termination Handler).
+  Each cloud's constants are one :class:`TokenProtocol` (the local fakes serve the same).
+- :class:`ImdsDialect`: base of those two clients: a token, and text items under
+  ``/latest/meta-data/`` (200: the value, 404: None).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import NamedTuple, Self
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, Self
 
 import aiohttp
 
@@ -26,17 +30,21 @@ from daemon.gpunode.metadata.base import MetadataUnavailable, Notice
 
 __all__ = [
     "HttpDialect",
+    "ImdsDialect",
+    "META_DATA_PREFIX",
     "MetadataToken",
+    "TokenProtocol",
     "Reply",
     "TOKEN_REFRESH_FRACTION",
     "TOKEN_REFRESH_MARGIN_S",
-    "check_token_ttl",
     "text_or_none",
 ]
 
 #: Refresh the token this long before it expires, or at 90 % of its TTL, whichever is earlier.
 TOKEN_REFRESH_MARGIN_S = 15.0
 TOKEN_REFRESH_FRACTION = 0.9
+#: Where the IMDS-style endpoints (AWS, Alibaba) serve their items.
+META_DATA_PREFIX = "/latest/meta-data/"
 
 
 class Reply(NamedTuple):
@@ -178,12 +186,32 @@ def text_or_none(path: str, reply: Reply) -> str | None:
     raise MetadataUnavailable(f"GET {path}: HTTP {reply.status}: {reply.body[:200]!r}")
 
 
-def check_token_ttl(ttl_s: int, min_s: int, max_s: int) -> None:
-    """Raise ValueError unless ``ttl_s`` is an int (not a bool) in ``min_s..max_s``."""
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int):
-        raise ValueError(f"token_ttl_s must be an int in {min_s}..{max_s}, got {ttl_s!r}")
-    if not min_s <= ttl_s <= max_s:
-        raise ValueError(f"token_ttl_s must be in {min_s}..{max_s} seconds, got {ttl_s}")
+@dataclass(frozen=True, slots=True)
+class TokenProtocol:
+    """The constants of one cloud's IMDS-style session token (see the module doc).
+
+    Attributes:
+        path: the token endpoint (``PUT``).
+        ttl_header: request header carrying the TTL on the ``PUT``.
+        token_header: request header carrying the token on reads.
+        min_ttl_s, max_ttl_s: the TTLs the endpoint accepts, seconds (inclusive).
+        rejected: read statuses that mean "token rejected" (drop, re-fetch, retry once).
+    """
+
+    path: str
+    ttl_header: str
+    token_header: str
+    min_ttl_s: int
+    max_ttl_s: int
+    rejected: frozenset[int] = frozenset({401})
+
+    def check_ttl(self, ttl_s: int) -> None:
+        """Raise ValueError unless ``ttl_s`` is an int (not a bool) in ``min_ttl_s..max_ttl_s``."""
+        lo, hi = self.min_ttl_s, self.max_ttl_s
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int):
+            raise ValueError(f"token_ttl_s must be an int in {lo}..{hi}, got {ttl_s!r}")
+        if not lo <= ttl_s <= hi:
+            raise ValueError(f"token_ttl_s must be in {lo}..{hi} seconds, got {ttl_s}")
 
 
 class MetadataToken:
@@ -195,41 +223,16 @@ class MetadataToken:
 
     Args:
         http: the client whose session, clock and request helper are used.
-        path: the token endpoint (``PUT``).
-        ttl_header: request header carrying the TTL on the ``PUT``.
-        token_header: request header carrying the token on reads.
-        ttl_s: TTL requested, seconds (validated by the caller, see :func:`check_token_ttl`).
-        rejected: read statuses that mean "token rejected" (drop, re-fetch, retry once).
+        protocol: the cloud's token constants.
+        ttl_s: TTL requested, seconds (validated by the caller, :meth:`TokenProtocol.check_ttl`).
     """
 
-    __slots__ = (
-        "_http",
-        "_path",
-        "_ttl_header",
-        "_token_header",
-        "_ttl_s",
-        "_rejected",
-        "_value",
-        "_refresh_at",
-        "_lock",
-    )
+    __slots__ = ("_http", "_protocol", "_ttl_s", "_value", "_refresh_at", "_lock")
 
-    def __init__(
-        self,
-        http: HttpDialect,
-        *,
-        path: str,
-        ttl_header: str,
-        token_header: str,
-        ttl_s: int,
-        rejected: frozenset[int] = frozenset({401}),
-    ) -> None:
+    def __init__(self, http: HttpDialect, *, protocol: TokenProtocol, ttl_s: int) -> None:
         self._http = http
-        self._path = path
-        self._ttl_header = ttl_header
-        self._token_header = token_header
+        self._protocol = protocol
         self._ttl_s = ttl_s
-        self._rejected = rejected
         self._value: str | None = None
         self._refresh_at = 0.0
         self._lock = asyncio.Lock()
@@ -250,8 +253,8 @@ class MetadataToken:
         """
         for attempt in (1, 2):
             token = await self._ensure()
-            reply = await self._http._request("GET", path, headers={self._token_header: token})
-            if reply.status not in self._rejected:
+            reply = await self._http._request("GET", path, headers={self._protocol.token_header: token})
+            if reply.status not in self._protocol.rejected:
                 return reply
             self._drop(token)
             if attempt == 2:
@@ -273,13 +276,12 @@ class MetadataToken:
     async def _fetch(self) -> str:
         ttl = self._ttl_s
         requested_at = self._http._clock()  # before the PUT: the token's life starts no earlier
-        status, body, _ = await self._http._request(
-            "PUT", self._path, headers={self._ttl_header: str(ttl)}
-        )
+        path = self._protocol.path
+        status, body, _ = await self._http._request("PUT", path, headers={self._protocol.ttl_header: str(ttl)})
         if status != 200:
-            raise MetadataUnavailable(f"PUT {self._path}: HTTP {status}: {body[:200]!r}")
+            raise MetadataUnavailable(f"PUT {path}: HTTP {status}: {body[:200]!r}")
         if not body:
-            raise MetadataUnavailable(f"PUT {self._path}: empty token")
+            raise MetadataUnavailable(f"PUT {path}: empty token")
         lifetime = min(TOKEN_REFRESH_FRACTION * ttl, ttl - TOKEN_REFRESH_MARGIN_S)
         self._value = body
         self._refresh_at = requested_at + max(0.0, lifetime)
@@ -290,3 +292,60 @@ class MetadataToken:
         # hold a newer one.
         if self._value == token:
             self._value = None
+
+
+class ImdsDialect(HttpDialect):
+    """Base of the IMDS-style clients (AWS IMDSv2, Alibaba ECS): a :class:`MetadataToken`
+    of the subclass's :attr:`TOKEN_PROTOCOL`, and text items under ``/latest/meta-data/``.
+
+    Args:
+        base_url, example_url, timeout_s, session, clock: as :class:`HttpDialect`.
+        token_ttl_s: TTL requested for tokens, seconds, within the protocol's bounds.
+
+    Raises:
+        ValueError: empty ``base_url``, ``token_ttl_s`` out of bounds, or ``timeout_s`` <= 0.
+    """
+
+    __slots__ = ("_token",)
+
+    TOKEN_PROTOCOL: ClassVar[TokenProtocol]
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        example_url: str,
+        token_ttl_s: int,
+        timeout_s: float,
+        session: aiohttp.ClientSession | None,
+        clock: Callable[[], float],
+    ) -> None:
+        protocol = self.TOKEN_PROTOCOL
+        super().__init__(base_url, example_url=example_url, timeout_s=timeout_s, session=session, clock=clock,
+                         validate=lambda: protocol.check_ttl(token_ttl_s))
+        self._token = MetadataToken(self, protocol=protocol, ttl_s=token_ttl_s)
+
+    async def aclose(self) -> None:
+        """Drop the token and close the session if this object created it. Idempotent."""
+        self._token.clear()
+        await super().aclose()
+
+    async def get_metadata(self, item: str) -> str | None:
+        """Read one item under ``/latest/meta-data/`` (e.g. ``"instance-id"``).
+
+        Returns:
+            The text value, or ``None`` if the item does not exist (404).
+
+        Raises:
+            MetadataUnavailable: as the subclass's ``poll``.
+            RuntimeError: called after :meth:`aclose`.
+        """
+        return await self._read(META_DATA_PREFIX + item.lstrip("/"))
+
+    async def _read(self, path: str) -> str | None:
+        """GET ``path`` with a valid token: body on 200, None on 404.
+
+        A rejected token (expired, or forgotten by a restarted endpoint) is dropped, a
+        new one fetched and the read retried once; a second rejection is an error.
+        """
+        return text_or_none(path, await self._token.get(path))

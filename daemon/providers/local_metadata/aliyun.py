@@ -40,14 +40,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
-from daemon.gpunode.metadata.aliyun import (
-    MAX_TOKEN_TTL_S,
-    MIN_TOKEN_TTL_S,
-    TOKEN_HEADER,
-    TOKEN_PATH,
-    TTL_HEADER,
-)
-from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _stamp
+from daemon.gpunode.metadata.aliyun import TOKEN_PROTOCOL
+from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, utc_stamp as _stamp
 
 __all__ = ["FakeAliyunMetadata", "INTERRUPTION_LEAD", "TERMINATION_ITEM"]
 
@@ -74,7 +68,7 @@ class FakeAliyunMetadata(TokenMetadataEndpoint):
     ``request_log`` holds ``(method, path, status)`` of every answered request.
     """
 
-    PROTOCOL = TokenProtocol(TOKEN_PATH, TTL_HEADER, TOKEN_HEADER, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S)
+    PROTOCOL = TOKEN_PROTOCOL
 
     def __init__(
         self,

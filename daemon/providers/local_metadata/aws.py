@@ -44,15 +44,8 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Literal
 
-from daemon.gpunode.metadata.aws import (
-    KNOWN_ACTIONS,
-    MAX_TOKEN_TTL_S,
-    MIN_TOKEN_TTL_S,
-    TOKEN_HEADER,
-    TOKEN_PATH,
-    TTL_HEADER,
-)
-from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, TokenProtocol, utc_stamp as _fmt
+from daemon.gpunode.metadata.aws import KNOWN_ACTIONS, TOKEN_PROTOCOL
+from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, utc_stamp as _fmt
 
 __all__ = ["FakeImds", "INTERRUPTION_LEAD"]
 
@@ -76,10 +69,9 @@ class FakeImds(TokenMetadataEndpoint):
     ``request_log`` holds ``(method, path, status)`` of every answered request.
     """
 
-    PROTOCOL = TokenProtocol(
-        TOKEN_PATH, TTL_HEADER, TOKEN_HEADER, MIN_TOKEN_TTL_S, MAX_TOKEN_TTL_S,
-        refuse_forwarded_token_put=True, echo_ttl=True,
-    )
+    PROTOCOL = TOKEN_PROTOCOL
+    REFUSE_FORWARDED_TOKEN_PUT = True
+    ECHO_TTL = True
 
     def __init__(
         self,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Self
 
 from aiohttp import web
 
-__all__ = ["FakeEndpoint", "TokenMetadataEndpoint", "TokenProtocol", "TokenStore", "utc_stamp"]
+from daemon.gpunode.metadata.http import META_DATA_PREFIX, TokenProtocol
+
+__all__ = ["FakeEndpoint", "TokenMetadataEndpoint", "TokenStore", "utc_stamp"]
 
 _TEXT = "text/plain"
 
@@ -202,32 +203,22 @@ class TokenStore:
         self._tokens.clear()
 
 
-@dataclass(frozen=True)
-class TokenProtocol:
-    """The constants of an IMDS-style token protocol (see :class:`TokenMetadataEndpoint`)."""
-
-    token_path: str
-    ttl_header: str
-    token_header: str
-    min_ttl: int
-    max_ttl: int
-    refuse_forwarded_token_put: bool = False
-    """Refuse (403) a token PUT carrying ``X-Forwarded-For``."""
-    echo_ttl: bool = False
-    """Echo the TTL header in the token PUT's answer."""
-
-
 class TokenMetadataEndpoint(FakeEndpoint):
     """An IMDS-style metadata server: ``PUT`` on the token path with a TTL header in
-    ``min_ttl..max_ttl`` (see :class:`TokenProtocol`) issues a token (else 400; another
-    method there is 405); ``GET /latest/meta-data/<item>`` serves published items, then
-    ``static`` ones, as text (unknown: 404). A read with an invalid or expired token is 401, and so is one
-    without a token when :meth:`_token_required`. Text answers throughout.
+    ``min_ttl_s..max_ttl_s`` (the client's :class:`~daemon.gpunode.metadata.http.TokenProtocol`)
+    issues a token (else 400; another method there is 405); ``GET /latest/meta-data/<item>``
+    serves published items, then ``static`` ones, as text (unknown: 404). A read with an
+    invalid or expired token is 401, and so is one without a token when
+    :meth:`_token_required`. Text answers throughout.
 
-    Subclasses set :attr:`PROTOCOL` and :meth:`_token_required`.
+    Subclasses set :attr:`PROTOCOL` and :meth:`_token_required`, and may set
+    :attr:`REFUSE_FORWARDED_TOKEN_PUT` (answer 403 to a token PUT carrying
+    ``X-Forwarded-For``) and :attr:`ECHO_TTL` (echo the TTL header in the token's answer).
     """
 
     PROTOCOL: ClassVar[TokenProtocol]
+    REFUSE_FORWARDED_TOKEN_PUT: ClassVar[bool] = False
+    ECHO_TTL: ClassVar[bool] = False
 
     def __init__(
         self, *, static: dict[str, str], host: str, port: int, clock: Callable[[], float]
@@ -252,21 +243,21 @@ class TokenMetadataEndpoint(FakeEndpoint):
         self._tokens.clear()
 
     def _setup(self, app: web.Application) -> None:
-        app.router.add_route("PUT", self.PROTOCOL.token_path, self._handle_token)
-        app.router.add_route("GET", "/latest/meta-data/{item:.*}", self._handle_get)
+        app.router.add_route("PUT", self.PROTOCOL.path, self._handle_token)
+        app.router.add_route("GET", META_DATA_PREFIX + "{item:.*}", self._handle_get)
         app.router.add_route("*", "/{tail:.*}", self._handle_other)
 
     async def _handle_token(self, request: web.Request) -> web.Response:
-        if self.PROTOCOL.refuse_forwarded_token_put and "X-Forwarded-For" in request.headers:
+        if self.REFUSE_FORWARDED_TOKEN_PUT and "X-Forwarded-For" in request.headers:
             return self._answer(request, 403, "Forbidden")
         raw_ttl = request.headers.get(self.PROTOCOL.ttl_header)
         ttl = int(raw_ttl) if raw_ttl is not None and raw_ttl.strip().isdecimal() else -1
-        if not self.PROTOCOL.min_ttl <= ttl <= self.PROTOCOL.max_ttl:
+        if not self.PROTOCOL.min_ttl_s <= ttl <= self.PROTOCOL.max_ttl_s:
             return self._answer(request, 400, "Bad Request")
         token = self._tokens.issue(ttl)
         self.token_puts += 1
         resp = self._answer(request, 200, token)
-        if self.PROTOCOL.echo_ttl:
+        if self.ECHO_TTL:
             resp.headers[self.PROTOCOL.ttl_header] = str(ttl)
         return resp
 
@@ -286,7 +277,7 @@ class TokenMetadataEndpoint(FakeEndpoint):
         return self._answer(request, 200, value)
 
     async def _handle_other(self, request: web.Request) -> web.Response:
-        if request.path == self.PROTOCOL.token_path:
+        if request.path == self.PROTOCOL.path:
             return self._answer(request, 405, "Method Not Allowed")
         if request.method == "GET" and not self._token_ok(request):
             return self._answer(request, 401, "Unauthorized")
