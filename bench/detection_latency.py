@@ -95,7 +95,6 @@ class _TimingAgent(NodeAgent):
         self.seen = asyncio.Event()
 
     def _on_interruption(self, notice: Notice) -> None:
-        self._seen_notice_ids.add(notice.id)
         if self.seen_at is None:
             self.seen_at = time.time()  # as NodeAgent._on_interruption stamps seen_at
             self.seen.set()

@@ -52,7 +52,7 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script: import this checkout's daemon package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.gpunode.agent import COMMAND_WAIT_S, KEEPALIVE_S  # noqa: E402
+from daemon.gpunode.daemon_link import COMMAND_WAIT_S, KEEPALIVE_S  # noqa: E402
 from daemon.gpunode.metadata.base import Notice, NoticeKind  # noqa: E402
 
 __all__ = ["SimAgent", "SimJob", "Fleet", "main"]

@@ -132,7 +132,7 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
     assert agent.runner.proc is None or agent.runner.proc.returncode is not None, "trainer left running"
-    assert agent._session is not None and agent._session.closed
+    assert agent.link.session is not None and agent.link.session.closed
 
 
 def notice_file(agent: NodeAgent) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from aiohttp import web
 from cryptography import x509
 
 import daemon.gpunode.agent as agent_mod
+import daemon.gpunode.daemon_link as daemon_link
 import daemon.interfaces.api as api_mod
 from conftest import UNTIL_TIMEOUT_S, DaemonHarness, ManualClock, RecordingProvider, started_daemon
 from daemon.config import Config, ConfigError, DaemonSpec, load_config
@@ -194,7 +195,7 @@ async def test_an_agent_trusting_another_ca_never_sends_its_token(tls_daemon: Tl
     assert tls.fingerprint(other_ca) != h.tls.ca_fingerprint
 
     tap = LogTap()
-    monkeypatch.setattr(agent_mod, "log", tap)
+    monkeypatch.setattr(daemon_link, "log", tap)
     agent = _agent(h, node, imds, other / "tls" / "ca.pem")
     task = asyncio.create_task(agent.run(), name="untrusting-agent")
     try:

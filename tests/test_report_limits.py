@@ -62,7 +62,7 @@ async def test_repeats_in_a_post_collapse_and_a_post_over_the_cap_is_cut(spot_da
 def test_the_agent_sends_its_backlog_in_requests_the_daemon_takes() -> None:
     """An agent's backlog after an outage goes out in batches within the daemon's caps
     (count and bytes), in order; a report that could never fit is dropped, not resent for ever."""
-    from daemon.gpunode.agent import _next_batch
+    from daemon.gpunode.daemon_link import _next_batch
 
     def sized(r: dict[str, Any]) -> tuple[dict[str, Any], int]:
         return r, len(json.dumps(r)) + 2

@@ -64,24 +64,21 @@ import json
 import math
 import os
 import signal
-import ssl
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import structlog
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type,
-                      wait_exponential, wait_exponential_jitter)
 
+from daemon.gpunode.daemon_link import (COMMAND_WAIT_S, MAX_HEARTBEAT_INTERVAL_S, DaemonLink, check_daemon_url,
+                                        daemon_ssl_context)
 from daemon.gpunode.gpu import GpuMeans, GpuSampler, NvmlSampler
-from daemon.hosts import is_loopback
+from daemon.gpunode.notice_watch import NoticeWatch
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
 from daemon.gpunode.metadata.registry import DEFAULT_URLS, DIALECTS, make_client
-from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
 from daemon.control.lifecycle import TrainerState
 from daemon.control.reports import STATUS_EVENTS
 from daemon.gpunode.code import needs_preparing, prepare_node
@@ -89,112 +86,12 @@ from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import NoticeEntry, NoticeFile, NoticeKind, StatusTail
 from daemon.gpunode.nodelog import read_chunk
 
-__all__ = ["NodeAgent", "main", "daemon_ssl_context", "check_daemon_url"]
+__all__ = ["NodeAgent", "StepProgress", "main", "daemon_ssl_context", "check_daemon_url"]
 
 log = structlog.get_logger("spotvisor.agent")
 
-# the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
-# it a random share of its agent.command_wait_s, at most), and how long
-# past that the agent waits for the answer before it gives up on the request
-COMMAND_WAIT_S = 600.0
-_COMMAND_SLACK_S = 10.0
-# a told heartbeat interval outside (0, this] is not used (seconds)
-_MAX_HEARTBEAT_INTERVAL_S = 600.0
 _MAX_TOKENS_PER_STEP = 2**40  # a step line's `tokens` above this is not counted (a trainer's bug)
-# an idle connection to the daemon is kept this long (seconds): longer than any heartbeat
-# interval used, shorter than aiohttp's server keep-alive (3630 s)
-KEEPALIVE_S = _MAX_HEARTBEAT_INTERVAL_S + 60.0
 _GPU_SAMPLE_S = 1.0
-
-
-def daemon_ssl_context(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext | None:
-    """The TLS client context for the daemon: trusting the CA certificate(s) in
-    ``ca_file`` only (``create_default_context`` with a ``cafile`` loads no system
-    store), names checked, TLS 1.2 or later; None without a file (aiohttp then uses
-    the system's store for an https URL). Blocking (reads the file).
-
-    Raises:
-        OSError: the file cannot be read; ``ssl.SSLError`` (an OSError): not PEM.
-    """
-    if ca_file is None:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=os.fspath(ca_file))
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    return ctx
-
-
-def check_daemon_url(url: str) -> None:
-    """Refuse a daemon URL that would carry this node's token in clear beyond the machine:
-    ``https://`` anywhere, ``http://`` only to a loopback host (localhost, 127.0.0.0/8, ::1).
-
-    Raises:
-        ValueError: one line naming the URL and the fix.
-    """
-    parts = urllib.parse.urlsplit(url)
-    scheme, host = parts.scheme.lower(), parts.hostname or ""
-    if scheme == "https" and host:
-        return
-    if scheme == "http" and host and is_loopback(host):
-        return
-    if scheme not in ("http", "https") or not host:
-        raise ValueError(f"--daemon-url {url!r} is not an http(s) URL with a host (e.g. https://10.0.0.10:7480)")
-    raise ValueError(f"--daemon-url {url} is plain http to a host that is not loopback: the node's token would "
-                     "cross the network in clear; use the https URL the daemon serves (daemon.agent_tls: auto, "
-                     "with --ca-file), or a loopback address")
-
-
-def _daemon_unreachable(event: str, rs: RetryCallState) -> None:
-    exc = rs.outcome.exception() if rs.outcome else None
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        log.error("daemon_certificate_untrusted", error=str(exc), retry_in_s=round(rs.upcoming_sleep, 2),
-                  note="the daemon's certificate does not verify against this agent's CA (--ca-file) or "
-                       "name; nothing was sent to it")
-    else:
-        log.warning(event, error=str(exc) if rs.outcome else None, retry_in_s=round(rs.upcoming_sleep, 2))
-
-
-def _until_daemon_answers(event: str) -> AsyncRetrying:
-    """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good.
-    An untrusted certificate is retried too (logged as an error): from here it is a network fault."""
-    return AsyncRetrying(
-        retry=retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)),
-        wait=wait_exponential(multiplier=0.1, min=0.2, max=5.0),
-        before_sleep=lambda rs: _daemon_unreachable(event, rs),
-        reraise=True,
-    )
-
-
-_ENVELOPE_BYTES = 512  # {"node_id": ..., "events": []} around the reports, with room to spare
-
-
-def _next_batch(pending: list[tuple[dict[str, Any], int]]) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], int]]]:
-    """The oldest reports of ``pending`` that fit one request (count and bytes), and the
-    rest. A report that could never fit is dropped with one log line (the daemon would
-    answer 413 to it for ever, holding back every report after it)."""
-    batch: list[dict[str, Any]] = []
-    size = _ENVELOPE_BYTES
-    i = 0
-    while i < len(pending) and len(batch) < MAX_REPORTS_PER_POST:
-        report, n = pending[i]
-        if _ENVELOPE_BYTES + n > MAX_AGENT_BODY_BYTES:
-            log.error("report_too_large", kind=str(report.get("kind"))[:40], bytes=n, limit=MAX_AGENT_BODY_BYTES)
-            i += 1
-            continue
-        if size + n > MAX_AGENT_BODY_BYTES:
-            break
-        batch.append(report)
-        size += n
-        i += 1
-    return batch, pending[i:]
-
-
-def _no_command_route(exc: BaseException) -> bool:
-    """The daemon has no command long-poll (an older one): heartbeats carry the commands."""
-    return isinstance(exc, aiohttp.ClientResponseError) and exc.status in (404, 405)
-
-
-def _command_poll_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)) and not _no_command_route(exc)
 
 
 class StepProgress:
@@ -234,6 +131,12 @@ class StepProgress:
 class NodeAgent:
     """One node's agent. Construct (no I/O), then ``await run()`` until cancelled.
 
+    It decides what the node does; two collaborators carry out the I/O at its edges:
+    :class:`~daemon.gpunode.daemon_link.DaemonLink` (the daemon: session, registration,
+    reports, command long-poll) and :class:`~daemon.gpunode.notice_watch.NoticeWatch`
+    (the cloud's metadata endpoint). The trainer's processes are
+    :class:`~daemon.gpunode.trainer_process.TrainerProcess`.
+
     Args:
         daemon_url: the daemon's agent port, e.g. ``http://10.0.0.2:7480``.
         token: this node's bearer token (issued by the daemon at launch).
@@ -257,38 +160,34 @@ class NodeAgent:
                  metadata_alarm_after: int = 5, metadata_max_backoff_s: float = 5.0,
                  gpu_sampler: GpuSampler | None = None, command_wait_s: float = COMMAND_WAIT_S,
                  ca_file: str | os.PathLike[str] | None = None) -> None:
-        check_daemon_url(daemon_url)
-        self.daemon_url = daemon_url.rstrip("/")
-        self.ca_file = ca_file
-        self.token = token
+        self.link = DaemonLink(daemon_url=daemon_url, token=token, node_id=node_id, ca_file=ca_file,
+                               command_wait_s=command_wait_s)
         self.node_id = node_id
         self.metadata = metadata
+        self.watch = NoticeWatch(metadata, node_id=node_id, report=self.link.report, poll_interval_s=poll_interval_s,
+                                 alarm_after=metadata_alarm_after, max_backoff_s=metadata_max_backoff_s)
         self.workdir = Path(workdir)
-        self.poll_interval_s = poll_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.told_interval_s: float | None = None  # the daemon's last word on the heartbeat interval
-        self.command_wait_s = command_wait_s
-        self.metadata_alarm_after = metadata_alarm_after
-        self.metadata_max_backoff_s = metadata_max_backoff_s
-        self.metadata_failures = 0  # consecutive failed polls (the current streak)
-        self._metadata_alarmed = False
         self._notice: Notice | None = None
         self.notices: NoticeFile | None = None
         self.status_path = self.workdir / "status.jsonl"
         self.log_dir = self.workdir / "logs"
-        self._session: aiohttp.ClientSession | None = None
-        self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
         self._beat_sent = asyncio.Event()  # set after each heartbeat (a failed setup's log is shipped first)
         self.runner = TrainerProcess(workdir=self.workdir, node_id=node_id, on_change=self._beat_now.set)
         self._progress = StepProgress()  # the newest step line, for the heartbeats
         self._interruption: NoticeEntry | None = None  # this node's own notice, once seen
-        self._seen_notice_ids: set[str] = set()
         self._background: set[asyncio.Future[None]] = set()
         self.gpu_sampler: GpuSampler = gpu_sampler if gpu_sampler is not None else NvmlSampler()
         self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
         self._gpu = GpuMeans()  # samples since the last heartbeat
         self._apply_lock = asyncio.Lock()  # heartbeat and long-poll replies are applied one at a time
+
+    @property
+    def metadata_failures(self) -> int:
+        """Failed metadata polls in the current streak."""
+        return self.watch.failures
 
     @property
     def trainer(self) -> TrainerState:
@@ -300,15 +199,7 @@ class NodeAgent:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(exist_ok=True)
         self.notices = NoticeFile(self.workdir / "notices.json")
-        tls = await asyncio.to_thread(daemon_ssl_context, self.ca_file)
-        self._session = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=aiohttp.ClientTimeout(total=10),
-            # keep the connection between heartbeats however far apart the daemon sets them
-            # (aiohttp's default, 15 s, would open a new one for each heartbeat of a big pool).
-            # ssl=True: verify against the system's store (an https URL without a CA file)
-            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, ssl=True if tls is None else tls),
-        )
+        await self.link.open()
         try:
             self.runner.job = await self._register()
             self.runner.prepared = not needs_preparing(self.runner.job)  # job.workdir / job.setup first
@@ -318,12 +209,12 @@ class NodeAgent:
                 tg.create_task(self._warm(), name=f"agent:prewarm:{self.node_id}")
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
                 if self.metadata.has_rebalance:  # AWS only
-                    tg.create_task(self._rebalance_loop(), name=f"agent:rebalance:{self.node_id}")
+                    tg.create_task(self.watch.watch_rebalance(), name=f"agent:rebalance:{self.node_id}")
                 tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
-                tg.create_task(self._command_loop(), name=f"agent:commands:{self.node_id}")
+                tg.create_task(self.link.poll_commands(self._apply), name=f"agent:commands:{self.node_id}")
                 tg.create_task(self._gpu_loop(), name=f"agent:gpu:{self.node_id}")
                 tg.create_task(self._status_loop(), name=f"agent:status:{self.node_id}")
-                tg.create_task(self._outbox_loop(), name=f"agent:outbox:{self.node_id}")
+                tg.create_task(self.link.deliver_reports(), name=f"agent:outbox:{self.node_id}")
         finally:
             await asyncio.shield(self._shutdown())
 
@@ -337,111 +228,26 @@ class NodeAgent:
         await self.runner.stop()
         await asyncio.to_thread(self.gpu_sampler.close)
         await self.metadata.aclose()
-        if self._session is not None:
-            await self._session.close()
+        await self.link.aclose()
 
-    # -- daemon API -------------------------------------------------------------
-    async def _post(self, path: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-        async with self._session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
-                                      timeout=timeout) as r:
-            if r.status == 401:
-                raise PermissionError("the daemon refused this node's token")
-            r.raise_for_status()
-            return await r.json()
-
+    # -- the daemon -------------------------------------------------------------
     async def _register(self) -> dict[str, Any]:
-        """Register until the daemon answers (retried 0.2 s, 0.4 s, ... up to 5 s apart)."""
-        async for attempt in _until_daemon_answers("daemon_unreachable"):
-            with attempt:
-                # "prewarm": this agent starts a torchrun job's process at once and says
-                # in its heartbeats when it is warm (the daemon waits for that to admit it)
-                reply = await self._post("/v1/agent/register", {"pid": os.getpid(), "prewarm": True})
+        """Register (retried until the daemon answers); the job spec of the reply."""
+        reply = await self.link.register()
         self._heed_interval(reply)
         log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
         return reply["job"]
 
     def _report(self, kind: str, **data: Any) -> None:
-        self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
-
-    async def _outbox_loop(self) -> None:
-        """Deliver reports in order, retrying while the daemon is unreachable (0.2 s up to 5 s
-        apart), in requests the daemon takes: at most ``MAX_REPORTS_PER_POST`` reports and
-        ``MAX_AGENT_BODY_BYTES`` (:mod:`daemon.control.bounds`) each."""
-        pending: list[tuple[dict[str, Any], int]] = []  # report, its JSON size (bytes)
-        while True:
-            if not pending:
-                pending.append(self._sized(await self._outbox.get()))
-            while not self._outbox.empty():
-                pending.append(self._sized(self._outbox.get_nowait()))
-            batch, pending = _next_batch(pending)
-            if not batch:
-                continue
-            async for attempt in _until_daemon_answers("report_failed"):
-                with attempt:
-                    await self._post("/v1/agent/events", {"events": batch})
-
-    def _sized(self, report: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        return report, len(json.dumps(report).encode()) + 2  # and the ", " between reports
+        self.link.report(kind, **data)
 
     # -- loops --------------------------------------------------------------------
     async def _metadata_loop(self) -> None:
-        """Poll for notices; transport errors back off (tenacity) and never become notices."""
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            notice = await self._poll_metadata()
-            if notice is not None and notice.id not in self._seen_notice_ids:
-                self._on_interruption(notice)
-            # Keep the pace: a hanging GET (GCP) already waited; a plain poll sleeps the
-            # rest of the interval (GCP also answers at once after a preemption).
-            await asyncio.sleep(max(0.0, self.poll_interval_s - (loop.time() - started)))
-
-    async def _rebalance_loop(self) -> None:
-        """Rebalance recommendations (AWS), polled beside the notice so a slow answer
-        here never delays the interruption poll. Its errors are the notice poll's to
-        alarm on: the same endpoint answers both."""
-        while True:
-            try:
-                rb = await self.metadata.poll_rebalance()
-            except MetadataUnavailable:
-                rb = None
-            if rb is not None and rb.id not in self._seen_notice_ids:
-                self._seen_notice_ids.add(rb.id)
-                log.info("rebalance_recommendation", node_id=self.node_id)
-                self._report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
-            await asyncio.sleep(self.poll_interval_s)
-
-    async def _poll_metadata(self) -> Notice | None:
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type(MetadataUnavailable),
-            wait=wait_exponential_jitter(multiplier=self.poll_interval_s, max=self.metadata_max_backoff_s, jitter=0.5),
-            before_sleep=self._metadata_failed,
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                notice = await self.metadata.poll()
-        if self._metadata_alarmed:
-            log.info("metadata_recovered", node_id=self.node_id, after_failures=self.metadata_failures)
-            self._report("metadata_recovered", failures=self.metadata_failures)
-        self.metadata_failures = 0
-        self._metadata_alarmed = False
-        return notice
-
-    def _metadata_failed(self, state: RetryCallState) -> None:
-        self.metadata_failures = state.attempt_number
-        exc = state.outcome.exception() if state.outcome is not None else None
-        log.warning("metadata_unavailable", node_id=self.node_id, error=str(exc), streak=self.metadata_failures)
-        if self.metadata_failures >= self.metadata_alarm_after and not self._metadata_alarmed:
-            self._metadata_alarmed = True
-            self._report("metadata_unreachable", failures=self.metadata_failures, error=str(exc),
-                         url=getattr(self.metadata, "base_url", None))
+        """Poll for notices (:class:`NoticeWatch`); each new one goes to :meth:`_on_interruption`."""
+        await self.watch.watch(self._on_interruption)
 
     def _on_interruption(self, notice: Notice) -> None:
         assert self.notices is not None
-        self._seen_notice_ids.add(notice.id)
         seen_at = time.time()
         deadline = notice.deadline.timestamp() if notice.deadline is not None else None
         # The id the job and the daemon know this notice by names this node: notice.id hashes
@@ -477,7 +283,7 @@ class NodeAgent:
     def _heed_interval(self, reply: dict[str, Any]) -> None:
         """Take the heartbeat interval the daemon wants (a reply without one: keep the last)."""
         v = reply.get("heartbeat_interval_s")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= _MAX_HEARTBEAT_INTERVAL_S:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_HEARTBEAT_INTERVAL_S:
             self.told_interval_s = float(v)
 
     async def _heartbeat_loop(self) -> None:
@@ -488,7 +294,7 @@ class NodeAgent:
             gpu = self._gpu.take()
             chunk = await asyncio.to_thread(read_chunk, self.workdir / "trainer.log", self._log_want)
             try:
-                reply = await self._post(
+                reply = await self.link.post(
                     "/v1/agent/heartbeat",
                     {"step": self._progress.step, "progress": self._progress.body(),
                      "trainer": {"state": self.trainer.value, "exit_code": self.runner.exit_code},
@@ -505,35 +311,6 @@ class NodeAgent:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.told_interval_s or self.heartbeat_interval_s):
                     await self._beat_now.wait()
-
-    async def _command_loop(self) -> None:
-        """Keep one command long-poll outstanding and apply each answer. Errors back off
-        (tenacity, up to 5 s); a daemon without the route (404) ends this loop: the
-        heartbeat replies carry the commands then."""
-        while True:
-            retrying = AsyncRetrying(
-                retry=retry_if_exception(_command_poll_retryable),
-                wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
-                before_sleep=self._command_poll_failed,
-                reraise=True,
-            )
-            try:
-                async for attempt in retrying:
-                    with attempt:
-                        reply = await self._post("/v1/agent/commands", {"wait_s": self.command_wait_s},
-                                                 timeout_s=self.command_wait_s + _COMMAND_SLACK_S)
-            except aiohttp.ClientResponseError as exc:
-                if not _no_command_route(exc):
-                    raise
-                log.info("command_channel_unavailable", node_id=self.node_id, status=exc.status,
-                         note="the daemon has no command long-poll; commands come with heartbeats")
-                return
-            await self._apply(reply)
-
-    def _command_poll_failed(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        log.warning("command_poll_failed", node_id=self.node_id, error=str(exc) or repr(exc),
-                    attempt=state.attempt_number)
 
     async def _apply(self, reply: dict[str, Any]) -> None:
         async with self._apply_lock:  # one reply at a time: two could both see the trainer not started
@@ -619,16 +396,10 @@ class NodeAgent:
                 self.runner.leave("leaving_job", step=line.get("step"))
                 if self._notice is not None:
                     # Azure: tell the platform it may act now (only after the commit); others: nothing
-                    task = asyncio.ensure_future(self._acknowledge(self._notice))
+                    task = asyncio.ensure_future(self.watch.acknowledge(self._notice))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
-    async def _acknowledge(self, notice: Notice) -> None:
-        try:
-            await self.metadata.acknowledge(notice)
-            log.info("notice_acknowledged", node_id=self.node_id, notice_id=notice.id)
-        except MetadataUnavailable as exc:
-            log.warning("notice_ack_failed", node_id=self.node_id, error=str(exc))
 
 def _version() -> str:
     try:

@@ -1,0 +1,271 @@
+"""The node agent's channel to the daemon's agent port (:mod:`daemon.gpunode.agent`).
+
+One :class:`DaemonLink` per agent owns:
+
+- the HTTP session: the node's bearer token on every request, a connection kept between
+  heartbeats however far apart the daemon sets them (:data:`KEEPALIVE_S`), and TLS. With
+  an ``https://`` daemon URL and a CA file (the daemon's CA, which it hands to each node
+  it launches: :mod:`daemon.controlnode.tls`) the agent trusts that CA only
+  (:func:`daemon_ssl_context`) and checks the daemon's name against its certificate;
+  with none, the system's store. A plain ``http://`` URL is taken only for a loopback
+  host (:func:`check_daemon_url`): the token never crosses the network in clear.
+- registration, retried while the daemon is unreachable (0.2 s, 0.4 s, ... at most 5 s
+  apart, for good). A daemon whose certificate does not verify never sees a request (the
+  handshake fails first): ``daemon_certificate_untrusted`` is logged and the call retried.
+- the outbox: reports (``interruption_notice``, ``trainer_status``, ...) delivered in
+  order, in requests the daemon takes (:data:`~daemon.control.bounds.MAX_REPORTS_PER_POST`
+  reports and :data:`~daemon.control.bounds.MAX_AGENT_BODY_BYTES` each), retried while
+  the daemon is unreachable.
+- the command long-poll: one ``POST /v1/agent/commands`` outstanding, so a command
+  reaches the node at once however long the heartbeat interval is. A daemon without the
+  route (404/405: an older one) ends it: commands then come with the heartbeat replies.
+
+Lifecycle: the constructor does no I/O; ``await open()`` makes the session (reads the CA
+file in a thread); ``await aclose()`` closes it (idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type,
+                      wait_exponential, wait_exponential_jitter)
+
+from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
+from daemon.hosts import is_loopback
+
+__all__ = ["COMMAND_WAIT_S", "KEEPALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "DaemonLink", "check_daemon_url", "daemon_ssl_context"]
+
+log = structlog.get_logger("spotvisor.agent")
+
+# the command long-poll: how long the agent asks the daemon to hold it (the daemon holds
+# it a random share of its agent.command_wait_s, at most), and how long
+# past that the agent waits for the answer before it gives up on the request
+COMMAND_WAIT_S = 600.0
+_COMMAND_SLACK_S = 10.0
+# a told heartbeat interval outside (0, this] is not used (seconds)
+MAX_HEARTBEAT_INTERVAL_S = 600.0
+# an idle connection to the daemon is kept this long (seconds): longer than any heartbeat
+# interval used, shorter than aiohttp's server keep-alive (3630 s)
+KEEPALIVE_S = MAX_HEARTBEAT_INTERVAL_S + 60.0
+_ENVELOPE_BYTES = 512  # {"node_id": ..., "events": []} around the reports, with room to spare
+
+
+def daemon_ssl_context(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext | None:
+    """The TLS client context for the daemon: trusting the CA certificate(s) in
+    ``ca_file`` only (``create_default_context`` with a ``cafile`` loads no system
+    store), names checked, TLS 1.2 or later; None without a file (aiohttp then uses
+    the system's store for an https URL). Blocking (reads the file).
+
+    Raises:
+        OSError: the file cannot be read; ``ssl.SSLError`` (an OSError): not PEM.
+    """
+    if ca_file is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=os.fspath(ca_file))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def check_daemon_url(url: str) -> None:
+    """Refuse a daemon URL that would carry this node's token in clear beyond the machine:
+    ``https://`` anywhere, ``http://`` only to a loopback host (localhost, 127.0.0.0/8, ::1).
+
+    Raises:
+        ValueError: one line naming the URL and the fix.
+    """
+    parts = urllib.parse.urlsplit(url)
+    scheme, host = parts.scheme.lower(), parts.hostname or ""
+    if scheme == "https" and host:
+        return
+    if scheme == "http" and host and is_loopback(host):
+        return
+    if scheme not in ("http", "https") or not host:
+        raise ValueError(f"--daemon-url {url!r} is not an http(s) URL with a host (e.g. https://10.0.0.10:7480)")
+    raise ValueError(f"--daemon-url {url} is plain http to a host that is not loopback: the node's token would "
+                     "cross the network in clear; use the https URL the daemon serves (daemon.agent_tls: auto, "
+                     "with --ca-file), or a loopback address")
+
+
+def _daemon_unreachable(event: str, rs: RetryCallState) -> None:
+    exc = rs.outcome.exception() if rs.outcome else None
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        log.error("daemon_certificate_untrusted", error=str(exc), retry_in_s=round(rs.upcoming_sleep, 2),
+                  note="the daemon's certificate does not verify against this agent's CA (--ca-file) or "
+                       "name; nothing was sent to it")
+    else:
+        log.warning(event, error=str(exc) if rs.outcome else None, retry_in_s=round(rs.upcoming_sleep, 2))
+
+
+def _until_daemon_answers(event: str) -> AsyncRetrying:
+    """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good.
+    An untrusted certificate is retried too (logged as an error): from here it is a network fault."""
+    return AsyncRetrying(
+        retry=retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)),
+        wait=wait_exponential(multiplier=0.1, min=0.2, max=5.0),
+        before_sleep=lambda rs: _daemon_unreachable(event, rs),
+        reraise=True,
+    )
+
+
+def _next_batch(pending: list[tuple[dict[str, Any], int]]) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], int]]]:
+    """The oldest reports of ``pending`` that fit one request (count and bytes), and the
+    rest. A report that could never fit is dropped with one log line (the daemon would
+    answer 413 to it for ever, holding back every report after it)."""
+    batch: list[dict[str, Any]] = []
+    size = _ENVELOPE_BYTES
+    i = 0
+    while i < len(pending) and len(batch) < MAX_REPORTS_PER_POST:
+        report, n = pending[i]
+        if _ENVELOPE_BYTES + n > MAX_AGENT_BODY_BYTES:
+            log.error("report_too_large", kind=str(report.get("kind"))[:40], bytes=n, limit=MAX_AGENT_BODY_BYTES)
+            i += 1
+            continue
+        if size + n > MAX_AGENT_BODY_BYTES:
+            break
+        batch.append(report)
+        size += n
+        i += 1
+    return batch, pending[i:]
+
+
+def _no_command_route(exc: BaseException) -> bool:
+    """The daemon has no command long-poll (an older one): heartbeats carry the commands."""
+    return isinstance(exc, aiohttp.ClientResponseError) and exc.status in (404, 405)
+
+
+def _command_poll_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)) and not _no_command_route(exc)
+
+
+class DaemonLink:
+    """One node's channel to the daemon (see the module docstring).
+
+    Args:
+        daemon_url: the daemon's agent port, e.g. ``https://10.0.0.2:7480``.
+        token: this node's bearer token (issued by the daemon at launch).
+        node_id: this node's id in the pool (sent in every request body).
+        ca_file: the daemon's CA certificate (PEM) or None (the system's store).
+        command_wait_s: how long each command long-poll may be held (seconds).
+
+    Raises:
+        ValueError: ``daemon_url`` is plain http to a host that is not loopback.
+    """
+
+    def __init__(self, *, daemon_url: str, token: str, node_id: str,
+                 ca_file: str | os.PathLike[str] | None = None, command_wait_s: float = COMMAND_WAIT_S) -> None:
+        check_daemon_url(daemon_url)
+        self.daemon_url = daemon_url.rstrip("/")
+        self.token = token
+        self.node_id = node_id
+        self.ca_file = ca_file
+        self.command_wait_s = command_wait_s
+        self.session: aiohttp.ClientSession | None = None
+        self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def open(self) -> None:
+        """Make the session. Raises OSError (``ssl.SSLError``): the CA file cannot be used."""
+        tls = await asyncio.to_thread(daemon_ssl_context, self.ca_file)
+        self.session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=aiohttp.ClientTimeout(total=10),
+            # keep the connection between heartbeats however far apart the daemon sets them
+            # (aiohttp's default, 15 s, would open a new one for each heartbeat of a big pool).
+            # ssl=True: verify against the system's store (an https URL without a CA file)
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, ssl=True if tls is None else tls),
+        )
+
+    async def aclose(self) -> None:
+        """Close the session (idempotent)."""
+        if self.session is not None:
+            await self.session.close()
+
+    async def post(self, path: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+        """POST ``body`` (with this node's id) to ``path``; the JSON reply.
+
+        Raises:
+            PermissionError: the daemon refused this node's token (401).
+            aiohttp.ClientError, asyncio.TimeoutError: any other failure.
+            RuntimeError: before :meth:`open`.
+        """
+        if self.session is None:
+            raise RuntimeError("DaemonLink is not open; call 'await link.open()' first")
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        async with self.session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
+                                     timeout=timeout) as r:
+            if r.status == 401:
+                raise PermissionError("the daemon refused this node's token")
+            r.raise_for_status()
+            return await r.json()
+
+    async def register(self) -> dict[str, Any]:
+        """Register until the daemon answers (retried 0.2 s, 0.4 s, ... up to 5 s apart); its reply."""
+        async for attempt in _until_daemon_answers("daemon_unreachable"):
+            with attempt:
+                # "prewarm": this agent starts a torchrun job's process at once and says
+                # in its heartbeats when it is warm (the daemon waits for that to admit it)
+                reply = await self.post("/v1/agent/register", {"pid": os.getpid(), "prewarm": True})
+        return reply
+
+    def report(self, kind: str, **data: Any) -> None:
+        """Queue one report (``kind``, now, ``data``) for :meth:`deliver_reports`. Never blocks."""
+        self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
+
+    async def deliver_reports(self) -> None:
+        """Deliver reports in order, for good, retrying while the daemon is unreachable (0.2 s
+        up to 5 s apart), in requests the daemon takes: at most ``MAX_REPORTS_PER_POST`` reports
+        and ``MAX_AGENT_BODY_BYTES`` (:mod:`daemon.control.bounds`) each."""
+        pending: list[tuple[dict[str, Any], int]] = []  # report, its JSON size (bytes)
+        while True:
+            if not pending:
+                pending.append(_sized(await self._outbox.get()))
+            while not self._outbox.empty():
+                pending.append(_sized(self._outbox.get_nowait()))
+            batch, pending = _next_batch(pending)
+            if not batch:
+                continue
+            async for attempt in _until_daemon_answers("report_failed"):
+                with attempt:
+                    await self.post("/v1/agent/events", {"events": batch})
+
+    async def poll_commands(self, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """Keep one command long-poll outstanding and ``apply`` each answer. Errors back off
+        (tenacity, up to 5 s); a daemon without the route (404) ends this loop: the
+        heartbeat replies carry the commands then."""
+        while True:
+            retrying = AsyncRetrying(
+                retry=retry_if_exception(_command_poll_retryable),
+                wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
+                before_sleep=self._command_poll_failed,
+                reraise=True,
+            )
+            try:
+                async for attempt in retrying:
+                    with attempt:
+                        reply = await self.post("/v1/agent/commands", {"wait_s": self.command_wait_s},
+                                                timeout_s=self.command_wait_s + _COMMAND_SLACK_S)
+            except aiohttp.ClientResponseError as exc:
+                if not _no_command_route(exc):
+                    raise
+                log.info("command_channel_unavailable", node_id=self.node_id, status=exc.status,
+                         note="the daemon has no command long-poll; commands come with heartbeats")
+                return
+            await apply(reply)
+
+    def _command_poll_failed(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("command_poll_failed", node_id=self.node_id, error=str(exc) or repr(exc),
+                    attempt=state.attempt_number)
+
+
+def _sized(report: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    return report, len(json.dumps(report).encode()) + 2  # and the ", " between reports
