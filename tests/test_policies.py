@@ -184,7 +184,7 @@ def test_a_call_through_a_client_helper_sharing_a_variable_name_is_found() -> No
 
 
 def test_a_grant_the_code_no_longer_needs_fails_naming_it() -> None:
-    calls = _with({}, edit={"daemon/providers/aws.py": ('"delete_launch_template"', "template_op")})
+    calls = _with({}, edit={"daemon/providers/aws_fleet.py": ('"delete_launch_template"', "template_op")})
     found = problems(calls, load_policies())
     assert found == ["configs/policies/aws-control-node.json grants ec2:DeleteLaunchTemplate, which no code "
                      "in daemon/ or trainer/ calls on this side"]

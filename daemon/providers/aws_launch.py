@@ -5,6 +5,7 @@ the exact RunInstances request and its create_fleet launch template (see
 from __future__ import annotations
 
 import base64
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -13,8 +14,16 @@ from daemon.launchspec import AwsLaunchSpec
 from daemon.providers.base import NodeSpec, ProviderError
 from daemon.providers.bootstrap import render_user_data
 
-__all__ = ["ImageFacts", "TypeFacts", "LaunchFacts", "efa_interfaces", "launch_template_data", "type_facts",
+__all__ = ["client_token", "ImageFacts", "TypeFacts", "LaunchFacts", "efa_interfaces", "launch_template_data", "type_facts",
            "image_facts", "facts_from", "build_run_instances"]
+
+
+def client_token(node_id: str) -> str:
+    """The idempotency token of ``node_id``'s launch: deterministic, 64 ASCII chars at most.
+
+    https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html
+    """
+    return "spotvisor-" + hashlib.sha256(node_id.encode()).hexdigest()[:48]
 
 
 @dataclass(frozen=True, slots=True)
