@@ -214,7 +214,7 @@ async def test_timeout_after_the_request_was_applied_buys_one_instance(fake, mak
 
 async def test_unreachable_endpoint_is_transient_without_key_in_message(make_provider, node_spec) -> None:
     provider = make_provider(retry_attempts=2, connect_timeout_s=0.5)
-    provider.spec = provider.spec.model_copy(update={"endpoint": "127.0.0.1:1"})
+    provider.api.endpoint = "127.0.0.1:1"  # nothing listens there
     with pytest.raises(TransientError, match="SDK.HttpError") as info:
         await provider.launch(_offer(), node_spec())
     assert AK_ID not in str(info.value) and "Signature" not in str(info.value)

@@ -18,19 +18,9 @@ The adapter speaks the ECS RPC API (version 2014-05-26) through
 - DeleteInstances (api-deleteinstances): ``Force=true`` releases a running instance.
 - DescribeSpotPriceHistory (api-describespotpricehistory): ``SpotPrices.SpotPriceType[]``
   with ``SpotPrice`` per hour in the response's ``Currency``.
-- Error codes: the tables of those pages plus the common ones (``Throttling``,
-  ``InternalError``, ``SignatureDoesNotMatch``, ``InvalidAccessKeyId.NotFound``,
-  ``Forbidden.RAM``). The SDK raises ``ServerException(code, message, http_status,
-  request_id)`` for an error answer and ``ClientException`` for transport and
-  credential problems (``SDK.HttpError`` wraps connection errors and read timeouts).
-
-Credentials (never in the config, never logged), first match wins: the constructor's
-``access_key_id``/``access_key_secret``; ``ALIBABA_CLOUD_ACCESS_KEY_ID`` /
-``ALIBABA_CLOUD_ACCESS_KEY_SECRET`` (+ ``ALIBABA_CLOUD_SECURITY_TOKEN`` for STS);
-``ALIYUN_ACCESS_KEY_ID`` / ``ALIYUN_ACCESS_KEY_SECRET`` (what aliyun-python-sdk-core
-reads itself); an ``access_key`` profile in ``~/.alibabacloud/credentials``
-(``ALIBABA_CLOUD_CREDENTIALS_FILE``, profile ``ALIBABA_CLOUD_PROFILE`` or ``default``);
-an ECS RAM role named by ``ALIBABA_CLOUD_ECS_METADATA``. None → :class:`AuthError`.
+- Error codes, their translation, the credential chain, clients and retries: the ECS
+  edge, :mod:`daemon.providers.aliyun_api` (:class:`~daemon.providers.aliyun_api.EcsApi`).
+  Credentials are never in the config and never logged; none found → :class:`AuthError`.
 
 Example (SkyPilot-style walk-through): offer 1 (cn-hangzhou-g) answers
 ``OperationDenied.NoStock`` → CapacityError, the pool backs it off; offer 2
@@ -41,51 +31,30 @@ carries the same ClientToken and ECS returns the same ``i-...``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import configparser
 import hashlib
-import json
-import os
 import re
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import structlog
-from aliyunsdkcore.acs_exception.exceptions import ClientException, ServerException
-from aliyunsdkcore.auth.credentials import EcsRamRoleCredential, StsTokenCredential
-from aliyunsdkcore.client import AcsClient
 from aliyunsdkcore.request import RpcRequest
 from aliyunsdkecs.request.v20140526.DeleteInstancesRequest import DeleteInstancesRequest
 from aliyunsdkecs.request.v20140526.DescribeInstancesRequest import DescribeInstancesRequest
 from aliyunsdkecs.request.v20140526.DescribeSpotPriceHistoryRequest import DescribeSpotPriceHistoryRequest
 from aliyunsdkecs.request.v20140526.RunInstancesRequest import RunInstancesRequest
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from daemon.config import AliyunProviderSpec
 from daemon.launchspec import AliyunLaunchSpec, resolve_aliyun
 from daemon.control.pool import Offer
-from daemon.providers.base import (
-    AuthError,
-    NODE_TAG,
-    POOL_TAG,
-    CapacityError,
-    Instance,
-    NodeSpec,
-    PriceError,
-    Provider,
-    ProviderError,
-    QuotaError,
-    TransientError,
-    register_provider,
-)
+from daemon.providers.aliyun_api import EcsApi
+from daemon.providers.base import NODE_TAG, POOL_TAG, CapacityError, Instance, NodeSpec, PriceError, Provider, \
+    ProviderError, register_provider
 from daemon.providers.bootstrap import render_user_data
 
-__all__ = ["AliyunProvider", "PriceError", "translate_error", "client_token", "credential_kwargs", "POOL_TAG",
-           "NODE_TAG"]
+__all__ = ["AliyunProvider", "PriceError", "client_token", "region_of_zone", "POOL_TAG", "NODE_TAG"]
 
 log = structlog.get_logger("spotvisor.provider.aliyun")
 
@@ -94,64 +63,8 @@ _LIVE_STATUS = {"Pending": "pending", "Starting": "pending", "Running": "running
 _PAGE_SIZE = 100  # DescribeInstances' maximum
 _MAX_TAGS = 20  # RunInstances accepts Tag.1 .. Tag.20
 
-_CAPACITY_CODES = frozenset({
-    "OperationDenied.NoStock", "Zone.NotOnSale", "InvalidInstanceType.ZoneNotSupported",
-    "InvalidResourceType.NotSupported", "OperationDenied.NoSpotStock",
-})
-_AUTH_CODES = frozenset({
-    "InvalidAccessKeyId.NotFound", "InvalidAccessKeyId.Inactive", "InvalidAccessKeyId",
-    "SignatureDoesNotMatch", "InvalidAccessKeySecret", "IncompleteSignature", "Forbidden.RAM",
-    "Forbidden", "Forbidden.AccessKeyDisabled", "InvalidSecurityToken.Expired",
-    "InvalidSecurityToken.MismatchWithAccessKey", "SDK.InvalidCredential",
-})
-_TRANSIENT_CODES = frozenset({
-    "InternalError", "ServiceUnavailable", "UnknownError", "ServiceUnavailable.Timeout",
-    "IncorrectInstanceStatus.Initializing", "LastTokenProcessing", "SDK.HttpError", "SDK.ServerUnreachable",
-})
 _NOT_FOUND_CODES = frozenset({"InvalidInstanceId.NotFound", "InvalidInstanceIds.NotFound"})
 
-
-
-def translate_error(exc: Exception) -> ProviderError:
-    """Map an SDK exception onto the provider error tree (no secret in the message).
-
-    Capacity: ``OperationDenied.NoStock``, ``Zone.NotOnSale``,
-    ``InvalidInstanceType.ZoneNotSupported``, ``InvalidResourceType.NotSupported``;
-    ``InvalidSpotPriceLimit.LowerThanPublicPrice`` → :class:`PriceError`. Quota:
-    ``QuotaExceed.*`` / ``*.QuotaExceed*``. Auth: bad key id or signature, RAM denial,
-    missing credentials. Transient: ``Throttling*``, ``InternalError``,
-    ``ServiceUnavailable``, any 5xx, transport errors and timeouts. Anything else is a
-    plain :class:`ProviderError` (a request the adapter got wrong: no retry helps).
-    """
-    if isinstance(exc, ServerException):
-        code, status = exc.get_error_code() or "", exc.get_http_status() or 0
-        what = f"ECS {code} (HTTP {status}, request {exc.get_request_id()}): {exc.get_error_msg()}"
-    elif isinstance(exc, ClientException):
-        code, status = exc.get_error_code() or "", 0
-        # a transport error's text can quote the signed URL (AccessKeyId, Signature): cut the query
-        detail = re.sub(r"\?[^\s'\")]*", "?<query>", str(exc.get_error_msg()))
-        what = f"ECS client {code}: {detail}"
-    else:
-        return TransientError(f"ECS call failed: {type(exc).__name__}: {exc}")
-    err = _classify(code, status, what)
-    err.code = code  # type: ignore[attr-defined]  (the ECS error code, for callers that need it)
-    return err
-
-
-def _classify(code: str, status: int, what: str) -> ProviderError:
-    if code == "InvalidSpotPriceLimit.LowerThanPublicPrice":
-        return PriceError(what)
-    if code in _CAPACITY_CODES:
-        return CapacityError(what)
-    if code.startswith("QuotaExceed") or ".QuotaExceed" in code or code.startswith("QuotaExceeded"):
-        return QuotaError(what)
-    if code in _AUTH_CODES or code.startswith("Forbidden.RAM"):
-        if code in ("SignatureDoesNotMatch", "InvalidAccessKeySecret"):
-            what = f"ECS {code}: the AccessKeySecret does not match the AccessKeyId"
-        return AuthError(what)
-    if code.startswith("Throttling") or code in _TRANSIENT_CODES or status >= 500:
-        return TransientError(what)
-    return ProviderError(what)
 
 
 def client_token(node: NodeSpec) -> str:
@@ -188,39 +101,6 @@ def _parse_time(text: str | None) -> float | None:
     return None
 
 
-def credential_kwargs(ak_id: str | None = None, ak_secret: str | None = None) -> dict[str, Any]:
-    """AcsClient keyword arguments for the first credential the chain of the module docstring
-    finds (``ak_id``/``ak_secret`` first). Raises AuthError when none is found."""
-    env = os.environ
-    if ak_id is not None:
-        return {"ak": ak_id, "secret": ak_secret}
-    ak, sk = env.get("ALIBABA_CLOUD_ACCESS_KEY_ID"), env.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
-    if ak and sk:
-        sts = env.get("ALIBABA_CLOUD_SECURITY_TOKEN")
-        return {"credential": StsTokenCredential(ak, sk, sts)} if sts else {"ak": ak, "secret": sk}
-    ak, sk = env.get("ALIYUN_ACCESS_KEY_ID"), env.get("ALIYUN_ACCESS_KEY_SECRET")
-    if ak and sk:
-        return {"ak": ak, "secret": sk}
-    path = Path(env.get("ALIBABA_CLOUD_CREDENTIALS_FILE") or Path.home() / ".alibabacloud" / "credentials")
-    profile = env.get("ALIBABA_CLOUD_PROFILE", "default")
-    if path.is_file():
-        parser = configparser.ConfigParser()
-        try:
-            parser.read(path)
-        except configparser.Error as exc:
-            raise AuthError(f"aliyun: cannot parse credentials file {path}") from exc
-        if parser.has_section(profile) and parser[profile].get("type", "access_key") == "access_key":
-            ak, sk = parser[profile].get("access_key_id"), parser[profile].get("access_key_secret")
-            if ak and sk:
-                return {"ak": ak, "secret": sk}
-    role = env.get("ALIBABA_CLOUD_ECS_METADATA")
-    if role:
-        return {"credential": EcsRamRoleCredential(role)}
-    raise AuthError("aliyun: no credentials (set ALIBABA_CLOUD_ACCESS_KEY_ID and "
-                    "ALIBABA_CLOUD_ACCESS_KEY_SECRET, a ~/.alibabacloud/credentials profile, "
-                    "or ALIBABA_CLOUD_ECS_METADATA)")
-
-
 @register_provider("aliyun")
 class AliyunProvider(Provider):
     """ECS spot instances; see the module docstring.
@@ -231,7 +111,7 @@ class AliyunProvider(Provider):
             image, security group, vSwitches, RAM role, key pair, system disk); None: every
             offer gets ``spec``'s own fields.
         access_key_id, access_key_secret: explicit credentials (both or neither);
-            default: the credential chain of the module docstring.
+            default: the chain of :func:`~daemon.providers.aliyun_api.credential_kwargs`.
         regions: regions ``describe`` searches besides those in use; default: the
             regions of ``spec.vswitch_ids``' zones.
         retry_attempts: tries per call on TransientError (1 = no retry).
@@ -262,20 +142,15 @@ class AliyunProvider(Provider):
                 raise ValueError(f"{label} must be positive, got {value}")
         self.spec = spec
         self._launch_spec = launch_spec
-        self._ak_id = access_key_id
-        self._ak_secret = access_key_secret
         self._regions = set(regions or ()) | {region_of_zone(z) for z in spec.vswitch_ids}
-        self._retry_attempts = retry_attempts
-        self._retry_wait_s = retry_wait_s
-        self._read_timeout_s = read_timeout_s
-        self._connect_timeout_s = connect_timeout_s
+        self.api = EcsApi(regions=self._regions, access_key_id=access_key_id, access_key_secret=access_key_secret,
+                          endpoint=spec.endpoint, retry_attempts=retry_attempts, retry_wait_s=retry_wait_s,
+                          read_timeout_s=read_timeout_s, connect_timeout_s=connect_timeout_s)
         self._price_cache_s = price_cache_s
         self._clock = clock
-        self._clients: dict[str, AcsClient] = {}
         self._instance_region: dict[str, str] = {}
         self._prices: dict[str, tuple[float, float | None]] = {}  # offer key -> (fetched_at, price)
         self._currency_warned = False
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"AliyunProvider(regions={sorted(self._regions)!r}, endpoint={self.spec.endpoint!r})"
@@ -349,7 +224,7 @@ class AliyunProvider(Provider):
         """
         build = self.run_instances_request(offer, node)
         zone = offer.zone or self._default_zone(offer.region, self.launch_spec_of(offer))
-        body = await self._call(offer.region, build)
+        body = await self.api.call(offer.region, build)
         ids = body.get("InstanceIdSets", {}).get("InstanceIdSet", [])
         if not ids:
             raise CapacityError(f"ECS RunInstances returned no instance for {offer.key}")
@@ -377,7 +252,7 @@ class AliyunProvider(Provider):
 
         for region in regions:
             try:
-                await self._call(region, build)
+                await self.api.call(region, build)
             except ProviderError as exc:
                 if getattr(exc, "code", None) in _NOT_FOUND_CODES:
                     continue
@@ -400,7 +275,7 @@ class AliyunProvider(Provider):
                     req.set_PageNumber(page)
                     return req
 
-                body = await self._call(region, build)
+                body = await self.api.call(region, build)
                 items = body.get("Instances", {}).get("Instance", [])
                 for item in items:
                     inst = self._instance_from(item)
@@ -436,7 +311,7 @@ class AliyunProvider(Provider):
                 req.set_ZoneId(offer.zone)
             return req
 
-        body = await self._call(offer.region, build)
+        body = await self.api.call(offer.region, build)
         rows = body.get("SpotPrices", {}).get("SpotPriceType", [])
         price: float | None = None
         if rows:
@@ -450,14 +325,8 @@ class AliyunProvider(Provider):
         return price
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            session = getattr(client, "session", None)
-            if session is not None:
-                await asyncio.to_thread(session.close)
+        """Close the ECS clients (idempotent)."""
+        await self.api.aclose()
 
     # -- internals --------------------------------------------------------------------
     def launch_spec_of(self, offer: Offer) -> AliyunLaunchSpec:
@@ -481,50 +350,3 @@ class AliyunProvider(Provider):
         return Instance(id=item["InstanceId"], node_id=tags.get(NODE_TAG) or "", provider=self.name,
                         state=state, zone=item.get("ZoneId"), instance_type=item.get("InstanceType"),
                         launched_at=_parse_time(item.get("CreationTime")))
-
-    def _credentials(self) -> dict[str, Any]:
-        """AcsClient keyword arguments for the first credential the chain finds."""
-        return credential_kwargs(self._ak_id, self._ak_secret)
-
-    def _client(self, region: str) -> AcsClient:
-        if self._closed:
-            raise RuntimeError("AliyunProvider is closed")
-        client = self._clients.get(region)
-        if client is None:
-            try:
-                client = AcsClient(region_id=region, auto_retry=False, timeout=self._read_timeout_s,
-                                   connect_timeout=self._connect_timeout_s, **self._credentials())
-            except ClientException as exc:
-                raise translate_error(exc) from exc
-            self._clients[region] = client
-            self._regions.add(region)
-        return client
-
-    async def _call(self, region: str, build: Callable[[], RpcRequest]) -> dict[str, Any]:
-        """One API call with retries on TransientError; ``build`` makes a fresh request
-        per try (the SDK re-signs it: new nonce and timestamp, same ClientToken)."""
-        client = self._client(region)
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type(TransientError),
-            stop=stop_after_attempt(self._retry_attempts),
-            wait=wait_random_exponential(multiplier=self._retry_wait_s, max=max(self._retry_wait_s * 8, 0.001)),
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                req = build()
-                if self.spec.endpoint:
-                    req.set_endpoint(self.spec.endpoint)
-                    req.set_protocol_type("http")
-                try:
-                    raw = await asyncio.to_thread(client.do_action_with_exception, req)
-                except (ServerException, ClientException) as exc:
-                    err = translate_error(exc)
-                    log.info("ecs_call_failed", action=req.get_action_name(), region=region,
-                             error=type(err).__name__, code=exc.get_error_code(),
-                             attempt=attempt.retry_state.attempt_number)
-                    raise err from exc
-                except OSError as exc:
-                    raise TransientError(f"ECS {req.get_action_name()}: {type(exc).__name__}") from exc
-                return json.loads(raw)
-        raise AssertionError("unreachable")  # pragma: no cover

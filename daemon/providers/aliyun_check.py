@@ -120,7 +120,7 @@ async def _image(provider: AliyunProvider, region: str, image: str, offers: list
         return req
 
     try:
-        body = await provider._call(region, build)
+        body = await provider.api.call(region, build)
     except ProviderError as exc:
         return _failure(name, exc, "DescribeImages", offers)
     if not body.get("Images", {}).get("Image"):
@@ -140,7 +140,7 @@ async def _security_group(provider: AliyunProvider, region: str, group: str, off
         return req
 
     try:
-        body = await provider._call(region, build)
+        body = await provider.api.call(region, build)
     except ProviderError as exc:
         return _failure(name, exc, "DescribeSecurityGroups", offers)
     if not body.get("SecurityGroups", {}).get("SecurityGroup"):
@@ -164,7 +164,7 @@ async def _available(provider: AliyunProvider, offer: Offer, name: str) -> Check
         return req
 
     try:
-        body = await provider._call(offer.region, build)
+        body = await provider.api.call(offer.region, build)
     except ProviderError as exc:
         return _failure(f"{name}: available", exc, "DescribeAvailableResource", [offer.index])
     for z in body.get("AvailableZones", {}).get("AvailableZone", []):
@@ -186,7 +186,7 @@ async def _dry_run(config: Config, provider: AliyunProvider, offer: Offer, build
         return req
 
     try:
-        await provider._call(offer.region, dry)
+        await provider.api.call(offer.region, dry)
     except ProviderError as exc:
         code = str(getattr(exc, "code", ""))
         if code == "DryRunOperation":

@@ -20,7 +20,7 @@ a value (the SDKs' error messages name the secret and the code, never its value)
   ``SecretDataType`` ``text`` or ``binary`` (base64)
   (https://www.alibabacloud.com/help/en/kms/key-management-service/developer-reference/api-kms-2016-01-20-getsecretvalue).
   Not found: ``Forbidden.ResourceNotFound`` (404). Credentials: the aliyun provider's chain
-  (:func:`daemon.providers.aliyun.credential_kwargs`); ``endpoint`` (tests:
+  (:func:`daemon.providers.aliyun_api.credential_kwargs`); ``endpoint`` (tests:
   ``127.0.0.1:PORT``, plain HTTP), else the SDK's regional ``kms.<region>.aliyuncs.com``.
 
 Transient errors (throttling, a 5xx, a connection or read timeout) are ``transient``: a
@@ -108,7 +108,7 @@ def kms_secret_value(name: str, *, region: str, endpoint: str | None = None, tim
     from aliyunsdkcore.client import AcsClient
     from aliyunsdkkms.request.v20160120.GetSecretValueRequest import GetSecretValueRequest
 
-    from daemon.providers.aliyun import credential_kwargs
+    from daemon.providers.aliyun_api import credential_kwargs
     from daemon.providers.base import AuthError
 
     what = f"KMS GetSecretValue in {region}"
