@@ -1,22 +1,23 @@
-"""Azure Scheduled Events dialect (daemon/gpunode/metadata/azure.py) against its local fake
-(fake_azure.py), and the fake itself checked directly with aiohttp against the
-Scheduled Events and IMDS documents.
+"""What only the Azure Scheduled Events dialect (daemon/gpunode/metadata/azure.py) and its
+local fake (daemon/providers/local_metadata/azure.py) do: the events document (resources,
+event types, incarnation, api-versions), the ``StartRequests`` approval and a started
+event's deadline, checked against the Scheduled Events and IMDS documents. What every
+dialect does alike (notices, faults, lifetime) is the contract in
+tests/metadata_contract.py, run by tests/test_metadata_dialects.py.
 
-No sleeps: timeouts come from a request the fake never answers; the first-seen
-stamp uses an injected clock.
+No sleeps: the first-seen stamp uses an injected clock.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import aiohttp
 import pytest
 
-from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, Notice, NoticeKind, notice_id
+from daemon.gpunode.metadata import MetadataUnavailable, Notice, NoticeKind, notice_id
 from daemon.gpunode.metadata.azure import SCHEDULED_EVENTS_PATH, AzureScheduledEvents, parse_rfc1123
 from daemon.providers.local_metadata.azure import FakeAzureScheduledEvents, format_rfc1123
 from conftest import ManualClock as Clock
@@ -87,17 +88,6 @@ async def test_preempt_is_a_notice_with_notbefore_deadline(
 
     fake.clear()
     assert await client.poll() is None
-
-
-async def test_default_preempt_is_thirty_seconds_ahead(
-    fake: FakeAzureScheduledEvents, client: AzureScheduledEvents
-) -> None:
-    before = datetime.now(timezone.utc).replace(microsecond=0)
-    fake.publish_interruption()
-    assert fake.published_at is not None
-    notice = await client.poll()
-    assert notice is not None and notice.deadline is not None
-    assert timedelta(seconds=29) <= notice.deadline - before <= timedelta(seconds=32)
 
 
 async def test_event_for_another_resource_is_ignored(fake: FakeAzureScheduledEvents) -> None:
@@ -189,87 +179,14 @@ async def test_acknowledge_errors(fake: FakeAzureScheduledEvents, client: AzureS
         await client.acknowledge(aws_like)
 
 
-# -- no answer is never a notice -----------------------------------------------------
-
-
-@pytest.mark.parametrize("status", [500, 503, 400, 429, 410])
-async def test_error_status_is_unavailable(
-    fake: FakeAzureScheduledEvents, client: AzureScheduledEvents, status: int
-) -> None:
-    fake.publish_interruption(time=DEADLINE)
-    fake.fail_next(1, status=status)
-    with pytest.raises(MetadataUnavailable, match=str(status)):
-        await client.poll()
-    notice = await client.poll()  # the fault was one request
-    assert notice is not None and notice.deadline == DEADLINE
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        '{"DocumentIncarnation": 2, "Events": [{"EventId": "A1", "EventTy',  # truncated
-        "",
-        "not json",
-        "[1, 2]",
-        '{"DocumentIncarnation": 2}',
-        '{"DocumentIncarnation": 2, "Events": {}}',
-        '{"DocumentIncarnation": 2, "Events": [1]}',
-        '{"DocumentIncarnation": 2, "Events": [{"EventType": "Preempt"}]}',
-        '{"DocumentIncarnation": 2, "Events": [{"EventId": "A1"}]}',
-        '{"DocumentIncarnation": 2, "Events": [{"EventId": "A1", "EventType": "Preempt",'
-        ' "Resources": ["vm-spot-0"], "NotBefore": "soon"}]}',
-        '{"DocumentIncarnation": 2, "Events": [{"EventId": "A1", "EventType": "Preempt",'
-        ' "Resources": "vm-spot-0", "NotBefore": ""}]}',
-        '{"DocumentIncarnation": 2, "Events": [{"EventId": "A1", "EventType": "Preempt",'
-        ' "Resources": ["vm-spot-0"], "NotBefore": "Sat, 11 Apr 2026 22:26:58 -0000"}]}',
-    ],
-)
-async def test_garbage_is_unavailable_then_recovers(
-    fake: FakeAzureScheduledEvents, client: AzureScheduledEvents, body: str
-) -> None:
-    fake.publish_raw(body)
-    with pytest.raises(MetadataUnavailable):
-        await client.poll()
-    fake.publish_interruption(time=DEADLINE)  # a real notice afterwards is still detected
-    notice = await client.poll()
-    assert notice is not None and notice.deadline == DEADLINE
-
-
-async def test_timeout_is_unavailable(fake: FakeAzureScheduledEvents) -> None:
-    async with AzureScheduledEvents(fake.url, resource_name=VM, timeout_s=0.05) as client:
-        assert await client.poll() is None
-        fake.hang_next(1)
-        with pytest.raises(MetadataUnavailable, match="timed out"):
-            await client.poll()
-        fake.publish_interruption(time=DEADLINE)
-        notice = await client.poll()
-        assert notice is not None and notice.deadline == DEADLINE
-
-
-async def test_connection_refused_is_unavailable(fake: FakeAzureScheduledEvents) -> None:
-    with socket.socket() as sock:  # a port that was free a moment ago and has no listener
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    async with AzureScheduledEvents(f"http://127.0.0.1:{port}", timeout_s=2.0) as dead:
-        with pytest.raises(MetadataUnavailable) as info:
-            await dead.poll()
-    assert isinstance(info.value.__cause__, aiohttp.ClientError)
-    fake.publish_interruption(time=DEADLINE)
-    async with AzureScheduledEvents(fake.url, resource_name=VM) as live:
-        assert await live.poll() is not None
-
-
 # -- construction and lifetime ----------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"timeout_s": 0}, "timeout_s"),
-        ({"timeout_s": -1.0}, "timeout_s"),
         ({"api_version": ""}, "api_version"),
         ({"resource_name": ""}, "resource_name"),
-        ({"base_url": ""}, "base_url"),
     ],
 )
 def test_constructor_checks(kwargs: dict, match: str) -> None:
@@ -277,21 +194,10 @@ def test_constructor_checks(kwargs: dict, match: str) -> None:
         AzureScheduledEvents(**kwargs)
 
 
-async def test_conforms_to_dialect_and_closes(fake: FakeAzureScheduledEvents) -> None:
+async def test_the_url_polled() -> None:
     events = AzureScheduledEvents()
-    assert isinstance(events, MetadataDialect)
-    assert events.provider == "azure"
     assert events.url == "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"
     await events.aclose()  # never used: nothing to close, no I/O
-
-    async with aiohttp.ClientSession() as session:
-        borrowed = AzureScheduledEvents(fake.url, session=session)
-        assert await borrowed.poll() is None
-        await borrowed.aclose()
-        await borrowed.aclose()  # idempotent
-        assert not session.closed
-        with pytest.raises(RuntimeError, match="closed"):
-            await borrowed.poll()
 
 
 def test_parse_rfc1123() -> None:
@@ -401,25 +307,12 @@ async def test_fake_start_requests(fake: FakeAzureScheduledEvents, http: aiohttp
     assert fake.events[0]["EventStatus"] == "Started" and fake.events[0]["NotBefore"] == ""
 
 
-async def test_fake_lifecycle_and_hooks() -> None:
+async def test_fake_hooks() -> None:
     fake = FakeAzureScheduledEvents()
-    with pytest.raises(RuntimeError, match="start"):
-        _ = fake.url
-    await fake.aclose()  # before start: fine
-    await fake.start()
-    assert fake.url.startswith("http://127.0.0.1:")
-    with pytest.raises(RuntimeError, match="already started"):
-        await fake.start()
-    await fake.aclose()
-    await fake.aclose()
-    with pytest.raises(ValueError, match="aware"):
-        fake.publish_interruption(time=datetime(2026, 4, 11, 22, 26, 58))
     with pytest.raises(ValueError, match="action"):
         fake.publish_interruption(action="")
     with pytest.raises(ValueError, match="event_type"):
         fake.publish_event("Explode")
-    with pytest.raises(ValueError):
-        fake.fail_next(1, status=200)
     with pytest.raises(ValueError):
         FakeAzureScheduledEvents(vm_name="")
     assert fake.published_at is None

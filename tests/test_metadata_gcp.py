@@ -1,5 +1,8 @@
-"""GCP metadata dialect (daemon/gpunode/metadata/gcp.py) against its local fake (fake_gcp.py),
-and the fake itself checked directly with aiohttp against the Compute Engine documents.
+"""What only the GCP metadata dialect (daemon/gpunode/metadata/gcp.py) and its local fake
+(daemon/providers/local_metadata/gcp.py) do: hanging GETs (``wait_for_change``,
+``last_etag``, ``timeout_sec``), the first-sighting deadline, the maintenance event and the
+``Metadata-Flavor`` header. What every dialect does alike (notices, faults, lifetime) is
+the contract in tests/metadata_contract.py, run by tests/test_metadata_dialects.py.
 
 No sleeps as synchronization: a hanging GET is known to be parked through
 ``FakeGcpMetadata.wait_watchers``; timeouts come from requests the fake never answers.
@@ -8,15 +11,13 @@ No sleeps as synchronization: a hanging GET is known to be parked through
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
 
 import aiohttp
 import pytest
 
-from daemon.gpunode.metadata import MetadataDialect, MetadataUnavailable, NoticeKind, notice_id
-from daemon.providers.local_metadata.gcp import PROJECT_NUMBER, FakeGcpMetadata
+from daemon.gpunode.metadata import MetadataUnavailable
+from daemon.providers.local_metadata.gcp import FakeGcpMetadata
 from daemon.gpunode.metadata.gcp import (
     FLAVOR_HEADER,
     MAINTENANCE_EVENT_PATH,
@@ -60,27 +61,6 @@ async def test_false_is_none_over_many_polls(fake: FakeGcpMetadata, client: GcpM
     assert preempted_gets(fake) == [(PREEMPTED_PATH, 200)] * 20  # wait_s=0: no hanging GETs
 
 
-async def test_true_is_an_interruption_notice(fake: FakeGcpMetadata, client: GcpMetadata) -> None:
-    assert await client.poll() is None
-    before = datetime.now(timezone.utc)
-    fake.publish_interruption()
-    notice = await client.poll()
-    after = datetime.now(timezone.utc)
-    assert notice is not None
-    assert notice.provider == "gcp"
-    assert notice.kind is NoticeKind.INTERRUPTION
-    assert notice.action == "terminate"
-    assert notice.raw == "TRUE"
-    assert notice.deadline is not None and notice.deadline.tzinfo is not None
-    assert before + timedelta(seconds=30) <= notice.deadline <= after + timedelta(seconds=30)
-    assert notice.id == notice_id("gcp", NoticeKind.INTERRUPTION, "TRUE")
-    assert fake.published_at is not None and fake.published_action == "terminate"
-
-    fake.clear()
-    assert await client.poll() is None
-    assert fake.published_at is None
-
-
 async def test_notice_is_stable_across_polls(fake: FakeGcpMetadata) -> None:
     clock = Clock()
     async with GcpMetadata(fake.url, clock=clock) as client:
@@ -106,15 +86,6 @@ async def test_maintenance_event(fake: FakeGcpMetadata, client: GcpMetadata) -> 
     fake.publish_raw("instance/maintenance-event", "<html>oops</html>")
     with pytest.raises(MetadataUnavailable, match="maintenance-event"):
         await client.poll_maintenance()
-
-
-async def test_static_items(client: GcpMetadata) -> None:
-    assert await client.get_metadata("instance/id") == "4242"
-    assert await client.get_metadata("instance/machine-type") == (
-        f"projects/{PROJECT_NUMBER}/machineTypes/a2-highgpu-1g"
-    )
-    assert await client.get_metadata("instance/zone") == f"projects/{PROJECT_NUMBER}/zones/us-central1-a"
-    assert await client.get_metadata("instance/no-such-item") is None
 
 
 # -- the dialect: hanging GETs ---------------------------------------------------------------
@@ -167,27 +138,6 @@ async def test_change_between_polls_is_not_missed(fake: FakeGcpMetadata) -> None
         assert loop.time() - started < 1.0
 
 
-# -- no answer is never a notice -------------------------------------------------------------
-
-
-@pytest.mark.parametrize("status", [503, 500, 403])
-async def test_error_status_is_unavailable(fake: FakeGcpMetadata, client: GcpMetadata, status: int) -> None:
-    fake.fail_next(1, status=status, path=PREEMPTED_PATH)
-    with pytest.raises(MetadataUnavailable, match=str(status)):
-        await client.poll()
-    fake.publish_interruption()
-    assert await client.poll() is not None  # the fault was one request
-
-
-async def test_hang_is_unavailable_then_recovers(fake: FakeGcpMetadata) -> None:
-    async with GcpMetadata(fake.url, timeout_s=0.1) as client:
-        fake.hang_next(1)
-        with pytest.raises(MetadataUnavailable, match="timed out"):
-            await client.poll()
-        fake.publish_interruption()
-        assert await client.poll() is not None
-
-
 async def test_hanging_get_that_never_answers_is_unavailable(fake: FakeGcpMetadata) -> None:
     """A hanging GET is bounded by timeout_sec + timeout_s, then the next one still works."""
     loop = asyncio.get_running_loop()
@@ -202,33 +152,9 @@ async def test_hanging_get_that_never_answers_is_unavailable(fake: FakeGcpMetada
         assert await client.poll() is not None
 
 
-@pytest.mark.parametrize("body", ["", "true", "YES", "<html>", "TRUE FALSE"])
-async def test_garbage_body_is_unavailable(fake: FakeGcpMetadata, client: GcpMetadata, body: str) -> None:
-    fake.publish_raw("instance/preempted", body)
-    with pytest.raises(MetadataUnavailable, match="preempted"):
-        await client.poll()
-    fake.publish_interruption()
-    assert await client.poll() is not None
-
-
-async def test_connection_refused_is_unavailable() -> None:
-    with socket.socket() as sock:  # a port that was free a moment ago and has no listener
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    async with GcpMetadata(f"http://127.0.0.1:{port}", timeout_s=2.0) as client:
-        with pytest.raises(MetadataUnavailable) as info:
-            await client.poll()
-    assert isinstance(info.value.__cause__, aiohttp.ClientError)
-
-
-# -- construction and lifetime ----------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"timeout_s": 0}, "timeout_s"),
-        ({"timeout_s": -1.0}, "timeout_s"),
         ({"wait_s": -1.0}, "wait_s"),
         ({"wait_s": float("nan")}, "wait_s"),
         ({"wait_s": float("inf")}, "wait_s"),
@@ -237,23 +163,6 @@ async def test_connection_refused_is_unavailable() -> None:
 def test_bad_options(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GcpMetadata(**kwargs)  # type: ignore[arg-type]
-
-
-async def test_conforms_to_dialect() -> None:
-    md = GcpMetadata()
-    assert isinstance(md, MetadataDialect)
-    assert md.provider == "gcp" and md.base_url == "http://metadata.google.internal"
-    await md.aclose()  # never used: nothing to close, no I/O
-
-
-async def test_borrowed_session_is_not_closed(fake: FakeGcpMetadata, http: aiohttp.ClientSession) -> None:
-    client = GcpMetadata(fake.url, session=http)
-    assert await client.poll() is None
-    await client.aclose()
-    await client.aclose()  # idempotent
-    assert not http.closed
-    with pytest.raises(RuntimeError, match="closed"):
-        await client.poll()
 
 
 # -- the fake, checked directly ---------------------------------------------------------------
@@ -356,19 +265,7 @@ def test_fake_rejects_bad_input() -> None:
     fake = FakeGcpMetadata()
     with pytest.raises(ValueError, match="action"):
         fake.publish_interruption(action="")
-    with pytest.raises(ValueError, match="aware"):
-        fake.publish_interruption(time=datetime(2026, 1, 1, 0, 0))
     with pytest.raises(ValueError, match="event"):
         fake.publish_maintenance("REBOOT")
-    with pytest.raises(ValueError):
-        fake.fail_next(1, status=200)
-    with pytest.raises(ValueError):
-        fake.hang_next(-1)
 
 
-async def test_fake_fail_next_by_path(fake: FakeGcpMetadata, client: GcpMetadata) -> None:
-    fake.fail_next(1, status=503, path="/computeMetadata/v1/instance/id")
-    assert await client.poll() is None  # instance/preempted unaffected
-    with pytest.raises(MetadataUnavailable, match="503"):
-        await client.get_metadata("instance/id")
-    assert await client.get_metadata("instance/id") == "4242"
