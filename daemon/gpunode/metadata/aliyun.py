@@ -34,10 +34,7 @@ Example::
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-import aiohttp
+from typing import Any
 
 from daemon.gpunode.metadata.base import MetadataUnavailable, Notice, NoticeKind, parse_utc
 from daemon.gpunode.metadata.http import META_DATA_PREFIX, ImdsDialect, TokenProtocol, text_or_none
@@ -100,19 +97,10 @@ class AliyunMetadata(ImdsDialect):
 
     provider = "aliyun"
     TOKEN_PROTOCOL = TOKEN_PROTOCOL
+    DEFAULT_BASE_URL = DEFAULT_BASE_URL
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_BASE_URL,
-        *,
-        hardened: bool = False,
-        token_ttl_s: int = MAX_TOKEN_TTL_S,
-        timeout_s: float = 2.0,
-        session: aiohttp.ClientSession | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(base_url, example_url=DEFAULT_BASE_URL, token_ttl_s=token_ttl_s, timeout_s=timeout_s,
-                         session=session, clock=clock)
+    def __init__(self, base_url: str | None = None, *, hardened: bool = False, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)  # token_ttl_s, timeout_s, session, clock: ImdsDialect's
         self._hardened = bool(hardened)
 
     @property

@@ -32,20 +32,13 @@ Example::
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable
-from typing import Any
-
-import aiohttp
-
 from daemon.gpunode.metadata.base import (
     MetadataUnavailable,
     Notice,
     NoticeKind,
     parse_utc,
 )
-from daemon.gpunode.metadata.http import META_DATA_PREFIX, ImdsDialect, TokenProtocol
+from daemon.gpunode.metadata.http import META_DATA_PREFIX, ImdsDialect, TokenProtocol, json_object
 
 __all__ = [
     "AwsImds",
@@ -102,18 +95,7 @@ class AwsImds(ImdsDialect):
     provider = "aws"
     has_rebalance = True
     TOKEN_PROTOCOL = TOKEN_PROTOCOL
-
-    def __init__(
-        self,
-        base_url: str = DEFAULT_BASE_URL,
-        *,
-        token_ttl_s: int = MAX_TOKEN_TTL_S,
-        timeout_s: float = 2.0,
-        session: aiohttp.ClientSession | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(base_url, example_url=DEFAULT_BASE_URL, token_ttl_s=token_ttl_s, timeout_s=timeout_s,
-                         session=session, clock=clock)
+    DEFAULT_BASE_URL = DEFAULT_BASE_URL
 
     # -- the dialect ---------------------------------------------------------------
 
@@ -154,16 +136,6 @@ class AwsImds(ImdsDialect):
         return _parse_rebalance(raw)
 
 
-def _load_object(raw: str, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise MetadataUnavailable(f"{what}: body is not JSON: {raw[:200]!r}") from exc
-    if not isinstance(doc, dict):
-        raise MetadataUnavailable(f"{what}: body is not a JSON object: {raw[:200]!r}")
-    return doc
-
-
 def _parse_instance_action(raw: str) -> Notice:
     """``{"action": ..., "time": ...}`` -> interruption notice.
 
@@ -171,7 +143,7 @@ def _parse_instance_action(raw: str) -> Notice:
     interruption: the item only exists when one is pending, and missing a real notice
     costs a job far more than a needless checkpoint.
     """
-    doc = _load_object(raw, "spot/instance-action")
+    doc = json_object(raw, "spot/instance-action")
     action = doc.get("action")
     if not isinstance(action, str) or not action:
         raise MetadataUnavailable(f"spot/instance-action: no 'action' string: {raw[:200]!r}")
@@ -184,7 +156,7 @@ def _parse_instance_action(raw: str) -> Notice:
 
 def _parse_rebalance(raw: str) -> Notice:
     """``{"noticeTime": ...}`` -> rebalance notice (no action, no deadline)."""
-    doc = _load_object(raw, "events/recommendations/rebalance")
+    doc = json_object(raw, "events/recommendations/rebalance")
     try:
         parse_utc(doc.get("noticeTime"))  # type: ignore[arg-type]
     except ValueError as exc:

@@ -62,7 +62,7 @@ import aiohttp
 import structlog
 
 from daemon.gpunode.metadata.base import MetadataUnavailable, Notice, NoticeKind, notice_id
-from daemon.gpunode.metadata.http import HttpDialect, Reply
+from daemon.gpunode.metadata.http import HttpDialect, Reply, json_object
 
 __all__ = [
     "AzureScheduledEvents",
@@ -250,12 +250,7 @@ class AzureScheduledEvents(HttpDialect):
 
     def _parse_document(self, body: str) -> Notice | None:
         what = "scheduledevents"
-        try:
-            doc = json.loads(body)
-        except ValueError as exc:
-            raise MetadataUnavailable(f"{what}: body is not JSON: {body[:200]!r}") from exc
-        if not isinstance(doc, dict):
-            raise MetadataUnavailable(f"{what}: body is not a JSON object: {body[:200]!r}")
+        doc = json_object(body, what)
         events = doc.get("Events")
         if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
             raise MetadataUnavailable(f"{what}: 'Events' is not a list of objects: {body[:200]!r}")

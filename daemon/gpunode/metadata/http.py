@@ -20,9 +20,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 import aiohttp
 
@@ -37,6 +39,7 @@ __all__ = [
     "Reply",
     "TOKEN_REFRESH_FRACTION",
     "TOKEN_REFRESH_MARGIN_S",
+    "json_object",
     "text_or_none",
 ]
 
@@ -177,6 +180,17 @@ class HttpDialect:
             raise MetadataUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
 
 
+def json_object(body: str, what: str) -> dict[str, Any]:
+    """``body`` parsed as a JSON object; else :class:`MetadataUnavailable` naming ``what``."""
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise MetadataUnavailable(f"{what}: body is not JSON: {body[:200]!r}") from exc
+    if not isinstance(doc, dict):
+        raise MetadataUnavailable(f"{what}: body is not a JSON object: {body[:200]!r}")
+    return doc
+
+
 def text_or_none(path: str, reply: Reply) -> str | None:
     """A read's result: the body on 200, None on 404, else :class:`MetadataUnavailable`."""
     if reply.status == 200:
@@ -297,10 +311,16 @@ class MetadataToken:
 class ImdsDialect(HttpDialect):
     """Base of the IMDS-style clients (AWS IMDSv2, Alibaba ECS): a :class:`MetadataToken`
     of the subclass's :attr:`TOKEN_PROTOCOL`, and text items under ``/latest/meta-data/``.
+    The constructor does no I/O.
 
     Args:
-        base_url, example_url, timeout_s, session, clock: as :class:`HttpDialect`.
-        token_ttl_s: TTL requested for tokens, seconds, within the protocol's bounds.
+        base_url: endpoint root; default the subclass's :attr:`DEFAULT_BASE_URL`.
+        token_ttl_s: TTL requested for tokens, seconds, within the protocol's bounds
+            (default its maximum).
+        timeout_s: bound on each HTTP request (token PUT or read), seconds, > 0.
+        session: an existing ``aiohttp.ClientSession`` to use (not closed by us).
+        clock: monotonic clock in seconds deciding when to refresh the token;
+            injectable for tests.
 
     Raises:
         ValueError: empty ``base_url``, ``token_ttl_s`` out of bounds, or ``timeout_s`` <= 0.
@@ -309,21 +329,22 @@ class ImdsDialect(HttpDialect):
     __slots__ = ("_token",)
 
     TOKEN_PROTOCOL: ClassVar[TokenProtocol]
+    DEFAULT_BASE_URL: ClassVar[str]
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | None = None,
         *,
-        example_url: str,
-        token_ttl_s: int,
-        timeout_s: float,
-        session: aiohttp.ClientSession | None,
-        clock: Callable[[], float],
+        token_ttl_s: int | None = None,
+        timeout_s: float = 2.0,
+        session: aiohttp.ClientSession | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         protocol = self.TOKEN_PROTOCOL
-        super().__init__(base_url, example_url=example_url, timeout_s=timeout_s, session=session, clock=clock,
-                         validate=lambda: protocol.check_ttl(token_ttl_s))
-        self._token = MetadataToken(self, protocol=protocol, ttl_s=token_ttl_s)
+        ttl_s = protocol.max_ttl_s if token_ttl_s is None else token_ttl_s
+        super().__init__(self.DEFAULT_BASE_URL if base_url is None else base_url, example_url=self.DEFAULT_BASE_URL,
+                         timeout_s=timeout_s, session=session, clock=clock, validate=lambda: protocol.check_ttl(ttl_s))
+        self._token = MetadataToken(self, protocol=protocol, ttl_s=ttl_s)
 
     async def aclose(self) -> None:
         """Drop the token and close the session if this object created it. Idempotent."""

@@ -37,8 +37,8 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from daemon.gpunode.metadata.aliyun import TOKEN_PROTOCOL
 from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, utc_stamp as _stamp
@@ -78,9 +78,7 @@ class FakeAliyunMetadata(TokenMetadataEndpoint):
         region_id: str = "cn-hangzhou",
         zone_id: str = "cn-hangzhou-h",
         hardened: bool = False,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        clock: Callable[[], float] = time.monotonic,
+        **endpoint: Any,
     ) -> None:
         static = {
             "instance-id": instance_id,
@@ -88,7 +86,7 @@ class FakeAliyunMetadata(TokenMetadataEndpoint):
             "region-id": region_id,
             "zone-id": zone_id,
         }
-        super().__init__(static=static, host=host, port=port, clock=clock)
+        super().__init__(static=static, **endpoint)
         self._hardened = bool(hardened)
 
     @property

@@ -40,9 +40,8 @@ from __future__ import annotations
 import json
 import time
 import time as _time
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Literal
+from typing import Any, Literal
 
 from daemon.gpunode.metadata.aws import KNOWN_ACTIONS, TOKEN_PROTOCOL
 from daemon.providers.local_metadata.endpoint import TokenMetadataEndpoint, utc_stamp as _fmt
@@ -79,10 +78,8 @@ class FakeImds(TokenMetadataEndpoint):
         instance_id: str = "i-0123456789abcdef0",
         instance_type: str = "p4d.24xlarge",
         availability_zone: str = "us-east-1a",
-        host: str = "127.0.0.1",
-        port: int = 0,
-        clock: Callable[[], float] = time.monotonic,
         http_tokens: Literal["required", "optional"] = "required",
+        **endpoint: Any,
     ) -> None:
         if http_tokens not in ("required", "optional"):
             raise ValueError(f"http_tokens must be 'required' or 'optional', got {http_tokens!r}")
@@ -91,7 +88,7 @@ class FakeImds(TokenMetadataEndpoint):
             "instance-type": instance_type,
             "placement/availability-zone": availability_zone,
         }
-        super().__init__(static=static, host=host, port=port, clock=clock)
+        super().__init__(static=static, **endpoint)
         self._http_tokens = http_tokens
 
     def _token_required(self) -> bool:

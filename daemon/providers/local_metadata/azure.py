@@ -57,7 +57,7 @@ import copy
 import json
 import time
 import uuid
-from collections.abc import Callable
+
 from datetime import datetime, timezone
 from email.utils import format_datetime
 from typing import Any
@@ -113,13 +113,11 @@ class FakeAzureScheduledEvents(FakeEndpoint):
         self,
         *,
         vm_name: str = "vm-spot-0",
-        host: str = "127.0.0.1",
-        port: int = 0,
-        clock: Callable[[], float] = time.monotonic,
+        **endpoint: Any,
     ) -> None:
         if not isinstance(vm_name, str) or not vm_name:
             raise ValueError(f"vm_name must be a non-empty string, got {vm_name!r}")
-        super().__init__(host=host, port=port, clock=clock)
+        super().__init__(**endpoint)
         self.vm_name = vm_name
         self._events: list[dict[str, Any]] = []
         self._incarnation = 1

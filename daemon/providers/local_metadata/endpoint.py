@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Self
@@ -48,7 +49,7 @@ class FakeEndpoint:
     fault) and :meth:`_intercept` (checks every request passes before its handler).
     """
 
-    def __init__(self, *, host: str, port: int, clock: Callable[[], float]) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
         self._host = host
@@ -220,13 +221,11 @@ class TokenMetadataEndpoint(FakeEndpoint):
     REFUSE_FORWARDED_TOKEN_PUT: ClassVar[bool] = False
     ECHO_TTL: ClassVar[bool] = False
 
-    def __init__(
-        self, *, static: dict[str, str], host: str, port: int, clock: Callable[[], float]
-    ) -> None:
-        super().__init__(host=host, port=port, clock=clock)
+    def __init__(self, *, static: dict[str, str], **endpoint: Any) -> None:
+        super().__init__(**endpoint)
         self._static = static
         self._items: dict[str, str] = {}  # published items, by meta-data path
-        self._tokens = TokenStore(clock)
+        self._tokens = TokenStore(self._clock)
         self.token_puts = 0
         """Successful token PUTs served so far."""
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from aiohttp import web
 
@@ -92,11 +92,9 @@ class FakeGcpMetadata(FakeEndpoint):
         instance_id: str = "1234567890",
         machine_type: str = "a2-highgpu-1g",
         zone: str = "us-central1-a",
-        host: str = "127.0.0.1",
-        port: int = 0,
-        clock: Callable[[], float] = time.monotonic,
+        **endpoint: Any,
     ) -> None:
-        super().__init__(host=host, port=port, clock=clock)
+        super().__init__(**endpoint)
         self._items: dict[str, str] = {
             "instance/id": instance_id,
             "instance/machine-type": f"projects/{PROJECT_NUMBER}/machineTypes/{machine_type}",
