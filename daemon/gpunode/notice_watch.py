@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import structlog
@@ -32,6 +33,7 @@ __all__ = ["NoticeWatch"]
 log = structlog.get_logger("spotvisor.agent")
 
 
+@dataclass(eq=False)
 class NoticeWatch:
     """Polls one metadata dialect for this node (see the module docstring).
 
@@ -47,17 +49,17 @@ class NoticeWatch:
         failures: failed polls in the current streak (0 while polls answer).
     """
 
-    def __init__(self, metadata: MetadataDialect, *, node_id: str, report: Callable[..., None],
-                 poll_interval_s: float = 1.0, alarm_after: int = 5, max_backoff_s: float = 5.0) -> None:
-        self.metadata = metadata
-        self.node_id = node_id
-        self._report = report
-        self.poll_interval_s = poll_interval_s
-        self.alarm_after = alarm_after
-        self.max_backoff_s = max_backoff_s
-        self.failures = 0
-        self._alarmed = False
-        self._seen: set[str] = set()  # ids of the notices handed on (bounded: a node is interrupted once)
+    metadata: MetadataDialect
+    _: KW_ONLY
+    node_id: str
+    report: Callable[..., None]
+    poll_interval_s: float = 1.0
+    alarm_after: int = 5
+    max_backoff_s: float = 5.0
+    failures: int = field(default=0, init=False)
+    _alarmed: bool = field(default=False, init=False, repr=False)
+    # ids of the notices handed on (bounded: a node is interrupted once)
+    _seen: set[str] = field(default_factory=set, init=False, repr=False)
 
     async def watch(self, on_notice: Callable[[Notice], None]) -> None:
         """Poll for good; call ``on_notice`` once for each new interruption notice."""
@@ -84,7 +86,7 @@ class NoticeWatch:
             if rb is not None and rb.id not in self._seen:
                 self._seen.add(rb.id)
                 log.info("rebalance_recommendation", node_id=self.node_id)
-                self._report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
+                self.report("rebalance_recommendation", notice=rb.to_dict(), seen_at=time.time())
             await asyncio.sleep(self.poll_interval_s)
 
     async def acknowledge(self, notice: Notice) -> None:
@@ -108,7 +110,7 @@ class NoticeWatch:
                 notice = await self.metadata.poll()
         if self._alarmed:
             log.info("metadata_recovered", node_id=self.node_id, after_failures=self.failures)
-            self._report("metadata_recovered", failures=self.failures)
+            self.report("metadata_recovered", failures=self.failures)
         self.failures = 0
         self._alarmed = False
         return notice
@@ -119,5 +121,5 @@ class NoticeWatch:
         log.warning("metadata_unavailable", node_id=self.node_id, error=str(exc), streak=self.failures)
         if self.failures >= self.alarm_after and not self._alarmed:
             self._alarmed = True
-            self._report("metadata_unreachable", failures=self.failures, error=str(exc),
+            self.report("metadata_unreachable", failures=self.failures, error=str(exc),
                          url=getattr(self.metadata, "base_url", None))

@@ -25,6 +25,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,7 @@ def credential_kwargs(ak_id: str | None = None, ak_secret: str | None = None) ->
                     "or ALIBABA_CLOUD_ECS_METADATA)")
 
 
+@dataclass(eq=False)
 class EcsApi:
     """ECS clients per region, and calls on them (see the module docstring).
 
@@ -153,19 +155,17 @@ class EcsApi:
     The constructor does no I/O; clients are made on first use.
     """
 
-    def __init__(self, *, regions: set[str], access_key_id: str | None, access_key_secret: str | None,
-                 endpoint: str | None, retry_attempts: int, retry_wait_s: float, read_timeout_s: float,
-                 connect_timeout_s: float) -> None:
-        self.regions = regions
-        self.endpoint = endpoint
-        self._ak_id = access_key_id
-        self._ak_secret = access_key_secret
-        self._retry_attempts = retry_attempts
-        self._retry_wait_s = retry_wait_s
-        self._read_timeout_s = read_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._clients: dict[str, AcsClient] = {}
-        self._closed = False
+    _: KW_ONLY
+    regions: set[str]
+    access_key_id: str | None = field(repr=False)
+    access_key_secret: str | None = field(repr=False)
+    endpoint: str | None
+    retry_attempts: int
+    retry_wait_s: float
+    read_timeout_s: float
+    connect_timeout_s: float
+    _clients: dict[str, AcsClient] = field(default_factory=dict, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
 
     async def call(self, region: str, build: Callable[[], RpcRequest]) -> dict[str, Any]:
         """One API call with retries on TransientError; ``build`` makes a fresh request
@@ -181,8 +181,8 @@ class EcsApi:
         client = self._client(region)
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
-            stop=stop_after_attempt(self._retry_attempts),
-            wait=wait_random_exponential(multiplier=self._retry_wait_s, max=max(self._retry_wait_s * 8, 0.001)),
+            stop=stop_after_attempt(self.retry_attempts),
+            wait=wait_random_exponential(multiplier=self.retry_wait_s, max=max(self.retry_wait_s * 8, 0.001)),
             reraise=True,
         )
         async for attempt in retrying:
@@ -221,9 +221,9 @@ class EcsApi:
         client = self._clients.get(region)
         if client is None:
             try:
-                client = AcsClient(region_id=region, auto_retry=False, timeout=self._read_timeout_s,
-                                   connect_timeout=self._connect_timeout_s,
-                                   **credential_kwargs(self._ak_id, self._ak_secret))
+                client = AcsClient(region_id=region, auto_retry=False, timeout=self.read_timeout_s,
+                                   connect_timeout=self.connect_timeout_s,
+                                   **credential_kwargs(self.access_key_id, self.access_key_secret))
             except ClientException as exc:
                 raise translate_error(exc) from exc
             self._clients[region] = client

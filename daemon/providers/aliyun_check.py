@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from aliyunsdkcore.request import RpcRequest
@@ -112,40 +113,38 @@ async def check_aliyun(config: Config, provider: AliyunProvider, offers: list[Of
 
 
 async def _image(provider: AliyunProvider, region: str, image: str, offers: list[int], field: str) -> CheckResult:
-    name = f"aliyun {region}: image {image}"
-
     def build() -> RpcRequest:
         req = DescribeImagesRequest()
         req.set_ImageId(image)
         return req
 
-    try:
-        body = await provider.api.call(region, build)
-    except ProviderError as exc:
-        return _failure(name, exc, "DescribeImages", offers)
-    if not body.get("Images", {}).get("Image"):
-        return failed(name, f"not found in {region}",
-                      f"{field}: an image that exists in {region} (images are per region: copy "
-                      "it there with CopyImage, or share it with this account)", offers)
-    return passed(name, "exists")
+    return await _exists(provider, region, f"aliyun {region}: image {image}", build, ("Images", "Image"),
+                         f"{field}: an image that exists in {region} (images are per region: copy "
+                         "it there with CopyImage, or share it with this account)", offers)
 
 
 async def _security_group(provider: AliyunProvider, region: str, group: str, offers: list[int],
                           field: str) -> CheckResult:
-    name = f"aliyun {region}: security group {group}"
-
     def build() -> RpcRequest:
         req = DescribeSecurityGroupsRequest()
         req.set_SecurityGroupIds(json.dumps([group]))
         return req
 
+    return await _exists(provider, region, f"aliyun {region}: security group {group}", build,
+                         ("SecurityGroups", "SecurityGroup"),
+                         f"{field}: a security group of the vSwitches' VPC in {region}", offers)
+
+
+async def _exists(provider: AliyunProvider, region: str, name: str, build: Callable[[], RpcRequest],
+                  items: tuple[str, str], fix: str, offers: list[int]) -> CheckResult:
+    """Passed when the Describe call ``build`` makes lists something under ``items`` (the
+    answer's ``{"Images": {"Image": [...]}}`` nesting); failed naming ``fix`` when not."""
     try:
         body = await provider.api.call(region, build)
     except ProviderError as exc:
-        return _failure(name, exc, "DescribeSecurityGroups", offers)
-    if not body.get("SecurityGroups", {}).get("SecurityGroup"):
-        return failed(name, f"not found in {region}",
-                      f"{field}: a security group of the vSwitches' VPC in {region}", offers)
+        return _failure(name, exc, build().get_action_name(), offers)
+    if not body.get(items[0], {}).get(items[1]):
+        return failed(name, f"not found in {region}", fix, offers)
     return passed(name, "exists")
 
 
