@@ -6,6 +6,10 @@ test functions that take a :class:`Dialect`; ``tests/test_metadata_dialects.py``
 runs them for each. What one cloud does its own way stays in its own file
 (``tests/test_metadata_<cloud>.py``).
 
+The fixtures ``fake_clock``, ``http``, ``fake`` (the fake of the test's ``dialect``,
+started on ``fake_clock``) and ``client`` (the dialect's client on it) are defined here
+once; a test module imports the ones it uses and provides ``dialect``.
+
 A :class:`Dialect` is the per-cloud parameter set: how to build the fake and the client,
 how a published notice looks once parsed, which bodies are garbage, which statuses a
 fault test injects. :data:`DIALECTS` holds the four; :data:`TOKEN_DIALECTS` the two
@@ -22,7 +26,7 @@ import asyncio
 import inspect
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -45,7 +49,7 @@ from daemon.providers.local_metadata.aws import FakeImds
 from daemon.providers.local_metadata.azure import FakeAzureScheduledEvents
 from daemon.providers.local_metadata.gcp import PROJECT_NUMBER, FakeGcpMetadata
 
-__all__ = ["DIALECTS", "TOKEN_DIALECTS", "Dialect", "MetadataContract", "TokenContract", "TokenDialect", "dialects"]
+__all__ = ["AWS", "ALIYUN", "AZURE", "GCP", "client", "fake", "fake_clock", "http", "DIALECTS", "TOKEN_DIALECTS", "Dialect", "MetadataContract", "TokenContract", "TokenDialect", "dialects"]
 
 DEADLINE = datetime(2017, 9, 18, 8, 22, tzinfo=timezone.utc)
 VM = "vm-spot-0"
@@ -249,6 +253,31 @@ def dialects(*, having: str | None = None) -> list[Any]:
 def with_each(attr: str) -> list[Any]:
     """``(dialect, value)`` params for every value of each dialect's tuple ``attr``."""
     return [pytest.param(d, v, id=f"{d.name}-{i}") for d in DIALECTS for i, v in enumerate(getattr(d, attr))]
+
+
+@pytest.fixture
+def fake_clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def fake(dialect: Dialect, fake_clock: Clock) -> AsyncIterator[Any]:
+    """The dialect's fake, started on ``fake_clock``."""
+    async with dialect.fake(fake_clock) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+async def client(dialect: Dialect, fake: Any) -> AsyncIterator[Any]:
+    """The dialect's client on ``fake`` (its own session, real clock, 2 s timeout)."""
+    async with dialect.client(fake.url, timeout_s=2.0) as dialect_client:
+        yield dialect_client
 
 
 def free_port() -> int:

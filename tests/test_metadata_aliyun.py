@@ -7,7 +7,6 @@ contract in tests/metadata_contract.py, run by tests/test_metadata_dialects.py.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 import aiohttp
@@ -16,22 +15,20 @@ import pytest
 from daemon.gpunode.metadata import MetadataUnavailable
 from daemon.gpunode.metadata.aliyun import TOKEN_HEADER, AliyunMetadata
 from daemon.providers.local_metadata.aliyun import FakeAliyunMetadata
+from metadata_contract import ALIYUN, Dialect
+import metadata_contract
 
 DEADLINE = datetime(2015, 1, 5, 18, 2, tzinfo=timezone.utc)
 STAMP = "2015-01-05T18:02:00Z"
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeAliyunMetadata]:
-    """A hardened-only fake (tokens required)."""
-    async with FakeAliyunMetadata(instance_id="i-bp1abc", hardened=True) as md:
-        yield md
+# the contract's fixtures, under their own names (pytest finds fixtures by module attribute)
+fake, fake_clock, http = (metadata_contract.fake, metadata_contract.fake_clock, metadata_contract.http)
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
+def dialect() -> Dialect:
+    return ALIYUN  # its fake is hardened-only (tokens required)
 
 
 def gets(fake: FakeAliyunMetadata) -> list[int]:

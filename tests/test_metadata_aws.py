@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 import aiohttp
@@ -27,25 +26,20 @@ from daemon.gpunode.metadata.aws import (
 )
 from daemon.providers.local_metadata.aws import FakeImds
 from conftest import ManualClock as Clock
+from metadata_contract import AWS, Dialect
+import metadata_contract
 
 DEADLINE = datetime(2017, 9, 18, 8, 22, tzinfo=timezone.utc)
 
 
-@pytest.fixture
-def fake_clock() -> Clock:
-    return Clock()
+# the contract's fixtures, under their own names (pytest finds fixtures by module attribute)
+client, fake, fake_clock, http = (metadata_contract.client, metadata_contract.fake,
+                                  metadata_contract.fake_clock, metadata_contract.http)
 
 
 @pytest.fixture
-async def fake(fake_clock: Clock) -> AsyncIterator[FakeImds]:
-    async with FakeImds(instance_id="i-0abc", clock=fake_clock) as imds:
-        yield imds
-
-
-@pytest.fixture
-async def client(fake: FakeImds) -> AsyncIterator[AwsImds]:
-    async with AwsImds(fake.url, timeout_s=2.0) as imds:
-        yield imds
+def dialect() -> Dialect:
+    return AWS
 
 
 # -- the dialect -------------------------------------------------------------------
@@ -91,12 +85,6 @@ async def test_unknown_action_is_still_an_interruption(fake: FakeImds, client: A
 
 
 # -- the fake, checked directly ---------------------------------------------------------
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _token(http: aiohttp.ClientSession, fake: FakeImds, ttl: str = "60") -> str:

@@ -11,7 +11,6 @@ No sleeps: the first-seen stamp uses an injected clock.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import aiohttp
@@ -21,27 +20,21 @@ from daemon.gpunode.metadata import MetadataUnavailable, Notice, NoticeKind, not
 from daemon.gpunode.metadata.azure import SCHEDULED_EVENTS_PATH, AzureScheduledEvents, parse_rfc1123
 from daemon.providers.local_metadata.azure import FakeAzureScheduledEvents, format_rfc1123
 from conftest import ManualClock as Clock
+from metadata_contract import AZURE, Dialect
+import metadata_contract
 
 VM = "vm-spot-0"
 DEADLINE = datetime(2026, 4, 11, 22, 26, 58, tzinfo=timezone.utc)
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeAzureScheduledEvents]:
-    async with FakeAzureScheduledEvents(vm_name=VM) as azure:
-        yield azure
+# the contract's fixtures, under their own names (pytest finds fixtures by module attribute)
+client, fake, fake_clock, http = (metadata_contract.client, metadata_contract.fake,
+                                  metadata_contract.fake_clock, metadata_contract.http)
 
 
 @pytest.fixture
-async def client(fake: FakeAzureScheduledEvents) -> AsyncIterator[AzureScheduledEvents]:
-    async with AzureScheduledEvents(fake.url, resource_name=VM, timeout_s=2.0) as events:
-        yield events
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
+def dialect() -> Dialect:
+    return AZURE
 
 
 def _preempt_id(fake: FakeAzureScheduledEvents) -> str:

@@ -7,41 +7,20 @@ What one cloud does its own way: tests/test_metadata_<cloud>.py.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Any
 
-import aiohttp
 import pytest
 
-from conftest import ManualClock as Clock
 from daemon.gpunode.metadata import MetadataError, MetadataUnavailable, Notice, NoticeKind, notice_id
 from daemon.gpunode.metadata.registry import DIALECTS as NAMES
 from daemon.providers.local_metadata import FAKES, make_fake
 from metadata_contract import TOKEN_DIALECTS, Dialect, MetadataContract, TokenContract, TokenDialect, dialects
+import metadata_contract
 
 
-@pytest.fixture
-def fake_clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
-async def fake(dialect: Dialect, fake_clock: Clock) -> AsyncIterator[Any]:
-    async with dialect.fake(fake_clock) as endpoint:
-        yield endpoint
-
-
-@pytest.fixture
-async def client(dialect: Dialect, fake: Any) -> AsyncIterator[Any]:
-    async with dialect.client(fake.url, timeout_s=2.0) as dialect_client:
-        yield dialect_client
+# the contract's fixtures, under their own names (pytest finds fixtures by module attribute)
+client, fake, fake_clock, http = (metadata_contract.client, metadata_contract.fake,
+                                  metadata_contract.fake_clock, metadata_contract.http)
 
 
 class TestMetadataContract(MetadataContract):

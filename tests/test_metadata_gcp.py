@@ -11,7 +11,6 @@ No sleeps as synchronization: a hanging GET is known to be parked through
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -25,26 +24,20 @@ from daemon.gpunode.metadata.gcp import (
     GcpMetadata,
 )
 from conftest import ManualClock as Clock
+from metadata_contract import GCP, Dialect
+import metadata_contract
 
 GOOGLE = {FLAVOR_HEADER: "Google"}
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeGcpMetadata]:
-    async with FakeGcpMetadata(instance_id="4242") as md:
-        yield md
+# the contract's fixtures, under their own names (pytest finds fixtures by module attribute)
+client, fake, fake_clock, http = (metadata_contract.client, metadata_contract.fake,
+                                  metadata_contract.fake_clock, metadata_contract.http)
 
 
 @pytest.fixture
-async def client(fake: FakeGcpMetadata) -> AsyncIterator[GcpMetadata]:
-    async with GcpMetadata(fake.url, timeout_s=2.0) as md:
-        yield md
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
+def dialect() -> Dialect:
+    return GCP
 
 
 def preempted_gets(fake: FakeGcpMetadata) -> list[tuple[str, int]]:
