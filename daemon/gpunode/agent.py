@@ -3,8 +3,9 @@
 It has these jobs, each an owned task in one ``TaskGroup``:
 
 - ``metadata``: poll the cloud's metadata endpoint (default every 1 s) for an
-  interruption notice; on a new one, write it to the notice file at once (the
-  trainer ranks read it at their next step boundary) and report it to the daemon.
+  interruption notice (:class:`~daemon.gpunode.notice_watch.NoticeWatch`); on a new one,
+  write it to the notice file at once (the trainer ranks read it at their next step
+  boundary) and report it to the daemon.
 - ``heartbeat``: tell the daemon the node is alive (and the trainer's step, its newest
   ``step`` line's loss and the tokens trained since the agent started, the
   GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpunode.gpu` — and the
@@ -16,7 +17,8 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   reply carries the daemon's commands too: start the trainer, request a checkpoint
   (kind ``rejoin`` or ``checkpoint``), drain, cancel a request, restart the trainer
   in place with a new job spec (the job stalled: :mod:`daemon.control.stall`).
-- TLS: with an ``https://`` daemon URL and ``--ca-file`` (the daemon's CA, which
+- TLS (:class:`~daemon.gpunode.daemon_link.DaemonLink`, which carries every exchange
+  with the daemon): with an ``https://`` daemon URL and ``--ca-file`` (the daemon's CA, which
   it hands to each node it launches: :mod:`daemon.controlnode.tls`), the agent trusts
   that CA only, not the system's store, and checks the daemon's name against the
   certificate; with no CA file, the system's store. A daemon whose certificate does
