@@ -6,7 +6,7 @@ It has these jobs, each an owned task in one ``TaskGroup``:
   interruption notice (:class:`~daemon.gpunode.notice_watch.NoticeWatch`); on a new one,
   write it to the notice file at once (the trainer ranks read it at their next step
   boundary) and report it to the daemon.
-- ``heartbeat``: tell the daemon the node is alive (and the trainer's step, its newest
+- ``heartbeat`` (:class:`~daemon.gpunode.heartbeat.Heartbeat`): tell the daemon the node is alive (and the trainer's step, its newest
   ``step`` line's loss and the tokens trained since the agent started, the
   GPUs' utilization and memory — absent on a CPU node, :mod:`daemon.gpunode.gpu` — and the
   next chunk of ``trainer.log``, :mod:`daemon.gpunode.nodelog`), then sleep the interval the
@@ -63,7 +63,6 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
-import math
 import os
 import signal
 import sys
@@ -71,12 +70,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import structlog
 
-from daemon.gpunode.daemon_link import (COMMAND_WAIT_S, MAX_HEARTBEAT_INTERVAL_S, DaemonLink, check_daemon_url,
-                                        daemon_ssl_context)
-from daemon.gpunode.gpu import GpuMeans, GpuSampler, NvmlSampler
+from daemon.gpunode.daemon_link import COMMAND_WAIT_S, DaemonLink, check_daemon_url, daemon_ssl_context
+from daemon.gpunode.gpu import GpuSampler, NvmlSampler
+from daemon.gpunode.heartbeat import Heartbeat, StepProgress
 from daemon.gpunode.notice_watch import NoticeWatch
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
@@ -86,48 +84,10 @@ from daemon.control.reports import STATUS_EVENTS
 from daemon.gpunode.code import needs_preparing, prepare_node
 from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import NoticeEntry, NoticeFile, NoticeKind, StatusTail
-from daemon.gpunode.nodelog import read_chunk
 
 __all__ = ["NodeAgent", "StepProgress", "main", "daemon_ssl_context", "check_daemon_url"]
 
 log = structlog.get_logger("spotvisor.agent")
-
-_MAX_TOKENS_PER_STEP = 2**40  # a step line's `tokens` above this is not counted (a trainer's bug)
-_GPU_SAMPLE_S = 1.0
-
-
-class StepProgress:
-    """The trainer's newest ``step`` line and the tokens trained since this agent started
-    (the sum of the step lines' ``tokens``). Each heartbeat carries :meth:`body`, so the
-    daemon hears of progress once a heartbeat however many steps a second: nothing grows.
-    ``step``: the step of the newest status line of any kind (None after a restart)."""
-
-    __slots__ = ("_newest", "_tokens", "step")
-
-    def __init__(self) -> None:
-        self._newest: dict[str, Any] | None = None
-        self._tokens: int | None = None
-        self.step: int | None = None
-
-    def on_line(self, line: dict[str, Any]) -> None:
-        """A status line. ``step``: the newest step and its loss (None unless a finite
-        number); its ``tokens`` (an integer in [0, 2**40]) added to the total. ``started``
-        (a new attempt): no newest step until its first. Others: nothing."""
-        step, loss, tokens = line.get("step"), line.get("loss"), line.get("tokens")
-        if isinstance(step, int):
-            self.step = step
-        if line.get("event") == "started":
-            self._newest = None
-        if line.get("event") != "step" or not isinstance(step, int) or isinstance(step, bool):
-            return
-        ok_loss = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
-        self._newest = {"step": step, "loss": float(loss) if ok_loss else None}
-        if isinstance(tokens, int) and not isinstance(tokens, bool) and 0 <= tokens <= _MAX_TOKENS_PER_STEP:
-            self._tokens = (self._tokens or 0) + tokens
-
-    def body(self) -> dict[str, Any] | None:
-        """The heartbeat's ``progress`` (:func:`daemon.control.reports.parse_progress`)."""
-        return None if self._newest is None else {**self._newest, "tokens": self._tokens}
 
 
 class NodeAgent:
@@ -169,22 +129,25 @@ class NodeAgent:
         self.watch = NoticeWatch(metadata, node_id=node_id, report=self.link.report, poll_interval_s=poll_interval_s,
                                  alarm_after=metadata_alarm_after, max_backoff_s=metadata_max_backoff_s)
         self.workdir = Path(workdir)
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.told_interval_s: float | None = None  # the daemon's last word on the heartbeat interval
         self._notice: Notice | None = None
         self.notices: NoticeFile | None = None
         self.status_path = self.workdir / "status.jsonl"
         self.log_dir = self.workdir / "logs"
         self._beat_now = asyncio.Event()  # the trainer's state changed: heartbeat without waiting
-        self._beat_sent = asyncio.Event()  # set after each heartbeat (a failed setup's log is shipped first)
         self.runner = TrainerProcess(workdir=self.workdir, node_id=node_id, on_change=self._beat_now.set)
         self._progress = StepProgress()  # the newest step line, for the heartbeats
         self._interruption: NoticeEntry | None = None  # this node's own notice, once seen
         self._background: set[asyncio.Future[None]] = set()
         self.gpu_sampler: GpuSampler = gpu_sampler if gpu_sampler is not None else NvmlSampler()
-        self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
-        self._gpu = GpuMeans()  # samples since the last heartbeat
+        self.heartbeat = Heartbeat(link=self.link, runner=self.runner, progress=self._progress,
+                                   gpu_sampler=self.gpu_sampler, log_path=self.workdir / "trainer.log",
+                                   interval_s=heartbeat_interval_s, beat_now=self._beat_now, apply=self._apply)
         self._apply_lock = asyncio.Lock()  # heartbeat and long-poll replies are applied one at a time
+
+    @property
+    def told_interval_s(self) -> float | None:
+        """The daemon's last word on the heartbeat interval (None before its first)."""
+        return self.heartbeat.told_interval_s
 
     @property
     def metadata_failures(self) -> int:
@@ -212,9 +175,9 @@ class NodeAgent:
                 tg.create_task(self._metadata_loop(), name=f"agent:metadata:{self.node_id}")
                 if self.metadata.has_rebalance:  # AWS only
                     tg.create_task(self.watch.watch_rebalance(), name=f"agent:rebalance:{self.node_id}")
-                tg.create_task(self._heartbeat_loop(), name=f"agent:heartbeat:{self.node_id}")
+                tg.create_task(self.heartbeat.beat(), name=f"agent:heartbeat:{self.node_id}")
                 tg.create_task(self.link.poll_commands(self._apply), name=f"agent:commands:{self.node_id}")
-                tg.create_task(self._gpu_loop(), name=f"agent:gpu:{self.node_id}")
+                tg.create_task(self.heartbeat.sample_gpus(), name=f"agent:gpu:{self.node_id}")
                 tg.create_task(self._status_loop(), name=f"agent:status:{self.node_id}")
                 tg.create_task(self.link.deliver_reports(), name=f"agent:outbox:{self.node_id}")
         finally:
@@ -222,7 +185,7 @@ class NodeAgent:
 
     async def _warm(self) -> None:
         if self.runner.prepared or await prepare_node(self.runner, report=self._report, beat_now=self._beat_now,
-                                                      beat_sent=self._beat_sent):
+                                                      beat_sent=self.heartbeat.beat_sent):
             await self.runner.until_warm()
 
     async def _shutdown(self) -> None:
@@ -236,7 +199,7 @@ class NodeAgent:
     async def _register(self) -> dict[str, Any]:
         """Register (retried until the daemon answers); the job spec of the reply."""
         reply = await self.link.register()
-        self._heed_interval(reply)
+        self.heartbeat.heed_interval(reply)
         log.info("agent_registered", node_id=self.node_id, heartbeat_interval_s=self.told_interval_s)
         return reply["job"]
 
@@ -276,43 +239,6 @@ class NodeAgent:
         # The deadline is near and no commit answered the notice: leave cleanly anyway.
         if self.trainer is TrainerState.RUNNING:
             self.runner.leave("leaving_before_commit", notice_id=notice_id)
-
-    async def _gpu_loop(self) -> None:
-        while True:
-            self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))  # NVML calls block briefly
-            await asyncio.sleep(_GPU_SAMPLE_S)
-
-    def _heed_interval(self, reply: dict[str, Any]) -> None:
-        """Take the heartbeat interval the daemon wants (a reply without one: keep the last)."""
-        v = reply.get("heartbeat_interval_s")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_HEARTBEAT_INTERVAL_S:
-            self.told_interval_s = float(v)
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            self._beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
-            if self._gpu.samples == 0:  # none since the last heartbeat (a short interval): one now
-                self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))
-            gpu = self._gpu.take()
-            chunk = await asyncio.to_thread(read_chunk, self.workdir / "trainer.log", self._log_want)
-            try:
-                reply = await self.link.post(
-                    "/v1/agent/heartbeat",
-                    {"step": self._progress.step, "progress": self._progress.body(),
-                     "trainer": {"state": self.trainer.value, "exit_code": self.runner.exit_code},
-                     "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
-                )
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.warning("heartbeat_failed", error=str(exc))  # the chunk is read again next time
-            else:
-                if isinstance(reply.get("log"), dict):
-                    self._log_want = reply["log"].get("offset")
-                self._heed_interval(reply)
-                await self._apply(reply)
-                self._beat_sent.set()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.told_interval_s or self.heartbeat_interval_s):
-                    await self._beat_now.wait()
 
     async def _apply(self, reply: dict[str, Any]) -> None:
         async with self._apply_lock:  # one reply at a time: two could both see the trainer not started
