@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ class StepProgress:
         return None if self._newest is None else {**self._newest, "tokens": self._tokens}
 
 
+@dataclass(eq=False)
 class Heartbeat:
     """One node's heartbeats and GPU samples (see the module docstring).
 
@@ -90,21 +92,20 @@ class Heartbeat:
         beat_sent: set after each heartbeat the daemon answered.
     """
 
-    def __init__(self, *, link: DaemonLink, runner: TrainerProcess, progress: StepProgress,
-                 gpu_sampler: GpuSampler, log_path: Path, interval_s: float, beat_now: asyncio.Event,
-                 apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        self._link = link
-        self._runner = runner
-        self._progress = progress
-        self._gpu_sampler = gpu_sampler
-        self._log_path = log_path
-        self.interval_s = interval_s
-        self._beat_now = beat_now
-        self._apply = apply
-        self.told_interval_s: float | None = None
-        self.beat_sent = asyncio.Event()
-        self._log_want: int | None = None  # trainer.log offset the daemon holds up to (its last reply)
-        self._gpu = GpuMeans()  # samples since the last heartbeat
+    _: KW_ONLY
+    link: DaemonLink
+    runner: TrainerProcess
+    progress: StepProgress
+    gpu_sampler: GpuSampler
+    log_path: Path
+    interval_s: float
+    beat_now: asyncio.Event
+    apply: Callable[[dict[str, Any]], Awaitable[None]]
+    told_interval_s: float | None = field(default=None, init=False)
+    beat_sent: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    # trainer.log offset the daemon holds up to (its last reply)
+    _log_want: int | None = field(default=None, init=False, repr=False)
+    _gpu: GpuMeans = field(default_factory=GpuMeans, init=False, repr=False)  # samples since the last heartbeat
 
     def heed_interval(self, reply: dict[str, Any]) -> None:
         """Take the heartbeat interval the daemon wants (a reply without one: keep the last)."""
@@ -115,16 +116,16 @@ class Heartbeat:
     async def beat(self) -> None:
         """Heartbeat for good (see the module docstring)."""
         while True:
-            self._beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
+            self.beat_now.clear()  # a change from here on is in this heartbeat or calls the next one
             if self._gpu.samples == 0:  # none since the last heartbeat (a short interval): one now
-                self._gpu.add(await asyncio.to_thread(self._gpu_sampler.sample))
+                self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))
             gpu = self._gpu.take()
-            chunk = await asyncio.to_thread(read_chunk, self._log_path, self._log_want)
+            chunk = await asyncio.to_thread(read_chunk, self.log_path, self._log_want)
             try:
-                reply = await self._link.post(
+                reply = await self.link.post(
                     "/v1/agent/heartbeat",
-                    {"step": self._progress.step, "progress": self._progress.body(),
-                     "trainer": {"state": self._runner.state.value, "exit_code": self._runner.exit_code},
+                    {"step": self.progress.step, "progress": self.progress.body(),
+                     "trainer": {"state": self.runner.state.value, "exit_code": self.runner.exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -133,14 +134,14 @@ class Heartbeat:
                 if isinstance(reply.get("log"), dict):
                     self._log_want = reply["log"].get("offset")
                 self.heed_interval(reply)
-                await self._apply(reply)
+                await self.apply(reply)
                 self.beat_sent.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.told_interval_s or self.interval_s):
-                    await self._beat_now.wait()
+                    await self.beat_now.wait()
 
     async def sample_gpus(self) -> None:
         """Sample the GPUs every second, for good (NVML calls block briefly: in a thread)."""
         while True:
-            self._gpu.add(await asyncio.to_thread(self._gpu_sampler.sample))
+            self._gpu.add(await asyncio.to_thread(self.gpu_sampler.sample))
             await asyncio.sleep(_GPU_SAMPLE_S)
