@@ -7,9 +7,8 @@ view of it, has no mutable attribute); no class over 300 lines in daemon/ or tra
 no function over 60 lines in daemon/control/ or trainer/loop.py; no import under an
 alias that reads as another module.
 
-Each ``PENDING`` set lists today's offenders that another change of issue 28 is
-fixing; a module that complies must leave its set (the test says so), so the sets only
-shrink. ``python -m pytest tests/test_layout.py`` is the command that checks it."""
+There are no exceptions to grant: each rule holds for the whole tree.
+``python -m pytest tests/test_layout.py`` is the command that checks it."""
 
 from __future__ import annotations
 
@@ -120,8 +119,6 @@ _MUTATORS = {"to", "add", "discard", "remove", "pop", "popitem", "clear", "updat
              "extend", "insert"}
 # the supervisor, and its apply arm (daemon/controlnode/actuator.py: the one other writer)
 _OWNERS = {"daemon.controlnode.supervisor", "daemon.controlnode.actuator"}
-# modules still allowed to assign the supervisor's fields while they move to typed changes (none now)
-PENDING_OWNER: set[str] = set()
 
 
 def _chain(node: ast.expr) -> list[str]:
@@ -211,8 +208,7 @@ def test_only_the_supervisor_changes_its_state() -> None:
             found = owner_writes(path.read_text())
             if found:
                 writers[name] = found
-    assert {m: w for m, w in writers.items() if m not in PENDING_OWNER} == {}
-    assert sorted(PENDING_OWNER - set(writers)) == [], "complies now: remove it from PENDING_OWNER"
+    assert writers == {}
 
 
 def test_core_has_no_mutable_attributes() -> None:
@@ -232,11 +228,6 @@ def test_core_has_no_mutable_attributes() -> None:
 
 
 # -- sizes -------------------------------------------------------------------------------------
-# issue 28: classes over 300 lines that other changes of the issue are cutting (agent, providers,
-# job tracker, migrator, trainer loop). The merger empties this set.
-PENDING_CLASSES: set[str] = set()
-# issue 28: functions over 60 lines that the trainer loop's change is cutting. The merger empties this set.
-PENDING_FUNCTIONS: set[str] = set()
 
 
 def _defs(tree: ast.AST, prefix: str) -> list[tuple[str, ast.AST]]:
@@ -264,23 +255,19 @@ def _over(kinds: tuple[type, ...], limit: int, where) -> dict[str, int]:
 
 def test_no_class_is_over_300_lines() -> None:
     big = _over((ast.ClassDef,), 300, lambda m: m.split(".")[0] in PACKAGES)
-    assert {k: v for k, v in big.items() if k not in PENDING_CLASSES} == {}
-    assert sorted(PENDING_CLASSES - set(big)) == [], "short enough now: remove it from PENDING_CLASSES"
+    assert big == {}
 
 
 def test_no_decision_or_loop_function_is_over_60_lines() -> None:
     big = _over((ast.FunctionDef, ast.AsyncFunctionDef), 60,
                 lambda m: m.startswith("daemon.control.") or m == "trainer.loop")
-    assert {k: v for k, v in big.items() if k not in PENDING_FUNCTIONS} == {}
-    assert sorted(PENDING_FUNCTIONS - set(big)) == [], "short enough now: remove it from PENDING_FUNCTIONS"
+    assert big == {}
 
 
 # -- import aliases ----------------------------------------------------------------------------
 # aliases the libraries' own documentation uses, kept though they break the rule below
 CONVENTIONAL = {("numpy", "np"), ("torch.distributed", "dist"), ("torch.distributed.checkpoint", "dcp"),
                 ("torch.nn.functional", "F")}
-# issue 28: today's offenders; H-migrate renames this one. The merger empties this set.
-PENDING_ALIASES: set[str] = set()
 
 
 def _abbreviates(alias: str, dotted: str) -> bool:
@@ -333,5 +320,25 @@ import datetime as when
 def test_no_import_alias_names_another_module() -> None:
     mods = _modules()
     found = {f"{name}: {o}" for name, path in mods.items() for o in alias_offences(path.read_text(), set(mods))}
-    assert found - PENDING_ALIASES == set()
-    assert sorted(PENDING_ALIASES - found) == [], "renamed now: remove it from PENDING_ALIASES"
+    assert found == set()
+
+
+# the supervisor's own records: mutable, written only by the supervisor (the test above)
+_SUPERVISOR_RECORDS = {"daemon.control.state.JobView", "daemon.control.state.Rejoin"}
+
+
+def test_what_the_decisions_take_and_return_is_frozen() -> None:
+    """Every dataclass in daemon/control/ (PoolState, NodeView, the actions, the changes,
+    the job tracker's and the migration's states and messages) is frozen, so a decision
+    cannot change what it was given and nobody can change what it returned; the
+    supervisor's own records are the exception, and only the supervisor writes them."""
+    mutable = set()
+    for name, path in _modules().items():
+        if name.startswith("daemon.control."):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    for deco in node.decorator_list:
+                        text = ast.unparse(deco)
+                        if text.split("(")[0].endswith("dataclass") and "frozen=True" not in text:
+                            mutable.add(f"{name}.{node.name}")
+    assert mutable == _SUPERVISOR_RECORDS
