@@ -58,7 +58,7 @@ log = structlog.get_logger("spotvisor.daemon")
 FIRST_REQUEST_S = 10.0  # TLS handshake + the first request's line and headers (seconds)
 BODY_READ_S = 30.0  # a request's body, once its head is in (seconds; read by the handler)
 # an idle connection between requests (seconds): longer than the agents' own keep-alive
-# (daemon.gpunode.agent.KEEPALIVE_S, 660 s), so the agent closes first and never sends on a
+# (daemon.gpunode.daemon_link.KEEPALIVE_S, 660 s), so the agent closes first and never sends on a
 # connection the daemon is closing; aiohttp's default is 3,630 s
 KEEPALIVE_S = 720.0
 LOG_EVERY_S = 10.0  # at most one line per kind of trouble this often (seconds)

@@ -3,8 +3,9 @@
 Each instance is a node agent (``python -m daemon.gpunode.agent run``) started by a small init
 (:data:`_INSTANCE_INIT`), in a session of their own (killed as a whole, like a VM
 being reclaimed), with its own working directory under ``<state_dir>/nodes/<node_id>/``
-and its own metadata endpoint on 127.0.0.1 speaking AWS IMDSv2
-(:class:`daemon.providers.local_metadata.aws.FakeImds`).
+and its own metadata endpoint on 127.0.0.1 speaking one of `provider.metadata_dialects` (AWS IMDSv2 by
+default: :class:`daemon.providers.local_metadata.aws.FakeImds`; the others in
+:mod:`daemon.providers.local_metadata`).
 
 Chaos hooks, used by :mod:`daemon.providers.chaos`: :meth:`LocalProvider.publish_interruption`
 publishes a spot interruption notice on the instance's metadata endpoint and
