@@ -338,3 +338,17 @@ def rdzv():
     from torch.distributed import TCPStore
 
     yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+@contextlib.asynccontextmanager
+async def agent_running(agent: "object", name: str = "test-agent") -> AsyncIterator[asyncio.Task]:
+    """``agent.run()`` (a :class:`daemon.gpunode.agent.NodeAgent`'s) as a task while the block
+    runs; on exit it must still be running, and is cancelled and awaited (10 s at most)."""
+    task = asyncio.create_task(agent.run(), name=name)  # type: ignore[attr-defined]
+    try:
+        yield task
+        assert not task.done(), f"the agent stopped on its own: {task}"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
