@@ -1,7 +1,9 @@
 """Test trainers as real modules: the stand-in a node agent runs as its trainer
-(:mod:`trainers.standin`) and the elastic job the in-process resize tests run in real
-worker processes (:mod:`trainers.elastic_job`). ``tests/`` is on ``PYTHONPATH`` in the
-tests (pytest's rootdir) and in the workers they start (``worker_procs``)."""
+(:mod:`trainers.standin`), the elastic job the in-process resize tests run in real
+worker processes (:mod:`trainers.elastic_job`), and the jobs' code the delivery tests
+ship in ``job.workdir`` (:mod:`trainers.workdir_standin`, :mod:`trainers.spot_code_job`).
+``tests/`` is on ``PYTHONPATH`` in the tests (pytest's rootdir) and in the workers they
+start (``worker_procs``)."""
 
 from pathlib import Path
 
