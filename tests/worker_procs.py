@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import node_files
 from bench.ports import free_port
 from trainer.contract import JOIN_CREDENTIAL_ENV, JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
 from trainer.credential import Authority
@@ -82,7 +83,7 @@ def finish(procs: list[subprocess.Popen]) -> list[str]:
 
 def status_lines(tmp_path: Path, node: str) -> list[dict]:
     """Node ``node``'s status lines, parsed."""
-    return [json.loads(x) for x in (tmp_path / node / "status.jsonl").read_text().splitlines()]
+    return node_files.status_lines(tmp_path / node)
 
 
 def trained(tmp_path: Path) -> dict[int, list[int]]:
