@@ -42,7 +42,7 @@ import torch
 from botocore.config import Config as BotoConfig
 
 from chaos.conftest import Matrix
-from fakes.aws_faults import _HOP_BY_HOP, AwsFaultProxy
+from fakes.aws_faults import AwsFaultProxy
 from trainer.checkpoint import CheckpointError, CheckpointStore, S3Store, latest_committed, list_committed, scan
 from trainer.guard import Decision, PreemptionGuard
 from trainer.integrations.common import DirCheckpointer
@@ -60,20 +60,8 @@ DEADLINE_S = 20.0  # the notice's lead in these cells (AWS gives 120 s, GCP 30 s
 
 class S3FaultProxy(AwsFaultProxy):
     """``AwsFaultProxy`` in front of moto's S3: S3 requests carry no EC2 ``Action``, so
-    faults armed for action ``""`` hit the next S3 requests. One difference: a HEAD's
-    ``Content-Length`` (the object's size, with no body) is passed through, as boto3's
-    downloads read it."""
-
-    async def _forward(self, request, body):  # type: ignore[no-untyped-def]
-        assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                         data=body, allow_redirects=False) as resp:
-            payload = await resp.read()
-            out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
-            if request.method == "HEAD" and "Content-Length" in resp.headers:
-                out["Content-Length"] = resp.headers["Content-Length"]
-            return resp.status, out, payload
+    faults armed for action ``""`` hit the next S3 requests (a HEAD's ``Content-Length``,
+    the object's size, passes through as boto3's downloads need)."""
 
 
 @dataclass

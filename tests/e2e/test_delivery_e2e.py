@@ -26,11 +26,10 @@ import re
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,6 +39,7 @@ import yaml
 from daemon.controlnode.workdir import pack
 from bench.ports import free_port
 from e2e.conftest import ROOT, SMALL_MODEL
+from fakes.serving import http_server
 from trainers import TRAINERS
 
 pytestmark = pytest.mark.slow
@@ -84,15 +84,8 @@ class _Sink(BaseHTTPRequestHandler):
 def webhook() -> Iterator[tuple[str, list[bytes]]]:
     """A webhook receiver on 127.0.0.1: (its URL, the bodies it got)."""
     bodies: list[bytes] = []
-    handler = type("Sink", (_Sink,), {"bodies": bodies})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(type("Sink", (_Sink,), {"bodies": bodies})) as url:
+        yield f"{url}/hook", bodies
 
 
 def _spotctl(socket: Path, *args: str) -> str:
