@@ -257,6 +257,18 @@ class ManualClock:
         self.t += seconds
 
 
+def new_bucket(endpoint: str, prefix: str) -> str:
+    """A new, empty bucket ``<prefix>-<12 hex digits>`` on the S3 server at ``endpoint``
+    (``s3_server``: moto's); its name."""
+    import uuid
+
+    import boto3
+
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name
+
+
 @pytest.fixture(scope="session")
 def ec2_server(s3_server: str) -> str:
     """A moto server for EC2 on 127.0.0.1; yields its endpoint URL.

@@ -41,6 +41,7 @@ import pytest
 import torch
 from botocore.config import Config as BotoConfig
 
+from conftest import new_bucket
 from chaos.conftest import Matrix
 from fakes.aws_faults import AwsFaultProxy
 from trainer.checkpoint import CheckpointError, CheckpointStore, S3Store, latest_committed, list_committed, scan
@@ -78,8 +79,7 @@ class Faulty:
 def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Faulty]:
     if request.param == "s3":
         endpoint = request.getfixturevalue("s3_server")
-        bucket = f"chaos-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        bucket = new_bucket(endpoint, "chaos")
         proxy = S3FaultProxy(endpoint)
         url = proxy.start()
         # the trainer's S3Store client (boto3's default retries), its read timeout cut to 1 s
