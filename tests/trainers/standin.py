@@ -120,7 +120,7 @@ def train(args: argparse.Namespace) -> None:
         except (OSError, ValueError):
             return []
 
-    def commit(reason: str, ids: list[str] = [], kinds: list[str] = []) -> None:  # noqa: B006 (never mutated)
+    def commit(reason: str, ids: tuple[str, ...] = (), kinds: tuple[str, ...] = ()) -> None:
         done = committed()
         if job.step not in done:  # the ledger is the object store: written before the status line
             tmp = "%s.tmp-%d" % (ledger, os.getpid())
@@ -140,7 +140,7 @@ def train(args: argparse.Namespace) -> None:
                 time.sleep(BOUNDARY_S)
                 continue
             ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
-            commit("notice", ids, kinds)
+            commit("notice", tuple(ids), tuple(kinds))
             job.handled.update(ids)
             if "interruption" in kinds:
                 job.emit("holding", notice_ids=ids, kinds=kinds, timeout_s=90)
