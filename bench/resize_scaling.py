@@ -49,32 +49,14 @@ from trainer.credential import Authority
 # name -> (n_layer, n_embd, n_head): GPT-2 blocks hold ~12 * n_layer * n_embd^2 parameters
 SIZES = {"3m": (4, 256, 4), "50m": (8, 720, 12), "200m": (16, 1024, 16)}
 
-#: --wraps choice -> (module of the job class and main, its class, extra trainer flags)
-WRAPS = {"ddp": ("trainer.run", "ReferenceJob", ()), "fsdp": ("trainer.examples.fsdp_dcp", "DcpJob", ("--wrap", "fsdp"))}
+#: --wraps choice -> (the job tests/trainers/elastic_job.py runs, extra trainer flags)
+WRAPS = {"ddp": ("reference", ()), "fsdp": ("dcp", ("--wrap", "fsdp"))}
 
-_JOB = """
-import os, sys, time
-from trainer.membership import JoinQueue, run_id
-from {module} import {job} as Job, main
-from trainer.runtime import rendezvous_endpoint
-
-class Scaled(Job):
-    def train_step(self):
-        out = super().train_step()
-        if self.state.step == 2 and self.ctx.rank == 0 and not self.joined_in_process:
-            q = JoinQueue(rendezvous_endpoint(), run_id())
-            while int(q.store.add("tickets", 0)) < 1:  # the grow lands at step 2
-                time.sleep(0.05)
-        if self.state.step == 4 and os.environ["SPOTVISOR_NODE_ID"] == "node2":
-            path = os.environ["SPOTVISOR_NOTICE_FILE"]
-            with open(path + ".tmp", "w") as f:
-                f.write('[{"id": "n2", "kind": "interruption", "time": 0.0, "deadline": null}]')
-            os.replace(path + ".tmp", path)
-        return out
-
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=Scaled))
-"""
+#: the elastic test job (``python -m trainers.elastic_job``, ``tests/`` on PYTHONPATH): rank 0
+#: waits after step 2 for the joiner's ticket, so the grow lands at step 2; the joiner's node
+#: (node2) gets an interruption notice after step 4
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+JOB_FLAGS = ("--wait-joiners-at", "2", "--notice-at", "4", "--notice-node", "node2")
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -93,8 +75,7 @@ def run_size(name: str, workdir: Path, wrap: str = "ddp") -> dict[str, Any]:
     from torch.distributed import TCPStore
 
     n_layer, n_embd, n_head = SIZES[name]
-    module, job, flags = WRAPS[wrap]
-    script = _JOB.replace("{module}", module).replace("{job}", job)
+    job, flags = WRAPS[wrap]
     rdzv = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     master, ckpt = free_port(), (workdir / "ckpt").as_uri()
     argv = ["--checkpoint-uri", ckpt, "--n-layer", str(n_layer), "--n-embd", str(n_embd), "--n-head", str(n_head),
@@ -112,8 +93,10 @@ def run_size(name: str, workdir: Path, wrap: str = "ddp") -> dict[str, Any]:
                 JOIN_CREDENTIAL_ENV: cred,
                 "SPOTVISOR_NODE_ID": node, "SPOTVISOR_SCRATCH_DIR": str(d / "scratch"), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "SPOTVISOR_NOTICE_FILE": str(d / "notices.json"), "SPOTVISOR_STATUS_FILE": str(d / "status.jsonl"),
-                "SPOTVISOR_LOG_DIR": str(d / "logs"), "SPOTVISOR_RDZV_ENDPOINT": f"127.0.0.1:{rdzv.port}"}
-        return subprocess.Popen([sys.executable, "-c", script, *argv], env=full, cwd=workdir,
+                "SPOTVISOR_LOG_DIR": str(d / "logs"), "SPOTVISOR_RDZV_ENDPOINT": f"127.0.0.1:{rdzv.port}",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+        return subprocess.Popen([sys.executable, "-m", "trainers.elastic_job", "--job", job, *JOB_FLAGS, *argv],
+                                env=full, cwd=workdir,
                                 stdout=open(d / "out.log", "w"), stderr=subprocess.STDOUT)
 
     procs = [start(f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),

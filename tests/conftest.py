@@ -173,13 +173,15 @@ class DaemonHarness:
 
 @contextlib.asynccontextmanager
 async def started_daemon(config: "object", provider: Provider, store: "object", socket_path: str, *,
-                         ssl_context: "object" = None, agent_ca_pem: str | None = None):
+                         ssl_context: "object" = None, agent_ca_pem: str | None = None, clock: "object" = None):
     """A Supervisor and its ApiServer on 127.0.0.1 (agent port: a free one), started; both
-    closed on exit. Yields ``(sup, api)``."""
+    closed on exit. Yields ``(sup, api)``. ``clock``: the supervisor's (e.g. a
+    :class:`ManualClock`); None: its default."""
     from daemon.interfaces.api import ApiServer
     from daemon.controlnode.supervisor import Supervisor
 
-    sup = Supervisor(config, provider=provider, store=store)  # type: ignore[arg-type]
+    sup = Supervisor(config, provider=provider, store=store,  # type: ignore[arg-type]
+                     **({} if clock is None else {"clock": clock}))
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=0,  # type: ignore[attr-defined]
                     socket_path=socket_path, ssl_context=ssl_context)
     try:
@@ -253,6 +255,18 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
+
+
+def new_bucket(endpoint: str, prefix: str) -> str:
+    """A new, empty bucket ``<prefix>-<12 hex digits>`` on the S3 server at ``endpoint``
+    (``s3_server``: moto's); its name."""
+    import uuid
+
+    import boto3
+
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name
 
 
 @pytest.fixture(scope="session")
@@ -338,3 +352,49 @@ def rdzv():
     from torch.distributed import TCPStore
 
     yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Iterator[int]:
+    """The c10d store, as ``spotvisord rendezvous`` runs it beside the daemon; its port.
+    Each test's job has a run id of its own (the daemon's nonce), so a module's tests share it."""
+    import subprocess
+
+    from bench.ports import free_port
+    from daemon.controlnode.rendezvous import wait_until_listening
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until_listening("127.0.0.1", port, 30.0), "the rendezvous store did not start"
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def stop_process(proc: "subprocess.Popen", timeout_s: float) -> None:
+    """SIGTERM ``proc`` and reap it; SIGKILL it if it has not exited within ``timeout_s``."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def agent_running(agent: "object", name: str = "test-agent") -> AsyncIterator[asyncio.Task]:
+    """``agent.run()`` (a :class:`daemon.gpunode.agent.NodeAgent`'s) as a task while the block
+    runs; on exit it must still be running, and is cancelled and awaited (10 s at most)."""
+    task = asyncio.create_task(agent.run(), name=name)  # type: ignore[attr-defined]
+    try:
+        yield task
+        assert not task.done(), f"the agent stopped on its own: {task}"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import signal
-import textwrap
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta, timezone
@@ -32,46 +31,7 @@ from daemon.gpunode.metadata.base import MetadataDialect
 from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import NodeState
 from conftest import ManualClock as Clock
-
-STANDIN = textwrap.dedent(
-    """\
-    import json, os, sys, time
-
-    status = os.environ["SPOTVISOR_STATUS_FILE"]
-    notices = os.environ["SPOTVISOR_NOTICE_FILE"]
-    gate = os.environ.get("STANDIN_GATE")  # if set: commit only once this file exists
-    fail_once = os.environ.get("STANDIN_FAIL_ONCE")  # if set: the first run exits 1 once started
-    step = 7
-    attempt = "standin-%d" % os.getpid() if fail_once else "standin-1"
-
-    def emit(event, **fields):
-        rec = {"event": event, "time": time.time(), "attempt": attempt,
-               "rank": int(os.environ.get("STANDIN_RANK", "0")),
-               "world_size": 1, "step": step, "pid": os.getpid(), **fields}
-        with open(status, "a") as f:
-            f.write(json.dumps(rec) + "\\n")
-
-    emit("started", resumed_from=None)
-    if fail_once and not os.path.exists(fail_once):  # its rendezvous store went away under it
-        open(fail_once, "w").close()
-        sys.exit(1)
-    handled = set()
-    while True:  # a trainer's step boundaries; default SIGTERM handling ends it
-        try:
-            with open(notices) as f:
-                pending = json.load(f)
-        except (OSError, ValueError):
-            pending = []
-        new = [n for n in pending if n["id"] not in handled]
-        if new and (not gate or os.path.exists(gate)):
-            step += 1
-            ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
-            emit("checkpoint_committed", notice_ids=ids, kinds=kinds, reason="notice", seconds=0.01, bytes=10)
-            emit("holding", notice_ids=ids, kinds=kinds, timeout_s=90)
-            handled.update(ids)
-        time.sleep(0.02)
-    """
-)
+from trainers import STANDIN
 
 
 @pytest.fixture
@@ -108,9 +68,7 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
         def metadata() -> MetadataDialect:
             return AwsImds(aws_fake.url, token_ttl_s=token_ttl_s, clock=aws_clock)
 
-    script = h.tmp_path / "standin_trainer.py"
-    script.write_text(STANDIN)
-    argv = [str(script)]
+    argv = [str(STANDIN)]
     if torchrun:
         argv = ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
                 "--monitor-interval=0.1", *argv]

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -49,8 +48,8 @@ import yaml
 
 from bench.loopwatch import LoopWatch
 from daemon.control.bounds import INTAKE_RATES, ReportClass
-from daemon.controlnode.rendezvous import wait_until_listening
 from bench.ports import free_port
+from conftest import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_MODEL = ["--seq-len", "32", "--n-layer", "1", "--n-embd", "64", "--n-head", "2"]
@@ -76,19 +75,6 @@ DB_GROWTH_MAX_MB = 5.0
 def _unit_nofile() -> int:
     (v,) = re.findall(r"^LimitNOFILE=(\d+)$", (ROOT / "systemd" / "spotvisord.service").read_text(), re.M)
     return int(v)
-
-
-@pytest.fixture(scope="module")
-def rendezvous() -> Iterator[int]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        assert wait_until_listening("127.0.0.1", port, 30.0), "the rendezvous store did not start"
-        yield port
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _query(db: Path, sql: str, *args: Any) -> list[tuple]:
@@ -137,12 +123,7 @@ def test_a_daemon_under_connection_and_report_floods_keeps_serving_its_nodes(tmp
             result = asyncio.run(_attack_and_measure(daemon, db, f"{sockdir}/d.sock", f"http://127.0.0.1:{agent_port}",
                                                      log))
         finally:
-            daemon.terminate()
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+            stop_process(daemon, 30)
     _report_and_check(result, nofile)
 
 

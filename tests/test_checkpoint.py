@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import uuid
 
 import boto3
 import pytest
 from botocore.exceptions import ClientError
 
+from conftest import new_bucket
 from trainer.checkpoint import (
     CheckpointError,
     CommitConflictError,
@@ -40,19 +40,13 @@ MIB = 1024 * 1024
 # --------------------------------------------------------------------------- fixtures and helpers
 
 
-def _new_bucket(endpoint: str) -> str:
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
-    return name
-
-
 @pytest.fixture(params=["file", "s3"])
 def store(request, tmp_path):
     """Each test runs against a fresh FileStore and a fresh S3 bucket (with a key prefix)."""
     if request.param == "file":
         return FileStore(tmp_path.as_uri())
     endpoint = request.getfixturevalue("s3_server")
-    return S3Store(f"s3://{_new_bucket(endpoint)}/runs/job-1", endpoint_url=endpoint)
+    return S3Store(f"s3://{new_bucket(endpoint, 'ckpt')}/runs/job-1", endpoint_url=endpoint)
 
 
 def _shard_bytes(step: int, rank: int, size: int = 1000) -> bytes:
@@ -438,7 +432,7 @@ def test_filestore_skips_what_is_not_a_regular_file_and_resume_takes_the_newest_
 
 
 def test_s3_multipart_round_trip(s3_server):
-    bucket = _new_bucket(s3_server)
+    bucket = new_bucket(s3_server, "ckpt")
     store = S3Store(
         f"s3://{bucket}/mp", endpoint_url=s3_server, multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB
     )
@@ -454,7 +448,7 @@ def test_s3_multipart_round_trip(s3_server):
 
 
 def test_s3_list_follows_pagination(s3_server):
-    store = S3Store(f"s3://{_new_bucket(s3_server)}", endpoint_url=s3_server, list_page_size=2)
+    store = S3Store(f"s3://{new_bucket(s3_server, 'ckpt')}", endpoint_url=s3_server, list_page_size=2)
     for i in range(5):
         store.put_bytes(f"step-00000001/k{i}", b"x" * i)
 

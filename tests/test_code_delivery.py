@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,22 +26,11 @@ from daemon.gpunode.metadata.aws import AwsImds
 from daemon.providers.local_metadata.aws import FakeImds
 from daemon.interfaces.ctl_render import render_status
 from daemon.model import JobState, NodeState
+from trainers import TRAINERS
 
 # the job's code: a trainer stand-in that exists only in job.workdir (run as -m standin_job),
 # saying where it runs and whether the setup's marker was there before it started
-STANDIN = textwrap.dedent(
-    """\
-    import json, os, signal, time
-
-    VERSION = "v1"
-    with open(os.path.join(os.environ["SPOTVISOR_LOG_DIR"], "..", "ran.json"), "w") as f:
-        json.dump({"cwd": os.getcwd(), "version": VERSION, "marker": os.path.exists("setup-marker")}, f)
-    with open(os.environ["SPOTVISOR_STATUS_FILE"], "a") as f:
-        f.write(json.dumps({"event": "started", "time": time.time(), "attempt": "a1", "rank": 0,
-                            "world_size": 1, "step": 0}) + "\\n")
-    signal.pause()  # trains nothing: runs until the agent stops it
-    """
-)
+STANDIN = (TRAINERS / "workdir_standin.py").read_text()
 
 
 def _workdir(root: Path) -> Path:
@@ -160,7 +148,9 @@ async def test_the_version_is_pinned_per_daemon_run(tmp_path, sockdir) -> None:
         await h.until(lambda: launching(h), what="a launch")
         (n1,) = launching(h)
         assert (await register(h, n1))["workdir"]["sha256"] == v1
-        (wd / "standin_job.py").write_text(STANDIN.replace('VERSION = "v1"', 'VERSION = "v2"'))  # the user edits
+        v2 = STANDIN.replace('VERSION = "v1"', 'VERSION = "v2"')
+        assert v2 != STANDIN
+        (wd / "standin_job.py").write_text(v2)  # the user edits
         h.sup.intake.on_reports(n1, [failed_setup(v1)])
         await h.until(lambda: launching(h), what="n1's replacement")
         (n2,) = launching(h)

@@ -227,6 +227,12 @@ class Model:
         cands = sorted((n for n in self.nodes.values() if n.state in states), key=lambda n: n.ordinal)
         return cands[k % len(cands)] if cands else None
 
+    def play(self, events: list[tuple]) -> None:
+        """From the start: a reconcile pass, then each event in turn."""
+        self.reconcile()
+        for ev in events:
+            self.step(ev)
+
     def step(self, ev: tuple) -> None:
         kind, k = ev[0], ev[1]
         if kind == "launched":
@@ -388,9 +394,7 @@ EVENTS = st.one_of(
 @given(target=st.sampled_from(COUNTS), events=st.lists(EVENTS, max_size=80))
 def test_random_reports_observations_and_commands_keep_every_invariant(target: int, events: list[tuple]) -> None:
     m = Model(target)
-    m.reconcile()
-    for ev in events:
-        m.step(ev)
+    m.play(events)
     m.settle()
 
 
@@ -398,9 +402,7 @@ def test_random_reports_observations_and_commands_keep_every_invariant(target: i
 @given(target=st.sampled_from(COUNTS), events=st.lists(EVENTS, max_size=80))
 def test_the_invariants_hold_when_new_nodes_join_in_process(target: int, events: list[tuple]) -> None:
     m = Model(target, dataclasses.replace(RULES, grow_in_process=True))
-    m.reconcile()
-    for ev in events:
-        m.step(ev)
+    m.play(events)
     m.settle()
 
 
@@ -415,9 +417,7 @@ def test_a_job_not_completed_is_never_left_silent(target: int, events: list[tupl
     more than enough), and the report restarts the trainers of the nodes still in it;
     when the world is healthy again it trains again."""
     m = Model(target)
-    m.reconcile()
-    for ev in events:
-        m.step(ev)
+    m.play(events)
     stalls = m.quiet(2 * STALL.first_step_s)
     if not m.paused and not m.job.state.is_terminal():
         assert stalls, (f"silent: job {m.job.state.value}, nodes "

@@ -27,7 +27,6 @@ import signal
 import sys
 import tempfile
 import termios
-import textwrap
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,54 +36,19 @@ import aiohttp
 import pytest
 import structlog
 
-from conftest import DaemonHarness, RecordingProvider, spotctl
+from conftest import DaemonHarness, RecordingProvider, agent_running, spotctl
 from daemon.gpunode.agent import NodeAgent
 from daemon.config import Config
 from daemon.gpunode.gpu import GpuSampler
 from daemon.gpunode.metadata.aws import AwsImds
 from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import NodeState
+from trainers import STANDIN
+
+#: the stand-in as spotctl's tests run it: five lines to stdout, commits of 0.5 s and 1000 bytes
+STANDIN_ARGV = [str(STANDIN), "--step", "3", "--print-lines", "5", "--commit-s", "0.5", "--commit-bytes", "1000"]
 
 REPO = Path(__file__).resolve().parents[1]
-
-STANDIN = textwrap.dedent(
-    """\
-    import json, os, sys, time
-
-    status, notices = os.environ["SPOTVISOR_STATUS_FILE"], os.environ["SPOTVISOR_NOTICE_FILE"]
-    gate = os.environ.get("STANDIN_GATE")  # if set: commit only once this file exists
-    more = os.environ.get("STANDIN_MORE")  # once this file exists, print its text too
-    step = 3
-
-    def emit(event, **fields):
-        rec = {"event": event, "time": time.time(), "attempt": "standin-1", "rank": 0,
-               "world_size": 1, "step": step, **fields}
-        with open(status, "a") as f:
-            f.write(json.dumps(rec) + "\\n")
-
-    emit("started", resumed_from=None)
-    for i in range(1, 6):
-        print(f"trainer line {i}", flush=True)
-    handled, printed_more = set(), False
-    while True:  # a trainer's step boundaries; default SIGTERM handling ends it
-        if more and not printed_more and os.path.exists(more):
-            print(open(more).read(), end="", flush=True)
-            printed_more = True
-        try:
-            with open(notices) as f:
-                pending = json.load(f)
-        except (OSError, ValueError):
-            pending = []
-        new = [n for n in pending if n["id"] not in handled]
-        if new and (not gate or os.path.exists(gate)):
-            step += 1
-            ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
-            emit("checkpoint_committed", notice_ids=ids, kinds=kinds, reason="notice", seconds=0.5, bytes=1000)
-            emit("holding", notice_ids=ids, kinds=kinds, timeout_s=90)
-            handled.update(ids)
-        time.sleep(0.02)
-    """
-)
 
 
 def one_line(err: str) -> str:
@@ -115,24 +79,16 @@ async def agent_on_first_node(h: DaemonHarness, monkeypatch: pytest.MonkeyPatch,
                               env: dict[str, str] | None = None) -> AsyncIterator[NodeAgent]:
     """The pool's first node with a real agent (its trainer: the stand-in); on exit the
     agent is cancelled and must have shut down cleanly."""
-    script = h.tmp_path / "standin_trainer.py"
-    script.write_text(STANDIN)
-    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(script)], "env": dict(env or {})})
+    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": STANDIN_ARGV, "env": dict(env or {})})
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
     node = next(iter(h.sup.nodes.values()))
     async with FakeImds(instance_id="i-0001") as imds:
         agent = NodeAgent(daemon_url=h.api.agent_url, token=node.token, node_id=node.id,  # type: ignore[attr-defined]
                           metadata=AwsImds(imds.url), workdir=h.tmp_path / "node", poll_interval_s=0.05,
                           heartbeat_interval_s=0.05, gpu_sampler=sampler)
-        task = asyncio.create_task(agent.run(), name="test-agent")
-        try:
+        async with agent_running(agent):
             await h.until(lambda: node.trainer == "running" and h.events("job_resumed"), what="trainer started")
             yield agent
-            assert not task.done(), f"the agent stopped on its own: {task}"
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(task, 10)
     assert agent.runner.proc is None or agent.runner.proc.returncode is not None, "trainer left running"
 
 
@@ -409,14 +365,12 @@ async def test_simulate_preemption_on_the_local_provider(tmp_path, sockdir, monk
     from daemon.config import LocalProviderSpec
     from daemon.providers.local import LocalProvider
 
-    script = tmp_path / "standin_trainer.py"
-    script.write_text(STANDIN)
     provider = LocalProvider(spec=LocalProviderSpec(launch_delay_s=0), state_dir=tmp_path / "state",
                              agent_args=["--poll-interval-s", "0.1", "--heartbeat-interval-s", "0.1"])
     raw = {"pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2}}
     from daemon.controlnode.supervisor import Supervisor
 
-    monkeypatch.setattr(Supervisor, "job_spec", lambda self, node: {"argv": [str(script)], "env": {}})
+    monkeypatch.setattr(Supervisor, "job_spec", lambda self, node: {"argv": STANDIN_ARGV, "env": {}})
     async with own_daemon(tmp_path, sockdir, raw, provider=provider) as h:
         await h.until(lambda: any(n.trainer == "running" for n in h.sup.nodes.values()), timeout_s=30,
                       what="the local node's trainer running")

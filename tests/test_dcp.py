@@ -15,10 +15,8 @@ import math
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
-import boto3
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from conftest import new_bucket
 from trainer.checkpoint import (
     FileStore,
     Manifest,
@@ -237,9 +236,7 @@ def store(request, tmp_path):
     if request.param == "file":
         return FileStore((tmp_path / "store").as_uri())
     endpoint = request.getfixturevalue("s3_server")
-    bucket = f"dcp-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return S3Store(f"s3://{bucket}/job", endpoint_url=endpoint)
+    return S3Store(f"s3://{new_bucket(endpoint, 'dcp')}/job", endpoint_url=endpoint)
 
 
 def _trained(steps: int, seed: int = 0):

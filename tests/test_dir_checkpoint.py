@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import uuid
 
-import boto3
 import pytest
 import torch
 
+from conftest import new_bucket
 from trainer.checkpoint import (
     CheckpointError,
     CorruptCheckpointError,
@@ -31,10 +30,8 @@ def store(request, tmp_path):
     if request.param == "file":
         return FileStore((tmp_path / "store").as_uri())
     endpoint = request.getfixturevalue("s3_server")
-    bucket = f"dir-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     # A 5 MiB threshold so the 6 MiB file below really goes up as a multipart upload.
-    return S3Store(f"s3://{bucket}/job", endpoint_url=endpoint, multipart_threshold=5 * 2**20,
+    return S3Store(f"s3://{new_bucket(endpoint, 'dir')}/job", endpoint_url=endpoint, multipart_threshold=5 * 2**20,
                    multipart_chunksize=5 * 2**20)
 
 

@@ -13,63 +13,19 @@ import pytest
 
 from bench.ports import free_port
 from lm_fixtures import save_model, save_tokenizer, tokenizer, write_docs
-from test_grow import _DIGEST_AT_THE_END, _WAIT_AT_FIVE, _assert_every_batch_once, _assert_same_state, _start
+from test_grow import GROW_AT_FIVE, _assert_every_batch_once, _assert_same_state, _start
 from trainer.checkpoint import latest_committed, open_store
-from trainer.contract import JOIN_ENV
 from trainer.data import MapSamples
 from trainer.sampler import ElasticSampler
 from trainer.stream import JsonlStream
 from trainer.tokens import TokenWindows, pack_to_file
-from worker_procs import finish, status_lines
+from worker_procs import finish, joiner_env, member_env, status_lines
 
-# GrowAtFive of tests/test_grow.py on the user's data: a grow at step 5, node0's notice at
-# step 8; every sample each worker reads is recorded (position, input_ids, labels)
-_JOB = _WAIT_AT_FIVE + """
-import json
-
-class Recording(WaitForTickets):
-    def _joiners_waiting(self):  # the joiner boots faster than a model loads: admit it at step 5, not before
-        return super()._joiners_waiting() if self.state.step >= 5 else 0
-
-    def train_step(self):
-        out = super().train_step()
-        if self.state.step == 8 and os.environ["SPOTVISOR_NODE_ID"] == "node0":
-            path = os.environ["SPOTVISOR_NOTICE_FILE"]
-            with open(path + ".tmp", "w") as f:
-                f.write('[{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": null}]')
-            os.replace(path + ".tmp", path)
-        return out
-
-    def batch(self, positions):
-        x, y = super().batch(positions)
-        with open(os.path.join(os.environ["OUT"], "samples-%d.jsonl" % os.getpid()), "a") as f:
-            for p, a, b in zip(positions, x.tolist(), y.tolist()):
-                f.write(json.dumps([p, a, b]) + "\\n")
-        if self.streaming:  # how many examples this worker has tokenized so far
-            with open(os.path.join(os.environ["OUT"], "examples-%d" % os.getpid()), "w") as f:
-                f.write(str(self.dataset.examples_read))
-        return x, y
-""" + _DIGEST_AT_THE_END + """
-
-class Docs(torch.utils.data.Dataset):  # the user's own map-style dataset
-    def __init__(self, path):
-        with open(path) as f:
-            self.rows = [json.loads(line) for line in f]
-    def __len__(self):
-        return len(self.rows)
-    def __getitem__(self, i):
-        return self.rows[i]
-
-def data(args):
-    if os.environ["DATA_KIND"] == "map":
-        from trainer.data import MapSamples, load_tokenizer
-        return MapSamples(Docs(args.data[0]), args.seq_len, load_tokenizer(args.tokenizer))
-    from trainer.data import load_data
-    return load_data(args)  # --streaming --data: trainer.stream.JsonlStream
-
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=Recording, data=data))
-"""
+# the grow tests' job (test_grow.GROW_AT_FIVE) on the user's data (--data-kind): a grow at
+# step 5, node0's notice at step 8; the joiner is admitted at step 5, not before (it boots
+# faster than a model loads); every sample each worker reads is recorded (position,
+# input_ids, labels)
+JOB = (*GROW_AT_FIVE, "--admit-from", "5", "--record-samples")
 
 SEQ = 16
 
@@ -82,7 +38,8 @@ def lm(tmp_path_factory) -> dict[str, Path]:
 
 
 def _flags(lm: dict[str, Path], kind: str, tmp_path: Path) -> tuple[str, ...]:
-    return ("--model", str(lm["model"]), "--tokenizer", str(lm["tokenizer"]), "--data", str(lm["docs"]),
+    return ("--data-kind", kind,
+            "--model", str(lm["model"]), "--tokenizer", str(lm["tokenizer"]), "--data", str(lm["docs"]),
             "--token-cache", str(tmp_path / "cache"), *(("--streaming",) if kind == "stream" else ()))
 
 
@@ -118,14 +75,9 @@ def test_a_users_dataset_keeps_its_exact_position_through_a_grow_and_a_shrink(tm
     two that finish hold the same model."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     extra = ("--join-timeout-s", "120", "--hold-timeout-s", "3", "--seq-len", str(SEQ), *_flags(lm, kind, tmp_path))
-    env = {"DATA_KIND": kind}
-    procs = [_start(tmp_path, f"node{r}", {**env, "RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "grow"},
-                    rdzv.port, ckpt, script=_JOB, extra=extra) for r in range(2)]
-    procs.append(_start(tmp_path, "node2", {**env, "RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
-                                            "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
-                                            "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt,
-                        script=_JOB, extra=extra))
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "grow"), rdzv.port, ckpt, job=JOB, extra=extra)
+             for r in range(2)]
+    procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt, job=JOB, extra=extra))
     outs = finish(procs)
     assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)
     started = [(x["step"], x.get("resized"), x["world_size"]) for x in status_lines(tmp_path, "node1")
@@ -142,15 +94,14 @@ def test_a_stream_resumes_from_its_commit_at_the_next_sample(tmp_path: Path, rdz
     to step 8 from the stream state in the commit: positions 4 x G on, each the data's sample,
     none read twice."""
     extra = ("--seq-len", str(SEQ), *_flags(lm, "stream", tmp_path))
-    env = {"DATA_KIND": "stream", "EXPECT_JOINERS": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0", "RANK": "0",
-           "TORCHELASTIC_RUN_ID": "resume"}
     ckpt = (tmp_path / "ckpt").as_uri()
-    first = _start(tmp_path, "node0", {**env, "MASTER_PORT": str(free_port())}, rdzv.port, ckpt, script=_JOB,
+    first = _start(tmp_path, "node0", member_env(0, 1, free_port(), "resume"), rdzv.port, ckpt, job=JOB, joiners=0,
                    extra=(*extra, "--target-steps", "4"))
     assert finish([first]) and first.returncode == 0
     position = latest_committed(open_store(ckpt)).data_position
     assert position["consumed_samples"] == 4 * 12 and position["stream"]["position"] == 4 * 12
-    second = _start(tmp_path, "node1", {**env, "MASTER_PORT": str(free_port())}, rdzv.port, ckpt, script=_JOB,
+    second = _start(tmp_path, "node1", member_env(0, 1, free_port(), "resume"), rdzv.port, ckpt, job=JOB,
+                    joiners=0,
                     extra=(*extra, "--target-steps", "8", "--global-batch-size", "12", "--micro-batch-size", "3"))
     out = finish([second])
     assert second.returncode == 0, out

@@ -7,86 +7,36 @@ bit-identical before and after, although every rank's shards changed."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from bench.ports import free_port
-from trainer.contract import JOIN_ENV
-from worker_procs import finish, start_worker, status_lines, trained
+from worker_procs import finish, joiner_env, member_env, start_worker, status_lines, trained, wait_for_status
 
 pytestmark = pytest.mark.slow
 
 G = 12
 
-# The full state's digest before stage_state and after reshard (rank 0 writes both; a
-# gather of the full state, collective, costs a test only). Rank 0 waits after step 5 for
-# the joiner, so the grow lands at step 5; node0 (old rank 0: the state must travel to the
-# new rank 0) gets a notice at step 8; node2 is SIGKILLed at step 6 when KILL is set.
-_JOB = """
-import hashlib, os, signal, sys, time, torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from trainer.examples.fsdp_dcp import DcpJob, main
-from trainer.membership import JoinQueue, run_id
-from trainer.runtime import rendezvous_endpoint
-
-def digest(job):
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model = get_model_state_dict(job.ddp, options=opts)
-    optim = get_optimizer_state_dict(job.ddp, job.state.optimizer, options=opts)
-    h = hashlib.sha256()
-    for k in sorted(model):
-        h.update(k.encode()); h.update(model[k].numpy().tobytes())
-    for k in sorted(optim.get("state", {})):
-        for name, t in sorted(optim["state"][k].items()):
-            h.update(f"{k}.{name}".encode()); h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-class Resized(DcpJob):
-    def _record(self, when):
-        d = digest(self)
-        if self.ctx.rank == 0:
-            with open(os.path.join(os.environ["OUT"], "%s-%d.txt" % (when, self.state.step)), "w") as f:
-                f.write("%s world %d" % (d, self.ctx.world_size))
-
-    def stage_state(self, keep):
-        self._record("before")
-        super().stage_state(keep)
-
-    def reshard(self, *, from_commit):
-        out = super().reshard(from_commit=from_commit)
-        self._record("after")
-        return out
-
-    def train_step(self):
-        node = os.environ["SPOTVISOR_NODE_ID"]
-        if os.environ.get("KILL") and self.state.step == 6 and node == "node2":
-            os.kill(os.getpid(), signal.SIGKILL)
-        out = super().train_step()
-        if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process and not os.environ.get("KILL"):
-            q = JoinQueue(rendezvous_endpoint(), run_id())
-            while int(q.store.add("tickets", 0)) < 1:
-                time.sleep(0.05)
-        if self.state.step == 8 and node == "node0" and not os.environ.get("KILL"):
-            path = os.environ["SPOTVISOR_NOTICE_FILE"]
-            with open(path + ".tmp", "w") as f:
-                f.write('[{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": null}]')
-            os.replace(path + ".tmp", path)
-        return out
-
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=Resized))
-"""
+# The elastic test job on DcpJob (tests/trainers/elastic_job.py): rank 0 writes the full
+# state's digest before stage_state and after reshard (a gather of the full state,
+# collective, costs a test only)
+RECORDED = ("--job", "dcp", "--record-resizes")
+# rank 0 waits after step 5 for the joiner, so the grow lands at step 5; node0 (old rank 0:
+# the state must travel to the new rank 0) gets a notice at step 8
+GROW_AND_SHRINK = (*RECORDED, "--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0")
+# node2 is SIGKILLed before its step 6
+KILL_NODE2 = (*RECORDED, "--kill-at", "6", "--kill-node", "node2")
 
 
-def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str,
+def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, job: tuple[str, ...],
            extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables)."""
-    argv = ["--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables),
+    running the elastic test job with the flags ``job``."""
+    argv = [*job, "--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--global-batch-size", str(G), "--micro-batch-size", "2",
             "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3", "--wrap", "fsdp", *extra]
-    return start_worker(tmp_path, name, env, rdzv_port, _JOB, argv, run_id="fsdp")
+    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="fsdp")
 
 
 def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(tmp_path: Path, rdzv) -> None:
@@ -97,21 +47,13 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
     resizes the full state (every parameter, AdamW's moments) hashes the same before the
     group changed and after it was resharded at the new world."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "fsdp"},
-                    rdzv.port, ckpt, ("--checkpoint-interval", "0")) for r in range(2)]
-    status = tmp_path / "node0" / "status.jsonl"
-    while not (status.exists() and '"event":"step"' in status.read_text()):
-        assert procs[0].poll() is None, procs[0].communicate()[0]
-        time.sleep(0.05)
-    procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
-                                            "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
-                                            "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt,
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "fsdp"), rdzv.port, ckpt, GROW_AND_SHRINK,
+                    ("--checkpoint-interval", "0")) for r in range(2)]
+    wait_for_status(tmp_path, "node0", procs[0], '"event":"step"')
+    procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt, GROW_AND_SHRINK,
                         ("--checkpoint-interval", "0")))
     # node0's agent stops it as soon as its notice is answered by a commit, as a real one does
-    while '"reason":"notice"' not in status.read_text():
-        assert procs[0].poll() is None, procs[0].communicate()[0]
-        time.sleep(0.05)
+    wait_for_status(tmp_path, "node0", procs[0], '"reason":"notice"')
     procs[0].terminate()
     outs = finish(procs)
     assert [p.returncode for p in procs] == [-15, 0, 0], "\n".join(outs)
@@ -136,9 +78,8 @@ def test_a_sharded_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_
     load step 4 from the commit at world 2 and train on to step 12: steps 5 and 6 are
     trained again (the only loss), every later step once, the step logs continuous."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "fsdp", "KILL": "1"},
-                    rdzv.port, ckpt, ("--checkpoint-interval", "4", "--loss-settle-s", "0.05")) for r in range(3)]
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt, KILL_NODE2,
+                    ("--checkpoint-interval", "4", "--loss-settle-s", "0.05")) for r in range(3)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
     for node in ("node0", "node1"):

@@ -20,7 +20,8 @@ from bench.ports import free_port
 from trainer.contract import JOIN_ENV, RUN_ID_ENV
 from trainer.credential import NodeCredential, Verifier
 from trainer.membership import EXPIRY_MARGIN_S, MAX_READS_PER_STEP, JoinQueue, JoinRefused, JoinTimeout
-from worker_procs import AUTHORITY, finish, start_worker, status_lines, trained
+from worker_procs import (AUTHORITY, finish, joiner_env, member_env, start_worker, status_lines, trained,
+                          wait_for_status)
 
 
 def _queue(rdzv: TCPStore, run: str = "r") -> JoinQueue:
@@ -180,64 +181,25 @@ def test_a_loss_round_leaves_out_an_outsiders_and_a_copied_entry(rdzv) -> None:
 
 # -- the whole grow, in real worker processes --------------------------------------------------
 
-# a worker that finished the job writes a digest of its model and AdamW state
-_DIGEST_AT_THE_END = """
-    def close(self):
-        super().close()
-        if self.state.step < self.args.target_steps:
-            return  # a node that left
-        opt = self.state.optimizer
-        digest = [float(sum(p.double().sum() for p in self.state.model.parameters())),
-                  float(sum(s["exp_avg_sq"].double().sum() for s in opt.state.values()))]
-        with open(os.path.join(os.environ["OUT"], "final-%s.json" % os.getpid()), "w") as f:
-            f.write(repr(digest))
-"""
-
-# rank 0 waits after step 5 until every expected ticket is queued (EXPECT_JOINERS), so a grow
-# lands at step 5: the base of the grow tests' jobs
-_WAIT_AT_FIVE = """
-import os, sys, time, torch
-from trainer.membership import JoinQueue, run_id
-from trainer.run import ReferenceJob, main
-from trainer.runtime import rendezvous_endpoint
-
-class WaitForTickets(ReferenceJob):
-    def train_step(self):
-        out = super().train_step()
-        if self.state.step == 5 and self.ctx.rank == 0 and not self.joined_in_process:
-            q = JoinQueue(rendezvous_endpoint(), run_id())
-            while int(q.store.add("tickets", 0)) < int(os.environ["EXPECT_JOINERS"]):
-                time.sleep(0.05)  # polling another process's ticket count
-        return out
-"""
-
-_JOB = _WAIT_AT_FIVE + """
-class GrowAtFive(WaitForTickets):
-    # the grow lands at step 5; node0 (rank 0, the committer) gets an interruption notice at step 8
-    def train_step(self):
-        out = super().train_step()
-        if self.state.step == 8 and os.environ["SPOTVISOR_NODE_ID"] == "node0":
-            path = os.environ["SPOTVISOR_NOTICE_FILE"]
-            with open(path + ".tmp", "w") as f:
-                f.write('[{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": null}]')
-            os.replace(path + ".tmp", path)
-        return out
-
-""" + _DIGEST_AT_THE_END + """
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=GrowAtFive))
-"""
+# the grow tests' job (tests/trainers/elastic_job.py): rank 0 waits after step 5 until every
+# expected ticket is queued (--joiners), so a grow lands at step 5; node0 (rank 0, the
+# committer) gets an interruption notice at step 8; the workers that finish write a digest
+# of their model and AdamW state
+GROW_AT_FIVE = ("--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0", "--digest-at-end")
 
 G = 12
 
 
-def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, *, script: str = _JOB,
+def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, *,
+           job: tuple[str, ...] = GROW_AT_FIVE, joiners: int = 1,
            extra: tuple[str, ...] = ("--join-timeout-s", "120", "--hold-timeout-s", "3")) -> subprocess.Popen:
-    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables)."""
-    argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables),
+    running the elastic test job with the flags ``job`` (``joiners``: the tickets rank 0 waits for)."""
+    argv = [*job, "--joiners", str(joiners),
+            "--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", str(G),
             "--micro-batch-size", "2", "--pg-timeout-s", "60", *extra]
-    return start_worker(tmp_path, name, {"EXPECT_JOINERS": "1", **env}, rdzv_port, script, argv, run_id="grow")
+    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="grow")
 
 
 def _assert_every_batch_once(tmp_path: Path, steps: int) -> None:
@@ -261,18 +223,11 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     batch is trained exactly once, and the two that finish end with the same model and
     optimizer state: the joiner got rank 0's."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "grow"},
-                    rdzv.port, ckpt) for r in range(2)]
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "grow"), rdzv.port, ckpt) for r in range(2)]
     # the new node boots while the job trains (its first steps are in the status file); its
     # launcher is its own (torchrun --standalone): RANK 0 of a world of 1
-    status = tmp_path / "node0" / "status.jsonl"
-    while not (status.exists() and '"event":"step"' in status.read_text()):
-        assert procs[0].poll() is None, procs[0].communicate()[0]
-        time.sleep(0.05)
-    procs.append(_start(tmp_path, "node2", {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
-                                            "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
-                                            "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt))
+    wait_for_status(tmp_path, "node0", procs[0], '"event":"step"')
+    procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt))
     outs = finish(procs)
     # node0 left after its notice commit (no agent stops it here: it exits after its hold)
     assert [p.returncode for p in procs] == [1, 0, 0], "\n".join(outs)
@@ -289,11 +244,8 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
     _assert_same_state(tmp_path, 2)
 
 
-_OUTSIDER_JOB = _WAIT_AT_FIVE + """
-""" + _DIGEST_AT_THE_END + """
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=WaitForTickets))
-"""
+# the grow at step 5 without the notice: the world goes 2 -> 3 and stays
+OUTSIDER_JOB = ("--wait-joiners-at", "5", "--digest-at-end")
 
 
 @pytest.mark.slow
@@ -310,19 +262,12 @@ def test_an_outsider_on_the_network_never_joins_and_a_node_with_a_credential_doe
     from trainer.credential import Authority
 
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    env = {"EXPECT_JOINERS": "4"}
-    procs = [_start(tmp_path, f"node{r}", {**env, "RANK": str(r), "WORLD_SIZE": "2", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "grow"},
-                    rdzv.port, ckpt, script=_OUTSIDER_JOB) for r in range(2)]
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "grow"), rdzv.port, ckpt, job=OUTSIDER_JOB,
+                    joiners=4) for r in range(2)]
     try:
-        status = tmp_path / "node0" / "status.jsonl"
-        while not (status.exists() and '"event":"step"' in status.read_text()):
-            assert procs[0].poll() is None, procs[0].communicate()[0]
-            time.sleep(0.05)
-        procs.append(_start(tmp_path, "node2", {**env, "RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
-                                                "MASTER_PORT": str(free_port()), JOIN_ENV: "1",
-                                                "TORCHELASTIC_RUN_ID": "standalone-1"}, rdzv.port, ckpt,
-                            script=_OUTSIDER_JOB))
+        wait_for_status(tmp_path, "node0", procs[0], '"event":"step"')
+        procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt,
+                            job=OUTSIDER_JOB, joiners=4))
         # the outsider: a plain store client on the private network, no credential of its own
         store = PrefixStore("spotvisor/grow/join", TCPStore("127.0.0.1", rdzv.port, is_master=False,
                                                             timeout=timedelta(seconds=120)))
@@ -451,25 +396,10 @@ async def test_the_daemon_writes_the_wake_into_the_lost_nodes_rendezvous_store(s
 
 # -- a peer lost without notice, in-process --------------------------------------------------
 
-_LOSS_JOB = """
-import os, signal, sys, time
-from trainer.run import ReferenceJob, main
-
-class KilledAtSix(ReferenceJob):
-    # node2's worker is killed (SIGKILL: no notice, no commit) as the others start step 7;
-    # node1 computes 0.3 s longer every step, so it reaches the failed collective that much
-    # after node0, which was waiting in it
-    def train_step(self):
-        if self.state.step == 6 and os.environ["SPOTVISOR_NODE_ID"] == "node2":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if os.environ["SPOTVISOR_NODE_ID"] == "node1":
-            time.sleep(0.3)
-        return super().train_step()
-
-""" + _DIGEST_AT_THE_END + """
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=KilledAtSix))
-"""
+# node2's worker is killed (SIGKILL: no notice, no commit) as the others start step 7;
+# node1 computes 0.3 s longer every step, so it reaches the failed collective that much
+# after node0, which was waiting in it
+LOSS_JOB = ("--kill-at", "6", "--kill-node", "node2", "--slow-node", "node1", "--slow-s", "0.3", "--digest-at-end")
 
 
 @pytest.mark.slow
@@ -481,9 +411,8 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     0.3 s a step, still makes the new group although the settle window asked for is 0.05 s:
     the survivors wait at least twice a step's time for each other."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "loss"},
-                    rdzv.port, ckpt, script=_LOSS_JOB, extra=("--loss-settle-s", "0.05")) for r in range(3)]
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "loss"), rdzv.port, ckpt, job=LOSS_JOB,
+                    extra=("--loss-settle-s", "0.05")) for r in range(3)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
 
@@ -495,22 +424,9 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     _assert_same_state(tmp_path, 2)
 
 
-_SILENT_JOB = """
-import os, signal, sys
-from trainer.run import ReferenceJob, main
-
-class StoppedAtSix(ReferenceJob):
-    # node2's worker stops dead at step 6 (SIGSTOP: its connections stay open and silent, as
-    # a powered-off instance's do: its peers' collective neither fails nor returns)
-    def train_step(self):
-        if self.state.step == 6 and os.environ["SPOTVISOR_NODE_ID"] == "node2":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        return super().train_step()
-
-""" + _DIGEST_AT_THE_END + """
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=StoppedAtSix))
-"""
+# node2's worker stops dead at step 6 (SIGSTOP: its connections stay open and silent, as
+# a powered-off instance's do: its peers' collective neither fails nor returns)
+SILENT_JOB = ("--kill-at", "6", "--kill-node", "node2", "--kill-signal", "STOP", "--digest-at-end")
 
 
 @pytest.mark.slow
@@ -524,9 +440,8 @@ def test_the_daemon_wakes_the_survivors_of_a_silent_node(tmp_path: Path, rdzv) -
     from trainer.membership import wake_survivors
 
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", {"RANK": str(r), "WORLD_SIZE": "3", "GROUP_RANK": str(r),
-                                            "MASTER_PORT": str(master), "TORCHELASTIC_RUN_ID": "silent"},
-                    rdzv.port, ckpt, script=_SILENT_JOB) for r in range(3)]
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "silent"), rdzv.port, ckpt, job=SILENT_JOB)
+             for r in range(3)]
     try:
         while Path(f"/proc/{procs[2].pid}/stat").read_text().split(")")[1].split()[0] != "T":
             assert procs[2].poll() is None, procs[2].communicate()[0]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
+from node_files import status_lines, step_records, write_notices
 from trainer.batch import BatchError, ElasticBatch
 from trainer.checkpoint import FileStore, latest_committed, list_committed, step_dir, write_dir
 from trainer.examples import hf_finetune
@@ -59,23 +60,6 @@ def _main(tmp: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
     for k, v in _env(tmp).items():
         monkeypatch.setenv(k, v)
     return hf_finetune.main(["--checkpoint-uri", (tmp / "ckpt").as_uri(), *TINY, *args])
-
-
-def _status(tmp: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp / "status.jsonl").read_text().splitlines()]
-
-
-def _steps(tmp: Path) -> list[dict]:
-    out = []
-    for f in sorted((tmp / "logs").glob("steps-*-rank*.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines()]
-    return sorted(out, key=lambda r: (r["time"], r["rank"]))
-
-
-def _notices(tmp: Path, *notices: tuple[str, str]) -> None:
-    f = tmp / "notices.json"
-    f.with_suffix(".tmp").write_text(json.dumps([{"id": i, "kind": k} for i, k in notices]))
-    os.replace(f.with_suffix(".tmp"), f)
 
 
 def _hf_folder(folder: Path, step: int, ranks: int = 2) -> None:
@@ -175,7 +159,7 @@ def test_callback_on_notice_saves_commits_holds_and_stops(tmp_path: Path) -> Non
     assert not (tmp_path / "out" / "checkpoint-3").exists()
     cb.record([8, 9], 1.0)
     cb.record([10, 11], 1.5)
-    _notices(tmp_path, ("n-1", "interruption"))
+    write_notices(tmp_path, ("n-1", "interruption"))
 
     cb.on_step_end(args, state, control)
     assert control.should_save and control.should_training_stop
@@ -190,9 +174,10 @@ def test_callback_on_notice_saves_commits_holds_and_stops(tmp_path: Path) -> Non
                                                  "optimizer.pt"}
     assert not (tmp_path / "out" / "checkpoint-3").exists()  # moved out: rotation cannot touch it
     assert control.should_training_stop is False  # hold timed out (0 s): train on, like trainer.run
-    events = [(r["event"], r["step"]) for r in _status(tmp_path)]
+    events = [(r["event"], r["step"]) for r in status_lines(tmp_path)]
     assert events == [("started", 3), ("step", 3), ("checkpoint_committed", 3), ("holding", 3)]
-    assert _steps(tmp_path)[0]["positions"] == [8, 9, 10, 11] and _steps(tmp_path)[0]["loss"] == 2.5
+    first = step_records(tmp_path, by_time=True)[0]
+    assert first["positions"] == [8, 9, 10, 11] and first["loss"] == 2.5
 
     # the notice is handled: the next boundary does not act on it again
     state.global_step, control = 4, TrainerControl()
@@ -208,41 +193,41 @@ def test_notice_in_training_commits_then_holds_until_a_peer_leaves(tmp_path: Pat
         raise RuntimeError("Connection closed by peer")  # what gloo raises in the hold's all-reduce
 
     monkeypatch.setattr(PreemptionGuard, "hold", peer_left)
-    _notices(tmp_path, ("n-1", "interruption"))
+    write_notices(tmp_path, ("n-1", "interruption"))
     with pytest.raises(RuntimeError, match="closed by peer"):
         _main(tmp_path, monkeypatch, "--target-steps", "5", "--global-batch-size", "4", "--micro-batch-size", "2",
               "--checkpoint-interval", "0")
-    events = [(r["event"], r["step"]) for r in _status(tmp_path)]
+    events = [(r["event"], r["step"]) for r in status_lines(tmp_path)]
     assert events == [("started", 0), ("step", 1), ("checkpoint_committed", 1), ("holding", 1)]
-    committed = _status(tmp_path)[2]
+    committed = status_lines(tmp_path)[2]
     assert committed["notice_ids"] == ["n-1"] and committed["reason"] == "notice" and committed["bytes"] > 0
     manifest = latest_committed(FileStore((tmp_path / "ckpt").as_uri()))
     assert manifest.step == 1 and manifest.extra["notice_ids"] == ["n-1"]
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"} <= {
         s.name for s in manifest.shards}
-    assert [s["step"] for s in _steps(tmp_path)] == [1]
+    assert [s["step"] for s in step_records(tmp_path, by_time=True)] == [1]
 
 
 def test_hold_timeout_trains_on_and_resume_answers_a_new_notice_without_rewriting(tmp_path: Path,
                                                                                   monkeypatch) -> None:
     common = ["--global-batch-size", "4", "--micro-batch-size", "2", "--checkpoint-interval", "2",
               "--hold-timeout-s", "0"]
-    _notices(tmp_path, ("n-1", "interruption"))
+    write_notices(tmp_path, ("n-1", "interruption"))
     assert _main(tmp_path, monkeypatch, "--target-steps", "3", *common) == 0
-    first = _status(tmp_path)
+    first = status_lines(tmp_path)
     assert [(r["event"], r["step"], r.get("reason")) for r in first if r["event"] != "step"] == [
         ("started", 0, None), ("checkpoint_committed", 1, "notice"), ("holding", 1, None),
         ("checkpoint_committed", 2, "periodic"), ("checkpoint_committed", 3, "final"), ("completed", 3, None)]
 
     # Restarted at the committed step 3 with a new notice: answered at once, nothing saved again.
-    _notices(tmp_path, ("n-1", "interruption"), ("c-2", "checkpoint"))
+    write_notices(tmp_path, ("n-1", "interruption"), ("c-2", "checkpoint"))
     assert _main(tmp_path, monkeypatch, "--target-steps", "5", *common) == 0
-    second = _status(tmp_path)[len(first):]
+    second = status_lines(tmp_path)[len(first):]
     assert second[0]["event"] == "started" and second[0]["resumed_from"] == 3
     commits = [(r["step"], r["reason"], r["notice_ids"], r["reused"]) for r in second
                if r["event"] == "checkpoint_committed"]
     assert commits == [(3, "notice", ["c-2"], True), (4, "periodic", [], False), (5, "final", [], False)]
-    steps = _steps(tmp_path)
+    steps = step_records(tmp_path, by_time=True)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert [p for s in steps for p in s["positions"]] == list(range(5 * 4))
 
@@ -257,8 +242,8 @@ def test_lora_adapters_commit_and_resume_exactly(tmp_path: Path, monkeypatch) ->
     assert "adapter_model.safetensors" in names and "model.safetensors" not in names
     assert _main(a, monkeypatch, "--target-steps", "4", *common) == 0
     assert _main(b, monkeypatch, "--target-steps", "4", *common) == 0
-    split = [s["loss"] for s in _steps(a)]
-    whole = [s["loss"] for s in _steps(b)]
+    split = [s["loss"] for s in step_records(a, by_time=True)]
+    whole = [s["loss"] for s in step_records(b, by_time=True)]
     assert split == pytest.approx(whole, rel=1e-5)
     assert whole[-1] < whole[0]
 
@@ -305,10 +290,10 @@ def test_resume_at_other_world_sizes_keeps_the_exact_sample_order(tmp_path: Path
     assert manifests[2].world_size == 1 and manifests[4].world_size == 2
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {s.name for s in manifests[4].shards}
     assert _main(elastic, monkeypatch, "--target-steps", "6", *common) == 0
-    started = [(r["world_size"], r["resumed_from"]) for r in _status(elastic) if r["event"] == "started"]
+    started = [(r["world_size"], r["resumed_from"]) for r in status_lines(elastic) if r["event"] == "started"]
     assert started == [(1, None), (2, 2), (1, 4)]
 
-    steps = _steps(elastic)
+    steps = step_records(elastic, by_time=True)
     by_step: dict[int, list[int]] = {}
     for s in steps:
         by_step.setdefault(s["step"], []).extend(s["positions"])
@@ -318,6 +303,6 @@ def test_resume_at_other_world_sizes_keeps_the_exact_sample_order(tmp_path: Path
         assert sorted(positions) == list(range((step - 1) * 8, step * 8))  # exact: no gap, no repeat
 
     assert _main(whole, monkeypatch, "--target-steps", "6", *common) == 0
-    losses = {r["step"]: r["loss"] for r in _status(elastic) if r["event"] == "step"}
-    reference = {r["step"]: r["loss"] for r in _status(whole) if r["event"] == "step"}
+    losses = {r["step"]: r["loss"] for r in status_lines(elastic) if r["event"] == "step"}
+    reference = {r["step"]: r["loss"] for r in status_lines(whole) if r["event"] == "step"}
     assert [losses[s] for s in range(1, 7)] == pytest.approx([reference[s] for s in range(1, 7)], rel=1e-5)

@@ -22,7 +22,7 @@ from daemon.control.pool import Desired, History, Offer, Timeouts, plan
 from daemon.launchspec import AliyunLaunchSpec, AwsLaunchSpec
 from daemon.providers.aliyun import AliyunProvider
 from daemon.providers.aws import AwsProvider, launch_template_data
-from daemon.providers.base import NodeSpec
+from daemon.providers.base import Instance, NodeSpec
 from fakes.ecs import FakeEcs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,19 +103,24 @@ def _provider(config: Config, **kw: Any) -> AwsProvider:
 
 # -- AWS: what moto records -------------------------------------------------------------------
 
+async def _launch_one(config: Config, offer: int, faults) -> tuple[Instance, dict[str, str]]:
+    """Launch offer ``offer`` for a new pool; the instance and the RunInstances call's parameters."""
+    prov = _provider(config)
+    try:
+        inst = await prov.launch(_offer(config, offer), _node(f"pool-{uuid.uuid4().hex[:8]}"))
+    finally:
+        await prov.aclose()
+    (req,) = faults.actions("RunInstances")
+    return inst, req.params
+
+
 async def test_p5_launch_carries_efa_root_volume_and_the_regions_image(two_regions, faults, ec2_server) -> None:
     """A p5.48xlarge offer in us-west-2: 32 EFA interfaces (one per network card, card 0 the
     primary), the 500 GiB gp3 root volume on the AMI's root device, us-west-2's image,
     subnet, group and key; the instance-store disks become scratch in its user data."""
     config, nets = two_regions
     subnet, group = nets["us-west-2"]
-    prov = _provider(config)
-    try:
-        inst = await prov.launch(_offer(config, 1), _node(f"pool-{uuid.uuid4().hex[:8]}"))
-    finally:
-        await prov.aclose()
-    (req,) = faults.actions("RunInstances")
-    p = req.params
+    inst, p = await _launch_one(config, 1, faults)
     assert p["ImageId"] == AMI_WEST and p["KeyName"] == "west-key"
     cards = sorted({k.split(".")[1] for k in p if k.startswith("NetworkInterface.")}, key=int)
     assert len(cards) == 32
@@ -178,13 +183,7 @@ async def test_old_single_place_config_loads_and_launches_as_before(faults, ec2_
     })
     spec = config.launch_spec(_offer(config, 0))
     assert isinstance(spec, AwsLaunchSpec) and spec.image_id == AMI_EAST and spec.domain == "aws-us-east-1"
-    prov = _provider(config)
-    try:
-        inst = await prov.launch(_offer(config, 0), _node(f"pool-{uuid.uuid4().hex[:8]}"))
-    finally:
-        await prov.aclose()
-    (req,) = faults.actions("RunInstances")
-    p = req.params
+    inst, p = await _launch_one(config, 0, faults)
     assert (p["ImageId"], p["SubnetId"], p["SecurityGroupId.1"]) == (AMI_EAST, subnet, group)
     assert p["IamInstanceProfile.Name"] == "spotvisor-node"
     assert not any(k.startswith(("NetworkInterface", "BlockDeviceMapping")) for k in p)  # g5.xlarge: no EFA

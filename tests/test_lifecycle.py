@@ -25,15 +25,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import DaemonHarness, ManualClock, RecordingProvider
-from daemon.interfaces.api import ApiServer
+from conftest import DaemonHarness, ManualClock, RecordingProvider, started_daemon
 from daemon.interfaces.cli import running_daemon
 from daemon.config import Config
 from daemon.model import JobState, NodeState
 from daemon.providers.base import Instance
 from daemon.interfaces.service import SdNotifier, serve
 from daemon.controlnode.store import Store
-from daemon.controlnode.supervisor import Supervisor
 
 T0 = 1_000_000.0
 
@@ -85,16 +83,13 @@ async def clocked(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
     store = Store(tmp_path / "state" / "spotvisord.db").open()
     provider = GatedProvider(held={"life-2"})
     clock = ManualClock(T0)
-    sup = Supervisor(config, provider=provider, store=store, clock=clock)
-    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=f"{sockdir}/d.sock")
     try:
-        await api.start()
-        await sup.start(agent_url=api.agent_url)
-        yield DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
+        async with started_daemon(config, provider, store, f"{sockdir}/d.sock", clock=clock) as (sup, api):
+            try:
+                yield DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
+            finally:
+                provider.release.set()  # before the supervisor closes: its held launch returns
     finally:
-        provider.release.set()
-        await sup.aclose()
-        await api.aclose()
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)
 
@@ -273,22 +268,17 @@ async def test_terminations_in_one_pass_run_together_and_a_failed_one_is_retried
     store = Store(tmp_path / "state" / "spotvisord.db").open()
     provider = SlowTerminateProvider(failing="i-0001")
     clock = ManualClock(T0)
-    sup = Supervisor(config, provider=provider, store=store, clock=clock)
-    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=f"{sockdir}/d.sock")
-    h = DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
     try:
-        await api.start()
-        await sup.start(agent_url=api.agent_url)
-        await h.until(lambda: len(h.events("node_launched")) == 2, what="two launches")
-        clock.advance(config.daemon.launch_timeout_s + 1)  # no agent ever registers: boot timed out
-        sup.wake()
-        await h.until(lambda: {"i-0001", "i-0002"} <= provider.terminated, timeout_s=10,
-                      what="both instances terminated, the throttled one on a later pass")
-        assert provider.most_in_flight >= 2
-        assert provider.calls.count("i-0001") == 2  # failed once (ProviderError), retried
-        assert sup.is_healthy()  # the reconcile task survived the provider error
+        async with started_daemon(config, provider, store, f"{sockdir}/d.sock", clock=clock) as (sup, api):
+            h = DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
+            await h.until(lambda: len(h.events("node_launched")) == 2, what="two launches")
+            clock.advance(config.daemon.launch_timeout_s + 1)  # no agent ever registers: boot timed out
+            sup.wake()
+            await h.until(lambda: {"i-0001", "i-0002"} <= provider.terminated, timeout_s=10,
+                          what="both instances terminated, the throttled one on a later pass")
+            assert provider.most_in_flight >= 2
+            assert provider.calls.count("i-0001") == 2  # failed once (ProviderError), retried
+            assert sup.is_healthy()  # the reconcile task survived the provider error
     finally:
-        await sup.aclose()
-        await api.aclose()
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)

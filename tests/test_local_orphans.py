@@ -30,9 +30,6 @@ import psutil
 import pytest
 import yaml
 
-from daemon.controlnode.rendezvous import wait_until_listening
-from bench.ports import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 _ID = "SPOTVISOR_LOCAL_INSTANCE_ID"
 SMALL_MODEL = ["--seq-len", "32", "--n-layer", "1", "--n-embd", "64", "--n-head", "2"]
@@ -59,21 +56,6 @@ def _describe(procs: list[psutil.Process]) -> list[str]:
         except psutil.Error:
             out.append(f"{p.pid} (gone)")
     return out
-
-
-@pytest.fixture(scope="module")
-def rendezvous() -> Iterator[int]:
-    """The c10d store, as ``spotvisord rendezvous`` runs it beside the daemon; its port.
-    Each test's job has a run id of its own (the daemon's nonce), so they can share it."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.controlnode.rendezvous", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        assert wait_until_listening("127.0.0.1", port, 30.0), "the rendezvous store did not start"
-        yield port
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _config(tmp_path: Path, rdzv_port: int, sockdir: str) -> Path:

@@ -12,9 +12,8 @@ The metadata answer's shape (``Code``, ``AccessKeyId``, ``AccessKeySecret``,
 from __future__ import annotations
 
 import json
-import threading
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import oss2.credentials
@@ -24,6 +23,7 @@ import yaml
 from daemon.config import load_config
 from daemon.controlnode.jobspec import job_spec
 from daemon.model import Node
+from fakes.serving import http_server
 from trainer.contract import OSS_RAM_ROLE_ENV
 from trainer.oss_store import _default_credentials, ram_role_credentials_url
 
@@ -52,15 +52,8 @@ def metadata():
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with http_server(Handler) as url:
+        yield url, seen
 
 
 def test_a_node_without_keys_uses_its_ram_role(monkeypatch: pytest.MonkeyPatch, metadata) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from daemon.control.stall import Progress, StallRules, check, observe
 from daemon.gpunode.proctree import descendants, parent_of
 from daemon.gpunode.trainer_process import TrainerProcess
 from trainer.contract import NOTICE_ENV, write_plain_notice
+from trainers import TRAINERS
 
 R, X, N = TrainerState.RUNNING, TrainerState.EXITED, TrainerState.NOT_STARTED
 
@@ -47,43 +47,15 @@ def test_the_plain_notice_is_one_json_object_with_the_deadline_and_seconds_left(
 
 # -- delivery to a real process ---------------------------------------------------------------------------
 
-# installs its SIGTERM handler, says so on the FIFO argv[1], then waits; the handler writes
-# what it read from $SPOTVISOR_NOTICE (json.load only) to argv[2] and exits 0
-_SAVER = """
-import json, os, signal, sys, time
-def on_term(signum, frame):
-    with open(os.environ["SPOTVISOR_NOTICE"]) as f:
-        notice = json.load(f)
-    with open(sys.argv[2], "w") as out:
-        json.dump({"signal": signum, "notice": notice, "at": time.time()}, out)
-    sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
-with open(sys.argv[1], "w") as ready:
-    ready.write("ready\\n")
-while True:
-    signal.pause()
-"""
-
-# ignores SIGTERM, as does a child it starts; says the child's pid on the FIFO argv[1]
-_STUBBORN = """
-import signal, subprocess, sys
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-child = subprocess.Popen([sys.executable, "-c", "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                          "print('up', flush=True); signal.pause()"], stdout=subprocess.PIPE)
-child.stdout.readline()
-with open(sys.argv[1], "w") as ready:
-    ready.write(f"{child.pid}\\n")
-while True:
-    signal.pause()
-"""
-
-
-def _runner(tmp_path: Path, code: str, *args: str, signal_on_notice: bool = True) -> tuple[TrainerProcess, Path]:
-    script, fifo = tmp_path / "script.py", tmp_path / "ready.fifo"
-    script.write_text(code)
+def _runner(tmp_path: Path, mode: str, *args: str, signal_on_notice: bool = True) -> tuple[TrainerProcess, Path]:
+    """The agent's trainer process running ``tests/trainers/plain_script.py`` in ``mode``
+    (saver: saves the notice it reads on SIGTERM to ``args[0]``; stubborn: ignores SIGTERM,
+    as does its child); and the FIFO it says it is ready on."""
+    fifo = tmp_path / "ready.fifo"
     os.mkfifo(fifo)
     runner = TrainerProcess(workdir=tmp_path, node_id="n2", on_change=lambda: None)
-    runner.job = {"argv": [str(script), str(fifo), *args], "env": {}, **({"notice_signal": True} if signal_on_notice else {})}
+    runner.job = {"argv": [str(TRAINERS / "plain_script.py"), mode, str(fifo), *args], "env": {},
+                  **({"notice_signal": True} if signal_on_notice else {})}
     return runner, fifo
 
 
@@ -97,7 +69,7 @@ async def _ready(fifo: Path) -> str:
 
 async def test_the_script_gets_sigterm_and_reads_its_deadline(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    runner, fifo = _runner(tmp_path, _SAVER, str(out))
+    runner, fifo = _runner(tmp_path, "saver", str(out))
     assert runner.job_env()[NOTICE_ENV] == str(tmp_path / "notice.json")
     await runner.start()
     assert await _ready(fifo) == "ready"
@@ -113,7 +85,7 @@ async def test_the_script_gets_sigterm_and_reads_its_deadline(tmp_path: Path) ->
 
 
 async def test_what_outlives_its_deadline_is_killed_with_its_children(tmp_path: Path) -> None:
-    runner, fifo = _runner(tmp_path, _STUBBORN)
+    runner, fifo = _runner(tmp_path, "stubborn")
     await runner.start()
     child = int(await _ready(fifo))
     assert descendants(runner.proc.pid) == [child]
@@ -134,7 +106,7 @@ def _alive(pid: int) -> bool:
 
 
 async def test_a_module_trainer_gets_no_sigterm_on_a_notice(tmp_path: Path) -> None:
-    runner, fifo = _runner(tmp_path, _SAVER, str(tmp_path / "out.json"), signal_on_notice=False)
+    runner, fifo = _runner(tmp_path, "saver", str(tmp_path / "out.json"), signal_on_notice=False)
     assert NOTICE_ENV not in runner.job_env()
     await runner.start()
     await _ready(fifo)

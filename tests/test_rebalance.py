@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DaemonHarness, RecordingProvider
-from daemon.interfaces.api import ApiServer
+from conftest import DaemonHarness, RecordingProvider, started_daemon
 from daemon.config import Config
 from daemon.model import NodeState
 from daemon.controlnode.store import Store
-from daemon.controlnode.supervisor import Supervisor
 
 
 @pytest.fixture
@@ -29,15 +27,10 @@ async def daemon(request: pytest.FixtureRequest, tmp_path: Path):
     })
     store = Store(tmp_path / "state" / "spotvisord.db").open()
     provider = RecordingProvider()
-    sup = Supervisor(config, provider=provider, store=store)
-    api = ApiServer(sup, agent_host="127.0.0.1", agent_port=0, socket_path=f"{sockdir}/d.sock")
     try:
-        await api.start()
-        await sup.start(agent_url=api.agent_url)
-        yield DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
+        async with started_daemon(config, provider, store, f"{sockdir}/d.sock") as (sup, api):
+            yield DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
     finally:
-        await sup.aclose()
-        await api.aclose()
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)
 

@@ -29,6 +29,7 @@ import psutil
 import pytest
 import yaml
 from bench.ports import free_port
+from conftest import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"rendezvous store listening on (\S+):(\d+)")
@@ -76,12 +77,7 @@ def _start(argv: list[str], timeout_s: float = 60.0) -> Iterator[_Store]:
         sel.close()
         yield _Store(proc, m.group(1), int(m.group(2)))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
         for f in (proc.stdout, proc.stderr):
             f.close()
 

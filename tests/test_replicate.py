@@ -19,6 +19,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from conftest import new_bucket
 from trainer.checkpoint import (
     MANIFEST_NAME,
     FileStore,
@@ -107,9 +108,7 @@ def _s3_client(endpoint: str):
 
 
 def _s3_store(endpoint: str) -> S3Store:
-    bucket = f"repl-{uuid.uuid4().hex[:12]}"
-    _s3_client(endpoint).create_bucket(Bucket=bucket)
-    return S3Store(f"s3://{bucket}/job", client=_s3_client(endpoint), multipart_threshold=5 * MIB,
+    return S3Store(f"s3://{new_bucket(endpoint, 'repl')}/job", client=_s3_client(endpoint), multipart_threshold=5 * MIB,
                    multipart_chunksize=5 * MIB)
 
 

@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.batch import ElasticBatch
 from trainer.guard import Decision
 from trainer.run import ReferenceJob
-from trainer.contract import RDZV_ENDPOINT_ENV
+from trainer.contract import NODE_ID_ENV, RDZV_ENDPOINT_ENV
 from trainer.runtime import DistContext, rendezvous_endpoint, shrink_process_group
 from bench.ports import free_port
+from worker_procs import pythonpath
 
 
 def _gone(port: int, timeout_s: float) -> bool:
@@ -139,23 +140,9 @@ def test_no_shrink_without_the_rendezvous_endpoint(monkeypatch: pytest.MonkeyPat
     assert not _job(3)._can_shrink(Decision(True, True, ("n",), ("interruption",), (2,)))
 
 
-_NOTICE_AT_10 = """
-import json, os, sys
-from trainer.run import ReferenceJob, main
-
-class NoticeAtTen(ReferenceJob):  # node 0's notice appears after step 10, so the guard sees it at that boundary
-    def train_step(self):
-        out = super().train_step()
-        if self.state.step == 10 and os.environ["GROUP_RANK"] == "0":
-            path = os.environ["SPOTVISOR_NOTICE_FILE"]
-            with open(path + ".tmp", "w") as f:
-                json.dump([{"id": "n0", "kind": "interruption", "time": 0.0, "deadline": None}], f)
-            os.replace(path + ".tmp", path)
-        return out
-
-from trainer.runtime import exit_process
-exit_process(main(sys.argv[1:], job_cls=NoticeAtTen))
-"""
+# node0 (rank 0)'s notice appears after step 10, so the guard sees it at that boundary
+# (tests/trainers/elastic_job.py)
+NOTICE_AT_10 = ("--notice-at", "10", "--notice-node", "node0")
 
 
 @pytest.mark.slow
@@ -181,11 +168,13 @@ def test_a_notice_on_a_periodic_step_shrinks_and_goes_on(tmp_path: Path) -> None
                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": "periodic", "OMP_NUM_THREADS": "1",
                "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
-               "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv.port}"}
+               "SPOTVISOR_LOG_DIR": str(node / "logs"), RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv.port}",
+               NODE_ID_ENV: f"node{rank}", "PYTHONPATH": pythonpath()}
         argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
                 "--target-steps", "14", "--checkpoint-interval", "10", "--global-batch-size", "12",
                 "--micro-batch-size", "2", "--hold-timeout-s", "3", "--pg-timeout-s", "60"]
-        procs.append(subprocess.Popen([sys.executable, "-c", _NOTICE_AT_10, *argv], env=env, cwd=tmp_path,
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainers.elastic_job", *NOTICE_AT_10, *argv], env=env,
+                                      cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs[1:]] == [0, 0], outs[1] + outs[2]

@@ -20,6 +20,7 @@ import boto3
 import oss2
 import pytest
 from botocore.config import Config
+from conftest import new_bucket
 from fakes.aws_faults import AwsFaultProxy
 
 from trainer.checkpoint import (
@@ -59,12 +60,6 @@ class Backend:
     """How many parts the object at a store key went up in."""
 
 
-def _s3_bucket(endpoint: str) -> str:
-    bucket = f"suite-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return bucket
-
-
 def _oss_store(oss_server, tmp_path: Path, bucket: str | None = None, **kw) -> OssStore:
     if bucket is None:
         bucket = f"suite-{uuid.uuid4().hex[:12]}"
@@ -80,7 +75,7 @@ def backend(request, tmp_path) -> Backend:
         return Backend("file", FileStore((tmp_path / "store").as_uri()), 1 * MIB, None, lambda key: 1)
     if request.param == "s3":
         endpoint = request.getfixturevalue("s3_server")
-        bucket = _s3_bucket(endpoint)
+        bucket = new_bucket(endpoint, "suite")
         store = S3Store(f"s3://{bucket}/job", endpoint_url=endpoint, multipart_threshold=5 * MIB,
                         multipart_chunksize=5 * MIB, list_page_size=2)
 
@@ -213,7 +208,7 @@ def failing(request, tmp_path) -> Iterator[tuple[CheckpointStore, Callable[[], N
     """A store whose backend answers every request with HTTP 500 until the returned heal() is called."""
     if request.param == "s3":
         endpoint = request.getfixturevalue("s3_server")
-        bucket = _s3_bucket(endpoint)
+        bucket = new_bucket(endpoint, "suite")
         proxy = AwsFaultProxy(endpoint)  # S3 requests carry no EC2 Action: they match action ""
         url = proxy.start()
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from node_files import status_lines, step_records, write_notices
 from trainer.checkpoint import latest_committed, list_committed, open_store
 
 pytestmark = pytest.mark.slow
@@ -39,28 +40,11 @@ def _trainer(tmp: Path, *args: str, torchrun: list[str] | None = None, timeout: 
     return subprocess.run(cmd, cwd=REPO, env=_env(tmp), capture_output=True, text=True, timeout=timeout)
 
 
-def _status(tmp: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp / "status.jsonl").read_text().splitlines()]
-
-
-def _steps(tmp: Path) -> list[dict]:
-    out = []
-    for f in sorted((tmp / "logs").glob("steps-*-rank*.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines()]
-    return out
-
-
-def _notices(tmp: Path, *notices: tuple[str, str]) -> None:
-    f = tmp / "notices.json"
-    f.with_suffix(".tmp").write_text(json.dumps([{"id": i, "kind": k, "time": 0.0, "deadline": None} for i, k in notices]))
-    os.replace(f.with_suffix(".tmp"), f)
-
-
 def test_single_process_periodic_and_final(tmp_path: Path) -> None:
     p = _trainer(tmp_path, "--target-steps", "12", "--checkpoint-interval", "5",
                  "--global-batch-size", "8", "--micro-batch-size", "2")
     assert p.returncode == 0, p.stderr
-    status = _status(tmp_path)
+    status = status_lines(tmp_path)
     for rec in status:
         assert {"event", "time", "attempt", "rank", "world_size", "step"} <= rec.keys()
         assert rec["attempt"] == status[0]["attempt"] and rec["world_size"] == 1
@@ -76,7 +60,7 @@ def test_single_process_periodic_and_final(tmp_path: Path) -> None:
     assert [m.step for m in list_committed(store)] == [12, 10, 5]
     m = latest_committed(store)
     assert m.data_position["consumed_samples"] == 12 * 8 and m.global_batch_size == 8
-    steps = _steps(tmp_path)
+    steps = step_records(tmp_path)
     assert [s["step"] for s in steps] == list(range(1, 13))
     assert [p for s in steps for p in s["positions"]] == list(range(12 * 8))
 
@@ -84,10 +68,10 @@ def test_single_process_periodic_and_final(tmp_path: Path) -> None:
 def test_notice_commit_hold_and_exact_resume(tmp_path: Path) -> None:
     common = ["--checkpoint-interval", "0", "--global-batch-size", "8", "--micro-batch-size", "4",
               "--hold-timeout-s", "0.5"]
-    _notices(tmp_path, ("c-1", "checkpoint"), ("i-1", "interruption"))
+    write_notices(tmp_path, ("c-1", "checkpoint"), ("i-1", "interruption"))
     a = _trainer(tmp_path, "--target-steps", "4", *common)
     assert a.returncode == 0, a.stderr
-    sa = _status(tmp_path)
+    sa = status_lines(tmp_path)
     events = [(r["event"], r["step"]) for r in sa if r["event"] != "step"]
     assert events == [("started", 0), ("checkpoint_committed", 0), ("holding", 0),
                       ("checkpoint_committed", 4), ("completed", 4)]
@@ -97,10 +81,10 @@ def test_notice_commit_hold_and_exact_resume(tmp_path: Path) -> None:
 
     # A new notice waits at resume: step 4 is committed already, so nothing is
     # rewritten, but the manifest learns the id; the old ones are not acted on again.
-    _notices(tmp_path, ("c-1", "checkpoint"), ("i-1", "interruption"), ("c-2", "checkpoint"))
+    write_notices(tmp_path, ("c-1", "checkpoint"), ("i-1", "interruption"), ("c-2", "checkpoint"))
     b = _trainer(tmp_path, "--target-steps", "8", *common)
     assert b.returncode == 0, b.stderr
-    sb = [r for r in _status(tmp_path)[len(sa):]]
+    sb = [r for r in status_lines(tmp_path)[len(sa):]]
     assert sb[0]["event"] == "started" and sb[0]["resumed_from"] == 4 and sb[0]["attempt"] != sa[0]["attempt"]
     commits = [r for r in sb if r["event"] == "checkpoint_committed"]
     assert [(c["step"], c["reason"], c["notice_ids"], c["reused"]) for c in commits] == [
@@ -110,7 +94,7 @@ def test_notice_commit_hold_and_exact_resume(tmp_path: Path) -> None:
     by_step = {m.step: m for m in list_committed(store)}
     assert "c-2" in by_step[4].extra["notice_ids"]
     assert by_step[8].extra["notice_ids"] == ["c-1", "i-1", "c-2"]
-    steps = sorted(_steps(tmp_path), key=lambda s: s["time"])
+    steps = sorted(step_records(tmp_path), key=lambda s: s["time"])
     assert [s["step"] for s in steps] == list(range(1, 9))
     positions = [p for s in steps for p in s["positions"]]
     assert positions == list(range(8 * 8))  # continues exactly: no gap, no repeat
@@ -132,13 +116,13 @@ def test_torchrun_two_ranks_disjoint(tmp_path: Path) -> None:
                  "--global-batch-size", "8", "--micro-batch-size", "2",
                  torchrun=["--standalone", "--nproc-per-node", "2"])
     assert p.returncode == 0, p.stderr[-3000:]
-    steps = _steps(tmp_path)
+    steps = step_records(tmp_path)
     assert {s["rank"] for s in steps} == {0, 1} and {s["world_size"] for s in steps} == {2}
     assert len({s["attempt"] for s in steps}) == 1
     r0 = {p for s in steps if s["rank"] == 0 for p in s["positions"]}
     r1 = {p for s in steps if s["rank"] == 1 for p in s["positions"]}
     assert not r0 & r1 and sorted(r0 | r1) == list(range(6 * 8))
-    status = _status(tmp_path)
+    status = status_lines(tmp_path)
     assert {r["rank"] for r in status} == {0}  # LOCAL_RANK 0 writes the node's status
     assert [(r["step"], r["reason"]) for r in status if r["event"] == "checkpoint_committed"] == [(3, "periodic"), (6, "final")]
     assert status[-1]["event"] == "completed" and status[-1]["world_size"] == 2
@@ -171,7 +155,7 @@ def test_torchrun_commits_to_s3_and_resumes(tmp_path: Path, s3_server: str) -> N
                             timeout=180)
     assert second.returncode == 0, second.stderr[-3000:]
     assert latest_committed(store).step == 6
-    started = [s for s in _status(tmp_path) if s["event"] == "started"]
+    started = [s for s in status_lines(tmp_path) if s["event"] == "started"]
     assert [s["resumed_from"] for s in started] == [None, 4]
-    positions = sorted(p for r in _steps(tmp_path) for p in r["positions"])
+    positions = sorted(p for r in step_records(tmp_path) for p in r["positions"])
     assert positions == list(range(6 * 8))  # no sample skipped or repeated across the resume

@@ -127,12 +127,16 @@ def _config(tmp_path: Path, uri: str, **job: object) -> Config:
                                   "daemon": {"state_dir": str(tmp_path / "state")}})
 
 
-def test_published_once_per_hash_and_fetched_verified_and_unpacked(tmp_path: Path) -> None:
-    root = _tree(tmp_path / "w")
+def _published(tmp_path: Path):
+    """The test tree packed and published to ``file://tmp_path/ckpt``: (config, packed, pin,
+    the stored archive's path)."""
     config = _config(tmp_path, f"file://{tmp_path}/ckpt")
-    packed = pack(root, tmp_path / "out", max_bytes=2**20)
-    pin = publish(config, packed)
-    stored = tmp_path / "ckpt" / code_key(packed.sha256)
+    packed = pack(_tree(tmp_path / "w"), tmp_path / "out", max_bytes=2**20)
+    return config, packed, publish(config, packed), tmp_path / "ckpt" / code_key(packed.sha256)
+
+
+def test_published_once_per_hash_and_fetched_verified_and_unpacked(tmp_path: Path) -> None:
+    config, packed, pin, stored = _published(tmp_path)
     assert stored.read_bytes() == packed.path.read_bytes()
     assert pin.uris == {"default": f"file://{tmp_path}/ckpt/{code_key(packed.sha256)}"} or \
         list(pin.uris.values()) == [f"file://{tmp_path}/ckpt/{code_key(packed.sha256)}"]
@@ -147,11 +151,7 @@ def test_published_once_per_hash_and_fetched_verified_and_unpacked(tmp_path: Pat
 
 
 def test_a_tampered_archive_is_refused_and_nothing_is_unpacked(tmp_path: Path) -> None:
-    root = _tree(tmp_path / "w")
-    config = _config(tmp_path, f"file://{tmp_path}/ckpt")
-    packed = pack(root, tmp_path / "out", max_bytes=2**20)
-    pin = publish(config, packed)
-    stored = tmp_path / "ckpt" / code_key(packed.sha256)
+    config, packed, pin, stored = _published(tmp_path)
     # another archive of the same size in its place (someone with write access to the bucket)
     other = tmp_path / "w2"
     _tree(other)

@@ -1,5 +1,6 @@
 """Trainer workers started as a node's launcher starts them, for the in-process resize tests
-(tests/test_grow.py, tests/test_fsdp_resize.py): one process per "node", torchrun's
+(tests/test_grow.py, tests/test_elastic_data.py, tests/test_fsdp_resize.py): one process
+per "node" running the elastic test job (:mod:`trainers.elastic_job`), torchrun's
 environment given by the test, the node's agent files under ``tmp_path/<node>``, its join
 credential from :data:`AUTHORITY` (as the daemon issues one to each node it admits)."""
 
@@ -12,19 +13,31 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.contract import JOIN_CREDENTIAL_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
+import node_files
+from bench.ports import free_port
+from trainer.contract import JOIN_CREDENTIAL_ENV, JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
 from trainer.credential import Authority
 
 #: the tests' stand-in for the daemon's join key
 AUTHORITY = Authority.generate()
 
 
-def start_worker(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, script: str,
-                 argv: list[str], *, run_id: str) -> subprocess.Popen:
-    """``python -c script *argv`` as node ``name``'s only worker (``env``: torchrun's variables,
-    and anything the script reads); its status file, step logs, notices and scratch are under
-    ``tmp_path/name``, ``$OUT`` is ``tmp_path``; its join credential is :data:`AUTHORITY`'s for
-    ``name`` in ``run_id`` unless ``env`` sets one. Output captured (text)."""
+#: the folder of the tests' own modules (``trainers``)
+TESTS = Path(__file__).resolve().parent
+
+
+def pythonpath() -> str:
+    """``PYTHONPATH`` for a worker that runs ``-m trainers.…``: ``tests/``, then this process's."""
+    return os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+
+
+def start_worker(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, argv: list[str], *,
+                 run_id: str) -> subprocess.Popen:
+    """``python -m trainers.elastic_job *argv`` as node ``name``'s only worker (``argv``: the
+    job's flags, then the trainer's; ``env``: torchrun's variables); its status file, step
+    logs, notices and scratch are under ``tmp_path/name``, ``$OUT`` is ``tmp_path``; its join
+    credential is :data:`AUTHORITY`'s for ``name`` in ``run_id`` unless ``env`` sets one.
+    Output captured (text)."""
     node = tmp_path / name
     node.mkdir()
     full = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: run_id, NODE_ID_ENV: name,
@@ -32,9 +45,30 @@ def start_worker(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int,
             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", **env,
             "SPOTVISOR_NOTICE_FILE": str(node / "notices.json"), "SPOTVISOR_STATUS_FILE": str(node / "status.jsonl"),
             "SPOTVISOR_LOG_DIR": str(node / "logs"), "SPOTVISOR_SCRATCH_DIR": str(node / "scratch"),
-            RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}"}
-    return subprocess.Popen([sys.executable, "-c", script, *argv], env=full, cwd=tmp_path,
+            RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}",
+            "PYTHONPATH": pythonpath()}
+    return subprocess.Popen([sys.executable, "-m", "trainers.elastic_job", *argv], env=full, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def member_env(rank: int, world: int, master_port: int, run: str, **extra: str) -> dict[str, str]:
+    """torchrun's variables for rank ``rank`` of a group of ``world`` one-worker nodes (run id ``run``)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank), "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RUN_ID": run, **extra}
+
+
+def joiner_env(**extra: str) -> dict[str, str]:
+    """A new node's worker as its own launcher (``torchrun --standalone``) starts it with
+    ``SPOTVISOR_JOIN=1``: rank 0 of a world of 1, its own master port and run id."""
+    return {**member_env(0, 1, free_port(), "standalone-1"), JOIN_ENV: "1", **extra}
+
+
+def wait_for_status(tmp_path: Path, node: str, proc: subprocess.Popen, text: str) -> None:
+    """Until node ``node``'s status file holds ``text``; fails with ``proc``'s output if it exits first."""
+    status = tmp_path / node / "status.jsonl"
+    while not (status.exists() and text in status.read_text()):
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)  # polling another process's file
 
 
 def finish(procs: list[subprocess.Popen]) -> list[str]:
@@ -49,7 +83,7 @@ def finish(procs: list[subprocess.Popen]) -> list[str]:
 
 def status_lines(tmp_path: Path, node: str) -> list[dict]:
     """Node ``node``'s status lines, parsed."""
-    return [json.loads(x) for x in (tmp_path / node / "status.jsonl").read_text().splitlines()]
+    return node_files.status_lines(tmp_path / node)
 
 
 def trained(tmp_path: Path) -> dict[int, list[int]]:

@@ -10,7 +10,7 @@ possible (the local provider's instances die with the daemon by design).
 the pool it "boots" (after ``boot_s``) a real node agent (:class:`daemon.gpunode.agent.NodeAgent`)
 configured from the instance's own user-data (daemon URL, node id, token), with its
 own IMDSv2 endpoint (:class:`daemon.providers.local_metadata.aws.FakeImds`); the agent's trainer
-is a stand-in process that trains one step every 50 ms, commits to a shared ledger
+is the stand-in (``tests/trainers/standin.py``, training) that trains one step every 50 ms, commits to a shared ledger
 (the "object store"), answers notices and completes at its target step. An instance
 moto stops listing as live takes its agent down with it.
 
@@ -33,7 +33,6 @@ import signal
 import sqlite3
 import sys
 import tempfile
-import textwrap
 import urllib.parse
 import urllib.request
 import uuid
@@ -54,78 +53,12 @@ from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import Event
 from daemon.providers.base import NODE_TAG, POOL_TAG
 from fakes.aws_faults import AwsFaultProxy
+from trainers import STANDIN
 from bench.ports import free_port
 
 pytestmark = pytest.mark.chaos
 
 ROOT = Path(__file__).resolve().parents[2]
-
-STANDIN = textwrap.dedent(
-    """\
-    import json, os, sys, time
-
-    status, notices = os.environ["SPOTVISOR_STATUS_FILE"], os.environ["SPOTVISOR_NOTICE_FILE"]
-    ledger, gate = os.environ["STANDIN_LEDGER"], os.environ.get("STANDIN_GATE")
-    hold_at = int(os.environ.get("STANDIN_HOLD_AT", "-1"))  # a first run waits here for its notice
-    target, step_s = int(os.environ["STANDIN_TARGET"]), float(os.environ["STANDIN_STEP_S"])
-    attempt = "standin-%d" % os.getpid()
-
-    def emit(event, step, **fields):
-        rec = {"event": event, "time": time.time(), "attempt": attempt, "rank": 0, "world_size": 1,
-               "step": step, **fields}
-        with open(status, "a") as f:
-            f.write(json.dumps(rec) + "\\n")
-
-    def committed():
-        try:
-            with open(ledger) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return []
-
-    def commit(step, reason, ids=(), kinds=()):
-        done = committed()
-        if step not in done:  # the ledger is the object store: written before the status line
-            tmp = "%s.tmp-%d" % (ledger, os.getpid())
-            with open(tmp, "w") as f:
-                json.dump(done + [step], f)
-            os.replace(tmp, ledger)
-        emit("checkpoint_committed", step, reason=reason, notice_ids=list(ids), kinds=list(kinds),
-             seconds=0.01, bytes=10)
-
-    step = max(committed(), default=0)
-    emit("started", step, resumed_from=step or None)
-    handled = set()
-    while True:  # one step boundary per iteration
-        try:
-            with open(notices) as f:
-                pending = json.load(f)
-        except (OSError, ValueError):
-            pending = []
-        new = [n for n in pending if n["id"] not in handled]
-        if new:
-            if gate and not os.path.exists(gate):  # the flush is still uploading
-                time.sleep(0.02)
-                continue
-            ids, kinds = [n["id"] for n in new], [n["kind"] for n in new]
-            commit(step, "notice", ids, kinds)
-            handled.update(ids)
-            if "interruption" in kinds:
-                emit("holding", step, notice_ids=ids, kinds=kinds, timeout_s=90)
-                while True:  # held until the agent's SIGTERM
-                    time.sleep(1)
-        if step == hold_at and not handled and not committed():
-            time.sleep(0.02)  # the job cannot finish before the test's notice reaches it
-            continue
-        if step >= target:
-            commit(step, "final")
-            emit("completed", step)
-            sys.exit(0)
-        time.sleep(step_s)
-        step += 1
-        emit("step", step)
-    """
-)
 
 _LIVE = ("pending", "running")
 
@@ -153,9 +86,8 @@ class Ec2Sim:
         self.workdir = workdir
         self.trainer_env = trainer_env
         self.boot_s = boot_s
-        self.standin = workdir / "standin.py"
+        self.standin = STANDIN  # training: STANDIN_LEDGER is in trainer_env
         workdir.mkdir(parents=True, exist_ok=True)
-        self.standin.write_text(STANDIN)
         self.agents: dict[str, tuple[asyncio.Task[None], FakeImds, str]] = {}  # instance → (agent, imds, node)
         self._booting: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()

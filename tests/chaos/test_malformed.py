@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import textwrap
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,13 +27,14 @@ import aiohttp
 import pytest
 
 from chaos.conftest import Matrix, lost_events
-from conftest import DaemonHarness
+from conftest import DaemonHarness, agent_running
 from daemon.gpunode.agent import NodeAgent
 from daemon.interfaces.cli import main as spotvisord
 from daemon.gpunode.metadata.registry import DIALECTS, make_client
 from daemon.model import NodeState
 from test_agent_dialects import BAD_BODY, started_fake
 from test_config import BAD
+from trainers import STANDIN
 
 pytestmark = pytest.mark.chaos
 
@@ -80,43 +80,15 @@ def test_malformed_configs_get_one_clear_line_each_and_start_nothing(tmp_path: P
 
 # -- metadata bodies ----------------------------------------------------------------------------
 
-# A trainer stand-in: steps every 20 ms, commits every 10 steps, and once $STANDIN_FINISH
-# exists commits its final step and completes (exit 0), as trainer.run does at its target.
-STANDIN = textwrap.dedent(
-    """\
-    import json, os, time
-
-    status, finish = os.environ["SPOTVISOR_STATUS_FILE"], os.environ["STANDIN_FINISH"]
-    step = 0
-
-    def emit(event, **fields):
-        rec = {"event": event, "time": time.time(), "attempt": "standin-1", "rank": 0, "world_size": 1,
-               "step": step, **fields}
-        with open(status, "a") as f:
-            f.write(json.dumps(rec) + "\\n")
-
-    emit("started", resumed_from=None)
-    while not os.path.exists(finish):
-        time.sleep(0.02)
-        step += 1
-        emit("step")
-        if step % 10 == 0:
-            emit("checkpoint_committed", reason="periodic", notice_ids=[], kinds=[], seconds=0.01, bytes=10)
-    step = int(os.environ["STANDIN_TARGET"])  # a trainer completes at the job's target step
-    emit("checkpoint_committed", reason="final", notice_ids=[], kinds=[], seconds=0.01, bytes=10)
-    emit("completed")
-    """
-)
-
 ALARM_AFTER = 3
 
 
 @contextlib.asynccontextmanager
 async def _agent(h: DaemonHarness, dialect: str, fake: Any, monkeypatch: pytest.MonkeyPatch,
                  finish: Path) -> AsyncIterator[NodeAgent]:
-    script = h.tmp_path / "standin.py"
-    script.write_text(STANDIN)
-    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(script)],
+    # the trainer stand-in until finished: steps every 20 ms, commits every 10 steps, and once
+    # $STANDIN_FINISH exists commits its final step and completes (exit 0)
+    monkeypatch.setattr(h.sup, "job_spec", lambda node: {"argv": [str(STANDIN)],
                                                          "env": {"STANDIN_FINISH": str(finish),
                                                                  "STANDIN_TARGET": str(h.sup.config.job.target_steps)}})
     await h.until(lambda: any(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()), what="a launch")
@@ -126,14 +98,8 @@ async def _agent(h: DaemonHarness, dialect: str, fake: Any, monkeypatch: pytest.
                       metadata=make_client(dialect, fake.url, timeout_s=1.0, **kwargs), workdir=h.tmp_path / "node",
                       poll_interval_s=0.05, heartbeat_interval_s=0.05, metadata_alarm_after=ALARM_AFTER,
                       metadata_max_backoff_s=0.1)
-    task = asyncio.create_task(agent.run(), name="chaos-agent")
-    try:
+    async with agent_running(agent, "chaos-agent"):
         yield agent
-        assert not task.done(), f"the agent stopped: {task}"
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)

@@ -41,8 +41,9 @@ import pytest
 import torch
 from botocore.config import Config as BotoConfig
 
+from conftest import new_bucket
 from chaos.conftest import Matrix
-from fakes.aws_faults import _HOP_BY_HOP, AwsFaultProxy
+from fakes.aws_faults import AwsFaultProxy
 from trainer.checkpoint import CheckpointError, CheckpointStore, S3Store, latest_committed, list_committed, scan
 from trainer.guard import Decision, PreemptionGuard
 from trainer.integrations.common import DirCheckpointer
@@ -60,20 +61,8 @@ DEADLINE_S = 20.0  # the notice's lead in these cells (AWS gives 120 s, GCP 30 s
 
 class S3FaultProxy(AwsFaultProxy):
     """``AwsFaultProxy`` in front of moto's S3: S3 requests carry no EC2 ``Action``, so
-    faults armed for action ``""`` hit the next S3 requests. One difference: a HEAD's
-    ``Content-Length`` (the object's size, with no body) is passed through, as boto3's
-    downloads read it."""
-
-    async def _forward(self, request, body):  # type: ignore[no-untyped-def]
-        assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                         data=body, allow_redirects=False) as resp:
-            payload = await resp.read()
-            out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
-            if request.method == "HEAD" and "Content-Length" in resp.headers:
-                out["Content-Length"] = resp.headers["Content-Length"]
-            return resp.status, out, payload
+    faults armed for action ``""`` hit the next S3 requests (a HEAD's ``Content-Length``,
+    the object's size, passes through as boto3's downloads need)."""
 
 
 @dataclass
@@ -90,8 +79,7 @@ class Faulty:
 def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Faulty]:
     if request.param == "s3":
         endpoint = request.getfixturevalue("s3_server")
-        bucket = f"chaos-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        bucket = new_bucket(endpoint, "chaos")
         proxy = S3FaultProxy(endpoint)
         url = proxy.start()
         # the trainer's S3Store client (boto3's default retries), its read timeout cut to 1 s

@@ -26,12 +26,10 @@ import re
 import sqlite3
 import subprocess
 import sys
-import textwrap
-import threading
 import time
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,53 +39,16 @@ import yaml
 from daemon.controlnode.workdir import pack
 from bench.ports import free_port
 from e2e.conftest import ROOT, SMALL_MODEL
+from fakes.serving import http_server
+from trainers import TRAINERS
 
 pytestmark = pytest.mark.slow
 
 DEMO_CHAOS = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["chaos"]  # the demo's own schedule
 
 
-JOB_MODULE = textwrap.dedent(
-    """\
-    \"\"\"The paced reference trainer, shipped in job.workdir (tests/e2e/paced_trainer.py's twin).\"\"\"
-    import os
-    import sys
-    import time
-
-    from trainer.loop import run_job
-    from trainer.run import ReferenceJob, build_parser
-
-    CODE_VERSION = "v1"
-
-
-    class PacedJob(ReferenceJob):
-        def train_step(self):
-            if self.ctx.world_size < self.args.full_world:
-                time.sleep(self.args.pace_s)
-            return super().train_step()
-
-
-    def main() -> int:
-        if not os.path.exists("setup-marker"):  # job.setup runs first, in this directory
-            print("spot_code_job: no setup-marker in", os.getcwd(), file=sys.stderr)
-            return 3
-        from e2e.env_trainer import check_env  # job.env and job.secrets, by hash
-
-        if not check_env():
-            print("spot_code_job: the job's environment is not what the test expected", file=sys.stderr)
-            return 3
-        p = build_parser()
-        p.add_argument("--full-world", type=int, required=True)
-        p.add_argument("--pace-s", type=float, default=0.5)
-        return run_job(None, job_cls=PacedJob, parser=p)
-
-
-    if __name__ == "__main__":
-        from trainer.runtime import exit_process
-
-        exit_process(main())
-    """
-)
+# the paced reference trainer shipped in job.workdir, checking its setup and environment
+JOB_MODULE = (TRAINERS / "spot_code_job.py").read_text()
 
 
 def workdir_job(tmp_path: Path, full_world: int = 3) -> dict[str, Any]:
@@ -123,15 +84,8 @@ class _Sink(BaseHTTPRequestHandler):
 def webhook() -> Iterator[tuple[str, list[bytes]]]:
     """A webhook receiver on 127.0.0.1: (its URL, the bodies it got)."""
     bodies: list[bytes] = []
-    handler = type("Sink", (_Sink,), {"bodies": bodies})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(type("Sink", (_Sink,), {"bodies": bodies})) as url:
+        yield f"{url}/hook", bodies
 
 
 def _spotctl(socket: Path, *args: str) -> str:
@@ -196,7 +150,9 @@ def test_code_setup_env_and_a_secret_reach_every_worker_and_no_log(run_demo, tmp
                 status = _watch(seen, metrics_url, socket)
                 if not before_edit and status and (status.get("code") or {}).get("version"):
                     assert status["code"]["version"] == sha
-                    module.write_text(JOB_MODULE.replace('CODE_VERSION = "v1"', 'CODE_VERSION = "v2"'))
+                    v2 = JOB_MODULE.replace('CODE_VERSION = "v1"', 'CODE_VERSION = "v2"')
+                    assert v2 != JOB_MODULE
+                    module.write_text(v2)
                     before_edit.update(n["id"] for n in status["nodes"])
             try:
                 proc.wait(timeout=2)  # the watch's period; returns early when the daemon exits

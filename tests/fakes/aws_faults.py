@@ -55,6 +55,8 @@ from xml.sax.saxutils import escape
 import aiohttp
 from aiohttp import web
 
+from fakes.serving import LoopThread
+
 __all__ = ["AwsFaultProxy", "ec2_error_xml"]
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
@@ -102,8 +104,7 @@ class AwsFaultProxy:
         self._faults: dict[str, list[_Fault]] = {}
         self._responder: Callable[[Seen], tuple[int, str, str] | None] | None = None
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._serving: LoopThread[None] = LoopThread("aws-fault-proxy", "AwsFaultProxy")
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._closing: asyncio.Event | None = None
@@ -162,41 +163,13 @@ class AwsFaultProxy:
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> str:
         """Start the proxy on 127.0.0.1 (random port) in a background thread; returns its URL."""
-        if self._thread is not None:
-            raise RuntimeError("AwsFaultProxy already started")
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                loop.run_until_complete(self._astart())
-            except BaseException as exc:  # reported to start()
-                errors.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._astop())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="aws-fault-proxy", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if errors:
-            raise RuntimeError("AwsFaultProxy failed to start") from errors[0]
+        self._serving.start(self._astart, lambda _: self._astop())
         assert self.url is not None
         return self.url
 
     def close(self) -> None:
         """Stop the proxy: held (delayed) answers are released at once. Idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+        self._serving.close()
 
     async def _astart(self) -> None:
         self._closing = asyncio.Event()

@@ -128,6 +128,8 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from fakes.serving import LocalServer
+
 __all__ = ["FakeEcs", "FakeInstance", "ERROR_STATUS", "string_to_sign"]
 
 API_VERSION = "2014-05-26"
@@ -238,7 +240,7 @@ class _Delay:
     left: int
 
 
-class FakeEcs:
+class FakeEcs(LocalServer):
     """The fake ECS endpoint; see the module docstring.
 
     Lifecycle: the constructor does no I/O; ``await start()`` binds 127.0.0.1 on an
@@ -254,6 +256,7 @@ class FakeEcs:
                  running_after_s: float = 0.0) -> None:
         if not access_key_id or not access_key_secret:
             raise ValueError("FakeEcs needs a non-empty access key id and secret")
+        super().__init__()
         self.access_key_id = access_key_id
         self._secret = access_key_secret
         self.running_after_s = running_after_s
@@ -272,44 +275,11 @@ class FakeEcs:
         self._delays: dict[str, list[_Delay]] = {}
         self._seq = itertools.count(1)
         self._closing = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self._endpoint: str | None = None
 
-    # -- lifecycle ---------------------------------------------------------------------
-    @property
-    def endpoint(self) -> str:
-        if self._endpoint is None:
-            raise RuntimeError("FakeEcs is not started: call `await start()` first")
-        return self._endpoint
-
-    async def start(self) -> FakeEcs:
-        if self._runner is not None:
-            return self
-        app = web.Application()
-        app.router.add_route("*", "/", self._handle)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        host, port = runner.addresses[0][:2]
-        self._endpoint = f"{host}:{port}"
-        return self
-
+    # -- lifecycle (fakes.serving.LocalServer) -----------------------------------------
     async def aclose(self) -> None:
         self._closing.set()
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def __aenter__(self) -> FakeEcs:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        await super().aclose()
 
     # -- test hooks --------------------------------------------------------------------
     def fail_next(self, action: str, code: str, status: int | None = None, *, n: int = 1,

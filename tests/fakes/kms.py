@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from fakes.ecs import _sign, string_to_sign
+from fakes.serving import LocalServer
 
 __all__ = ["FakeKms", "API_VERSION", "ERROR_STATUS"]
 
@@ -81,47 +82,17 @@ class _ApiError(Exception):
         self.code, self.message, self.status = code, message, ERROR_STATUS.get(code, 400)
 
 
-class FakeKms:
+class FakeKms(LocalServer):
     """The fake KMS endpoint; see the module docstring. Lifecycle as :class:`fakes.ecs.FakeEcs`:
     the constructor does no I/O, ``await start()`` binds 127.0.0.1 (``endpoint``
     ``"127.0.0.1:PORT"``), ``await aclose()`` stops it (idempotent)."""
 
     def __init__(self, *, access_key_id: str = "test-ak-id", access_key_secret: str = "test-ak-secret") -> None:
+        super().__init__()
         self.access_key_id, self._secret = access_key_id, access_key_secret
         self.secrets: dict[tuple[str, str], _Secret] = {}  # (region, name) -> current version
         self.requests: list[dict[str, str]] = []
         self._faults: list[str] = []
-        self._runner: web.AppRunner | None = None
-        self._endpoint: str | None = None
-
-    @property
-    def endpoint(self) -> str:
-        if self._endpoint is None:
-            raise RuntimeError("FakeKms is not started: call `await start()` first")
-        return self._endpoint
-
-    async def start(self) -> "FakeKms":
-        if self._runner is None:
-            app = web.Application()
-            app.router.add_route("*", "/", self._handle)
-            runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            self._runner = runner
-            host, port = runner.addresses[0][:2]
-            self._endpoint = f"{host}:{port}"
-        return self
-
-    async def aclose(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def __aenter__(self) -> "FakeKms":
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # -- test hooks ----------------------------------------------------------------------
     def put(self, name: str, value: str | bytes, *, region: str = "cn-hangzhou") -> None:

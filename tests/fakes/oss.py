@@ -86,6 +86,8 @@ from xml.etree import ElementTree as ET
 import crcmod
 from aiohttp import web
 
+from fakes.serving import LoopThread
+
 __all__ = ["FakeOss", "Seen", "crc64ecma"]
 
 crc64ecma = crcmod.mkCrcFun(0x142F0E1EBA9EA3693, initCrc=0, xorOut=0xFFFFFFFFFFFFFFFF, rev=True)
@@ -179,8 +181,7 @@ class FakeOss:
         self._held: list[Seen] = []
         self._held_cond = threading.Condition(self._lock)
         self._gate: list[asyncio.Future[bool]] = []  # held requests wait here; result: drop them?
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._serving: LoopThread[web.AppRunner] = LoopThread("fake-oss", "FakeOss")
         self._url: str | None = None
         self.requests: list[Seen] = []
         """Every answered request, oldest first."""
@@ -239,7 +240,7 @@ class FakeOss:
 
     def release(self, *, drop: bool = False) -> None:
         """Let held requests through (``drop``: close their connections unanswered instead)."""
-        loop = self._loop
+        loop = self._serving.loop
         if loop is not None:
             loop.call_soon_threadsafe(self._open_gate, drop)
 
@@ -253,42 +254,13 @@ class FakeOss:
 
     def start(self) -> str:
         """Serve on 127.0.0.1 (random port) in a background thread; returns :attr:`endpoint`."""
-        if self._thread is not None:
-            raise RuntimeError("FakeOss is already started")
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                runner = loop.run_until_complete(self._astart())
-            except BaseException as exc:  # reported to start()
-                errors.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            self._open_gate(True)
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="fake-oss", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if errors:
-            raise RuntimeError("FakeOss failed to start") from errors[0]
+        self._serving.start(self._astart, self._astop)
         return self.endpoint
 
     def close(self) -> None:
         """Stop serving; held requests are dropped. Idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        self._url = None
+        if self._serving.close():
+            self._url = None
 
     def __enter__(self) -> FakeOss:
         self.start()
@@ -305,6 +277,10 @@ class FakeOss:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         self._url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         return runner
+
+    async def _astop(self, runner: web.AppRunner) -> None:
+        self._open_gate(True)
+        await runner.cleanup()
 
     def _open_gate(self, drop: bool) -> None:
         waiters, self._gate = self._gate, []
