@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DUMP_DIR_ENV = "SPOTVISOR_TEST_DS_DUMP_DIR"
 MODEL = ["--seq-len", "32", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
@@ -152,6 +154,10 @@ def _torchrun(tmp_path: Path, name: str, nproc: int, store: Path, target: int, i
         DUMP_DIR_ENV: str(run_dir / "dumps"),
     }
     env.pop("SPOTVISOR_NOTICE_FILE", None)
+    if nproc == 1:  # a world of one without torchrun: the store's port from the test's slice, not the
+        # example's own pick in the kernel's ephemeral range, where a client socket can take it first
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 "--monitor-interval=0.5"] if nproc > 1 else []
     cmd = [
