@@ -30,7 +30,7 @@ from daemon.gpunode.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImd
 from daemon.gpunode.metadata.base import MetadataDialect
 from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import NodeState
-from conftest import ManualClock as Clock
+from conftest import ManualClock as Clock, agent_running
 from trainers import STANDIN
 
 
@@ -81,14 +81,8 @@ async def running_agent(h, fake: FakeImds | None, clock: Clock | None, monkeypat
         workdir=h.tmp_path / "node", poll_interval_s=0.05, heartbeat_interval_s=0.05,
         metadata_alarm_after=alarm_after, metadata_max_backoff_s=0.2,
     )
-    task = asyncio.create_task(agent.run(), name="test-agent")
-    try:
+    async with agent_running(agent):
         yield agent
-        assert not task.done(), f"the agent stopped on its own: {task}"
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
     assert agent.runner.proc is None or agent.runner.proc.returncode is not None, "trainer left running"
     assert agent.link.session is not None and agent.link.session.closed
 
