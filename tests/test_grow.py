@@ -179,6 +179,46 @@ def test_a_loss_round_leaves_out_an_outsiders_and_a_copied_entry(rdzv) -> None:
         settle_survivors(endpoint, "r", "a8", 0, 2, settle_s=0.01, credential=None, node="n1", timeout_s=30)
 
 
+def test_a_loss_round_waits_for_a_rank_that_answered_however_late_it_comes(rdzv) -> None:
+    """Three ranks; rank 2 is lost (it never answers). Rank 1 answers the round (as its
+    loss watch does when woken) but is still computing: it registers only after rank 0's
+    settle window has ended. The round waits for it: both get the group of two, and
+    nobody is turned away as late."""
+    import threading
+
+    from trainer.membership import SurvivorRound
+
+    endpoint = ("127.0.0.1", rdzv.port)
+    store = TCPStore("127.0.0.1", rdzv.port, is_master=False, timeout=timedelta(seconds=30))
+    straggler = SurvivorRound(endpoint, "r", "a9", 1, 3, timeout_s=30)
+    straggler.coming()
+    out: dict[int, object] = {}
+    first = threading.Thread(target=lambda: out.__setitem__(0, SurvivorRound(endpoint, "r", "a9", 0, 3, timeout_s=30)
+                                                             .settle(settle_s=0.2, credential=_cred("n0"), node="n0")))
+    first.start()
+    store.wait(["spotvisor/r/loss/a9/expected"])  # rank 0's window is over: it saw who answered
+    assert json.loads(store.get("spotvisor/r/loss/a9/expected")) == [0, 1]
+    assert not store.check(["spotvisor/r/loss/a9/closed"])  # and it waits for rank 1
+    out[1] = straggler.settle(settle_s=0.2, credential=_cred("n1"), node="n1")
+    first.join()
+    prefix = "spotvisor/r/loss/a9/group"
+    assert out == {0: (0, 2, prefix), 1: (1, 2, prefix)}
+
+
+def test_a_loss_round_closes_at_its_bound_without_a_rank_that_answered_and_died(rdzv) -> None:
+    """Rank 1 answered the round and never came (lost in turn): the round closes
+    ``timeout_s`` after the first arrival without it, and a late entry is turned away."""
+    from trainer.membership import SurvivorRound
+
+    endpoint = ("127.0.0.1", rdzv.port)
+    dead = SurvivorRound(endpoint, "r", "a10", 1, 2, timeout_s=30)
+    dead.coming()
+    alone = SurvivorRound(endpoint, "r", "a10", 0, 2, timeout_s=1.0)
+    assert alone.settle(settle_s=0.1, credential=_cred("n0"), node="n0") == (0, 1, "spotvisor/r/loss/a10/group")
+    with pytest.raises(JoinTimeout, match="after it closed"):
+        dead.settle(settle_s=0.1, credential=_cred("n1"), node="n1")
+
+
 # -- the whole grow, in real worker processes --------------------------------------------------
 
 # the grow tests' job (tests/trainers/elastic_job.py): rank 0 waits after step 5 until every
@@ -397,8 +437,7 @@ async def test_the_daemon_writes_the_wake_into_the_lost_nodes_rendezvous_store(s
 # -- a peer lost without notice, in-process --------------------------------------------------
 
 # node2's worker is killed (SIGKILL: no notice, no commit) as the others start step 7;
-# node1 computes 0.3 s longer every step, so it reaches the failed collective that much
-# after node0, which was waiting in it
+# node1 computes 0.3 s longer every step
 LOSS_JOB = ("--kill-at", "6", "--kill-node", "node2", "--slow-node", "node1", "--slow-s", "0.3", "--digest-at-end")
 
 
@@ -407,12 +446,10 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
     """Three workers; node2's is SIGKILLed at step 6, with periodic commits off. The two
     survivors' collective fails, they re-form the group in their own processes and train
     step 7 again at world 2: every step's global batch exactly once, no commit read back
-    (there is none), the same model and optimizer on both at the end. node1, slower by
-    0.3 s a step, still makes the new group although the settle window asked for is 0.05 s:
-    the survivors wait at least twice a step's time for each other."""
+    (there is none), the same model and optimizer on both at the end."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "loss"), rdzv.port, ckpt, job=LOSS_JOB,
-                    extra=("--loss-settle-s", "0.05")) for r in range(3)]
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "loss"), rdzv.port, ckpt, job=LOSS_JOB)
+             for r in range(3)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
 
@@ -425,8 +462,10 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
 
 
 # node2's worker stops dead at step 6 (SIGSTOP: its connections stay open and silent, as
-# a powered-off instance's do: its peers' collective neither fails nor returns)
-SILENT_JOB = ("--kill-at", "6", "--kill-node", "node2", "--kill-signal", "STOP", "--digest-at-end")
+# a powered-off instance's do: its peers' collective neither fails nor returns); node1
+# straggles in that step only, computing 3 s longer than its earlier steps took
+SILENT_JOB = ("--kill-at", "6", "--kill-node", "node2", "--kill-signal", "STOP", "--slow-node", "node1",
+              "--slow-at", "6", "--slow-s", "3", "--digest-at-end")
 
 
 @pytest.mark.slow
@@ -436,7 +475,10 @@ def test_the_daemon_wakes_the_survivors_of_a_silent_node(tmp_path: Path, rdzv) -
     the node's heartbeats or the provider, wakes every rank of the running attempt
     (:func:`trainer.membership.wake_survivors`, as the supervisor's ``WakeSurvivors`` action
     does): the two survivors re-form without node2 in their own processes at once, not
-    after the 60 s timeout, and lose no step."""
+    after the 60 s timeout, and lose no step. node1 is still computing when it is woken
+    and reaches the round 3 s after node0, 2 s after its 1 s settle window (no window
+    sized on its earlier, fast steps covers it): it answered the round at once, so the
+    round waits for it and it is a survivor, not a newcomer."""
     from trainer.membership import wake_survivors
 
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()

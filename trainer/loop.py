@@ -418,9 +418,7 @@ class ElasticJob:
 
     def _train(self) -> bool:
         """One step (:meth:`train_step`), its step log, ``step`` status line and progress."""
-        t0 = time.perf_counter()
         loss, local_loss, positions = self.train_step()
-        self.recovery.step_s = time.perf_counter() - t0
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {self.state.step}")
         self.steplog.write(self.state.step, positions, local_loss)

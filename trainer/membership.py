@@ -35,6 +35,9 @@ admission (the joiner exits, :class:`JoinRefused`), logs it and counts it
 (:attr:`JoinQueue.refused`). A rank 0 without a credential refuses every ticket.
 The survivors' round after a loss (:func:`settle_survivors`) is a way into the group
 too: its entries carry the same proofs, and every survivor leaves out those that fail.
+Its ``alive/<rank>`` and ``in/<rank>`` keys carry none (they only say when to close): an
+outsider that writes them can make the round wait, at most ``timeout_s``, or close before
+a survivor's entry, which then joins as a newcomer; it cannot get into the group.
 
 A joiner waits at most until its ticket's ``expires`` (unix seconds) and then
 withdraws it with the same compare-and-set, so exactly one of "admitted" and
@@ -64,7 +67,7 @@ from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
 from trainer.credential import CredentialRefused, NodeCredential, Verifier
 
 __all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinRefused", "JoinTimeout", "LossWatch", "joining",
-           "run_id", "settle_survivors", "wake_survivors", "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
+           "run_id", "settle_survivors", "SurvivorRound", "wake_survivors", "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
 
 log = logging.getLogger("trainer.membership")
 
@@ -323,61 +326,127 @@ class JoinQueue:
             self.store.set("next", str(n))
 
 
+class SurvivorRound:
+    """The survivors' round of attempt ``attempt`` after a collective failed (a peer lost
+    without notice), as survivor ``old_rank`` of ``old_world`` takes part in it.
+
+    Store keys, under ``spotvisor/<run>/loss/<attempt>``::
+
+        alive/<rank>   this rank is coming: its worker entered the round (:meth:`coming`),
+                       or its LossWatch was woken by the round (the thread answers at once,
+                       whatever the worker is computing)
+        count, m/<n>   the entries, in arrival order, each with its proof
+        in/<rank>      this rank's entry is in
+        deadline       the first arrival's time + ``settle_s`` (compare-and-set)
+        expected       the ranks that were coming by the deadline (compare-and-set, read by all)
+        closed         the number of entries the round took (compare-and-set)
+
+    The round closes once every expected rank's entry is in, not on a timer: a survivor
+    that computes a whole step before its collective fails (a straggler, a loaded host)
+    is still in the group. Only a rank that never answers by the deadline is presumed
+    lost (a killed process, a powered-off node), and ``timeout_s`` after the first arrival
+    bounds the wait for one that answered and then died too.
+
+    Raises (all methods):
+        torch.distributed.DistError: the store is out of reach for ``timeout_s`` seconds.
+    """
+
+    def __init__(self, endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, old_world: int, *,
+                 timeout_s: float = 60.0) -> None:
+        self._endpoint, self._timeout_s = endpoint, timeout_s
+        self.run, self.attempt, self.old_rank, self.old_world = run, attempt, old_rank, old_world
+        self.prefix = f"spotvisor/{run}/loss/{attempt}"
+        client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+        self._store = dist.PrefixStore(self.prefix, client)
+
+    def coming(self) -> None:
+        """Say this rank takes part (before it drops its old group, which can take a while)."""
+        self._store.set(f"alive/{self.old_rank}", "coming")
+
+    def settle(self, *, settle_s: float, credential: NodeCredential | None, node: str) -> tuple[int, int, str]:
+        """Register (with a proof by this node's ``credential``, :mod:`trainer.credential`)
+        and agree on the new group with the other survivors. Returns ``(new rank, world
+        size, store prefix)``, the same on every survivor; new ranks keep the old order.
+        ``settle_s`` (seconds): how long after the first arrival a rank may take to answer
+        before it is presumed lost. Every survivor checks every entry with its own
+        credential's verifier and leaves out those that fail (an outsider's, a copy).
+
+        Raises:
+            JoinTimeout: this survivor's entry came after the round closed: it joins the
+                new group as a newcomer, or leaves (exit non-zero).
+            JoinRefused: this survivor's own entry does not verify (it has no credential,
+                or an expired one): the same.
+        """
+        store, old_rank, old_world = self._store, self.old_rank, self.old_world
+        n = int(store.add("count", 1))
+        body: dict[str, Any] = {"rank": old_rank, "node": node}
+        if credential is not None:
+            body.update(credential.prove("loss", {"run": self.run, "attempt": self.attempt, "number": n, **body}))
+        store.set(f"m/{n}", json.dumps(body))
+        store.set(f"alive/{old_rank}", "in")
+        store.set(f"in/{old_rank}", str(n))
+        mine = repr(time.time() + settle_s)
+        if store.compare_set("deadline", "", mine).decode() == mine:  # the first to arrive (an outsider's count aside)
+            for r in range(old_world):  # wake the others' LossWatch: each answers, and one blocked on a survivor comes
+                if r != old_rank:
+                    store.set(f"wake/{r}", "loss")
+        store.wait(["deadline"])
+        deadline = float(store.get("deadline").decode())
+        expected = self._expected(deadline)
+        self._wait_for([f"in/{r}" for r in expected], deadline - settle_s + self._timeout_s)
+        closed = int(store.compare_set("closed", "", str(int(store.add("count", 0)))).decode())
+        if n > closed:
+            raise JoinTimeout(f"rank {old_rank} reached the survivors' round of attempt {self.attempt} after it closed")
+        verifier = credential.verifier() if credential is not None else None
+        ranks: set[int] = set()
+        for i in range(1, closed + 1):
+            rank = _survivor(store.get(f"m/{i}"), verifier, run=self.run, attempt=self.attempt, number=i,
+                             now=deadline)
+            if rank is not None and 0 <= rank < old_world:
+                ranks.add(rank)
+        if old_rank not in ranks:
+            raise JoinRefused(f"rank {old_rank}'s entry in the survivors' round of attempt {self.attempt} does not "
+                              f"verify ({'no join credential' if credential is None else 'its credential'})")
+        order = sorted(ranks)
+        return order.index(old_rank), len(order), f"{self.prefix}/group"
+
+    def _expected(self, deadline: float) -> list[int]:
+        """The ranks that answered by ``deadline`` (unix seconds), as the first survivor to
+        get there saw them: one list for all."""
+        store, keys = self._store, [f"alive/{r}" for r in range(self.old_world)]
+        while time.time() < deadline and not store.check(keys):
+            # answers come within a thread's wake-up; a lost rank never answers. Polled, as
+            # TCPStore.wait's timeout logs a warning per call and a loss always reaches it
+            time.sleep(min(_ANSWER_POLL_S, max(0.0, deadline - time.time())))
+        seen = [r for r in range(self.old_world) if store.check([f"alive/{r}"])]
+        return [int(r) for r in json.loads(store.compare_set("expected", "", json.dumps(seen)).decode())]
+
+    def _wait_for(self, keys: list[str], until: float) -> None:
+        """Wait until every key in ``keys`` is set, or until ``until`` (unix seconds)."""
+        left = until - time.time()
+        if not keys or left <= 0:
+            return
+        waiter = dist.PrefixStore(self.prefix, dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
+                                                             timeout=timedelta(seconds=left)))
+        try:
+            waiter.wait(keys, timedelta(seconds=left))
+        except dist.DistStoreError:  # an expected rank answered and then died too: close without it
+            log.warning("closing the survivors' round of attempt %s without a rank that answered and never came",
+                        self.attempt)
+
+
+#: how often a survivor looks for the other ranks' answers in a loss round (seconds)
+_ANSWER_POLL_S = 0.02
+
+
 def settle_survivors(endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, old_world: int, *,
                      settle_s: float, credential: NodeCredential | None, node: str,
                      timeout_s: float = 60.0) -> tuple[int, int, str]:
-    """After a collective failed (a peer lost without notice): agree with the other
-    survivors of attempt ``attempt`` on the new group. Returns ``(new rank, world size,
-    store prefix)``, the same on every survivor.
-
-    Each survivor registers under ``spotvisor/<run>/loss/<attempt>`` with its old rank,
-    its ``node`` and a proof by its node's ``credential`` (:mod:`trainer.credential`) over
-    those, the run, the attempt and its entry's number; the first to arrive sets a
-    deadline ``settle_s`` seconds on (and wakes every other rank's :class:`LossWatch`,
-    which makes a survivor blocked on a survivor, not on the lost peer, fail its
-    collective and come); after it the first reader closes the round (compare-and-set of
-    the count), so all see one member list. Every survivor checks every entry with its
-    own credential's verifier and leaves out those that fail (an outsider's, a copy),
-    the same ones on every survivor. New ranks keep the old order.
-
-    Raises:
-        JoinTimeout: this survivor arrived after the round closed: it must leave (exit
-            non-zero); the daemon replaces its node or torchrun restarts it.
-        JoinRefused: this survivor's own entry does not verify (it has no credential,
-            or an expired one): the same.
-    """
-    client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timedelta(seconds=timeout_s))
-    prefix = f"spotvisor/{run}/loss/{attempt}"
-    store = dist.PrefixStore(prefix, client)
-    n = int(store.add("count", 1))
-    body: dict[str, Any] = {"rank": old_rank, "node": node}
-    if credential is not None:
-        body.update(credential.prove("loss", {"run": run, "attempt": attempt, "number": n, **body}))
-    store.set(f"m/{n}", json.dumps(body))
-    mine = repr(time.time() + settle_s)
-    if store.compare_set("deadline", "", mine).decode() == mine:  # the first to arrive (an outsider's count aside)
-        for r in range(old_world):  # wake the others' LossWatch: a survivor blocked on a survivor joins now
-            if r != old_rank:
-                store.set(f"wake/{r}", "loss")
-    store.wait(["deadline"])
-    deadline = float(store.get("deadline").decode())
-    left = min(deadline - time.time(), settle_s)
-    if left > 0:
-        time.sleep(left)  # the settle window: survivors whose collective fails later arrive meanwhile
-    closed = int(store.compare_set("closed", "", str(int(store.add("count", 0)))).decode())
-    if n > closed:
-        raise JoinTimeout(f"rank {old_rank} reached the survivors' round of attempt {attempt} after it closed")
-    verifier = credential.verifier() if credential is not None else None
-    ranks: set[int] = set()
-    for i in range(1, closed + 1):
-        rank = _survivor(store.get(f"m/{i}"), verifier, run=run, attempt=attempt, number=i, now=deadline)
-        if rank is not None and 0 <= rank < old_world:
-            ranks.add(rank)
-    if old_rank not in ranks:
-        raise JoinRefused(f"rank {old_rank}'s entry in the survivors' round of attempt {attempt} does not verify "
-                          f"({'no join credential' if credential is None else 'its credential'})")
-    order = sorted(ranks)
-    return order.index(old_rank), len(order), f"{prefix}/group"
+    """:class:`SurvivorRound` in one call: say this rank is coming, then settle. The
+    same returns and errors as :meth:`SurvivorRound.settle`."""
+    survivors = SurvivorRound(endpoint, run, attempt, old_rank, old_world, timeout_s=timeout_s)
+    survivors.coming()
+    return survivors.settle(settle_s=settle_s, credential=credential, node=node)
 
 
 def _survivor(raw: bytes, verifier: Verifier | None, *, run: str, attempt: str, number: int,
@@ -435,7 +504,9 @@ class LossWatch:
     worker is not re-forming already, the thread aborts the group (NCCL) and shuts down
     the group's connected sockets (gloo: the descriptors its ``init_process_group`` opened,
     never the listener), so the blocked collective fails at once and the worker joins
-    the round. A worker wakes its own thread the same way when its attempt changes
+    the round. It answers the round first (``alive/<rank>``): the survivors wait for a
+    rank that answered, and presume lost only one that does not (:class:`SurvivorRound`).
+    A worker wakes its own thread the same way when its attempt changes
     (:meth:`follow`) or it ends (:meth:`stop`).
     """
 
@@ -512,7 +583,16 @@ class LossWatch:
                     continue  # woken by its own worker: the attempt changed
                 fds, pg = self._fds, self._pg
                 self._watching, self._fds, self._pg = None, set(), None
+                self._answer(*target)
                 self._shut(fds, pg)
+
+    def _answer(self, attempt: str, rank: int) -> None:
+        """Tell the loss round this rank is alive and coming (:class:`SurvivorRound`),
+        however long its worker takes to reach its failed collective."""
+        try:
+            self._client.set(f"spotvisor/{self._run}/loss/{attempt}/alive/{rank}", "woken")
+        except Exception:  # the store out of reach: the round presumes this rank lost; it joins as a newcomer
+            log.warning("could not answer the survivors' round of attempt %s", attempt)
 
     def _shut(self, fds: set[int], pg: Any) -> None:
         if pg is not None:

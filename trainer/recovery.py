@@ -7,11 +7,12 @@ the lost peer in these processes, and the step that failed is trained again. A
 :class:`~trainer.membership.LossWatch` (:meth:`Recovery.follow`) wakes a survivor blocked
 on a silent peer when the others re-form.
 
-What :meth:`Recovery.recover` does on every survivor: drop the old group, agree on the
-new membership with the others through the rendezvous store
-(:func:`~trainer.membership.settle_survivors`: a settle window of ``--loss-settle-s`` or
-twice the last step's time, whichever is longer: a survivor that was computing when its
-peers' collective failed arrives up to a step later), join the new group; the ranks a
+What :meth:`Recovery.recover` does on every survivor: say it is coming, drop the old
+group, agree on the new membership with the others through the rendezvous store
+(:class:`~trainer.membership.SurvivorRound`: a rank that does not answer within
+``--loss-settle-s`` of the first arrival is presumed lost, and the round waits for
+every rank that answered, however long it computes before its collective fails),
+join the new group; the ranks a
 step behind take the state from the most advanced survivor (a rank whose optimizer step
 completed before its last collective failed). Then a new attempt at that step: the step
 that failed is trained again at the smaller world, with the same global batch. That is
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from trainer.batch import ElasticBatch
 from trainer.contract import NODE_ID_ENV
 from trainer.exchange import all_gather_json
-from trainer.membership import JoinRefused, JoinTimeout, LossWatch, run_id, settle_survivors
+from trainer.membership import JoinRefused, JoinTimeout, LossWatch, SurvivorRound, run_id
 from trainer.runtime import regroup, rendezvous_endpoint
 
 __all__ = ["Recovery", "first_line"]
@@ -58,7 +59,6 @@ class Recovery:
 
     def __init__(self, job: Any) -> None:
         self.job = job
-        self.step_s = 0.0  # the last step's duration (s): a lost peer's survivors wait about that long for each other
         self._watch: LossWatch | None = None  # unblocks this worker when other survivors re-form without it
 
     def lost_a_peer(self, exc: RuntimeError) -> bool:
@@ -103,18 +103,19 @@ class Recovery:
         log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, failure)
         endpoint = rendezvous_endpoint()
         assert endpoint is not None  # lost_a_peer
-        self._drop_group()
         node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
         try:
-            # a survivor that was still computing the step reaches its failed collective up to
-            # a step later than one that was waiting in it (seen in make demo: 1.0 s apart)
-            settle_s = max(job.args.loss_settle_s, 2.0 * self.step_s)
-            rank, world, prefix = settle_survivors(endpoint, run_id(), job.attempt, old_rank, old_world,
-                                                   settle_s=settle_s, timeout_s=job.args.pg_timeout_s,
-                                                   credential=job.credential, node=node)
+            survivors = SurvivorRound(endpoint, run_id(), job.attempt, old_rank, old_world,
+                                      timeout_s=job.args.pg_timeout_s)
+            if self._watch is not None:
+                self._watch.pause()  # before its entry: nothing may shut this group's sockets now
+            survivors.coming()  # dropping the group can take a while (gc of the failed step)
+            self._drop_group()
+            rank, world, prefix = survivors.settle(settle_s=job.args.loss_settle_s, credential=job.credential,
+                                                   node=node)
         except JoinTimeout as exc:
-            # its collective failed later than the others' (gloo: seconds apart, in a test):
-            # they re-formed without it, and it joins them as a newcomer at their next boundary
+            # it answered the round too late (its loss watch not following yet, or the store
+            # out of reach): the others re-formed without it; it joins as a newcomer
             log.warning("%s; joining the survivors' group as a newcomer", exc)
             job.resizer.join(f"{node}/rank{old_rank}", 0, 1)
             return
@@ -129,11 +130,9 @@ class Recovery:
         self._catch_up(old_world, t0, step)
 
     def _drop_group(self) -> None:
-        """Leave the old group: pause the loss watch (before this rank's own entry in the
-        round, and before its sockets go), drop DDP's reducer, abort and destroy the group."""
+        """Leave the old group (its loss watch paused): drop DDP's reducer, abort and
+        destroy the group."""
         job = self.job
-        if self._watch is not None:
-            self._watch.pause()
         job.ddp = job.state.model  # DDP's reducer holds the old group
         if dist.is_initialized():
             # NCCL: abort ends this rank's pending kernels. gloo closes no connection on abort

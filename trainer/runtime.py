@@ -110,8 +110,9 @@ def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32
     p.add_argument("--join-timeout-s", type=float, default=300.0,
                    help="how long a node started to join the running group waits to be admitted (seconds)")
     p.add_argument("--loss-settle-s", type=float, default=1.0,
-                   help="after a peer is lost without notice, how long the survivors wait for each other "
-                        "before re-forming the group (seconds; at least twice the last step's time)")
+                   help="after a peer is lost without notice, how long a rank may take to answer the "
+                        "survivors' round before it is presumed lost (seconds; the round then waits for "
+                        "every rank that answered)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=keep_checkpoints,
                    help="committed checkpoints kept by gc")
     return p

@@ -55,8 +55,9 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL",
                    help="KILL: the worker is gone; STOP: it stops dead, its connections open and silent "
                         "(a powered-off instance's)")
-    p.add_argument("--slow-node", default=None, help="this node sleeps --slow-s before every step")
+    p.add_argument("--slow-node", default=None, help="this node sleeps --slow-s before the step after --slow-at")
     p.add_argument("--slow-s", type=float, default=0.3)
+    p.add_argument("--slow-at", type=int, default=None, metavar="STEP", help="only then (default: every step)")
     p.add_argument("--digest-at-end", action="store_true",
                    help="a worker that reaches the target writes $OUT/final-<pid>.json: its model and AdamW digest")
     p.add_argument("--record-samples", action="store_true",
@@ -111,8 +112,8 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
         def train_step(self):
             if opts.kill_at is not None and self.state.step == opts.kill_at and node == opts.kill_node:
                 os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
-            if node == opts.slow_node:
-                time.sleep(opts.slow_s)  # computes that much longer every step
+            if node == opts.slow_node and opts.slow_at in (None, self.state.step):
+                time.sleep(opts.slow_s)  # computes that much longer (a straggler)
             out = super().train_step()
             if (self.state.step == opts.wait_joiners_at and self.ctx.rank == 0 and not self.joined_in_process):
                 q = JoinQueue(rendezvous_endpoint(), run_id())
