@@ -264,9 +264,11 @@ async def _daemon(tmp_path: Path, policy: str) -> tuple[Supervisor, RecordingPro
 
 
 async def _pass(sup: Supervisor) -> None:
+    """One reconcile pass, and every launch call it started landed."""
     await sup.reconcile_once()
-    for _ in range(5):  # let the launch calls it spawned land
-        await asyncio.sleep(0)
+    async with asyncio.timeout(10):
+        while sup.fleet.launching:  # the calls are tasks of their own; this one yields to them
+            await asyncio.sleep(0)
 
 
 async def test_restart_on_preemption_terminates_every_node_and_relaunches_the_pool(tmp_path: Path) -> None:
