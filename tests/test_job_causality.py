@@ -402,6 +402,28 @@ def test_the_survivor_of_a_shrink_resumes_after_the_leavers_commit() -> None:
     assert t.state.record.attempt == "a2" and t.state.record.world_size == 1 and not t.state.flushes
 
 
+def test_a_resume_overtaken_while_it_waited_for_its_commit_does_not_move_the_job_back() -> None:
+    """n2 leads a2, resumed from 40, whose commit report is late: held. Meanwhile the job
+    grows in-process (a3 at step 45, from rank 0 on n2, no commit needed): recorded at
+    once. When the commit of 40 arrives, a2's resume is recorded too (it happened, after
+    its commit), but the job stays on a3, its step and world."""
+    t = Tracker({"n2": NodeState.RUNNING}, target=100)
+    t.status("n2", _line("started", "a2", 40, world_size=1, resumed_from=40))
+    assert [h.line.attempt for h in t.state.held] == ["a2"]
+    t.nodes["n1"] = NodeState.RUNNING  # the grow's new node
+    grow = dataclasses.replace(_line("started", "a3", 45, world_size=2), resized="in_process")
+    t.status("n2", grow)
+    t.status("n1", dataclasses.replace(grow, rank=1))
+    assert t.state.record.attempt == "a3"
+    t.now += j.RESUME_HOLD_S + 1  # its leaver's report of 40 is lost: the pass reads the store
+    [read] = [x for x in t.send(j.CheckHolds()) if isinstance(x, j.ReadCommit)]
+    t.send(j.CommitRead(read.step, _line("checkpoint_committed", "a1", 40, world_size=2)))
+    resumes = [(r.line.attempt, r.line.step) for r in t.of(j.ResumeRecorded)]
+    assert resumes == [("a3", 45), ("a2", 40)] and not t.state.held
+    assert (t.state.record.attempt, t.state.record.step, t.state.record.world_size) == ("a3", 45, 2)
+    assert t.state.record.attempts >= {"a2", "a3"}
+
+
 def test_a_line_of_an_attempt_nobody_leads_waits_then_goes() -> None:
     t = Tracker({"n1": NodeState.RUNNING, "n2": NodeState.RUNNING}, target=10)
     t.status("n1", _line("completed", "a1", 10, world_size=2))

@@ -284,16 +284,25 @@ class _Run:
 
     # -- resumes and the completion
     def resume(self, node: str | None, line: StatusLine, *, commit_unconfirmed: bool = False) -> None:
+        """Record ``line``'s start. One that a newer attempt's start overtook while it
+        waited for its commit (its line older than the running attempt's) is recorded
+        as it happened, but the job stays on the newer attempt, its step and world."""
         rec, now = self.record, self.world.now
-        reached = rec.step
-        lost = reached - line.step if reached is not None and reached > line.step else 0
-        old_world = rec.world_size
-        self.progress(attempts=rec.attempts | {line.attempt}, attempt=line.attempt, step=line.step, resumed_at=now,
-                      resizes_in_process=rec.resizes_in_process + (line.resized == "in_process"),
-                      world_size=line.world_size, started_at=now)
-        if line.world_size != old_world:
-            self.actions.append(WorldSizeChanged(old_world, line.world_size))
-        self.actions.append(ResumeRecorded(node, line, lost, commit_unconfirmed))
+        if (line.attempt != rec.attempt and line.time is not None and self.attempt_time is not None
+                and line.time < self.attempt_time):
+            self.progress(attempts=rec.attempts | {line.attempt})
+            self.actions.append(ResumeRecorded(node, line, 0, commit_unconfirmed))
+        else:
+            reached = rec.step
+            lost = reached - line.step if reached is not None and reached > line.step else 0
+            old_world = rec.world_size
+            self.progress(attempts=rec.attempts | {line.attempt}, attempt=line.attempt, step=line.step,
+                          resumed_at=now, resizes_in_process=rec.resizes_in_process + (line.resized == "in_process"),
+                          world_size=line.world_size, started_at=now)
+            self.attempt_time = line.time
+            if line.world_size != old_world:
+                self.actions.append(WorldSizeChanged(old_world, line.world_size))
+            self.actions.append(ResumeRecorded(node, line, lost, commit_unconfirmed))
         self.started |= {line.attempt}
         released = [e for e in self.early if e.line.attempt == line.attempt]
         self.early = tuple(e for e in self.early if e.line.attempt != line.attempt)

@@ -121,6 +121,7 @@ class JobTrack:
     started: frozenset[str] = frozenset()  # attempts whose resume is recorded
     unconfirmed: frozenset[int] = frozenset()  # commit steps recorded with the store out of reach
     said_unverified: frozenset[int] = frozenset()  # steps whose completion_unverified is recorded
+    attempt_time: float | None = None  # the running attempt's started line's time (the trainer's clock, unix s)
 
     def running_leader(self) -> str | None:
         """The node that holds rank 0 of the attempt the job runs (None: none recorded)."""
