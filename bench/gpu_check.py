@@ -38,7 +38,6 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 from bench.ports import free_port
 
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"shrink {ranks} -> {ranks - 1} in-process (s)", f"{r0['shrink_s']:.3f}"),
         (f"grow {ranks - 1} -> {ranks}: group (s)", f"{r0['grow_group_s']:.3f}"),
         (f"grow: {args.params_m:g} M bf16 parameters from rank 0 (s)", f"{r0['grow_state_s']:.3f}"),
-        (f"loss without notice: detected by a failed collective (s)",
+        ("loss without notice: detected by a failed collective (s)",
          f"{r0['loss_detect_s']:.3f} ({r0.get('loss_error', 'not detected')})"),
         (f"loss: group re-formed without it, {ranks} -> {ranks - 1} (s)", f"{r0['loss_reform_s']:.3f}"),
         ("every collective summed exactly", str(all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact",

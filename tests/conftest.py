@@ -106,6 +106,7 @@ import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import AsyncIterator, Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -358,7 +359,6 @@ def rdzv():
 def rendezvous() -> Iterator[int]:
     """The c10d store, as ``spotvisord rendezvous`` runs it beside the daemon; its port.
     Each test's job has a run id of its own (the daemon's nonce), so a module's tests share it."""
-    import subprocess
 
     from bench.ports import free_port
     from daemon.controlnode.rendezvous import wait_until_listening
@@ -374,9 +374,8 @@ def rendezvous() -> Iterator[int]:
         proc.wait()
 
 
-def stop_process(proc: "subprocess.Popen", timeout_s: float) -> None:
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
     """SIGTERM ``proc`` and reap it; SIGKILL it if it has not exited within ``timeout_s``."""
-    import subprocess
 
     proc.terminate()
     try:

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tomllib
-import urllib.parse
 from pathlib import Path
 
 import boto3

@@ -21,7 +21,6 @@ import os
 import stat
 import subprocess
 import sys
-import sysconfig
 import uuid
 from pathlib import Path
 

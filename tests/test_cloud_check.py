@@ -14,7 +14,7 @@ import boto3
 import pytest
 import yaml
 
-from daemon.controlnode.cloud_check import (CheckResult, blocked_offers, failed, merge_failures, passed, render,
+from daemon.controlnode.cloud_check import (blocked_offers, failed, merge_failures, passed, render,
                                             retry_delay_s)
 from daemon.interfaces.cli import main
 from fakes.aws_faults import Seen

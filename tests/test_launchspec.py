@@ -4,7 +4,6 @@ proxy (tests/fakes/aws_faults.py), the real aliyun SDK against tests/fakes/ecs.p
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import uuid

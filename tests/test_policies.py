@@ -200,8 +200,8 @@ def test_a_non_call_grant_goes_when_the_call_that_needs_it_goes(real_calls: list
 def test_calls_on_the_node_are_held_to_the_gpu_node_policy() -> None:
     snippet = "import boto3\n\ndef who():\n    return boto3.client('sts').get_caller_identity()['Account']\n"
     found = problems(_with({"trainer/whoami.py": snippet}), load_policies())
-    assert found == [f"sts:GetCallerIdentity is called (trainer/whoami.py:4: call .get_caller_identity() "
-                     f"(sts GetCallerIdentity)) but configs/policies/aws-gpu-node.json does not grant it"]
+    assert found == ["sts:GetCallerIdentity is called (trainer/whoami.py:4: call .get_caller_identity() "
+                     "(sts GetCallerIdentity)) but configs/policies/aws-gpu-node.json does not grant it"]
 
 
 def test_aliyun_request_classes_and_oss2_methods_are_found() -> None:

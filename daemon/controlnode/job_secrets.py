@@ -34,7 +34,6 @@ import errno
 import json
 import os
 import stat
-from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
 

@@ -38,7 +38,7 @@ from daemon.config import Config
 from daemon.control import migration
 from daemon.control.actions import Action, Drain, PoolState
 from daemon.control.deadline import in_markets, narrow
-from daemon.control.lifecycle import ADMITTED, JobState
+from daemon.control.lifecycle import ADMITTED
 from daemon.control.migration import Migration, MigrationState, Phase
 from daemon.control.policies import RecoveryPolicy
 from daemon.controlnode.core import Core

@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import json
-import time
 import time as _time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
