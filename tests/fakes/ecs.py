@@ -96,7 +96,8 @@ every zone), :attr:`FakeEcs.denied` (actions the caller's RAM policy does not gr
 
 Test hooks (not part of ECS): :meth:`FakeEcs.fail_next` (answer the next calls of an
 action with a documented error), :meth:`FakeEcs.delay_next` (apply the call, then
-answer late -- a client timeout after the request reached ECS), :attr:`FakeEcs.prices`
+answer late -- a client timeout after the request reached ECS; :meth:`FakeEcs.release_delays`
+answers the held calls at once), :attr:`FakeEcs.prices`
 (``(instance_type, zone) -> [(timestamp, price)]``), :attr:`FakeEcs.currency`,
 :attr:`FakeEcs.ram_roles` (the account's RAM role names; None: any name exists),
 :meth:`FakeEcs.reclaim` (ECS releases a spot instance), and the logs
@@ -275,6 +276,7 @@ class FakeEcs(LocalServer):
         self._delays: dict[str, list[_Delay]] = {}
         self._seq = itertools.count(1)
         self._closing = asyncio.Event()
+        self._release = asyncio.Event()
 
     # -- lifecycle (fakes.serving.LocalServer) -----------------------------------------
     async def aclose(self) -> None:
@@ -293,6 +295,11 @@ class FakeEcs(LocalServer):
         """Hold the answer to the next ``n`` calls of ``action`` for ``seconds``; with
         ``after_apply`` the call takes effect first (a timeout after ECS acted)."""
         self._delays.setdefault(action, []).append(_Delay(seconds, after_apply, n))
+
+    def release_delays(self) -> None:
+        """Answer every call :meth:`delay_next` holds now, at once."""
+        self._release.set()
+        self._release.clear()  # the waiting calls are woken already; later delays hold again
 
     def reclaim(self, instance_id: str) -> None:
         """ECS releases a spot instance (it disappears from DescribeInstances)."""
@@ -334,10 +341,12 @@ class FakeEcs(LocalServer):
                 status=err.status)
 
     async def _wait(self, seconds: float) -> None:
+        waits = [asyncio.ensure_future(self._closing.wait()), asyncio.ensure_future(self._release.wait())]
         try:
-            await asyncio.wait_for(self._closing.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     def _authenticate(self, method: str, params: dict[str, str]) -> None:
         missing = [k for k in _REQUIRED_COMMON if not params.get(k)]
