@@ -72,6 +72,9 @@ class Tracker:
             self.seen.add("a commit held for its attempt's start")
         if isinstance(message, j.CommitRead) and message.line is not None:
             self.seen.add("a resume held for a commit only the store has")
+        if any(h.line.event == "started" and (h.line.attempt, h.line.resumed_from) == (e.line.attempt, e.line.step)
+               for h in self.state.held for e in self.state.early):
+            self.seen.add("a resume and its own attempt's re-answer of that commit held")
         self.actions += actions
         return actions
 
@@ -99,6 +102,7 @@ class Scenario:
     resumes: dict[str, int | None]  # attempt → the step it resumes from
     target: int  # the final commit's step: the completion's
     lost: frozenset[int]  # commits no node's report of arrives (only the store has them)
+    reanswers: dict[int, str] = dataclasses.field(default_factory=dict)  # step → the attempt that re-answered it
 
 
 @st.composite
@@ -106,12 +110,15 @@ def scenarios(draw) -> Scenario:
     """1-3 nodes, 1-4 attempts, each resuming from the last one's last commit, each led
     by any node still in the job; a leader may be noticed after its attempt's last
     commit (which answers its notice) and leave, and the survivors go on; one commit's
-    every report may be lost."""
+    every report may be lost. A resumed attempt may first commit at the very step it
+    resumed from (its rank 0 answers a notice taken at the first boundary with the commit
+    it holds: ``Committer`` re-answers it, a second report of that step)."""
     nodes = tuple(f"n{i}" for i in range(1, draw(st.integers(1, 3)) + 1))
     streams: dict[str, list[StatusLine | Leave]] = {n: [] for n in nodes}
     commits: dict[int, str] = {}
     resumes: dict[str, int | None] = {}
     alive, step, resumed_from = list(nodes), 0, None
+    reanswers: dict[int, str] = {}
     n_attempts = draw(st.integers(1, 4))
     for k in range(n_attempts):
         attempt, leader = f"a{k}", draw(st.sampled_from(alive))
@@ -119,6 +126,10 @@ def scenarios(draw) -> Scenario:
         for rank, node in enumerate([leader] + [n for n in alive if n != leader]):
             streams[node].append(_line("started", attempt, step, rank=rank, world_size=len(alive),
                                        resumed_from=resumed_from))
+        if resumed_from is not None and draw(st.booleans()):
+            reanswers[resumed_from] = attempt
+            streams[leader].append(_line("checkpoint_committed", attempt, resumed_from, world_size=len(alive),
+                                         notice_ids=(f"{leader}:re{resumed_from}",)))
         leaves = k < n_attempts - 1 and len(alive) > 1 and draw(st.booleans())
         n_commits = draw(st.integers(1, 3))
         for c in range(n_commits):
@@ -140,9 +151,9 @@ def scenarios(draw) -> Scenario:
     origins = [r for r in resumes.values() if r is not None] + [step]
     lost = frozenset(draw(st.sets(st.sampled_from(origins), max_size=1)))
     kept = {n: tuple(x for x in lines if not (isinstance(x, StatusLine) and x.event == "checkpoint_committed"
-                                              and x.step in lost))
+                                              and x.step in lost and x.attempt == commits[x.step]))
             for n, lines in streams.items()}
-    return Scenario(nodes, kept, commits, resumes, step, lost)
+    return Scenario(nodes, kept, commits, resumes, step, lost, reanswers)
 
 
 def _store_line(s: Scenario, step: int) -> StatusLine:
@@ -201,12 +212,16 @@ def _check_causal(s: Scenario, t: Tracker, verify: bool) -> None:
     """(Without ``daemon.verify_commits`` a completion is the trainer's word: it waits for
     no commit, and a commit whose reports were all lost is then never read.)"""
     commit_at: dict[int, int] = {}
+    recorded: set[tuple[int, str]] = set()
     resume_at: dict[str, int] = {}
     completions = []
     for i, a in enumerate(t.actions):
         if isinstance(a, j.CommitRecorded):
-            assert a.line.step not in commit_at, f"commit {a.line.step} recorded twice"
-            commit_at[a.line.step] = i
+            # once per step, and once more for a step a later attempt re-answered
+            assert (a.line.step, a.line.attempt) not in recorded, f"commit {a.line.step} recorded twice"
+            assert a.line.step not in commit_at or s.reanswers.get(a.line.step) == a.line.attempt, a
+            recorded.add((a.line.step, a.line.attempt))
+            commit_at.setdefault(a.line.step, i)
             if a.source is None and resume_at:  # (before the job's first start: no order to keep)
                 assert a.line.attempt in resume_at, f"commit {a.line.step} before its attempt {a.line.attempt}"
         elif isinstance(a, j.ResumeRecorded):
@@ -238,7 +253,8 @@ def test_the_log_is_causal_in_every_interleaving(s: Scenario, verify: bool, data
 
 
 @pytest.mark.parametrize("race", ["a resume held for its commit", "a commit held for its attempt's start",
-                                  "a resume held for a commit only the store has"])
+                                  "a resume held for a commit only the store has",
+                                  "a resume and its own attempt's re-answer of that commit held"])
 def test_the_generator_reaches_the_races(race: str) -> None:
     """The property is not vacuous: some generated job and interleaving reaches each race
     the rules exist for."""

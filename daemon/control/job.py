@@ -33,7 +33,8 @@ after :data:`RESUME_HOLD_S` is recorded if it can be trusted (its manifest verif
 its node leads its attempt or answers its own notice), else dropped; but while its
 attempt's start is itself held (for a commit the store will settle) it waits on, and a
 held line whose commit is such an early commit reads nothing: that commit is known, and
-goes on with its attempt's start. (Before the job's first start is recorded there is no
+goes on with its attempt's start (except a held start whose own attempt reported that
+commit again, a notice answered at the step it resumed from: the store settles it). (Before the job's first start is recorded there is no
 order to keep: a commit that can be trusted is recorded at once.)
 
 Example: n1 leads ``a1``; n1 is noticed, commits step 40 and leaves; the survivor n2
@@ -46,7 +47,8 @@ Bounds: what one node sends cannot grow the state without bound: its kept ``star
 lines (:data:`STARTS_KEPT`), its lines waiting for a leader (:data:`UNLED_KEPT`, the
 oldest goes), its commits waiting for a read (:data:`VERIFY_PENDING_MAX`), its held
 lines (:data:`HELD_KEPT`) and early commits (:data:`EARLY_KEPT`; past these, the newest
-is dropped).
+is dropped). The attempts recorded (and their leaders) grow by one per start the rules
+accept: the job's own history, which only a node admitted to the job can add to.
 """
 
 from __future__ import annotations
@@ -351,9 +353,13 @@ class _Run:
         self.unled = tuple(u for u in self.unled if u not in gone)
         for u in gone:
             self.drop(u.node, f"{u.line.event} of attempt {u.line.attempt}, which no node leads", u.line.event)
-        reported = {e.line.step for e in self.early}  # known: they wait for their attempt's start
         for held in self.held:
             waited = waits_on(held.line)
+            # a commit reported early is known: it goes on with its attempt's start, unless
+            # that start is this held line (its survivors committed again at the step they
+            # resumed from, answering a notice): then only the store can settle it
+            reported = {e.line.step for e in self.early
+                        if e.line.attempt != held.line.attempt or held.line.event != "started"}
             if now - held.since < RESUME_HOLD_S or waited is None or waited in self.confirming | reported:
                 continue
             self.confirming |= {waited}
