@@ -186,14 +186,17 @@ class JobTracker:
         self._step(j.CheckHolds())
 
     async def _confirm_commit(self, step: int) -> None:
+        """Read ``step``'s manifest and tell the rules; whatever fails, they hear of it
+        (a step left "being read" would hold its lines for good)."""
         try:
             manifest = await asyncio.to_thread(self._read_manifest, step)
+            line = None if manifest is None else _store_line(step, manifest)
         except Exception as exc:  # the store unreachable (or misconfigured): again RESUME_HOLD_S later
             log.warning("commit_confirm_failed", step=step, attempt=self.state.confirm_failures.get(step, 0) + 1,
                         error=str(exc)[:200])
             self._step(j.CommitRead(step, error=str(exc)[:200]))
             return
-        self._step(j.CommitRead(step, None if manifest is None else _store_line(step, manifest)))
+        self._step(j.CommitRead(step, line))
 
     def _resumed(self, action: j.ResumeRecorded) -> None:
         """Record ``job_resumed``, then ``world_size_mismatch`` when the attempt has more
@@ -230,9 +233,10 @@ class JobTracker:
 def _store_line(step: int, manifest: Any) -> StatusLine:
     """The commit of ``step`` as its manifest in the store tells it."""
     extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    ids = extra.get("notice_ids")
     return StatusLine(
         event="checkpoint_committed", attempt=str(extra.get("attempt") or "?"), rank=None,
         world_size=manifest.world_size, step=step, time=manifest.time,
-        notice_ids=tuple(i for i in extra.get("notice_ids") or () if isinstance(i, str)),
+        notice_ids=tuple(i for i in ids if isinstance(i, str)) if isinstance(ids, list) else (),
         reason=extra.get("reason") if isinstance(extra.get("reason"), str) else None,
         bytes=sum(s.size for s in manifest.shards))

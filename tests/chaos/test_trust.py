@@ -183,6 +183,30 @@ async def test_a_held_resume_is_recorded_unconfirmed_when_the_store_is_out_of_re
         assert sim.sup.job.world_size == 1
 
 
+async def test_a_held_resume_goes_on_from_a_manifest_whose_extra_is_malformed(make_sim, monkeypatch) -> None:
+    """The manifest read for a held resume verifies but its free-form ``extra`` is not what
+    the trainer writes (``notice_ids`` a number): the commit is recorded from the store
+    without the ids and the resume after it. (The read used to crash its task and leave
+    the step "being read" for good: the resume held forever.)"""
+    from types import SimpleNamespace
+
+    from daemon.controlnode.job_tracker import RESUME_HOLD_S
+
+    async with make_sim() as sim:
+        n1, n2 = await _two_running(sim)
+        sim.start([n1, n2], step=0)
+        sim.notice(n1)
+        manifest = SimpleNamespace(extra={"attempt": "a1", "notice_ids": 5}, world_size=2, time=1.0, shards=[])
+        monkeypatch.setattr(sim.sup.tracker, "_read_manifest", lambda step: manifest)
+        sim.sup.intake.on_reports(n2, [_line("started", 26, "a2", rank=0, world_size=1, resumed_from=26)])
+        sim.clock.advance(RESUME_HOLD_S + 1)
+        sim.sup.wake()
+        await sim.until(lambda: len(sim.events("job_resumed")) == 2, what="the resume recorded")
+        (commit,) = [c for c in sim.events("checkpoint_committed") if c.data["step"] == 26]
+        assert commit.data["source"] == "store" and commit.data["notice_ids"] == []
+        assert "commit_unconfirmed" not in sim.events("job_resumed")[-1].data
+
+
 async def test_a_commit_is_recorded_only_once_its_manifest_verifies(make_sim, matrix: Matrix) -> None:
     """``daemon.verify_commits`` (the default): rank 0's own report of a commit that is not in
     the store, or whose manifest does not name the notice it claims to answer, is dropped;
