@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import structlog
@@ -26,7 +27,7 @@ from daemon.control.reports import StatusLine
 from daemon.controlnode import preflight
 from daemon.controlnode.core import Core
 from daemon.controlnode.manifests import CONFIRM_ATTEMPTS, ManifestReader, commit_problem, read_retried
-from daemon.model import EventKind, Node
+from daemon.model import EventKind, Node, NodeState
 
 __all__ = ["JobTracker", "RESUME_HOLD_S", "CONFIRM_ATTEMPTS", "VERIFY_PENDING_MAX"]
 
@@ -60,7 +61,7 @@ class JobTracker:
     def _step(self, message: j.Message) -> None:
         """Decide on ``message`` (:func:`daemon.control.job.step`) and carry out the actions, in order."""
         core = self.core
-        world = j.World(core.clock(), {n.id: n.state for n in core.nodes.values()}, core.job.state)
+        world = j.World(core.clock(), _NodeStates(core.nodes), core.job.state)
         self.state, actions = j.step(self.state, message, world)
         for action in actions:
             self._do(action)
@@ -228,6 +229,23 @@ class JobTracker:
             if check.at_risk:
                 core.record(EventKind.CHECKPOINT_DEADLINE_RISK, action.node, step=line.step,
                             **check.event_data("measured"))
+
+
+class _NodeStates(Mapping[str, NodeState]):
+    """The nodes' states, read when the rules ask (a heartbeat reads none of them: no
+    copy of a thousand-node pool per heartbeat)."""
+
+    def __init__(self, nodes: Mapping[str, Node]) -> None:
+        self._nodes = nodes
+
+    def __getitem__(self, node_id: str) -> NodeState:
+        return self._nodes[node_id].state
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
 
 
 def _store_line(step: int, manifest: Any) -> StatusLine:
