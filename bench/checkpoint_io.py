@@ -328,7 +328,7 @@ def _ddp(b: _Bench) -> Callable[[Any, str], list[Sample]]:
     job = _trained(ReferenceJob(b.args, b.ctx, b.plan, b.tokens))
 
     def run(store: Any, kind: str) -> list[Sample]:
-        job.store, job.last_committed = store, None
+        job.store, job.last_committed, job.committed_step = store, None, None  # a fresh store: nothing committed
         nbytes, _, save_s, upload_s = job._write_checkpoint(job.state.step, "bench")
         fresh = build_state(b.args, b.ctx.device)
         t0 = time.perf_counter()
