@@ -69,18 +69,22 @@ T = TypeVar("T")
 
 
 class CommitResult:
-    """What one :meth:`Committer.commit` did: the manifest and its cost (seconds, bytes);
-    ``reused``: the step was committed already, nothing saved."""
+    """What one :meth:`Committer.commit` did: the manifest and its cost (seconds, bytes):
+    ``save_s`` the format's save, ``upload_s`` the shards and the manifest to the store
+    (rank 0's), ``seconds`` the whole commit as the training loop waited for it
+    (barriers and collectives included; default ``save_s + upload_s``); ``reused``: the
+    step was committed already, nothing saved."""
 
-    __slots__ = ("manifest", "save_s", "upload_s", "bytes", "reused")
+    __slots__ = ("manifest", "save_s", "upload_s", "bytes", "reused", "seconds")
 
     def __init__(self, manifest: Manifest, save_s: float, upload_s: float, nbytes: int, *,
-                 reused: bool = False) -> None:
+                 reused: bool = False, seconds: float | None = None) -> None:
         self.manifest = manifest
         self.save_s = save_s
         self.upload_s = upload_s
         self.bytes = nbytes
         self.reused = reused
+        self.seconds = save_s + upload_s if seconds is None else seconds
 
 
 def merge_shards(per_rank: list[list[ShardInfo]]) -> tuple[ShardInfo, ...]:
@@ -168,8 +172,10 @@ class ShardWriter(Protocol):
     it is timed as ``save_s``), then, after a barrier, ``upload`` (timed as ``upload_s``;
     the shards this rank uploaded, ``[]`` for none), and ``cleanup`` (once the outcome
     is known, committed or not). ``upload`` raises CheckpointError, ValueError or OSError
-    for a failure every rank then learns of; a ``save`` that raises goes up as it is, on
-    the ranks where it did, and leaves what it wrote (no ``cleanup``).
+    for a failure every rank then learns of; a ``save`` that raises goes up as it is on
+    its rank and as a CheckpointError naming that rank on the others, once their saves
+    returned, and leaves what it wrote (no ``cleanup``); a save that is itself collective
+    must fail on every rank, as DCP's does.
     """
 
     def prepare(self, step: int) -> None: ...
@@ -244,18 +250,26 @@ class Committer:
             The manifest and the measured save/upload seconds and bytes.
 
         Raises:
-            CheckpointError: any rank failed; no manifest was written (raised on every rank).
+            CheckpointError: any rank failed (a save, an upload, the manifest's put, or the
+                re-answer's put); no manifest was written (raised on every rank, naming the
+                rank and its error).
         """
+        start = time.perf_counter()
         self.guard.mark_handled(list(decision.notice_ids) if decision else [])
         last = self.last_committed
         if last is not None and last.step == step:
-            return self._reuse(last, decision, reason)
+            return self._reuse(last, decision, reason, extra or {}, start)
         writer = self.writer(save)
         writer.prepare(step)
         barrier(self.ctx)
         t0 = time.perf_counter()
-        writer.save(step)
-        barrier(self.ctx)
+        own = self._try(writer.save, step)
+        failed = None if own is None else f"rank {self.ctx.rank}: save failed: {type(own).__name__}: {own}"
+        errors = [e for e in all_gather_objects(self.ctx, failed) if e]  # every rank learns (and waits)
+        if own is not None:
+            raise own  # as the format raised it, here; the others raise CheckpointError
+        if errors:
+            raise CheckpointError(f"step {step} not committed: {'; '.join(map(str, errors))}")
         t1 = time.perf_counter()
         shards, error = self._upload(writer, step)
         t2 = time.perf_counter()
@@ -266,6 +280,7 @@ class Committer:
             extra = {**(extra or {}), "notice_ids": self.guard.handled_ids, "reason": reason,
                      "save_s": round(save_s, 4), "upload_s": round(upload_s, 4)}
             outcome = self._commit_manifest(step, gathered, global_batch_size, data_position, extra)
+            upload_s = time.perf_counter() - t1  # the manifest's put is part of the upload
         # every rank reports rank 0's timings (the daemon's flush check reads them as rank 0's node's)
         manifest, err, save_s, upload_s = broadcast_object(  # type: ignore[misc]
             self.ctx, (*outcome, save_s, upload_s))
@@ -273,10 +288,22 @@ class Committer:
         if manifest is None:
             raise CheckpointError(f"step {step} not committed: {err}")
         self.last_committed = manifest
-        result = CommitResult(manifest, save_s, upload_s, sum(s.size for s in manifest.shards))
+        result = CommitResult(manifest, save_s, upload_s, sum(s.size for s in manifest.shards),
+                              seconds=presave_s + time.perf_counter() - start)
         self._emit(step, decision, reason, result)
         self._gc(step, reason, result)
         return result
+
+    @staticmethod
+    def _try(fn: Callable[[int], object], step: int) -> Exception | None:
+        """``fn(step)``; None, or what it raised, for the other ranks to learn of before
+        it goes up: a failure on one rank must not leave the others waiting in the next
+        collective, nor let them train on as if the step were committed."""
+        try:
+            fn(step)
+        except Exception as exc:  # noqa: BLE001 - re-raised by commit() once the peers know
+            return exc
+        return None
 
     def _upload(self, writer: ShardWriter, step: int) -> tuple[list[ShardInfo] | None, str | None]:
         try:
@@ -295,17 +322,30 @@ class Committer:
                                 data_position=data_position, shards=merge_shards([s for s, _ in gathered]),
                                 time=time.time(), extra=extra)
             commit(self.store, manifest)
-        except (CheckpointError, ValueError) as exc:
-            return None, str(exc)
+        except Exception as exc:  # noqa: BLE001 - the peers learn of it through the broadcast
+            log.exception("rank 0: the manifest of step %d was not committed", step)
+            return None, f"rank 0: {type(exc).__name__}: {exc}"
         return manifest, None
 
-    def _reuse(self, last: Manifest, decision: Decision | None, reason: str) -> CommitResult:
-        """The step is committed already: record the notices it answers now, nothing saved."""
-        answered = record_answered(self.store, last, self.guard.handled_ids, write=self.ctx.is_leader)
-        if answered is not last:
-            barrier(self.ctx)
-            self.last_committed = last = answered
-        result = CommitResult(last, 0.0, 0.0, sum(s.size for s in last.shards), reused=True)
+    def _reuse(self, last: Manifest, decision: Decision | None, reason: str, extra: dict,
+               start: float) -> CommitResult:
+        """The step is committed already: record the notices it answers now (with
+        ``extra`` and ``reason``, so a commit read back from the store names this attempt),
+        nothing saved. Rank 0 puts the manifest; every rank gets its word on it."""
+        outcome: tuple[Manifest | None, str | None] = (last, None)
+        if self.ctx.is_leader:
+            try:
+                outcome = (record_answered(self.store, last, self.guard.handled_ids,
+                                           extra={**extra, "reason": reason}), None)
+            except Exception as exc:  # noqa: BLE001 - the peers learn of it through the broadcast
+                log.exception("rank 0: the manifest of step %d was not re-answered", last.step)
+                outcome = (None, f"rank 0: {type(exc).__name__}: {exc}")
+        answered, err = broadcast_object(self.ctx, outcome)  # type: ignore[misc]
+        if answered is None:
+            raise CheckpointError(f"step {last.step} committed, but the notices it answers were not recorded: {err}")
+        self.last_committed = last = answered
+        result = CommitResult(last, 0.0, 0.0, sum(s.size for s in last.shards), reused=True,
+                              seconds=time.perf_counter() - start)
         self._emit(last.step, decision, reason, result)
         return result
 
@@ -315,7 +355,7 @@ class Committer:
             step,
             notice_ids=list(decision.notice_ids) if decision else [],
             kinds=list(decision.kinds) if decision else [],
-            seconds=round(r.save_s + r.upload_s, 4),
+            seconds=round(r.seconds, 4),  # the whole commit, as the loop waited for it
             save_s=round(r.save_s, 4),  # the format's save, rank 0's
             upload_s=round(r.upload_s, 4),  # rank 0's node's shards to the store
             bytes=r.bytes,
