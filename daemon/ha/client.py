@@ -46,7 +46,10 @@ class EtcdClient(aetcd.Client):
         super().__init__(timeout=timeout_s,  # type: ignore[arg-type]  # aetcd types it int; gRPC takes float
                          options={"grpc.lb_policy_name": "round_robin",
                                   "grpc.initial_reconnect_backoff_ms": 100,
-                                  "grpc.max_reconnect_backoff_ms": 1000})
+                                  "grpc.max_reconnect_backoff_ms": 1000,
+                                  # a new leader reads the pool's whole state in one range
+                                  # (daemon/ha/store.py); gRPC's default cap is 4 MiB
+                                  "grpc.max_receive_message_length": 256 << 20})
         self._target = target_of(endpoints)
         self._credentials = credentials
 

@@ -106,10 +106,10 @@ class Elector:
     # -- the loop ---------------------------------------------------------------
     async def _run(self) -> None:
         while True:
-            try:
-                obs: ld.Observation = await asyncio.wait_for(self._queue.get(), self.tick_s)
-            except TimeoutError:
-                obs = ld.Tick()
+            obs: ld.Observation = ld.Tick()
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(self.tick_s):
+                    obs = await self._queue.get()
             self._step(obs)
 
     def _step(self, obs: ld.Observation) -> None:
