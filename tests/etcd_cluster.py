@@ -159,6 +159,34 @@ class EtcdCluster:
                 raise RuntimeError(f"etcd member {m.name} not healthy within {timeout_s} s:\n{m.log_tail()}")
             time.sleep(0.05)  # a poll interval inside a deadline, not synchronisation
 
+    def raft_leader(self, timeout_s: float = 10.0) -> int:
+        """The index of the member that leads the raft group now, as the running members'
+        ``POST /v3/maintenance/status`` (the gRPC gateway) report it.
+
+        Raises:
+            RuntimeError: no running member names a leader among them within the deadline.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids: dict[str, int] = {}
+            leader = None
+            for i, m in enumerate(self.members):
+                if not m.running:
+                    continue
+                try:
+                    req = urllib.request.Request(f"{m.client_url}/v3/maintenance/status", data=b"{}", method="POST")
+                    with urllib.request.urlopen(req, timeout=1.0) as r:
+                        st = json.loads(r.read())
+                except (OSError, ValueError):
+                    continue
+                ids[str(st["header"]["member_id"])] = i
+                leader = str(st.get("leader", "")) or leader
+            if leader in ids:
+                return ids[leader]
+            if time.monotonic() > deadline:
+                raise RuntimeError("no etcd member reports a leader")
+            time.sleep(0.05)  # a poll interval inside a deadline
+
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` (default SIGKILL: ``kill -9``) to member ``index`` and reap it."""
         m = self.members[index]

@@ -151,3 +151,31 @@ async def test_the_background_flush_commits_without_a_provider_call(clients) -> 
     finally:
         await store.aclose()
         await a.aclose()
+
+
+async def test_the_leader_keeps_its_fence_and_commits_when_the_etcd_raft_leader_is_killed(clients, etcd_cluster) -> None:
+    """One member of three down (kill -9 of the one that leads raft: the worst of the three)
+    is survived: the daemon keeps leading with the same fence, its commits go on."""
+    a = await _leading(clients(), "a")
+    fence = a.fence
+    store = EtcdStore(Fence(a)).open()
+    await store.load()
+    try:
+        store.append_event("before", None, {})
+        await store.sync()
+        await asyncio.to_thread(etcd_cluster.kill, await asyncio.to_thread(etcd_cluster.raft_leader))
+        store.append_event("after", None, {})
+        async with asyncio.timeout(CFG.ttl_s):
+            while True:
+                try:
+                    await store.sync()
+                    break
+                except Deposed:
+                    raise
+                except Exception:  # noqa: BLE001  the raft election: unavailable for a moment
+                    await asyncio.sleep(0.05)
+        assert a.may_act() and a.fence == fence
+        assert (await clients().get(b"/spotvisor/p/seq")).value == b"2"
+    finally:
+        await store.aclose()
+        await a.aclose()
