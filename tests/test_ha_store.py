@@ -70,7 +70,7 @@ class _Counting:
         self.calls.append(f"terminate {instance_id}")
 
 
-async def test_a_new_leader_reads_the_nodes_values_and_events_in_order(clients) -> None:
+async def test_a_new_leader_reads_the_nodes_values_and_events_in_order(clients, tmp_path: Path) -> None:
     a_client, b_client = clients(), clients()
     a = await _leading(a_client, "a")
     store = EtcdStore(Fence(a)).open()
@@ -89,8 +89,16 @@ async def test_a_new_leader_reads_the_nodes_values_and_events_in_order(clients) 
     await a.aclose()  # a goes (revokes its lease); b takes over and reads
     b = await _leading(b_client, "b")
     try:
-        new = EtcdStore(Fence(b)).open()
+        stale = tmp_path / "mirror.db"
+        old = EtcdStore(Fence(b), mirror=stale).open()
+        old.set("target_nodes", 99)  # a previous run's file: emptied at open, never read
+        old.append_event("stale", None, {})
+        old.close()
+        new = EtcdStore(Fence(b), mirror=stale).open()
         await new.load()
+        sibling = new.open_sibling()  # the feed's thread reads the mirror file
+        assert sibling.events() == before
+        sibling.close()
         assert new.get("target_nodes") == 3 and new.get("run_nonce") == "abcd"
         assert [n.id for n in new.nodes()] == ["p-1", "p-2", "p-3"]
         assert new.node("p-1").state is NodeState.LAUNCHING

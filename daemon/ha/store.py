@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -51,8 +52,11 @@ class EtcdStore(Store):
 
     __slots__ = ("fence", "prefix", "flush_every_s", "_outbox", "_lock", "_seq_mod", "_flusher", "_deposed")
 
-    def __init__(self, fence: Fence, *, flush_every_s: float = 0.2) -> None:
-        super().__init__(":memory:")
+    def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2) -> None:
+        """``mirror``: the SQLite file the state is mirrored in (the daemon's: under its state
+        dir, so the feed's thread can open a sibling connection; emptied by :meth:`open`:
+        etcd, not this file, is the truth). ``:memory:``: no file (tests, tools)."""
+        super().__init__(mirror)
         self.fence = fence
         self.prefix = pool_prefix(fence.elector.pool)
         self.flush_every_s = flush_every_s
@@ -61,6 +65,14 @@ class EtcdStore(Store):
         self._seq_mod = 0  # mod_revision of the seq key as this store last saw it (0: absent)
         self._flusher: asyncio.Task[None] | None = None
         self._deposed = False
+
+    def open(self) -> "EtcdStore":
+        """Open the mirror, emptied (a previous run's file is stale: etcd holds the state)."""
+        super().open()
+        for table in ("events", "nodes", "kv"):
+            self.db.execute(f"DELETE FROM {table}")
+        self.db.execute("DELETE FROM sqlite_sequence")
+        return self
 
     # -- loading: the new leader reads what the old one committed ---------------------
     async def load(self) -> None:
