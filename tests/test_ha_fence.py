@@ -143,6 +143,45 @@ async def test_a_sigstopped_leader_resumed_past_its_ttl_never_buys_again(etcd_cl
         await client.close()
 
 
+@pytest.mark.slow
+async def test_a_killed_leader_is_replaced_within_10_s_with_no_duplicate_purchase(etcd_cluster, tmp_path: Path) -> None:
+    """kill -9 of the leading daemon (its own process), three times in a row, each new
+    leader killed in turn: a standby buys within 10 s (5 s lease), every purchase has one
+    fence, the fences grow, and no purchase happens under two fences at once."""
+    ledger = tmp_path / "ledger"
+    procs = []
+    takeovers = []
+    try:
+        for name in ("a", "b", "c", "d"):
+            procs.append(await asyncio.create_subprocess_exec(
+                sys.executable, __file__, ",".join(etcd_cluster.endpoints), "p", name, str(ledger),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL))
+        for _ in range(3):
+            await _until(lambda: len(_ledger(ledger)) > 0, 20, "someone buys")
+            leader = _ledger(ledger)[-1][0]
+            proc = procs["abcd".index(leader)]
+            proc.kill()  # SIGKILL: no step-down, the lease must expire
+            await proc.wait()
+            killed_at = time.monotonic()
+            bought = len(_ledger(ledger))
+            took = await _until(lambda: any(n != leader for n, _ in _ledger(ledger)[bought:]), 15, "a standby buys")
+            takeovers.append(took)
+            assert time.monotonic() - killed_at < 10
+        rows = _ledger(ledger)
+        by_fence: dict[int, set[str]] = {}
+        for name, fence in rows:
+            by_fence.setdefault(fence, set()).add(name)
+        assert all(len(names) == 1 for names in by_fence.values())  # one daemon per fence
+        fences = [f for _, f in rows]
+        assert fences == sorted(fences)  # in the ledger's order: a new leader's fence is larger
+        print("takeover after kill -9 (s):", " ".join(f"{t:.2f}" for t in takeovers))
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+
+
 async def _role_line(stdout: asyncio.StreamReader) -> list[bytes]:
     """The child's next ``role ...`` line (its log lines go to stderr)."""
     while True:
