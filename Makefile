@@ -41,11 +41,13 @@ test: $(STAMP) test-deps
 	$(PY) -m pytest -q --durations=25 $(TEST_XDIST)
 
 # what the tests need from the system: Debian's prometheus (the dashboard test scrapes the
-# daemon with a real one and fails, never skips, without it). Needs root (or sudo).
+# daemon with a real one) and etcd-server (/usr/bin/etcd: tests/etcd_cluster.py starts a
+# 3-member cluster on loopback for the HA tests); each test fails, never skips, without
+# them. Needs root (or sudo).
 test-deps:
-	@command -v prometheus >/dev/null || { \
+	@{ command -v prometheus >/dev/null && test -x /usr/bin/etcd; } || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus; }
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus etcd-server; }
 
 test-quick: $(STAMP) test-deps
 	$(PY) -m pytest -q -m 'not slow' $(TEST_XDIST)

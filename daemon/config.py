@@ -43,6 +43,7 @@ __all__ = [
     "AgentSpec",
     "DaemonSpec",
     "StallSpec",
+    "HaSpec",
     "LocalProviderSpec",
     "AwsProviderSpec",
     "AliyunProviderSpec",
@@ -536,6 +537,49 @@ class StallSpec(_Spec):
     floor_s: PositiveS = 300.0
     step_factor: float = Field(20.0, ge=1, le=1e6)
     exit_grace_s: PositiveS = 10.0
+
+
+class HaSpec(_Spec):
+    """The highly available control plane (issue 29): this daemon is one of two or three
+    on separate control nodes; one leads the pool by an etcd lease, and the pool's state
+    lives in etcd (daemon/ha/). Absent: the embedded default (one daemon, SQLite).
+
+    ``endpoints``: every etcd member's client ``IPV4:PORT`` (3 or 5 members: a quorum
+    survives one or two down). ``name``: this daemon's name, unique among the pool's
+    daemons (written in the leader key). ``lease_s``: the leader's lease TTL (seconds):
+    a dead leader is replaced within about ``lease_s`` plus half a second, and a leader
+    cut off from etcd stops acting before it ends. An endpoint off loopback needs TLS
+    with a client certificate (``ca_file``, ``cert_file``, ``key_file``): etcd without
+    ``--client-cert-auth`` lets whoever reaches it write the pool's state.
+    """
+
+    endpoints: list[str] = Field(min_length=1, max_length=7)
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    lease_s: int = Field(5, ge=2, le=60)
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, endpoints: list[str]) -> list[str]:
+        for e in endpoints:
+            host, _, port = e.rpartition(":")
+            if not port.isdigit() or not 0 < int(port) < 65536 or address_of(host) is None or ":" in host:
+                raise ValueError(f"{e!r} is not IPV4:PORT (e.g. 10.0.0.5:2379: every etcd member's client address)")
+        if len(set(endpoints)) != len(endpoints):
+            raise ValueError("an endpoint is listed twice (give each etcd member once)")
+        return endpoints
+
+    @model_validator(mode="after")
+    def _tls(self) -> "HaSpec":
+        files = (self.ca_file, self.cert_file, self.key_file)
+        if any(files) and not all(files):
+            raise ValueError("ha: give ca_file, cert_file and key_file together (TLS with a client certificate)")
+        if not all(files) and not all(is_loopback(e.rpartition(":")[0]) for e in self.endpoints):
+            raise ValueError("ha.endpoints off loopback need TLS with a client certificate: set ha.ca_file, "
+                             "ha.cert_file and ha.key_file (etcd --client-cert-auth)")
+        return self
 
 
 class DaemonSpec(_Spec):
@@ -1081,6 +1125,7 @@ class Config(_Spec):
     offers: list[OfferSpec] = Field(default_factory=lambda: [OfferSpec()], min_length=1)
     chaos: list[ChaosEvent] = []
     notify: list[SinkSpec] = []
+    ha: HaSpec | None = None  # None: the embedded default (one daemon, SQLite, no etcd)
 
     @model_validator(mode="after")
     def _domains(self) -> "Config":

@@ -331,11 +331,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(config.offers)} offer(s), valid world sizes "
                   f"{config.job.valid_world_sizes(config.max_world_size())})")
         print("\n".join(report))
+        from daemon.ha.modes import survival
+
+        print("\n".join(survival(config)))
     if no_fit:  # the daemon would never buy a node: run and demo refuse too
         print(f"{path}: {no_fit}", file=sys.stderr)
         return 2
     if args.cmd == "check-config":
         return 0
+    if config.ha is not None:  # fail closed: never run as an unfenced, SQLite-backed daemon beside others
+        print(f"{path}: ha: spotvisord {args.cmd} does not run the HA control plane yet (its parts are in "
+              "daemon/ha/, issue 29); remove the ha: section to run the embedded default", file=sys.stderr)
+        return 2
     redactor = Redactor()  # this process's secrets: the feed's URLs, then the job's values
     try:
         resolve_sinks(config.notify, redactor=redactor)  # the feed's URLs and keys come from the environment

@@ -1,0 +1,173 @@
+"""The election's edge: carries out :mod:`daemon.control.leadership`'s actions on etcd
+and feeds back what etcd answered.
+
+One loop task (``ha:elector:<pool>``) takes observations from a queue (a ``Tick``
+every ``tick_s`` when nothing else came), calls :func:`~daemon.control.leadership.decide`
+with the monotonic clock, and starts each action as a task of its own
+(``ha:<action>:<pool>``), whose answer comes back through the queue; requests have
+the client's deadline (``EtcdClient(timeout_s=...)``), and a failed or timed-out one
+is the ``Failed`` observation. Every task is owned and cancelled by :meth:`Elector.aclose`,
+which steps down (revokes the lease, so the key goes at once and a standby takes over
+without waiting the TTL; bounded by the client's deadline).
+
+Keys (under ``/spotvisor/<pool>/``): ``leader``, the daemon's name, under its lease;
+its ``create_revision`` is the fence token (:mod:`daemon.ha.fence`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Awaitable, Callable
+
+import structlog
+
+from daemon.control import leadership as ld
+from daemon.ha.client import EtcdClient
+
+__all__ = ["Elector", "leader_key", "pool_prefix"]
+
+log = structlog.get_logger("spotvisor.ha")
+
+
+def pool_prefix(pool: str) -> bytes:
+    """``/spotvisor/<pool>/``: every key of the pool's HA state lives under it."""
+    if not pool or "/" in pool:
+        raise ValueError(f"pool name {pool!r} must be non-empty and have no '/'")
+    return f"/spotvisor/{pool}/".encode()
+
+
+def leader_key(pool: str) -> bytes:
+    return pool_prefix(pool) + b"leader"
+
+
+class Elector:
+    """Campaigns for ``pool``'s leadership as ``name`` (module docstring). Construct, then
+    :meth:`start`; :meth:`aclose` is idempotent. :meth:`may_act` is the gate for every act."""
+
+    def __init__(self, client: EtcdClient, *, pool: str, name: str, cfg: ld.LeaderConfig | None = None,
+                 tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.pool = pool
+        self.name = name
+        self.cfg = cfg or ld.LeaderConfig()
+        self.key = leader_key(pool)
+        self.tick_s = tick_s
+        self.clock = clock
+        self.state = ld.INITIAL
+        self.changed = asyncio.Event()  # set on each change of role (tests, the daemon's gate)
+        self._queue: asyncio.Queue[ld.Observation] = asyncio.Queue(maxsize=256)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # -- what the daemon reads --------------------------------------------------
+    def may_act(self) -> bool:
+        return ld.may_act(self.state, self.clock(), self.cfg)
+
+    @property
+    def fence(self) -> int | None:
+        return self.state.fence
+
+    @property
+    def lease_id(self) -> int | None:
+        return self.state.lease_id
+
+    def observe(self, obs: ld.Observation) -> None:
+        """Feed an observation from elsewhere (a fenced txn that failed: ``FenceRejected``).
+        Dropped when the queue is full (256: a stuck loop; the ticks catch up)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(obs)
+
+    # -- lifetime ---------------------------------------------------------------
+    def start(self) -> "Elector":
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name=f"ha:elector:{self.pool}")
+        return self
+
+    async def aclose(self) -> None:
+        """Step down (revoke the lease: the key goes with it) and stop every task."""
+        if self._loop_task is None:
+            return
+        task, self._loop_task = self._loop_task, None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        out = ld.decide(self.state, ld.Stop(), self.clock(), self.cfg)
+        self.state = out.state
+        for action in out.actions:
+            with contextlib.suppress(Exception):  # best effort: the TTL ends the lease anyway
+                await asyncio.shield(self._revoke(action.lease_id))  # type: ignore[union-attr]
+        self.changed.set()
+
+    # -- the loop ---------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            obs: ld.Observation = ld.Tick()
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(self.tick_s):
+                    obs = await self._queue.get()
+            self._step(obs)
+
+    def _step(self, obs: ld.Observation) -> None:
+        before = self.state.role
+        out = ld.decide(self.state, obs, self.clock(), self.cfg)
+        self.state = out.state
+        if out.state.role is not before:
+            log.info("ha_role", pool=self.pool, name=self.name, role=out.state.role.value,
+                     was=before.value, fence=out.state.fence, lease=out.state.lease_id)
+            self.changed.set()
+        for action in out.actions:
+            self._spawn(self._carry_out(action), f"ha:{type(action).__name__}:{self.pool}")
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _carry_out(self, action: ld.Action) -> None:
+        sent = self.clock()
+        try:
+            obs = await self._request(action, sent)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001  every etcd/gRPC failure is the same observation: try again
+            log.warning("ha_request_failed", pool=self.pool, action=type(action).__name__, error=repr(exc)[:200])
+            obs = ld.Failed()
+        if obs is not None:
+            self.observe(obs)
+
+    async def _request(self, action: ld.Action, sent: float) -> ld.Observation | None:
+        if isinstance(action, ld.GrantLease):
+            lease = await self.client.lease(int(action.ttl_s))
+            return ld.LeaseGranted(lease.id, float(lease.ttl), sent)
+        if isinstance(action, ld.KeepAlive):
+            reply = await self.client.refresh_lease(action.lease_id)
+            return ld.LeaseRenewed(action.lease_id, float(reply.TTL) if reply is not None else -1.0, sent)
+        if isinstance(action, ld.Campaign):
+            return await self._campaign(action.lease_id)
+        await self._revoke(action.lease_id)
+        return None
+
+    async def _campaign(self, lease_id: int) -> ld.Observation:
+        tx = self.client.transactions
+        won, answers = await self.client.transaction(
+            compare=[tx.create(self.key) == 0],
+            success=[tx.put(self.key, self.name.encode(), lease=lease_id), tx.get(self.key)],
+            failure=[tx.get(self.key)],
+        )
+        kvs = answers[-1] if answers else []
+        if not kvs:  # deleted between the compare and the read: impossible in one txn; try again
+            return ld.Failed()
+        kv = kvs[0][1]
+        if won:
+            return ld.CampaignWon(lease_id, kv.create_revision)
+        return ld.CampaignLost(lease_id, kv.lease, kv.create_revision)
+
+    async def _revoke(self, lease_id: int) -> None:
+        with contextlib.suppress(Exception):  # noqa: BLE001  gone already, or etcd away: the TTL ends it
+            await self.client.revoke_lease(lease_id)

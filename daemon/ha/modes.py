@@ -1,0 +1,39 @@
+"""What each control-plane mode survives, as ``spotvisord check-config`` prints it. Pure
+(no etcd client import: the embedded mode needs none)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["survival"]
+
+
+def survival(config: Any) -> list[str]:
+    """Lines saying what the configured mode survives and what it does not (``config``: a
+    :class:`daemon.config.Config`)."""
+    ha = config.ha
+    if ha is None:
+        return [
+            "control plane: embedded (one daemon, SQLite under daemon.state_dir; no etcd)",
+            "  survives: a daemon restart on the same control node (state, events and nodes are on its disk)",
+            "  does not survive: the control node's loss (its disk holds the pool's state); "
+            "add an `ha:` section (configs/ha.yaml) for that",
+        ]
+    members = len(ha.endpoints)
+    quorum = members // 2 + 1
+    down = members - quorum
+    lines = [
+        f"control plane: HA (daemon {ha.name!r}, etcd {members} member(s), leader lease {ha.lease_s} s)",
+        f"  survives: the leader daemon's kill -9 or its control node's loss (a standby leads within about "
+        f"{ha.lease_s + 1} s and reads the pool's state from etcd); a leader paused or cut off from etcd "
+        f"(it stops acting before its lease ends; its purchases and terminations are fenced)",
+    ]
+    if down:
+        lines.append(f"  survives: {down} etcd member(s) of {members} down (a quorum of {quorum} remains)")
+    lines.append(f"  does not survive: {down + 1} etcd member(s) of {members} down (no quorum: "
+                 "no daemon may act until it returns; training goes on, changes wait)")
+    lines.append("  status: `spotvisord run` refuses this mode until the daemon is wired to daemon/ha/ "
+                 "(the election, fencing and etcd store are built and tested)")
+    if members < 3:
+        lines.append("  warning: fewer than 3 etcd members: one member's loss stops the control plane")
+    return lines

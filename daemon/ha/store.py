@@ -1,0 +1,226 @@
+"""The pool's state in etcd, where a new leader reads it: :class:`EtcdStore`, and the
+provider gate that commits it before each purchase or termination (:class:`FencedProvider`).
+
+:class:`EtcdStore` is :class:`daemon.controlnode.store.Store` (its interface, its reads,
+its seq semantics) over an in-memory SQLite mirror, plus an **outbox**: every write
+(event, node row, small value) is applied to the mirror at once, synchronously as the
+supervisor expects (no I/O on the event loop), and queued as an etcd op. :meth:`EtcdStore.sync`
+commits the outbox, in order, through fenced txns (:class:`daemon.ha.fence.Fence`: the
+leader key's create_revision == the fence and its lease == ours), each also comparing
+the seq counter's mod_revision with the last one this store wrote, and putting the counter to
+the batch's last seq: events keep their order and no seq is reused, even across leaders.
+A background flush runs every ``flush_every_s``; :class:`FencedProvider` calls
+:meth:`sync` before each ``launch`` and ``terminate``, so the node row and its
+``node_launch_requested`` event are in etcd, under the fence, before the cloud is asked:
+a deposed leader's sync raises :class:`~daemon.ha.fence.Deposed` and the provider is not called.
+
+Keys under ``/spotvisor/<pool>/``: ``seq`` (the last event's seq), ``events/<seq, 20 digits>``
+(``{"time", "kind", "node", "data"}``), ``nodes/<id>`` (the row's JSON), ``kv/<key>`` (JSON).
+etcd keeps what it holds in memory and caps its database (``--quota-backend-bytes``, 2 GiB by
+default): the event log here grows with the pool's history as SQLite's does; trimming old
+events to a checkpoint is not done yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from daemon.controlnode.store import Store
+from daemon.ha.elector import pool_prefix
+from daemon.ha.fence import Deposed, Fence
+from daemon.model import Event, Node
+from daemon.providers.base import Provider
+
+__all__ = ["EtcdStore", "FencedProvider", "MAX_OPS_PER_TXN"]
+
+log = structlog.get_logger("spotvisor.ha")
+
+#: ops per txn: etcd refuses more than ``--max-txn-ops`` (128 by default) in one
+MAX_OPS_PER_TXN = 100
+
+
+class EtcdStore(Store):
+    """Store on etcd (module docstring). Construct, :meth:`open`, ``await`` :meth:`load`
+    (as the new leader, before the supervisor starts), :meth:`start` the flush;
+    ``await`` :meth:`aclose` (a last sync, best effort) then :meth:`close`."""
+
+    __slots__ = ("fence", "prefix", "flush_every_s", "_outbox", "_lock", "_seq_mod", "_flusher", "_deposed")
+
+    def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2) -> None:
+        """``mirror``: the SQLite file the state is mirrored in (the daemon's: under its state
+        dir, so the feed's thread can open a sibling connection; emptied by :meth:`open`:
+        etcd, not this file, is the truth). ``:memory:``: no file (tests, tools)."""
+        super().__init__(mirror)
+        self.fence = fence
+        self.prefix = pool_prefix(fence.elector.pool)
+        self.flush_every_s = flush_every_s
+        self._outbox: list[Any] = []
+        self._lock = asyncio.Lock()
+        self._seq_mod = 0  # mod_revision of the seq key as this store last saw it (0: absent)
+        self._flusher: asyncio.Task[None] | None = None
+        self._deposed = False
+
+    def open(self) -> "EtcdStore":
+        """Open the mirror, emptied (a previous run's file is stale: etcd holds the state)."""
+        super().open()
+        for table in ("events", "nodes", "kv"):
+            self.db.execute(f"DELETE FROM {table}")
+        self.db.execute("DELETE FROM sqlite_sequence")
+        return self
+
+    # -- loading: the new leader reads what the old one committed ---------------------
+    async def load(self) -> None:
+        """Read the pool's state from etcd into the mirror (replacing nothing: call on a
+        freshly opened store). Raises aetcd/gRPC errors: etcd unreachable."""
+        rows = await self.fence.client.get_prefix(self.prefix)  # one read: one revision of the whole state
+        db = self.db
+        for kv in rows:
+            key, value = kv.key[len(self.prefix):].decode(), kv.value
+            kind, _, name = key.partition("/")
+            if kind == "seq":
+                self._seq_mod = kv.mod_revision
+            elif kind == "events":
+                ev = json.loads(value)
+                db.execute("INSERT INTO events(seq, time, kind, node, data) VALUES (?, ?, ?, ?, ?)",
+                           (int(name), ev["time"], ev["kind"], ev["node"], json.dumps(ev["data"])))
+            elif kind == "nodes":
+                db.execute("INSERT INTO nodes(id, body) VALUES (?, ?)", (name, value.decode()))
+            elif kind == "kv":
+                db.execute("INSERT INTO kv(key, value) VALUES (?, ?)", (name, value.decode()))
+
+    # -- writes: the mirror now, etcd at the next sync --------------------------------
+    def append_event(self, kind: str, node: str | None = None, data: dict[str, Any] | None = None,
+                     *, at: float | None = None) -> Event:
+        ev = super().append_event(kind, node, data, at=at)
+        body = {"time": ev.time, "kind": ev.kind, "node": ev.node, "data": ev.data}
+        self._queue(("events", f"{ev.seq:020d}", json.dumps(body, default=str), ev.seq))
+        return ev
+
+    def put_node(self, node: Node) -> None:
+        super().put_node(node)
+        (body,) = self.db.execute("SELECT body FROM nodes WHERE id = ?", (node.id,)).fetchone()
+        self._queue(("nodes", node.id, body, None))
+
+    def set(self, key: str, value: Any) -> None:
+        super().set(key, value)
+        self._queue(("kv", key, json.dumps(value), None))
+
+    def _queue(self, item: tuple[str, str, str, int | None]) -> None:
+        if self._deposed:
+            raise Deposed("this daemon was deposed: its store takes no more writes")
+        self._outbox.append(item)
+
+    @property
+    def pending(self) -> int:
+        """Writes not yet committed to etcd."""
+        return len(self._outbox)
+
+    async def sync(self) -> None:
+        """Commit every write made so far, in order, through fenced txns (one at least,
+        also with nothing pending: the fence is checked by etcd).
+
+        Raises:
+            Deposed: this daemon does not lead; nothing more is written, ever (the outbox is dropped).
+            aetcd/gRPC errors: etcd unreachable (the outbox is kept; the next sync retries).
+        """
+        async with self._lock:
+            if self._deposed:
+                raise Deposed("this store's writer was deposed: load a new one if this daemon leads again")
+            while True:  # at least one txn: the provider gate asks etcd, not only this daemon's clock
+                batch = self._outbox[:MAX_OPS_PER_TXN]
+                await self._commit(batch)
+                del self._outbox[:len(batch)]
+                if not self._outbox:
+                    return
+
+    async def _commit(self, batch: list[tuple[str, str, str, int | None]]) -> None:
+        tx = self.fence.client.transactions
+        seq_key = self.prefix + b"seq"
+        last = {(kind, name): body for kind, name, body, _ in batch}  # one txn is atomic: the last write of a key wins
+        ops = [tx.put(self.prefix + f"{kind}/{name}".encode(), body.encode()) for (kind, name), body in last.items()]
+        seqs = [seq for *_, seq in batch if seq is not None]
+        if seqs:
+            ops.append(tx.put(seq_key, str(max(seqs)).encode()))
+        ops.append(tx.get(seq_key))
+        try:
+            answers = await self.fence.commit(ops, extra_compares=[tx.mod(seq_key) == self._seq_mod])
+        except Deposed:
+            self._deposed = True
+            self._outbox.clear()
+            raise
+        kvs = answers[-1]
+        self._seq_mod = kvs[0][1].mod_revision if kvs else 0
+
+    # -- lifetime ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background flush (task ``ha:store:<pool>``)."""
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop(), name=f"ha:store:{self.fence.elector.pool}")
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_every_s)
+            try:
+                if self._outbox:
+                    await self.sync()
+            except Deposed:
+                log.warning("ha_store_deposed", pool=self.fence.elector.pool)
+                return
+            except Exception as exc:  # noqa: BLE001  etcd away: kept, retried next period
+                log.warning("ha_store_sync_failed", error=repr(exc)[:200], pending=self.pending)
+
+    async def aclose(self) -> None:
+        """Stop the flush and make a last sync (best effort: a deposed or cut-off daemon's
+        writes stay out of etcd, as they must)."""
+        task, self._flusher = self._flusher, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await self.sync()
+
+
+class FencedProvider(Provider):
+    """``inner``, whose ``launch`` and ``terminate`` run only after ``store.sync()``
+    committed everything decided so far under this daemon's fence (module docstring).
+    ``describe``, ``spot_price`` and ``aclose`` pass through (reads: anyone may).
+
+    Raises (launch, terminate): :class:`~daemon.ha.fence.Deposed` before the cloud is called.
+    """
+
+    def __init__(self, inner: Provider, store: EtcdStore) -> None:
+        self.inner = inner
+        self.store = store
+        self.name = inner.name
+
+    def __getattr__(self, attr: str) -> Any:  # launch_spec_of, launch_facts, ...: the inner provider's
+        return getattr(self.inner, attr)
+
+    async def launch(self, offer, node):  # type: ignore[no-untyped-def]
+        await self._gate()
+        return await self.inner.launch(offer, node)
+
+    async def terminate(self, instance_id: str) -> None:
+        await self._gate()
+        await self.inner.terminate(instance_id)
+
+    async def _gate(self) -> None:
+        await self.store.sync()
+        if not self.store.fence.elector.may_act():
+            raise Deposed(f"{self.store.fence.elector.name}'s lease ran out before the provider call")
+
+    async def describe(self, tag: str):  # type: ignore[no-untyped-def]
+        return await self.inner.describe(tag)
+
+    async def spot_price(self, offer):  # type: ignore[no-untyped-def]
+        return await self.inner.spot_price(offer)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

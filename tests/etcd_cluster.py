@@ -1,0 +1,225 @@
+"""A real 3-member etcd v3 cluster on 127.0.0.1, for the HA tests (tests/test_ha*.py).
+
+The server is Debian's ``etcd-server`` package (3.4.x; ``/usr/bin/etcd``). Each member
+gets two free ports (:func:`bench.ports.free_port`: client and peer) and a data
+directory under the test's ``tmp_path``; every URL is ``http://127.0.0.1:PORT``, so
+nothing listens beyond loopback (a production cluster needs TLS and client
+certificates: ``--client-cert-auth``, ``--trusted-ca-file``, ``--peer-client-cert-auth``).
+
+Readiness is observed, never slept for: :meth:`EtcdCluster.wait_healthy` polls each
+member's ``GET /health`` (``{"health":"true"}`` once the member has a leader and can
+serve a quorum read; etcd's docs, "Monitoring etcd": https://etcd.io/docs/v3.4/op-guide/monitoring/)
+until a deadline, and raises with the member's stderr tail when it passes.
+
+A missing binary fails the test (never a skip) with the command that installs it:
+``apt-get install -y etcd-server`` (``make test-deps`` runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from bench.ports import free_port
+
+__all__ = ["ETCD_BIN", "EtcdCluster", "EtcdMember", "etcd_binary", "etcd_cluster"]
+
+ETCD_BIN = os.environ.get("SPOTVISOR_ETCD_BIN", "/usr/bin/etcd")
+INSTALL_HINT = "etcd is missing: install Debian's server with `apt-get install -y etcd-server` (or `make test-deps`)"
+
+
+def etcd_binary() -> str:
+    """The etcd server binary's path. Fails the calling test (``pytest.fail``, not a skip)
+    with the install command when it is missing."""
+    path = ETCD_BIN if os.access(ETCD_BIN, os.X_OK) else shutil.which("etcd")
+    if not path:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    return path
+
+
+@dataclass
+class EtcdMember:
+    """One member: its name, ports (client, peer), data dir and process (None: stopped)."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT``: the form a gRPC client takes."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        """``GET /health`` says ``"health": "true"`` (the member has a leader and a quorum)."""
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout_s) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+class EtcdCluster:
+    """``size`` members on loopback. :meth:`start` launches them all and waits for health;
+    :meth:`stop` (idempotent) terminates every member still running.
+
+    ``heartbeat_ms``/``election_ms`` are etcd's ``--heartbeat-interval`` and
+    ``--election-timeout`` (defaults 100 and 1000: etcd's own)."""
+
+    def __init__(self, root: Path, *, size: int = 3, heartbeat_ms: int = 100, election_ms: int = 1000,
+                 token: str = "spotvisor-test") -> None:
+        self.binary = etcd_binary()
+        self.root = root
+        self.heartbeat_ms = heartbeat_ms
+        self.election_ms = election_ms
+        self.token = token
+        self.members = [
+            EtcdMember(name=f"m{i}", client_port=free_port(), peer_port=free_port(),
+                       data_dir=root / f"m{i}.etcd", log_path=root / f"m{i}.log")
+            for i in range(size)
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's ``127.0.0.1:PORT`` (also the stopped ones: a client skips those)."""
+        return [m.endpoint for m in self.members]
+
+    def _argv(self, m: EtcdMember) -> list[str]:
+        initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
+        return [
+            self.binary, "--name", m.name, "--data-dir", str(m.data_dir),
+            "--listen-client-urls", m.client_url, "--advertise-client-urls", m.client_url,
+            "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
+            "--initial-cluster", initial, "--initial-cluster-state", "new",
+            "--initial-cluster-token", self.token,
+            "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
+            "--logger", "zap", "--log-level", "warn",
+        ]
+
+    def _spawn(self, m: EtcdMember) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(m.log_path, "ab") as log:
+            m.proc = subprocess.Popen(self._argv(m), stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self, *, timeout_s: float = 30.0) -> "EtcdCluster":
+        for m in self.members:
+            self._spawn(m)
+        self.wait_healthy(timeout_s=timeout_s)
+        return self
+
+    def wait_healthy(self, members: list[EtcdMember] | None = None, *, timeout_s: float = 30.0) -> None:
+        """Poll ``/health`` of ``members`` (default: every running one) until all say true.
+
+        Raises:
+            RuntimeError: the deadline passed, or a member exited; with its log's tail.
+        """
+        todo = list(members if members is not None else [m for m in self.members if m.running])
+        deadline = time.monotonic() + timeout_s
+        while todo:
+            m = todo[0]
+            if m.proc is not None and m.proc.poll() is not None:
+                raise RuntimeError(f"etcd member {m.name} exited with {m.proc.returncode}:\n{m.log_tail()}")
+            if m.healthy(timeout_s=1.0):
+                todo.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member {m.name} not healthy within {timeout_s} s:\n{m.log_tail()}")
+            time.sleep(0.05)  # a poll interval inside a deadline, not synchronisation
+
+    def raft_leader(self, timeout_s: float = 10.0) -> int:
+        """The index of the member that leads the raft group now, as the running members'
+        ``POST /v3/maintenance/status`` (the gRPC gateway) report it.
+
+        Raises:
+            RuntimeError: no running member names a leader among them within the deadline.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids: dict[str, int] = {}
+            leader = None
+            for i, m in enumerate(self.members):
+                if not m.running:
+                    continue
+                try:
+                    req = urllib.request.Request(f"{m.client_url}/v3/maintenance/status", data=b"{}", method="POST")
+                    with urllib.request.urlopen(req, timeout=1.0) as r:
+                        st = json.loads(r.read())
+                except (OSError, ValueError):
+                    continue
+                ids[str(st["header"]["member_id"])] = i
+                leader = str(st.get("leader", "")) or leader
+            if leader in ids:
+                return ids[leader]
+            if time.monotonic() > deadline:
+                raise RuntimeError("no etcd member reports a leader")
+            time.sleep(0.05)  # a poll interval inside a deadline
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL: ``kill -9``) to member ``index`` and reap it."""
+        m = self.members[index]
+        if m.proc is None:
+            return
+        if m.proc.poll() is None:
+            m.proc.send_signal(sig)
+            m.proc.wait(timeout=30)
+        m.proc = None
+
+    def stop_member(self, index: int) -> None:
+        """A clean stop (SIGTERM) of member ``index``."""
+        self.kill(index, signal.SIGTERM)
+
+    def restart(self, index: int, *, timeout_s: float = 30.0) -> None:
+        """Start member ``index`` again on its data dir (it rejoins: its WAL names the
+        cluster) and wait for its health."""
+        m = self.members[index]
+        if m.running:
+            raise RuntimeError(f"etcd member {m.name} is still running")
+        self._spawn(m)
+        self.wait_healthy([m], timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        for i in range(len(self.members)):
+            self.kill(i, signal.SIGTERM)
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A started, healthy 3-member cluster; stopped after the test."""
+    cluster = EtcdCluster(tmp_path / "etcd")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

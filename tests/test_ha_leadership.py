@@ -1,0 +1,196 @@
+"""daemon.control.leadership: properties, against a model of etcd's lease and key.
+
+The model (:class:`_Etcd`) keeps etcd's time (the "true" time of the simulation): a
+lease lives until its last grant/refresh was *applied* plus its TTL, and the leader key
+goes with its lease. Each daemon has its own clock (a rate within the configured drift
+of etcd's, an offset), may be paused (SIGSTOP: nothing is processed until it resumes)
+and sees each request applied after a delay and its answer after another, or lost
+(the edge then reports ``Failed``). What must hold whatever hypothesis draws:
+
+- a daemon that :func:`may_act` holds the key in etcd at that moment, under its lease,
+  with its fence (so two daemons never act at once, and never with the same fence);
+- a leader whose lease may have expired by its own clock does not act;
+- with answers flowing, someone leads, and a paused leader is replaced.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.control import leadership as ld
+
+CFG = ld.LeaderConfig()  # ttl 5 s, renew 1.5 s, drift 5 %, margin 0.5 s
+TICK_S = 0.1
+
+
+class _Etcd:
+    def __init__(self) -> None:
+        self.revision = 1
+        self.leases: dict[int, float] = {}  # id -> expiry (etcd time)
+        self.key: tuple[int, int] | None = None  # (lease, create_revision)
+        self._ids = itertools.count(100)
+
+    def expire(self, t: float) -> None:
+        for lease, end in list(self.leases.items()):
+            if end <= t:
+                self.revoke(lease)
+
+    def revoke(self, lease: int) -> None:
+        self.leases.pop(lease, None)
+        if self.key is not None and self.key[0] == lease:
+            self.key = None
+            self.revision += 1
+
+    def apply(self, action: ld.Action, t: float, sent_at: float) -> ld.Observation | None:
+        self.expire(t)
+        if isinstance(action, ld.GrantLease):
+            lease = next(self._ids)
+            self.leases[lease] = t + action.ttl_s
+            return ld.LeaseGranted(lease, action.ttl_s, sent_at)
+        if isinstance(action, ld.KeepAlive):
+            if action.lease_id not in self.leases:
+                return ld.LeaseRenewed(action.lease_id, -1, sent_at)
+            self.leases[action.lease_id] = t + CFG.ttl_s
+            return ld.LeaseRenewed(action.lease_id, CFG.ttl_s, sent_at)
+        if isinstance(action, ld.Campaign):
+            if self.key is None:
+                if action.lease_id not in self.leases:
+                    return ld.Failed()  # etcd: "requested lease not found"
+                self.revision += 1
+                self.key = (action.lease_id, self.revision)
+                return ld.CampaignWon(action.lease_id, self.revision)
+            return ld.CampaignLost(action.lease_id, self.key[0], self.key[1])
+        self.revoke(action.lease_id)
+        return None
+
+
+@dataclass
+class _Daemon:
+    rate: float
+    offset: float
+    pauses: list[tuple[float, float]]
+    state: ld.LeaderState = ld.INITIAL
+    fences: set[int] = field(default_factory=set)
+    led_at: list[float] = field(default_factory=list)
+
+    def local(self, t: float) -> float:
+        return self.offset + self.rate * t
+
+    def resumed(self, t: float) -> float:
+        """``t``, or the end of the pause it falls in."""
+        for start, end in self.pauses:
+            if start <= t < end:
+                return end
+        return t
+
+
+def _simulate(daemons: list[_Daemon], rng: random.Random, *, until_s: float, max_delay_s: float,
+              loss: float) -> _Etcd:
+    etcd = _Etcd()
+    seq = itertools.count()
+    queue: list[tuple[float, int, int, object]] = []
+    for i in range(len(daemons)):
+        heapq.heappush(queue, (rng.uniform(0, TICK_S), next(seq), i, ld.Tick()))
+    while queue:
+        t, _, i, item = heapq.heappop(queue)
+        if t > until_s:
+            break
+        d = daemons[i]
+        if d.resumed(t) != t:  # paused: handled when it resumes
+            heapq.heappush(queue, (d.resumed(t), next(seq), i, item))
+            continue
+        if isinstance(item, tuple):  # ("apply", action, sent_at): the request reaches etcd
+            _, action, sent_at = item
+            answer = etcd.apply(action, t, sent_at)
+            if answer is not None:
+                if rng.random() < loss:
+                    answer = ld.Failed()
+                    heapq.heappush(queue, (t + 2.0, next(seq), i, answer))  # the edge's request timeout
+                else:
+                    heapq.heappush(queue, (t + rng.uniform(0, max_delay_s), next(seq), i, answer))
+            continue
+        now = d.local(t)
+        out = ld.decide(d.state, item, now, CFG)
+        d.state = out.state
+        etcd.expire(t)
+        if out.may_act:
+            assert etcd.key == (d.state.lease_id, d.state.fence), (t, i, etcd.key, d.state)
+            assert all(d.state.fence not in o.fences for o in daemons if o is not d)
+            d.fences.add(d.state.fence)
+            d.led_at.append(t)
+        for action in out.actions:
+            heapq.heappush(queue, (t + rng.uniform(0, max_delay_s), next(seq), i, ("apply", action, now)))
+        if isinstance(item, ld.Tick):
+            heapq.heappush(queue, (t + TICK_S, next(seq), i, ld.Tick()))
+    return etcd
+
+
+_daemon = st.builds(
+    _Daemon,
+    rate=st.floats(1 - CFG.max_drift, 1.2),
+    offset=st.floats(0, 1e6),
+    pauses=st.lists(st.tuples(st.floats(0, 50), st.floats(0.1, 15)).map(lambda p: (p[0], p[0] + p[1])),
+                    max_size=3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(daemons=st.lists(_daemon, min_size=2, max_size=3), seed=st.integers(0, 2**32),
+       max_delay_s=st.floats(0, 1.5), loss=st.sampled_from([0.0, 0.1, 0.3]))
+def test_only_the_key_holder_acts_whatever_the_delays_pauses_and_clocks(daemons, seed, max_delay_s, loss) -> None:
+    _simulate(daemons, random.Random(seed), until_s=60, max_delay_s=max_delay_s, loss=loss)
+
+
+@settings(max_examples=200, deadline=None)
+@given(confirmed=st.floats(0, 1e6), late=st.floats(0, 1e3), fence=st.integers(1, 2**40))
+def test_a_leader_past_its_own_deadline_stops_acting_and_starts_over(confirmed, late, fence) -> None:
+    state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=CFG.ttl_s, confirmed_at=confirmed, fence=fence)
+    now = confirmed + CFG.ttl_s * (1 - CFG.max_drift) - CFG.act_margin_s + late
+    for obs in (ld.Tick(), ld.LeaderKeyGone(), ld.Failed(), ld.CampaignWon(7, fence)):
+        assert not ld.may_act(state, now, CFG)
+        out = ld.decide(state, obs, now, CFG)
+        assert not out.may_act
+    out = ld.decide(state, ld.Tick(), now, CFG)
+    assert out.state.role is ld.Role.FOLLOWER and out.state.fence is None
+    assert out.actions == (ld.RevokeLease(7), ld.GrantLease(CFG.ttl_s))
+
+
+def test_a_leader_acts_before_the_ttl_by_its_clock_and_not_after() -> None:
+    state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=5.0, confirmed_at=10.0, fence=42)
+    assert ld.deadline(state, CFG) == pytest.approx(14.25)
+    assert ld.decide(state, ld.Tick(), 14.2, CFG).may_act
+    assert not ld.decide(state, ld.Tick(), 14.25, CFG).may_act
+
+
+def test_a_campaign_whose_answer_was_lost_is_recognised_as_won() -> None:
+    state = ld.LeaderState(role=ld.Role.CANDIDATE, lease_id=7, ttl_s=5.0, confirmed_at=0.0)
+    out = ld.decide(state, ld.CampaignLost(7, holder_lease=7, create_revision=9), 0.1, CFG)
+    assert out.may_act and out.state.fence == 9
+
+
+def test_a_rejected_fence_deposes() -> None:
+    state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=5.0, confirmed_at=0.0, fence=9)
+    out = ld.decide(state, ld.FenceRejected(9), 0.1, CFG)
+    assert not out.may_act and out.state.role is ld.Role.FOLLOWER
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32), pause_at=st.floats(5, 20))
+def test_someone_leads_and_a_paused_leader_is_replaced_within_the_ttl_and_a_bit(seed, pause_at) -> None:
+    daemons = [_Daemon(rate=1.0, offset=0.0, pauses=[]) for _ in range(2)]
+    _simulate(daemons, random.Random(seed), until_s=pause_at, max_delay_s=0.05, loss=0.0)
+    leader = next(d for d in daemons if d.state.role is ld.Role.LEADER)
+    other = next(d for d in daemons if d is not leader)
+    # replay the same run with the leader paused from pause_at for 30 s
+    replay = [_Daemon(rate=1.0, offset=0.0, pauses=[(pause_at, pause_at + 30)] if d is leader else [])
+              for d in daemons]
+    _simulate(replay, random.Random(seed), until_s=pause_at + 12, max_delay_s=0.05, loss=0.0)
+    taken = [t for t in replay[daemons.index(other)].led_at if t > pause_at]
+    assert taken and taken[0] - pause_at <= CFG.ttl_s + CFG.campaign_every_s + 0.5

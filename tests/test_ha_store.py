@@ -1,0 +1,189 @@
+"""daemon.ha.store on the real 3-member etcd cluster: the pool state a new leader reads,
+written only under the writer's fence, and the provider gate before the cloud."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from daemon.control import leadership as ld  # noqa: E402
+from daemon.ha.client import EtcdClient  # noqa: E402
+from daemon.ha.elector import Elector  # noqa: E402
+from daemon.ha.fence import Deposed, Fence  # noqa: E402
+from daemon.ha.store import MAX_OPS_PER_TXN, EtcdStore, FencedProvider  # noqa: E402
+from daemon.model import Node, NodeState  # noqa: E402
+from etcd_cluster import etcd_cluster  # noqa: E402,F401  (fixture)
+
+CFG = ld.LeaderConfig(ttl_s=5.0)
+
+
+@pytest.fixture
+async def clients(etcd_cluster):
+    """``clients()`` makes an EtcdClient on the cluster; all are closed after the test
+    (an open gRPC channel keeps the process from exiting)."""
+    made: list[EtcdClient] = []
+
+    def make() -> EtcdClient:
+        made.append(EtcdClient(etcd_cluster.endpoints))
+        return made[-1]
+    yield make
+    for c in made:
+        await c.close()
+
+
+class _Frozen:
+    def __call__(self) -> float:
+        return 1000.0
+
+
+async def _leading(client: EtcdClient, name: str, **kw) -> Elector:
+    e = Elector(client, pool="p", name=name, cfg=CFG, **kw).start()
+    async with asyncio.timeout(15):
+        while not e.may_act():
+            await asyncio.sleep(0.02)
+    return e
+
+
+def _node(i: int) -> Node:
+    return Node(id=f"p-{i}", ordinal=i, provider="aws", market="spot", region="r", zone="z",
+                instance_type="t", gpus=1, price_usd_h=1.0, token="tok", created_at=1.0)
+
+
+class _Counting:
+    """A provider that counts what reaches it."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def launch(self, offer, node):
+        self.calls.append(f"launch {node}")
+
+    async def terminate(self, instance_id: str) -> None:
+        self.calls.append(f"terminate {instance_id}")
+
+
+async def test_a_new_leader_reads_the_nodes_values_and_events_in_order(clients, tmp_path: Path) -> None:
+    a_client, b_client = clients(), clients()
+    a = await _leading(a_client, "a")
+    store = EtcdStore(Fence(a)).open()
+    await store.load()
+    store.set("target_nodes", 3)
+    store.set("run_nonce", "abcd")
+    for i in range(1, 4):
+        store.put_node(_node(i))
+        store.append_event("node_launch_requested", f"p-{i}", {"offer": "x"})
+    store.set_node_state(store.node("p-1"), NodeState.LAUNCHING)
+    for i in range(2 * MAX_OPS_PER_TXN):  # more than one txn's worth
+        store.append_event("heartbeat", None, {"i": i})
+    await store.sync()
+    assert store.pending == 0
+    before = store.events()
+    await a.aclose()  # a goes (revokes its lease); b takes over and reads
+    b = await _leading(b_client, "b")
+    try:
+        stale = tmp_path / "mirror.db"
+        old = EtcdStore(Fence(b), mirror=stale).open()
+        old.set("target_nodes", 99)  # a previous run's file: emptied at open, never read
+        old.append_event("stale", None, {})
+        old.close()
+        new = EtcdStore(Fence(b), mirror=stale).open()
+        await new.load()
+        sibling = new.open_sibling()  # the feed's thread reads the mirror file
+        assert sibling.events() == before
+        sibling.close()
+        assert new.get("target_nodes") == 3 and new.get("run_nonce") == "abcd"
+        assert [n.id for n in new.nodes()] == ["p-1", "p-2", "p-3"]
+        assert new.node("p-1").state is NodeState.LAUNCHING
+        assert new.events() == before
+        assert [e.seq for e in before] == list(range(1, len(before) + 1))
+        ev = new.append_event("leader_changed", None, {"to": "b"})
+        assert ev.seq == before[-1].seq + 1  # the counter goes on
+        await new.sync()
+    finally:
+        await b.aclose()
+
+
+async def test_a_deposed_leaders_writes_never_land_and_its_provider_is_not_called(clients) -> None:
+    a_client, b_client, admin = clients(), clients(), clients()
+    a = await _leading(a_client, "a", clock=_Frozen())  # believes it leads whatever happens
+    store = EtcdStore(Fence(a)).open()
+    await store.load()
+    cloud = _Counting()
+    provider = FencedProvider(cloud, store)  # type: ignore[arg-type]
+    store.put_node(_node(1))
+    store.append_event("node_launch_requested", "p-1", {})
+    await provider.launch("offer", "p-1")
+    assert cloud.calls == ["launch p-1"]
+    await admin.revoke_lease(a.lease_id)  # deposed behind its back
+    store.put_node(_node(2))
+    store.append_event("node_launch_requested", "p-2", {})
+    with pytest.raises(Deposed):
+        await provider.launch("offer", "p-2")
+    with pytest.raises(Deposed):
+        await provider.terminate("i-1")
+    assert cloud.calls == ["launch p-1"]  # the cloud never heard of the deposed leader's decisions
+    with pytest.raises(Deposed):
+        store.set("target_nodes", 9)  # and its store takes no more writes
+    await a.aclose()
+    b = await _leading(b_client, "b")
+    try:
+        new = EtcdStore(Fence(b)).open()
+        await new.load()
+        assert [n.id for n in new.nodes()] == ["p-1"]
+        assert [e.node for e in new.events()] == ["p-1"]
+    finally:
+        await b.aclose()
+
+
+async def test_the_background_flush_commits_without_a_provider_call(clients) -> None:
+    client = clients()
+    a = await _leading(client, "a")
+    store = EtcdStore(Fence(a), flush_every_s=0.05).open()
+    await store.load()
+    store.start()
+    try:
+        store.append_event("x", None, {})
+        deadline = time.monotonic() + 10
+        while store.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert store.pending == 0
+        assert (await client.get(b"/spotvisor/p/seq")).value == b"1"
+    finally:
+        await store.aclose()
+        await a.aclose()
+
+
+async def test_the_leader_keeps_its_fence_and_commits_when_the_etcd_raft_leader_is_killed(clients, etcd_cluster) -> None:
+    """One member of three down (kill -9 of the one that leads raft: the worst of the three)
+    is survived: the daemon keeps leading with the same fence, its commits go on."""
+    a = await _leading(clients(), "a")
+    fence = a.fence
+    store = EtcdStore(Fence(a)).open()
+    await store.load()
+    try:
+        store.append_event("before", None, {})
+        await store.sync()
+        await asyncio.to_thread(etcd_cluster.kill, await asyncio.to_thread(etcd_cluster.raft_leader))
+        store.append_event("after", None, {})
+        async with asyncio.timeout(CFG.ttl_s):
+            while True:
+                try:
+                    await store.sync()
+                    break
+                except Deposed:
+                    raise
+                except Exception:  # noqa: BLE001  the raft election: unavailable for a moment
+                    await asyncio.sleep(0.05)
+        assert a.may_act() and a.fence == fence
+        assert (await clients().get(b"/spotvisor/p/seq")).value == b"2"
+    finally:
+        await store.aclose()
+        await a.aclose()
