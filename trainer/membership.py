@@ -67,7 +67,8 @@ from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
 from trainer.credential import CredentialRefused, NodeCredential, Verifier
 
 __all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinRefused", "JoinTimeout", "LossWatch", "joining",
-           "run_id", "settle_survivors", "SurvivorRound", "wake_survivors", "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
+           "run_id", "settle_survivors", "SurvivorRound", "wake_survivors", "StoreRetry", "store_reachable",
+           "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
 
 log = logging.getLogger("trainer.membership")
 
@@ -146,6 +147,7 @@ class JoinQueue:
         self._store: dist.Store | None = None
         self._seen: dict[int, Ticket] = {}  # the tickets rank 0 has read and checked
         self._resolved: set[int] = set()  # admitted, withdrawn or refused
+        self._credential: NodeCredential | None = None  # the joiner's, to queue again on a store back empty
 
     @property
     def store(self) -> dist.Store:
@@ -174,6 +176,7 @@ class JoinQueue:
         if credential is not None:
             body.update(credential.prove("ticket", fields))
         self.store.set(f"t/{number}", json.dumps(body))
+        self._credential = credential
         return ticket
 
     def wait(self, ticket: Ticket, *, poll_s: float = 0.05) -> Admission:
@@ -184,19 +187,46 @@ class JoinQueue:
             JoinRefused: rank 0 refused it (its proof did not hold).
             JobCompleted: the job reached its target meanwhile (:meth:`complete`).
         """
-        key = f"a/{ticket.number}"
+        retry = StoreRetry()
         while time.time() < ticket.expires:
-            if self.store.check([key]):
-                return self._admission(ticket, self.store.get(key).decode())
-            if self.store.check(["completed"]):
-                raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
-                                   f"before node {ticket.node} joined")
-            time.sleep(poll_s)
-        won = self.store.compare_set(key, "", WITHDRAWN).decode()
+            try:
+                if retry.failed_before:  # back from an outage: a new client, the ticket queued again if it is gone
+                    if not store_reachable(self.endpoint):
+                        raise dist.DistNetworkError("no answer")
+                    ticket = self._requeue(ticket)
+                key = f"a/{ticket.number}"
+                if self.store.check([key]):
+                    return self._admission(ticket, self.store.get(key).decode())
+                if self.store.check(["completed"]):
+                    raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
+                                       f"before node {ticket.node} joined")
+                retry.ok()
+                time.sleep(poll_s)
+            except dist.DistError as exc:  # the store out of reach: wait for it (the ticket's expiry bounds it)
+                self._store = None
+                retry.failed(exc, what=f"node {ticket.node}'s join ticket {ticket.number}")
+                time.sleep(min(retry.wait_s(), max(0.0, ticket.expires - time.time())))
+        key = f"a/{ticket.number}"
+        try:
+            won = self.store.compare_set(key, "", WITHDRAWN).decode()
+        except dist.DistError:
+            raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) before its "
+                              "wait ended (the rendezvous store out of reach)") from None
         if won != WITHDRAWN:  # rank 0 admitted (or refused) it at the last moment
             return self._admission(ticket, won)
         raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) "
                           f"before its wait ended")
+
+    def _requeue(self, ticket: Ticket) -> Ticket:
+        """After the store was out of reach: ``ticket`` again if the store kept it, else
+        (a store restarted empty) a new ticket for the same worker with the same expiry."""
+        if self.store.check([f"t/{ticket.number}"]):
+            return ticket
+        again = self.register(ticket.node, ticket.local_rank, ticket.local_world, wait_s=ticket.expires - time.time(),
+                              credential=self._credential)
+        log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted): queued again as "
+                    "ticket %d", ticket.node, ticket.number, again.number)
+        return Ticket(again.number, again.node, again.local_rank, again.local_world, again.expires)
 
     @staticmethod
     def _admission(ticket: Ticket, raw: str) -> Admission:
@@ -435,6 +465,62 @@ class SurvivorRound:
                         self.attempt)
 
 
+#: A connect probe's bound before a new store client is built (seconds).
+PROBE_S = 1.0
+#: The longest wait between two tries to reach the store while it is down (seconds).
+MAX_RETRY_S = 4.0
+
+
+def store_reachable(endpoint: tuple[str, int], timeout_s: float = PROBE_S) -> bool:
+    """Whether the store at ``endpoint`` accepts a TCP connection within ``timeout_s``
+    seconds: checked before a new client is built (a ``TCPStore`` client retries its
+    connect for its whole timeout, and every store call would wait that long)."""
+    try:
+        with socket.create_connection(endpoint, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class StoreRetry:
+    """When to try the store again while it is out of reach: after 0.5 s, then twice as
+    late each time, at most :data:`MAX_RETRY_S`; one log line when it goes, one when it is
+    back. ``clock``: monotonic seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.down_since: float | None = None
+        self._at = 0.0
+        self._wait = 0.5
+
+    @property
+    def failed_before(self) -> bool:
+        """The store was out of reach at the last try."""
+        return self.down_since is not None
+
+    def due(self) -> bool:
+        """Time to try again (always, while the store answers)."""
+        return self._clock() >= self._at
+
+    def wait_s(self) -> float:
+        """Seconds until the next try is due."""
+        return max(0.0, self._at - self._clock())
+
+    def failed(self, exc: BaseException, *, what: str) -> None:
+        now = self._clock()
+        if self.down_since is None:
+            self.down_since = now
+            log.warning("rendezvous store out of reach (%s): %s retries with backoff",
+                        (str(exc).splitlines() or ["no answer"])[0][:200], what)
+        self._at = now + self._wait
+        self._wait = min(self._wait * 2, MAX_RETRY_S)
+
+    def ok(self) -> None:
+        if self.down_since is not None:
+            log.warning("rendezvous store back after %.1f s", self._clock() - self.down_since)
+        self.down_since, self._at, self._wait = None, 0.0, 0.5
+
+
 #: how often a survivor looks for the other ranks' answers in a loss round (seconds)
 _ANSWER_POLL_S = 0.02
 
@@ -521,7 +607,15 @@ class LossWatch:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._client: Any = None
+        self._retry = StoreRetry()
         self.unblocked = 0  # how many times it shut a blocked group down
+
+    def _connect(self) -> Any:
+        """A new client of the store (a c10d client never reconnects). Raises
+        ``torch.distributed.DistError`` when the store does not answer within 1 s."""
+        if not store_reachable(self._endpoint, PROBE_S):
+            raise dist.DistNetworkError(f"the rendezvous store {self._endpoint[0]}:{self._endpoint[1]} is out of reach")
+        return dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False, timeout=timedelta(seconds=30))
 
     def _key(self, attempt: str, rank: int) -> str:
         return f"spotvisor/{self._run}/loss/{attempt}/wake/{rank}"
@@ -533,8 +627,7 @@ class LossWatch:
             self._pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
             stale = self._waiting_on if self._waiting_on != self._watching else None  # its own wake reads as a loss
         if self._thread is None:
-            self._client = dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
-                                         timeout=timedelta(seconds=30))
+            self._client = self._connect()
             self._thread = threading.Thread(target=self._run_loop, name="spotvisor-loss-watch", daemon=True)
             self._thread.start()
         self._wake(stale)
@@ -555,7 +648,7 @@ class LossWatch:
 
     def _wake(self, target: tuple[str, int] | None) -> None:
         self._changed.set()
-        if target is not None:
+        if target is not None and store_reachable(self._endpoint):  # else its wait fails, and it sees the change
             try:
                 dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
                               timeout=timedelta(seconds=10)).set(self._key(*target), "self")
@@ -572,9 +665,17 @@ class LossWatch:
             if target is None:
                 self._changed.wait(1.0)
                 continue
+            t0 = time.monotonic()
             try:
+                if self._client is None:
+                    self._client = self._connect()
                 self._client.wait([self._key(*target)], timedelta(seconds=3600))
-            except Exception:  # an hour without a loss, or the store briefly out of reach
+                self._retry.ok()
+            except Exception as exc:  # an hour without a loss, or the store out of reach
+                if time.monotonic() - t0 < 3000:  # the store: a new client once it answers, never a spin
+                    self._client = None
+                    self._retry.failed(exc, what="the loss watch")
+                    self._changed.wait(self._retry.wait_s())
                 continue
             with self._lock:  # held throughout: pause() returns only once no descriptor is touched
                 if self._stopped:
