@@ -669,8 +669,8 @@ class LossWatch:
             try:
                 if self._client is None:
                     self._client = self._connect()
+                    self._retry.ok()
                 self._client.wait([self._key(*target)], timedelta(seconds=3600))
-                self._retry.ok()
             except Exception as exc:  # an hour without a loss, or the store out of reach
                 if time.monotonic() - t0 < 3000:  # the store: a new client once it answers, never a spin
                     self._client = None

@@ -10,10 +10,11 @@ three signs:
     Every node admitted to the job has its trainer exited, not all of them with 0 (a
     trainer exits 0 only at the job's end, whose completion may still be being
     verified), for ``exit_grace_s``: nothing of the job runs any more. torchrun
-    restarts its own workers, but nothing restarts torchrun: the rendezvous store
-    restarted empty under the agents (issue 25: every torchrun exited 1 within 5 s
-    and the job then sat silent for good), or the workers failed past torchrun's
-    restarts on every node.
+    restarts its own workers, but nothing restarts torchrun: the workers failed past
+    torchrun's restarts on every node, or a new rendezvous round (after a worker
+    failed) found the store down for longer than ``rendezvous.join_timeout_s``
+    (issue 25: with c10d's own backend a store restart alone ended every torchrun;
+    ``--rdzv-backend=spotvisor``, :mod:`trainer.rendezvous`, rides it out).
 ``no_step``
     The job runs and no new step came for the bound (:meth:`Progress.bound_s`):
 
@@ -41,11 +42,13 @@ so a stall that lasts is reported again after each bound, never in a flood: the
 exit grace doubles after each recovery that brought no step (10, 20, 40 s ... up to
 ``first_step_s``), as a restart into a store still down fails again at once.
 
-Example (issue 25, ``configs/local.yaml``): three nodes train; the store is killed at
-step 45 and restarted empty 3 s later. Within 5 s every torchrun exits 1; 10 s later
+Example (``configs/local.yaml``): three nodes train; their torchruns run c10d's own
+backend (a node on its own interpreter, ``job.python``) and the store is killed at step
+45 and restarted empty 3 s later. Within 5 s every torchrun exits 1; 10 s later
 :func:`check` says ``trainers_exited``; :func:`recover` returns ``[JobStalled(
 "trainers_exited", ..., restart=("n1", "n2", "n3"))]``; the three trainers start
-again and resume from step 40, the newest commit.
+again and resume from step 40, the newest commit. With spotvisor's backend (the
+default) the same kill costs nothing: no trainer exits, steps keep coming, no stall.
 """
 
 from __future__ import annotations
