@@ -179,6 +179,33 @@ class JoinQueue:
         self._credential = credential
         return ticket
 
+    def queue_up(self, node: str, local_rank: int, local_world: int, *, wait_s: float,
+                 credential: NodeCredential | None) -> Ticket:
+        """:meth:`register`, waiting for a store that is out of reach (backoff, each try a
+        1 s connect probe) within ``wait_s``, which the ticket's expiry then counts from
+        the same start: a joiner started during a store outage waits for it rather than
+        failing (and its node being replaced, and the replacement failing the same way).
+
+        Raises:
+            JoinTimeout: the store stayed out of reach for ``wait_s`` seconds.
+        """
+        deadline, retry = time.time() + wait_s, StoreRetry()
+        while True:
+            try:
+                if not store_reachable(self.endpoint):
+                    raise dist.DistNetworkError("no answer")
+                ticket = self.register(node, local_rank, local_world, wait_s=deadline - time.time(),
+                                       credential=credential)
+                retry.ok()
+                return ticket
+            except dist.DistError as exc:
+                self._store = None
+                retry.failed(exc, what=f"node {node}'s join ticket")
+                if time.time() + retry.wait_s() >= deadline:
+                    raise JoinTimeout(f"node {node} could not queue to join: the rendezvous store stayed out of "
+                                      f"reach for {wait_s:.0f} s") from None
+                time.sleep(retry.wait_s())
+
     def wait(self, ticket: Ticket, *, poll_s: float = 0.05) -> Admission:
         """Block until rank 0 admits ``ticket``.
 

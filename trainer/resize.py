@@ -217,11 +217,11 @@ class Resizer:
                         JOIN_CREDENTIAL_ENV)
             raise SystemExit(1)
         queue = JoinQueue(endpoint, run_id(), timeout_s=job.args.pg_timeout_s)
-        ticket = queue.register(node, local_rank, local_world, wait_s=job.args.join_timeout_s,
-                                credential=job.credential)
-        if job.ctx.is_local_leader or local_world == 1:
-            log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
         try:
+            ticket = queue.queue_up(node, local_rank, local_world, wait_s=job.args.join_timeout_s,
+                                    credential=job.credential)
+            if job.ctx.is_local_leader or local_world == 1:
+                log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
             admission = queue.wait(ticket)
         except JobCompleted as exc:
             log.warning("%s; exiting", exc)

@@ -7,7 +7,9 @@ each attempt's ``started`` line (:class:`~daemon.control.state.JobView`).
 three signs:
 
 ``trainers_exited``
-    Every node admitted to the job has its trainer exited, not all of them with 0 (a
+    Every node admitted to the job has its trainer exited (a joiner still waiting to be
+    admitted, one that never reported an attempt, aside, once some node that trained
+    exited: there is no group left to admit it), not all of them with 0 (a
     trainer exits 0 only at the job's end, whose completion may still be being
     verified), for ``exit_grace_s``: nothing of the job runs any more. torchrun
     restarts its own workers, but nothing restarts torchrun: the workers failed past
@@ -155,6 +157,14 @@ def _in_job(s: PoolState) -> list[NodeView]:
     return s.in_domain().in_state(*ADMITTED)
 
 
+def _joining(n: NodeView) -> bool:
+    """A node whose trainer runs but never reported an attempt: a joiner waiting for the
+    running group to admit it. Once every node that trained has exited there is no group
+    to admit it (a store out of reach past every bound took the group down while a
+    replacement waited): it does not keep the job from counting as exited."""
+    return n.trainer is TrainerState.RUNNING and not n.attempt
+
+
 def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progress:
     """``p`` after one look at the pool ``s`` and the job's newest step (``step``) at ``now``.
 
@@ -163,7 +173,10 @@ def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progr
     interval, per step, joins the estimate when the previous look also saw a step)."""
     in_job = _in_job(s)
     training = frozenset(n.id for n in s.nodes if n.state in MEMBERS and n.trainer is TrainerState.RUNNING)
-    exited = bool(in_job) and all(n.trainer is TrainerState.EXITED for n in in_job)
+    trained = [n for n in in_job if not _joining(n)]
+    exited = bool(in_job) and (all(n.trainer is TrainerState.EXITED for n in in_job)
+                               or (any(n.attempt for n in trained)
+                                   and all(n.trainer is TrainerState.EXITED for n in trained)))
     exited_since = (now if p.exited_since is None else p.exited_since) if exited else None
     if s.attempt != p.attempt or training != p.training or (step is not None and p.step is not None and step < p.step):
         return replace(p, since=now, attempt=s.attempt, step=step, training=training, last_step_at=None,

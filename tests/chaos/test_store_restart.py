@@ -34,7 +34,7 @@ import yaml
 from chaos.conftest import Matrix, lost_events
 from chaos.test_mass_notice import _instance_processes
 from daemon.model import Event
-from e2e.conftest import ROOT, SMALL_MODEL, _run_demo_config
+from e2e.conftest import ROOT, _run_demo_config
 from trainer.checkpoint import FileStore, list_committed
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -43,13 +43,19 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 RESTARTS = ("job_stalled", "job_resumed", "trainer_exited", "node_lost", "node_terminated")
 
 
-def _run(tmp_path: Path, chaos: list[dict[str, Any]], *, small: bool = False, target_steps: int = 150,
-         timeout_s: float = 400) -> tuple[dict[str, Any], list[Event], Path]:
+def _run(tmp_path: Path, chaos: list[dict[str, Any]], *, target_steps: int = 150, timeout_s: float = 400,
+         pg_timeout_s: float | None = None, join_timeout_s: float | None = None,
+         ) -> tuple[dict[str, Any], list[Event], Path]:
     """configs/local.yaml's job (its model: a few tenths of a second a step here, so the
-    store is back long before the end) with ``chaos``; ``small``: the tiny model."""
+    store is back long before the end) with ``chaos``; ``pg_timeout_s``: the trainer's
+    ``--pg-timeout-s`` (how long a new group waits for the store); ``join_timeout_s``:
+    torchrun's rendezvous ``join_timeout``."""
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    raw["job"].update({"target_steps": target_steps, "args": [*(SMALL_MODEL if small else raw["job"]["args"]),
-                                                             "--keep-checkpoints", "1000"]})
+    raw["job"].update({"target_steps": target_steps, "args": [
+        *raw["job"]["args"], "--keep-checkpoints", "1000",
+        *(["--pg-timeout-s", f"{pg_timeout_s:g}"] if pg_timeout_s else [])]})
+    if join_timeout_s:
+        raw["rendezvous"]["join_timeout_s"] = join_timeout_s
     raw["providers"]["local"]["launch_delay_s"] = 0.5
     raw["chaos"] = chaos
     s = _run_demo_config(raw, tmp_path, timeout_s=timeout_s)
@@ -86,6 +92,16 @@ def _attempts(run_dir: Path) -> dict[str, float]:
             r = json.loads(line)
             first[r["attempt"]] = min(first.get(r["attempt"], r["time"]), r["time"])
     return first
+
+
+def _no_restart(stored: list[Event], killed: Event, completed: Event) -> None:
+    """No stall and no resume from a commit after ``killed``: every new attempt was an
+    in-process resize (a shrink or a grow), no trainer exited but a leaving node's."""
+    assert [e.kind for e in stored if e.kind == "job_stalled"] == []
+    resumes = [e for e in stored if e.kind == "job_resumed" and killed.seq < e.seq < completed.seq]
+    assert [e.data.get("resized") for e in resumes] == ["in_process"] * len(resumes)
+    drained = {e.node for e in stored if e.kind == "node_terminated" and e.data.get("reason") == "drained"}
+    assert {e.node for e in stored if e.kind == "trainer_exited" and killed.seq < e.seq < completed.seq} <= drained
 
 
 def _timeline(stored: list[Event], killed: Event, restarted: Event, **more: Event | None) -> dict[str, Any]:
@@ -132,7 +148,7 @@ def test_a_store_killed_during_a_notice_commit_costs_no_step(tmp_path: Path, mat
     print(f"\nstore killed during a notice's commit (seconds after the kill): " + json.dumps(_timeline(
         stored, killed, restarted, committed=_first(stored, "checkpoint_committed", after=killed.seq),
         first_membership_change=changes[0] if changes else None)))
-    assert not [e for e in stored if e.kind in ("job_stalled", "job_resumed") and e.seq < completed.seq]
+    _no_restart(stored, killed, completed)
     assert s["lost_steps_total"] == 0 and s["lost_steps_on_notice"] == 0
     assert s["restarts"] == 0 and s["resizes_in_process"] >= 1  # the shrink (and the replacement's grow)
     assert s["resumes_before_their_commit"] == 0
@@ -156,8 +172,34 @@ def test_a_store_killed_during_a_grow_costs_no_step(tmp_path: Path, matrix: Matr
     grew = [e for e in stored if e.kind == "world_size_changed" and e.seq > killed.seq]
     print(f"\nstore killed during a grow (seconds after the kill): " + json.dumps(_timeline(
         stored, killed, restarted, first_membership_change=grew[0] if grew else None)))
-    assert not [e for e in stored if e.kind in ("job_stalled", "job_resumed") and e.seq < completed.seq]
+    _no_restart(stored, killed, completed)
     assert s["lost_steps_total"] == 0 and s["restarts"] == 0
     assert s["world_sizes"][-1] == 3  # the replacement joined, in-process
+    assert s["resumes_before_their_commit"] == 0
+    assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
+
+
+def test_a_store_down_past_every_bound_still_ends_in_a_restart_in_place(tmp_path: Path, matrix: Matrix) -> None:
+    # a node lost without notice while the store stays down 45 s: the survivors' round
+    # waits for the store --pg-timeout-s (15 s here) and gives up; torchrun's new round
+    # waits rendezvous.join_timeout_s (10 s) and gives up: every torchrun exits, and the
+    # daemon's stall path restarts the job in place once the store is back
+    s, stored, run_dir = _run(tmp_path, [
+        {"action": "kill_store", "at_step": 45, "restart_after_s": 45},
+        {"action": "kill", "node": 3, "at_step": 45, "wait_full_pool": False},
+    ], pg_timeout_s=15, join_timeout_s=10)
+    _record(matrix, "rendezvous store down 45 s with a node lost meanwhile (real demo, 3 nodes)", s, stored, run_dir)
+    killed = _first(stored, "chaos_injected", action="kill_store")
+    restarted = _first(stored, "chaos_injected", action="store_restarted")
+    completed = _first(stored, "job_completed")
+    assert killed is not None and restarted is not None and completed is not None, s["_stdout"][-4000:]
+    stalled = _first(stored, "job_stalled", after=killed.seq)
+    resumed = _first(stored, "job_resumed", after=stalled.seq) if stalled else None
+    print(f"\nstore down past every bound (seconds after the kill): " + json.dumps(_timeline(
+        stored, killed, restarted, job_stalled=stalled, job_resumed=resumed)))
+    assert stalled is not None and stalled.data["reason"] == "trainers_exited", s["_stdout"][-4000:]
+    assert resumed is not None
+    assert resumed.data["resumed_from"] == max(e.data["step"] for e in stored
+                                               if e.kind == "checkpoint_committed" and e.seq < stalled.seq)
     assert s["resumes_before_their_commit"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
