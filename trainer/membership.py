@@ -654,7 +654,10 @@ class LossWatch:
             self._pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
             stale = self._waiting_on if self._waiting_on != self._watching else None  # its own wake reads as a loss
         if self._thread is None:
-            self._client = self._connect()
+            try:
+                self._client = self._connect()
+            except dist.DistError:  # the store out of reach: the thread connects once it answers
+                self._client = None
             self._thread = threading.Thread(target=self._run_loop, name="spotvisor-loss-watch", daemon=True)
             self._thread.start()
         self._wake(stale)
