@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -49,6 +48,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from trainer.store_retry import PROBE_S, store_reachable
+
 __all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S"]
 
 log = logging.getLogger("spotvisor.rendezvous")
@@ -57,17 +58,7 @@ BACKEND = "spotvisor"
 #: The longest wait between two tries to reach a store that is down (seconds); the
 #: first retry comes after 0.5 s, each next one twice as late.
 MAX_RETRY_S = 4.0
-#: A connect probe's bound (seconds): no store client is built until the port answers.
-PROBE_S = 1.0
 DEFAULT_PORT = 29400
-
-
-def _reachable(host: str, port: int, timeout_s: float) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 class ReconnectingBackend(RendezvousBackend):
@@ -117,7 +108,7 @@ class ReconnectingBackend(RendezvousBackend):
             if not first:
                 if now < self._retry_at:
                     raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
-                if not _reachable(*self.endpoint, PROBE_S):
+                if not store_reachable(self.endpoint, PROBE_S):
                     self._failed(now)
                     raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
             try:

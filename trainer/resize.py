@@ -32,10 +32,10 @@ from trainer.batch import BatchError, ElasticBatch
 from trainer.contract import JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, STATUS_FILE_ENV
 from trainer.exchange import broadcast_json
 from trainer.guard import Decision
-from trainer.membership import (JobCompleted, JoinQueue, JoinRefused, JoinTimeout, StoreRetry, Ticket, run_id,
-                                store_reachable)
+from trainer.membership import JobCompleted, JoinQueue, JoinRefused, JoinTimeout, Ticket, run_id
 from trainer.runtime import (StatusWriter, StepLog, broadcast_state, new_attempt_id, regroup, rendezvous_endpoint,
                              shrink_process_group)
+from trainer.store_retry import StoreRetry, store_reachable
 
 __all__ = ["Resizer", "can_shrink"]
 
