@@ -121,3 +121,19 @@ def test_a_store_that_stays_down_fails_the_new_round_after_the_join_timeout(stor
         handler.next_rendezvous()
     assert 2.0 <= time.monotonic() - t0 < 10.0
     assert handler.shutdown() is False  # the store is gone: nothing to close, no exception
+
+
+def test_every_node_runs_the_backend_but_one_on_its_own_interpreter() -> None:
+    """The job spec: ``--rdzv-backend=spotvisor`` on spotvisor's interpreter (the entry
+    point is installed with it); a ``job.python`` interpreter has spotvisor's ``trainer/``
+    but not its entry point: c10d's own backend (a store restart is then a stall)."""
+    from daemon.config import load_config
+    from daemon.controlnode.jobspec import job_spec
+    from daemon.model import Node
+
+    config = load_config("configs/local.yaml")
+    node = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=1,
+                price_usd_h=0.0, token="x")
+    assert "--rdzv-backend=spotvisor" in job_spec(config, node, "abc")["argv"]
+    foreign = config.model_copy(update={"job": config.job.model_copy(update={"python": "/opt/conda/bin/python"})})
+    assert "--rdzv-backend=c10d" in job_spec(foreign, node, "abc")["argv"]
