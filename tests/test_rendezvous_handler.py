@@ -64,7 +64,8 @@ def test_torchrun_finds_the_backend_by_its_entry_point(store: StoreProcess) -> N
     handler.shutdown()
 
 
-def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: StoreProcess) -> None:
+def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: StoreProcess,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     first = _handler(store, "restart")
     assert first.next_rendezvous().world_size == 1
     assert first.num_nodes_waiting() == 0
@@ -73,9 +74,14 @@ def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: Sto
     # what torchrun's monitor loop asks every 0.5 s: answered at once, nobody restarts
     assert [first.num_nodes_waiting() for _ in range(5)] == [0] * 5 and first.is_closed() is False
     assert time.monotonic() - t0 < 5.0
+    assert _until(lambda: time.monotonic() - t0 > 2.5)  # keep-alives (1 s apart) fail meanwhile
     store.start()
     # back empty: the agent reconnects and puts its running round back
     assert _until(lambda: first.num_nodes_waiting() == 0 and first._backend.generation == 2)
+    said = [r.getMessage() for r in caplog.records if "rendezvous store" in r.getMessage()
+            or "keep-alive" in r.getMessage()]
+    assert len([m for m in said if "out of reach" in m]) == 1 and not [m for m in said if "keep-alive" in m]
+    assert [m for m in said if "back after" in m] and [m for m in said if "re-published" in m]
     # a node arriving now joins the running round's wait list, as before the loss, and
     # does not form a world of its own next to the running group
     second = _handler(store, "restart")

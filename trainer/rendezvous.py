@@ -257,6 +257,18 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
             self._generation = self._backend.generation
 
 
+class _QuietWhileDown(logging.Filter):
+    """Drops c10d's keep-alive warning (one a second per node) while ``backend`` knows the
+    store is down: its own line said so once, and says when it is back."""
+
+    def __init__(self, backend: ReconnectingBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self._backend.down and "keep-alive heartbeat" in record.getMessage())
+
+
 def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
     """The handler for torchrun's ``--rdzv-backend=spotvisor``: ``params.endpoint`` is the
     store (``HOST:PORT``, default port 29400; ``is_host`` is ignored: the store is never
@@ -271,6 +283,7 @@ def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
     backend = ReconnectingBackend((host, port), params.run_id, read_timeout_s=float(read_timeout))
     backend.connect(first=True)
     inner = create_handler(backend.store, backend, params)
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(_QuietWhileDown(backend))
     join_timeout = params.get_as_int("join_timeout", 600) or 600
     return SpotvisorRendezvousHandler(inner, backend, join_timeout_s=float(join_timeout))
 
