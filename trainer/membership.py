@@ -65,9 +65,11 @@ import torch.distributed as dist
 
 from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
 from trainer.credential import CredentialRefused, NodeCredential, Verifier
+from trainer.store_retry import PROBE_S, StoreRetry, store_reachable
 
 __all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinRefused", "JoinTimeout", "LossWatch", "joining",
-           "run_id", "settle_survivors", "SurvivorRound", "wake_survivors", "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
+           "run_id", "settle_survivors", "SurvivorRound", "wake_survivors", "StoreRetry", "store_reachable",
+           "EXPIRY_MARGIN_S", "MAX_READS_PER_STEP"]
 
 log = logging.getLogger("trainer.membership")
 
@@ -146,6 +148,7 @@ class JoinQueue:
         self._store: dist.Store | None = None
         self._seen: dict[int, Ticket] = {}  # the tickets rank 0 has read and checked
         self._resolved: set[int] = set()  # admitted, withdrawn or refused
+        self._credential: NodeCredential | None = None  # the joiner's, to queue again on a store back empty
 
     @property
     def store(self) -> dist.Store:
@@ -174,7 +177,35 @@ class JoinQueue:
         if credential is not None:
             body.update(credential.prove("ticket", fields))
         self.store.set(f"t/{number}", json.dumps(body))
+        self._credential = credential
         return ticket
+
+    def queue_up(self, node: str, local_rank: int, local_world: int, *, wait_s: float,
+                 credential: NodeCredential | None) -> Ticket:
+        """:meth:`register`, waiting for a store that is out of reach (backoff, each try a
+        1 s connect probe) within ``wait_s``, which the ticket's expiry then counts from
+        the same start: a joiner started during a store outage waits for it rather than
+        failing (and its node being replaced, and the replacement failing the same way).
+
+        Raises:
+            JoinTimeout: the store stayed out of reach for ``wait_s`` seconds.
+        """
+        deadline, retry = time.time() + wait_s, StoreRetry()
+        while True:
+            try:
+                if not store_reachable(self.endpoint):
+                    raise dist.DistNetworkError("no answer")
+                ticket = self.register(node, local_rank, local_world, wait_s=deadline - time.time(),
+                                       credential=credential)
+                retry.ok()
+                return ticket
+            except dist.DistError as exc:
+                self._store = None
+                retry.failed(exc, what=f"node {node}'s join ticket")
+                if time.time() + retry.wait_s() >= deadline:
+                    raise JoinTimeout(f"node {node} could not queue to join: the rendezvous store stayed out of "
+                                      f"reach for {wait_s:.0f} s") from None
+                time.sleep(retry.wait_s())
 
     def wait(self, ticket: Ticket, *, poll_s: float = 0.05) -> Admission:
         """Block until rank 0 admits ``ticket``.
@@ -184,19 +215,46 @@ class JoinQueue:
             JoinRefused: rank 0 refused it (its proof did not hold).
             JobCompleted: the job reached its target meanwhile (:meth:`complete`).
         """
-        key = f"a/{ticket.number}"
+        retry = StoreRetry()
         while time.time() < ticket.expires:
-            if self.store.check([key]):
-                return self._admission(ticket, self.store.get(key).decode())
-            if self.store.check(["completed"]):
-                raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
-                                   f"before node {ticket.node} joined")
-            time.sleep(poll_s)
-        won = self.store.compare_set(key, "", WITHDRAWN).decode()
+            try:
+                if retry.failed_before:  # back from an outage: a new client, the ticket queued again if it is gone
+                    if not store_reachable(self.endpoint):
+                        raise dist.DistNetworkError("no answer")
+                    ticket = self._requeue(ticket)
+                key = f"a/{ticket.number}"
+                if self.store.check([key]):
+                    return self._admission(ticket, self.store.get(key).decode())
+                if self.store.check(["completed"]):
+                    raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
+                                       f"before node {ticket.node} joined")
+                retry.ok()
+                time.sleep(poll_s)
+            except dist.DistError as exc:  # the store out of reach: wait for it (the ticket's expiry bounds it)
+                self._store = None
+                retry.failed(exc, what=f"node {ticket.node}'s join ticket {ticket.number}")
+                time.sleep(min(retry.wait_s(), max(0.0, ticket.expires - time.time())))
+        key = f"a/{ticket.number}"
+        try:
+            won = self.store.compare_set(key, "", WITHDRAWN).decode()
+        except dist.DistError:
+            raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) before its "
+                              "wait ended (the rendezvous store out of reach)") from None
         if won != WITHDRAWN:  # rank 0 admitted (or refused) it at the last moment
             return self._admission(ticket, won)
         raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) "
                           f"before its wait ended")
+
+    def _requeue(self, ticket: Ticket) -> Ticket:
+        """After the store was out of reach: ``ticket`` again if the store kept it, else
+        (a store restarted empty) a new ticket for the same worker with the same expiry."""
+        if self.store.check([f"t/{ticket.number}"]):
+            return ticket
+        again = self.register(ticket.node, ticket.local_rank, ticket.local_world, wait_s=ticket.expires - time.time(),
+                              credential=self._credential)
+        log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted): queued again as "
+                    "ticket %d", ticket.node, ticket.number, again.number)
+        return Ticket(again.number, again.node, again.local_rank, again.local_world, again.expires)
 
     @staticmethod
     def _admission(ticket: Ticket, raw: str) -> Admission:
@@ -521,7 +579,15 @@ class LossWatch:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._client: Any = None
+        self._retry = StoreRetry()
         self.unblocked = 0  # how many times it shut a blocked group down
+
+    def _connect(self) -> Any:
+        """A new client of the store (a c10d client never reconnects). Raises
+        ``torch.distributed.DistError`` when the store does not answer within 1 s."""
+        if not store_reachable(self._endpoint, PROBE_S):
+            raise dist.DistNetworkError(f"the rendezvous store {self._endpoint[0]}:{self._endpoint[1]} is out of reach")
+        return dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False, timeout=timedelta(seconds=30))
 
     def _key(self, attempt: str, rank: int) -> str:
         return f"spotvisor/{self._run}/loss/{attempt}/wake/{rank}"
@@ -533,8 +599,10 @@ class LossWatch:
             self._pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
             stale = self._waiting_on if self._waiting_on != self._watching else None  # its own wake reads as a loss
         if self._thread is None:
-            self._client = dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
-                                         timeout=timedelta(seconds=30))
+            try:
+                self._client = self._connect()
+            except dist.DistError:  # the store out of reach: the thread connects once it answers
+                self._client = None
             self._thread = threading.Thread(target=self._run_loop, name="spotvisor-loss-watch", daemon=True)
             self._thread.start()
         self._wake(stale)
@@ -555,7 +623,7 @@ class LossWatch:
 
     def _wake(self, target: tuple[str, int] | None) -> None:
         self._changed.set()
-        if target is not None:
+        if target is not None and store_reachable(self._endpoint):  # else its wait fails, and it sees the change
             try:
                 dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
                               timeout=timedelta(seconds=10)).set(self._key(*target), "self")
@@ -572,9 +640,17 @@ class LossWatch:
             if target is None:
                 self._changed.wait(1.0)
                 continue
+            t0 = time.monotonic()
             try:
+                if self._client is None:
+                    self._client = self._connect()
+                    self._retry.ok()
                 self._client.wait([self._key(*target)], timedelta(seconds=3600))
-            except Exception:  # an hour without a loss, or the store briefly out of reach
+            except Exception as exc:  # an hour without a loss, or the store out of reach
+                if time.monotonic() - t0 < 3000:  # the store: a new client once it answers, never a spin
+                    self._client = None
+                    self._retry.failed(exc, what="the loss watch")
+                    self._changed.wait(self._retry.wait_s())
                 continue
             with self._lock:  # held throughout: pause() returns only once no descriptor is touched
                 if self._stopped:

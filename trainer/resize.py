@@ -35,6 +35,7 @@ from trainer.guard import Decision
 from trainer.membership import JobCompleted, JoinQueue, JoinRefused, JoinTimeout, Ticket, run_id
 from trainer.runtime import (StatusWriter, StepLog, broadcast_state, new_attempt_id, regroup, rendezvous_endpoint,
                              shrink_process_group)
+from trainer.store_retry import StoreRetry, store_reachable
 
 __all__ = ["Resizer", "can_shrink"]
 
@@ -72,7 +73,7 @@ class Resizer:
         self.job = job
         self._queue: JoinQueue | None = None
         self._pick: list[Ticket] = []  # rank 0: the joiners this boundary's decision admits
-        self._queue_warned = False
+        self._retry = StoreRetry()  # rank 0's join check while the store is out of reach
         self.stage_s = 0.0  # the last notice's stage_state, before its commit (s): the shrink's started line has it
 
     @property
@@ -145,26 +146,30 @@ class Resizer:
 
     def joiners_waiting(self) -> int:
         """Rank 0: how many workers to admit at this boundary (0 on other ranks, and when
-        the store cannot be read: training never waits for the queue)."""
+        the store cannot be read: training never waits for the queue). While the store is
+        out of reach the check is skipped, tried again with backoff (:class:`StoreRetry`),
+        each try bounded by a 1 s connect probe; a store back empty starts a new queue."""
         job = self.job
         self._pick = []
         if not (job.ctx.is_leader and self.can_grow):
             return 0
+        if not self._retry.due():
+            return 0  # the store was out of reach a moment ago: no round trip, no wait, until the next try
         try:
             if self._queue is None:
                 endpoint = rendezvous_endpoint()
                 assert endpoint is not None
+                if not store_reachable(endpoint):  # never wait a client's connect timeout in a step boundary
+                    raise ConnectionError(f"{endpoint[0]}:{endpoint[1]} does not answer")
                 self._queue = JoinQueue(endpoint, run_id(), timeout_s=min(10.0, job.args.pg_timeout_s),
                                         verifier=None if job.credential is None else job.credential.verifier())
             batch = ElasticBatch(job.G, job.plan.micro_batch_size)
             self._pick = self._queue.ready(job.ctx.world_size, batch.is_valid)
-        except Exception as exc:  # the control node's store unreachable a moment: next boundary
-            if not self._queue_warned:
-                self._queue_warned = True
-                log.warning("cannot read the join queue (%s): no in-process grow until it can", exc)
+        except Exception as exc:  # the control node's store out of reach (or restarted: a new client)
             self._queue = None
+            self._retry.failed(exc, what="rank 0's join check (skipped meanwhile; training goes on)")
             return 0
-        self._queue_warned = False
+        self._retry.ok()
         return len(self._pick)
 
     def grow(self, joiners: int) -> None:
@@ -212,11 +217,11 @@ class Resizer:
                         JOIN_CREDENTIAL_ENV)
             raise SystemExit(1)
         queue = JoinQueue(endpoint, run_id(), timeout_s=job.args.pg_timeout_s)
-        ticket = queue.register(node, local_rank, local_world, wait_s=job.args.join_timeout_s,
-                                credential=job.credential)
-        if job.ctx.is_local_leader or local_world == 1:
-            log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
         try:
+            ticket = queue.queue_up(node, local_rank, local_world, wait_s=job.args.join_timeout_s,
+                                    credential=job.credential)
+            if job.ctx.is_local_leader or local_world == 1:
+                log.warning("node %s waiting to join the running group (ticket %d)", node, ticket.number)
             admission = queue.wait(ticket)
         except JobCompleted as exc:
             log.warning("%s; exiting", exc)
@@ -234,7 +239,7 @@ class Resizer:
 
     def complete(self) -> None:
         """Rank 0, the target step committed: nobody waits to join a job that has ended."""
-        if self.can_grow:
+        if self.can_grow and store_reachable(rendezvous_endpoint()):
             with contextlib.suppress(Exception):
                 JoinQueue(rendezvous_endpoint(), run_id(), timeout_s=10).complete(self.job.state.step)
 

@@ -7,13 +7,16 @@ each attempt's ``started`` line (:class:`~daemon.control.state.JobView`).
 three signs:
 
 ``trainers_exited``
-    Every node admitted to the job has its trainer exited, not all of them with 0 (a
+    Every node admitted to the job has its trainer exited (a joiner still waiting to be
+    admitted, one that never reported an attempt, aside, once some node that trained
+    exited: there is no group left to admit it), not all of them with 0 (a
     trainer exits 0 only at the job's end, whose completion may still be being
     verified), for ``exit_grace_s``: nothing of the job runs any more. torchrun
-    restarts its own workers, but nothing restarts torchrun: the rendezvous store
-    restarted empty under the agents (issue 25: every torchrun exited 1 within 5 s
-    and the job then sat silent for good), or the workers failed past torchrun's
-    restarts on every node.
+    restarts its own workers, but nothing restarts torchrun: the workers failed past
+    torchrun's restarts on every node, or a new rendezvous round (after a worker
+    failed) found the store down for longer than ``rendezvous.join_timeout_s``
+    (issue 25: with c10d's own backend a store restart alone ended every torchrun;
+    ``--rdzv-backend=spotvisor``, :mod:`trainer.rendezvous`, rides it out).
 ``no_step``
     The job runs and no new step came for the bound (:meth:`Progress.bound_s`):
 
@@ -41,11 +44,13 @@ so a stall that lasts is reported again after each bound, never in a flood: the
 exit grace doubles after each recovery that brought no step (10, 20, 40 s ... up to
 ``first_step_s``), as a restart into a store still down fails again at once.
 
-Example (issue 25, ``configs/local.yaml``): three nodes train; the store is killed at
-step 45 and restarted empty 3 s later. Within 5 s every torchrun exits 1; 10 s later
+Example (``configs/local.yaml``): three nodes train; their torchruns run c10d's own
+backend (a node on its own interpreter, ``job.python``) and the store is killed at step
+45 and restarted empty 3 s later. Within 5 s every torchrun exits 1; 10 s later
 :func:`check` says ``trainers_exited``; :func:`recover` returns ``[JobStalled(
 "trainers_exited", ..., restart=("n1", "n2", "n3"))]``; the three trainers start
-again and resume from step 40, the newest commit.
+again and resume from step 40, the newest commit. With spotvisor's backend (the
+default) the same kill costs nothing: no trainer exits, steps keep coming, no stall.
 """
 
 from __future__ import annotations
@@ -152,6 +157,14 @@ def _in_job(s: PoolState) -> list[NodeView]:
     return s.in_domain().in_state(*ADMITTED)
 
 
+def _joining(n: NodeView) -> bool:
+    """A node whose trainer runs but never reported an attempt: a joiner waiting for the
+    running group to admit it. Once every node that trained has exited there is no group
+    to admit it (a store out of reach past every bound took the group down while a
+    replacement waited): it does not keep the job from counting as exited."""
+    return n.trainer is TrainerState.RUNNING and not n.attempt
+
+
 def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progress:
     """``p`` after one look at the pool ``s`` and the job's newest step (``step``) at ``now``.
 
@@ -160,7 +173,10 @@ def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progr
     interval, per step, joins the estimate when the previous look also saw a step)."""
     in_job = _in_job(s)
     training = frozenset(n.id for n in s.nodes if n.state in MEMBERS and n.trainer is TrainerState.RUNNING)
-    exited = bool(in_job) and all(n.trainer is TrainerState.EXITED for n in in_job)
+    trained = [n for n in in_job if not _joining(n)]
+    exited = bool(in_job) and (all(n.trainer is TrainerState.EXITED for n in in_job)
+                               or (any(n.attempt for n in trained)
+                                   and all(n.trainer is TrainerState.EXITED for n in trained)))
     exited_since = (now if p.exited_since is None else p.exited_since) if exited else None
     if s.attempt != p.attempt or training != p.training or (step is not None and p.step is not None and step < p.step):
         return replace(p, since=now, attempt=s.attempt, step=step, training=training, last_step_at=None,

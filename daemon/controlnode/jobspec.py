@@ -1,6 +1,6 @@
 """The job's command line, as the daemon hands it to every node's agent. Pure.
 
-``python -m torch.distributed.run --nnodes=MIN:MAX ... -m <job.module> <trainer flags>``
+``python -m torch.distributed.run --nnodes=MIN:MAX --rdzv-backend=spotvisor ... -m <job.module> <trainer flags>``
 (or ``... <job.command>``: the user's own script and its own flags, nothing added; the
 checkpoint store's URI then rides in ``$SPOTVISOR_CHECKPOINT_URI``) with the rendezvous on the control node (``is_host=false``: no spot node hosts it) and
 the environment the trainer's contract names (:mod:`trainer.contract`), then ``job.env``.
@@ -81,7 +81,9 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     launcher = [
         f"--nnodes={c.pool.min_nodes}:{c.pool.max_nodes}",
         f"--nproc-per-node={node.gpus}",
-        "--rdzv-backend=c10d",
+        # spotvisor's c10d (trainer/rendezvous.py): the store's loss costs no worker restart. A
+        # node's own interpreter (job.python) has spotvisor's trainer/ but not its entry point
+        f"--rdzv-backend={'c10d' if job.python else 'spotvisor'}",
         f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
         f"--rdzv-id={run_id(config, run_nonce)}",
         f"--rdzv-conf={rdzv_conf}",

@@ -60,6 +60,12 @@ def _spec(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
 def main() -> int:
     import torch.distributed.run as torchrun  # the import this process exists to do early
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from trainer.torchrun_plugin import create
+
+    # --rdzv-backend=spotvisor even where the entry point is shadowed (a stale egg-info on sys.path)
+    rendezvous_handler_registry.register("spotvisor", create)
 
     ready_fd = os.environ.pop(READY_FD_ENV, None)
     if ready_fd is not None and ready_fd.isdigit():  # tell the agent: imported, waiting

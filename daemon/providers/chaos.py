@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Coroutine
 
 import structlog
 
@@ -73,6 +73,18 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
     if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
         log.warning("chaos_unsupported", provider=provider.name)
         return
+    restarts: list[asyncio.Task[None]] = []  # a killed store's restart: later events may fire during its outage
+    try:
+        await _fire_all(sup, events, tick_s, rendezvous, restarts)
+        await asyncio.gather(*restarts)
+    finally:
+        for task in restarts:
+            task.cancel()
+
+
+async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float, rendezvous: "StoreProcess | None",
+                    restarts: list[asyncio.Task[None]]) -> None:
+    provider = sup.fleet.provider
     previous: tuple[float, str] | None = None
     for i, ev in enumerate(events):
         while not ready_to_fire(ev, sup, sup.clock(), previous=previous):
@@ -80,7 +92,8 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
                 return
             await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
         if ev.action == "kill_store":
-            await _kill_store(sup, i, ev, rendezvous)
+            if (restart := await _kill_store(sup, i, ev, rendezvous)) is not None:
+                restarts.append(asyncio.create_task(restart, name=f"chaos:store_restart:{i}"))
             continue
         if ev.action == "capacity_out":
             domain = sup.config.domain(ev.domain)
@@ -122,19 +135,28 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             log.info("chaos_replacements_released", index=i, step=sup.job.step)
 
 
-async def _kill_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "StoreProcess | None") -> None:
-    """SIGKILL the rendezvous store, wait ``ev.restart_after_s``, start it again (empty),
-    each recorded as ``chaos_injected``. A store that will not start again is logged and
-    recorded: the job then stalls until it is back, and says so (``job_stalled``)."""
+async def _kill_store(sup: Supervisor, index: int, ev: ChaosEvent,
+                      store: "StoreProcess | None") -> Coroutine[Any, Any, None] | None:
+    """SIGKILL the rendezvous store (recorded as ``chaos_injected``) and return its
+    restart, for the caller to run as a task while later events fire: it waits
+    ``ev.restart_after_s``, starts the store again (empty) and records it. A store that
+    will not start again is logged and recorded: the job goes on training, and what
+    needs the store (a resize, a restart) waits for it or, past its bounds, stalls and
+    says so (``job_stalled``). None when there is no store to kill (recorded as skipped)."""
     if store is None:
         log.warning("chaos_target_not_running", index=index, target="rendezvous store")
         sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="kill_store", skipped=True,
                    reason="no rendezvous store process here (spotvisord demo runs one; a unit restarts its own)")
-        return
+        return None
     await asyncio.to_thread(store.kill)
     killed_at = time.monotonic()
     sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="kill_store", step=sup.job.step,
                restart_after_s=ev.restart_after_s)
+    return _restart_store(sup, index, ev, store, killed_at)
+
+
+async def _restart_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "StoreProcess",
+                         killed_at: float) -> None:
     await asyncio.sleep(ev.restart_after_s)  # the outage itself, not a synchronisation
     try:
         await asyncio.to_thread(store.start)

@@ -1,0 +1,145 @@
+"""torchrun's ``--rdzv-backend=spotvisor`` rides out the loss of its store (issue 29).
+
+Against the real store process (``daemon.controlnode.rendezvous``, SIGKILLed and started
+again empty on the same port, as the chaos schedule's ``kill_store`` does) and the real
+handler, built as torchrun builds it: through torch's registry, which finds it by the
+``torchrun.handlers`` entry point. What a torchrun agent asks while its workers train
+(``num_nodes_waiting`` every monitor interval, ``is_closed``, the keep-alive) answers at
+once while the store is down and never ends the agent; a store back empty gets the
+running round again, so a node that arrives after the restart waits for the running
+group instead of forming a second one next to it; and a new round waits for the store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Callable
+
+import pytest
+from bench.ports import free_port
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+
+from daemon.controlnode.rendezvous import StoreProcess
+from trainer.rendezvous import SpotvisorRendezvousHandler
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreProcess]:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as every node's torchrun runs (jobspec)
+    proc = StoreProcess("127.0.0.1", free_port())
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _handler(store: StoreProcess, run: str, **conf: object) -> SpotvisorRendezvousHandler:
+    params = RendezvousParameters(backend="spotvisor", endpoint=f"127.0.0.1:{store.port}", run_id=run,
+                                  min_nodes=1, max_nodes=2, is_host="false", last_call_timeout=1,
+                                  keep_alive_interval=1, keep_alive_max_attempt=3, join_timeout=60, **conf)
+    handler = rendezvous_handler_registry.create_handler(params)
+    assert isinstance(handler, SpotvisorRendezvousHandler)
+    return handler
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)  # polling the condition under test, bounded
+    return False
+
+
+def test_torchrun_finds_the_backend_by_its_entry_point(store: StoreProcess) -> None:
+    handler = _handler(store, "entry")
+    assert handler.get_backend() == "spotvisor" and handler.get_run_id() == "entry"
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    handler.shutdown()
+
+
+def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: StoreProcess,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    first = _handler(store, "restart")
+    assert first.next_rendezvous().world_size == 1
+    assert first.num_nodes_waiting() == 0
+    store.kill()
+    t0 = time.monotonic()
+    # what torchrun's monitor loop asks every 0.5 s: answered at once, nobody restarts
+    assert [first.num_nodes_waiting() for _ in range(5)] == [0] * 5 and first.is_closed() is False
+    assert time.monotonic() - t0 < 5.0
+    assert _until(lambda: time.monotonic() - t0 > 2.5)  # keep-alives (1 s apart) fail meanwhile
+    store.start()
+    # back empty: the agent reconnects and puts its running round back
+    assert _until(lambda: first.num_nodes_waiting() == 0 and first._backend.generation == 2)
+    said = [r.getMessage() for r in caplog.records if "rendezvous store" in r.getMessage()
+            or "keep-alive" in r.getMessage()]
+    assert len([m for m in said if "out of reach" in m]) == 1 and not [m for m in said if "keep-alive" in m]
+    assert [m for m in said if "back after" in m] and [m for m in said if "re-published" in m]
+    # a node arriving now joins the running round's wait list, as before the loss, and
+    # does not form a world of its own next to the running group
+    second = _handler(store, "restart")
+    joined: list[tuple[int, int]] = []
+    t = threading.Thread(target=lambda: joined.append((lambda i: (i.rank, i.world_size))(second.next_rendezvous())),
+                         daemon=True)
+    t.start()
+    assert _until(lambda: first.num_nodes_waiting() == 1), "the newcomer did not wait for the running round"
+    assert joined == []
+    # torchrun restarts its workers for it: both form the next round together
+    info = first.next_rendezvous()
+    t.join(timeout=60)
+    assert info.world_size == 2 and joined and joined[0][1] == 2 and {info.rank, joined[0][0]} == {0, 1}
+    first.shutdown()
+    second.shutdown()
+
+
+def test_a_new_round_waits_for_the_store_within_the_join_timeout(store: StoreProcess) -> None:
+    handler = _handler(store, "wait")
+    handler.next_rendezvous()
+    store.kill()
+    assert handler.num_nodes_waiting() == 0  # the loss noticed
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(handler.next_rendezvous().world_size), daemon=True)
+    t.start()
+    assert _until(lambda: handler._backend.down), "the new round did not notice the store down"
+    assert result == []
+    store.start()
+    t.join(timeout=60)
+    assert result == [1]
+    handler.shutdown()
+
+
+def test_a_store_that_stays_down_fails_the_new_round_after_the_join_timeout(store: StoreProcess) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    handler = _handler(store, "down")
+    handler.next_rendezvous()
+    store.kill()
+    handler._join_timeout_s = 2.0  # join_timeout is whole seconds in --rdzv-conf; 2 s keeps the test short
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="out of reach"):
+        handler.next_rendezvous()
+    assert 2.0 <= time.monotonic() - t0 < 10.0
+    assert handler.shutdown() is False  # the store is gone: nothing to close, no exception
+
+
+def test_every_node_runs_the_backend_but_one_on_its_own_interpreter() -> None:
+    """The job spec: ``--rdzv-backend=spotvisor`` on spotvisor's interpreter (the entry
+    point is installed with it); a ``job.python`` interpreter has spotvisor's ``trainer/``
+    but not its entry point: c10d's own backend (a store restart is then a stall)."""
+    from daemon.config import load_config
+    from daemon.controlnode.jobspec import job_spec
+    from daemon.model import Node
+
+    config = load_config("configs/local.yaml")
+    node = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=1,
+                price_usd_h=0.0, token="x")
+    assert "--rdzv-backend=spotvisor" in job_spec(config, node, "abc")["argv"]
+    foreign = config.model_copy(update={"job": config.job.model_copy(update={"python": "/opt/conda/bin/python"})})
+    assert "--rdzv-backend=c10d" in job_spec(foreign, node, "abc")["argv"]

@@ -1,0 +1,131 @@
+"""The trainer's own users of the rendezvous store ride out its loss (issue 29).
+
+Against the real store process, SIGKILLed and started again empty on the same port (the
+chaos schedule's ``kill_store``): rank 0's join check never makes a step boundary wait
+while the store is down and finds joiners again once it is back; a joiner whose ticket
+the restart lost queues again and is admitted; the loss watch waits for the store with
+backoff (a handful of connect tries, never a spin) and is woken through the new store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Callable
+
+import pytest
+from bench.ports import free_port
+
+from daemon.controlnode.rendezvous import StoreProcess
+from trainer import membership
+from trainer.contract import RDZV_ENDPOINT_ENV, RUN_ID_ENV
+from trainer.credential import NodeCredential, Verifier
+from trainer.membership import JoinQueue, LossWatch, StoreRetry, wake_survivors
+from trainer.resize import Resizer
+from worker_procs import AUTHORITY
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def store() -> Iterator[StoreProcess]:
+    proc = StoreProcess("127.0.0.1", free_port())
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)  # polling the condition under test, bounded
+    return False
+
+
+def _leader(store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> Resizer:
+    """Rank 0's resizer of a 2-rank group whose batch splits over 3 ranks too."""
+    monkeypatch.setenv(RDZV_ENDPOINT_ENV, f"127.0.0.1:{store.port}")
+    monkeypatch.setenv(RUN_ID_ENV, "r")
+    job = SimpleNamespace(
+        ctx=SimpleNamespace(is_leader=True, initialized=True, world_size=2), resizes_in_process=True,
+        args=SimpleNamespace(pg_timeout_s=30.0), G=6, plan=SimpleNamespace(micro_batch_size=1),
+        credential=NodeCredential(AUTHORITY.issue(run="r", node="n1", now=time.time())))
+    return Resizer(job)
+
+
+def test_store_retry_backs_off_and_says_when_it_is_back() -> None:
+    now = [0.0]
+    retry = StoreRetry(clock=lambda: now[0])
+    assert retry.due() and not retry.failed_before
+    waits = []
+    for _ in range(6):
+        retry.failed(OSError("refused"), what="x")
+        waits.append(retry.wait_s())
+        now[0] += retry.wait_s()
+    assert waits == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]  # capped: a store back is seen within 4 s
+    retry.ok()
+    assert retry.due() and not retry.failed_before
+
+
+def test_rank_0s_join_check_never_waits_for_a_store_down_and_finds_joiners_after(
+        store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    leader = _leader(store, monkeypatch)
+    assert leader.joiners_waiting() == 0  # connected, nobody waits
+    store.kill()
+    t0 = time.monotonic()
+    boundaries = [leader.joiners_waiting() for _ in range(200)]  # 200 step boundaries during the outage
+    assert boundaries == [0] * 200
+    assert time.monotonic() - t0 < 3.0  # one probe, then nothing until the next try is due
+    store.start()  # empty
+    joiner = JoinQueue(("127.0.0.1", store.port), "r", timeout_s=10)
+    joiner.register("n3", 0, 1, wait_s=300, credential=NodeCredential(AUTHORITY.issue(run="r", node="n3",
+                                                                                      now=time.time())))
+    assert _until(lambda: leader.joiners_waiting() == 1), "rank 0 did not see the joiner after the restart"
+
+
+def test_a_joiner_whose_ticket_the_restart_lost_queues_again_and_is_admitted(store: StoreProcess) -> None:
+    endpoint = ("127.0.0.1", store.port)
+    joiner = JoinQueue(endpoint, "r", timeout_s=10)
+    ticket = joiner.register("n3", 0, 1, wait_s=300, credential=NodeCredential(AUTHORITY.issue(
+        run="r", node="n3", now=time.time())))
+    admitted: list[object] = []
+    t = threading.Thread(target=lambda: admitted.append(joiner.wait(ticket)), daemon=True)
+    t.start()
+    store.kill()
+    store.start()  # empty: the ticket is gone
+    leader = JoinQueue(endpoint, "r", timeout_s=10, verifier=Verifier(AUTHORITY.public_key, "r"))
+    picks: list = []
+    assert _until(lambda: bool(picks.extend(leader.ready(2, lambda w: True)) or picks)), "no ticket queued again"
+    assert [p.node for p in picks] == ["n3"]
+    leader.admit(picks, prefix="p/grow/1", first_rank=2, world_size=3)
+    t.join(timeout=30)
+    assert len(admitted) == 1 and (admitted[0].rank, admitted[0].world_size) == (2, 3)
+
+
+def test_the_loss_watch_waits_for_the_store_with_backoff_and_is_woken_after(
+        store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    tries = []
+    real = membership.store_reachable
+    monkeypatch.setattr(membership, "store_reachable", lambda *a, **k: tries.append(time.monotonic()) or real(*a, **k))
+    watch = LossWatch(("127.0.0.1", store.port), "r")
+    watch._shut = lambda fds, pg: setattr(watch, "unblocked", watch.unblocked + 1)  # no group here to shut
+    watch.follow("a1", 0, set())
+    try:
+        store.kill()
+        assert _until(lambda: watch._retry.failed_before, 10), "the loss watch did not see the store go"
+        down_at = time.monotonic()
+        assert _until(lambda: time.monotonic() - down_at > 6, 10)
+        during = [t for t in tries if t > down_at]
+        assert len(during) <= 6  # 0.5, 1, 2, 4 s apart: a handful of probes, no spin
+        store.start()
+        assert _until(lambda: not watch._retry.failed_before, 15), "the loss watch did not reconnect"
+        wake_survivors(("127.0.0.1", store.port), "r", "a1", 2, reason="loss")
+        assert _until(lambda: watch.unblocked == 1, 15), "the wake through the new store did not reach the watch"
+    finally:
+        watch.stop()

@@ -1,0 +1,290 @@
+"""torchrun's rendezvous backend ``spotvisor``: c10d's dynamic rendezvous that outlives its store.
+
+Every node's torchrun agent keeps its rendezvous in the control node's store (a
+``TCPStore``, :mod:`daemon.controlnode.rendezvous`). With torch's own ``c10d`` backend
+the agent dies with that store: every monitor interval it asks the store how many nodes
+wait (``num_nodes_waiting``), a store error there ends the agent, and the agent's end
+kills its workers (``SimpleElasticAgent._invoke_run``, torch 2.13). Yet the running
+workers never touch this store: their collectives go peer to peer, their group's own
+store is on their rank 0 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Only membership
+changes need it, and those can wait for it to come back.
+
+``--rdzv-backend=spotvisor`` is the same rendezvous (c10d's
+``DynamicRendezvousHandler``, every setting of ``--rdzv-conf`` as c10d reads it) with
+the store's loss survivable:
+
+- ``num_nodes_waiting`` and ``is_closed`` answer 0 / False while the store is out of
+  reach (one log line when it goes, one when it is back): the agent keeps monitoring
+  its workers, and nobody restarts;
+- the store is reached again through a new client (a c10d ``TCPStore`` client never
+  reconnects), tried at most every :data:`MAX_RETRY_S` seconds with a 1 s connect probe
+  first, so no call blocks for the store's read timeout while it is down;
+- a store that came back empty (a restarted process) gets this rendezvous' last state
+  back (its round, its participants, their heartbeats refreshed): a node that arrives
+  later is put on the wait list of the running round, as before the loss, rather than
+  forming a round of its own next to the running one;
+- ``next_rendezvous`` (a worker failed, a node joins with ``job.grow: restart``) waits
+  for the store up to the rendezvous' ``join_timeout``, then fails as c10d's would.
+
+Registered with torchrun through the ``torchrun.handlers`` entry point
+(``pyproject.toml``, :mod:`trainer.torchrun_plugin`; torch's
+``torch/distributed/elastic/rendezvous/registry.py`` loads the group when
+``torch.distributed.elastic.rendezvous`` is imported).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousHandler, RendezvousInfo,
+                                                  RendezvousParameters)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from trainer.store_retry import PROBE_S, store_reachable
+
+__all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S"]
+
+log = logging.getLogger("spotvisor.rendezvous")
+
+BACKEND = "spotvisor"
+#: The longest wait between two tries to reach a store that is down (seconds); the
+#: first retry comes after 0.5 s, each next one twice as late.
+MAX_RETRY_S = 4.0
+DEFAULT_PORT = 29400
+
+
+class ReconnectingBackend(RendezvousBackend):
+    """c10d's ``C10dRendezvousBackend`` over a store client that is rebuilt after a loss.
+
+    ``endpoint``: the store's ``(host, port)``; ``run_id``: the rendezvous; ``read_timeout_s``:
+    each store call's bound once connected; ``clock``: monotonic seconds (tests).
+    :meth:`get_state` / :meth:`set_state` raise ``RendezvousConnectionError`` at once
+    while the store is down (as c10d's do when a call fails), and :attr:`store` is the
+    client now in use. :attr:`generation` counts the clients built (1 after the first).
+    Thread-safe: the agent's keep-alive timer and its monitor loop both call it.
+    """
+
+    def __init__(self, endpoint: tuple[str, int], run_id: str, *, read_timeout_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint, self.run_id, self.read_timeout_s = endpoint, run_id, read_timeout_s
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._inner: C10dRendezvousBackend | None = None
+        self.store: dist.Store | None = None
+        self.generation = 0
+        self._last: bytes | None = None  # the newest state seen: what a store back empty gets again
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._retry_s = 0.5
+
+    @property
+    def name(self) -> str:
+        return "c10d"
+
+    @property
+    def down(self) -> bool:
+        """The store was out of reach at the last call."""
+        return self._down_since is not None
+
+    def connect(self, *, first: bool = False) -> C10dRendezvousBackend:
+        """The backend over a live client, built now if needed. ``first``: the agent's
+        start, which waits up to the read timeout for the store, as c10d does.
+
+        Raises:
+            RendezvousConnectionError: the store is down (or a retry is not due yet).
+        """
+        with self._lock:
+            if self._inner is not None:
+                return self._inner
+            now = self._clock()
+            if not first:
+                if now < self._retry_at:
+                    raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
+                if not store_reachable(self.endpoint, PROBE_S):
+                    self._failed(now)
+                    raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
+            try:
+                store = dist.TCPStore(self.endpoint[0], self.endpoint[1], is_master=False,
+                                      timeout=timedelta(seconds=self.read_timeout_s))
+                inner = C10dRendezvousBackend(store, self.run_id)  # sets the state's key when absent
+            except Exception as exc:
+                self._failed(now)
+                raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach") from exc
+            self._inner, self.store = inner, store
+            self.generation += 1
+            if self._down_since is not None:
+                log.warning("rendezvous store %s back after %.1f s", self._where(), now - self._down_since)
+            self._down_since, self._retry_s = None, 0.5
+            if self.generation > 1:
+                self._republish(inner)
+            return inner
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        return self._call(lambda b: b.get_state())
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        return self._call(lambda b: b.set_state(state, token))
+
+    def lost(self, exc: BaseException) -> None:
+        """The client in use failed (a call outside this backend: the bootstrap store):
+        the next call builds a new one."""
+        with self._lock:
+            if self._inner is not None:
+                self._inner, self.store = None, None
+                self._failed(self._clock(), exc)
+
+    def _call(self, fn: Callable[[C10dRendezvousBackend], Any]) -> Any:
+        inner = self.connect()
+        try:
+            result = fn(inner)
+        except RendezvousConnectionError as exc:
+            with self._lock:
+                if self._inner is inner:
+                    self._inner, self.store = None, None
+                    self._failed(self._clock(), exc)
+            raise
+        if result is not None:
+            self._last = result[0]
+        return result
+
+    def _failed(self, now: float, exc: BaseException | None = None) -> None:
+        if self._down_since is None:
+            self._down_since = now
+            log.warning("rendezvous store %s out of reach (%s): the workers train on; membership changes wait "
+                        "for it", self._where(), (str(exc).splitlines() or ["no answer"])[0][:200] if exc else
+                        "no answer")
+        self._retry_at = now + self._retry_s
+        self._retry_s = min(self._retry_s * 2, MAX_RETRY_S)
+
+    def _republish(self, inner: C10dRendezvousBackend) -> None:
+        """A store back empty: put the last state this node saw back, every heartbeat
+        renewed to now (the nodes lost meanwhile miss their next ones and are dropped as
+        c10d drops any dead node). Compare-and-set against an empty state: the first
+        node's copy wins, the others keep it."""
+        if self._last is None or inner.get_state() is not None:
+            return  # the store kept its state (a network blip), or there was none
+        try:
+            state = pickle.loads(self._last)
+            now = datetime.now(timezone.utc)
+            for node in list(state.last_heartbeats):
+                state.last_heartbeats[node] = now
+            data = pickle.dumps(state)
+        except Exception:  # another torch's state: re-published as it was
+            data = self._last
+        result = inner.set_state(data)
+        if result is not None and result[2]:
+            log.warning("rendezvous store %s was empty: re-published round %s of rendezvous %s", self._where(),
+                        getattr(state, "round", "?"), self.run_id)
+
+    def _where(self) -> str:
+        return f"{self.endpoint[0]}:{self.endpoint[1]}"
+
+
+class SpotvisorRendezvousHandler(RendezvousHandler):
+    """c10d's ``DynamicRendezvousHandler`` (``inner``) over a :class:`ReconnectingBackend`;
+    see the module's docstring for what changes. ``join_timeout_s``: how long
+    :meth:`next_rendezvous` waits for a store that is down."""
+
+    def __init__(self, inner: Any, backend: ReconnectingBackend, *, join_timeout_s: float) -> None:
+        self._inner, self._backend, self._join_timeout_s = inner, backend, join_timeout_s
+        self._generation = backend.generation
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """c10d's next round, once the store can be reached (up to ``join_timeout_s``).
+
+        Raises:
+            RendezvousConnectionError: the store stayed out of reach that long.
+            (the rest as c10d's ``next_rendezvous``)
+        """
+        deadline = time.monotonic() + self._join_timeout_s
+        while True:
+            try:
+                self._backend.connect()
+                self._follow_store()
+                return self._inner.next_rendezvous()
+            except (RendezvousConnectionError, dist.DistNetworkError) as exc:
+                self._backend.lost(exc)
+                if time.monotonic() >= deadline:
+                    raise RendezvousConnectionError(
+                        f"the rendezvous store stayed out of reach for {self._join_timeout_s:.0f} s") from exc
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def is_closed(self) -> bool:
+        try:
+            return self._inner.is_closed()
+        except RendezvousConnectionError:
+            return False  # unknown while the store is down: keep running
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes on the wait list; 0 while the store is out of reach (nobody restarts for it)."""
+        try:
+            return self._inner.num_nodes_waiting()
+        except RendezvousConnectionError:
+            return 0
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        try:
+            return self._inner.shutdown()
+        except RendezvousConnectionError:
+            return False
+
+    def _follow_store(self) -> None:
+        """After a new client: c10d's handler hands its store to the next round (the
+        workers' bootstrap address goes through it), so give it the live one."""
+        if self._backend.generation != self._generation and self._backend.store is not None:
+            self._inner._store = self._backend.store  # torch 2.13: DynamicRendezvousHandler._store
+            self._generation = self._backend.generation
+
+
+class _QuietWhileDown(logging.Filter):
+    """Drops c10d's keep-alive warning (one a second per node) while ``backend`` knows the
+    store is down: its own line said so once, and says when it is back."""
+
+    def __init__(self, backend: ReconnectingBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self._backend.down and "keep-alive heartbeat" in record.getMessage())
+
+
+def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
+    """The handler for torchrun's ``--rdzv-backend=spotvisor``: ``params.endpoint`` is the
+    store (``HOST:PORT``, default port 29400; ``is_host`` is ignored: the store is never
+    hosted by an agent), ``read_timeout`` (default 60 s) bounds each store call, and
+    everything else is c10d's (``join_timeout``, ``last_call_timeout``, ``keep_alive_*``).
+
+    Raises:
+        RendezvousConnectionError: the store cannot be reached within the read timeout.
+    """
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    read_timeout = params.get_as_int("read_timeout", 60) or 60
+    backend = ReconnectingBackend((host, port), params.run_id, read_timeout_s=float(read_timeout))
+    backend.connect(first=True)
+    inner = create_handler(backend.store, backend, params)
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(_QuietWhileDown(backend))
+    join_timeout = params.get_as_int("join_timeout", 600) or 600
+    return SpotvisorRendezvousHandler(inner, backend, join_timeout_s=float(join_timeout))
+
+

@@ -1,0 +1,75 @@
+"""Reaching the rendezvous store again after it was lost: a bounded connect probe and a backoff.
+
+The job's rendezvous store (a c10d ``TCPStore`` on the control node) can be restarted
+under a running job, empty (issue 29). A c10d client never reconnects, and a new client
+retries its connect for its whole timeout, so whoever needs the store back (rank 0's
+join check, the loss watch, a joiner: :mod:`trainer.membership`) probes the port first
+(:func:`store_reachable`, at most :data:`PROBE_S`) and tries again on a schedule
+(:class:`StoreRetry`), never in a loop that spins or blocks a step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+
+__all__ = ["PROBE_S", "MAX_RETRY_S", "StoreRetry", "store_reachable"]
+
+log = logging.getLogger("trainer.membership")
+
+#: A connect probe's bound before a new store client is built (seconds).
+PROBE_S = 1.0
+#: The longest wait between two tries to reach the store while it is down (seconds).
+MAX_RETRY_S = 4.0
+
+
+def store_reachable(endpoint: tuple[str, int], timeout_s: float = PROBE_S) -> bool:
+    """Whether the store at ``endpoint`` accepts a TCP connection within ``timeout_s``
+    seconds: checked before a new client is built (a ``TCPStore`` client retries its
+    connect for its whole timeout, and every store call would wait that long)."""
+    try:
+        with socket.create_connection(endpoint, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class StoreRetry:
+    """When to try the store again while it is out of reach: after 0.5 s, then twice as
+    late each time, at most :data:`MAX_RETRY_S`; one log line when it goes, one when it is
+    back. ``clock``: monotonic seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.down_since: float | None = None
+        self._at = 0.0
+        self._wait = 0.5
+
+    @property
+    def failed_before(self) -> bool:
+        """The store was out of reach at the last try."""
+        return self.down_since is not None
+
+    def due(self) -> bool:
+        """Time to try again (always, while the store answers)."""
+        return self._clock() >= self._at
+
+    def wait_s(self) -> float:
+        """Seconds until the next try is due."""
+        return max(0.0, self._at - self._clock())
+
+    def failed(self, exc: BaseException, *, what: str) -> None:
+        now = self._clock()
+        if self.down_since is None:
+            self.down_since = now
+            log.warning("rendezvous store out of reach (%s): %s retries with backoff",
+                        (str(exc).splitlines() or ["no answer"])[0][:200], what)
+        self._at = now + self._wait
+        self._wait = min(self._wait * 2, MAX_RETRY_S)
+
+    def ok(self) -> None:
+        if self.down_since is not None:
+            log.warning("rendezvous store back after %.1f s", self._clock() - self.down_since)
+        self.down_since, self._at, self._wait = None, 0.0, 0.5
