@@ -17,6 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	rm -rf spotvisor.egg-info  # a stale one in the root shadows the entry points (torchrun's backend) from here
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
