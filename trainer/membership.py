@@ -63,7 +63,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.contract import JOIN_ENV, NODE_ID_ENV, RUN_ID_ENV
+from trainer.contract import JOIN_ENV, RUN_ID_ENV
 from trainer.credential import CredentialRefused, NodeCredential, Verifier
 from trainer.store_retry import PROBE_S, StoreRetry, store_reachable
 

@@ -17,7 +17,7 @@ import pytest
 from chaos.conftest import ChaosProvider, Sim
 from daemon.config import ConfigError, load_config
 from daemon.control.lifecycle import ADMITTED
-from daemon.model import Event, EventKind, JobState, Node, NodeState
+from daemon.model import Event, JobState, Node, NodeState
 from daemon.providers.base import CapacityError
 from trainer.checkpoint import Manifest, commit, latest_committed, open_store, write_shard
 

@@ -145,7 +145,7 @@ def test_a_store_killed_during_a_notice_commit_costs_no_step(tmp_path: Path, mat
     completed = _first(stored, "job_completed")
     assert killed is not None and restarted is not None and completed is not None, s["_stdout"][-4000:]
     changes = [e for e in stored if e.kind == "world_size_changed" and e.seq > killed.seq]
-    print(f"\nstore killed during a notice's commit (seconds after the kill): " + json.dumps(_timeline(
+    print("\nstore killed during a notice's commit (seconds after the kill): " + json.dumps(_timeline(
         stored, killed, restarted, committed=_first(stored, "checkpoint_committed", after=killed.seq),
         first_membership_change=changes[0] if changes else None)))
     _no_restart(stored, killed, completed)
@@ -170,7 +170,7 @@ def test_a_store_killed_during_a_grow_costs_no_step(tmp_path: Path, matrix: Matr
     completed = _first(stored, "job_completed")
     assert killed is not None and restarted is not None and completed is not None, s["_stdout"][-4000:]
     grew = [e for e in stored if e.kind == "world_size_changed" and e.seq > killed.seq]
-    print(f"\nstore killed during a grow (seconds after the kill): " + json.dumps(_timeline(
+    print("\nstore killed during a grow (seconds after the kill): " + json.dumps(_timeline(
         stored, killed, restarted, first_membership_change=grew[0] if grew else None)))
     _no_restart(stored, killed, completed)
     assert s["lost_steps_total"] == 0 and s["restarts"] == 0

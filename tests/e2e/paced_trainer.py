@@ -14,7 +14,6 @@ the repository root, and the tests put ``tests/`` on ``PYTHONPATH``).
 
 from __future__ import annotations
 
-import sys
 import time
 
 from trainer.loop import run_job

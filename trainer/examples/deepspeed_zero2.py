@@ -25,7 +25,6 @@ import hashlib
 import logging
 import os
 import socket
-import sys
 from collections.abc import Sequence
 from typing import Any
 

@@ -34,7 +34,6 @@ import argparse
 import gc
 import hashlib
 import logging
-import sys
 from collections.abc import Sequence
 from typing import Any
 

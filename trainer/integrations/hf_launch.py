@@ -42,7 +42,6 @@ import runpy
 import shutil
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 
 __all__ = ["accelerate_env", "restore", "main"]
