@@ -41,7 +41,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreProcess]:
 def _handler(store: StoreProcess, run: str, **conf: object) -> SpotvisorRendezvousHandler:
     params = RendezvousParameters(backend="spotvisor", endpoint=f"127.0.0.1:{store.port}", run_id=run,
                                   min_nodes=1, max_nodes=2, is_host="false", last_call_timeout=1,
-                                  keep_alive_interval=1, keep_alive_max_attempt=3, join_timeout=60, **conf)
+                                  keep_alive_interval=2, keep_alive_max_attempt=5, join_timeout=60, **conf)
     handler = rendezvous_handler_registry.create_handler(params)
     assert isinstance(handler, SpotvisorRendezvousHandler)
     return handler
@@ -77,7 +77,8 @@ def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: Sto
     assert _until(lambda: time.monotonic() - t0 > 2.5)  # keep-alives (1 s apart) fail meanwhile
     store.start()
     # back empty: the agent reconnects and puts its running round back
-    assert _until(lambda: first.num_nodes_waiting() == 0 and first._backend.generation == 2)
+    assert _until(lambda: first.num_nodes_waiting() == 0 and first._backend.generation == 2
+                  and any("re-published" in r.getMessage() for r in caplog.records))
     said = [r.getMessage() for r in caplog.records if "rendezvous store" in r.getMessage()
             or "keep-alive" in r.getMessage()]
     assert len([m for m in said if "out of reach" in m]) == 1 and not [m for m in said if "keep-alive" in m]
