@@ -106,7 +106,7 @@ async def ha_pair(tmp_path: Path, etcd_cluster: EtcdCluster, faults: AwsFaultPro
         raw = {
             "pool": {"name": pool, "min_nodes": 1, "target_nodes": 1, "max_nodes": 3},
             "job": {"id": "j", "global_batch_size": 48, "micro_batch_size": 1, "target_steps": 30},
-            "ha": {"name": name, "lease_s": 2, "endpoints": etcd_cluster.endpoints},
+            "ha": {"name": name, "lease_s": 4, "endpoints": etcd_cluster.endpoints},
             "daemon": {"verify_commits": False, "state_dir": str(tmp_path / name), "socket": f"{sockdir}/{name}.sock",
                        "agent_host": "127.0.0.1", "agent_port": agent_port, "reconcile_interval_s": 0.1},
             "providers": {"local": None, "aws": {"image_id": "ami-03cf127a", "endpoint_url": faults.url}},
@@ -167,7 +167,7 @@ async def test_the_standby_takes_over_a_killed_leader_without_buying_twice(ha_pa
     assert b.log.read_text().count("standby:") == 1
     await until(lambda: len(faults.actions("RunInstances")) == 1, "control-a's first purchase", daemons=(a, b))
     await a.scale(2)
-    launched = await until(lambda: _launched(a), "both nodes launched by control-a", daemons=(a, b))
+    launched = await until(lambda: _launched_n(a, 2), "both nodes launched by control-a", daemons=(a, b))
     assert await b.status() is None  # the standby serves nothing
     # everything control-a recorded is committed to etcd (its flush: every 0.2 s)
     before: list[dict[str, Any]] = []
@@ -196,14 +196,7 @@ async def test_the_standby_takes_over_a_killed_leader_without_buying_twice(ha_pa
     assert [e["seq"] for e in after] == list(range(1, len(after) + 1))  # b continues the seq, no gap, no reuse
     assert not [e for e in after[len(before):] if e["kind"] == "node_terminated"]
     assert _per_node(_instances(ec2, pool)) == {f"{pool}-1": 1, f"{pool}-2": 1, f"{pool}-3": 1}
-    print(f"takeover: control-b led {led_s:.2f} s and bought {acted_s:.2f} s after control-a's SIGKILL (lease 2 s)")
-
-
-async def _launched(d: Daemon) -> dict[str, str] | None:
-    """Node id → instance id once two nodes are launched (None before)."""
-    status = await d.status()
-    nodes = {n["id"]: n["instance_id"] for n in (status or {}).get("nodes", []) if n["instance_id"]}
-    return nodes if len(nodes) == 2 else None
+    print(f"takeover: control-b led {led_s:.2f} s and bought {acted_s:.2f} s after control-a's SIGKILL (lease 4 s)")
 
 
 async def test_a_standby_stops_on_sigterm_and_the_refusal_is_gone(ha_pair: dict[str, Any],
@@ -221,3 +214,34 @@ async def test_a_standby_stops_on_sigterm_and_the_refusal_is_gone(ha_pair: dict[
     a.proc.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(a.proc.wait(), 20) == 0
     assert await ha_pair["etcd"].get(pool_prefix(ha_pair["pool"]) + b"leader") is None  # a stepped down: its lease revoked, the key gone with it
+
+
+@pytest.mark.slow
+async def test_a_leader_whose_lease_is_revoked_stops_fail_closed_and_exits_1(ha_pair: dict[str, Any],
+                                                                             faults: AwsFaultProxy) -> None:
+    """control-a's lease is revoked in etcd (as when etcd expired it while a was cut off):
+    a stops, exits 1 with one line saying why, and buys nothing more; control-b leads with
+    a's node and buys nothing twice."""
+    a, b, pool, etcd = ha_pair["a"], ha_pair["b"], ha_pair["pool"], ha_pair["etcd"]
+    await a.start()
+    await until(lambda: _launched_n(a, 1), "control-a's node launched", daemons=(a,))
+    await b.start()
+    await until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line", daemons=(a, b))
+    kv = await etcd.get(pool_prefix(pool) + b"leader")
+    assert kv is not None and kv.value == b"control-a"
+    await etcd.revoke_lease(kv.lease)
+    assert a.proc is not None
+    assert await asyncio.wait_for(a.proc.wait(), 10) == 1
+    lines = [line for line in a.log.read_text().splitlines() if line.startswith("spotvisord run:")]
+    assert len(lines) == 1 and "control-a lost the leadership" in lines[0] and "fail closed" in lines[0], lines
+    status = await until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
+    assert [n["id"] for n in status["nodes"]] == [f"{pool}-1"]
+    await until(lambda: _launched_n(b, 1), "control-b adopted the node", daemons=(b,))
+    assert len(faults.actions("RunInstances")) == 1
+    assert _per_node(_instances(ha_pair["ec2"], pool)) == {f"{pool}-1": 1}
+
+
+async def _launched_n(d: Daemon, n: int) -> dict[str, str] | None:
+    status = await d.status()
+    nodes = {n["id"]: n["instance_id"] for n in (status or {}).get("nodes", []) if n["instance_id"]}
+    return nodes if len(nodes) == n else None
