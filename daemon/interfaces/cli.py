@@ -140,11 +140,6 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     job_secrets = await resolve_secrets(config)  # before anything is started or bought; SecretError
     redactor.add_values(job_secrets.values())  # from now on no log line shows one
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
-    if ha is None:
-        store: Store = Store(state / "spotvisord.db").open()
-    else:  # the standby waits here; the leader's store is the pool's, read from etcd
-        await ha.lead()
-        store = await ha.open_store(state / "spotvisord.db")
     agent_args = [
         "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
         "--heartbeat-interval-s", f"{config.agent.heartbeat_interval_s:g}",
@@ -152,12 +147,21 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         "--metadata-alarm-after", str(config.agent.metadata_alarm_after),
         "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
-    providers = dict(providers) if providers is not None else {
-        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args,
-                              **_cloud_kwargs(config, name))
-        for name in sorted({o.provider for o in config.offers})
-    }
-    if ha is not None:
+
+    def made() -> dict[str, Provider]:
+        return {name: create_provider(name, spec=getattr(config.providers, name), state_dir=state,
+                                      agent_args=agent_args, **_cloud_kwargs(config, name))
+                for name in sorted({o.provider for o in config.offers})}
+
+    if providers is not None:
+        providers = dict(providers)
+    else:  # a leader's loop must answer its lease: the cloud clients (a second of botocore's models) off it
+        providers = made() if ha is None else await asyncio.to_thread(made)
+    if ha is None:
+        store: Store = Store(state / "spotvisord.db").open()
+    else:  # the standby waits here
+        await ha.lead()
+        store = await ha.open_store(state / "spotvisord.db")  # the pool's, read from etcd
         providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
     sup = Supervisor(config, providers=providers, store=store, policy=policy,
                      on_crash=None if ha is None else ha.on_task_crash)
