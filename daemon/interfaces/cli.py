@@ -140,6 +140,8 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     job_secrets = await resolve_secrets(config)  # before anything is started or bought; SecretError
     redactor.add_values(job_secrets.values())  # from now on no log line shows one
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
+    if ha is None:
+        store: Store = Store(state / "spotvisord.db").open()
     agent_args = [
         "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
         "--heartbeat-interval-s", f"{config.agent.heartbeat_interval_s:g}",
@@ -157,9 +159,7 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         providers = dict(providers)
     else:  # a leader's loop must answer its lease: the cloud clients (a second of botocore's models) off it
         providers = made() if ha is None else await asyncio.to_thread(made)
-    if ha is None:
-        store: Store = Store(state / "spotvisord.db").open()
-    else:  # the standby waits here
+    if ha is not None:  # the standby waits here
         await ha.lead()
         store = await ha.open_store(state / "spotvisord.db")  # the pool's, read from etcd
         providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
