@@ -45,12 +45,6 @@ def test_the_ha_example_says_what_it_survives() -> None:
     assert "kill -9" in r.stdout
 
 
-def test_run_refuses_the_ha_mode_until_it_is_wired(tmp_path: Path) -> None:
-    r = _cli("run", "--config", "configs/ha.yaml")
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "ha:" in r.stderr and "Traceback" not in r.stderr
-
-
 @pytest.mark.parametrize("ha, needle", [
     ({"name": "a", "endpoints": ["10.0.0.5:2379"]}, "need TLS with a client certificate"),
     ({"name": "a", "endpoints": ["127.0.0.1:2379"], "ca_file": "/x"}, "together"),

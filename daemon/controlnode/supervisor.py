@@ -87,8 +87,10 @@ class Supervisor:
 
     def __init__(self, config: Config, *, store: Store, provider: Provider | None = None,
                  providers: Mapping[str, Provider] | None = None, clock: Callable[[], float] = time.time,
-                 rng: random.Random | None = None, policy: RecoveryPolicy | None = None) -> None:
+                 rng: random.Random | None = None, policy: RecoveryPolicy | None = None,
+                 on_crash: Callable[[asyncio.Task[Any], BaseException], bool] | None = None) -> None:
         self.config, self.store, self.clock, self.pool = config, store, clock, config.pool.name
+        self.on_crash = on_crash  # an owned task's crash: True when handled (HA: Deposed ends the daemon)
         self.policy = policy or get_policy("deadline_aware" if config.job.deadline else DEFAULT_POLICY)  # recovery
         rng = rng or random.Random()
         self.job = JobView()
@@ -172,8 +174,8 @@ class Supervisor:
 
         def done(t: asyncio.Task[Any]) -> None:
             self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("task_crashed", task=t.get_name(), error=repr(t.exception()))
+            if not t.cancelled() and (exc := t.exception()) is not None and not (self.on_crash and self.on_crash(t, exc)):
+                log.error("task_crashed", task=t.get_name(), error=repr(exc))
 
         task.add_done_callback(done)
         return task

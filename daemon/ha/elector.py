@@ -6,7 +6,9 @@ every ``tick_s`` when nothing else came), calls :func:`~daemon.control.leadershi
 with the monotonic clock, and starts each action as a task of its own
 (``ha:<action>:<pool>``), whose answer comes back through the queue; requests have
 the client's deadline (``EtcdClient(timeout_s=...)``), and a failed or timed-out one
-is the ``Failed`` observation. Every task is owned and cancelled by :meth:`Elector.aclose`,
+is the ``Failed`` observation, fed back ``retry_s`` later (etcd out of reach is asked at
+most every ``retry_s``, and the failures of a streak are logged at its 1st, 10th and every
+100th, not each time). Every task is owned and cancelled by :meth:`Elector.aclose`,
 which steps down (revokes the lease, so the key goes at once and a standby takes over
 without waiting the TTL; bounded by the client's deadline).
 
@@ -47,13 +49,15 @@ class Elector:
     :meth:`start`; :meth:`aclose` is idempotent. :meth:`may_act` is the gate for every act."""
 
     def __init__(self, client: EtcdClient, *, pool: str, name: str, cfg: ld.LeaderConfig | None = None,
-                 tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+                 tick_s: float = 0.1, retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.pool = pool
         self.name = name
         self.cfg = cfg or ld.LeaderConfig()
         self.key = leader_key(pool)
         self.tick_s = tick_s
+        self.retry_s = retry_s
+        self._failures = 0  # requests failed in a row
         self.clock = clock
         self.state = ld.INITIAL
         self.changed = asyncio.Event()  # set on each change of role (tests, the daemon's gate)
@@ -136,8 +140,14 @@ class Elector:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001  every etcd/gRPC failure is the same observation: try again
-            log.warning("ha_request_failed", pool=self.pool, action=type(action).__name__, error=repr(exc)[:200])
+            self._failures += 1
+            if self._failures in (1, 10) or self._failures % 100 == 0:
+                log.warning("ha_request_failed", pool=self.pool, action=type(action).__name__,
+                            error=repr(exc)[:200], in_a_row=self._failures)
+            await asyncio.sleep(self.retry_s)  # the retry's pace (no busy loop while etcd is away)
             obs = ld.Failed()
+        else:
+            self._failures = 0
         if obs is not None:
             self.observe(obs)
 

@@ -32,8 +32,8 @@ def survival(config: Any) -> list[str]:
         lines.append(f"  survives: {down} etcd member(s) of {members} down (a quorum of {quorum} remains)")
     lines.append(f"  does not survive: {down + 1} etcd member(s) of {members} down (no quorum: "
                  "no daemon may act until it returns; training goes on, changes wait)")
-    lines.append("  status: `spotvisord run` refuses this mode until the daemon is wired to daemon/ha/ "
-                 "(the election, fencing and etcd store are built and tested)")
+    lines.append("  agents: they reach whichever daemon leads at daemon.agent_host:daemon.agent_port; give it a "
+                 "floating address or a DNS name that follows the leader (a standby does not listen)")
     if members < 3:
         lines.append("  warning: fewer than 3 etcd members: one member's loss stops the control plane")
     return lines

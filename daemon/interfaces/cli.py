@@ -67,6 +67,8 @@ from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, ser
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
     from daemon.control.policies import RecoveryPolicy
+    from daemon.ha.leading import Leadership
+    from daemon.interfaces.service import SdNotifier
     from daemon.controlnode.rendezvous import StoreProcess
     from daemon.controlnode.supervisor import Supervisor
 
@@ -80,7 +82,8 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
                          providers: Mapping[str, Provider] | None = None,
                          policy: "RecoveryPolicy | None" = None,
                          rendezvous: "StoreProcess | None" = None,
-                         redactor: Redactor | None = None) -> AsyncIterator["Supervisor"]:
+                         redactor: Redactor | None = None,
+                         ha: "Leadership | None" = None) -> AsyncIterator["Supervisor"]:
     """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
 
     ``providers``: by name, instead of those the config names (tests). ``policy``: the
@@ -90,6 +93,11 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     ``redactor``: the process's (:func:`main` gives it to the logging set-up too); the
     job's secret values and the feed's secret URLs are registered with it. Without one
     the run has its own, on the logging handlers while it runs.
+    ``ha``: with ``config.ha``, this daemon's part in the election
+    (:class:`daemon.ha.leading.Leadership`; default: one of its own): entering waits
+    until this daemon leads (a standby waits there), then the store is the pool's in etcd
+    and every provider is fenced; ``ha.lost`` says when it leads no more (:func:`_run`
+    ends the daemon then).
     Closing never terminates an instance (:meth:`Supervisor.aclose`). Holds the state
     directory's lock while it runs (:func:`daemon.state_dir.serving`).
 
@@ -100,24 +108,28 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
         SecretError: a ``job.secrets`` value cannot be read, or could only be sent in plain
             HTTP beyond loopback (:mod:`daemon.controlnode.job_secrets`); nothing is bought.
     """
-    with serving(config.daemon.state_path()) as state:  # the state dir's lock, for the daemon's life
+    # the state dir's lock, for the daemon's life
+    with serving(config.daemon.state_path()) as state, contextlib.ExitStack() as redacting:
         own = redactor is None
         redactor = Redactor() if redactor is None else redactor
         if own:
             redactor.install()
-        try:
+            redacting.callback(redactor.uninstall)
+        async with contextlib.AsyncExitStack() as stack:
+            if config.ha is not None and ha is None:
+                from daemon.ha.leading import Leadership
+
+                ha = await stack.enter_async_context(Leadership(config.ha, config.pool.name))
             async with _daemon_in(config, state, with_chaos=with_chaos, providers=providers, policy=policy,
-                                  rendezvous=rendezvous, redactor=redactor) as sup:
+                                  rendezvous=rendezvous, redactor=redactor, ha=ha) as sup:
                 yield sup
-        finally:
-            if own:
-                redactor.uninstall()
 
 
 @contextlib.asynccontextmanager
 async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers: Mapping[str, Provider] | None,
                      policy: "RecoveryPolicy | None",
-                     rendezvous: "StoreProcess | None", redactor: Redactor) -> AsyncIterator["Supervisor"]:
+                     rendezvous: "StoreProcess | None", redactor: Redactor,
+                     ha: "Leadership | None" = None) -> AsyncIterator["Supervisor"]:
     """:func:`running_daemon` in ``state``, its locked state directory."""
     from daemon.interfaces.api import ApiServer
     from daemon.providers.chaos import run_chaos
@@ -128,7 +140,8 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
     job_secrets = await resolve_secrets(config)  # before anything is started or bought; SecretError
     redactor.add_values(job_secrets.values())  # from now on no log line shows one
     tls = await agent_tls(config.daemon, state)  # None: plain HTTP on loopback (daemon.agent_tls)
-    store = Store(state / "spotvisord.db").open()
+    if ha is None:
+        store: Store = Store(state / "spotvisord.db").open()
     agent_args = [
         "--poll-interval-s", f"{config.agent.poll_interval_s:g}",
         "--heartbeat-interval-s", f"{config.agent.heartbeat_interval_s:g}",
@@ -136,12 +149,22 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         "--metadata-alarm-after", str(config.agent.metadata_alarm_after),
         "--metadata-max-backoff-s", f"{config.agent.metadata_max_backoff_s:g}",
     ]
-    providers = dict(providers) if providers is not None else {
-        name: create_provider(name, spec=getattr(config.providers, name), state_dir=state, agent_args=agent_args,
-                              **_cloud_kwargs(config, name))
-        for name in sorted({o.provider for o in config.offers})
-    }
-    sup = Supervisor(config, providers=providers, store=store, policy=policy)
+
+    def made() -> dict[str, Provider]:
+        return {name: create_provider(name, spec=getattr(config.providers, name), state_dir=state,
+                                      agent_args=agent_args, **_cloud_kwargs(config, name))
+                for name in sorted({o.provider for o in config.offers})}
+
+    if providers is not None:
+        providers = dict(providers)
+    else:  # a leader's loop must answer its lease: the cloud clients (a second of botocore's models) off it
+        providers = made() if ha is None else await asyncio.to_thread(made)
+    if ha is not None:  # the standby waits here
+        await ha.lead()
+        store = await ha.open_store(state / "spotvisord.db")  # the pool's, read from etcd
+        providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
+    sup = Supervisor(config, providers=providers, store=store, policy=policy,
+                     on_crash=None if ha is None else ha.on_task_crash)
     notifier = Notifier(store, config.notify, pool=config.pool.name, redactor=redactor)  # the feed (daemon/feed/notify.py): its own thread
     sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
     api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
@@ -162,6 +185,8 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         await sup.aclose()
         await notifier.aclose()  # up to 3 s to deliver what is queued (the final pool_released); joins its thread
         await api.aclose()
+        if ha is not None:
+            await ha.aclose()  # the store's last sync (fenced), then step down: a standby leads at once
         store.close()
 
 
@@ -263,7 +288,83 @@ async def _run(config: Config, watchdog_s: float | None, *, redactor: Redactor |
     from daemon.interfaces.service import SdNotifier, serve
 
     log.info("spotvisord_starting", pool=config.pool.name, socket=str(config.daemon.socket_path()))
-    return await serve(running_daemon(config, redactor=redactor), notifier=SdNotifier.from_env(), watchdog_interval_s=watchdog_s)
+    notifier = SdNotifier.from_env()
+    if config.ha is None:
+        return await serve(running_daemon(config, redactor=redactor), notifier=notifier, watchdog_interval_s=watchdog_s)
+    return await _run_ha(config, watchdog_s, notifier, redactor=redactor)
+
+
+async def _run_ha(config: Config, watchdog_s: float | None, notifier: "SdNotifier", *,
+                  redactor: Redactor | None) -> int:
+    """The service as one of the pool's HA daemons: a standby says so once (stderr and
+    systemd's STATUS, READY=1 and the watchdog's pings while it waits), then serves once it
+    leads. Leadership lost (lease, fence, a ``Deposed`` anywhere): the daemon stops at once,
+    fail closed, and returns 1 after one line saying why (systemd ``Restart=`` starts it
+    again, as a standby)."""
+    from daemon.ha.fence import Deposed
+    from daemon.ha.leading import Leadership
+    from daemon.interfaces.service import serve
+
+    assert config.ha is not None
+
+    def standby(line: str) -> None:
+        print(f"spotvisord run: {line}", file=sys.stderr, flush=True)
+        notifier.ready(line)
+
+    async with Leadership(config.ha, config.pool.name, on_standby=standby) as ha:
+        if not await _stand_by(ha, notifier, watchdog_s):
+            return 0  # SIGTERM while a standby
+        service = asyncio.create_task(serve(running_daemon(config, redactor=redactor, ha=ha), notifier=notifier,
+                                            watchdog_interval_s=watchdog_s), name="service")
+        lost = asyncio.create_task(ha.lost.wait(), name="ha:lost")
+        try:
+            await asyncio.wait([service, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if not ha.lost.is_set():
+            try:
+                return service.result()  # SIGTERM or the pool released; or its error
+            except Deposed as exc:  # deposed while starting (the store refused a write)
+                ha.depose(str(exc))
+        service.cancel()  # fail closed: the supervisor stops, nothing more is asked of a provider
+        with contextlib.suppress(asyncio.CancelledError, Deposed):
+            await service
+    print(f"spotvisord run: {ha.reason}; stopped (fail closed: another daemon leads; "
+          "restart this one to stand by)", file=sys.stderr, flush=True)
+    return 1
+
+
+async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float | None) -> bool:
+    """Wait until ``ha`` leads (True) or SIGTERM/SIGINT (False), pinging systemd's watchdog
+    meanwhile (serve() pings once this daemon leads)."""
+    import signal
+
+    async def pings(interval_s: float) -> None:
+        while True:
+            notifier.send(WATCHDOG=1)
+            await asyncio.sleep(interval_s)  # the ping period (systemd's WatchdogSec/2), not synchronisation
+
+    stop, loop = asyncio.Event(), asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    lead = asyncio.create_task(ha.lead(), name="ha:lead")
+    others = [asyncio.create_task(stop.wait(), name="ha:signal")]
+    if watchdog_s is not None:
+        others.append(asyncio.create_task(pings(watchdog_s), name="ha:standby-pings"))
+    try:
+        await asyncio.wait([lead, others[0]], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        for t in [*others, lead]:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*others, lead, return_exceptions=True)
+    if lead.cancelled():
+        return False
+    lead.result()  # its error, if any (the client's connect)
+    return True
 
 
 def _with_run_dir(config: Config) -> Config:
@@ -339,10 +440,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "check-config":
         return 0
-    if config.ha is not None:  # fail closed: never run as an unfenced, SQLite-backed daemon beside others
-        print(f"{path}: ha: spotvisord {args.cmd} does not run the HA control plane yet (its parts are in "
-              "daemon/ha/, issue 29); remove the ha: section to run the embedded default", file=sys.stderr)
-        return 2
     redactor = Redactor()  # this process's secrets: the feed's URLs, then the job's values
     try:
         resolve_sinks(config.notify, redactor=redactor)  # the feed's URLs and keys come from the environment

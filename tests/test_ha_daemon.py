@@ -1,0 +1,247 @@
+"""Two real ``spotvisord run`` processes on one HA config (``ha:``), a real 3-member etcd
+cluster (tests/etcd_cluster.py), and EC2 as moto behind ``fakes.aws_faults.AwsFaultProxy``
+(its instances outlive a daemon, as a cloud's do; the proxy counts every RunInstances).
+
+Each daemon has its own ``ha.name``, state dir and control socket; they share the agent
+port (on one host a standby has not bound it; a real deployment puts a floating address
+or a DNS name that follows the leader there). Every wait is on a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import aiohttp
+import boto3
+import pytest
+import yaml
+
+from bench.ports import free_port
+from daemon.ha.client import EtcdClient
+from daemon.ha.elector import pool_prefix
+from daemon.providers.base import NODE_TAG, POOL_TAG
+from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
+from fakes.aws_faults import AwsFaultProxy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Daemon:
+    """``spotvisord run --config FILE`` in its own process; its control socket's API."""
+
+    def __init__(self, name: str, config: Path, socket_path: str, log: Path) -> None:
+        self.name, self.config, self.socket_path, self.log = name, config, socket_path, log
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(self.config), cwd=ROOT,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
+
+    async def _get(self, path: str) -> str | None:
+        """The body of ``GET path`` on the control socket; None while nothing answers there."""
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path)) as s, \
+                    s.get(f"http://spotvisord{path}", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+
+    async def status(self) -> dict[str, Any] | None:
+        body = await self._get("/v1/status")
+        return None if body is None else json.loads(body)
+
+    async def events(self) -> list[dict[str, Any]]:
+        body = await self._get("/v1/events?since=0")
+        return [json.loads(line) for line in (body or "").splitlines() if line.strip()]
+
+    async def scale(self, nodes: int) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path)) as s, \
+                s.post("http://spotvisord/v1/scale", json={"nodes": nodes}) as r:
+            assert r.status == 200, await r.text()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+async def until(pred: Callable[[], Any], what: str, *, timeout_s: float = 20.0,
+                daemons: tuple[Daemon, ...] = ()) -> Any:
+    """``await pred()`` (or ``pred()``) until it is truthy; fails after ``timeout_s`` or when
+    a daemon that must run has exited (with its log's tail)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = pred()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return got
+        for d in daemons:
+            if not d.alive():
+                raise AssertionError(f"{d.name} exited waiting for {what}: {d.log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {d.name}\n{d.log.read_text()[-2000:]}" for d in daemons)
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def ha_pair(tmp_path: Path, etcd_cluster: EtcdCluster, faults: AwsFaultProxy,  # noqa: F811
+                  ec2_server: str) -> AsyncIterator[dict[str, Any]]:
+    """Two daemons' configs (``control-a``, ``control-b``) for one pool; neither started."""
+    pool = f"ha-{uuid.uuid4().hex[:8]}"
+    sockdir = tempfile.mkdtemp(prefix="svha-", dir="/tmp")
+    agent_port = free_port()
+    daemons: list[Daemon] = []
+    for name in ("control-a", "control-b"):
+        raw = {
+            "pool": {"name": pool, "min_nodes": 1, "target_nodes": 1, "max_nodes": 3},
+            "job": {"id": "j", "global_batch_size": 48, "micro_batch_size": 1, "target_steps": 30},
+            "ha": {"name": name, "lease_s": 4, "endpoints": etcd_cluster.endpoints},
+            "daemon": {"verify_commits": False, "state_dir": str(tmp_path / name), "socket": f"{sockdir}/{name}.sock",
+                       "agent_host": "127.0.0.1", "agent_port": agent_port, "reconcile_interval_s": 0.1},
+            "providers": {"local": None, "aws": {"image_id": "ami-03cf127a", "endpoint_url": faults.url}},
+            "offers": [{"provider": "aws", "region": "us-east-1", "zone": "us-east-1a",
+                        "instance_type": "p4d.24xlarge", "gpu_type": "A100-40GB", "gpus_per_node": 8}],
+        }
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(raw))
+        daemons.append(Daemon(name, cfg, f"{sockdir}/{name}.sock", tmp_path / f"{name}.log"))
+    ec2 = boto3.client("ec2", endpoint_url=ec2_server, region_name="us-east-1")
+    client = EtcdClient(etcd_cluster.endpoints)
+    await client.connect()
+    try:
+        yield {"pool": pool, "a": daemons[0], "b": daemons[1], "ec2": ec2, "etcd": client}
+    finally:
+        for d in daemons:
+            if d.alive():
+                assert d.proc is not None
+                d.proc.kill()
+                await d.proc.wait()
+        await client.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _instances(ec2: Any, pool: str) -> list[dict[str, Any]]:
+    out = []
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": [pool]}]):
+        for r in page["Reservations"]:
+            out += r["Instances"]
+    return out
+
+
+def _per_node(instances: list[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for inst in instances:
+        node = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}.get(NODE_TAG, "")
+        counts[node] = counts.get(node, 0) + 1
+    return counts
+
+
+async def _etcd_seq(client: EtcdClient, pool: str) -> int:
+    kv = await client.get(pool_prefix(pool) + b"seq")
+    return int(kv.value) if kv is not None else 0
+
+
+@pytest.mark.slow
+async def test_the_standby_takes_over_a_killed_leader_without_buying_twice(ha_pair: dict[str, Any],
+                                                                          faults: AwsFaultProxy) -> None:
+    """control-a leads and buys; control-b stands by (says so, buys nothing, serves nothing).
+    control-a is scaled to 2 and then SIGKILLed: control-b leads within 10 s with a's pool
+    (both nodes and their instances, target 2, every event in order) and acts (scale 3: it
+    buys node 3, and nothing a already bought): one instance per node id."""
+    a, b, pool, ec2 = ha_pair["a"], ha_pair["b"], ha_pair["pool"], ha_pair["ec2"]
+    await a.start()
+    await until(a.status, "control-a leading (its control socket answers)", daemons=(a,))
+    await b.start()
+    await until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line", daemons=(a, b))
+    assert b.log.read_text().count("standby:") == 1
+    await until(lambda: len(faults.actions("RunInstances")) == 1, "control-a's first purchase", daemons=(a, b))
+    await a.scale(2)
+    launched = await until(lambda: _launched_n(a, 2), "both nodes launched by control-a", daemons=(a, b))
+    assert await b.status() is None  # the standby serves nothing
+    # everything control-a recorded is committed to etcd (its flush: every 0.2 s)
+    before: list[dict[str, Any]] = []
+
+    async def synced() -> bool:
+        before[:] = await a.events()
+        return bool(before) and await _etcd_seq(ha_pair["etcd"], pool) == before[-1]["seq"]
+
+    await until(synced, "control-a's events committed to etcd", daemons=(a, b))
+    assert len(faults.actions("RunInstances")) == 2
+
+    assert a.proc is not None
+    killed_at = time.monotonic()
+    a.proc.send_signal(signal.SIGKILL)
+    await a.proc.wait()
+    status = await until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
+    led_s = time.monotonic() - killed_at
+    assert status["pool"]["target_nodes"] == 2  # the operator's target, carried over (the config says 1)
+    assert {n["id"]: n["instance_id"] for n in status["nodes"]} == launched
+    await b.scale(3)
+    await until(lambda: len(faults.actions("RunInstances")) == 3, "control-b's purchase of node 3",
+                timeout_s=10 - led_s, daemons=(b,))
+    acted_s = time.monotonic() - killed_at
+    after = await b.events()
+    assert after[:len(before)] == before  # a's log, in order, unchanged
+    assert [e["seq"] for e in after] == list(range(1, len(after) + 1))  # b continues the seq, no gap, no reuse
+    assert not [e for e in after[len(before):] if e["kind"] == "node_terminated"]
+    assert _per_node(_instances(ec2, pool)) == {f"{pool}-1": 1, f"{pool}-2": 1, f"{pool}-3": 1}
+    print(f"takeover: control-b led {led_s:.2f} s and bought {acted_s:.2f} s after control-a's SIGKILL (lease 4 s)")
+
+
+async def test_a_standby_stops_on_sigterm_and_the_refusal_is_gone(ha_pair: dict[str, Any],
+                                                                 faults: AwsFaultProxy) -> None:
+    """Both on one config with ``ha:``: one leads, the other waits; SIGTERM ends a standby
+    at once (exit 0, nothing bought by it), and the leader on SIGTERM steps down."""
+    a, b = ha_pair["a"], ha_pair["b"]
+    await a.start()
+    await until(a.status, "control-a leading", daemons=(a,))
+    await b.start()
+    await until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line", daemons=(a, b))
+    assert b.proc is not None and a.proc is not None
+    b.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(b.proc.wait(), 10) == 0
+    a.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(a.proc.wait(), 20) == 0
+    assert await ha_pair["etcd"].get(pool_prefix(ha_pair["pool"]) + b"leader") is None  # a stepped down: its lease revoked, the key gone with it
+
+
+@pytest.mark.slow
+async def test_a_leader_whose_lease_is_revoked_stops_fail_closed_and_exits_1(ha_pair: dict[str, Any],
+                                                                             faults: AwsFaultProxy) -> None:
+    """control-a's lease is revoked in etcd (as when etcd expired it while a was cut off):
+    a stops, exits 1 with one line saying why, and buys nothing more; control-b leads with
+    a's node and buys nothing twice."""
+    a, b, pool, etcd = ha_pair["a"], ha_pair["b"], ha_pair["pool"], ha_pair["etcd"]
+    await a.start()
+    await until(lambda: _launched_n(a, 1), "control-a's node launched", daemons=(a,))
+    await b.start()
+    await until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line", daemons=(a, b))
+    kv = await etcd.get(pool_prefix(pool) + b"leader")
+    assert kv is not None and kv.value == b"control-a"
+    await etcd.revoke_lease(kv.lease)
+    assert a.proc is not None
+    assert await asyncio.wait_for(a.proc.wait(), 10) == 1
+    lines = [line for line in a.log.read_text().splitlines() if line.startswith("spotvisord run:")]
+    assert len(lines) == 1 and "control-a lost the leadership" in lines[0] and "fail closed" in lines[0], lines
+    status = await until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
+    assert [n["id"] for n in status["nodes"]] == [f"{pool}-1"]
+    await until(lambda: _launched_n(b, 1), "control-b adopted the node", daemons=(b,))
+    assert len(faults.actions("RunInstances")) == 1
+    assert _per_node(_instances(ha_pair["ec2"], pool)) == {f"{pool}-1": 1}
+
+
+async def _launched_n(d: Daemon, n: int) -> dict[str, str] | None:
+    status = await d.status()
+    nodes = {n["id"]: n["instance_id"] for n in (status or {}).get("nodes", []) if n["instance_id"]}
+    return nodes if len(nodes) == n else None
