@@ -16,6 +16,8 @@ def survival(config: Any) -> list[str]:
         return [
             "control plane: embedded (one daemon, SQLite under daemon.state_dir; no etcd)",
             "  survives: a daemon restart on the same control node (state, events and nodes are on its disk)",
+            "  survives: a rendezvous store restart (the workers train on; torchrun's spotvisor backend and the "
+            "trainers put their round and join queue back)",
             "  does not survive: the control node's loss (its disk holds the pool's state); "
             "add an `ha:` section (configs/ha.yaml) for that",
         ]
