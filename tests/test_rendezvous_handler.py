@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Callable
 
 import pytest
 from bench.ports import free_port
@@ -23,6 +22,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 
 from daemon.controlnode.rendezvous import StoreProcess
 from trainer.rendezvous import SpotvisorRendezvousHandler
+from worker_procs import until as _until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,15 +45,6 @@ def _handler(store: StoreProcess, run: str, **conf: object) -> SpotvisorRendezvo
     handler = rendezvous_handler_registry.create_handler(params)
     assert isinstance(handler, SpotvisorRendezvousHandler)
     return handler
-
-
-def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)  # polling the condition under test, bounded
-    return False
 
 
 def test_torchrun_finds_the_backend_by_its_entry_point(store: StoreProcess) -> None:

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 from bench.ports import free_port
@@ -24,7 +23,7 @@ from trainer.contract import RDZV_ENDPOINT_ENV, RUN_ID_ENV
 from trainer.credential import NodeCredential, Verifier
 from trainer.membership import JoinQueue, LossWatch, StoreRetry, wake_survivors
 from trainer.resize import Resizer
-from worker_procs import AUTHORITY
+from worker_procs import AUTHORITY, until as _until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,15 +36,6 @@ def store() -> Iterator[StoreProcess]:
         yield proc
     finally:
         proc.stop()
-
-
-def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)  # polling the condition under test, bounded
-    return False
 
 
 def _leader(store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> Resizer:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import node_files
@@ -93,3 +94,14 @@ def trained(tmp_path: Path) -> dict[int, list[int]]:
         for rec in map(json.loads, log.read_text().splitlines()):
             out.setdefault(rec["step"], []).extend(rec["positions"])
     return out
+
+
+def until(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Whether ``cond()`` holds within ``timeout_s`` (polled every 50 ms: the condition
+    under test is another process's or thread's doing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
