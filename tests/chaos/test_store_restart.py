@@ -113,7 +113,9 @@ def _timeline(stored: list[Event], killed: Event, restarted: Event, **more: Even
 
 
 def test_a_store_restart_costs_no_step_and_no_worker_restart(tmp_path: Path, matrix: Matrix) -> None:
-    s, stored, run_dir = _run(tmp_path, [{"action": "kill_store", "at_step": 45, "restart_after_s": 3}])
+    # 80 steps: 35 after the kill, long past the store's return (about 10 s)
+    s, stored, run_dir = _run(tmp_path, [{"action": "kill_store", "at_step": 45, "restart_after_s": 3}],
+                              target_steps=80)
     _record(matrix, "rendezvous store SIGKILLed mid-training, back empty 3 s later (real demo, 3 nodes)",
             s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
@@ -138,7 +140,7 @@ def test_a_store_killed_during_a_notice_commit_costs_no_step(tmp_path: Path, mat
     s, stored, run_dir = _run(tmp_path, [
         {"action": "notice", "node": 2, "at_step": 30, "lead_s": 30},
         {"action": "kill_store", "at_step": 30, "restart_after_s": 3, "wait_full_pool": False},
-    ])
+    ], target_steps=80)
     _record(matrix, "rendezvous store SIGKILLed during a notice's commit (real demo, 3 nodes)", s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
     restarted = _first(stored, "chaos_injected", action="store_restarted")
@@ -162,7 +164,7 @@ def test_a_store_killed_during_a_grow_costs_no_step(tmp_path: Path, matrix: Matr
     s, stored, run_dir = _run(tmp_path, [
         {"action": "notice", "node": 2, "at_step": 20, "lead_s": 30},
         {"action": "kill_store", "at_step": 26, "restart_after_s": 6, "wait_full_pool": False},
-    ])
+    ], target_steps=90)  # the grow lands 9-13 s after the kill, about 20 steps on
     _record(matrix, "rendezvous store SIGKILLed during a replacement's grow (real demo, 3 nodes)",
             s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
@@ -190,7 +192,7 @@ def test_a_store_down_past_every_bound_falls_back_to_a_restart_from_the_newest_c
     s, stored, run_dir = _run(tmp_path, [
         {"action": "kill_store", "at_step": 45, "restart_after_s": 45},
         {"action": "kill", "node": 3, "at_step": 45, "wait_full_pool": False},
-    ], pg_timeout_s=15, join_timeout_s=10)
+    ], pg_timeout_s=15, join_timeout_s=10, target_steps=80)  # about 40 steps past the resume
     _record(matrix, "rendezvous store down 45 s with a node lost meanwhile (real demo, 3 nodes)", s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
     restarted = _first(stored, "chaos_injected", action="store_restarted")
