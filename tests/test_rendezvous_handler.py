@@ -17,12 +17,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from bench.ports import free_port
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
 from daemon.controlnode.rendezvous import StoreProcess
 from trainer.rendezvous import SpotvisorRendezvousHandler
-from worker_procs import until as _until
+from worker_procs import store_process, until as _until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,12 +29,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreProcess]:
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as every node's torchrun runs (jobspec)
-    proc = StoreProcess("127.0.0.1", free_port())
-    proc.start()
-    try:
+    with store_process() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _handler(store: StoreProcess, run: str, **conf: object) -> SpotvisorRendezvousHandler:

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-from bench.ports import free_port
 
 from daemon.controlnode.rendezvous import StoreProcess
 from trainer import membership
@@ -23,19 +22,15 @@ from trainer.contract import RDZV_ENDPOINT_ENV, RUN_ID_ENV
 from trainer.credential import NodeCredential, Verifier
 from trainer.membership import JoinQueue, LossWatch, StoreRetry, wake_survivors
 from trainer.resize import Resizer
-from worker_procs import AUTHORITY, until as _until
+from worker_procs import AUTHORITY, store_process, until as _until
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def store() -> Iterator[StoreProcess]:
-    proc = StoreProcess("127.0.0.1", free_port())
-    proc.start()
-    try:
+    with store_process() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _leader(store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> Resizer:

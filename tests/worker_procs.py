@@ -6,16 +6,18 @@ credential from :data:`AUTHORITY` (as the daemon issues one to each node it admi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import node_files
 from bench.ports import free_port
+from daemon.controlnode.rendezvous import StoreProcess
 from trainer.contract import JOIN_CREDENTIAL_ENV, JOIN_ENV, NODE_ID_ENV, RDZV_ENDPOINT_ENV, RUN_ID_ENV
 from trainer.credential import Authority
 
@@ -105,3 +107,15 @@ def until(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@contextlib.contextmanager
+def store_process() -> Iterator[StoreProcess]:
+    """The rendezvous store in a process of its own on a free loopback port (a test may
+    kill it and start it again, empty, as ``kill_store`` does); stopped at the end."""
+    proc = StoreProcess("127.0.0.1", free_port())
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
