@@ -12,9 +12,13 @@ group instead of forming a second one next to it; and a new round waits for the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
@@ -22,6 +26,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from daemon.controlnode.rendezvous import StoreProcess
 from trainer.rendezvous import SpotvisorRendezvousHandler
 from worker_procs import store_process, until as _until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,10 +111,11 @@ def test_a_store_that_stays_down_fails_the_new_round_after_the_join_timeout(stor
     assert handler.shutdown() is False  # the store is gone: nothing to close, no exception
 
 
-def test_every_node_runs_the_backend_but_one_on_its_own_interpreter() -> None:
-    """The job spec: ``--rdzv-backend=spotvisor`` on spotvisor's interpreter (the entry
-    point is installed with it); a ``job.python`` interpreter has spotvisor's ``trainer/``
-    but not its entry point: c10d's own backend (a store restart is then a stall)."""
+def test_every_node_runs_the_backend_an_image_interpreter_through_trainer_torchrun() -> None:
+    """The job spec: ``--rdzv-backend=spotvisor`` on every node. spotvisor's interpreter
+    runs torchrun itself (the entry point is installed with it); a ``job.python``
+    interpreter has spotvisor's ``trainer/`` on its path but not its entry point, and runs
+    ``trainer.torchrun``, which registers the backend first."""
     from daemon.config import load_config
     from daemon.controlnode.jobspec import job_spec
     from daemon.model import Node
@@ -116,6 +123,43 @@ def test_every_node_runs_the_backend_but_one_on_its_own_interpreter() -> None:
     config = load_config("configs/local.yaml")
     node = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=1,
                 price_usd_h=0.0, token="x")
-    assert "--rdzv-backend=spotvisor" in job_spec(config, node, "abc")["argv"]
+    own = job_spec(config, node, "abc")["argv"]
+    assert own[:2] == ["-m", "torch.distributed.run"] and "--rdzv-backend=spotvisor" in own
     foreign = config.model_copy(update={"job": config.job.model_copy(update={"python": "/opt/conda/bin/python"})})
-    assert "--rdzv-backend=c10d" in job_spec(foreign, node, "abc")["argv"]
+    image = job_spec(foreign, node, "abc")["argv"]
+    assert image[:2] == ["-m", "trainer.torchrun"] and "--rdzv-backend=spotvisor" in image
+
+
+#: a ``sitecustomize`` that hides spotvisor's ``torchrun.handlers`` entry point, as on an
+#: image's own interpreter where spotvisor is on ``PYTHONPATH`` but not installed
+_NO_ENTRY_POINT = """
+import importlib.metadata as m
+_all = m.entry_points
+def entry_points(**kw):
+    return () if kw.get("group") == "torchrun.handlers" else _all(**kw)
+m.entry_points = entry_points
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "trainer.torchrun"])
+def test_an_interpreter_without_the_entry_point_runs_the_backend_through_trainer_torchrun(
+        store: StoreProcess, tmp_path: Path, launcher: str) -> None:
+    """A real torchrun (one node, one worker) on the ``spotvisor`` backend with the entry
+    point hidden: torch's own launcher does not know the backend and fails; the job
+    spec's ``trainer.torchrun`` registers it and the worker runs."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_NO_ENTRY_POINT)
+    script = tmp_path / "work.py"
+    script.write_text("import os\nprint('worker', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", launcher, "--nnodes=1:1", "--nproc-per-node=1", "--rdzv-backend=spotvisor",
+         f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=image", "--rdzv-conf=is_host=false",
+         "--monitor-interval=0.5", str(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    if launcher == "trainer.torchrun":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "worker 0 of 1" in proc.stdout
+    else:  # the hidden entry point is really hidden: torch's registry has no such backend
+        assert proc.returncode != 0 and "spotvisor" in proc.stderr, proc.stderr[-3000:]
+        assert "worker 0 of 1" not in proc.stdout

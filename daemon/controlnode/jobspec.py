@@ -1,7 +1,7 @@
 """The job's command line, as the daemon hands it to every node's agent. Pure.
 
 ``python -m torch.distributed.run --nnodes=MIN:MAX --rdzv-backend=spotvisor ... -m <job.module> <trainer flags>``
-(or ``... <job.command>``: the user's own script and its own flags, nothing added; the
+(``python -m trainer.torchrun ...`` on ``job.python``, an image's own interpreter) (or ``... <job.command>``: the user's own script and its own flags, nothing added; the
 checkpoint store's URI then rides in ``$SPOTVISOR_CHECKPOINT_URI``) with the rendezvous on the control node (``is_host=false``: no spot node hosts it) and
 the environment the trainer's contract names (:mod:`trainer.contract`), then ``job.env``.
 
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
-from daemon.model import Node
+from daemon.model import TORCHRUN_ARGV, Node
 from trainer.contract import (CHECKPOINT_URI_ENV, HOLD_TIMEOUT_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV,
                               RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV)
 
@@ -81,9 +81,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     launcher = [
         f"--nnodes={c.pool.min_nodes}:{c.pool.max_nodes}",
         f"--nproc-per-node={node.gpus}",
-        # spotvisor's c10d (trainer/rendezvous.py): the store's loss costs no worker restart. A
-        # node's own interpreter (job.python) has spotvisor's trainer/ but not its entry point
-        f"--rdzv-backend={'c10d' if job.python else 'spotvisor'}",
+        # spotvisor's c10d (trainer/rendezvous.py): the store's loss costs no worker restart
+        "--rdzv-backend=spotvisor",
         f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
         f"--rdzv-id={run_id(config, run_nonce)}",
         f"--rdzv-conf={rdzv_conf}",
@@ -108,7 +107,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
             "--hold-timeout-s", f"{job.hold_timeout_s:g}",
             *job.args,
         ]
-    argv = ["-m", "torch.distributed.run", *launcher, "--monitor-interval=0.5", *trainer]
+    # an image's own interpreter (job.python) has spotvisor's trainer/ on its path but not its
+    # torchrun entry point: trainer.torchrun registers the backend, then runs torchrun's main
+    torchrun = ["-m", "trainer.torchrun"] if job.python else list(TORCHRUN_ARGV)
+    argv = [*torchrun, *launcher, "--monitor-interval=0.5", *trainer]
     env = {
         # pytorch#135712: a node joining a surviving group otherwise deadlocks
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",

@@ -58,14 +58,12 @@ def _spec(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
 
 
 def main() -> int:
-    import torch.distributed.run as torchrun  # the import this process exists to do early
+    import torch.distributed.run  # the import this process exists to do early
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    from trainer.torchrun_plugin import create
+    from trainer.torchrun import register
 
-    # --rdzv-backend=spotvisor even where the entry point is shadowed (a stale egg-info on sys.path)
-    rendezvous_handler_registry.register("spotvisor", create)
+    register()  # --rdzv-backend=spotvisor even where the entry point is shadowed (a stale egg-info on sys.path)
 
     ready_fd = os.environ.pop(READY_FD_ENV, None)
     if ready_fd is not None and ready_fd.isdigit():  # tell the agent: imported, waiting
@@ -89,9 +87,9 @@ def main() -> int:
     os.environ.update(env)
     if cwd:
         os.chdir(cwd)
-    sys.argv = [torchrun.__file__, *argv]
+    sys.argv = [torch.distributed.run.__file__, *argv]
     try:
-        torchrun.main(argv)
+        torch.distributed.run.main(argv)
     except SignalException as exc:
         # torchrun has stopped its workers (its own log says so): end by the signal, as an
         # unhandled one would, instead of with torchrun's traceback. This is how a node
