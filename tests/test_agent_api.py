@@ -217,3 +217,36 @@ async def test_a_node_told_to_start_gets_its_join_credential_and_no_other_node_d
     h.sup.operator.drain(agent.node, "operator")
     assert agent.node.state is NodeState.DRAINING
     assert "join_credential" not in await agent.heartbeat("running")  # leaving: not told to start any more
+
+
+async def test_a_reply_not_durable_yet_is_withheld_and_told_at_the_next_ask(spot_daemon, agent, monkeypatch) -> None:
+    """Fenced admissions (issue 29): a reply that tells a node to act goes out only once
+    the state it follows from is durable where the pool's next daemon reads it
+    (``Store.durable``; HA: committed under the leader's fence). Not durable (etcd out of
+    reach) or not leading: 503, and the reply's commands and start decision are kept, in
+    order, for the next ask; nothing is told twice."""
+    from daemon.controlnode.store import NotLeading
+
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    await agent.heartbeat("running")  # told to start, and the trainer runs: a checkpoint can be asked for
+    first = h.sup.operator.request_checkpoint("manual")
+    failures: list[Exception] = [RuntimeError("etcd: deadline exceeded"), NotLeading("daemon b leads the pool")]
+    real = type(h.sup.store).durable
+
+    async def durable(self) -> None:
+        if failures:
+            raise failures.pop(0)
+        await real(self)
+
+    monkeypatch.setattr(type(h.sup.store), "durable", durable)
+    status, text = await agent.post("/v1/agent/heartbeat", trainer={"state": "running"})
+    assert status == 503 and "not durable" in text
+    second = h.sup.operator.request_checkpoint("manual")  # queued behind the withheld one
+    status, text = await agent.poll(0)
+    assert status == 503 and "does not lead" in text
+    status, reply = await agent.poll(0)  # durable again: everything withheld, in order, once
+    assert status == 200 and reply["start_trainer"] is True and reply["join_credential"]
+    assert [c["id"] for c in reply["commands"]] == [first, second]
+    assert (await agent.heartbeat())["commands"] == []

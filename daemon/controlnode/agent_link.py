@@ -206,6 +206,15 @@ class AgentLink:
             reply["join"] = True  # start the job spec's "join" launcher: into the running group
         return reply
 
+    def withdraw(self, node: Node, reply: dict[str, Any]) -> None:
+        """``reply`` (from :meth:`reply`) was not sent (its state not durable yet): its
+        commands go back to the front of ``node``'s queue, in order, and its start
+        decision counts as untold, so the node's next poll is answered with both."""
+        commands = reply.get("commands") or []
+        if commands:
+            self._commands[node.id] = [*commands, *self._commands.get(node.id, [])]
+        self._told_start.pop(node.id, None)
+
     def credential(self, node: Node) -> str:
         """``node``'s join credential for the job's run id now (:meth:`trainer.credential.Authority.issue`),
         issued once per node, run and daemon (a stalled job's restart moves it to a new run

@@ -27,7 +27,7 @@ import structlog
 from daemon.model import Event, Node, NodeState, TrainerState, check_transition
 from daemon.state_dir import check_private, chmod_private, open_private
 
-__all__ = ["Store"]
+__all__ = ["NotLeading", "Store"]
 
 log = structlog.get_logger("spotvisor.store")
 
@@ -60,6 +60,11 @@ def _owner_only(path: Path) -> None:
     for f in (path, *(path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
         if check_private(f):  # no descriptor opened and closed: that would drop this process's SQLite locks
             chmod_private(f, 0o600)
+
+
+class NotLeading(Exception):
+    """This daemon no longer leads its pool (HA, :mod:`daemon.ha`): what it decided is not
+    durable where the next leader reads it, and nothing it decides may be acted on."""
 
 
 class Store:
@@ -110,6 +115,17 @@ class Store:
         if self.in_memory:
             raise ValueError("an in-memory store (:memory:) has no second connection: use a database file")
         return Store(self.path, busy_timeout_s=self.busy_timeout_s).open()
+
+    async def durable(self) -> None:
+        """Return once every write made before this call is durable where the daemon that
+        runs the pool next reads it; an agent is told to act (a start, an admission, a
+        command) only after it (:mod:`daemon.interfaces.api`). SQLite commits each write
+        as it is made, on this machine's disk: nothing to wait for. The HA store
+        (:class:`daemon.ha.store.EtcdStore`) commits under its fence here.
+
+        Raises:
+            NotLeading: (HA) this daemon was deposed; nothing more may be acted on.
+        """
 
     def close(self) -> None:
         if self._db is not None:

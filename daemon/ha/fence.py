@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from daemon.control import leadership as ld
+from daemon.controlnode.store import NotLeading
 from daemon.ha.client import LeaseCompare
 from daemon.ha.elector import Elector
 
@@ -31,7 +32,7 @@ __all__ = ["Deposed", "Fence"]
 T = TypeVar("T")
 
 
-class Deposed(Exception):
+class Deposed(NotLeading):
     """This daemon does not lead (any more): nothing was written, nothing may be called."""
 
 

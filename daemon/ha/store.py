@@ -50,7 +50,8 @@ class EtcdStore(Store):
     (as the new leader, before the supervisor starts), :meth:`start` the flush;
     ``await`` :meth:`aclose` (a last sync, best effort) then :meth:`close`."""
 
-    __slots__ = ("fence", "prefix", "flush_every_s", "_outbox", "_lock", "_seq_mod", "_flusher", "_deposed")
+    __slots__ = ("fence", "prefix", "flush_every_s", "_outbox", "_lock", "_seq_mod", "_flusher", "_deposed",
+                 "_queued", "_committed")
 
     def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2) -> None:
         """``mirror``: the SQLite file the state is mirrored in (the daemon's: under its state
@@ -65,6 +66,7 @@ class EtcdStore(Store):
         self._seq_mod = 0  # mod_revision of the seq key as this store last saw it (0: absent)
         self._flusher: asyncio.Task[None] | None = None
         self._deposed = False
+        self._queued = self._committed = 0  # writes queued / committed to etcd since this store opened
 
     def open(self) -> "EtcdStore":
         """Open the mirror, emptied (a previous run's file is stale: etcd holds the state)."""
@@ -115,6 +117,7 @@ class EtcdStore(Store):
         if self._deposed:
             raise Deposed("this daemon was deposed: its store takes no more writes")
         self._outbox.append(item)
+        self._queued += 1
 
     @property
     def pending(self) -> int:
@@ -130,14 +133,37 @@ class EtcdStore(Store):
             aetcd/gRPC errors: etcd unreachable (the outbox is kept; the next sync retries).
         """
         async with self._lock:
-            if self._deposed:
-                raise Deposed("this store's writer was deposed: load a new one if this daemon leads again")
-            while True:  # at least one txn: the provider gate asks etcd, not only this daemon's clock
-                batch = self._outbox[:MAX_OPS_PER_TXN]
-                await self._commit(batch)
-                del self._outbox[:len(batch)]
-                if not self._outbox:
-                    return
+            await self._sync_locked()
+
+    async def durable(self) -> None:
+        """Return once every write made before this call is committed to etcd under this
+        daemon's fence, with its clock gate still open: what an agent is told next may
+        follow from those writes (:meth:`daemon.controlnode.store.Store.durable`). Writes
+        already committed (by the flush, or by a call that came first) cost no txn, so a
+        heartbeat that changed nothing asks only the clock gate.
+
+        Raises:
+            Deposed: this daemon does not lead (the gate is shut, or etcd refused the fence).
+            aetcd/gRPC errors: etcd unreachable (the writes stay queued).
+        """
+        target = self._queued
+        if self._committed < target:
+            async with self._lock:
+                if self._committed < target:  # else a sync that came first committed them
+                    await self._sync_locked()
+        if self._deposed or not self.fence.elector.may_act():
+            raise Deposed(f"{self.fence.elector.name} does not lead {self.fence.elector.pool}")
+
+    async def _sync_locked(self) -> None:
+        if self._deposed:
+            raise Deposed("this store's writer was deposed: load a new one if this daemon leads again")
+        while True:  # at least one txn: the provider gate asks etcd, not only this daemon's clock
+            batch = self._outbox[:MAX_OPS_PER_TXN]
+            await self._commit(batch)
+            del self._outbox[:len(batch)]
+            self._committed += len(batch)
+            if not self._outbox:
+                return
 
     async def _commit(self, batch: list[tuple[str, str, str, int | None]]) -> None:
         tx = self.fence.client.transactions

@@ -82,6 +82,7 @@ from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, JobState, 
 from daemon.state_dir import chmod_socket, clear_stale_socket
 from daemon.controlnode.job_secrets import private_channel
 from daemon.controlnode.progress_view import job_progress
+from daemon.controlnode.store import NotLeading
 from daemon.controlnode.supervisor import Supervisor
 from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, METRICS_CAPS, AgentListener,
                                         LoopAcceptErrors, agent_connection_caps)
@@ -129,14 +130,37 @@ async def _agent_body(request: web.Request) -> tuple[Any, dict[str, Any]]:
     return node, body
 
 
+async def _told(sup: Supervisor, node: Node, reply: dict[str, Any]) -> web.Response:
+    """``reply`` to ``node``'s agent once the state it follows from is durable where the
+    pool's next daemon reads it (:meth:`Store.durable`): a start, an admission or a
+    command is acted on only if the decision behind it survives this daemon. A daemon
+    that leads no more (HA: its lease ran out, its fence was refused) or cannot commit
+    (etcd out of reach) answers 503, telling nothing (:meth:`~daemon.controlnode.agent_link.AgentLink.withdraw` puts the
+    reply's commands back); the agent asks again, and a new leader answers it from its own
+    state."""
+    try:
+        await sup.store.durable()
+    except NotLeading as exc:
+        sup.agents.withdraw(node, reply)
+        log.warning("agent_reply_withheld", node_id=node.id, reason="not_leading", error=str(exc))
+        raise web.HTTPServiceUnavailable(text="this daemon does not lead its pool: ask again") from None
+    except Exception as exc:  # noqa: BLE001  the HA store's etcd errors: not durable, so not told
+        sup.agents.withdraw(node, reply)  # told at the next poll, once durable
+        log.warning("agent_reply_withheld", node_id=node.id, reason="not_durable", error=repr(exc)[:200])
+        raise web.HTTPServiceUnavailable(text="the pool's state is not durable yet: ask again") from None
+    return web.json_response(reply)
+
+
 async def _register(request: web.Request) -> web.Response:
     node, body = await _agent_body(request)
-    return web.json_response(request.app[SUPERVISOR].agents.on_register(node, prewarm=body.get("prewarm") is True))
+    sup = request.app[SUPERVISOR]
+    return await _told(sup, node, sup.agents.on_register(node, prewarm=body.get("prewarm") is True))
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
     node, body = await _agent_body(request)
-    return web.json_response(request.app[SUPERVISOR].agents.on_heartbeat(node, body))
+    sup = request.app[SUPERVISOR]
+    return await _told(sup, node, sup.agents.on_heartbeat(node, body))
 
 
 async def _commands(request: web.Request) -> web.Response:
@@ -150,10 +174,11 @@ async def _commands(request: web.Request) -> web.Response:
         transport = request.transport
         return transport is not None and not transport.is_closing()
 
-    reply = await request.app[SUPERVISOR].agents.wait_commands(node, float(wait_s), connected=connected)
+    sup = request.app[SUPERVISOR]
+    reply = await sup.agents.wait_commands(node, float(wait_s), connected=connected)
     if reply is None:  # superseded by a newer poll, its client gone, or the daemon closing: nothing taken
         raise web.HTTPServiceUnavailable(text="this long-poll was given up; poll again")
-    return web.json_response(reply)
+    return await _told(sup, node, reply)
 
 
 async def _reports(request: web.Request) -> web.Response:
