@@ -79,8 +79,10 @@ class _Agent(NodeAgent):
 class Ec2Sim:
     """What runs on the pool's instances in moto (see the module docstring)."""
 
-    def __init__(self, endpoint: str, pool: str, workdir: Path, trainer_env: dict[str, str],
+    def __init__(self, endpoint: str, pool: str, workdir: Path, trainer_env: dict[str, str] | None,
                  boot_s: float = 0.5) -> None:
+        """``trainer_env``: the stand-in's environment; None: the agents run the daemon's
+        own job spec (real torchrun and the job's trainer)."""
         self.ec2 = boto3.client("ec2", endpoint_url=endpoint, region_name="us-east-1")
         self.pool = pool
         self.workdir = workdir
@@ -145,10 +147,12 @@ class Ec2Sim:
         env = dict(re.findall(r"^(SPOTVISOR_[A-Z_]+)=(\S+)$", user_data, re.M))  # the agent's env file
         imds = FakeImds(instance_id=iid)
         await imds.start()
-        agent = _Agent(trainer_env=self.trainer_env, standin=self.standin, daemon_url=env["SPOTVISOR_DAEMON_URL"],
-                       token=env["SPOTVISOR_AGENT_TOKEN"], node_id=env["SPOTVISOR_NODE_ID"],
-                       metadata=AwsImds(imds.url, timeout_s=1.0), workdir=self.workdir / iid,
-                       poll_interval_s=0.1, heartbeat_interval_s=0.2, metadata_max_backoff_s=0.5)
+        args: dict[str, Any] = dict(
+            daemon_url=env["SPOTVISOR_DAEMON_URL"], token=env["SPOTVISOR_AGENT_TOKEN"],
+            node_id=env["SPOTVISOR_NODE_ID"], metadata=AwsImds(imds.url, timeout_s=1.0), workdir=self.workdir / iid,
+            poll_interval_s=0.1, heartbeat_interval_s=0.2, metadata_max_backoff_s=0.5)
+        agent = NodeAgent(**args) if self.trainer_env is None else \
+            _Agent(trainer_env=self.trainer_env, standin=self.standin, **args)
         self.agents[iid] = (asyncio.create_task(agent.run(), name=f"agent:{iid}"), imds, env["SPOTVISOR_NODE_ID"])
         self._booting.discard(iid)
 

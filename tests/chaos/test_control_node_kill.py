@@ -1,0 +1,171 @@
+"""Chaos cells: the whole control node (the daemon and the rendezvous store) SIGKILLed under
+a real training job, then started again, as systemd's ``Restart=`` or a rebooted control
+node would (issue 29: training does not depend on the control node while it trains).
+
+The daemon is the real service, ``spotvisord run --config FILE``; the rendezvous store is
+the real one (``spotvisord rendezvous``'s process, :class:`StoreProcess`), restarted empty.
+The cloud is EC2 as moto's server behind ``fakes.aws_faults.AwsFaultProxy``, whose
+instances outlive the daemon as a cloud's do; on each instance :class:`Ec2Sim` runs a
+real node agent that runs the daemon's own job spec: real torchrun
+(``--rdzv-backend=spotvisor``), the reference trainer (DDP, gloo), its checkpoints in a
+directory of this machine. The local provider cannot play this: its instances end with
+the daemon by design (``tests/test_local_orphans.py``).
+
+Measured from what the run left: the restarted daemon's event log, the trainers' own step
+logs and status lines (:func:`daemon.analysis.summary.summarize`), the checkpoint
+directory and the pool's instances in EC2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bench.ports import free_port
+from chaos.conftest import Matrix, lost_events
+from chaos.test_daemon_kill import Daemon, Ec2Sim, _stored_events
+from daemon.analysis.summary import summarize
+from daemon.controlnode.rendezvous import StoreProcess
+from daemon.model import Event
+from fakes.aws_faults import AwsFaultProxy
+from trainer.checkpoint import FileStore, list_committed
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+TARGET_STEPS = 70
+GLOBAL_BATCH = 12
+SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "2"]
+
+
+def _config(tmp_path: Path, proxy_url: str, store_port: int) -> tuple[Path, dict[str, Any]]:
+    pool = f"cn-{uuid.uuid4().hex[:8]}"
+    sockdir = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
+    raw = {
+        "pool": {"name": pool, "min_nodes": 1, "target_nodes": 2, "max_nodes": 2},
+        "job": {"id": "cn", "module": "trainer.run", "target_steps": TARGET_STEPS,
+                "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2,
+                "checkpoint_uri": f"file://{tmp_path}/checkpoints", "checkpoint_interval_steps": 20,
+                "hold_timeout_s": 90, "grow": "in_process",
+                "args": [*SMALL_MODEL, "--keep-checkpoints", "1000"]},
+        "rendezvous": {"host": "127.0.0.1", "port": store_port, "last_call_timeout_s": 3,
+                       "keep_alive_interval_s": 1, "keep_alive_max_attempt": 3},
+        "agent": {"heartbeat_interval_s": 0.2},
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
+                   "agent_host": "127.0.0.1", "agent_port": free_port(), "reconcile_interval_s": 0.1,
+                   "rejoin_timeout_s": 60, "heartbeat_timeout_s": 30},
+        "providers": {"local": None, "aws": {"image_id": "ami-03cf127a", "endpoint_url": proxy_url}},
+        "offers": [{"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "g4dn.xlarge",
+                    "gpu_type": "T4", "gpus_per_node": 1}],
+    }
+    cfg = tmp_path / "spotvisord.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    return cfg, raw
+
+
+def _steps_done(instances: Path) -> int:
+    """The highest step any rank has logged (the trainers' own step logs)."""
+    best = 0
+    for f in instances.glob("*/logs/steps-*.jsonl"):
+        for line in f.read_text().splitlines()[-3:]:
+            try:
+                best = max(best, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill
+    return best
+
+
+async def _until(cond: Any, what: str, timeout_s: float) -> None:
+    """Poll ``cond()`` (another process's doing) every 0.1 s until it holds, within ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.1)
+    assert cond(), what
+
+
+@pytest.mark.parametrize("moment", ["mid_training", "right_after_a_notice"])
+async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
+        tmp_path: Path, faults: AwsFaultProxy, ec2_server: str, matrix: Matrix, moment: str) -> None:
+    """mid_training: the daemon and the store are SIGKILLed while the job trains; the
+    trainers train on while both are down (their steps keep coming), and after both come
+    back (the store empty) the job completes in the same attempt: no worker restart, no
+    new torchrun, no ``job_stalled``, 0 lost steps.
+    right_after_a_notice: one node gets an interruption notice and the control node is
+    killed as soon as the daemon has it: the notice's commit, the noticed node's exit and
+    the survivors' in-process shrink happen while it is down (the reports wait in the
+    agents' queues), the restarted daemon reads the commit that answers the notice and
+    launches the replacement; 0 lost steps, no worker restart."""
+    store = StoreProcess("127.0.0.1", free_port())
+    await asyncio.to_thread(store.start)
+    cfg, raw = _config(tmp_path, faults.url, store.port)
+    pool = raw["pool"]["name"]
+    instances = tmp_path / "instances"
+    log = tmp_path / "spotvisord.log"
+    daemons: list[Daemon] = []
+    try:
+        async with Ec2Sim(ec2_server, pool, instances, None) as sim:
+            a = Daemon(cfg, raw["daemon"]["socket"], log)
+            daemons.append(a)
+            await a.start()
+            await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
+            attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
+            if moment == "right_after_a_notice":
+                sim.notice(f"{pool}-2", lead_s=60)
+                await a.until(lambda: a.saw("interruption_notice"), timeout_s=60, what="the notice reported")
+            await a.sigkill()
+            await asyncio.to_thread(store.kill)
+            seen = list(a.seen)
+            at_kill = _steps_done(instances)
+            if moment == "mid_training":  # the control node is down: the trainers train on
+                await _until(lambda: _steps_done(instances) >= at_kill + 5, "steps while the control node is down",
+                             timeout_s=120)
+            await asyncio.to_thread(store.start)  # empty, on the same port
+            b = Daemon(cfg, raw["daemon"]["socket"], log)
+            daemons.append(b)
+            await b.start()
+            assert await b.exited(400) == 0  # the job completed and every instance was released
+            stored = _stored_events(Path(raw["daemon"]["state_dir"]) / "spotvisord.db")
+            s = summarize(instances, stored, target_steps=TARGET_STEPS, global_batch_size=GLOBAL_BATCH)
+            live = sim.live()
+    finally:
+        for d in daemons:
+            if d.proc is not None and d.proc.returncode is None:
+                d.proc.kill()
+                await d.proc.wait()
+            await d._stop_follower()
+        await asyncio.to_thread(store.stop)
+    _check(matrix, moment, s, stored, seen, tmp_path, live, attempt, at_kill)
+
+
+def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], seen: list[dict[str, Any]],
+           tmp_path: Path, live: list[Any], attempt: str, at_kill: int) -> None:
+    commits = {e.data["step"] for e in stored if e.kind == "checkpoint_committed"}
+    on_disk = {m.step for m in list_committed(FileStore(tmp_path / "checkpoints"))}
+    completed = [e for e in stored if e.kind == "job_completed"]
+    row = matrix.row(f"control node (daemon + store) SIGKILL {moment.replace('_', ' ')} (real job, 2 nodes)",
+                     job_completed=bool(completed) and s["steps_completed"] == TARGET_STEPS,
+                     lost_checkpoints=len(commits - on_disk), leaked_instances=len(live),
+                     lost_events=lost_events(stored, seen))
+    print(f"\ncontrol node killed {moment} at step {at_kill}: " + ", ".join(
+        f"{k}={s[k]}" for k in ("steps_completed", "lost_steps_total", "restarts", "resizes_in_process",
+                                "world_sizes", "wall_s") if k in s))
+    assert row.clean(), (row, s)
+    assert s["lost_steps_total"] == 0 and s["restarts"] == 0
+    assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
+    assert s["resumes_before_their_commit"] == 0
+    assert not [e for e in stored if e.kind == "job_stalled"]
+    if moment == "mid_training":  # the same worker group from before the kill to the end
+        assert completed[0].data["attempt"] == attempt
+        assert not [e for e in stored if e.kind in ("trainer_exited", "node_lost") and e.data.get("exit_code") != 0]
+    else:  # the notice's commit answered it, and the job went on in process, not by a restart
+        notice = next(e for e in stored if e.kind == "interruption_notice")
+        answered = [e for e in stored if e.kind == "checkpoint_committed"
+                    and notice.data["notice_id"] in e.data.get("notice_ids", [])]
+        assert answered, "the notice's commit never reached the daemon"
+        assert s["resizes_in_process"] >= 1
