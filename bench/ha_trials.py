@@ -9,14 +9,17 @@ trials), two ``spotvisord run`` daemons (``control-a`` on etcd member m0's node,
 ``control-b`` on m1's; which one starts first, and so leads, is drawn), the leader's
 first node bought, then one phase, round-robin over the trials:
 
-- ``launch``: a RunInstances held by the fault proxy for 0.5-2.5 s, before moto sees it
-  (the instance lands only after the kill, if at all) or after (it exists, the answer
-  never reaches the daemon); the kill falls inside the hold;
-- ``grow``: scale 1 → 2 or 3, the kill 0-1.5 s after the API's answer (before, during or
-  after the purchases);
-- ``shrink``: scale 3 → 1 or 2 (TerminateInstances held in half of them), the kill 0-1 s after;
+- ``launch``: a RunInstances held by the fault proxy for 0.5-9 s, before moto sees it
+  (the instance lands after the kill: with a long hold, after the survivor took over and
+  gave the node up) or after (it exists, the answer never reaches the daemon); the kill
+  falls inside the hold (0-2.5 s into it);
+- ``grow``: scale 1 → 2 or 3, each RunInstances taking 0.3-1.5 s (EC2's order of
+  magnitude; moto answers in milliseconds), the kill 0-2 s after the API's answer
+  (before, during or after the purchases);
+- ``shrink``: scale 3 → 1 or 2, each TerminateInstances taking 0.3-1.5 s, the kill 0-1 s after;
 - ``replace``: one instance terminated behind the daemon's back (a spot reclaim with no
-  notice), the kill 0-1.5 s after (before or during the replacement's purchase);
+  notice), the replacement's RunInstances taking 0.3-1.5 s, the kill 0-2 s after (before,
+  during or after the replacement's purchase);
 - ``idle``: the kill at a random moment of a steady pool.
 
 Not covered: mid-notice and mid-migration. Both need node agents that report a notice and
@@ -91,6 +94,7 @@ class Trial:
     leader: str = ""
     store_killed: bool = False
     kill_after_s: float = 0.0  # the drawn moment, from the phase's start
+    drawn: dict[str, Any] = field(default_factory=dict)  # the phase's drawn parameters (holds, targets)
     elected_s: float | None = None
     serving_s: float | None = None
     acted_s: float | None = None
@@ -100,6 +104,8 @@ class Trial:
     order: list[str] = field(default_factory=list)
     acked_lost: int = 0
     uncommitted: int = 0
+    uncommitted_events: list[str] = field(default_factory=list)  # "kind node reason" of each
+    survivor_events: list[str] = field(default_factory=list)  # what the survivor logged after the committed seq
     run_instances: int = 0
     replayed: int = 0
     adopted: int = 0
@@ -236,6 +242,10 @@ def _live_instances(world: World, pool: str) -> list[dict[str, Any]]:
     return [i for i in instances(world.ec2, pool) if i["State"]["Name"] in _LIVE]
 
 
+def _brief(e: dict[str, Any]) -> str:
+    return " ".join(str(x) for x in (e["kind"], e.get("node"), e["data"].get("reason") or e["data"].get("error")) if x)
+
+
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (a["kind"], a.get("node"), a.get("data"), round(float(a["time"]), 3)) == \
         (b["kind"], b.get("node"), b.get("data"), round(float(b["time"]), 3))
@@ -274,31 +284,39 @@ async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
 
         phase_at = time.monotonic()
         if t.phase == "launch":
-            hold, before = rng.uniform(0.5, 2.5), rng.random() < 0.5
+            hold, before = rng.uniform(0.5, 9.0), rng.random() < 0.5
+            t.drawn = {"hold_s": round(hold, 2), "held_before_moto": before}
             world.faults.delay_next("RunInstances", hold, after_forward=not before)
             sent = len(world.faults.actions("RunInstances"))
             await scale(2)
             await until(lambda: len(world.faults.actions("RunInstances")) > sent, "the held RunInstances",
                         timeout_s=15, daemons=(leader,))
-            await asyncio.sleep(rng.uniform(0.0, hold))  # the drawn moment inside the held call
+            await asyncio.sleep(rng.uniform(0.0, min(hold, 2.5)))  # the drawn moment inside the held call
         elif t.phase == "grow":
-            await scale(rng.choice((2, 3)))
-            await asyncio.sleep(rng.uniform(0.0, 1.5))  # the drawn moment
+            latency = rng.uniform(0.3, 1.5)  # moto answers in ms; EC2's RunInstances takes about a second
+            world.faults.delay_next("RunInstances", latency, n=2, after_forward=rng.random() < 0.5)
+            t.drawn = {"target": rng.choice((2, 3)), "run_instances_s": round(latency, 2)}
+            await scale(t.drawn["target"])
+            await asyncio.sleep(rng.uniform(0.0, 2.0))  # the drawn moment
         elif t.phase == "shrink":
             await scale(3)
             await until(lambda: _launched(leader, 3), "3 nodes bought", timeout_s=30, daemons=(leader,))
-            if rng.random() < 0.5:
-                world.faults.delay_next("TerminateInstances", rng.uniform(0.3, 1.5), after_forward=rng.random() < 0.5)
+            latency = rng.uniform(0.3, 1.5)
+            world.faults.delay_next("TerminateInstances", latency, n=2, after_forward=rng.random() < 0.5)
+            t.drawn = {"target": rng.choice((1, 2)), "terminate_instances_s": round(latency, 2)}
             phase_at = time.monotonic()
-            await scale(rng.choice((1, 2)))
+            await scale(t.drawn["target"])
             await asyncio.sleep(rng.uniform(0.0, 1.0))  # the drawn moment
         elif t.phase == "replace":
             await scale(2)
             got = await until(lambda: _launched(leader, 2), "2 nodes bought", timeout_s=30, daemons=(leader,))
             phase_at = time.monotonic()
             victim = rng.choice(sorted(got.values()))
+            latency = rng.uniform(0.3, 1.5)
+            world.faults.delay_next("RunInstances", latency, after_forward=rng.random() < 0.5)  # the replacement's
+            t.drawn = {"run_instances_s": round(latency, 2)}
             await asyncio.to_thread(world.ec2.terminate_instances, InstanceIds=[victim])  # a reclaim, no notice
-            await asyncio.sleep(rng.uniform(0.0, 1.5))  # the drawn moment
+            await asyncio.sleep(rng.uniform(0.0, 2.0))  # the drawn moment
         else:
             await asyncio.sleep(rng.uniform(0.0, 2.0))  # the drawn moment
         seen = await leader.events()  # what the leader's API showed, just before its death
@@ -361,6 +379,8 @@ async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
                 t.lost += e["seq"] not in by_seq or not _same(e, by_seq[e["seq"]])
             else:
                 t.uncommitted += 1
+                t.uncommitted_events.append(_brief(e))
+        t.survivor_events = [_brief(e) for e in final if e["seq"] > max(committed, default=0)]
         t.order += causal_violations(final, scaled)
         t.acked_lost = sum(1 for n in scaled) - len([e for e in final if e["kind"] == "pool_scaled"])
         t.adopted = sum(1 for e in final if e["kind"] == "node_launched" and e["data"].get("adopted"))
@@ -435,14 +455,14 @@ def table(trials: Sequence[Trial]) -> str:
 
 
 async def run_trials(n: int, seed: int, root: Path, *, json_out: Path | None = None, quiet: bool = False,
-                     deadline: float | None = None) -> list[Trial]:
+                     deadline: float | None = None, stop_file: Path | None = None) -> list[Trial]:
     """``n`` trials (0..n-1) of ``seed`` on one :class:`World` under ``root``; stops early
-    (fewer trials) once the wall clock passes ``deadline`` (unix s). Writes ``json_out``
+    (fewer trials) once the wall clock passes ``deadline`` (unix s) or ``stop_file`` exists. Writes ``json_out``
     after each trial (so an interrupted run keeps what it measured)."""
     done: list[Trial] = []
     async with World(root) as world:
         for i in range(n):
-            if deadline is not None and time.time() > deadline:
+            if (deadline is not None and time.time() > deadline) or (stop_file is not None and stop_file.exists()):
                 break
             t = await one_trial(world, i, seed, root)
             done.append(t)
@@ -470,13 +490,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write every trial's record here")
     p.add_argument("--dir", type=Path, default=None, help="where etcd's data and failed trials' logs go (default: a temp dir)")
     p.add_argument("--stop-at", type=float, default=None, help="unix time after which no new trial starts")
+    p.add_argument("--stop-file", type=Path, default=None,
+                   help="once this file exists no new trial starts (a clean stop: gRPC swallows SIGINT)")
     args = p.parse_args(argv)
     if args.trials < 1:
         print("ha_trials: --trials must be at least 1", file=sys.stderr)
         return 2
     root = args.dir or Path(tempfile.mkdtemp(prefix="ha-trials-"))
     root.mkdir(parents=True, exist_ok=True)
-    trials = asyncio.run(run_trials(args.trials, args.seed, root, json_out=args.json, deadline=args.stop_at))
+    trials = asyncio.run(run_trials(args.trials, args.seed, root, json_out=args.json, deadline=args.stop_at,
+                                       stop_file=args.stop_file))
     print(table(trials))
     print(json.dumps(summary(trials)))
     print(f"logs of failed trials (if any) under {root}")
