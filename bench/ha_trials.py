@@ -20,7 +20,10 @@ first node bought, then one phase, round-robin over the trials:
 - ``replace``: one instance terminated behind the daemon's back (a spot reclaim with no
   notice), the replacement's RunInstances taking 0.3-1.5 s, the kill 0-2 s after (before,
   during or after the replacement's purchase);
-- ``idle``: the kill at a random moment of a steady pool.
+- ``idle``: the kill at a random moment of a steady pool;
+- ``late_launch`` (only with ``--phases``): a RunInstances held 10-14 s before moto sees
+  it, the kill 0-2.5 s into the hold: the survivor finds no instance, gives the node up
+  and buys another; the first instance lands later and must be terminated, not leaked.
 
 Not covered: mid-notice and mid-migration. Both need node agents that report a notice and
 a trainer that commits (the AWS path reads its notices through the agent on the node);
@@ -63,7 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -77,6 +80,8 @@ from daemon.ha.elector import leader_key, pool_prefix  # noqa: E402
 __all__ = ["PHASES", "TAKEOVER_LIMIT_S", "Trial", "World", "causal_violations", "run_trials", "summary"]
 
 PHASES = ("launch", "grow", "shrink", "replace", "idle")
+#: not in the default round-robin: a purchase that reaches EC2 only after the survivor gave its node up
+EXTRA_PHASES = ("late_launch",)
 TAKEOVER_LIMIT_S = 10.0
 LEASE_S = 5
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
@@ -93,6 +98,7 @@ class Trial:
     phase: str
     leader: str = ""
     store_killed: bool = False
+    etcd_leader_killed: bool = False  # the member killed with the daemon led etcd's raft group
     kill_after_s: float = 0.0  # the drawn moment, from the phase's start
     drawn: dict[str, Any] = field(default_factory=dict)  # the phase's drawn parameters (holds, targets)
     elected_s: float | None = None
@@ -113,6 +119,10 @@ class Trial:
     unowned_terminated: int = 0
     wall_s: float = 0.0
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.acted_s is not None and self.elected_s is not None and self.acted_s < self.elected_s:
+            self.acted_s = None  # a call the dead leader had on the wire: the survivor acts only once elected
 
     @property
     def ok(self) -> bool:
@@ -251,10 +261,12 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
         (b["kind"], b.get("node"), b.get("data"), round(float(b["time"]), 3))
 
 
-async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
-    """Trial ``i`` of seed ``seed`` (module docstring). Never raises: an error is recorded."""
+async def one_trial(world: World, i: int, seed: int, root: Path, phases: Sequence[str] = PHASES) -> Trial:
+    """Trial ``i`` of seed ``seed`` (module docstring), its phase ``phases[i % len(phases)]``.
+    Never raises: an error is recorded."""
     rng = random.Random(f"{seed}/{i}")
-    t = Trial(trial=i, phase=PHASES[i % len(PHASES)])
+    t = Trial(trial=i, phase=phases[i % len(phases)])
+    landed_by = 0.0  # monotonic time by which a held purchase has reached moto
     pool = f"ha{seed}t{i:03d}"
     tdir = root / pool
     tdir.mkdir(parents=True, exist_ok=True)
@@ -292,6 +304,16 @@ async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
             await until(lambda: len(world.faults.actions("RunInstances")) > sent, "the held RunInstances",
                         timeout_s=15, daemons=(leader,))
             await asyncio.sleep(rng.uniform(0.0, min(hold, 2.5)))  # the drawn moment inside the held call
+        elif t.phase == "late_launch":
+            hold = rng.uniform(10.0, 14.0)
+            t.drawn = {"hold_s": round(hold, 2), "held_before_moto": True}
+            world.faults.delay_next("RunInstances", hold, after_forward=False)
+            sent = len(world.faults.actions("RunInstances"))
+            await scale(2)
+            await until(lambda: len(world.faults.actions("RunInstances")) > sent, "the held RunInstances",
+                        timeout_s=15, daemons=(leader,))
+            landed_by = time.monotonic() + hold + 0.5
+            await asyncio.sleep(rng.uniform(0.0, 2.5))  # the drawn moment inside the held call
         elif t.phase == "grow":
             latency = rng.uniform(0.3, 1.5)  # moto answers in ms; EC2's RunInstances takes about a second
             world.faults.delay_next("RunInstances", latency, n=2, after_forward=rng.random() < 0.5)
@@ -319,6 +341,8 @@ async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
             await asyncio.sleep(rng.uniform(0.0, 2.0))  # the drawn moment
         else:
             await asyncio.sleep(rng.uniform(0.0, 2.0))  # the drawn moment
+        if t.store_killed:
+            t.etcd_leader_killed = await asyncio.to_thread(world.cluster.raft_leader) == member[leader.name]
         seen = await leader.events()  # what the leader's API showed, just before its death
         t.kill_after_s = round(time.monotonic() - phase_at, 3)
         killed_at = time.monotonic()
@@ -346,7 +370,7 @@ async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
         await until(lambda: _converged(world, survivor, pool, target), f"the pool at its target {target}",
                     timeout_s=30, daemons=(survivor,), poll_s=0.2)
         downed_at = time.monotonic()
-        acts = [s.at for s in world.faults.requests if s.action in _MUTATING and killed_at < s.at < downed_at
+        acts = [s.at for s in world.faults.requests if s.action in _MUTATING and killed_at + t.elected_s < s.at < downed_at
                 and str(s.params.get("DryRun", "")).lower() != "true"]
         t.acted_s = min(acts) - killed_at if acts else None
         await survivor.down()
@@ -356,6 +380,7 @@ async def one_trial(world: World, i: int, seed: int, root: Path) -> Trial:
             return s is not None and not [n for n in s["nodes"] if n["state"] not in ("terminated", "lost", "failed")]
 
         await until(released, "every node released", timeout_s=30, daemons=(survivor,))
+        await asyncio.sleep(max(0.0, landed_by - time.monotonic()))  # a late purchase has landed: is it released?
         with contextlib.suppress(AssertionError):  # what is still up after 10 s is a leak
             await until(lambda: not _live_instances(world, pool), "no live instance", timeout_s=10)
         t.leaked = len(await asyncio.to_thread(_live_instances, world, pool))
@@ -431,7 +456,7 @@ def summary(trials: Sequence[Trial]) -> dict[str, Any]:
         out[name] = sum(getattr(t, name) for t in trials)
     out["order_violations"] = sum(len(t.order) for t in trials)
     out["over_10s"] = sum(1 for t in trials if (t.serving_s or 0) > TAKEOVER_LIMIT_S or (t.acted_s or 0) > TAKEOVER_LIMIT_S)
-    out["phases"] = {p: sum(t.phase == p for t in trials) for p in PHASES}
+    out["phases"] = {p: n for p in PHASES + EXTRA_PHASES if (n := sum(t.phase == p for t in trials))}
     out["store_killed"] = sum(t.store_killed for t in trials)
     return out
 
@@ -441,7 +466,12 @@ def table(trials: Sequence[Trial]) -> str:
     rows = ["| phase | trials | store killed | takeover p50 / p95 / max (s) | acted p50 / max (s) | duplicates "
             "| leaked | lost | reordered | acked lost | uncommitted dropped | errors |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, group in [*((p, [t for t in trials if t.phase == p]) for p in PHASES), ("all", list(trials))]:
+    groups = [*((p, [t for t in trials if t.phase == p]) for p in PHASES + EXTRA_PHASES),
+              ("daemon only", [t for t in trials if not t.store_killed]),
+              ("daemon + its etcd member", [t for t in trials if t.store_killed]),
+              ("... that led etcd's raft group", [t for t in trials if t.etcd_leader_killed]),
+              ("all", list(trials))]
+    for name, group in groups:
         if not group:
             continue
         s = summary(group)
@@ -455,7 +485,8 @@ def table(trials: Sequence[Trial]) -> str:
 
 
 async def run_trials(n: int, seed: int, root: Path, *, json_out: Path | None = None, quiet: bool = False,
-                     deadline: float | None = None, stop_file: Path | None = None) -> list[Trial]:
+                     deadline: float | None = None, stop_file: Path | None = None,
+                     phases: Sequence[str] = PHASES) -> list[Trial]:
     """``n`` trials (0..n-1) of ``seed`` on one :class:`World` under ``root``; stops early
     (fewer trials) once the wall clock passes ``deadline`` (unix s) or ``stop_file`` exists. Writes ``json_out``
     after each trial (so an interrupted run keeps what it measured)."""
@@ -464,7 +495,7 @@ async def run_trials(n: int, seed: int, root: Path, *, json_out: Path | None = N
         for i in range(n):
             if (deadline is not None and time.time() > deadline) or (stop_file is not None and stop_file.exists()):
                 break
-            t = await one_trial(world, i, seed, root)
+            t = await one_trial(world, i, seed, root, phases)
             done.append(t)
             if not quiet:
                 print(f"trial {i:3d} {t.phase:7s} leader={t.leader} store_killed={t.store_killed!s:5s} "
@@ -490,16 +521,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write every trial's record here")
     p.add_argument("--dir", type=Path, default=None, help="where etcd's data and failed trials' logs go (default: a temp dir)")
     p.add_argument("--stop-at", type=float, default=None, help="unix time after which no new trial starts")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated, taken in turn (default: all five; also: {', '.join(EXTRA_PHASES)})")
+    p.add_argument("--report", type=Path, default=None, help="print the table of a --json file and exit")
     p.add_argument("--stop-file", type=Path, default=None,
                    help="once this file exists no new trial starts (a clean stop: gRPC swallows SIGINT)")
     args = p.parse_args(argv)
+    if args.report is not None:
+        known = {f.name for f in fields(Trial)}
+        done = [Trial(**{k: v for k, v in d.items() if k in known}) for d in json.loads(args.report.read_text())["trials"]]
+        print(table(done))
+        print(json.dumps(summary(done)))
+        return 0
     if args.trials < 1:
         print("ha_trials: --trials must be at least 1", file=sys.stderr)
+        return 2
+    phases = [x for x in args.phases.split(",") if x]
+    bad = [x for x in phases if x not in PHASES + EXTRA_PHASES]
+    if bad or not phases:
+        print(f"ha_trials: --phases: unknown {bad or 'none given'}; choose from {', '.join(PHASES + EXTRA_PHASES)}",
+              file=sys.stderr)
         return 2
     root = args.dir or Path(tempfile.mkdtemp(prefix="ha-trials-"))
     root.mkdir(parents=True, exist_ok=True)
     trials = asyncio.run(run_trials(args.trials, args.seed, root, json_out=args.json, deadline=args.stop_at,
-                                       stop_file=args.stop_file))
+                                       stop_file=args.stop_file, phases=phases))
     print(table(trials))
     print(json.dumps(summary(trials)))
     print(f"logs of failed trials (if any) under {root}")
