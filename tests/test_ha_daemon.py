@@ -10,89 +10,25 @@ or a DNS name that follows the leader there). Every wait is on a condition with 
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-import aiohttp
 import boto3
 import pytest
 import yaml
 
+from bench.ha_harness import Daemon, until
 from bench.ports import free_port
 from daemon.ha.client import EtcdClient
 from daemon.ha.elector import pool_prefix
 from daemon.providers.base import NODE_TAG, POOL_TAG
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
 from fakes.aws_faults import AwsFaultProxy
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-class Daemon:
-    """``spotvisord run --config FILE`` in its own process; its control socket's API."""
-
-    def __init__(self, name: str, config: Path, socket_path: str, log: Path) -> None:
-        self.name, self.config, self.socket_path, self.log = name, config, socket_path, log
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(self.config), cwd=ROOT,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
-
-    async def _get(self, path: str) -> str | None:
-        """The body of ``GET path`` on the control socket; None while nothing answers there."""
-        try:
-            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path)) as s, \
-                    s.get(f"http://spotvisord{path}", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return await r.text() if r.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return None
-
-    async def status(self) -> dict[str, Any] | None:
-        body = await self._get("/v1/status")
-        return None if body is None else json.loads(body)
-
-    async def events(self) -> list[dict[str, Any]]:
-        body = await self._get("/v1/events?since=0")
-        return [json.loads(line) for line in (body or "").splitlines() if line.strip()]
-
-    async def scale(self, nodes: int) -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path)) as s, \
-                s.post("http://spotvisord/v1/scale", json={"nodes": nodes}) as r:
-            assert r.status == 200, await r.text()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-
-async def until(pred: Callable[[], Any], what: str, *, timeout_s: float = 20.0,
-                daemons: tuple[Daemon, ...] = ()) -> Any:
-    """``await pred()`` (or ``pred()``) until it is truthy; fails after ``timeout_s`` or when
-    a daemon that must run has exited (with its log's tail)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return got
-        for d in daemons:
-            if not d.alive():
-                raise AssertionError(f"{d.name} exited waiting for {what}: {d.log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {d.name}\n{d.log.read_text()[-2000:]}" for d in daemons)
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs}")
-        await asyncio.sleep(0.05)
-
 
 @pytest.fixture
 async def ha_pair(tmp_path: Path, etcd_cluster: EtcdCluster, faults: AwsFaultProxy,  # noqa: F811

@@ -35,6 +35,20 @@ faults are for the launches a test means; :meth:`AwsFaultProxy.answer` sees them
   S3's ``<Error><Code/><Message/></Error>``
   (https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html).
 
+RunInstances carries EC2's idempotency, which moto 5 does not implement (it stores the
+``ClientToken`` and launches again): a request whose ``ClientToken`` an earlier successful
+RunInstances in the same region carried gets that request's answer back, and no new
+instance; with the same token but other parameters it gets ``IdempotentParameterMismatch``
+(400). Requests with one token are served one at a time (a retry that arrives while the
+first is still at moto waits for its answer). EC2's contract, "Ensuring idempotency in
+Amazon EC2 API requests" (https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html):
+"If you retry a request that has completed successfully using the same client token and
+the same parameters, the retry succeeds without performing any further actions. If you
+retry a successful request using the same client token, but one or more of the
+parameters are different, other than the Region or Availability Zone, the retry fails
+with an IdempotentParameterMismatch error." :attr:`AwsFaultProxy.replayed` counts the
+answers given back that way.
+
 The proxy runs its own event loop in a background thread, so both sync boto3 calls
 made by a test and ``asyncio.to_thread`` calls made by a provider can reach it.
 Every request's action and form parameters are recorded in :attr:`requests`.
@@ -46,6 +60,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +106,8 @@ class Seen:
     method: str = "POST"
     path: str = "/"
     region: str = ""  # from the SigV4 credential scope ("" unsigned)
+    at: float = field(default_factory=time.monotonic)  # when the proxy received it (monotonic s)
+    replayed: bool = False  # a RunInstances answered from an earlier request with its ClientToken
 
 
 @dataclass
@@ -102,6 +119,9 @@ class AwsFaultProxy:
 
     def __post_init__(self) -> None:
         self._faults: dict[str, list[_Fault]] = {}
+        # (region, ClientToken) -> (parameters but the token, moto's answer): EC2 idempotency (module docstring)
+        self._tokens: dict[tuple[str, str], tuple[dict[str, str], int, dict[str, str], bytes]] = {}
+        self._token_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._responder: Callable[[Seen], tuple[int, str, str] | None] | None = None
         self._lock = threading.Lock()
         self._serving: LoopThread[None] = LoopThread("aws-fault-proxy", "AwsFaultProxy")
@@ -135,6 +155,13 @@ class AwsFaultProxy:
             self._faults.clear()
             self.requests.clear()
             self._responder = None
+            self._tokens.clear()
+
+    @property
+    def replayed(self) -> int:
+        """RunInstances requests answered from an earlier one with the same ClientToken."""
+        with self._lock:
+            return sum(1 for s in self.requests if s.replayed)
 
     def actions(self, action: str, *, dry_run: bool = False) -> list[Seen]:
         """The recorded requests for ``action``, oldest first: those a test means (no
@@ -222,7 +249,7 @@ class AwsFaultProxy:
             return web.Response(status=fault.status, body=fault.body.encode(), content_type="text/xml")
         if fault is not None and not fault.after_forward:
             await self._hold(fault.seconds)
-        status, headers, payload = await self._forward(request, body)
+        status, headers, payload = await self._idempotent(seen, request, body)
         if fault is not None and fault.after_forward:
             await self._hold(fault.seconds)
         return web.Response(status=status, headers=headers, body=payload)
@@ -233,6 +260,28 @@ class AwsFaultProxy:
             await asyncio.wait_for(self._closing.wait(), timeout=seconds)  # the injected delay itself
         except TimeoutError:
             pass
+
+    async def _idempotent(self, seen: Seen, request: web.Request, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        """:meth:`_forward`, with RunInstances' ClientToken honoured (module docstring)."""
+        token = seen.params.get("ClientToken")
+        if seen.action != "RunInstances" or not token or str(seen.params.get("DryRun", "")).lower() == "true":
+            return await self._forward(request, body)
+        key = (seen.region, token)
+        params = {k: v for k, v in seen.params.items() if k != "ClientToken"}
+        async with self._token_locks.setdefault(key, asyncio.Lock()):  # the proxy's loop only: no thread lock
+            done = self._tokens.get(key)
+            if done is not None:
+                with self._lock:
+                    seen.replayed = True
+                if done[0] != params:
+                    return 400, {"Content-Type": "text/xml"}, ec2_error_xml(
+                        "IdempotentParameterMismatch", "Arguments on this idempotent request are inconsistent with "
+                        "arguments used in previous request(s).").encode()
+                return done[1], dict(done[2]), done[3]
+            status, headers, payload = await self._forward(request, body)
+            if status == 200:
+                self._tokens[key] = (params, status, headers, payload)
+            return status, headers, payload
 
     async def _forward(self, request: web.Request, body: bytes) -> tuple[int, dict[str, str], bytes]:
         assert self._session is not None
