@@ -156,3 +156,30 @@ async def test_checkpoint_and_drain_verbs(spot_daemon) -> None:
     assert node.state is NodeState.DRAINING and f"{node.id}: draining" in out
     cmds = h.sup.agents.on_heartbeat(node, {"trainer": {"state": "running"}})["commands"]
     assert [c["kind"] for c in cmds] == ["drain"]
+
+
+async def test_an_action_is_acknowledged_only_once_durable(spot_daemon, monkeypatch) -> None:
+    """HA trials (bench/ha_trials.py, seed 29, trials 41/57/66): a leader killed tens of
+    ms after answering 200 to ``spotctl scale`` lost the new target, which was still in
+    its store's outbox. An action is now answered only once ``Store.durable`` returned;
+    not durable, or not leading: 503 and one line, and spotctl exits non-zero."""
+    from daemon.controlnode.store import NotLeading
+
+    h = spot_daemon
+    failures: list[Exception] = [RuntimeError("etcd: deadline exceeded"), NotLeading("control-b leads")]
+    real = type(h.sup.store).durable
+
+    async def durable(self) -> None:
+        if failures:
+            raise failures.pop(0)
+        await real(self)
+
+    monkeypatch.setattr(type(h.sup.store), "durable", durable)
+    sock = ["--socket", h.socket_path]
+    rc, out, err = await spotctl("scale", "2", *sock)
+    assert rc != 0 and "not durable yet" in err and "Traceback" not in err
+    rc, out, err = await spotctl("scale", "2", *sock)
+    assert rc != 0 and "no longer leads" in err
+    rc, out, err = await spotctl("scale", "2", *sock)  # asked again: the same target, now durable
+    assert rc == 0, err
+    assert h.sup.target_nodes == 2

@@ -397,9 +397,29 @@ async def _simulate_preemption(request: web.Request) -> web.Response:
     return web.json_response({"node": node.id, "deadline": deadline.timestamp(), "lead_s": float(lead_s)})
 
 
+@web.middleware
+async def _durable_actions(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An operator's action (a POST) is acknowledged only once what it changed is durable
+    where the pool's next daemon reads it (:meth:`Store.durable`; HA: committed under the
+    leader's fence, not left in the outbox a kill would lose). Otherwise 503 with one line:
+    the action may not hold, so the operator asks again (every action here is a target or
+    a request, asked again to the same effect)."""
+    response = await handler(request)
+    if request.method != "POST" or not 200 <= response.status < 300:
+        return response
+    try:
+        await request.app[SUPERVISOR].store.durable()
+    except NotLeading:
+        return _error(503, "this daemon no longer leads its pool: the action may not hold; ask the daemon that leads")
+    except Exception as exc:  # noqa: BLE001  the HA store's etcd errors
+        log.warning("operator_action_not_durable", path=request.path, error=repr(exc)[:200])
+        return _error(503, "the action is not durable yet (etcd out of reach): check `spotctl status` and ask again")
+    return response
+
+
 def control_app(sup: Supervisor, metrics: DaemonMetrics | None = None) -> web.Application:
     metrics = metrics if metrics is not None else DaemonMetrics(sup)
-    app = web.Application()
+    app = web.Application(middlewares=[_durable_actions])
     app[SUPERVISOR] = sup
     app[METRICS] = metrics
     app.router.add_get("/v1/status", _status)
