@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ import yaml
 from bench.ports import free_port
 from chaos.conftest import Matrix, lost_events
 from chaos.test_daemon_kill import Daemon, Ec2Sim, _stored_events
+from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
+import test_ha_daemon as ha
 from daemon.analysis.summary import summarize
 from daemon.controlnode.rendezvous import StoreProcess
 from daemon.model import Event
@@ -45,6 +48,8 @@ SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head
 
 
 def _config(tmp_path: Path, proxy_url: str, store_port: int) -> tuple[Path, dict[str, Any]]:
+    """The daemon's config file and its content: a 2-node pool of 1-GPU EC2 instances (moto)
+    running the reference trainer (a small GPT-2) to ``TARGET_STEPS``."""
     pool = f"cn-{uuid.uuid4().hex[:8]}"
     sockdir = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
     raw = {
@@ -144,11 +149,11 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
 
 
 def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], seen: list[dict[str, Any]],
-           tmp_path: Path, live: list[Any], attempt: str, at_kill: int) -> None:
+           tmp_path: Path, live: list[Any], attempt: str, at_kill: int, *, scenario: str | None = None) -> None:
     commits = {e.data["step"] for e in stored if e.kind == "checkpoint_committed"}
     on_disk = {m.step for m in list_committed(FileStore(tmp_path / "checkpoints"))}
     completed = [e for e in stored if e.kind == "job_completed"]
-    row = matrix.row(f"control node (daemon + store) SIGKILL {moment.replace('_', ' ')} (real job, 2 nodes)",
+    row = matrix.row(scenario or f"control node (daemon + store) SIGKILL {moment.replace('_', ' ')} (real job, 2 nodes)",
                      job_completed=bool(completed) and s["steps_completed"] == TARGET_STEPS,
                      lost_checkpoints=len(commits - on_disk), leaked_instances=len(live),
                      lost_events=lost_events(stored, seen))
@@ -169,3 +174,65 @@ def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], 
                     and notice.data["notice_id"] in e.data.get("notice_ids", [])]
         assert answered, "the notice's commit never reached the daemon"
         assert s["resizes_in_process"] >= 1
+
+
+async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
+        tmp_path: Path, faults: AwsFaultProxy, ec2_server: str, matrix: Matrix,
+        etcd_cluster: EtcdCluster) -> None:  # noqa: F811
+    """HA (``ha:``, a real 3-member etcd cluster): control-a leads, control-b stands by.
+    control-a's control node dies mid-training: the daemon and the rendezvous store,
+    SIGKILLed. The store's address moves to control-b's node (a floating address; here the
+    same port) and comes up empty; control-b leads within 10 s, reads the pool from etcd
+    and runs the job to its end: the same worker group, 0 lost steps, no stall."""
+    store = StoreProcess("127.0.0.1", free_port())
+    await asyncio.to_thread(store.start)
+    cfg, raw = _config(tmp_path, faults.url, store.port)
+    pool, instances = raw["pool"]["name"], tmp_path / "instances"
+    configs = {}
+    for name in ("control-a", "control-b"):
+        mine = yaml.safe_load(yaml.safe_dump(raw))
+        mine["ha"] = {"name": name, "lease_s": 4, "endpoints": etcd_cluster.endpoints}
+        mine["daemon"].update(state_dir=str(tmp_path / name), socket=raw["daemon"]["socket"].replace("d.sock",
+                                                                                                   f"{name}.sock"))
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(mine))
+    a = Daemon(configs["control-a"], raw["daemon"]["socket"].replace("d.sock", "control-a.sock"),
+               tmp_path / "control-a.log")
+    b = ha.Daemon("control-b", configs["control-b"], raw["daemon"]["socket"].replace("d.sock", "control-b.sock"),
+                  tmp_path / "control-b.log")
+    try:
+        async with Ec2Sim(ec2_server, pool, instances, None) as sim:
+            await a.start()  # returns once its control socket answers: it leads
+            await b.start()
+            await ha.until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line",
+                           timeout_s=60, daemons=(b,))
+            await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
+            attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
+            await a.sigkill()
+            await asyncio.to_thread(store.kill)
+            killed_at = time.monotonic()
+            seen = list(a.seen)
+            at_kill = _steps_done(instances)
+            await asyncio.to_thread(store.start)  # the floating address, now on control-b's node: empty
+            await ha.until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
+            led_s = time.monotonic() - killed_at
+            assert b.proc is not None
+            assert await asyncio.wait_for(b.proc.wait(), 400) == 0  # the job completed, the pool released
+            print("DBG b exited", time.monotonic(), flush=True)
+            stored = _stored_events(tmp_path / "control-b" / "spotvisord.db")
+            s = summarize(instances, stored, target_steps=TARGET_STEPS, global_batch_size=GLOBAL_BATCH)
+            live = sim.live()
+            print("DBG live", time.monotonic(), flush=True)
+        print("DBG sim closed", time.monotonic(), flush=True)
+    finally:
+        for proc in (a.proc, b.proc):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await a._stop_follower()
+        print("DBG follower stopped", time.monotonic(), flush=True)
+        await asyncio.to_thread(store.stop)
+        print("DBG store stopped", time.monotonic(), flush=True)
+    print(f"\nHA: control-b led {led_s:.2f} s after control-a's control node was killed (lease 4 s)")
+    _check(matrix, "mid_training", s, stored, seen, tmp_path, live, attempt, at_kill,
+           scenario="HA leader's control node (daemon + store) SIGKILL mid training (real job, 2 nodes)")
