@@ -183,3 +183,28 @@ async def test_an_action_is_acknowledged_only_once_durable(spot_daemon, monkeypa
     rc, out, err = await spotctl("scale", "2", *sock)  # asked again: the same target, now durable
     assert rc == 0, err
     assert h.sup.target_nodes == 2
+
+
+async def test_events_are_shown_only_once_durable(spot_daemon, monkeypatch) -> None:
+    """An event a reader was shown must survive a takeover (the HA cell of
+    tests/chaos/test_control_node_kill.py counted one lost: shown by the killed leader's
+    follower, still in its outbox). ``/v1/events`` waits for ``Store.durable``; not
+    durable: 503 and one line, nothing shown."""
+    from daemon.controlnode.store import NotLeading
+
+    h = spot_daemon
+    await h.until(lambda: h.sup.store.last_seq() > 0, what="a first event")
+    failures: list[Exception] = [NotLeading("control-b leads")]
+    real = type(h.sup.store).durable
+
+    async def durable(self) -> None:
+        if failures:
+            raise failures.pop(0)
+        await real(self)
+
+    monkeypatch.setattr(type(h.sup.store), "durable", durable)
+    sock = ["--socket", h.socket_path]
+    rc, out, err = await spotctl("events", *sock)
+    assert rc != 0 and "not durable" in err and out == "" and "Traceback" not in err
+    rc, out, err = await spotctl("events", *sock)
+    assert rc == 0 and out.strip(), err

@@ -230,12 +230,27 @@ async def _events(request: web.Request) -> web.StreamResponse:
         return _error(400, f"since must be an event seq, a whole number in 0..{MAX_EVENT_SEQ}")
     kinds = [k for k in request.query.getall("kind", []) if k]
     follow = request.query.get("follow") in ("1", "true")
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await resp.prepare(request)
+    resp: web.StreamResponse | None = None
     while True:
+        # an event is shown only once it is durable where the pool's next daemon reads it
+        # (HA: committed under the fence), so no reader ever saw an event a takeover loses
+        upto = sup.store.last_seq()
+        try:
+            await sup.store.durable()
+        except Exception as exc:  # noqa: BLE001  NotLeading, or the HA store's etcd errors
+            log.warning("events_not_durable", error=repr(exc)[:200])
+            if resp is None:
+                return _error(503, "this daemon's events are not durable (it no longer leads, or etcd is out of "
+                                   "reach): ask again, or ask the daemon that leads")
+            break  # a follower reconnects with ?since= and gets the rest from the daemon that leads
+        if resp is None:
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
         for ev in sup.store.events(since=since, kinds=kinds):
+            if ev.seq > upto:
+                break
             await resp.write((json.dumps(ev.to_dict()) + "\n").encode())
-        since = max(since, sup.store.last_seq())
+        since = max(since, upto)
         if not follow:
             break
         await sup.wait_for_events(since, timeout_s=_FOLLOW_POLL_S)
