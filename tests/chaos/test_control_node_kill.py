@@ -9,7 +9,8 @@ instances outlive the daemon as a cloud's do; on each instance :class:`Ec2Sim` r
 real node agent that runs the daemon's own job spec: real torchrun
 (``--rdzv-backend=spotvisor``), the reference trainer (DDP, gloo), its checkpoints in a
 directory of this machine. The local provider cannot play this: its instances end with
-the daemon by design (``tests/test_local_orphans.py``).
+the daemon by design (``tests/test_local_orphans.py``). The HA cell runs two daemons on a
+real 3-member etcd cluster (``ha:``) and kills the leader's control node.
 
 Measured from what the run left: the restarted daemon's event log, the trainers' own step
 logs and status lines (:func:`daemon.analysis.summary.summarize`), the checkpoint
@@ -29,11 +30,11 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.ha_harness import Daemon as HaDaemon, until as ha_until
 from bench.ports import free_port
 from chaos.conftest import Matrix, lost_events
 from chaos.test_daemon_kill import Daemon, Ec2Sim, _stored_events
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
-import test_ha_daemon as ha
 from daemon.analysis.summary import summarize
 from daemon.controlnode.rendezvous import StoreProcess
 from daemon.model import Event
@@ -198,13 +199,13 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
         configs[name].write_text(yaml.safe_dump(mine))
     a = Daemon(configs["control-a"], raw["daemon"]["socket"].replace("d.sock", "control-a.sock"),
                tmp_path / "control-a.log")
-    b = ha.Daemon("control-b", configs["control-b"], raw["daemon"]["socket"].replace("d.sock", "control-b.sock"),
+    b = HaDaemon("control-b", configs["control-b"], raw["daemon"]["socket"].replace("d.sock", "control-b.sock"),
                   tmp_path / "control-b.log")
     try:
         async with Ec2Sim(ec2_server, pool, instances, None) as sim:
             await a.start()  # returns once its control socket answers: it leads
             await b.start()
-            await ha.until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line",
+            await ha_until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line",
                            timeout_s=60, daemons=(b,))
             await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
             attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
@@ -214,25 +215,20 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
             seen = list(a.seen)
             at_kill = _steps_done(instances)
             await asyncio.to_thread(store.start)  # the floating address, now on control-b's node: empty
-            await ha.until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
+            await ha_until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
             led_s = time.monotonic() - killed_at
             assert b.proc is not None
             assert await asyncio.wait_for(b.proc.wait(), 400) == 0  # the job completed, the pool released
-            print("DBG b exited", time.monotonic(), flush=True)
             stored = _stored_events(tmp_path / "control-b" / "spotvisord.db")
             s = summarize(instances, stored, target_steps=TARGET_STEPS, global_batch_size=GLOBAL_BATCH)
             live = sim.live()
-            print("DBG live", time.monotonic(), flush=True)
-        print("DBG sim closed", time.monotonic(), flush=True)
     finally:
         for proc in (a.proc, b.proc):
             if proc is not None and proc.returncode is None:
                 proc.kill()
                 await proc.wait()
         await a._stop_follower()
-        print("DBG follower stopped", time.monotonic(), flush=True)
         await asyncio.to_thread(store.stop)
-        print("DBG store stopped", time.monotonic(), flush=True)
     print(f"\nHA: control-b led {led_s:.2f} s after control-a's control node was killed (lease 4 s)")
     _check(matrix, "mid_training", s, stored, seen, tmp_path, live, attempt, at_kill,
            scenario="HA leader's control node (daemon + store) SIGKILL mid training (real job, 2 nodes)")
