@@ -500,7 +500,8 @@ def end_worker(code: int) -> NoReturn:
     4. :func:`trainer.runtime.exit_process`: streams flushed, ``os._exit(code)``.
 
     Why not return and let the interpreter finalize (``terminate called without an
-    active exception``, SIGABRT, on rank 1 of a completed run; the core's stack below): a
+    active exception``, SIGABRT, on rank 1 of a completed run; the stack below is from a
+    core of the same abort in a two-rank script shaped like the Trainer's end): a
     gloo worker thread releases its last work *after* waking the rank that waited on it;
     when that work holds tensors whose Python objects the rank dropped meanwhile (HF's
     ``store_flos`` all-gather is the last collective of ``Trainer.train``), the release
@@ -510,8 +511,9 @@ def end_worker(code: int) -> NoReturn:
     finished job as failed. Destroying the group joins those threads only when nothing
     else holds it, and on the HF path something of the Trainer's keeps a reference (its
     two ``pt_gloo_runloop`` threads still run after ``gc.collect()`` and
-    ``destroy_process_group``), so the last step never finalizes. What that skips: objects still alive are not collected (files the
-    script left open and unreferenced were closed in step 2). The stack::
+    ``destroy_process_group``), so the last step never finalizes. What that skips:
+    objects still alive are not collected (files the script left open and unreferenced
+    were closed in step 2). The stack::
 
         ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject
         -> pybind11::gil_scoped_acquire -> take_gil -> PyThread_exit_thread -> pthread_exit
