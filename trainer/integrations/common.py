@@ -30,16 +30,24 @@ rank 0 discards that checkpoint and all ranks try the previous one.
 Each commit appends the ``checkpoint_committed`` status line the agent waits for
 (with the notice ids it answers), and records its cost in the manifest's ``extra``
 (``save_s``, ``upload_s``, ``bytes``) for the daemon's flush-deadline pre-flight.
+
+A worker that ran a user's script (:mod:`trainer.integrations.hf_launch`) ends through
+:func:`end_worker`: every rank leaves the process group together, then the process ends
+without the interpreter's finalization, which a libtorch thread can abort.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc as python_gc  # trainer.checkpoint.gc is the store's
 import logging
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import NoReturn, Protocol, TypeVar, runtime_checkable
 
 import torch.distributed as dist
 
@@ -58,10 +66,10 @@ from trainer.checkpoint import (
     write_dir,
 )
 from trainer.guard import Decision, PreemptionGuard
-from trainer.runtime import DistContext, StatusWriter, barrier
+from trainer.runtime import DistContext, StatusWriter, barrier, exit_process
 
 __all__ = ["Committer", "ShardWriter", "DirCheckpointer", "CommitResult", "merge_shards", "all_gather_objects", "broadcast_object",
-           "newest_intact"]
+           "newest_intact", "end_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -470,3 +478,63 @@ class DirCheckpointer(Committer):
         barrier(self.ctx)
         if local is not None and self.ctx.is_local_leader:
             shutil.rmtree(local, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the end of a worker
+
+
+def end_worker(code: int) -> NoReturn:
+    """End this worker once the user's script has returned (``code`` 0) or refused to run.
+
+    In order, each step what the interpreter's own exit would do, or must be done before it:
+
+    1. the non-daemon threads the script left are joined (as at a normal exit);
+    2. ``code`` 0 with a process group: every rank meets at a barrier, so none leaves
+       while a peer is still in a collective with it (a peer that failed makes this
+       rank's barrier raise: exit 1, one line), the cycles the script left are
+       collected while the group is still registered, then the group is destroyed:
+       its last reference, when torch's was the last, drops with the GIL released
+       (gloo's worker threads are joined; NCCL's communicators shut down);
+    3. the ``atexit`` handlers run (the script's and its libraries', ``logging``'s
+       among them) on an intact interpreter;
+    4. :func:`trainer.runtime.exit_process`: streams flushed, ``os._exit(code)``.
+
+    Why not return and let the interpreter finalize (``terminate called without an
+    active exception``, SIGABRT, on rank 1 of a completed run; the stack below is from a
+    core of the same abort in a two-rank script shaped like the Trainer's end): a
+    gloo worker thread releases its last work *after* waking the rank that waited on it;
+    when that work holds tensors whose Python objects the rank dropped meanwhile (HF's
+    ``store_flos`` all-gather is the last collective of ``Trainer.train``), the release
+    takes the GIL (``TensorImpl::decref_pyobject``). Once ``Py_FinalizeEx`` has begun,
+    CPython ends such a thread with ``pthread_exit``; its forced unwind through the
+    ``noexcept`` work destructor is ``std::terminate``: SIGABRT, and torchrun reports the
+    finished job as failed. Destroying the group joins those threads only when nothing
+    else holds it, and on the HF path something of the Trainer's keeps a reference (its
+    two ``pt_gloo_runloop`` threads still run after ``gc.collect()`` and
+    ``destroy_process_group``), so the last step never finalizes. What that skips:
+    objects still alive are not collected (files the script left open and unreferenced
+    were closed in step 2). The stack::
+
+        ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject
+        -> pybind11::gil_scoped_acquire -> take_gil -> PyThread_exit_thread -> pthread_exit
+        -> _Unwind_ForcedUnwind -> __gxx_personality_v0 -> std::terminate
+        (main thread: Py_FinalizeEx)
+    """
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    if code == 0 and dist.is_available() and dist.is_initialized():
+        try:
+            if dist.get_world_size() > 1:
+                dist.barrier()
+        except RuntimeError as exc:  # torch's DistError and gloo's connection errors
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"spotvisor: a peer left before every rank finished its script: {first}", file=sys.stderr,
+                  flush=True)
+            code = 1
+        else:
+            python_gc.collect()
+            dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what Py_FinalizeEx calls; the module has no public name for it
+    exit_process(code)

@@ -28,6 +28,11 @@ lost node or a joining one), before the user's script runs:
    the exact position.
 3. The user's command runs in this process (``runpy``; ``sys.argv`` as the script
    expects it).
+4. When it returns (or calls ``sys.exit(0)``), every rank meets at a barrier and leaves
+   the process group, the script's ``atexit`` handlers run, and the process ends
+   without the interpreter's finalization (:func:`~trainer.integrations.common.end_worker`:
+   a gloo thread could abort it, and torchrun would report the finished job as failed).
+   A script that raises, or exits non-zero, ends as Python ends it.
 
 Exit 2 with one line for a config that can never run (bad accelerate config, a
 checkpoint not written by the HF callback, no ``--`` command).
@@ -165,15 +170,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if command[0] == "-m":
-        sys.argv = [command[1], *command[2:]]
-        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(command)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
-        runpy.run_path(command[0], run_name="__main__")
+    try:
+        if command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(command)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
+            runpy.run_path(command[0], run_name="__main__")
+    except SystemExit as exc:  # the script's own sys.exit(): 0 (or None) is a script that finished
+        if exc.code not in (None, 0):
+            raise
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.integrations.common import end_worker
+
+    end_worker(main())  # every rank leaves the group together; no interpreter finalization
