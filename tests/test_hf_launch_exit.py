@@ -67,7 +67,8 @@ def _launch(tmp: Path, end: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_finished_script_leaves_the_group_on_every_rank_and_exits_0(tmp_path: Path) -> None:
-    for i, end in enumerate(["return", "0", "return", "0", "return"]):
+    # the old ending fails the atexit check on every run: one run per way of ending is enough
+    for i, end in enumerate(["return", "0"]):
         run = _launch(tmp_path / str(i), end)
         assert run.returncode == 0, run.stderr[-3000:]
         assert "terminate called" not in run.stderr
