@@ -159,9 +159,18 @@ class Ec2Sim:
     async def _down(self, iid: str) -> None:
         task, imds, _ = self.agents.pop(iid)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        try:
             await task
-        await imds.aclose()
+        except asyncio.CancelledError:
+            # the agent's end, or this task's own cancel (the watch loop cancelled while it
+            # waits here): only the agent's may be swallowed, or the loop never ends
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+        except Exception:  # noqa: BLE001  the agent's own failure: the VM is gone either way
+            pass
+        finally:
+            await imds.aclose()
 
     def notice(self, node_id: str, *, lead_s: float) -> None:
         """EC2 publishes a spot interruption notice on the node's IMDS, and reclaims the
