@@ -39,7 +39,7 @@ without the interpreter's finalization, which a libtorch thread can abort.
 from __future__ import annotations
 
 import atexit
-import gc as python_gc  # trainer.checkpoint.gc is the store's
+from gc import collect as collect_garbage  # the name gc here is trainer.checkpoint.gc (the store's)
 import logging
 import shutil
 import sys
@@ -534,7 +534,7 @@ def end_worker(code: int) -> NoReturn:
                   flush=True)
             code = 1
         else:
-            python_gc.collect()
+            collect_garbage()
             dist.destroy_process_group()
     atexit._run_exitfuncs()  # what Py_FinalizeEx calls; the module has no public name for it
     exit_process(code)
