@@ -345,3 +345,14 @@ async def test_supervisor_never_launches_an_unusable_offer_and_reports_measured_
     finally:
         await sup.aclose()
         store.close()
+
+
+def test_a_control_node_without_torch_says_once_what_it_cannot_do() -> None:
+    """A ``spotvisor[control]``-only install has no torch: the daemon cannot wake the
+    survivors of a silent node (it was logged per attempt, as a failure). The start-up
+    says it once, with the install that fixes it."""
+    from daemon.controlnode.preflight import control_node_gaps
+
+    assert control_node_gaps(lambda name: True) == []
+    (gap,) = control_node_gaps(lambda name: name != "torch")
+    assert "--pg-timeout-s" in gap and "pip install 'spotvisor[rendezvous]'" in gap

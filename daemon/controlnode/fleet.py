@@ -12,6 +12,7 @@ the daemon calls a provider.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 import secrets
 from typing import Any, Mapping
@@ -97,6 +98,8 @@ class Fleet:
         self.unusable = pre.unusable
         if pre.note:
             log.info("preflight_skipped", pool=self.core.pool, note=pre.note)
+        for gap in preflight.control_node_gaps(lambda name: importlib.util.find_spec(name) is not None):
+            log.warning("control_node_gap", pool=self.core.pool, note=gap)
         for kind, data in pre.events:
             self.core.record(EventKind(kind), None, **data)
         await self.checks.check_once()

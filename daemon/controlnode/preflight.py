@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from daemon.catalog import PRESETS, Architecture
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
@@ -466,3 +466,18 @@ def at_start(config: "Config") -> Startup:
         if check.at_risk:
             events.append(("checkpoint_deadline_risk", check.event_data("estimate")))
     return Startup(unusable, events)
+
+
+#: what the control node lacks without torch (a ``spotvisor[control]``-only install)
+NO_TORCH_NOTE = (
+    "torch is not installed on this control node: a node lost without notice cannot be "
+    "announced to the survivors through the rendezvous store (trainer.membership.wake_survivors), "
+    "so they re-form only at their collective's timeout (--pg-timeout-s) instead of at once; "
+    "install it here: pip install 'spotvisor[rendezvous]'")
+
+
+def control_node_gaps(has_module: Callable[[str], bool]) -> list[str]:
+    """What this control node's install cannot do, one line each (logged once at start);
+    ``has_module(name)``: whether the module can be imported here (no import is done:
+    ``importlib.util.find_spec(name) is not None``)."""
+    return [] if has_module("torch") else [NO_TORCH_NOTE]
