@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -397,3 +398,17 @@ async def agent_running(agent: "object", name: str = "test-agent") -> AsyncItera
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
+
+
+def fail_durable(monkeypatch: pytest.MonkeyPatch, store: Any, failures: list[Exception]) -> None:
+    """Make ``store``'s :meth:`~daemon.controlnode.store.Store.durable` raise each of
+    ``failures`` in turn (etcd out of reach, ``NotLeading``), then behave again: what a
+    daemon's answers do while its state is not durable where the next leader reads it."""
+    real = type(store).durable
+
+    async def durable(self: Any) -> None:
+        if failures:
+            raise failures.pop(0)
+        await real(self)
+
+    monkeypatch.setattr(type(store), "durable", durable)

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from conftest import fail_durable
 from daemon.model import NodeState
 
 
@@ -232,15 +233,7 @@ async def test_a_reply_not_durable_yet_is_withheld_and_told_at_the_next_ask(spot
     await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
     await agent.heartbeat("running")  # told to start, and the trainer runs: a checkpoint can be asked for
     first = h.sup.operator.request_checkpoint("manual")
-    failures: list[Exception] = [RuntimeError("etcd: deadline exceeded"), NotLeading("daemon b leads the pool")]
-    real = type(h.sup.store).durable
-
-    async def durable(self) -> None:
-        if failures:
-            raise failures.pop(0)
-        await real(self)
-
-    monkeypatch.setattr(type(h.sup.store), "durable", durable)
+    fail_durable(monkeypatch, h.sup.store, [RuntimeError("etcd: deadline exceeded"), NotLeading("daemon b leads the pool")])
     status, text = await agent.post("/v1/agent/heartbeat", trainer={"state": "running"})
     assert status == 503 and "not durable" in text
     second = h.sup.operator.request_checkpoint("manual")  # queued behind the withheld one

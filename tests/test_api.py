@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from conftest import spotctl
+from conftest import fail_durable, spotctl
 from daemon.model import Node, NodeState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,15 +166,7 @@ async def test_an_action_is_acknowledged_only_once_durable(spot_daemon, monkeypa
     from daemon.controlnode.store import NotLeading
 
     h = spot_daemon
-    failures: list[Exception] = [RuntimeError("etcd: deadline exceeded"), NotLeading("control-b leads")]
-    real = type(h.sup.store).durable
-
-    async def durable(self) -> None:
-        if failures:
-            raise failures.pop(0)
-        await real(self)
-
-    monkeypatch.setattr(type(h.sup.store), "durable", durable)
+    fail_durable(monkeypatch, h.sup.store, [RuntimeError("etcd: deadline exceeded"), NotLeading("control-b leads")])
     sock = ["--socket", h.socket_path]
     rc, out, err = await spotctl("scale", "2", *sock)
     assert rc != 0 and "not durable yet" in err and "Traceback" not in err
@@ -194,15 +186,7 @@ async def test_events_are_shown_only_once_durable(spot_daemon, monkeypatch) -> N
 
     h = spot_daemon
     await h.until(lambda: h.sup.store.last_seq() > 0, what="a first event")
-    failures: list[Exception] = [NotLeading("control-b leads")]
-    real = type(h.sup.store).durable
-
-    async def durable(self) -> None:
-        if failures:
-            raise failures.pop(0)
-        await real(self)
-
-    monkeypatch.setattr(type(h.sup.store), "durable", durable)
+    fail_durable(monkeypatch, h.sup.store, [NotLeading("control-b leads")])
     sock = ["--socket", h.socket_path]
     rc, out, err = await spotctl("events", *sock)
     assert rc != 0 and "not durable" in err and out == "" and "Traceback" not in err
