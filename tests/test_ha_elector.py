@@ -113,3 +113,30 @@ async def test_with_the_watch_broken_the_poll_still_takes_over(clients) -> None:
             await b.aclose()
             await a.aclose()
     assert any(e["event"] == "ha_watch_broken" for e in logs)
+
+
+async def test_a_leader_whose_keepalives_are_answered_late_keeps_leading(clients) -> None:
+    """Every keepalive's answer takes 2.5 s (a loaded host), longer than the client's 2 s
+    deadline but inside the lease's: each still renews the lease, from when it was sent;
+    the leader keeps leading for two TTLs (it lost the lead within one when the client's
+    deadline dropped those answers)."""
+    client = clients()
+    a = Elector(client, pool="p", name="a", cfg=ld.LeaderConfig(ttl_s=5.0)).start()
+    try:
+        await _role(a, ld.Role.LEADER, 15)
+        real = client.leasestub.LeaseKeepAlive
+
+        def slow(requests, timeout=None, metadata=None):  # type: ignore[no-untyped-def]
+            async def replies():  # type: ignore[no-untyped-def]
+                async with asyncio.timeout(timeout):  # gRPC's deadline: no answer after it
+                    await asyncio.sleep(2.5)  # the simulated latency of the answer
+                    async for reply in real(requests, timeout=timeout, metadata=metadata):
+                        yield reply
+            return replies()
+
+        client.leasestub.LeaseKeepAlive = slow  # type: ignore[method-assign]
+        with pytest.raises(TimeoutError):  # no change of role for two TTLs
+            await _role(a, ld.Role.FOLLOWER, 2 * a.cfg.ttl_s)
+        assert a.may_act()
+    finally:
+        await a.aclose()

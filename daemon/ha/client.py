@@ -50,6 +50,7 @@ class EtcdClient(aetcd.Client):
                                   # a new leader reads the pool's state in pages (daemon/ha/store.py);
                                   # gRPC's default cap (4 MiB) is near a page of big rows
                                   "grpc.max_receive_message_length": 256 << 20})
+        self.timeout_s = timeout_s
         self._target = target_of(endpoints)
         self._credentials = credentials
 
@@ -66,6 +67,24 @@ class EtcdClient(aetcd.Client):
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
         self._connected.set()
+
+    async def keepalive(self, lease_id: int, *, timeout_s: float) -> rpc.LeaseKeepAliveResponse | None:
+        """One ``LeaseKeepAlive`` (aetcd's ``refresh_lease``) with its own deadline in
+        seconds, not the client's: a renewal answered late still renewed the lease (the
+        elector counts it from the moment it was sent). None: the stream ended unanswered.
+
+        Raises:
+            aetcd.exceptions.ClientError: etcd unreachable, or no answer by the deadline.
+        """
+        await self.connect()
+        try:
+            async for reply in self.leasestub.LeaseKeepAlive([rpc.LeaseKeepAliveRequest(ID=lease_id)],
+                                                             timeout=timeout_s, metadata=self.metadata):
+                return reply
+        except rpc.AioRpcError as exc:
+            exceptions._handle_exception(exc)
+            raise
+        return None
 
     async def range_page(self, key: bytes, range_end: bytes | None = None, *, limit: int = 0,
                          revision: int = 0) -> rpc.RangeResponse:

@@ -214,7 +214,12 @@ class Elector:
             lease = await self.client.lease(int(action.ttl_s))
             return ld.LeaseGranted(lease.id, float(lease.ttl), sent)
         if isinstance(action, ld.KeepAlive):
-            reply = await self.client.refresh_lease(action.lease_id)
+            # its answer is of use until the deadline it would set (sent + the lease's span),
+            # also past the client's usual 2 s (a loaded host: etcd renewed, the reply was slow)
+            span_s = ld.deadline(ld.LeaderState(lease_id=action.lease_id, ttl_s=self.state.ttl_s or self.cfg.ttl_s,
+                                                confirmed_at=0.0), self.cfg) or 0.0
+            wait_s = max(self.client.timeout_s, span_s)
+            reply = await self.client.keepalive(action.lease_id, timeout_s=wait_s)
             return ld.LeaseRenewed(action.lease_id, float(reply.TTL) if reply is not None else -1.0, sent)
         if isinstance(action, ld.Campaign):
             return await self._campaign(action.lease_id)

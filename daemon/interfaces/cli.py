@@ -159,8 +159,10 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         providers = dict(providers)
     else:  # a leader's loop must answer its lease: the cloud clients (a second of botocore's models) off it
         providers = made() if ha is None else await asyncio.to_thread(made)
-    if ha is not None:  # the standby waits here
+    if ha is not None:  # the standby waits here, with what its start imports loaded
+        await asyncio.to_thread(_takeover_imports, config)
         await ha.lead()
+        led_cpu_s = time.process_time()
         store = await ha.open_store(state / "spotvisord.db")  # the pool's, read from etcd
         providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
     sup = Supervisor(config, providers=providers, store=store, policy=policy,
@@ -178,6 +180,10 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         api.metrics.registry.register(notifier)  # type: ignore[arg-type]  # the sinks' backlog and shed counts
         await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode(),
                         job_secrets=job_secrets)
+        if ha is not None and ha.led_at is not None:  # a takeover's cost, for whoever sizes the lease
+            took_s = asyncio.get_running_loop().time() - ha.led_at
+            log.info("ha_serving", pool=config.pool.name, since_lead_s=round(took_s, 3),
+                     cpu_s=round(time.process_time() - led_cpu_s, 3))
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
         yield sup
@@ -188,6 +194,19 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         if ha is not None:
             await ha.aclose()  # the store's last sync (fenced), then step down: a standby leads at once
         store.close()
+
+
+def _takeover_imports(config: Config) -> None:
+    """Import what a new leader's start would import lazily (the pre-flight, the cloud
+    check of each provider configured), so a takeover spends no CPU on it: on a loaded
+    host that CPU is what stands between the lead and the first act."""
+    import importlib
+
+    names = ["daemon.controlnode.preflight"]
+    kinds = {o.provider for o in config.offers}
+    names += [f"daemon.providers.{k}_check" for k in ("aws", "aliyun") if k in kinds]
+    for name in names:
+        importlib.import_module(name)
 
 
 @contextlib.contextmanager
