@@ -35,6 +35,7 @@ from daemon.controlnode.core import leaves
 from daemon.ha.client import EtcdClient
 from daemon.ha.elector import Elector
 from daemon.ha.fence import Deposed, Fence
+from daemon.ha.modes import leader_renew_s
 from daemon.ha.store import EtcdStore, FencedProvider
 from daemon.providers.base import Provider
 
@@ -46,7 +47,7 @@ log = structlog.get_logger("spotvisor.ha")
 def leader_config(lease_s: float) -> ld.LeaderConfig:
     """The election's timings for ``ha.lease_s`` (seconds): keepalives four times per
     TTL (at most every 1.5 s), campaigns every 0.5 s."""
-    return ld.LeaderConfig(ttl_s=float(lease_s), renew_every_s=min(1.5, lease_s / 4))
+    return ld.LeaderConfig(ttl_s=float(lease_s), renew_every_s=leader_renew_s(lease_s))
 
 
 def _credentials(spec: Any) -> grpc.ChannelCredentials | None:
