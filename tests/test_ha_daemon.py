@@ -13,6 +13,7 @@ import asyncio
 import json
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -214,6 +215,53 @@ async def test_a_standby_stops_on_sigterm_and_the_refusal_is_gone(ha_pair: dict[
     a.proc.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(a.proc.wait(), 20) == 0
     assert await ha_pair["etcd"].get(pool_prefix(ha_pair["pool"]) + b"leader") is None  # a stepped down: its lease revoked, the key gone with it
+
+
+async def _deleted_at(client: EtcdClient, key: bytes) -> "asyncio.Task[float]":
+    """A task that ends with the monotonic time of ``key``'s next deletion, seen through an
+    etcd watch opened before this returns."""
+    watch = await client.watch(key)
+
+    async def first_delete() -> float:
+        try:
+            async for event in watch:
+                if event.kind == "DELETE":
+                    return time.monotonic()
+            raise AssertionError("the watch ended")
+        finally:
+            await watch.cancel()
+    return asyncio.create_task(first_delete())
+
+
+async def test_a_leader_on_sigterm_hands_over_before_its_slow_closes(ha_pair: dict[str, Any],
+                                                                     faults: AwsFaultProxy) -> None:
+    """control-a's feed has a sink that never answers (on close the feed waits 3 s to
+    drain it). On SIGTERM a revokes its lease as soon as it stops acting: the leader key
+    goes and control-b leads while a is still closing; a then exits 0."""
+    a, b, pool = ha_pair["a"], ha_pair["b"], ha_pair["pool"]
+    with socket.socket() as hang:
+        hang.bind(("127.0.0.1", 0))
+        hang.listen(64)  # the kernel completes the connections; nothing ever answers
+        for d in (a, b):
+            raw = yaml.safe_load(d.config.read_text())
+            raw["notify"] = [{"name": "slow", "type": "slack", "timeout_s": 60,
+                              "url": f"http://127.0.0.1:{hang.getsockname()[1]}/hook"}]
+            d.config.write_text(yaml.safe_dump(raw))
+        await a.start()
+        await until(lambda: _launched_n(a, 1), "control-a's node launched (events queued for the sink)", daemons=(a,))
+        await b.start()
+        await until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line", daemons=(a, b))
+        deleted = await _deleted_at(ha_pair["etcd"], pool_prefix(pool) + b"leader")
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGTERM)
+        handed_over = await asyncio.wait_for(deleted, 15)
+        assert await asyncio.wait_for(a.proc.wait(), 30) == 0
+        closing_s = time.monotonic() - handed_over
+        assert "notify_undelivered_at_close" in a.log.read_text()  # the slow close did happen, after the handover
+        assert closing_s >= 2.0, f"the lease went only {closing_s:.2f} s before control-a exited"
+        status = await until(b.status, "control-b leading", daemons=(b,))
+        assert [n["id"] for n in status["nodes"]] == [f"{pool}-1"]
+    print(f"sigterm: control-a handed over {closing_s:.2f} s before it exited")
 
 
 @pytest.mark.slow
