@@ -293,3 +293,27 @@ async def _launched_n(d: Daemon, n: int) -> dict[str, str] | None:
     status = await d.status()
     nodes = {n["id"]: n["instance_id"] for n in (status or {}).get("nodes", []) if n["instance_id"]}
     return nodes if len(nodes) == n else None
+
+
+@pytest.mark.slow
+async def test_a_demo_whose_lease_is_revoked_ends_with_1(ha_pair: dict[str, Any], faults: AwsFaultProxy) -> None:
+    """``spotvisord demo`` with ``ha:`` leads as ``run`` does, and like ``run`` ends (exit 1,
+    one line saying why) once it leads no more, instead of running on unfenced."""
+    a, pool, etcd = ha_pair["a"], ha_pair["pool"], ha_pair["etcd"]
+    with open(a.log, "ab") as log:
+        demo = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(a.config), "--timeout-s", "300",
+            cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
+    try:
+        await until(lambda: len(faults.actions("RunInstances")) == 1, "the demo's first purchase")
+        kv = await etcd.get(pool_prefix(pool) + b"leader")
+        assert kv is not None and kv.value == b"control-a"
+        await etcd.revoke_lease(kv.lease)
+        assert await asyncio.wait_for(demo.wait(), 30) == 1
+        lines = [line for line in a.log.read_text().splitlines() if line.startswith("spotvisor demo: control-a")]
+        assert len(lines) == 1 and lines[0].startswith("spotvisor demo: control-a lost the leadership"), lines
+        assert len(faults.actions("RunInstances")) == 1
+    finally:
+        if demo.returncode is None:
+            demo.kill()
+            await demo.wait()

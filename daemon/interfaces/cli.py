@@ -293,18 +293,33 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
 
     t0 = time.time()
     with rendezvous_process(config) as store:
-        async with running_daemon(config, rendezvous=store, redactor=redactor) as sup:
+        async with contextlib.AsyncExitStack() as stack:
+            ha = None
+            if config.ha is not None:  # as `run`: stand by until it leads, end (1) once it leads no more
+                from daemon.ha.leading import Leadership
+
+                ha = await stack.enter_async_context(Leadership(
+                    config.ha, config.pool.name, on_standby=lambda line: out(f"spotvisor demo: {line}")))
+            sup = await stack.enter_async_context(running_daemon(config, rendezvous=store, redactor=redactor, ha=ha))
             sup.subscribe(lambda ev: out(format_event(ev, t0)))
             out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
                 f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
+            job = asyncio.create_task(_completed(sup), name="demo:job")
+            lost = asyncio.create_task(ha.lost.wait() if ha is not None else asyncio.Event().wait(), name="demo:lost")
             try:
-                async with asyncio.timeout(timeout_s):
-                    await sup.wait_completed()
-                    await sup.wait_released()
-            except TimeoutError:
+                await asyncio.wait([job, lost], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (job, lost):
+                    t.cancel()
+                await asyncio.gather(job, lost, return_exceptions=True)
+            if ha is not None and ha.lost.is_set():
+                out(f"spotvisor demo: {ha.reason}; stopped (fail closed: another daemon leads)")
+                return 1
+            if not job.done() or job.cancelled():
                 out(f"spotvisor demo: the job did not complete within {timeout_s:g} s "
                     f"(step {sup.job.step}); see {config.daemon.state_path()}/nodes/*/trainer.log")
                 return 1
+            job.result()  # its error, if any
             events = sup.store.events()
     summary = summarize(config.daemon.state_path() / "nodes", events, target_steps=config.job.target_steps,
                         global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
@@ -323,6 +338,12 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
         out(f"summary written to {summary_json}")
     # job.command: the user's script reports no step; its job completed (every torchrun exited 0)
     return 0 if config.job.command is not None or summary["steps_completed"] == config.job.target_steps else 1
+
+
+async def _completed(sup: "Supervisor") -> None:
+    """The job completed and its pool released."""
+    await sup.wait_completed()
+    await sup.wait_released()
 
 
 def _move_line(m: dict) -> str:
