@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,11 +42,14 @@ class _Frozen:
 
 
 async def _leading(client: EtcdClient, name: str, **kw) -> Elector:
+    """An elector for pool ``p``, once it may act (waits on its ``changed`` event)."""
     e = Elector(client, pool="p", name=name, cfg=CFG, **kw).start()
     async with asyncio.timeout(15):
-        while not e.may_act():
-            await asyncio.sleep(0.02)
-    return e
+        while True:
+            e.changed.clear()
+            if e.may_act():
+                return e
+            await e.changed.wait()
 
 
 def _node(i: int) -> Node:
@@ -150,12 +152,15 @@ async def test_the_background_flush_commits_without_a_provider_call(clients) -> 
     await store.load()
     store.start()
     try:
-        store.append_event("x", None, {})
-        deadline = time.monotonic() + 10
-        while store.pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert store.pending == 0
-        assert (await client.get(b"/spotvisor/p/seq")).value == b"1"
+        watch = await client.watch(b"/spotvisor/p/seq")  # the flush's put, seen by etcd's watch
+        try:
+            store.append_event("x", None, {})
+            async with asyncio.timeout(10):
+                async for event in watch:
+                    assert event.kind == "PUT" and event.kv.value == b"1"
+                    break
+        finally:
+            await watch.cancel()
     finally:
         await store.aclose()
         await a.aclose()
