@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,10 @@ async def test_the_sweep_kills_members_whose_owner_is_gone_and_no_others(etcd_cl
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         env={**os.environ, ec.OWNER_ENV: f"{ended.pid}:0"})  # pid ended, start time 0: no owner
     try:
+        deadline = time.monotonic() + 10  # exec'd (a fork not yet exec'd is python, not etcd: no member yet)
+        while not Path(f"/proc/{orphan.pid}/cmdline").read_bytes().startswith(etcd_cluster.binary.encode()):
+            assert time.monotonic() < deadline, "the orphan never exec'd etcd"
+            await asyncio.sleep(0.01)  # a poll inside a deadline
         killed = ec.sweep_orphans()
         assert orphan.pid in killed
         assert orphan.wait(timeout=10) == -signal.SIGKILL
