@@ -53,9 +53,10 @@ async def test_a_standby_takes_over_at_once_when_the_leader_steps_down(clients) 
     """b polls only every 5 s; a steps down (revokes its lease): b's watch sees the key
     deleted and b campaigns then, before its next poll, and leads with a larger fence."""
     a = Elector(clients(), pool="p", name="a", cfg=SLOW_POLL).start()
-    b = Elector(clients(), pool="p", name="b", cfg=SLOW_POLL).start()
+    b = None
     try:
-        await _role(a, ld.Role.LEADER, 15)
+        await _role(a, ld.Role.LEADER, 15)  # a leads before b starts: b is the standby
+        b = Elector(clients(), pool="p", name="b", cfg=SLOW_POLL).start()
         await _role(b, ld.Role.CANDIDATE, 15)
         async with asyncio.timeout(10):
             await b.watching.wait()
@@ -69,7 +70,8 @@ async def test_a_standby_takes_over_at_once_when_the_leader_steps_down(clients) 
         assert b.may_act() and b.fence is not None and fence is not None and b.fence > fence
         print(f"takeover after a step-down: {took:.2f} s")
     finally:
-        await b.aclose()
+        if b is not None:
+            await b.aclose()
         await a.aclose()
 
 
@@ -102,15 +104,17 @@ async def test_with_the_watch_broken_the_poll_still_takes_over(clients) -> None:
 
     b_client.watch = broken  # type: ignore[method-assign]
     with structlog.testing.capture_logs() as logs:
-        b = Elector(b_client, pool="p", name="b", cfg=cfg).start()
+        b = None
         try:
-            await _role(a, ld.Role.LEADER, 15)
+            await _role(a, ld.Role.LEADER, 15)  # a leads before b starts: b is the standby
+            b = Elector(b_client, pool="p", name="b", cfg=cfg).start()
             await _role(b, ld.Role.CANDIDATE, 15)
             await a.aclose()
             await _role(b, ld.Role.LEADER, cfg.campaign_every_s + 10)
             assert not b.watching.is_set()
         finally:
-            await b.aclose()
+            if b is not None:
+                await b.aclose()
             await a.aclose()
     assert any(e["event"] == "ha_watch_broken" for e in logs)
 
