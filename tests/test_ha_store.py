@@ -248,3 +248,31 @@ def test_the_trim_cutoff_leaves_the_newest_events() -> None:
 
     assert trim_cutoff(100, 10_000) == 0
     assert trim_cutoff(10_500, 10_000) == 500
+
+
+async def test_a_store_loaded_in_one_term_writes_nothing_in_the_next(clients) -> None:
+    """a leads, loads its store, loses its key (revoked) and leads again with a new fence
+    (nobody else campaigns): the old store, whose mirror may lack what another leader
+    wrote meanwhile, commits nothing and its provider is not called."""
+    a_client, admin = clients(), clients()
+    a = await _leading(a_client, "a")
+    try:
+        store = EtcdStore(Fence(a)).open()
+        await store.load()
+        cloud = _Counting()
+        provider = FencedProvider(cloud, store)  # type: ignore[arg-type]
+        first = a.fence
+        await admin.revoke_lease(a.lease_id)
+        async with asyncio.timeout(15):  # a's watch sees its key go; it starts over and wins again
+            while a.fence in (None, first) or not a.may_act():
+                a.changed.clear()
+                if a.fence not in (None, first) and a.may_act():
+                    break
+                await a.changed.wait()
+        store.put_node(_node(1))
+        with pytest.raises(Deposed, match="loaded under fence"):
+            await provider.launch("offer", "p-1")
+        assert cloud.calls == []
+        assert await a_client.get(b"/spotvisor/p/nodes/p-1") is None
+    finally:
+        await a.aclose()

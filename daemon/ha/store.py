@@ -79,7 +79,8 @@ class EtcdStore(Store):
     ``await`` :meth:`aclose` (a last sync, best effort) then :meth:`close`."""
 
     __slots__ = ("fence", "prefix", "flush_every_s", "keep_events", "trim_every", "page_keys", "_outbox", "_lock",
-                 "_seq_mod", "_flusher", "_deposed", "_queued", "_committed", "_since_trim", "_trimmed_through")
+                 "_seq_mod", "_flusher", "_deposed", "_queued", "_committed", "_since_trim", "_trimmed_through",
+                 "_term")
 
     def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2,
                  keep_events: int = 10_000, trim_every: int = 500, page_keys: int = 1000) -> None:
@@ -104,6 +105,7 @@ class EtcdStore(Store):
         self.keep_events, self.trim_every, self.page_keys = keep_events, trim_every, page_keys
         self._since_trim = 0  # events appended since the last trim
         self._trimmed_through = 0  # no event to trim at or below this seq is left
+        self._term: int | None = None  # the fence it was loaded under (None: not loaded; tools, tests)
 
     def open(self) -> "EtcdStore":
         """Open the mirror, emptied (a previous run's file is stale: etcd holds the state)."""
@@ -116,7 +118,10 @@ class EtcdStore(Store):
     # -- loading: the new leader reads what the old one committed ---------------------
     async def load(self) -> None:
         """Read the pool's state from etcd into the mirror (replacing nothing: call on a
-        freshly opened store). Raises aetcd/gRPC errors: etcd unreachable."""
+        freshly opened store), as the writer of the elector's current term: the store
+        commits under that fence only (a daemon that leads again, with a new fence, loads a
+        new store). Raises aetcd/gRPC errors: etcd unreachable."""
+        self._term = self.fence.elector.fence
         client, end = self.fence.client, prefix_range_end(self.prefix)
         start, revision = self.prefix, 0
         while True:  # pages of page_keys keys, all at the first page's revision: one state
@@ -250,6 +255,9 @@ class EtcdStore(Store):
             ops.append(tx.put(seq_key, str(max(seqs)).encode()))
         ops.append(tx.get(seq_key))
         try:
+            if self._term is not None and self.fence.elector.fence != self._term:  # led again since the load:
+                raise Deposed(f"{self.fence.elector.name}'s store was loaded under fence {self._term}: "  # its
+                              "load a new one for the new term")  # mirror may lack what another leader wrote
             answers = await self.fence.commit(ops, extra_compares=[tx.mod(seq_key) == self._seq_mod])
         except Deposed:
             self._deposed = True
