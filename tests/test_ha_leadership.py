@@ -125,7 +125,8 @@ def _simulate(daemons: list[_Daemon], rng: random.Random, *, until_s: float, max
         out = ld.decide(d.state, item, now, CFG)
         d.state = out.state
         etcd.expire(t)
-        if isinstance(item, ld.LeaderKeyGone) and before.role is ld.Role.LEADER and d.state.role is not ld.Role.LEADER:
+        if isinstance(item, ld.LeaderKeyGone) and before.role is ld.Role.LEADER and d.state.role is not ld.Role.LEADER \
+                and ld.decide(before, ld.Tick(), now, CFG).state.role is ld.Role.LEADER:  # not its deadline: the report
             assert etcd.key != (before.lease_id, before.fence), (t, i, item, before)  # deposed by a stale report
         if out.may_act:
             assert etcd.key == (d.state.lease_id, d.state.fence), (t, i, etcd.key, d.state)
