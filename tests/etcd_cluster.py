@@ -13,10 +13,24 @@ until a deadline, and raises with the member's stderr tail when it passes.
 
 A missing binary fails the test (never a skip) with the command that installs it:
 ``apt-get install -y etcd-server`` (``make test-deps`` runs it).
+
+Members never outlive the test process, however it ends (pytest SIGKILLed included):
+
+- each member asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
+  man 2 prctl, set in the child between fork and exec); Linux counts the *thread* that
+  forked as the parent, so start and restart members from the main thread or a long-lived
+  one (asyncio's default executor's threads, which ``asyncio.to_thread`` uses, live as long
+  as their loop);
+- each member carries its owner in its environment (``SPOTVISOR_ETCD_OWNER=<pid>:<start
+  time>``, the start time from ``/proc/<pid>/stat`` so a reused pid is no owner), and every
+  new :class:`EtcdCluster` first kills the members whose owner is gone
+  (:func:`sweep_orphans`): what the first guard missed (a member forked by a thread that
+  ended, a kernel without the call) goes at the next test that starts a cluster.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -33,10 +47,71 @@ import pytest
 
 from bench.ports import free_port
 
-__all__ = ["ETCD_BIN", "EtcdCluster", "EtcdMember", "etcd_binary", "etcd_cluster"]
+__all__ = ["ETCD_BIN", "EtcdCluster", "EtcdMember", "etcd_binary", "etcd_cluster", "sweep_orphans"]
 
 ETCD_BIN = os.environ.get("SPOTVISOR_ETCD_BIN", "/usr/bin/etcd")
 INSTALL_HINT = "etcd is missing: install Debian's server with `apt-get install -y etcd-server` (or `make test-deps`)"
+
+
+OWNER_ENV = "SPOTVISOR_ETCD_OWNER"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/<pid>/stat`` (the process's start, in clock ticks since boot);
+    None: no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # fields after "pid (comm)" start at field 3
+
+
+def _owner_token(pid: int) -> str:
+    return f"{pid}:{_start_time(pid)}"
+
+
+def _owner_alive(token: str) -> bool:
+    pid, _, started = token.partition(":")
+    return pid.isdigit() and _start_time(int(pid)) == started
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+
+
+def _die_with(parent: int):  # type: ignore[no-untyped-def]
+    """The ``preexec_fn`` that makes the child die with ``parent`` (the pid forking it)."""
+    def preexec() -> None:  # pragma: no cover  (runs in the child, between fork and exec)
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody would signal us
+            os._exit(1)
+    return preexec
+
+
+def sweep_orphans() -> list[int]:
+    """SIGKILL every etcd member started by this module whose owner process is gone (its
+    ``SPOTVISOR_ETCD_OWNER`` names a pid that ended, or now another process); the pids
+    killed. Processes of other users, and members of a live test process (another
+    pytest-xdist worker's), are left alone."""
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.path.basename((proc / "cmdline").read_bytes().split(b"\0", 1)[0]) != b"etcd":
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        token = next((e[len(OWNER_ENV) + 1:].decode() for e in env if e.startswith(OWNER_ENV.encode() + b"=")), None)
+        if token is None or _owner_alive(token):
+            continue
+        try:
+            os.kill(int(proc.name), signal.SIGKILL)
+            killed.append(int(proc.name))
+        except OSError:
+            continue
+    return killed
 
 
 def etcd_binary() -> str:
@@ -101,6 +176,7 @@ class EtcdCluster:
     def __init__(self, root: Path, *, size: int = 3, heartbeat_ms: int = 100, election_ms: int = 1000,
                  token: str = "spotvisor-test") -> None:
         self.binary = etcd_binary()
+        sweep_orphans()  # a killed test process's members (module docstring)
         self.root = root
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
@@ -132,7 +208,9 @@ class EtcdCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(m.log_path, "ab") as log:
             m.proc = subprocess.Popen(self._argv(m), stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      env={**os.environ, OWNER_ENV: _owner_token(os.getpid())},
+                                      preexec_fn=_die_with(os.getpid()))
 
     def start(self, *, timeout_s: float = 30.0) -> "EtcdCluster":
         for m in self.members:

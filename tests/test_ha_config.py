@@ -69,3 +69,17 @@ def test_off_loopback_with_tls_files_is_accepted(tmp_path: Path) -> None:
                                            "ca_file": "/etc/etcd/ca.pem", "cert_file": "/etc/etcd/c.pem",
                                            "key_file": "/etc/etcd/c.key"}))
     assert config.ha is not None and config.ha.endpoints[0] == "10.0.0.5:2379"
+
+
+@pytest.mark.parametrize("lease_s, warned", [(2, True), (3, True), (4, False), (5, False)])
+def test_a_lease_under_4_s_is_accepted_with_one_warning_line(tmp_path: Path, lease_s: int, warned: bool) -> None:
+    path = _write(tmp_path, {"name": "a", "endpoints": ["127.0.0.1:2379", "127.0.0.1:2380", "127.0.0.1:2381"],
+                             "lease_s": lease_s})
+    r = _cli("check-config", str(path))
+    assert r.returncode == 0, r.stderr  # a warning, not an error
+    lines = [line for line in r.stdout.splitlines() if "ha.lease_s" in line]
+    if warned:
+        assert len(lines) == 1 and "warning" in lines[0] and "under 4 s" in lines[0], lines
+        assert "misses keepalives" in lines[0] and "takeover bound" in lines[0]
+    else:
+        assert lines == []

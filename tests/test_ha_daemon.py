@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -22,11 +24,10 @@ import boto3
 import pytest
 import yaml
 
-from bench.ha_harness import Daemon, until
+from bench.ha_harness import ROOT, Daemon, instances, per_node, until
 from bench.ports import free_port
 from daemon.ha.client import EtcdClient
 from daemon.ha.elector import pool_prefix
-from daemon.providers.base import NODE_TAG, POOL_TAG
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
 from fakes.aws_faults import AwsFaultProxy
 
@@ -65,22 +66,6 @@ async def ha_pair(tmp_path: Path, etcd_cluster: EtcdCluster, faults: AwsFaultPro
                 await d.proc.wait()
         await client.close()
         shutil.rmtree(sockdir, ignore_errors=True)
-
-
-def _instances(ec2: Any, pool: str) -> list[dict[str, Any]]:
-    out = []
-    for page in ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": [pool]}]):
-        for r in page["Reservations"]:
-            out += r["Instances"]
-    return out
-
-
-def _per_node(instances: list[dict[str, Any]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for inst in instances:
-        node = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}.get(NODE_TAG, "")
-        counts[node] = counts.get(node, 0) + 1
-    return counts
 
 
 async def _etcd_seq(client: EtcdClient, pool: str) -> int:
@@ -131,7 +116,7 @@ async def test_the_standby_takes_over_a_killed_leader_without_buying_twice(ha_pa
     assert after[:len(before)] == before  # a's log, in order, unchanged
     assert [e["seq"] for e in after] == list(range(1, len(after) + 1))  # b continues the seq, no gap, no reuse
     assert not [e for e in after[len(before):] if e["kind"] == "node_terminated"]
-    assert _per_node(_instances(ec2, pool)) == {f"{pool}-1": 1, f"{pool}-2": 1, f"{pool}-3": 1}
+    assert per_node(instances(ec2, pool)) == {f"{pool}-1": 1, f"{pool}-2": 1, f"{pool}-3": 1}
     print(f"takeover: control-b led {led_s:.2f} s and bought {acted_s:.2f} s after control-a's SIGKILL (lease 4 s)")
 
 
@@ -150,6 +135,53 @@ async def test_a_standby_stops_on_sigterm_and_the_refusal_is_gone(ha_pair: dict[
     a.proc.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(a.proc.wait(), 20) == 0
     assert await ha_pair["etcd"].get(pool_prefix(ha_pair["pool"]) + b"leader") is None  # a stepped down: its lease revoked, the key gone with it
+
+
+async def _deleted_at(client: EtcdClient, key: bytes) -> "asyncio.Task[float]":
+    """A task that ends with the monotonic time of ``key``'s next deletion, seen through an
+    etcd watch opened before this returns."""
+    watch = await client.watch(key)
+
+    async def first_delete() -> float:
+        try:
+            async for event in watch:
+                if event.kind == "DELETE":
+                    return time.monotonic()
+            raise AssertionError("the watch ended")
+        finally:
+            await watch.cancel()
+    return asyncio.create_task(first_delete())
+
+
+async def test_a_leader_on_sigterm_hands_over_before_its_slow_closes(ha_pair: dict[str, Any],
+                                                                     faults: AwsFaultProxy) -> None:
+    """control-a's feed has a sink that never answers (on close the feed waits 3 s to
+    drain it). On SIGTERM a revokes its lease as soon as it stops acting: the leader key
+    goes and control-b leads while a is still closing; a then exits 0."""
+    a, b, pool = ha_pair["a"], ha_pair["b"], ha_pair["pool"]
+    with socket.socket() as hang:
+        hang.bind(("127.0.0.1", 0))
+        hang.listen(64)  # the kernel completes the connections; nothing ever answers
+        for d in (a, b):
+            raw = yaml.safe_load(d.config.read_text())
+            raw["notify"] = [{"name": "slow", "type": "slack", "timeout_s": 60,
+                              "url": f"http://127.0.0.1:{hang.getsockname()[1]}/hook"}]
+            d.config.write_text(yaml.safe_dump(raw))
+        await a.start()
+        await until(lambda: _launched_n(a, 1), "control-a's node launched (events queued for the sink)", daemons=(a,))
+        await b.start()
+        await until(lambda: "standby: control-a leads" in b.log.read_text(), "control-b's standby line", daemons=(a, b))
+        deleted = await _deleted_at(ha_pair["etcd"], pool_prefix(pool) + b"leader")
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGTERM)
+        handed_over = await asyncio.wait_for(deleted, 15)
+        assert await asyncio.wait_for(a.proc.wait(), 30) == 0
+        closing_s = time.monotonic() - handed_over
+        assert "notify_undelivered_at_close" in a.log.read_text()  # the slow close did happen, after the handover
+        assert closing_s >= 2.0, f"the lease went only {closing_s:.2f} s before control-a exited"
+        status = await until(b.status, "control-b leading", daemons=(b,))
+        assert [n["id"] for n in status["nodes"]] == [f"{pool}-1"]
+    print(f"sigterm: control-a handed over {closing_s:.2f} s before it exited")
 
 
 @pytest.mark.slow
@@ -174,10 +206,34 @@ async def test_a_leader_whose_lease_is_revoked_stops_fail_closed_and_exits_1(ha_
     assert [n["id"] for n in status["nodes"]] == [f"{pool}-1"]
     await until(lambda: _launched_n(b, 1), "control-b adopted the node", daemons=(b,))
     assert len(faults.actions("RunInstances")) == 1
-    assert _per_node(_instances(ha_pair["ec2"], pool)) == {f"{pool}-1": 1}
+    assert per_node(instances(ha_pair["ec2"], pool)) == {f"{pool}-1": 1}
 
 
 async def _launched_n(d: Daemon, n: int) -> dict[str, str] | None:
     status = await d.status()
     nodes = {n["id"]: n["instance_id"] for n in (status or {}).get("nodes", []) if n["instance_id"]}
     return nodes if len(nodes) == n else None
+
+
+@pytest.mark.slow
+async def test_a_demo_whose_lease_is_revoked_ends_with_1(ha_pair: dict[str, Any], faults: AwsFaultProxy) -> None:
+    """``spotvisord demo`` with ``ha:`` leads as ``run`` does, and like ``run`` ends (exit 1,
+    one line saying why) once it leads no more, instead of running on unfenced."""
+    a, pool, etcd = ha_pair["a"], ha_pair["pool"], ha_pair["etcd"]
+    with open(a.log, "ab") as log:
+        demo = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(a.config), "--timeout-s", "300",
+            cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
+    try:
+        await until(lambda: len(faults.actions("RunInstances")) == 1, "the demo's first purchase")
+        kv = await etcd.get(pool_prefix(pool) + b"leader")
+        assert kv is not None and kv.value == b"control-a"
+        await etcd.revoke_lease(kv.lease)
+        assert await asyncio.wait_for(demo.wait(), 30) == 1
+        lines = [line for line in a.log.read_text().splitlines() if line.startswith("spotvisor demo: control-a")]
+        assert len(lines) == 1 and lines[0].startswith("spotvisor demo: control-a lost the leadership"), lines
+        assert len(faults.actions("RunInstances")) == 1
+    finally:
+        if demo.returncode is None:
+            demo.kill()
+            await demo.wait()

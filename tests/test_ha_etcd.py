@@ -1,15 +1,25 @@
 """The 3-member etcd cluster the HA tests run on (tests/etcd_cluster.py), and the client
 (daemon.ha.client) on it: writes survive a member's kill -9, the member rejoins, a txn
-compares on create_revision and on the lease."""
+compares on create_revision and on the lease; members never outlive the test process."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port
+
 from daemon.ha.client import EtcdClient, LeaseCompare, target_of
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
+
+TESTS = Path(__file__).resolve().parent
 
 
 async def _put_until(client: EtcdClient, key: bytes, value: bytes, timeout_s: float = 15.0) -> None:
@@ -80,3 +90,74 @@ def test_a_missing_etcd_fails_with_the_install_command(monkeypatch: pytest.Monke
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(pytest.fail.Exception, match="apt-get install -y etcd-server"):
         ec.etcd_binary()
+
+
+def _gone(pid: int) -> bool:
+    """No process ``pid``, or only its zombie (its parent died; init reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+_OWNER = """
+import signal, sys
+from pathlib import Path
+sys.path[:0] = [{tests!r}, {root!r}]
+from etcd_cluster import EtcdCluster
+cluster = EtcdCluster(Path({root_dir!r}), size=1).start()
+print(cluster.members[0].proc.pid, flush=True)
+signal.pause()  # until the test SIGKILLs this process
+"""
+
+
+async def test_members_die_with_a_sigkilled_test_process(tmp_path: Path) -> None:
+    """A test process SIGKILLed (no fixture teardown runs) takes its etcd members with it."""
+    script = _OWNER.format(tests=str(TESTS), root=str(TESTS.parent), root_dir=str(tmp_path / "etcd"))
+    owner = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(60):
+            member = int(await owner.stdout.readline())  # type: ignore[union-attr]
+        assert not _gone(member)
+        owner.kill()
+        await owner.wait()
+        async with asyncio.timeout(10):
+            while not _gone(member):
+                await asyncio.sleep(0.05)  # a poll inside a deadline
+    finally:
+        if owner.returncode is None:
+            owner.kill()
+            await owner.wait()
+
+
+async def test_the_sweep_kills_members_whose_owner_is_gone_and_no_others(etcd_cluster: EtcdCluster,
+                                                                         tmp_path: Path) -> None:
+    """A member the first guard missed (here: started without it, its owner a process that
+    ended) is killed by the next cluster's sweep; a live owner's members are left alone."""
+    import etcd_cluster as ec
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid names no process now (the 0 start time below: not even a reused pid)
+    port, peer = free_port(), free_port()
+    url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    orphan = subprocess.Popen(
+        [etcd_cluster.binary, "--name", "o", "--data-dir", str(tmp_path / "o.etcd"),
+         "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", peer_url,
+         "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"o={peer_url}", "--log-level", "warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        env={**os.environ, ec.OWNER_ENV: f"{ended.pid}:0"})  # pid ended, start time 0: no owner
+    try:
+        deadline = time.monotonic() + 10  # exec'd (a fork not yet exec'd is python, not etcd: no member yet)
+        while not Path(f"/proc/{orphan.pid}/cmdline").read_bytes().startswith(etcd_cluster.binary.encode()):
+            assert time.monotonic() < deadline, "the orphan never exec'd etcd"
+            await asyncio.sleep(0.01)  # a poll inside a deadline
+        killed = ec.sweep_orphans()
+        assert orphan.pid in killed
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+        assert all(m.running for m in etcd_cluster.members)  # this test process's own
+        assert not {m.proc.pid for m in etcd_cluster.members} & set(killed)  # type: ignore[union-attr]
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()

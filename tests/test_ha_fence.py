@@ -47,6 +47,17 @@ async def _until(pred, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
+async def _leads(e: Elector, timeout_s: float) -> float:
+    """Wait on ``e.changed`` until ``e`` may act; seconds it took."""
+    start = time.monotonic()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            e.changed.clear()
+            if e.may_act():
+                return time.monotonic() - start
+            await e.changed.wait()
+
+
 async def _buy(fence: Fence, calls: list[int], n: int) -> None:
     """One purchase: the intent, fenced, then the provider (a count)."""
     tx = fence.client.transactions
@@ -60,11 +71,12 @@ async def _buy(fence: Fence, calls: list[int], n: int) -> None:
 
 async def test_a_leader_whose_lease_was_revoked_cannot_buy_and_the_standby_takes_over(etcd_cluster) -> None:
     a_client, b_client, admin = (EtcdClient(etcd_cluster.endpoints) for _ in range(3))
-    a = Elector(a_client, pool="p", name="a", cfg=CFG, clock=_Frozen()).start()
+    # without the key's watch (it would tell a at once): what the fence alone does
+    a = Elector(a_client, pool="p", name="a", cfg=CFG, clock=_Frozen(), watch=False).start()
     a_calls: list[int] = []
     b_calls: list[int] = []
     try:
-        await _until(a.may_act, 10, "a leads")
+        await _leads(a, 10)
         b = Elector(b_client, pool="p", name="b", cfg=CFG).start()
         try:
             await _buy(Fence(a), a_calls, 1)
@@ -80,11 +92,16 @@ async def test_a_leader_whose_lease_was_revoked_cannot_buy_and_the_standby_takes
             # the key went with the lease; a (told by the refused txn) starts over with a new
             # lease and may win the race once, but its frozen clock never renews: b leads
             # within one TTL and a bit
-            took = await _until(b.may_act, 2 * CFG.ttl_s, "b leads")
+            took = await _leads(b, 2 * CFG.ttl_s)
             assert took < CFG.ttl_s + 2
             await _buy(Fence(b), b_calls, 2)
             assert b_calls and b_calls[0] > a_calls[0]
-            assert a.fence != a_calls[0]  # a stepped down from the fence that was refused
+            async with asyncio.timeout(5):  # a stepped down from the fence that was refused (its loop
+                while a.fence == a_calls[0]:  # takes the FenceRejected in its own time: wait on it)
+                    a.changed.clear()
+                    if a.fence != a_calls[0]:
+                        break
+                    await a.changed.wait()
         finally:
             await b.aclose()
     finally:
@@ -120,7 +137,7 @@ async def test_a_sigstopped_leader_resumed_past_its_ttl_never_buys_again(etcd_cl
         os.kill(proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         at_stop = _ledger(ledger)
-        took = await _until(b.may_act, 15, "b leads")
+        took = await _leads(b, 15)
         assert time.monotonic() - stopped < 10  # a 5 s lease: the standby acts within 10 s
         for n in range(3):
             await _buy(Fence(b), b_calls, n)

@@ -10,7 +10,9 @@ and sees each request applied after a delay and its answer after another, or los
 - a daemon that :func:`may_act` holds the key in etcd at that moment, under its lease,
   with its fence (so two daemons never act at once, and never with the same fence);
 - a leader whose lease may have expired by its own clock does not act;
-- with answers flowing, someone leads, and a paused leader is replaced.
+- with answers flowing, someone leads, and a paused leader is replaced;
+- the key's watch (each deletion reaches each daemon late, or never) deposes only a
+  leader whose key it was: a late report of an earlier leader's key deposes nobody.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class _Etcd:
         self.revision = 1
         self.leases: dict[int, float] = {}  # id -> expiry (etcd time)
         self.key: tuple[int, int] | None = None  # (lease, create_revision)
+        self.deleted: list[int] = []  # revisions of the key's deletions not yet sent to the watchers
         self._ids = itertools.count(100)
 
     def expire(self, t: float) -> None:
@@ -47,6 +50,7 @@ class _Etcd:
         if self.key is not None and self.key[0] == lease:
             self.key = None
             self.revision += 1
+            self.deleted.append(self.revision)
 
     def apply(self, action: ld.Action, t: float, sent_at: float) -> ld.Observation | None:
         self.expire(t)
@@ -117,9 +121,13 @@ def _simulate(daemons: list[_Daemon], rng: random.Random, *, until_s: float, max
                     heapq.heappush(queue, (t + rng.uniform(0, max_delay_s), next(seq), i, answer))
             continue
         now = d.local(t)
+        before = d.state
         out = ld.decide(d.state, item, now, CFG)
         d.state = out.state
         etcd.expire(t)
+        if isinstance(item, ld.LeaderKeyGone) and before.role is ld.Role.LEADER and d.state.role is not ld.Role.LEADER \
+                and ld.decide(before, ld.Tick(), now, CFG).state.role is ld.Role.LEADER:  # not its deadline: the report
+            assert etcd.key != (before.lease_id, before.fence), (t, i, item, before)  # deposed by a stale report
         if out.may_act:
             assert etcd.key == (d.state.lease_id, d.state.fence), (t, i, etcd.key, d.state)
             assert all(d.state.fence not in o.fences for o in daemons if o is not d)
@@ -129,6 +137,11 @@ def _simulate(daemons: list[_Daemon], rng: random.Random, *, until_s: float, max
             heapq.heappush(queue, (t + rng.uniform(0, max_delay_s), next(seq), i, ("apply", action, now)))
         if isinstance(item, ld.Tick):
             heapq.heappush(queue, (t + TICK_S, next(seq), i, ld.Tick()))
+        for rev in etcd.deleted:  # the watch: each daemon hears of each deletion late, or never
+            for j in range(len(daemons)):
+                if rng.random() >= loss:
+                    heapq.heappush(queue, (t + rng.uniform(0, 2 * max_delay_s), next(seq), j, ld.LeaderKeyGone(rev)))
+        etcd.deleted.clear()
     return etcd
 
 
@@ -173,6 +186,20 @@ def test_a_campaign_whose_answer_was_lost_is_recognised_as_won() -> None:
     state = ld.LeaderState(role=ld.Role.CANDIDATE, lease_id=7, ttl_s=5.0, confirmed_at=0.0)
     out = ld.decide(state, ld.CampaignLost(7, holder_lease=7, create_revision=9), 0.1, CFG)
     assert out.may_act and out.state.fence == 9
+
+
+def test_a_deletion_deposes_the_leader_whose_key_it_was_not_a_later_one() -> None:
+    state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=5.0, confirmed_at=0.0, fence=9)
+    assert ld.decide(state, ld.LeaderKeyGone(revision=5), 0.1, CFG).may_act  # an earlier key's, late
+    for gone in (ld.LeaderKeyGone(revision=12), ld.LeaderKeyGone()):  # ours (or unknown: fail closed)
+        out = ld.decide(state, gone, 0.1, CFG)
+        assert not out.may_act and out.state.role is ld.Role.FOLLOWER
+
+
+def test_a_candidate_campaigns_at_once_when_the_key_goes() -> None:
+    state = ld.LeaderState(role=ld.Role.CANDIDATE, lease_id=7, ttl_s=5.0, confirmed_at=0.0, last_campaign_at=0.1)
+    out = ld.decide(state, ld.LeaderKeyGone(revision=12), 0.2, CFG)  # the poll would wait until 0.6
+    assert out.actions == (ld.Campaign(7),)
 
 
 def test_a_rejected_fence_deposes() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,11 +42,14 @@ class _Frozen:
 
 
 async def _leading(client: EtcdClient, name: str, **kw) -> Elector:
+    """An elector for pool ``p``, once it may act (waits on its ``changed`` event)."""
     e = Elector(client, pool="p", name=name, cfg=CFG, **kw).start()
     async with asyncio.timeout(15):
-        while not e.may_act():
-            await asyncio.sleep(0.02)
-    return e
+        while True:
+            e.changed.clear()
+            if e.may_act():
+                return e
+            await e.changed.wait()
 
 
 def _node(i: int) -> Node:
@@ -150,12 +152,15 @@ async def test_the_background_flush_commits_without_a_provider_call(clients) -> 
     await store.load()
     store.start()
     try:
-        store.append_event("x", None, {})
-        deadline = time.monotonic() + 10
-        while store.pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert store.pending == 0
-        assert (await client.get(b"/spotvisor/p/seq")).value == b"1"
+        watch = await client.watch(b"/spotvisor/p/seq")  # the flush's put, seen by etcd's watch
+        try:
+            store.append_event("x", None, {})
+            async with asyncio.timeout(10):
+                async for event in watch:
+                    assert event.kind == "PUT" and event.kv.value == b"1"
+                    break
+        finally:
+            await watch.cancel()
     finally:
         await store.aclose()
         await a.aclose()
@@ -186,4 +191,88 @@ async def test_the_leader_keeps_its_fence_and_commits_when_the_etcd_raft_leader_
         assert (await clients().get(b"/spotvisor/p/seq")).value == b"2"
     finally:
         await store.aclose()
+        await a.aclose()
+
+
+async def test_the_event_log_in_etcd_is_trimmed_and_a_new_leader_keeps_what_it_reads_back(clients) -> None:
+    """500 events, most of them noise (trainer exits), some of the kinds the daemon reads
+    over the whole history: etcd keeps the newest ``keep_events`` and every kept-kind event,
+    and a new leader's store (read in pages of 7 keys) holds exactly that, seq going on."""
+    from daemon.ha.store import KEPT_KINDS
+
+    a_client, b_client = clients(), clients()
+    a = await _leading(a_client, "a")
+    store = EtcdStore(Fence(a), keep_events=50, trim_every=20).open()
+    await store.load()
+    kept_written = []
+    for i in range(1, 501):
+        kind = "checkpoint_committed" if i % 40 == 0 else "job_resumed" if i % 97 == 0 else "trainer_exited"
+        ev = store.append_event(kind, "p-1", {"step": i, "attempt": f"r{i}"})
+        if kind in KEPT_KINDS:
+            kept_written.append(ev.seq)
+        if i % 150 == 0:
+            await store.sync()
+    await store.sync()
+    stored = await a_client.get_prefix(b"/spotvisor/p/events/")
+    seqs = sorted(int(kv.key.rsplit(b"/", 1)[1]) for kv in stored)
+    assert set(kept_written) <= set(seqs)  # what a new leader reads back: all of it
+    noise = [s for s in seqs if s not in kept_written]
+    assert len(noise) <= 50 + 20 and noise[-1] == 500  # the newest 50 (and the trim's slack), not 480
+    assert [e.seq for e in store.events()] == seqs  # the mirror agrees
+    before = store.events()
+    await a.aclose()
+    b = await _leading(b_client, "b")
+    try:
+        pages: list[int] = []
+        real = b_client.range_page
+
+        async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            page = await real(*args, **kwargs)
+            pages.append(len(page.kvs))
+            return page
+
+        b_client.range_page = counted  # type: ignore[method-assign]
+        new = EtcdStore(Fence(b), page_keys=7).open()
+        await new.load()
+        assert max(pages) == 7 and sum(pages) == len(seqs) + 2 and len(pages) >= (len(seqs) + 2) // 7  # + seq, leader
+        assert new.events() == before
+        assert [e.data["step"] for e in new.events(kinds=["checkpoint_committed"])] == list(range(40, 501, 40))
+        assert new.append_event("leader_changed", None, {}).seq == 501
+        await new.sync()
+    finally:
+        await b.aclose()
+
+
+def test_the_trim_cutoff_leaves_the_newest_events() -> None:
+    from daemon.ha.store import trim_cutoff
+
+    assert trim_cutoff(100, 10_000) == 0
+    assert trim_cutoff(10_500, 10_000) == 500
+
+
+async def test_a_store_loaded_in_one_term_writes_nothing_in_the_next(clients) -> None:
+    """a leads, loads its store, loses its key (revoked) and leads again with a new fence
+    (nobody else campaigns): the old store, whose mirror may lack what another leader
+    wrote meanwhile, commits nothing and its provider is not called."""
+    a_client, admin = clients(), clients()
+    a = await _leading(a_client, "a")
+    try:
+        store = EtcdStore(Fence(a)).open()
+        await store.load()
+        cloud = _Counting()
+        provider = FencedProvider(cloud, store)  # type: ignore[arg-type]
+        first = a.fence
+        await admin.revoke_lease(a.lease_id)
+        async with asyncio.timeout(15):  # a's watch sees its key go; it starts over and wins again
+            while a.fence in (None, first) or not a.may_act():
+                a.changed.clear()
+                if a.fence not in (None, first) and a.may_act():
+                    break
+                await a.changed.wait()
+        store.put_node(_node(1))
+        with pytest.raises(Deposed, match="loaded under fence"):
+            await provider.launch("offer", "p-1")
+        assert cloud.calls == []
+        assert await a_client.get(b"/spotvisor/p/nodes/p-1") is None
+    finally:
         await a.aclose()

@@ -22,7 +22,8 @@ import yaml
 
 from fakes.aws_faults import AwsFaultProxy
 from etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
-from test_ha_daemon import _instances, _launched_n, _per_node, ha_pair, until  # noqa: F401  (ha_pair: fixture)
+from bench.ha_harness import instances, per_node, until
+from test_ha_daemon import _launched_n, ha_pair  # noqa: F401  (ha_pair: fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,7 @@ async def test_a_leader_cut_off_from_etcd_stops_on_its_own_clock_and_buys_nothin
         assert status["pool"]["target_nodes"] == 1  # a's scale never reached etcd
         await until(lambda: _launched_n(b, 1), "control-b adopted the node", daemons=(b,))
         assert len(faults.actions("RunInstances")) == 1
-        assert _per_node(_instances(ha_pair["ec2"], pool)) == {f"{pool}-1": 1}
+        assert per_node(instances(ha_pair["ec2"], pool)) == {f"{pool}-1": 1}
         print(f"partition: control-a stopped {stopped_s:.2f} s and control-b led {led_s:.2f} s after the cut "
               f"(lease {raw['ha']['lease_s']} s)")
     finally:

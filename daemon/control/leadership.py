@@ -9,7 +9,9 @@ The protocol (etcd's own election recipe, made explicit):
 
 1. ``GrantLease``: a lease with ``ttl_s`` (default 5 s).
 2. ``Campaign``: a txn ``create_revision(/spotvisor/<pool>/leader) == 0`` → put the
-   key under the lease; otherwise read it. Won: the **fence token** is the key's
+   key under the lease; otherwise read it. A candidate campaigns every
+   ``campaign_every_s`` (the poll: the bound when nothing else says the key went) and at
+   once on ``LeaderKeyGone`` (the edge's watch on the key saw it deleted). Won: the **fence token** is the key's
    ``create_revision`` (unique per creation, growing: etcd's revision counter). A
    campaign that failed but shows the key under *our* lease is a win whose answer
    was lost earlier (the txn applied, its reply did not arrive).
@@ -141,7 +143,12 @@ class CampaignLost:
 
 @dataclass(frozen=True, slots=True)
 class LeaderKeyGone:
-    """The watch saw the leader key deleted (its lease expired or was revoked)."""
+    """The watch saw the leader key deleted (its lease expired or was revoked) at etcd
+    revision ``revision`` (0: unknown). A deletion older than this daemon's own key (its
+    ``revision`` below the fence: the key this daemon created came after it) is about an
+    earlier leader, delivered late: it deposes nobody."""
+
+    revision: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +291,8 @@ def decide(state: LeaderState, obs: Observation, now: float, cfg: LeaderConfig) 
             return _drop(state, now, cfg, revoke=True)
         return _tick(state, now, cfg)
     if isinstance(obs, LeaderKeyGone):
+        if state.role is Role.LEADER and state.fence is not None and 0 < obs.revision < state.fence:
+            return _tick(state, now, cfg)  # an earlier leader's key, reported late (ours was created after)
         if state.role is Role.LEADER:  # our key went: the lease is gone or revoked
             return _drop(state, now, cfg, revoke=True)
         if state.role is Role.CANDIDATE and state.lease_id is not None:

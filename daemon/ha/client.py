@@ -17,7 +17,7 @@ from typing import Sequence
 
 import aetcd
 import grpc
-from aetcd import rpc, watcher
+from aetcd import exceptions, rpc, watcher
 
 __all__ = ["EtcdClient", "LeaseCompare", "target_of"]
 
@@ -47,9 +47,10 @@ class EtcdClient(aetcd.Client):
                          options={"grpc.lb_policy_name": "round_robin",
                                   "grpc.initial_reconnect_backoff_ms": 100,
                                   "grpc.max_reconnect_backoff_ms": 1000,
-                                  # a new leader reads the pool's whole state in one range
-                                  # (daemon/ha/store.py); gRPC's default cap is 4 MiB
+                                  # a new leader reads the pool's state in pages (daemon/ha/store.py);
+                                  # gRPC's default cap (4 MiB) is near a page of big rows
                                   "grpc.max_receive_message_length": 256 << 20})
+        self.timeout_s = timeout_s
         self._target = target_of(endpoints)
         self._credentials = credentials
 
@@ -66,6 +67,47 @@ class EtcdClient(aetcd.Client):
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
         self._connected.set()
+
+    async def keepalive(self, lease_id: int, *, timeout_s: float) -> rpc.LeaseKeepAliveResponse | None:
+        """One ``LeaseKeepAlive`` (aetcd's ``refresh_lease``) with its own deadline in
+        seconds, not the client's: a renewal answered late still renewed the lease (the
+        elector counts it from the moment it was sent). None: the stream ended unanswered.
+
+        Raises:
+            aetcd.exceptions.ClientError: etcd unreachable, or no answer by the deadline.
+        """
+        await self.connect()
+        try:
+            async for reply in self.leasestub.LeaseKeepAlive([rpc.LeaseKeepAliveRequest(ID=lease_id)],
+                                                             timeout=timeout_s, metadata=self.metadata):
+                return reply
+        except rpc.AioRpcError as exc:
+            exceptions._handle_exception(exc)
+            raise
+        return None
+
+    async def range_page(self, key: bytes, range_end: bytes | None = None, *, limit: int = 0,
+                         revision: int = 0) -> rpc.RangeResponse:
+        """One ``KV.Range`` request (https://etcd.io/docs/v3.4/learning/api/#range; aetcd's
+        ``get_range`` sends neither a limit nor a revision): the keys in ``[key, range_end)``
+        (``range_end`` None: ``key`` alone), in key order, at most ``limit`` of them (0: all),
+        as of ``revision`` (0: now). The reply's ``header.revision`` is the store's revision
+        the read saw, ``more`` says whether keys past ``limit`` remain.
+
+        Raises:
+            aetcd.exceptions.ClientError: etcd unreachable, timed out, or ``revision``
+                compacted (``RevisionCompactedError``).
+        """
+        await self.connect()
+        req = rpc.RangeRequest(key=key, limit=limit, revision=revision,
+                               sort_order=rpc.RangeRequest.ASCEND, sort_target=rpc.RangeRequest.KEY)
+        if range_end is not None:
+            req.range_end = range_end
+        try:
+            return await self.kvstub.Range(req, timeout=self._timeout, metadata=self.metadata)
+        except rpc.AioRpcError as exc:
+            exceptions._handle_exception(exc)  # raises aetcd's error for the gRPC status
+            raise
 
 
 class LeaseCompare(aetcd.transactions.BaseCompare):

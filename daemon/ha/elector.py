@@ -12,6 +12,17 @@ most every ``retry_s``, and the failures of a streak are logged at its 1st, 10th
 which steps down (revokes the lease, so the key goes at once and a standby takes over
 without waiting the TTL; bounded by the client's deadline).
 
+A second task (``ha:keywatch:<pool>``) watches the leader key (etcd's Watch,
+https://etcd.io/docs/v3.4/learning/api/#watch-api, from the revision of a read so no
+deletion between the read and the watch is missed) and feeds each deletion as
+``LeaderKeyGone(revision)``: a standby campaigns at once when the key goes (revoked on
+a step-down, or its lease expired), a leader whose key was deleted stops at once. The
+watch is an accelerator, never the only signal: when its stream breaks (the member it
+was on died) it is opened again after ``retry_s``, from the last revision it saw, and
+meanwhile the candidate's campaign every ``campaign_every_s`` (the poll) and the
+leader's keepalives bound how late a change is seen (the takeover bound: the lease's
+TTL plus one poll).
+
 Keys (under ``/spotvisor/<pool>/``): ``leader``, the daemon's name, under its lease;
 its ``create_revision`` is the fence token (:mod:`daemon.ha.fence`).
 """
@@ -24,6 +35,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 import structlog
+from aetcd.exceptions import RevisionCompactedError
 
 from daemon.control import leadership as ld
 from daemon.ha.client import EtcdClient
@@ -46,10 +58,14 @@ def leader_key(pool: str) -> bytes:
 
 class Elector:
     """Campaigns for ``pool``'s leadership as ``name`` (module docstring). Construct, then
-    :meth:`start`; :meth:`aclose` is idempotent. :meth:`may_act` is the gate for every act."""
+    :meth:`start`; :meth:`aclose` is idempotent. :meth:`may_act` is the gate for every act.
+    ``tick_s``, ``retry_s``: seconds (the loop's idle tick; the pace of a retry after a
+    failed request or a broken watch); ``clock``: monotonic seconds; ``watch``: False runs
+    without the key's watch (the poll alone)."""
 
     def __init__(self, client: EtcdClient, *, pool: str, name: str, cfg: ld.LeaderConfig | None = None,
-                 tick_s: float = 0.1, retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+                 tick_s: float = 0.1, retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic,
+                 watch: bool = True) -> None:
         self.client = client
         self.pool = pool
         self.name = name
@@ -64,6 +80,9 @@ class Elector:
         self._queue: asyncio.Queue[ld.Observation] = asyncio.Queue(maxsize=256)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._watch = watch  # False: the poll alone (tests of what the fence does without it)
+        self._watch_task: asyncio.Task[None] | None = None
+        self.watching = asyncio.Event()  # set while the key's watch stream is open (tests)
 
     # -- what the daemon reads --------------------------------------------------
     def may_act(self) -> bool:
@@ -87,6 +106,8 @@ class Elector:
     def start(self) -> "Elector":
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run(), name=f"ha:elector:{self.pool}")
+            if self._watch:
+                self._watch_task = asyncio.create_task(self._watch_key(), name=f"ha:keywatch:{self.pool}")
         return self
 
     async def aclose(self) -> None:
@@ -94,9 +115,12 @@ class Elector:
         if self._loop_task is None:
             return
         task, self._loop_task = self._loop_task, None
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        watch, self._watch_task = self._watch_task, None
+        for t in (task, watch):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -116,13 +140,47 @@ class Elector:
                     obs = await self._queue.get()
             self._step(obs)
 
+    async def _watch_key(self) -> None:
+        """Feed every deletion of the leader key as ``LeaderKeyGone`` (module docstring);
+        a broken stream is opened again ``retry_s`` later from the next revision unseen."""
+        start = 0  # the first revision not yet seen (0: read the key first)
+        failures = 0
+        while True:
+            watch = None
+            try:
+                if not start:
+                    start = (await self.client.range_page(self.key)).header.revision + 1
+                watch = await self.client.watch(self.key, start_revision=start)
+                self.watching.set()
+                async for event in watch:
+                    failures = 0
+                    start = event.kv.mod_revision + 1
+                    if event.kind == "DELETE":
+                        self.observe(ld.LeaderKeyGone(event.kv.mod_revision))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  the stream broke or etcd is away: the poll bounds it
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("ha_watch_broken", pool=self.pool, error=repr(exc)[:200], in_a_row=failures)
+                if isinstance(exc, RevisionCompactedError):  # that revision is gone: read the key again
+                    start = 0
+            finally:
+                self.watching.clear()
+                if watch is not None:
+                    with contextlib.suppress(Exception):  # noqa: BLE001  the stream may be gone already
+                        async with asyncio.timeout(self.retry_s * 5):
+                            await watch.cancel()
+            await asyncio.sleep(self.retry_s)  # the retry's pace, not synchronisation
+
     def _step(self, obs: ld.Observation) -> None:
         before = self.state.role
         out = ld.decide(self.state, obs, self.clock(), self.cfg)
         self.state = out.state
         if out.state.role is not before:
             log.info("ha_role", pool=self.pool, name=self.name, role=out.state.role.value,
-                     was=before.value, fence=out.state.fence, lease=out.state.lease_id)
+                     was=before.value, fence=out.state.fence, lease=out.state.lease_id,
+                     on=type(obs).__name__)  # what changed it (Tick: a deadline passed)
             self.changed.set()
         for action in out.actions:
             self._spawn(self._carry_out(action), f"ha:{type(action).__name__}:{self.pool}")
@@ -156,7 +214,12 @@ class Elector:
             lease = await self.client.lease(int(action.ttl_s))
             return ld.LeaseGranted(lease.id, float(lease.ttl), sent)
         if isinstance(action, ld.KeepAlive):
-            reply = await self.client.refresh_lease(action.lease_id)
+            # its answer is of use until the deadline it would set (sent + the lease's span),
+            # also past the client's usual 2 s (a loaded host: etcd renewed, the reply was slow)
+            span_s = ld.deadline(ld.LeaderState(lease_id=action.lease_id, ttl_s=self.state.ttl_s or self.cfg.ttl_s,
+                                                confirmed_at=0.0), self.cfg) or 0.0
+            wait_s = max(self.client.timeout_s, span_s)
+            reply = await self.client.keepalive(action.lease_id, timeout_s=wait_s)
             return ld.LeaseRenewed(action.lease_id, float(reply.TTL) if reply is not None else -1.0, sent)
         if isinstance(action, ld.Campaign):
             return await self._campaign(action.lease_id)

@@ -9,8 +9,9 @@ the daemon the moment it leads no more.
    until this daemon leads; as a standby it says so once, naming the daemon that leads
    (the leader key's value), through ``on_standby``.
 2. Then the daemon opens :meth:`Leadership.open_store` (an
-   :class:`~daemon.ha.store.EtcdStore`, its SQLite mirror in the state dir, loaded from
-   etcd, its flush started) and wraps each provider with :meth:`Leadership.fenced`
+   :class:`~daemon.ha.store.EtcdStore`, its SQLite mirror in the state dir, opened off
+   the loop by :meth:`Leadership.prepare_store` while it stood by, loaded from etcd, its
+   flush started) and wraps each provider with :meth:`Leadership.fenced`
    (:class:`~daemon.ha.store.FencedProvider`: no launch or terminate without a fenced sync).
 3. :attr:`Leadership.lost` is set, with :attr:`Leadership.reason`, once the elector leaves
    the leader role (lease lost or expired, fence refused, key gone) or a
@@ -35,6 +36,7 @@ from daemon.controlnode.core import leaves
 from daemon.ha.client import EtcdClient
 from daemon.ha.elector import Elector
 from daemon.ha.fence import Deposed, Fence
+from daemon.ha.modes import leader_renew_s
 from daemon.ha.store import EtcdStore, FencedProvider
 from daemon.providers.base import Provider
 
@@ -46,7 +48,7 @@ log = structlog.get_logger("spotvisor.ha")
 def leader_config(lease_s: float) -> ld.LeaderConfig:
     """The election's timings for ``ha.lease_s`` (seconds): keepalives four times per
     TTL (at most every 1.5 s), campaigns every 0.5 s."""
-    return ld.LeaderConfig(ttl_s=float(lease_s), renew_every_s=min(1.5, lease_s / 4))
+    return ld.LeaderConfig(ttl_s=float(lease_s), renew_every_s=leader_renew_s(lease_s))
 
 
 def _credentials(spec: Any) -> grpc.ChannelCredentials | None:
@@ -73,6 +75,8 @@ class Leadership:
         self.reason = ""
         self.led_at: float | None = None  # loop time when this daemon became the leader
         self._watch: asyncio.Task[None] | None = None
+        self._prepared: EtcdStore | None = None  # the mirror opened before the lead (prepare_store)
+        self._leading: asyncio.Task[None] | None = None  # the one wait of lead()
 
     async def __aenter__(self) -> "Leadership":
         return self
@@ -84,7 +88,14 @@ class Leadership:
     async def lead(self) -> None:
         """Return once this daemon leads (waits on the elector's ``changed``, as long as it
         takes: a standby waits here). Raises gRPC/aetcd errors only from the client's
-        connect; etcd out of reach is retried by the elector. Idempotent."""
+        connect; etcd out of reach is retried by the elector. Idempotent, and one wait
+        however many callers (the standby's line is said once); cancelling a caller
+        cancels only its own wait (:meth:`step_down` ends the shared one)."""
+        if self._leading is None:
+            self._leading = asyncio.create_task(self._lead(), name=f"ha:lead:{self.pool}")
+        await asyncio.shield(self._leading)
+
+    async def _lead(self) -> None:
         if self.led_at is not None:
             return
         await self.client.connect()
@@ -123,10 +134,23 @@ class Leadership:
                     f"(role {self.elector.state.role.value}: lease lost or expired, or fence refused)")
 
     # -- leading ----------------------------------------------------------------------
+    async def prepare_store(self, mirror: Path, *, flush_every_s: float = 0.2) -> None:
+        """Open ``mirror`` (emptied) for :meth:`open_store`, in a worker thread: SQLite's
+        open writes and syncs the file, which on a busy disk (etcd's own fsyncs beside it)
+        takes seconds; on the loop, right after the lead, that stalled the keepalives until
+        the lease was lost. A standby calls this while it waits. Raises ``OSError``,
+        ``sqlite3.Error``."""
+        if self._prepared is None:
+            store = EtcdStore(self.fence, mirror=mirror, flush_every_s=flush_every_s)
+            self._prepared = await asyncio.to_thread(store.open)
+
     async def open_store(self, mirror: Path, *, flush_every_s: float = 0.2) -> EtcdStore:
-        """The pool's store as this leader's: opened on ``mirror`` (emptied), loaded from
-        etcd, its flush started. Raises gRPC/aetcd errors: etcd out of reach."""
-        store = EtcdStore(self.fence, mirror=mirror, flush_every_s=flush_every_s).open()
+        """The pool's store as this leader's: opened on ``mirror`` (emptied; by
+        :meth:`prepare_store` if it was called), loaded from etcd, its flush started.
+        Raises gRPC/aetcd errors: etcd out of reach."""
+        await self.prepare_store(mirror, flush_every_s=flush_every_s)
+        store, self._prepared = self._prepared, None
+        assert store is not None
         try:
             await store.load()
         except BaseException:
@@ -157,17 +181,30 @@ class Leadership:
         self.depose(f"{task.get_name()}: {found[0]}")
         return True
 
-    async def aclose(self) -> None:
-        """Stop the store's flush (its last sync is fenced: a deposed daemon writes nothing),
-        step down (revoke the lease) and close the client. Idempotent."""
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
+    async def step_down(self) -> None:
+        """Hand the pool over: stop the store's flush (its last sync is fenced: a deposed
+        daemon writes nothing) and revoke the lease, so the key goes at once and a standby
+        leads without waiting the TTL. Call it as soon as this daemon stops acting (its
+        supervisor closed), before slower closes (the feed's drain, the API's): a step-down
+        is not a loss (:attr:`lost` stays as it is). Writes made after it stay in the
+        mirror, never in etcd. Idempotent; the client stays open."""
+        for task in (self._leading, self._watch):
+            if task is not None and not task.done():
+                task.cancel()
+            if task is not None:
+                with contextlib.suppress(BaseException):  # noqa: BLE001  its error was its caller's
+                    await task
+        self._watch = None
         if self.store is not None:
             store, self.store = self.store, None
             await store.aclose()
+        if self._prepared is not None:  # opened, never led
+            prepared, self._prepared = self._prepared, None
+            prepared.close()
         await self.elector.aclose()
+
+    async def aclose(self) -> None:
+        """:meth:`step_down` (if not done yet), then close the client. Idempotent."""
+        await self.step_down()
         with contextlib.suppress(Exception):  # noqa: BLE001  the channel's close is best effort
             await self.client.close()

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["survival"]
+__all__ = ["MIN_SAFE_LEASE_S", "survival"]
+
+#: below this lease (seconds) check-config warns: a keepalive (every lease/4) and a loop
+#: stalled a second or two on a loaded host are enough to lose the lead
+MIN_SAFE_LEASE_S = 4
+
+
+def leader_renew_s(lease_s: float) -> float:
+    """Seconds between the leader's keepalives for ``ha.lease_s`` (as
+    :func:`daemon.ha.leading.leader_config` sets them: four per TTL, at most every 1.5 s)."""
+    return min(1.5, lease_s / 4)
 
 
 def survival(config: Any) -> list[str]:
@@ -38,4 +48,9 @@ def survival(config: Any) -> list[str]:
                  "floating address or a DNS name that follows the leader (a standby does not listen)")
     if members < 3:
         lines.append("  warning: fewer than 3 etcd members: one member's loss stops the control plane")
+    if ha.lease_s < MIN_SAFE_LEASE_S:
+        lines.append(f"  warning: ha.lease_s {ha.lease_s} s is under {MIN_SAFE_LEASE_S} s: a loaded control node "
+                     f"misses keepalives (sent every {leader_renew_s(ha.lease_s):g} s) and its leader steps down with "
+                     f"nothing wrong; the takeover bound is about the lease plus one poll (0.5 s), so "
+                     f"ha.lease_s: {MIN_SAFE_LEASE_S}-5 costs little")
     return lines

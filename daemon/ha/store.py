@@ -16,9 +16,19 @@ a deposed leader's sync raises :class:`~daemon.ha.fence.Deposed` and the provide
 
 Keys under ``/spotvisor/<pool>/``: ``seq`` (the last event's seq), ``events/<seq, 20 digits>``
 (``{"time", "kind", "node", "data"}``), ``nodes/<id>`` (the row's JSON), ``kv/<key>`` (JSON).
+
 etcd keeps what it holds in memory and caps its database (``--quota-backend-bytes``, 2 GiB by
-default): the event log here grows with the pool's history as SQLite's does; trimming old
-events to a checkpoint is not done yet.
+default), so the event log in etcd is bounded: every ``trim_every`` events the store deletes,
+in its fenced txns and from its mirror, the events older than the newest ``keep_events``
+except those of :data:`KEPT_KINDS`, the kinds a new leader reads back over the whole history
+(the job's resumes and commits, its completion, the pool's release, the copies' egress, the
+job timeline's). What stays grows with the job's commits and resumes, not with its
+heartbeats, exits or alarms. A feed sink more than ``keep_events`` behind a new leader
+misses the trimmed ones.
+
+:meth:`EtcdStore.load` reads in pages of ``page_keys`` keys (etcd's Range with a limit, all
+at the revision of the first page: one consistent state), so a large pool's state does not
+come back in one response.
 """
 
 from __future__ import annotations
@@ -33,11 +43,29 @@ import structlog
 
 from daemon.controlnode.store import Store
 from daemon.ha.elector import pool_prefix
+from aetcd.utils import prefix_range_end
+
 from daemon.ha.fence import Deposed, Fence
-from daemon.model import Event, Node
+from daemon.model import Event, EventKind, Node
 from daemon.providers.base import Provider
 
-__all__ = ["EtcdStore", "FencedProvider", "MAX_OPS_PER_TXN"]
+__all__ = ["EtcdStore", "FencedProvider", "KEPT_KINDS", "MAX_OPS_PER_TXN", "trim_cutoff"]
+
+_K = EventKind
+#: event kinds never trimmed: what the daemon reads over the whole history when it starts
+#: (daemon/controlnode/job_tracker.py: resumes, commits, completion, release;
+#: metrics.egress_usd: the copies; metrics.TIMELINE_KINDS: the job timeline; placement: the
+#: first launch request, the job's submission time)
+KEPT_KINDS = frozenset(k.value for k in (
+    _K.JOB_RESUMED, _K.CHECKPOINT_COMMITTED, _K.JOB_COMPLETED, _K.POOL_RELEASED, _K.CHECKPOINT_REPLICATED,
+    _K.NODE_LAUNCH_REQUESTED, _K.NODE_ADMITTED, _K.JOB_PAUSING, _K.JOB_UNPAUSED, _K.INTERRUPTION_NOTICE,
+    _K.NODE_LOST))
+
+
+def trim_cutoff(last_seq: int, keep_events: int) -> int:
+    """The highest seq a trim may delete (events of :data:`KEPT_KINDS` excepted): all but the
+    newest ``keep_events``; 0: nothing yet."""
+    return max(0, last_seq - keep_events)
 
 log = structlog.get_logger("spotvisor.ha")
 
@@ -50,23 +78,34 @@ class EtcdStore(Store):
     (as the new leader, before the supervisor starts), :meth:`start` the flush;
     ``await`` :meth:`aclose` (a last sync, best effort) then :meth:`close`."""
 
-    __slots__ = ("fence", "prefix", "flush_every_s", "_outbox", "_lock", "_seq_mod", "_flusher", "_deposed",
-                 "_queued", "_committed")
+    __slots__ = ("fence", "prefix", "flush_every_s", "keep_events", "trim_every", "page_keys", "_outbox", "_lock",
+                 "_seq_mod", "_flusher", "_deposed", "_queued", "_committed", "_since_trim", "_trimmed_through",
+                 "_term")
 
-    def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2) -> None:
+    def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2,
+                 keep_events: int = 10_000, trim_every: int = 500, page_keys: int = 1000) -> None:
         """``mirror``: the SQLite file the state is mirrored in (the daemon's: under its state
         dir, so the feed's thread can open a sibling connection; emptied by :meth:`open`:
-        etcd, not this file, is the truth). ``:memory:``: no file (tests, tools)."""
+        etcd, not this file, is the truth). ``:memory:``: no file (tests, tools).
+        ``keep_events``, ``trim_every``: the event log's trim (module docstring);
+        ``page_keys``: keys per read of :meth:`load`. Raises ``ValueError`` for one under 1."""
+        for name, n in (("keep_events", keep_events), ("trim_every", trim_every), ("page_keys", page_keys)):
+            if n < 1:
+                raise ValueError(f"{name} must be at least 1, got {n}")
         super().__init__(mirror)
         self.fence = fence
         self.prefix = pool_prefix(fence.elector.pool)
         self.flush_every_s = flush_every_s
-        self._outbox: list[Any] = []
+        self._outbox: list[tuple[str, str, str | None, int | None]] = []
         self._lock = asyncio.Lock()
         self._seq_mod = 0  # mod_revision of the seq key as this store last saw it (0: absent)
         self._flusher: asyncio.Task[None] | None = None
         self._deposed = False
         self._queued = self._committed = 0  # writes queued / committed to etcd since this store opened
+        self.keep_events, self.trim_every, self.page_keys = keep_events, trim_every, page_keys
+        self._since_trim = 0  # events appended since the last trim
+        self._trimmed_through = 0  # no event to trim at or below this seq is left
+        self._term: int | None = None  # the fence it was loaded under (None: not loaded; tools, tests)
 
     def open(self) -> "EtcdStore":
         """Open the mirror, emptied (a previous run's file is stale: etcd holds the state)."""
@@ -79,22 +118,41 @@ class EtcdStore(Store):
     # -- loading: the new leader reads what the old one committed ---------------------
     async def load(self) -> None:
         """Read the pool's state from etcd into the mirror (replacing nothing: call on a
-        freshly opened store). Raises aetcd/gRPC errors: etcd unreachable."""
-        rows = await self.fence.client.get_prefix(self.prefix)  # one read: one revision of the whole state
+        freshly opened store), as the writer of the elector's current term: the store
+        commits under that fence only (a daemon that leads again, with a new fence, loads a
+        new store). Raises aetcd/gRPC errors: etcd unreachable."""
+        self._term = self.fence.elector.fence
+        client, end = self.fence.client, prefix_range_end(self.prefix)
+        start, revision = self.prefix, 0
+        while True:  # pages of page_keys keys, all at the first page's revision: one state
+            page = await client.range_page(start, end, limit=self.page_keys, revision=revision)
+            revision = revision or page.header.revision
+            self._load_rows(page.kvs)
+            if not page.more or not page.kvs:
+                return
+            start = page.kvs[-1].key + b"\0"  # the next key after the page's last
+
+    def _load_rows(self, rows: Any) -> None:
         db = self.db
-        for kv in rows:
-            key, value = kv.key[len(self.prefix):].decode(), kv.value
-            kind, _, name = key.partition("/")
-            if kind == "seq":
-                self._seq_mod = kv.mod_revision
-            elif kind == "events":
-                ev = json.loads(value)
-                db.execute("INSERT INTO events(seq, time, kind, node, data) VALUES (?, ?, ?, ?, ?)",
-                           (int(name), ev["time"], ev["kind"], ev["node"], json.dumps(ev["data"])))
-            elif kind == "nodes":
-                db.execute("INSERT INTO nodes(id, body) VALUES (?, ?)", (name, value.decode()))
-            elif kind == "kv":
-                db.execute("INSERT INTO kv(key, value) VALUES (?, ?)", (name, value.decode()))
+        db.execute("BEGIN")  # one transaction per page: one write of the mirror, not one per row
+        try:
+            for kv in rows:
+                key, value = kv.key[len(self.prefix):].decode(), kv.value
+                kind, _, name = key.partition("/")
+                if kind == "seq":
+                    self._seq_mod = kv.mod_revision
+                elif kind == "events":
+                    ev = json.loads(value)
+                    db.execute("INSERT INTO events(seq, time, kind, node, data) VALUES (?, ?, ?, ?, ?)",
+                               (int(name), ev["time"], ev["kind"], ev["node"], json.dumps(ev["data"])))
+                elif kind == "nodes":
+                    db.execute("INSERT INTO nodes(id, body) VALUES (?, ?)", (name, value.decode()))
+                elif kind == "kv":
+                    db.execute("INSERT INTO kv(key, value) VALUES (?, ?)", (name, value.decode()))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     # -- writes: the mirror now, etcd at the next sync --------------------------------
     def append_event(self, kind: str, node: str | None = None, data: dict[str, Any] | None = None,
@@ -102,7 +160,27 @@ class EtcdStore(Store):
         ev = super().append_event(kind, node, data, at=at)
         body = {"time": ev.time, "kind": ev.kind, "node": ev.node, "data": ev.data}
         self._queue(("events", f"{ev.seq:020d}", json.dumps(body, default=str), ev.seq))
+        self._since_trim += 1
+        if self._since_trim >= self.trim_every:
+            self._since_trim = 0
+            self.trim(ev.seq)
         return ev
+
+    def trim(self, last_seq: int) -> int:
+        """Delete (from the mirror now, from etcd at the next sync) the events at or below
+        :func:`trim_cutoff` whose kind is not in :data:`KEPT_KINDS`; how many."""
+        cutoff = trim_cutoff(last_seq, self.keep_events)
+        if cutoff <= self._trimmed_through:
+            return 0
+        kept = sorted(KEPT_KINDS)
+        seqs = [seq for (seq,) in self.db.execute(
+            f"SELECT seq FROM events WHERE seq > ? AND seq <= ? AND kind NOT IN ({','.join('?' * len(kept))})",
+            (self._trimmed_through, cutoff, *kept))]
+        self.db.executemany("DELETE FROM events WHERE seq = ?", [(seq,) for seq in seqs])
+        for seq in seqs:
+            self._queue(("events", f"{seq:020d}", None, None))
+        self._trimmed_through = cutoff
+        return len(seqs)
 
     def put_node(self, node: Node) -> None:
         super().put_node(node)
@@ -113,7 +191,7 @@ class EtcdStore(Store):
         super().set(key, value)
         self._queue(("kv", key, json.dumps(value), None))
 
-    def _queue(self, item: tuple[str, str, str, int | None]) -> None:
+    def _queue(self, item: tuple[str, str, str | None, int | None]) -> None:
         if self._deposed:
             raise Deposed("this daemon was deposed: its store takes no more writes")
         self._outbox.append(item)
@@ -165,16 +243,21 @@ class EtcdStore(Store):
             if not self._outbox:
                 return
 
-    async def _commit(self, batch: list[tuple[str, str, str, int | None]]) -> None:
+    async def _commit(self, batch: list[tuple[str, str, str | None, int | None]]) -> None:
         tx = self.fence.client.transactions
         seq_key = self.prefix + b"seq"
         last = {(kind, name): body for kind, name, body, _ in batch}  # one txn is atomic: the last write of a key wins
-        ops = [tx.put(self.prefix + f"{kind}/{name}".encode(), body.encode()) for (kind, name), body in last.items()]
+        ops = [tx.put(self.prefix + f"{kind}/{name}".encode(), body.encode()) if body is not None
+               else tx.delete(self.prefix + f"{kind}/{name}".encode())  # a trimmed event
+               for (kind, name), body in last.items()]
         seqs = [seq for *_, seq in batch if seq is not None]
         if seqs:
             ops.append(tx.put(seq_key, str(max(seqs)).encode()))
         ops.append(tx.get(seq_key))
         try:
+            if self._term is not None and self.fence.elector.fence != self._term:  # led again since the load:
+                raise Deposed(f"{self.fence.elector.name}'s store was loaded under fence {self._term}: "  # its
+                              "load a new one for the new term")  # mirror may lack what another leader wrote
             answers = await self.fence.commit(ops, extra_compares=[tx.mod(seq_key) == self._seq_mod])
         except Deposed:
             self._deposed = True

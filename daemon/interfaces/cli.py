@@ -159,18 +159,27 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         providers = dict(providers)
     else:  # a leader's loop must answer its lease: the cloud clients (a second of botocore's models) off it
         providers = made() if ha is None else await asyncio.to_thread(made)
-    if ha is not None:  # the standby waits here
+    if ha is not None:  # the standby waits here, with what its start imports loaded and its mirror open
+        await asyncio.to_thread(_takeover_imports, config)
+        await ha.prepare_store(state / "spotvisord.db")
         await ha.lead()
+        led_cpu_s = time.process_time()
         store = await ha.open_store(state / "spotvisord.db")  # the pool's, read from etcd
         providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
     sup = Supervisor(config, providers=providers, store=store, policy=policy,
                      on_crash=None if ha is None else ha.on_task_crash)
     notifier = Notifier(store, config.notify, pool=config.pool.name, redactor=redactor)  # the feed (daemon/feed/notify.py): its own thread
     sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
-    api = ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
-                    socket_path=str(config.daemon.socket_path()), ssl_context=None if tls is None else tls.context)
+    def new_api() -> ApiServer:
+        return ApiServer(sup, agent_host=config.daemon.agent_host, agent_port=config.daemon.agent_port,
+                         socket_path=str(config.daemon.socket_path()), ssl_context=None if tls is None else tls.context)
+
+    api = new_api()
     try:
-        await api.start()
+        if ha is None:
+            await api.start()
+        else:  # the daemon that led before may hold the agent port for its last seconds (same host)
+            api = await _bind_retrying(api, new_api, timeout_s=HANDOVER_BIND_S)
         assert api.agent_url is not None
         if job_secrets:
             check_channel(api.agent_url)  # SecretError: never in plain HTTP beyond loopback
@@ -178,16 +187,62 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         api.metrics.registry.register(notifier)  # type: ignore[arg-type]  # the sinks' backlog and shed counts
         await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode(),
                         job_secrets=job_secrets)
+        if ha is not None and ha.led_at is not None:  # a takeover's cost, for whoever sizes the lease
+            took_s = asyncio.get_running_loop().time() - ha.led_at
+            log.info("ha_serving", pool=config.pool.name, since_lead_s=round(took_s, 3),
+                     cpu_s=round(time.process_time() - led_cpu_s, 3))
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
         yield sup
     finally:
-        await sup.aclose()
+        await sup.aclose()  # nothing is bought, terminated or admitted after this
+        if ha is not None:  # the store's last sync (fenced), then the lease revoked: a standby leads at
+            await ha.step_down()  # once, not after the feed's drain and the API's close below
         await notifier.aclose()  # up to 3 s to deliver what is queued (the final pool_released); joins its thread
         await api.aclose()
         if ha is not None:
-            await ha.aclose()  # the store's last sync (fenced), then step down: a standby leads at once
+            await ha.aclose()
         store.close()
+
+
+#: seconds a new leader retries binding the agent port that is in use: the daemon that led
+#: before hands over as soon as it stops acting and closes its listeners after (its feed's
+#: drain first, 3 s at most); on one host, or with a floating address not yet moved, the
+#: port is still its meanwhile
+HANDOVER_BIND_S = 15.0
+
+
+async def _bind_retrying(api: Any, new_api: Callable[[], Any], *, timeout_s: float) -> Any:
+    """``api`` started, or if its port is in use (``EADDRINUSE``) a fresh one from ``new_api``
+    started every 0.2 s, for up to ``timeout_s`` seconds; the one that bound. Raises the
+    last ``OSError`` past the deadline (or any other at once)."""
+    import errno
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await api.start()
+            return api
+        except OSError as exc:
+            await api.aclose()
+            if exc.errno != errno.EADDRINUSE or asyncio.get_running_loop().time() > deadline:
+                raise
+            log.info("ha_agent_port_busy", error=str(exc)[:200])
+        await asyncio.sleep(0.2)  # a retry's pace inside the deadline, not synchronisation
+        api = new_api()
+
+
+def _takeover_imports(config: Config) -> None:
+    """Import what a new leader's start would import lazily (the pre-flight, the cloud
+    check of each provider configured), so a takeover spends no CPU on it: on a loaded
+    host that CPU is what stands between the lead and the first act."""
+    import importlib
+
+    names = ["daemon.controlnode.preflight"]
+    kinds = {o.provider for o in config.offers}
+    names += [f"daemon.providers.{k}_check" for k in ("aws", "aliyun") if k in kinds]
+    for name in names:
+        importlib.import_module(name)
 
 
 @contextlib.contextmanager
@@ -238,18 +293,33 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
 
     t0 = time.time()
     with rendezvous_process(config) as store:
-        async with running_daemon(config, rendezvous=store, redactor=redactor) as sup:
+        async with contextlib.AsyncExitStack() as stack:
+            ha = None
+            if config.ha is not None:  # as `run`: stand by until it leads, end (1) once it leads no more
+                from daemon.ha.leading import Leadership
+
+                ha = await stack.enter_async_context(Leadership(
+                    config.ha, config.pool.name, on_standby=lambda line: out(f"spotvisor demo: {line}")))
+            sup = await stack.enter_async_context(running_daemon(config, rendezvous=store, redactor=redactor, ha=ha))
             sup.subscribe(lambda ev: out(format_event(ev, t0)))
             out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
                 f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
+            job = asyncio.create_task(_completed(sup), name="demo:job")
+            lost = asyncio.create_task(ha.lost.wait() if ha is not None else asyncio.Event().wait(), name="demo:lost")
             try:
-                async with asyncio.timeout(timeout_s):
-                    await sup.wait_completed()
-                    await sup.wait_released()
-            except TimeoutError:
+                await asyncio.wait([job, lost], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (job, lost):
+                    t.cancel()
+                await asyncio.gather(job, lost, return_exceptions=True)
+            if ha is not None and ha.lost.is_set():
+                out(f"spotvisor demo: {ha.reason}; stopped (fail closed: another daemon leads)")
+                return 1
+            if not job.done() or job.cancelled():
                 out(f"spotvisor demo: the job did not complete within {timeout_s:g} s "
                     f"(step {sup.job.step}); see {config.daemon.state_path()}/nodes/*/trainer.log")
                 return 1
+            job.result()  # its error, if any
             events = sup.store.events()
     summary = summarize(config.daemon.state_path() / "nodes", events, target_steps=config.job.target_steps,
                         global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
@@ -268,6 +338,12 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
         out(f"summary written to {summary_json}")
     # job.command: the user's script reports no step; its job completed (every torchrun exited 0)
     return 0 if config.job.command is not None or summary["steps_completed"] == config.job.target_steps else 1
+
+
+async def _completed(sup: "Supervisor") -> None:
+    """The job completed and its pool released."""
+    await sup.wait_completed()
+    await sup.wait_released()
 
 
 def _move_line(m: dict) -> str:
@@ -312,9 +388,20 @@ async def _run_ha(config: Config, watchdog_s: float | None, notifier: "SdNotifie
         notifier.ready(line)
 
     async with Leadership(config.ha, config.pool.name, on_standby=standby) as ha:
-        if not await _stand_by(ha, notifier, watchdog_s):
+        # the daemon's start up to the lead (secrets, TLS, providers, imports, the store's mirror)
+        # runs while this daemon stands by: what is left once it leads is short (on a loaded host,
+        # that start after the lead stalled the keepalives until the lease was lost)
+        daemon = running_daemon(config, redactor=redactor, ha=ha)
+        entering = asyncio.create_task(daemon.__aenter__(), name="ha:prepare")
+        try:
+            leads = await _stand_by(ha, notifier, watchdog_s, entering)
+        except BaseException:
+            await _cancelled(entering)
+            raise
+        if not leads:
+            await _cancelled(entering)
             return 0  # SIGTERM while a standby
-        service = asyncio.create_task(serve(running_daemon(config, redactor=redactor, ha=ha), notifier=notifier,
+        service = asyncio.create_task(serve(_entered(daemon, entering), notifier=notifier,
                                             watchdog_interval_s=watchdog_s), name="service")
         lost = asyncio.create_task(ha.lost.wait(), name="ha:lost")
         try:
@@ -334,9 +421,32 @@ async def _run_ha(config: Config, watchdog_s: float | None, notifier: "SdNotifie
     return 1
 
 
-async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float | None) -> bool:
+async def _cancelled(task: "asyncio.Task[Any]") -> None:
+    """Cancel ``task`` and wait for it to end (its cleanup done), whatever it raises."""
+    task.cancel()
+    with contextlib.suppress(BaseException):  # noqa: BLE001  ended by us: its outcome is moot
+        await task
+
+
+@contextlib.asynccontextmanager
+async def _entered(daemon: Any, entering: "asyncio.Task[Supervisor]") -> AsyncIterator["Supervisor"]:
+    """``daemon`` (an async context manager) whose ``__aenter__`` runs as ``entering``:
+    yields what it enters to, exits it as ``async with`` would."""
+    sup = await entering
+    try:
+        yield sup
+    except BaseException as exc:
+        if not await daemon.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        await daemon.__aexit__(None, None, None)
+
+
+async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float | None,
+                    entering: "asyncio.Task[Any] | None" = None) -> bool:
     """Wait until ``ha`` leads (True) or SIGTERM/SIGINT (False), pinging systemd's watchdog
-    meanwhile (serve() pings once this daemon leads)."""
+    meanwhile (serve() pings once this daemon leads). ``entering``: the daemon's start,
+    running meanwhile; its error ends the wait (raised here)."""
     import signal
 
     async def pings(interval_s: float) -> None:
@@ -353,7 +463,10 @@ async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float 
     if watchdog_s is not None:
         others.append(asyncio.create_task(pings(watchdog_s), name="ha:standby-pings"))
     try:
-        await asyncio.wait([lead, others[0]], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([lead, others[0], *([entering] if entering is not None else [])],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if entering is not None and entering.done() and not lead.done() and not stop.is_set():
+            entering.result()  # its error (it cannot enter before the lead)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
