@@ -121,8 +121,10 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
             await a.start()
             await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
             attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
-            if moment == "right_after_a_notice":
-                sim.notice(f"{pool}-2", lead_s=60)
+            if moment == "right_after_a_notice":  # a node in the job: under load one may join late
+                await a.until(lambda: any(e["data"].get("new") == 2 for e in a.saw("world_size_changed")),
+                              timeout_s=240, what="both nodes in the job")
+                sim.notice(a.saw("node_admitted")[-1]["node"], lead_s=60)
                 await a.until(lambda: a.saw("interruption_notice"), timeout_s=60, what="the notice reported")
             await a.sigkill()
             await asyncio.to_thread(store.kill)
