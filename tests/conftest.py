@@ -412,3 +412,20 @@ def fail_durable(monkeypatch: pytest.MonkeyPatch, store: Any, failures: list[Exc
         await real(self)
 
     monkeypatch.setattr(type(store), "durable", durable)
+
+
+@pytest.fixture
+async def clients(etcd_cluster: Any) -> Any:
+    """``clients()`` makes an :class:`~daemon.ha.client.EtcdClient` on the test's etcd
+    cluster (the ``etcd_cluster`` fixture its module imports from tests/etcd_cluster.py);
+    all are closed after the test (an open gRPC channel keeps the process from exiting)."""
+    from daemon.ha.client import EtcdClient
+
+    made: list[EtcdClient] = []
+
+    def make() -> EtcdClient:
+        made.append(EtcdClient(etcd_cluster.endpoints))
+        return made[-1]
+    yield make
+    for c in made:
+        await c.close()

@@ -20,11 +20,10 @@ from daemon.controlnode.store import NotLeading  # noqa: E402
 from daemon.ha.fence import Fence  # noqa: E402
 from daemon.ha.store import EtcdStore  # noqa: E402
 from etcd_cluster import etcd_cluster  # noqa: E402,F401  (fixture)
-from test_ha_store import _Frozen, _leading, _node, clients  # noqa: E402,F401  (clients: fixture)
+from test_ha_store import _Frozen, _leading, _node  # noqa: E402
 
 
-async def test_a_reply_follows_only_from_committed_state_and_a_deposed_leader_tells_nothing(
-        clients) -> None:  # noqa: F811
+async def test_a_reply_follows_only_from_committed_state_and_a_deposed_leader_tells_nothing(clients) -> None:
     a_client, b_client, admin = clients(), clients(), clients()
     a = await _leading(a_client, "a", clock=_Frozen())  # its own clock never shuts it: only etcd's fence can
     store = EtcdStore(Fence(a)).open()
@@ -50,8 +49,7 @@ async def test_a_reply_follows_only_from_committed_state_and_a_deposed_leader_te
         await b.aclose()
 
 
-async def test_a_reply_with_nothing_pending_costs_no_txn_and_still_asks_the_clock_gate(
-        clients) -> None:  # noqa: F811
+async def test_a_reply_with_nothing_pending_costs_no_txn_and_still_asks_the_clock_gate(clients) -> None:
     a = await _leading(clients(), "a")
     store = EtcdStore(Fence(a)).open()
     await store.load()

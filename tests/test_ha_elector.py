@@ -12,23 +12,10 @@ import structlog
 from aetcd.exceptions import ConnectionFailedError
 
 from daemon.control import leadership as ld
-from daemon.ha.client import EtcdClient
 from daemon.ha.elector import Elector
 from etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
 
 SLOW_POLL = ld.LeaderConfig(ttl_s=5.0, campaign_every_s=5.0)  # a poll too slow to be what acts in time
-
-
-@pytest.fixture
-async def clients(etcd_cluster):
-    made: list[EtcdClient] = []
-
-    def make() -> EtcdClient:
-        made.append(EtcdClient(etcd_cluster.endpoints))
-        return made[-1]
-    yield make
-    for c in made:
-        await c.close()
 
 
 async def _role(e: Elector, role: ld.Role, timeout_s: float) -> float:

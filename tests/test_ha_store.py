@@ -22,20 +22,6 @@ from etcd_cluster import etcd_cluster  # noqa: E402,F401  (fixture)
 CFG = ld.LeaderConfig(ttl_s=5.0)
 
 
-@pytest.fixture
-async def clients(etcd_cluster):
-    """``clients()`` makes an EtcdClient on the cluster; all are closed after the test
-    (an open gRPC channel keeps the process from exiting)."""
-    made: list[EtcdClient] = []
-
-    def make() -> EtcdClient:
-        made.append(EtcdClient(etcd_cluster.endpoints))
-        return made[-1]
-    yield make
-    for c in made:
-        await c.close()
-
-
 class _Frozen:
     def __call__(self) -> float:
         return 1000.0
