@@ -282,3 +282,54 @@ async def test_terminations_in_one_pass_run_together_and_a_failed_one_is_retried
     finally:
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+class StaleListingProvider(RecordingProvider):
+    """Node 2's launch waits for the next listing to be taken; that listing answers only
+    after ``answer`` is set, so node 2's launch lands while it is in flight and is
+    missing from it, as from any listing asked for before the launch landed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stale = False
+        self.listed = asyncio.Event()
+        self.answer = asyncio.Event()
+        self.passes = 0  # listings answered
+
+    async def launch(self, offer, node) -> Instance:  # type: ignore[override]
+        if node.node_id == "life-2":
+            self.stale = True
+            await self.listed.wait()  # lands while a listing without it is in flight
+        return await super().launch(offer, node)
+
+    async def describe(self, tag: str) -> list[Instance]:
+        listing = await super().describe(tag)
+        if self.stale and not self.answer.is_set():
+            self.listed.set()
+            await self.answer.wait()
+        self.passes += 1
+        return listing
+
+
+async def test_a_launch_that_lands_during_an_instance_listing_is_not_taken_for_lost(tmp_path: Path) -> None:
+    """The listing was asked for before node 2's launch landed, so it cannot show node 2's
+    instance: node 2 is not lost, and no replacement is launched for it (seen with EC2
+    on moto: three instances launched for a pool of two, one terminated at once)."""
+    sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
+    config = _config(tmp_path, sockdir, target=2)
+    store = Store(tmp_path / "state" / "spotvisord.db").open()
+    provider = StaleListingProvider()
+    try:
+        async with started_daemon(config, provider, store, f"{sockdir}/d.sock") as (sup, _):
+            h = DaemonHarness(sup, _, provider, config, f"{sockdir}/d.sock", tmp_path)
+            await h.until(lambda: sup.nodes.get("life-2") is not None and sup.nodes["life-2"].instance_id,
+                          what="node 2's launch landed while a listing was in flight")
+            provider.answer.set()
+            goal = provider.passes + 4  # the stale listing, then three with node 2's instance in it
+            await h.until(lambda: provider.passes >= goal, what="four more reconcile passes")
+            assert sup.nodes["life-2"].state is not NodeState.LOST
+            assert not h.events("node_lost")
+            assert len(provider.launched) == 2 and not provider.terminated
+    finally:
+        store.close()
+        shutil.rmtree(sockdir, ignore_errors=True)

@@ -147,8 +147,13 @@ class Fleet:
     # -- observe ----------------------------------------------------------------------------------
     async def observe(self) -> None:
         """List the pool's instances; a live node whose instance is gone ended (terminated
-        after a notice, lost without one)."""
+        after a notice, lost without one).
+
+        Only a node whose instance was known before the listing was asked for can be
+        found gone: a launch that lands while the listing is in flight (a concurrent
+        task) is not in it, and is no loss."""
         core = self.core
+        known = {n.id: n.instance_id for n in core.nodes.values() if n.state in LIVE and n.instance_id is not None}
         alive: dict[int, set[str]] = {}
         found: list[tuple[Provider, Instance]] = []
         for p in self.all_providers():
@@ -157,7 +162,7 @@ class Fleet:
             found += [(p, i) for i in instances]
         await self.settle_unowned(found)
         for node in list(core.nodes.values()):
-            if node.state not in LIVE or node.instance_id is None:
+            if node.state not in LIVE or node.instance_id is None or known.get(node.id) != node.instance_id:
                 continue
             if node.instance_id in alive.get(id(self.provider_for(node.provider)), set()):
                 continue
