@@ -44,18 +44,21 @@ from trainer.checkpoint import FileStore, list_committed
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 TARGET_STEPS = 70
+#: the notice cell's job: long enough for the replacement to boot and grow the job back
+NOTICE_TARGET_STEPS = 400
 GLOBAL_BATCH = 12
 SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "2"]
 
 
-def _config(tmp_path: Path, proxy_url: str, store_port: int) -> tuple[Path, dict[str, Any]]:
+def _config(tmp_path: Path, proxy_url: str, store_port: int,
+            target_steps: int = TARGET_STEPS) -> tuple[Path, dict[str, Any]]:
     """The daemon's config file and its content: a 2-node pool of 1-GPU EC2 instances (moto)
-    running the reference trainer (a small GPT-2) to ``TARGET_STEPS``."""
+    running the reference trainer (a small GPT-2) to ``target_steps``."""
     pool = f"cn-{uuid.uuid4().hex[:8]}"
     sockdir = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
     raw = {
         "pool": {"name": pool, "min_nodes": 1, "target_nodes": 2, "max_nodes": 2},
-        "job": {"id": "cn", "module": "trainer.run", "target_steps": TARGET_STEPS,
+        "job": {"id": "cn", "module": "trainer.run", "target_steps": target_steps,
                 "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2,
                 "checkpoint_uri": f"file://{tmp_path}/checkpoints", "checkpoint_interval_steps": 20,
                 "hold_timeout_s": 90, "grow": "in_process",
@@ -106,10 +109,13 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
     killed as soon as the daemon has it: the notice's commit, the noticed node's exit and
     the survivors' in-process shrink happen while it is down (the reports wait in the
     agents' queues), the restarted daemon reads the commit that answers the notice and
-    launches the replacement; 0 lost steps, no worker restart."""
+    launches the replacement. Then, during the replacement's grow (once the daemon has
+    admitted it, before the world is 2 again), the control node is killed a second time:
+    the third daemon sees the grow land in process. 0 lost steps, no worker restart."""
     store = StoreProcess("127.0.0.1", free_port())
     await asyncio.to_thread(store.start)
-    cfg, raw = _config(tmp_path, faults.url, store.port)
+    target = NOTICE_TARGET_STEPS if moment == "right_after_a_notice" else TARGET_STEPS
+    cfg, raw = _config(tmp_path, faults.url, store.port, target)
     pool = raw["pool"]["name"]
     instances = tmp_path / "instances"
     log = tmp_path / "spotvisord.log"
@@ -137,9 +143,23 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
             b = Daemon(cfg, raw["daemon"]["socket"], log)
             daemons.append(b)
             await b.start()
-            assert await b.exited(400) == 0  # the job completed and every instance was released
+            last = b
+            if moment == "right_after_a_notice":  # the replacement's grow: kill the control node again
+                first = {e["node"] for e in seen if e["kind"] == "node_launched"}
+                await b.until(lambda: [e for e in b.saw("node_admitted") if e["node"] not in first],
+                              timeout_s=240, what="the replacement admitted")
+                assert not [e for e in b.saw("world_size_changed") if e["data"].get("new") == 2
+                            and e["seq"] > max(x["seq"] for x in seen)], "the grow landed before the kill"
+                await b.sigkill()
+                await asyncio.to_thread(store.kill)
+                seen += [e for e in b.seen if e["seq"] > max(x["seq"] for x in seen)]
+                await asyncio.to_thread(store.start)
+                last = Daemon(cfg, raw["daemon"]["socket"], log)
+                daemons.append(last)
+                await last.start()
+            assert await last.exited(400) == 0  # the job completed and every instance was released
             stored = _stored_events(Path(raw["daemon"]["state_dir"]) / "spotvisord.db")
-            s = summarize(instances, stored, target_steps=TARGET_STEPS, global_batch_size=GLOBAL_BATCH)
+            s = summarize(instances, stored, target_steps=target, global_batch_size=GLOBAL_BATCH)
             live = sim.live()
     finally:
         for d in daemons:
@@ -148,16 +168,19 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
                 await d.proc.wait()
             await d._stop_follower()
         await asyncio.to_thread(store.stop)
-    _check(matrix, moment, s, stored, seen, tmp_path, live, attempt, at_kill)
+    _check(matrix, moment, s, stored, seen, tmp_path, live, attempt, at_kill, target_steps=target)
 
 
 def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], seen: list[dict[str, Any]],
-           tmp_path: Path, live: list[Any], attempt: str, at_kill: int, *, scenario: str | None = None) -> None:
+           tmp_path: Path, live: list[Any], attempt: str, at_kill: int, *, scenario: str | None = None,
+           target_steps: int = TARGET_STEPS) -> None:
     commits = {e.data["step"] for e in stored if e.kind == "checkpoint_committed"}
     on_disk = {m.step for m in list_committed(FileStore(tmp_path / "checkpoints"))}
     completed = [e for e in stored if e.kind == "job_completed"]
-    row = matrix.row(scenario or f"control node (daemon + store) SIGKILL {moment.replace('_', ' ')} (real job, 2 nodes)",
-                     job_completed=bool(completed) and s["steps_completed"] == TARGET_STEPS,
+    row = matrix.row(scenario or f"control node (daemon + store) SIGKILL {moment.replace('_', ' ')}"
+                     + (", then during the replacement's grow" if moment == "right_after_a_notice" else "")
+                     + " (real job, 2 nodes)",
+                     job_completed=bool(completed) and s["steps_completed"] == target_steps,
                      lost_checkpoints=len(commits - on_disk), leaked_instances=len(live),
                      lost_events=lost_events(stored, seen))
     print(f"\ncontrol node killed {moment} at step {at_kill}: " + ", ".join(
@@ -176,7 +199,8 @@ def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], 
         answered = [e for e in stored if e.kind == "checkpoint_committed"
                     and notice.data["notice_id"] in e.data.get("notice_ids", [])]
         assert answered, "the notice's commit never reached the daemon"
-        assert s["resizes_in_process"] >= 1
+        assert s["resizes_in_process"] >= 2  # the shrink, then the replacement's grow
+        assert s["world_sizes"][-1] == 2
 
 
 async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
