@@ -183,20 +183,20 @@ def test_a_store_killed_during_a_grow_costs_no_step(tmp_path: Path, matrix: Matr
 
 def test_a_store_down_past_every_bound_resumes_after_the_store_is_back_with_nothing_lost(
         tmp_path: Path, matrix: Matrix) -> None:
-    # a node lost without notice while the store stays down 45 s. Which path the job takes
-    # depends on how long each survivor's store retries last against the 45 s, and both
+    # a node lost without notice while the store stays down 25 s. Which path the job takes
+    # depends on how long each survivor's store retries last against the 25 s, and both
     # are correct: a survivor whose round outlasts the outage re-forms in process at the
     # step it holds (lost_steps 0); a survivor whose round gives up (about --pg-timeout-s,
-    # 15 s here, stretched by c10d's connect retries) exits to torchrun, whose new round
-    # waits for the store (rendezvous.join_timeout_s, 10 s), or, past that, every torchrun
+    # 8 s here, stretched by c10d's connect retries) exits to torchrun, whose new round
+    # waits for the store (rendezvous.join_timeout_s, 5 s), or, past that, every torchrun
     # exits and the daemon's stall path restarts the job in place. Then the job resumes
     # from its newest commit. The run of 2026-12-03's CI took the first path on rank 0's
     # node while the other survivor gave up.
     s, stored, run_dir = _run(tmp_path, [
-        {"action": "kill_store", "at_step": 45, "restart_after_s": 45},
+        {"action": "kill_store", "at_step": 45, "restart_after_s": 25},
         {"action": "kill", "node": 3, "at_step": 45, "wait_full_pool": False},
-    ], pg_timeout_s=15, join_timeout_s=10, target_steps=80)  # about 40 steps past the resume
-    _record(matrix, "rendezvous store down 45 s with a node lost meanwhile (real demo, 3 nodes)", s, stored, run_dir)
+    ], pg_timeout_s=8, join_timeout_s=5, target_steps=70)  # about 25 steps past the resume
+    _record(matrix, "rendezvous store down 25 s with a node lost meanwhile (real demo, 3 nodes)", s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
     restarted = _first(stored, "chaos_injected", action="store_restarted")
     completed = _first(stored, "job_completed")
