@@ -71,9 +71,13 @@ async def test_a_new_leader_reads_the_nodes_values_and_events_in_order(clients, 
     store.set_node_state(store.node("p-1"), NodeState.LAUNCHING)
     for i in range(2 * MAX_OPS_PER_TXN):  # more than one txn's worth
         store.append_event("heartbeat", None, {"i": i})
+    moved: list[int] = []
+    store.on_durable(lambda: moved.append(store.durable_seq()))
+    assert store.durable_seq() == 0  # in the mirror only: the feed sends none of it yet
     await store.sync()
     assert store.pending == 0
     before = store.events()
+    assert store.durable_seq() == before[-1].seq and moved[-1] == before[-1].seq
     await a.aclose()  # a goes (revokes its lease); b takes over and reads
     b = await _leading(b_client, "b")
     try:
@@ -92,9 +96,12 @@ async def test_a_new_leader_reads_the_nodes_values_and_events_in_order(clients, 
         assert new.node("p-1").state is NodeState.LAUNCHING
         assert new.events() == before
         assert [e.seq for e in before] == list(range(1, len(before) + 1))
+        assert new.durable_seq() == before[-1].seq  # what it read from etcd is durable
         ev = new.append_event("leader_changed", None, {"to": "b"})
         assert ev.seq == before[-1].seq + 1  # the counter goes on
+        assert new.durable_seq() == before[-1].seq
         await new.sync()
+        assert new.durable_seq() == ev.seq
     finally:
         await b.aclose()
 

@@ -452,6 +452,60 @@ async def test_a_new_notifier_on_the_same_file_resumes_at_the_cursor(tmp_path: P
     assert feed_threads() == []
 
 
+class ReplicatedStore(Store):
+    """A store whose events become durable only when the test commits them, as the HA
+    store's do when a fenced etcd txn lands (:class:`daemon.ha.store.EtcdStore`); it
+    records the threads its cursor writes came from."""
+
+    replicated = True
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.through = 0
+        self.listeners: list[Callable[[], None]] = []
+        self.cursor_writes: list[tuple[int, str]] = []
+
+    def durable_seq(self) -> int:
+        return self.through
+
+    def on_durable(self, listener: Callable[[], None]) -> None:
+        self.listeners.append(listener)
+
+    def commit_through(self, seq: int) -> None:
+        self.through = seq
+        for listener in self.listeners:
+            listener()
+
+    def set(self, key: str, value: Any) -> None:
+        if key.startswith(CURSOR_KEY.format("")):
+            self.cursor_writes.append((value, threading.current_thread().name))
+        super().set(key, value)
+
+
+async def test_ha_the_feed_sends_only_durable_events_and_its_cursor_goes_through_the_pools_store(
+        tmp_path: Path, receiver: Receiver) -> None:
+    """HA: an event in the leader's mirror but not yet in etcd could vanish with the leader
+    (the next one never had it), so the feed must not announce it; and the feed's cursor
+    is written through the pool's store (replicated), so the next leader's feed resumes
+    there instead of at its newest event."""
+    store = ReplicatedStore(tmp_path / "spotvisord.db").open()
+    n = Notifier(store, [webhook("hook", receiver.url())], pool="test", environ=ENV)
+    await n.start()
+    try:
+        seqs = emit_all(store, n, [("node_ready", f"test-{i}", {}) for i in range(3)])
+        store.commit_through(seqs[0])
+        assert await n.drain(10.0), n.stats("hook")
+        assert receiver.seqs() == seqs[:1]  # the other two are in the mirror only
+        store.commit_through(seqs[-1])
+        assert await n.drain(10.0), n.stats("hook")
+    finally:
+        await n.aclose()
+        store.close()
+    assert receiver.seqs() == seqs
+    main = threading.current_thread().name
+    assert store.cursor_writes[1:] == [(seqs[0], main), (seqs[-1], main)]  # after start()'s, on the daemon's loop
+
+
 # -- batches ------------------------------------------------------------------------------------------
 async def test_a_backlog_goes_out_in_few_requests_in_order(store: Store) -> None:
     gate = asyncio.Event()  # the sink holds every request until the gate opens

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import structlog
 
@@ -115,6 +115,21 @@ class Store:
         if self.in_memory:
             raise ValueError("an in-memory store (:memory:) has no second connection: use a database file")
         return Store(self.path, busy_timeout_s=self.busy_timeout_s).open()
+
+    #: True where a write reaches the pool's next daemon only through this object (the HA
+    #: store: etcd). A sibling connection's writes (:meth:`open_sibling`) then stay on this
+    #: machine, and its reads may show events that are not durable yet (:meth:`durable_seq`).
+    replicated = False
+
+    def durable_seq(self) -> int | None:
+        """The newest event seq that is durable where the pool's next daemon reads it;
+        ``None``: every event is, as soon as it is recorded (SQLite, this machine's disk).
+        Safe to call from any thread (the HA store answers from a counter)."""
+        return None
+
+    def on_durable(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the daemon's loop) each time :meth:`durable_seq` moves.
+        SQLite: never (an event is durable when recorded; ``Supervisor.subscribe`` hears it)."""
 
     async def durable(self) -> None:
         """Return once every write made before this call is durable where the daemon that

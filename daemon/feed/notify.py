@@ -25,6 +25,13 @@ objects, and their progress comes back to :meth:`Notifier.wait_until` the same w
   oldest first. A daemon restart resumes at the first event not yet acknowledged;
   only the batch in flight when the daemon stopped can arrive twice (then possibly
   with more events after it), so receivers de-duplicate by ``seq`` (in every event);
+- **HA: only what is durable**: with the HA store (:class:`daemon.ha.store.EtcdStore`,
+  ``Store.replicated``) an event is in the leader's mirror before it is in etcd, and
+  a leader that dies in between takes it along. The workers send no event past
+  ``Store.durable_seq()`` (woken by ``Store.on_durable`` when it moves), and write
+  their cursors through the pool's store on the daemon's loop, so they reach etcd: the
+  next leader's feed resumes at the cursor of the last sync, and re-sends at most what
+  was delivered after it;
 - **never blocking the supervisor**: ``Supervisor.record()`` only wakes the workers
   (:meth:`Notifier.wake` is a listener; it never waits for the feed's thread). A
   sink that is down is retried with exponential backoff and jitter (tenacity), capped
@@ -176,10 +183,14 @@ class _SinkWorker:
     tells the notifier it moved (delivered, skipped or failed an attempt)."""
 
     __slots__ = ("target", "sender", "cursor", "wake", "task", "stopped", "failing", "delivered",
-                 "failed_attempts", "batches", "shed", "shed_logged_at", "shed_unlogged", "_moved", "_redactor")
+                 "failed_attempts", "batches", "shed", "shed_logged_at", "shed_unlogged", "_moved", "_redactor",
+                 "_durable", "_save")
 
     def __init__(self, target: Target, sender: Sender, cursor: int, *, moved: Callable[[], None],
-                 redactor: Redactor) -> None:
+                 redactor: Redactor, durable: Callable[[], int | None] = lambda: None,
+                 save: Callable[[str, int], None] | None = None) -> None:
+        """``durable()``: the newest seq it may send (``None``: any stored);
+        ``save(key, seq)``: where its cursor is written (``None``: the feed's own connection)."""
         self.target = target
         self.sender = sender
         self.cursor = cursor
@@ -195,6 +206,8 @@ class _SinkWorker:
         self.shed_unlogged = 0
         self._moved = moved
         self._redactor = redactor
+        self._durable = durable
+        self._save = save
 
     def stats(self) -> SinkStats:
         return SinkStats(self.cursor, self.delivered, self.failed_attempts, self.failing, self.batches, self.shed)
@@ -206,10 +219,13 @@ class _SinkWorker:
         read = limit if self.target.wants_all else max(_READ, limit)  # a filter: look further ahead
         while True:
             await self.sender.pace()
-            self.wake.clear()  # before reading: an event recorded from here on sets it again
-            behind = store.last_seq() - self.cursor
+            self.wake.clear()  # before reading: an event recorded (or made durable) from here on sets it again
+            durable = self._durable()  # HA: what a new leader would not have is never sent
+            last = store.last_seq() if durable is None else min(durable, store.last_seq())
+            behind = last - self.cursor
             shedding = behind > FEED_BACKLOG_BOUND
-            pending = store.events(since=self.cursor, limit=max(read, FEED_SHED_WINDOW) if shedding else read)
+            pending = [ev for ev in store.events(since=self.cursor, limit=max(read, FEED_SHED_WINDOW)
+                                                 if shedding else read) if ev.seq <= last]
             if not pending:
                 self._moved()
                 await self.wake.wait()
@@ -230,7 +246,10 @@ class _SinkWorker:
             # after the 2xx, with no await in between: a cancel during the request
             # leaves the cursor before this batch, which is then sent again
             self.cursor = upto
-            store.set(key, upto)  # waits up to busy_timeout_s for the daemon's write
+            if self._save is None:
+                store.set(key, upto)  # waits up to busy_timeout_s for the daemon's write
+            else:
+                self._save(key, upto)
             self._moved()
 
     def _count_shed(self, n: int, behind: int) -> None:
@@ -344,6 +363,7 @@ class Notifier:
             raise ValueError("the feed reads the store from its own thread through a second connection: "
                              "it needs a database file, not :memory:")
         self._caller = asyncio.get_running_loop()
+        self.store.on_durable(self.wake)  # HA: the workers send only what is durable; more is, now
         cursors: dict[str, int] = {}
         for t in self.targets:  # here, before start() returns: a new sink starts at the newest event so far
             key = CURSOR_KEY.format(t.name)
@@ -376,7 +396,7 @@ class Notifier:
                                          labels=["sink"])
         behind = GaugeMetricFamily("spotvisor_feed_backlog_events", "Events stored that a sink is not done with.",
                                    labels=["sink"])
-        last = self.store.last_seq() if self._workers else 0
+        last = self._sendable() if self._workers else 0
         for name, w in sorted(self._workers.items()):
             shed_total.add_metric([name], w.shed)
             behind.add_metric([name], max(0, last - w.cursor))
@@ -456,7 +476,9 @@ class Notifier:
                 session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=t.spec.timeout_s))
                 sessions.append(session)
                 sender = SENDERS[t.spec.type](t, session, pool=self.pool, clock=self.clock, redactor=self.redactor)
-                workers[t.name] = _SinkWorker(t, sender, cursors[t.name], moved=self._moved, redactor=self.redactor)
+                workers[t.name] = _SinkWorker(t, sender, cursors[t.name], moved=self._moved, redactor=self.redactor,
+                                              durable=self.store.durable_seq,
+                                              save=self._save_replicated if self.store.replicated else None)
             stop = asyncio.Event()
             for w in workers.values():
                 w.task = asyncio.create_task(w.run(store), name=f"notify:{w.target.name}")
@@ -490,8 +512,22 @@ class Notifier:
         for w in self._workers.values():
             w.wake.set()
 
+    def _sendable(self) -> int:
+        """The newest seq the workers may send (on the daemon's loop)."""
+        durable = self.store.durable_seq()
+        return self.store.last_seq() if durable is None else min(durable, self.store.last_seq())
+
+    def _save_replicated(self, key: str, seq: int) -> None:
+        """A worker's cursor (on the feed's thread), written through the daemon's store on
+        the daemon's loop: HA replicates it, so the next leader's feed resumes there and
+        sends again at most what was delivered after its last sync."""
+        caller = self._caller
+        if caller is not None and not caller.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the next leader resends
+                caller.call_soon_threadsafe(self.store.set, key, seq)
+
     def _caught_up(self) -> bool:
-        last = self.store.last_seq()
+        last = self._sendable()
         return all(w.cursor >= last or w.stopped for w in self._workers.values())
 
     def _moved(self) -> None:

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
@@ -80,7 +80,7 @@ class EtcdStore(Store):
 
     __slots__ = ("fence", "prefix", "flush_every_s", "keep_events", "trim_every", "page_keys", "_outbox", "_lock",
                  "_seq_mod", "_flusher", "_deposed", "_queued", "_committed", "_since_trim", "_trimmed_through",
-                 "_term")
+                 "_term", "_durable_seq", "_durable_listeners")
 
     def __init__(self, fence: Fence, *, mirror: str | Path = ":memory:", flush_every_s: float = 0.2,
                  keep_events: int = 10_000, trim_every: int = 500, page_keys: int = 1000) -> None:
@@ -106,6 +106,8 @@ class EtcdStore(Store):
         self._since_trim = 0  # events appended since the last trim
         self._trimmed_through = 0  # no event to trim at or below this seq is left
         self._term: int | None = None  # the fence it was loaded under (None: not loaded; tools, tests)
+        self._durable_seq = 0  # the newest event seq in etcd under a fence (read by the feed's thread)
+        self._durable_listeners: list[Callable[[], None]] = []
 
     def open(self) -> "EtcdStore":
         """Open the mirror, emptied (a previous run's file is stale: etcd holds the state)."""
@@ -129,6 +131,7 @@ class EtcdStore(Store):
             revision = revision or page.header.revision
             self._load_rows(page.kvs)
             if not page.more or not page.kvs:
+                self._durable_seq = self.last_seq()  # what etcd holds is durable
                 return
             start = page.kvs[-1].key + b"\0"  # the next key after the page's last
 
@@ -240,6 +243,11 @@ class EtcdStore(Store):
             await self._commit(batch)
             del self._outbox[:len(batch)]
             self._committed += len(batch)
+            seqs = [seq for kind, _, body, seq in batch if kind == "events" and body is not None and seq is not None]
+            if seqs and max(seqs) > self._durable_seq:
+                self._durable_seq = max(seqs)
+                for listener in self._durable_listeners:
+                    listener()
             if not self._outbox:
                 return
 
@@ -265,6 +273,19 @@ class EtcdStore(Store):
             raise
         kvs = answers[-1]
         self._seq_mod = kvs[0][1].mod_revision if kvs else 0
+
+    # -- what is durable (the feed sends nothing else) ---------------------------------
+    replicated = True
+
+    def durable_seq(self) -> int:
+        """The newest event seq committed to etcd under this store's fence (or loaded from
+        it); events past it are in the mirror only. A counter: safe from any thread."""
+        return self._durable_seq
+
+    def on_durable(self, listener: Callable[[], None]) -> None:
+        """``listener()`` after each commit that moves :meth:`durable_seq` (on the loop
+        that syncs: the daemon's)."""
+        self._durable_listeners.append(listener)
 
     # -- lifetime ---------------------------------------------------------------------
     def start(self) -> None:
