@@ -89,7 +89,7 @@ from tenacity.wait import wait_base
 
 from daemon.config import SinkSpec
 from daemon.control.bounds import shed
-from daemon.controlnode.store import Store
+from daemon.controlnode.store import NotLeading, Store
 from daemon.feed.redaction import Redactor
 from daemon.feed.sinks import SENDERS, DeliveryError, Sender, Target, render_failed, resolve_sinks
 from daemon.model import Event, Node
@@ -524,7 +524,13 @@ class Notifier:
         caller = self._caller
         if caller is not None and not caller.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the next leader resends
-                caller.call_soon_threadsafe(self.store.set, key, seq)
+                caller.call_soon_threadsafe(self._set_cursor, key, seq)
+
+    def _set_cursor(self, key: str, seq: int) -> None:  # on the daemon's loop
+        try:
+            self.store.set(key, seq)
+        except NotLeading:  # deposed: the next leader's feed resends from its last sync
+            pass
 
     def _caught_up(self) -> bool:
         last = self._sendable()
