@@ -175,10 +175,12 @@ class DaemonHarness:
 
 @contextlib.asynccontextmanager
 async def started_daemon(config: "object", provider: Provider, store: "object", socket_path: str, *,
-                         ssl_context: "object" = None, agent_ca_pem: str | None = None, clock: "object" = None):
+                         ssl_context: "object" = None, agent_ca_pem: str | None = None, clock: "object" = None,
+                         checked: "object" = None):
     """A Supervisor and its ApiServer on 127.0.0.1 (agent port: a free one), started; both
     closed on exit. Yields ``(sup, api)``. ``clock``: the supervisor's (e.g. a
-    :class:`ManualClock`); None: its default."""
+    :class:`ManualClock`); None: its default. ``checked``: a cloud check run before the
+    start (an HA standby's), taken instead of a run at start."""
     from daemon.interfaces.api import ApiServer
     from daemon.controlnode.supervisor import Supervisor
 
@@ -189,7 +191,7 @@ async def started_daemon(config: "object", provider: Provider, store: "object", 
     try:
         await api.start()
         assert api.agent_url is not None
-        await sup.start(agent_url=api.agent_url, agent_ca_pem=agent_ca_pem)
+        await sup.start(agent_url=api.agent_url, agent_ca_pem=agent_ca_pem, checked=checked)  # type: ignore[arg-type]
         yield sup, api
     finally:
         await sup.aclose()

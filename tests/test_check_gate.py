@@ -12,6 +12,7 @@ import boto3
 
 from conftest import RecordingProvider, started_daemon
 from daemon.config import Config
+from daemon.controlnode.cloud_check import passed
 from daemon.controlnode.store import Store
 from daemon.interfaces.ctl_render import render_status
 from daemon.providers.base import QuotaError
@@ -80,5 +81,28 @@ async def test_a_quota_error_backs_its_family_off_and_says_until_when(tmp_path, 
             assert until != float("inf") and until - sup.clock() <= 600.0  # a backoff, not until a restart
             failed = store.events(kinds=["node_launch_failed"])
             assert failed and failed[-1].data["family"] == "local/local/local"
+    finally:
+        store.close()
+
+
+async def test_a_takeover_takes_the_check_its_standby_ran_instead_of_running_one(
+        tmp_path, sockdir, s3_server) -> None:
+    """HA: the standby ran the cloud check while it waited (it passed); at the takeover the
+    new leader buys at once on that run, without a run of its own at start. Here the
+    bucket went missing in between, so a run at start would have blocked the offer: the
+    launch shows the standby's run was taken, and the next retry's run catches the loss."""
+    bucket = f"gate-{uuid.uuid4().hex[:8]}"  # missing: a run now would fail
+    config = _config(tmp_path, sockdir, f"s3://{bucket}/ckpt", s3_server)
+    store = Store(tmp_path / "state" / "spotvisord.db").open()
+    provider = RecordingProvider()
+    standby_run = [passed("store", f"s3://{bucket}/ckpt: read, write and delete", offers=[0])]
+    try:
+        async with started_daemon(config, provider, store, str(sockdir / "d.sock"), checked=standby_run) as (sup, _):
+            await sup.reconcile_once()
+            assert provider.launched  # bought on the standby's run
+            assert store.events(kinds=["cloud_check_failed"]) == []
+            await sup.fleet.checks.check_once()  # the gate's next run: the bucket is gone
+            (ev,) = store.events(kinds=["cloud_check_failed"])
+            assert ev.data["blocked_offers"] == [0]
     finally:
         store.close()

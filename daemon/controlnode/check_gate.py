@@ -42,11 +42,13 @@ class CheckGate:
         self.next_at: float | None = None  # unix s of the next run (None: all passed, none due)
         self._told: tuple[str, ...] = ()  # the FAIL lines the last event carried
 
-    async def check_once(self) -> list[CheckResult]:
+    async def check_once(self, ran: list[CheckResult] | None = None) -> list[CheckResult]:
         """Run every check once, record what changed, wake the loop. A crash of the check
-        itself counts as a failed check (fail closed), never as a pass."""
+        itself counts as a failed check (fail closed), never as a pass. ``ran``: the
+        results of a run made just before (an HA standby's, while it waited to lead),
+        taken instead of running again."""
         try:
-            results = await self._run()
+            results = await self._run() if ran is None else list(ran)
         except Exception as exc:  # noqa: BLE001 - the gate must stay closed, and say why
             log.error("cloud_check_crashed", error=repr(exc), exc_info=exc)
             results = [failed("cloud check", f"{type(exc).__name__}: {str(exc)[:300]}",

@@ -23,6 +23,7 @@ from daemon.control.actions import Launch, MarkLost, Terminate
 from daemon.control.lifecycle import LIVE
 from daemon.control.offers import History, Offer
 from daemon.controlnode.check_gate import CheckGate
+from daemon.controlnode.cloud_check import CheckResult
 from daemon.controlnode.cloud_probe import run_checks
 from daemon.controlnode.core import Core
 from daemon.controlnode.launch_calls import LaunchCalls
@@ -87,11 +88,12 @@ class Fleet:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
-    async def preflight(self) -> None:
+    async def preflight(self, checked: list[CheckResult] | None = None) -> None:
         """The pre-flight at start (pure: GPU memory per offer, estimated flush per notice
         window): offers that cannot hold the job are never bought; its findings are events.
-        Then the cloud check (:mod:`.check_gate`): its first run is awaited, a failed one
-        is retried in a task of its own."""
+        Then the cloud check (:mod:`.check_gate`): its first run is awaited (``checked``: a
+        run the caller made just before, an HA standby's), a failed one is retried in a
+        task of its own."""
         from daemon.controlnode import preflight
 
         pre = preflight.at_start(self.core.config)
@@ -102,7 +104,7 @@ class Fleet:
             log.warning("control_node_gap", pool=self.core.pool, note=gap)
         for kind, data in pre.events:
             self.core.record(EventKind(kind), None, **data)
-        await self.checks.check_once()
+        await self.checks.check_once(checked)
         self.core.spawn(self.checks.retry_loop(), "cloud-check")
 
     # -- offers ---------------------------------------------------------------------------------

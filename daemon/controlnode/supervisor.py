@@ -51,6 +51,7 @@ from daemon.control.reports import Limits
 from daemon.control.state import JobView, Rejoin
 from daemon.controlnode.actuator import Actuator
 from daemon.controlnode.agent_link import AgentLink
+from daemon.controlnode.cloud_check import CheckResult
 from daemon.controlnode.code_delivery import CodeDelivery
 from daemon.controlnode.core import wait_event
 from daemon.controlnode.fleet import Fleet
@@ -125,7 +126,11 @@ class Supervisor:
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self, *, agent_url: str, agent_ca_pem: str | None = None,
-                    job_secrets: Mapping[str, str] | None = None) -> None:
+                    job_secrets: Mapping[str, str] | None = None,
+                    checked: list[CheckResult] | None = None) -> None:
+        """Pick the pool up from the store and start the loops. ``checked``: a cloud check
+        run just before (an HA standby runs it while it waits, so a takeover's first act
+        does not wait for one); None: run it here."""
         self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
         self.agents.node_logs.mask(self.secrets.values())  # a trainer that prints one: spotctl tail shows ***
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
@@ -137,7 +142,7 @@ class Supervisor:
         self.life.restore()  # a failed or cancelled job stays so
         self.migrator.restore()
         await self.fleet.refresh_prices()
-        await self.fleet.preflight()  # and the cloud check: nothing is bought before it ran, nor what it failed
+        await self.fleet.preflight(checked)  # and the cloud check: nothing is bought before it ran, nor what it failed
         await self.code.publish()  # job.workdir packed, uploaded and pinned for this run (WorkdirError)
         self._reconciler = self.spawn(self._reconcile_loop(), "reconcile")
         if self.config.daemon.verify_commits:

@@ -159,10 +159,20 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         providers = dict(providers)
     else:  # a leader's loop must answer its lease: the cloud clients (a second of botocore's models) off it
         providers = made() if ha is None else await asyncio.to_thread(made)
+    checked = None  # HA: the cloud check the standby ran while it waited
     if ha is not None:  # the standby waits here, with what its start imports loaded and its mirror open
         await asyncio.to_thread(_takeover_imports, config)
         await ha.prepare_store(state / "spotvisord.db")
-        await ha.lead()
+        latest: list[tuple[float, Any]] = []
+        checking = asyncio.create_task(_check_while_standing_by(config, providers, latest), name="ha:standby-check")
+        try:
+            await ha.lead()
+        finally:
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checking
+        if latest and time.monotonic() - latest[0][0] < STANDBY_CHECK_MAX_AGE_S:
+            checked = latest[0][1]  # a takeover's first act does not wait for a new run (seconds under load)
         led_cpu_s = time.process_time()
         store = await ha.open_store(state / "spotvisord.db")  # the pool's, read from etcd
         providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
@@ -186,7 +196,7 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         await notifier.start()  # before the supervisor records anything: a new sink misses nothing of this run
         api.metrics.registry.register(notifier)  # type: ignore[arg-type]  # the sinks' backlog and shed counts
         await sup.start(agent_url=api.agent_url, agent_ca_pem=None if tls is None else tls.ca_pem.decode(),
-                        job_secrets=job_secrets)
+                        job_secrets=job_secrets, checked=checked)
         if ha is not None and ha.led_at is not None:  # a takeover's cost, for whoever sizes the lease
             took_s = asyncio.get_running_loop().time() - ha.led_at
             log.info("ha_serving", pool=config.pool.name, since_lead_s=round(took_s, 3),
@@ -230,6 +240,33 @@ async def _bind_retrying(api: Any, new_api: Callable[[], Any], *, timeout_s: flo
             log.info("ha_agent_port_busy", error=str(exc)[:200])
         await asyncio.sleep(0.2)  # a retry's pace inside the deadline, not synchronisation
         api = new_api()
+
+
+#: an HA standby runs the cloud check while it waits, every STANDBY_CHECK_EVERY_S seconds, and
+#: a takeover uses the newest run if it is younger than STANDBY_CHECK_MAX_AGE_S: under load the
+#: check took seconds of the takeover's budget (4.4 s, bench/ha_trials), and a permission or an
+#: image gone since is caught by the gate's next run like any other failure
+STANDBY_CHECK_EVERY_S = 120.0
+STANDBY_CHECK_MAX_AGE_S = 300.0
+
+
+async def _check_while_standing_by(config: Config, providers: Mapping[str, Any],
+                                   latest: list[tuple[float, Any]]) -> None:
+    """Run the cloud check now and every :data:`STANDBY_CHECK_EVERY_S` seconds until
+    cancelled, keeping the newest run in ``latest`` as ``[(monotonic s, results)]``. A
+    check never raises for a failure (:func:`run_checks`); one that crashes is logged and
+    leaves the leader to run its own."""
+    from daemon.controlnode.cloud_probe import run_checks
+
+    while True:
+        try:
+            results = await run_checks(config, providers)
+        except Exception as exc:  # noqa: BLE001  the new leader's own run says what is wrong
+            log.warning("standby_cloud_check_crashed", error=repr(exc)[:200])
+            latest.clear()
+        else:
+            latest[:] = [(time.monotonic(), results)]
+        await asyncio.sleep(STANDBY_CHECK_EVERY_S)  # a refresh period, not synchronisation
 
 
 def _takeover_imports(config: Config) -> None:
