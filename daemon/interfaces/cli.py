@@ -200,7 +200,7 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         if ha is not None and ha.led_at is not None:  # a takeover's cost, for whoever sizes the lease
             took_s = asyncio.get_running_loop().time() - ha.led_at
             log.info("ha_serving", pool=config.pool.name, since_lead_s=round(took_s, 3),
-                     cpu_s=round(time.process_time() - led_cpu_s, 3))
+                     cpu_s=round(time.process_time() - led_cpu_s, 3), checked_in_standby=checked is not None)
         if with_chaos and config.chaos:
             sup.spawn(run_chaos(sup, list(config.chaos), rendezvous=rendezvous), "chaos")
         yield sup
