@@ -22,7 +22,6 @@ Run: ``python -m daemon.controlnode.rendezvous --host 10.0.0.10 --port 29400`` (
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import signal
 import socket
 import subprocess
@@ -32,40 +31,11 @@ from datetime import timedelta
 from typing import Callable
 
 from daemon.hosts import is_wildcard
+from trainer.listen import listen_socket  # re-exported: the control node's store binds with it
 
 __all__ = ["DEFAULT_HOST", "StoreProcess", "listen_socket", "serve", "wait_until_listening", "main"]
 
 DEFAULT_HOST = "127.0.0.1"
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to exactly ``host:port`` (``port`` 0: a free one), listening.
-
-    ``host``: an address or a name (its first address). Raises ``ValueError`` for an
-    empty ``host`` (never read as "every interface"), ``socket.gaierror`` for a name
-    that does not resolve, ``OSError`` when the bind fails (the port is taken, the
-    address is not this machine's).
-
-    Raises ``ValueError`` too for a wildcard (0.0.0.0, ::, "0", or a name that resolves to
-    one): every interface, never what a store without authentication should listen on."""
-    if not host.strip():
-        raise ValueError("empty host")
-    if is_wildcard(host):
-        raise ValueError("wildcard host")
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    if ipaddress.ip_address(addr[0].split("%")[0]).is_unspecified:
-        raise ValueError("wildcard host")
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds through TIME_WAIT
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::1" means ::1, not IPv4 too
-        sock.bind(addr)
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def serve(host: str, port: int, stop: threading.Event,
