@@ -53,6 +53,9 @@ def test_torchrun_finds_the_backend_by_its_entry_point(store: StoreProcess) -> N
     assert handler.get_backend() == "spotvisor" and handler.get_run_id() == "entry"
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
+    # the workers' MASTER_ADDR: this node's address toward the store (here loopback), not
+    # its host name, so their group store can bind exactly there (trainer.runtime.group_store)
+    assert info.bootstrap_store_info.master_addr == "127.0.0.1"
     handler.shutdown()
 
 

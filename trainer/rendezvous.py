@@ -48,6 +48,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from trainer.listen import address_toward
 from trainer.store_retry import PROBE_S, store_reachable
 
 __all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S"]
@@ -274,11 +275,18 @@ def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
     store (``HOST:PORT``, default port 29400; ``is_host`` is ignored: the store is never
     hosted by an agent), ``read_timeout`` (default 60 s) bounds each store call, and
     everything else is c10d's (``join_timeout``, ``last_call_timeout``, ``keep_alive_*``).
+    Without ``--local-addr`` this node's address is the one on its route to the store
+    (:func:`trainer.listen.address_toward`: its address on the job's network), not its
+    host name: the workers' ``MASTER_ADDR`` when it holds rank 0, where their group
+    store binds (c10d's default, ``socket.getfqdn()``, can resolve to 127.0.1.1 or to a
+    public name).
 
     Raises:
         RendezvousConnectionError: the store cannot be reached within the read timeout.
     """
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    if not params.local_addr:  # torchrun's --local-addr, else this node's address on the job's network
+        params.local_addr = address_toward(host, port)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     backend = ReconnectingBackend((host, port), params.run_id, read_timeout_s=float(read_timeout))
     backend.connect(first=True)

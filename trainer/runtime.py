@@ -167,10 +167,40 @@ def setup_distributed(timeout_s: float = 120.0) -> DistContext:
         return DistContext(0, 0, 1, None, device, False)
     backend = "nccl" if cuda else "gloo"
     before = socket_fds()
+    store = group_store(rank, world, timedelta(seconds=timeout_s))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
                             **({"device_id": device} if cuda else {}))
     return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True,
                        frozenset(socket_fds() - before))
+
+
+def group_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore | None:
+    """The worker group's store (what ``env://`` would make), its server on rank 0 bound
+    to exactly ``MASTER_ADDR`` (:func:`trainer.listen.listen_socket`) instead of every
+    interface: it has no authentication. ``None`` (torch's own ``env://`` path) when
+    ``MASTER_ADDR`` is not an IP literal (a name may resolve here to an address the other
+    nodes cannot reach, e.g. 127.0.1.1), or torchrun's agent hosts the store. Under
+    ``--rdzv-backend=spotvisor`` ``MASTER_ADDR`` is rank 0's node's address on the job's
+    network (:func:`trainer.rendezvous.create`). Raises ``OSError`` when rank 0 cannot bind
+    it (the port taken meanwhile), as ``env://`` would."""
+    import ipaddress
+
+    from trainer.listen import listen_socket
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    if rank != 0:
+        return dist.TCPStore(addr, int(port), world, is_master=False, timeout=timeout)
+    sock = listen_socket(addr, int(port))
+    # c10d owns the descriptor from here on (it closes it with the store)
+    return dist.TCPStore(addr, sock.getsockname()[1], world, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def socket_fds() -> set[int]:
