@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
 from bench.ports import free_port
+from trainer.checkpoint import FileStore, Manifest, list_committed, load_shard
 from trainer.contract import JOIN_ENV, RUN_ID_ENV
 from trainer.credential import NodeCredential, Verifier
 from trainer.membership import EXPIRY_MARGIN_S, MAX_READS_PER_STEP, JoinQueue, JoinRefused, JoinTimeout
@@ -457,6 +458,63 @@ def test_a_peer_killed_without_notice_costs_no_step_and_no_restart(tmp_path: Pat
         started = [(x["step"], x.get("resized"), x["world_size"], x.get("lost_ranks")) for x in status_lines(tmp_path, node)
                    if x["event"] == "started"]
         assert started == [(0, None, 3, None), (6, "in_process", 2, 1)]  # the same processes throughout
+    _assert_every_batch_once(tmp_path, 12)
+    _assert_same_state(tmp_path, 2)
+
+
+# periodic commits every 3 steps; a worker dies in the commit of step 6
+IN_COMMIT_EXTRA = ("--join-timeout-s", "120", "--hold-timeout-s", "3", "--checkpoint-interval", "3",
+                   "--keep-checkpoints", "1000")
+
+
+def _commits(tmp_path: Path) -> dict[int, Manifest]:
+    return {m.step: m for m in list_committed(FileStore(tmp_path / "ckpt"))}
+
+
+@pytest.mark.slow
+def test_a_peer_killed_entering_a_commit_costs_no_step_and_no_restart(tmp_path: Path, rdzv) -> None:
+    """node2's worker is SIGKILLed as the commit of step 6 begins, the others inside its
+    collectives. They re-form the group in their processes and commit step 6 at world 2
+    (no manifest was written: there is nothing to reuse), then train on: every step's
+    global batch exactly once, the same state on both."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = ("--kill-at", "6", "--kill-node", "node2", "--kill-in-commit", "entering", "--digest-at-end")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "loss"), rdzv.port, ckpt, job=job,
+                    extra=IN_COMMIT_EXTRA) for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+    for node in ("node0", "node1"):
+        started = [(x["step"], x.get("resized"), x["world_size"]) for x in status_lines(tmp_path, node)
+                   if x["event"] == "started"]
+        assert started == [(0, None, 3), (6, "in_process", 2)]  # the same processes throughout
+    commits = _commits(tmp_path)
+    assert sorted(commits) == [3, 6, 9, 12] and commits[6].world_size == 2
+    _assert_every_batch_once(tmp_path, 12)
+    _assert_same_state(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_a_rank_0_killed_after_its_manifest_leaves_that_commit_as_it_was(tmp_path: Path, rdzv) -> None:
+    """node0's worker, rank 0, writes the manifest of step 6 and is SIGKILLed before the
+    others hear of it. The survivors re-form in process, find the manifest in the store
+    and count step 6 as committed: they do not write its shards again under it (it stays
+    the world-3 commit, every shard intact), and train on with no restart."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = ("--kill-at", "6", "--kill-node", "node0", "--kill-in-commit", "after-manifest", "--digest-at-end")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "loss"), rdzv.port, ckpt, job=job,
+                    extra=IN_COMMIT_EXTRA) for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [-9, 0, 0], "\n".join(outs)
+    for node in ("node1", "node2"):
+        started = [(x["step"], x.get("resized"), x["world_size"]) for x in status_lines(tmp_path, node)
+                   if x["event"] == "started"]
+        assert started == [(0, None, 3), (6, "in_process", 2)]
+    commits = _commits(tmp_path)
+    assert sorted(commits) == [3, 6, 9, 12] and commits[6].world_size == 3  # rank 0's, kept
+    store = FileStore(tmp_path / "ckpt")
+    for shard in commits[6].shards:
+        load_shard(store, commits[6], shard.name)  # size and sha256 as the manifest says
+    assert "was committed before the lost peer's rank 0 could say so" in "\n".join(outs)
     _assert_every_batch_once(tmp_path, 12)
     _assert_same_state(tmp_path, 2)
 

@@ -55,6 +55,10 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL",
                    help="KILL: the worker is gone; STOP: it stops dead, its connections open and silent "
                         "(a powered-off instance's)")
+    p.add_argument("--kill-in-commit", choices=("entering", "after-manifest"), default=None,
+                   help="--kill-node dies in the commit of step --kill-at instead: on entering it (the "
+                        "others wait in its collectives), or (rank 0) right after it wrote the manifest, "
+                        "before the others heard")
     p.add_argument("--slow-node", default=None, help="this node sleeps --slow-s before the step after --slow-at")
     p.add_argument("--slow-s", type=float, default=0.3)
     p.add_argument("--slow-at", type=int, default=None, metavar="STEP", help="only then (default: every step)")
@@ -110,7 +114,8 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
 
     class Scripted(base):  # type: ignore[valid-type,misc]
         def train_step(self):
-            if opts.kill_at is not None and self.state.step == opts.kill_at and node == opts.kill_node:
+            if (opts.kill_at is not None and self.state.step == opts.kill_at and node == opts.kill_node
+                    and opts.kill_in_commit is None):
                 os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
             if node == opts.slow_node and opts.slow_at in (None, self.state.step):
                 time.sleep(opts.slow_s)  # computes that much longer (a straggler)
@@ -122,6 +127,22 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
             if self.state.step == opts.notice_at and node == opts.notice_node:
                 write_notice(node)
             return out
+
+        def commit(self, *, reason, decision):
+            if opts.kill_in_commit and self.state.step == opts.kill_at and node == opts.kill_node:
+                if opts.kill_in_commit == "entering":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                from trainer.integrations import common
+
+                wrote = common.Committer._commit_manifest
+
+                def then_die(committer, *args, **kwargs):
+                    out = wrote(committer, *args, **kwargs)
+                    os.kill(os.getpid(), signal.SIGKILL)  # the manifest is in the store; nobody heard
+                    return out
+
+                common.Committer._commit_manifest = then_die
+            return super().commit(reason=reason, decision=decision)
 
         def _joiners_waiting(self):
             if opts.admit_from is not None and self.state.step < opts.admit_from:
