@@ -138,3 +138,33 @@ def test_up_s_reproduces_the_published_v100_figures_within_3_percent(v100) -> No
         costs.append(r.cost_usd)
     assert sum(costs) / 5 == pytest.approx(47.02, rel=0.03)
     assert sum(costs) / 5 == pytest.approx(47.02, abs=0.2)  # in fact much closer than 3 %
+
+
+def test_the_cli_prints_the_skynomad_model_beside_the_published_figures(tmp_path, capsys) -> None:
+    from bench.replay.skynomad_v100 import main
+
+    out = tmp_path / "w.json"
+    assert main(["--trace", str(V100), "--windows", "7", "--cost-model", "skynomad", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("up_s", "optimal"))}
+    assert rows["up_s"][-1] == "47.02" and rows["optimal"][-1] == "37.37"  # the published means beside
+    assert float(rows["optimal"][3]) == pytest.approx(1.0, abs=0.01)  # COST/OPT of the optimal schedule
+    import json
+
+    w7 = json.loads(out.read_text())["7"]
+    assert w7["up_s"]["cost_usd"] == pytest.approx(37.9954, abs=0.06)
+    assert w7["optimum_lower_bound_usd"] <= w7["optimal"]["cost_usd"] <= w7["up_s"]["cost_usd"]
+
+
+@pytest.mark.parametrize("argv, flag", [(["--cost-model", "theirs"], "--cost-model"),
+                                        (["--windows", "3,99"], "--windows"), (["--windows", "x"], "--windows"),
+                                        (["--trace", "/nonexistent"], "--trace")])
+def test_the_cli_says_which_flag_is_wrong_in_one_line(argv, flag, capsys) -> None:
+    from bench.replay.skynomad_v100 import main
+
+    argv = argv if "--trace" in argv else ["--trace", str(V100), *argv]
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err
