@@ -152,3 +152,44 @@ def test_a_pools_bound_buys_the_cheapest_node_hours_first() -> None:
                       spot_usd_h=1.0) == pytest.approx(2 * 1.0 + 3 * 3.0)
     assert pool_bound(trace, ["a"], target=2, node_s=5 * 3600, deadline_s=7200, on_demand_usd_h=3.0,
                       spot_usd_h=1.0) == math.inf
+
+
+def test_every_row_of_a_pool_replay_costs_at_least_its_bound(tmp_path, capsys) -> None:
+    """bench.replay on Bamboo's p3 group (32 nodes, a 2-hour job): each policy's cost is
+    above the least any pool pays for the same work by the same time (COST/OPT >= 1)."""
+    import json
+    from pathlib import Path
+
+    from bench.replay.__main__ import main
+
+    out = tmp_path / "p3.json"
+    trace = Path(__file__).parent / "data" / "traces" / "bamboo" / "p3-trace.csv"
+    assert main(["--trace", str(trace), "--job-hours", "2", "--json", str(out)]) == 0
+    assert "COST/OPT" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    for name, r in rows.items():
+        assert 0 < r["optimum_usd"] <= r["cost_usd"], name
+    # on-demand buys the same work at the on-demand price: about 3x what spot would cost
+    assert rows["on_demand"]["cost_usd"] / rows["on_demand"]["optimum_usd"] > 2.5
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6))
+def test_no_policy_in_our_simulator_costs_less_than_the_pool_bound(seed) -> None:
+    import random
+
+    from bench.replay.deadline_markets import random_market
+    from bench.replay.sim import JobModel, Market, Replay
+    from daemon.control.policies import get_policy
+
+    rng = random.Random(seed)
+    job_h, target = rng.uniform(0.5, 2.0), rng.randint(1, 4)
+    trace = random_market(rng, job_h * 2 + 1)
+    job = JobModel(target_steps=max(1, round(job_h * 3600)), step_s=1.0, ref_gpus=target, checkpoint_bytes=4e9)
+    for name, market in (("spotvisor", Market()), ("deadline_aware", Market()), ("spotvisor", Market(on_demand=True))):
+        r = Replay(trace, get_policy(name), job=job, target_nodes=target, deadline_s=job_h * 2 * 3600,
+                   market=market).run()
+        bound = pool_bound(trace, ["z"], target=target, node_s=r.steps * job.step_s * job.ref_gpus,
+                           deadline_s=r.hours * 3600, on_demand_usd_h=market.on_demand_usd_h,
+                           spot_usd_h=market.spot_usd_h)
+        assert bound <= r.cost_usd + 1e-6, (name, market.on_demand)
