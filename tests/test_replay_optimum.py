@@ -193,3 +193,20 @@ def test_no_policy_in_our_simulator_costs_less_than_the_pool_bound(seed) -> None
                            deadline_s=r.hours * 3600, on_demand_usd_h=market.on_demand_usd_h,
                            spot_usd_h=market.spot_usd_h)
         assert bound <= r.cost_usd + 1e-6, (name, market.on_demand)
+
+
+def test_replanning_part_way_starts_from_the_instance_held_or_the_checkpoints_zone() -> None:
+    zones = ("us-east-1a", "us-west-2a")
+    m = TickMarket(zones, np.array([[True] * 6, [True] * 6]), np.array([[2.0] * 6, [1.0] * 6]), GAP, 3.0)
+    job = TickJob(task_s=300, deadline_s=600, overhead_s=200, checkpoint_gb=50, copy_gb_s=0.5,
+                  egress_usd_per_gb=0.02)
+    # held in zone 0, its restart done: 3 ticks there at $2/h beat a move (egress, 3 ticks of overhead)
+    kept = optimum(m, job, held=Mode(SPOT, 0))
+    assert kept.plan == [Mode(SPOT, 0)] * 3 and kept.cost_usd == pytest.approx(3 * 2.0 * GAP / 3600)
+    # held with 100 s of restart left: one more tick without progress
+    assert optimum(m, job, held=Mode(SPOT, 0), overhead_left_s=100).cost_usd == pytest.approx(4 * 2 * GAP / 3600)
+    # nothing held, the checkpoint in zone 0: a launch there (2 ticks of overhead) beats a move
+    here = optimum(m, job, leader=0)
+    assert here.plan == [Mode(SPOT, 0)] * 5 and here.cost_usd == pytest.approx(5 * 2.0 * GAP / 3600)
+    # from nothing at all: zone 1, cheaper, with no egress
+    assert optimum(m, job).plan == [Mode(SPOT, 1)] * 5

@@ -55,8 +55,12 @@ class Optimum:
         return math.isfinite(self.cost_usd)
 
 
-def optimum(market: TickMarket, job: TickJob, *, bound: bool = True) -> Optimum:
-    """The cheapest schedule of one instance on ``market`` for ``job`` (module docstring)."""
+def optimum(market: TickMarket, job: TickJob, *, bound: bool = True, held: Mode | None = None,
+            overhead_left_s: float = 0.0, leader: int | None = None) -> Optimum:
+    """The cheapest schedule of one instance on ``market`` for ``job`` (module docstring),
+    from nothing held, or (re-planning part way) from ``held`` with ``overhead_left_s``
+    seconds of its restart still to run, or from nothing held with the checkpoint in zone
+    ``leader`` (a move from there pays the egress)."""
     g = market.gap_s
     Z, T = len(market.zones), ticks_for(job, g)
     K = max(1, int(math.ceil(job.task_s / g - 1e-9)))
@@ -77,7 +81,12 @@ def optimum(market: TickMarket, job: TickJob, *, bound: bool = True) -> Optimum:
             extra = transfer[src, zone[j]] if src >= 0 and src != zone[j] else 0.0
             H[i, j] = rnd(job.overhead_s + extra)
             E[i, j] = egress[src, zone[j]] if src >= 0 else 0.0
-    Hn = int(H.max()) + 1
+    if held is not None:
+        m0 = 1 + (Z if held.kind == OD else 2 * Z) + held.zone
+        h0 = rnd(overhead_left_s)
+    else:
+        m0, h0 = (0, 0) if leader is None else (1 + leader, 0)
+    Hn = max(int(H.max()), h0) + 1
     price = np.zeros((M, max(T, 1)))
     price[1 + Z:1 + 2 * Z, :] = market.on_demand_usd_h * g / 3600
     price[1 + 2 * Z:, :] = market.price[:, :T] * g / 3600 if T else 0.0
@@ -100,7 +109,7 @@ def optimum(market: TickMarket, job: TickJob, *, bound: bool = True) -> Optimum:
 
     inf = math.inf
     cur = np.full((M, Hn, K + 1), inf)
-    cur[0, 0, 0] = 0.0
+    cur[m0, h0, 0] = 0.0
     # parent code per tick: source mode × Hn + source overhead (uint8 when it fits)
     dtype = np.uint8 if M * Hn < 256 else np.uint16
     parents: list[np.ndarray] = []
