@@ -158,7 +158,7 @@ def test_the_cli_prints_the_skynomad_model_beside_the_published_figures(tmp_path
 
 @pytest.mark.parametrize("argv, flag", [(["--cost-model", "theirs"], "--cost-model"),
                                         (["--windows", "3,99"], "--windows"), (["--windows", "x"], "--windows"),
-                                        (["--trace", "/nonexistent"], "--trace")])
+                                        (["--trace", "/nonexistent"], "--trace"), (["--lookahead"], "--lookahead")])
 def test_the_cli_says_which_flag_is_wrong_in_one_line(argv, flag, capsys) -> None:
     from bench.replay.skynomad_v100 import main
 

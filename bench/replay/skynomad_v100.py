@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bench.replay.__main__ import _Parser, render, ON_DEMAND, domains_for
+from bench.replay.lookahead import LookAhead
 from bench.replay.optimum import optimal, optimum
 from bench.replay.sim import JobModel, Market, Replay, Result
 from bench.replay.tickmodel import OnDemand, TickJob, TickMarket, TickResult, UniformProgress, simulate
@@ -95,12 +96,17 @@ def tick_market(trace: Trace, w: int, zones: Sequence[str] = ZONES) -> TickMarke
     return TickMarket.from_trace(trace, zones, w * WINDOW_TICKS, WINDOW_TICKS, gap_s=TICK_S)
 
 
-def run_window_skynomad(trace: Trace, w: int) -> tuple[list[TickResult], float]:
-    """Window ``w`` in SkyNomad's cost model: on-demand, UP(S) and the optimal schedule,
-    and the optimum's lower bound (USD)."""
+def run_window_skynomad(trace: Trace, w: int, *, lookahead: bool = False) -> tuple[list[TickResult], float]:
+    """Window ``w`` in SkyNomad's cost model: on-demand, UP(S), the optimal schedule (and
+    the look-ahead policy, seeded, given the two windows before as its past), and the
+    optimum's lower bound (USD)."""
     m = tick_market(trace, w)
     rows = [simulate(m, SKYNOMAD_JOB, OnDemand()), simulate(m, SKYNOMAD_JOB, UniformProgress()),
             optimal(m, SKYNOMAD_JOB)]
+    if lookahead:
+        start = max(0, (w - 2) * WINDOW_TICKS)
+        past = TickMarket.from_trace(trace, ZONES, start, w * WINDOW_TICKS - start, gap_s=TICK_S).avail
+        rows.append(simulate(m, SKYNOMAD_JOB, LookAhead(past)))
     return rows, optimum(m, SKYNOMAD_JOB).cost_usd
 
 
@@ -148,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="ours: the daemon's policies in bench.replay.sim (default); skynomad: the artifact's "
                    "charging (bench.replay.tickmodel) with its UP(S) and the optimal schedule")
     p.add_argument("--no-migration", action="store_true", help="the job stays in us-east-1 (--cost-model ours)")
+    p.add_argument("--lookahead", action="store_true", help="--cost-model skynomad: add the look-ahead policy's "
+                   "row (bench.replay.lookahead; about 25 s per window)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.lookahead and args.cost_model != "skynomad":
+        print("bench.replay.skynomad_v100: --lookahead: runs in --cost-model skynomad only", file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args.trace)
     except TraceError as exc:
@@ -170,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     bounds: list[float] = []
     dump: dict[str, dict] = {}
     if args.cost_model == "skynomad":
-        rows = [Row(ON_DEMAND), Row("up_s"), Row("optimal")]
+        rows = [Row(ON_DEMAND), Row("up_s"), Row("optimal")] + ([Row("lookahead")] if args.lookahead else [])
         for w in windows:
-            rs, bound = run_window_skynomad(trace, w)
+            rs, bound = run_window_skynomad(trace, w, lookahead=args.lookahead)
             bounds.append(bound)
             for row, r in zip(rows, rs):
                 row.add(r.cost_usd, r.done, r.migrations, r.od_ticks * TICK_S / 3600)
