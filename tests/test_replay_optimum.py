@@ -210,3 +210,13 @@ def test_replanning_part_way_starts_from_the_instance_held_or_the_checkpoints_zo
     assert here.plan == [Mode(SPOT, 0)] * 5 and here.cost_usd == pytest.approx(5 * 2.0 * GAP / 3600)
     # from nothing at all: zone 1, cheaper, with no egress
     assert optimum(m, job).plan == [Mode(SPOT, 1)] * 5
+
+
+def test_a_market_shorter_than_the_deadline_has_no_spot_after_its_end() -> None:
+    m = TickMarket(("us-east-1a",), np.ones((1, 2), dtype=bool), np.full((1, 2), 1.0), GAP, 3.0)
+    job = TickJob(task_s=400, deadline_s=600, overhead_s=0, checkpoint_gb=0)
+    # 2 ticks of spot, then on demand for the other 2 (or on demand throughout: dearer)
+    want = 2 * 1.0 * GAP / 3600 + 2 * 3.0 * GAP / 3600
+    assert optimum(m, job).cost_usd == pytest.approx(want)
+    r = simulate(m, job, PlanPolicy(optimum(m, job).plan))
+    assert r.done and r.cost_usd == pytest.approx(want)

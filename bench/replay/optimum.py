@@ -87,11 +87,13 @@ def optimum(market: TickMarket, job: TickJob, *, bound: bool = True, held: Mode 
     else:
         m0, h0 = (0, 0) if leader is None else (1 + leader, 0)
     Hn = max(int(H.max()), h0) + 1
+    Tm = min(T, market.ticks)  # past the market's end, no spot
     price = np.zeros((M, max(T, 1)))
     price[1 + Z:1 + 2 * Z, :] = market.on_demand_usd_h * g / 3600
-    price[1 + 2 * Z:, :] = market.price[:, :T] * g / 3600 if T else 0.0
+    price[1 + 2 * Z:, :Tm] = market.price[:, :Tm] * g / 3600
     ok = np.ones((M, max(T, 1)), dtype=bool)
-    ok[1 + 2 * Z:, :] = market.avail[:, :T] if T else False
+    ok[1 + 2 * Z:, :] = False
+    ok[1 + 2 * Z:, :Tm] = market.avail[:, :Tm]
 
     # the sources of each mode j, grouped by the overhead a switch from them starts
     groups: list[list[tuple[int, np.ndarray]]] = []

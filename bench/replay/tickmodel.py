@@ -205,6 +205,15 @@ def _latched(v: TickView, overhead_s: float) -> bool:
     return need >= left
 
 
+def _extended(market: TickMarket, ticks: int) -> TickMarket:
+    """``market`` to ``ticks`` ticks: no spot after its end (its last prices)."""
+    n = ticks - market.ticks
+    avail = np.concatenate([market.avail, np.zeros((len(market.zones), n), dtype=bool)], axis=1)
+    last = market.price[:, -1:] if market.ticks else np.zeros((len(market.zones), 1))
+    price = np.concatenate([market.price, np.repeat(last, n, axis=1)], axis=1)
+    return TickMarket(market.zones, avail, price, market.gap_s, market.on_demand_usd_h)
+
+
 def simulate(market: TickMarket, job: TickJob, policy: TickPolicy, *, safety_net: bool = True) -> TickResult:
     """``policy`` on ``market`` under the artifact's charging (module docstring)."""
     g, T = market.gap_s, ticks_for(job, market.gap_s)
@@ -229,6 +238,8 @@ def simulate(market: TickMarket, job: TickJob, policy: TickPolicy, *, safety_net
                               modes)
         if t == T:
             break
+        if t >= market.ticks:  # past the market's end: no spot, on-demand only
+            market = _extended(market, T)
         if held is not None and held.kind == SPOT and not market.avail[held.zone, t]:
             held, oh = None, 0.0  # preempted: nothing lost but the next launch's overhead
         if held is not None:
