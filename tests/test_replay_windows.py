@@ -25,6 +25,9 @@ def test_deadline_aware_meets_every_deadline_on_demand_meets_on_every_window(pat
     assert sm["windows"] >= 8 and sm["on_demand_met"] == sm["windows"]
     assert sm["deadline_aware_missed"] == 0, sm["missed_at_h"]
     assert sm["deadline_aware_cost_vs_on_demand"] < 0.9  # and it saves money doing so
+    # each window's cost is above the lower bound on any pool's cost there
+    assert all(r.optimum <= min(r.deadline_aware[0], r.on_demand[0]) for r in rows)
+    assert all(r.optimum <= r.spot[0] for r in rows if r.spot[1])
 
 
 @pytest.mark.slow

@@ -3,8 +3,12 @@
 Replays a public spot trace (a file, or a folder of per-zone files: the format is
 recognised from the content, :mod:`bench.replay.traces`) through the daemon's own
 decisions (:mod:`bench.replay.sim`), once per policy, and prints one row per policy:
-committed steps, steps per hour, lost steps, goodput, USD, USD per step, node-hours,
-restarts, in-process resizes. ``on_demand`` is the default policy buying on-demand nodes
+committed steps, steps per hour, lost steps, goodput, USD, USD per step, ``COST/OPT``,
+node-hours, restarts, in-process resizes. ``COST/OPT`` is the policy's cost over the least
+any pool could pay for the same work (its committed steps) by the same time (the
+deadline when it met one, else the hours replayed): the linear relaxation of
+:func:`bench.replay.optimum.pool_bound`, spot first, no restarts; a lower bound, so
+above 1. ``on_demand`` is the default policy buying on-demand nodes
 only (the reference a spot policy must beat on cost); every other name is a registered
 recovery policy (:mod:`daemon.control.policies`).
 
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from bench.replay.optimum import pool_bound
 from bench.replay.sim import JobModel, Market, Replay, Result, region_of
 from bench.replay.traces import TraceError, load_trace
 from daemon.control.migration import Plan
@@ -74,13 +79,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def format_table(results: Sequence[Result]) -> str:
-    head = ["POLICY", "STEPS", "STEPS/H", "LOST", "GOODPUT", "USD", "USD/STEP", "NODE-H", "OD NODE-H", "RESTARTS",
+    head = ["POLICY", "STEPS", "STEPS/H", "LOST", "GOODPUT", "USD", "USD/STEP", "COST/OPT", "NODE-H", "OD NODE-H", "RESTARTS",
             "RESIZES", "MOVES", "DONE AT H", "DEADLINE"]
     rows = [head]
     for r in results:
         rows.append([r.policy, f"{r.steps:,}", f"{r.steps_per_hour:,.0f}", f"{r.lost_steps:,}",
                      "-" if r.goodput is None else f"{r.goodput:.3f}", f"{r.cost_usd:,.2f}",
-                     "-" if r.usd_per_step is None else f"{r.usd_per_step:.5f}", f"{r.node_hours:,.1f}",
+                     "-" if r.usd_per_step is None else f"{r.usd_per_step:.5f}",
+                     f"{r.cost_usd / r.optimum_usd:.3f}" if r.optimum_usd else "-", f"{r.node_hours:,.1f}",
                      f"{r.on_demand_node_hours:,.1f}", str(r.restarts), str(r.resizes),
                      f"{r.migrations}" + (f" ({r.migrations_failed} failed)" if r.migrations_failed else ""),
                      "-" if r.completed_at_h is None else f"{r.completed_at_h:.2f}",
@@ -118,6 +124,11 @@ def run(args: argparse.Namespace) -> list[Result]:
                    egress_usd_per_gb=args.egress_usd_per_gb, copy_bytes_s=args.copy_gb_s * 1e9).run(
             until_s=None if args.hours is None else args.hours * 3600)
         r.policy = name
+        horizon = deadline if r.deadline_met else r.hours * 3600
+        r.optimum_usd = pool_bound(trace, zones or sorted(trace.zones), target=target,
+                                   node_s=r.steps * job.step_s * job.ref_gpus / market.gpus_per_node,
+                                   deadline_s=horizon, on_demand_usd_h=market.on_demand_usd_h,
+                                   spot_usd_h=market.spot_usd_h)
         out.append(r)
     return out
 

@@ -169,6 +169,7 @@ class Result:
     migrations_failed: int = 0
     egress_usd: float = 0.0
     domain_hours: dict[str, float] = field(default_factory=dict)  # hours the job's domain was each
+    optimum_usd: float | None = None  # a lower bound on the cost of the same work (bench.replay.optimum)
 
     @property
     def usd_per_step(self) -> float | None:
@@ -200,6 +201,7 @@ class Result:
                 "deadline_met": self.deadline_met, "on_demand_node_hours": round(self.on_demand_node_hours, 2),
                 "migrations": self.migrations, "migrations_failed": self.migrations_failed,
                 "egress_usd": round(self.egress_usd, 2),
+                "optimum_usd": None if self.optimum_usd is None else round(self.optimum_usd, 2),
                 "domain_hours": {k: round(v, 3) for k, v in sorted(self.domain_hours.items())},
                 "world_hours": {str(k): round(v, 3) for k, v in sorted(self.world_hours.items())},
                 "timeline": [[round(h, 4), w, round(usd, 2), s] for h, w, usd, s in self.timeline]}

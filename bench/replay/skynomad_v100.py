@@ -1,4 +1,4 @@
-"""``python -m bench.replay.skynomad_v100 [--trace DIR] [--windows 3,5,7,8,14] [--json OUT]``
+"""``python -m bench.replay.skynomad_v100 [--trace DIR] [--windows 3,5,7,8,14] [--cost-model ours|skynomad] [--json OUT]``
 
 The V100 cross-region setting of SkyNomad's artifact (andylizf/skynomad-artifact @
 62b9aaa, ``scripts_multi/benchmark_components/configs/v100.py``; Apache-2.0), replayed
@@ -16,22 +16,35 @@ through the daemon's own decisions (:mod:`bench.replay.sim`):
   each zone's per-tick price in the trace; a move copies the 50 GB at 0.5 GB/s and pays
   AWS's $0.02/GB inter-region transfer.
 
-It prints, per window and as the mean over the windows, each policy's cost (USD) and
-whether the deadline was met, beside the means the artifact publishes for its own
-policies (its README, ``--config v100``): the two are different simulators on the same
-trace data, so the comparison is of magnitude, not to the cent.
+It prints, per window and as the mean over the windows, each policy's cost (USD),
+``COST/OPT`` (its mean cost over the mean of the offline optimum's lower bound,
+:mod:`bench.replay.optimum`, on the same windows) and whether the deadline was met,
+beside the means the artifact publishes for its own policies (its README,
+``--config v100``; per window in its ``research/data/v100.csv``).
+
+``--cost-model ours`` (the default) runs the daemon's policies in our simulator; the
+optimum is the DP with our job's boot, restart, load, copy and egress. The two
+simulators differ, so against the published figures that is a comparison of magnitude.
+``--cost-model skynomad`` charges as the artifact's simulator does
+(:mod:`bench.replay.tickmodel`) and runs its UP(S) baseline and the optimal schedule
+there, like for like with the published UP(S) and Optimal.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-from bench.replay.__main__ import render, ON_DEMAND, domains_for
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from bench.replay.__main__ import _Parser, render, ON_DEMAND, domains_for
+from bench.replay.lookahead import LookAhead
+from bench.replay.optimum import optimal, optimum
 from bench.replay.sim import JobModel, Market, Replay, Result
+from bench.replay.tickmodel import OnDemand, TickJob, TickMarket, TickResult, UniformProgress, simulate
 from bench.replay.traces import Trace, TraceError, load_trace
 from daemon.control.migration import Plan
 from daemon.control.policies import DEFAULT_POLICY, get_policy
@@ -45,6 +58,12 @@ JOB_H = DEADLINE_H / 1.5  # 39.94 h
 STEP_S = 60.0
 JOB = JobModel(target_steps=round(JOB_H * 3600 / STEP_S), step_s=STEP_S, ref_gpus=1, checkpoint_bytes=50e9,
                checkpoint_every_steps=30, boot_s=120.0, restart_s=550.0)
+# SkyNomad's cost model (--cost-model skynomad): its task, deadline, 0.2 h overhead, 50 GB
+SKYNOMAD_JOB = TickJob(task_s=JOB_H * 3600, deadline_s=DEADLINE_H * 3600, overhead_s=0.2 * 3600, checkpoint_gb=50.0)
+# the optimum for our cost model: the job's steps, its boot + restart + load, our copy and egress
+OUR_JOB = TickJob(task_s=JOB.target_steps * JOB.step_s, deadline_s=DEADLINE_H * 3600,
+                  overhead_s=JOB.boot_s + JOB.restart_s + JOB.load_s(1), checkpoint_gb=JOB.checkpoint_bytes / 1e9,
+                  copy_gb_s=0.5, egress_usd_per_gb=0.02)
 POLICIES = (ON_DEMAND, "restart_on_preemption", DEFAULT_POLICY, "deadline_aware")
 # the artifact's README, `--config v100`: mean cost (USD) over the five windows
 PUBLISHED = {"Optimal (DP oracle)": 37.37, "SkyNomad": 41.73, "SkyNomad (oracle lifetimes)": 41.99,
@@ -72,39 +91,130 @@ def run_window(trace: Trace, w: int, policies=POLICIES, *, migration: bool = Tru
     return out
 
 
+def tick_market(trace: Trace, w: int, zones: Sequence[str] = ZONES) -> TickMarket:
+    """Window ``w`` as the artifact's simulator sees it: one tick per row (195 s)."""
+    return TickMarket.from_trace(trace, zones, w * WINDOW_TICKS, WINDOW_TICKS, gap_s=TICK_S)
+
+
+def run_window_skynomad(trace: Trace, w: int, *, lookahead: bool = False) -> tuple[list[TickResult], float]:
+    """Window ``w`` in SkyNomad's cost model: on-demand, UP(S), the optimal schedule (and
+    the look-ahead policy, seeded, given the two windows before as its past), and the
+    optimum's lower bound (USD)."""
+    m = tick_market(trace, w)
+    rows = [simulate(m, SKYNOMAD_JOB, OnDemand()), simulate(m, SKYNOMAD_JOB, UniformProgress()),
+            optimal(m, SKYNOMAD_JOB)]
+    if lookahead:
+        start = max(0, (w - 2) * WINDOW_TICKS)
+        past = TickMarket.from_trace(trace, ZONES, start, w * WINDOW_TICKS - start, gap_s=TICK_S).avail
+        rows.append(simulate(m, SKYNOMAD_JOB, LookAhead(past)))
+    return rows, optimum(m, SKYNOMAD_JOB).cost_usd
+
+
+@dataclass
+class Row:
+    """One policy over the windows: USD and deadline met per window, moves, on-demand hours."""
+
+    name: str
+    costs: list[float] = field(default_factory=list)
+    met: list[bool] = field(default_factory=list)
+    moves: int = 0
+    od_h: float = 0.0
+
+    def add(self, cost: float, met: bool, moves: int, od_h: float) -> None:
+        self.costs.append(cost)
+        self.met.append(met)
+        self.moves += moves
+        self.od_h += od_h
+
+
+def table(rows: list[Row], bounds: list[float], windows: list[int], published: dict[str, float]) -> str:
+    """The rows as aligned columns; COST/OPT is the mean cost over the mean lower bound."""
+    head = ["POLICY"] + [f"W{w}" for w in windows] + ["MEAN USD", "COST/OPT", "MET", "MOVES", "OD H", "PUBLISHED"]
+    opt = sum(bounds) / len(bounds)
+    out = [head]
+    for r in rows + [Row("optimum (lower bound)", list(bounds), [True] * len(bounds))]:
+        mean = sum(r.costs) / len(r.costs)
+        out.append([r.name] + [f"{c:.2f}" + ("" if m else " MISSED") for c, m in zip(r.costs, r.met)]
+                   + [f"{mean:.2f}", f"{mean / opt:.3f}", f"{sum(r.met)}/{len(r.met)}", str(r.moves), f"{r.od_h:.1f}",
+                      f"{published[r.name]:.2f}" if r.name in published else "-"])
+    return render(out)
+
+
+class _OneLine(_Parser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2
+        print(f"bench.replay.skynomad_v100: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.replay.skynomad_v100", description=__doc__.split("\n\n")[0])
+    p = _OneLine(prog="python -m bench.replay.skynomad_v100", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the v100-9zone folder")
     p.add_argument("--windows", default=",".join(map(str, WINDOWS)))
-    p.add_argument("--no-migration", action="store_true", help="the job stays in us-east-1")
+    p.add_argument("--cost-model", choices=("ours", "skynomad"), default="ours",
+                   help="ours: the daemon's policies in bench.replay.sim (default); skynomad: the artifact's "
+                   "charging (bench.replay.tickmodel) with its UP(S) and the optimal schedule")
+    p.add_argument("--no-migration", action="store_true", help="the job stays in us-east-1 (--cost-model ours)")
+    p.add_argument("--lookahead", action="store_true", help="--cost-model skynomad: add the look-ahead policy's "
+                   "row (bench.replay.lookahead; about 25 s per window)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.lookahead and args.cost_model != "skynomad":
+        print("bench.replay.skynomad_v100: --lookahead: runs in --cost-model skynomad only", file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args.trace)
+    except TraceError as exc:
+        print(f"bench.replay.skynomad_v100: --trace: {exc}", file=sys.stderr)
+        return 2
+    missing = [z for z in ZONES if z not in trace.zones]
+    tiles = len(trace.zones[ZONES[0]].times) // WINDOW_TICKS if not missing else 0
+    try:
         windows = [int(x) for x in args.windows.split(",")]
-    except (TraceError, ValueError) as exc:
-        print(f"bench.replay.skynomad_v100: {exc}", file=sys.stderr)
+        bad = [w for w in windows if not 0 <= w < tiles]
+        if missing or bad:
+            raise ValueError(f"zones {missing} not in the trace" if missing else
+                             f"window(s) {bad} outside 0..{tiles - 1} of this trace")
+    except ValueError as exc:
+        print(f"bench.replay.skynomad_v100: --windows: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    rows = {w: run_window(trace, w, migration=not args.no_migration) for w in windows}
+    bounds: list[float] = []
+    dump: dict[str, dict] = {}
+    if args.cost_model == "skynomad":
+        rows = [Row(ON_DEMAND), Row("up_s"), Row("optimal")] + ([Row("lookahead")] if args.lookahead else [])
+        for w in windows:
+            rs, bound = run_window_skynomad(trace, w, lookahead=args.lookahead)
+            bounds.append(bound)
+            for row, r in zip(rows, rs):
+                row.add(r.cost_usd, r.done, r.migrations, r.od_ticks * TICK_S / 3600)
+            dump[str(w)] = {r.policy: {"cost_usd": round(r.cost_usd, 4), "deadline_met": r.done,
+                                       "migrations": r.migrations, "done_tick": r.done_tick} for r in rs}
+            dump[str(w)]["optimum_lower_bound_usd"] = round(bound, 4)
+        published = {"up_s": PUBLISHED["UP(S) (Uniform Progress, eager failover)"],
+                     "optimal": PUBLISHED["Optimal (DP oracle)"]}
+        model = "SkyNomad's cost model (bench/replay/tickmodel.py: 195 s ticks billed whole, as its env.py)"
+    else:
+        rows = [Row(name) for name in POLICIES]
+        for w in windows:
+            rs = run_window(trace, w, migration=not args.no_migration)
+            bound = optimum(tick_market(trace, w), OUR_JOB).cost_usd
+            bounds.append(bound)
+            for row, r in zip(rows, rs):
+                row.add(r.cost_usd, bool(r.deadline_met), r.migrations, r.on_demand_node_hours)
+            dump[str(w)] = {r.policy: {k: v for k, v in r.to_dict().items() if k != "timeline"} for r in rs}
+            dump[str(w)]["optimum_lower_bound_usd"] = round(bound, 4)
+        published = {}
+        model = "our cost model (bench/replay/sim.py; the optimum: the DP with its boot, restart, copy and egress)"
     wall = time.perf_counter() - t0
     print(f"SkyNomad V100 setting: zones {', '.join(ZONES)}; job {JOB_H:.2f} h, deadline {DEADLINE_H:.2f} h "
-          f"(1.5x); windows {windows}; {wall:.1f} s")
-    print("USD per window (deadline met: yes / MISSED); data: Can't Be Late / SkyNomad traces, Apache-2.0")
-    head = ["POLICY"] + [f"W{w}" for w in windows] + ["MEAN USD", "MET", "MOVES", "OD H"]
-    table = [head]
-    for i, name in enumerate(POLICIES):
-        rs = [rows[w][i] for w in windows]
-        mean = sum(r.cost_usd for r in rs) / len(rs)
-        table.append([name] + [f"{r.cost_usd:.2f}" + ("" if r.deadline_met else " MISSED") for r in rs]
-                     + [f"{mean:.2f}", f"{sum(bool(r.deadline_met) for r in rs)}/{len(rs)}",
-                        str(sum(r.migrations for r in rs)), f"{sum(r.on_demand_node_hours for r in rs):.1f}"])
-    print(render(table))
-    print("published by the SkyNomad artifact for the same five windows (mean USD): "
+          f"(1.5x); windows {windows}; {model}; {wall:.1f} s")
+    print("USD per window (deadline met: yes / MISSED); COST/OPT: mean USD / the optimum's mean lower bound; "
+          "data: Can't Be Late / SkyNomad traces, Apache-2.0")
+    print(table(rows, bounds, windows, published))
+    print("published by the SkyNomad artifact for the same five windows (mean USD; research/data/v100.csv): "
           + "; ".join(f"{k} {v:.2f}" for k, v in PUBLISHED.items()))
     if args.json:
-        args.json.write_text(json.dumps({str(w): {r.policy: {k: v for k, v in r.to_dict().items() if k != "timeline"}
-                                                  for r in rows[w]} for w in windows}, indent=1) + "\n")
+        args.json.write_text(json.dumps(dump, indent=1) + "\n")
     return 0
 
 

@@ -6,7 +6,9 @@ one starting every ``stride``), it replays always-on-demand and ``deadline_aware
 (and spot alone, ``spotvisor``, for scale) and checks that ``deadline_aware`` meets
 every deadline that on-demand meets. It prints one row per trace and ratio: windows,
 deadlines on-demand met, deadlines ``deadline_aware`` missed among those (the property
-says 0), its mean cost relative to on-demand, and how often spot alone met them.
+says 0), its mean cost relative to on-demand and to a lower bound on any pool's cost
+(:func:`bench.replay.optimum.pool_bound`: spot first, no restarts; so above 1), and how
+often spot alone met them.
 
 The traces and their settings (:data:`SETTINGS`): Bamboo's p3 and g4dn groups (cap 32
 and 24 nodes, a 2-hour job at the cap), and the 9-zone V100 data at SkyNomad's setting
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bench.replay.__main__ import render, domains_for
+from bench.replay.optimum import pool_bound
 from bench.replay.sim import JobModel, Market, Replay
 from bench.replay.traces import Trace, TraceError, load_trace
 from daemon.control.policies import get_policy
@@ -58,12 +61,15 @@ SETTINGS = (
 
 @dataclass
 class Row:
-    """One window: start (hours into the trace) and, per policy, cost (USD) and whether met."""
+    """One window: start (hours into the trace) and, per policy, cost (USD) and whether met;
+    ``optimum``: a lower bound on the cost of the job by the deadline there (USD,
+    :func:`bench.replay.optimum.pool_bound`)."""
 
     start_h: float
     on_demand: tuple[float, bool]
     deadline_aware: tuple[float, bool]
     spot: tuple[float, bool]
+    optimum: float = float("nan")
 
 
 def windows(trace: Trace, length_s: float, stride_s: float) -> Iterator[tuple[float, Trace]]:
@@ -89,8 +95,11 @@ def check(trace: Trace, s: Setting, ratio: float) -> list[Row]:
                        deadline_s=deadline, domains=domains).run()
             return r.cost_usd, bool(r.deadline_met)
 
+        bound = pool_bound(w, zones or sorted(w.zones), target=s.target,
+                           node_s=job.target_steps * job.step_s * job.ref_gpus, deadline_s=deadline,
+                           on_demand_usd_h=Market.on_demand_usd_h, spot_usd_h=Market.spot_usd_h)
         rows.append(Row(start / 3600, run("spotvisor", Market(on_demand=True)), run("deadline_aware", Market()),
-                        run("spotvisor", Market())))
+                        run("spotvisor", Market()), bound))
     return rows
 
 
@@ -98,8 +107,10 @@ def summary(rows: list[Row]) -> dict[str, object]:
     met = [r for r in rows if r.on_demand[1]]
     missed = [r.start_h for r in met if not r.deadline_aware[1]]
     rel = [r.deadline_aware[0] / r.on_demand[0] for r in met if r.on_demand[0] > 0]
+    opt = [r.deadline_aware[0] / r.optimum for r in met if r.deadline_aware[1] and r.optimum > 0]
     return {"windows": len(rows), "on_demand_met": len(met), "deadline_aware_missed": len(missed),
             "missed_at_h": missed, "deadline_aware_cost_vs_on_demand": round(sum(rel) / len(rel), 3) if rel else None,
+            "deadline_aware_cost_vs_optimum": round(sum(opt) / len(opt), 3) if opt else None,
             "spot_alone_met": sum(1 for r in met if r.spot[1])}
 
 
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.replay.windows: {exc}", file=sys.stderr)
         return 2
     out, bad = {}, 0
-    head = ["TRACE", "RATIO", "WINDOWS", "OD MET", "DA MISSED", "DA COST/OD", "SPOT ALONE MET", "S"]
+    head = ["TRACE", "RATIO", "WINDOWS", "OD MET", "DA MISSED", "DA COST/OD", "DA COST/OPT", "SPOT ALONE MET", "S"]
     table = [head]
     for s, trace in traces:
         for ratio in ratios:
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             bad += int(sm["deadline_aware_missed"])  # type: ignore[call-overload]
             table.append([s.path, f"{ratio:g}", str(sm["windows"]), str(sm["on_demand_met"]),
                           str(sm["deadline_aware_missed"]), str(sm["deadline_aware_cost_vs_on_demand"]),
+                          str(sm["deadline_aware_cost_vs_optimum"]),
                           f"{sm['spot_alone_met']}/{sm['on_demand_met']}", f"{time.perf_counter() - t0:.0f}"])
     print(render(table))
     if args.json:
