@@ -43,17 +43,15 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.batch import BatchError, BatchPlan, ElasticBatch
-from trainer.checkpoint import MANIFEST_NAME, CheckpointError, Manifest, open_store, step_dir
+from trainer.checkpoint import Manifest, open_store
 from trainer.contract import JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, S3_ENDPOINT_ENV, STATUS_FILE_ENV
 from trainer.credential import CredentialError, NodeCredential
 from trainer.data import DataError, MapSamples, as_samples, load_data
-from trainer.exchange import broadcast_json
 from trainer.guard import Decision, PreemptionGuard
 from trainer.membership import joining, run_id
 from trainer.recovery import Recovery, first_line
 from trainer.resize import Resizer, can_shrink
 from trainer.sampler import ElasticSampler
-from trainer.storage import ObjectNotFoundError, StorageError
 from trainer.stream import StreamSamples
 from trainer.tokens import TokenWindows
 from trainer.runtime import (
@@ -349,17 +347,11 @@ class ElasticJob:
         fresh = True  # the progress window starts again before the next step trained
         while True:
             decision = self._collective(self._decide)
-            if decision is None:  # a peer lost without notice: the survivors re-formed
-                fresh = True
-                continue
-            at = self._boundary(decision, start)
-            if at.shrink:
+            at = None if decision is None else self._boundary(decision, start)
+            if at is not None and at.shrink:
                 self.resizer.stage(decision)
-            if self._collective(lambda: self.commit_if_asked(at) or True) is None:
-                # a peer lost without notice in the commit's collectives: the survivors
-                # re-formed; the boundary is decided again, the commit made or reused
-                self._learn_commit()
-                fresh = True
+            if at is None or not self.commit_if_asked(at):  # a peer lost without notice: the survivors
+                fresh = True  # re-formed, and decide this boundary again
                 continue
             if at.final:
                 break
@@ -388,36 +380,12 @@ class ElasticJob:
         reason = "final" if final else "notice" if decision.checkpoint else "periodic" if periodic else None
         return Boundary(decision, final, reason, not final and decision.hold and self._can_shrink(decision))
 
-    def commit_if_asked(self, at: Boundary) -> None:
-        """Commit this step when the boundary asks (:meth:`commit`, the job's)."""
-        if at.commit is not None:
-            self.commit(reason=at.commit, decision=at.decision)
-
-    def _learn_commit(self) -> None:
-        """Collective, after a re-form that interrupted a commit: whether rank 0 of the old
-        group wrote the step's manifest before it was lost (the survivors did not hear).
-        If it did, the step counts as committed here too, so the boundary decided again
-        reuses that commit (:meth:`Committer.commit`) instead of writing the step's shards
-        a second time under a committed manifest. A sharded job reloaded the newest commit
-        in its recovery and knows it already."""
-        if not self.state_replicated:
-            return
-        step = self.state.step
-        found: bool | str = False
-        if self.ctx.is_leader:
-            try:
-                self.store.get_bytes(f"{step_dir(step)}/{MANIFEST_NAME}")
-                found = True
-            except ObjectNotFoundError:
-                found = False
-            except StorageError as exc:  # unknown: writing the step again could tear a commit
-                found = f"{type(exc).__name__}: {exc}"
-        found = broadcast_json(found, src=0)
-        if isinstance(found, str):
-            raise CheckpointError(f"step {step}: cannot tell whether the interrupted commit landed ({found})")
-        if found and self.committed_step != step:
-            log.warning("step %d was committed before the lost peer's rank 0 could say so: reusing it", step)
-            self.committed_step = step
+    def commit_if_asked(self, at: Boundary) -> bool:
+        """Commit this step when the boundary asks (:meth:`commit`, the job's); False when a peer
+        was lost in it: the survivors re-formed, and learnt whether it landed (:meth:`Recovery.learn_commit`)."""
+        if at.commit is None or self._collective(lambda: self.commit(reason=at.commit, decision=at.decision) or 1):
+            return True
+        return self.recovery.learn_commit()
 
     def resize_if_needed(self, at: Boundary) -> Resized:
         """Shrink (the survivors of a notice), hold for a restart (a notice without an

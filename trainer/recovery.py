@@ -35,10 +35,12 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.batch import ElasticBatch
+from trainer.checkpoint import MANIFEST_NAME, CheckpointError, step_dir
 from trainer.contract import NODE_ID_ENV
-from trainer.exchange import all_gather_json
+from trainer.exchange import all_gather_json, broadcast_json
 from trainer.membership import JoinRefused, JoinTimeout, LossWatch, SurvivorRound, run_id
 from trainer.runtime import regroup, rendezvous_endpoint
+from trainer.storage import ObjectNotFoundError, StorageError
 
 __all__ = ["Recovery", "first_line"]
 
@@ -128,6 +130,36 @@ class Recovery:
             raise SystemExit(1)
         job.ctx = regroup(job.ctx, rank, world, prefix, endpoint, job.args.pg_timeout_s)
         self._catch_up(old_world, t0, step)
+
+    def learn_commit(self) -> bool:
+        """Collective, after a re-form that interrupted a commit: whether rank 0 of the old
+        group wrote the step's manifest before it was lost (the survivors did not hear).
+        If it did, the step counts as committed here too, so the boundary decided again
+        reuses that commit (``Committer.commit``) instead of writing the step's shards a
+        second time under a committed manifest. A sharded job reloaded the newest commit in
+        its recovery and knows it already. Returns False: the boundary is decided again in
+        the new group. Raises ``CheckpointError`` (every rank) when rank 0 cannot tell (a
+        storage error): fail closed, for a restart from the newest commit."""
+        job = self.job
+        if not job.state_replicated:
+            return False
+        step = job.state.step
+        found: bool | str = False
+        if job.ctx.is_leader:
+            try:
+                job.store.get_bytes(f"{step_dir(step)}/{MANIFEST_NAME}")
+                found = True
+            except ObjectNotFoundError:
+                found = False
+            except StorageError as exc:  # unknown: writing the step again could tear a commit
+                found = f"{type(exc).__name__}: {exc}"
+        found = broadcast_json(found, src=0)
+        if isinstance(found, str):
+            raise CheckpointError(f"step {step}: cannot tell whether the interrupted commit landed ({found})")
+        if found and job.committed_step != step:
+            log.warning("step %d was committed before the lost peer's rank 0 could say so: reusing it", step)
+            job.committed_step = step
+        return False
 
     def _drop_group(self) -> None:
         """Leave the old group (its loss watch paused): drop DDP's reducer, abort and

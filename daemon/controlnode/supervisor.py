@@ -127,10 +127,7 @@ class Supervisor:
     # -- lifecycle ------------------------------------------------------------------
     async def start(self, *, agent_url: str, agent_ca_pem: str | None = None,
                     job_secrets: Mapping[str, str] | None = None,
-                    checked: list[CheckResult] | None = None) -> None:
-        """Pick the pool up from the store and start the loops. ``checked``: a cloud check
-        run just before (an HA standby runs it while it waits, so a takeover's first act
-        does not wait for one); None: run it here."""
+                    checked: list[CheckResult] | None = None) -> None:  # checked: an HA standby's run
         self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
         self.agents.node_logs.mask(self.secrets.values())  # a trainer that prints one: spotctl tail shows ***
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
