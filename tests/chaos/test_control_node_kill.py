@@ -145,7 +145,7 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
             await b.start()
             last = b
             if moment == "right_after_a_notice":  # the replacement's grow: kill the control node again
-                first = {e["node"] for e in seen if e["kind"] == "node_launched"}
+                first = {e["node"] for e in seen if e["kind"] == "node_admitted"}  # the job's own two
                 await b.until(lambda: [e for e in b.saw("node_admitted") if e["node"] not in first],
                               timeout_s=240, what="the replacement admitted")
                 assert not [e for e in b.saw("world_size_changed") if e["data"].get("new") == 2
