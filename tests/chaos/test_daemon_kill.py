@@ -360,7 +360,8 @@ async def test_daemon_sigkill_mid_launch(world: dict[str, Any], faults: AwsFault
     a = world["daemon"]()
     await a.start()
     await a.until(lambda: a.saw("node_launch_requested"), what="the launch request")
-    await a.until(lambda: faults.actions("RunInstances"), what="RunInstances on the wire")
+    # the launch waits for the agent's wheel, built at start: 4 s here, 16-33 s on a loaded machine
+    await a.until(lambda: faults.actions("RunInstances"), timeout_s=120, what="RunInstances on the wire")
     if landed:
         await a.until(lambda: sim.live(), what="the instance in EC2")
     await a.sigkill()
@@ -407,7 +408,7 @@ async def test_daemon_sigkill_mid_checkpoint(world: dict[str, Any], matrix: Matr
     world["trainer_env"]["STANDIN_HOLD_AT"] = "5"  # 30 steps of 0.05 s could end before a notice under load
     a = world["daemon"]()
     await a.start()
-    await a.until(lambda: a.saw("job_resumed"), what="the job running")
+    await a.until(lambda: a.saw("job_resumed"), timeout_s=120, what="the job running")  # the wheel, a boot
     sim.notice(f"{pool}-1", lead_s=60)  # the trainer reads it at step 5 or before
     await a.until(lambda: a.saw("interruption_notice") and a.saw("node_launched", f"{pool}-2"),
                   what="the notice and the replacement launched")
@@ -417,7 +418,7 @@ async def test_daemon_sigkill_mid_checkpoint(world: dict[str, Any], matrix: Matr
 
     b = world["daemon"]()
     await b.start()
-    await b.until(lambda: b.saw("node_ready", f"{pool}-2"), what="the replacement registered")
+    await b.until(lambda: b.saw("node_ready", f"{pool}-2"), timeout_s=120, what="the replacement registered")
     world["gate"].touch()  # the flush completes
     assert await b.exited(90) == 0
     out = _outcome(world, seen)
