@@ -206,3 +206,24 @@ async def test_the_trainer_runs_on_job_python_with_the_trainer_package_first(tmp
     assert ran["argv"] == ["-m", "torch.distributed.run", "--nnodes=1:2", "-m", "trainer.run"]
     assert ran["PYTHONPATH"] == f"{pythonpath}{os.pathsep}/the/users/own"
     assert changes == [TrainerState.RUNNING]
+
+
+def test_the_wheel_is_made_once_per_process_for_the_same_place(tmp_path: Path, monkeypatch) -> None:
+    """An HA standby builds the wheel while it waits; the leader it becomes asks again with
+    the same arguments and gets that wheel at once, with no second build (4-30 s)."""
+    from daemon.providers import agent_wheel
+
+    builds = []
+    real = agent_wheel._build_from_source
+
+    def counting(source: Path, out_dir: Path) -> Path:
+        builds.append(out_dir)
+        return real(source, out_dir)
+
+    monkeypatch.setattr(agent_wheel, "_build_from_source", counting)
+    monkeypatch.setattr(agent_wheel, "_MADE", {})
+    first = agent_wheel.own_wheel(None, tmp_path / "w")
+    again = agent_wheel.own_wheel(None, tmp_path / "w")
+    assert again is first and len(builds) == 1
+    first.path.unlink()  # gone from disk: made again
+    assert agent_wheel.own_wheel(None, tmp_path / "w").path.is_file() and len(builds) == 2

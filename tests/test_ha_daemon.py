@@ -101,6 +101,7 @@ async def test_the_standby_takes_over_a_killed_leader_without_buying_twice(ha_pa
     assert len(faults.actions("RunInstances")) == 2
 
     assert a.proc is not None
+    await until(lambda: "standby_cloud_checked" in b.log.read_text(), "control-b's cloud check", daemons=(a, b))
     killed_at = time.monotonic()
     a.proc.send_signal(signal.SIGKILL)
     await a.proc.wait()

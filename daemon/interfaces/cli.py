@@ -253,11 +253,14 @@ STANDBY_CHECK_MAX_AGE_S = 300.0
 async def _check_while_standing_by(config: Config, providers: Mapping[str, Any],
                                    latest: list[tuple[float, Any]]) -> None:
     """Run the cloud check now and every :data:`STANDBY_CHECK_EVERY_S` seconds until
-    cancelled, keeping the newest run in ``latest`` as ``[(monotonic s, results)]``. A
-    check never raises for a failure (:func:`run_checks`); one that crashes is logged and
-    leaves the leader to run its own."""
+    cancelled, keeping the newest run in ``latest`` as ``[(monotonic s, results)]``, and
+    after the first run build the agent's wheel (a cloud pool's nodes install it). A check
+    never raises for a failure (:func:`run_checks`); one that crashes is logged and leaves
+    the leader to run its own."""
     from daemon.controlnode.cloud_probe import run_checks
+    from daemon.providers.agent_wheel import AgentWheelError, own_wheel
 
+    wheel = bool({o.provider for o in config.offers} - {"local"})  # a cloud's nodes install it at boot
     while True:
         try:
             results = await run_checks(config, providers)
@@ -266,6 +269,14 @@ async def _check_while_standing_by(config: Config, providers: Mapping[str, Any],
             latest.clear()
         else:
             latest[:] = [(time.monotonic(), results)]
+            log.info("standby_cloud_checked", failed=sum(not r.ok for r in results))
+        if wheel:  # built now, the leader it becomes launches at once (daemon.providers.agent_wheel._MADE)
+            wheel = False
+            try:
+                await asyncio.to_thread(own_wheel, config.daemon.agent_wheel,
+                                        config.daemon.state_path() / "agent-wheel")
+            except AgentWheelError as exc:  # the leader's own try says what is wrong
+                log.warning("standby_agent_wheel_failed", error=str(exc)[:200])
         await asyncio.sleep(STANDBY_CHECK_EVERY_S)  # a refresh period, not synchronisation
 
 

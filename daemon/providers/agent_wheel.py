@@ -40,6 +40,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,14 +208,31 @@ def repack_installed(name: str, out_dir: Path) -> Path:
     return target
 
 
+#: the wheels this process made, by (configured, out_dir, version): an HA standby builds its
+#: wheel while it waits (daemon/interfaces/cli.py), and the leader it becomes takes it from here
+_MADE: dict[tuple[str | None, str, str], Wheel] = {}
+_MAKING = threading.Lock()
+
+
 def own_wheel(configured: str | None, out_dir: Path) -> Wheel:
     """The daemon's own wheel (see the module's docstring for where it comes from). Blocking
-    (a build takes seconds); ``out_dir``: where a built wheel is kept.
+    (a build takes seconds, 4 s on 2 idle cores and over 30 s on loaded ones); ``out_dir``:
+    where a built wheel is kept. Made once per process for the same arguments.
 
     Raises:
         AgentWheelError: no wheel can be had, or ``configured`` is not this daemon's version.
     """
     version = daemon_version()
+    with _MAKING:  # one build at a time: a second caller takes the first one's wheel
+        made = _MADE.get((configured, str(out_dir), version))
+        if made is not None and made.path.is_file():
+            return made
+        wheel = _own_wheel(configured, out_dir, version)
+        _MADE[(configured, str(out_dir), version)] = wheel
+        return wheel
+
+
+def _own_wheel(configured: str | None, out_dir: Path, version: str) -> Wheel:
     if configured:
         path = Path(os.path.expanduser(configured))
         if not path.is_file():
