@@ -2,7 +2,7 @@
 node (its daemon and the rendezvous store) SIGKILLed at a random moment of one phase;
 the standby takes over and runs the job to its end (issue 29).
 
-``python -m bench.ha_job_trials --trials 6 --seed 29 [--json out.json] [--phases notice,grow,training]``
+``python -m bench.ha_job_trials --trials 8 --seed 29 [--json out.json] [--phases notice,grow,training,migration]``
 
 The world is :class:`bench.ha_trials.World` (a real 3-member etcd cluster on loopback,
 reused across trials; EC2 as moto's server behind ``fakes.aws_faults.AwsFaultProxy``).
@@ -22,7 +22,8 @@ round-robin over the trials, and the kill at a moment drawn from ``random.Random
 - ``grow``: the same notice, and the kill once the leader has admitted the replacement
   (``node_admitted``), a drawn 0-0.5 s later, before the world is 2 again (``in_phase``
   says whether it was: the grow can land inside the drawn delay);
-- ``training``: the kill at a drawn step (20-300 of 400), the world steady.
+- ``training``: the kill at a drawn step (20-300 of 400), the world steady;
+- ``migration``: the kill a drawn 0-10 s into a whole-job move between regions (below).
 
 The kill is ``kill -9`` of the leader daemon and of the rendezvous store; the store is
 started again at once, empty, on the same port (a floating address that moves to the
@@ -46,19 +47,22 @@ etcd's), and from the trainers' own logs (:func:`daemon.analysis.summary.summari
 phases also ``notice_answered`` (a ``checkpoint_committed`` names the notice) and the
 final world size (2: the replacement grew the job back).
 
-**Not covered: mid-migration.** A migration needs two placement domains, each with its
-own rendezvous store and checkpoint store, and a source domain that is starved (every
-offer out of capacity for ``migration.patience_s``). On this harness's AWS path: (1)
-:class:`Ec2Sim` and the pool listing in the checks watch one region (one boto3 client,
-``us-east-1``); a second domain is a second region of moto, whose instances the sim
-would not boot agents for; (2) starving ``us-east-1`` means every RunInstances there
-failing with ``InsufficientInstanceCapacity`` for the patience, which the fault proxy can
-do only per call (``fail_next``), not per region over time; (3) the move's copy
-(:func:`daemon.controlnode.migrator.copy_checkpoint`) and the target's store are per
-domain config, so the trial needs a second :class:`StoreProcess` that follows the
-leader too. The migration's own state is in the store (``migration`` key, replicated
-through etcd under HA) and the migrator resumes a move from it, so the daemon side is
-meant to survive the kill; showing it needs the sim and the proxy extended as above.
+The ``migration`` phase's world has two placement domains, each with its own
+rendezvous store and checkpoint store: ``use1`` (EC2 us-east-1, where the job starts) and
+``usw2`` (us-west-2, one of moto's own images there); the sim boots agents in both regions
+(:class:`_TwoRegionSim`), and the duplicate and leak counts list both. Once both nodes
+train, every RunInstances in us-east-1 fails with ``InsufficientInstanceCapacity`` (a
+fault-proxy responder; dry runs pass) and one node gets a notice: the job shrinks to 1,
+its replacement cannot be bought, and after ``migration.patience_s`` (5 s) the leader
+moves the job (boot in us-west-2, drain and commit in us-east-1, copy the checkpoint,
+start there from it). The kill falls a drawn 0-10 s after ``migration_started``
+(``drawn["events_since_start"]``: how far the move had got). A survivor that finds a move
+before its switch gives it up (``migration_failed``, ``daemon_restarted``) and, the source
+still starved, starts another; one that finds it ``starting`` carries it on. Its checks:
+``migration_completed`` logged, the job at world size 2 in the end, 0 lost steps, no
+sample twice or skipped; a move restarts the trainers from the commit (``restarts`` 1
+or more is expected), and the survivor's first action is due only once the target has
+trained (the source's release), so ``acted_s`` is reported but not held to 10 s there.
 """
 
 from __future__ import annotations
@@ -92,7 +96,10 @@ from daemon.model import Event  # noqa: E402
 
 __all__ = ["JOB_PHASES", "JobTrial", "one_job_trial", "run_job_trials", "job_summary", "job_table"]
 
-JOB_PHASES = ("notice", "grow", "training")
+JOB_PHASES = ("notice", "grow", "training", "migration")
+EXTRA_JOB_PHASES: tuple[str, ...] = ()
+_REGIONS = ("us-east-1", "us-west-2")
+MIGRATION_TARGET_STEPS = 800
 _MUTATING = ("RunInstances", "TerminateInstances")
 #: how long the survivor has to run the job to its end after the kill (2 shared cores: generous)
 JOB_TIMEOUT_S = 900.0
@@ -127,6 +134,7 @@ class JobTrial:
     resizes_in_process: int = 0
     world_sizes: list[int] = field(default_factory=list)
     notice_answered: bool | None = None  # notice phases: the notice's commit reached the daemon
+    migrations: dict[str, int] = field(default_factory=dict)  # migration_started/_completed/_failed counts
     stalled: int = 0  # job_stalled events
     wall_s: float = 0.0
     error: str | None = None
@@ -134,12 +142,105 @@ class JobTrial:
     @property
     def ok(self) -> bool:
         fast = self.serving_s is not None and self.serving_s <= TAKEOVER_LIMIT_S \
-            and (self.acted_s is None or self.acted_s <= TAKEOVER_LIMIT_S)
+            and (self.acted_s is None or self.acted_s <= TAKEOVER_LIMIT_S or self.phase == "migration")
         return (self.error is None and fast and self.completed and self.steps_completed == self.target_steps
                 and not (self.duplicates or self.leaked or self.lost or self.order or self.lost_steps_total
-                         or self.restarts or self.samples_seen_twice or self.samples_skipped or self.stalled)
-                and (self.phase == "training" or (self.notice_answered is True and self.resizes_in_process >= 2
-                                                  and self.world_sizes[-1:] == [2])))
+                         or self.samples_seen_twice or self.samples_skipped or self.stalled)
+                and (self.phase == "training" or self.notice_answered is True)
+                and (self.phase == "migration" or not self.restarts)  # a move restarts the job from its commit
+                and (self.phase != "migration" or (self.migrations.get("migration_completed", 0) >= 1
+                                                   and self.world_sizes[-1:] == [2]))
+                and (self.phase not in ("notice", "grow") or (self.resizes_in_process >= 2
+                                                              and self.world_sizes[-1:] == [2])))
+
+
+class _TwoRegionSim(Ec2Sim):
+    """:class:`Ec2Sim` over the pool's instances in both of :data:`_REGIONS` (the
+    migration phase's two domains): each boots a node agent from its own region's user-data."""
+
+    def __init__(self, endpoint: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(endpoint, *args, **kwargs)
+        import boto3
+        self.clients = {r: boto3.client("ec2", endpoint_url=endpoint, region_name=r) for r in _REGIONS}
+        self.region_of: dict[str, str] = {}
+
+    def instances(self) -> list[dict[str, Any]]:
+        out = []
+        for region, client in self.clients.items():
+            for inst in instances(client, self.pool):
+                self.region_of[inst["InstanceId"]] = region
+                out.append(inst)
+        return out
+
+    async def _boot(self, iid: str) -> None:  # Ec2Sim._boot, with the instance's own region's client
+        import base64
+        import re
+
+        from daemon.gpunode.agent import NodeAgent
+        from daemon.gpunode.metadata.aws import AwsImds
+        from daemon.providers.local_metadata.aws import FakeImds
+
+        await asyncio.sleep(self.boot_s)
+        client = self.clients[self.region_of.get(iid, _REGIONS[0])]
+        attr = await asyncio.to_thread(client.describe_instance_attribute, InstanceId=iid, Attribute="userData")
+        user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
+        env = dict(re.findall(r"^(SPOTVISOR_[A-Z_]+)=(\S+)$", user_data, re.M))
+        imds = FakeImds(instance_id=iid)
+        await imds.start()
+        agent = NodeAgent(daemon_url=env["SPOTVISOR_DAEMON_URL"], token=env["SPOTVISOR_AGENT_TOKEN"],
+                          node_id=env["SPOTVISOR_NODE_ID"], metadata=AwsImds(imds.url, timeout_s=1.0),
+                          workdir=self.workdir / iid, poll_interval_s=0.1, heartbeat_interval_s=0.2,
+                          metadata_max_backoff_s=0.5)
+        self.agents[iid] = (asyncio.create_task(agent.run(), name=f"agent:{iid}"), imds, env["SPOTVISOR_NODE_ID"])
+        self._booting.discard(iid)
+
+    def notice(self, node_id: str, *, lead_s: float) -> None:  # Ec2Sim.notice, reclaimed in its own region
+        from datetime import datetime, timedelta, timezone
+
+        iid, (_, imds, _) = next((i, a) for i, a in self.agents.items() if a[2] == node_id)
+        imds.publish_interruption("terminate", time=datetime.now(timezone.utc) + timedelta(seconds=lead_s))
+        client = self.clients[self.region_of[iid]]
+
+        async def reclaim() -> None:
+            await asyncio.sleep(lead_s)
+            await asyncio.to_thread(client.terminate_instances, InstanceIds=[iid])
+
+        task = asyncio.create_task(reclaim(), name=f"reclaim:{iid}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _all_instances(world: World, pool: str) -> list[dict[str, Any]]:
+    import boto3
+    out = []
+    for region in _REGIONS:
+        out += instances(boto3.client("ec2", endpoint_url=world.moto_url, region_name=region), pool)
+    return out
+
+
+def _migration_config(raw: dict[str, Any], tdir: Path, west_store_port: int) -> None:
+    """Two domains (us-east-1, where the job starts; us-west-2 with its own checkpoint
+    store and rendezvous store), a move after 5 s starved, no cooldown."""
+    raw["domains"] = [
+        {"name": "use1", "provider": "aws", "region": "us-east-1"},
+        {"name": "usw2", "provider": "aws", "region": "us-west-2", "checkpoint_uri": f"file://{tdir}/checkpoints-usw2",
+         "rendezvous": {"host": "127.0.0.1", "port": west_store_port},
+         "launch": {"image_id": "ami-00007e5803346854a"}},  # one of moto's us-west-2 images
+    ]
+    raw["migration"] = {"patience_s": 5, "boot_timeout_s": 240, "cooldown_s": 0}
+    raw["offers"].append({"provider": "aws", "region": "us-west-2", "zone": "us-west-2a",
+                          "instance_type": "g4dn.xlarge", "gpu_type": "T4", "gpus_per_node": 1})
+
+
+def _capacity_out(region: str) -> Any:
+    """A fault-proxy responder: every RunInstances in ``region`` fails with InsufficientInstanceCapacity."""
+    from fakes.aws_faults import ec2_error_xml
+
+    def respond(seen: Any) -> tuple[int, str, str] | None:
+        if seen.action == "RunInstances" and seen.region == region and seen.params.get("DryRun", "").lower() != "true":
+            return 500, ec2_error_xml("InsufficientInstanceCapacity", f"no capacity in {region} (trial)"), "text/xml"
+        return None
+    return respond
 
 
 def _dicts(stored: list[Event]) -> list[dict[str, Any]]:
@@ -151,7 +252,8 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
     Never raises: an error is recorded."""
     rng = random.Random(f"{seed}/{i}")
     phase = phases[i % len(phases)]
-    target = NOTICE_TARGET_STEPS  # long enough for a replacement to boot and grow, and to outlast a takeover
+    # long enough for a replacement to boot and grow, and to outlast a takeover; a move: to outlast it
+    target = MIGRATION_TARGET_STEPS if phase == "migration" else NOTICE_TARGET_STEPS
     t = JobTrial(trial=i, phase=phase, target_steps=target)
     pool = f"hj{seed}t{i:03d}"
     tdir = root / pool
@@ -160,6 +262,7 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
     started = time.monotonic()
     world.faults.reset()
     store = StoreProcess("127.0.0.1", _free_port())
+    west = StoreProcess("127.0.0.1", _free_port()) if phase == "migration" else None  # us-west-2's rendezvous
     leader: Daemon | None = None
     survivor: HaDaemon | None = None
     sockdir = ""
@@ -168,6 +271,9 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
         await asyncio.to_thread(store.start)
         _, raw = _config(tdir, world.faults.url or "", store.port, target)
         raw["pool"]["name"] = pool
+        if west is not None:
+            await asyncio.to_thread(west.start)
+            _migration_config(raw, tdir, west.port)
         sockdir = str(Path(raw["daemon"]["socket"]).parent)
         names = ["control-a", "control-b"]
         if rng.random() < 0.5:
@@ -185,7 +291,7 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
         leader = Daemon(cfgs[names[0]], f"{sockdir}/{names[0]}.sock", tdir / f"{names[0]}.log")
         survivor = HaDaemon(names[1], cfgs[names[1]], f"{sockdir}/{names[1]}.sock", tdir / f"{names[1]}.log")
         nodes_dir = tdir / "instances"
-        async with Ec2Sim(world.moto_url, pool, nodes_dir, None) as sim:
+        async with (_TwoRegionSim if west is not None else Ec2Sim)(world.moto_url, pool, nodes_dir, None) as sim:
             await leader.start()  # returns once its control socket answers: it leads
             await survivor.start()
             await until(lambda: "standby:" in survivor.log_text(), f"{survivor.name}'s standby line",
@@ -200,9 +306,15 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
                               timeout_s=400, what="both nodes in the job")
                 first = {e["node"] for e in a.saw("node_launched")}
                 noticed = a.saw("node_admitted")[-1]["node"]
+                if phase == "migration":  # us-east-1 out of capacity: the notice's replacement cannot come
+                    world.faults.answer(_capacity_out("us-east-1"))
                 sim.notice(noticed, lead_s=60)
                 await a.until(lambda: a.saw("interruption_notice"), timeout_s=120, what="the notice reported")
-                if phase == "notice":
+                if phase == "migration":
+                    await a.until(lambda: a.saw("migration_started"), timeout_s=300, what="the move started")
+                    delay = round(rng.uniform(0.0, 10.0), 3)
+                    t.drawn = {"after_migration_started_s": delay, "noticed": noticed}
+                elif phase == "notice":
                     delay = 0.0 if rng.random() < 0.5 else round(rng.uniform(0.0, 2.0), 3)
                     t.drawn = {"after_notice_s": delay, "noticed": noticed}
                 else:
@@ -211,6 +323,10 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
                     delay = round(rng.uniform(0.0, 0.5), 3)
                     t.drawn = {"after_admitted_s": delay, "noticed": noticed}
                 await asyncio.sleep(delay)  # the drawn moment (not a synchronisation)
+                if phase == "migration":
+                    t.in_phase = not a.saw("migration_completed") and not a.saw("migration_failed")
+                    t.drawn["events_since_start"] = [e["kind"] for e in a.seen
+                                                     if e["seq"] > a.saw("migration_started")[0]["seq"]][-12:]
                 if phase == "grow":
                     shrunk = max(e["seq"] for e in a.saw("interruption_notice"))
                     t.in_phase = not [e for e in a.seen if e["kind"] == "world_size_changed"
@@ -218,12 +334,16 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
             killed_at, killed_wall = time.monotonic(), time.time()
             await a.sigkill()
             await asyncio.to_thread(store.kill)
+            if west is not None:
+                await asyncio.to_thread(west.kill)
             if t.etcd_member_killed:
                 await asyncio.to_thread(world.cluster.kill, member)
                 killed_member = member
             seen = list(a.seen)
             t.kill_step = _steps_done(nodes_dir)
             await asyncio.to_thread(store.start)  # the floating address, now on the survivor's node: empty
+            if west is not None:
+                await asyncio.to_thread(west.start)
 
             async def elected() -> bool:
                 return await world.leader_of(pool) == survivor.name
@@ -245,7 +365,7 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
             done = [e for e in stored if e.kind == "job_completed"]
             t.completed = rc == 0 and bool(done)
             t.leaked = len(await asyncio.to_thread(sim.live))
-            t.duplicates = sum(c - 1 for c in per_node(await asyncio.to_thread(instances, world.ec2, pool)).values())
+            t.duplicates = sum(c - 1 for c in per_node(await asyncio.to_thread(_all_instances, world, pool)).values())
         end = killed_at + (done[0].time - killed_wall) if done else float("inf")
         acts = [s.at for s in world.faults.requests if s.action in _MUTATING and killed_at + t.elected_s < s.at < end
                 and str(s.params.get("DryRun", "")).lower() != "true"]
@@ -262,6 +382,8 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
             notice = next(e for e in stored if e.kind == "interruption_notice")
             t.notice_answered = any(notice.data["notice_id"] in e.data.get("notice_ids", []) for e in stored
                                     if e.kind == "checkpoint_committed")
+        t.migrations = {k: n for k in ("migration_started", "migration_completed", "migration_failed")
+                        if (n := sum(1 for e in stored if e.kind == k))}
         t.stalled = sum(1 for e in stored if e.kind == "job_stalled")
         s = summarize(nodes_dir, stored, target_steps=target, global_batch_size=GLOBAL_BATCH)
         for k in ("steps_completed", "lost_steps_total", "restarts", "samples_seen_twice", "samples_skipped",
@@ -278,13 +400,19 @@ async def one_job_trial(world: World, i: int, seed: int, root: Path, phases: Seq
         if leader is not None:
             await leader._stop_follower()
         await asyncio.to_thread(store.stop)
+        if west is not None:
+            await asyncio.to_thread(west.stop)
+        world.faults.answer(None)
         if killed_member is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(world.cluster.restart, killed_member)
         with contextlib.suppress(Exception):  # anything left running is counted; clean up for the next trial
-            left = [x["InstanceId"] for x in instances(world.ec2, pool) if x["State"]["Name"] in ("pending", "running")]
-            if left:
-                await asyncio.to_thread(world.ec2.terminate_instances, InstanceIds=left)
+            import boto3
+            for region in _REGIONS:
+                client = boto3.client("ec2", endpoint_url=world.moto_url, region_name=region)
+                left = [x["InstanceId"] for x in instances(client, pool) if x["State"]["Name"] in ("pending", "running")]
+                if left:
+                    await asyncio.to_thread(client.terminate_instances, InstanceIds=left)
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
         t.wall_s = round(time.monotonic() - started, 2)
@@ -314,7 +442,7 @@ def job_summary(trials: Sequence[JobTrial]) -> dict[str, Any]:
     out["order_violations"] = sum(len(t.order) for t in trials)
     out["notice_unanswered"] = sum(t.notice_answered is False for t in trials)
     out["etcd_member_killed"] = sum(t.etcd_member_killed for t in trials)
-    out["phases"] = {p: n for p in JOB_PHASES if (n := sum(t.phase == p for t in trials))}
+    out["phases"] = {p: n for p in JOB_PHASES + EXTRA_JOB_PHASES if (n := sum(t.phase == p for t in trials))}
     return out
 
 
@@ -324,7 +452,7 @@ def job_table(trials: Sequence[JobTrial]) -> str:
             "| first event p50 / max (s) | acted p50 / max (s) | duplicates | leaked | lost | reordered "
             "| jobs completed | lost steps | restarts | samples twice / skipped | errors |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    groups = [*((p, [t for t in trials if t.phase == p]) for p in JOB_PHASES), ("all", list(trials))]
+    groups = [*((p, [t for t in trials if t.phase == p]) for p in JOB_PHASES + EXTRA_JOB_PHASES), ("all", list(trials))]
     for name, group in groups:
         if not group:
             continue
@@ -362,7 +490,8 @@ async def run_job_trials(n: int, seed: int, root: Path, *, json_out: Path | None
                       f"dup={t.duplicates} leak={t.leaked} lost={t.lost} order={len(t.order)} "
                       f"steps={t.steps_completed}/{t.target_steps} lost_steps={t.lost_steps_total} "
                       f"restarts={t.restarts} twice={t.samples_seen_twice} skipped={t.samples_skipped} "
-                      f"resizes={t.resizes_in_process} wall={t.wall_s}s "
+                      f"resizes={t.resizes_in_process} sizes={t.world_sizes[-4:]} moves={t.migrations} "
+                      f"wall={t.wall_s}s "
                       f"{'ok' if t.ok else 'FAIL ' + str(t.error or t.order)[:400]}", flush=True)
             if json_out is not None:
                 json_out.write_text(json.dumps({"seed": seed, "summary": job_summary(done),
@@ -392,9 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(job_summary(done)))
         return 0
     phases = [x for x in args.phases.split(",") if x]
-    bad = [x for x in phases if x not in JOB_PHASES]
+    bad = [x for x in phases if x not in JOB_PHASES + EXTRA_JOB_PHASES]
     if bad or not phases or args.trials < 1:
-        print(f"ha_job_trials: --trials must be at least 1; --phases from {', '.join(JOB_PHASES)}", file=sys.stderr)
+        print(f"ha_job_trials: --trials must be at least 1; --phases from {', '.join(JOB_PHASES + EXTRA_JOB_PHASES)}", file=sys.stderr)
         return 2
     root = args.dir or Path(tempfile.mkdtemp(prefix="ha-job-trials-"))
     root.mkdir(parents=True, exist_ok=True)
