@@ -25,11 +25,12 @@ first node bought, then one phase, round-robin over the trials:
   it, the kill 0-2.5 s into the hold: the survivor finds no instance, gives the node up
   and buys another; the first instance lands later and must be terminated, not leaked.
 
-Not covered: mid-notice and mid-migration. Both need node agents that report a notice and
-a trainer that commits (the AWS path reads its notices through the agent on the node);
+Not covered here: mid-notice and mid-migration. Both need node agents that report a notice
+and a trainer that commits (the AWS path reads its notices through the agent on the node);
 this harness runs no agents, so its nodes never become ready and no job step runs: "the
 job completes" is replaced by "the pool converges to the acknowledged target and
-``spotctl down`` releases every instance".
+``spotctl down`` releases every instance". bench/ha_job_trials.py runs them, with a real
+job: kills mid-notice, mid-grow, mid-training and mid-migration.
 
 Measured per trial (kill = the SIGKILL of the leading daemon):
 

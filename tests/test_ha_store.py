@@ -4,6 +4,7 @@ written only under the writer's fence, and the provider gate before the cloud.""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -156,6 +157,48 @@ async def test_the_background_flush_commits_without_a_provider_call(clients) -> 
             await watch.cancel()
     finally:
         await store.aclose()
+        await a.aclose()
+
+
+async def test_a_flush_on_the_wire_at_close_loses_none_of_the_last_writes(clients, monkeypatch) -> None:
+    """The daemon exits (its last event, ``pool_released``, just written) while the
+    background flush's txn is on the wire: etcd applied it, its answer has not come. The
+    close lets that flush finish, then commits the rest: both events in etcd. (Cancelled
+    halfway, the flush left the store's view of the seq key stale, the close's sync was
+    refused as if deposed and the last event never reached etcd: found by
+    bench/ha_job_trials.py, seed 29 trial 6.)"""
+    client = clients()
+    a = await _leading(client, "a")
+    fence = Fence(a)
+    store = EtcdStore(fence, flush_every_s=0.05).open()
+    await store.load()
+    applied, answer = asyncio.Event(), asyncio.Event()
+    commit = fence.commit
+
+    async def late_answer(ops, **kw):
+        answers = await commit(ops, **kw)  # applied by etcd
+        if not applied.is_set():
+            applied.set()
+            await answer.wait()  # the reply still on its way back
+        return answers
+
+    monkeypatch.setattr(fence, "commit", late_answer)
+    store.start()
+    try:
+        store.append_event("node_terminated", "p-1", {})
+        async with asyncio.timeout(10):
+            await applied.wait()
+        store.append_event("pool_released", None, {})
+        closing = asyncio.create_task(store.aclose())
+        await asyncio.sleep(0)  # a yield: the close runs up to its first wait
+        answer.set()
+        async with asyncio.timeout(10):
+            await closing
+        seq = await client.get(b"/spotvisor/p/seq")
+        assert seq is not None and seq.value == b"2"
+        kinds = [json.loads(kv.value)["kind"] for kv in await client.get_prefix(b"/spotvisor/p/events/")]
+        assert sorted(kinds) == ["node_terminated", "pool_released"]
+    finally:
         await a.aclose()
 
 

@@ -81,3 +81,41 @@ async def test_three_seeded_failover_trials_keep_every_invariant(tmp_path: Path,
         assert (t.duplicates, t.leaked, t.lost, t.order, t.acked_lost) == (0, 0, 0, [], 0), t
     s = summary(trials)
     assert s["ok"] == 3 and s["phases"]["launch"] == s["phases"]["grow"] == s["phases"]["shrink"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+async def test_a_job_survives_its_leaders_control_node_killed_mid_notice_grow_training_and_migration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job trials 0-3 of seed 29 (bench/ha_job_trials.py): a real 2-node training job
+    (real node agents, torchrun, the reference trainer) under two HA daemons; the
+    leader's daemon and rendezvous store (and, where the seed says, its etcd member)
+    SIGKILLed right after a notice, during the replacement's grow, mid-training, and
+    during a whole-job move from us-east-1 (out of capacity) to us-west-2. Each time the
+    standby leads within 10 s, buys nothing twice, leaks nothing, loses and reorders no
+    event, and runs the job to its target with no lost step and no sample seen twice or
+    skipped; the notice's commit reaches it; the job grows back to 2 nodes in process
+    with no restart, or (the move) completes in us-west-2 at 2 nodes."""
+    from bench.ha_job_trials import run_job_trials
+
+    for k, v in AWS_ENV.items():
+        monkeypatch.setenv(k, v)
+    trials = await run_job_trials(4, 29, tmp_path, quiet=True)
+    assert [t.phase for t in trials] == ["notice", "grow", "training", "migration"]
+    for t in trials:
+        assert t.error is None, f"trial {t.trial} ({t.phase}): {t.error}"
+        assert t.serving_s is not None and t.serving_s <= TAKEOVER_LIMIT_S, t
+        assert t.acted_s is None or t.acted_s <= TAKEOVER_LIMIT_S or t.phase == "migration", t
+        assert (t.duplicates, t.leaked, t.lost, t.order, t.stalled) == (0, 0, 0, [], 0), t
+        assert t.completed and t.steps_completed == t.target_steps, t
+        assert (t.lost_steps_total, t.samples_seen_twice, t.samples_skipped) == (0, 0, 0), t
+        if t.phase != "training":
+            assert t.notice_answered is True and t.world_sizes[-1] == 2, t
+        if t.phase == "migration":  # the job moved: a new attempt in us-west-2 from the move's commit
+            assert t.migrations.get("migration_completed", 0) >= 1, t
+        else:
+            assert t.restarts == 0, t
+        if t.phase in ("notice", "grow"):
+            assert t.resizes_in_process >= 2, t
+        assert t.ok, t
+    assert trials[1].in_phase, "the grow landed before the kill: the trial missed its phase"

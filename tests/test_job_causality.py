@@ -378,6 +378,22 @@ def test_a_commit_counts_from_the_leader_or_the_node_whose_notice_it_answers() -
     assert t.state.record.last_commit_step == 5 and t.state.record.commit_steps == {5}
 
 
+def test_a_taken_over_job_knows_its_newest_commit() -> None:
+    """A restarted daemon, or a standby taking over, reads the commits from the store:
+    the newest is the job's last commit (found by a seeded HA migration trial: with none,
+    a move after a takeover copied nothing and started the job afresh in the target)."""
+    t = Tracker({"n1": NodeState.RUNNING}, target=100)
+    t.send(j.Restore(commits=(j.StoredCommit(20, False, time=T0 + 20, bytes=5_000),
+                              j.StoredCommit(40, False, time=T0 + 40, bytes=6_000),
+                              j.StoredCommit(1, False, ("n2:x",), time=T0 + 1)),
+                     node_steps={"n1": 45}, running=True))
+    r = t.state.record
+    assert (r.last_commit_step, r.last_commit_time, r.last_commit_bytes, r.commit_steps) == \
+        (40, T0 + 40, 6_000, {1, 20, 40})
+    t.send(j.Restore())  # nothing stored: what the job knew stays
+    assert t.state.record.last_commit_step == 40
+
+
 def test_a_heartbeat_step_is_the_jobs_only_from_the_leader_and_only_forward() -> None:
     t = _three()
     t.send(j.Heartbeat("n2", 40))

@@ -213,6 +213,9 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
         [stored] = store.nodes()
         stored.last_heartbeat = time.time() - 3600
         store.put_node(stored)
+        for step, size in ((20, 5_000), (40, 6_000)):  # what the first daemon recorded of the trainer's commits
+            store.append_event("checkpoint_committed", "life-1", {"step": step, "attempt": "a1", "reason": "periodic",
+                                                                  "bytes": size, "trainer_time": 1000.0 + step})
         store.close()
 
         async with running_daemon(config, providers={"local": provider}) as sup:
@@ -220,6 +223,8 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
             assert [(n.id, n.state, n.detail) for n in sup.nodes.values()] == [("life-1", NodeState.RUNNING, "")]
             n1 = sup.nodes["life-1"]
             assert sup.job.state is JobState.RUNNING
+            # the newest commit is the job's (what a resume or a migration's copy starts from)
+            assert (sup.job.last_commit_step, sup.job.last_commit_time, sup.job.last_commit_bytes) == (40, 1040.0, 6_000)
             assert len(provider.launched) == 1 and provider.terminated == set()
             assert len(sup.store.events(kinds=["node_launch_requested"])) == 1
             assert not sup.store.events(kinds=["node_lost", "node_terminated"])

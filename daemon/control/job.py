@@ -423,8 +423,18 @@ def _restore(run: _Run, m: Restore) -> None:
     commits = frozenset(c.step for c in m.commits)
     run.answered |= frozenset(i for c in m.commits for i in c.notice_ids)
     run.unconfirmed = commits - {c.step for c in m.commits if not c.unconfirmed}
+    # the newest commit is the one to resume from (and the one a migration copies): without
+    # it a taken-over job looked as if nothing was committed until its next commit
+    newest: dict[str, object] = {}
+    if m.commits:
+        top = max(m.commits, key=lambda c: c.step)
+        last = run.record.last_commit_step
+        if last is None or top.step >= last:
+            newest = {"last_commit_step": top.step, "last_commit_time": top.time}
+            if top.bytes is not None:
+                newest["last_commit_bytes"] = top.bytes
     run.progress(attempt=attempt, step=max(steps, default=None), commit_steps=run.record.commit_steps | commits,
-                 state=JobState.COMPLETED if m.completed else None)
+                 state=JobState.COMPLETED if m.completed else None, **newest)
 
 
 def _check_flushes(run: _Run) -> None:

@@ -160,6 +160,8 @@ class StoredCommit:
     step: int
     unconfirmed: bool
     notice_ids: tuple[str, ...] = ()
+    time: float | None = None  # the trainer's time of the commit (the event's ``trainer_time``)
+    bytes: int | None = None  # its size, when the trainer reported it
 
 
 @dataclass(frozen=True, slots=True)

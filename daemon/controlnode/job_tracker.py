@@ -114,7 +114,9 @@ class JobTracker:
                         for ev in sup.store.events(kinds=[EventKind.JOB_RESUMED.value])
                         if isinstance(ev.data.get("attempt"), str))
         commits = tuple(j.StoredCommit(ev.data["step"], bool(ev.data.get("commit_unconfirmed")),
-                                       tuple(i for i in ev.data.get("notice_ids") or () if isinstance(i, str)))
+                                       tuple(i for i in ev.data.get("notice_ids") or () if isinstance(i, str)),
+                                       time=float(ev.data.get("trainer_time") or ev.time),
+                                       bytes=ev.data["bytes"] if isinstance(ev.data.get("bytes"), int) else None)
                         for ev in sup.store.events(kinds=[EventKind.CHECKPOINT_COMMITTED.value])
                         if isinstance(ev.data.get("step"), int))
         completed = bool(sup.store.events(kinds=[EventKind.JOB_COMPLETED.value], limit=1))

@@ -307,10 +307,16 @@ class EtcdStore(Store):
 
     async def aclose(self) -> None:
         """Stop the flush and make a last sync (best effort: a deposed or cut-off daemon's
-        writes stay out of etcd, as they must)."""
+        writes stay out of etcd, as they must).
+
+        A flush in flight finishes first: cancelled halfway, its txn could be applied by
+        etcd with its answer lost, and the last sync's compare on the seq key would then be
+        refused as if this daemon were deposed, dropping the writes made since (a seeded HA
+        job trial lost the final ``pool_released`` so)."""
         task, self._flusher = self._flusher, None
         if task is not None:
-            task.cancel()
+            async with self._lock:  # the flush's sync holds it while its txn is on the wire
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         with contextlib.suppress(Exception):
