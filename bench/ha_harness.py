@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +29,7 @@ import yaml
 
 from daemon.providers.base import NODE_TAG, POOL_TAG
 
-__all__ = ["Daemon", "ROOT", "ha_configs", "instances", "per_node", "until"]
+__all__ = ["Daemon", "ROOT", "ha_configs", "instances", "logged_at", "per_node", "takeover", "until"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +86,47 @@ class Daemon:
         except OSError:
             return ""
 
+    def logged_at(self, event: str, *, after: float) -> float | None:
+        """The wall time (UNIX seconds) of the first ``event`` line in this daemon's own log
+        stamped after ``after`` (UNIX seconds); None if there is none. The daemon stamps each
+        line itself (structlog's ISO UTC ``timestamp``), so a takeover measured from here
+        does not include the harness's own waits (an etcd client stuck on a killed member)."""
+        return logged_at(self.log_text(), event, after=after)
+
     async def kill(self) -> None:
         """SIGKILL (``kill -9``) and reap; nothing if it is not running."""
         if self.alive():
             assert self.proc is not None
             self.proc.kill()
             await self.proc.wait()
+
+
+_STAMPED = re.compile(r"timestamp='([^']+)' level='[a-z]+' event='([a-z_]+)'")
+
+
+def logged_at(text: str, event: str, *, after: float) -> float | None:
+    """The wall time of the first line of ``text`` (a daemon's key=value log, as
+    :mod:`daemon.logs` renders it) whose event is ``event`` and whose timestamp is after
+    ``after`` (UNIX seconds); None if there is none."""
+    for stamp, name in _STAMPED.findall(text):
+        if name == event:
+            at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+            if at > after:
+                return at
+    return None
+
+
+def takeover(survivor: Daemon, killed_wall: float, elected_read_s: float,
+             serving_read_s: float) -> tuple[float, float]:
+    """``(elected_s, serving_s)``: seconds from a kill at ``killed_wall`` (UNIX seconds) to
+    the survivor's own ``ha_leading`` (it holds the lease) and ``ha_serving`` (its
+    supervisor runs, its control API answers) log lines. Where a line is missing, the
+    harness's own readings (``*_read_s``, seconds since the kill) stand: they are upper
+    bounds, since the harness's etcd client can hang on a killed member for seconds before
+    it reads the new leader (4.8 s in a survivor's log, 16.2 s read by the harness)."""
+    led, serving = (survivor.logged_at(e, after=killed_wall) for e in ("ha_leading", "ha_serving"))
+    return (round(led - killed_wall, 3) if led is not None else round(elected_read_s, 3),
+            round(serving - killed_wall, 3) if serving is not None else round(serving_read_s, 3))
 
 
 async def until(pred: Callable[[], Any], what: str, *, timeout_s: float = 20.0,

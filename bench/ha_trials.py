@@ -34,8 +34,11 @@ job: kills mid-notice, mid-grow, mid-training and mid-migration.
 
 Measured per trial (kill = the SIGKILL of the leading daemon):
 
-- ``elected_s``: kill → the survivor holds the leader key in etcd;
-- ``serving_s``: kill → the survivor's control API answers (state loaded from etcd);
+- ``elected_s``: kill → the survivor logged ``ha_leading`` (it holds the leader key);
+- ``serving_s``: kill → the survivor logged ``ha_serving`` (state loaded from etcd, its
+  supervisor runs, its control API answers). Both from the survivor's own timestamps:
+  the harness's polls (``harness_serving_s``) include its etcd client's own fail-over
+  when a member died;
 - ``acted_s``: kill → the survivor's first RunInstances/TerminateInstances, when one was
   due before the harness's own ``down`` (a purchase to finish, a replacement, a shrink);
 - ``duplicates``: instances beyond the first carrying one node id (every state, so a
@@ -73,7 +76,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from bench.ha_harness import Daemon, ha_configs, instances, per_node, until  # noqa: E402
+from bench.ha_harness import Daemon, ha_configs, instances, per_node, takeover, until  # noqa: E402
 from bench.ports import free_port  # noqa: E402
 from daemon.ha.client import EtcdClient  # noqa: E402
 from daemon.ha.elector import leader_key, pool_prefix  # noqa: E402
@@ -104,6 +107,7 @@ class Trial:
     drawn: dict[str, Any] = field(default_factory=dict)  # the phase's drawn parameters (holds, targets)
     elected_s: float | None = None
     serving_s: float | None = None
+    harness_serving_s: float | None = None  # what the harness's own polls read: an upper bound of serving_s
     acted_s: float | None = None
     duplicates: int = 0
     leaked: int = 0
@@ -346,7 +350,7 @@ async def one_trial(world: World, i: int, seed: int, root: Path, phases: Sequenc
             t.etcd_leader_killed = await asyncio.to_thread(world.cluster.raft_leader) == member[leader.name]
         seen = await leader.events()  # what the leader's API showed, just before its death
         t.kill_after_s = round(time.monotonic() - phase_at, 3)
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
         await leader.kill()
         if t.store_killed:
             killed_member = member[leader.name]
@@ -358,9 +362,10 @@ async def one_trial(world: World, i: int, seed: int, root: Path, phases: Sequenc
             return await world.leader_of(pool) == survivor.name
 
         await until(elected, f"{survivor.name} elected", timeout_s=30, daemons=(survivor,))
-        t.elected_s = time.monotonic() - killed_at
+        elected_read = time.monotonic() - killed_at
         await until(survivor.status, f"{survivor.name} serving", timeout_s=30, daemons=(survivor,))
-        t.serving_s = time.monotonic() - killed_at
+        t.harness_serving_s = round(time.monotonic() - killed_at, 3)
+        t.elected_s, t.serving_s = takeover(survivor, killed_wall, elected_read, t.harness_serving_s)
         if killed_member is not None:
             await asyncio.to_thread(world.cluster.restart, killed_member)
             killed_member = None
