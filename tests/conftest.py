@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# built agent wheels (daemon.providers.agent_wheel.cache_dir): one cache for the whole run,
+# its xdist workers and every daemon they start (a build is 4-30 s at each daemon's first
+# launch otherwise), kept out of the user's ~/.cache; keyed by the source's digest
+os.environ.setdefault("SPOTVISOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"spotvisor-tests-{os.getuid()}"))
 
 _AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -208,12 +208,10 @@ async def test_the_trainer_runs_on_job_python_with_the_trainer_package_first(tmp
     assert changes == [TrainerState.RUNNING]
 
 
-def test_the_wheel_is_made_once_per_process_for_the_same_place(tmp_path: Path, monkeypatch) -> None:
-    """An HA standby builds the wheel while it waits; the leader it becomes asks again with
-    the same arguments and gets that wheel at once, with no second build (4-30 s)."""
+def _counting_builds(monkeypatch, cache: Path) -> list[Path]:
     from daemon.providers import agent_wheel
 
-    builds = []
+    builds: list[Path] = []
     real = agent_wheel._build_from_source
 
     def counting(source: Path, out_dir: Path) -> Path:
@@ -222,8 +220,62 @@ def test_the_wheel_is_made_once_per_process_for_the_same_place(tmp_path: Path, m
 
     monkeypatch.setattr(agent_wheel, "_build_from_source", counting)
     monkeypatch.setattr(agent_wheel, "_MADE", {})
+    monkeypatch.setenv("SPOTVISOR_CACHE_DIR", str(cache))
+    return builds
+
+
+def test_the_wheel_is_made_once_per_process_for_the_same_place(tmp_path: Path, monkeypatch) -> None:
+    """An HA standby builds the wheel while it waits; the leader it becomes asks again with
+    the same arguments and gets that wheel at once, with no second build (4-30 s)."""
+    from daemon.providers import agent_wheel
+
+    builds = _counting_builds(monkeypatch, tmp_path / "cache")
     first = agent_wheel.own_wheel(None, tmp_path / "w")
     again = agent_wheel.own_wheel(None, tmp_path / "w")
     assert again is first and len(builds) == 1
-    first.path.unlink()  # gone from disk: made again
-    assert agent_wheel.own_wheel(None, tmp_path / "w").path.is_file() and len(builds) == 2
+    first.path.unlink()  # gone from the daemon's folder: taken again from the cache, not built
+    assert agent_wheel.own_wheel(None, tmp_path / "w").path.is_file() and len(builds) == 1
+
+
+def test_a_restarted_daemon_takes_the_wheel_built_from_the_same_code(tmp_path: Path, monkeypatch) -> None:
+    """A daemon restarted on the same code (crash, takeover, redeploy) takes the cached
+    wheel: the same bytes and key, into its own folder, with no build; a cache that others
+    can write is not trusted (its wheel would run on every node): built anew, into the
+    daemon's folder."""
+    from daemon.providers import agent_wheel
+
+    cache = tmp_path / "cache" / "agent-wheels"
+    builds = _counting_builds(monkeypatch, tmp_path / "cache")
+    first = agent_wheel.own_wheel(None, tmp_path / "a")
+    monkeypatch.setattr(agent_wheel, "_MADE", {})  # a new process
+    second = agent_wheel.own_wheel(None, tmp_path / "b")
+    assert len(builds) == 1 and builds[0].parent == cache
+    assert (second.sha256, second.key) == (first.sha256, first.key) and second.path.parent == tmp_path / "b"
+    entries = [p for p in cache.iterdir() if p.is_dir()]
+    assert len(entries) == 1 and [w.name for w in entries[0].iterdir()] == [first.path.name]
+    cache.chmod(0o777)
+    monkeypatch.setattr(agent_wheel, "_MADE", {})
+    third = agent_wheel.own_wheel(None, tmp_path / "c")
+    assert len(builds) == 2 and builds[1] == tmp_path / "c" and third.sha256 == first.sha256  # reproducible
+
+
+def test_the_source_digest_follows_the_code_and_ignores_bytecode(tmp_path: Path) -> None:
+    """The cache key changes with any file the wheel is built from (a package's module, the
+    build's pyproject.toml, the version) and not with what the build never reads."""
+    from daemon.providers.agent_wheel import source_digest
+
+    src = tmp_path / "src"
+    for rel in ("pyproject.toml", "daemon/__init__.py", "daemon/x.py", "trainer/__init__.py"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(f"# {rel}\n")
+    base = source_digest(src, "1.0")
+    (src / "daemon" / "__pycache__").mkdir()
+    (src / "daemon" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    (src / "notes.txt").write_text("not built")
+    assert source_digest(src, "1.0") == base
+    assert source_digest(src, "1.1") != base
+    (src / "daemon" / "x.py").write_text("# changed\n")
+    changed = source_digest(src, "1.0")
+    assert changed != base
+    (src / "pyproject.toml").write_text("# changed\n")
+    assert source_digest(src, "1.0") not in (base, changed)

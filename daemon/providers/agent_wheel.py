@@ -13,6 +13,11 @@ Where the wheel comes from (:func:`own_wheel`), in this order:
 2. The source tree the daemon runs from (an editable or in-place install, or a checkout
    on ``sys.path``): ``pip wheel --no-deps --no-build-isolation`` of that tree, with
    ``SOURCE_DATE_EPOCH`` fixed so the same code gives the same bytes (and the same key).
+   A build takes 4 s on 2 idle cores and over 30 s on loaded ones, so it is kept in a
+   per-user cache by the digest of the files it is built from (:func:`source_digest`):
+   a daemon restarted on the same code (a crash, an HA takeover, a redeploy of the same
+   commit) takes it from there. The cache is :func:`cache_dir`; one the daemon's user does
+   not own, or that others can write, is not used (a wheel there runs on every node).
 3. The installed distribution (``pip install spotvisor``): its files, as ``RECORD``
    lists them, packed back into a wheel (:func:`repack_installed`).
 
@@ -32,11 +37,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import csv
+import fcntl
 import hashlib
 import importlib.metadata
 import io
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -53,7 +61,7 @@ from botocore.config import Config
 from daemon.providers.base import AgentWheelRef
 
 __all__ = ["AGENT_REQUIREMENTS", "AgentWheelError", "Wheel", "AgentWheels", "own_wheel", "daemon_version",
-           "repack_installed", "publish", "signed_url", "KEY_PREFIX"]
+           "repack_installed", "publish", "signed_url", "source_digest", "cache_dir", "KEY_PREFIX"]
 
 log = structlog.get_logger("spotvisor.agent_wheel")
 
@@ -132,6 +140,103 @@ def _source_tree() -> Path | None:
     root = Path(daemon.__file__).resolve().parent.parent
     return root if (root / "pyproject.toml").is_file() and (root / "daemon" / "gpunode").is_dir() and \
         "site-packages" not in root.parts else None
+
+
+#: what a source build reads besides the packages (pyproject.toml's packages.find include)
+_BUILD_INPUTS = ("pyproject.toml", "setup.cfg", "setup.py", "MANIFEST.in", "README.md", "LICENSE")
+_PACKAGES = ("daemon", "trainer")
+
+
+def source_digest(source: Path, version: str) -> str:
+    """The sha256 (hex) of what a wheel of ``source`` is built from: ``version``, the build
+    files (:data:`_BUILD_INPUTS`) and every file under the packages but ``__pycache__``,
+    each as its path relative to ``source`` and its bytes. Blocking (about 170 files)."""
+    h = hashlib.sha256(f"spotvisor-agent-wheel/1 {version}\n".encode())
+    files = [source / name for name in _BUILD_INPUTS if (source / name).is_file()]
+    for pkg in _PACKAGES:
+        files += [f for f in (source / pkg).rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    for f in sorted(files):
+        data = f.read_bytes()
+        h.update(f"{f.relative_to(source).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where built agent wheels are kept between runs: ``$SPOTVISOR_CACHE_DIR``, else
+    systemd's ``$CACHE_DIRECTORY`` (``CacheDirectory=``), else ``$XDG_CACHE_HOME/spotvisor``,
+    else ``~/.cache/spotvisor``; its ``agent-wheels/`` folder."""
+    base = os.environ.get("SPOTVISOR_CACHE_DIR") or os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "spotvisor")
+    return Path(base) / "agent-wheels"
+
+
+def _private_dir(path: Path) -> bool:
+    """Make ``path`` (mode 0700) if missing; True if it is a directory this user owns that
+    no one else can write. False on any OSError (read-only home, no permission)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _cached_build(source: Path, out_dir: Path, version: str) -> Path:
+    """A wheel of ``source`` in ``out_dir``: from the cache when one was built from the same
+    files (:func:`source_digest`), else built (once at a time per digest across processes:
+    an ``flock``) and kept there. Without a usable cache, built into ``out_dir``."""
+    cache = cache_dir()
+    try:
+        digest = source_digest(source, version)
+    except OSError as exc:
+        log.warning("agent_wheel_cache_skipped", reason=f"reading {source}: {exc}"[:300])
+        return _build_from_source(source, out_dir)
+    if not _private_dir(cache):
+        log.warning("agent_wheel_cache_skipped", cache=str(cache), reason="not a directory of this user's alone")
+        return _build_from_source(source, out_dir)
+    try:
+        hit = _kept(cache, digest, source)
+    except OSError as exc:  # the cache failed under us (full disk, removed): build as without one
+        log.warning("agent_wheel_cache_skipped", cache=str(cache), reason=str(exc)[:300])
+        return _build_from_source(source, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / hit.name
+    tmp = target.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(hit, tmp)  # the daemon's own copy: the cache may be cleaned while it runs
+    except OSError:
+        shutil.copyfile(hit, tmp)
+    os.replace(tmp, target)
+    return target
+
+
+def _kept(cache: Path, digest: str, source: Path) -> Path:
+    """The cached wheel of ``digest``, built into the cache first if it holds none (under an
+    ``flock``: a second daemon building the same code waits and takes the first's wheel;
+    an entry is a folder renamed into place whole, so a build cut off leaves none).
+
+    Raises:
+        OSError: the cache cannot be read or written.
+        AgentWheelError: the build failed.
+    """
+    kept = cache / digest
+    with open(cache / f"{digest}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            hits = sorted(kept.glob("*.whl")) if kept.is_dir() else []
+            if len(hits) == 1:
+                return hits[0]
+            shutil.rmtree(kept, ignore_errors=True)
+            tmp = cache / f"{digest}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            built = _build_from_source(source, tmp)
+            os.replace(tmp, kept)
+            return kept / built.name
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _build_from_source(source: Path, out_dir: Path) -> Path:
@@ -242,7 +347,7 @@ def _own_wheel(configured: str | None, out_dir: Path, version: str) -> Wheel:
                                   "(the nodes must run the daemon's own code: build the wheel from this install)")
     else:
         source = _source_tree()
-        path = _build_from_source(source, out_dir) if source is not None else repack_installed(DIST, out_dir)
+        path = _cached_build(source, out_dir, version) if source is not None else repack_installed(DIST, out_dir)
         if _wheel_version(path) != version:
             raise AgentWheelError(f"the agent wheel built from {source or 'the installed spotvisor'} is "
                                   f"{path.name}, not spotvisor {version} (reinstall: pip install -e .)")
