@@ -11,7 +11,8 @@ from daemon.control.actions import Drain, NodeView, PoolState, Terminate
 from daemon.control.lifecycle import IllegalTransition, JobState, NodeState
 from daemon.control.migration import (PHASE_TRANSITIONS, Begin, BootFailed, Booted, CopyDone, CopyFailed, GiveUp,
                                       Migration, MigrationState, Move, Phase, Record, ResetStart, SourceLeft,
-                                      StartCopy, TrainedThere, check_phase_transition, step, strays, trained_there)
+                                      StartCopy, TrainedThere, check_phase_transition, source_left, step, strays,
+                                      trained_there)
 
 T = 1_000_000.0
 MOVE = Move("a", "b", "capacity", {"starved_s": 61.0})
@@ -91,6 +92,31 @@ def test_nothing_committed_yet_switches_at_once_with_nothing_to_copy() -> None:
     assert st_.domain == "b" and st_.migration is not None and st_.migration.phase is Phase.STARTING
     assert not [e for e in effects if isinstance(e, StartCopy)]
     assert effects[-1] == ResetStart("migration_switched")
+
+
+def test_a_move_whose_drain_stopped_no_node_copies_the_newest_commit_at_once() -> None:
+    """A move started again after a takeover finds the source empty (its predecessor gave up
+    and released the drained nodes): no commit can come, so it copies the newest one at
+    once instead of waiting out rejoin_timeout_s while the target's nodes idle. A move that
+    drained a node waits for that node's commit; a stored move from before ``drained`` was
+    kept waits as it did."""
+    gone = PoolState(nodes=(node(1, "a", NodeState.TERMINATED), node(1, "b", NodeState.READY)),
+                     job=JobState.PENDING, target_nodes=1, domain="a")
+    st_, effects = step(run(Begin(MOVE, "mig-2", 25))[0], Booted(7), s=gone, now=T + 1)
+    m = st_.migration
+    assert m is not None and m.drained == 0 and not [e for e in effects if isinstance(e, Drain)]
+    assert Migration.from_dict(m.to_dict()) == m
+    kw = dict(committed=False, last_commit_step=25, rejoin_timeout_s=60.0)
+    assert source_left(gone, m, waited_s=0.5, **kw)
+    drained = run(Begin(MOVE, "mig-1", 10), Booted(7))[0].migration
+    assert drained is not None and drained.drained == 1
+    left = PoolState(nodes=(node(1, "a", NodeState.TERMINATED),), job=JobState.PENDING, target_nodes=1, domain="a")
+    assert not source_left(left, drained, waited_s=0.5, **kw)  # its commit is not in yet
+    assert source_left(left, drained, waited_s=0.5, **{**kw, "committed": True})
+    assert not source_left(POOL, drained, waited_s=0.5, **{**kw, "committed": True})  # a1 still trains
+    assert source_left(POOL, drained, waited_s=60.5, **kw)  # a hung trainer: the timeout
+    legacy = {k: v for k, v in m.to_dict().items() if k != "drained"}
+    assert not source_left(gone, Migration.from_dict(legacy), waited_s=0.5, **kw)
 
 
 def test_a_move_given_up_while_booting_releases_the_target_and_leaves_the_job_alone() -> None:

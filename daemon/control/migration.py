@@ -48,7 +48,7 @@ from daemon.control.offers import History, Offer, rank_offers
 
 __all__ = ["Phase", "PHASE_TRANSITIONS", "check_phase_transition", "DomainView", "Plan", "Move", "Migration",
            "MigrationState", "starved_since", "choose_target", "decide", "move_cost_usd", "ready_for_commit",
-           "target_out", "job_left", "trained_there", "RISK_PENALTY", "Begin", "Booted", "BootFailed", "SourceLeft",
+           "target_out", "job_left", "source_left", "trained_there", "RISK_PENALTY", "Begin", "Booted", "BootFailed", "SourceLeft",
            "CopyDone", "CopyFailed", "TrainedThere", "GiveUp", "Message", "Record", "StartCopy", "ResetStart",
            "Effect", "step", "strays"]
 
@@ -288,6 +288,20 @@ def ready_for_commit(s: PoolState, target: str, *, valid_world_sizes: frozenset[
     return not booting and len(ready) >= min_nodes and world in valid_world_sizes
 
 
+def source_left(s: PoolState, m: "Migration", *, committed: bool, last_commit_step: int | None,
+                waited_s: float, rejoin_timeout_s: float) -> bool:
+    """Whether the job has left ``m``'s source, so its newest commit is what moves: no node
+    there trains (:func:`job_left`) and the commit the drain asked for is recorded
+    (``committed``), or none can come: the job never committed (``last_commit_step`` None),
+    or the drain stopped no node (``m.drained`` 0: a move started again after a takeover,
+    whose predecessor released the source's nodes when it gave up). Past
+    ``rejoin_timeout_s`` of waiting (``waited_s``, seconds since the drain), it has left
+    whatever is there (a trainer that hangs, a commit line lost)."""
+    if waited_s > rejoin_timeout_s:
+        return True
+    return job_left(s, m.source) and (committed or last_commit_step is None or m.drained == 0)
+
+
 def job_left(s: PoolState, source: str) -> bool:
     """Every node of the job in ``source`` has stopped training (its commit is in, or it is gone)."""
     return not any(n.domain == source and (n.state in ADMITTED or not n.trainer_exited)
@@ -320,6 +334,7 @@ class Migration:
     from_step: int | None = None  # the job's step at the decision
     booted_at: float | None = None  # the target had nodes for the job; the source was drained
     drain_seq: int = 0  # the last event before the drain: the move's commit is recorded after it
+    drained: int | None = None  # source nodes the drain stopped (None: a move stored before it was kept)
     committed_at: float | None = None  # the job left the source; its newest commit is what moves
     commit_step: int | None = None
     replicated_at: float | None = None
@@ -331,6 +346,7 @@ class Migration:
         return {"id": self.id, "source": self.source, "target": self.target, "reason": self.reason,
                 "started_at": self.started_at, "phase": self.phase.value, "why": dict(self.why),
                 "from_step": self.from_step, "booted_at": self.booted_at, "drain_seq": self.drain_seq,
+                "drained": self.drained,
                 "committed_at": self.committed_at, "commit_step": self.commit_step,
                 "replicated_at": self.replicated_at, "copy": dict(self.copy),
                 "markets": None if self.markets is None else sorted(self.markets)}
@@ -493,7 +509,8 @@ def step(st: MigrationState, msg: Message, *, s: PoolState, now: float) -> tuple
     if isinstance(msg, Booted):
         drains: list[Effect] = [Drain(n.id, "migration") for n in s.nodes
                                 if n.domain == m.source and n.state in ADMITTED]
-        return replace(st, migration=m.to(_P.COMMITTING, booted_at=now, drain_seq=msg.drain_seq)), drains
+        return replace(st, migration=m.to(_P.COMMITTING, booted_at=now, drain_seq=msg.drain_seq,
+                                          drained=len(drains))), drains
     if isinstance(msg, SourceLeft):
         m = m.to(_P.COPYING, committed_at=now, commit_step=msg.commit_step)
         if m.commit_step is None:

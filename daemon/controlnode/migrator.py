@@ -276,12 +276,11 @@ class Migrator:
 
     def _committing(self, now: float, s: PoolState, m: Migration) -> migration.SourceLeft | None:
         core = self.core
-        waited = now - (m.booted_at or now)
-        # the job has left the source once no node there trains and its commit is recorded
-        # (a trainer's exit can be reported before its commit line; a hung one: the timeout)
+        # (a trainer's exit can be reported before its commit line: the commit is read too)
         committed = bool(core.store.events(since=m.drain_seq, kinds=[EventKind.CHECKPOINT_COMMITTED.value]))
-        left = migration.job_left(s, m.source) and (committed or core.job.last_commit_step is None)
-        if not left and waited <= core.config.daemon.rejoin_timeout_s:
+        if not migration.source_left(s, m, committed=committed, last_commit_step=core.job.last_commit_step,
+                                     waited_s=now - (m.booted_at or now),
+                                     rejoin_timeout_s=core.config.daemon.rejoin_timeout_s):
             return None
         return migration.SourceLeft(core.job.last_commit_step)
 
