@@ -176,6 +176,13 @@ class _Handover:
         self._fn()
 
 
+def sendable(last_seq: int, durable_seq: int | None) -> int:
+    """The newest event seq a feed may send: every stored one (``durable_seq`` None: the
+    embedded store), or under HA only what etcd holds (what a new leader would not have is
+    never shown)."""
+    return last_seq if durable_seq is None else min(durable_seq, last_seq)
+
+
 class _SinkWorker:
     """One sink's worker, on the feed's loop: reads the events after its cursor from the
     feed's own connection, sends them in batches and moves the cursor past each batch the
@@ -220,8 +227,7 @@ class _SinkWorker:
         while True:
             await self.sender.pace()
             self.wake.clear()  # before reading: an event recorded (or made durable) from here on sets it again
-            durable = self._durable()  # HA: what a new leader would not have is never sent
-            last = store.last_seq() if durable is None else min(durable, store.last_seq())
+            last = sendable(store.last_seq(), self._durable())  # HA: what a new leader would not have, never
             behind = last - self.cursor
             shedding = behind > FEED_BACKLOG_BOUND
             pending = [ev for ev in store.events(since=self.cursor, limit=max(read, FEED_SHED_WINDOW)
@@ -514,8 +520,7 @@ class Notifier:
 
     def _sendable(self) -> int:
         """The newest seq the workers may send (on the daemon's loop)."""
-        durable = self.store.durable_seq()
-        return self.store.last_seq() if durable is None else min(durable, self.store.last_seq())
+        return sendable(self.store.last_seq(), self.store.durable_seq())
 
     def _save_replicated(self, key: str, seq: int) -> None:
         """A worker's cursor (on the feed's thread), written through the daemon's store on
