@@ -208,6 +208,21 @@ def test_a_rejected_fence_deposes() -> None:
     assert not out.may_act and out.state.role is ld.Role.FOLLOWER
 
 
+def test_every_way_a_leader_stops_leading_is_said_in_words() -> None:
+    """The deposition's line says why (a loss on a Tick fails no request: without this the
+    log said only "lease lost or expired, or fence refused")."""
+    state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=5.0, confirmed_at=10.0, fence=9)
+    said = {}
+    for obs in (ld.Tick(), ld.LeaseRenewed(7, -1.0, 11.0), ld.LeaseLost(7), ld.CampaignLost(7, 8, 12),
+                ld.FenceRejected(9), ld.LeaderKeyGone(12)):
+        out = ld.decide(state, obs, 14.3, CFG)
+        assert out.state.role is not ld.Role.LEADER, obs  # each of them deposes
+        said[type(obs).__name__] = ld.why_lost(state, obs, 14.3)
+    assert said["Tick"].startswith("no keepalive answered in time (lease 5 s, last confirmed 4.3 s ago)")
+    assert len(set(said.values())) == len(said)  # each way its own words
+    assert "fence 9" in said["FenceRejected"] and "revision 12" in said["LeaderKeyGone"]
+
+
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 2**32), pause_at=st.floats(5, 20))
 def test_someone_leads_and_a_paused_leader_is_replaced_within_the_ttl_and_a_bit(seed, pause_at) -> None:

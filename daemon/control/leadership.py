@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 __all__ = [
     "Role", "LeaderConfig", "LeaderState", "Observation", "Tick", "LeaseGranted", "LeaseRenewed",
     "LeaseLost", "CampaignWon", "CampaignLost", "LeaderKeyGone", "FenceRejected", "Failed", "Stop",
-    "Action", "GrantLease", "Campaign", "KeepAlive", "RevokeLease", "Decision", "decide", "may_act",
+    "Action", "GrantLease", "Campaign", "KeepAlive", "RevokeLease", "Decision", "decide", "may_act", "why_lost",
     "deadline", "INITIAL",
 ]
 
@@ -253,6 +253,29 @@ def _tick(state: LeaderState, now: float, cfg: LeaderConfig) -> Decision:
         last = now
     new = replace(state, asked_at=asked, last_campaign_at=last)
     return Decision(new, tuple(acts), may_act(new, now, cfg))
+
+
+def why_lost(state: LeaderState, obs: Observation, now: float) -> str:
+    """Why a leader in ``state`` stops leading on ``obs`` at ``now``, in words for the
+    operator's log (the deposition's reason; a loss on a ``Tick`` is otherwise silent:
+    no request failed, its answers were just too late)."""
+    ago = f"{now - state.confirmed_at:.1f} s ago" if state.confirmed_at is not None else "never"
+    if isinstance(obs, Tick):
+        return (f"no keepalive answered in time (lease {state.ttl_s:g} s, last confirmed {ago}): "
+                "etcd or this host too slow, or etcd out of reach")
+    if isinstance(obs, LeaseRenewed):
+        return "etcd no longer knows the lease (it expired there)"
+    if isinstance(obs, LeaseLost):
+        return "the lease is gone"
+    if isinstance(obs, CampaignLost):
+        return "another daemon holds the leader key"
+    if isinstance(obs, FenceRejected):
+        return f"a fenced write was refused (fence {obs.fence}: the key is not this daemon's any more)"
+    if isinstance(obs, LeaderKeyGone):
+        return f"the leader key was deleted (revision {obs.revision}): the lease was revoked or expired"
+    if isinstance(obs, Stop):
+        return "stopped"
+    return type(obs).__name__
 
 
 def decide(state: LeaderState, obs: Observation, now: float, cfg: LeaderConfig) -> Decision:

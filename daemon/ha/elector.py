@@ -83,6 +83,7 @@ class Elector:
         self._watch = watch  # False: the poll alone (tests of what the fence does without it)
         self._watch_task: asyncio.Task[None] | None = None
         self.watching = asyncio.Event()  # set while the key's watch stream is open (tests)
+        self.lost_because = ""  # why it last stopped leading (leadership.why_lost), for the deposition's line
 
     # -- what the daemon reads --------------------------------------------------
     def may_act(self) -> bool:
@@ -174,13 +175,15 @@ class Elector:
             await asyncio.sleep(self.retry_s)  # the retry's pace, not synchronisation
 
     def _step(self, obs: ld.Observation) -> None:
-        before = self.state.role
-        out = ld.decide(self.state, obs, self.clock(), self.cfg)
+        before, now = self.state, self.clock()
+        out = ld.decide(before, obs, now, self.cfg)
         self.state = out.state
-        if out.state.role is not before:
+        if out.state.role is not before.role:
             log.info("ha_role", pool=self.pool, name=self.name, role=out.state.role.value,
-                     was=before.value, fence=out.state.fence, lease=out.state.lease_id,
+                     was=before.role.value, fence=out.state.fence, lease=out.state.lease_id,
                      on=type(obs).__name__)  # what changed it (Tick: a deadline passed)
+            if before.role is ld.Role.LEADER:
+                self.lost_because = ld.why_lost(before, obs, now)
             self.changed.set()
         for action in out.actions:
             self._spawn(self._carry_out(action), f"ha:{type(action).__name__}:{self.pool}")

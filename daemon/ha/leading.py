@@ -130,8 +130,8 @@ class Leadership:
             if self.elector.state.role is not ld.Role.LEADER:
                 break
             await self.elector.changed.wait()
-        self.depose(f"{self.spec.name} lost the leadership of pool {self.pool} "
-                    f"(role {self.elector.state.role.value}: lease lost or expired, or fence refused)")
+        why = self.elector.lost_because or "lease lost or expired, or fence refused"
+        self.depose(f"{self.spec.name} lost the leadership of pool {self.pool}: {why}")
 
     # -- leading ----------------------------------------------------------------------
     async def prepare_store(self, mirror: Path, *, flush_every_s: float = 0.2) -> None:
