@@ -37,10 +37,11 @@ from typing import Any
 
 import aiohttp
 import structlog
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type,
+from tenacity import (AsyncRetrying, retry_if_exception, retry_if_exception_type,
                       wait_exponential, wait_exponential_jitter)
 
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
+from daemon.gpunode.outage import Line, Outage
 from daemon.hosts import is_loopback
 
 __all__ = ["COMMAND_WAIT_S", "KEEPALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "DaemonLink", "check_daemon_url", "daemon_ssl_context"]
@@ -96,25 +97,31 @@ def check_daemon_url(url: str) -> None:
                      "with --ca-file), or a loopback address")
 
 
-def _daemon_unreachable(event: str, rs: RetryCallState) -> None:
-    exc = rs.outcome.exception() if rs.outcome else None
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        log.error("daemon_certificate_untrusted", error=str(exc), retry_in_s=round(rs.upcoming_sleep, 2),
-                  note="the daemon's certificate does not verify against this agent's CA (--ca-file) or "
-                       "name; nothing was sent to it")
-    else:
-        log.warning(event, error=str(exc) if rs.outcome else None, retry_in_s=round(rs.upcoming_sleep, 2))
-
-
-def _until_daemon_answers(event: str) -> AsyncRetrying:
+def _until_daemon_answers() -> AsyncRetrying:
     """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good.
-    An untrusted certificate is retried too (logged as an error): from here it is a network fault."""
+    An untrusted certificate is retried too: from here it is a network fault. The failures
+    are logged by :meth:`DaemonLink.post` (:class:`~daemon.gpunode.outage.Outage`)."""
     return AsyncRetrying(
         retry=retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)),
         wait=wait_exponential(multiplier=0.1, min=0.2, max=5.0),
-        before_sleep=lambda rs: _daemon_unreachable(event, rs),
         reraise=True,
     )
+
+
+def failure_reason(exc: BaseException) -> str | None:
+    """The kind of a failed call to the daemon, for :class:`~daemon.gpunode.outage.Outage`:
+    ``certificate_untrusted``, ``unreachable`` (no connection), ``timeout``, ``http_5xx``
+    (it answered that it cannot serve: a restart, a standby, not durable yet) or
+    ``disconnected``; None when the daemon answered (a 4xx: it is there)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return "certificate_untrusted"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "unreachable"
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"http_{exc.status}" if exc.status >= 500 else None
+    return "disconnected" if isinstance(exc, aiohttp.ClientError) else None
 
 
 def _next_batch(pending: list[tuple[dict[str, Any], int]]) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], int]]]:
@@ -171,6 +178,7 @@ class DaemonLink:
         self.command_wait_s = command_wait_s
         self.session: aiohttp.ClientSession | None = None
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.outage = Outage()  # what is said while the daemon is out of reach
 
     async def open(self) -> None:
         """Make the session. Raises OSError (``ssl.SSLError``): the CA file cannot be used."""
@@ -200,16 +208,25 @@ class DaemonLink:
         if self.session is None:
             raise RuntimeError("DaemonLink is not open; call 'await link.open()' first")
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-        async with self.session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
-                                     timeout=timeout) as r:
-            if r.status == 401:
-                raise PermissionError("the daemon refused this node's token")
-            r.raise_for_status()
-            return await r.json()
+        try:
+            async with self.session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
+                                         timeout=timeout) as r:
+                if r.status == 401:
+                    raise PermissionError("the daemon refused this node's token")
+                r.raise_for_status()
+                reply = await r.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            reason = failure_reason(exc)
+            said = (self.outage.failed(time.monotonic(), path.rsplit("/", 1)[-1], reason, str(exc) or repr(exc))
+                    if reason is not None else self.outage.answered(time.monotonic()))
+            _say(said)
+            raise
+        _say(self.outage.answered(time.monotonic()))
+        return reply
 
     async def register(self) -> dict[str, Any]:
         """Register until the daemon answers (retried 0.2 s, 0.4 s, ... up to 5 s apart); its reply."""
-        async for attempt in _until_daemon_answers("daemon_unreachable"):
+        async for attempt in _until_daemon_answers():
             with attempt:
                 # "prewarm": this agent starts a torchrun job's process at once and says
                 # in its heartbeats when it is warm (the daemon waits for that to admit it)
@@ -233,7 +250,7 @@ class DaemonLink:
             batch, pending = _next_batch(pending)
             if not batch:
                 continue
-            async for attempt in _until_daemon_answers("report_failed"):
+            async for attempt in _until_daemon_answers():
                 with attempt:
                     await self.post("/v1/agent/events", {"events": batch})
 
@@ -245,7 +262,6 @@ class DaemonLink:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_command_poll_retryable),
                 wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
-                before_sleep=self._command_poll_failed,
                 reraise=True,
             )
             try:
@@ -261,10 +277,10 @@ class DaemonLink:
                 return
             await apply(reply)
 
-    def _command_poll_failed(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        log.warning("command_poll_failed", node_id=self.node_id, error=str(exc) or repr(exc),
-                    attempt=state.attempt_number)
+
+def _say(line: Line | None) -> None:
+    if line is not None:
+        getattr(log, line.level)(line.event, **line.fields)
 
 
 def _sized(report: dict[str, Any]) -> tuple[dict[str, Any], int]:

@@ -10,7 +10,8 @@ daemon's last reply said (``heartbeat_interval_s``: it grows with the pool,
 :func:`daemon.control.pool.heartbeat_interval_s`; until the first reply, the agent's own),
 or less when the trainer starts or exits (``beat_now``): the daemon must know at once
 whether a trainer runs. Each reply is handed to the agent to apply (it carries commands).
-A failed heartbeat is logged; the log chunk is read again next time.
+A failed heartbeat is said by the link once an outage, not each time
+(:mod:`daemon.gpunode.outage`); the log chunk is read again next time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import structlog
 
 from daemon.gpunode.daemon_link import MAX_HEARTBEAT_INTERVAL_S, DaemonLink
 from daemon.gpunode.gpu import GpuMeans, GpuSampler
@@ -32,8 +32,6 @@ from daemon.gpunode.nodelog import read_chunk
 from daemon.gpunode.trainer_process import TrainerProcess
 
 __all__ = ["Heartbeat", "StepProgress"]
-
-log = structlog.get_logger("spotvisor.agent")
 
 _MAX_TOKENS_PER_STEP = 2**40  # a step line's `tokens` above this is not counted (a trainer's bug)
 _GPU_SAMPLE_S = 1.0
@@ -128,8 +126,8 @@ class Heartbeat:
                      "trainer": {"state": self.runner.state.value, "exit_code": self.runner.exit_code},
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.warning("heartbeat_failed", error=str(exc))  # the chunk is read again next time
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass  # said by the link, once an outage (daemon.gpunode.outage); the chunk is read again next time
             else:
                 if isinstance(reply.get("log"), dict):
                     self._log_want = reply["log"].get("offset")

@@ -1,0 +1,103 @@
+"""What a node agent says while the daemon is out of reach (daemon.gpunode.outage): a few
+lines an outage, whatever its length and however many loops keep calling."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from daemon.gpunode import daemon_link
+from daemon.gpunode.daemon_link import DaemonLink, failure_reason
+from daemon.gpunode.outage import REMIND_EVERY_S, Outage
+
+CALLS = ("heartbeat", "commands", "events", "register")
+
+
+def test_a_five_minute_outage_with_three_loops_calling_is_four_lines_not_hundreds() -> None:
+    o, said = Outage(), []
+    t = 100.0
+    while t < 400.0:  # heartbeats every second, the command poll and the outbox every 5 s
+        for call in ("heartbeat",) + (("commands", "events") if t % 5 == 0 else ()):
+            said.append(o.failed(t, call, "unreachable", "Cannot connect to host 10.0.0.2:7480"))
+        t += 1.0
+    said.append(o.answered(t))
+    lines = [line for line in said if line is not None]
+    assert [line.event for line in lines] == [
+        "daemon_unreachable", *["daemon_still_unreachable"] * 4, "daemon_reachable"]
+    assert lines[0].fields["call"] == "heartbeat" and lines[0].level == "warning"
+    assert lines[-1].fields == {"down_s": 300.0, "failed_calls": 300 + 2 * 60}
+    assert o.since is None and o.failures == 0  # nothing kept past the outage
+
+
+def test_a_new_reason_is_said_at_once_and_an_untrusted_certificate_is_an_error() -> None:
+    o = Outage()
+    assert o.failed(0.0, "heartbeat", "unreachable", "refused").event == "daemon_unreachable"
+    assert o.failed(1.0, "heartbeat", "unreachable", "refused") is None
+    moved = o.failed(2.0, "heartbeat", "http_503", "503, message='not leading'")
+    assert moved is not None and moved.fields["down_s"] == 2.0 and moved.fields["failed_calls"] == 3
+    cert = o.failed(3.0, "register", "certificate_untrusted", "certificate verify failed")
+    assert (cert.level, cert.event) == ("error", "daemon_certificate_untrusted")
+    assert "--ca-file" in cert.fields["note"]
+    assert o.answered(4.0).fields == {"down_s": 4.0, "failed_calls": 4}
+    assert o.answered(5.0) is None  # no outage, nothing to end
+
+
+@given(st.lists(st.tuples(st.floats(0, 30), st.booleans(), st.sampled_from(CALLS),
+                          st.sampled_from(("unreachable", "timeout", "http_503"))), max_size=300))
+def test_lines_are_bounded_by_outages_reasons_and_time_whatever_the_calls(
+        calls: list[tuple[float, bool, str, str]]) -> None:
+    o, t = Outage(), 0.0
+    lines, outages, changes = 0, 0, 0
+    last_reason = None
+    for dt, ok, call, reason in calls:
+        t += dt
+        was_down = o.since is not None
+        line = o.answered(t) if ok else o.failed(t, call, reason, "x" * 1000)
+        if not ok and (not was_down or reason != last_reason):
+            changes += 1
+        if ok:
+            outages += was_down
+        last_reason = None if ok else reason
+        if line is not None:
+            lines += 1
+            assert len(str(line.fields.get("error", ""))) <= 300
+    # a line per outage's start or change of reason, one per end, one per REMIND_EVERY_S of time
+    assert lines <= changes + outages + int(t // REMIND_EVERY_S) + 1
+
+
+@pytest.mark.parametrize(("exc", "reason"), [
+    (asyncio.TimeoutError(), "timeout"),
+    (aiohttp.ClientResponseError(None, (), status=503), "http_503"),
+    (aiohttp.ClientResponseError(None, (), status=404), None),  # it answered: there is a daemon
+    (aiohttp.ServerDisconnectedError(), "disconnected"),
+])
+def test_each_failure_has_a_stable_reason(exc: BaseException, reason: str | None) -> None:
+    assert failure_reason(exc) == reason
+
+
+async def test_a_link_to_a_closed_port_says_once_that_the_daemon_is_unreachable(monkeypatch) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said: list[tuple[str, str]] = []
+
+    class Tap:
+        def __getattr__(self, level: str):
+            return lambda event, **kw: said.append((level, event))
+
+    monkeypatch.setattr(daemon_link, "log", Tap())
+    link = DaemonLink(daemon_url=f"http://127.0.0.1:{port}", token="t", node_id="n1")
+    await link.open()
+    try:
+        for _ in range(5):
+            with pytest.raises(aiohttp.ClientConnectorError):
+                await link.post("/v1/agent/heartbeat", {})
+    finally:
+        await link.aclose()
+    assert said == [("warning", "daemon_unreachable")]
+    assert link.outage.failures == 5
