@@ -45,9 +45,9 @@ def serve(host: str, port: int, stop: threading.Event,
     ``on_listening(address, port)`` is called once the store accepts connections: the
     address ``host`` resolved to and the port it took (for ``port`` 0). Raises what
     :func:`listen_socket` raises, and ``RuntimeError`` if c10d cannot start its server."""
+    sock = listen_socket(host, port)  # before torch's import: a taken port is said at once
     from torch.distributed import TCPStore
 
-    sock = listen_socket(host, port)
     address, bound = sock.getsockname()[:2]
     # c10d owns the descriptor from here on (it closes it with the store)
     store = TCPStore(host, bound, is_master=True, multi_tenant=True, wait_for_workers=False,

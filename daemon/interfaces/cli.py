@@ -561,15 +561,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _importable(name: str) -> bool:
+    """Whether ``name`` can be imported here, without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "rendezvous":
         from daemon.controlnode.rendezvous import main as rdzv_main
 
-        try:  # the one command of a control node that needs torch
-            import torch.distributed  # noqa: F401
-        except ImportError:
+        # the one command of a control node that needs torch; found, not imported: a bad
+        # --host or a taken port is said before torch's 2-3 s import
+        if not _importable("torch"):
             print("spotvisord rendezvous: the store is torch.distributed's TCPStore, and torch is not "
                   "installed here; install it: pip install 'spotvisor[rendezvous]'", file=sys.stderr)
             return 2
