@@ -34,7 +34,7 @@ import yaml
 from chaos.conftest import Matrix, lost_events
 from chaos.test_mass_notice import _instance_processes
 from daemon.model import Event
-from e2e.conftest import ROOT, _run_demo_config
+from e2e.conftest import ROOT, SMALL_MODEL, _run_demo_config
 from trainer.checkpoint import FileStore, list_committed
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -43,16 +43,25 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 RESTARTS = ("job_stalled", "job_resumed", "trainer_exited", "node_lost", "node_terminated")
 
 
+#: the small model, each step at least 0.4 s at any world size and 0.6 s while the world is
+#: short of 3 (e2e.paced_trainer): the job trains on across the store's outage (about
+#: 10 s under load) and a replacement's boot without burning the cores
+PACED = {"module": "e2e.paced_trainer",
+         "args": [*SMALL_MODEL, "--full-world", "3", "--pace-s", "0.6", "--min-step-s", "0.4"]}
+
+
 def _run(tmp_path: Path, chaos: list[dict[str, Any]], *, target_steps: int = 150, timeout_s: float = 400,
-         pg_timeout_s: float | None = None, join_timeout_s: float | None = None,
+         pg_timeout_s: float | None = None, join_timeout_s: float | None = None, paced: bool = True,
          ) -> tuple[dict[str, Any], list[Event], Path]:
-    """configs/local.yaml's job (its model: a few tenths of a second a step here, so the
-    store is back long before the end) with ``chaos``; ``pg_timeout_s``: the trainer's
+    """configs/local.yaml's job with ``chaos``: with ``paced``, the small model paced
+    (:data:`PACED`); without, the config's own model (a few tenths of a second a step
+    here, so the store is back long before the end). ``pg_timeout_s``: the trainer's
     ``--pg-timeout-s`` (how long a new group waits for the store); ``join_timeout_s``:
     torchrun's rendezvous ``join_timeout``."""
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    raw["job"].update({"target_steps": target_steps, "args": [
-        *raw["job"]["args"], "--keep-checkpoints", "1000",
+    job = PACED if paced else {"args": raw["job"]["args"]}
+    raw["job"].update({**job, "target_steps": target_steps, "args": [
+        *job["args"], "--keep-checkpoints", "1000",
         *(["--pg-timeout-s", f"{pg_timeout_s:g}"] if pg_timeout_s else [])]})
     if join_timeout_s:
         raw["rendezvous"]["join_timeout_s"] = join_timeout_s
@@ -115,7 +124,7 @@ def _timeline(stored: list[Event], killed: Event, restarted: Event, **more: Even
 def test_a_store_restart_costs_no_step_and_no_worker_restart(tmp_path: Path, matrix: Matrix) -> None:
     # 80 steps: 35 after the kill, long past the store's return (about 10 s)
     s, stored, run_dir = _run(tmp_path, [{"action": "kill_store", "at_step": 45, "restart_after_s": 3}],
-                              target_steps=80)
+                              target_steps=80, paced=False)  # the issue's run: configs/local.yaml's model
     _record(matrix, "rendezvous store SIGKILLed mid-training, back empty 3 s later (real demo, 3 nodes)",
             s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
@@ -132,6 +141,13 @@ def test_a_store_restart_costs_no_step_and_no_worker_restart(tmp_path: Path, mat
     assert s["lost_steps_total"] == 0 and s["resumes_before_their_commit"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     assert s["world_sizes"] == [3]
+    _trained_on(stored, restarted, completed)
+
+
+def _trained_on(stored: list[Event], restarted: Event, completed: Event, steps: int = 5) -> None:
+    """The job trained ``steps`` or more after the store was back: the cell tested a
+    reconnect, not a job that ended during the outage."""
+    assert completed.data["step"] - restarted.data["step"] >= steps, (restarted, completed)
 
 
 def test_a_store_killed_during_a_notice_commit_costs_no_step(tmp_path: Path, matrix: Matrix) -> None:
@@ -151,6 +167,7 @@ def test_a_store_killed_during_a_notice_commit_costs_no_step(tmp_path: Path, mat
         stored, killed, restarted, committed=_first(stored, "checkpoint_committed", after=killed.seq),
         first_membership_change=changes[0] if changes else None)))
     _no_restart(stored, killed, completed)
+    _trained_on(stored, restarted, completed)
     assert s["lost_steps_total"] == 0 and s["lost_steps_on_notice"] == 0
     assert s["restarts"] == 0 and s["resizes_in_process"] >= 1  # the shrink (and the replacement's grow)
     assert s["resumes_before_their_commit"] == 0
@@ -175,6 +192,7 @@ def test_a_store_killed_during_a_grow_costs_no_step(tmp_path: Path, matrix: Matr
     print("\nstore killed during a grow (seconds after the kill): " + json.dumps(_timeline(
         stored, killed, restarted, first_membership_change=grew[0] if grew else None)))
     _no_restart(stored, killed, completed)
+    _trained_on(stored, restarted, completed)
     assert s["lost_steps_total"] == 0 and s["restarts"] == 0
     assert s["world_sizes"][-1] == 3  # the replacement joined, in-process
     assert s["resumes_before_their_commit"] == 0

@@ -8,6 +8,12 @@ step (the world size is the same on every rank, so they stay in step); at the fu
 world it trains at full speed. A run therefore lasts as long as its grows take, not
 a fixed number of steps sized for the slowest day.
 
+``--min-step-s``: every step lasts at least this long at any world size (the rank
+sleeps what its computation left of it), as a GPU step does to the CPU that waits on
+it: a cell that needs the job to train on across a fault of some seconds gets those
+seconds from a few steps that cost the CI machine's cores nearly nothing, not from
+hundreds of steps of a bigger model.
+
 Run by torchrun as ``-m e2e.paced_trainer`` (``job.module``; the demo's workers start in
 the repository root, and the tests put ``tests/`` on ``PYTHONPATH``).
 """
@@ -22,15 +28,19 @@ from trainer.run import ReferenceJob, build_parser
 
 class PacedJob(ReferenceJob):
     def train_step(self) -> tuple[float, float, list[int]]:
+        t0 = time.monotonic()
         if self.ctx.world_size < self.args.full_world:
             time.sleep(self.args.pace_s)
-        return super().train_step()
+        out = super().train_step()
+        time.sleep(max(0.0, self.args.min_step_s - (time.monotonic() - t0)))
+        return out
 
 
 def main() -> int:
     p = build_parser()
     p.add_argument("--full-world", type=int, required=True, help="the world size of the full pool")
     p.add_argument("--pace-s", type=float, default=0.5, help="sleep before each step while the world is smaller")
+    p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (seconds)")
     return run_job(None, job_cls=PacedJob, parser=p)
 
 
