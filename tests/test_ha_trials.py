@@ -85,44 +85,34 @@ async def test_three_seeded_failover_trials_keep_every_invariant(tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.chaos
-async def test_a_job_survives_its_leaders_control_node_killed_mid_grow_and_mid_migration(
+async def test_a_job_survives_its_leaders_control_node_killed_mid_migration(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Job trials 0-1 of seed 29 over two phases (bench/ha_job_trials.py; the suite's time
-    allows two: the notice and mid-training kills are cells of
-    tests/chaos/test_control_node_kill.py): a real 2-node training job (real node agents,
-    torchrun, the reference trainer) under two HA daemons; the leader's daemon and
-    rendezvous store (and, where the seed says, its etcd member) SIGKILLed during the
-    replacement's grow after a notice, and during a whole-job move from us-east-1 (out of
-    capacity) to us-west-2. Each time the standby leads within 10 s, buys nothing twice,
-    leaks nothing, loses and reorders no event, and runs the job to its target with no
-    lost step and no sample seen twice or skipped; the notice's commit reaches it; the
-    job grows back to 2 nodes in process with no restart, or (the move) completes in
-    us-west-2 at 2 nodes."""
+    """Job trial 0 of seed 29 in the migration phase (bench/ha_job_trials.py; the suite's
+    time allows one, the hardest: the other moments are cells elsewhere, the notice and
+    mid-training kills in tests/chaos/test_control_node_kill.py, the control node killed
+    during a grow in tests/chaos/test_local_daemon_kill.py, and every phase in the bench):
+    a real 2-node training job (real node agents, torchrun, the reference trainer) under
+    two HA daemons; the leader's daemon and rendezvous store (and, where the seed says, its
+    etcd member) SIGKILLed during a whole-job move from us-east-1 (out of capacity) to
+    us-west-2. The standby leads within 10 s, buys nothing twice, leaks nothing, loses and
+    reorders no event, and runs the job to its target in us-west-2 at 2 nodes with no lost
+    step and no sample seen twice or skipped; the notice's commit reaches it."""
     from bench.ha_job_trials import run_job_trials
 
     for k, v in AWS_ENV.items():
         monkeypatch.setenv(k, v)
-    trials = await run_job_trials(2, 29, tmp_path, quiet=True, phases=("grow", "migration"))
-    assert [t.phase for t in trials] == ["grow", "migration"]
-    for t in trials:
-        assert t.error is None, f"trial {t.trial} ({t.phase}): {t.error}"
-        # from the survivor's own log (ha_serving), not the harness's polls, whose etcd
-        # client can hang on a killed member (CI read more than 10 s there once)
-        assert t.serving_s is not None and t.serving_s <= TAKEOVER_LIMIT_S, t
-        assert t.acted_s is None or t.acted_s <= TAKEOVER_LIMIT_S or t.phase == "migration", t
-        assert (t.duplicates, t.leaked, t.lost, t.order, t.stalled) == (0, 0, 0, [], 0), t
-        assert t.completed and t.steps_completed == t.target_steps, t
-        assert (t.lost_steps_total, t.samples_seen_twice, t.samples_skipped) == (0, 0, 0), t
-        if t.phase != "training":
-            assert t.notice_answered is True and t.world_sizes[-1] == 2, t
-        if t.phase == "migration":  # the job moved: a new attempt in us-west-2 from the move's commit
-            assert t.migrations.get("migration_completed", 0) >= 1, t
-        else:
-            assert t.restarts == 0, t
-        if t.phase in ("notice", "grow"):
-            assert t.resizes_in_process >= 2, t
-        assert t.ok, t
-    assert trials[0].in_phase, "the grow landed before the kill: the trial missed its phase"
+    [t] = await run_job_trials(1, 29, tmp_path, quiet=True, phases=("migration",))
+    assert t.phase == "migration" and t.error is None, t
+    # from the survivor's own log (ha_serving), not the harness's polls, whose etcd
+    # client can hang on a killed member (CI read more than 10 s there once)
+    assert t.serving_s is not None and t.serving_s <= TAKEOVER_LIMIT_S, t
+    assert (t.duplicates, t.leaked, t.lost, t.order, t.stalled) == (0, 0, 0, [], 0), t
+    assert t.completed and t.steps_completed == t.target_steps, t
+    assert (t.lost_steps_total, t.samples_seen_twice, t.samples_skipped) == (0, 0, 0), t
+    assert t.notice_answered is True and t.world_sizes[-1] == 2, t
+    # the job moved: a new attempt in us-west-2 from the move's commit
+    assert t.migrations.get("migration_completed", 0) >= 1, t
+    assert t.ok, t
 
 
 def test_a_takeover_is_read_from_the_survivors_own_log_lines(tmp_path: Path) -> None:
