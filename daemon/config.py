@@ -58,6 +58,8 @@ __all__ = [
     "MigrationSpec",
     "Domain",
     "ChaosEvent",
+    "CONTROL_NODE_FAULTS",
+    "DAEMON_FAULTS",
     "SinkSpec",
     "WEBHOOK_MAX_BATCH",
     "SLACK_MAX_BATCH",
@@ -968,6 +970,12 @@ class Domain:
         return f"Domain({self.name}: {self.provider}/{self.region}, offers {self.offers})"
 
 
+#: the chaos actions that hit the control node (no ``node``; each restarts what it killed)
+CONTROL_NODE_FAULTS = ("kill_store", "kill_daemon", "kill_control_node")
+#: those of them that kill the daemon itself: only an outside runner restarts it
+DAEMON_FAULTS = ("kill_daemon", "kill_control_node")
+
+
 class ChaosEvent(_Spec):
     """A fault the local provider injects.
 
@@ -986,6 +994,15 @@ class ChaosEvent(_Spec):
     later, as its unit's ``Restart=`` would; no ``node``. Under ``spotvisord run`` the
     store is its own unit: the event is recorded as skipped.
 
+    ``kill_daemon``: the daemon records the event, then SIGKILLs itself; it is started again
+    on the same state directory ``restart_after_s`` later, as ``Restart=`` would.
+    ``kill_control_node``: the same, and the rendezvous store is SIGKILLed with it and
+    started again, empty, on the same port, with the daemon. Both need an outside runner:
+    ``spotvisord demo`` becomes one when its schedule holds either (it runs the daemon as
+    its child, and the local instances outlive the daemon); under ``spotvisord run``
+    systemd restarts the daemon, and the event is recorded as skipped. No ``node``. A
+    restarted daemon fires only the events no earlier daemon recorded.
+
     ``hold_replacements_for_steps``: from the fault on, launched instances do not
     boot until the job, resumed after the fault (at the smaller world size), has
     trained that many steps (the schedule waits for it before the next event), so the
@@ -994,7 +1011,7 @@ class ChaosEvent(_Spec):
     ``at_step`` by the time its notice commit lands.
     """
 
-    action: Literal["notice", "kill", "capacity_out", "kill_store"]
+    action: Literal["notice", "kill", "capacity_out", "kill_store", "kill_daemon", "kill_control_node"]
     node: int | None = Field(None, ge=1)
     at_step: int | None = Field(None, ge=0)
     at_s: float | None = Field(None, ge=0, le=MAX_DURATION_S)
@@ -1005,23 +1022,27 @@ class ChaosEvent(_Spec):
     # error, for ``for_s`` seconds (as a region out of a GPU type does)
     domain: str | None = None
     for_s: float = Field(600.0, gt=0, le=MAX_DURATION_S)
-    # kill_store: seconds from the kill to the store's restart (empty)
+    # kill_store, kill_daemon, kill_control_node: seconds from the kill to the restart
     restart_after_s: float = Field(3.0, ge=0, le=MAX_DURATION_S)
 
     @model_validator(mode="after")
     def _when(self) -> "ChaosEvent":
         if (self.at_step is None) == (self.at_s is None):
             raise ValueError("give exactly one of at_step or at_s (when the fault fires)")
-        if self.action == "kill_store":
+        if self.action in CONTROL_NODE_FAULTS:
             if self.node is not None:
-                raise ValueError("node: kill_store hits the rendezvous store, not a node (remove node)")
+                what = "the rendezvous store" if self.action == "kill_store" else "the control node"
+                raise ValueError(f"node: {self.action} hits {what}, not a node (remove node)")
+            for name in ("hold_replacements_for_steps", "domain"):
+                if name in self.model_fields_set and self.action in DAEMON_FAULTS:
+                    raise ValueError(f"{name}: {self.action} does not take it (remove it)")
         elif "restart_after_s" in self.model_fields_set:
-            raise ValueError(f"restart_after_s: only kill_store restarts something ({self.action} does not; "
-                             "remove it)")
+            raise ValueError(f"restart_after_s: only {', '.join(CONTROL_NODE_FAULTS)} restart something "
+                             f"({self.action} does not; remove it)")
         if self.action == "capacity_out":
             if self.domain is None:
                 raise ValueError("domain: capacity_out names the placement domain that runs out (domains.*.name)")
-        elif self.node is None and self.action != "kill_store":
+        elif self.node is None and self.action not in CONTROL_NODE_FAULTS:
             raise ValueError(f"node: {self.action} names the node it hits (1 = the first launched)")
         return self
 

@@ -153,6 +153,26 @@ BAD = [
         ["chaos.0: ", "kill_store hits the rendezvous store, not a node", "remove node"],
     ),
     (
+        "kill_daemon_naming_a_node",  # the daemon is the control node's, no node's
+        "chaos:\n  - {action: kill_daemon, node: 1, at_step: 3}\n",
+        ["chaos.0: ", "kill_daemon hits the control node, not a node", "remove node"],
+    ),
+    (
+        "kill_control_node_without_a_time",
+        "chaos:\n  - {action: kill_control_node, restart_after_s: 2}\n",
+        ["chaos.0: ", "give exactly one of at_step or at_s"],
+    ),
+    (
+        "kill_daemon_holding_replacements",  # nothing of the pool's is held by a daemon kill
+        "chaos:\n  - {action: kill_daemon, at_step: 3, hold_replacements_for_steps: 5}\n",
+        ["chaos.0: ", "hold_replacements_for_steps: kill_daemon does not take it", "remove it"],
+    ),
+    (
+        "kill_control_node_restart_out_of_range",
+        "chaos:\n  - {action: kill_control_node, at_s: 3, restart_after_s: -1}\n",
+        ["chaos.0.restart_after_s: ", "greater than or equal to 0"],
+    ),
+    (
         "restart_after_on_a_node_kill",
         "chaos:\n  - {action: kill, node: 1, at_step: 3, restart_after_s: 5}\n",
         ["chaos.0: ", "restart_after_s: only kill_store", "remove it"],
@@ -317,6 +337,15 @@ def test_a_replacement_hold_must_end_after_the_fault():
     assert ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_for_steps=15).hold_replacements_for_steps == 15
     with pytest.raises(ValueError, match="hold_replacements_for_steps"):
         ChaosEvent(action="notice", node=2, at_step=15, hold_replacements_for_steps=0)
+
+
+def test_the_control_node_faults_take_a_time_and_a_restart_delay_only():
+    from daemon.config import ChaosEvent
+
+    ev = ChaosEvent(action="kill_daemon", at_step=25, restart_after_s=2)
+    assert (ev.node, ev.restart_after_s) == (None, 2)
+    assert ChaosEvent(action="kill_control_node", at_s=10).restart_after_s == 3.0  # the default, as kill_store's
+
 
 
 # --------------------------------------------------------------------------- hostile input (issue 13, defect 10)
