@@ -1,10 +1,11 @@
 """The embedded provider: an "instance" is a process group on this machine.
 
 Each instance is a node agent (``python -m daemon.gpunode.agent run``) started by a small init
-(:data:`_INSTANCE_INIT`), in a session of their own (killed as a whole, like a VM
-being reclaimed), with its own working directory under ``<state_dir>/nodes/<node_id>/``
-and its own metadata endpoint on 127.0.0.1 speaking one of `provider.metadata_dialects` (AWS IMDSv2 by
-default: :class:`daemon.providers.local_metadata.aws.FakeImds`; the others in
+(:data:`daemon.providers.local_instance.INSTANCE_INIT`), in a session of their own (killed as a
+whole, like a VM being reclaimed), with its own working directory under
+``<state_dir>/nodes/<node_id>/`` and its own metadata endpoint on 127.0.0.1 speaking one of
+`provider.metadata_dialects` (AWS IMDSv2 by default:
+:class:`daemon.providers.local_metadata.aws.FakeImds`; the others in
 :mod:`daemon.providers.local_metadata`).
 
 Chaos hooks, used by :mod:`daemon.providers.chaos`: :meth:`LocalProvider.publish_interruption`
@@ -12,19 +13,28 @@ publishes a spot interruption notice on the instance's metadata endpoint and
 SIGKILLs the process group when the notice's time comes, as EC2 would;
 :meth:`LocalProvider.kill` SIGKILLs it at once, with no notice.
 
-The instances are children of the daemon and end with it, however it ends: ``aclose``
-kills them on a graceful stop, and if the daemon dies without closing (SIGKILL, a
-crash, the OOM killer) each instance's first process, a small init
-(:data:`_INSTANCE_INIT`), sees the end of a pipe only the daemon can write and kills
-every process of its instance. A local pool does not survive a daemon restart (the
+By default the instances are children of the daemon and end with it, however it ends:
+``aclose`` kills them on a graceful stop, and if the daemon dies without closing (SIGKILL, a
+crash, the OOM killer) each instance's init sees the end of a pipe only the daemon can write
+and kills every process of its instance. A local pool does not survive a daemon restart (the
 next daemon finds no instance and launches new ones); cloud providers' instances do.
+
+Under an outside runner (``spotvisord demo`` whose chaos kills the daemon:
+:mod:`daemon.interfaces.demo_runner`) the runner holds that pipe's write end and this
+provider gets the read end (:data:`~daemon.providers.local_instance.LIFELINE_FD_ENV`): the
+instances then outlive the daemon, as a cloud's do. Each serves its own metadata endpoint
+(:mod:`daemon.providers.local_metadata.serve`, which also reclaims it at a notice's
+deadline), leaves a record in its node directory, and the next daemon's provider adopts the
+live ones in :meth:`LocalProvider.describe`; ``aclose`` leaves them running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
-import signal
+import secrets
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +46,19 @@ import psutil
 import structlog
 
 from daemon.config import LocalProviderSpec
+from daemon.providers.local_instance import (
+    ADMIN_TOKEN_FILE,
+    INSTANCE_ENV,
+    INSTANCE_INIT,
+    LIFELINE_FD_ENV,
+    RECORD_FILE,
+    InstanceRecord,
+    kill_instance_processes,
+    live_records,
+    outer_lifeline_fd,
+    process_alive,
+    write_private,
+)
 from daemon.providers.local_metadata import make_fake
 from daemon.control.pool import Offer
 from daemon.providers.base import CapacityError, Instance, NodeSpec, Provider, ProviderError, register_provider
@@ -45,112 +68,10 @@ __all__ = ["LocalProvider"]
 
 log = structlog.get_logger("spotvisor.provider.local")
 
-_INSTANCE_ENV = "SPOTVISOR_LOCAL_INSTANCE_ID"
-
-# The first process of every local instance (``python -c _INSTANCE_INIT WATCH_FD ARGV...``),
-# its "init": the VM the node agent runs on. It starts ``python ARGV...`` (the agent) and
-# ends the whole instance (SIGKILL to every process of it, as a reclaimed VM) as soon as
-# one of these happens:
-#
-# - end of file on WATCH_FD, the read end of a pipe whose write end only the daemon holds
-#   (it is close-on-exec there, and every child the daemon starts gets only the fds it is
-#   passed): the kernel closes it when the daemon dies, however it dies;
-# - the agent exits (the provider then lists the instance gone: nothing of it may train on);
-# - SIGTERM, SIGHUP or SIGINT.
-#
-# It is the instance's child subreaper (PR_SET_CHILD_SUBREAPER): a process of the instance
-# whose parent dies (torchrun's workers run in sessions of their own) is re-parented to it,
-# never to the system's init, so "every process of the instance" is exactly its
-# descendants, and it reaps them. Standard library and psutil only: it starts in ~50 ms.
-_INSTANCE_INIT = r"""
-import ctypes, os, selectors, signal, sys
-import psutil
-
-watch_fd, argv = int(sys.argv[1]), sys.argv[2:]
-os.set_inheritable(watch_fd, False)
-try:
-    if ctypes.CDLL(None, use_errno=True).prctl(36, *map(ctypes.c_ulong, (1, 0, 0, 0))) != 0:  # PR_SET_CHILD_SUBREAPER
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-except (AttributeError, OSError) as exc:  # not Linux: orphans of the instance are not found after the daemon
-    print(f"spotvisor local instance: no child subreaper ({exc})", file=sys.stderr, flush=True)
-ending = []
-wake_r, wake_w = os.pipe()
-os.set_blocking(wake_w, False)
-signal.set_wakeup_fd(wake_w)  # every signal below wakes the select
-signal.signal(signal.SIGCHLD, lambda *_: None)
-for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-    signal.signal(sig, lambda signum, _: ending.append(signum))
-agent = os.posix_spawn(sys.executable, [sys.executable, *argv], os.environ,
-                       setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))  # as subprocess's restore_signals
-status = None
-sel = selectors.DefaultSelector()
-sel.register(watch_fd, selectors.EVENT_READ)
-sel.register(wake_r, selectors.EVENT_READ)
-while status is None and not ending:
-    for key, _ in sel.select():
-        if key.fd == watch_fd:
-            if not os.read(watch_fd, 512):
-                ending.append("daemon gone")
-        else:
-            os.read(wake_r, 512)
-    while True:  # reap the agent, and any orphan of the instance re-parented here
-        try:
-            pid, st = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
-        if pid == agent:
-            status = st
-me = psutil.Process()
-while True:  # the instance ends: kill every descendant, reap, until none is left
-    for proc in me.children(recursive=True):
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    try:
-        pid, st = os.waitpid(-1, 0)
-    except ChildProcessError:
-        break
-    if pid == agent and status is None:
-        status = st
-code = os.waitstatus_to_exitcode(status) if status is not None else 128 + signal.SIGKILL
-sys.exit(code if code >= 0 else 128 - code)
-"""
-
-
-def _kill_instance_processes(root_pid: int, instance_id: str) -> None:
-    """SIGKILL every process of a local instance at once, as a VM being reclaimed.
-
-    torchrun starts its workers in sessions of their own (``start_new_session``),
-    so killing the instance's process group is not enough: collect the instance
-    init's descendants and any process carrying this instance's id in its
-    environment (orphans re-parented to the system's init, should the instance's
-    own have died first), then kill them all.
-    """
-    victims: dict[int, psutil.Process] = {}
-    try:
-        root = psutil.Process(root_pid)
-        victims[root.pid] = root
-        victims.update((c.pid, c) for c in root.children(recursive=True))
-    except psutil.NoSuchProcess:
-        pass
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid in victims or proc.pid == me:
-            continue
-        try:
-            if proc.environ().get(_INSTANCE_ENV) == instance_id:
-                victims[proc.pid] = proc
-        except (psutil.Error, OSError):
-            continue
-    for proc in victims.values():
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
+# the names this module had before the instance's side moved out (tests import them here)
+_INSTANCE_ENV, _INSTANCE_INIT, _kill_instance_processes = INSTANCE_ENV, INSTANCE_INIT, kill_instance_processes
+#: what the instances' environment never carries: the runner's descriptors are the daemon's
+_RUNNER_ENV = (LIFELINE_FD_ENV, "SPOTVISOR_DEMO_STORE_PID")
 
 @dataclass(slots=True)
 class _LocalInstance:
@@ -160,18 +81,14 @@ class _LocalInstance:
     workdir: Path
     launched_at: float
     dialect: str = "aws"
-    imds: Any = None  # the fake metadata endpoint of ``dialect``
-    proc: asyncio.subprocess.Process | None = None
+    imds: Any = None  # the fake metadata endpoint of ``dialect``, in this process (the daemon's lifeline)
+    imds_url: str | None = None  # the endpoint's URL, wherever it runs
+    proc: asyncio.subprocess.Process | None = None  # None: adopted from an earlier daemon
+    pid: int | None = None  # the init's, and its psutil create_time: an adopted instance is checked by both
+    create_time: float = 0.0
+    published_at: float | None = None  # the current notice's, as the instance's own endpoint answered
     state: str = "pending"  # pending | running | gone
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` (0600) in the state directory, never through a planted link."""
-    fd = open_private(path, os.O_WRONLY | os.O_CREAT)
-    with os.fdopen(fd, "wb") as f:
-        f.truncate(0)
-        f.write(data)
 
 
 @register_provider("local")
@@ -183,6 +100,10 @@ class LocalProvider(Provider):
             ``spot_price_usd_h``.
         state_dir: where instance working directories go.
         agent_args: extra arguments for every agent (e.g. poll interval).
+
+    Raises:
+        ValueError: :data:`~daemon.providers.local_instance.LIFELINE_FD_ENV` is set but names
+            no inherited pipe.
     """
 
     name = "local"
@@ -197,9 +118,18 @@ class LocalProvider(Provider):
         self._boot_gate = asyncio.Event()  # cleared by chaos: instances launched meanwhile wait to boot
         self._boot_gate.set()
         self._capacity_out: dict[str, float] = {}  # region → unix s until which launches there fail (chaos)
-        # the instances' lifeline (see _INSTANCE_INIT): each instance's init gets the read end;
-        # the write end stays here, close-on-exec, until aclose() or this process's death
+        # the instances' lifeline (see INSTANCE_INIT): each instance's init gets the read end;
+        # the write end stays here, close-on-exec, until aclose() or this process's death;
+        # or an outside runner holds it and passed us the read end (the instances outlive us)
         self._lifeline: tuple[int, int] | None = None
+        self._outer_lifeline = outer_lifeline_fd()
+        if self._outer_lifeline is not None:
+            os.set_inheritable(self._outer_lifeline, False)  # to the instances' inits only (pass_fds)
+
+    @property
+    def outlives_daemon(self) -> bool:
+        """Whether the instances outlive this daemon (an outside runner holds their lifeline)."""
+        return self._outer_lifeline is not None
 
     # -- contract -------------------------------------------------------------
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
@@ -231,6 +161,8 @@ class LocalProvider(Provider):
         await self._kill(inst, reason="terminate")
 
     async def describe(self, tag: str) -> list[Instance]:
+        if self.outlives_daemon and not self._closed:
+            self._adopt(await asyncio.to_thread(live_records, self.state_dir))
         return [
             self._view(i)
             for i in self._instances.values()
@@ -241,11 +173,17 @@ class LocalProvider(Provider):
         return self.spec.spot_price_usd_h
 
     async def aclose(self) -> None:
+        """Kill every instance (the daemon's lifeline); under an outside runner leave them
+        running, as a cloud provider does: only this process's own tasks stop."""
         if self._closed:
             return
         self._closed = True
         for inst in list(self._instances.values()):
-            await self._kill(inst, reason="provider_closed")
+            if self.outlives_daemon:
+                for t in list(inst.tasks):
+                    t.cancel()
+            else:
+                await self._kill(inst, reason="provider_closed")
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)
@@ -259,18 +197,27 @@ class LocalProvider(Provider):
         gone instance, RuntimeError if it has not booted yet (no metadata endpoint).
         """
         inst = self._live(instance_id)
-        if inst.imds is None:
+        if inst.imds is None and inst.imds_url is None:
             raise RuntimeError(f"instance {instance_id} has not booted yet")
         deadline = datetime.fromtimestamp(time.time() + lead_s, tz=timezone.utc)
-        inst.imds.publish_interruption(action=action, time=deadline)
-        self._spawn(inst, self._kill_at(inst, lead_s), f"local:reclaim:{inst.node.node_id}")
+        if inst.imds is not None:
+            inst.imds.publish_interruption(action=action, time=deadline)
+            self._spawn(inst, self._kill_at(inst, lead_s), f"local:reclaim:{inst.node.node_id}")
+        else:  # the instance's own endpoint, which reclaims it at the deadline (serve.py)
+            from daemon.providers.local_metadata.serve import publish_interruption
+
+            token = await asyncio.to_thread(_read_private, inst.workdir / ADMIN_TOKEN_FILE)
+            inst.published_at = await publish_interruption(inst.imds_url, token, action=action,  # type: ignore[arg-type]
+                                                           deadline=deadline.timestamp())
         log.info("interruption_published", instance_id=instance_id, lead_s=lead_s)
         return deadline
 
     def notice_published_at(self, instance_id: str) -> float | None:
         """Unix time the current notice appeared on the instance's endpoint (None: none)."""
         inst = self._instances.get(instance_id)
-        return None if inst is None or inst.imds is None else inst.imds.published_at
+        if inst is None:
+            return None
+        return inst.published_at if inst.imds is None else inst.imds.published_at
 
     def capacity_out(self, region: str, for_s: float) -> None:
         """Chaos: every launch in ``region`` fails with a capacity error for ``for_s`` seconds."""
@@ -306,32 +253,62 @@ class LocalProvider(Provider):
         inst.tasks.add(task)
         task.add_done_callback(inst.tasks.discard)
 
+    def _adopt(self, records: list[InstanceRecord]) -> None:
+        """Take in the live instances an earlier daemon of this state directory launched
+        (their records, :func:`~daemon.providers.local_instance.live_records`: a record whose
+        init is gone, or whose pid another process now has, is not among them)."""
+        known = set(self._instances)
+        for rec in records:
+            if rec.id in known:
+                continue
+            node = NodeSpec(node_id=rec.node_id, pool=rec.pool, token="", daemon_url="")
+            inst = _LocalInstance(rec.id, node, Offer(**rec.offer), self.state_dir / "nodes" / rec.node_id,
+                                  rec.launched_at, dialect=rec.dialect, imds_url=rec.imds_url, pid=rec.pid,
+                                  create_time=rec.create_time, state="running")
+            self._instances[rec.id] = inst
+            log.info("instance_adopted", instance_id=rec.id, node_id=rec.node_id, pid=rec.pid)
+
     async def _boot(self, inst: _LocalInstance) -> None:
         await asyncio.sleep(self.spec.launch_delay_s)  # simulated boot time
         await self._boot_gate.wait()  # chaos: replacements held back (a slow or short region)
         if inst.state == "gone":
             return
-        inst.imds = make_fake(inst.dialect)
-        await inst.imds.start()
+        meta_sock: socket.socket | None = None
+        meta_argv: list[str] = []
+        if self._outer_lifeline is None:
+            inst.imds = make_fake(inst.dialect)
+            await inst.imds.start()
+            inst.imds_url = inst.imds.url
+        else:  # the instance serves its own endpoint, on a socket bound here (its URL known now)
+            meta_sock = socket.create_server(("127.0.0.1", 0))
+            inst.imds_url = f"http://127.0.0.1:{meta_sock.getsockname()[1]}"
+            token_file = inst.workdir / ADMIN_TOKEN_FILE
+            await asyncio.to_thread(write_private, token_file, secrets.token_urlsafe(32).encode(), atomic=True)
+            meta_argv = ["-m", "daemon.providers.local_metadata.serve", "--dialect", inst.dialect,
+                         "--fd", str(meta_sock.fileno()), "--token-file", str(token_file)]
         log_file = os.fdopen(open_private(inst.workdir / "instance.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
         try:
-            env = dict(os.environ)
+            env = {k: v for k, v in os.environ.items() if k not in _RUNNER_ENV}
             env["SPOTVISOR_AGENT_TOKEN"] = inst.node.token
-            env[_INSTANCE_ENV] = inst.id  # marks every process of this "VM", see _kill_instance_processes
+            env[INSTANCE_ENV] = inst.id  # marks every process of this "VM", see kill_instance_processes
             env.setdefault("PYTHONUNBUFFERED", "1")
-            if self._lifeline is None:
-                self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
-            watch_fd = self._lifeline[0]
+            if self._outer_lifeline is not None:
+                watch_fd = self._outer_lifeline
+            else:
+                if self._lifeline is None:
+                    self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
+                watch_fd = self._lifeline[0]
             ca_args = [] if inst.node.ca_cert_pem is None else ["--ca-file", str(inst.workdir / "daemon-ca.pem")]
             if ca_args:  # an https daemon URL: the agent trusts the daemon's CA only
-                await asyncio.to_thread(_write_private, Path(ca_args[1]), inst.node.ca_cert_pem.encode())
+                await asyncio.to_thread(write_private, Path(ca_args[1]), inst.node.ca_cert_pem.encode())
+            meta_fd = -1 if meta_sock is None else meta_sock.fileno()
             inst.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _INSTANCE_INIT, str(watch_fd),
+                sys.executable, "-c", INSTANCE_INIT, str(watch_fd), str(meta_fd), str(len(meta_argv)), *meta_argv,
                 "-m", "daemon.gpunode.agent", "run",
                 "--daemon-url", inst.node.daemon_url,
                 "--node-id", inst.node.node_id,
                 "--dialect", inst.dialect,
-                "--metadata-url", inst.imds.url,
+                "--metadata-url", inst.imds_url,
                 "--workdir", str(inst.workdir),
                 *ca_args,
                 *self.agent_args,
@@ -339,13 +316,27 @@ class LocalProvider(Provider):
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own session and process group, as a VM
-                pass_fds=(watch_fd,),
+                pass_fds=(watch_fd,) if meta_sock is None else (watch_fd, meta_fd),
                 env=env,
             )
         finally:
             log_file.close()
+            if meta_sock is not None:
+                meta_sock.close()  # the instance's endpoint has its own
+        inst.pid = inst.proc.pid
         inst.state = "running"
+        if self._outer_lifeline is not None:  # what the next daemon adopts it by
+            await asyncio.to_thread(self._write_record, inst)
         log.info("instance_running", instance_id=inst.id, pid=inst.proc.pid)
+
+    def _write_record(self, inst: _LocalInstance) -> None:
+        try:
+            inst.create_time = psutil.Process(inst.pid).create_time()
+        except psutil.Error:  # gone already: nothing to adopt
+            return
+        InstanceRecord(id=inst.id, node_id=inst.node.node_id, pool=inst.node.pool, pid=inst.pid or 0,
+                       create_time=inst.create_time, imds_url=inst.imds_url or "", dialect=inst.dialect,
+                       offer=dataclasses.asdict(inst.offer), launched_at=inst.launched_at).write(inst.workdir)
 
     async def _kill_at(self, inst: _LocalInstance, delay_s: float) -> None:
         await asyncio.sleep(delay_s)  # the notice's lead time, as the cloud gives it
@@ -359,16 +350,25 @@ class LocalProvider(Provider):
             if t is not current:
                 t.cancel()
         if inst.proc is not None and inst.proc.returncode is None:
-            _kill_instance_processes(inst.proc.pid, inst.id)
+            kill_instance_processes(inst.proc.pid, inst.id)
             await inst.proc.wait()
+        elif inst.proc is None and inst.pid is not None and process_alive(inst.pid, inst.create_time):
+            await asyncio.to_thread(_kill_adopted, inst.pid, inst.id)
         if inst.imds is not None:
             await inst.imds.aclose()
+        if inst.pid is not None and self._outer_lifeline is not None:
+            (inst.workdir / RECORD_FILE).unlink(missing_ok=True)
         if was != "gone":
             log.info("instance_gone", instance_id=inst.id, reason=reason)
 
     def _refresh(self, inst: _LocalInstance) -> str:
-        if inst.state == "running" and inst.proc is not None and inst.proc.returncode is not None:
-            inst.state = "gone"
+        if inst.state == "running":
+            if inst.proc is not None:
+                ended = inst.proc.returncode is not None
+            else:  # adopted: not our child
+                ended = inst.pid is None or not process_alive(inst.pid, inst.create_time)
+            if ended:
+                inst.state = "gone"
         return inst.state
 
     def _view(self, inst: _LocalInstance) -> Instance:
@@ -381,3 +381,19 @@ class LocalProvider(Provider):
             instance_type=inst.offer.instance_type,
             launched_at=inst.launched_at,
         )
+
+
+def _read_private(path: Path) -> str:
+    with os.fdopen(open_private(path, os.O_RDONLY), "rb") as f:
+        return f.read(4096).decode().strip()
+
+
+def _kill_adopted(pid: int, instance_id: str) -> None:
+    """SIGKILL an adopted instance (not this process's child) and wait, 10 s at most, until
+    its processes are gone."""
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    kill_instance_processes(pid, instance_id)
+    psutil.wait_procs(procs, timeout=10)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
@@ -44,17 +45,24 @@ class FakeEndpoint:
     held by :meth:`hang_next` first) and is idempotent and safe after a failed start.
     Also an async context manager.
 
+    ``sock``: serve on this listening socket instead of binding ``host:port``;
+    ``extra_routes(app)``: adds routes of its own to the app (called after :meth:`_setup`).
+
     Subclasses add their routes in :meth:`_setup` and may override :meth:`_answer`
     (how a response is built and logged), :meth:`_error_body` (the body of an injected
     fault) and :meth:`_intercept` (checks every request passes before its handler).
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, clock: Callable[[], float] = time.monotonic,
+                 sock: socket.socket | None = None,
+                 extra_routes: Callable[[web.Application], None] | None = None) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
         self._host = host
         self._port = port
         self._clock = clock
+        self._sock = sock  # a listening socket to serve on instead of host:port (an instance's own endpoint)
+        self._extra_routes = extra_routes  # more routes on the same app (the local instance's admin route)
         self._faults: list[tuple[int, str | None]] = []  # (status, path or None=any), in order
         self._hangs: list[str | None] = []  # path or None=any, in order
         self._release = asyncio.Event()
@@ -83,11 +91,15 @@ class FakeEndpoint:
         self._release = asyncio.Event()
         self._hung = asyncio.Event()
         self._setup(app)
+        if self._extra_routes is not None:
+            self._extra_routes(app)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         self._runner = runner
         try:
             await runner.setup()
-            await web.TCPSite(runner, self._host, self._port).start()
+            site = (web.TCPSite(runner, self._host, self._port) if self._sock is None
+                    else web.SockSite(runner, self._sock))
+            await site.start()
         except BaseException:
             await self.aclose()
             raise
