@@ -8,7 +8,10 @@ publishes an interruption notice on the node's metadata endpoint (the provider
 SIGKILLs the node when the notice's time comes) or SIGKILLs it at once; or
 (``kill_store``) SIGKILLs the rendezvous store this run started and starts it again,
 empty, ``restart_after_s`` later; or (``capacity_out``) answers a domain's launches
-with capacity errors for a while. With
+with capacity errors for a while; or (``kill_daemon``) records the event and SIGKILLs
+the daemon itself, or (``kill_control_node``) SIGKILLs the rendezvous store and then the
+daemon: an outside runner (:mod:`daemon.interfaces.demo_runner`) starts them again, and the
+restarted daemon fires only the events no earlier one recorded (:func:`events_left`). With
 ``hold_replacements_for_steps`` the instances launched after the fault do not
 boot until the job, resumed after the fault, has trained that many steps (the
 schedule waits for it).
@@ -17,21 +20,45 @@ schedule waits for it).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine, Iterable
 
 import structlog
 
-from daemon.config import ChaosEvent
-from daemon.model import EventKind, NodeState
+from daemon.config import DAEMON_FAULTS, ChaosEvent
+from daemon.model import Event, EventKind, NodeState
+from daemon.providers.local_instance import STORE_PID_ENV
 from daemon.controlnode.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from daemon.controlnode.rendezvous import StoreProcess
 
-__all__ = ["run_chaos", "ready_to_fire"]
+__all__ = ["run_chaos", "ready_to_fire", "events_left", "kills_unanswered"]
 
 log = structlog.get_logger("spotvisor.chaos")
+
+
+def events_left(stored: Iterable[Event], n: int) -> list[int]:
+    """The indices of a schedule of ``n`` events that no daemon of this state fired yet.
+
+    Every fired event, skipped ones included, is recorded as ``chaos_injected`` with its
+    ``index`` before anything else happens (a ``kill_daemon`` is recorded before the kill):
+    those indices are done. Pure; records of indices outside ``0..n-1`` (a schedule since
+    shortened) are ignored.
+    """
+    done = {e.data.get("index") for e in stored if e.kind == EventKind.CHAOS_INJECTED.value}
+    return [i for i in range(n) if i not in done]
+
+
+def kills_unanswered(stored: Iterable[Event]) -> list[Event]:
+    """The daemon kills (``kill_daemon``, ``kill_control_node``, not skipped) no restarted
+    daemon has answered yet with its ``daemon_restarted`` record. Pure."""
+    chaos = [e for e in stored if e.kind == EventKind.CHAOS_INJECTED.value]
+    answered = {e.data.get("index") for e in chaos if e.data.get("action") == "daemon_restarted"}
+    return [e for e in chaos if e.data.get("action") in DAEMON_FAULTS and not e.data.get("skipped")
+            and e.data.get("index") not in answered]
 
 
 def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tuple[float, str] | None = None) -> bool:
@@ -66,9 +93,11 @@ def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tupl
 
 async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float = 0.25,
                     rendezvous: "StoreProcess | None" = None) -> None:
-    """Fire ``events`` in order. Needs a provider with ``publish_interruption``/``kill``;
+    """Fire ``events`` in order, those an earlier daemon of this state fired excepted
+    (:func:`events_left`). Needs a provider with ``publish_interruption``/``kill``;
     ``kill_store`` needs the store process this run started (``rendezvous``; without it
-    the event is recorded as skipped: under ``spotvisord run`` the store is its own unit)."""
+    the event is recorded as skipped: under ``spotvisord run`` the store is its own unit);
+    ``kill_daemon`` and ``kill_control_node`` need an outside runner (else skipped)."""
     provider = sup.fleet.provider
     if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
         log.warning("chaos_unsupported", provider=provider.name)
@@ -86,7 +115,15 @@ async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float, re
                     restarts: list[asyncio.Task[None]]) -> None:
     provider = sup.fleet.provider
     previous: tuple[float, str] | None = None
-    for i, ev in enumerate(events):
+    stored = sup.store.events(kinds=[EventKind.CHAOS_INJECTED.value])
+    for killed in kills_unanswered(stored):  # this daemon is the restart: the outage's end, in the log
+        sup.record(EventKind.CHAOS_INJECTED, None, index=killed.data.get("index"), action="daemon_restarted",
+                   down_s=round(time.time() - killed.time, 2), step=sup.job.step)
+    left = events_left(stored, len(events))
+    if len(left) < len(events):
+        log.info("chaos_resumed", fired=len(events) - len(left), left=left)
+    for i in left:
+        ev = events[i]
         while not ready_to_fire(ev, sup, sup.clock(), previous=previous):
             if sup.job.state.is_terminal():
                 return
@@ -94,6 +131,9 @@ async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float, re
         if ev.action == "kill_store":
             if (restart := await _kill_store(sup, i, ev, rendezvous)) is not None:
                 restarts.append(asyncio.create_task(restart, name=f"chaos:store_restart:{i}"))
+            continue
+        if ev.action in DAEMON_FAULTS:
+            _kill_daemon(sup, i, ev, provider)  # returns only when skipped
             continue
         if ev.action == "capacity_out":
             domain = sup.config.domain(ev.domain)
@@ -166,3 +206,33 @@ async def _restart_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "St
         return
     sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="store_restarted",
                down_s=round(time.monotonic() - killed_at, 2), step=sup.job.step)
+
+
+def _kill_daemon(sup: Supervisor, index: int, ev: ChaosEvent, provider: Any) -> None:
+    """``kill_daemon`` / ``kill_control_node``: record the event (the store commits as it
+    writes: the restarted daemon reads it and fires it no more), SIGKILL the rendezvous store
+    for ``kill_control_node`` (the runner's child, its pid in :data:`STORE_PID_ENV`), then
+    SIGKILL this process; the runner restarts what died ``ev.restart_after_s`` later.
+    Without a runner (the local instances would die with the daemon; under ``spotvisord
+    run`` systemd restarts it, and the store is its own unit) the event is recorded as
+    skipped and this returns."""
+    store_pid = os.environ.get(STORE_PID_ENV, "")
+    reason = None
+    if not getattr(provider, "outlives_daemon", False):
+        reason = ("no outside runner here (spotvisord demo is one when its chaos kills the daemon; "
+                  "under spotvisord run systemd restarts the daemon)")
+    elif ev.action == "kill_control_node" and not store_pid.isdigit():
+        reason = f"no rendezvous store pid from the runner ({STORE_PID_ENV})"
+    if reason is not None:
+        log.warning("chaos_target_not_running", index=index, target="daemon", reason=reason)
+        sup.record(EventKind.CHAOS_INJECTED, None, index=index, action=ev.action, skipped=True, reason=reason)
+        return
+    sup.record(EventKind.CHAOS_INJECTED, None, index=index, action=ev.action, step=sup.job.step,
+               restart_after_s=ev.restart_after_s, pid=os.getpid())
+    log.warning("chaos_killing_daemon", index=index, action=ev.action, step=sup.job.step)
+    if ev.action == "kill_control_node":
+        try:
+            os.kill(int(store_pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
