@@ -18,7 +18,9 @@
   and every instance is released.
 - ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
   target on the local provider with its chaos schedule, print events as they
-  happen and a summary at the end (``make demo``).
+  happen and a summary at the end (``make demo``). A schedule that kills the daemon
+  (``kill_daemon``, ``kill_control_node``) runs it as a child, ``spotvisord run``, and
+  restarts it as systemd would (:mod:`daemon.interfaces.demo_runner`).
 - ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
   (``spotvisor-rendezvous.service``), listening on ``H`` only (default 127.0.0.1).
 
@@ -336,10 +338,13 @@ def _short(v: object) -> str:
 
 
 async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
-                out: Callable[[str], None], *, redactor: Redactor | None = None) -> int:
-    from daemon.analysis.summary import summarize
+                out: Callable[[str], None], *, redactor: Redactor | None = None,
+                config_path: str | None = None) -> int:
+    from daemon.interfaces.demo_runner import needs_runner
 
     t0 = time.time()
+    if config_path is not None and needs_runner(config):  # the chaos kills the daemon: it runs as our child
+        return await _demo_outside(config, config_path, summary_json, timeout_s, out, t0)
     with rendezvous_process(config) as store:
         async with contextlib.AsyncExitStack() as stack:
             ha = None
@@ -369,6 +374,31 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                 return 1
             job.result()  # its error, if any
             events = sup.store.events()
+    return _summary(config, events, t0, summary_json, out)
+
+
+async def _demo_outside(config: Config, config_path: str, summary_json: Path | None, timeout_s: float,
+                        out: Callable[[str], None], t0: float) -> int:
+    """The demo as the daemon's service manager (:mod:`daemon.interfaces.demo_runner`)."""
+    from daemon.interfaces.demo_runner import run_outside, with_fixed_agent_port
+
+    config = with_fixed_agent_port(config)
+    with rendezvous_process(config) as store:
+        out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
+            f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}; "
+            "the daemon runs as a child (its chaos kills it), its log in daemon.log there")
+        code, events = await run_outside(config, config_path, store=store, timeout_s=timeout_s, out=out,
+                                         line=lambda ev: out(format_event(ev, t0)))
+    if code != 0:
+        return code
+    return _summary(config, events, t0, summary_json, out)
+
+
+def _summary(config: Config, events: list[Event], t0: float, summary_json: Path | None,
+             out: Callable[[str], None]) -> int:
+    """Print (and write) the demo's summary; its exit code."""
+    from daemon.analysis.summary import summarize
+
     summary = summarize(config.daemon.state_path() / "nodes", events, target_steps=config.job.target_steps,
                         global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
     out("summary:")
@@ -528,6 +558,19 @@ async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float 
     return True
 
 
+def _runner_overrides(config: Config, args: argparse.Namespace) -> Config:
+    """``run``'s hidden options, given by the demo's runner: the run directory, the control
+    socket and the ports it chose."""
+    daemon = {k: v for k, v in (("state_dir", args.state_dir), ("socket", args.socket),
+                                ("agent_port", args.agent_port)) if v is not None}
+    if daemon:
+        config = config.model_copy(update={"daemon": config.daemon.model_copy(update=daemon)})
+    if args.rendezvous_port is not None:
+        config = config.model_copy(
+            update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
+    return config
+
+
 def _with_run_dir(config: Config) -> Config:
     """A demo starts from nothing: its own state dir under the configured one."""
     run_dir = config.daemon.state_path() / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
@@ -547,6 +590,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--timeout-s", type=float, default=60.0, help="seconds each check may take (default %(default)s)")
     r = sub.add_parser("run", help="run the daemon (systemd service)")
     r.add_argument("--config", required=True)
+    for flag, kind in (("--state-dir", str), ("--socket", str), ("--agent-port", int), ("--rendezvous-port", int)):
+        r.add_argument(flag, type=kind, help=argparse.SUPPRESS)  # the demo's runner: its run dir and ports
     d = sub.add_parser("demo", help="run the job on the local provider with its chaos schedule")
     d.add_argument("--config", default="configs/local.yaml")
     d.add_argument("--summary-json", type=Path)
@@ -596,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "check":
         return _cloud_check(config, args.timeout_s, lambda s: print(s, flush=True))
+    if args.cmd == "run":
+        config = _runner_overrides(config, args)
     report, no_fit = preflight_cli.check_config_report(config)
     if args.cmd == "check-config":
         if not no_fit:
@@ -651,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 1
+    from daemon.interfaces.demo_runner import needs_runner
+
     configure_logging(level="WARNING" if args.cmd == "demo" else None, redactor=redactor)
     if args.rendezvous_port:
         config = config.model_copy(
@@ -659,13 +708,14 @@ def main(argv: list[str] | None = None) -> int:
         try:  # the configured directory (the demo's control socket is there), then its run dir under it
             held.enter_context(state_dir_lock(config.daemon.state_path()))
             config = _with_run_dir(config)
-            held.enter_context(state_dir_lock(config.daemon.state_path()))
+            if not needs_runner(config):  # else the daemon, our child, holds its run dir's
+                held.enter_context(state_dir_lock(config.daemon.state_path()))
         except OSError as exc:
             print(f"spotvisord demo: {_state_dir_problem(config, exc)}", file=sys.stderr)
             return 2
         try:
             return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True),
-                                     redactor=redactor))
+                                     redactor=redactor, config_path=path))
         except SecretError as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return exc.exit_code

@@ -1,0 +1,198 @@
+"""``spotvisord demo`` as an outside runner, for the chaos that kills the daemon.
+
+When a demo's chaos schedule holds ``kill_daemon`` or ``kill_control_node``
+(:data:`daemon.config.DAEMON_FAULTS`), the daemon cannot run inside the demo's process: it
+must die by a real SIGKILL and come back on the same state, as ``systemd``'s ``Restart=``
+brings back ``spotvisord.service``. The demo then plays the control node's service manager:
+
+1. It starts the rendezvous store (its child, as in every demo) and the daemon as a child
+   process, the real service (``spotvisord run --config FILE`` on the demo's run directory,
+   with a fixed agent port, so the nodes find the restarted daemon where they left it).
+2. It holds the write end of the local instances' lifeline and passes the daemon the read
+   end (:data:`daemon.providers.local_instance.LIFELINE_FD_ENV`): the instances end when
+   this runner ends, not when the daemon dies, and a restarted daemon adopts them.
+3. When the daemon dies by SIGKILL, it reads the daemon's event log for the
+   ``chaos_injected`` that said so (:func:`restart_for`), waits its ``restart_after_s``, for
+   ``kill_control_node`` starts the store again (empty, same port; the daemon killed it), and
+   starts the daemon again. Any other end of the daemon ends the demo (exit 1).
+4. It prints the event log as it grows, and returns the log once the daemon exits 0 (the
+   job completed and the pool is released) for the demo's summary.
+
+Without those actions ``spotvisord demo`` runs the daemon in its own process, as ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import sqlite3
+import sys
+from contextlib import closing
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import structlog
+
+from daemon.config import DAEMON_FAULTS, Config
+from daemon.model import Event, EventKind
+from daemon.providers.local_instance import LIFELINE_FD_ENV, STORE_PID_ENV
+from daemon.state_dir import open_private, prepare_state_dir
+
+if TYPE_CHECKING:
+    from daemon.controlnode.rendezvous import StoreProcess
+
+__all__ = ["needs_runner", "restart_for", "run_outside", "with_fixed_agent_port"]
+
+log = structlog.get_logger("spotvisor.demo")
+
+#: seconds between two reads of the event log (what the demo prints, and how soon)
+TAIL_EVERY_S = 0.5
+
+
+def needs_runner(config: Config) -> bool:
+    """Whether the demo's chaos kills the daemon (it then runs as this runner's child)."""
+    return any(ev.action in DAEMON_FAULTS for ev in config.chaos)
+
+
+def restart_for(stored: Iterable[Event], handled: set[int]) -> Event | None:
+    """The ``chaos_injected`` of a daemon kill not handled yet (the newest), or None: a
+    daemon that died without one is not the chaos's doing. Pure."""
+    found = None
+    for ev in stored:
+        if (ev.kind == EventKind.CHAOS_INJECTED.value and ev.data.get("action") in DAEMON_FAULTS
+                and not ev.data.get("skipped") and ev.data.get("index") not in handled):
+            found = ev
+    return found
+
+
+def with_fixed_agent_port(config: Config) -> Config:
+    """``config`` with a fixed ``daemon.agent_port`` (one outside the kernel's ephemeral
+    range, free now) when it has 0: a restarted daemon must listen where its nodes call."""
+    if config.daemon.agent_port:
+        return config
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(20000, max(20001, low))
+        with socket.socket() as s:
+            try:
+                s.bind((config.daemon.agent_host, port))
+            except OSError:
+                continue
+        return config.model_copy(update={"daemon": config.daemon.model_copy(update={"agent_port": port})})
+    raise RuntimeError("no free port for the daemon's agent API; set daemon.agent_port")
+
+
+def read_events(db: Path, since: int = 0) -> list[Event]:
+    """The daemon's events after ``since``, read-only (the daemon may be writing)."""
+    if not db.exists():
+        return []
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as conn:
+            rows = conn.execute("SELECT seq, time, kind, node, data FROM events WHERE seq > ? ORDER BY seq",
+                                (since,)).fetchall()
+    except sqlite3.Error as exc:  # not made yet, or busy: the next read
+        log.debug("demo_events_unreadable", error=str(exc))
+        return []
+    out = []
+    for seq, t, kind, node, data in rows:
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = {"value": data}
+        out.append(Event(seq, t, kind, node, body if isinstance(body, dict) else {"value": body}))
+    return out
+
+
+async def _tail(db: Path, line: Callable[[Event], None], seen: list[int]) -> None:
+    while True:
+        for ev in await asyncio.to_thread(read_events, db, seen[0]):
+            seen[0] = ev.seq
+            line(ev)
+        await asyncio.sleep(TAIL_EVERY_S)  # a polling period, not synchronisation
+
+
+def _child_argv(config: Config, config_path: str) -> list[str]:
+    return [sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", config_path,
+            "--state-dir", str(config.daemon.state_path()), "--socket", str(config.daemon.socket_path()),
+            "--agent-port", str(config.daemon.agent_port), "--rendezvous-port", str(config.rendezvous.port)]
+
+
+async def run_outside(config: Config, config_path: str, *, store: "StoreProcess", timeout_s: float,
+                      out: Callable[[str], None], line: Callable[[Event], None]) -> tuple[int, list[Event]]:
+    """Run the daemon as a child until the job completes, restarting it after each chaos
+    kill (the module docstring). ``store``: the first domain's rendezvous store, started.
+    ``config``: the demo's, on its run directory, with a fixed agent port
+    (:func:`with_fixed_agent_port`). Returns (0, every event) once the daemon exited 0; (1,
+    the events so far) on a timeout or a daemon that ended otherwise. Ending (a return,
+    an error, a cancel) stops the daemon and closes the lifeline: every instance ends."""
+    state = prepare_state_dir(config.daemon.state_path())
+    db, log_path = state / "spotvisord.db", state / "daemon.log"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    lifeline_r, lifeline_w = os.pipe()  # both close-on-exec: the daemon gets the read end by pass_fds
+    seen = [0]
+    tail = asyncio.create_task(_tail(db, line, seen), name="demo:tail")
+    handled: set[int] = set()
+    proc: asyncio.subprocess.Process | None = None
+    try:
+        while True:
+            env = {**os.environ, LIFELINE_FD_ENV: str(lifeline_r), STORE_PID_ENV: str(store.pid or "")}
+            with os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as log_file:
+                proc = await asyncio.create_subprocess_exec(
+                    *_child_argv(config, config_path), stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT, pass_fds=(lifeline_r,), env=env)
+            try:
+                rc = await asyncio.wait_for(proc.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                out(f"spotvisor demo: the job did not complete within {timeout_s:g} s; see {log_path}")
+                return 1, await asyncio.to_thread(read_events, db)
+            if rc == 0:
+                break
+            fault = restart_for(await asyncio.to_thread(read_events, db), handled) if rc == -signal.SIGKILL else None
+            if fault is None:
+                out(f"spotvisor demo: the daemon exited ({_how(rc)}) and no chaos said so; see {log_path}")
+                return 1, await asyncio.to_thread(read_events, db)
+            handled.add(fault.data["index"])
+            wait_s = float(fault.data.get("restart_after_s") or 0.0)
+            control_node = fault.data.get("action") == "kill_control_node"
+            out(f"spotvisor demo: the daemon (pid {proc.pid}) was SIGKILLed by chaos #{fault.data['index']}"
+                f"{' with the rendezvous store' if control_node else ''}; restarting in {wait_s:g} s")
+            if control_node:
+                await asyncio.to_thread(store.kill)  # reaped: the daemon killed it
+            await asyncio.sleep(wait_s)  # the outage itself, as Restart= and RestartSec= give it
+            if control_node:
+                await asyncio.to_thread(store.start)  # empty, on the same port
+    finally:
+        tail.cancel()
+        await asyncio.gather(tail, return_exceptions=True)
+        if proc is not None and proc.returncode is None:
+            await _stop(proc)
+        os.close(lifeline_w)  # the instances' inits see the end of the pipe: whatever is left ends
+        os.close(lifeline_r)
+    events = await asyncio.to_thread(read_events, db)
+    for ev in events:  # what the tail had not printed yet
+        if ev.seq > seen[0]:
+            line(ev)
+    return 0, events
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM the daemon, SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+def _how(rc: int) -> str:
+    return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
