@@ -216,6 +216,8 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
         for step, size in ((20, 5_000), (40, 6_000)):  # what the first daemon recorded of the trainer's commits
             store.append_event("checkpoint_committed", "life-1", {"step": step, "attempt": "a1", "reason": "periodic",
                                                                   "bytes": size, "trainer_time": 1000.0 + step})
+        store.append_event("job_resumed", "life-1", {"attempt": "a1", "step": 0, "world_size": 1, "lost_steps": 0},
+                           at=900.0)  # the job's start, as the first daemon recorded it
         store.close()
 
         async with running_daemon(config, providers={"local": provider}) as sup:
@@ -225,6 +227,8 @@ async def test_a_restarted_daemon_picks_up_the_running_job(tmp_path: Path) -> No
             assert sup.job.state is JobState.RUNNING
             # the newest commit is the job's (what a resume or a migration's copy starts from)
             assert (sup.job.last_commit_step, sup.job.last_commit_time, sup.job.last_commit_bytes) == (40, 1040.0, 6_000)
+            # when the job started and at which world size (a chaos schedule's at_s and full pool read them)
+            assert (sup.job.started_at, sup.job.world_size) == (900.0, 1)
             assert len(provider.launched) == 1 and provider.terminated == set()
             assert len(sup.store.events(kinds=["node_launch_requested"])) == 1
             assert not sup.store.events(kinds=["node_lost", "node_terminated"])

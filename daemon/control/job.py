@@ -408,13 +408,16 @@ def _heartbeat(run: _Run, m: Heartbeat) -> None:
 
 def _restore(run: _Run, m: Restore) -> None:
     """The store's word after a daemon restart: the attempts started and their leaders (the
-    newest runs), the commits; the job's step is its leader's (else the highest any node has)."""
+    newest runs), the commits; the job's step is its leader's (else the highest any node has);
+    its start is its first resume's time, its world size the newest resume's."""
+    started = next((r.time for r in m.resumes if r.time is not None), None)
     if m.running:
-        run.progress(state=JobState.RUNNING)
-    attempt = run.record.attempt
+        run.progress(state=JobState.RUNNING, started_at=started)
+    attempt, world = run.record.attempt, run.record.world_size
     for r in m.resumes:
         run.started |= {r.attempt}
         attempt = r.attempt  # the newest: the attempt running, and its leader
+        world = r.world_size if r.world_size is not None else world
         if r.node is not None:
             run.leader_of = {**run.leader_of, r.attempt: r.node}
     leader = run.leader_of.get(attempt or "")
@@ -434,7 +437,7 @@ def _restore(run: _Run, m: Restore) -> None:
             if top.bytes is not None:
                 newest["last_commit_bytes"] = top.bytes
     run.progress(attempt=attempt, step=max(steps, default=None), commit_steps=run.record.commit_steps | commits,
-                 state=JobState.COMPLETED if m.completed else None, **newest)
+                 world_size=world, state=JobState.COMPLETED if m.completed else None, **newest)
 
 
 def _check_flushes(run: _Run) -> None:

@@ -147,10 +147,13 @@ class World:
 
 @dataclass(frozen=True, slots=True)
 class StoredResume:
-    """A ``job_resumed`` event in the store: ``attempt``, led by ``node``."""
+    """A ``job_resumed`` event in the store: ``attempt``, led by ``node``; when (``time``,
+    unix s) and at which ``world_size`` (None: not stored)."""
 
     attempt: str
     node: str | None
+    time: float | None = None
+    world_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,7 +110,8 @@ class JobTracker:
         for node in sup.nodes.values():
             if node.state in LIVE and node.last_heartbeat is not None:
                 node.last_heartbeat = now
-        resumes = tuple(j.StoredResume(ev.data["attempt"], ev.node)
+        resumes = tuple(j.StoredResume(ev.data["attempt"], ev.node, ev.time,
+                                       ev.data["world_size"] if isinstance(ev.data.get("world_size"), int) else None)
                         for ev in sup.store.events(kinds=[EventKind.JOB_RESUMED.value])
                         if isinstance(ev.data.get("attempt"), str))
         commits = tuple(j.StoredCommit(ev.data["step"], bool(ev.data.get("commit_unconfirmed")),

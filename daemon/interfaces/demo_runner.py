@@ -111,11 +111,17 @@ def read_events(db: Path, since: int = 0) -> list[Event]:
     return out
 
 
-async def _tail(db: Path, line: Callable[[Event], None], seen: list[int]) -> None:
-    while True:
-        for ev in await asyncio.to_thread(read_events, db, seen[0]):
+def _show(events: list[Event], line: Callable[[Event], None], seen: list[int]) -> None:
+    """Print the events after ``seen[0]``, the last seq printed, and move it on."""
+    for ev in events:
+        if ev.seq > seen[0]:
             seen[0] = ev.seq
             line(ev)
+
+
+async def _tail(db: Path, line: Callable[[Event], None], seen: list[int]) -> None:
+    while True:
+        _show(await asyncio.to_thread(read_events, db, seen[0]), line, seen)
         await asyncio.sleep(TAIL_EVERY_S)  # a polling period, not synchronisation
 
 
@@ -156,7 +162,9 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
                 return 1, await asyncio.to_thread(read_events, db)
             if rc == 0:
                 break
-            fault = restart_for(await asyncio.to_thread(read_events, db), handled) if rc == -signal.SIGKILL else None
+            stored = await asyncio.to_thread(read_events, db)
+            _show(stored, line, seen)  # the daemon's last events before what we say of its end
+            fault = restart_for(stored, handled) if rc == -signal.SIGKILL else None
             if fault is None:
                 out(f"spotvisor demo: the daemon exited ({_how(rc)}) and no chaos said so; see {log_path}")
                 return 1, await asyncio.to_thread(read_events, db)
@@ -178,9 +186,7 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
         os.close(lifeline_w)  # the instances' inits see the end of the pipe: whatever is left ends
         os.close(lifeline_r)
     events = await asyncio.to_thread(read_events, db)
-    for ev in events:  # what the tail had not printed yet
-        if ev.seq > seen[0]:
-            line(ev)
+    _show(events, line, seen)  # what the tail had not printed yet
     return 0, events
 
 
