@@ -200,3 +200,29 @@ def test_each_daemon_kill_is_answered_by_one_restart_record(stored: list[Event])
                and e.data["index"] not in answered for e in unanswered)
     restarts = [_chaos(99, {"index": e.data["index"], "action": "daemon_restarted"}) for e in unanswered]
     assert kills_unanswered(stored + restarts) == []  # once answered, never again
+
+
+@pytest.mark.parametrize(("action", "outlives", "store_pid", "reason"), [
+    ("kill_daemon", False, None, "no outside runner here"),  # spotvisord run: systemd restarts it
+    ("kill_control_node", False, "123", "no outside runner here"),
+    ("kill_control_node", True, None, "no rendezvous store pid"),
+])
+def test_a_daemon_kill_without_a_runner_is_recorded_as_skipped(
+        monkeypatch: pytest.MonkeyPatch, action: str, outlives: bool, store_pid: str | None, reason: str) -> None:
+    from types import SimpleNamespace
+
+    from daemon.config import ChaosEvent
+    from daemon.providers import chaos
+    from daemon.providers.local_instance import STORE_PID_ENV
+
+    if store_pid is None:
+        monkeypatch.delenv(STORE_PID_ENV, raising=False)
+    else:
+        monkeypatch.setenv(STORE_PID_ENV, store_pid)
+    monkeypatch.setattr(chaos.os, "kill", lambda *a: pytest.fail(f"killed {a}"))
+    recorded: list[tuple] = []
+    sup = SimpleNamespace(job=SimpleNamespace(step=7), record=lambda kind, node, **data: recorded.append((kind, data)))
+    chaos._kill_daemon(sup, 3, ChaosEvent(action=action, at_step=5), SimpleNamespace(outlives_daemon=outlives))
+    [(kind, data)] = recorded
+    assert (kind.value, data["index"], data["action"], data["skipped"]) == ("chaos_injected", 3, action, True)
+    assert reason in data["reason"]
