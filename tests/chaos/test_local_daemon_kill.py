@@ -47,7 +47,7 @@ def test_a_daemon_kill_and_a_control_node_kill_cost_no_step(tmp_path: Path, matr
         {"action": "kill_daemon", "at_step": 12, "restart_after_s": 2},
         {"action": "notice", "node": 2, "at_step": 30, "lead_s": 30},
         {"action": "kill_control_node", "at_step": 36, "restart_after_s": 3, "wait_full_pool": False},
-    ], target_steps=80, timeout_s=500)
+    ], target_steps=100, timeout_s=500)
     _record(matrix, "daemon SIGKILLed mid-training, then daemon + store during a grow (local demo, 3 nodes)",
             s, stored, run_dir)
     out = s["_stdout"][-4000:]
