@@ -3,6 +3,7 @@
 ``spotvisord run`` on a local config, its open-file limit set as
 ``systemd/spotvisord.service`` sets it (``LimitNOFILE``; this machine's hard limit if that
 is lower), two nodes training ``trainer.run`` under torchrun with periodic commits
+(paced: each step at least 0.15 s, as a GPU step leaves the CPU idle)
 (verified against the checkpoint store, as by default). Then an attacker process
 (``tests/flood_attacker.py``) holds 5,000 idle connections to the agent port from 250
 loopback addresses (each reopened as soon as the daemon closes it) and 200 more from one
@@ -99,7 +100,10 @@ def test_a_daemon_under_connection_and_report_floods_keeps_serving_its_nodes(tmp
     with tempfile.TemporaryDirectory(prefix="svb-", dir="/tmp") as sockdir:
         raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
         raw["pool"].update({"min_nodes": 1, "target_nodes": 2, "max_nodes": 2})
-        raw["job"].update({"target_steps": 1_000_000, "checkpoint_interval_steps": 10, "args": SMALL_MODEL})
+        # steps of at least 0.15 s (e2e.paced_trainer): a commit every 1.5 s, and trainers
+        # that wait as on a GPU instead of taking the cores the daemon and the flood need
+        raw["job"].update({"target_steps": 1_000_000, "checkpoint_interval_steps": 10, "module": "e2e.paced_trainer",
+                           "args": [*SMALL_MODEL, "--full-world", "2", "--pace-s", "0", "--min-step-s", "0.15"]})
         raw["job"].pop("model", None)
         raw["rendezvous"]["port"] = rendezvous
         agent_port = free_port()
@@ -116,9 +120,11 @@ def test_a_daemon_under_connection_and_report_floods_keeps_serving_its_nodes(tmp
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         with open(log, "wb") as out:
+            tests = str(ROOT / "tests")  # e2e.paced_trainer, for the nodes' workers
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
             daemon = subprocess.Popen([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(cfg)],
                                       cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                      preexec_fn=limit)
+                                      preexec_fn=limit, env=env)
         try:
             result = asyncio.run(_attack_and_measure(daemon, db, f"{sockdir}/d.sock", f"http://127.0.0.1:{agent_port}",
                                                      log))

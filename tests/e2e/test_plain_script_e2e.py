@@ -1,7 +1,7 @@
 """End to end: an unmodified torchrun DDP script (trainer/examples/plain_ddp.py: torchrun's
 environment, ``init_process_group()``, its own ``--save-dir``; nothing of spotvisor's)
-runs as ``job.command`` under ``spotvisord demo`` through the demo's chaos: two
-interruption notices (``spotctl simulate-preemption``) and one node killed without notice
+runs as ``job.command`` under ``spotvisord demo`` through two faults: an interruption
+notice (``spotctl simulate-preemption``) and a node killed without notice
 (every process of its local instance SIGKILLed, as the chaos ``kill`` does), each once the
 script has trained past its last restart by its own saves.
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "trainer" / "examples" / "plain_ddp.py"
-STEPS = 180
+STEPS = 120
 SAVE_EVERY = 20
 CHAOS_TIMEOUT_S = 240.0  # for each fault's moment to come (the script's start included)
 
@@ -64,7 +64,7 @@ def _saves(save_dir: Path) -> list[dict]:
 
 
 def _chaos_by_the_scripts_own_progress(save_dir: Path, tmp_path: Path) -> Callable[[subprocess.Popen, Path], None]:
-    """The demo's chaos (a notice on node 2, one on node 3, node 1 killed), each fired once
+    """The faults (a notice on node 2, then node 1 killed), each fired once
     the script has trained ``SAVE_EVERY`` steps past its last restart, by its own saves.
 
     The script reports nothing to spotvisor, so the daemon's chaos could only go by time,
@@ -85,10 +85,9 @@ def _chaos_by_the_scripts_own_progress(save_dir: Path, tmp_path: Path) -> Callab
 
     def during(proc: subprocess.Popen, sock: Path) -> None:
         since = 0.0
-        for node in ("demo-2", "demo-3"):
-            trained_on(since, proc)
-            since = time.time()
-            _ctl(sock, "simulate-preemption", node, "--lead-s", "20")
+        trained_on(since, proc)
+        since = time.time()
+        _ctl(sock, "simulate-preemption", "demo-2", "--lead-s", "20")
         trained_on(since, proc)
         # node 1 killed with no notice, as the local provider's chaos does: every process of it
         instance = min((p for p in psutil.process_iter(["cmdline", "create_time"])
@@ -99,7 +98,7 @@ def _chaos_by_the_scripts_own_progress(save_dir: Path, tmp_path: Path) -> Callab
     return during
 
 
-def test_an_unmodified_ddp_script_survives_two_notices_and_a_kill(run_demo, tmp_path: Path) -> None:
+def test_an_unmodified_ddp_script_survives_a_notice_and_a_kill(run_demo, tmp_path: Path) -> None:
     save_dir = tmp_path / "ckpt"
     run_demo(
         module=None, args=None, grow="restart",
@@ -123,7 +122,7 @@ def test_an_unmodified_ddp_script_survives_two_notices_and_a_kill(run_demo, tmp_
 
     # each notice: the script on that node got SIGTERM with the deadline still ahead, and saved
     notices = [e for e in events if e.kind == "interruption_notice"]
-    assert len(notices) == 2
+    assert len(notices) == 1
     told = [s for s in saves if s["event"] == "sigterm" and s["notice"] is not None]
     assert {s["notice"]["id"] for s in told} == {e.data["notice_id"] for e in notices}
     for s in told:
