@@ -75,8 +75,7 @@ def aws(faults, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     s3 = boto3.client("s3", endpoint_url=faults.upstream, region_name="us-east-1")
     for b in buckets.values():
         s3.create_bucket(Bucket=b)
-    east = {i["ImageId"] for i in _images("us-east-1", faults.upstream)}
-    west = {i["ImageId"] for i in _images("us-west-2", faults.upstream)}
+    east, west = _image_ids("us-east-1", faults.upstream), _image_ids("us-west-2", faults.upstream)
 
     class Aws:
         proxy = faults
@@ -92,6 +91,17 @@ def aws(faults, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
                                **aws_spec)
 
     yield Aws()
+
+
+_STOCK_IMAGES: dict[str, frozenset[str]] = {}
+
+
+def _image_ids(region: str, url: str) -> frozenset[str]:
+    """The ids of moto's stock images in ``region``: the same in every moto server of this
+    version, so asked once per run (the list is thousands of images: seconds a test)."""
+    if region not in _STOCK_IMAGES:
+        _STOCK_IMAGES[region] = frozenset(i["ImageId"] for i in _images(region, url))
+    return _STOCK_IMAGES[region]
 
 
 def _images(region: str, url: str) -> list[dict]:
