@@ -9,7 +9,8 @@ built from:
 - **init**: ``init_process_group`` (NCCL on CUDA with one GPU per rank, else gloo);
 - **all-reduce**: ``--mb`` MB of bf16, its bus bandwidth (``2 (N-1)/N × bytes / s``, as
   nccl-tests reports it) and whether the sum is exact;
-- **matmul**: bf16 TFLOP/s of one rank's device (8192² on CUDA, 1024² on the CPU);
+- **matmul**: bf16 TFLOP/s of one rank's device (8192² on CUDA; 256² on the CPU, where bf16 matmuls
+  are slow and the dry run only shows that the step runs);
 - **shrink**: the last rank leaves at a step boundary; the others re-form the group in
   their processes (:func:`trainer.runtime.shrink_process_group`) and all-reduce again;
 - **grow**: the rank that left joins back (a new group of ``N``, the same store) and
@@ -72,7 +73,7 @@ def _allreduce(ctx, mb: float) -> tuple[float, bool]:
 def _matmul_tflops(device) -> float:
     import torch
 
-    k = 8192 if device.type == "cuda" else 1024
+    k = 8192 if device.type == "cuda" else 256
     a = torch.randn(k, k, dtype=torch.bfloat16, device=device)
     b = torch.randn(k, k, dtype=torch.bfloat16, device=device)
     a @ b
