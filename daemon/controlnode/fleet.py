@@ -21,6 +21,7 @@ import structlog
 
 from daemon.control.actions import Launch, MarkLost, Terminate
 from daemon.control.lifecycle import LIVE
+from daemon.control.listing import absent_means_gone
 from daemon.control.offers import History, Offer
 from daemon.controlnode.check_gate import CheckGate
 from daemon.controlnode.cloud_check import CheckResult
@@ -54,6 +55,7 @@ class Fleet:
         self.book = OfferBook(core.config, rng=rng)  # prices and backoffs, by offer index
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
+        self._listed: set[str] = set()  # live nodes' instance ids a listing has shown (observe)
         d = core.config.daemon
         # the agent's wheel for nodes that install it at boot; a URL lives a bit over the
         # slowest offer's launch timeout (a node fetches it while it boots)
@@ -153,7 +155,8 @@ class Fleet:
 
         Only a node whose instance was known before the listing was asked for can be
         found gone: a launch that lands while the listing is in flight (a concurrent
-        task) is not in it, and is no loss."""
+        task) is not in it, and is no loss. Nor is a new instance a lagging listing has
+        not shown yet (:func:`daemon.control.listing.absent_means_gone`)."""
         core = self.core
         known = {n.id: n.instance_id for n in core.nodes.values() if n.state in LIVE and n.instance_id is not None}
         alive: dict[int, set[str]] = {}
@@ -162,12 +165,20 @@ class Fleet:
             instances = await p.describe(core.pool)
             alive[id(p)] = {i.id for i in instances}
             found += [(p, i) for i in instances]
+        now = core.clock()
+        live_ids = {n.instance_id for n in core.nodes.values() if n.state in LIVE}
+        self._listed = (self._listed & live_ids) | {i.id for _, i in found}  # bounded by the pool's live nodes
         await self.settle_unowned(found)
         for node in list(core.nodes.values()):
             if node.state not in LIVE or node.instance_id is None or known.get(node.id) != node.instance_id:
                 continue
-            if node.instance_id in alive.get(id(self.provider_for(node.provider)), set()):
+            provider = self.provider_for(node.provider)
+            if node.instance_id in alive.get(id(provider), set()):
                 continue
+            seen = node.instance_id in self._listed or node.last_heartbeat is not None  # listed, or its agent spoke
+            if not absent_means_gone(listed_before=seen, requested_at=node.created_at, now=now,
+                                     lag_s=getattr(provider, "listing_lag_s", 0.0)):
+                continue  # a new instance not listed yet: the listing lags (the boot timeout still holds)
             if node.state is NodeState.DRAINING:
                 core.set_state(node, NodeState.TERMINATED, "instance gone after notice")
                 core.record(EventKind.NODE_TERMINATED, node.id, reason="spot_reclaimed")

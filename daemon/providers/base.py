@@ -119,10 +119,14 @@ class Instance:
 class Provider(abc.ABC):
     """A source of spot instances. ``installs_agent``: its instances boot from the user
     data of :mod:`daemon.providers.bootstrap`, which installs the agent from the daemon's
-    wheel (``NodeSpec.agent_wheel``; the daemon publishes it before such a launch)."""
+    wheel (``NodeSpec.agent_wheel``; the daemon publishes it before such a launch).
+    ``listing_lag_s``: how long its listing may leave a new instance out (seconds)."""
 
     name: str = ""
     installs_agent: bool = False
+    #: seconds a new instance may be missing from :meth:`describe` (an eventually
+    #: consistent listing: :mod:`daemon.control.listing`); 0: the listing is the truth
+    listing_lag_s: float = 0.0
 
     @abc.abstractmethod
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
