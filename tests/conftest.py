@@ -205,9 +205,10 @@ async def started_daemon(config: "object", provider: Provider, store: "object", 
         await api.aclose()
 
 
-@pytest.fixture
-async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
-    """Store + RecordingProvider + Supervisor + ApiServer, started; pool target 1 (max 2).
+@contextlib.asynccontextmanager
+async def spot_harness(tmp_path: Path, provider: Provider, **daemon: object) -> AsyncIterator[DaemonHarness]:
+    """Store + ``provider`` + Supervisor + ApiServer, started; pool target 1 (max 2), the
+    tests' agents told a 0.05 s heartbeat interval; ``daemon``: more ``daemon`` fields.
 
     The control socket lives in a short ``/tmp`` directory (unix socket paths are
     limited to ~100 characters).
@@ -221,16 +222,23 @@ async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
         "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
         "job": {"id": "job1", "module": "standin_trainer", "target_steps": 1_000_000},  # stand-ins step on and on
         "agent": {"heartbeat_interval_s": 0.05},  # the daemon tells the tests' agents this interval
-        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": socket_path, "reconcile_interval_s": 0.05},
+        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": socket_path,
+                   "reconcile_interval_s": 0.05, **daemon},
     })
     store = Store(tmp_path / "state" / "spotvisord.db").open()
-    provider = RecordingProvider()
     try:
         async with started_daemon(config, provider, store, socket_path) as (sup, api):
-            yield DaemonHarness(sup, api, provider, config, socket_path, tmp_path)
+            yield DaemonHarness(sup, api, provider, config, socket_path, tmp_path)  # type: ignore[arg-type]
     finally:
         store.close()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@pytest.fixture
+async def spot_daemon(tmp_path: Path) -> AsyncIterator[DaemonHarness]:
+    """:func:`spot_harness` with a :class:`RecordingProvider`."""
+    async with spot_harness(tmp_path, RecordingProvider()) as h:
+        yield h
 
 
 @pytest.fixture

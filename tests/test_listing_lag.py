@@ -8,14 +8,12 @@ here by a provider whose listing leaves new instances out until the test shows t
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import DaemonHarness, RecordingProvider, started_daemon
+from conftest import DaemonHarness, RecordingProvider, spot_harness
 from daemon.control.listing import absent_means_gone
 
 
@@ -33,21 +31,6 @@ class LaggingListing(RecordingProvider):
         return [i for i in await super().describe(tag) if i.id in self.shown]
 
 
-async def _run(tmp_path: Path, provider: LaggingListing):
-    from daemon.config import Config
-    from daemon.controlnode.store import Store
-
-    sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
-    config = Config.model_validate({
-        "pool": {"name": "lag", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
-        "job": {"id": "job1", "module": "standin_trainer", "target_steps": 1_000_000},
-        "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
-                   "reconcile_interval_s": 0.05},
-    })
-    store = Store(tmp_path / "state" / "spotvisord.db").open()
-    return config, store, sockdir
-
-
 async def _listings(h: DaemonHarness, provider: LaggingListing, n: int) -> None:
     start = provider.listings
     await h.until(lambda: provider.listings >= start + n, what=f"{n} more listings")
@@ -55,35 +38,23 @@ async def _listings(h: DaemonHarness, provider: LaggingListing, n: int) -> None:
 
 async def test_a_new_instance_the_listing_leaves_out_is_not_lost_until_it_was_seen(tmp_path: Path) -> None:
     provider = LaggingListing(lag_s=300.0)
-    config, store, sockdir = await _run(tmp_path, provider)
-    try:
-        async with started_daemon(config, provider, store, f"{sockdir}/d.sock") as (sup, api):
-            h = DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
-            await h.until(lambda: provider.launched, what="the launch")
-            await _listings(h, provider, 10)  # ten passes with the new instance missing
-            assert h.events("node_lost") == [] and len(provider.launched) == 1 and provider.terminated == set()
-            (_, inst), = provider.launched
-            provider.shown.add(inst.id)  # the listing catches up
-            await _listings(h, provider, 2)
-            provider.shown.discard(inst.id)  # listed before, missing now: gone
-            await h.until(lambda: h.events("node_lost"), what="the node lost")
-            [lost] = h.events("node_lost")
-            assert lost.data["reason"] == "instance_gone"
-    finally:
-        store.close()
-        shutil.rmtree(sockdir, ignore_errors=True)
+    async with spot_harness(tmp_path, provider) as h:
+        await h.until(lambda: provider.launched, what="the launch")
+        await _listings(h, provider, 10)  # ten passes with the new instance missing
+        assert h.events("node_lost") == [] and len(provider.launched) == 1 and provider.terminated == set()
+        (_, inst), = provider.launched
+        provider.shown.add(inst.id)  # the listing catches up
+        await _listings(h, provider, 2)
+        provider.shown.discard(inst.id)  # listed before, missing now: gone
+        await h.until(lambda: h.events("node_lost"), what="the node lost")
+        [lost] = h.events("node_lost")
+        assert lost.data["reason"] == "instance_gone"
 
 
 async def test_a_provider_whose_listing_is_the_truth_loses_a_missing_instance_at_once(tmp_path: Path) -> None:
     provider = LaggingListing(lag_s=0.0)  # the local provider's case
-    config, store, sockdir = await _run(tmp_path, provider)
-    try:
-        async with started_daemon(config, provider, store, f"{sockdir}/d.sock") as (sup, api):
-            h = DaemonHarness(sup, api, provider, config, f"{sockdir}/d.sock", tmp_path)
-            await h.until(lambda: h.events("node_lost"), what="the node lost")
-    finally:
-        store.close()
-        shutil.rmtree(sockdir, ignore_errors=True)
+    async with spot_harness(tmp_path, provider) as h:
+        await h.until(lambda: h.events("node_lost"), what="the node lost")
 
 
 @given(listed=st.booleans(), requested_at=st.integers(0, 2**31), age=st.integers(0, 10_000), lag=st.integers(0, 1_000))
