@@ -213,12 +213,16 @@ def test_every_way_a_leader_stops_leading_is_said_in_words() -> None:
     log said only "lease lost or expired, or fence refused")."""
     state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=5.0, confirmed_at=10.0, fence=9)
     said = {}
-    for obs in (ld.Tick(), ld.LeaseRenewed(7, -1.0, 11.0), ld.LeaseLost(7), ld.CampaignLost(7, 8, 12),
+    for obs in (ld.Tick(), ld.Failed(), ld.LeaseRenewed(7, -1.0, 11.0), ld.LeaseLost(7), ld.CampaignLost(7, 8, 12),
                 ld.FenceRejected(9), ld.LeaderKeyGone(12)):
         out = ld.decide(state, obs, 14.3, CFG)
         assert out.state.role is not ld.Role.LEADER, obs  # each of them deposes
         said[type(obs).__name__] = ld.why_lost(state, obs, 14.3)
     assert said["Tick"].startswith("no keepalive answered in time (lease 5 s, last confirmed 4.3 s ago)")
+    # a partition: the keepalives fail, and the lease runs out on this daemon's clock (CI
+    # once said only "Failed": the observation's class name)
+    assert said["Failed"].startswith("no keepalive answered in time (lease 5 s, last confirmed 4.3 s ago; "
+                                     "the last request to etcd failed)")
     assert len(set(said.values())) == len(said)  # each way its own words
     assert "fence 9" in said["FenceRejected"] and "revision 12" in said["LeaderKeyGone"]
 

@@ -260,9 +260,6 @@ def why_lost(state: LeaderState, obs: Observation, now: float) -> str:
     operator's log (the deposition's reason; a loss on a ``Tick`` is otherwise silent:
     no request failed, its answers were just too late)."""
     ago = f"{now - state.confirmed_at:.1f} s ago" if state.confirmed_at is not None else "never"
-    if isinstance(obs, Tick):
-        return (f"no keepalive answered in time (lease {state.ttl_s:g} s, last confirmed {ago}): "
-                "etcd or this host too slow, or etcd out of reach")
     if isinstance(obs, LeaseRenewed):
         return "etcd no longer knows the lease (it expired there)"
     if isinstance(obs, LeaseLost):
@@ -275,7 +272,12 @@ def why_lost(state: LeaderState, obs: Observation, now: float) -> str:
         return f"the leader key was deleted (revision {obs.revision}): the lease was revoked or expired"
     if isinstance(obs, Stop):
         return "stopped"
-    return type(obs).__name__
+    # every other observation deposes only through the clock (_tick: the lease's deadline
+    # passed): on a Tick no request failed, its answers were too late; on a Failed the
+    # requests themselves failed (a partition: etcd out of reach)
+    failed = "; the last request to etcd failed" if isinstance(obs, Failed) else ""
+    return (f"no keepalive answered in time (lease {state.ttl_s:g} s, last confirmed {ago}{failed}): "
+            "etcd or this host too slow, or etcd out of reach")
 
 
 def decide(state: LeaderState, obs: Observation, now: float, cfg: LeaderConfig) -> Decision:
