@@ -101,3 +101,37 @@ async def test_a_link_to_a_closed_port_says_once_that_the_daemon_is_unreachable(
         await link.aclose()
     assert said == [("warning", "daemon_unreachable")]
     assert link.outage.failures == 5
+
+
+async def test_a_refusal_is_not_an_outage_and_is_said_each_time(monkeypatch) -> None:
+    """A 4xx is the daemon answering: no outage, and a refused report is said each time
+    (a report the daemon will never take must not be retried in silence)."""
+    from aiohttp import web
+
+    async def refuse(_: web.Request) -> web.Response:
+        return web.Response(status=400, text="bad report")
+
+    app = web.Application()
+    app.router.add_post("/v1/agent/events", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    said: list[str] = []
+
+    class Tap:
+        def __getattr__(self, level: str):
+            return lambda event, **kw: said.append(event)
+
+    monkeypatch.setattr(daemon_link, "log", Tap())
+    link = DaemonLink(daemon_url=f"http://127.0.0.1:{port}", token="t", node_id="n1")
+    await link.open()
+    try:
+        for _ in range(2):
+            with pytest.raises(aiohttp.ClientResponseError):
+                await link.post("/v1/agent/events", {"events": []})
+    finally:
+        await link.aclose()
+        await runner.cleanup()
+    assert said == ["daemon_refused", "daemon_refused"] and link.outage.since is None

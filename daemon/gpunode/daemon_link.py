@@ -216,10 +216,13 @@ class DaemonLink:
                 r.raise_for_status()
                 reply = await r.json()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            reason = failure_reason(exc)
-            said = (self.outage.failed(time.monotonic(), path.rsplit("/", 1)[-1], reason, str(exc) or repr(exc))
-                    if reason is not None else self.outage.answered(time.monotonic()))
-            _say(said)
+            call, reason = path.rsplit("/", 1)[-1], failure_reason(exc)
+            if reason is not None:
+                _say(self.outage.failed(time.monotonic(), call, reason, str(exc) or repr(exc)))
+                raise
+            _say(self.outage.answered(time.monotonic()))  # it answered, with a refusal: said each time
+            if not _no_command_route(exc):  # an older daemon without the long-poll: said by poll_commands
+                log.warning("daemon_refused", call=call, status=getattr(exc, "status", None), error=str(exc)[:300])
             raise
         _say(self.outage.answered(time.monotonic()))
         return reply
