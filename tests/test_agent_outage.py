@@ -84,6 +84,15 @@ async def test_a_link_to_a_closed_port_says_once_that_the_daemon_is_unreachable(
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    said, link = await _posts(monkeypatch, port, "/v1/agent/heartbeat", 5, aiohttp.ClientConnectorError)
+    assert said == [("warning", "daemon_unreachable")]
+    assert link.outage.failures == 5
+
+
+async def _posts(monkeypatch, port: int, path: str, n: int,
+                 error: type[BaseException]) -> tuple[list[tuple[str, str]], DaemonLink]:
+    """``n`` posts to ``path`` on 127.0.0.1:``port``, each raising ``error``: the lines the
+    link said (level, event), and the link."""
     said: list[tuple[str, str]] = []
 
     class Tap:
@@ -94,13 +103,12 @@ async def test_a_link_to_a_closed_port_says_once_that_the_daemon_is_unreachable(
     link = DaemonLink(daemon_url=f"http://127.0.0.1:{port}", token="t", node_id="n1")
     await link.open()
     try:
-        for _ in range(5):
-            with pytest.raises(aiohttp.ClientConnectorError):
-                await link.post("/v1/agent/heartbeat", {})
+        for _ in range(n):
+            with pytest.raises(error):
+                await link.post(path, {"events": []})
     finally:
         await link.aclose()
-    assert said == [("warning", "daemon_unreachable")]
-    assert link.outage.failures == 5
+    return said, link
 
 
 async def test_a_refusal_is_not_an_outage_and_is_said_each_time(monkeypatch) -> None:
@@ -117,21 +125,9 @@ async def test_a_refusal_is_not_an_outage_and_is_said_each_time(monkeypatch) -> 
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    said: list[str] = []
-
-    class Tap:
-        def __getattr__(self, level: str):
-            return lambda event, **kw: said.append(event)
-
-    monkeypatch.setattr(daemon_link, "log", Tap())
-    link = DaemonLink(daemon_url=f"http://127.0.0.1:{port}", token="t", node_id="n1")
-    await link.open()
     try:
-        for _ in range(2):
-            with pytest.raises(aiohttp.ClientResponseError):
-                await link.post("/v1/agent/events", {"events": []})
+        said, link = await _posts(monkeypatch, runner.addresses[0][1], "/v1/agent/events", 2,
+                                  aiohttp.ClientResponseError)
     finally:
-        await link.aclose()
         await runner.cleanup()
-    assert said == ["daemon_refused", "daemon_refused"] and link.outage.since is None
+    assert said == [("warning", "daemon_refused")] * 2 and link.outage.since is None
