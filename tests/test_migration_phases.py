@@ -106,8 +106,13 @@ def test_a_move_whose_drain_stopped_no_node_copies_the_newest_commit_at_once() -
     m = st_.migration
     assert m is not None and m.drained == 0 and not [e for e in effects if isinstance(e, Drain)]
     assert Migration.from_dict(m.to_dict()) == m
-    kw = dict(committed=False, last_commit_step=25, rejoin_timeout_s=60.0)
+    kw = dict(committed=False, last_commit_step=25, job_step=25, rejoin_timeout_s=60.0)
     assert source_left(gone, m, waited_s=0.5, **kw)
+    # the predecessor's drain commit (step 32) not recorded yet: moving the periodic one of
+    # step 25 would lose 7 steps (HA job trials 19 and 23 of seed 29), so it waits for it
+    assert not source_left(gone, m, waited_s=0.5, **{**kw, "job_step": 32})
+    assert source_left(gone, m, waited_s=0.5, **{**kw, "job_step": 32, "last_commit_step": 32})
+    assert source_left(gone, m, waited_s=60.5, **{**kw, "job_step": 32})  # it never comes: the timeout
     drained = run(Begin(MOVE, "mig-1", 10), Booted(7))[0].migration
     assert drained is not None and drained.drained == 1
     left = PoolState(nodes=(node(1, "a", NodeState.TERMINATED),), job=JobState.PENDING, target_nodes=1, domain="a")

@@ -289,17 +289,24 @@ def ready_for_commit(s: PoolState, target: str, *, valid_world_sizes: frozenset[
 
 
 def source_left(s: PoolState, m: "Migration", *, committed: bool, last_commit_step: int | None,
-                waited_s: float, rejoin_timeout_s: float) -> bool:
+                job_step: int | None, waited_s: float, rejoin_timeout_s: float) -> bool:
     """Whether the job has left ``m``'s source, so its newest commit is what moves: no node
     there trains (:func:`job_left`) and the commit the drain asked for is recorded
-    (``committed``), or none can come: the job never committed (``last_commit_step`` None),
-    or the drain stopped no node (``m.drained`` 0: a move started again after a takeover,
-    whose predecessor released the source's nodes when it gave up). Past
-    ``rejoin_timeout_s`` of waiting (``waited_s``, seconds since the drain), it has left
-    whatever is there (a trainer that hangs, a commit line lost)."""
+    (``committed``), or none can come: the job never committed (``last_commit_step`` None).
+    A move whose drain stopped no node (``m.drained`` 0: started again after a takeover,
+    its predecessor's drain having stopped the source's nodes) has no commit of its own to
+    wait for, but its predecessor's may still be on its way from the agents: it moves once
+    the newest commit covers the step the job reached (``job_step``), not before (the
+    trials lost 7-10 steps copying the periodic commit before it). Past ``rejoin_timeout_s``
+    of waiting (``waited_s``, seconds since the drain), it has left whatever is there (a
+    trainer that hangs, a commit line lost, nodes released before they committed)."""
     if waited_s > rejoin_timeout_s:
         return True
-    return job_left(s, m.source) and (committed or last_commit_step is None or m.drained == 0)
+    if not job_left(s, m.source):
+        return False
+    if committed or last_commit_step is None:
+        return True
+    return m.drained == 0 and job_step is not None and last_commit_step >= job_step
 
 
 def job_left(s: PoolState, source: str) -> bool:

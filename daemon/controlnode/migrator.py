@@ -279,7 +279,7 @@ class Migrator:
         # (a trainer's exit can be reported before its commit line: the commit is read too)
         committed = bool(core.store.events(since=m.drain_seq, kinds=[EventKind.CHECKPOINT_COMMITTED.value]))
         if not migration.source_left(s, m, committed=committed, last_commit_step=core.job.last_commit_step,
-                                     waited_s=now - (m.booted_at or now),
+                                     job_step=core.job.step, waited_s=now - (m.booted_at or now),
                                      rejoin_timeout_s=core.config.daemon.rejoin_timeout_s):
             return None
         return migration.SourceLeft(core.job.last_commit_step)
