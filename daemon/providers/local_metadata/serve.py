@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from daemon.hosts import is_loopback
 from daemon.providers.local_metadata import make_fake
 from daemon.state_dir import open_private
 
@@ -40,7 +41,6 @@ __all__ = ["ADMIN_PATH", "authorized", "admin_routes", "publish_interruption", "
 #: the route a daemon publishes a notice through (POST, JSON ``{"action", "deadline"}``,
 #: ``deadline`` in unix seconds); answers ``{"published_at", "deadline"}``
 ADMIN_PATH = "/spotvisor/v1/interruption"
-_LOOPBACK = frozenset({"127.0.0.1", "::1"})
 _MAX_BODY = 4096
 
 
@@ -59,7 +59,7 @@ def admin_routes(endpoint: Callable[[], Any], token: str, *,
     pending: list[asyncio.TimerHandle] = []
 
     async def interrupt(request: web.Request) -> web.Response:
-        if request.remote not in _LOOPBACK:
+        if not is_loopback(request.remote or ""):
             return web.json_response({"error": "loopback only"}, status=403)
         if not authorized(request.headers.get("Authorization"), token):
             return web.json_response({"error": "bad or missing bearer token"}, status=401)
