@@ -26,12 +26,25 @@ if TYPE_CHECKING:
 __all__ = ["configure_logging"]
 
 
+class _StderrNow:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured:
+    an entry point called in-process (a test, an embedding program) may swap it, and a
+    stream bound at configure time would outlive it (structlog's PrintLogger then raises
+    "I/O operation on closed file" in every later caller)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str | None = None, *, stream=None, redactor: Redactor | None = None) -> None:
     """Configure structlog and the stdlib root logger once per process entry point;
     ``redactor``: the secrets no line may show (the module docstring)."""
     name = (level or os.environ.get("SPOTVISOR_LOG_LEVEL", "INFO")).upper()
     lvl = getattr(logging, name, logging.INFO)
-    out = stream or sys.stderr
+    out = stream or _StderrNow()
     renderer = (
         structlog.processors.JSONRenderer()
         if os.environ.get("SPOTVISOR_LOG_FORMAT") == "json"
