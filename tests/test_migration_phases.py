@@ -3,12 +3,14 @@ the pure step a move in flight takes on each message the migrator reports."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.control.actions import Drain, NodeView, PoolState, Terminate
-from daemon.control.lifecycle import IllegalTransition, JobState, NodeState
+from daemon.control.lifecycle import IllegalTransition, JobState, NodeState, TrainerState
 from daemon.control.migration import (PHASE_TRANSITIONS, Begin, BootFailed, Booted, CopyDone, CopyFailed, GiveUp,
                                       Migration, MigrationState, Move, Phase, Record, ResetStart, SourceLeft,
                                       StartCopy, TrainedThere, check_phase_transition, source_left, step, strays,
@@ -108,11 +110,17 @@ def test_a_move_whose_drain_stopped_no_node_copies_the_newest_commit_at_once() -
     assert Migration.from_dict(m.to_dict()) == m
     kw = dict(committed=False, last_commit_step=25, job_step=25, rejoin_timeout_s=60.0)
     assert source_left(gone, m, waited_s=0.5, **kw)
-    # the predecessor's drain commit (step 32) not recorded yet: moving the periodic one of
-    # step 25 would lose 7 steps (HA job trials 19 and 23 of seed 29), so it waits for it
-    assert not source_left(gone, m, waited_s=0.5, **{**kw, "job_step": 32})
-    assert source_left(gone, m, waited_s=0.5, **{**kw, "job_step": 32, "last_commit_step": 32})
-    assert source_left(gone, m, waited_s=60.5, **{**kw, "job_step": 32})  # it never comes: the timeout
+    # the predecessor's drain commit (step 32) not recorded yet, and its node still there to
+    # report it: moving the periodic one of step 25 would lose 7 steps (HA job trials 19 and
+    # 23 of seed 29), so the move waits for the report
+    exited = PoolState(nodes=(replace(node(1, "a", NodeState.DRAINING), trainer=TrainerState.EXITED),
+                              node(1, "b", NodeState.READY)), job=JobState.PENDING, target_nodes=1, domain="a")
+    assert not source_left(exited, m, waited_s=0.5, **{**kw, "job_step": 32})
+    assert source_left(exited, m, waited_s=0.5, **{**kw, "job_step": 32, "last_commit_step": 32})
+    assert source_left(exited, m, waited_s=60.5, **{**kw, "job_step": 32})  # it never comes: the timeout
+    # no node left to report it (trial 23: released by the move given up): the move goes on,
+    # and the copy reads the store for it (test_replicate: the migration's copy)
+    assert source_left(gone, m, waited_s=0.5, **{**kw, "job_step": 32})
     drained = run(Begin(MOVE, "mig-1", 10), Booted(7))[0].migration
     assert drained is not None and drained.drained == 1
     left = PoolState(nodes=(node(1, "a", NodeState.TERMINATED),), job=JobState.PENDING, target_nodes=1, domain="a")
@@ -122,6 +130,20 @@ def test_a_move_whose_drain_stopped_no_node_copies_the_newest_commit_at_once() -
     assert source_left(POOL, drained, waited_s=60.5, **kw)  # a hung trainer: the timeout
     legacy = {k: v for k, v in m.to_dict().items() if k != "drained"}
     assert not source_left(gone, Migration.from_dict(legacy), waited_s=0.5, **kw)
+
+
+def test_the_move_records_the_commit_it_copied_when_the_store_held_a_newer_one() -> None:
+    """The copy found the drain's commit (step 32) in the source's store, its report lost:
+    the move and its completion name step 32, not the recorded 25; a copy never goes back."""
+    st_, effects = run(Begin(MOVE, "mig-1", 32), Booted(drain_seq=42), SourceLeft(commit_step=25),
+                       CopyDone({"step": 32, "bytes": 4e9, "bytes_copied": 4e9, "shards_copied": 1}),
+                       TrainedThere(step=33))
+    r = records(effects)
+    assert r["checkpoint_replicated"]["step"] == 32
+    assert r["migration_completed"]["commit_step"] == 32
+    st_, _ = run(Begin(MOVE, "mig-1", 32), Booted(drain_seq=42), SourceLeft(commit_step=25),
+                 CopyDone({"step": 20, "bytes": 4e9}))
+    assert st_.migration is not None and st_.migration.commit_step == 25
 
 
 def test_a_move_given_up_while_booting_releases_the_target_and_leaves_the_job_alone() -> None:

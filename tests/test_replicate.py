@@ -186,6 +186,37 @@ def test_s3_to_oss_and_back(s3_server, oss_server, tmp_path):
     assert etag.strip('"').endswith("-2")  # 6 MiB went up in two 5 MiB-sized parts
 
 
+def test_the_migrations_copy_takes_a_commit_newer_than_the_recorded_one(tmp_path):
+    """A migration asks for the recorded commit (step 60) but the drain's commit (step 67)
+    is in the source's store, its report lost with the node that wrote it (HA job trial 23
+    of seed 29 lost 7 steps this way): the copy moves step 67, verified. A newer torn step
+    does not count."""
+    from daemon.config import Config
+    from daemon.controlnode.migrator import copy_checkpoint
+
+    state = tmp_path / "state"
+    state.mkdir()
+    config = Config.model_validate({
+        "pool": {"name": "mig", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "job": {"id": "j", "checkpoint_uri": "file://{state_dir}/ck-a"},
+        "daemon": {"state_dir": str(state)},
+        "providers": {"local": {}},
+        "domains": [{"name": "a", "provider": "local", "region": "a"},
+                    {"name": "b", "provider": "local", "region": "b", "checkpoint_uri": "file://{state_dir}/ck-b",
+                     "rendezvous": {"host": "127.0.0.1", "port": 29411}}],
+        "offers": [{"provider": "local", "region": r, "zone": f"{r}-1", "instance_type": "local.cpu"} for r in "ab"],
+    })
+    src, dst = FileStore(state / "ck-a"), FileStore(state / "ck-b")
+    _checkpoint(src, 60, SIZES)
+    drain = _checkpoint(src, 67, SIZES)
+    write_shard(src, 68, "rank-0.pt", b"torn: no manifest")
+    result = copy_checkpoint(config, "a", "b", 60)
+    assert result["step"] == 67 and result["shards_copied"] == len(SIZES)
+    assert latest_committed(dst) == drain
+    _same_bytes(src, dst, drain)
+    assert copy_checkpoint(config, "a", "b", 67)["step"] == 67  # the recorded one when it is the newest
+
+
 # --------------------------------------------------------------------------- resume
 
 

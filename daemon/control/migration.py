@@ -296,17 +296,24 @@ def source_left(s: PoolState, m: "Migration", *, committed: bool, last_commit_st
     A move whose drain stopped no node (``m.drained`` 0: started again after a takeover,
     its predecessor's drain having stopped the source's nodes) has no commit of its own to
     wait for, but its predecessor's may still be on its way from the agents: it moves once
-    the newest commit covers the step the job reached (``job_step``), not before (the
-    trials lost 7-10 steps copying the periodic commit before it). Past ``rejoin_timeout_s``
-    of waiting (``waited_s``, seconds since the drain), it has left whatever is there (a
-    trainer that hangs, a commit line lost, nodes released before they committed)."""
+    the newest recorded commit covers the step the job reached (``job_step``), or once no
+    node is left in the source to report one (each is terminal). The copy then takes the
+    newest commit that verifies in the source's store, recorded or not
+    (:func:`~daemon.controlnode.migrator.copy_checkpoint`): HA job trials 19 and 23 lost
+    7-10 steps copying the recorded periodic commit while the drain's commit, written by a
+    node released before its report got through, sat in the store. Past
+    ``rejoin_timeout_s`` of waiting (``waited_s``, seconds since the drain), it has left
+    whatever is there (a trainer that hangs, a commit line lost)."""
     if waited_s > rejoin_timeout_s:
         return True
     if not job_left(s, m.source):
         return False
     if committed or last_commit_step is None:
         return True
-    return m.drained == 0 and job_step is not None and last_commit_step >= job_step
+    if m.drained != 0:
+        return False
+    covered = job_step is not None and last_commit_step >= job_step
+    return covered or all(n.state.is_terminal() for n in s.nodes if n.domain == m.source)
 
 
 def job_left(s: PoolState, source: str) -> bool:
@@ -470,8 +477,9 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class StartCopy:
-    """Copy commit ``step`` of the job from ``source``'s store to ``target``'s, verified
-    (:func:`trainer.replicate.replicate`); the result comes back as CopyDone / CopyFailed."""
+    """Copy commit ``step`` of the job, or a newer one the source's store holds, from
+    ``source``'s store to ``target``'s, verified (:func:`trainer.replicate.replicate`); the
+    result comes back as CopyDone (its ``step``: the one copied) / CopyFailed."""
 
     migration: str
     source: str
@@ -526,6 +534,10 @@ def step(st: MigrationState, msg: Message, *, s: PoolState, now: float) -> tuple
     if isinstance(msg, CopyDone):
         if m.phase is not _P.COPYING:
             raise IllegalTransition(f"migration phase {m.phase.value}: no copy to finish")
+        # the copy may take a newer commit than the recorded one (source_left), never an older
+        moved = msg.result.get("step")
+        if isinstance(moved, int) and (m.commit_step is None or moved > m.commit_step):
+            m = replace(m, commit_step=moved)
         m = replace(m, copy=dict(msg.result), replicated_at=now)
         egress = (m.copy.get("bytes_copied") or 0) / _GB * msg.egress_usd_per_gb
         return _switch(replace(st, migration=m), m, [Record("checkpoint_replicated", {

@@ -307,22 +307,32 @@ class Migrator:
 
 
 def copy_checkpoint(cfg: Config, source: str, target: str, step: int) -> dict[str, Any]:
-    """Copy commit ``step`` from domain ``source``'s checkpoint store to ``target``'s, every
-    shard verified against the manifest (:func:`trainer.replicate.replicate`); a retried
-    move resumes the copy from its work dir under the state dir. Blocking (SDK calls,
-    hashing): run it in a worker thread. Returns the copy's figures: ``step``, ``bytes``,
-    ``bytes_copied``, ``shards_copied``, ``shards_skipped``, ``copy_s``. Raises what the
-    stores and the verification raise (the move then fails)."""
+    """Copy the job's newest commit, at least ``step``, from domain ``source``'s checkpoint
+    store to ``target``'s, every shard verified against the manifest
+    (:func:`trainer.replicate.replicate`); a retried move resumes the copy from its work dir
+    under the state dir. The store is read for a commit newer than the recorded ``step``:
+    one whose report died with its node (released by a move given up at a takeover) is
+    still the job's, as the trainer itself would resume from it, and it verifies or it does
+    not count. Blocking (SDK calls, hashing): run it in a worker thread. Returns the copy's
+    figures: ``step`` (the one copied), ``bytes``, ``bytes_copied``, ``shards_copied``,
+    ``shards_skipped``, ``copy_s``. Raises what the stores and the verification raise (the
+    move then fails)."""
+    from trainer.checkpoint import latest_committed, open_store
     from trainer.replicate import open_store_for, replicate
 
     src, dst = cfg.domain(source), cfg.domain(target)
     state_dir = Path(cfg.daemon.state_path())
-    work = state_dir / "replicate" / f"{target}-step-{step}"
-    private_dir(work, root=state_dir)  # a link planted in the state dir is refused, not followed
 
     def uri(u: str) -> str:
         return u.replace("{state_dir}", str(state_dir))
 
+    newest = latest_committed(open_store(uri(src.checkpoint_uri), s3_endpoint_url=src.s3_endpoint_url,
+                                         oss_endpoint=src.oss_endpoint))
+    if newest is not None and newest.step > step:
+        log.warning("migration_copies_unrecorded_commit", source=source, recorded_step=step, step=newest.step)
+        step = newest.step
+    work = state_dir / "replicate" / f"{target}-step-{step}"
+    private_dir(work, root=state_dir)  # a link planted in the state dir is refused, not followed
     # open_store_for: an OSS store keeps oss2's part-level resume records in the work dir
     a = open_store_for(uri(src.checkpoint_uri), work, s3_endpoint_url=src.s3_endpoint_url, oss_endpoint=src.oss_endpoint)
     b = open_store_for(uri(dst.checkpoint_uri), work, s3_endpoint_url=dst.s3_endpoint_url, oss_endpoint=dst.oss_endpoint)
