@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.control.lifecycle import JOB_TRANSITIONS, IllegalTransition, JobState, check_job_transition
-from daemon.control.tries import Began, Disturbed, Ended, Observation, Stepped, Tries, gives_up, observe
+from daemon.control.tries import Began, Crashed, Disturbed, Ended, Observation, Stepped, Tries, gives_up, observe
 
 LONG_S = 900.0
 
@@ -74,6 +74,53 @@ def test_a_second_exit_of_the_same_try_counts_once() -> None:
     assert t.failed == 1
 
 
+def test_workers_failing_before_their_first_started_line_give_up_at_the_third_failure() -> None:
+    """The H200 trial of 2026-12-04: two nodes on one GPU, NCCL refused each start
+    ("Duplicate GPU detected") before any started line, and torchrun (max_restarts
+    1000) restarted the workers 56 times in 6.5 minutes unseen. Each node's launcher
+    now reports each failure; the two nodes failing in one round count once."""
+    t = fold([Began(0.0, 0)])
+    for i in range(3):
+        assert not gives_up(t, 3)
+        t = fold([Crashed(5.0 + 7 * i, "n1"), Crashed(5.2 + 7 * i, "n2")], t)
+        assert t.failed == i + 1 and not t.running
+    assert gives_up(t, 3) and t.last == Ended(19.2, "workers_failed", node="n2")
+
+
+def test_one_node_crash_looping_alone_is_counted_and_a_step_resets_it() -> None:
+    # the first failure ends a try that had trained: it resets the count, the next ones add
+    t = fold([Began(0.0, 0, "a"), Stepped(3), Crashed(10.0, "n2"), Crashed(12.0, "n2"), Crashed(14.0, "n2")])
+    assert t.failed == 2 and t.crashes == (("n2", 2, 14.0),)
+    t = fold([Began(14.0, 3, "b"), Stepped(4)], t)  # the workers came back and trained
+    assert t.failed == 0 and t.crashes == ()
+    assert fold([Crashed(20.0, "n2")], t).failed == 0  # that try had progressed: not a failure
+
+
+def test_failures_after_a_preemption_do_not_count() -> None:
+    # a peer lost without notice: every survivor's workers fail on their collectives; the
+    # first ends the disturbed try, the others are its round: none counts
+    t = fold([Began(0.0, 0, "a"), Disturbed("node_lost"), Crashed(1.0, "n1"), Crashed(1.3, "n2"),
+              Ended(1.5, "exit", exit_code=1, node="n3")])
+    assert t.failed == 0 and not gives_up(t, 1)
+    # then they fail again, a crash loop: from that round on it counts
+    t = fold([Crashed(8.0, "n1"), Crashed(8.2, "n2")], t)
+    assert t.failed == 1 and t.crashes == (("n1", 1, 8.0), ("n2", 1, 8.2))
+    # amid a crash loop (no try running): a preemption explains each node's next failure
+    t = fold([Crashed(15.0, "n1"), Disturbed("node_lost"), Crashed(16.0, "n1"), Crashed(23.0, "n1")], t)
+    assert t.failed == 2 and t.crashes == (("n1", 1, 23.0),)
+
+
+def test_a_torchrun_exit_after_failures_it_restarted_is_one_more() -> None:
+    """``job.command``: torchrun given 2 restarts, so two reported failures and its exit."""
+    t = fold([Began(0.0), Crashed(3.0, "n1"), Crashed(6.0, "n1"), Crashed(9.0, "n1", exit_code=1)])
+    assert t.failed == 3 and t.last == Ended(9.0, "exit", node="n1", exit_code=1)
+
+
+def test_workers_of_a_trainer_reporting_no_step_that_ran_long_start_the_count_again() -> None:
+    t = fold([Began(0.0), Crashed(1.0, "n1"), Crashed(2.0, "n1"), Crashed(2.0 + LONG_S, "n1")])
+    assert t.failed == 2 and t.crashes == (("n1", 1, 2.0 + LONG_S),)
+
+
 # -- properties ---------------------------------------------------------------------------------
 times = st.floats(min_value=0, max_value=1e6, allow_nan=False)
 steps = st.integers(min_value=0, max_value=1000)
@@ -82,6 +129,7 @@ observations = st.one_of(
     st.builds(Stepped, steps),
     st.builds(Disturbed, st.sampled_from(["interruption_notice", "node_lost", "node_admitted"])),
     st.builds(Ended, times, st.sampled_from(["exit", "stalled"]), st.integers(1, 5)),
+    st.builds(Crashed, times, st.sampled_from(["n1", "n2", "n3"])),
 )
 
 
@@ -92,7 +140,10 @@ def test_the_count_never_goes_negative_and_only_ended_tries_add(obs: list[Observ
     for o in obs:
         nxt = observe(t, o, long_s=LONG_S)
         assert nxt.failed >= 0
-        if nxt.failed > t.failed:  # only the end of an undisturbed try without progress adds
+        assert all(c <= nxt.failed for _, c, _ in nxt.crashes)  # no node counts past the job
+        if nxt.failed > t.failed and isinstance(o, Crashed):  # a node's workers failed again
+            assert nxt.failed - t.failed == 1 and not (t.running and (t.progressed or t.disturbed))
+        elif nxt.failed > t.failed:  # else only the end of an undisturbed try without progress adds
             assert t.running and not t.progressed and not t.disturbed
             assert isinstance(o, (Ended, Began))
             assert nxt.failed - t.failed == (o.tries if isinstance(o, Ended) else 1)

@@ -20,6 +20,15 @@ exit is ``max_failures`` tries (:class:`Ended` ``tries``), and with no step to g
 try that lasted ``long_s`` (``daemon.stall.first_step_s``: the time a first step may
 take) counts as progress.
 
+A worker that fails before its trainer writes its first ``started`` line (an import
+error, a bad NCCL set-up, an out-of-memory building the model) makes no attempt, and
+torchrun, with its large restart budget, would restart it for hours unseen. So each
+node's launcher reports every failure of its workers that torchrun restarts
+(``workers_failed``, :class:`Crashed`): it ends the running try like an exit, and it
+counts per node, so a crash loop is counted even with no try running: ``failed`` is
+never less than the failures any one node reported in a row. Every node of the job
+failing in one round is one failure, not one per node.
+
 Example (``max_failures`` 3, a script that exits 1 at start, reporting nothing, torchrun
 given ``--max-restarts=2``): the job starts (``Began``, t=0); torchrun runs the script
 three times and exits 1 at t=9 (``Ended(tries=3)``): ``failed`` is 3, :func:`gives_up`.
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Began", "Stepped", "Disturbed", "Ended", "Observation", "Tries", "observe", "gives_up"]
+__all__ = ["Began", "Stepped", "Disturbed", "Ended", "Crashed", "Observation", "Tries", "observe", "gives_up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +81,18 @@ class Ended:
     exit_code: int | None = None
 
 
-Observation = Began | Stepped | Disturbed | Ended
+@dataclass(frozen=True, slots=True)
+class Crashed:
+    """``node``'s torchrun saw its workers fail at ``at`` (unix s) and restarts them (its
+    launcher's ``workers_failed`` report), or exited ``exit_code`` after such failures,
+    with no try running to end."""
+
+    at: float
+    node: str
+    exit_code: int | None = None
+
+
+Observation = Began | Stepped | Disturbed | Ended | Crashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +109,11 @@ class Tries:
     disturbed: bool = False
     steps_seen: bool = False  # the trainer ever reported a step (else time stands in for progress)
     last: Ended | None = None
+    # (node, workers' failures in a row, unix s of the last): each count at most ``failed``
+    crashes: tuple[tuple[str, int, float], ...] = ()
+    # the last try ended in progress or a preemption: each node's first failure after it
+    # (the other nodes of that round) is explained by it and does not count
+    grace: bool = False
 
 
 def observe(t: Tries, obs: Observation, *, long_s: float) -> Tries:
@@ -96,16 +121,19 @@ def observe(t: Tries, obs: Observation, *, long_s: float) -> Tries:
     reported a step counts as progress (see the module docstring)."""
     if isinstance(obs, Stepped):
         if t.running and (t.start_step is None or obs.step > t.start_step):
-            return replace(t, failed=0, progressed=True, steps_seen=True)
+            return replace(t, failed=0, progressed=True, steps_seen=True, crashes=())
         return t if t.steps_seen else replace(t, steps_seen=True)
     if isinstance(obs, Disturbed):
-        return replace(t, disturbed=True) if t.running else t
+        return replace(t, disturbed=True, crashes=()) if t.running else replace(t, crashes=(), grace=True)
+    if isinstance(obs, Crashed):
+        return _crashed(t, obs, long_s)
     if isinstance(obs, Ended):
         if not t.running:
             return t  # the second node's exit of the same try, or an exit after a stall
         long = not t.steps_seen and t.began_at is not None and obs.at - t.began_at >= long_s
         if t.progressed or t.disturbed or long:
-            return replace(t, running=False, failed=0 if (t.progressed or long) else t.failed)
+            return replace(t, running=False, failed=0 if (t.progressed or long) else t.failed, crashes=(),
+                           grace=True)
         return replace(t, running=False, failed=t.failed + max(1, obs.tries), last=obs)
     if t.running and obs.attempt is None:
         return t  # the daemon starting the trainers of the try that runs (one more node of the job's start)
@@ -116,7 +144,32 @@ def observe(t: Tries, obs: Observation, *, long_s: float) -> Tries:
     if t.running:
         t = observe(t, Ended(obs.at, "restarted"), long_s=long_s)
     return replace(t, running=True, began_at=obs.at, start_step=obs.step, attempt=obs.attempt,
-                   progressed=False, disturbed=False)
+                   progressed=False, disturbed=False, grace=False)
+
+
+def _crashed(t: Tries, obs: Crashed, long_s: float) -> Tries:
+    """A node's workers failed. A running try ends as on an exit. Unless that try had
+    progressed, ran ``long_s`` or was disturbed, or (no try running) this is the node's
+    first failure since one that had (:attr:`Tries.grace`), the node's count goes up
+    (back to 1 after workers of a trainer reporting no step ran ``long_s``), and
+    ``failed`` is at least that count."""
+    last = Ended(obs.at, "workers_failed" if obs.exit_code is None else "exit", node=obs.node,
+                 exit_code=obs.exit_code)
+    counts = {n: (c, at) for n, c, at in t.crashes}
+    if t.running:
+        ended = observe(t, last, long_s=long_s)
+        if ended.failed <= t.failed:  # the try progressed, ran long or was disturbed: explained
+            return replace(ended, crashes=((obs.node, 0, obs.at),))
+        t = ended
+    elif t.grace and obs.node not in counts:
+        counts[obs.node] = (0, obs.at)
+        return replace(t, crashes=tuple(sorted((n, k, at) for n, (k, at) in counts.items())))
+    c, since = counts.get(obs.node, (0, t.began_at))
+    if not t.steps_seen and since is not None and obs.at - since >= long_s:
+        c = 0
+    counts[obs.node] = (c + 1, obs.at)
+    return replace(t, failed=max(t.failed, c + 1), last=last,
+                   crashes=tuple(sorted((n, k, at) for n, (k, at) in counts.items())))
 
 
 def gives_up(t: Tries, max_failures: int) -> bool:
