@@ -83,6 +83,10 @@ class EventKind(str, Enum):
     GPU_UNDERUTILIZED = "gpu_underutilized"
     CHAOS_INJECTED = "chaos_injected"
     TRAINER_EXITED = "trainer_exited"
+    # a node's torchrun saw its workers fail and restarts them (daemon/gpunode/launcher.py):
+    # ``restarts_left``, ``last_line`` (the newest exception in its log); counted by
+    # daemon/control/tries.py, so a crash loop ends in job_failed, not in hours unseen
+    WORKERS_FAILED = "workers_failed"
     METADATA_UNREACHABLE = "metadata_unreachable"  # alarm: a streak of failed metadata polls
     METADATA_RECOVERED = "metadata_recovered"
     # pre-flight (daemon/controlnode/preflight.py): an offer whose GPUs cannot hold the job (never bought),

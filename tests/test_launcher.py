@@ -59,6 +59,25 @@ def test_a_failed_worker_fails_the_launcher_as_it_fails_torchrun(tmp_path: Path)
     assert "ChildFailedError" in done.stdout
 
 
+def test_each_failure_torchrun_restarts_is_a_status_line_for_the_agent(tmp_path: Path) -> None:
+    """A worker that fails at start twice (before writing anything, as an import error or
+    a refused NCCL set-up would), then runs: two ``workers_failed`` lines, restarts left
+    counted down; the run that ends the job adds none."""
+    script = tmp_path / "worker.py"
+    script.write_text("import pathlib, sys\np = pathlib.Path('tries')\nn = int(p.read_text()) if p.exists() else 0\n"
+                      "p.write_text(str(n + 1))\nsys.exit(1 if n < 2 else 0)\n")
+    status = tmp_path / "status.jsonl"
+    line = json.dumps({"argv": ["--standalone", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1",
+                                "--max-restarts=3", str(script)],
+                       "env": {"PATH": "/usr/bin:/bin", "SPOTVISOR_STATUS_FILE": str(status)}, "cwd": str(tmp_path)})
+    done = _launch(line.encode() + b"\n")
+    assert done.returncode == 0, done.stdout
+    lines = [json.loads(x) for x in status.read_text().splitlines()]
+    assert [(x["event"], x["restarts_left"], x["state"]) for x in lines] == [
+        ("workers_failed", 2, "failed"), ("workers_failed", 1, "failed")]
+    assert (tmp_path / "tries").read_text() == "3"
+
+
 def test_it_says_ready_on_the_agents_pipe_once_imported() -> None:
     r, w = os.pipe()
     try:

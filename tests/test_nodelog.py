@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from daemon.controlnode.node_logs import NodeLogs
-from daemon.gpunode.nodelog import read_chunk
+from daemon.gpunode.nodelog import error_line, last_error, read_chunk
 
 
 def write(path: Path, text: str) -> None:
@@ -122,3 +122,38 @@ def test_a_secret_printed_by_the_job_is_masked_in_the_daemons_copy(tmp_path: Pat
     logs.feed("n-1", read_chunk(f, 0))
     lines = [ln.line for ln in logs.tail("n-1", 10)]
     assert lines == ["+ pip install --index-url https://user:***@pypi.example/simple x", "step 1"]
+
+
+# a worker refused by NCCL (the H200 trial of 2026-12-04: two ranks on one GPU), as torchrun's log holds it
+NCCL_REFUSED = """\
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 2253, in _new_pr
+    eager_backend.eager_connect_single_device(device_id)
+torch.distributed.DistBackendError: NCCL error in: NCCLUtils.cpp:93, invalid usage, NCCL version 2.28.9
+ncclInvalidUsage: This usually reflects invalid usage of NCCL library.
+Last error:
+Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60
+[W1204 17:41:20.029546044 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called
+E1204 17:41:20.887000 2074 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1) local_rank: 0
+"""
+
+
+def test_the_error_line_is_the_newest_exception_with_its_message_lines() -> None:
+    assert error_line(NCCL_REFUSED) == (
+        "torch.distributed.DistBackendError: NCCL error in: NCCLUtils.cpp:93, invalid usage, NCCL version 2.28.9"
+        " | ncclInvalidUsage: This usually reflects invalid usage of NCCL library. | Last error:"
+        " | Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60")
+    older = "Traceback (most recent call last):\n  File \"a.py\"\nKeyError: 'x'\n"
+    assert error_line(older + "Traceback (most recent call last):\n  File \"b.py\"\nValueError: bad lr\n") \
+        == "ValueError: bad lr"
+    # python -m of a missing module: one line of its own, then torchrun's
+    assert error_line("/venv/bin/python: No module named mytrainer\nE1204 12:00:00.1 1 api.py:986] failed\n") \
+        == "/venv/bin/python: No module named mytrainer"
+    assert error_line("") == "" and len(error_line("ValueError: " + "x" * 5000)) == 500
+
+
+def test_the_last_error_reads_only_the_logs_tail(tmp_path: Path) -> None:
+    log = tmp_path / "trainer.log"
+    log.write_text("ValueError: an old one\n" + "step line\n" * 20_000 + NCCL_REFUSED)
+    assert last_error(log).startswith("torch.distributed.DistBackendError")
+    assert last_error(tmp_path / "none.log") == ""
+

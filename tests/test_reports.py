@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.control.reports import (
-    Limits, MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, parse_report, parse_step,
+    Limits, MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, WorkersFailed, parse_report,
+    parse_step,
 )
 
 LIMITS = Limits(max_step=3000, max_world_size=16)
@@ -35,6 +36,9 @@ reports = st.one_of(
                           optional={"notice": json_ish, "deadline": json_ish, "seen_at": json_ish}),
     st.fixed_dictionaries({"kind": st.sampled_from(["metadata_unreachable", "metadata_recovered", "trainer_exited"])},
                           optional={"failures": json_ish, "error": json_ish, "url": json_ish, "exit_code": json_ish}),
+    st.fixed_dictionaries({"kind": st.just("workers_failed")},
+                          optional={"restarts_left": st.integers(-5, 2**33) | json_ish,
+                                    "last_line": st.text(max_size=700) | json_ish}),
     json_ish,
 )
 
@@ -67,6 +71,9 @@ def test_a_report_parses_into_bounded_fields_or_one_line_error(report) -> None:
         assert msg.failures is None or msg.failures >= 0
     elif isinstance(msg, TrainerExited):
         assert msg.exit_code is None or -255 <= msg.exit_code <= 255
+    elif isinstance(msg, WorkersFailed):  # a node's own line, cut: never grows without bound
+        assert msg.restarts_left is None or 0 <= msg.restarts_left <= 2**31
+        assert len(msg.last_line) <= 513
     else:
         assert isinstance(msg, NoticeReport)
 

@@ -117,12 +117,12 @@ class TokenBucket:
 class ReportClass(str, Enum):
     """Which of a node's buckets a report draws on."""
 
-    VITAL = "vital"  # an interruption notice, a rebalance recommendation, a commit, completed, a trainer's exit
+    VITAL = "vital"  # a notice, a rebalance recommendation, a commit, completed, a trainer's exit or failed workers
     ROUTINE = "routine"  # a trainer's started line, metadata alarms, a kind this daemon does not know, junk
 
 
-_VITAL_KINDS = frozenset({"interruption_notice", "rebalance_recommendation", "trainer_exited", "code_ready",
-                          "setup_failed"})
+_VITAL_KINDS = frozenset({"interruption_notice", "rebalance_recommendation", "trainer_exited", "workers_failed",
+                          "code_ready", "setup_failed"})
 _VITAL_LINES = frozenset({"checkpoint_committed", "completed"})
 
 

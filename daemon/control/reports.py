@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "Limits", "ReportError", "StatusLine", "NoticeReport", "MetadataAlarm", "TrainerExited",
+    "Limits", "ReportError", "StatusLine", "NoticeReport", "MetadataAlarm", "TrainerExited", "WorkersFailed",
     "CodeReady", "SetupFailed", "SETUP_STAGES", "parse_report", "parse_step", "parse_progress", "StepProgress",
     "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS",
 ]
@@ -103,6 +103,15 @@ class TrainerExited:
     exit_code: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class WorkersFailed:
+    """The node's torchrun saw its workers fail and restarts them: ``restarts_left`` of its
+    own after this one, ``last_line`` the newest exception in its log (cut)."""
+
+    restarts_left: int | None
+    last_line: str
+
+
 # where a node's preparation failed (daemon/gpunode/code.py)
 SETUP_STAGES = frozenset({"fetch", "verify", "unpack", "setup", "timeout"})
 _SHA256_CHARS = frozenset("0123456789abcdef")
@@ -129,7 +138,7 @@ class SetupFailed:
     sha256: str
 
 
-Report = StatusLine | NoticeReport | MetadataAlarm | TrainerExited | CodeReady | SetupFailed
+Report = StatusLine | NoticeReport | MetadataAlarm | TrainerExited | WorkersFailed | CodeReady | SetupFailed
 
 
 def _sha(d: dict[str, Any]) -> str:
@@ -295,6 +304,9 @@ def parse_report(r: Any, limits: Limits) -> Report | None:
                              error=_text(r, "error", cut=True), url=_text(r, "url", cut=True))
     if kind == "trainer_exited":
         return TrainerExited(exit_code=_int(r, "exit_code", -255, 255))
+    if kind == "workers_failed":
+        return WorkersFailed(restarts_left=_int(r, "restarts_left", 0, 2**31),
+                             last_line=_text(r, "last_line", cut=True) or "")
     if kind == "code_ready":
         return CodeReady(sha256=_sha(r), setup_s=_num(r, "setup_s", 0.0, MAX_SECONDS),
                          trainer=_text(r, "trainer", 32))

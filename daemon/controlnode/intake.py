@@ -4,7 +4,9 @@ Each report is parsed and bounded once (:func:`daemon.control.reports.parse_repo
 into a typed message; a notice or a rebalance recommendation goes to its pure
 reaction (:mod:`daemon.control.reactions`) and the supervisor carries out the actions;
 a trainer's status line goes to the :class:`~daemon.controlnode.job_tracker.JobTracker`;
-a metadata alarm and a trainer's exit are recorded as they are; a node's preparation
+a metadata alarm and a trainer's exit are recorded as they are, and a failure of its
+workers that torchrun restarts (``workers_failed``) with the job's secrets masked in its
+line (the job's tries count it: :mod:`daemon.control.tries`); a node's preparation
 (``code_ready``, ``setup_failed``) goes to :class:`~daemon.controlnode.code_delivery.CodeDelivery`.
 Before any of that, the node's rate limit (:class:`~daemon.controlnode.report_limits.ReportLimiter`) keeps a batch
 within its bounds: a node's token cannot make the daemon record events without end.
@@ -18,7 +20,7 @@ import structlog
 
 from daemon.control.reactions import on_notice, on_rebalance, on_trainer_exit
 from daemon.control.reports import (CodeReady, MetadataAlarm, NoticeReport, ReportError, SetupFailed, StatusLine,
-                                    TrainerExited, parse_report)
+                                    TrainerExited, WorkersFailed, parse_report)
 from daemon.controlnode.code_delivery import CodeDelivery
 from daemon.controlnode.core import Core
 from daemon.controlnode.report_limits import ReportLimiter
@@ -34,8 +36,10 @@ class Intake:
     """Applies one agent's batch of reports, in order."""
 
     def __init__(self, core: Core, *, seen: Callable[[Node], None], on_status: Callable[[Node, StatusLine], None],
-                 code: CodeDelivery, published_at: Callable[[Node, str | None, float | None], float | None]) -> None:
+                 code: CodeDelivery, published_at: Callable[[Node, str | None, float | None], float | None],
+                 redact: Callable[[str], str] = str) -> None:
         self.core = core
+        self._redact = redact  # NodeLogs.redact: the job's secrets in a line a node sends
         self._seen = seen  # AgentLink.seen: a report is a sign of life
         self._on_status = on_status  # JobTracker.on_status
         self._code = code  # a node's preparation: code_ready, setup_failed
@@ -80,6 +84,9 @@ class Intake:
                 self._code.on_ready(node, msg)
             elif isinstance(msg, SetupFailed):
                 self._code.on_setup_failed(node, msg)
+            elif isinstance(msg, WorkersFailed):
+                core.record(EventKind.WORKERS_FAILED, node.id, restarts_left=msg.restarts_left,
+                            last_line=self._redact(msg.last_line))
             elif isinstance(msg, TrainerExited):
                 node.trainer = TrainerState.EXITED
                 core.store.put_node(node)

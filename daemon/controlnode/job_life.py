@@ -32,7 +32,7 @@ from daemon.control import changes as c
 from daemon.control import operator as op
 from daemon.control.lifecycle import ADMITTED, TrainerState
 from daemon.control.pool import Timeouts
-from daemon.control.tries import Began, Disturbed, Ended, Observation, Stepped, Tries, gives_up, observe
+from daemon.control.tries import Began, Crashed, Disturbed, Ended, Observation, Stepped, Tries, gives_up, observe
 from daemon.controlnode.actuator import JOB_END_KEY
 from daemon.controlnode.core import Core
 from daemon.controlnode.node_logs import NodeLogs
@@ -89,12 +89,20 @@ class JobLife:
         elif k == EventKind.TRAINER_EXITED.value and data.get("exit_code") not in (0, None):
             node = self.core.nodes.get(ev.node or "")
             if node is not None and node.state in ADMITTED and not node.joins_running:
-                self._see(Ended(ev.time, "exit", self.tries_per_exit, node.id, data["exit_code"]))
+                # no try running (its workers' failures ended it): the exit is one more of those
+                self._see(Ended(ev.time, "exit", self.tries_per_exit, node.id, data["exit_code"]) if self.tries.running
+                          else Crashed(ev.time, node.id, data["exit_code"]))
+        elif k == EventKind.WORKERS_FAILED.value:
+            node = self.core.nodes.get(ev.node or "")
+            if node is not None and node.state in ADMITTED and not node.joins_running:
+                self._see(Crashed(ev.time, node.id))
         elif k in _DISTURBING or (k == EventKind.CHECKPOINT_REQUESTED.value
                                   and data.get("reason") in ("drain", "rejoin")):
             self._see(Disturbed(k))
 
     def _see(self, obs: Observation) -> None:
+        if self._give_up_at is not None:
+            return  # decided: the count job_failed shows is the one that decided it
         self.tries = observe(self.tries, obs, long_s=self.long_s)
         if self._give_up_at is None and gives_up(self.tries, self.max_failures):
             self._give_up_at = self.core.clock()

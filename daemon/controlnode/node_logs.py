@@ -68,6 +68,10 @@ class NodeLogs:
         :data:`~daemon.feed.redaction.MIN_MASKED_CHARS` characters) reads ``***`` in the lines taken."""
         self._redactor.add_values(values)
 
+    def redact(self, text: str) -> str:
+        """``text`` with the values given to :meth:`mask` reading ``***`` (a line a report carries)."""
+        return self._redactor.redact(text)
+
     def ack(self, node_id: str) -> dict[str, Any]:
         """The heartbeat reply's ``log`` field for ``node_id``."""
         buf = self._buffers.get(node_id)

@@ -110,7 +110,7 @@ class Supervisor:
         self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step, leader=self.tracker.running_leader)
         self.operator, self.code = Operator(self), CodeDelivery(self, terminate=self.fleet.apply)
         self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status, code=self.code,
-                             published_at=self.fleet.notice_published_at)
+                             published_at=self.fleet.notice_published_at, redact=self.agents.node_logs.redact)
         self.actuator = Actuator(self, provider_call=self.fleet.apply, drain=self.operator.drain,  # the apply arm
                                  avoid_zone=self.fleet.avoid_zone_of, watch_flush=self.tracker.watch_flush)
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)

@@ -80,6 +80,7 @@ EMOJI: dict[str, str] = {
     "gpu_underutilized": "🐢",
     "chaos_injected": "🧪",
     "trainer_exited": "⏹️",
+    "workers_failed": "🔥",
     "metadata_unreachable": "📡",
     "metadata_recovered": "📶",
     "offer_unusable": "🚫",

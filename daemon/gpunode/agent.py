@@ -75,6 +75,7 @@ import structlog
 from daemon.gpunode.daemon_link import COMMAND_WAIT_S, DaemonLink, check_daemon_url, daemon_ssl_context
 from daemon.gpunode.gpu import GpuSampler, NvmlSampler
 from daemon.gpunode.heartbeat import Heartbeat, StepProgress
+from daemon.gpunode.nodelog import last_error
 from daemon.gpunode.notice_watch import NoticeWatch
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
@@ -309,6 +310,11 @@ class NodeAgent:
         # reports its own ``started`` (once per attempt): the daemon takes a node's claim to
         # rank 0 of a new attempt on another node's word (daemon/control/attempts.py), and
         # learns which nodes hold ranks of the running attempt.
+        if event == "workers_failed":  # the launcher's line: torchrun restarts failed workers
+            restarts = line.get("restarts_left")
+            self._report("workers_failed", restarts_left=restarts if isinstance(restarts, int) else None,
+                         last_line=last_error(self.runner.workdir / "trainer.log"))
+            return
         if event not in STATUS_EVENTS:
             return
         ids = list(line.get("notice_ids") or []) if event == "checkpoint_committed" else []

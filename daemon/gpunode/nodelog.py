@@ -32,12 +32,14 @@ whose interval the daemon stretches, :func:`daemon.control.pool.heartbeat_interv
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-__all__ = ["CHUNK_MAX_BYTES", "BUFFER_MAX_BYTES", "read_chunk"]
+__all__ = ["CHUNK_MAX_BYTES", "BUFFER_MAX_BYTES", "read_chunk", "error_line", "last_error"]
 
 log = structlog.get_logger("spotvisor.nodelog")
 
@@ -74,3 +76,42 @@ def read_chunk(path: Path, want: int | None, *, max_bytes: int = CHUNK_MAX_BYTES
     if not raw:
         return None
     return {"offset": start, "next": start + len(raw), "size": size, "data": raw.decode(errors="replace")}
+
+
+ERROR_LINE_CHARS = 500
+_TAIL_BYTES = 64 * 1024
+# a Python exception's last traceback line: "module.SomeError: message" (or a bare name)
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
+# a log line of torch's own (glog, c10 warnings) or torchrun's: not the message's continuation
+_LOGGED = re.compile(r"^\[?[IWEF]\d{4} |^Traceback \(most recent call last\)|^\[rank\d+\]")
+
+
+def error_line(text: str) -> str:
+    """The newest exception in a trainer log's ``text``: its ``Name: message`` line and
+    the lines of the message that follow (a multi-line message: NCCL's ``Last error:``
+    and its cause), joined with `` | ``, at most :data:`ERROR_LINE_CHARS` characters;
+    else the last non-empty line not logged by torch itself, else the last; "" for none. Pure."""
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    at = next((i for i in range(len(lines) - 1, -1, -1) if _EXCEPTION.match(lines[i])), None)
+    if at is None:  # (``python -m`` of a missing module says so in one line, no traceback)
+        said = [ln.strip() for ln in lines if ln.strip()]
+        own = [ln for ln in said if not _LOGGED.match(ln)]
+        return (own or said or [""])[-1][:ERROR_LINE_CHARS]
+    out = [lines[at]]
+    for ln in lines[at + 1:]:
+        if not ln.strip() or _LOGGED.match(ln) or ln.startswith((" ", "\t")):
+            break
+        out.append(ln)
+    return " | ".join(out)[:ERROR_LINE_CHARS]
+
+
+def last_error(path: Path) -> str:
+    """:func:`error_line` of the last 64 KiB of the log at ``path`` ("" when unreadable).
+    Blocking: one read of a local file's tail."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - _TAIL_BYTES))
+            return error_line(f.read().decode("utf-8", "replace"))
+    except OSError:
+        return ""

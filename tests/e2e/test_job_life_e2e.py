@@ -92,6 +92,23 @@ async def test_a_crash_looping_script_fails_after_three_tries_and_releases_every
             assert sup.job.state is not JobState.FAILED and sup.store.get("job_end") is None
 
 
+async def test_workers_failing_before_they_report_fail_the_job_at_the_third_failure(tmp_path: Path) -> None:
+    """A status-reporting job whose workers fail before their first started line (here a
+    module that does not import; on the H200 trial of 2026-12-04, NCCL refusing two ranks
+    on one GPU): torchrun would restart them 1,000 times unseen, the first stall check
+    15 minutes away. Each failure is reported with its error, and the third ends the job."""
+    config = _config(tmp_path, {"module": "trainer.no_such_module", "target_steps": 100})
+    with rendezvous_process(config) as store:
+        async with running_daemon(config, rendezvous=store, with_chaos=False) as sup:
+            (failed,) = await _until(sup, lambda: _events(sup, "job_failed"), "job_failed")
+            reports = _events(sup, "workers_failed")
+            assert [r.data["restarts_left"] for r in reports[:3]] == [999, 998, 997]
+            assert "No module named trainer.no_such_module" in reports[0].data["last_line"], reports[0].data
+            assert failed.data["failed_tries"] == 3 and "the last workers_failed" in failed.data["why"], failed.data
+            assert not _events(sup, "job_stalled")
+            await _until(sup, lambda: _events(sup, "pool_released"), "pool_released")
+
+
 async def test_down_commits_releases_and_resume_continues_from_the_commit(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH"))
