@@ -70,6 +70,7 @@ class JobLife:
         self._give_up_at: float | None = None  # gives_up decided: job_failed once the log is in
         self._released = False  # pool_released recorded for this end
         self._down: dict[str, Any] | None = None  # the down in progress: step and commit when asked
+        self._error_line: tuple[str, str] | None = None  # (node, the newest exception its workers_failed said)
 
     # -- observations ------------------------------------------------------------------------
     def on_event(self, ev: Event) -> None:
@@ -95,6 +96,7 @@ class JobLife:
         elif k == EventKind.WORKERS_FAILED.value:
             node = self.core.nodes.get(ev.node or "")
             if node is not None and node.state in ADMITTED and not node.joins_running:
+                self._error_line = (node.id, str(data.get("last_line") or ""))
                 self._see(Crashed(ev.time, node.id))
         elif k in _DISTURBING or (k == EventKind.CHECKPOINT_REQUESTED.value
                                   and data.get("reason") in ("drain", "rejoin")):
@@ -140,7 +142,9 @@ class JobLife:
         why = (f"{self.tries.failed} tries without progress (job.max_restarts_on_errors {self.max_failures})"
                + ("" if last is None else f"; the last {last.why}"
                   + (f" on {last.node}" if last.node else "")
-                  + (f" with status {last.exit_code}" if last.exit_code is not None else "")))
+                  + (f" with status {last.exit_code}" if last.exit_code is not None else "")
+                  + (f": {self._error_line[1]}" if last.why == "workers_failed" and self._error_line
+                     and self._error_line[0] == last.node and self._error_line[1] else "")))
         self._end(JobState.FAILED, why, now)
         core.record(EventKind.JOB_FAILED, last.node if last else None, why=why, failed_tries=self.tries.failed,
                     exit_code=last.exit_code if last else None, step=core.job.step,

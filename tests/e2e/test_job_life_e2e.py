@@ -107,6 +107,8 @@ async def test_workers_failing_before_they_report_fail_the_job_at_the_third_fail
             assert failed.data["failed_tries"] == 3 and "the last workers_failed" in failed.data["why"], failed.data
             assert not _events(sup, "job_stalled")
             await _until(sup, lambda: _events(sup, "pool_released"), "pool_released")
+            rc, out, err = await spotctl("--socket", str(config.daemon.socket), "status")  # the cause, at a glance
+            assert rc == 0 and "No module named trainer.no_such_module" in out, out + err
 
 
 async def test_down_commits_releases_and_resume_continues_from_the_commit(tmp_path: Path,
