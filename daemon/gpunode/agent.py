@@ -312,8 +312,12 @@ class NodeAgent:
         # learns which nodes hold ranks of the running attempt.
         if event == "workers_failed":  # the launcher's line: torchrun restarts failed workers
             restarts = line.get("restarts_left")
+            said = last_error(self.runner.workdir / "trainer.log")
+            for value in (self.runner.job.get("secrets") or {}).values():  # never in an event (the daemon masks too)
+                if isinstance(value, str) and value:
+                    said = said.replace(value, "***")
             self._report("workers_failed", restarts_left=restarts if isinstance(restarts, int) else None,
-                         last_line=last_error(self.runner.workdir / "trainer.log"))
+                         last_line=said)
             return
         if event not in STATUS_EVENTS:
             return
