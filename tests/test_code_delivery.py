@@ -113,10 +113,12 @@ async def test_setup_failures_replace_nodes_then_stop_the_buying_with_one_line(t
         await h.until(lambda: launching(h), what="a launch")
         (n1,) = launching(h)
         await register(h, n1)
-        h.sup.intake.on_reports(n1, [failed_setup(sha)])
+        h.sup.agents.node_logs.mask(["index-token-0123456789"])  # a job secret the agent did not mask
+        h.sup.intake.on_reports(n1, [failed_setup(sha, 3, "ERROR: no matching distribution for torch==9 "
+                                                          "at https://u:index-token-0123456789@pypi.example")])
         (ev,) = h.events("node_setup_failed")
         assert (ev.node, ev.data["stage"], ev.data["exit_code"], ev.data["code_version"]) == (n1.id, "setup", 3, sha)
-        assert ev.data["last_line"] == "ERROR: no matching distribution for torch==9"
+        assert ev.data["last_line"] == "ERROR: no matching distribution for torch==9 at https://u:***@pypi.example"
         await h.until(lambda: n1.state is NodeState.FAILED and launching(h), what="n1 failed, a replacement")
         assert n1.instance_id in h.provider.terminated
         (n2,) = launching(h)

@@ -7,13 +7,14 @@ a trainer's status line goes to the :class:`~daemon.controlnode.job_tracker.JobT
 a metadata alarm and a trainer's exit are recorded as they are, and a failure of its
 workers that torchrun restarts (``workers_failed``) with the job's secrets masked in its
 line (the job's tries count it: :mod:`daemon.control.tries`); a node's preparation
-(``code_ready``, ``setup_failed``) goes to :class:`~daemon.controlnode.code_delivery.CodeDelivery`.
+(``code_ready``, ``setup_failed``, its line masked the same way) goes to :class:`~daemon.controlnode.code_delivery.CodeDelivery`.
 Before any of that, the node's rate limit (:class:`~daemon.controlnode.report_limits.ReportLimiter`) keeps a batch
 within its bounds: a node's token cannot make the daemon record events without end.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import structlog
@@ -82,8 +83,8 @@ class Intake:
                     core.record(EventKind.METADATA_RECOVERED, node.id, failures=msg.failures)
             elif isinstance(msg, CodeReady):
                 self._code.on_ready(node, msg)
-            elif isinstance(msg, SetupFailed):
-                self._code.on_setup_failed(node, msg)
+            elif isinstance(msg, SetupFailed):  # (the agent masked the secrets it knows; so does the daemon)
+                self._code.on_setup_failed(node, replace(msg, last_line=self._redact(msg.last_line)))
             elif isinstance(msg, WorkersFailed):
                 core.record(EventKind.WORKERS_FAILED, node.id, restarts_left=msg.restarts_left,
                             last_line=self._redact(msg.last_line))
