@@ -75,7 +75,7 @@ import structlog
 from daemon.gpunode.daemon_link import COMMAND_WAIT_S, DaemonLink, check_daemon_url, daemon_ssl_context
 from daemon.gpunode.gpu import GpuSampler, NvmlSampler
 from daemon.gpunode.heartbeat import Heartbeat, StepProgress
-from daemon.gpunode.nodelog import last_error
+from daemon.gpunode.nodelog import last_error, mask_secrets
 from daemon.gpunode.notice_watch import NoticeWatch
 from daemon.logs import configure_logging
 from daemon.gpunode.metadata.base import MetadataDialect, MetadataUnavailable, Notice
@@ -312,12 +312,9 @@ class NodeAgent:
         # learns which nodes hold ranks of the running attempt.
         if event == "workers_failed":  # the launcher's line: torchrun restarts failed workers
             restarts = line.get("restarts_left")
-            said = last_error(self.runner.workdir / "trainer.log")
-            for value in (self.runner.job.get("secrets") or {}).values():  # never in an event (the daemon masks too)
-                if isinstance(value, str) and value:
-                    said = said.replace(value, "***")
+            said = mask_secrets(last_error(self.runner.workdir / "trainer.log"), self.runner.job.get("secrets"))
             self._report("workers_failed", restarts_left=restarts if isinstance(restarts, int) else None,
-                         last_line=said)
+                         last_line=said)  # (the daemon masks again)
             return
         if event not in STATUS_EVENTS:
             return

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from daemon.gpunode.nodelog import mask_secrets, read_tail
 from trainer.contract import OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV, S3_ENDPOINT_ENV
 
 __all__ = ["PrepareError", "fetch", "run_setup", "last_line", "needs_preparing", "prepare_node", "FETCH_TIMEOUT_S"]
@@ -115,13 +116,7 @@ def fetch(workdir: dict[str, Any], agent_dir: Path, *, s3_endpoint_url: str | No
 def last_line(log_path: Path, since: int = 0) -> str:
     """The last non-empty line written to ``log_path`` after byte ``since`` (at most
     :data:`MAX_LINE_CHARS` characters; "" none). Blocking (reads the file's tail)."""
-    try:
-        with open(log_path, "rb") as f:
-            end = f.seek(0, os.SEEK_END)
-            f.seek(max(since, end - _TAIL_BYTES))
-            tail = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+    tail = read_tail(log_path, since=since, max_bytes=_TAIL_BYTES)
     lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
     return lines[-1][:MAX_LINE_CHARS] if lines else ""
 
@@ -211,10 +206,7 @@ async def prepare_node(runner: Any, *, report: Callable[..., None], beat_now: as
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ship_log_s):
                     await beat_sent.wait()
-        said = str(exc)
-        for value in (job.get("secrets") or {}).values():  # the job's secrets reach the setup: never an event
-            if isinstance(value, str) and value:
-                said = said.replace(value, "***")
+        said = mask_secrets(str(exc), job.get("secrets"))  # the job's secrets reach the setup: never an event
         report("setup_failed", stage=exc.stage, exit_code=exc.exit_code, last_line=said[:MAX_LINE_CHARS], sha256=sha)
         return False
     runner.prepared = True

@@ -39,7 +39,8 @@ from typing import Any
 
 import structlog
 
-__all__ = ["CHUNK_MAX_BYTES", "BUFFER_MAX_BYTES", "read_chunk", "error_line", "last_error"]
+__all__ = ["CHUNK_MAX_BYTES", "BUFFER_MAX_BYTES", "read_chunk", "read_tail", "error_line", "last_error",
+           "mask_secrets"]
 
 log = structlog.get_logger("spotvisor.nodelog")
 
@@ -105,13 +106,27 @@ def error_line(text: str) -> str:
     return " | ".join(out)[:ERROR_LINE_CHARS]
 
 
-def last_error(path: Path) -> str:
-    """:func:`error_line` of the last 64 KiB of the log at ``path`` ("" when unreadable).
-    Blocking: one read of a local file's tail."""
+def read_tail(path: Path, *, since: int = 0, max_bytes: int = _TAIL_BYTES) -> str:
+    """The last ``max_bytes`` of the file at ``path`` written after byte ``since``, as text
+    ("" when unreadable). Blocking: one read of a local file's tail."""
     try:
         with open(path, "rb") as f:
             end = f.seek(0, os.SEEK_END)
-            f.seek(max(0, end - _TAIL_BYTES))
-            return error_line(f.read().decode("utf-8", "replace"))
+            f.seek(max(since, end - max_bytes))
+            return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def last_error(path: Path) -> str:
+    """:func:`error_line` of the last 64 KiB of the log at ``path`` ("" when unreadable). Blocking."""
+    return error_line(read_tail(path))
+
+
+def mask_secrets(text: str, secrets: Any) -> str:
+    """``text`` with each non-empty string of ``secrets`` (the job spec's ``secrets``
+    mapping, or None) replaced by ``***``: what a node reports never carries one."""
+    for value in (secrets or {}).values():
+        if isinstance(value, str) and value:
+            text = text.replace(value, "***")
+    return text
