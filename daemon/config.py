@@ -294,11 +294,23 @@ class JobSpec(_Spec):
     # fails the node, which is replaced; setup_max_failures failures in a row stop the buying
     setup: list[str] = []
     setup_timeout_s: PositiveS = 1800.0
+    # modules each node's zygote imports before torchrun's workers fork from it
+    # (daemon/gpunode/zygote.py): your script's heavy imports, e.g. [transformers, datasets];
+    # trainer.* modules need none (they name their own)
+    preload: list[str] = Field([], max_length=64)
     setup_max_failures: int = Field(3, ge=1, le=1000)
     # the trainer's tries in a row that may fail without progress (exit non-zero, or stall, with
     # no new step; a preemption's never counts): the one that makes this many ends the job
     # "failed", every node released, checkpoints kept (daemon/control/tries.py; spotctl resume)
     max_restarts_on_errors: int = Field(3, ge=1, le=1000)
+
+    @field_validator("preload")
+    @classmethod
+    def _preload(cls, v: list[str]) -> list[str]:
+        for i, name in enumerate(v):
+            if len(name) > 200 or not all(part.isidentifier() for part in name.split(".")):
+                raise ValueError(f"item {i} {name[:60]!r} is not a module name (dotted Python names, e.g. transformers)")
+        return v
 
     @field_validator("command", mode="before")
     @classmethod

@@ -14,6 +14,12 @@ import pytest
 # launch otherwise), kept out of the user's ~/.cache; keyed by the source's digest
 os.environ.setdefault("SPOTVISOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"spotvisor-tests-{os.getuid()}"))
 
+# the node agents' zygotes (daemon/gpunode/zygote.py) import the reference trainer before
+# their workers fork: the tests' own trainers (e2e.paced_trainer, ...) wrap trainer.run,
+# which a zygote imports by itself only for a job whose module is trainer.* (a user sets
+# the same variable in job.env for their own script's imports)
+os.environ.setdefault("SPOTVISOR_ZYGOTE_PRELOAD", "trainer.run")
+
 _AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

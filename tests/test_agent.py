@@ -23,9 +23,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 
 from daemon.gpunode.agent import NodeAgent
+from daemon.gpunode.proctree import descendants
 from daemon.gpunode.metadata.aws import INSTANCE_ACTION_PATH, TOKEN_PATH, AwsImds
 from daemon.gpunode.metadata.base import MetadataDialect
 from daemon.providers.local_metadata.aws import FakeImds
@@ -261,18 +263,27 @@ async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_
     node is never admitted."""
     agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
                       workdir=tmp_path)
-    agent.runner.job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {}}
+    agent.runner.job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {"JOB_VAR": "j"},
+                        "secrets": {"JOB_SECRET": "s3cret"}}
     await agent.runner.prewarm()
     warm = agent.runner.warm
     assert warm is not None and warm.returncode is None
     assert _cmdline(warm.pid)[-2:] == ["-m", "daemon.gpunode.launcher"]
+    # the job's environment (its zygote imports under it), never its secrets before the job starts
+    with open(f"/proc/{warm.pid}/environ", "rb") as f:
+        env = dict(x.decode().split("=", 1) for x in f.read().split(b"\0") if b"=" in x)
+    assert env["JOB_VAR"] == "j" and "JOB_SECRET" not in env and "s3cret" not in str(env)
     assert agent.trainer == "warming"  # importing torchrun
     async with asyncio.timeout(60):
         await agent.runner.until_warm()  # the launcher's "ready"
     assert agent.trainer == "not_started" and agent._beat_now.is_set()
     assert warm.returncode is None  # waiting for the job
+    zygotes = [psutil.Process(p) for p in descendants(warm.pid)]
+    assert len(zygotes) == 1  # ready once its zygote serves (tests/test_zygote.py)
     await agent.runner.stop_prewarmed()
     assert warm.returncode is not None and agent.runner.warm is None
+    await asyncio.to_thread(psutil.wait_procs, zygotes, timeout=30)
+    assert not any(z.is_running() and z.status() != psutil.STATUS_ZOMBIE for z in zygotes)  # gone with it
     # a job that is not torchrun is started directly, when admitted: nothing to prewarm
     agent.runner.job = {"argv": ["train.py"], "env": {}}
     await agent.runner.prewarm()

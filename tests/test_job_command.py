@@ -58,3 +58,20 @@ def test_a_bad_command_is_one_line_naming_the_field(tmp_path, job: dict, needle:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert any(line.startswith(needle) for line in err.value.problems), err.value.problems
+
+
+def test_job_preload_reaches_the_nodes_zygote_through_the_spec() -> None:
+    """job.preload: the modules each node's zygote imports before the workers fork."""
+    from trainer.contract import ZYGOTE_PRELOAD_ENV
+
+    config = _with_job(load_config("configs/local.yaml"), command="train.py", preload=["transformers", "datasets"])
+    assert job_spec(config, NODE, "abc")["env"][ZYGOTE_PRELOAD_ENV] == "transformers,datasets"
+    assert ZYGOTE_PRELOAD_ENV not in job_spec(load_config("configs/local.yaml"), NODE, "abc")["env"]
+
+
+def test_a_preload_that_is_not_a_module_name_is_one_line_naming_the_field(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("daemon: {state_dir: %s}\njob: {command: train.py, preload: ['os; rm -rf /']}\n" % tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert any(line.startswith("job.preload: item 0") for line in err.value.problems), err.value.problems

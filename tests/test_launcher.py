@@ -21,15 +21,15 @@ from daemon.gpunode.launcher import READY_FD_ENV
 
 WORKER = """\
 import json, os, sys
-json.dump({"mark": os.environ.get("JOB_MARK"), "rank": os.environ.get("RANK"),
+json.dump({"forked": "torch" in sys.modules, "mark": os.environ.get("JOB_MARK"), "rank": os.environ.get("RANK"),
            "world": os.environ.get("WORLD_SIZE"), "cwd": os.getcwd(), "stdin": sys.stdin.read(),
            "agent_only": os.environ.get("AGENT_ONLY")}, open("worker.json", "w"))
 sys.exit(int(os.environ.get("JOB_EXIT", "0")))
 """
 
 
-def _launch(line: bytes | None) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "AGENT_ONLY": "1"}
+def _launch(line: bytes | None, **more: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "AGENT_ONLY": "1", **more}
     proc = subprocess.Popen([sys.executable, "-m", "daemon.gpunode.launcher"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parents[1])
@@ -49,8 +49,15 @@ def test_the_go_line_starts_torchrun_with_the_jobs_env_and_cwd(tmp_path: Path) -
     done = _launch(_go(tmp_path))
     assert done.returncode == 0, done.stdout
     seen = json.loads((tmp_path / "worker.json").read_text())
-    assert seen == {"mark": "from-the-go-line", "rank": "0", "world": "1", "cwd": str(tmp_path), "stdin": "",
-                    "agent_only": None}
+    assert seen == {"forked": True, "mark": "from-the-go-line", "rank": "0", "world": "1", "cwd": str(tmp_path),
+                    "stdin": "", "agent_only": None}
+
+
+def test_without_its_zygote_the_launcher_starts_fresh_workers(tmp_path: Path) -> None:
+    """$SPOTVISOR_ZYGOTE=0 (or a host with NVIDIA devices): torchrun's own worker start."""
+    done = _launch(_go(tmp_path), SPOTVISOR_ZYGOTE="0")
+    assert done.returncode == 0, done.stdout
+    assert json.loads((tmp_path / "worker.json").read_text())["forked"] is False
 
 
 def test_a_failed_worker_fails_the_launcher_as_it_fails_torchrun(tmp_path: Path) -> None:

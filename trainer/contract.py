@@ -123,6 +123,9 @@ TRAINER_PYTHONPATH_ENV = "SPOTVISOR_TRAINER_PYTHONPATH"
 # an Alibaba Cloud node's instance RAM role (a domain's launch.ram_role): OSS credentials come
 # from the instance metadata service for it when no $OSS_ACCESS_KEY_ID is set (trainer/oss_store.py)
 OSS_RAM_ROLE_ENV = "SPOTVISOR_OSS_RAM_ROLE"
+# job.preload, comma-separated: modules each node's zygote imports before torchrun's
+# workers fork from it (daemon/gpunode/zygote.py)
+ZYGOTE_PRELOAD_ENV = "SPOTVISOR_ZYGOTE_PRELOAD"
 
 
 # --------------------------------------------------------------------------- the notice file

@@ -43,6 +43,10 @@ __all__ = ["main", "build_parser", "build_state", "causal_lm_step", "wrap_ddp", 
 
 log = logging.getLogger("trainer.run")
 
+# what a worker imports lazily (build_model): a node's zygote imports it before the fork
+# (daemon/gpunode/zygote.py), so each worker starts without the import
+WORKER_PRELOAD = ("transformers.models.gpt2.modeling_gpt2",)
+
 MODEL_SHARD = "model.pt"
 
 

@@ -20,7 +20,7 @@ from daemon.controlnode.workdir import CodePin
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import TORCHRUN_ARGV, Node
 from trainer.contract import (CHECKPOINT_URI_ENV, HOLD_TIMEOUT_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV,
-                              RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV)
+                              RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV, ZYGOTE_PRELOAD_ENV)
 
 __all__ = ["job_spec", "run_id", "shown", "prepares", "SECRETS_KEY", "PLAIN_SHUTDOWN_TIMEOUT_S"]
 
@@ -133,6 +133,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         env[OSS_ENDPOINT_ENV] = d.oss_endpoint
     if d.provider == "aliyun" and (role := getattr(config.launch_spec(d), "ram_role", None)):
         env[OSS_RAM_ROLE_ENV] = role  # the node has no OSS keys of its own: its instance RAM role's are used
+    if job.preload:  # the nodes' zygotes import these before the workers fork (daemon/gpunode/zygote.py)
+        env[ZYGOTE_PRELOAD_ENV] = ",".join(job.preload)
     env.update(job.env)  # names checked against spotvisor's own (daemon.secretref); OMP_NUM_THREADS is the job's
     spec: dict[str, Any] = {"argv": argv, "env": env}
     if job.command is not None:  # a notice is a SIGTERM to the script (daemon/gpunode/trainer_process.py)

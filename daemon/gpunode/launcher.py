@@ -50,6 +50,7 @@ import sys
 import time
 from typing import Any
 
+from daemon.gpunode import zygote
 from trainer.contract import STATUS_FILE_ENV
 
 # the write end of a pipe from the agent: "ready\n" is written to it once the import is
@@ -113,6 +114,13 @@ def main() -> int:
     register()  # --rdzv-backend=spotvisor even where the entry point is shadowed (a stale egg-info on sys.path)
 
     ready_fd = os.environ.pop(READY_FD_ENV, None)
+    module = os.environ.pop(zygote.MODULE_ENV, None)
+    forked = None
+    if zygote.enabled(os.environ):
+        forked = zygote.fork_server(module, close_fds=(int(ready_fd),) if ready_fd and ready_fd.isdigit() else ())
+        if isinstance(forked, zygote.Worker):  # this process is one of torchrun's workers now
+            forked.run()
+            return 0
     if ready_fd is not None and ready_fd.isdigit():  # tell the agent: imported, waiting
         try:
             os.write(int(ready_fd), b"ready\n")
@@ -132,6 +140,8 @@ def main() -> int:
     os.close(devnull)
     os.environ.clear()
     os.environ.update(env)
+    if forked is not None and "PYTHON_EXEC" not in env:  # the job's own PYTHON_EXEC: no zygote for it
+        os.environ.update(forked.worker_env())
     if cwd:
         os.chdir(cwd)
     sys.argv = [torch.distributed.run.__file__, *argv]

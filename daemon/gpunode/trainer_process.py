@@ -24,6 +24,8 @@ import structlog
 from daemon.control.lifecycle import TrainerState, check_trainer_transition
 from daemon.gpunode.launcher import READY_FD_ENV
 from daemon.gpunode.proctree import kill_tree
+from daemon.gpunode.zygote import MODULE_ENV as ZYGOTE_MODULE_ENV
+from daemon.gpunode.zygote import entry_module
 from daemon.model import TORCHRUN_ARGV
 from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_ENV, NOTICE_FILE_ENV,
                               SCRATCH_DIR_ENV, STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV, write_plain_notice)
@@ -186,9 +188,15 @@ class TrainerProcess:
         ``warming`` (:meth:`until_warm`)."""
         if tuple(self.job.get("argv", ())[:2]) != TORCHRUN_ARGV or self._foreign():
             return
-        env = self._untokened_env()
+        # the job's environment, less its secrets (handed over at start only): the launcher's
+        # zygote imports the workers' libraries under the variables they will run with
+        secrets = self.job.get("secrets", {})
+        env = {k: v for k, v in self.job_env().items() if k not in secrets}
         ready_r, ready_w = os.pipe()
         env[READY_FD_ENV] = str(ready_w)
+        module = entry_module(list(self.job["argv"]))
+        if module:  # the launcher's zygote imports it (a trainer.* module) before the job is handed over
+            env[ZYGOTE_MODULE_ENV] = module
         try:
             self.warm = await self._spawn(["-u", "-m", "daemon.gpunode.launcher"], env, asyncio.subprocess.PIPE,
                                            pass_fds=(ready_w,))
