@@ -573,6 +573,23 @@ class HaSpec(_Spec):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+    # every control node's agent URL (https://<agent_host>:<agent_port>, this one's too):
+    # the nodes are given them all and follow whichever daemon leads
+    # (daemon/gpunode/daemon_link.py), so no floating address or DNS name has to follow the
+    # leader. Empty: the nodes are given this daemon's own URL only
+    agent_urls: list[str] = Field([], max_length=7)
+
+    @field_validator("agent_urls")
+    @classmethod
+    def _agent_urls(cls, urls: list[str]) -> list[str]:
+        from daemon.gpunode.daemon_link import daemon_urls
+
+        if urls:
+            try:
+                return daemon_urls(",".join(urls))
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("--daemon-url", "an agent URL", 1)) from None
+        return urls
 
     @field_validator("endpoints")
     @classmethod
@@ -1164,6 +1181,16 @@ class Config(_Spec):
     def _domains(self) -> "Config":
         """Every offer in exactly one placement domain; no job across two (issue 15)."""
         _resolve_domains(self)
+        return self
+
+    @model_validator(mode="after")
+    def _ha_agent_tls(self) -> "Config":
+        """Nodes that follow the leader among several control nodes trust one CA for all of them."""
+        d = self.daemon
+        if self.ha and len(self.ha.agent_urls) > 1 and d.agent_tls_on() and d.tls_ca_file is None:
+            raise ValueError("ha.agent_urls: each daemon's own CA would be trusted by its own nodes only; give "
+                             "daemon.tls_cert_file, tls_key_file and tls_ca_file on every control node (one CA, each "
+                             "certificate naming its agent_host)")
         return self
 
     @model_validator(mode="after")

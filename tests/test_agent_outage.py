@@ -1,5 +1,6 @@
 """What a node agent says while the daemon is out of reach (daemon.gpunode.outage): a few
-lines an outage, whatever its length and however many loops keep calling."""
+lines an outage, whatever its length and however many loops keep calling; and, given
+every control node of an HA pool, which one it calls."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import socket
 
 import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
 from daemon.gpunode import daemon_link
-from daemon.gpunode.daemon_link import DaemonLink, failure_reason
+from daemon.gpunode.daemon_link import DaemonLink, daemon_urls, failure_reason
 from daemon.gpunode.outage import REMIND_EVERY_S, Outage
 
 CALLS = ("heartbeat", "commands", "events", "register")
@@ -131,3 +133,76 @@ async def test_a_refusal_is_not_an_outage_and_is_said_each_time(monkeypatch) -> 
     finally:
         await runner.cleanup()
     assert said == [("warning", "daemon_refused")] * 2 and link.outage.since is None
+
+
+async def _serve(status: int) -> tuple[web.AppRunner, str, list[str]]:
+    """A stand-in daemon answering every agent POST with ``status``; its runner, URL and the paths it was asked."""
+    asked: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"ok": True}, status=status)
+
+    app = web.Application()
+    app.router.add_post("/v1/agent/{call}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", asked
+
+
+@pytest.mark.parametrize("first", ["nothing listens", "a deposed leader's 503"])
+async def test_a_link_given_every_control_node_follows_the_one_that_serves(first: str) -> None:
+    """ha.agent_urls: a standby binds nothing and a deposed leader answers 503; the link
+    moves on to the next URL and stays with the daemon that answers."""
+    leader, leader_url, asked = await _serve(200)
+    if first == "nothing listens":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            other_url, other = f"http://127.0.0.1:{s.getsockname()[1]}", None
+    else:
+        other, other_url, _ = await _serve(503)
+    link = DaemonLink(daemon_url=f"{other_url},{leader_url}", token="t", node_id="n1")
+    await link.open()
+    try:
+        with pytest.raises((aiohttp.ClientConnectorError, aiohttp.ClientResponseError)):
+            await link.post("/v1/agent/heartbeat", {})
+        assert link.daemon_url == leader_url
+        for _ in range(3):
+            assert await link.post("/v1/agent/heartbeat", {}) == {"ok": True}
+        assert asked == ["/v1/agent/heartbeat"] * 3 and link.daemon_url == leader_url
+    finally:
+        await link.aclose()
+        await leader.cleanup()
+        if other is not None:
+            await other.cleanup()
+
+
+async def test_a_refusal_keeps_the_link_where_it_is() -> None:
+    """A 4xx is a daemon that serves and refused this call: no reason to move on."""
+    refusing, url, _ = await _serve(400)
+    spare, spare_url, spare_asked = await _serve(200)
+    link = DaemonLink(daemon_url=f"{url},{spare_url}", token="t", node_id="n1")
+    await link.open()
+    try:
+        for _ in range(2):
+            with pytest.raises(aiohttp.ClientResponseError):
+                await link.post("/v1/agent/events", {"events": []})
+        assert link.daemon_url == url and spare_asked == []
+    finally:
+        await link.aclose()
+        await refusing.cleanup()
+        await spare.cleanup()
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("https://10.0.0.1:7480,", "has an empty item"),
+    ("https://10.0.0.1:7480,https://10.0.0.1:7480", "names a URL twice"),
+    ("https://10.0.0.1:7480,http://10.0.0.2:7480", "plain http to a host that is not loopback"),
+])
+def test_a_bad_url_list_is_one_line_naming_it(value: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        daemon_urls(value)
+    assert daemon_urls("https://10.0.0.1:7480/, https://10.0.0.2:7480") == ["https://10.0.0.1:7480",
+                                                                           "https://10.0.0.2:7480"]

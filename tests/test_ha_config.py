@@ -54,6 +54,9 @@ def test_the_ha_example_says_what_it_survives() -> None:
     ({"name": "A/b", "endpoints": ["127.0.0.1:2379"]}, "ha.name"),
     ({"name": "a", "endpoints": ["127.0.0.1:2379"], "lease_s": 1}, "ha.lease_s"),
     ({"endpoints": ["127.0.0.1:2379"]}, "ha.name"),
+    ({"name": "a", "endpoints": ["127.0.0.1:2379"], "agent_urls": ["http://10.0.0.2:7480"]},
+     "ha.agent_urls: an agent URL http://10.0.0.2:7480 is plain http"),
+    ({"name": "a", "endpoints": ["127.0.0.1:2379"], "agent_urls": ["http://127.0.0.1:7480"] * 2}, "names a URL twice"),
 ])
 def test_bad_ha_values_are_one_clear_line_each(tmp_path: Path, ha: dict, needle: str) -> None:
     path = _write(tmp_path, ha)
@@ -83,3 +86,32 @@ def test_a_lease_under_4_s_is_accepted_with_one_warning_line(tmp_path: Path, lea
         assert "misses keepalives" in lines[0] and "takeover bound" in lines[0]
     else:
         assert lines == []
+
+
+def test_nodes_given_every_control_node_need_one_ca_for_all(tmp_path: Path) -> None:
+    """ha.agent_urls over TLS: each daemon's own CA would be trusted by its own nodes only."""
+    ha = {"name": "a", "endpoints": ["127.0.0.1:2379"], "agent_urls": ["https://10.0.0.2:7480", "https://10.0.0.3:7480"]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"ha": ha, "daemon": {"agent_host": "10.0.0.2"}}))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert any(line.startswith("ha.agent_urls: each daemon's own CA") and "tls_ca_file" in line
+               for line in exc.value.problems), exc.value.problems
+    files = {"tls_cert_file": str(tmp_path / "a.pem"), "tls_key_file": str(tmp_path / "a.key"),
+             "tls_ca_file": str(tmp_path / "ca.pem")}
+    for f in files.values():
+        Path(f).write_text("x")
+    path.write_text(yaml.safe_dump({"ha": ha, "daemon": {"agent_host": "10.0.0.2", **files}}))
+    assert load_config(path).ha.agent_urls == ha["agent_urls"]  # type: ignore[union-attr]
+
+
+def test_a_node_is_given_this_daemons_url_first_then_the_other_control_nodes() -> None:
+    from types import SimpleNamespace
+
+    from daemon.controlnode.launch_calls import agent_urls
+
+    ha = SimpleNamespace(agent_urls=["http://127.0.0.1:7001", "http://127.0.0.1:7002/"])
+    core = SimpleNamespace(agent_url="http://127.0.0.1:7002", config=SimpleNamespace(ha=ha))
+    assert agent_urls(core) == "http://127.0.0.1:7002,http://127.0.0.1:7001"  # type: ignore[arg-type]
+    core.config.ha = None
+    assert agent_urls(core) == "http://127.0.0.1:7002"  # type: ignore[arg-type]

@@ -25,9 +25,18 @@ from daemon.providers.agent_wheel import AgentWheelError, AgentWheels
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AgentWheelRef, AuthError, CapacityError, NodeSpec, Provider,
                                    ProviderError, QuotaError)
 
-__all__ = ["LaunchCalls"]
+__all__ = ["LaunchCalls", "agent_urls"]
 
 log = structlog.get_logger("spotvisor.daemon")
+
+
+def agent_urls(core: Core) -> str:
+    """What a node is given as ``--daemon-url``: this daemon's agent URL, then the other
+    control nodes' of ``ha.agent_urls`` (comma-separated), so its agent follows the leader."""
+    assert core.agent_url is not None
+    ha = core.config.ha
+    others = [u for u in (ha.agent_urls if ha else []) if u.rstrip("/") != core.agent_url.rstrip("/")]
+    return ",".join([core.agent_url, *others])
 
 
 class LaunchCalls:
@@ -97,7 +106,7 @@ class LaunchCalls:
         wheel = await self._agent_wheel(node, offer_index)
         if wheel is False:
             return
-        spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=core.agent_url,
+        spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=agent_urls(core),
                         tags={POOL_TAG: core.pool, NODE_TAG: node.id},
                         ca_cert_pem=core.agent_ca_pem,  # None: plain HTTP
                         agent_wheel=wheel or None)

@@ -72,7 +72,7 @@ from typing import Any
 
 import structlog
 
-from daemon.gpunode.daemon_link import COMMAND_WAIT_S, DaemonLink, check_daemon_url, daemon_ssl_context
+from daemon.gpunode.daemon_link import COMMAND_WAIT_S, DaemonLink, check_daemon_url, daemon_ssl_context, daemon_urls
 from daemon.gpunode.gpu import GpuSampler, NvmlSampler
 from daemon.gpunode.heartbeat import Heartbeat, StepProgress
 from daemon.gpunode.nodelog import last_error, mask_secrets
@@ -101,7 +101,8 @@ class NodeAgent:
     :class:`~daemon.gpunode.trainer_process.TrainerProcess`.
 
     Args:
-        daemon_url: the daemon's agent port, e.g. ``http://10.0.0.2:7480``.
+        daemon_url: the daemon's agent port, e.g. ``http://10.0.0.2:7480``, or an HA pool's
+            control nodes' comma-separated (:class:`~daemon.gpunode.daemon_link.DaemonLink`).
         token: this node's bearer token (issued by the daemon at launch).
         node_id: this node's id in the pool.
         metadata: the metadata dialect client (polls the cloud's endpoint).
@@ -349,7 +350,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--version", action="version", version=f"spotvisor-agent {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the agent on this node")
-    r.add_argument("--daemon-url", required=True)
+    r.add_argument("--daemon-url", required=True,
+                   help="the daemon's agent URL; for an HA pool every control node's, comma-separated "
+                        "(the agent follows whichever leads)")
     r.add_argument("--node-id", required=True)
     r.add_argument("--ca-file", default=os.environ.get("SPOTVISOR_DAEMON_CA_FILE") or None,
                    help="the daemon's CA certificate (PEM): an https daemon is trusted only if it verifies "
@@ -416,7 +419,7 @@ async def _amain(args: argparse.Namespace) -> int:
         print("spotvisor-agent: SPOTVISOR_AGENT_TOKEN is not set (the daemon issues it at launch)", file=sys.stderr)
         return 2
     try:
-        check_daemon_url(args.daemon_url)
+        daemon_urls(args.daemon_url)
     except ValueError as exc:
         print(f"spotvisor-agent: {exc}", file=sys.stderr)
         return 2

@@ -44,7 +44,8 @@ from daemon.control.bounds import MAX_AGENT_BODY_BYTES, MAX_REPORTS_PER_POST
 from daemon.gpunode.outage import Line, Outage
 from daemon.hosts import is_loopback
 
-__all__ = ["COMMAND_WAIT_S", "KEEPALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "DaemonLink", "check_daemon_url", "daemon_ssl_context"]
+__all__ = ["COMMAND_WAIT_S", "KEEPALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "DaemonLink", "check_daemon_url", "daemon_urls",
+           "daemon_ssl_context"]
 
 log = structlog.get_logger("spotvisor.agent")
 
@@ -75,6 +76,24 @@ def daemon_ssl_context(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=os.fspath(ca_file))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+def daemon_urls(value: str) -> list[str]:
+    """The daemon URLs in ``--daemon-url``: one, or an HA pool's control nodes
+    comma-separated (``ha.agent_urls``), each checked by :func:`check_daemon_url`.
+
+    Raises:
+        ValueError: one line naming the URL and the fix; also for an empty or repeated one.
+    """
+    given = [u.strip() for u in value.split(",")]
+    if not all(given):
+        raise ValueError(f"--daemon-url {value!r} has an empty item (give URLs separated by single commas)")
+    for url in given:
+        check_daemon_url(url)
+    urls = [u.rstrip("/") for u in given]
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"--daemon-url {value!r} names a URL twice (give each control node once)")
+    return urls
 
 
 def check_daemon_url(url: str) -> None:
@@ -158,20 +177,24 @@ class DaemonLink:
     """One node's channel to the daemon (see the module docstring).
 
     Args:
-        daemon_url: the daemon's agent port, e.g. ``https://10.0.0.2:7480``.
+        daemon_url: the daemon's agent port, e.g. ``https://10.0.0.2:7480``; or, for an HA
+            pool, every control node's, comma-separated (:func:`daemon_urls`): the link
+            uses one at a time and moves to the next when a call finds no daemon serving
+            there (no connection, a timeout, a 5xx: a standby binds nothing and a deposed
+            leader answers 503), so it follows the leader without a floating address.
         token: this node's bearer token (issued by the daemon at launch).
         node_id: this node's id in the pool (sent in every request body).
         ca_file: the daemon's CA certificate (PEM) or None (the system's store).
         command_wait_s: how long each command long-poll may be held (seconds).
 
     Raises:
-        ValueError: ``daemon_url`` is plain http to a host that is not loopback.
+        ValueError: a URL is plain http to a host that is not loopback, or the list is malformed.
     """
 
     def __init__(self, *, daemon_url: str, token: str, node_id: str,
                  ca_file: str | os.PathLike[str] | None = None, command_wait_s: float = COMMAND_WAIT_S) -> None:
-        check_daemon_url(daemon_url)
-        self.daemon_url = daemon_url.rstrip("/")
+        self.urls = daemon_urls(daemon_url)
+        self._at = 0  # the URL calls go to now
         self.token = token
         self.node_id = node_id
         self.ca_file = ca_file
@@ -192,6 +215,18 @@ class DaemonLink:
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, ssl=True if tls is None else tls),
         )
 
+    @property
+    def daemon_url(self) -> str:
+        """The URL calls go to now."""
+        return self.urls[self._at]
+
+    def _move_on(self, failed_at: int) -> None:
+        """The daemon at ``urls[failed_at]`` did not serve: the next call goes to the next
+        URL, unless a concurrent call has moved on already (calls fail together)."""
+        if len(self.urls) > 1 and self._at == failed_at:
+            self._at = (failed_at + 1) % len(self.urls)
+            log.info("daemon_url_next", tried=self.urls[failed_at], next=self.urls[self._at])
+
     async def aclose(self) -> None:
         """Close the session (idempotent)."""
         if self.session is not None:
@@ -208,8 +243,9 @@ class DaemonLink:
         if self.session is None:
             raise RuntimeError("DaemonLink is not open; call 'await link.open()' first")
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        at = self._at
         try:
-            async with self.session.post(f"{self.daemon_url}{path}", json={"node_id": self.node_id, **body},
+            async with self.session.post(f"{self.urls[at]}{path}", json={"node_id": self.node_id, **body},
                                          timeout=timeout) as r:
                 if r.status == 401:
                     raise PermissionError("the daemon refused this node's token")
@@ -219,6 +255,7 @@ class DaemonLink:
             call, reason = path.rsplit("/", 1)[-1], failure_reason(exc)
             if reason is not None:
                 _say(self.outage.failed(time.monotonic(), call, reason, str(exc) or repr(exc)))
+                self._move_on(at)
                 raise
             _say(self.outage.answered(time.monotonic()))  # it answered, with a refusal: said each time
             if not _no_command_route(exc):  # an older daemon without the long-poll: said by poll_commands

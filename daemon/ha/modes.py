@@ -44,8 +44,15 @@ def survival(config: Any) -> list[str]:
         lines.append(f"  survives: {down} etcd member(s) of {members} down (a quorum of {quorum} remains)")
     lines.append(f"  does not survive: {down + 1} etcd member(s) of {members} down (no quorum: "
                  "no daemon may act until it returns; training goes on, changes wait)")
-    lines.append("  agents: they reach whichever daemon leads at daemon.agent_host:daemon.agent_port; give it a "
-                 "floating address or a DNS name that follows the leader (a standby does not listen)")
+    if len(ha.agent_urls) > 1:
+        lines.append(f"  agents: given the {len(ha.agent_urls)} control nodes' URLs (ha.agent_urls), they follow "
+                     "whichever daemon leads")
+    else:
+        lines.append("  agents: they reach whichever daemon leads at daemon.agent_host:daemon.agent_port; list every "
+                     "control node's URL in ha.agent_urls, or give that a floating address or a DNS name that "
+                     "follows the leader (a standby does not listen)")
+    lines.append("  rendezvous store: rendezvous.host must follow the leader (a floating address or a DNS name); "
+                 "a store started empty there gets the running round back")
     if members < 3:
         lines.append("  warning: fewer than 3 etcd members: one member's loss stops the control plane")
     if ha.lease_s < MIN_SAFE_LEASE_S:

@@ -210,17 +210,22 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
     control-a's control node dies mid-training: the daemon and the rendezvous store,
     SIGKILLed. The store's address moves to control-b's node (a floating address; here the
     same port) and comes up empty; control-b leads within 10 s, reads the pool from etcd
-    and runs the job to its end: the same worker group, 0 lost steps, no stall."""
+    and runs the job to its end: the same worker group, 0 lost steps, no stall. The two
+    daemons listen for agents on ports of their own (``ha.agent_urls``): the nodes follow
+    the new leader with no address moved for them."""
     store = StoreProcess("127.0.0.1", free_port())
     await asyncio.to_thread(store.start)
     cfg, raw = _config(tmp_path, faults.url, store.port)
     pool, instances = raw["pool"]["name"], tmp_path / "instances"
     configs = {}
+    ports = {"control-a": free_port(), "control-b": free_port()}
+    agent_urls = [f"http://127.0.0.1:{port}" for port in ports.values()]
     for name in ("control-a", "control-b"):
         mine = yaml.safe_load(yaml.safe_dump(raw))
-        mine["ha"] = {"name": name, "lease_s": 4, "endpoints": etcd_cluster.endpoints}
+        mine["ha"] = {"name": name, "lease_s": 4, "endpoints": etcd_cluster.endpoints, "agent_urls": agent_urls}
         mine["daemon"].update(state_dir=str(tmp_path / name), socket=raw["daemon"]["socket"].replace("d.sock",
-                                                                                                   f"{name}.sock"))
+                                                                                                   f"{name}.sock"),
+                              agent_port=ports[name])
         configs[name] = tmp_path / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(mine))
     a = Daemon(configs["control-a"], raw["daemon"]["socket"].replace("d.sock", "control-a.sock"),
