@@ -734,8 +734,9 @@ def _cloud_kwargs(config: Config, name: str) -> dict[str, Any]:
     and searches every offer's region (a restarted daemon finds its instances at once);
     the daemon and ``spotvisord check`` make theirs alike, so the check tries the very
     requests the daemon would send."""
-    if name == "local":
-        return {}
+    if name == "local":  # each instance its own GPUs, if this machine has enough for the largest pool
+        return {"gpus_needed": config.pool.max_nodes * max(o.gpus_per_node for o in config.offers
+                                                           if o.provider == "local")}
     return {"launch_spec": config.launch_spec,
             "regions": sorted({o.region for o in config.offers if o.provider == name})}
 

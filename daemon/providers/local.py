@@ -46,6 +46,7 @@ import psutil
 import structlog
 
 from daemon.config import LocalProviderSpec
+from daemon.providers.local_gpus import GpuSlots
 from daemon.providers.local_instance import (
     ADMIN_TOKEN_FILE,
     INSTANCE_ENV,
@@ -89,6 +90,7 @@ class _LocalInstance:
     create_time: float = 0.0
     published_at: float | None = None  # the current notice's, as the instance's own endpoint answered
     state: str = "pending"  # pending | running | gone
+    gpus: str | None = None  # its CUDA_VISIBLE_DEVICES (daemon/providers/local_gpus.py); None: left as it was
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -101,6 +103,7 @@ class LocalProvider(Provider):
             ``spot_price_usd_h``.
         state_dir: where instance working directories go.
         agent_args: extra arguments for every agent (e.g. poll interval).
+        gpus_needed: ``pool.max_nodes`` x the largest local ``gpus_per_node`` (:mod:`~daemon.providers.local_gpus`).
 
     Raises:
         ValueError: :data:`~daemon.providers.local_instance.LIFELINE_FD_ENV` is set but names
@@ -109,8 +112,10 @@ class LocalProvider(Provider):
 
     name = "local"
 
-    def __init__(self, *, spec: LocalProviderSpec, state_dir: Path, agent_args: list[str] | None = None) -> None:
+    def __init__(self, *, spec: LocalProviderSpec, state_dir: Path, agent_args: list[str] | None = None,
+                 gpus_needed: int = 0) -> None:
         self.spec = spec
+        self._gpus = GpuSlots.of_host(gpus_needed)  # one set per instance, or none for any
         self.state_dir = Path(state_dir)
         self.agent_args = list(agent_args or [])
         self._instances: dict[str, _LocalInstance] = {}
@@ -265,8 +270,10 @@ class LocalProvider(Provider):
             node = NodeSpec(node_id=rec.node_id, pool=rec.pool, token="", daemon_url="")
             inst = _LocalInstance(rec.id, node, Offer(**rec.offer), self.state_dir / "nodes" / rec.node_id,
                                   rec.launched_at, dialect=rec.dialect, imds_url=rec.imds_url, pid=rec.pid,
-                                  create_time=rec.create_time, state="running")
+                                  create_time=rec.create_time, state="running", gpus=rec.gpus)
             self._instances[rec.id] = inst
+            if rec.gpus:  # still in use by it: never handed to another instance
+                self._gpus.hold(rec.id, rec.gpus)
             log.info("instance_adopted", instance_id=rec.id, node_id=rec.node_id, pid=rec.pid)
 
     async def _boot(self, inst: _LocalInstance) -> None:
@@ -293,6 +300,9 @@ class LocalProvider(Provider):
             env["SPOTVISOR_AGENT_TOKEN"] = inst.node.token
             env[INSTANCE_ENV] = inst.id  # marks every process of this "VM", see kill_instance_processes
             env.setdefault("PYTHONUNBUFFERED", "1")
+            inst.gpus = self._gpus.take(inst.id, inst.offer.gpus_per_node)
+            if inst.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = inst.gpus
             if self._outer_lifeline is not None:
                 watch_fd = self._outer_lifeline
             else:
@@ -337,7 +347,8 @@ class LocalProvider(Provider):
             return
         InstanceRecord(id=inst.id, node_id=inst.node.node_id, pool=inst.node.pool, pid=inst.pid or 0,
                        create_time=inst.create_time, imds_url=inst.imds_url or "", dialect=inst.dialect,
-                       offer=dataclasses.asdict(inst.offer), launched_at=inst.launched_at).write(inst.workdir)
+                       offer=dataclasses.asdict(inst.offer), launched_at=inst.launched_at,
+                       gpus=inst.gpus).write(inst.workdir)
 
     async def _kill_at(self, inst: _LocalInstance, delay_s: float) -> None:
         await asyncio.sleep(delay_s)  # the notice's lead time, as the cloud gives it
@@ -359,6 +370,7 @@ class LocalProvider(Provider):
             await inst.imds.aclose()
         if inst.pid is not None and self._outer_lifeline is not None:
             (inst.workdir / RECORD_FILE).unlink(missing_ok=True)
+        self._gpus.give_back(inst.id)  # its processes are gone: nothing runs on them
         if was != "gone":
             log.info("instance_gone", instance_id=inst.id, reason=reason)
 
@@ -370,6 +382,7 @@ class LocalProvider(Provider):
                 ended = inst.pid is None or not process_alive(inst.pid, inst.create_time)
             if ended:
                 inst.state = "gone"
+                self._gpus.give_back(inst.id)
         return inst.state
 
     def _view(self, inst: _LocalInstance) -> Instance:

@@ -212,7 +212,8 @@ class InstanceRecord:
     ``pid`` and ``create_time`` (psutil's) name its init: the instance lives while that
     process does, and a pid since reused by another process is not it. ``imds_url``: its
     metadata endpoint (the admin token is in :data:`ADMIN_TOKEN_FILE` beside the record).
-    ``offer``: the offer's fields (:class:`daemon.control.offers.Offer`).
+    ``offer``: the offer's fields (:class:`daemon.control.offers.Offer`). ``gpus``: the
+    ``CUDA_VISIBLE_DEVICES`` it was given (:mod:`daemon.providers.local_gpus`), or None.
     """
 
     id: str
@@ -224,6 +225,7 @@ class InstanceRecord:
     dialect: str
     offer: dict[str, Any]
     launched_at: float
+    gpus: str | None = None  # its CUDA_VISIBLE_DEVICES when the provider pinned GPUs to it
 
     def write(self, workdir: Path) -> None:
         """Write it, atomically, as ``workdir/instance.json`` (0600)."""
@@ -236,7 +238,8 @@ class InstanceRecord:
             fd = open_private(path, os.O_RDONLY)
             with os.fdopen(fd, "rb") as f:
                 raw = json.loads(f.read(65536))
-            return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+            return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)
+                          if f.name in raw or f.default is dataclasses.MISSING})  # KeyError: a required one
         except FileNotFoundError:
             return None
         except (StateDirError, OSError, ValueError, TypeError, KeyError) as exc:
