@@ -321,3 +321,15 @@ def test_a_fork_is_refused_exactly_when_a_load_time_variable_changes(base: dict[
     load_time = {k for k in differs if k.startswith(LOAD_TIME_ENV) and k not in FORKABLE_ENV}
     threads = {k for k in differs if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") and not changed[k].isdigit()}
     assert (worker.refusal(base) is None) == (not load_time and not threads)
+
+
+def test_preloads_follow_worker_preload_once_each_and_report_what_fails(tmp_path: Path, monkeypatch) -> None:
+    from daemon.gpunode.zygote import _load
+
+    (tmp_path / "zyg_a.py").write_text("WORKER_PRELOAD = ('zyg_b', 'zyg_missing')\n")
+    (tmp_path / "zyg_b.py").write_text("WORKER_PRELOAD = ('zyg_a',)\nimport os\nos.environ['ZYG_B_RUNS'] += 'x'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ZYG_B_RUNS", "")
+    failed = _load(["zyg_a"])  # a names b, b names a: each imported once, no loop
+    assert os.environ["ZYG_B_RUNS"] == "x"
+    assert failed == ["zyg_missing: No module named 'zyg_missing'"]

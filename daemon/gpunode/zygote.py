@@ -104,8 +104,9 @@ def preloads(entry_module: str | None, extra: str = "") -> list[str]:
     distributed package always; this project's own modules (``trainer.*``) themselves and
     what they name in ``WORKER_PRELOAD`` (lazy imports such as the model classes); then
     ``extra``, the job's ``$SPOTVISOR_ZYGOTE_PRELOAD`` (``job.preload``, comma-separated
-    module names: a user's script's heavy imports, ``transformers`` say). A user's entry module itself is
-    not imported: its import might do work; its workers import it after the fork."""
+    module names: a user's script's heavy imports, ``transformers`` say). A user's entry
+    module itself is not imported: its import might do work; its workers import it after
+    the fork."""
     names = ["torch", "torch.distributed", "torch.nn.parallel"]
     if entry_module and (entry_module == "trainer" or entry_module.startswith("trainer.")):
         names.append(entry_module)
@@ -117,7 +118,7 @@ def _load(names: list[str]) -> list[str]:
     """Import each name, and what each module lists in ``WORKER_PRELOAD``; the failures
     as ``"name: error"`` (a worker that needs it then fails with its own traceback)."""
     failed = []
-    todo = list(names)
+    todo, seen = list(names), set(names)
     while todo:
         name = todo.pop(0)
         try:
@@ -125,7 +126,9 @@ def _load(names: list[str]) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - any import error is the worker's to show
             failed.append(f"{name}: {exc}")
             continue
-        todo.extend(getattr(mod, "WORKER_PRELOAD", ()))
+        more = [m for m in getattr(mod, "WORKER_PRELOAD", ()) if m not in seen]
+        todo += more
+        seen.update(more)
     return failed
 
 
