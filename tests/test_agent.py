@@ -258,9 +258,10 @@ async def test_a_torchrun_job_runs_in_the_launcher_started_at_registration(
         await h.until(lambda: not _alive(worker), timeout_s=30, what="the worker gone with torchrun")
 
 
-async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_path) -> None:
+async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_path, monkeypatch) -> None:
     """Warming until the launcher says it has imported; stopped with the agent if the
     node is never admitted."""
+    monkeypatch.setenv("SPOTVISOR_ZYGOTE", "1")  # on even where NVIDIA devices are (off there by default)
     agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
                       workdir=tmp_path)
     agent.runner.job = {"argv": ["-m", "torch.distributed.run", "--standalone", "x.py"], "env": {"JOB_VAR": "j"},

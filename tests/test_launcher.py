@@ -29,7 +29,8 @@ sys.exit(int(os.environ.get("JOB_EXIT", "0")))
 
 
 def _launch(line: bytes | None, **more: str) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "AGENT_ONLY": "1", **more}
+    # the zygote on even where NVIDIA devices are (off there by default): these workers touch no GPU
+    env = {"PATH": "/usr/bin:/bin", "AGENT_ONLY": "1", "SPOTVISOR_ZYGOTE": "1", **more}
     proc = subprocess.Popen([sys.executable, "-m", "daemon.gpunode.launcher"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parents[1])
