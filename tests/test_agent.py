@@ -36,6 +36,13 @@ from conftest import ManualClock as Clock, agent_running
 from trainers import STANDIN
 
 
+@pytest.fixture(autouse=True)
+def _standin_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These agents' workers are the stand-in (tests/trainers.py): their launchers' zygotes
+    need not import trainer.run first (tests/conftest.py asks it for every other node)."""
+    monkeypatch.delenv("SPOTVISOR_ZYGOTE_PRELOAD", raising=False)
+
+
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
