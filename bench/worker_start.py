@@ -31,8 +31,11 @@ from trainer.run import build_model, build_parser
 args = build_parser().parse_args(["--seq-len", "128", "--n-layer", "4", "--n-embd", "256", "--n-head", "4",
                                   "--target-steps", "1", "--global-batch-size", "1", "--micro-batch-size", "1",
                                   "--checkpoint-uri", "file:///tmp/unused"])
-model = build_model(args)
-model(torch.zeros(1, 8, dtype=torch.long))
+device = torch.device(os.environ.get("PROBE_DEVICE", "cpu"))
+model = build_model(args).to(device)
+model(torch.zeros(1, 8, dtype=torch.long, device=device))
+if device.type == "cuda":
+    torch.cuda.synchronize()  # CUDA initialised and used in this worker: after a fork, from a parent that never did
 t = os.times()
 print(json.dumps({"cpu_s": t.user + t.system, "wall_s": time.time() - float(os.environ["STARTED"]),
                   "forked": os.environ.get("FORKED_CHECK") == "1" and "transformers" in sys.modules}))
@@ -61,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=5, help="workers started each way (default 5)")
     ap.add_argument("--out", default="bench-results-worker-start.json")
+    ap.add_argument("--device", default="cpu", help="where the probe's forward pass runs: cpu, or cuda on a GPU "
+                                                    "machine (the zygote's check that CUDA works in a forked worker)")
     args = ap.parse_args(argv)
     root = str(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "bench_worker_probe.py").write_text(PROBE)
         base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": os.pathsep.join([tmp, root]),
-                "OMP_NUM_THREADS": "1", "SPOTVISOR_ZYGOTE_PRELOAD": "trainer.run"}
+                "OMP_NUM_THREADS": "1", "SPOTVISOR_ZYGOTE_PRELOAD": "trainer.run", "PROBE_DEVICE": args.device}
         host = subprocess.Popen([sys.executable, "-c", HOST], env=base, cwd=tmp, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         try:
@@ -84,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             host.stdin.close()  # type: ignore[union-attr]
             host.wait(timeout=60)
     assert first["forked"] and all(r["forked"] for r in rows["forked"]), "a worker was not forked"
-    print(f"worker start to its first forward pass, {args.n} workers each way ({os.cpu_count()} CPUs); the first "
-          f"forked one, asked for as the zygote started, waited {first['wall_s']:.2f} s for its imports")
+    print(f"worker start to its first forward pass on {args.device}, {args.n} workers each way "
+          f"({os.cpu_count()} CPUs); the first forked one, asked for as the zygote started, "
+          f"waited {first['wall_s']:.2f} s for its imports")
     print(f"{'start':<8} {'CPU-s median':>13} {'CPU-s max':>10} {'wall s median':>14} {'wall s max':>11}")
-    result = {"n": args.n, "first_forked_wall_s": first["wall_s"], "nproc": os.cpu_count()}
+    result = {"n": args.n, "device": args.device, "first_forked_wall_s": first["wall_s"], "nproc": os.cpu_count()}
     for name, samples in rows.items():
         cpu = [s["cpu_s"] for s in samples]
         wall = [s["wall_s"] for s in samples]
