@@ -44,16 +44,19 @@ from trainer.checkpoint import FileStore, list_committed
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 TARGET_STEPS = 70
-#: the notice cell's job: long enough for the replacement to boot and grow the job back
+#: the notice cell's job (paced while the world is short of 2: the replacement grows it
+#: back before the end, however fast the survivor trains)
 NOTICE_TARGET_STEPS = 400
 GLOBAL_BATCH = 12
 SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "2"]
 
 
 def _config(tmp_path: Path, proxy_url: str, store_port: int,
-            target_steps: int = TARGET_STEPS) -> tuple[Path, dict[str, Any]]:
+            target_steps: int = TARGET_STEPS, paced: bool = False) -> tuple[Path, dict[str, Any]]:
     """The daemon's config file and its content: a 2-node pool of 1-GPU EC2 instances (moto)
-    running the reference trainer (a small GPT-2) to ``target_steps``."""
+    running the reference trainer (a small GPT-2) to ``target_steps``; with ``paced``, under
+    ``e2e.paced_trainer``: 0.5 s a step while the world is short of 2, so the job cannot end
+    before its replacement has grown it back, however fast the survivor trains."""
     pool = f"cn-{uuid.uuid4().hex[:8]}"
     sockdir = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
     raw = {
@@ -73,6 +76,10 @@ def _config(tmp_path: Path, proxy_url: str, store_port: int,
         "offers": [{"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "g4dn.xlarge",
                     "gpu_type": "T4", "gpus_per_node": 1}],
     }
+    if paced:
+        raw["job"].update(module="e2e.paced_trainer", preload=["trainer.run"],
+                          args=[*raw["job"]["args"], "--full-world", "2", "--pace-s", "0.5"],
+                          env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # tests/: e2e.paced_trainer
     cfg = tmp_path / "spotvisord.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     return cfg, raw
@@ -115,7 +122,7 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
     store = StoreProcess("127.0.0.1", free_port())
     await asyncio.to_thread(store.start)
     target = NOTICE_TARGET_STEPS if moment == "right_after_a_notice" else TARGET_STEPS
-    cfg, raw = _config(tmp_path, faults.url, store.port, target)
+    cfg, raw = _config(tmp_path, faults.url, store.port, target, paced=moment == "right_after_a_notice")
     pool = raw["pool"]["name"]
     instances = tmp_path / "instances"
     log = tmp_path / "spotvisord.log"
