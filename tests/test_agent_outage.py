@@ -116,17 +116,7 @@ async def _posts(monkeypatch, port: int, path: str, n: int,
 async def test_a_refusal_is_not_an_outage_and_is_said_each_time(monkeypatch) -> None:
     """A 4xx is the daemon answering: no outage, and a refused report is said each time
     (a report the daemon will never take must not be retried in silence)."""
-    from aiohttp import web
-
-    async def refuse(_: web.Request) -> web.Response:
-        return web.Response(status=400, text="bad report")
-
-    app = web.Application()
-    app.router.add_post("/v1/agent/events", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, _, _ = await _serve(400)
     try:
         said, link = await _posts(monkeypatch, runner.addresses[0][1], "/v1/agent/events", 2,
                                   aiohttp.ClientResponseError)
