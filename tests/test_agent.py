@@ -287,7 +287,7 @@ async def test_a_prewarmed_launcher_never_started_is_stopped_with_the_agent(tmp_
     assert agent.trainer == "not_started" and agent._beat_now.is_set()
     assert warm.returncode is None  # waiting for the job
     zygotes = [psutil.Process(p) for p in descendants(warm.pid)]
-    assert len(zygotes) == 1  # ready once its zygote serves (tests/test_zygote.py)
+    assert len(zygotes) == 1  # forked before the launcher said ready (tests/test_zygote.py)
     await agent.runner.stop_prewarmed()
     assert warm.returncode is not None and agent.runner.warm is None
     await asyncio.to_thread(psutil.wait_procs, zygotes, timeout=30)
