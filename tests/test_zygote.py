@@ -333,3 +333,46 @@ def test_preloads_follow_worker_preload_once_each_and_report_what_fails(tmp_path
     failed = _load(["zyg_a"])  # a names b, b names a: each imported once, no loop
     assert os.environ["ZYG_B_RUNS"] == "x"
     assert failed == ["zyg_missing: No module named 'zyg_missing'"]
+
+
+def test_a_stop_asked_for_before_a_refusal_starts_no_fresh_worker(tmp_path: Path) -> None:
+    """torchrun's SIGTERM reaches the client while the zygote has not answered yet; the
+    answer is a refusal: the client dies by that signal instead of starting the worker fresh."""
+    import threading
+
+    from daemon.gpunode.zygote import _client_file
+
+    client = _client_file(str(tmp_path))
+    assert client is not None
+    path = str(tmp_path / "z.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    asked, answer = threading.Event(), threading.Event()
+
+    def zygote() -> None:
+        conn, _ = listener.accept()
+        socket.recv_fds(conn, 65536, 3)
+        asked.set()
+        answer.wait(30)
+        conn.sendall(b'{"fallback": "a test refusal"}\n')
+        conn.close()
+
+    server = threading.Thread(target=zygote, daemon=True)
+    server.start()
+    marker = tmp_path / "ran"
+    script = _write(tmp_path, "w.py", f"open({str(marker)!r}, 'w').write('ran')\n")
+    env = {"PATH": "/usr/bin:/bin", "SPOTVISOR_ZYGOTE_SOCKET": path, "SPOTVISOR_ZYGOTE_PYTHON": sys.executable}
+    proc = subprocess.Popen([client, "-u", str(script)], env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        assert asked.wait(30), "the client never asked"
+        # queued before the answer is sent: its handler runs before the client reads the answer
+        os.killpg(proc.pid, signal.SIGTERM)
+        answer.set()
+        assert proc.wait(30) == -signal.SIGTERM
+        assert not marker.exists()
+    finally:
+        answer.set()
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()

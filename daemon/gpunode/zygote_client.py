@@ -120,6 +120,8 @@ def main(args):
         why = f"zygote refused: {first['fallback']}" if first else f"zygote gone before it forked ({exc_text})"
         for sig in RELAYED:
             signal.signal(sig, signal.SIG_DFL)
+        if state["pending"]:  # torchrun already asked its worker to stop: start none
+            os.kill(os.getpid(), state["pending"][0])
         _exec_python(args, env, why)
     state["pid"] = int(first["pid"])
     for sig in state["pending"]:
