@@ -43,6 +43,8 @@ class JobTracker:
             verify_commits=core.config.daemon.verify_commits, target_steps=core.config.job.target_steps,
             confirm_attempts=CONFIRM_ATTEMPTS))
         self._to_verify: asyncio.Queue[tuple[str, StatusLine]] = asyncio.Queue()  # reported commits (verify_commits)
+        self._queued = self._verified = 0  # commits put on _to_verify, and taken off it decided (settled)
+        self._progress = asyncio.Condition()
         self._read_manifest = ManifestReader(core).read  # a step's verified manifest, or None (blocking)
 
     @property
@@ -75,6 +77,7 @@ class JobTracker:
                 core.drop(node, "trainer_status", action.problem, action.event)
         elif isinstance(action, j.Verify):
             self._to_verify.put_nowait((action.node, action.line))  # verify_commits reads it
+            self._queued += 1
         elif isinstance(action, j.ReadCommit):
             core.spawn(self._confirm_commit(action.step), f"confirm-commit-{action.step}")
         elif isinstance(action, j.ResumeRecorded):
@@ -164,15 +167,37 @@ class JobTracker:
         while True:
             node_id, line = await self._to_verify.get()
             try:
-                manifest = await read_retried(self._read_manifest, line.step)
-            except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
-                log.warning("commit_verify_failed", step=line.step, attempt=CONFIRM_ATTEMPTS, error=str(exc)[:200])
-                self._step(j.Verified(node_id, line, unreachable=True))
-                continue
-            problem = commit_problem(line, manifest, self.core.config.checkpoint_uri(self.core.domain))
-            if problem is None and line.bytes is None:
-                line = dataclasses.replace(line, bytes=sum(sh.size for sh in manifest.shards))
-            self._step(j.Verified(node_id, line, problem=problem))
+                await self._verify(node_id, line)
+            finally:
+                self._verified += 1
+                async with self._progress:
+                    self._progress.notify_all()
+
+    async def _verify(self, node_id: str, line: StatusLine) -> None:
+        try:
+            manifest = await read_retried(self._read_manifest, line.step)
+        except Exception as exc:  # noqa: BLE001 - the store out of reach or misconfigured
+            log.warning("commit_verify_failed", step=line.step, attempt=CONFIRM_ATTEMPTS, error=str(exc)[:200])
+            self._step(j.Verified(node_id, line, unreachable=True))
+            return
+        problem = commit_problem(line, manifest, self.core.config.checkpoint_uri(self.core.domain))
+        if problem is None and line.bytes is None:
+            line = dataclasses.replace(line, bytes=sum(sh.size for sh in manifest.shards))
+        self._step(j.Verified(node_id, line, problem=problem))
+
+    async def settled(self, timeout_s: float) -> bool:
+        """Wait until every commit reported so far is decided (recorded, with the lines held
+        for it, or dropped): an agent's report batch is answered only then, so a daemon
+        killed before it had decided leaves the report in the agent's outbox, resent to the
+        next daemon, instead of acknowledged and lost. False after ``timeout_s`` seconds
+        (the answer goes out anyway, as before: the agent's own timeout is 10 s)."""
+        target = self._queued
+        try:
+            async with self._progress:
+                await asyncio.wait_for(self._progress.wait_for(lambda: self._verified >= target), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def confirm_held_resumes(self) -> None:
         """A reconcile pass: a resume held :data:`RESUME_HOLD_S` for a commit nobody

@@ -92,6 +92,9 @@ __all__ = ["agent_app", "control_app", "ApiServer"]
 log = structlog.get_logger("spotvisor.api")
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+# how long a report batch's answer waits for the commits it reported to be decided
+# (seconds; under the agent's 10 s request timeout, so a slow store never makes it resend)
+REPORT_SETTLE_S = 8.0
 METRICS = web.AppKey("metrics", DaemonMetrics)
 # a follower gets an empty line after this long without news (seconds): the write is how a
 # gone reader is noticed, so an abandoned `events -f` / `tail -f` does not hold a handler forever
@@ -186,7 +189,12 @@ async def _reports(request: web.Request) -> web.Response:
     events = body.get("events")
     if not isinstance(events, list):
         raise web.HTTPBadRequest(text="events must be a list")
-    request.app[SUPERVISOR].intake.on_reports(node, events)
+    sup = request.app[SUPERVISOR]
+    sup.intake.on_reports(node, events)
+    # a reported commit is recorded once verified (daemon.verify_commits): answered before
+    # that, a SIGKILL in between lost the report (the agent never resends an answered one)
+    if not await sup.tracker.settled(REPORT_SETTLE_S):
+        log.warning("reports_answered_unsettled", node_id=node.id, timeout_s=REPORT_SETTLE_S)
     return web.json_response({"ok": True})
 
 

@@ -14,6 +14,7 @@ reports as an agent would post them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -232,6 +233,37 @@ async def test_a_commit_is_recorded_only_once_its_manifest_verifies(make_sim, ma
         assert kinds == ["checkpoint_committed", "checkpoint_committed", "job_completed"]
         matrix.row("commits reported that the store does not hold", job_completed=True, lost_checkpoints=0,
                    leaked_instances=len(sim.provider.live()), lost_events=sim.lost_events())
+
+
+async def test_a_reported_commit_is_settled_before_its_report_is_answered(make_sim, monkeypatch) -> None:
+    """An agent's report batch is answered (``POST /v1/agent/events``) only once the commits
+    it reported are decided: answered while the manifest was still being read, a daemon
+    SIGKILLed in between lost the commit (and the resume held for it), and the agent,
+    answered, never sent it again (a clean-clone run of 2026-12-04,
+    tests/chaos/test_control_node_kill.py: "the notice's commit never reached the daemon")."""
+    import threading
+
+    release = threading.Event()
+
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        _commit_in_store(sim, 20, world_size=2, notice_ids=())
+        real_read = sim.sup.tracker._read_manifest
+
+        def slow_read(step: int):
+            release.wait(30)
+            return real_read(step)
+
+        monkeypatch.setattr(sim.sup.tracker, "_read_manifest", slow_read)
+        sim.commit(n1, a1, 20, reason="periodic")
+        settled = asyncio.create_task(sim.sup.tracker.settled(30))
+        done, _ = await asyncio.wait({settled}, timeout=0.3)
+        assert not done and not sim.events("checkpoint_committed")  # the answer waits for the read
+        release.set()
+        assert await settled is True
+        assert [e.data["step"] for e in sim.events("checkpoint_committed")] == [20]  # recorded before the answer
+        assert await sim.sup.tracker.settled(0.1) is True  # nothing left to wait for
 
 
 async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(make_sim, monkeypatch) -> None:
