@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -80,8 +81,16 @@ def _visible(pid: int) -> str | None:
 
 async def _launched(provider: LocalProvider, node_id: str) -> int:
     inst = await provider.launch(OFFER, NodeSpec(node_id=node_id, pool="p", token="t", daemon_url="http://127.0.0.1:9"))
+    def agent_started() -> bool:  # its init started, and the agent under it (a kill before that can miss it)
+        pid = provider._instances[inst.id].pid
+        try:
+            return pid is not None and any("daemon.gpunode.agent" in " ".join(c.cmdline())
+                                           for c in psutil.Process(pid).children())
+        except psutil.Error:
+            return False
+
     async with asyncio.timeout(30):
-        while provider._instances[inst.id].pid is None:  # booted: its init started
+        while not agent_started():
             await asyncio.sleep(0.05)
     return provider._instances[inst.id].pid  # type: ignore[return-value]
 
