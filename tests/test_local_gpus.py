@@ -9,6 +9,7 @@ instance's processes get is read, from /proc).
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import psutil
@@ -147,3 +148,36 @@ def test_the_record_keeps_an_instances_gpus_and_reads_one_written_before_it_had_
     old = {k: v for k, v in dataclasses.asdict(rec).items() if k != "gpus"}
     (workdir / RECORD_FILE).write_text(json.dumps(old))
     assert InstanceRecord.read(workdir / RECORD_FILE) == dataclasses.replace(rec, gpus=None)
+
+
+async def test_a_process_the_init_spawned_during_the_kill_sweep_dies_too(tmp_path: Path, monkeypatch) -> None:
+    """A terminate right after boot: the init spawns its agent while the kill sweep reads
+    /proc, so the first sweep misses it and the SIGKILLed init cannot take it along (an
+    agent of this file's tests lived on an hour so, 2026-12-04). Modelled exactly: the
+    sweep's first call starts a process of the instance the sweep has not seen."""
+    import subprocess
+    import sys
+
+    from daemon.providers import local as local_mod
+    from daemon.providers.local_instance import INSTANCE_ENV
+
+    provider = LocalProvider(spec=LocalProviderSpec(launch_delay_s=0), state_dir=prepare_state_dir(tmp_path / "s"))
+    late: list[subprocess.Popen] = []
+    real_sweep = local_mod.kill_instance_processes
+
+    def sweep(root_pid: int, instance_id: str) -> None:
+        real_sweep(root_pid, instance_id)
+        if not late:  # spawned "by the init" just after the sweep read /proc
+            late.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                         env={**os.environ, INSTANCE_ENV: instance_id}, start_new_session=True))
+
+    monkeypatch.setattr(local_mod, "kill_instance_processes", sweep)
+    try:
+        await _launched(provider, "n1")
+        await provider.terminate(next(iter(provider._instances)))
+        assert late and late[0].wait(timeout=30) == -9  # the second sweep, after the init's death, got it
+    finally:
+        for p in late:
+            if p.poll() is None:
+                p.kill()
+        await provider.aclose()

@@ -357,13 +357,12 @@ class LocalProvider(Provider):
     async def _kill(self, inst: _LocalInstance, *, reason: str) -> None:
         was = inst.state
         inst.state = "gone"
-        current = asyncio.current_task()
-        for t in list(inst.tasks):
-            if t is not current:
-                t.cancel()
+        for t in [t for t in inst.tasks if t is not asyncio.current_task()]:
+            t.cancel()
         if inst.proc is not None and inst.proc.returncode is None:
             kill_instance_processes(inst.proc.pid, inst.id)
-            await inst.proc.wait()
+            await inst.proc.wait()  # then again: what the init spawned during the sweep was not in /proc yet
+            kill_instance_processes(inst.proc.pid, inst.id)
         elif inst.proc is None and inst.pid is not None and process_alive(inst.pid, inst.create_time):
             await asyncio.to_thread(_kill_adopted, inst.pid, inst.id)
         if inst.imds is not None:
