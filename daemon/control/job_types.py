@@ -131,6 +131,12 @@ class JobTrack:
         """The attempt ``node``'s workers last reported starting ("" if none)."""
         return self.node_attempt.get(node, "")
 
+    def undecided(self, node: str) -> int:
+        """``node``'s lines not decided yet (neither recorded nor dropped): its commits
+        waiting for a read, its lines held for a commit or waiting for their attempt's
+        leader, its commits waiting for their attempt's start. Only memory holds them."""
+        return self.verifying.get(node, 0) + sum(1 for h in (*self.held, *self.unled, *self.early) if h.node == node)
+
 
 @dataclass(frozen=True, slots=True)
 class World:

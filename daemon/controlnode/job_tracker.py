@@ -43,8 +43,7 @@ class JobTracker:
             verify_commits=core.config.daemon.verify_commits, target_steps=core.config.job.target_steps,
             confirm_attempts=CONFIRM_ATTEMPTS))
         self._to_verify: asyncio.Queue[tuple[str, StatusLine]] = asyncio.Queue()  # reported commits (verify_commits)
-        self._queued = self._verified = 0  # commits put on _to_verify, and taken off it decided (settled)
-        self._progress = asyncio.Condition()
+        self._changed = asyncio.Event()  # set (and replaced) after each decision: settled() looks again
         self._read_manifest = ManifestReader(core).read  # a step's verified manifest, or None (blocking)
 
     @property
@@ -67,6 +66,8 @@ class JobTracker:
         self.state, actions = j.step(self.state, message, world)
         for action in actions:
             self._do(action)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def _do(self, action: j.JobAction) -> None:
         core = self.core
@@ -77,7 +78,6 @@ class JobTracker:
                 core.drop(node, "trainer_status", action.problem, action.event)
         elif isinstance(action, j.Verify):
             self._to_verify.put_nowait((action.node, action.line))  # verify_commits reads it
-            self._queued += 1
         elif isinstance(action, j.ReadCommit):
             core.spawn(self._confirm_commit(action.step), f"confirm-commit-{action.step}")
         elif isinstance(action, j.ResumeRecorded):
@@ -166,12 +166,7 @@ class JobTracker:
         not wait for the control node's view of the store."""
         while True:
             node_id, line = await self._to_verify.get()
-            try:
-                await self._verify(node_id, line)
-            finally:
-                self._verified += 1
-                async with self._progress:
-                    self._progress.notify_all()
+            await self._verify(node_id, line)
 
     async def _verify(self, node_id: str, line: StatusLine) -> None:
         try:
@@ -185,16 +180,19 @@ class JobTracker:
             line = dataclasses.replace(line, bytes=sum(sh.size for sh in manifest.shards))
         self._step(j.Verified(node_id, line, problem=problem))
 
-    async def settled(self, timeout_s: float) -> bool:
-        """Wait until every commit reported so far is decided (recorded, with the lines held
-        for it, or dropped): an agent's report batch is answered only then, so a daemon
-        killed before it had decided leaves the report in the agent's outbox, resent to the
-        next daemon, instead of acknowledged and lost. False after ``timeout_s`` seconds
-        (the answer goes out anyway, as before: the agent's own timeout is 10 s)."""
-        target = self._queued
+    async def settled(self, node_id: str, timeout_s: float) -> bool:
+        """Wait until every line ``node_id`` reported is decided (recorded or dropped; not
+        read, held or early: :meth:`JobTrack.undecided`): an agent's report batch is answered
+        only then, so a daemon killed before it had decided leaves the report in the
+        agent's outbox, resent to the next daemon, instead of acknowledged and lost with
+        the daemon's memory. A resume held for another node's commit is decided when that
+        commit's report comes. False after ``timeout_s`` seconds (the answer goes out
+        anyway: the agent's own timeout is 10 s; a held line's store read is
+        :data:`RESUME_HOLD_S` away)."""
         try:
-            async with self._progress:
-                await asyncio.wait_for(self._progress.wait_for(lambda: self._verified >= target), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                while self.state.undecided(node_id):
+                    await self._changed.wait()
         except TimeoutError:
             return False
         return True

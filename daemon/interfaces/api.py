@@ -191,9 +191,10 @@ async def _reports(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text="events must be a list")
     sup = request.app[SUPERVISOR]
     sup.intake.on_reports(node, events)
-    # a reported commit is recorded once verified (daemon.verify_commits): answered before
-    # that, a SIGKILL in between lost the report (the agent never resends an answered one)
-    if not await sup.tracker.settled(REPORT_SETTLE_S):
+    # a reported commit is recorded once verified (daemon.verify_commits), a resume once
+    # its commit is: answered before that, a SIGKILL in between lost the report (the agent
+    # never resends an answered one)
+    if not await sup.tracker.settled(node.id, REPORT_SETTLE_S):
         log.warning("reports_answered_unsettled", node_id=node.id, timeout_s=REPORT_SETTLE_S)
     return web.json_response({"ok": True})
 

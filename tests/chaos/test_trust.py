@@ -257,13 +257,35 @@ async def test_a_reported_commit_is_settled_before_its_report_is_answered(make_s
 
         monkeypatch.setattr(sim.sup.tracker, "_read_manifest", slow_read)
         sim.commit(n1, a1, 20, reason="periodic")
-        settled = asyncio.create_task(sim.sup.tracker.settled(30))
+        settled = asyncio.create_task(sim.sup.tracker.settled(n1.id, 30))
         done, _ = await asyncio.wait({settled}, timeout=0.3)
         assert not done and not sim.events("checkpoint_committed")  # the answer waits for the read
         release.set()
         assert await settled is True
         assert [e.data["step"] for e in sim.events("checkpoint_committed")] == [20]  # recorded before the answer
-        assert await sim.sup.tracker.settled(0.1) is True  # nothing left to wait for
+        assert await sim.sup.tracker.settled(n1.id, 0.1) is True  # nothing left to wait for
+
+
+async def test_a_resume_held_for_another_nodes_commit_is_answered_once_that_commit_is_in(make_sim) -> None:
+    """The survivor's shrink reports its resume from step 20 before the noticed node's
+    commit of 20 is in: the survivor's report batch is not answered while the resume is
+    held (answered, a daemon SIGKILLed then lost the resume with its memory: a clean-clone
+    CI run of 2026-12-04, tests/chaos/test_control_node_kill.py); the noticed node's commit
+    comes, the resume is recorded after it, and then the batch is answered."""
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        nid = sim.notice(n1)
+        _commit_in_store(sim, 20, world_size=2, notice_ids=(nid,))
+        sim.start([n2], step=20, resumed_from=20)  # before n1's commit report
+        assert sim.sup.tracker.state.undecided(n2.id) == 1 and not sim.events("job_resumed")[1:]
+        assert await sim.sup.tracker.settled(n2.id, 0.05) is False  # the batch would not be answered
+        answered = asyncio.create_task(sim.sup.tracker.settled(n2.id, 30))
+        sim.commit(n1, a1, 20, ids=(nid,), kinds=("interruption",))
+        assert await answered is True
+        kinds = [(e.kind, e.data["step"]) for e in sim.store.events() if e.kind in ("checkpoint_committed",
+                                                                                     "job_resumed")]
+        assert kinds[-2:] == [("checkpoint_committed", 20), ("job_resumed", 20)]
 
 
 async def test_a_commit_is_recorded_unconfirmed_when_the_store_is_out_of_reach(make_sim, monkeypatch) -> None:
