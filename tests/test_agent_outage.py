@@ -196,3 +196,49 @@ def test_a_bad_url_list_is_one_line_naming_it(value: str, needle: str) -> None:
         daemon_urls(value)
     assert daemon_urls("https://10.0.0.1:7480/, https://10.0.0.2:7480") == ["https://10.0.0.1:7480",
                                                                            "https://10.0.0.2:7480"]
+
+
+async def test_the_outbox_goes_as_soon_as_the_daemon_is_back_and_counts_what_it_owes(monkeypatch) -> None:
+    """A restarted daemon gets a node's queued reports as soon as any call finds it back,
+    not after the rest of the outbox's back-off (up to 5 s: the heartbeat came first, the
+    daemon released the drained node, its notice's commit report died with it); each
+    heartbeat says how many reports are owed (``reports_pending``) until they are answered."""
+    from tenacity import wait_fixed
+
+    real = daemon_link._until_daemon_answers
+    monkeypatch.setattr(daemon_link, "_until_daemon_answers",  # a back-off far longer than the test waits
+                        lambda sleep=asyncio.sleep: real(sleep).copy(wait=wait_fixed(120)))
+    status, events, refused = [503], [], asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        if request.path.endswith("/events"):
+            if status[0] == 200:
+                events.extend((await request.json())["events"])
+            else:
+                refused.set()
+        return web.json_response({"ok": True}, status=status[0])
+
+    app = web.Application()
+    app.router.add_post("/v1/agent/{call}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    link = DaemonLink(daemon_url=f"http://127.0.0.1:{runner.addresses[0][1]}", token="t", node_id="n1")
+    await link.open()
+    outbox = asyncio.create_task(link.deliver_reports())
+    try:
+        link.report("trainer_status", line={"event": "checkpoint_committed", "step": 22})
+        link.report("trainer_exited", exit_code=-15)
+        assert link.reports_pending == 2
+        await asyncio.wait_for(refused.wait(), 10)  # the daemon restarting: the outbox backs off
+        assert link.reports_pending == 2
+        status[0] = 200
+        await link.post("/v1/agent/heartbeat", {})  # the daemon is back
+        async with asyncio.timeout(10):
+            while link.reports_pending:
+                await asyncio.sleep(0.01)
+        assert [e["kind"] for e in events] == ["trainer_status", "trainer_exited"]
+    finally:
+        outbox.cancel()
+        await link.aclose()
+        await runner.cleanup()

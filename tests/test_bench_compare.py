@@ -326,7 +326,8 @@ async def test_notice_no_rejoin_waits_for_the_noticed_node_then_admits_without_a
         sup.agents.on_register(new)
         await _pass(sup)
         assert new.state is NodeState.READY, "not while the noticed node is still in the job"
-        sup.nodes["b-2"].trainer = TrainerState.EXITED  # it committed and left
+        # it committed and left, and its agent's reports are in
+        sup.agents.on_heartbeat(sup.nodes["b-2"], {"trainer": {"state": "exited"}, "reports_pending": 0})
         await _pass(sup)
         assert new.state is NodeState.RUNNING and sup.nodes["b-2"].state is NodeState.TERMINATED
         assert sup.store.events(kinds=["checkpoint_requested"]) == []

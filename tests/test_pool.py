@@ -442,6 +442,22 @@ CASES += [
         observed=[node("a", S.RUNNING), node("b", S.DRAINING, deadline_in_s=100)],
         expected=[up()],
     ),
+    Case(  # its notice's commit report is still in its agent's outbox: released, it dies with it
+        "drained_node_whose_agent_owes_reports_is_kept_for_them",
+        target=2,
+        observed=[node("a", S.RUNNING),
+                  dataclasses.replace(node("b", S.DRAINING, deadline_in_s=100), trainer=TrainerState.EXITED,
+                                      reports_owed_since=NOW - TIMEOUTS.reports_wait_s + 1)],
+        expected=[up()],
+    ),
+    Case(  # an agent that never delivers them does not keep its node for good
+        "drained_node_owing_reports_past_the_wait_is_released",
+        target=2,
+        observed=[node("a", S.RUNNING),
+                  dataclasses.replace(node("b", S.DRAINING, deadline_in_s=100), trainer=TrainerState.EXITED,
+                                      reports_owed_since=NOW - TIMEOUTS.reports_wait_s)],
+        expected=[Terminate("b", "drained"), up()],
+    ),
 ]
 
 

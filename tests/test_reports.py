@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from daemon.control.reports import (
     Limits, MetadataAlarm, NoticeReport, ReportError, StatusLine, TrainerExited, WorkersFailed, parse_report,
-    parse_step,
+    parse_reports_pending, parse_step,
 )
 
 LIMITS = Limits(max_step=3000, max_world_size=16)
@@ -96,3 +96,10 @@ def test_a_heartbeat_step_is_bounded_by_the_jobs_target() -> None:
     for bad in (10**12, -1, 2.5, float("nan"), "7", True):
         with pytest.raises(ReportError):
             parse_step(bad, LIMITS)
+
+
+def test_the_reports_an_agent_owes_are_a_bounded_count_and_absent_is_none() -> None:
+    assert parse_reports_pending(None) == 0 and parse_reports_pending(7) == 7
+    for bad in (2**31 + 1, -1, 1.5, "3", True, [1]):
+        with pytest.raises(ReportError, match="reports_pending"):
+            parse_reports_pending(bad)

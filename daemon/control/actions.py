@@ -84,6 +84,11 @@ class NodeView:
     # seconds from its launch request to its agent registering before it is terminated as
     # launch_timeout: its offer's (OfferSpec.launch_timeout_s); None: Timeouts.launch_timeout_s
     launch_timeout_s: float | None = None
+    # since when (unix s) its agent has said it holds reports the daemon has not answered
+    # (a drained node is released only once they are in: its last commit report dies with
+    # it otherwise); None: none owed. A daemon that has not heard it since it started
+    # passes its own start.
+    reports_owed_since: float | None = None
 
     @property
     def trainer_exited(self) -> bool:

@@ -58,6 +58,8 @@ class Timeouts:
     ``launch_timeout_s``: a launching node's bound when its view names none of its own
     (``NodeView.launch_timeout_s``, from its offer).
 
+    ``reports_wait_s``: how long a drained node is kept while its agent still owes reports.
+
     ``heartbeat_timeout_s`` is the floor of the lost-node timeout; a node told a long
     heartbeat interval gets ``heartbeat_misses`` of them plus ``heartbeat_grace_s``
     (:meth:`lost_after_s`).
@@ -68,6 +70,8 @@ class Timeouts:
     drain_grace_s: float = 30.0
     heartbeat_misses: float = 2.0
     heartbeat_grace_s: float = 10.0  # Nomad's heartbeat_grace default
+    # how long a drained node is kept for the reports its agent still owes (reports_owed_since)
+    reports_wait_s: float = 30.0
 
     def lost_after_s(self, told_interval_s: float | None) -> float:
         """Seconds without a heartbeat after which a node told ``told_interval_s`` is lost.
@@ -126,7 +130,8 @@ def plan(
 
 def _removal(n: NodeView, now: float, timeouts: Timeouts) -> Terminate | MarkLost | None:
     """What ends ``n`` now, if anything: a launch past its timeout, a heartbeat lost, a
-    drained node (unless ``held``) whose trainer has left or whose deadline passed."""
+    drained node (unless ``held``) whose trainer has left and whose reports are in, or whose
+    deadline passed."""
     if n.state.is_terminal():
         return None
     launch_timeout_s = timeouts.launch_timeout_s if n.launch_timeout_s is None else n.launch_timeout_s
@@ -138,12 +143,21 @@ def _removal(n: NodeView, now: float, timeouts: Timeouts) -> Terminate | MarkLos
         return MarkLost(n.id, "heartbeat_lost")
     if n.held:
         return None
-    if n.state is NodeState.DRAINING and n.trainer_exited:
-        # it has left the job: release it now rather than pay until the cloud takes it
+    if n.state is NodeState.DRAINING and n.trainer_exited and not _owes_reports(n, now, timeouts):
+        # it has left the job and its reports are in: release it now rather than pay until
+        # the cloud takes it
         return Terminate(n.id, "drained")
     if n.state is NodeState.DRAINING and n.deadline is not None and now > n.deadline + timeouts.drain_grace_s:
         return Terminate(n.id, "drain_deadline_passed")
     return None
+
+
+def _owes_reports(n: NodeView, now: float, timeouts: Timeouts) -> bool:
+    """``n``'s agent still holds reports the daemon has not answered (its notice's commit,
+    its trainer's exit), for at most ``timeouts.reports_wait_s``: a node released before
+    they are in takes them with it."""
+    since = n.reports_owed_since
+    return since is not None and now - since < timeouts.reports_wait_s
 
 
 def _launches(missing: int, world: int, offers: Sequence[Offer], history: History,

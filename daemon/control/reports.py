@@ -24,7 +24,7 @@ from typing import Any
 __all__ = [
     "Limits", "ReportError", "StatusLine", "NoticeReport", "MetadataAlarm", "TrainerExited", "WorkersFailed",
     "CodeReady", "SetupFailed", "SETUP_STAGES", "parse_report", "parse_step", "parse_progress", "StepProgress",
-    "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS",
+    "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS", "parse_reports_pending", "MAX_REPORTS_PENDING",
 ]
 
 #: The one set of trainer status lines (``trainer.contract.StatusKind`` values, written by
@@ -41,6 +41,7 @@ MAX_SECONDS = 7 * 86400.0  # a commit, a save or an upload that took a week is a
 # 1970 to the year 5138; no tighter, as a node's clock is its own
 MAX_UNIX_S = 1e11
 MAX_TOKENS = 2**62  # tokens trained since an agent started: ~4.6e18, far past any run
+MAX_REPORTS_PENDING = 2**31  # reports an agent says it still owes; more is a lie
 MAX_LOSS = 1e30  # |loss|; a NaN or infinite loss is dropped (the feed and the gauges take finite numbers)
 
 
@@ -203,6 +204,17 @@ def parse_step(value: Any, limits: Limits) -> int | None:
         ReportError: anything else.
     """
     return _int({"step": value}, "step", 0, limits.max_step)
+
+
+def parse_reports_pending(value: Any) -> int:
+    """A heartbeat's ``reports_pending``: the reports its agent has queued that no daemon
+    has answered yet, an integer in ``[0, MAX_REPORTS_PENDING]``; absent (an agent older
+    than the field) is 0.
+
+    Raises:
+        ReportError: anything else.
+    """
+    return _int({"reports_pending": value}, "reports_pending", 0, MAX_REPORTS_PENDING) or 0
 
 
 @dataclass(frozen=True, slots=True)

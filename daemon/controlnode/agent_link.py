@@ -35,7 +35,7 @@ from typing import Any, Callable
 from daemon.control.lifecycle import LIVE, TrainerState, training
 from daemon.control.pool import heartbeat_interval_s as scaled_heartbeat_interval
 from daemon.control.progress import ProgressWindow, Sample
-from daemon.control.reports import ReportError, parse_progress, parse_step
+from daemon.control.reports import ReportError, parse_progress, parse_reports_pending, parse_step
 from daemon.controlnode.core import Core, wait_event
 from daemon.controlnode.gpu_watch import GpuWatch, parse_samples
 from daemon.controlnode.jobspec import prepares, run_id
@@ -70,6 +70,10 @@ class AgentLink:
         self._command_polls: dict[str, int] = {}  # node id → generation of its newest long-poll
         self._told_start: dict[str, bool] = {}  # node id → the start_trainer it was last told
         self.told_interval: dict[str, float] = {}  # node id → the heartbeat interval it was last told (s)
+        # node id → since when its agent says reports wait for an answer (None: none); a node
+        # not heard since this daemon started owes them since then (reports_owed_since)
+        self.reports_owed: dict[str, float | None] = {}
+        self.started_at = core.clock()
         self._authority: Authority | None = None  # the pool's join key, from the store on first use
         self._credentials: dict[str, tuple[str, str]] = {}  # node id → (run id, the join credential it is given)
 
@@ -115,6 +119,7 @@ class AgentLink:
                 node.trainer = TrainerState(trainer["state"])
                 self.core.store.put_node(node)
                 self.core.wake()
+        self._on_reports_pending(node, body.get("reports_pending"))
         try:
             step = parse_step(body.get("step"), self.core.limits())
         except ReportError as exc:
@@ -132,6 +137,35 @@ class AgentLink:
         reply["heartbeat_interval_s"] = self.tell_interval(node)  # when to send the next one
         reply["log"] = self.node_logs.ack(node.id)  # where the next trainer.log chunk starts (daemon/gpunode/nodelog.py)
         return reply
+
+    def _on_reports_pending(self, node: Node, value: Any) -> None:
+        """A heartbeat's ``reports_pending``: kept as since when the node owes reports."""
+        try:
+            pending = parse_reports_pending(value)
+        except ReportError as exc:
+            self.core.drop(node, "reports_pending", str(exc), value)
+            return
+        if pending == 0:
+            if self.reports_owed.get(node.id, 0.0) is not None:  # its reports are in: a drained node may go
+                self.core.wake()
+            self.reports_owed[node.id] = None
+        elif self.reports_owed.get(node.id) is None:
+            self.reports_owed[node.id] = self.core.clock()
+
+    def interval_of(self, node_id: str) -> float:
+        """The heartbeat interval ``node_id`` was last told (s); not told by this daemon (it
+        restarted): what it would be told now."""
+        return self.told_interval.get(node_id, self.heartbeat_interval_s)
+
+    def forget(self, node_id: str) -> None:
+        """``node_id`` ended: what is kept of its agent goes."""
+        self.told_interval.pop(node_id, None)
+        self.reports_owed.pop(node_id, None)
+
+    def reports_owed_since(self, node_id: str) -> float | None:
+        """Since when ``node_id``'s agent has owed reports (unix s; None: none): this daemon's
+        start for a node it has not heard from yet."""
+        return self.reports_owed.get(node_id, self.started_at)
 
     def _on_progress(self, node: Node, value: Any) -> None:
         """A heartbeat's ``progress``: a sample of the job's only from the node leading its attempt."""

@@ -289,7 +289,7 @@ class Supervisor:
             node.ended_at = self.clock()  # written with the state change: the node's cost stops here
         self.store.set_node_state(node, state, detail=detail)
         if state.is_terminal():
-            self.agents.told_interval.pop(node.id, None)
+            self.agents.forget(node.id)
         self.agents.poke(node.id)  # its start/stop decision may have changed: answer its long-poll
 
     def add_node(self, node: Node) -> None:
@@ -312,8 +312,8 @@ class Supervisor:
                           held=self.migrator.held(domain), market=n.market, attempt=self.tracker.attempt_of(n.id),
                           last_heartbeat=n.last_heartbeat, deadline=n.deadline, replacing=n.replacing, trainer=n.trainer,
                           ordinal=n.ordinal, ready_at=n.ready_at, launch_timeout_s=self.config.launch_timeout_s(n.offer_key),
-                          # not told by this daemon (it restarted): what it would be told now
-                          heartbeat_interval_s=self.agents.told_interval.get(n.id, self.agents.heartbeat_interval_s))
+                          reports_owed_since=self.agents.reports_owed_since(n.id),
+                          heartbeat_interval_s=self.agents.interval_of(n.id))
 
     def _rules(self) -> Rules:
         pool, job = self.config.pool, self.config.job

@@ -15,7 +15,11 @@ One :class:`DaemonLink` per agent owns:
 - the outbox: reports (``interruption_notice``, ``trainer_status``, ...) delivered in
   order, in requests the daemon takes (:data:`~daemon.control.bounds.MAX_REPORTS_PER_POST`
   reports and :data:`~daemon.control.bounds.MAX_AGENT_BODY_BYTES` each), retried while
-  the daemon is unreachable.
+  the daemon is unreachable; a retry waits no longer once another call finds the daemon
+  back (a restarted daemon gets the queue at once, not up to 5 s after its first
+  heartbeat). :attr:`DaemonLink.reports_pending` (each heartbeat says it) counts the
+  reports not yet answered: the daemon releases a drained node only once it is 0, so a
+  node's last reports (the commit that answers its notice) die with it never.
 - the command long-poll: one ``POST /v1/agent/commands`` outstanding, so a command
   reaches the node at once however long the heartbeat interval is. A daemon without the
   route (404/405: an older one) ends it: commands then come with the heartbeat replies.
@@ -116,13 +120,15 @@ def check_daemon_url(url: str) -> None:
                      "with --ca-file), or a loopback address")
 
 
-def _until_daemon_answers() -> AsyncRetrying:
+def _until_daemon_answers(sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> AsyncRetrying:
     """Retry a call to the daemon while it is unreachable: 0.2 s, 0.4 s, ... at most 5 s apart, for good.
     An untrusted certificate is retried too: from here it is a network fault. The failures
-    are logged by :meth:`DaemonLink.post` (:class:`~daemon.gpunode.outage.Outage`)."""
+    are logged by :meth:`DaemonLink.post` (:class:`~daemon.gpunode.outage.Outage`).
+    ``sleep(seconds)``: the wait between tries (one that may end early)."""
     return AsyncRetrying(
         retry=retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)),
         wait=wait_exponential(multiplier=0.1, min=0.2, max=5.0),
+        sleep=sleep,
         reraise=True,
     )
 
@@ -201,6 +207,8 @@ class DaemonLink:
         self.command_wait_s = command_wait_s
         self.session: aiohttp.ClientSession | None = None
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._unanswered = 0  # reports queued and not yet answered by a daemon
+        self._back = asyncio.Event()  # set when a call is answered after an outage
         self.outage = Outage()  # what is said while the daemon is out of reach
 
     async def open(self) -> None:
@@ -252,17 +260,39 @@ class DaemonLink:
                 r.raise_for_status()
                 reply = await r.json()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._back.clear()  # a retry waits its time again
             call, reason = path.rsplit("/", 1)[-1], failure_reason(exc)
             if reason is not None:
                 _say(self.outage.failed(time.monotonic(), call, reason, str(exc) or repr(exc)))
                 self._move_on(at)
                 raise
-            _say(self.outage.answered(time.monotonic()))  # it answered, with a refusal: said each time
+            self._answered()  # with a refusal: said each time
             if not _no_command_route(exc):  # an older daemon without the long-poll: said by poll_commands
                 log.warning("daemon_refused", call=call, status=getattr(exc, "status", None), error=str(exc)[:300])
             raise
-        _say(self.outage.answered(time.monotonic()))
+        self._answered()
         return reply
+
+    def _answered(self) -> None:
+        """A call was answered: an outage ends (said once), and a retry waiting on it goes now."""
+        line = self.outage.answered(time.monotonic())
+        if line is not None:
+            _say(line)
+            self._back.set()
+
+    async def _retry_wait(self, seconds: float) -> None:
+        """The report retry's wait: ``seconds``, or less if a call has found the daemon back
+        since the last one failed."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self._back.wait()
+        except TimeoutError:
+            pass
+
+    @property
+    def reports_pending(self) -> int:
+        """Reports queued by :meth:`report` that no daemon has answered yet (each heartbeat says it)."""
+        return self._unanswered
 
     async def register(self) -> dict[str, Any]:
         """Register until the daemon answers (retried 0.2 s, 0.4 s, ... up to 5 s apart); its reply."""
@@ -276,6 +306,7 @@ class DaemonLink:
     def report(self, kind: str, **data: Any) -> None:
         """Queue one report (``kind``, now, ``data``) for :meth:`deliver_reports`. Never blocks."""
         self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
+        self._unanswered += 1
 
     async def deliver_reports(self) -> None:
         """Deliver reports in order, for good, retrying while the daemon is unreachable (0.2 s
@@ -290,9 +321,10 @@ class DaemonLink:
             batch, pending = _next_batch(pending)
             if not batch:
                 continue
-            async for attempt in _until_daemon_answers():
+            async for attempt in _until_daemon_answers(self._retry_wait):
                 with attempt:
                     await self.post("/v1/agent/events", {"events": batch})
+            self._unanswered -= len(batch)
 
     async def poll_commands(self, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Keep one command long-poll outstanding and ``apply`` each answer. Errors back off

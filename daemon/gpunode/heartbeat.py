@@ -2,7 +2,8 @@
 
 :class:`Heartbeat` tells the daemon the node is alive, with what it knows of the node: the
 trainer's step, its newest ``step`` line's loss and the tokens trained since the agent
-started (:class:`StepProgress`), the trainer's state and exit code, the GPUs' utilization
+started (:class:`StepProgress`), the trainer's state and exit code, how many of its
+reports the daemon has not answered yet (``reports_pending``), the GPUs' utilization
 and memory (per-GPU means since the last heartbeat, sampled every second:
 :class:`daemon.gpunode.gpu.GpuMeans`; absent on a CPU node) and the next chunk of
 ``trainer.log`` (:mod:`daemon.gpunode.nodelog`). Then it sleeps the interval the
@@ -124,6 +125,7 @@ class Heartbeat:
                     "/v1/agent/heartbeat",
                     {"step": self.progress.step, "progress": self.progress.body(),
                      "trainer": {"state": self.runner.state.value, "exit_code": self.runner.exit_code},
+                     "reports_pending": self.link.reports_pending,
                      "gpu": None if gpu is None else [g.to_dict() for g in gpu], "log": chunk},
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError):

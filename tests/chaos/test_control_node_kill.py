@@ -206,6 +206,9 @@ def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], 
         answered = [e for e in stored if e.kind == "checkpoint_committed"
                     and notice.data["notice_id"] in e.data.get("notice_ids", [])]
         assert answered, "the notice's commit never reached the daemon"
+        assert [e for e in stored if e.kind == "job_resumed" and e.data.get("world_size") == 1
+                and (e.data.get("resumed_from") or 0) >= max(c.data["step"] for c in answered)], \
+            "the survivors' shrink never reached the daemon"
         assert s["resizes_in_process"] >= 2  # the shrink, then the replacement's grow
         assert s["world_sizes"][-1] == 2
 

@@ -331,3 +331,24 @@ async def test_a_world_larger_than_the_daemon_admitted_is_flagged(make_sim, matr
         assert [e.data["world_size"] for e in sim.events("job_resumed")] == [2, 3, 1]  # recorded all the same
         matrix.row("a world larger than the nodes admitted", job_completed=None, lost_checkpoints=0,
                    leaked_instances=0, lost_events=sim.lost_events())
+
+
+async def test_a_drained_node_is_released_only_once_its_agent_owes_no_report(make_sim) -> None:
+    """The noticed node's trainer exited, but its agent still holds the report of the
+    commit that answers its notice (a daemon just restarted: the heartbeat got through
+    first, the outbox was backing off). Released now, the report dies with the instance;
+    so the node is kept until a heartbeat says ``reports_pending: 0``, and the commit is
+    recorded."""
+    async with make_sim(daemon={"verify_commits": True}) as sim:
+        n1, n2 = await _two_running(sim)
+        a1 = sim.start([n1, n2], step=0)
+        nid = sim.notice(n1)
+        _commit_in_store(sim, 20, world_size=2, notice_ids=(nid,))
+        sim.sup.agents.on_heartbeat(n1, {"step": 20, "trainer": {"state": "exited"}, "reports_pending": 2})
+        sim.sup.wake()
+        await sim.until(lambda: sim.events("node_launch_requested")[2:], what="the replacement asked for")
+        assert n1.state is NodeState.DRAINING  # kept: its reports are owed
+        sim.commit(n1, a1, 20, ids=(nid,), kinds=("interruption",))
+        sim.exit(n1)  # the reports, then a heartbeat that owes none
+        await sim.until(lambda: n1.state is NodeState.TERMINATED, what="the drained node released")
+        assert [e.data["notice_ids"] for e in sim.events("checkpoint_committed")] == [[nid]]
