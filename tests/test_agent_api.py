@@ -116,7 +116,8 @@ async def test_a_command_queued_while_a_long_poll_waits_is_answered_at_once_and_
     await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
     # the start decision changed since the node was last told: the first poll answers at once
     status, reply = await asyncio.wait_for(agent.poll(20), 5)
-    assert status == 200 and reply.pop("join_credential") and reply == {"commands": [], "start_trainer": True}
+    assert status == 200 and reply.pop("join_credential") and reply == {"commands": [], "start_trainer": True,
+                                                                    "rendezvous": "127.0.0.1:29400"}
     await agent.heartbeat("running")  # the trainer runs: a checkpoint can be asked for
 
     t0 = time.monotonic()

@@ -84,6 +84,30 @@ def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: Sto
     first.shutdown()
 
 
+def test_an_agent_follows_the_store_to_a_new_leaders_control_node(store: StoreProcess, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """An HA takeover: the old leader's control node and its store are gone, and the new
+    leader serves the store from its own node, on another address. The agent writes it to
+    the node's endpoint file ($SPOTVISOR_RDZV_ENDPOINT_FILE); torchrun's handler, started
+    with the old address, reconnects there and puts its running round back."""
+    from trainer.contract import RDZV_ENDPOINT_FILE_ENV, write_endpoint_file
+
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(tmp_path / "rendezvous"))
+    handler = _handler(store, "moved")
+    assert handler.next_rendezvous().world_size == 1
+    with store_process() as other:
+        store.kill()
+        write_endpoint_file(tmp_path / "rendezvous", f"127.0.0.1:{other.port}")
+        assert _until(lambda: handler.num_nodes_waiting() == 0 and handler._backend.generation == 2
+                      and any("re-published" in r.getMessage() for r in caplog.records))
+        assert handler._backend._where() == f"127.0.0.1:{other.port}"
+        # the round is in the new store: a client of it reads this rendezvous' state
+        from torch.distributed import TCPStore
+        assert TCPStore("127.0.0.1", other.port, is_master=False).check(["torch.rendezvous.moved"])
+        handler.shutdown()
+
+
 def test_a_new_round_waits_for_the_store_within_the_join_timeout(store: StoreProcess) -> None:
     handler = _handler(store, "wait")
     handler.next_rendezvous()

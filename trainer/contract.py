@@ -17,6 +17,10 @@ The agent starts ``torchrun`` with these in the environment:
 :data:`OSS_ENDPOINT_ENV`      ``job.oss_endpoint``)
 :data:`RDZV_ENDPOINT_ENV`     ``host:port`` of the rendezvous store on the control node, where
                               the survivors of a notice re-form their group in-process
+:data:`RDZV_ENDPOINT_FILE_ENV` a node-local file the agent keeps: one line, ``host:port`` of
+                              the store as the daemon that leads says (an HA takeover moves
+                              it to the new leader's control node); once it holds one, every
+                              new store client uses it instead of :data:`RDZV_ENDPOINT_ENV`
 :data:`RUN_ID_ENV`            the job's run id, the same on every node (torchrun's ``--rdzv-id``)
 :data:`JOIN_ENV`              ``1``: this node joins the running group in-process
                               (:mod:`trainer.membership`) instead of starting one
@@ -71,6 +75,7 @@ __all__ = [
     "S3_ENDPOINT_ENV",
     "OSS_ENDPOINT_ENV",
     "RDZV_ENDPOINT_ENV",
+    "RDZV_ENDPOINT_FILE_ENV",
     "RUN_ID_ENV",
     "JOIN_ENV",
     "JOIN_CREDENTIAL_ENV",
@@ -81,6 +86,7 @@ __all__ = [
     "LOG_INPUTS_ENV",
     "TRAINER_PYTHONPATH_ENV",
     "write_plain_notice",
+    "write_endpoint_file",
     "NoticeKind",
     "NoticeEntry",
     "NoticeFileError",
@@ -101,6 +107,7 @@ NODE_ID_ENV = "SPOTVISOR_NODE_ID"
 S3_ENDPOINT_ENV = "SPOTVISOR_S3_ENDPOINT_URL"
 OSS_ENDPOINT_ENV = "SPOTVISOR_OSS_ENDPOINT"
 RDZV_ENDPOINT_ENV = "SPOTVISOR_RDZV_ENDPOINT"
+RDZV_ENDPOINT_FILE_ENV = "SPOTVISOR_RDZV_ENDPOINT_FILE"
 RUN_ID_ENV = "SPOTVISOR_RUN_ID"
 JOIN_ENV = "SPOTVISOR_JOIN"
 JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
@@ -283,6 +290,18 @@ def write_plain_notice(path: Path, *, notice_id: str, kind: str, seen_at: float,
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return body
+
+
+def write_endpoint_file(path: Path, endpoint: str) -> None:
+    """Write the rendezvous store's ``host:port`` to ``path`` (:data:`RDZV_ENDPOINT_FILE_ENV`)
+    atomically: a reader sees the old line or the new one, never a part.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(endpoint + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- the status file

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from trainer.contract import JOIN_ENV, RUN_ID_ENV
 from trainer.credential import CredentialRefused, NodeCredential, Verifier
-from trainer.store_retry import PROBE_S, StoreRetry, store_reachable
+from trainer.store_retry import PROBE_S, StoreRetry, current_endpoint, store_reachable
 
 __all__ = ["Admission", "JoinQueue", "Ticket", "JobCompleted", "JoinRefused", "JoinTimeout", "LossWatch", "joining",
            "run_id", "settle_survivors", "SurvivorRound", "wake_survivors", "StoreRetry", "store_reachable",
@@ -139,7 +139,8 @@ class JoinQueue:
 
     def __init__(self, endpoint: tuple[str, int], run: str, *, timeout_s: float = 60.0,
                  verifier: Verifier | None = None) -> None:
-        self.endpoint = endpoint
+        self._given = endpoint
+        self._store_at: tuple[str, int] | None = None  # where the client in use connects
         self.run = run
         self.prefix = f"spotvisor/{run}/join"
         self.timeout_s = timeout_s
@@ -151,11 +152,17 @@ class JoinQueue:
         self._credential: NodeCredential | None = None  # the joiner's, to queue again on a store back empty
 
     @property
+    def endpoint(self) -> tuple[str, int]:
+        """The store's ``(host, port)`` now (:func:`trainer.store_retry.current_endpoint`)."""
+        return current_endpoint(self._given) or self._given
+
+    @property
     def store(self) -> dist.Store:
-        if self._store is None:
-            client = dist.TCPStore(self.endpoint[0], self.endpoint[1], is_master=False,
-                                   timeout=timedelta(seconds=self.timeout_s))
-            self._store = dist.PrefixStore(self.prefix, client)
+        """The queue's client, built again when the store has moved (an HA takeover)."""
+        at = self.endpoint
+        if self._store is None or at != self._store_at:
+            client = dist.TCPStore(at[0], at[1], is_master=False, timeout=timedelta(seconds=self.timeout_s))
+            self._store, self._store_at = dist.PrefixStore(self.prefix, client), at
         return self._store
 
     def _fields(self, number: int, node: str, local_rank: int, local_world: int, expires: float) -> dict[str, Any]:
@@ -411,6 +418,7 @@ class SurvivorRound:
 
     def __init__(self, endpoint: tuple[str, int], run: str, attempt: str, old_rank: int, old_world: int, *,
                  timeout_s: float = 60.0) -> None:
+        endpoint = current_endpoint(endpoint) or endpoint  # one round, one store: where it is now
         self._endpoint, self._timeout_s = endpoint, timeout_s
         self.run, self.attempt, self.old_rank, self.old_world = run, attempt, old_rank, old_world
         self.prefix = f"spotvisor/{run}/loss/{attempt}"
@@ -585,9 +593,10 @@ class LossWatch:
     def _connect(self) -> Any:
         """A new client of the store (a c10d client never reconnects). Raises
         ``torch.distributed.DistError`` when the store does not answer within 1 s."""
-        if not store_reachable(self._endpoint, PROBE_S):
-            raise dist.DistNetworkError(f"the rendezvous store {self._endpoint[0]}:{self._endpoint[1]} is out of reach")
-        return dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False, timeout=timedelta(seconds=30))
+        host, port = current_endpoint(self._endpoint) or self._endpoint  # the store may have moved
+        if not store_reachable((host, port), PROBE_S):
+            raise dist.DistNetworkError(f"the rendezvous store {host}:{port} is out of reach")
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
 
     def _key(self, attempt: str, rank: int) -> str:
         return f"spotvisor/{self._run}/loss/{attempt}/wake/{rank}"
@@ -623,10 +632,11 @@ class LossWatch:
 
     def _wake(self, target: tuple[str, int] | None) -> None:
         self._changed.set()
-        if target is not None and store_reachable(self._endpoint):  # else its wait fails, and it sees the change
+        host, port = current_endpoint(self._endpoint) or self._endpoint
+        if target is not None and store_reachable((host, port)):  # else its wait fails, and it sees the change
             try:
-                dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
-                              timeout=timedelta(seconds=10)).set(self._key(*target), "self")
+                client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+                client.set(self._key(*target), "self")
             except Exception:  # the store out of reach: the thread's wait ends at its timeout
                 pass
 

@@ -25,6 +25,11 @@ the store's loss survivable:
   forming a round of its own next to the running one;
 - ``next_rendezvous`` (a worker failed, a node joins with ``job.grow: restart``) waits
   for the store up to the rendezvous' ``join_timeout``, then fails as c10d's would.
+- the store that moved (an HA takeover: the new leader serves it from its own control
+  node; the agent writes the address to ``$SPOTVISOR_RDZV_ENDPOINT_FILE``) is followed:
+  each call checks where it is now (:func:`trainer.store_retry.current_endpoint`) and a
+  client of the old address is dropped for one of the new, which gets the last state
+  as a store back empty does.
 
 Registered with torchrun through the ``torchrun.handlers`` entry point
 (``pyproject.toml``, :mod:`trainer.torchrun_plugin`; torch's
@@ -49,7 +54,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from trainer.listen import address_toward
-from trainer.store_retry import PROBE_S, store_reachable
+from trainer.store_retry import PROBE_S, current_endpoint, store_reachable
 
 __all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S"]
 
@@ -76,6 +81,7 @@ class ReconnectingBackend(RendezvousBackend):
     def __init__(self, endpoint: tuple[str, int], run_id: str, *, read_timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint, self.run_id, self.read_timeout_s = endpoint, run_id, read_timeout_s
+        self._at = endpoint  # where the client in use connects (the store may move: current_endpoint)
         self._clock = clock
         self._lock = threading.RLock()
         self._inner: C10dRendezvousBackend | None = None
@@ -103,18 +109,22 @@ class ReconnectingBackend(RendezvousBackend):
             RendezvousConnectionError: the store is down (or a retry is not due yet).
         """
         with self._lock:
+            at = current_endpoint(self.endpoint) or self.endpoint
+            if self._inner is not None and at != self._at:  # an HA takeover: the new leader's store
+                log.warning("rendezvous store moved from %s to %s:%s", self._where(), at[0], at[1])
+                self._inner, self.store = None, None
             if self._inner is not None:
                 return self._inner
+            self._at = at
             now = self._clock()
             if not first:
                 if now < self._retry_at:
                     raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
-                if not store_reachable(self.endpoint, PROBE_S):
+                if not store_reachable(at, PROBE_S):
                     self._failed(now)
                     raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
             try:
-                store = dist.TCPStore(self.endpoint[0], self.endpoint[1], is_master=False,
-                                      timeout=timedelta(seconds=self.read_timeout_s))
+                store = dist.TCPStore(at[0], at[1], is_master=False, timeout=timedelta(seconds=self.read_timeout_s))
                 inner = C10dRendezvousBackend(store, self.run_id)  # sets the state's key when absent
             except Exception as exc:
                 self._failed(now)
@@ -186,7 +196,7 @@ class ReconnectingBackend(RendezvousBackend):
                         getattr(state, "round", "?"), self.run_id)
 
     def _where(self) -> str:
-        return f"{self.endpoint[0]}:{self.endpoint[1]}"
+        return f"{self._at[0]}:{self._at[1]}"
 
 
 class SpotvisorRendezvousHandler(RendezvousHandler):

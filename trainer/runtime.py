@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
 from trainer.exchange import all_gather_json, broadcast_json
+from trainer.store_retry import current_endpoint, parse_endpoint
 
 __all__ = [
     "exit_process",
@@ -260,12 +261,12 @@ def teardown_distributed(ctx: DistContext) -> None:
 
 
 def rendezvous_endpoint() -> tuple[str, int] | None:
-    """``(host, port)`` from ``$SPOTVISOR_RDZV_ENDPOINT``, or None when unset or malformed."""
-    raw = os.environ.get(RDZV_ENDPOINT_ENV, "").strip()
-    host, _, port = raw.rpartition(":")
-    if not host or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
+    """``(host, port)`` of the rendezvous store now: the agent's endpoint file once it
+    holds one (:func:`trainer.store_retry.current_endpoint`: the store moved with an HA
+    takeover), else ``$SPOTVISOR_RDZV_ENDPOINT``; None when neither gives one (no store:
+    no in-process resize)."""
+    started = parse_endpoint(os.environ.get(RDZV_ENDPOINT_ENV, ""))
+    return current_endpoint(started) if started is not None else None
 
 
 def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpoint: tuple[str, int],

@@ -6,16 +6,24 @@ retries its connect for its whole timeout, so whoever needs the store back (rank
 join check, the loss watch, a joiner: :mod:`trainer.membership`) probes the port first
 (:func:`store_reachable`, at most :data:`PROBE_S`) and tries again on a schedule
 (:class:`StoreRetry`), never in a loop that spins or blocks a step boundary.
+
+The store can also move: with an HA control plane (``ha:``) a new leader serves it from
+its own control node. The agent keeps the address the leading daemon gives in a
+node-local file (``$SPOTVISOR_RDZV_ENDPOINT_FILE``, :mod:`trainer.contract`), and every
+new client asks :func:`current_endpoint` where the store is now.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
 
-__all__ = ["PROBE_S", "MAX_RETRY_S", "StoreRetry", "store_reachable"]
+from trainer.contract import RDZV_ENDPOINT_FILE_ENV
+
+__all__ = ["PROBE_S", "MAX_RETRY_S", "StoreRetry", "store_reachable", "parse_endpoint", "current_endpoint"]
 
 log = logging.getLogger("trainer.membership")
 
@@ -23,6 +31,30 @@ log = logging.getLogger("trainer.membership")
 PROBE_S = 1.0
 #: The longest wait between two tries to reach the store while it is down (seconds).
 MAX_RETRY_S = 4.0
+
+
+def parse_endpoint(raw: str) -> tuple[str, int] | None:
+    """``(host, port)`` from ``host:port`` (``[v6]:port`` too); None when malformed."""
+    host, _, port = raw.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def current_endpoint(default: tuple[str, int] | None) -> tuple[str, int] | None:
+    """Where the rendezvous store is now: the endpoint in the agent's file
+    (``$SPOTVISOR_RDZV_ENDPOINT_FILE``: the leading daemon's word) when it holds one,
+    else ``default`` (the address the process was started with). A small local read,
+    made before each new store client."""
+    path = os.environ.get(RDZV_ENDPOINT_FILE_ENV)
+    if not path:
+        return default
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = f.read(512)
+    except OSError:  # not written yet: the daemon that started the job is the one that leads
+        return default
+    return parse_endpoint(raw) or default
 
 
 def store_reachable(endpoint: tuple[str, int], timeout_s: float = PROBE_S) -> bool:

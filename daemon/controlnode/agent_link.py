@@ -231,9 +231,13 @@ class AgentLink:
         return node.state is NodeState.RUNNING and not self.core.job.state.is_terminal()
 
     def reply(self, node: Node) -> dict[str, Any]:
-        """Take ``node``'s queued commands and its start/stop decision into a reply."""
+        """Take ``node``'s queued commands and its start/stop decision into a reply, with
+        where the node's rendezvous store is (``host:port`` of this daemon's, for its
+        domain: after an HA takeover, the new leader's)."""
         start = self._told_start[node.id] = self.should_run(node)
-        reply: dict[str, Any] = {"commands": self._commands.pop(node.id, []), "start_trainer": start}
+        rdzv = self.core.config.domain(self.core.domain_of(node)).rendezvous  # this daemon's store (HA: moved)
+        reply: dict[str, Any] = {"commands": self._commands.pop(node.id, []), "start_trainer": start,
+                                 "rendezvous": f"{rdzv.host}:{rdzv.port}"}
         if start:
             reply["join_credential"] = self.credential(node)  # the workers' proof that the daemon admitted it
         if start and node.joins_running:

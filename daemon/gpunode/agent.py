@@ -84,7 +84,8 @@ from daemon.control.lifecycle import TrainerState
 from daemon.control.reports import STATUS_EVENTS
 from daemon.gpunode.code import needs_preparing, prepare_node
 from daemon.gpunode.trainer_process import TrainerProcess
-from trainer.contract import NoticeEntry, NoticeFile, NoticeKind, StatusTail
+from trainer.contract import NoticeEntry, NoticeFile, NoticeKind, StatusTail, write_endpoint_file
+from trainer.store_retry import parse_endpoint
 
 __all__ = ["NodeAgent", "StepProgress", "main", "daemon_ssl_context", "check_daemon_url"]
 
@@ -145,6 +146,7 @@ class NodeAgent:
                                    gpu_sampler=self.gpu_sampler, log_path=self.workdir / "trainer.log",
                                    interval_s=heartbeat_interval_s, beat_now=self._beat_now, apply=self._apply)
         self._apply_lock = asyncio.Lock()  # heartbeat and long-poll replies are applied one at a time
+        self._store_at: str | None = None  # the rendezvous endpoint the node's file holds
 
     @property
     def told_interval_s(self) -> float | None:
@@ -248,6 +250,7 @@ class NodeAgent:
 
     async def _apply_locked(self, reply: dict[str, Any]) -> None:
         assert self.notices is not None
+        await self._follow_store(reply.get("rendezvous"))
         for cmd in reply.get("commands", []):
             if cmd.get("kind") == "drain":
                 # the daemon asks this node to leave (e.g. rebalance "replace"): act
@@ -271,6 +274,21 @@ class NodeAgent:
             credential = reply.get("join_credential")  # the daemon's, for the workers' environment only
             await self.runner.start(join=bool(reply.get("join")),
                                     credential=credential if isinstance(credential, str) else None)
+
+    async def _follow_store(self, endpoint: Any) -> None:
+        """The leading daemon's rendezvous endpoint (``host:port``) into the node's file when
+        it changes: an HA takeover moves the store, and every new store client of the
+        workers looks there first (:func:`trainer.store_retry.current_endpoint`)."""
+        if not isinstance(endpoint, str) or endpoint == self._store_at or parse_endpoint(endpoint) is None:
+            return
+        try:
+            await asyncio.to_thread(write_endpoint_file, self.runner.rendezvous_path, endpoint)
+        except OSError as exc:
+            log.warning("rendezvous_file_unwritable", node_id=self.node_id, error=str(exc)[:200])
+            return
+        if self._store_at is not None:
+            log.info("rendezvous_store_moved", node_id=self.node_id, old=self._store_at, new=endpoint)
+        self._store_at = endpoint
 
     async def _restart(self, cmd: dict[str, Any]) -> None:
         """The daemon restarts the trainer in place (the job stalled): stop what still runs,

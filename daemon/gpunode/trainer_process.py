@@ -28,7 +28,8 @@ from daemon.gpunode.zygote import MODULE_ENV as ZYGOTE_MODULE_ENV
 from daemon.gpunode.zygote import entry_module
 from daemon.model import TORCHRUN_ARGV
 from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_ENV, NOTICE_FILE_ENV,
-                              SCRATCH_DIR_ENV, STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV, write_plain_notice)
+                              RDZV_ENDPOINT_FILE_ENV, SCRATCH_DIR_ENV, STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV,
+                              write_plain_notice)
 
 __all__ = ["TrainerProcess", "DRAIN_GRACE_S"]
 
@@ -86,6 +87,11 @@ class TrainerProcess:
     @property
     def plain_notice_path(self) -> Path:
         return self.workdir / "notice.json"
+
+    @property
+    def rendezvous_path(self) -> Path:
+        """The store's address as the leading daemon says (:data:`trainer.contract.RDZV_ENDPOINT_FILE_ENV`)."""
+        return self.workdir / "rendezvous"
 
     def notice(self, notice_id: str, *, kind: str, seen_at: float, deadline: float | None) -> bool:
         """``job.command``: write the plain notice, then SIGTERM torchrun, which forwards it to
@@ -156,7 +162,7 @@ class TrainerProcess:
         env.update(
             {NOTICE_FILE_ENV: str(self.workdir / "notices.json"), STATUS_FILE_ENV: str(self.workdir / "status.jsonl"),
              LOG_DIR_ENV: str(self.workdir / "logs"), SCRATCH_DIR_ENV: str(self.workdir / "scratch"),
-             NODE_ID_ENV: self.node_id}
+             NODE_ID_ENV: self.node_id, RDZV_ENDPOINT_FILE_ENV: str(self.rendezvous_path)}
         )
         if self.signals_on_notice:
             env[NOTICE_ENV] = str(self.plain_notice_path)

@@ -51,8 +51,9 @@ def survival(config: Any) -> list[str]:
         lines.append("  agents: they reach whichever daemon leads at daemon.agent_host:daemon.agent_port; list every "
                      "control node's URL in ha.agent_urls, or give that a floating address or a DNS name that "
                      "follows the leader (a standby does not listen)")
-    lines.append("  rendezvous store: rendezvous.host must follow the leader (a floating address or a DNS name); "
-                 "a store started empty there gets the running round back")
+    lines.append("  rendezvous store: each daemon's own (its rendezvous.host:port, on its control node); the "
+                 "leader's heartbeat replies tell every node where it is, the workers' store clients follow, and "
+                 "a store started empty gets the running round back")
     if members < 3:
         lines.append("  warning: fewer than 3 etcd members: one member's loss stops the control plane")
     if ha.lease_s < MIN_SAFE_LEASE_S:

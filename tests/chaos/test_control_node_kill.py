@@ -52,11 +52,13 @@ SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head
 
 
 def _config(tmp_path: Path, proxy_url: str, store_port: int,
-            target_steps: int = TARGET_STEPS, paced: bool = False) -> tuple[Path, dict[str, Any]]:
+            target_steps: int = TARGET_STEPS, paced: bool = False,
+            pace_file: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """The daemon's config file and its content: a 2-node pool of 1-GPU EC2 instances (moto)
     running the reference trainer (a small GPT-2) to ``target_steps``; with ``paced``, under
     ``e2e.paced_trainer``: 0.5 s a step while the world is short of 2, so the job cannot end
-    before its replacement has grown it back, however fast the survivor trains."""
+    before its replacement has grown it back, however fast the survivor trains; with
+    ``pace_file``, also while that file exists."""
     pool = f"cn-{uuid.uuid4().hex[:8]}"
     sockdir = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
     raw = {
@@ -76,9 +78,10 @@ def _config(tmp_path: Path, proxy_url: str, store_port: int,
         "offers": [{"provider": "aws", "region": "us-east-1", "zone": "us-east-1a", "instance_type": "g4dn.xlarge",
                     "gpu_type": "T4", "gpus_per_node": 1}],
     }
-    if paced:
+    if paced or pace_file is not None:
         raw["job"].update(module="e2e.paced_trainer", preload=["trainer.run"],
-                          args=[*raw["job"]["args"], "--full-world", "2", "--pace-s", "0.5"],
+                          args=[*raw["job"]["args"], "--full-world", "2", "--pace-s", "0.5",
+                                *(["--pace-file", str(pace_file)] if pace_file is not None else [])],
                           env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # tests/: e2e.paced_trainer
     cfg = tmp_path / "spotvisord.yaml"
     cfg.write_text(yaml.safe_dump(raw))
@@ -95,6 +98,11 @@ def _steps_done(instances: Path) -> int:
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut by a kill
     return best
+
+
+def _endpoints(instances: Path) -> set[str]:
+    """The rendezvous endpoints the nodes' files hold (the agents' copy of the leader's word)."""
+    return {f.read_text().strip() for f in instances.glob("*/rendezvous")}
 
 
 async def _until(cond: Any, what: str, timeout_s: float) -> None:
@@ -218,14 +226,19 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
         etcd_cluster: EtcdCluster) -> None:  # noqa: F811
     """HA (``ha:``, a real 3-member etcd cluster): control-a leads, control-b stands by.
     control-a's control node dies mid-training: the daemon and the rendezvous store,
-    SIGKILLed. The store's address moves to control-b's node (a floating address; here the
-    same port) and comes up empty; control-b leads within 10 s, reads the pool from etcd
-    and runs the job to its end: the same worker group, 0 lost steps, no stall. The two
-    daemons listen for agents on ports of their own (``ha.agent_urls``): the nodes follow
-    the new leader with no address moved for them."""
+    SIGKILLed. control-b leads within 10 s, reads the pool from etcd and runs the job to its
+    end: the same worker group, 0 lost steps, no stall. Nothing floats: the two daemons
+    listen for agents on ports of their own (``ha.agent_urls``), and control-b serves the
+    rendezvous store from its own node, on its own address (its ``rendezvous.port``): its
+    heartbeat replies say so, every agent writes it to its node's endpoint file, and
+    torchrun's rendezvous handlers move there and put their round back. The steps are
+    paced (``pace_file``) from the kill until a handler has, so the job is still
+    training when the store moves however long the takeover took."""
     store = StoreProcess("127.0.0.1", free_port())
+    store_b = StoreProcess("127.0.0.1", free_port())  # control-b's node's
     await asyncio.to_thread(store.start)
-    cfg, raw = _config(tmp_path, faults.url, store.port)
+    pace = tmp_path / "pace"
+    cfg, raw = _config(tmp_path, faults.url, store.port, pace_file=pace)
     pool, instances = raw["pool"]["name"], tmp_path / "instances"
     configs = {}
     ports = {"control-a": free_port(), "control-b": free_port()}
@@ -236,6 +249,8 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
         mine["daemon"].update(state_dir=str(tmp_path / name), socket=raw["daemon"]["socket"].replace("d.sock",
                                                                                                    f"{name}.sock"),
                               agent_port=ports[name])
+        if name == "control-b":
+            mine["rendezvous"]["port"] = store_b.port
         configs[name] = tmp_path / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(mine))
     a = Daemon(configs["control-a"], raw["daemon"]["socket"].replace("d.sock", "control-a.sock"),
@@ -250,14 +265,20 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
                            timeout_s=60, daemons=(b,))
             await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
             attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
+            pace.touch()
             await a.sigkill()
             await asyncio.to_thread(store.kill)
             killed_at = time.monotonic()
             seen = list(a.seen)
             at_kill = _steps_done(instances)
-            await asyncio.to_thread(store.start)  # the floating address, now on control-b's node: empty
+            await asyncio.to_thread(store_b.start)  # control-b's node's store, on its own address: empty
             await ha_until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
             led_s = time.monotonic() - killed_at
+            moved = f"rendezvous store 127.0.0.1:{store_b.port} was empty: re-published"
+            await _until(lambda: any(moved in f.read_text(errors="replace") for f in instances.glob("*/trainer.log"))
+                         and _endpoints(instances) == {f"127.0.0.1:{store_b.port}"},
+                         "every node following control-b's store", timeout_s=60)
+            pace.unlink()  # seen: train on at full speed
             assert b.proc is not None
             assert await asyncio.wait_for(b.proc.wait(), 400) == 0  # the job completed, the pool released
             stored = _stored_events(tmp_path / "control-b" / "spotvisord.db")
@@ -270,6 +291,7 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
                 await proc.wait()
         await a._stop_follower()
         await asyncio.to_thread(store.stop)
+        await asyncio.to_thread(store_b.stop)
     print(f"\nHA: control-b led {led_s:.2f} s after control-a's control node was killed (lease 4 s)")
     _check(matrix, "mid_training", s, stored, seen, tmp_path, live, attempt, at_kill,
            scenario="HA leader's control node (daemon + store) SIGKILL mid training (real job, 2 nodes)")

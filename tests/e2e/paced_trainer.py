@@ -8,6 +8,10 @@ step (the world size is the same on every rank, so they stay in step); at the fu
 world it trains at full speed. A run therefore lasts as long as its grows take, not
 a fixed number of steps sized for the slowest day.
 
+``--pace-file``: every step also sleeps ``--pace-s`` while this file exists, so a cell can
+hold the job in training across a fault it then checks the recovery of (the store's move
+to a new leader's control node), and let it finish at full speed once it has seen it.
+
 ``--min-step-s``: every step lasts at least this long at any world size (the rank
 sleeps what its computation left of it), as a GPU step does to the CPU that waits on
 it: a cell that needs the job to train on across a fault of some seconds gets those
@@ -20,6 +24,7 @@ the repository root, and the tests put ``tests/`` on ``PYTHONPATH``).
 
 from __future__ import annotations
 
+import os
 import time
 
 from trainer.loop import run_job
@@ -29,7 +34,8 @@ from trainer.run import ReferenceJob, build_parser
 class PacedJob(ReferenceJob):
     def train_step(self) -> tuple[float, float, list[int]]:
         t0 = time.monotonic()
-        if self.ctx.world_size < self.args.full_world:
+        held = bool(self.args.pace_file) and os.path.exists(self.args.pace_file)
+        if self.ctx.world_size < self.args.full_world or held:
             time.sleep(self.args.pace_s)
         out = super().train_step()
         time.sleep(max(0.0, self.args.min_step_s - (time.monotonic() - t0)))
@@ -40,6 +46,7 @@ def main() -> int:
     p = build_parser()
     p.add_argument("--full-world", type=int, required=True, help="the world size of the full pool")
     p.add_argument("--pace-s", type=float, default=0.5, help="sleep before each step while the world is smaller")
+    p.add_argument("--pace-file", default=None, help="also sleep before each step while this file exists")
     p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (seconds)")
     return run_job(None, job_cls=PacedJob, parser=p)
 
