@@ -182,6 +182,10 @@ class Node:
     market: str = "spot"  # the offer's market: spot or on_demand
     joins_running: bool = False  # admitted into a running job in-process (job.grow: in_process)
     code_version: str = ""  # the job.workdir sha256 its agent was handed ("" none), kept for its life
+    # the agent process whose numbered reports were applied, and the highest number applied:
+    # a batch sent again (its answer lost with a daemon) is applied once (daemon.control.reports.fresh)
+    reports_from: str = ""
+    reports_applied: int = 0
 
     @property
     def offer_key(self) -> str:

@@ -244,3 +244,30 @@ async def test_a_reply_not_durable_yet_is_withheld_and_told_at_the_next_ask(spot
     assert status == 200 and reply["start_trainer"] is True and reply["join_credential"]
     assert [c["id"] for c in reply["commands"]] == [first, second]
     assert (await agent.heartbeat())["commands"] == []
+
+
+async def test_a_report_batch_sent_again_is_applied_once_and_answered_only_once_durable(
+        spot_daemon, agent, monkeypatch) -> None:
+    """The agent numbers its reports (``seq``, per agent process ``agent``). A batch whose
+    answer was lost (a 503 while its writes were not durable: HA, etcd out of reach) comes
+    again: its reports are not applied twice, and the node's record keeps what was, so a
+    new leader skips them too. Another agent process (the agent restarted) starts anew."""
+    h = spot_daemon
+    await agent.register()
+    await h.until(lambda: agent.node.state is NodeState.RUNNING, what="the job starts on the node")
+    batch = [{"kind": "trainer_exited", "exit_code": 1, "seq": 1},
+             {"kind": "metadata_unreachable", "failures": 5, "error": "timeout", "url": "http://169.254.169.254",
+              "seq": 2}]
+    fail_durable(monkeypatch, h.sup.store, [RuntimeError("etcd: deadline exceeded")])
+    status, text = await agent.post("/v1/agent/events", events=batch, agent="a1")
+    assert status == 503 and "not durable" in text  # the agent sends it again
+    status, _ = await agent.post("/v1/agent/events", events=batch, agent="a1")
+    assert status == 200
+    assert len(h.events("trainer_exited")) == 1 and len(h.events("metadata_unreachable")) == 1
+    stored = next(n for n in h.sup.store.nodes() if n.id == agent.node.id)
+    assert (stored.reports_from, stored.reports_applied) == ("a1", 2)
+    status, _ = await agent.post("/v1/agent/events", events=batch[:1], agent="b2")  # a new agent process
+    assert status == 200 and len(h.events("trainer_exited")) == 2
+    for bad in ("A1", "x" * 65, 7, ""):
+        status, text = await agent.post("/v1/agent/events", events=batch, agent=bad)
+        assert status == 400 and "agent" in text

@@ -103,3 +103,29 @@ def test_the_reports_an_agent_owes_are_a_bounded_count_and_absent_is_none() -> N
     for bad in (2**31 + 1, -1, 1.5, "3", True, [1]):
         with pytest.raises(ReportError, match="reports_pending"):
             parse_reports_pending(bad)
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=12), st.lists(st.booleans(), max_size=12),
+       st.booleans())
+def test_numbered_reports_sent_again_at_any_point_are_applied_once_in_order(
+        sizes: list[int], resend: list[bool], restart: bool) -> None:
+    """A stream of numbered reports cut into batches, any batch sent again (its answer
+    lost): each report is applied once, in order. An agent restarted halfway numbers
+    from 1 again under a new id and loses nothing."""
+    from daemon.control.reports import fresh
+
+    stream = [{"kind": "k", "i": i} for i in range(1, sum(sizes) + 1)]
+    applied, seen_from, upto, at, numbered = [], "", 0, 0, {"a": 0, "b": 0}
+    for i, size in enumerate(sizes):
+        agent = "b" if restart and i >= len(sizes) // 2 else "a"  # the restarted one numbers from 1 again
+        batch = []
+        for r in stream[at:at + size]:
+            numbered[agent] += 1
+            batch.append({**r, "seq": numbered[agent]})
+        at += size
+        for _ in range(2 if i < len(resend) and resend[i] else 1):
+            out, upto = fresh(batch, agent, seen_from, upto)
+            seen_from = agent
+            applied += [r["i"] for r in out]
+    assert applied == list(range(1, sum(sizes) + 1))
+    assert fresh(stream, None, "a", 10**6)[0] == stream  # an agent without numbers: as it comes

@@ -24,7 +24,8 @@ from typing import Any
 __all__ = [
     "Limits", "ReportError", "StatusLine", "NoticeReport", "MetadataAlarm", "TrainerExited", "WorkersFailed",
     "CodeReady", "SetupFailed", "SETUP_STAGES", "parse_report", "parse_step", "parse_progress", "StepProgress",
-    "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS", "parse_reports_pending", "MAX_REPORTS_PENDING",
+    "STATUS_EVENTS", "MAX_TOKENS", "MAX_LOSS", "parse_reports_pending", "MAX_REPORTS_PENDING", "fresh",
+    "parse_agent", "MAX_SEQ",
 ]
 
 #: The one set of trainer status lines (``trainer.contract.StatusKind`` values, written by
@@ -42,6 +43,7 @@ MAX_SECONDS = 7 * 86400.0  # a commit, a save or an upload that took a week is a
 MAX_UNIX_S = 1e11
 MAX_TOKENS = 2**62  # tokens trained since an agent started: ~4.6e18, far past any run
 MAX_REPORTS_PENDING = 2**31  # reports an agent says it still owes; more is a lie
+MAX_SEQ = 2**53  # a report's number (``seq``) from its agent process
 MAX_LOSS = 1e30  # |loss|; a NaN or infinite loss is dropped (the feed and the gauges take finite numbers)
 
 
@@ -215,6 +217,42 @@ def parse_reports_pending(value: Any) -> int:
         ReportError: anything else.
     """
     return _int({"reports_pending": value}, "reports_pending", 0, MAX_REPORTS_PENDING) or 0
+
+
+def parse_agent(value: Any) -> str | None:
+    """A report batch's ``agent``: the id of the agent process that numbered its reports
+    (1 to 64 lowercase hex digits), or None (an agent older than the numbering).
+
+    Raises:
+        ReportError: anything else.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 64 or value.strip("0123456789abcdef"):
+        raise ReportError("agent is not an agent id (1-64 lowercase hex digits)")
+    return value
+
+
+def _seq(report: Any) -> int | None:
+    v = report.get("seq") if isinstance(report, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_SEQ else None
+
+
+def fresh(reports: list[Any], agent: str | None, applied_from: str, applied: int) -> tuple[list[Any], int]:
+    """The reports of a batch not applied yet, and the highest number applied after it.
+
+    An agent numbers its reports (``seq``: 1, 2, ... for the life of its process, named
+    by ``agent``); ``applied`` is the highest number applied from process
+    ``applied_from``. A report numbered at most that, from that process, was applied
+    already (its batch is sent again because its answer was lost with a daemon): left
+    out. A new process starts from 0; a batch without ``agent``, or a report without a
+    number, is applied as it comes (at least once, as before the numbering).
+    """
+    if agent is None:
+        return list(reports), applied
+    upto = applied if agent == applied_from else 0
+    out = [r for r in reports if (n := _seq(r)) is None or n > upto]
+    return out, max([upto, *(n for r in out if (n := _seq(r)) is not None)])
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import structlog
 
 from daemon.control.reactions import on_notice, on_rebalance, on_trainer_exit
-from daemon.control.reports import (CodeReady, MetadataAlarm, NoticeReport, ReportError, SetupFailed, StatusLine,
-                                    TrainerExited, WorkersFailed, parse_report)
+from daemon.control.reports import (CodeReady, Limits, MetadataAlarm, NoticeReport, ReportError, SetupFailed,
+                                    StatusLine, TrainerExited, WorkersFailed, fresh, parse_report)
 from daemon.controlnode.code_delivery import CodeDelivery
 from daemon.controlnode.core import Core
 from daemon.controlnode.report_limits import ReportLimiter
@@ -47,8 +47,11 @@ class Intake:
         self._published_at = published_at  # Fleet.notice_published_at
         self.limiter = ReportLimiter(core.clock, is_live=self._is_live)  # per-node rates, before any parsing
 
-    def on_reports(self, node: Node, reports: list[dict[str, Any]]) -> None:
-        """Apply an agent's batch of reports, in order. One that cannot be used is dropped
+    def on_reports(self, node: Node, reports: list[dict[str, Any]], agent: str | None = None) -> None:
+        """Apply an agent's batch of reports, in order, each once: a report ``agent``
+        numbered that this node's record says was applied is left out
+        (:func:`daemon.control.reports.fresh`; the batch came again because its answer was
+        lost), and the record keeps the highest number applied. One that cannot be used is dropped
         whole with one log line and one count (``Supervisor.drop``), never stored, and the
         rest of the batch goes on: raising here would answer 500, and the agent resends a
         failed batch until it is accepted, re-applying the reports before the bad one each
@@ -60,6 +63,16 @@ class Intake:
         core = self.core
         self._seen(node)
         limits = core.limits()
+        reports, applied = fresh(reports, agent, node.reports_from, node.reports_applied)
+        self._apply(node, reports, limits)
+        if agent is not None and (agent, applied) != (node.reports_from, node.reports_applied):
+            # written after the batch's own writes: a daemon killed in between applies some
+            # reports twice when the batch comes again, never none
+            node.reports_from, node.reports_applied = agent, applied
+            core.store.put_node(node)
+
+    def _apply(self, node: Node, reports: list[Any], limits: Limits) -> None:
+        core = self.core
         for r in self.limiter.admit(node.id, reports):
             kind = r.get("kind") if isinstance(r, dict) else None
             try:

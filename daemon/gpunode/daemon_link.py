@@ -15,7 +15,8 @@ One :class:`DaemonLink` per agent owns:
 - the outbox: reports (``interruption_notice``, ``trainer_status``, ...) delivered in
   order, in requests the daemon takes (:data:`~daemon.control.bounds.MAX_REPORTS_PER_POST`
   reports and :data:`~daemon.control.bounds.MAX_AGENT_BODY_BYTES` each), retried while
-  the daemon is unreachable; a retry waits no longer once another call finds the daemon
+  the daemon is unreachable (each report numbered, so a batch sent again after a lost
+  answer is applied once); a retry waits no longer once another call finds the daemon
   back (a restarted daemon gets the queue at once, not up to 5 s after its first
   heartbeat). :attr:`DaemonLink.reports_pending` (each heartbeat says it) counts the
   reports not yet answered: the daemon releases a drained node only once it is 0, so a
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import ssl
 import time
 import urllib.parse
@@ -208,6 +210,10 @@ class DaemonLink:
         self.session: aiohttp.ClientSession | None = None
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._unanswered = 0  # reports queued and not yet answered by a daemon
+        # this agent process's id and its reports' numbers: a batch sent again after a lost
+        # answer is applied once (daemon.control.reports.fresh)
+        self.incarnation = secrets.token_hex(8)
+        self._numbered = 0
         self._back = asyncio.Event()  # set when a call is answered after an outage
         self.outage = Outage()  # what is said while the daemon is out of reach
 
@@ -304,8 +310,10 @@ class DaemonLink:
         return reply
 
     def report(self, kind: str, **data: Any) -> None:
-        """Queue one report (``kind``, now, ``data``) for :meth:`deliver_reports`. Never blocks."""
-        self._outbox.put_nowait({"kind": kind, "time": time.time(), **data})
+        """Queue one report (``kind``, now, ``data``, and its number ``seq``: 1, 2, ... in this
+        process) for :meth:`deliver_reports`. Never blocks."""
+        self._numbered += 1
+        self._outbox.put_nowait({"kind": kind, "time": time.time(), **data, "seq": self._numbered})
         self._unanswered += 1
 
     async def deliver_reports(self) -> None:
@@ -323,7 +331,7 @@ class DaemonLink:
                 continue
             async for attempt in _until_daemon_answers(self._retry_wait):
                 with attempt:
-                    await self.post("/v1/agent/events", {"events": batch})
+                    await self.post("/v1/agent/events", {"events": batch, "agent": self.incarnation})
             self._unanswered -= len(batch)
 
     async def poll_commands(self, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:

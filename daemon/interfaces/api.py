@@ -76,6 +76,7 @@ import structlog
 from aiohttp import web
 
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
+from daemon.control.reports import ReportError, parse_agent
 from daemon.controlnode.metrics import (TIMELINE_KINDS, DaemonMetrics, cost_report, egress_usd, job_timeline,
                                         node_gpu_view)
 from daemon.model import MAX_EVENT_SEQ, MAX_NOTICE_LEAD_S, EventKind, JobState, Node, NodeState, is_node_id
@@ -189,14 +190,21 @@ async def _reports(request: web.Request) -> web.Response:
     events = body.get("events")
     if not isinstance(events, list):
         raise web.HTTPBadRequest(text="events must be a list")
+    try:
+        agent = parse_agent(body.get("agent"))
+    except ReportError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from None
     sup = request.app[SUPERVISOR]
-    sup.intake.on_reports(node, events)
+    sup.intake.on_reports(node, events, agent)
     # a reported commit is recorded once verified (daemon.verify_commits), a resume once
     # its commit is: answered before that, a SIGKILL in between lost the report (the agent
     # never resends an answered one)
     if not await sup.tracker.settled(node.id, REPORT_SETTLE_S):
         log.warning("reports_answered_unsettled", node_id=node.id, timeout_s=REPORT_SETTLE_S)
-    return web.json_response({"ok": True})
+    # and only once what they changed is durable where the next daemon reads it (HA: etcd);
+    # else 503: the agent sends the batch again, and the reports applied already are left
+    # out by their numbers (Intake.on_reports)
+    return await _told(sup, node, {"ok": True})
 
 
 @web.middleware
