@@ -305,6 +305,8 @@ def test_the_zygote_is_off_where_nvidia_devices_are_unless_asked(tmp_path: Path)
     assert not enabled({}, str(tmp_path))
     assert enabled({"SPOTVISOR_ZYGOTE": "1"}, str(tmp_path))
     assert not enabled({"SPOTVISOR_ZYGOTE": "0"}, str(ROOT))
+    assert enabled({"CUDA_VISIBLE_DEVICES": ""}, str(tmp_path))  # the local provider hid them: no CUDA here
+    assert not enabled({"CUDA_VISIBLE_DEVICES": "1"}, str(ROOT))
 
 
 _NAMES = st.one_of(st.sampled_from(["LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS",

@@ -55,6 +55,7 @@ from pathlib import Path
 
 from daemon.gpunode import zygote_client
 from daemon.gpunode.zygote_client import PYTHON_ENV, SOCKET_ENV
+from daemon.host_gpus import host_gpus
 from trainer.contract import ZYGOTE_PRELOAD_ENV
 
 __all__ = ["Worker", "Zygote", "enabled", "entry_module", "preloads", "fork_server", "LOAD_TIME_ENV", "ENABLE_ENV",
@@ -78,14 +79,12 @@ FORKABLE_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OM
 
 def enabled(environ: dict[str, str] | os._Environ[str], dev: str = "/dev") -> bool:
     """Whether the launcher forks a zygote: ``$SPOTVISOR_ZYGOTE`` ``1``/``0`` decides;
-    unset, only on a host without ``/dev/nvidia*`` devices."""
+    unset, only where this process sees no GPU (:func:`daemon.host_gpus.host_gpus`:
+    none in ``/dev``, or ``CUDA_VISIBLE_DEVICES`` empty, as the local provider hides them)."""
     said = environ.get(ENABLE_ENV, "")
     if said in ("0", "1"):
         return said == "1"
-    try:
-        return not any(name.startswith("nvidia") for name in os.listdir(dev))
-    except OSError:
-        return True
+    return not host_gpus(environ, dev)
 
 
 def entry_module(torchrun_argv: list[str]) -> str | None:

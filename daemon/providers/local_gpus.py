@@ -22,30 +22,14 @@ environment and ``/dev``.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Mapping
 
 import structlog
+
+from daemon.host_gpus import host_gpus
 
 __all__ = ["host_gpus", "GpuSlots"]
 
 log = structlog.get_logger("spotvisor.daemon")
-
-_DEVICE = re.compile(r"^nvidia(\d+)$")
-
-
-def host_gpus(environ: Mapping[str, str], dev: str = "/dev") -> list[str]:
-    """The GPU ids (as ``CUDA_VISIBLE_DEVICES`` names them) this process may hand out."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [g.strip() for g in visible.split(",") if g.strip()]
-    try:
-        names = os.listdir(dev)
-    except OSError:
-        return []
-    return [m.group(1) for m in sorted((_DEVICE.match(n) for n in names if _DEVICE.match(n)),
-                                       key=lambda m: int(m.group(1)))]
-
 
 class GpuSlots:
     """The provider's GPUs: ``mode`` ``"pin"``, ``"hide"`` or ``"none"`` (no GPU here), and
