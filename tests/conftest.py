@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,21 +56,28 @@ def s3_server() -> Iterator[str]:
 # -- the whole suite under pytest-xdist (make test: -n 3 --dist loadgroup) ---------------------
 
 SLOW_LANES = ("slow-a", "slow-b")  # the xdist groups the slow tests are split into
+#: Each slow test's measured seconds (a run of ``-m slow -n 2 --dist loadgroup --durations=0``
+#: on 2 idle cores; refresh with ``python tests/slow_costs.py < that run's output``)
+SLOW_COSTS = json.loads((Path(__file__).with_name("slow_costs.json")).read_text())
 
 
-def slow_weight(item: pytest.Item) -> int:
-    """A slow test's rough cost, for balancing the lanes: a run of the whole daemon (an
-    e2e or chaos demo, a minute or more) weighs 6, a torchrun job of a few ranks 1."""
-    path = item.nodeid.split("::", 1)[0]
-    return 6 if path.startswith(("tests/e2e/", "tests/chaos/")) else 1
+def slow_weight(item: pytest.Item) -> float:
+    """A slow test's cost in seconds, for balancing the lanes: measured
+    (:data:`SLOW_COSTS`), else a guess: a run of the whole daemon (an e2e or chaos demo)
+    60 s, a torchrun job of a few ranks 20 s."""
+    nodeid = item.nodeid.rsplit("@", 1)[0]
+    if nodeid in SLOW_COSTS:
+        return float(SLOW_COSTS[nodeid])
+    return 60.0 if nodeid.startswith(("tests/e2e/", "tests/chaos/")) else 20.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``slow`` tests (torchrun jobs, demo runs, a flood) form two lanes under
-    pytest-xdist's ``--dist loadgroup`` (:data:`SLOW_LANES`, balanced by
-    :func:`slow_weight` in collection order, the same on every worker): each lane runs one
-    test at a time on its own worker, so at most two of them load the cores at once, while
-    the other tests go to the remaining workers. Without xdist nothing changes.
+    pytest-xdist's ``--dist loadgroup`` (:data:`SLOW_LANES`): each lane runs one test at a
+    time on its own worker, so at most two of them load the cores at once, while the other
+    tests go to the remaining workers. The lanes are balanced by cost
+    (:func:`slow_weight`), longest first, each to the lane with less so far: the same on
+    every worker, whatever the collection order. Without xdist nothing changes.
 
     The group is what xdist's ``xdist_group`` mark would give, an ``@<group>`` suffix on
     the test's id, which is what its scheduler reads; it is set here because xdist 3.8 sets
@@ -78,17 +87,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests/test_suite_schedule.py checks the suffixes."""
     if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
         return
-    load = dict.fromkeys(SLOW_LANES, 0)
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            lane = min(SLOW_LANES, key=lambda g: (load[g], g))
-            load[lane] += slow_weight(item)
-            grouped = f"{item.nodeid}@{lane}"
-            if hasattr(item, "_id"):  # pytest >= 9: a structured id
-                from _pytest.nodeid import NodeId
-                item._id = NodeId.parse(grouped)
-            else:
-                item._nodeid = grouped
+    load = dict.fromkeys(SLOW_LANES, 0.0)
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    for item in sorted(slow, key=lambda i: (-slow_weight(i), i.nodeid)):
+        lane = min(SLOW_LANES, key=lambda g: (load[g], g))
+        load[lane] += slow_weight(item)
+        grouped = f"{item.nodeid}@{lane}"
+        if hasattr(item, "_id"):  # pytest >= 9: a structured id
+            from _pytest.nodeid import NodeId
+            item._id = NodeId.parse(grouped)
+        else:
+            item._nodeid = grouped
 
 
 class _ChaosMatrixRows:

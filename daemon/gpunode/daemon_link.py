@@ -20,7 +20,7 @@ One :class:`DaemonLink` per agent owns:
   back (a restarted daemon gets the queue at once, not up to 5 s after its first
   heartbeat). :attr:`DaemonLink.reports_pending` (each heartbeat says it) counts the
   reports not yet answered: the daemon releases a drained node only once it is 0, so a
-  node's last reports (the commit that answers its notice) die with it never.
+  node's last reports (the commit that answers its notice) never die with it.
 - the command long-poll: one ``POST /v1/agent/commands`` outstanding, so a command
   reaches the node at once however long the heartbeat interval is. A daemon without the
   route (404/405: an older one) ends it: commands then come with the heartbeat replies.
