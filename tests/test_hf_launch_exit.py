@@ -84,3 +84,10 @@ def test_a_script_that_exits_non_zero_keeps_its_exit_code(tmp_path: Path) -> Non
     run = _launch(tmp_path / "run", "3")
     assert run.returncode != 0
     assert "exitcode  : 3" in run.stderr  # torchrun's summary: the script's own code, not a crash
+
+
+def test_the_scripts_exit_is_read_as_python_reads_it() -> None:
+    from trainer.integrations.hf_launch import _exit_code
+
+    assert [_exit_code(c) for c in (None, 0, 3, True, 256, -1)] == [0, 0, 3, 1, 0, 255]
+    assert _exit_code("out of memory") == 1  # printed to stderr, as Python prints it

@@ -32,7 +32,10 @@ lost node or a joining one), before the user's script runs:
    the process group, the script's ``atexit`` handlers run, and the process ends
    without the interpreter's finalization (:func:`~trainer.integrations.common.end_worker`:
    a gloo thread could abort it, and torchrun would report the finished job as failed).
-   A script that raises, or exits non-zero, ends as Python ends it.
+   A script that exits non-zero ends the same way with its code (no barrier: a peer may
+   be gone), one that raises with its traceback and 1, as Python would say it: ended by
+   the interpreter's finalization, the same gloo thread turned a clean-clone run's
+   ``sys.exit(3)`` into SIGABRT (tests/test_hf_launch_exit.py, 2026-12-05).
 
 Exit 2 with one line for a config that can never run (bad accelerate config, a
 checkpoint not written by the HF callback, no ``--`` command).
@@ -46,6 +49,7 @@ import os
 import runpy
 import shutil
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -179,9 +183,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
             runpy.run_path(command[0], run_name="__main__")
     except SystemExit as exc:  # the script's own sys.exit(): 0 (or None) is a script that finished
-        if exc.code not in (None, 0):
-            raise
+        return _exit_code(exc.code)
+    except Exception:  # noqa: BLE001 - the script's own error: said as Python says it, then ended as above
+        traceback.print_exc()
+        return 1
     return 0
+
+
+def _exit_code(code: object) -> int:
+    """The exit status ``sys.exit(code)`` gives (None: 0; an int: itself; anything else is
+    printed to stderr, 1), as CPython's ``handle_system_exit`` does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF  # the status the kernel keeps
+    print(code, file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
