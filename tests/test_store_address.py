@@ -73,3 +73,34 @@ async def test_the_agent_keeps_the_leaders_endpoint_in_the_nodes_file(tmp_path: 
     assert path.read_text() == "10.0.0.10:29400\n"
     await agent._follow_store("10.0.0.11:29400")  # the new leader's
     assert path.read_text() == "10.0.0.11:29400\n" and not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_loss_watch_moves_to_the_new_store_while_the_old_one_still_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition, not a death: the deposed leader's store still answers, so the watch's
+    wait there never fails. It is renewed every WAIT_S and moves to the address the
+    node's file names; the first survivor's wake, set in the new store, reaches it."""
+    import time
+
+    from trainer.membership import LossWatch, wake_survivors
+
+    old = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    new = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    path = tmp_path / "rendezvous"
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
+    monkeypatch.setattr(LossWatch, "WAIT_S", 0.5)
+    watch = LossWatch(("127.0.0.1", old.port), "r")
+    watch._shut = lambda fds, pg: setattr(watch, "unblocked", watch.unblocked + 1)  # no group here to shut
+    watch.follow("a1", 0, set())
+    try:
+        write_endpoint_file(path, f"127.0.0.1:{new.port}")
+        deadline = time.monotonic() + 15
+        while watch._client_at != ("127.0.0.1", new.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch._client_at == ("127.0.0.1", new.port), "the watch stayed on the old store"
+        wake_survivors(("127.0.0.1", new.port), "r", "a1", 1, reason="loss")
+        while watch.unblocked == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.unblocked == 1 and old.check(["spotvisor/r/loss/a1/wake/0"]) is False
+    finally:
+        watch.stop()

@@ -566,7 +566,9 @@ class LossWatch:
     dropped the group exits), and a peer's NCCL kernel waits for its watchdog's timeout.
     The first survivor of a loss sets ``wake/<rank>`` for every rank of the failed attempt
     (:func:`settle_survivors`); this daemon thread waits for its own key in the store
-    (``TCPStore.wait``: one outstanding request, no polling). When it comes and this
+    (``TCPStore.wait``: one outstanding request, renewed every :attr:`WAIT_S`, when the
+    thread also follows the store to a new address: an HA takeover whose deposed leader's
+    store still answers would otherwise keep it there). When it comes and this
     worker is not re-forming already, the thread aborts the group (NCCL) and shuts down
     the group's connected sockets (gloo: the descriptors its ``init_process_group`` opened,
     never the listener), so the blocked collective fails at once and the worker joins
@@ -576,8 +578,13 @@ class LossWatch:
     (:meth:`follow`) or it ends (:meth:`stop`).
     """
 
+    #: the longest one wait on the store lasts (seconds): then the thread looks whether the
+    #: store moved (an HA takeover whose old store still answers) and waits again
+    WAIT_S = 30.0
+
     def __init__(self, endpoint: tuple[str, int], run: str) -> None:
         self._endpoint, self._run = endpoint, run
+        self._client_at: tuple[str, int] | None = None  # where the client in use connects
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._watching: tuple[str, int] | None = None  # (attempt, rank)
@@ -596,7 +603,9 @@ class LossWatch:
         host, port = current_endpoint(self._endpoint) or self._endpoint  # the store may have moved
         if not store_reachable((host, port), PROBE_S):
             raise dist.DistNetworkError(f"the rendezvous store {host}:{port} is out of reach")
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self._client_at = (host, port)
+        return client
 
     def _key(self, attempt: str, rank: int) -> str:
         return f"spotvisor/{self._run}/loss/{attempt}/wake/{rank}"
@@ -652,12 +661,12 @@ class LossWatch:
                 continue
             t0 = time.monotonic()
             try:
-                if self._client is None:
-                    self._client = self._connect()
+                if self._client is None or (current_endpoint(self._endpoint) or self._endpoint) != self._client_at:
+                    self._client = self._connect()  # first, back from an outage, or the store moved
                     self._retry.ok()
-                self._client.wait([self._key(*target)], timedelta(seconds=3600))
-            except Exception as exc:  # an hour without a loss, or the store out of reach
-                if time.monotonic() - t0 < 3000:  # the store: a new client once it answers, never a spin
+                self._client.wait([self._key(*target)], timedelta(seconds=self.WAIT_S))
+            except Exception as exc:  # WAIT_S without a loss, or the store out of reach
+                if time.monotonic() - t0 < self.WAIT_S * 0.9:  # the store: a new client once it answers, never a spin
                     self._client = None
                     self._retry.failed(exc, what="the loss watch")
                     self._changed.wait(self._retry.wait_s())
