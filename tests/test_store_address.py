@@ -15,6 +15,7 @@ from trainer.contract import RDZV_ENDPOINT_ENV, RDZV_ENDPOINT_FILE_ENV, write_en
 from trainer.membership import JoinQueue
 from trainer.runtime import rendezvous_endpoint
 from trainer.store_retry import current_endpoint, parse_endpoint
+from worker_procs import until
 
 
 @pytest.mark.parametrize("raw,parsed", [
@@ -80,8 +81,6 @@ def test_the_loss_watch_moves_to_the_new_store_while_the_old_one_still_answers(
     """A partition, not a death: the deposed leader's store still answers, so the watch's
     wait there never fails. It is renewed every WAIT_S and moves to the address the
     node's file names; the first survivor's wake, set in the new store, reaches it."""
-    import time
-
     from trainer.membership import LossWatch, wake_survivors
 
     old = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -94,13 +93,9 @@ def test_the_loss_watch_moves_to_the_new_store_while_the_old_one_still_answers(
     watch.follow("a1", 0, set())
     try:
         write_endpoint_file(path, f"127.0.0.1:{new.port}")
-        deadline = time.monotonic() + 15
-        while watch._client_at != ("127.0.0.1", new.port) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert watch._client_at == ("127.0.0.1", new.port), "the watch stayed on the old store"
+        assert until(lambda: watch._client_at == ("127.0.0.1", new.port), 15), "the watch stayed on the old store"
         wake_survivors(("127.0.0.1", new.port), "r", "a1", 1, reason="loss")
-        while watch.unblocked == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert watch.unblocked == 1 and old.check(["spotvisor/r/loss/a1/wake/0"]) is False
+        assert until(lambda: watch.unblocked == 1, 15), "the wake in the new store did not reach the watch"
+        assert old.check(["spotvisor/r/loss/a1/wake/0"]) is False
     finally:
         watch.stop()
