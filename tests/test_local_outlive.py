@@ -206,19 +206,22 @@ def test_each_daemon_kill_is_answered_by_one_restart_record(stored: list[Event])
     ("kill_daemon", False, None, "no outside runner here"),  # spotvisord run: systemd restarts it
     ("kill_control_node", False, "123", "no outside runner here"),
     ("kill_control_node", True, None, "no rendezvous store pid"),
+    ("kill_control_node", True, "", "no rendezvous store pid"),  # the runner's file names no pid
 ])
 def test_a_daemon_kill_without_a_runner_is_recorded_as_skipped(
-        monkeypatch: pytest.MonkeyPatch, action: str, outlives: bool, store_pid: str | None, reason: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, action: str, outlives: bool, store_pid: str | None,
+        reason: str) -> None:
     from types import SimpleNamespace
 
     from daemon.config import ChaosEvent
     from daemon.providers import chaos
-    from daemon.providers.local_instance import STORE_PID_ENV
+    from daemon.providers.local_instance import STORE_PID_FILE_ENV
 
     if store_pid is None:
-        monkeypatch.delenv(STORE_PID_ENV, raising=False)
+        monkeypatch.delenv(STORE_PID_FILE_ENV, raising=False)
     else:
-        monkeypatch.setenv(STORE_PID_ENV, store_pid)
+        (tmp_path / "rendezvous.pid").write_text(store_pid)
+        monkeypatch.setenv(STORE_PID_FILE_ENV, str(tmp_path / "rendezvous.pid"))
     monkeypatch.setattr(chaos.os, "kill", lambda *a: pytest.fail(f"killed {a}"))
     recorded: list[tuple] = []
     sup = SimpleNamespace(job=SimpleNamespace(step=7), record=lambda kind, node, **data: recorded.append((kind, data)))

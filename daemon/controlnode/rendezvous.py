@@ -22,18 +22,22 @@ Run: ``python -m daemon.controlnode.rendezvous --host 10.0.0.10 --port 29400`` (
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 from daemon.hosts import is_wildcard
 from trainer.listen import listen_socket  # re-exported: the control node's store binds with it
 
-__all__ = ["DEFAULT_HOST", "StoreProcess", "listen_socket", "serve", "wait_until_listening", "main"]
+__all__ = ["DEFAULT_HOST", "RunnerStore", "StoreProcess", "listen_socket", "read_pid", "serve", "wait_until_listening",
+           "write_pid", "main"]
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -60,8 +64,6 @@ def serve(host: str, port: int, stop: threading.Event,
 
 def wait_until_listening(host: str, port: int, timeout_s: float) -> bool:
     """True once a TCP connect to ``host:port`` succeeds within ``timeout_s`` seconds."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -129,6 +131,69 @@ class StoreProcess:
             proc.kill()
             proc.wait()
         _close_pipes(proc)
+
+
+def write_pid(path: Path, pid: int) -> None:
+    """Write ``pid`` to ``path`` whole (a temporary file renamed over it): a reader sees
+    the old pid or the new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{pid}\n")
+    os.replace(tmp, path)
+
+
+def read_pid(path: Path) -> int | None:
+    """The pid in ``path`` (:func:`write_pid`), or None: no file, or not a pid."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+class RunnerStore:
+    """The rendezvous store an outside runner started (``spotvisord demo`` when its chaos
+    kills the daemon, :mod:`daemon.interfaces.demo_runner`), as its daemon child sees it:
+    the same :meth:`kill` and :meth:`start` as :class:`StoreProcess`, for the chaos
+    schedule's ``kill_store``. The store is the runner's child, so the runner restarts it
+    (as ``spotvisor-rendezvous.service``'s ``Restart=`` would) and writes each one's pid
+    to ``pid_file`` (:func:`write_pid`); a pid passed once would name a dead process after
+    the first restart. Every method blocks (a thread, from an event loop)."""
+
+    def __init__(self, pid_file: Path, host: str, port: int) -> None:
+        self.pid_file, self.host, self.port = pid_file, host, port
+        self._killed: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The running store's pid, as the runner last wrote it; None before its first."""
+        return read_pid(self.pid_file)
+
+    def kill(self) -> None:
+        """SIGKILL the store the runner last started (gone already: nothing to do)."""
+        self._killed = pid = self.pid
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Wait (``timeout_s`` seconds) until the runner has started the next store: a pid
+        other than the one :meth:`kill` killed, and the port accepting connections.
+
+        Raises:
+            RuntimeError: no new store within ``timeout_s``; the message names the pid file.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.pid in (None, self._killed):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the runner started no new rendezvous store within {timeout_s:g} s "
+                                   f"({self.pid_file} still names pid {self.pid})")
+            time.sleep(0.1)  # polling another process's file, not synchronising threads
+        if not wait_until_listening(self.host, self.port, max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(f"rendezvous store pid {self.pid} did not listen on {self.host}:{self.port} "
+                               f"within {timeout_s:g} s")
 
 
 def _close_pipes(proc: subprocess.Popen[bytes]) -> None:

@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from datetime import datetime
@@ -71,7 +72,7 @@ if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it run
     from daemon.control.policies import RecoveryPolicy
     from daemon.ha.leading import Leadership
     from daemon.interfaces.service import SdNotifier
-    from daemon.controlnode.rendezvous import StoreProcess
+    from daemon.controlnode.rendezvous import RunnerStore, StoreProcess
     from daemon.controlnode.supervisor import Supervisor
 
 __all__ = ["main", "running_daemon", "format_event", "prepare_state_dir", "state_dir_lock", "StateDirBusy"]
@@ -83,7 +84,7 @@ log = structlog.get_logger("spotvisor.cli")
 async def running_daemon(config: Config, *, with_chaos: bool = True,
                          providers: Mapping[str, Provider] | None = None,
                          policy: "RecoveryPolicy | None" = None,
-                         rendezvous: "StoreProcess | None" = None,
+                         rendezvous: "StoreProcess | RunnerStore | None" = None,
                          redactor: Redactor | None = None,
                          ha: "Leadership | None" = None) -> AsyncIterator["Supervisor"]:
     """Store + provider + supervisor + APIs (+ chaos), closed in reverse order.
@@ -91,7 +92,8 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
     ``providers``: by name, instead of those the config names (tests). ``policy``: the
     recovery policy (default: the default one; the benchmark runs the baselines,
     :mod:`daemon.control.policies`). ``rendezvous``: the store process this run started
-    (:func:`rendezvous_process`), which the chaos schedule's ``kill_store`` kills.
+    (:func:`rendezvous_process`), or an outside runner's (:func:`_runner_store`), which the
+    chaos schedule's ``kill_store`` kills.
     ``redactor``: the process's (:func:`main` gives it to the logging set-up too); the
     job's secret values and the feed's secret URLs are registered with it. Without one
     the run has its own, on the logging handlers while it runs.
@@ -130,7 +132,7 @@ async def running_daemon(config: Config, *, with_chaos: bool = True,
 @contextlib.asynccontextmanager
 async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers: Mapping[str, Provider] | None,
                      policy: "RecoveryPolicy | None",
-                     rendezvous: "StoreProcess | None", redactor: Redactor,
+                     rendezvous: "StoreProcess | RunnerStore | None", redactor: Redactor,
                      ha: "Leadership | None" = None) -> AsyncIterator["Supervisor"]:
     """:func:`running_daemon` in ``state``, its locked state directory."""
     from daemon.interfaces.api import ApiServer
@@ -444,8 +446,24 @@ async def _run(config: Config, watchdog_s: float | None, *, redactor: Redactor |
     log.info("spotvisord_starting", pool=config.pool.name, socket=str(config.daemon.socket_path()))
     notifier = SdNotifier.from_env()
     if config.ha is None:
-        return await serve(running_daemon(config, redactor=redactor), notifier=notifier, watchdog_interval_s=watchdog_s)
+        return await serve(running_daemon(config, redactor=redactor, rendezvous=_runner_store(config)),
+                           notifier=notifier, watchdog_interval_s=watchdog_s)
     return await _run_ha(config, watchdog_s, notifier, redactor=redactor)
+
+
+def _runner_store(config: Config) -> "RunnerStore | None":
+    """The rendezvous store of the outside runner this daemon is the child of (``spotvisord
+    demo`` when its chaos kills the daemon: :data:`STORE_PID_FILE_ENV` names its pid file),
+    for the chaos schedule's ``kill_store``; None under a service manager (the store is its
+    own unit)."""
+    from daemon.controlnode.rendezvous import RunnerStore
+    from daemon.providers.local_instance import STORE_PID_FILE_ENV
+
+    pid_file = os.environ.get(STORE_PID_FILE_ENV)
+    if not pid_file:
+        return None
+    rdzv = config.domains_resolved()[0].rendezvous
+    return RunnerStore(Path(pid_file), rdzv.host, rdzv.port)
 
 
 async def _run_ha(config: Config, watchdog_s: float | None, notifier: "SdNotifier", *,

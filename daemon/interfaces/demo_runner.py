@@ -12,10 +12,17 @@ brings back ``spotvisord.service``. The demo then plays the control node's servi
    end (:data:`daemon.providers.local_instance.LIFELINE_FD_ENV`): the instances end when
    this runner ends, not when the daemon dies, and a restarted daemon adopts them.
 3. When the daemon dies by SIGKILL, it reads the daemon's event log for the
-   ``chaos_injected`` that said so (:func:`restart_for`), waits its ``restart_after_s``, for
-   ``kill_control_node`` starts the store again (empty, same port; the daemon killed it), and
-   starts the daemon again. Any other end of the daemon ends the demo (exit 1).
-4. It prints the event log as it grows, and returns the log once the daemon exits 0 (the
+   ``chaos_injected`` that said so (:func:`restart_for`), waits its ``restart_after_s`` (for
+   ``kill_control_node``, until the store is back too) and starts the daemon again. Any
+   other end of the daemon ends the demo (exit 1).
+4. It keeps the store as ``spotvisor-rendezvous.service``'s ``Restart=always`` would
+   (:class:`_StoreKeeper`): when the store dies (the daemon's ``kill_store`` or
+   ``kill_control_node`` SIGKILLed it), it starts it again, empty, on the same port, after
+   the ``restart_after_s`` of the chaos that killed it (2 s, the unit's ``RestartSec=``, when
+   none did), and writes each store's pid to ``rendezvous.pid`` in the state directory,
+   the file the daemon finds through :data:`STORE_PID_FILE_ENV`
+   (:class:`daemon.controlnode.rendezvous.RunnerStore`).
+5. It prints the event log as it grows, and returns the log once the daemon exits 0 (the
    job completed and the pool is released) for the demo's summary.
 
 Without those actions ``spotvisord demo`` runs the daemon in its own process, as ever.
@@ -38,8 +45,9 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import structlog
 
 from daemon.config import DAEMON_FAULTS, Config
+from daemon.controlnode.rendezvous import write_pid
 from daemon.model import Event, EventKind
-from daemon.providers.local_instance import LIFELINE_FD_ENV, STORE_PID_ENV
+from daemon.providers.local_instance import LIFELINE_FD_ENV, STORE_PID_FILE_ENV
 from daemon.state_dir import open_private, prepare_state_dir
 
 if TYPE_CHECKING:
@@ -49,8 +57,15 @@ __all__ = ["needs_runner", "restart_for", "run_outside", "with_fixed_agent_port"
 
 log = structlog.get_logger("spotvisor.demo")
 
-#: seconds between two reads of the event log (what the demo prints, and how soon)
+#: seconds between two reads of the event log (what the demo prints, and how soon), and
+#: between two looks at the store
 TAIL_EVERY_S = 0.5
+#: the chaos actions that kill the rendezvous store (the runner restarts it)
+STORE_FAULTS = ("kill_store", "kill_control_node")
+#: seconds before a store that died of no chaos is started again (the unit's RestartSec=)
+STORE_RESTART_SEC_S = 2.0
+#: seconds a daemon's restart after ``kill_control_node`` waits for the store beyond the outage
+STORE_BACK_WAIT_S = 30.0
 
 
 def needs_runner(config: Config) -> bool:
@@ -58,12 +73,15 @@ def needs_runner(config: Config) -> bool:
     return any(ev.action in DAEMON_FAULTS for ev in config.chaos)
 
 
-def restart_for(stored: Iterable[Event], handled: set[int]) -> Event | None:
-    """The ``chaos_injected`` of a daemon kill not handled yet (the newest), or None: a
-    daemon that died without one is not the chaos's doing. Pure."""
+def restart_for(stored: Iterable[Event], handled: set[int],
+                actions: Iterable[str] = DAEMON_FAULTS) -> Event | None:
+    """The ``chaos_injected`` of a kill (one of ``actions``: the daemon's by default,
+    :data:`STORE_FAULTS` for the store's) not handled yet (the newest), or None: a process
+    that died without one is not the chaos's doing. Pure."""
+    actions = set(actions)
     found = None
     for ev in stored:
-        if (ev.kind == EventKind.CHAOS_INJECTED.value and ev.data.get("action") in DAEMON_FAULTS
+        if (ev.kind == EventKind.CHAOS_INJECTED.value and ev.data.get("action") in actions
                 and not ev.data.get("skipped") and ev.data.get("index") not in handled):
             found = ev
     return found
@@ -125,6 +143,58 @@ async def _tail(db: Path, line: Callable[[Event], None], seen: list[int]) -> Non
         await asyncio.sleep(TAIL_EVERY_S)  # a polling period, not synchronisation
 
 
+class _StoreKeeper:
+    """The store's service manager while the daemon is this runner's child (the module
+    docstring, 4): :meth:`run` looks at the store every :data:`TAIL_EVERY_S` and starts it
+    again once it died; :meth:`back` waits for the restart after a given chaos event."""
+
+    def __init__(self, store: "StoreProcess", db: Path, pid_file: Path, out: Callable[[str], None]) -> None:
+        self.store, self.db, self.pid_file, self.out = store, db, pid_file, out
+        self.restarted: set[int] = set()  # the chaos indices whose kill was answered by a restart
+        self._changed = asyncio.Event()
+
+    async def run(self) -> None:
+        handled: set[int] = set()
+        while True:
+            await asyncio.sleep(TAIL_EVERY_S)  # a polling period, not synchronisation
+            proc = self.store.proc
+            if proc is None or proc.poll() is None:
+                continue
+            rc = proc.returncode
+            await asyncio.to_thread(self.store.kill)  # reaps it, closes its pipes
+            fault = restart_for(await asyncio.to_thread(read_events, self.db), handled, STORE_FAULTS)
+            if fault is not None:
+                handled.add(fault.data["index"])
+                wait_s = float(fault.data.get("restart_after_s") or 0.0)
+                self.out(f"spotvisor demo: the rendezvous store was SIGKILLed by chaos #{fault.data['index']}; "
+                         f"restarting it in {wait_s:g} s")
+            else:
+                wait_s = STORE_RESTART_SEC_S
+                self.out(f"spotvisor demo: the rendezvous store exited ({_how(rc or 0)}) and no chaos said so; "
+                         f"restarting it in {wait_s:g} s")
+            await asyncio.sleep(wait_s)  # the outage itself, as Restart= and RestartSec= give it
+            try:
+                await asyncio.to_thread(self.store.start)  # empty, on the same port
+            except RuntimeError as exc:  # the daemon's kill_store records store_restart_failed
+                self.out(f"spotvisor demo: {exc}")
+                return
+            await asyncio.to_thread(write_pid, self.pid_file, self.store.pid or 0)
+            if fault is not None:
+                self.restarted.add(fault.data["index"])
+                self._changed.set()
+
+    async def back(self, index: int, timeout_s: float) -> bool:
+        """Whether the store killed by chaos ``index`` was started again within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while index not in self.restarted:
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
 def _child_argv(config: Config, config_path: str) -> list[str]:
     return [sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", config_path,
             "--state-dir", str(config.daemon.state_path()), "--socket", str(config.daemon.socket_path()),
@@ -140,17 +210,20 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
     the events so far) on a timeout or a daemon that ended otherwise. Ending (a return,
     an error, a cancel) stops the daemon and closes the lifeline: every instance ends."""
     state = prepare_state_dir(config.daemon.state_path())
-    db, log_path = state / "spotvisord.db", state / "daemon.log"
+    db, log_path, pid_file = state / "spotvisord.db", state / "daemon.log", state / "rendezvous.pid"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     lifeline_r, lifeline_w = os.pipe()  # both close-on-exec: the daemon gets the read end by pass_fds
     seen = [0]
-    tail = asyncio.create_task(_tail(db, line, seen), name="demo:tail")
+    write_pid(pid_file, store.pid or 0)
+    keeper = _StoreKeeper(store, db, pid_file, out)
+    tasks = [asyncio.create_task(_tail(db, line, seen), name="demo:tail"),
+             asyncio.create_task(keeper.run(), name="demo:store")]
     handled: set[int] = set()
     proc: asyncio.subprocess.Process | None = None
     try:
         while True:
-            env = {**os.environ, LIFELINE_FD_ENV: str(lifeline_r), STORE_PID_ENV: str(store.pid or "")}
+            env = {**os.environ, LIFELINE_FD_ENV: str(lifeline_r), STORE_PID_FILE_ENV: str(pid_file)}
             with os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as log_file:
                 proc = await asyncio.create_subprocess_exec(
                     *_child_argv(config, config_path), stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
@@ -173,14 +246,14 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
             control_node = fault.data.get("action") == "kill_control_node"
             out(f"spotvisor demo: the daemon (pid {proc.pid}) was SIGKILLed by chaos #{fault.data['index']}"
                 f"{' with the rendezvous store' if control_node else ''}; restarting in {wait_s:g} s")
-            if control_node:
-                await asyncio.to_thread(store.kill)  # reaped: the daemon killed it
             await asyncio.sleep(wait_s)  # the outage itself, as Restart= and RestartSec= give it
-            if control_node:
-                await asyncio.to_thread(store.start)  # empty, on the same port
+            if control_node and not await keeper.back(fault.data["index"], STORE_BACK_WAIT_S):
+                out(f"spotvisor demo: the rendezvous store is not back {STORE_BACK_WAIT_S:g} s after the outage; "
+                    "starting the daemon without it")
     finally:
-        tail.cancel()
-        await asyncio.gather(tail, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if proc is not None and proc.returncode is None:
             await _stop(proc)
         os.close(lifeline_w)  # the instances' inits see the end of the pipe: whatever is left ends

@@ -23,17 +23,19 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Coroutine, Iterable
 
 import structlog
 
 from daemon.config import DAEMON_FAULTS, ChaosEvent
+from daemon.controlnode.rendezvous import read_pid
 from daemon.model import Event, EventKind, NodeState
-from daemon.providers.local_instance import STORE_PID_ENV
+from daemon.providers.local_instance import STORE_PID_FILE_ENV
 from daemon.controlnode.supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from daemon.controlnode.rendezvous import StoreProcess
+    from daemon.controlnode.rendezvous import RunnerStore, StoreProcess
 
 __all__ = ["run_chaos", "ready_to_fire", "events_left", "kills_unanswered"]
 
@@ -92,11 +94,12 @@ def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tupl
 
 
 async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float = 0.25,
-                    rendezvous: "StoreProcess | None" = None) -> None:
+                    rendezvous: "StoreProcess | RunnerStore | None" = None) -> None:
     """Fire ``events`` in order, those an earlier daemon of this state fired excepted
     (:func:`events_left`). Needs a provider with ``publish_interruption``/``kill``;
-    ``kill_store`` needs the store process this run started (``rendezvous``; without it
-    the event is recorded as skipped: under ``spotvisord run`` the store is its own unit);
+    ``kill_store`` needs the store process this run started, or the outside runner's
+    (``rendezvous``; without it the event is recorded as skipped: under ``spotvisord run``
+    the store is its own unit);
     ``kill_daemon`` and ``kill_control_node`` need an outside runner (else skipped)."""
     provider = sup.fleet.provider
     if not (hasattr(provider, "publish_interruption") and hasattr(provider, "kill")):
@@ -111,7 +114,8 @@ async def run_chaos(sup: Supervisor, events: list[ChaosEvent], *, tick_s: float 
             task.cancel()
 
 
-async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float, rendezvous: "StoreProcess | None",
+async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float,
+                    rendezvous: "StoreProcess | RunnerStore | None",
                     restarts: list[asyncio.Task[None]]) -> None:
     provider = sup.fleet.provider
     previous: tuple[float, str] | None = None
@@ -176,7 +180,7 @@ async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float, re
 
 
 async def _kill_store(sup: Supervisor, index: int, ev: ChaosEvent,
-                      store: "StoreProcess | None") -> Coroutine[Any, Any, None] | None:
+                      store: "StoreProcess | RunnerStore | None") -> Coroutine[Any, Any, None] | None:
     """SIGKILL the rendezvous store (recorded as ``chaos_injected``) and return its
     restart, for the caller to run as a task while later events fire: it waits
     ``ev.restart_after_s``, starts the store again (empty) and records it. A store that
@@ -188,14 +192,16 @@ async def _kill_store(sup: Supervisor, index: int, ev: ChaosEvent,
         sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="kill_store", skipped=True,
                    reason="no rendezvous store process here (spotvisord demo runs one; a unit restarts its own)")
         return None
-    await asyncio.to_thread(store.kill)
-    killed_at = time.monotonic()
+    # recorded before the kill: an outside runner, which restarts its store, reads the
+    # event's restart_after_s once it sees the store die (daemon.interfaces.demo_runner)
     sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="kill_store", step=sup.job.step,
                restart_after_s=ev.restart_after_s)
+    await asyncio.to_thread(store.kill)
+    killed_at = time.monotonic()
     return _restart_store(sup, index, ev, store, killed_at)
 
 
-async def _restart_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "StoreProcess",
+async def _restart_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "StoreProcess | RunnerStore",
                          killed_at: float) -> None:
     await asyncio.sleep(ev.restart_after_s)  # the outage itself, not a synchronisation
     try:
@@ -211,18 +217,20 @@ async def _restart_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "St
 def _kill_daemon(sup: Supervisor, index: int, ev: ChaosEvent, provider: Any) -> None:
     """``kill_daemon`` / ``kill_control_node``: record the event (the store commits as it
     writes: the restarted daemon reads it and fires it no more), SIGKILL the rendezvous store
-    for ``kill_control_node`` (the runner's child, its pid in :data:`STORE_PID_ENV`), then
+    for ``kill_control_node`` (the runner's child, its pid in the file :data:`STORE_PID_FILE_ENV`
+    names), then
     SIGKILL this process; the runner restarts what died ``ev.restart_after_s`` later.
     Without a runner (the local instances would die with the daemon; under ``spotvisord
     run`` systemd restarts it, and the store is its own unit) the event is recorded as
     skipped and this returns."""
-    store_pid = os.environ.get(STORE_PID_ENV, "")
+    pid_file = os.environ.get(STORE_PID_FILE_ENV, "")
+    store_pid = read_pid(Path(pid_file)) if pid_file else None
     reason = None
     if not getattr(provider, "outlives_daemon", False):
         reason = ("no outside runner here (spotvisord demo is one when its chaos kills the daemon; "
                   "under spotvisord run systemd restarts the daemon)")
-    elif ev.action == "kill_control_node" and not store_pid.isdigit():
-        reason = f"no rendezvous store pid from the runner ({STORE_PID_ENV})"
+    elif ev.action == "kill_control_node" and store_pid is None:
+        reason = f"no rendezvous store pid from the runner ({STORE_PID_FILE_ENV}: {pid_file or 'unset'})"
     if reason is not None:
         log.warning("chaos_target_not_running", index=index, target="daemon", reason=reason)
         sup.record(EventKind.CHAOS_INJECTED, None, index=index, action=ev.action, skipped=True, reason=reason)
@@ -232,7 +240,7 @@ def _kill_daemon(sup: Supervisor, index: int, ev: ChaosEvent, provider: Any) -> 
     log.warning("chaos_killing_daemon", index=index, action=ev.action, step=sup.job.step)
     if ev.action == "kill_control_node":
         try:
-            os.kill(int(store_pid), signal.SIGKILL)
+            os.kill(store_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     os.kill(os.getpid(), signal.SIGKILL)

@@ -53,7 +53,7 @@ from daemon.providers.local_instance import (
     INSTANCE_INIT,
     LIFELINE_FD_ENV,
     RECORD_FILE,
-    STORE_PID_ENV,
+    STORE_PID_FILE_ENV,
     InstanceRecord,
     kill_instance_processes,
     live_records,
@@ -73,7 +73,7 @@ log = structlog.get_logger("spotvisor.provider.local")
 # the names this module had before the instance's side moved out (tests import them here)
 _INSTANCE_ENV, _INSTANCE_INIT, _kill_instance_processes = INSTANCE_ENV, INSTANCE_INIT, kill_instance_processes
 #: what the instances' environment never carries: the runner's descriptors are the daemon's
-_RUNNER_ENV = (LIFELINE_FD_ENV, STORE_PID_ENV)
+_RUNNER_ENV = (LIFELINE_FD_ENV, STORE_PID_FILE_ENV)
 
 @dataclass(slots=True)
 class _LocalInstance:

@@ -29,7 +29,7 @@ import structlog
 
 from daemon.state_dir import StateDirError, open_private
 
-__all__ = ["INSTANCE_ENV", "INSTANCE_INIT", "LIFELINE_FD_ENV", "STORE_PID_ENV", "RECORD_FILE", "ADMIN_TOKEN_FILE",
+__all__ = ["INSTANCE_ENV", "INSTANCE_INIT", "LIFELINE_FD_ENV", "STORE_PID_FILE_ENV", "RECORD_FILE", "ADMIN_TOKEN_FILE",
            "InstanceRecord", "kill_instance_processes", "live_records", "outer_lifeline_fd", "process_alive",
            "write_private"]
 
@@ -38,8 +38,10 @@ log = structlog.get_logger("spotvisor.provider.local")
 #: the read end of the instances' lifeline, an inherited descriptor an outside runner
 #: passes the daemon (its number, in this variable); unset: the daemon holds the lifeline
 LIFELINE_FD_ENV = "SPOTVISOR_LOCAL_LIFELINE_FD"
-#: the pid of the rendezvous store the runner started, for the chaos ``kill_control_node``
-STORE_PID_ENV = "SPOTVISOR_DEMO_STORE_PID"
+#: the file holding the pid of the rendezvous store the runner started last (it restarts the
+#: store after a kill: :class:`daemon.controlnode.rendezvous.RunnerStore`), for the chaos
+#: ``kill_store`` and ``kill_control_node``
+STORE_PID_FILE_ENV = "SPOTVISOR_DEMO_STORE_PID_FILE"
 #: an instance's registry record and its metadata endpoint's admin token, in its node directory
 RECORD_FILE = "instance.json"
 ADMIN_TOKEN_FILE = "metadata-admin.token"

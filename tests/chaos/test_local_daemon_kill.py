@@ -10,12 +10,13 @@ a real SIGKILL ``restart_after_s`` later, on the same state directory, as system
 records adopted by the restarted daemon), as a cloud's do (tests/chaos/test_daemon_kill.py
 and test_control_node_kill.py, the same with EC2 in moto).
 
-One run covers both faults: ``kill_daemon`` mid-training at the full pool, then a notice
-on node 2, and ``kill_control_node`` (the daemon and the rendezvous store) while its
-replacement boots and is admitted. The floor: the job completes with 0 lost steps, no
+One run covers three faults: ``kill_daemon`` mid-training at the full pool, ``kill_store``
+(the store is the runner's child: the daemon kills it by the pid the runner wrote, the
+runner restarts it), then a notice on node 2, and ``kill_control_node`` (the daemon and the
+rendezvous store) while its replacement boots and is admitted. The floor: the job completes with 0 lost steps, no
 sample seen twice or skipped, no resume before its commit, no instance left once the demo
-exited, no gap in the event log's seq, and the daemon's kill restarts no worker (no
-``job_stalled``, no new worker attempt until the notice). The timeline (kill → daemon back
+exited, no gap in the event log's seq, and neither the daemon's kill nor the store's
+restarts a worker (no ``job_stalled``, no new worker attempt until the notice). The timeline (kill → daemon back
 → its first act, seconds) is printed: ``pytest -s -m slow tests/chaos/test_local_daemon_kill.py``.
 """
 
@@ -45,25 +46,30 @@ def _since(killed: Event, *events: Event | None) -> list[float | None]:
 def test_a_daemon_kill_and_a_control_node_kill_cost_no_step(tmp_path: Path, matrix: Matrix) -> None:
     s, stored, run_dir = _run(tmp_path, [
         {"action": "kill_daemon", "at_step": 12, "restart_after_s": 2},
+        {"action": "kill_store", "at_step": 20, "restart_after_s": 2},
         {"action": "notice", "node": 2, "at_step": 30, "lead_s": 30},
         {"action": "kill_control_node", "at_step": 36, "restart_after_s": 3, "wait_full_pool": False},
     ], target_steps=100, timeout_s=500)
-    _record(matrix, "daemon SIGKILLed mid-training, then daemon + store during a grow (local demo, 3 nodes)",
+    _record(matrix, "daemon, then store SIGKILLed mid-training, then both during a grow (local demo, 3 nodes)",
             s, stored, run_dir)
     out = s["_stdout"][-4000:]
     killed = _first(stored, "chaos_injected", action="kill_daemon")
     back = _first(stored, "chaos_injected", action="daemon_restarted", index=0)
+    store_killed = _first(stored, "chaos_injected", action="kill_store")
+    store_back = _first(stored, "chaos_injected", action="store_restarted", index=1)
     notice = _first(stored, "chaos_injected", action="notice")
     cn_killed = _first(stored, "chaos_injected", action="kill_control_node")
-    cn_back = _first(stored, "chaos_injected", action="daemon_restarted", index=2)
+    cn_back = _first(stored, "chaos_injected", action="daemon_restarted", index=3)
     completed = _first(stored, "job_completed")
-    assert None not in (killed, back, notice, cn_killed, cn_back, completed), out
+    assert None not in (killed, back, store_killed, store_back, notice, cn_killed, cn_back, completed), out
     assert not any(e.data.get("skipped") for e in stored if e.kind == "chaos_injected"), out
-    assert "SIGKILLed by chaos #0" in s["_stdout"] and "SIGKILLed by chaos #2 with the rendezvous store" in s["_stdout"]
+    assert "SIGKILLed by chaos #0" in s["_stdout"] and "SIGKILLed by chaos #3 with the rendezvous store" in s["_stdout"]
+    assert "the rendezvous store was SIGKILLed by chaos #1; restarting it in 2 s" in s["_stdout"]
     grew = [e for e in stored if e.kind == "world_size_changed" and e.seq > cn_killed.seq]
     timeline = {
         "kill_daemon": {"at_step": killed.data["step"], **dict(zip(
             ("daemon_back_s", "first_act_s"), _since(killed, back, _first_act(stored, back))))},
+        "kill_store": {"at_step": store_killed.data["step"], "store_back_s": store_back.data["down_s"]},
         "kill_control_node": {"at_step": cn_killed.data["step"], **dict(zip(
             ("daemon_back_s", "first_act_s", "first_membership_change_s", "job_completed_s"),
             _since(cn_killed, cn_back, _first_act(stored, cn_back), grew[0] if grew else None, completed)))},
@@ -71,9 +77,10 @@ def test_a_daemon_kill_and_a_control_node_kill_cost_no_step(tmp_path: Path, matr
     print(f"\nlocal daemon kills, timeline (seconds after each kill): {json.dumps(timeline)}")
 
     # each fault fired once, whatever the restarts: one record per index (plus its restart's)
-    fired = [e.data["index"] for e in stored if e.kind == "chaos_injected" and e.data["action"] != "daemon_restarted"]
-    assert sorted(fired) == [0, 1, 2]
-    # the daemon's kill restarted nothing: no stall anywhere, and until the notice no worker
+    fired = [e.data["index"] for e in stored if e.kind == "chaos_injected"
+             and e.data["action"] not in ("daemon_restarted", "store_restarted")]
+    assert sorted(fired) == [0, 1, 2, 3]
+    # the daemon's kill and the store's restarted nothing: no stall anywhere, and until the notice no worker
     # restart of any kind and no new worker attempt (the same workers trained through it)
     assert [e.kind for e in stored if e.kind == "job_stalled"] == []
     assert [e.kind for e in stored if e.kind in RESTARTS and killed.seq < e.seq < notice.seq] == []
