@@ -69,10 +69,13 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float, *,
 @pytest.fixture
 def run_config_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     """``run_config_demo("configs/X.yaml", timeout_s=...)`` → the summary of ``spotvisord demo``
-    on that shipped config as written (job, providers, chaos)."""
+    on that shipped config as written (job, providers, chaos); ``job``: job fields to
+    change (e.g. a smaller model's ``args``, where the test is about the flow, not the model)."""
 
-    def run(config: str, *, timeout_s: float = 240) -> dict[str, Any]:
-        return _run_demo_config(yaml.safe_load((ROOT / config).read_text()), tmp_path, timeout_s)
+    def run(config: str, *, timeout_s: float = 240, job: dict[str, Any] | None = None) -> dict[str, Any]:
+        raw = yaml.safe_load((ROOT / config).read_text())
+        raw["job"].update(job or {})
+        return _run_demo_config(raw, tmp_path, timeout_s)
 
     return run
 

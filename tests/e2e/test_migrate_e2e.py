@@ -1,6 +1,7 @@
 """End to end: configs/local-migrate.yaml as shipped (real torchrun, real agents, two
 placement domains of the local provider, each with its own rendezvous store and
-checkpoint store). Domain local-a runs out of capacity and loses a node; after the
+checkpoint store), its model the suite's small one, paced while the world is short
+(e2e.paced_trainer). Domain local-a runs out of capacity and loses a node; after the
 patience the whole job moves to local-b.
 
 Asserts what issue 15 promises of the planned move: it happens once, no step is lost,
@@ -12,11 +13,16 @@ from __future__ import annotations
 
 import pytest
 
+from e2e.conftest import paced
+
 pytestmark = pytest.mark.slow
 
 
 def test_local_migrate_moves_the_whole_job_without_losing_a_step(run_config_demo) -> None:
-    s = run_config_demo("configs/local-migrate.yaml", timeout_s=420)
+    # the small model, paced 1 s a step while the world is short of 3 (from the notice to the
+    # move): the job cannot end before the move, and the config's own model would spend
+    # about a minute of both CI cores on steps the check does not need
+    s = run_config_demo("configs/local-migrate.yaml", timeout_s=420, job=paced(3, pace_s=1.0))
     assert s["steps_completed"] == s["target_steps"] == 120
     assert s["migrations"] == 1 and s["migrations_failed"] == 0, s["_stdout"][-4000:]
     [move] = s["migration_timeline"]
