@@ -127,10 +127,16 @@ def test_bad_options_are_value_errors() -> None:
         AwsProvider(spec=AwsProviderSpec(image_id=_AMI), retry_attempts=0)
 
 
-def test_client_token_is_deterministic_and_short() -> None:
-    tok = client_token("node-0001")
-    assert tok == client_token("node-0001") != client_token("node-0002")
-    assert len(tok) <= 64 and tok.isascii()
+def test_client_token_is_deterministic_short_and_new_for_a_reused_node_id() -> None:
+    def spec(node_id: str, token: str = "t-1") -> NodeSpec:
+        return NodeSpec(node_id=node_id, pool="p", token=token, daemon_url="http://d:1")
+
+    tok = client_token(spec("node-0001"))
+    assert tok == client_token(spec("node-0001")) != client_token(spec("node-0002"))
+    assert len(tok) <= 64 and tok.isascii() and "t-1" not in tok
+    # a later run's node with the same id (a new state directory): a new purchase, not
+    # the earlier one's token with other parameters (IdempotentParameterMismatch)
+    assert client_token(spec("node-0001", token="t-2")) != tok
 
 
 @pytest.mark.parametrize(("code", "status", "kind"), [
@@ -165,7 +171,7 @@ async def test_launch_sends_spot_options_tags_and_token(provider, faults, node_s
     assert p["InstanceMarketOptions.SpotOptions.MaxPrice"] == "3.25"
     assert p["InstanceMarketOptions.SpotOptions.SpotInstanceType"] == "one-time"
     assert p["InstanceMarketOptions.SpotOptions.InstanceInterruptionBehavior"] == "terminate"
-    assert p["ClientToken"] == client_token(node.node_id)
+    assert p["ClientToken"] == client_token(node)
     assert p["Placement.AvailabilityZone"] == "us-east-1a"
     raw = ec2.describe_instances(InstanceIds=[inst.id])["Reservations"][0]["Instances"][0]
     tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
@@ -228,7 +234,7 @@ async def test_fleet_leaves_no_launch_template(faults, node_spec, ec2) -> None:
                 if k.startswith("TagSpecification.1.Tag.") and k.endswith(".Key")}
         assert tags[POOL_TAG] == node.pool and tags[NODE_TAG] == node.node_id
         with pytest.raises(botocore.exceptions.ClientError):
-            ec2.describe_launch_templates(LaunchTemplateNames=[client_token(node.node_id)])
+            ec2.describe_launch_templates(LaunchTemplateNames=[client_token(node)])
     finally:
         await prov.aclose()
 
@@ -329,7 +335,7 @@ async def test_timeout_before_the_request_landed_launches_on_retry(provider, fau
     node = node_spec()
     inst = await provider.launch(_offer(), node)
     tokens = {s.params["ClientToken"] for s in faults.actions("RunInstances")}
-    assert tokens == {client_token(node.node_id)}  # the same token on every try
+    assert tokens == {client_token(node)}  # the same token on every try
     # The held request reaches moto only when the proxy releases it, after this test: one instance now.
     assert _live_for_node(ec2, node.node_id) == [inst.id]
 

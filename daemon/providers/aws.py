@@ -8,7 +8,7 @@ the tenacity layer of :class:`~daemon.providers.aws_api.Ec2Api`, which retries
 :class:`~daemon.providers.aws_fleet.Ec2Fleet`.
 
 Launch is idempotent per node. ``RunInstances`` / ``CreateFleet`` carry a
-``ClientToken`` derived from ``node.node_id``
+``ClientToken`` derived from the node's id and its random token
 (https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html), so a
 retry after a timeout returns the instance the first request created instead of
 a second one. Fakes do not all honour it (moto 5 ignores ``ClientToken``; the tests'
@@ -177,7 +177,7 @@ class AwsProvider(Provider):
                 if existing is not None:
                     log.info("aws_launch_found_existing", node_id=node.node_id, instance_id=existing.id)
                     if fleet:
-                        await self._fleet.delete_template(region, client_token(node.node_id))
+                        await self._fleet.delete_template(region, client_token(node))
                     return existing
             request = self.run_instances_request(offer, node)
             if fleet:  # the template carries what RunInstances would
@@ -308,7 +308,7 @@ class AwsProvider(Provider):
             if facts is None:
                 raise RuntimeError(f"no EC2 facts for {offer.key}: call `await provider.launch_facts(offer)` first")
         return build_run_instances(offer, node, launch, facts, dialect=self.spec.agent_metadata_dialect,
-                                   tags=self._tags(node), token=client_token(node.node_id))
+                                   tags=self._tags(node), token=client_token(node))
 
     async def _find_node(self, region: str, node: NodeSpec) -> Instance | None:
         filters = [{"Name": f"tag:{NODE_TAG}", "Values": [node.node_id]},

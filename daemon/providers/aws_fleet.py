@@ -53,7 +53,7 @@ class Ec2Fleet:
                 fleet's ``Errors[]`` (auth/quota beat capacity beat the rest), or of the call.
             ProviderError: anything else.
         """
-        token = client_token(node.node_id)
+        token = client_token(node)
         template = token  # valid launch template name: [a-zA-Z0-9().-/_], ≤ 128
         try:
             await self._api.call_once(region, "create_launch_template", LaunchTemplateName=template,

@@ -18,12 +18,20 @@ __all__ = ["client_token", "ImageFacts", "TypeFacts", "LaunchFacts", "efa_interf
            "image_facts", "facts_from", "build_run_instances"]
 
 
-def client_token(node_id: str) -> str:
-    """The idempotency token of ``node_id``'s launch: deterministic, 64 ASCII chars at most.
+def client_token(node: NodeSpec) -> str:
+    """The idempotency token of ``node``'s launch (RunInstances, CreateFleet and its launch
+    template's name): deterministic, 58 ASCII characters.
 
-    https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html
+    The same node launched again (a retry after a timeout, or a daemon's replay of a launch
+    its predecessor died in) gets the same token, so EC2 answers the first call's instance
+    (https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html). Node ids
+    repeat across daemon runs (``<pool>-<ordinal>``), and EC2 remembers a token past its
+    instance's end (the same token with other parameters is refused,
+    ``IdempotentParameterMismatch``), so the token also hashes the node's own random token:
+    a later node with a reused id is a new purchase. The hash is one-way; the node token
+    itself never leaves the user-data.
     """
-    return "spotvisor-" + hashlib.sha256(node_id.encode()).hexdigest()[:48]
+    return "spotvisor-" + hashlib.sha256(f"{node.node_id}\0{node.token}".encode()).hexdigest()[:48]
 
 
 @dataclass(frozen=True, slots=True)
