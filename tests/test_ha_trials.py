@@ -64,6 +64,20 @@ def test_the_fault_proxy_honours_runinstances_client_token(faults: AwsFaultProxy
         ec2.run_instances(**{**args, "InstanceType": "t3.small"})
 
 
+def test_the_fault_proxy_terminates_an_instance_again_as_ec2_does(faults: AwsFaultProxy) -> None:
+    """TerminateInstances is idempotent on EC2 (its idempotency guide: the instance is
+    ``terminated``), and moto 5 answers a second one ``shutting-down`` or, in the HA trials,
+    fails it (InvalidNetworkInterfaceID.NotFound): a new leader that terminates what its
+    dead predecessor terminated already must see EC2's answer, not moto's."""
+    ec2 = boto3.client("ec2", endpoint_url=faults.url, region_name="us-east-1")
+    iid = ec2.run_instances(ImageId="ami-03cf127a", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    first = ec2.terminate_instances(InstanceIds=[iid])["TerminatingInstances"]
+    again = ec2.terminate_instances(InstanceIds=[iid])["TerminatingInstances"]
+    assert [i["InstanceId"] for i in first] == [i["InstanceId"] for i in again] == [iid]
+    assert again[0]["CurrentState"] == {"Code": 48, "Name": "terminated"}
+    assert [s.action for s in faults.requests].count("TerminateInstances") == 2
+
+
 @pytest.mark.slow
 async def test_three_seeded_failover_trials_keep_every_invariant(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

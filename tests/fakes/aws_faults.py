@@ -49,6 +49,15 @@ parameters are different, other than the Region or Availability Zone, the retry 
 with an IdempotentParameterMismatch error." :attr:`AwsFaultProxy.replayed` counts the
 answers given back that way.
 
+TerminateInstances is idempotent on EC2 (the same guide: "idempotent by default"; a
+terminated instance stays visible for about an hour and terminating it again succeeds),
+while moto 5 answers a second termination of an instance as it likes: ``shutting-down``
+again, or (an instance whose network interface it deleted with the first, as the HA
+trials' are) ``InvalidNetworkInterfaceID.NotFound``. A TerminateInstances whose instances this proxy
+already saw terminated is answered as EC2 answers it
+(https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_TerminateInstances.html: each
+instance's ``currentState`` and ``previousState`` ``terminated``, code 48), not forwarded.
+
 The proxy runs its own event loop in a background thread, so both sync boto3 calls
 made by a test and ``asyncio.to_thread`` calls made by a provider can reach it.
 Every request's action and form parameters are recorded in :attr:`requests`.
@@ -84,6 +93,12 @@ def ec2_error_xml(code: str, message: str, request_id: str | None = None) -> str
     return ('<?xml version="1.0" encoding="UTF-8"?>\n'
             f"<Response><Errors><Error><Code>{escape(code)}</Code><Message>{escape(message)}</Message>"
             f"</Error></Errors><RequestID>{rid}</RequestID></Response>")
+
+
+def _instance_ids(params: dict[str, str]) -> list[str]:
+    """A Query API request's ``InstanceId.N`` values, in order."""
+    keys = sorted((k for k in params if re.fullmatch(r"InstanceId\.\d+", k)), key=lambda k: int(k.split(".")[1]))
+    return [params[k] for k in keys]
 
 
 @dataclass
@@ -122,6 +137,7 @@ class AwsFaultProxy:
         # (region, ClientToken) -> (parameters but the token, moto's answer): EC2 idempotency (module docstring)
         self._tokens: dict[tuple[str, str], tuple[dict[str, str], int, dict[str, str], bytes]] = {}
         self._token_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._terminated: set[tuple[str, str]] = set()  # (region, instance id) a TerminateInstances ended
         self._responder: Callable[[Seen], tuple[int, str, str] | None] | None = None
         self._lock = threading.Lock()
         self._serving: LoopThread[None] = LoopThread("aws-fault-proxy", "AwsFaultProxy")
@@ -249,10 +265,32 @@ class AwsFaultProxy:
             return web.Response(status=fault.status, body=fault.body.encode(), content_type="text/xml")
         if fault is not None and not fault.after_forward:
             await self._hold(fault.seconds)
+        if (again := self._terminated_again(seen)) is not None:
+            return web.Response(status=200, body=again.encode(), content_type="text/xml")
         status, headers, payload = await self._idempotent(seen, request, body)
+        if seen.action == "TerminateInstances" and status == 200:
+            with self._lock:
+                self._terminated |= {(seen.region, i) for i in _instance_ids(seen.params)}
         if fault is not None and fault.after_forward:
             await self._hold(fault.seconds)
         return web.Response(status=status, headers=headers, body=payload)
+
+    def _terminated_again(self, seen: Seen) -> str | None:
+        """EC2's answer to a TerminateInstances of instances all terminated already (module
+        docstring); None: forward it."""
+        ids = _instance_ids(seen.params)
+        if seen.action != "TerminateInstances" or not ids or str(seen.params.get("DryRun", "")).lower() == "true":
+            return None
+        with self._lock:
+            if not all((seen.region, i) in self._terminated for i in ids):
+                return None
+        gone = "<code>48</code><name>terminated</name>"
+        items = "".join(f"<item><instanceId>{escape(i)}</instanceId><currentState>{gone}</currentState>"
+                        f"<previousState>{gone}</previousState></item>" for i in ids)
+        return ('<?xml version="1.0" encoding="UTF-8"?>\n'
+                '<TerminateInstancesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+                f"<requestId>{uuid.uuid4()}</requestId><instancesSet>{items}</instancesSet>"
+                "</TerminateInstancesResponse>")
 
     async def _hold(self, seconds: float) -> None:
         assert self._closing is not None
