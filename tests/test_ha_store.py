@@ -312,3 +312,20 @@ async def test_a_store_loaded_in_one_term_writes_nothing_in_the_next(clients) ->
         assert await a_client.get(b"/spotvisor/p/nodes/p-1") is None
     finally:
         await a.aclose()
+
+
+@pytest.mark.parametrize("kind", ["aws", "aliyun", "local"])
+def test_a_fenced_provider_has_its_inner_providers_traits(kind: str, tmp_path: Path) -> None:
+    """Every trait the daemon reads off a provider (Provider's class attributes: does it
+    install the agent from the wheel, how long its listing lags, is its launch idempotent)
+    is the inner provider's, not Provider's default."""
+    from daemon.config import AliyunProviderSpec, AwsProviderSpec, LocalProviderSpec
+    from daemon.providers.base import Provider, create_provider
+
+    spec = {"aws": AwsProviderSpec(image_id="ami-12345678"), "aliyun": AliyunProviderSpec(image_id="m-123"),
+            "local": LocalProviderSpec()}[kind]
+    inner = create_provider(kind, spec=spec, state_dir=tmp_path)
+    fenced = FencedProvider(inner, None)  # type: ignore[arg-type]
+    traits = [k for k, v in vars(Provider).items() if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+    assert {"installs_agent", "listing_lag_s", "idempotent_launch"} <= set(traits)
+    assert {t: getattr(fenced, t) for t in traits} == {t: getattr(inner, t) for t in traits}

@@ -335,6 +335,11 @@ class FencedProvider(Provider):
         self.inner = inner
         self.store = store
         self.name = inner.name
+        # the inner provider's traits: Provider's class defaults would answer them first
+        # (__getattr__ only sees what normal lookup misses), and an AWS pool under HA would
+        # then get no agent wheel, and its listing's lag would be taken for a loss
+        for trait in ("installs_agent", "listing_lag_s", "idempotent_launch"):
+            setattr(self, trait, getattr(inner, trait, getattr(Provider, trait)))
 
     def __getattr__(self, attr: str) -> Any:  # launch_spec_of, launch_facts, ...: the inner provider's
         return getattr(self.inner, attr)

@@ -128,6 +128,7 @@ class AliyunProvider(Provider):
     #: ECS's listing is treated like EC2's: a new instance may be missing for a while after
     #: RunInstances (DescribeInstances is asked again; the agent's heartbeats are the other witness)
     listing_lag_s = 300.0
+    idempotent_launch = True  # ClientToken (client_token)
 
     def __init__(self, *, spec: AliyunProviderSpec, launch_spec: Callable[[Offer], AliyunLaunchSpec] | None = None,
                  access_key_id: str | None = None,

@@ -128,6 +128,7 @@ class AwsProvider(Provider):
     #: EC2's listing is eventually consistent: a new instance may be missing for up to a few minutes
     #: (https://docs.aws.amazon.com/ec2/latest/devguide/eventual-consistency.html)
     listing_lag_s = 300.0
+    idempotent_launch = True  # ClientToken (client_token)
 
     def __init__(self, *, spec: AwsProviderSpec, launch_spec: Callable[[Offer], AwsLaunchSpec] | None = None,
                  region: str | None = None, regions: Iterable[str] = (),

@@ -127,6 +127,9 @@ class Provider(abc.ABC):
     #: seconds a new instance may be missing from :meth:`describe` (an eventually
     #: consistent listing: :mod:`daemon.control.listing`); 0: the listing is the truth
     listing_lag_s: float = 0.0
+    #: its launch carries a client token derived from the node (:class:`NodeSpec`): the same
+    #: launch sent again returns the first one's instance (:mod:`daemon.control.launch_replay`)
+    idempotent_launch: bool = False
 
     @abc.abstractmethod
     async def launch(self, offer: Offer, node: NodeSpec) -> Instance:
