@@ -186,6 +186,10 @@ class Node:
     # a batch sent again (its answer lost with a daemon) is applied once (daemon.control.reports.fresh)
     reports_from: str = ""
     reports_applied: int = 0
+    # what its launch call was built from, stored (durably) before the call, so a daemon that
+    # finds the node requested after its predecessor died in the call can send it again byte
+    # for byte under its client token (daemon.control.launch_replay); None: not recorded
+    launch_call: dict[str, Any] | None = None
 
     @property
     def offer_key(self) -> str:

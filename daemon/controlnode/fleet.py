@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import structlog
 
+from daemon.control import launch_replay as replay
 from daemon.control.actions import Launch, MarkLost, Terminate
 from daemon.control.lifecycle import LIVE
 from daemon.control.listing import absent_means_gone
@@ -27,7 +28,7 @@ from daemon.controlnode.check_gate import CheckGate
 from daemon.controlnode.cloud_check import CheckResult
 from daemon.controlnode.cloud_probe import run_checks
 from daemon.controlnode.core import Core
-from daemon.controlnode.launch_calls import LaunchCalls
+from daemon.controlnode.launch_calls import LaunchCalls, agent_urls, ca_digest
 from daemon.controlnode.offer_book import AVOID_ZONE_S, OfferBook
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 from daemon.model import EventKind, Node, NodeState
@@ -192,7 +193,12 @@ class Fleet:
 
         - A node still ``requested`` with no launch call in flight in this process: the
           previous daemon died inside ``provider.launch``. Its instance found → adopted
-          (``launching``, ``node_launched`` with ``adopted``); not found → ``failed``
+          (``launching``, ``node_launched`` with ``adopted``). Not found → its launch is
+          sent again under its own client token, byte for byte from what the call was
+          recorded with (``node_launched`` with ``replayed``): EC2 and ECS answer the
+          instance a first call that landed created, or create it now
+          (:mod:`daemon.control.launch_replay`). Where that cannot be (a provider without
+          tokens, a changed config, the agent wheel's URL about to expire) → ``failed``
           (``node_launch_failed``, ``error: interrupted``) and the planner launches
           another node, so the pool neither duplicates the node nor waits for it forever.
         - An instance whose node is over (terminated, lost, failed) with no launch in
@@ -201,9 +207,10 @@ class Fleet:
           nothing is leaked.
 
         Example: daemon A records ``node_launch_requested`` for n1 and is SIGKILLed while
-        RunInstances is on the wire. Daemon B starts: if EC2 created n1's instance, B
-        adopts it; if not, n1 fails and B launches n2; if n1's instance shows up later
-        anyway, B terminates it.
+        RunInstances is on the wire. Daemon B starts: if EC2 lists n1's instance, B adopts
+        it; if not, B sends n1's RunInstances again, and whichever of the two requests EC2
+        runs first creates n1's one instance. On the local provider (no tokens) n1 fails
+        and B launches n2; if n1's instance shows up later anyway, B terminates it.
         """
         core = self.core
         by_node = {i.node_id: (p, i) for p, i in found if i.node_id}
@@ -216,6 +223,12 @@ class Fleet:
                 core.set_state(node, NodeState.LAUNCHING, "adopted after a daemon restart")
                 core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=node.instance_id, offer=node.offer_key,
                             price_usd_h=node.price_usd_h, adopted=True)
+            elif (index := self._replayable(node)) is not None:
+                node.detail = "launch sent again after a daemon restart"
+                core.store.put_node(node)
+                log.info("launch_replayed", node_id=node.id, offer=node.offer_key,
+                         sent=bool((node.launch_call or {}).get("sent")))
+                self.calls.start(node, index)
             else:
                 core.set_state(node, NodeState.FAILED, "launch interrupted by a daemon restart")
                 core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="interrupted", offer=node.offer_key,
@@ -237,6 +250,23 @@ class Fleet:
                 node.ended_at = core.clock()
                 core.store.put_node(node)
             core.record(EventKind.NODE_TERMINATED, node.id, reason="unowned_instance", instance_id=inst.id)
+
+    def _replayable(self, node: Node) -> int | None:
+        """The offer index to send ``node``'s interrupted launch again on, under its own client
+        token (:mod:`daemon.control.launch_replay`); None: it cannot be (logged, with why)."""
+        core = self.core
+        index = next((i for i in range(len(core.config.offers)) if self.book.offer(i).key == node.offer_key), None)
+        try:
+            idempotent = self.provider_for(node.provider).idempotent_launch
+        except ProviderError:
+            idempotent = False
+        refusal = replay.replay_refusal(node.launch_call, core.clock(), idempotent=idempotent,
+                                        offer_known=index is not None, daemon_url=agent_urls(core),
+                                        ca_sha256=ca_digest(core.agent_ca_pem))
+        if refusal is not None:
+            log.info("launch_not_replayed", node_id=node.id, reason=refusal)
+            return None
+        return index
 
     # -- act ----------------------------------------------------------------------------------------
     async def apply(self, action: Launch | Terminate | MarkLost) -> None:
@@ -266,7 +296,7 @@ class Fleet:
             id=f"{core.pool}-{ordinal}", ordinal=ordinal, provider=offer.provider, market=offer.market,
             region=offer.region, zone=offer.zone, instance_type=offer.instance_type, gpus=offer.gpus_per_node,
             price_usd_h=self.book.prices.get(offer_index) or 0.0, token=secrets.token_urlsafe(24),
-            created_at=core.clock(),
+            created_at=core.clock(), launch_call=dict(replay.NOT_SENT),
         )
         core.add_node(node)
         core.record(EventKind.NODE_LAUNCH_REQUESTED, node.id, offer=node.offer_key, reason=reason)

@@ -13,10 +13,12 @@ whose call is in flight (a restarted daemon's orphans are told from them).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any, Callable
 
 import structlog
 
+from daemon.control import launch_replay as replay
 from daemon.control.offers import Offer
 from daemon.controlnode.core import Core
 from daemon.controlnode.offer_book import OfferBook
@@ -25,7 +27,7 @@ from daemon.providers.agent_wheel import AgentWheelError, AgentWheels
 from daemon.providers.base import (NODE_TAG, POOL_TAG, AgentWheelRef, AuthError, CapacityError, NodeSpec, Provider,
                                    ProviderError, QuotaError)
 
-__all__ = ["LaunchCalls", "agent_urls"]
+__all__ = ["LaunchCalls", "agent_urls", "ca_digest"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
@@ -37,6 +39,11 @@ def agent_urls(core: Core) -> str:
     ha = core.config.ha
     others = [u for u in (ha.agent_urls if ha else []) if u.rstrip("/") != core.agent_url.rstrip("/")]
     return ",".join([core.agent_url, *others])
+
+
+def ca_digest(pem: str | None) -> str | None:
+    """The agents' CA certificate's SHA-256 (hex), as a launch records it; None: plain HTTP."""
+    return None if pem is None else hashlib.sha256(pem.encode()).hexdigest()
 
 
 class LaunchCalls:
@@ -99,17 +106,38 @@ class LaunchCalls:
             core.record(EventKind.NODE_LAUNCH_FAILED, node.id, error="agent_wheel", message=str(exc), offer=offer.key)
             return False
 
+    async def _spec(self, node: Node, offer_index: int) -> NodeSpec | None:
+        """The node's launch parameters (:mod:`daemon.control.launch_replay`). A call an
+        earlier daemon sent (``launch_call``: a replay) is rebuilt from what it recorded,
+        byte for byte; a first call's are recorded before it is sent (SQLite: on disk at
+        once; HA: the fenced provider's launch syncs the store to etcd before it calls the
+        cloud). None: the agent's wheel cannot be had, and the launch has failed."""
+        core = self.core
+        call = node.launch_call or {}
+        if call.get("sent"):
+            wheel, daemon_url = call.get("wheel"), call["daemon_url"]
+        else:
+            got = await self._agent_wheel(node, offer_index)
+            if got is False:
+                return None
+            wheel = None if got is None else {"url": got.url, "sha256": got.sha256, "version": got.version}
+            daemon_url = agent_urls(core)
+            node.launch_call = replay.sent(daemon_url, ca_digest(core.agent_ca_pem), wheel, None if got is None
+                                           else core.clock() + self._agent_wheels.expires_s)
+            core.store.put_node(node)  # HA: the fenced provider syncs it to etcd before the call
+        return NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=daemon_url,
+                        tags={POOL_TAG: core.pool, NODE_TAG: node.id},
+                        ca_cert_pem=core.agent_ca_pem,  # None: plain HTTP
+                        agent_wheel=None if wheel is None else AgentWheelRef(**wheel))
+
     async def _launch_and_record(self, node: Node, offer_index: int) -> None:
         core = self.core
         if core.agent_url is None:
             raise RuntimeError("the launch ran before the daemon knew its agent URL (Supervisor.start)")
-        wheel = await self._agent_wheel(node, offer_index)
-        if wheel is False:
+        replayed = bool((node.launch_call or {}).get("sent"))
+        spec = await self._spec(node, offer_index)
+        if spec is None:
             return
-        spec = NodeSpec(node_id=node.id, pool=core.pool, token=node.token, daemon_url=agent_urls(core),
-                        tags={POOL_TAG: core.pool, NODE_TAG: node.id},
-                        ca_cert_pem=core.agent_ca_pem,  # None: plain HTTP
-                        agent_wheel=wheel or None)
         offer = self.book.offer(offer_index)
         try:
             inst = await self._provider_for(offer.provider).launch(offer, spec)
@@ -143,7 +171,7 @@ class LaunchCalls:
             else:
                 core.set_state(node, NodeState.LAUNCHING)
                 core.record(EventKind.NODE_LAUNCHED, node.id, instance_id=inst.id, offer=offer.key,
-                            price_usd_h=node.price_usd_h)
+                            price_usd_h=node.price_usd_h, **({"replayed": True} if replayed else {}))
 
     def _family_out(self, offer: Offer, exc: ProviderError) -> str:
         """``offer``'s family (its provider's offers, for an auth error) sits out its backoff

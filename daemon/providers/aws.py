@@ -14,10 +14,10 @@ retry after a timeout returns the instance the first request created instead of
 a second one. Fakes do not all honour it (moto 5 ignores ``ClientToken``; the tests'
 ``fakes.aws_faults.AwsFaultProxy`` implements it in front of moto), and a token
 outlives the instance, so before each *retry* the provider also looks the node up by
-its ``spotvisor-node`` tag and returns the instance it finds. A new HA leader never
-launches a node id the old leader was buying (it adopts the instance it finds by tag,
-or gives the node up and buys another: ``Fleet.settle_unowned``), so no token is
-repeated across daemons.
+its ``spotvisor-node`` tag and returns the instance it finds. A daemon that finds a node still
+``requested`` after its predecessor died in this call (a restart, a new HA leader) sends
+the same request again, byte for byte, under the same token, or gives the node up where
+it cannot be the same request (``Fleet.settle_unowned``, :mod:`daemon.control.launch_replay`).
 
 SDK errors are translated here, at the edge (``from exc``) — see
 :func:`~daemon.providers.aws_api.map_client_error` and https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html:

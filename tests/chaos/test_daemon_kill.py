@@ -268,12 +268,16 @@ class Daemon:
 @pytest.fixture
 async def world(tmp_path: Path, faults: AwsFaultProxy, ec2_server: str) -> AsyncIterator[dict[str, Any]]:
     """A config for ``spotvisord run`` (AWS through the fault proxy, one node, fixed agent
-    port so a restarted daemon is where the agents' user-data says), and the Ec2Sim."""
+    port so a restarted daemon is where the agents' user-data says; the job's checkpoint
+    store in moto's S3, so each launch's user-data carries a presigned agent-wheel URL, as
+    on EC2), and the Ec2Sim."""
     pool = f"kill-{uuid.uuid4().hex[:8]}"
     sockdir = tempfile.mkdtemp(prefix="svk-", dir="/tmp")
+    boto3.client("s3", endpoint_url=ec2_server, region_name="us-east-1").create_bucket(Bucket=pool)
     raw = {
         "pool": {"name": pool, "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
-        "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1, "target_steps": 30},  # STANDIN_TARGET
+        "job": {"id": "j", "global_batch_size": 16, "micro_batch_size": 1, "target_steps": 30,  # STANDIN_TARGET
+                "checkpoint_uri": f"s3://{pool}/ckpt", "s3_endpoint_url": ec2_server},
         "agent": {"heartbeat_interval_s": 0.2},  # what the daemon tells the agents (as the Ec2Sim starts them)
         "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": f"{sockdir}/d.sock",
                    "agent_host": "127.0.0.1", "agent_port": free_port(), "reconcile_interval_s": 0.1,
@@ -338,7 +342,8 @@ def _kinds(stored: list[Event], kind: str) -> list[Event]:
 
 def _execute_late(endpoint: str, params: dict[str, str]) -> None:
     """EC2 executes, now, a RunInstances request that was on the wire: the recorded form,
-    sent to moto as it was (moto reads the region from the credential scope)."""
+    sent as it was to ``endpoint`` (the fault proxy: EC2's ClientToken idempotency, which
+    moto lacks; the region is the credential scope's)."""
     auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/ec2/aws4_request, SignedHeaders=host, Signature=0"
     req = urllib.request.Request(endpoint + "/", data=urllib.parse.urlencode(params).encode(),
                                  headers={"Content-Type": "application/x-www-form-urlencoded", "Authorization": auth})
@@ -346,13 +351,26 @@ def _execute_late(endpoint: str, params: dict[str, str]) -> None:
         assert r.status == 200
 
 
-@pytest.mark.parametrize("landed", [True, False], ids=["launch_landed", "launch_lands_after_restart"])
-async def test_daemon_sigkill_mid_launch(world: dict[str, Any], faults: AwsFaultProxy, landed: bool,
+#: DescribeInstances as EC2 answers it while its eventually consistent listing leaves a new
+#: instance out (https://docs.aws.amazon.com/ec2/latest/devguide/eventual-consistency.html)
+_EMPTY_LISTING = ('<DescribeInstancesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+                  "<requestId>lagging-listing</requestId><reservationSet/></DescribeInstancesResponse>")
+
+
+@pytest.mark.parametrize("case", ["landed", "lands_after_restart", "landed_listing_lags"],
+                         ids=["launch_landed", "launch_lands_after_restart", "launch_landed_listing_lags"])
+async def test_daemon_sigkill_mid_launch(world: dict[str, Any], faults: AwsFaultProxy, case: str,
                                          matrix: Matrix) -> None:
-    """launch_landed: EC2 created the instance, its answer never reached the daemon.
-    launch_lands_after_restart: the request is still on the wire at the kill; it is
-    executed after the new daemon has given the node up and launched another."""
+    """launch_landed: EC2 created the instance, its answer never reached the daemon: the
+    new daemon lists it and adopts it. launch_landed_listing_lags: the same, but EC2's
+    listing leaves the new instance out while the new daemon starts; it sends the same
+    RunInstances again (same ClientToken, same parameters byte for byte: the wheel's signed
+    URL as the first call had it), and EC2 answers with the instance the first created.
+    launch_lands_after_restart: the request is still on the wire at the kill; the new
+    daemon's replay creates the node's instance, and EC2 then answers the first request
+    with it. Each way: one node, one instance, no purchase given up."""
     sim: Ec2Sim = world["sim"]
+    landed = case != "lands_after_restart"
     if landed:
         faults.delay_next("RunInstances", 30.0)  # forwarded at once, answered (to a dead daemon) 30 s later
     else:
@@ -368,32 +386,44 @@ async def test_daemon_sigkill_mid_launch(world: dict[str, Any], faults: AwsFault
     assert not a.saw("node_launched")  # the daemon died inside provider.launch
     seen = list(a.seen)
 
+    if case == "landed_listing_lags":  # the listing leaves the instance out until the new daemon's replay
+        faults.answer(lambda seen: (200, _EMPTY_LISTING, "text/xml")
+                      if seen.action == "DescribeInstances" and len(faults.actions("RunInstances")) < 2 else None)
     b = world["daemon"]()
     await b.start()
-    if not landed:
-        await b.until(lambda: b.saw("node_launch_failed", f"{world['pool']}-1"), what="node 1 given up")
-        await asyncio.to_thread(_execute_late, world["endpoint"], faults.actions("RunInstances")[0].params)
-        await b.until(lambda: [e for e in b.saw("node_terminated", f"{world['pool']}-1")
-                               if e["data"]["reason"] == "unowned_instance"], what="the late instance released")
+    if case != "landed":
+        await b.until(lambda: [e for e in b.saw("node_launched", f"{world['pool']}-1") if e["data"].get("replayed")],
+                      what="node 1's launch sent again")
+    faults.answer(None)
+    if case == "lands_after_restart":  # EC2 runs the request that was on the wire at the kill only now
+        await asyncio.to_thread(_execute_late, faults.url, faults.actions("RunInstances")[0].params)
     assert await b.exited(90) == 0  # the job completed, every instance released: it exits by itself
     out = _outcome(world, seen)
-    row = matrix.row(f"daemon SIGKILL mid-launch ({'instance created' if landed else 'request lands late'})",
+    what = {"landed": "instance created", "lands_after_restart": "request lands late",
+            "landed_listing_lags": "instance created, not listed yet"}[case]
+    row = matrix.row(f"daemon SIGKILL mid-launch ({what})",
                      job_completed=out["job_completed"], lost_checkpoints=out["lost_checkpoints"],
                      leaked_instances=out["leaked"] + out["duplicates"], lost_events=out["lost_events"])
     assert row.clean(), (row, out["duplicates"])
     stored = out["stored"]
     launched = [(e.node, e.data.get("adopted", False)) for e in _kinds(stored, "node_launched")]
     pool = world["pool"]
-    if landed:
+    assert _kinds(stored, "node_launch_failed") == []
+    assert [e for e in _kinds(stored, "node_terminated") if e.data["reason"] == "unowned_instance"] == []
+    assert len(sim.instances()) == 1
+    if case == "landed":
         assert launched == [(f"{pool}-1", True)]  # adopted, not launched again
-        assert len(faults.actions("RunInstances")) == 1 and len(sim.instances()) == 1
+        assert len(faults.actions("RunInstances")) == 1
+        return
+    assert launched == [(f"{pool}-1", False)]  # the node itself, not a second one
+    assert [e.data.get("replayed") for e in _kinds(stored, "node_launched")] == [True]
+    calls = faults.actions("RunInstances")
+    assert len({json.dumps(c.params, sort_keys=True) for c in calls}) == 1  # byte for byte, the token included
+    if case == "landed_listing_lags":
+        assert len(calls) == 2 and calls[1].replayed  # EC2 answered the replay with the first one's instance
     else:
-        failed = _kinds(stored, "node_launch_failed")
-        assert [(e.node, e.data["error"]) for e in failed] == [(f"{pool}-1", "interrupted")]
-        assert launched == [(f"{pool}-2", False)]
-        late = [e for e in _kinds(stored, "node_terminated") if e.data["reason"] == "unowned_instance"]
-        assert [e.node for e in late] == [f"{pool}-1"]  # the late instance, released
-        assert len(sim.instances()) == 2
+        assert len(calls) == 3 and calls[2].replayed  # ... and the late first request with the replay's
+    assert faults.replayed == 1
 
 
 async def test_daemon_sigkill_mid_checkpoint(world: dict[str, Any], matrix: Matrix) -> None:
