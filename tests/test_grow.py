@@ -543,9 +543,11 @@ def test_the_daemon_wakes_the_survivors_of_a_silent_node(tmp_path: Path, rdzv) -
     procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "silent"), rdzv.port, ckpt, job=SILENT_JOB)
              for r in range(3)]
     try:
+        deadline = time.monotonic() + 120
         while Path(f"/proc/{procs[2].pid}/stat").read_text().split(")")[1].split()[0] != "T":
             assert procs[2].poll() is None, procs[2].communicate()[0]
-            time.sleep(0.05)
+            assert time.monotonic() < deadline, "node2 never stopped itself (SIGSTOP) within 120 s"
+            time.sleep(0.05)  # a polling period under the deadline above
         stopped_at = time.time()
         running = [x for x in status_lines(tmp_path, "node0") if x["event"] == "started"][-1]
         wake_survivors(("127.0.0.1", rdzv.port), "grow", running["attempt"], running["world_size"], reason="daemon")

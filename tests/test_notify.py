@@ -365,6 +365,13 @@ class ThreadedHook:
         with self._cond:
             return next((at for at, seqs in self.arrivals if seq in seqs), None)
 
+    def wait_arrived(self, seq: int, timeout_s: float) -> float | None:
+        """Block this thread (an event loop's too) until a request carrying ``seq`` arrived,
+        at most ``timeout_s`` seconds; when it arrived (monotonic), or None."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.arrived(seq) is not None, timeout=timeout_s)
+            return self.arrived(seq)
+
 
 def feed_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == notify.FEED_THREAD]
@@ -372,16 +379,16 @@ def feed_threads() -> list[threading.Thread]:
 
 async def test_the_feed_delivers_while_the_daemons_loop_is_blocked(store: Store) -> None:
     """The point of the feed's thread: a burst of handlers on the daemon's loop (here the
-    loop blocked for 1 s) does not hold up a delivery."""
+    loop blocked until the delivery arrives, at most 30 s) does not hold up a delivery."""
     with ThreadedHook() as hook:
         n = Notifier(store, [webhook("hook", hook.url())], pool="test", environ=ENV)
         await n.start()
         try:
             t0 = time.monotonic()  # from here to blocked_until this coroutine never yields: the loop runs nothing
             seq = emit(store, n, "checkpoint_committed", "test-1", step=10)
-            time.sleep(1.0)  # deliberate: the loop blocked for 1 s, as by a burst of ~4,000 handlers
+            # the loop blocked, as by a burst of handlers, until the delivery arrives (or 30 s)
+            arrived = hook.wait_arrived(seq, 30.0)
             blocked_until = time.monotonic()
-            arrived = hook.arrived(seq)
             assert arrived is not None and t0 <= arrived < blocked_until, (t0, arrived, blocked_until)
             assert await n.drain(10.0), n.stats("hook")
         finally:
