@@ -358,6 +358,42 @@ async def test_a_launcher_that_died_while_importing_is_replaced_by_a_plain_start
     assert (tmp_path / "rank").read_text() == "0"
 
 
+async def test_a_restarted_trainer_starts_from_a_prewarmed_launcher_as_the_first_did(tmp_path, monkeypatch) -> None:
+    """The daemon's restart in place (a stalled job: every trainer exited) is started as a
+    first start is: the agent prewarms a launcher for the new spec (its zygote forks the
+    workers), and the start hands the spec to it, not a fresh torchrun."""
+    monkeypatch.setenv("SPOTVISOR_ZYGOTE", "1")  # on even where NVIDIA devices are (off there by default)
+    script = tmp_path / "worker.py"
+    script.write_text("import os; open(os.environ['OUT'], 'w').write(os.environ['RANK'])\n")
+    agent = NodeAgent(daemon_url="http://127.0.0.1:9", token="t", node_id="n-1", metadata=None,  # type: ignore[arg-type]
+                      workdir=tmp_path / "node")
+    agent.workdir.mkdir()
+
+    def job(out: str) -> dict:
+        return {"argv": ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+                         str(script)], "env": {"OUT": str(tmp_path / out)}}
+
+    agent.runner.job, agent.runner.prepared = job("first"), True
+    try:
+        async with asyncio.timeout(120):
+            await agent.runner.start()  # never prewarmed here: torchrun started directly
+            first = agent.runner.proc
+            assert first is not None and await first.wait() == 0
+            await agent._restart({"kind": "restart", "id": "r-1", "job": job("second")})
+            warm = agent.runner.warm
+            assert warm is not None and _cmdline(warm.pid)[-2:] == ["-m", "daemon.gpunode.launcher"]
+            assert agent.trainer in ("warming", "not_started")
+            await agent.runner.start()
+            assert agent.runner.proc is warm  # the new spec went to the prewarmed launcher
+            assert await warm.wait() == 0
+        assert (tmp_path / "second").read_text() == "0"
+    finally:
+        for task in list(agent._background):
+            task.cancel()
+        await asyncio.gather(*agent._background, return_exceptions=True)
+        await agent.runner.stop_prewarmed()
+
+
 async def test_rejoin_checkpoint_request_reaches_notice_file(spot_daemon, fake, clock, monkeypatch) -> None:
     h = spot_daemon
     gate = h.tmp_path / "commit-ok"

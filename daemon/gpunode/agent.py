@@ -193,6 +193,9 @@ class NodeAgent:
             await self.runner.until_warm()
 
     async def _shutdown(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.runner.stop_prewarmed()
         await self.runner.stop()
         await asyncio.to_thread(self.gpu_sampler.close)
@@ -304,6 +307,16 @@ class NodeAgent:
             self._report("trainer_exited", exit_code=code)
         self._progress.step = None  # the old trainer's: the restarted one reports its own
         log.info("trainer_restart", node_id=self.node_id, request_id=cmd.get("id"), stopped_exit_code=code)
+        if self.runner.prepared and self.runner.warm is None:
+            # the restarted torchrun starts as the first did: a prewarmed launcher, whose zygote
+            # forks the workers (the start that follows hands it the new spec while it imports)
+            await self.runner.prewarm()
+            self._own(asyncio.ensure_future(self.runner.until_warm()))
+
+    def _own(self, task: "asyncio.Future[None]") -> None:
+        """Keep ``task`` until it is done; :meth:`_shutdown` cancels what is left."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _status_loop(self) -> None:
         tail = StatusTail(self.status_path)
@@ -350,9 +363,7 @@ class NodeAgent:
                 self.runner.leave("leaving_job", step=line.get("step"))
                 if self._notice is not None:
                     # Azure: tell the platform it may act now (only after the commit); others: nothing
-                    task = asyncio.ensure_future(self.watch.acknowledge(self._notice))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
+                    self._own(asyncio.ensure_future(self.watch.acknowledge(self._notice)))
 
 
 def _version() -> str:
