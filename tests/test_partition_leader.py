@@ -3,9 +3,9 @@ deposed, so its own clock must stop it.
 
 Two real ``spotvisord run`` on one HA config (tests/test_ha_daemon.py's pair), a real
 3-member etcd cluster, EC2 as moto behind ``AwsFaultProxy``. control-a reaches etcd only
-through :class:`Partition`, TCP forwarders on loopback; ``cut()`` resets every connection
-through them and refuses new ones, as a network partition between the leader and etcd
-would (the cloud and the operator still reach a). Every wait is on a condition with a
+through :class:`etcd_cluster.Partition`, TCP forwarders on loopback; ``cut()`` resets every
+connection through them and refuses new ones, as a network partition between the leader and
+etcd would (the cloud and the operator still reach a). Every wait is on a condition with a
 deadline.
 """
 
@@ -21,66 +21,11 @@ import pytest
 import yaml
 
 from fakes.aws_faults import AwsFaultProxy
-from etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
+from etcd_cluster import Partition, etcd_cluster  # noqa: F401  (fixture)
 from bench.ha_harness import instances, per_node, until
 from test_ha_daemon import _launched_n, ha_pair  # noqa: F401  (ha_pair: fixture)
 
 pytestmark = pytest.mark.slow
-
-
-class Partition:
-    """One loopback TCP forwarder per etcd member (``targets``: ``HOST:PORT``);
-    :attr:`endpoints` are theirs. :meth:`cut` aborts every forwarded connection and
-    makes the forwarders reset new ones at once."""
-
-    def __init__(self, targets: list[str]) -> None:
-        self.targets = targets
-        self.endpoints: list[str] = []
-        self.is_cut = False
-        self._servers: list[asyncio.Server] = []
-        self._transports: set[asyncio.BaseTransport] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> "Partition":
-        for target in self.targets:
-            host, _, port = target.rpartition(":")
-
-            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             host: str = host, port: int = int(port)) -> None:
-                if self.is_cut:
-                    writer.transport.abort()
-                    return
-                try:
-                    up_reader, up_writer = await asyncio.open_connection(host, port)
-                except OSError:
-                    writer.transport.abort()
-                    return
-                self._transports.update((writer.transport, up_writer.transport))
-                await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-
-            server = await asyncio.start_server(handle, "127.0.0.1", 0)
-            self._servers.append(server)
-            self.endpoints.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        return self
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.transport.abort()
-
-    def cut(self) -> None:
-        self.is_cut = True
-        for t in self._transports:
-            t.abort()
-
-    async def close(self) -> None:
-        self.cut()
-        for s in self._servers:
-            s.close()
-            await s.wait_closed()
 
 
 async def test_a_leader_cut_off_from_etcd_stops_on_its_own_clock_and_buys_nothing(

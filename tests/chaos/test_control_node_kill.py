@@ -34,7 +34,7 @@ from bench.ha_harness import Daemon as HaDaemon, until as ha_until
 from bench.ports import free_port
 from chaos.conftest import Matrix, lost_events
 from chaos.test_daemon_kill import Daemon, Ec2Sim, _stored_events
-from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
+from etcd_cluster import EtcdCluster, Partition, etcd_cluster  # noqa: F401  (fixture)
 from daemon.analysis.summary import summarize
 from daemon.controlnode.rendezvous import StoreProcess
 from daemon.model import Event
@@ -224,22 +224,28 @@ def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], 
         assert s["world_sizes"][-1] == 2
 
 
-async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
+@pytest.mark.parametrize("fault", ["killed", "cut_off"])
+async def test_a_leader_lost_mid_training_costs_no_step(
         tmp_path: Path, faults: AwsFaultProxy, ec2_server: str, matrix: Matrix,
-        etcd_cluster: EtcdCluster) -> None:  # noqa: F811
+        etcd_cluster: EtcdCluster, fault: str) -> None:  # noqa: F811
     """HA (``ha:``, a real 3-member etcd cluster): control-a leads, control-b stands by.
-    control-a's control node dies mid-training: the daemon and the rendezvous store,
-    SIGKILLed. control-b leads within 10 s, reads the pool from etcd and runs the job to its
-    end: the same worker group, 0 lost steps, no stall. Nothing floats: the two daemons
-    listen for agents on ports of their own (``ha.agent_urls``), and control-b serves the
-    rendezvous store from its own node, on its own address (its ``rendezvous.port``): its
-    heartbeat replies say so, every agent writes it to its node's endpoint file, and
-    torchrun's rendezvous handlers move there and put their round back. The steps are
-    paced (``pace_file``) from the kill until a handler has, so the job is still
-    training when the store moves however long the takeover took."""
+    Mid-training control-a is lost: ``killed``, its control node dies (the daemon and the
+    rendezvous store, SIGKILLed); ``cut_off`` (the ``partition_leader`` fault), a network
+    partition between it and etcd (it reaches etcd only through
+    :class:`etcd_cluster.Partition`, which is cut): it cannot learn it was deposed, so its
+    own clock stops it (exit 1, fail closed) while its store stays up. Either way
+    control-b leads within 10 s, reads the pool from etcd and runs the job to its end: the
+    same worker group, 0 lost steps, no stall. Nothing floats: the two daemons listen for
+    agents on ports of their own (``ha.agent_urls``), and control-b serves the rendezvous
+    store from its own node, on its own address (its ``rendezvous.port``): its heartbeat
+    replies say so, every agent writes it to its node's endpoint file, and torchrun's
+    rendezvous handlers move there and put their round back. The steps are paced
+    (``pace_file``) from the fault until a handler has, so the job is still training when
+    the store moves however long the takeover took."""
     store = StoreProcess("127.0.0.1", free_port())
     store_b = StoreProcess("127.0.0.1", free_port())  # control-b's node's
     await asyncio.to_thread(store.start)
+    partition = await Partition(etcd_cluster.endpoints).start()
     pace = tmp_path / "pace"
     cfg, raw = _config(tmp_path, faults.url, store.port, pace_file=pace)
     pool, instances = raw["pool"]["name"], tmp_path / "instances"
@@ -248,7 +254,8 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
     agent_urls = [f"http://127.0.0.1:{port}" for port in ports.values()]
     for name in ("control-a", "control-b"):
         mine = yaml.safe_load(yaml.safe_dump(raw))
-        mine["ha"] = {"name": name, "lease_s": 4, "endpoints": etcd_cluster.endpoints, "agent_urls": agent_urls}
+        endpoints = partition.endpoints if name == "control-a" else etcd_cluster.endpoints
+        mine["ha"] = {"name": name, "lease_s": 4, "endpoints": endpoints, "agent_urls": agent_urls}
         mine["daemon"].update(state_dir=str(tmp_path / name), socket=raw["daemon"]["socket"].replace("d.sock",
                                                                                                    f"{name}.sock"),
                               agent_port=ports[name])
@@ -269,14 +276,23 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
             await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
             attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
             pace.touch()
-            await a.sigkill()
-            await asyncio.to_thread(store.kill)
-            killed_at = time.monotonic()
-            seen = list(a.seen)
+            if fault == "killed":
+                await a.sigkill()
+                await asyncio.to_thread(store.kill)
+            else:
+                partition.cut()
+            lost_at = time.monotonic()
             at_kill = _steps_done(instances)
+            if fault == "cut_off":  # its own clock stops it, with one line saying why
+                assert a.proc is not None
+                assert await asyncio.wait_for(a.proc.wait(), 15) == 1
+                lines = [x for x in a.log.read_text().splitlines() if x.startswith("spotvisord run:")]
+                assert len(lines) == 1 and "control-a lost the leadership" in lines[0], lines
+                await a._stop_follower()
+            seen = list(a.seen)
             await asyncio.to_thread(store_b.start)  # control-b's node's store, on its own address: empty
             await ha_until(b.status, "control-b leading", timeout_s=10, daemons=(b,))
-            led_s = time.monotonic() - killed_at
+            led_s = time.monotonic() - lost_at
             moved = f"rendezvous store 127.0.0.1:{store_b.port} was empty: re-published"
             await _until(lambda: any(moved in f.read_text(errors="replace") for f in instances.glob("*/trainer.log"))
                          and _endpoints(instances) == {f"127.0.0.1:{store_b.port}"},
@@ -293,8 +309,11 @@ async def test_the_leaders_control_node_killed_mid_training_costs_no_step(
                 proc.kill()
                 await proc.wait()
         await a._stop_follower()
+        await partition.close()
         await asyncio.to_thread(store.stop)
         await asyncio.to_thread(store_b.stop)
-    print(f"\nHA: control-b led {led_s:.2f} s after control-a's control node was killed (lease 4 s)")
+    what = {"killed": "control-a's control node was killed", "cut_off": "control-a was cut off from etcd"}[fault]
+    print(f"\nHA: control-b led {led_s:.2f} s after {what} (lease 4 s)")
     _check(matrix, "mid_training", s, stored, seen, tmp_path, live, attempt, at_kill,
-           scenario="HA leader's control node (daemon + store) SIGKILL mid training (real job, 2 nodes)")
+           scenario={"killed": "HA leader's control node (daemon + store) SIGKILL mid training (real job, 2 nodes)",
+                     "cut_off": "HA leader cut off from etcd mid training (real job, 2 nodes)"}[fault])
