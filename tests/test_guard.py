@@ -198,10 +198,15 @@ def _peer_leaves_worker(rank: int, init: str, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     guard = PreemptionGuard(None)
     guard.check()
+    holding = Path(tmp, "holding")
     if rank == 1:
-        time.sleep(0.5)
-        os._exit(0)  # the node is taken mid-hold
+        deadline = time.monotonic() + 30
+        while not holding.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling rank 0's marker under the deadline
+        time.sleep(0.2)  # simulated: the node is taken a moment into the hold
+        os._exit(0)
     t0 = time.monotonic()
+    holding.touch()  # rank 0 is entering the hold
     try:
         guard.hold(20.0, poll_s=0.05)
         outcome = "returned"
