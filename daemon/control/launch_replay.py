@@ -59,15 +59,16 @@ def replay_refusal(call: Mapping[str, Any] | None, now: float, *, idempotent: bo
     ``call``: the node's ``launch_call``; ``now``: unix seconds; ``idempotent``: its
     provider's launch carries a client token (EC2, ECS); ``offer_known``: its offer is
     still in the config; ``daemon_url`` and ``ca_sha256``: what this daemon would give a
-    node now (as :func:`sent` takes them). A call never sent is sent now, as its first. Pure."""
-    if not idempotent:
-        return "its provider's launch has no client token to send it again under"
+    node now (as :func:`sent` takes them). A call never sent is sent now, as its first,
+    whatever the provider. Pure."""
     if not offer_known:
         return "its offer is no longer in the config"
     if call is None:
         return "what its launch call was sent with was not recorded"
-    if not call.get("sent"):
-        return None
+    if not call.get("sent"):  # the provider was never called (the record is written, and
+        return None           # under HA synced, before the call): a first call, any provider
+    if not idempotent:
+        return "its provider's launch has no client token to send it again under"
     if _urls(call.get("daemon_url")) != _urls(daemon_url):
         return "the control nodes' agent URLs changed since its launch"
     if call.get("ca_sha256") != ca_sha256:

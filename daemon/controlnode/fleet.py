@@ -197,8 +197,9 @@ class Fleet:
           sent again under its own client token, byte for byte from what the call was
           recorded with (``node_launched`` with ``replayed``): EC2 and ECS answer the
           instance a first call that landed created, or create it now
-          (:mod:`daemon.control.launch_replay`). Where that cannot be (a provider without
-          tokens, a changed config, the agent wheel's URL about to expire) → ``failed``
+          (:mod:`daemon.control.launch_replay`); a call it never made is made now, on any
+          provider. Where a replay cannot be (a provider without tokens, a changed config,
+          the agent wheel's URL about to expire) → ``failed``
           (``node_launch_failed``, ``error: interrupted``) and the planner launches
           another node, so the pool neither duplicates the node nor waits for it forever.
         - An instance whose node is over (terminated, lost, failed) with no launch in
