@@ -224,10 +224,12 @@ def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], 
         assert s["world_sizes"][-1] == 2
 
 
-@pytest.mark.parametrize("fault", ["killed", "cut_off"])
+@pytest.mark.parametrize(("fault", "moment"), [("killed", "mid_training"), ("cut_off", "mid_training"),
+                                               ("cut_off", "right_after_a_notice")],
+                         ids=["killed", "cut_off", "cut_off_after_a_notice"])
 async def test_a_leader_lost_mid_training_costs_no_step(
         tmp_path: Path, faults: AwsFaultProxy, ec2_server: str, matrix: Matrix,
-        etcd_cluster: EtcdCluster, fault: str) -> None:  # noqa: F811
+        etcd_cluster: EtcdCluster, fault: str, moment: str) -> None:  # noqa: F811
     """HA (``ha:``, a real 3-member etcd cluster): control-a leads, control-b stands by.
     Mid-training control-a is lost: ``killed``, its control node dies (the daemon and the
     rendezvous store, SIGKILLed); ``cut_off`` (the ``partition_leader`` fault), a network
@@ -241,13 +243,18 @@ async def test_a_leader_lost_mid_training_costs_no_step(
     replies say so, every agent writes it to its node's endpoint file, and torchrun's
     rendezvous handlers move there and put their round back. The steps are paced
     (``pace_file``) from the fault until a handler has, so the job is still training when
-    the store moves however long the takeover took."""
+    the store moves however long the takeover took. ``cut_off_after_a_notice``: the cut
+    comes as soon as control-a has a node's interruption notice, so the notice's commit,
+    the survivors' shrink and the replacement's purchase and grow are control-b's (a report
+    control-a cannot make durable is answered 503, and the agent sends it to control-b)."""
+    notice = moment == "right_after_a_notice"
+    target = NOTICE_TARGET_STEPS if notice else TARGET_STEPS
     store = StoreProcess("127.0.0.1", free_port())
     store_b = StoreProcess("127.0.0.1", free_port())  # control-b's node's
     await asyncio.to_thread(store.start)
     partition = await Partition(etcd_cluster.endpoints).start()
     pace = tmp_path / "pace"
-    cfg, raw = _config(tmp_path, faults.url, store.port, pace_file=pace)
+    cfg, raw = _config(tmp_path, faults.url, store.port, target, paced=notice, pace_file=pace)
     pool, instances = raw["pool"]["name"], tmp_path / "instances"
     configs = {}
     ports = {"control-a": free_port(), "control-b": free_port()}
@@ -275,6 +282,11 @@ async def test_a_leader_lost_mid_training_costs_no_step(
                            timeout_s=60, daemons=(b,))
             await a.until(lambda: a.saw("checkpoint_committed"), timeout_s=240, what="the first periodic commit")
             attempt = a.saw("checkpoint_committed")[0]["data"]["attempt"]
+            if notice:  # a node in the job: under load one may join late
+                await a.until(lambda: any(e["data"].get("new") == 2 for e in a.saw("world_size_changed")),
+                              timeout_s=240, what="both nodes in the job")
+                sim.notice(a.saw("node_admitted")[-1]["node"], lead_s=60)
+                await a.until(lambda: a.saw("interruption_notice"), timeout_s=60, what="the notice reported")
             pace.touch()
             if fault == "killed":
                 await a.sigkill()
@@ -295,13 +307,13 @@ async def test_a_leader_lost_mid_training_costs_no_step(
             led_s = time.monotonic() - lost_at
             moved = f"rendezvous store 127.0.0.1:{store_b.port} was empty: re-published"
             await _until(lambda: any(moved in f.read_text(errors="replace") for f in instances.glob("*/trainer.log"))
-                         and _endpoints(instances) == {f"127.0.0.1:{store_b.port}"},
+                         and (notice or _endpoints(instances) == {f"127.0.0.1:{store_b.port}"}),
                          "every node following control-b's store", timeout_s=60)
             pace.unlink()  # seen: train on at full speed
             assert b.proc is not None
             assert await asyncio.wait_for(b.proc.wait(), 400) == 0  # the job completed, the pool released
             stored = _stored_events(tmp_path / "control-b" / "spotvisord.db")
-            s = summarize(instances, stored, target_steps=TARGET_STEPS, global_batch_size=GLOBAL_BATCH)
+            s = summarize(instances, stored, target_steps=target, global_batch_size=GLOBAL_BATCH)
             live = sim.live()
     finally:
         for proc in (a.proc, b.proc):
@@ -314,6 +326,9 @@ async def test_a_leader_lost_mid_training_costs_no_step(
         await asyncio.to_thread(store_b.stop)
     what = {"killed": "control-a's control node was killed", "cut_off": "control-a was cut off from etcd"}[fault]
     print(f"\nHA: control-b led {led_s:.2f} s after {what} (lease 4 s)")
-    _check(matrix, "mid_training", s, stored, seen, tmp_path, live, attempt, at_kill,
-           scenario={"killed": "HA leader's control node (daemon + store) SIGKILL mid training (real job, 2 nodes)",
-                     "cut_off": "HA leader cut off from etcd mid training (real job, 2 nodes)"}[fault])
+    _check(matrix, moment, s, stored, seen, tmp_path, live, attempt, at_kill, target_steps=target,
+           scenario={("killed", "mid_training"): "HA leader's control node (daemon + store) SIGKILL mid training",
+                     ("cut_off", "mid_training"): "HA leader cut off from etcd mid training",
+                     ("cut_off", "right_after_a_notice"): "HA leader cut off from etcd right after a notice, "
+                                                          "the shrink and the grow its standby's"}[fault, moment]
+           + " (real job, 2 nodes)")

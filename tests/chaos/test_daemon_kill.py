@@ -217,6 +217,10 @@ class Daemon:
                         s.get("http://spotvisord/v1/events", params={"follow": "1", "since": str(since)}) as r:
                     if not ready.done():
                         ready.set_result(None)
+                    if r.status != 200:  # 503: not durable yet, or (HA) no longer leading: ask again
+                        await r.read()
+                        await asyncio.sleep(0.05)
+                        continue
                     async for line in r.content:
                         if line.strip():
                             ev = json.loads(line)
