@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.ports import free_port
 from daemon.controlnode.rendezvous import RunnerStore, read_pid, wait_until_listening, write_pid
 from daemon.controlnode.store import Store
 from daemon.interfaces import demo_runner
@@ -62,14 +63,6 @@ class _Listener:
     stop = kill
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _chaos(seq: int, **data: object) -> Event:
     return Event(seq, 0.0, "chaos_injected", None, dict(data))
 
@@ -104,7 +97,7 @@ async def test_a_store_the_daemon_kills_is_restarted_by_the_runner_and_the_daemo
     the runner starts the store again after the event's ``restart_after_s``, writes its pid,
     and the daemon's wait (:meth:`RunnerStore.start`) returns once it listens. A second kill
     finds the new store by the file, not the first pid."""
-    port = _free_port()
+    port = free_port()
     store = _Listener(port)
     store.start()
     db, pid_file = tmp_path / "spotvisord.db", tmp_path / "rendezvous.pid"
@@ -140,7 +133,7 @@ async def test_a_store_the_daemon_kills_is_restarted_by_the_runner_and_the_daemo
 async def test_a_store_that_dies_of_no_chaos_is_restarted_as_its_unit_would(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demo_runner, "STORE_RESTART_SEC_S", 0.1)
-    port = _free_port()
+    port = free_port()
     store = _Listener(port)
     store.start()
     db, pid_file = tmp_path / "spotvisord.db", tmp_path / "rendezvous.pid"
@@ -167,7 +160,7 @@ async def test_a_store_that_dies_of_no_chaos_is_restarted_as_its_unit_would(tmp_
 def test_the_daemon_says_when_the_runner_starts_no_new_store(tmp_path: Path) -> None:
     pid_file = tmp_path / "rendezvous.pid"
     write_pid(pid_file, 2 ** 22 + 1)  # no such process
-    side = RunnerStore(pid_file, "127.0.0.1", _free_port())
+    side = RunnerStore(pid_file, "127.0.0.1", free_port())
     side.kill()  # gone already: nothing to do
     with pytest.raises(RuntimeError, match=f"no new rendezvous store within 0.3 s .*{pid_file.name}"):
         side.start(0.3)
