@@ -4,7 +4,8 @@ Against the real store process, SIGKILLed and started again empty on the same po
 chaos schedule's ``kill_store``): rank 0's join check never makes a step boundary wait
 while the store is down and finds joiners again once it is back; a joiner whose ticket
 the restart lost queues again and is admitted; the loss watch waits for the store with
-backoff (a handful of connect tries, never a spin) and is woken through the new store.
+backoff (a handful of connect tries, never a spin) and is woken through the new store; a
+survivor of a loss waits for the store on a fixed beat, bounded, where it is now.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from daemon.controlnode.rendezvous import StoreProcess
 from trainer import membership
-from trainer.contract import RDZV_ENDPOINT_ENV, RUN_ID_ENV
+from trainer.contract import RDZV_ENDPOINT_ENV, RDZV_ENDPOINT_FILE_ENV, RUN_ID_ENV, write_endpoint_file
 from trainer.credential import NodeCredential, Verifier
 from trainer.membership import JoinQueue, LossWatch, StoreRetry, wake_survivors
 from trainer.resize import Resizer
+from trainer.store_retry import wait_for_store
 from worker_procs import AUTHORITY, store_process, until as _until
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,3 +117,47 @@ def test_the_loss_watch_waits_for_the_store_with_backoff_and_is_woken_after(
         assert _until(lambda: watch.unblocked == 1, 15), "the wake through the new store did not reach the watch"
     finally:
         watch.stop()
+
+
+def test_a_survivor_waits_for_a_store_on_a_fixed_beat_and_gives_up_after_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now, probes = [0.0], []
+    monkeypatch.delenv(RDZV_ENDPOINT_FILE_ENV, raising=False)
+
+    def probe(endpoint: tuple[str, int]) -> bool:
+        probes.append(now[0])
+        return False
+
+    got = wait_for_store(("10.0.0.1", 29400), 3.0, what="x", clock=lambda: now[0], probe=probe,
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert got is None and now[0] == 3.0
+    assert probes == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0]  # on the beat, not a backoff: survivors arrive together
+
+
+def test_a_survivor_waiting_for_the_store_follows_it_to_a_new_leader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(tmp_path / "rendezvous"))
+    now, asked = [0.0], []
+
+    def probe(endpoint: tuple[str, int]) -> bool:
+        asked.append(endpoint)
+        if len(asked) == 3:  # the new leader's word reaches the node's file
+            write_endpoint_file(tmp_path / "rendezvous", "10.0.0.2:29500")
+        return endpoint == ("10.0.0.2", 29500)
+
+    got = wait_for_store(("10.0.0.1", 29400), 300.0, what="x", clock=lambda: now[0], probe=probe,
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert got == ("10.0.0.2", 29500) and asked[-1] == got and asked[0] == ("10.0.0.1", 29400)
+
+
+def test_a_survivor_waiting_for_a_killed_store_goes_on_once_it_is_back(store: StoreProcess) -> None:
+    store.kill()
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(wait_for_store(("127.0.0.1", store.port), 120.0, what="x")),
+                         daemon=True)
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive() and got == []  # still waiting: the store is down
+    store.start()  # empty, on the same port
+    t.join(timeout=30)
+    assert got == [("127.0.0.1", store.port)]

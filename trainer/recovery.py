@@ -7,7 +7,9 @@ the lost peer in these processes, and the step that failed is trained again. A
 :class:`~trainer.membership.LossWatch` (:meth:`Recovery.follow`) wakes a survivor blocked
 on a silent peer when the others re-form.
 
-What :meth:`Recovery.recover` does on every survivor: say it is coming, drop the old
+What :meth:`Recovery.recover` does on every survivor: wait for the rendezvous store if
+it is out of reach (restarting, or moving to a new HA leader; at most ``--store-wait-s``,
+probed on a fixed beat so the survivors arrive together), say it is coming, drop the old
 group, agree on the new membership with the others through the rendezvous store
 (:class:`~trainer.membership.SurvivorRound`: a rank that does not answer within
 ``--loss-settle-s`` of the first arrival is presumed lost, and the round waits for
@@ -41,6 +43,7 @@ from trainer.exchange import all_gather_json, broadcast_json
 from trainer.membership import JoinRefused, JoinTimeout, LossWatch, SurvivorRound, run_id
 from trainer.runtime import regroup, rendezvous_endpoint
 from trainer.storage import ObjectNotFoundError, StorageError
+from trainer.store_retry import wait_for_store
 
 __all__ = ["Recovery", "first_line"]
 
@@ -95,9 +98,12 @@ class Recovery:
         attempt at the step that failed (the module's docstring walks through it).
 
         Raises:
-            SystemExit(1): the survivors' world size cannot take the global batch, or this
-                rank's entry in the survivors' round does not verify (no join credential):
-                torchrun or the daemon takes over. A rank that arrives after the others
+            SystemExit(1): the survivors' world size cannot take the global batch, this
+                rank's entry in the survivors' round does not verify (no join credential),
+                or the rendezvous store stayed out of reach for ``--store-wait-s`` (the
+                round needs it; every survivor waits for it the same way, so a store
+                restarting or moving to a new HA leader costs no step): torchrun or the
+                daemon takes over. A rank that arrives after the others
                 re-formed joins them through the join queue instead, a boundary later.
         """
         job = self.job
@@ -105,6 +111,10 @@ class Recovery:
         log.warning("a collective failed at step %d (%s): re-forming the group without the lost peer", step, failure)
         endpoint = rendezvous_endpoint()
         assert endpoint is not None  # lost_a_peer
+        if wait_for_store(endpoint, job.args.store_wait_s, what="the survivors' round") is None:
+            log.warning("the rendezvous store stayed out of reach for --store-wait-s %.0f s: exiting for a "
+                        "restart from the newest commit", job.args.store_wait_s)
+            raise SystemExit(1)
         node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
         try:
             survivors = SurvivorRound(endpoint, run_id(), job.attempt, old_rank, old_world,

@@ -114,6 +114,10 @@ def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32
                    help="after a peer is lost without notice, how long a rank may take to answer the "
                         "survivors' round before it is presumed lost (seconds; the round then waits for "
                         "every rank that answered)")
+    p.add_argument("--store-wait-s", type=float, default=300.0,
+                   help="after a peer is lost without notice, how long a survivor waits for a rendezvous store "
+                        "that is out of reach (restarting, or moving to a new HA leader) before it exits for a "
+                        "restart from the newest commit (seconds; the survivors' round needs the store)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=keep_checkpoints,
                    help="committed checkpoints kept by gc")
     return p

@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 from trainer.contract import RDZV_ENDPOINT_FILE_ENV
 
-__all__ = ["PROBE_S", "MAX_RETRY_S", "StoreRetry", "store_reachable", "parse_endpoint", "current_endpoint"]
+__all__ = ["PROBE_S", "MAX_RETRY_S", "WAIT_POLL_S", "StoreRetry", "store_reachable", "parse_endpoint",
+           "current_endpoint", "wait_for_store"]
 
 log = logging.getLogger("trainer.membership")
 
@@ -31,6 +32,10 @@ log = logging.getLogger("trainer.membership")
 PROBE_S = 1.0
 #: The longest wait between two tries to reach the store while it is down (seconds).
 MAX_RETRY_S = 4.0
+#: How often :func:`wait_for_store` probes (seconds): on a fixed beat, not a backoff, so
+#: the survivors of one loss reach their round within about one beat of each other once
+#: the store is back, well inside ``--loss-settle-s`` (1 s by default).
+WAIT_POLL_S = 0.5
 
 
 def parse_endpoint(raw: str) -> tuple[str, int] | None:
@@ -66,6 +71,36 @@ def store_reachable(endpoint: tuple[str, int], timeout_s: float = PROBE_S) -> bo
             return True
     except OSError:
         return False
+
+
+def wait_for_store(default: tuple[str, int], wait_s: float, *, what: str,
+                   clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                   probe: Callable[[tuple[str, int]], bool] = store_reachable,
+                   poll_s: float = WAIT_POLL_S) -> tuple[str, int] | None:
+    """Block until the store accepts a connection, where it is now (:func:`current_endpoint`
+    of ``default``, read again at each probe: an HA takeover moves it), for at most
+    ``wait_s`` seconds; a probe every ``poll_s`` seconds (each at most :data:`PROBE_S`).
+    Returns the endpoint that answered, or None once ``wait_s`` has passed. ``what``:
+    who waits, for its two log lines (one when the store is out of reach, one when it is
+    back). For a membership change that cannot be made without the store (the
+    survivors' round after a loss): waiting costs nothing the store's absence does not,
+    and every rank that waits the same way arrives together once it is back."""
+    start = clock()
+    announced = False
+    while True:
+        endpoint = current_endpoint(default) or default
+        if probe(endpoint):
+            if announced:
+                log.warning("rendezvous store back after %.1f s: %s goes on", clock() - start, what)
+            return endpoint
+        if not announced:
+            announced = True
+            log.warning("rendezvous store %s:%d out of reach: %s waits for it (at most %.0f s)", endpoint[0],
+                        endpoint[1], what, wait_s)
+        left = wait_s - (clock() - start)
+        if left <= 0:
+            return None
+        sleep(min(poll_s, left))
 
 
 class StoreRetry:
