@@ -4,6 +4,8 @@ in the node's endpoint file, and every new store client of the workers goes ther
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,10 +14,11 @@ import torch.distributed as dist
 
 from daemon.gpunode.agent import NodeAgent
 from trainer.contract import RDZV_ENDPOINT_ENV, RDZV_ENDPOINT_FILE_ENV, write_endpoint_file
-from trainer.membership import JoinQueue
+from trainer.credential import NodeCredential, Verifier
+from trainer.membership import Admission, JoinQueue, Ticket
 from trainer.runtime import rendezvous_endpoint
 from trainer.store_retry import current_endpoint, parse_endpoint
-from worker_procs import until
+from worker_procs import AUTHORITY, until
 
 
 @pytest.mark.parametrize("raw,parsed", [
@@ -99,3 +102,75 @@ def test_the_loss_watch_moves_to_the_new_store_while_the_old_one_still_answers(
         assert old.check(["spotvisor/r/loss/a1/wake/0"]) is False
     finally:
         watch.stop()
+
+
+def _stores() -> tuple[dist.TCPStore, dist.TCPStore]:
+    return tuple(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # type: ignore[return-value]
+                               timeout=timedelta(seconds=10)) for _ in range(2))
+
+
+def _credential(node: str) -> NodeCredential:
+    return NodeCredential(AUTHORITY.issue(run="run1", node=node, now=time.time()))
+
+
+def test_a_joiner_queued_in_the_old_store_is_admitted_through_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader is cut off during a grow: the joiner queued in its store, then rank 0 and
+    the joiner both move to the new leader's (empty). Rank 0 admitted ticket 1 in the old
+    store earlier (a grow before); the joiner's new ticket 1 is still a new ticket to it."""
+    old, new = _stores()
+    path = tmp_path / "rendezvous"
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
+    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+    rank0 = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10, verifier=Verifier(AUTHORITY.public_key, "run1"))
+    earlier = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
+    earlier.register("n2", 0, 1, wait_s=300, credential=_credential("n2"))
+    assert [t.node for t in rank0.ready(1, lambda w: True)] == ["n2"]
+    rank0.admit(rank0.ready(1, lambda w: True), prefix="p/grow/1", first_rank=1, world_size=2)  # ticket 1
+    joiner = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
+    ticket = joiner.register("n3", 0, 1, wait_s=300, credential=_credential("n3"))
+    assert ticket.number == 2
+    admitted: list[Admission] = []
+    t = threading.Thread(target=lambda: admitted.append(joiner.wait(ticket)), daemon=True)
+    t.start()
+    write_endpoint_file(path, f"127.0.0.1:{new.port}")  # the new leader's word, before rank 0 saw ticket 2
+    picks: list[Ticket] = []
+    assert until(lambda: bool(picks.extend(rank0.ready(2, lambda w: True)) or picks)), "no ticket in the new store"
+    assert [(p.number, p.node) for p in picks] == [(1, "n3")]  # the new store's ticket 1: not the old one's
+    rank0.admit(picks, prefix="p/grow/2", first_rank=2, world_size=3)
+    t.join(timeout=30)
+    assert [(a.rank, a.world_size, a.prefix) for a in admitted] == [(2, 3, "p/grow/2")]
+
+
+def test_an_admission_written_in_the_old_store_before_the_move_still_counts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = _stores()
+    path = tmp_path / "rendezvous"
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
+    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+    rank0 = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10, verifier=Verifier(AUTHORITY.public_key, "run1"))
+    joiner = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
+    ticket = joiner.register("n3", 0, 1, wait_s=300, credential=_credential("n3"))
+    joiner.store.check(["x"])  # its client of the old store is open, as a waiting joiner's is
+    rank0.admit(rank0.ready(1, lambda w: True), prefix="p/grow/1", first_rank=1, world_size=2)
+    write_endpoint_file(path, f"127.0.0.1:{new.port}")  # it moved before the joiner looked again
+    admission = joiner.wait(ticket)
+    assert (admission.rank, admission.world_size) == (1, 2)
+    assert not new.check(["spotvisor/run1/join/t/1"])  # not queued again: it was admitted
+
+
+def test_a_ticket_number_another_joiner_took_in_a_store_back_empty_is_not_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = _stores()
+    path = tmp_path / "rendezvous"
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
+    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+    mine = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
+    ticket = mine.register("n3", 0, 1, wait_s=300, credential=_credential("n3"))
+    write_endpoint_file(path, f"127.0.0.1:{new.port}")
+    other = JoinQueue(("127.0.0.1", new.port), "run1", timeout_s=10)
+    theirs = other.register("n4", 0, 1, wait_s=300, credential=_credential("n4"))
+    assert ticket.number == theirs.number == 1
+    again = mine._moved(ticket)[0]
+    assert again.number == 2 and again.expires == ticket.expires  # its own ticket, not n4's number
+    assert '"n3"' in new.get("spotvisor/run1/join/t/2").decode()

@@ -158,12 +158,30 @@ class JoinQueue:
 
     @property
     def store(self) -> dist.Store:
-        """The queue's client, built again when the store has moved (an HA takeover)."""
+        """The queue's client, built again when the store has moved (an HA takeover). Ticket
+        numbers are each store's own: what rank 0 read or resolved in the old one is
+        forgotten with it (a ticket 1 queued in the new store is a new ticket)."""
         at = self.endpoint
         if self._store is None or at != self._store_at:
             client = dist.TCPStore(at[0], at[1], is_master=False, timeout=timedelta(seconds=self.timeout_s))
+            if self._store_at is not None and at != self._store_at:
+                self._seen, self._resolved = {}, set()
             self._store, self._store_at = dist.PrefixStore(self.prefix, client), at
         return self._store
+
+    def _moved(self, ticket: Ticket) -> tuple[Ticket, Admission | None]:
+        """The joiner's side of a store move (an HA takeover, the old store perhaps still
+        answering): an admission rank 0 wrote in the old store before it moved still
+        counts; else ``ticket`` is queued again in the new store, where rank 0 now looks."""
+        old, key = self._store, f"a/{ticket.number}"
+        if old is not None:
+            try:
+                if old.check([key]):
+                    return ticket, self._admission(ticket, old.get(key).decode())
+            except dist.DistError:  # the old store is gone with its control node: nothing was admitted there
+                pass
+        self._store = None
+        return self._requeue(ticket), None
 
     def _fields(self, number: int, node: str, local_rank: int, local_world: int, expires: float) -> dict[str, Any]:
         """What a ticket's proof signs: its fields, its number and the run."""
@@ -173,12 +191,13 @@ class JoinQueue:
     # -- the joiner's side
 
     def register(self, node: str, local_rank: int, local_world: int, *, wait_s: float,
-                 credential: NodeCredential | None, now: float | None = None) -> Ticket:
+                 credential: NodeCredential | None, now: float | None = None, expires: float | None = None) -> Ticket:
         """Queue this worker with its node's ``credential`` (None: rank 0 will refuse it);
-        returns its ticket (it expires ``wait_s`` from ``now``)."""
+        returns its ticket (it expires ``wait_s`` from ``now``, or at ``expires``: a ticket
+        queued again keeps its first expiry)."""
         now = time.time() if now is None else now
         number = int(self.store.add("tickets", 1))
-        ticket = Ticket(number, node, local_rank, local_world, now + wait_s)
+        ticket = Ticket(number, node, local_rank, local_world, now + wait_s if expires is None else expires)
         fields = self._fields(number, node, local_rank, local_world, ticket.expires)
         body = {k: fields[k] for k in ("node", "local_rank", "local_world", "expires")}
         if credential is not None:
@@ -229,11 +248,17 @@ class JoinQueue:
                     if not store_reachable(self.endpoint):
                         raise dist.DistNetworkError("no answer")
                     ticket = self._requeue(ticket)
-                key = f"a/{ticket.number}"
-                if self.store.check([key]):
-                    return self._admission(ticket, self.store.get(key).decode())
-                if self.store.check(["completed"]):
-                    raise JobCompleted(f"the job completed at step {self.store.get('completed').decode()} "
+                elif self._store is not None and self.endpoint != self._store_at:  # the store moved
+                    ticket, admitted = self._moved(ticket)
+                    if admitted is not None:
+                        return admitted
+                # the client the ticket is in, not the property: a move seen between the check
+                # above and a read here would switch stores with the ticket left behind
+                store, key = self._store if self._store is not None else self.store, f"a/{ticket.number}"
+                if store.check([key]):
+                    return self._admission(ticket, store.get(key).decode())
+                if store.check(["completed"]):
+                    raise JobCompleted(f"the job completed at step {store.get('completed').decode()} "
                                        f"before node {ticket.node} joined")
                 retry.ok()
                 time.sleep(poll_s)
@@ -253,15 +278,28 @@ class JoinQueue:
                           f"before its wait ended")
 
     def _requeue(self, ticket: Ticket) -> Ticket:
-        """After the store was out of reach: ``ticket`` again if the store kept it, else
-        (a store restarted empty) a new ticket for the same worker with the same expiry."""
-        if self.store.check([f"t/{ticket.number}"]):
+        """After the store was out of reach or moved: ``ticket`` again if the store kept it,
+        else (a store restarted empty, or a new leader's) a new ticket for the same worker
+        with the same expiry. The ticket is kept only if the store's entry of its number is
+        this worker's: in a store that lost it, another joiner may hold that number now."""
+        key = f"t/{ticket.number}"
+        if self.store.check([key]) and self._ours(ticket, self.store.get(key)):
             return ticket
-        again = self.register(ticket.node, ticket.local_rank, ticket.local_world, wait_s=ticket.expires - time.time(),
-                              credential=self._credential)
-        log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted): queued again as "
-                    "ticket %d", ticket.node, ticket.number, again.number)
+        again = self.register(ticket.node, ticket.local_rank, ticket.local_world, wait_s=0.0,
+                              credential=self._credential, expires=ticket.expires)
+        log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted or moved): queued "
+                    "again as ticket %d", ticket.node, ticket.number, again.number)
         return Ticket(again.number, again.node, again.local_rank, again.local_world, again.expires)
+
+    @staticmethod
+    def _ours(ticket: Ticket, raw: bytes) -> bool:
+        """Whether a ticket entry (:meth:`register`'s body) is ``ticket``'s."""
+        try:
+            body = json.loads(raw)
+            return (body["node"], body["local_rank"], body["expires"]) == (ticket.node, ticket.local_rank,
+                                                                           ticket.expires)
+        except (ValueError, KeyError, TypeError):
+            return False
 
     @staticmethod
     def _admission(ticket: Ticket, raw: str) -> Admission:
