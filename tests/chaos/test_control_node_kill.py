@@ -225,8 +225,8 @@ def _check(matrix: Matrix, moment: str, s: dict[str, Any], stored: list[Event], 
 
 
 @pytest.mark.parametrize(("fault", "moment"), [("killed", "mid_training"), ("cut_off", "mid_training"),
-                                               ("cut_off", "right_after_a_notice")],
-                         ids=["killed", "cut_off", "cut_off_after_a_notice"])
+                                               ("cut_off", "right_after_a_notice"), ("cut_off", "during_a_grow")],
+                         ids=["killed", "cut_off", "cut_off_after_a_notice", "cut_off_during_a_grow"])
 async def test_a_leader_lost_mid_training_costs_no_step(
         tmp_path: Path, faults: AwsFaultProxy, ec2_server: str, matrix: Matrix,
         etcd_cluster: EtcdCluster, fault: str, moment: str) -> None:  # noqa: F811
@@ -246,8 +246,13 @@ async def test_a_leader_lost_mid_training_costs_no_step(
     the store moves however long the takeover took. ``cut_off_after_a_notice``: the cut
     comes as soon as control-a has a node's interruption notice, so the notice's commit,
     the survivors' shrink and the replacement's purchase and grow are control-b's (a report
-    control-a cannot make durable is answered 503, and the agent sends it to control-b)."""
-    notice = moment == "right_after_a_notice"
+    control-a cannot make durable is answered 503, and the agent sends it to control-b).
+    ``cut_off_during_a_grow``: control-a handles the notice, buys the replacement and admits
+    it; the cut comes then, before the grow lands, and control-b records it. The joiner
+    queues wherever the store is when its trainer starts (control-b's in these runs, about
+    10 s after the cut; a ticket queued in control-a's store follows the move:
+    ``tests/test_store_address.py``)."""
+    notice = moment != "mid_training"
     target = NOTICE_TARGET_STEPS if notice else TARGET_STEPS
     store = StoreProcess("127.0.0.1", free_port())
     store_b = StoreProcess("127.0.0.1", free_port())  # control-b's node's
@@ -285,8 +290,15 @@ async def test_a_leader_lost_mid_training_costs_no_step(
             if notice:  # a node in the job: under load one may join late
                 await a.until(lambda: any(e["data"].get("new") == 2 for e in a.saw("world_size_changed")),
                               timeout_s=240, what="both nodes in the job")
+                first = {e["node"] for e in a.saw("node_admitted")}  # the job's own two
                 sim.notice(a.saw("node_admitted")[-1]["node"], lead_s=60)
                 await a.until(lambda: a.saw("interruption_notice"), timeout_s=60, what="the notice reported")
+                if moment == "during_a_grow":  # control-a buys the replacement and admits it: cut then
+                    await a.until(lambda: [e for e in a.saw("node_admitted") if e["node"] not in first],
+                                  timeout_s=240, what="the replacement admitted")
+                    noticed = a.saw("interruption_notice")[0]["seq"]
+                    assert not [e for e in a.saw("world_size_changed") if e["data"].get("new") == 2
+                                and e["seq"] > noticed], "the grow landed before the cut"
             pace.touch()
             if fault == "killed":
                 await a.sigkill()
@@ -330,5 +342,7 @@ async def test_a_leader_lost_mid_training_costs_no_step(
            scenario={("killed", "mid_training"): "HA leader's control node (daemon + store) SIGKILL mid training",
                      ("cut_off", "mid_training"): "HA leader cut off from etcd mid training",
                      ("cut_off", "right_after_a_notice"): "HA leader cut off from etcd right after a notice, "
-                                                          "the shrink and the grow its standby's"}[fault, moment]
+                                                          "the shrink and the grow its standby's",
+                     ("cut_off", "during_a_grow"): "HA leader cut off from etcd during the replacement's grow"
+                     }[fault, moment]
            + " (real job, 2 nodes)")
