@@ -190,7 +190,11 @@ async def test_a_flush_on_the_wire_at_close_loses_none_of_the_last_writes(client
             await applied.wait()
         store.append_event("pool_released", None, {})
         closing = asyncio.create_task(store.aclose())
-        await asyncio.sleep(0)  # a yield: the close runs up to its first wait
+        async with asyncio.timeout(10):
+            while store._flusher is not None:  # the close has begun: it took the flusher
+                await asyncio.sleep(0)
+        # the premise: the close waits on the lock the flush holds with its txn on the wire
+        assert store._lock.locked() and not closing.done()
         answer.set()
         async with asyncio.timeout(10):
             await closing
