@@ -27,7 +27,8 @@ optimum is the DP with our job's boot, restart, load, copy and egress. The two
 simulators differ, so against the published figures that is a comparison of magnitude.
 ``--cost-model skynomad`` charges as the artifact's simulator does
 (:mod:`bench.replay.tickmodel`) and runs its UP(S) baseline and the optimal schedule
-there, like for like with the published UP(S) and Optimal.
+there, like for like with the published UP(S) and Optimal, beside our home-zone policy
+(:mod:`bench.replay.homezone`) and, with ``--lookahead``, the model-predictive one.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bench.replay.__main__ import _Parser, render, ON_DEMAND, domains_for
+from bench.replay.homezone import HomeZone
 from bench.replay.lookahead import LookAhead
 from bench.replay.optimum import optimal, optimum
 from bench.replay.sim import JobModel, Market, Replay, Result
@@ -97,15 +99,15 @@ def tick_market(trace: Trace, w: int, zones: Sequence[str] = ZONES) -> TickMarke
 
 
 def run_window_skynomad(trace: Trace, w: int, *, lookahead: bool = False) -> tuple[list[TickResult], float]:
-    """Window ``w`` in SkyNomad's cost model: on-demand, UP(S), the optimal schedule (and
-    the look-ahead policy, seeded, given the two windows before as its past), and the
-    optimum's lower bound (USD)."""
+    """Window ``w`` in SkyNomad's cost model: on-demand, UP(S), the optimal schedule, the
+    home-zone policy (and the look-ahead policy, seeded), each policy that learns given
+    the two windows before as its past, and the optimum's lower bound (USD)."""
     m = tick_market(trace, w)
+    start = max(0, (w - 2) * WINDOW_TICKS)
+    past = TickMarket.from_trace(trace, ZONES, start, w * WINDOW_TICKS - start, gap_s=TICK_S).avail
     rows = [simulate(m, SKYNOMAD_JOB, OnDemand()), simulate(m, SKYNOMAD_JOB, UniformProgress()),
-            optimal(m, SKYNOMAD_JOB)]
+            optimal(m, SKYNOMAD_JOB), simulate(m, SKYNOMAD_JOB, HomeZone(past))]
     if lookahead:
-        start = max(0, (w - 2) * WINDOW_TICKS)
-        past = TickMarket.from_trace(trace, ZONES, start, w * WINDOW_TICKS - start, gap_s=TICK_S).avail
         rows.append(simulate(m, SKYNOMAD_JOB, LookAhead(past)))
     return rows, optimum(m, SKYNOMAD_JOB).cost_usd
 
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", default=",".join(map(str, WINDOWS)))
     p.add_argument("--cost-model", choices=("ours", "skynomad"), default="ours",
                    help="ours: the daemon's policies in bench.replay.sim (default); skynomad: the artifact's "
-                   "charging (bench.replay.tickmodel) with its UP(S) and the optimal schedule")
+                   "charging (bench.replay.tickmodel) with its UP(S), the optimal schedule and the home-zone "
+                   "policy (bench.replay.homezone)")
     p.add_argument("--no-migration", action="store_true", help="the job stays in us-east-1 (--cost-model ours)")
     p.add_argument("--lookahead", action="store_true", help="--cost-model skynomad: add the look-ahead policy's "
                    "row (bench.replay.lookahead; about 25 s per window)")
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     bounds: list[float] = []
     dump: dict[str, dict] = {}
     if args.cost_model == "skynomad":
-        rows = [Row(ON_DEMAND), Row("up_s"), Row("optimal")] + ([Row("lookahead")] if args.lookahead else [])
+        rows = [Row(ON_DEMAND), Row("up_s"), Row("optimal"), Row("home_zone")] + (
+            [Row("lookahead")] if args.lookahead else [])
         for w in windows:
             rs, bound = run_window_skynomad(trace, w, lookahead=args.lookahead)
             bounds.append(bound)
