@@ -30,8 +30,6 @@ Members never outlive the test process, however it ends (pytest SIGKILLed includ
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ctypes
 import json
 import os
@@ -49,7 +47,7 @@ import pytest
 
 from bench.ports import free_port
 
-__all__ = ["ETCD_BIN", "EtcdCluster", "EtcdMember", "Partition", "etcd_binary", "etcd_cluster", "sweep_orphans"]
+__all__ = ["ETCD_BIN", "EtcdCluster", "EtcdMember", "etcd_binary", "etcd_cluster", "sweep_orphans"]
 
 ETCD_BIN = os.environ.get("SPOTVISOR_ETCD_BIN", "/usr/bin/etcd")
 INSTALL_HINT = "etcd is missing: install Debian's server with `apt-get install -y etcd-server` (or `make test-deps`)"
@@ -305,58 +303,3 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         cluster.stop()
 
 
-class Partition:
-    """A network partition between one daemon and the etcd cluster, on loopback: give the
-    daemon :attr:`endpoints` for ``ha.endpoints`` (tests/test_partition_leader.py,
-    tests/chaos/test_control_node_kill.py). One TCP forwarder per etcd member (``targets``: ``HOST:PORT``);
-    :attr:`endpoints` are theirs. :meth:`cut` aborts every forwarded connection and
-    makes the forwarders reset new ones at once."""
-
-    def __init__(self, targets: list[str]) -> None:
-        self.targets = targets
-        self.endpoints: list[str] = []
-        self.is_cut = False
-        self._servers: list[asyncio.Server] = []
-        self._transports: set[asyncio.BaseTransport] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> "Partition":
-        for target in self.targets:
-            host, _, port = target.rpartition(":")
-
-            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             host: str = host, port: int = int(port)) -> None:
-                if self.is_cut:
-                    writer.transport.abort()
-                    return
-                try:
-                    up_reader, up_writer = await asyncio.open_connection(host, port)
-                except OSError:
-                    writer.transport.abort()
-                    return
-                self._transports.update((writer.transport, up_writer.transport))
-                await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-
-            server = await asyncio.start_server(handle, "127.0.0.1", 0)
-            self._servers.append(server)
-            self.endpoints.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        return self
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.transport.abort()
-
-    def cut(self) -> None:
-        self.is_cut = True
-        for t in self._transports:
-            t.abort()
-
-    async def close(self) -> None:
-        self.cut()
-        for s in self._servers:
-            s.close()
-            await s.wait_closed()

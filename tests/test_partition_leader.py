@@ -3,7 +3,7 @@ deposed, so its own clock must stop it.
 
 Two real ``spotvisord run`` on one HA config (tests/test_ha_daemon.py's pair), a real
 3-member etcd cluster, EC2 as moto behind ``AwsFaultProxy``. control-a reaches etcd only
-through :class:`etcd_cluster.Partition`, TCP forwarders on loopback; ``cut()`` resets every
+through :class:`daemon.ha.partition.Partition`, TCP forwarders on loopback; ``cut()`` resets every
 connection through them and refuses new ones, as a network partition between the leader and
 etcd would (the cloud and the operator still reach a). Every wait is on a condition with a
 deadline.
@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from fakes.aws_faults import AwsFaultProxy
-from etcd_cluster import Partition, etcd_cluster  # noqa: F401  (fixture)
+from daemon.ha.partition import Partition
+from etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
 from bench.ha_harness import instances, per_node, until
 from test_ha_daemon import _launched_n, ha_pair  # noqa: F401  (ha_pair: fixture)
 

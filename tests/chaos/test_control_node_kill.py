@@ -34,7 +34,8 @@ from bench.ha_harness import Daemon as HaDaemon, until as ha_until
 from bench.ports import free_port
 from chaos.conftest import Matrix, lost_events
 from chaos.test_daemon_kill import Daemon, Ec2Sim, _stored_events
-from etcd_cluster import EtcdCluster, Partition, etcd_cluster  # noqa: F401  (fixture)
+from daemon.ha.partition import Partition
+from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401  (fixture)
 from daemon.analysis.summary import summarize
 from daemon.controlnode.rendezvous import StoreProcess
 from daemon.model import Event
@@ -234,7 +235,7 @@ async def test_a_leader_lost_mid_training_costs_no_step(
     Mid-training control-a is lost: ``killed``, its control node dies (the daemon and the
     rendezvous store, SIGKILLed); ``cut_off`` (the ``partition_leader`` fault), a network
     partition between it and etcd (it reaches etcd only through
-    :class:`etcd_cluster.Partition`, which is cut): it cannot learn it was deposed, so its
+    :class:`daemon.ha.partition.Partition`, which is cut): it cannot learn it was deposed, so its
     own clock stops it (exit 1, fail closed) while its store stays up. Either way
     control-b leads within 10 s, reads the pool from etcd and runs the job to its end: the
     same worker group, 0 lost steps, no stall. Nothing floats: the two daemons listen for
