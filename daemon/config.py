@@ -1000,9 +1000,9 @@ class Domain:
 
 
 #: the chaos actions that hit the control node (no ``node``; each restarts what it killed)
-CONTROL_NODE_FAULTS = ("kill_store", "kill_daemon", "kill_control_node")
-#: those of them that kill the daemon itself: only an outside runner restarts it
-DAEMON_FAULTS = ("kill_daemon", "kill_control_node")
+CONTROL_NODE_FAULTS = ("kill_store", "kill_daemon", "kill_control_node", "partition_leader")
+#: those of them that end the daemon itself: only an outside runner starts it again
+DAEMON_FAULTS = ("kill_daemon", "kill_control_node", "partition_leader")
 
 
 class ChaosEvent(_Spec):
@@ -1032,6 +1032,14 @@ class ChaosEvent(_Spec):
     systemd restarts the daemon, and the event is recorded as skipped. No ``node``. A
     restarted daemon fires only the events no earlier daemon recorded.
 
+    ``partition_leader`` (needs ``ha:``): the leading daemon is cut off from etcd for
+    ``restart_after_s`` seconds, its nodes and its rendezvous store still in reach. It
+    cannot renew its lease, so it stops fail closed (exit 1, one line saying why) before
+    the lease ends; the outside runner (``spotvisord demo``) heals the partition after
+    ``restart_after_s`` and starts it again, as ``Restart=on-failure`` would, and it leads
+    again from the pool's state in etcd. The nodes train on meanwhile. Under ``spotvisord
+    run`` the event is recorded as skipped. No ``node``.
+
     ``hold_replacements_for_steps``: from the fault on, launched instances do not
     boot until the job, resumed after the fault (at the smaller world size), has
     trained that many steps (the schedule waits for it before the next event), so the
@@ -1040,7 +1048,8 @@ class ChaosEvent(_Spec):
     ``at_step`` by the time its notice commit lands.
     """
 
-    action: Literal["notice", "kill", "capacity_out", "kill_store", "kill_daemon", "kill_control_node"]
+    action: Literal["notice", "kill", "capacity_out", "kill_store", "kill_daemon", "kill_control_node",
+                    "partition_leader"]
     node: int | None = Field(None, ge=1)
     at_step: int | None = Field(None, ge=0)
     at_s: float | None = Field(None, ge=0, le=MAX_DURATION_S)
@@ -1051,7 +1060,8 @@ class ChaosEvent(_Spec):
     # error, for ``for_s`` seconds (as a region out of a GPU type does)
     domain: str | None = None
     for_s: float = Field(600.0, gt=0, le=MAX_DURATION_S)
-    # kill_store, kill_daemon, kill_control_node: seconds from the kill to the restart
+    # kill_store, kill_daemon, kill_control_node: seconds from the kill to the restart;
+    # partition_leader: seconds the partition lasts
     restart_after_s: float = Field(3.0, ge=0, le=MAX_DURATION_S)
 
     @model_validator(mode="after")
@@ -1275,6 +1285,9 @@ class Config(_Spec):
             if name in names[:i]:
                 raise ValueError(f"notify.{i}.name: sink {name!r} is named twice (give each sink its own name)")
         for i, ev in enumerate(self.chaos):
+            if ev.action == "partition_leader" and self.ha is None:
+                raise ValueError(f"chaos.{i}.action: partition_leader cuts the leading daemon off from etcd, and "
+                                 "this config has no ha: section (add one, or use kill_daemon)")
             if ev.action == "notice" and ev.lead_s <= 0:
                 raise ValueError(f"chaos.{i}.lead_s: a notice needs a lead time > 0 (or use action: kill)")
             if ev.at_step is not None and ev.at_step >= self.job.target_steps:

@@ -173,6 +173,11 @@ BAD = [
         ["chaos.0.restart_after_s: ", "greater than or equal to 0"],
     ),
     (
+        "partition_leader_without_ha",  # nothing to cut the daemon off from: it keeps its state in SQLite
+        "chaos:\n  - {action: partition_leader, at_step: 3}\n",
+        ["chaos.0.action: ", "partition_leader cuts the leading daemon off from etcd", "add one, or use kill_daemon"],
+    ),
+    (
         "restart_after_on_a_node_kill",
         "chaos:\n  - {action: kill, node: 1, at_step: 3, restart_after_s: 5}\n",
         ["chaos.0: ", "restart_after_s: only kill_store", "remove it"],

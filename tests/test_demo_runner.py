@@ -27,7 +27,7 @@ from bench.ports import free_port
 from daemon.controlnode.rendezvous import RunnerStore, read_pid, wait_until_listening, write_pid
 from daemon.controlnode.store import Store
 from daemon.interfaces import demo_runner
-from daemon.interfaces.demo_runner import STORE_FAULTS, _StoreKeeper, restart_for
+from daemon.interfaces.demo_runner import STORE_FAULTS, SqliteEventLog, _StoreKeeper, restart_for
 from daemon.model import Event
 
 _LISTEN = ("import socket, sys, time\n"
@@ -67,7 +67,8 @@ def _chaos(seq: int, **data: object) -> Event:
     return Event(seq, 0.0, "chaos_injected", None, dict(data))
 
 
-@given(st.lists(st.tuples(st.sampled_from(["kill_store", "kill_control_node", "kill_daemon", "notice"]),
+@given(st.lists(st.tuples(st.sampled_from(["kill_store", "kill_control_node", "kill_daemon", "partition_leader",
+                                           "notice"]),
                           st.booleans()), max_size=8),
        st.sets(st.integers(0, 7)))
 def test_the_store_is_restarted_for_the_newest_unhandled_store_kill_only(fired: list[tuple[str, bool]],
@@ -76,8 +77,10 @@ def test_the_store_is_restarted_for_the_newest_unhandled_store_kill_only(fired: 
     want = [e for e in stored if e.data["action"] in STORE_FAULTS and not e.data["skipped"]
             and e.data["index"] not in handled]
     assert restart_for(stored, handled, STORE_FAULTS) == (want[-1] if want else None)
-    daemon = restart_for(stored, handled)  # the daemon's: kill_daemon and kill_control_node
-    assert daemon is None or daemon.data["action"] in ("kill_daemon", "kill_control_node")
+    daemon = restart_for(stored, handled)  # the faults that end the daemon
+    assert daemon is None or daemon.data["action"] in ("kill_daemon", "kill_control_node", "partition_leader")
+    killed = restart_for(stored, handled, ("kill_daemon", "kill_control_node"))  # what a SIGKILL is blamed on
+    assert killed is None or killed.data["action"] != "partition_leader"
 
 
 def test_a_pid_file_is_read_whole_or_not_at_all(tmp_path: Path) -> None:
@@ -104,7 +107,7 @@ async def test_a_store_the_daemon_kills_is_restarted_by_the_runner_and_the_daemo
     write_pid(pid_file, store.pid or 0)
     events = Store(db).open()
     said: list[str] = []
-    keeper = _StoreKeeper(store, db, pid_file, said.append)  # type: ignore[arg-type]
+    keeper = _StoreKeeper(store, SqliteEventLog(db), pid_file, said.append)  # type: ignore[arg-type]
     keeping = asyncio.create_task(keeper.run())
     daemon_side = RunnerStore(pid_file, "127.0.0.1", port)
     try:
@@ -139,7 +142,7 @@ async def test_a_store_that_dies_of_no_chaos_is_restarted_as_its_unit_would(tmp_
     db, pid_file = tmp_path / "spotvisord.db", tmp_path / "rendezvous.pid"
     write_pid(pid_file, store.pid or 0)
     said: list[str] = []
-    keeper = _StoreKeeper(store, db, pid_file, said.append)  # type: ignore[arg-type]
+    keeper = _StoreKeeper(store, SqliteEventLog(db), pid_file, said.append)  # type: ignore[arg-type]
     keeping = asyncio.create_task(keeper.run())
     try:
         first = store.pid

@@ -18,9 +18,9 @@
   and every instance is released.
 - ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
   target on the local provider with its chaos schedule, print events as they
-  happen and a summary at the end (``make demo``). A schedule that kills the daemon
-  (``kill_daemon``, ``kill_control_node``) runs it as a child, ``spotvisord run``, and
-  restarts it as systemd would (:mod:`daemon.interfaces.demo_runner`).
+  happen and a summary at the end (``make demo``). A schedule that ends the daemon
+  (``kill_daemon``, ``kill_control_node``, ``partition_leader``) runs it as a child,
+  ``spotvisord run``, and restarts it as systemd would (:mod:`daemon.interfaces.demo_runner`).
 - ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
   (``spotvisor-rendezvous.service``), listening on ``H`` only (default 127.0.0.1).
 
@@ -578,7 +578,8 @@ async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float 
 
 def _runner_overrides(config: Config, args: argparse.Namespace) -> Config:
     """``run``'s hidden options, given by the demo's runner: the run directory, the control
-    socket and the ports it chose."""
+    socket and the ports it chose, and (``partition_leader``) the etcd endpoints of its
+    partition's forwarders (:class:`daemon.ha.partition.Partition`)."""
     daemon = {k: v for k, v in (("state_dir", args.state_dir), ("socket", args.socket),
                                 ("agent_port", args.agent_port)) if v is not None}
     if daemon:
@@ -586,6 +587,9 @@ def _runner_overrides(config: Config, args: argparse.Namespace) -> Config:
     if args.rendezvous_port is not None:
         config = config.model_copy(
             update={"rendezvous": config.rendezvous.model_copy(update={"port": args.rendezvous_port})})
+    if args.etcd_endpoints and config.ha is not None:  # the runner's partition: etcd through its forwarders
+        config = config.model_copy(
+            update={"ha": config.ha.model_copy(update={"endpoints": args.etcd_endpoints.split(",")})})
     return config
 
 
@@ -608,8 +612,9 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--timeout-s", type=float, default=60.0, help="seconds each check may take (default %(default)s)")
     r = sub.add_parser("run", help="run the daemon (systemd service)")
     r.add_argument("--config", required=True)
-    for flag, kind in (("--state-dir", str), ("--socket", str), ("--agent-port", int), ("--rendezvous-port", int)):
-        r.add_argument(flag, type=kind, help=argparse.SUPPRESS)  # the demo's runner: its run dir and ports
+    for flag, kind in (("--state-dir", str), ("--socket", str), ("--agent-port", int), ("--rendezvous-port", int),
+                       ("--etcd-endpoints", str)):
+        r.add_argument(flag, type=kind, help=argparse.SUPPRESS)  # the demo's runner: its run dir, ports, partition
     d = sub.add_parser("demo", help="run the job on the local provider with its chaos schedule")
     d.add_argument("--config", default="configs/local.yaml")
     d.add_argument("--summary-json", type=Path)

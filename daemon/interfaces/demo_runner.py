@@ -1,8 +1,9 @@
 """``spotvisord demo`` as an outside runner, for the chaos that kills the daemon.
 
-When a demo's chaos schedule holds ``kill_daemon`` or ``kill_control_node``
-(:data:`daemon.config.DAEMON_FAULTS`), the daemon cannot run inside the demo's process: it
-must die by a real SIGKILL and come back on the same state, as ``systemd``'s ``Restart=``
+When a demo's chaos schedule holds ``kill_daemon``, ``kill_control_node`` or
+``partition_leader`` (:data:`daemon.config.DAEMON_FAULTS`), the daemon cannot run inside
+the demo's process: it must die by a real SIGKILL (or stop, cut off) and come back on the
+same state, as ``systemd``'s ``Restart=``
 brings back ``spotvisord.service``. The demo then plays the control node's service manager:
 
 1. It starts the rendezvous store (its child, as in every demo) and the daemon as a child
@@ -23,7 +24,15 @@ brings back ``spotvisord.service``. The demo then plays the control node's servi
    the file the daemon finds through :data:`STORE_PID_FILE_ENV`
    (:class:`daemon.controlnode.rendezvous.RunnerStore`).
 5. It prints the event log as it grows, and returns the log once the daemon exits 0 (the
-   job completed and the pool is released) for the demo's summary.
+   job completed and the pool is released) for the demo's summary. With ``ha:`` the log is
+   read where the pool keeps it, in etcd (:class:`EtcdEventLog`).
+6. ``partition_leader`` (``ha:``): the daemon reaches etcd through the runner's forwarders
+   (:class:`daemon.ha.partition.Partition`, given as ``--etcd-endpoints``); once the
+   runner reads the event in etcd it cuts them for the event's ``restart_after_s``
+   (:class:`_PartitionKeeper`). The daemon, unable to renew its lease, exits 1; the
+   runner waits until the partition has lasted its time, heals it and starts the daemon
+   again (``Restart=on-failure``). A SIGKILL is blamed on ``kill_daemon`` or
+   ``kill_control_node`` only, an exit 1 on ``partition_leader`` only.
 
 Without those actions ``spotvisord demo`` runs the daemon in its own process, as ever.
 """
@@ -31,6 +40,7 @@ Without those actions ``spotvisord demo`` runs the daemon in its own process, as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -40,7 +50,7 @@ import sqlite3
 import sys
 from contextlib import closing
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import structlog
 
@@ -129,6 +139,61 @@ def read_events(db: Path, since: int = 0) -> list[Event]:
     return out
 
 
+class SqliteEventLog:
+    """The events of a daemon whose store is its state directory's SQLite file."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+
+    async def read(self, since: int = 0) -> list[Event]:
+        return await asyncio.to_thread(read_events, self.db, since)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class EtcdEventLog:
+    """The events of a pool whose daemons keep its state in etcd (``ha:``), read where a
+    new leader reads them (``/spotvisor/<pool>/events/<seq>``, :mod:`daemon.ha.store`),
+    on the real endpoints: a partition the runner holds does not hide them from it."""
+
+    PAGE = 500  # keys a read asks for at once
+
+    def __init__(self, spec: Any, pool: str) -> None:
+        from daemon.ha.client import EtcdClient
+        from daemon.ha.elector import pool_prefix
+        from daemon.ha.leading import _credentials
+
+        self.client = EtcdClient(spec.endpoints, timeout_s=2.0, credentials=_credentials(spec))
+        self.prefix = pool_prefix(pool) + b"events/"
+
+    async def read(self, since: int = 0) -> list[Event]:
+        """The events after ``since``, in order; what was read so far when etcd stops
+        answering (logged at debug: the next read tries again)."""
+        from aetcd.utils import prefix_range_end
+
+        out: list[Event] = []
+        start, end = self.prefix + f"{since + 1:020d}".encode(), prefix_range_end(self.prefix)
+        try:
+            while True:
+                page = await self.client.range_page(start, end, limit=self.PAGE)
+                for kv in page.kvs:
+                    body = json.loads(kv.value)
+                    data = body.get("data")
+                    out.append(Event(int(kv.key[len(self.prefix):]), float(body["time"]), str(body["kind"]),
+                                     body.get("node"), data if isinstance(data, dict) else {"value": data}))
+                if not page.more or not page.kvs:
+                    return out
+                start = page.kvs[-1].key + b"\0"
+        except Exception as exc:  # noqa: BLE001 - etcd out of reach (or a key we cannot parse): next read
+            log.debug("demo_events_unreadable", error=str(exc)[:200])
+            return out
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.close()
+
+
 def _show(events: list[Event], line: Callable[[Event], None], seen: list[int]) -> None:
     """Print the events after ``seen[0]``, the last seq printed, and move it on."""
     for ev in events:
@@ -137,10 +202,48 @@ def _show(events: list[Event], line: Callable[[Event], None], seen: list[int]) -
             line(ev)
 
 
-async def _tail(db: Path, line: Callable[[Event], None], seen: list[int]) -> None:
+async def _tail(events: "SqliteEventLog | EtcdEventLog", line: Callable[[Event], None], seen: list[int],
+                partition: "_PartitionKeeper | None") -> None:
     while True:
-        _show(await asyncio.to_thread(read_events, db, seen[0]), line, seen)
+        new = await events.read(seen[0])
+        if partition is not None:
+            partition.saw(new)
+        _show(new, line, seen)
         await asyncio.sleep(TAIL_EVERY_S)  # a polling period, not synchronisation
+
+
+class _PartitionKeeper:
+    """The ``partition_leader`` fault (the module docstring, 6): the daemon reaches etcd
+    through :attr:`partition`; once its event is read, the partition is cut, and it is
+    healed when :meth:`heal` is called for it (the runner, before it starts the daemon
+    again) or, at the latest, ``restart_after_s`` after the cut."""
+
+    def __init__(self, partition: Any, out: Callable[[str], None]) -> None:
+        self.partition, self.out = partition, out
+        self.cut_at: dict[int, float] = {}  # chaos index → loop time of its cut
+        self._timers: list[asyncio.TimerHandle] = []
+
+    def saw(self, events: list[Event]) -> None:
+        for ev in events:
+            if (ev.kind == EventKind.CHAOS_INJECTED.value and ev.data.get("action") == "partition_leader"
+                    and not ev.data.get("skipped") and ev.data.get("index") not in self.cut_at):
+                index, for_s = ev.data.get("index"), float(ev.data.get("restart_after_s") or 0.0)
+                loop = asyncio.get_running_loop()
+                self.cut_at[index] = loop.time()
+                self.partition.cut()
+                self._timers.append(loop.call_later(for_s, self.partition.heal))
+                self.out(f"spotvisor demo: chaos #{index} cut the leading daemon off from etcd for {for_s:g} s")
+
+    async def healed(self, index: int, for_s: float) -> None:
+        """Wait until the partition of chaos ``index`` has lasted ``for_s``, then heal it."""
+        cut = self.cut_at.get(index, asyncio.get_running_loop().time())
+        await asyncio.sleep(max(0.0, cut + for_s - asyncio.get_running_loop().time()))  # the outage itself
+        self.partition.heal()
+
+    async def aclose(self) -> None:
+        for t in self._timers:
+            t.cancel()
+        await self.partition.close()
 
 
 class _StoreKeeper:
@@ -148,8 +251,9 @@ class _StoreKeeper:
     docstring, 4): :meth:`run` looks at the store every :data:`TAIL_EVERY_S` and starts it
     again once it died; :meth:`back` waits for the restart after a given chaos event."""
 
-    def __init__(self, store: "StoreProcess", db: Path, pid_file: Path, out: Callable[[str], None]) -> None:
-        self.store, self.db, self.pid_file, self.out = store, db, pid_file, out
+    def __init__(self, store: "StoreProcess", events: "SqliteEventLog | EtcdEventLog", pid_file: Path,
+                 out: Callable[[str], None]) -> None:
+        self.store, self.events, self.pid_file, self.out = store, events, pid_file, out
         self.restarted: set[int] = set()  # the chaos indices whose kill was answered by a restart
         self._changed = asyncio.Event()
 
@@ -162,7 +266,7 @@ class _StoreKeeper:
                 continue
             rc = proc.returncode
             await asyncio.to_thread(self.store.kill)  # reaps it, closes its pipes
-            fault = restart_for(await asyncio.to_thread(read_events, self.db), handled, STORE_FAULTS)
+            fault = restart_for(await self.events.read(), handled, STORE_FAULTS)
             if fault is not None:
                 handled.add(fault.data["index"])
                 wait_s = float(fault.data.get("restart_after_s") or 0.0)
@@ -195,10 +299,15 @@ class _StoreKeeper:
         return True
 
 
-def _child_argv(config: Config, config_path: str) -> list[str]:
+def _child_argv(config: Config, config_path: str, etcd: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", config_path,
             "--state-dir", str(config.daemon.state_path()), "--socket", str(config.daemon.socket_path()),
-            "--agent-port", str(config.daemon.agent_port), "--rendezvous-port", str(config.rendezvous.port)]
+            "--agent-port", str(config.daemon.agent_port), "--rendezvous-port", str(config.rendezvous.port),
+            *(["--etcd-endpoints", ",".join(etcd)] if etcd else [])]
+
+
+def _partitioned(config: Config) -> bool:
+    return config.ha is not None and any(ev.action == "partition_leader" for ev in config.chaos)
 
 
 async def run_outside(config: Config, config_path: str, *, store: "StoreProcess", timeout_s: float,
@@ -213,36 +322,58 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
     db, log_path, pid_file = state / "spotvisord.db", state / "daemon.log", state / "rendezvous.pid"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    events: SqliteEventLog | EtcdEventLog = (EtcdEventLog(config.ha, config.pool.name) if config.ha is not None
+                                             else SqliteEventLog(db))
+    partition: _PartitionKeeper | None = None
     lifeline_r, lifeline_w = os.pipe()  # both close-on-exec: the daemon gets the read end by pass_fds
     seen = [0]
-    write_pid(pid_file, store.pid or 0)
-    keeper = _StoreKeeper(store, db, pid_file, out)
-    tasks = [asyncio.create_task(_tail(db, line, seen), name="demo:tail"),
-             asyncio.create_task(keeper.run(), name="demo:store")]
+    tasks: list[asyncio.Task[None]] = []
     handled: set[int] = set()
     proc: asyncio.subprocess.Process | None = None
     try:
+        if _partitioned(config):
+            from daemon.ha.partition import Partition
+
+            assert config.ha is not None
+            partition = _PartitionKeeper(await Partition(config.ha.endpoints).start(), out)
+        write_pid(pid_file, store.pid or 0)
+        keeper = _StoreKeeper(store, events, pid_file, out)
+        tasks += [asyncio.create_task(_tail(events, line, seen, partition), name="demo:tail"),
+                  asyncio.create_task(keeper.run(), name="demo:store")]
         while True:
             env = {**os.environ, LIFELINE_FD_ENV: str(lifeline_r), STORE_PID_FILE_ENV: str(pid_file)}
+            argv = _child_argv(config, config_path, partition.partition.endpoints if partition else None)
             with os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as log_file:
                 proc = await asyncio.create_subprocess_exec(
-                    *_child_argv(config, config_path), stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
                     stderr=asyncio.subprocess.STDOUT, pass_fds=(lifeline_r,), env=env)
             try:
                 rc = await asyncio.wait_for(proc.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 out(f"spotvisor demo: the job did not complete within {timeout_s:g} s; see {log_path}")
-                return 1, await asyncio.to_thread(read_events, db)
+                return 1, await events.read()
             if rc == 0:
                 break
-            stored = await asyncio.to_thread(read_events, db)
+            stored = await events.read()
+            if partition is not None:
+                partition.saw(stored)
             _show(stored, line, seen)  # the daemon's last events before what we say of its end
-            fault = restart_for(stored, handled) if rc == -signal.SIGKILL else None
+            fault = None
+            if rc == -signal.SIGKILL:
+                fault = restart_for(stored, handled, ("kill_daemon", "kill_control_node"))
+            elif rc == 1 and partition is not None:  # deposed by the cut: it stopped fail closed
+                fault = restart_for(stored, handled, ("partition_leader",))
             if fault is None:
                 out(f"spotvisor demo: the daemon exited ({_how(rc)}) and no chaos said so; see {log_path}")
-                return 1, await asyncio.to_thread(read_events, db)
+                return 1, await events.read()
             handled.add(fault.data["index"])
             wait_s = float(fault.data.get("restart_after_s") or 0.0)
+            if fault.data.get("action") == "partition_leader":
+                assert partition is not None
+                out(f"spotvisor demo: the daemon (pid {proc.pid}) stopped, cut off from etcd by chaos "
+                    f"#{fault.data['index']}; restarting it once the partition heals")
+                await partition.healed(fault.data["index"], wait_s)
+                continue
             control_node = fault.data.get("action") == "kill_control_node"
             out(f"spotvisor demo: the daemon (pid {proc.pid}) was SIGKILLed by chaos #{fault.data['index']}"
                 f"{' with the rendezvous store' if control_node else ''}; restarting in {wait_s:g} s")
@@ -250,6 +381,9 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
             if control_node and not await keeper.back(fault.data["index"], STORE_BACK_WAIT_S):
                 out(f"spotvisor demo: the rendezvous store is not back {STORE_BACK_WAIT_S:g} s after the outage; "
                     "starting the daemon without it")
+        done = await events.read()
+        _show(done, line, seen)  # what the tail had not printed yet
+        return 0, done
     finally:
         for task in tasks:
             task.cancel()
@@ -258,9 +392,9 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
             await _stop(proc)
         os.close(lifeline_w)  # the instances' inits see the end of the pipe: whatever is left ends
         os.close(lifeline_r)
-    events = await asyncio.to_thread(read_events, db)
-    _show(events, line, seen)  # what the tail had not printed yet
-    return 0, events
+        if partition is not None:
+            await partition.aclose()
+        await events.aclose()
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:

@@ -10,8 +10,10 @@ SIGKILLs the node when the notice's time comes) or SIGKILLs it at once; or
 empty, ``restart_after_s`` later; or (``capacity_out``) answers a domain's launches
 with capacity errors for a while; or (``kill_daemon``) records the event and SIGKILLs
 the daemon itself, or (``kill_control_node``) SIGKILLs the rendezvous store and then the
-daemon: an outside runner (:mod:`daemon.interfaces.demo_runner`) starts them again, and the
-restarted daemon fires only the events no earlier one recorded (:func:`events_left`). With
+daemon, or (``partition_leader``, under ``ha:``) records the event for the outside runner
+to cut the daemon off from etcd: an outside runner (:mod:`daemon.interfaces.demo_runner`)
+starts them again, and the restarted daemon fires only the events no earlier one
+recorded (:func:`events_left`). With
 ``hold_replacements_for_steps`` the instances launched after the fault do not
 boot until the job, resumed after the fault, has trained that many steps (the
 schedule waits for it).
@@ -136,6 +138,9 @@ async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float,
             if (restart := await _kill_store(sup, i, ev, rendezvous)) is not None:
                 restarts.append(asyncio.create_task(restart, name=f"chaos:store_restart:{i}"))
             continue
+        if ev.action == "partition_leader":
+            _partition_leader(sup, i, ev, provider)  # the runner cuts once it reads the event in etcd
+            continue
         if ev.action in DAEMON_FAULTS:
             _kill_daemon(sup, i, ev, provider)  # returns only when skipped
             continue
@@ -212,6 +217,25 @@ async def _restart_store(sup: Supervisor, index: int, ev: ChaosEvent, store: "St
         return
     sup.record(EventKind.CHAOS_INJECTED, None, index=index, action="store_restarted",
                down_s=round(time.monotonic() - killed_at, 2), step=sup.job.step)
+
+
+def _partition_leader(sup: Supervisor, index: int, ev: ChaosEvent, provider: Any) -> None:
+    """``partition_leader``: record the event, with the partition's length. The outside
+    runner reads it where the pool's events are, in etcd (so it is durable before the
+    cut: a daemon that leads again fires it no more), and cuts this daemon off from
+    etcd; this daemon cannot renew its lease and stops fail closed (exit 1), and the
+    runner heals the partition ``ev.restart_after_s`` after the cut and starts it again.
+    Without a runner (under ``spotvisord run`` nobody holds a partition) the event is
+    recorded as skipped."""
+    if not getattr(provider, "outlives_daemon", False) or sup.config.ha is None:
+        reason = ("no outside runner here to cut this daemon off from etcd (spotvisord demo is one when its "
+                  "chaos ends the daemon)")
+        log.warning("chaos_target_not_running", index=index, target="leader", reason=reason)
+        sup.record(EventKind.CHAOS_INJECTED, None, index=index, action=ev.action, skipped=True, reason=reason)
+        return
+    sup.record(EventKind.CHAOS_INJECTED, None, index=index, action=ev.action, step=sup.job.step,
+               restart_after_s=ev.restart_after_s, pid=os.getpid())
+    log.warning("chaos_partitioning_leader", index=index, step=sup.job.step, for_s=ev.restart_after_s)
 
 
 def _kill_daemon(sup: Supervisor, index: int, ev: ChaosEvent, provider: Any) -> None:
