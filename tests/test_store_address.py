@@ -104,24 +104,29 @@ def test_the_loss_watch_moves_to_the_new_store_while_the_old_one_still_answers(
         watch.stop()
 
 
-def _stores() -> tuple[dist.TCPStore, dist.TCPStore]:
-    return tuple(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # type: ignore[return-value]
-                               timeout=timedelta(seconds=10)) for _ in range(2))
+Moved = tuple[dist.TCPStore, dist.TCPStore, Path]
+
+
+@pytest.fixture
+def moved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Moved:
+    """The old leader's store, the new leader's, and the node's endpoint file (naming the old)."""
+    old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+                for _ in range(2))
+    path = tmp_path / "rendezvous"
+    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
+    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+    return old, new, path
 
 
 def _credential(node: str) -> NodeCredential:
     return NodeCredential(AUTHORITY.issue(run="run1", node=node, now=time.time()))
 
 
-def test_a_joiner_queued_in_the_old_store_is_admitted_through_the_new_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_joiner_queued_in_the_old_store_is_admitted_through_the_new_one(moved: Moved) -> None:
     """The leader is cut off during a grow: the joiner queued in its store, then rank 0 and
     the joiner both move to the new leader's (empty). Rank 0 admitted ticket 1 in the old
     store earlier (a grow before); the joiner's new ticket 1 is still a new ticket to it."""
-    old, new = _stores()
-    path = tmp_path / "rendezvous"
-    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
-    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+    old, new, path = moved
     rank0 = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10, verifier=Verifier(AUTHORITY.public_key, "run1"))
     earlier = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
     earlier.register("n2", 0, 1, wait_s=300, credential=_credential("n2"))
@@ -142,12 +147,8 @@ def test_a_joiner_queued_in_the_old_store_is_admitted_through_the_new_one(
     assert [(a.rank, a.world_size, a.prefix) for a in admitted] == [(2, 3, "p/grow/2")]
 
 
-def test_an_admission_written_in_the_old_store_before_the_move_still_counts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    old, new = _stores()
-    path = tmp_path / "rendezvous"
-    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
-    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+def test_an_admission_written_in_the_old_store_before_the_move_still_counts(moved: Moved) -> None:
+    old, new, path = moved
     rank0 = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10, verifier=Verifier(AUTHORITY.public_key, "run1"))
     joiner = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
     ticket = joiner.register("n3", 0, 1, wait_s=300, credential=_credential("n3"))
@@ -159,12 +160,8 @@ def test_an_admission_written_in_the_old_store_before_the_move_still_counts(
     assert not new.check(["spotvisor/run1/join/t/1"])  # not queued again: it was admitted
 
 
-def test_a_ticket_number_another_joiner_took_in_a_store_back_empty_is_not_kept(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    old, new = _stores()
-    path = tmp_path / "rendezvous"
-    monkeypatch.setenv(RDZV_ENDPOINT_FILE_ENV, str(path))
-    write_endpoint_file(path, f"127.0.0.1:{old.port}")
+def test_a_ticket_number_another_joiner_took_in_a_store_back_empty_is_not_kept(moved: Moved) -> None:
+    old, new, path = moved
     mine = JoinQueue(("127.0.0.1", old.port), "run1", timeout_s=10)
     ticket = mine.register("n3", 0, 1, wait_s=300, credential=_credential("n3"))
     write_endpoint_file(path, f"127.0.0.1:{new.port}")
