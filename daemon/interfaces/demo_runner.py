@@ -3,8 +3,8 @@
 When a demo's chaos schedule holds ``kill_daemon``, ``kill_control_node`` or
 ``partition_leader`` (:data:`daemon.config.DAEMON_FAULTS`), the daemon cannot run inside
 the demo's process: it must die by a real SIGKILL (or stop, cut off) and come back on the
-same state, as ``systemd``'s ``Restart=``
-brings back ``spotvisord.service``. The demo then plays the control node's service manager:
+same state, as ``systemd``'s ``Restart=`` brings back ``spotvisord.service``. The demo then
+plays the control node's service manager:
 
 1. It starts the rendezvous store (its child, as in every demo) and the daemon as a child
    process, the real service (``spotvisord run --config FILE`` on the demo's run directory,
@@ -214,9 +214,10 @@ async def _tail(events: "SqliteEventLog | EtcdEventLog", line: Callable[[Event],
 
 class _PartitionKeeper:
     """The ``partition_leader`` fault (the module docstring, 6): the daemon reaches etcd
-    through :attr:`partition`; once its event is read, the partition is cut, and it is
-    healed when :meth:`heal` is called for it (the runner, before it starts the daemon
-    again) or, at the latest, ``restart_after_s`` after the cut."""
+    through ``partition`` (a :class:`daemon.ha.partition.Partition`); once an event is
+    read (:meth:`saw`), the partition is cut, and healed ``restart_after_s`` after the
+    cut by a timer; :meth:`healed` waits for that moment (the runner, before it starts
+    the daemon again)."""
 
     def __init__(self, partition: Any, out: Callable[[str], None]) -> None:
         self.partition, self.out = partition, out
