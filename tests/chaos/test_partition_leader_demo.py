@@ -44,10 +44,10 @@ async def _events(endpoints: list[str], pool: str) -> list[Event]:
 def test_a_leader_cut_off_from_etcd_stops_fail_closed_and_leads_again_with_no_step_lost(
         tmp_path: Path, matrix: Matrix, etcd_cluster: EtcdCluster) -> None:  # noqa: F811
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    raw["job"].update({**PACED, "target_steps": 80, "args": [*PACED["args"], "--keep-checkpoints", "1000"]})
+    raw["job"].update({**PACED, "target_steps": 60, "args": [*PACED["args"], "--keep-checkpoints", "1000"]})
     raw["providers"]["local"]["launch_delay_s"] = 0.5
     raw["ha"] = {"name": "control-a", "lease_s": 4, "endpoints": etcd_cluster.endpoints}
-    raw["chaos"] = [{"action": "partition_leader", "at_step": 25, "restart_after_s": 3}]
+    raw["chaos"] = [{"action": "partition_leader", "at_step": 20, "restart_after_s": 3}]
     s = _run_demo_config(raw, tmp_path, timeout_s=400)
     (run_dir,) = (tmp_path / "state").glob("demo-*")
     stored = asyncio.run(_events(etcd_cluster.endpoints, raw["pool"]["name"]))
@@ -71,5 +71,5 @@ def test_a_leader_cut_off_from_etcd_stops_fail_closed_and_leads_again_with_no_st
     # the nodes trained on: the same worker group from its start to the end, nothing lost
     assert completed.data["attempt"] == started.data["attempt"]
     assert not [e for e in stored if e.kind in ("job_stalled", "trainer_exited", "node_lost")]
-    assert s["steps_completed"] == 80 and s["lost_steps_total"] == 0 and s["restarts"] == 0
+    assert s["steps_completed"] == 60 and s["lost_steps_total"] == 0 and s["restarts"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
