@@ -239,3 +239,21 @@ async def test_a_demo_whose_lease_is_revoked_ends_with_1(ha_pair: dict[str, Any]
         if demo.returncode is None:
             demo.kill()
             await demo.wait()
+
+
+async def test_a_demo_on_a_pool_etcd_already_holds_refuses_in_one_line(
+        ha_pair: dict[str, Any], faults: AwsFaultProxy) -> None:
+    """A demo starts from nothing: on a pool name whose state is in etcd (an earlier demo's,
+    or a production pool's) it would resume that pool, its fired chaos and its completed
+    job, instead. It exits 2 naming pool.name and the way out, and buys nothing."""
+    a, pool, etcd = ha_pair["a"], ha_pair["pool"], ha_pair["etcd"]
+    await etcd.put(pool_prefix(pool) + b"seq", b"41")  # an earlier run's
+    demo = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(a.config), "--timeout-s", "60",
+        cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(demo.communicate(), 60)
+    assert demo.returncode == 2, (out, err)
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spotvisord demo: pool.name: etcd already holds"), lines
+    assert f"etcdctl del --prefix /spotvisor/{pool}/" in lines[0]
+    assert faults.actions("RunInstances") == [] and (await etcd.get(pool_prefix(pool) + b"leader")) is None

@@ -30,11 +30,12 @@ from typing import Any, Callable, Mapping
 
 import grpc
 import structlog
+from aetcd.utils import prefix_range_end
 
 from daemon.control import leadership as ld
 from daemon.controlnode.core import leaves
 from daemon.ha.client import EtcdClient
-from daemon.ha.elector import Elector
+from daemon.ha.elector import Elector, pool_prefix
 from daemon.ha.fence import Deposed, Fence
 from daemon.ha.modes import leader_renew_s
 from daemon.ha.store import EtcdStore, FencedProvider
@@ -57,6 +58,22 @@ def _credentials(spec: Any) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(root_certificates=Path(spec.ca_file).read_bytes(),
                                         private_key=Path(spec.key_file).read_bytes(),
                                         certificate_chain=Path(spec.cert_file).read_bytes())
+
+
+async def pool_state_in_etcd(spec: Any, pool: str) -> bool | None:
+    """Whether etcd already holds pool ``pool``'s state (any key under
+    ``/spotvisor/<pool>/``); None when etcd cannot be asked (the caller's own connect
+    then says why). ``spec``: the config's :class:`~daemon.config.HaSpec`."""
+    client = EtcdClient(spec.endpoints, timeout_s=2.0, credentials=_credentials(spec))
+    try:
+        prefix = pool_prefix(pool)
+        page = await client.range_page(prefix, prefix_range_end(prefix), limit=1)
+        return bool(page.kvs)
+    except Exception:  # noqa: BLE001 - etcd out of reach or misconfigured: not this check's to report
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
 
 
 class Leadership:

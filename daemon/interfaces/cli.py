@@ -345,6 +345,14 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
     from daemon.interfaces.demo_runner import needs_runner
 
     t0 = time.time()
+    if config.ha is not None:  # a demo starts from nothing: an old pool in etcd would be resumed, not started
+        from daemon.ha.leading import pool_state_in_etcd
+
+        if await pool_state_in_etcd(config.ha, config.pool.name):
+            print(f"spotvisord demo: pool.name: etcd already holds the state of a pool {config.pool.name!r} "
+                  f"(/spotvisor/{config.pool.name}/), which a demo would resume instead of starting; name another "
+                  f"pool, or delete it: etcdctl del --prefix /spotvisor/{config.pool.name}/", file=sys.stderr)
+            return 2
     if config_path is not None and needs_runner(config):  # the chaos kills the daemon: it runs as our child
         return await _demo_outside(config, config_path, summary_json, timeout_s, out, t0)
     with rendezvous_process(config) as store:
