@@ -41,7 +41,7 @@ from daemon.ha.modes import leader_renew_s
 from daemon.ha.store import EtcdStore, FencedProvider
 from daemon.providers.base import Provider
 
-__all__ = ["Leadership", "leader_config"]
+__all__ = ["Leadership", "client_for", "leader_config", "pool_state_in_etcd"]
 
 log = structlog.get_logger("spotvisor.ha")
 
@@ -60,11 +60,17 @@ def _credentials(spec: Any) -> grpc.ChannelCredentials | None:
                                         certificate_chain=Path(spec.cert_file).read_bytes())
 
 
+def client_for(spec: Any) -> EtcdClient:
+    """A client of the etcd cluster the config's :class:`~daemon.config.HaSpec` names (its
+    endpoints, its TLS files), with a 2 s deadline per request; connected on first use."""
+    return EtcdClient(spec.endpoints, timeout_s=2.0, credentials=_credentials(spec))
+
+
 async def pool_state_in_etcd(spec: Any, pool: str) -> bool | None:
     """Whether etcd already holds pool ``pool``'s state (any key under
     ``/spotvisor/<pool>/``); None when etcd cannot be asked (the caller's own connect
     then says why). ``spec``: the config's :class:`~daemon.config.HaSpec`."""
-    client = EtcdClient(spec.endpoints, timeout_s=2.0, credentials=_credentials(spec))
+    client = client_for(spec)
     try:
         prefix = pool_prefix(pool)
         page = await client.range_page(prefix, prefix_range_end(prefix), limit=1)
@@ -84,7 +90,7 @@ class Leadership:
     def __init__(self, spec: Any, pool: str, *, on_standby: Callable[[str], None] | None = None) -> None:
         self.spec, self.pool = spec, pool
         self.on_standby = on_standby or (lambda line: None)
-        self.client = EtcdClient(spec.endpoints, timeout_s=2.0, credentials=_credentials(spec))
+        self.client = client_for(spec)
         self.elector = Elector(self.client, pool=pool, name=spec.name, cfg=leader_config(spec.lease_s))
         self.fence = Fence(self.elector)
         self.store: EtcdStore | None = None

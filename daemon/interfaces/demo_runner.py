@@ -160,11 +160,10 @@ class EtcdEventLog:
     PAGE = 500  # keys a read asks for at once
 
     def __init__(self, spec: Any, pool: str) -> None:
-        from daemon.ha.client import EtcdClient
         from daemon.ha.elector import pool_prefix
-        from daemon.ha.leading import _credentials
+        from daemon.ha.leading import client_for
 
-        self.client = EtcdClient(spec.endpoints, timeout_s=2.0, credentials=_credentials(spec))
+        self.client = client_for(spec)
         self.prefix = pool_prefix(pool) + b"events/"
 
     async def read(self, since: int = 0) -> list[Event]:
