@@ -214,31 +214,32 @@ async def _tail(events: "SqliteEventLog | EtcdEventLog", line: Callable[[Event],
 class _PartitionKeeper:
     """The ``partition_leader`` fault (the module docstring, 6): the daemon reaches etcd
     through ``partition`` (a :class:`daemon.ha.partition.Partition`); once an event is
-    read (:meth:`saw`), the partition is cut, and healed ``restart_after_s`` after the
-    cut by a timer; :meth:`healed` waits for that moment (the runner, before it starts
-    the daemon again)."""
+    read (:meth:`saw`), the partition is cut and a timer heals it ``restart_after_s``
+    later; :meth:`healed` waits for that heal (the runner, before it starts the daemon
+    again)."""
 
     def __init__(self, partition: Any, out: Callable[[str], None]) -> None:
         self.partition, self.out = partition, out
-        self.cut_at: dict[int, float] = {}  # chaos index → loop time of its cut
+        self._healed: dict[int, asyncio.Event] = {}  # chaos index → set once its partition healed
         self._timers: list[asyncio.TimerHandle] = []
 
     def saw(self, events: list[Event]) -> None:
         for ev in events:
             if (ev.kind == EventKind.CHAOS_INJECTED.value and ev.data.get("action") == "partition_leader"
-                    and not ev.data.get("skipped") and ev.data.get("index") not in self.cut_at):
+                    and not ev.data.get("skipped") and ev.data.get("index") not in self._healed):
                 index, for_s = ev.data.get("index"), float(ev.data.get("restart_after_s") or 0.0)
-                loop = asyncio.get_running_loop()
-                self.cut_at[index] = loop.time()
+                healed = self._healed[index] = asyncio.Event()
                 self.partition.cut()
-                self._timers.append(loop.call_later(for_s, self.partition.heal))
+                self._timers.append(asyncio.get_running_loop().call_later(for_s, self._heal, healed))
                 self.out(f"spotvisor demo: chaos #{index} cut the leading daemon off from etcd for {for_s:g} s")
 
-    async def healed(self, index: int, for_s: float) -> None:
-        """Wait until the partition of chaos ``index`` has lasted ``for_s``, then heal it."""
-        cut = self.cut_at.get(index, asyncio.get_running_loop().time())
-        await asyncio.sleep(max(0.0, cut + for_s - asyncio.get_running_loop().time()))  # the outage itself
+    def _heal(self, healed: asyncio.Event) -> None:
         self.partition.heal()
+        healed.set()
+
+    async def healed(self, index: int) -> None:
+        """Wait until the partition of chaos ``index`` (cut by :meth:`saw`) has healed."""
+        await self._healed[index].wait()
 
     async def aclose(self) -> None:
         for t in self._timers:
@@ -372,7 +373,7 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
                 assert partition is not None
                 out(f"spotvisor demo: the daemon (pid {proc.pid}) stopped, cut off from etcd by chaos "
                     f"#{fault.data['index']}; restarting it once the partition heals")
-                await partition.healed(fault.data["index"], wait_s)
+                await partition.healed(fault.data["index"])  # saw() read the event that cut it
                 continue
             control_node = fault.data.get("action") == "kill_control_node"
             out(f"spotvisor demo: the daemon (pid {proc.pid}) was SIGKILLed by chaos #{fault.data['index']}"
