@@ -191,13 +191,17 @@ class JoinQueue:
     # -- the joiner's side
 
     def register(self, node: str, local_rank: int, local_world: int, *, wait_s: float,
-                 credential: NodeCredential | None, now: float | None = None, expires: float | None = None) -> Ticket:
+                 credential: NodeCredential | None, now: float | None = None) -> Ticket:
         """Queue this worker with its node's ``credential`` (None: rank 0 will refuse it);
-        returns its ticket (it expires ``wait_s`` from ``now``, or at ``expires``: a ticket
-        queued again keeps its first expiry)."""
+        returns its ticket (it expires ``wait_s`` from ``now``)."""
         now = time.time() if now is None else now
+        return self._enter(node, local_rank, local_world, now + wait_s, credential)
+
+    def _enter(self, node: str, local_rank: int, local_world: int, expires: float,
+               credential: NodeCredential | None) -> Ticket:
+        """Write a ticket that expires at ``expires`` (unix s) under the next number."""
         number = int(self.store.add("tickets", 1))
-        ticket = Ticket(number, node, local_rank, local_world, now + wait_s if expires is None else expires)
+        ticket = Ticket(number, node, local_rank, local_world, expires)
         fields = self._fields(number, node, local_rank, local_world, ticket.expires)
         body = {k: fields[k] for k in ("node", "local_rank", "local_world", "expires")}
         if credential is not None:
@@ -285,11 +289,10 @@ class JoinQueue:
         key = f"t/{ticket.number}"
         if self.store.check([key]) and self._ours(ticket, self.store.get(key)):
             return ticket
-        again = self.register(ticket.node, ticket.local_rank, ticket.local_world, wait_s=0.0,
-                              credential=self._credential, expires=ticket.expires)
+        again = self._enter(ticket.node, ticket.local_rank, ticket.local_world, ticket.expires, self._credential)
         log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted or moved): queued "
                     "again as ticket %d", ticket.node, ticket.number, again.number)
-        return Ticket(again.number, again.node, again.local_rank, again.local_world, again.expires)
+        return again
 
     @staticmethod
     def _ours(ticket: Ticket, raw: bytes) -> bool:
