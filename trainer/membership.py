@@ -89,6 +89,15 @@ def joining() -> bool:
     return os.environ.get(JOIN_ENV, "") == "1"
 
 
+def _is_entry_of(ticket: Ticket, raw: bytes) -> bool:
+    """Whether a ticket entry in the store (:meth:`JoinQueue.register`'s body) is ``ticket``'s."""
+    try:
+        body = json.loads(raw)
+        return (body["node"], body["local_rank"], body["expires"]) == (ticket.node, ticket.local_rank, ticket.expires)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def run_id() -> str:
     """The job's run id, the same on every node: ``$SPOTVISOR_RUN_ID``, else torchrun's
     ``TORCHELASTIC_RUN_ID``, else ``job``."""
@@ -287,22 +296,12 @@ class JoinQueue:
         with the same expiry. The ticket is kept only if the store's entry of its number is
         this worker's: in a store that lost it, another joiner may hold that number now."""
         key = f"t/{ticket.number}"
-        if self.store.check([key]) and self._ours(ticket, self.store.get(key)):
+        if self.store.check([key]) and _is_entry_of(ticket, self.store.get(key)):
             return ticket
         again = self._enter(ticket.node, ticket.local_rank, ticket.local_world, ticket.expires, self._credential)
         log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted or moved): queued "
                     "again as ticket %d", ticket.node, ticket.number, again.number)
         return again
-
-    @staticmethod
-    def _ours(ticket: Ticket, raw: bytes) -> bool:
-        """Whether a ticket entry (:meth:`register`'s body) is ``ticket``'s."""
-        try:
-            body = json.loads(raw)
-            return (body["node"], body["local_rank"], body["expires"]) == (ticket.node, ticket.local_rank,
-                                                                           ticket.expires)
-        except (ValueError, KeyError, TypeError):
-            return False
 
     @staticmethod
     def _admission(ticket: Ticket, raw: str) -> Admission:
