@@ -392,6 +392,7 @@ def _deepspeed(b: _Bench) -> Callable[[Any, str], list[Sample]]:
 
     def resume(cls: type, store: Any, name: str) -> Any:
         fresh = DeepSpeedJob(b.args, b.ctx, b.plan, b.tokens)  # fresh model, AdamW and engine
+        fresh.build_engine()
         ckpt = checkpointer(cls, fresh.engine, store, name)
         if ckpt.resume() is None or ckpt.last_resume is None:
             raise RuntimeError(f"{name}: nothing to resume from right after a commit")

@@ -39,8 +39,9 @@ from trainer.runtime import exit_process, rendezvous_endpoint
 def job_parser() -> argparse.ArgumentParser:
     """The scripted events' flags (a step is the step just trained; a node is ``$SPOTVISOR_NODE_ID``)."""
     p = argparse.ArgumentParser(prog="python -m trainers.elastic_job", allow_abbrev=False, add_help=False)
-    p.add_argument("--job", choices=("reference", "dcp"), default="reference",
-                   help="reference: trainer.run.ReferenceJob; dcp: trainer.examples.fsdp_dcp.DcpJob")
+    p.add_argument("--job", choices=("reference", "dcp", "deepspeed"), default="reference",
+                   help="reference: trainer.run.ReferenceJob; dcp: trainer.examples.fsdp_dcp.DcpJob; "
+                        "deepspeed: trainer.examples.deepspeed_zero2.DeepSpeedJob")
     p.add_argument("--wait-joiners-at", type=int, default=None, metavar="STEP",
                    help="rank 0 (not a joiner) waits after STEP until --joiners tickets are queued")
     p.add_argument("--joiners", type=int, default=1, help="the tickets --wait-joiners-at waits for")
@@ -85,8 +86,30 @@ def write_notice(node: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def deepspeed_state_digest(job: ElasticJob) -> str:
+    """sha256 of the full state of a DeepSpeed ZeRO-1/2 job (a collective: every rank calls it):
+    the fp32 master copies, the optimizer's moments and step, the engine's counters, and the
+    model's own parameters (what the forward pass reads)."""
+    from trainer.integrations.deepspeed_resize import gather_full_state
+
+    state = gather_full_state(job.engine, job.state.model)
+    h = hashlib.sha256()
+    for name in sorted(state["params"]):
+        h.update(name.encode())
+        h.update(state["params"][name].numpy().tobytes())
+        for key, t in sorted(state["optim"][name].items()):
+            h.update(key.encode())
+            h.update(t.numpy().tobytes())
+    h.update(repr((state["optim_step"], sorted(state["counters"].items()))).encode())
+    for name, p in job.state.model.named_parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def full_state_digest(job: ElasticJob) -> str:
     """sha256 of the full model and optimizer state of an FSDP2 job (a collective: every rank calls it)."""
+    if hasattr(job, "engine"):
+        return deepspeed_state_digest(job)
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -212,6 +235,10 @@ def map_data(args: argparse.Namespace) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts, rest = job_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    if opts.job == "deepspeed":
+        from trainer.examples import deepspeed_zero2
+
+        return deepspeed_zero2.main(rest, job_cls=scripted(deepspeed_zero2.DeepSpeedJob, opts))
     if opts.job == "dcp":
         from trainer.examples import fsdp_dcp
 

@@ -30,10 +30,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map_only
 
 from trainer.batch import BatchPlan
 from trainer.guard import Decision
+from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
+from trainer.integrations.deepspeed_resize import FullState, gather_full_state, release_engine, set_full_state
 from trainer.loop import ElasticJob, loaded, run_job
 from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
@@ -56,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _run_parser()
     p.prog = "python -m trainer.examples.deepspeed_zero2"
     p.description = "spotvisor example: byte-level GPT-2 with DeepSpeed ZeRO-2, committed checkpoints, any world size."
+    p.add_argument("--zero-stage", type=int, choices=(1, 2), default=ZERO_STAGE,
+                   help="ZeRO stage: 1 partitions the optimizer's state, 2 its gradients too (default 2)")
     return p
 
 
@@ -81,50 +86,119 @@ class DeepSpeedJob(ElasticJob):
     this class brings the engine, its train step, commit and resume.
     """
 
-    in_process_resize = False  # each rank holds a shard: a new world size reloads from the commit
+    #: The engine is rebuilt at the new data-parallel size in these processes
+    #: (:mod:`trainer.integrations.deepspeed_resize`): every rank of the old group gathers the
+    #: whole state first (ZeRO partitions the optimizer's), so a resize moves no commit.
+    in_process_resize = True
+    #: ZeRO-1/2 partition the optimizer's state: a peer lost without notice took its part,
+    #: so the survivors reload the newest commit (in these processes).
+    state_replicated = False
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
         super().__init__(args, ctx, plan, data)  # store, status, step log, data, build_state(), guard
-        import deepspeed
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
         disable_jit_ops()  # CPU: no C++ build of DeepSpeed's shared-memory comm op
+        self.engine: Any = None  # built by resume() (it loads into it), or after a joiner joins
+        self.ckpt: DeepSpeedCheckpointer | None = None
+        #: during a resize, on the ranks that stay and the joiners: the whole state (host memory)
+        self._staged: FullState | None = None
+
+    def build_engine(self) -> None:
+        """``deepspeed.initialize`` over ``self.state`` at the group's data-parallel size, and
+        the checkpointer over the engine."""
+        import deepspeed
+
         config = ds_config(
             global_batch_size=self.G,
-            micro_batch_size=plan.micro_batch_size,
-            world_size=ctx.world_size,
-            zero_stage=ZERO_STAGE,
-            bf16=ctx.device.type == "cuda",
+            micro_batch_size=self.plan.micro_batch_size,
+            world_size=self.ctx.world_size,
+            zero_stage=getattr(self.args, "zero_stage", ZERO_STAGE),  # a parser of its own may lack it
+            bf16=self.ctx.device.type == "cuda",
             gradient_clipping=1.0,
         )
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.state.model, optimizer=self.state.optimizer, config=config
         )
-        key = hashlib.sha256(args.checkpoint_uri.encode()).hexdigest()[:10]
+        key = hashlib.sha256(self.args.checkpoint_uri.encode()).hexdigest()[:10]
         self.ckpt = DeepSpeedCheckpointer(
             self.engine,
-            ctx,
+            self.ctx,
             self.store,
             scratch=scratch_dir(f"deepspeed-{key}"),
             status=self.status,
             guard=self.guard,
             global_batch_size=self.G,
-            keep=args.keep_checkpoints,
+            keep=self.args.keep_checkpoints,
         )
 
     def build_state(self) -> TrainState:
         return build_state(self.args, self.ctx.device)  # the reference GPT-2 + AdamW
 
     def resume(self) -> None:
+        if self.engine is None:
+            self.build_engine()
+        assert self.ckpt is not None
         manifest = self.ckpt.resume(check=self._check_compatible)
         loaded(self, manifest, self.ckpt.last_resume.as_dict() if self.ckpt.last_resume else None)
 
     def wrap(self) -> None:
-        """Nothing to wrap: the engine is built with the job (resume needs it)."""
+        """Nothing to wrap: the engine is built by :meth:`resume` (it loads into it) or :meth:`reshard`."""
+
+    # -- in-process resizes (trainer.resize.Resizer, trainer.recovery.Recovery)
+
+    def stage_state(self, keep: list[int]) -> None:
+        """Every rank of the old group: gather the whole state (a collective over ZeRO's
+        partitions, :func:`~trainer.integrations.deepspeed_resize.gather_full_state`); the
+        ranks in ``keep`` hold it for :meth:`reshard`, the leaving ones drop it."""
+        state = gather_full_state(self.engine, self.state.model)
+        self._staged = state if self.ctx.rank in keep else None
+
+    def peer_state(self) -> dict[str, Any]:
+        """Rank 0 to a joiner: the whole state it staged, and the step."""
+        if self._staged is None:
+            raise RuntimeError("rank 0 holds no staged state to send (a grow that skipped stage_state)")
+        return {"deepspeed": self._staged, "step": self.state.step}
+
+    def load_peer_state(self, state: dict[str, Any]) -> None:
+        self._staged = tree_map_only(torch.Tensor, lambda t: t.cpu(), state["deepspeed"])
+        self.state.step = int(state["step"])
+
+    def reshard(self, *, from_commit: bool) -> int | None:
+        """After the group changed: a new model, optimizer and engine at the new data-parallel
+        size, set from the staged state; or, ``from_commit`` (a peer lost with its partition
+        of the optimizer's state), the newest commit loaded into it. Returns the step loaded
+        from a commit, or None.
+
+        Raises:
+            RuntimeError: this rank holds no staged state (a resize that skipped :meth:`stage_state`).
+        """
+        last = broadcast_object(self.ctx, self.last_committed)  # a joiner knows of no commit yet
+        staged, self._staged = self._staged, None
+        if not from_commit and staged is None:
+            raise RuntimeError(f"rank {self.ctx.rank} holds no staged state to rebuild the engine from")
+        step = self.state.step
+        release_engine(self.engine)
+        self.engine = self.ckpt = self.ddp = None  # type: ignore[assignment]
+        self.state = self.build_state()
+        self.ddp = self.state.model
+        self.state.step = step
+        self.build_engine()
+        assert self.ckpt is not None
+        if from_commit:
+            self.resume()
+            return self.last_committed.step if self.last_committed else None
+        set_full_state(self.engine, self.state.model, staged)
+        if self.engine.global_steps != step:
+            raise RuntimeError(f"the staged state is at optimizer step {self.engine.global_steps}, the job at {step}")
+        self.last_committed = last
+        self.ckpt.dir.last_committed = last
+        return None
 
     def commit(self, *, reason: str, decision: Decision) -> None:
         step = self.state.step
+        assert self.ckpt is not None
         self.ckpt.commit(step, reason=reason, decision=decision,
                          data_position=self.data_position(step),
                          client_state={"attempt": self.attempt})

@@ -1,0 +1,101 @@
+"""DeepSpeed ZeRO-2 resizes in-process (``trainer.examples.deepspeed_zero2.DeepSpeedJob``:
+``stage_state`` / ``reshard`` over :mod:`trainer.integrations.deepspeed_resize`): a new
+node's worker joins a running job, a notice shrinks it, a peer killed without notice
+makes the survivors reload the newest commit; no worker restarts, and across each planned
+resize the whole state (fp32 master copies, AdamW's moments and step, the engine's
+counters, the model's own parameters) is bit-identical before and after, although the
+engine was rebuilt at another data-parallel size and every rank's partition changed."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.ports import free_port
+from worker_procs import finish, joiner_env, member_env, start_worker, status_lines, trained, wait_for_status
+
+pytestmark = pytest.mark.slow
+
+G = 12
+
+# rank 0 writes the whole state's digest before stage_state and after reshard (a
+# collective gather, costs a test only)
+RECORDED = ("--job", "deepspeed", "--record-resizes")
+# rank 0 waits after step 5 for the joiner, so the grow lands at step 5; node0 (old rank 0:
+# its staged state is not the new rank 0's own) gets a notice at step 8
+GROW_AND_SHRINK = (*RECORDED, "--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0")
+# node2 is SIGKILLed before its step 6
+KILL_NODE2 = (*RECORDED, "--kill-at", "6", "--kill-node", "node2")
+
+
+def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, job: tuple[str, ...],
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables),
+    running the elastic test job on DeepSpeedJob with the flags ``job``."""
+    argv = [*job, "--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+            "--target-steps", "12", "--global-batch-size", str(G), "--micro-batch-size", "2",
+            "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3", *extra]
+    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="deepspeed")
+
+
+def _started(tmp_path: Path, node: str) -> list[tuple]:
+    return [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"))
+            for x in status_lines(tmp_path, node) if x["event"] == "started"]
+
+
+@pytest.mark.parametrize("zero_stage", ["1", "2"])
+def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(
+        tmp_path: Path, rdzv, zero_stage: str) -> None:
+    """ZeRO at world 2; a third worker joins at step 5 (world 3); node0, old rank 0, gets a
+    notice at step 8, is stopped the moment its commit is written (as its agent does), and
+    the other two go on (world 2) to step 12. Nobody restarts, the joiner reads no commit,
+    every step's global batch is trained exactly once, and at both resizes the whole state
+    hashes the same before the group changed and after the engine was rebuilt."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    extra = ("--checkpoint-interval", "0", "--zero-stage", zero_stage)
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "deepspeed"), rdzv.port, ckpt, GROW_AND_SHRINK,
+                    extra) for r in range(2)]
+    wait_for_status(tmp_path, "node0", procs[0], '"event":"step"')
+    procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt, GROW_AND_SHRINK, extra))
+    # node0's agent stops it as soon as its notice is answered by a commit, as a real one does
+    wait_for_status(tmp_path, "node0", procs[0], '"reason":"notice"')
+    procs[0].terminate()
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [-15, 0, 0], "\n".join(outs)
+
+    assert _started(tmp_path, "node1") == [(0, None, 2, None), (5, "in_process", 3, None),
+                                           (8, "in_process", 2, 8)], "\n".join(outs)
+    joiner = status_lines(tmp_path, "node2")
+    assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 2), (8, 1)]
+    assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from rank 0
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    for step, world in ((5, 3), (8, 2)):
+        before = (tmp_path / f"before-{step}.txt").read_text().split()
+        after = (tmp_path / f"after-{step}.txt").read_text().split()
+        assert after[0] == before[0] and after[-1] == str(world), (step, before, after)
+
+
+def test_a_deepspeed_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_path: Path, rdzv) -> None:
+    """ZeRO-2 at world 3, a commit every 4 steps; node2's worker is SIGKILLed at step 6 (no
+    notice: its partition of the optimizer's state is gone). The two survivors re-form the
+    group in their own processes, rebuild the engine at world 2, load step 4 from the commit
+    (through DeepSpeed's universal checkpoint) and train on to step 12: steps 5 and 6 are
+    trained again (the only loss), every later step once."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, KILL_NODE2,
+                    ("--checkpoint-interval", "4")) for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+    for node in ("node0", "node1"):
+        assert _started(tmp_path, node) == [(0, None, 3, None), (4, "in_process", 2, 4)], "\n".join(outs)
+    loads = [x for x in status_lines(tmp_path, "node0") if x["event"] == "checkpoint_loaded"]
+    assert [(x["step"], x["universal"], x["saved_world_size"]) for x in loads] == [(4, True, 3)], loads
+    got = trained(tmp_path)
+    want = {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    for s in (5, 6):  # at world 3 before the loss, at 2 after
+        assert sorted(got[s]) == sorted(want[s] * 2)
+    assert {s: sorted(p) for s, p in got.items() if s not in (5, 6)} == {
+        s: p for s, p in want.items() if s not in (5, 6)}
