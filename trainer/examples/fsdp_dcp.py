@@ -14,14 +14,16 @@ in the job config; the same flags, plus ``--wrap``). CPU: gloo, fp32; CUDA: NCCL
 Run alone (without torchrun) it is a world of one with an unwrapped model.
 
 In-process resizes (``--resize in-process``, the default, with the daemon's rendezvous
-store): the ranks that stay never restart. Before the group changes (a notice's
-boundary, with the leaving ranks still there; a grow's boundary) the shards are
-gathered into one full state on the new rank 0, in host memory
-(``get_state_dict(full_state_dict, cpu_offload)``). After, every rank builds the model
-on the meta device (no initialisation), shards it over the new world, and takes its
-shards from rank 0 (``set_state_dict(broadcast_from_rank0)``). A joiner reads no
-commit. A rank lost without notice took its shards: the survivors re-form the group
-and load the newest commit (DCP reshards it), in their running processes.
+store): the ranks that stay never restart, and the state moves peer to peer
+(:mod:`trainer.integrations.p2p_reshard`): each rank receives exactly the rows of its
+new shards that it lacks, from the ranks that hold them; nothing is gathered whole
+anywhere and nothing but the joiners' metadata passes through rank 0. A shrink's
+exchange runs before the group changes (a notice's boundary: the leaving ranks send
+their rows), a grow's after (in the new group, where the joiners are). Every rank
+builds the new model on the meta device (no initialisation), shards it over the new
+world and fills its shards. A joiner reads no commit. A rank lost without notice took
+its shards: the survivors re-form the group and load the newest commit (DCP reshards
+it), in their running processes.
 
 Exit codes: 0 when the target step is committed; 2 for a configuration the job can
 never run (bad world size, data, a checkpoint of another global batch, model shape
@@ -38,15 +40,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from trainer.batch import BatchPlan
 from trainer.guard import Decision
@@ -55,9 +48,9 @@ from trainer.integrations.dcp import DcpCheckpointer, DcpError, ForeignCheckpoin
 from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
+from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
 from trainer.runtime import (
     DistContext,
-    broadcast_state,
     scratch_dir,
 )
 
@@ -134,8 +127,10 @@ class DcpJob(ElasticJob):
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
         super().__init__(args, ctx, plan, data)  # store, status, step log, data, build_state(), guard
         self.ckpt: DcpCheckpointer | None = None
-        #: new rank 0 during a resize: the full state, host memory ({"model", "optim"})
+        #: during an FSDP2 resize: the shards (a shrink's new ones, a grow's old ones) and the layout
         self._staged: dict[str, Any] | None = None
+        #: this rank's bytes moved by the last peer-to-peer reshard
+        self.traffic: Traffic | None = None
 
     def build_state(self, device: torch.device | None = None) -> TrainState:
         """The reference GPT-2 + AdamW on ``device`` (default the rank's; ``meta``: shapes
@@ -201,50 +196,102 @@ class DcpJob(ElasticJob):
 
     # -- in-process resizes (trainer.resize.Resizer, trainer.recovery.Recovery)
 
+    def _local_shards(self) -> tuple[list[str], list[torch.Tensor], list[int]]:
+        """This rank's shards of the whole state, in one order every rank computes alike:
+        for each parameter, itself, then each optimizer state of its shape (AdamW's moments),
+        by key. Returns (their names, the local tensors, each one's global row count)."""
+        from torch.distributed.tensor import DTensor
+
+        names: list[str] = []
+        local: list[torch.Tensor] = []
+        rows: list[int] = []
+        opt_state = self.state.optimizer.state
+        for name, p in self.state.model.named_parameters():
+            st = opt_state.get(p, {})
+            tensors = [("", p)] + [(k, st[k]) for k in sorted(st)
+                                   if torch.is_tensor(st[k]) and st[k].dim() > 0 and st[k].shape == p.shape]
+            for key, t in tensors:
+                names.append(f"{name}:{key}" if key else name)
+                local.append((t.to_local() if isinstance(t, DTensor) else t).detach())
+                rows.append(int(t.shape[0]))
+        return names, local, rows
+
+    def _optim_step(self) -> int | None:
+        """AdamW's step count (every parameter's the same), or None before its first step."""
+        steps = {int(st["step"]) for st in self.state.optimizer.state.values() if "step" in st}
+        if len(steps) > 1:
+            raise RuntimeError(f"the optimizer's parameters are at different steps {sorted(steps)}")
+        return next(iter(steps), None)
+
+    def _create_optimizer_state(self) -> None:
+        """AdamW creates its state on its first step: one on zero gradients over the new
+        shards (the moments and the parameters it moves are overwritten next)."""
+        params = [p for g in self.state.optimizer.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.state.optimizer.step()
+        for p in params:
+            p.grad = None
+
     def peer_state(self) -> dict[str, Any]:
-        """DDP: the whole state, as the reference trainer sends it. FSDP2: the step only;
-        the model and optimizer go in :meth:`reshard`, shard by shard."""
+        """DDP: the whole state, as the reference trainer sends it. FSDP2: the step, and what
+        a joiner needs to take part in the reshard (the old world size, AdamW's step count
+        and hyperparameters): metadata only, the shards go peer to peer in :meth:`reshard`."""
         if self.state_replicated:
             return {"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict(),
                     "step": self.state.step}
-        return {"step": self.state.step}
+        if self._staged is None:
+            raise RuntimeError("rank 0 holds no staged layout to send (a grow that skipped stage_state)")
+        return {"step": self.state.step, "fsdp": {k: self._staged[k] for k in ("old_world", "optim_step", "groups")}}
 
     def load_peer_state(self, state: dict[str, Any]) -> None:
         if "model" in state:
             self.state.model.load_state_dict(state["model"])
             self.state.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._staged = {**state["fsdp"], "names": None, "old": None}
         self.state.step = int(state["step"])
 
     def stage_state(self, keep: list[int]) -> None:
-        """FSDP2, on every rank of the old group: gather the full model and optimizer state
-        into host memory on old rank 0 (``cpu_offload``: no rank holds it on the GPU), and
-        when old rank 0 leaves, send it to ``keep[0]``, the new rank 0. Holds about the
-        model's fp32 bytes x 3 (AdamW) in that one process's host memory until
-        :meth:`reshard`."""
+        """FSDP2, on every rank of the old group, before it changes (``keep``: the old ranks
+        that stay, ``keep[j]`` becoming new rank ``j``).
+
+        A shrink (ranks leave): the peer-to-peer exchange runs now, in the old group, since
+        the leaving ranks hold rows the survivors need (:mod:`trainer.integrations.p2p_reshard`):
+        each survivor receives exactly the rows of its new shards it lacks, into new tensors
+        it holds until :meth:`reshard`. A grow (every rank stays): nothing moves yet; each
+        rank keeps its shards for the exchange in the new group, where the joiners are."""
         if self.state_replicated:
             return
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(self.ddp, options=opts)  # collective; {} on ranks other than 0
-        optim_sd = get_optimizer_state_dict(self.ddp, self.state.optimizer, options=opts)
-        staged = {"model": model_sd, "optim": optim_sd} if self.ctx.rank == 0 else None
-        if keep[0] != 0 and self.ctx.world_size > 1:  # old rank 0 leaves: the new one takes the state
-            group = dist.new_group([0, keep[0]])
-            if self.ctx.rank in (0, keep[0]):
-                staged = broadcast_state(staged, src=0, device=self.ctx.device, group=group)
-                if self.ctx.rank == keep[0]:  # NCCL received it on the GPU
-                    staged = tree_map_only(torch.Tensor, lambda t: t.cpu(), staged)
-            dist.destroy_process_group(group)
-        self._staged = staged if self.ctx.rank == keep[0] else None
+        names, local, rows = self._local_shards()
+        world = self.ctx.world_size
+        staged: dict[str, Any] = {"old_world": world, "optim_step": self._optim_step(), "names": names,
+                                  "groups": [{k: v for k, v in g.items() if k != "params"}
+                                             for g in self.state.optimizer.param_groups]}
+        if len(keep) == world:
+            self._staged = {**staged, "old": local}
+            return
+        new_world, me = len(keep), self.ctx.rank
+        new = None
+        if me in keep:
+            j = keep.index(me)
+            new = [torch.empty((chunk_rows(n, new_world, j)[1], *t.shape[1:]), dtype=t.dtype, device=t.device)
+                   for t, n in zip(local, rows)]
+        self.traffic = exchange(plan(rows, world, new_world), local, new or [None] * len(local), rows=rows,
+                                old_world=world, new_world=new_world, holders=list(range(world)), takers=keep)
+        self._staged = {**staged, "new": new} if me in keep else None
 
     def reshard(self, *, from_commit: bool) -> int | None:
         """After the group changed. DDP: re-wrap (every rank holds the state). FSDP2: a new
-        model on the meta device, sharded over the new world, allocated, and filled from
-        new rank 0's staged state (``broadcast_from_rank0``: each rank keeps its shards
-        only); or, ``from_commit``, the newest commit loaded into it. The checkpointer is
-        rebuilt over the new model, knowing rank 0's newest commit.
+        model on the meta device, sharded over the new world and allocated; AdamW's state
+        created; then every shard filled: a shrink's survivors copy the rows they received
+        in :meth:`stage_state`, a grow's ranks exchange them now peer to peer (each receives
+        only what its new shards lack). Or, ``from_commit``, the newest commit loaded into it.
+        The checkpointer is rebuilt over the new model, knowing rank 0's newest commit.
 
         Raises:
-            RuntimeError: new rank 0 has no staged state (a resize that skipped :meth:`stage_state`).
+            RuntimeError: this rank holds no staged state (a resize that skipped
+                :meth:`stage_state`), or the new layout's tensors are not the old one's.
         """
         last = broadcast_object(self.ctx, self.last_committed)  # a joiner knows of no commit yet
         if self.state_replicated:
@@ -252,9 +299,10 @@ class DcpJob(ElasticJob):
         else:
             step, staged = self.state.step, self._staged
             self._staged = None
-            if not from_commit and self.ctx.is_leader and staged is None:
-                raise RuntimeError("rank 0 holds no staged state to reshard from")
-            # free the old shards first (the checkpointer holds the model and optimizer too)
+            if not from_commit and staged is None:
+                raise RuntimeError(f"rank {self.ctx.rank} holds no staged state to reshard from")
+            # free the old model first (the checkpointer holds it too); a grow's old shards
+            # stay referenced by `staged` until the exchange
             self.ddp = self.state.model = self.ckpt = None  # type: ignore[assignment]
             self.state = self.build_state(torch.device("meta") if not from_commit else None)
             gc.collect()
@@ -263,14 +311,35 @@ class DcpJob(ElasticJob):
             if from_commit:
                 self.resume()
                 return self.last_committed.step if self.last_committed else None
-            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(self.ddp, staged["model"] if staged else {}, options=opts)
-            set_optimizer_state_dict(self.ddp, self.state.optimizer, staged["optim"] if staged else {}, options=opts)
+            self._fill(staged)
             del staged
         self.last_committed = last  # type: ignore[assignment]
         if self.ckpt is not None:
             self.ckpt.dir.last_committed = self.last_committed
         return None
+
+    def _fill(self, staged: dict[str, Any]) -> None:
+        """The new shards, from what :meth:`stage_state` left (see :meth:`reshard`)."""
+        if staged["optim_step"] is not None:
+            self._create_optimizer_state()
+        names, new, rows = self._local_shards()
+        if staged["names"] is not None and staged["names"] != names:
+            raise RuntimeError("the model or optimizer's tensors differ from the old layout's: cannot reshard")
+        with torch.no_grad():
+            if "new" in staged:  # a shrink's survivor: its rows arrived in stage_state
+                for into, got in zip(new, staged["new"]):
+                    into.copy_(got)
+            else:  # a grow: the old ranks hold the old shards, the joiners nothing
+                old_world, world = staged["old_world"], self.ctx.world_size
+                old = staged["old"] or [None] * len(new)
+                self.traffic = exchange(plan(rows, old_world, world), old, new, rows=rows, old_world=old_world,
+                                        new_world=world, holders=list(range(old_world)), takers=list(range(world)))
+        for st in self.state.optimizer.state.values():
+            if "step" in st:
+                st["step"] = (torch.full_like(st["step"], staged["optim_step"]) if torch.is_tensor(st["step"])
+                              else staged["optim_step"])
+        for group, saved in zip(self.state.optimizer.param_groups, staged["groups"]):
+            group.update(saved)
 
     # -- commits
 

@@ -1,0 +1,124 @@
+"""The peer-to-peer reshard of dim-0 shards (``trainer.integrations.p2p_reshard``): the plan
+tiles every new shard from the old ones exactly, for any sizes (hypothesis), and real gloo
+ranks carry it out for a shrink (in the old group, the leaving ranks sending) and a grow
+(in the new group, the joiners holding nothing), each rank ending with exactly its new
+``torch.chunk`` rows and having received only the rows it lacked."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer.integrations.p2p_reshard import chunk_rows, plan
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.integers(0, 40), min_size=1, max_size=5), old=st.integers(1, 9), new=st.integers(1, 9))
+def test_the_pieces_tile_every_new_shard_from_within_the_old_ones(rows: list[int], old: int, new: int) -> None:
+    pieces = plan(rows, old, new)
+    for t, n in enumerate(rows):
+        for j in range(new):
+            start, size = chunk_rows(n, new, j)
+            runs = sorted((p.start, p.rows) for p in pieces if p.tensor == t and p.dst == j)
+            covered = [r for s, k in runs for r in range(s, s + k)]
+            assert covered == list(range(start, start + size))  # whole, in order, no row twice
+        for p in (p for p in pieces if p.tensor == t):
+            s, k = chunk_rows(n, old, p.src)
+            assert s <= p.start and p.start + p.rows <= s + k and p.rows > 0
+    # the shards themselves are torch.chunk's
+    for n in rows:
+        for w in (old, new):
+            assert [chunk_rows(n, w, r)[1] for r in range(w)] == [
+                c.shape[0] for c in torch.arange(n).chunk(w)] + [0] * (w - len(torch.arange(n).chunk(w)))
+
+
+def test_a_bad_world_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="world sizes"):
+        plan([4], 0, 2)
+
+
+SHAPES = [(10, 3), (7,), (1, 4), (0, 2), (33, 5)]
+
+
+def _full(t: int) -> torch.Tensor:
+    n = 1
+    for d in SHAPES[t]:
+        n *= d
+    return torch.arange(n, dtype=torch.float32).reshape(SHAPES[t]) + 1000 * t
+
+
+def _worker(rank: int, tmp: str, world: int, holders: list[int], takers: list[int]) -> None:
+    from trainer.integrations.p2p_reshard import exchange
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    rows = [s[0] for s in SHAPES]
+    old_world, new_world = len(holders), len(takers)
+    old = [None] * len(SHAPES)
+    new = [None] * len(SHAPES)
+    if rank in holders:
+        i = holders.index(rank)
+        old = [_full(t).narrow(0, *chunk_rows(n, old_world, i)).clone() for t, n in enumerate(rows)]
+    if rank in takers:
+        j = takers.index(rank)
+        new = [torch.full((chunk_rows(n, new_world, j)[1], *SHAPES[t][1:]), -1.0) for t, n in enumerate(rows)]
+    traffic = exchange(plan(rows, old_world, new_world), old, new, rows=rows, old_world=old_world,
+                       new_world=new_world, holders=holders, takers=takers)
+    ok = None
+    if rank in takers:
+        j = takers.index(rank)
+        ok = all(torch.equal(new[t], _full(t).narrow(0, *chunk_rows(n, new_world, j))) for t, n in enumerate(rows))
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps({"ok": ok, "sent": traffic.sent_bytes,
+                                                         "received": traffic.received_bytes,
+                                                         "copied": traffic.copied_bytes}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(tmp_path: Path, world: int, holders: list[int], takers: list[int]) -> list[dict]:
+    mp.start_processes(_worker, args=(str(tmp_path), world, holders, takers), nprocs=world, start_method="spawn")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _bytes_lacking(j: int, old_world: int, new_world: int, holder_of: dict[int, int], me: int) -> int:
+    """Bytes new shard ``j`` lacks on rank ``me``: its rows not in the old shard ``me`` held."""
+    total = 0
+    for t, n in enumerate(s[0] for s in SHAPES):
+        width = 4 * int(torch.tensor(SHAPES[t][1:]).prod()) if len(SHAPES[t]) > 1 else 4
+        start, size = chunk_rows(n, new_world, j)
+        if me in holder_of:
+            s, k = chunk_rows(n, old_world, holder_of[me])
+            size -= max(0, min(start + size, s + k) - max(start, s))
+        total += size * width
+    return total
+
+
+@pytest.mark.timeout(120)
+def test_a_shrink_in_the_old_group_leaves_each_survivor_its_new_rows(tmp_path: Path) -> None:
+    """World 4 -> 3: rank 1 leaves; ranks 0, 2, 3 become new shards 0, 1, 2."""
+    got = _run(tmp_path, 4, [0, 1, 2, 3], [0, 2, 3])
+    assert [g["ok"] for g in got] == [True, None, True, True]
+    holder_of = {r: r for r in range(4)}
+    assert [g["received"] for g in got] == [
+        _bytes_lacking(0, 4, 3, holder_of, 0), 0, _bytes_lacking(1, 4, 3, holder_of, 2),
+        _bytes_lacking(2, 4, 3, holder_of, 3)]
+    assert sum(g["sent"] for g in got) == sum(g["received"] for g in got)
+    assert got[1]["sent"] > 0  # the leaving rank's rows went to the survivors
+
+
+@pytest.mark.timeout(120)
+def test_a_grow_in_the_new_group_sends_the_joiners_only_their_rows(tmp_path: Path) -> None:
+    """World 2 -> 3: ranks 0 and 1 hold the old shards, rank 2 joins with nothing."""
+    got = _run(tmp_path, 3, [0, 1], [0, 1, 2])
+    assert [g["ok"] for g in got] == [True, True, True]
+    holder_of = {0: 0, 1: 1}
+    assert [g["received"] for g in got] == [_bytes_lacking(j, 2, 3, holder_of, j) for j in range(3)]
+    assert got[2]["sent"] == 0

@@ -1,0 +1,162 @@
+"""Peer-to-peer reshard of dim-0 sharded state: each rank receives exactly the rows its new
+shard lacks, from the ranks that hold them; nothing is gathered whole anywhere.
+
+FSDP2 shards every parameter (and AdamW's moments, which take the parameter's layout)
+along dim 0 in ``torch.chunk``'s way: at world ``W`` rank ``r`` holds the rows
+``Shard.local_shard_size_and_offset(rows, W, r)`` gives (the function DTensor itself
+lays shards out with). When the world goes from ``W_old`` to ``W_new``, new shard ``j``
+overlaps a few old shards ``i``; each overlap is one :class:`Piece`, a run of whole rows
+sent from the rank holding old shard ``i`` to the rank that will hold new shard ``j``
+(a local copy when that is the same rank). :func:`plan` is pure: every rank computes the
+same pieces from the shapes alone, so no metadata travels, through rank 0 or anywhere.
+:func:`exchange` carries a plan out with ``torch.distributed`` point-to-point sends
+(``batch_isend_irecv``, one tag per piece), straight from a view of the old shard into
+a view of the new one: no buffer, so the extra memory a rank needs is its new shard.
+
+Where it runs: a shrink's exchange runs in the *old* group, before it changes (the
+leaving ranks hold old shards and must send them); a grow's in the *new* one (the
+joiners hold no old shard, and are not in the old group). ``holders[i]`` and
+``takers[j]`` name the ranks, in the group the exchange runs in, of old shard ``i`` and
+new shard ``j``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.placement_types import Shard
+
+__all__ = ["Piece", "Traffic", "chunk_rows", "plan", "exchange"]
+
+#: pieces in flight at once (each a pending send or receive): bounds the transport's queues
+MAX_IN_FLIGHT = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """Rows ``[start, start + rows)`` (global row numbers) of tensor ``tensor``, which old
+    shard ``src`` holds and new shard ``dst`` needs."""
+
+    tensor: int
+    src: int
+    dst: int
+    start: int
+    rows: int
+
+
+@dataclasses.dataclass(slots=True)
+class Traffic:
+    """What one rank moved in an :func:`exchange`: bytes sent to and received from other ranks
+    (a piece it holds and takes itself is ``copied``), and the number of each."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    copied_bytes: int = 0
+    sends: int = 0
+    receives: int = 0
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``(start, size)``: the rows shard ``rank`` of ``world`` holds of a tensor of ``rows`` rows
+    (``torch.chunk``'s split, DTensor's ``Shard(0)``: the last shards may be short or empty)."""
+    size, start = Shard.local_shard_size_and_offset(rows, world, rank)
+    return int(start), int(size)
+
+
+def plan(rows: Sequence[int], old_world: int, new_world: int) -> list[Piece]:
+    """Every piece of a reshard of tensors with ``rows[t]`` rows each, from ``old_world``
+    shards to ``new_world``: for each new shard, the runs of its rows by the old shard that
+    holds them. The pieces of new shard ``j`` tile its rows exactly; those from old shard
+    ``i`` lie within its rows. Ordered by tensor, new shard, then start.
+
+    Raises:
+        ValueError: a world size below 1, or a negative row count.
+    """
+    if old_world < 1 or new_world < 1:
+        raise ValueError(f"world sizes must be >= 1, got {old_world} -> {new_world}")
+    out: list[Piece] = []
+    for t, n in enumerate(rows):
+        if n < 0:
+            raise ValueError(f"tensor {t} has {n} rows")
+        old = [chunk_rows(n, old_world, i) for i in range(old_world)]
+        for j in range(new_world):
+            start, size = chunk_rows(n, new_world, j)
+            end = start + size
+            for i, (s, k) in enumerate(old):
+                lo, hi = max(start, s), min(end, s + k)
+                if hi > lo:
+                    out.append(Piece(t, i, j, lo, hi - lo))
+    return out
+
+
+def exchange(pieces: Sequence[Piece], old: Sequence[torch.Tensor | None], new: Sequence[torch.Tensor | None], *,
+             rows: Sequence[int], old_world: int, new_world: int, holders: Sequence[int],
+             takers: Sequence[int]) -> Traffic:
+    """Carry out ``pieces`` (of :func:`plan` over ``rows``) on this rank of the default group:
+    send the rows of its old shards others need, receive the rows its new shards need, copy
+    the ones it both holds and takes.
+
+    Collective over the default group: every rank calls it with the same plan (a rank that
+    neither holds nor takes a shard has nothing to do). The pieces go in batches of
+    :data:`MAX_IN_FLIGHT` consecutive pieces of the plan, the same batches on every rank;
+    a rank posts its part of a batch once its part of the one before is done, so every
+    send it waits on was posted by its peer in the same batch (no cycle of waits).
+
+    Args:
+        old: tensor ``t``'s old local shard on this rank, rows first (None: it holds no old shard).
+        new: tensor ``t``'s new local shard on this rank, allocated, written here (None: it takes none).
+        holders: ``holders[i]``: the rank holding old shard ``i`` (``len == old_world``).
+        takers: ``takers[j]``: the rank taking new shard ``j`` (``len == new_world``).
+
+    Returns:
+        This rank's :class:`Traffic`.
+
+    Raises:
+        ValueError: ``holders`` / ``takers`` of the wrong length, or a local shard whose row
+            count is not the plan's (the layout is not ``torch.chunk``'s): before any send.
+    """
+    if len(holders) != old_world or len(takers) != new_world:
+        raise ValueError(f"{len(holders)} holders for {old_world} old shards, {len(takers)} takers for {new_world}")
+    me = dist.get_rank()
+    mine_old = holders.index(me) if me in holders else None
+    mine_new = takers.index(me) if me in takers else None
+    for label, shards, which, world in (("old", old, mine_old, old_world), ("new", new, mine_new, new_world)):
+        if which is None:
+            continue
+        for t, n in enumerate(rows):
+            want = chunk_rows(n, world, which)[1]
+            got = shards[t]
+            if got is None or got.dim() == 0 or got.shape[0] != want:
+                raise ValueError(f"tensor {t}: this rank's {label} shard has shape "
+                                 f"{None if got is None else tuple(got.shape)}, the plan gives it {want} rows")
+    traffic = Traffic()
+    for first in range(0, len(pieces), MAX_IN_FLIGHT):
+        ops: list[dist.P2POp] = []
+        for tag, p in enumerate(pieces[first:first + MAX_IN_FLIGHT], start=first):
+            src, dst = holders[p.src], takers[p.dst]
+            if me not in (src, dst):
+                continue
+            if me == src:
+                s0 = chunk_rows(rows[p.tensor], old_world, p.src)[0]
+                view = old[p.tensor].narrow(0, p.start - s0, p.rows)  # type: ignore[union-attr]
+            if me == dst:
+                d0 = chunk_rows(rows[p.tensor], new_world, p.dst)[0]
+                into = new[p.tensor].narrow(0, p.start - d0, p.rows)  # type: ignore[union-attr]
+            if src == dst:
+                into.copy_(view)
+                traffic.copied_bytes += view.numel() * view.element_size()
+            elif me == src:
+                ops.append(dist.P2POp(dist.isend, view.contiguous(), dst, tag=tag))
+                traffic.sent_bytes += view.numel() * view.element_size()
+                traffic.sends += 1
+            else:
+                ops.append(dist.P2POp(dist.irecv, into, src, tag=tag))
+                traffic.received_bytes += into.numel() * into.element_size()
+                traffic.receives += 1
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+    return traffic
