@@ -33,6 +33,7 @@ from trainer.contract import JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, STATUS_FILE_ENV
 from trainer.exchange import broadcast_json
 from trainer.guard import Decision
 from trainer.membership import JobCompleted, JoinQueue, JoinRefused, JoinTimeout, Ticket, run_id
+from trainer.memwatch import PeakRss
 from trainer.runtime import (StatusWriter, StepLog, broadcast_state, new_attempt_id, regroup, rendezvous_endpoint,
                              shrink_process_group)
 from trainer.store_retry import StoreRetry, store_reachable
@@ -75,6 +76,8 @@ class Resizer:
         self._pick: list[Ticket] = []  # rank 0: the joiners this boundary's decision admits
         self._retry = StoreRetry()  # rank 0's join check while the store is out of reach
         self.stage_s = 0.0  # the last notice's stage_state, before its commit (s): the shrink's started line has it
+        #: the host memory a resize takes above what the process held (its stage and rebuild; not a commit)
+        self.memory = PeakRss()
 
     @property
     def can_grow(self) -> bool:
@@ -89,7 +92,8 @@ class Resizer:
         them, and a sharded job's leaving ranks hold shards the survivors still need."""
         t0 = time.perf_counter()
         leaving = set(decision.leaving_ranks)
-        self.job.stage_state([r for r in range(self.job.ctx.world_size) if r not in leaving])
+        with self.memory.track():
+            self.job.stage_state([r for r in range(self.job.ctx.world_size) if r not in leaving])
         self.stage_s = time.perf_counter() - t0
 
     def shrink(self, decision: Decision) -> None:
@@ -189,7 +193,8 @@ class Resizer:
         assert endpoint is not None  # can_grow, on rank 0; the same environment everywhere
         world = old_world + joiners
         prefix = f"spotvisor/{run_id()}/grow/{job.attempt}/{step}"
-        job.stage_state(list(range(old_world)))
+        with self.memory.track():
+            job.stage_state(list(range(old_world)))
         if job.ctx.is_leader:
             assert self._queue is not None and len(self._pick) == joiners
             self._queue.admit(self._pick, prefix=prefix, first_rank=old_world, world_size=world)
@@ -261,9 +266,15 @@ class Resizer:
         job.steplog = StepLog(os.environ.get(LOG_DIR_ENV), job.ctx, job.attempt)
         job.states_in_sync = True  # the survivors' own, or sent by a peer just now
         try:
-            loaded = job.reshard(from_commit=from_commit)
+            with self.memory.track():
+                loaded = job.reshard(from_commit=from_commit)
         finally:
             job.states_in_sync = False
+        peak = self.memory.take()
+        if peak is not None:
+            fields["peak_extra_bytes"] = peak
+        # a job's own figures of the resize (DcpJob: the bytes its peer-to-peer reshard moved)
+        fields.update(getattr(job, "resize_report", dict)())
         if from_commit:
             resumed_from = loaded
         step = job.state.step

@@ -318,6 +318,16 @@ class DcpJob(ElasticJob):
             self.ckpt.dir.last_committed = self.last_committed
         return None
 
+    def resize_report(self) -> dict[str, Any]:
+        """The last peer-to-peer reshard's bytes on this rank (sent, received, copied in place)
+        and the bytes of its new shards."""
+        if self.traffic is None or self.state_replicated:
+            return {}
+        t, self.traffic = self.traffic, None
+        shard = sum(x.numel() * x.element_size() for x in self._local_shards()[1])
+        return {"reshard_sent_bytes": t.sent_bytes, "reshard_received_bytes": t.received_bytes,
+                "reshard_copied_bytes": t.copied_bytes, "shard_bytes": shard}
+
     def _fill(self, staged: dict[str, Any]) -> None:
         """The new shards, from what :meth:`stage_state` left (see :meth:`reshard`)."""
         if staged["optim_step"] is not None:
