@@ -92,3 +92,30 @@ def test_a_sharded_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_
         assert sorted(got[s]) == sorted(want[s] * 2)
     assert {s: sorted(p) for s, p in got.items() if s not in (5, 6)} == {
         s: p for s, p in want.items() if s not in (5, 6)}
+
+
+
+def test_a_sharded_job_with_replicated_shards_loses_no_step_to_a_kill(tmp_path: Path, rdzv) -> None:
+    """As above, with ``--replicate-shards``: each rank's shards are copied to the next
+    node's rank after every step. node2 (old rank 2) is SIGKILLed before its step 7; the
+    copy of its shards on node0 (its buddy, (2 + 1) % 3) puts the old layout back together,
+    which moves peer to peer to world 2. No commit is loaded and every step is trained
+    exactly once (step 7 failed at world 3 before anyone completed it, and is trained at 2)."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt,
+                    (*KILL_NODE2, "--record-step", "6"), ("--checkpoint-interval", "4", "--replicate-shards"))
+             for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+    for node in ("node0", "node1"):
+        lines = status_lines(tmp_path, node)
+        started = [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"), x.get("from_replicas"))
+                   for x in lines if x["event"] == "started"]
+        assert started == [(0, None, 3, None, None), (6, "in_process", 2, None, True)], "\n".join(outs)
+        assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    # the whole state the survivors rebuilt at world 2 is the one of step 6 at world 3
+    before = (tmp_path / "step-6.txt").read_text().split()
+    after = (tmp_path / "after-6.txt").read_text().split()
+    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "2"), (before, after)

@@ -62,11 +62,9 @@ def _worker(rank: int, tmp: str, world: int, holders: list[int], takers: list[in
                             timeout=timedelta(seconds=60))
     rows = [s[0] for s in SHAPES]
     old_world, new_world = len(holders), len(takers)
-    old = [None] * len(SHAPES)
-    new = [None] * len(SHAPES)
-    if rank in holders:
-        i = holders.index(rank)
-        old = [_full(t).narrow(0, *chunk_rows(n, old_world, i)).clone() for t, n in enumerate(rows)]
+    old = {i: [_full(t).narrow(0, *chunk_rows(n, old_world, i)).clone() for t, n in enumerate(rows)]
+           for i, r in enumerate(holders) if r == rank}
+    new = None
     if rank in takers:
         j = takers.index(rank)
         new = [torch.full((chunk_rows(n, new_world, j)[1], *SHAPES[t][1:]), -1.0) for t, n in enumerate(rows)]
@@ -122,3 +120,15 @@ def test_a_grow_in_the_new_group_sends_the_joiners_only_their_rows(tmp_path: Pat
     holder_of = {0: 0, 1: 1}
     assert [g["received"] for g in got] == [_bytes_lacking(j, 2, 3, holder_of, j) for j in range(3)]
     assert got[2]["sent"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_holding_a_lost_peers_replica_sends_both_shards(tmp_path: Path) -> None:
+    """After a loss: world 3 -> 2, old rank 1 lost, its shard's replica on old rank 2 (new
+    rank 1), which so holds old shards 1 and 2; new rank 0 is old rank 0."""
+    got = _run(tmp_path, 2, [0, 1, 1], [0, 1])
+    assert [g["ok"] for g in got] == [True, True]
+    holder_of = {0: 0}
+    assert got[0]["received"] == _bytes_lacking(0, 3, 2, holder_of, 0)
+    assert got[1]["received"] == 0  # its new rows all lie in the two old shards it holds
+    assert got[1]["sent"] == got[0]["received"]

@@ -139,7 +139,7 @@ class Recovery:
                         job.G, world)
             raise SystemExit(1)
         job.ctx = regroup(job.ctx, rank, world, prefix, endpoint, job.args.pg_timeout_s)
-        self._catch_up(old_world, t0, step)
+        self._catch_up(old_rank, old_world, t0, step)
 
     def learn_commit(self) -> bool:
         """Collective, after a re-form that interrupted a commit: whether rank 0 of the old
@@ -184,11 +184,18 @@ class Recovery:
             dist.destroy_process_group()
         gc.collect()  # the failed step's graph, and with it DDP's reducer on the old group
 
-    def _catch_up(self, old_world: int, t0: float, step: int) -> None:
+    def _catch_up(self, old_rank: int, old_world: int, t0: float, step: int) -> None:
         """In the new group: the survivors a step behind take the state of the most
-        advanced one (replicated), or every rank reloads the newest commit (sharded)."""
+        advanced one (replicated); a sharded job rebuilds the lost shards from the copies
+        its ranks keep of each other's (``restage_after_loss``: FSDP2 with
+        ``--replicate-shards``), or every rank reloads the newest commit."""
         job, world = self.job, self.job.ctx.world_size
-        if not job.state_replicated:  # the lost peer's shards are in the newest commit only
+        if not job.state_replicated:
+            restage = getattr(job, "restage_after_loss", None)  # collective: every survivor asks
+            if restage is not None and restage(old_rank, old_world):
+                job.resizer.restart_attempt(old_world, t0, "recovered", resumed_from=None, from_replicas=True,
+                                            lost_ranks=old_world - world, failed_step=step)
+                return
             job.resizer.restart_attempt(old_world, t0, "reloaded", resumed_from=None, from_commit=True,
                                         lost_ranks=old_world - world, failed_step=step)
             return

@@ -71,6 +71,9 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-resizes", action="store_true",
                    help="rank 0 writes $OUT/before-<step>.txt and after-<step>.txt: the full state's sha256 "
                         "before stage_state and after reshard, and the world size")
+    p.add_argument("--record-step", type=int, default=None, metavar="STEP",
+                   help="rank 0 writes $OUT/step-<STEP>.txt after training STEP: the full state's sha256, "
+                        "as --record-resizes does")
     p.add_argument("--data-kind", choices=("builtin", "map", "stream"), default="builtin",
                    help="map: --data as the user's own torch map-style Dataset of texts; stream: "
                         "trainer.data.load_data (--streaming); builtin: the trainer's default")
@@ -149,6 +152,8 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
                     time.sleep(0.05)  # polling another process's ticket count
             if self.state.step == opts.notice_at and node == opts.notice_node:
                 write_notice(node)
+            if self.state.step == opts.record_step:
+                self._record("step")
             return out
 
         def commit(self, *, reason, decision):

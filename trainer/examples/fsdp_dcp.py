@@ -48,7 +48,7 @@ from trainer.integrations.dcp import DcpCheckpointer, DcpError, ForeignCheckpoin
 from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
-from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
+from trainer.integrations.fsdp_shards import ShardMover
 from trainer.runtime import (
     DistContext,
     scratch_dir,
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "DCP checkpoints committed manifest-last, resumed at any world size.")
     p.add_argument("--wrap", choices=WRAPS, default="fsdp",
                    help="with more than one rank: shard with FSDP2 (default) or replicate with DDP")
+    p.add_argument("--replicate-shards", action="store_true",
+                   help="FSDP2: after every step, copy each rank's shards to a rank on the next node, so a "
+                        "node lost without notice costs no step (off: the survivors reload the last commit)")
     return p
 
 
@@ -127,10 +130,8 @@ class DcpJob(ElasticJob):
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
         super().__init__(args, ctx, plan, data)  # store, status, step log, data, build_state(), guard
         self.ckpt: DcpCheckpointer | None = None
-        #: during an FSDP2 resize: the shards (a shrink's new ones, a grow's old ones) and the layout
-        self._staged: dict[str, Any] | None = None
-        #: this rank's bytes moved by the last peer-to-peer reshard
-        self.traffic: Traffic | None = None
+        #: FSDP2's shards through a resize or a loss: moved peer to peer, copied to another node
+        self.shards = ShardMover(self)
 
     def build_state(self, device: torch.device | None = None) -> TrainState:
         """The reference GPT-2 + AdamW on ``device`` (default the rank's; ``meta``: shapes
@@ -144,7 +145,23 @@ class DcpJob(ElasticJob):
         return self.args.wrap != "fsdp"
 
     def train_step(self) -> tuple[float, float, list[int]]:
-        return causal_lm_step(self)
+        out = causal_lm_step(self)
+        if self.replicating:
+            self.shards.after_step()
+        return out
+
+    @property
+    def replicating(self) -> bool:
+        """FSDP2 with ``--replicate-shards``: each step's shards are copied to another node."""
+        return bool(getattr(self.args, "replicate_shards", False)) and self.wrapping == "fsdp"
+
+    def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
+        """After a loss (:class:`~trainer.recovery.Recovery`): rebuild the lost shards from
+        their copies, for :meth:`reshard`; False without ``--replicate-shards`` or when the
+        copies cannot (:meth:`ShardMover.restage_after_loss`): reload the newest commit."""
+        if not getattr(self.args, "replicate_shards", False):  # the same flags on every rank
+            return False
+        return self.shards.restage_after_loss(old_rank, old_world)
 
     @property
     def wrapping(self) -> str:
@@ -196,43 +213,6 @@ class DcpJob(ElasticJob):
 
     # -- in-process resizes (trainer.resize.Resizer, trainer.recovery.Recovery)
 
-    def _local_shards(self) -> tuple[list[str], list[torch.Tensor], list[int]]:
-        """This rank's shards of the whole state, in one order every rank computes alike:
-        for each parameter, itself, then each optimizer state of its shape (AdamW's moments),
-        by key. Returns (their names, the local tensors, each one's global row count)."""
-        from torch.distributed.tensor import DTensor
-
-        names: list[str] = []
-        local: list[torch.Tensor] = []
-        rows: list[int] = []
-        opt_state = self.state.optimizer.state
-        for name, p in self.state.model.named_parameters():
-            st = opt_state.get(p, {})
-            tensors = [("", p)] + [(k, st[k]) for k in sorted(st)
-                                   if torch.is_tensor(st[k]) and st[k].dim() > 0 and st[k].shape == p.shape]
-            for key, t in tensors:
-                names.append(f"{name}:{key}" if key else name)
-                local.append((t.to_local() if isinstance(t, DTensor) else t).detach())
-                rows.append(int(t.shape[0]))
-        return names, local, rows
-
-    def _optim_step(self) -> int | None:
-        """AdamW's step count (every parameter's the same), or None before its first step."""
-        steps = {int(st["step"]) for st in self.state.optimizer.state.values() if "step" in st}
-        if len(steps) > 1:
-            raise RuntimeError(f"the optimizer's parameters are at different steps {sorted(steps)}")
-        return next(iter(steps), None)
-
-    def _create_optimizer_state(self) -> None:
-        """AdamW creates its state on its first step: one on zero gradients over the new
-        shards (the moments and the parameters it moves are overwritten next)."""
-        params = [p for g in self.state.optimizer.param_groups for p in g["params"]]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        self.state.optimizer.step()
-        for p in params:
-            p.grad = None
-
     def peer_state(self) -> dict[str, Any]:
         """DDP: the whole state, as the reference trainer sends it. FSDP2: the step, and what
         a joiner needs to take part in the reshard (the old world size, AdamW's step count
@@ -240,46 +220,23 @@ class DcpJob(ElasticJob):
         if self.state_replicated:
             return {"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict(),
                     "step": self.state.step}
-        if self._staged is None:
-            raise RuntimeError("rank 0 holds no staged layout to send (a grow that skipped stage_state)")
-        return {"step": self.state.step, "fsdp": {k: self._staged[k] for k in ("old_world", "optim_step", "groups")}}
+        return {"step": self.state.step, "fsdp": self.shards.metadata()}
 
     def load_peer_state(self, state: dict[str, Any]) -> None:
         if "model" in state:
             self.state.model.load_state_dict(state["model"])
             self.state.optimizer.load_state_dict(state["optimizer"])
         else:
-            self._staged = {**state["fsdp"], "names": None, "old": None}
+            self.shards.take_metadata(state["fsdp"])
         self.state.step = int(state["step"])
 
     def stage_state(self, keep: list[int]) -> None:
         """FSDP2, on every rank of the old group, before it changes (``keep``: the old ranks
-        that stay, ``keep[j]`` becoming new rank ``j``).
-
-        A shrink (ranks leave): the peer-to-peer exchange runs now, in the old group, since
-        the leaving ranks hold rows the survivors need (:mod:`trainer.integrations.p2p_reshard`):
-        each survivor receives exactly the rows of its new shards it lacks, into new tensors
-        it holds until :meth:`reshard`. A grow (every rank stays): nothing moves yet; each
-        rank keeps its shards for the exchange in the new group, where the joiners are."""
-        if self.state_replicated:
-            return
-        names, local, rows = self._local_shards()
-        world = self.ctx.world_size
-        staged: dict[str, Any] = {"old_world": world, "optim_step": self._optim_step(), "names": names,
-                                  "groups": [{k: v for k, v in g.items() if k != "params"}
-                                             for g in self.state.optimizer.param_groups]}
-        if len(keep) == world:
-            self._staged = {**staged, "old": local}
-            return
-        new_world, me = len(keep), self.ctx.rank
-        new = None
-        if me in keep:
-            j = keep.index(me)
-            new = [torch.empty((chunk_rows(n, new_world, j)[1], *t.shape[1:]), dtype=t.dtype, device=t.device)
-                   for t, n in zip(local, rows)]
-        self.traffic = exchange(plan(rows, world, new_world), local, new or [None] * len(local), rows=rows,
-                                old_world=world, new_world=new_world, holders=list(range(world)), takers=keep)
-        self._staged = {**staged, "new": new} if me in keep else None
+        that stay, ``keep[j]`` becoming new rank ``j``): a shrink's exchange runs now, the
+        leaving ranks sending their rows; a grow's ranks keep their shards for the exchange
+        in the new group (:meth:`ShardMover.stage`)."""
+        if not self.state_replicated:
+            self.shards.stage(keep)
 
     def reshard(self, *, from_commit: bool) -> int | None:
         """After the group changed. DDP: re-wrap (every rank holds the state). FSDP2: a new
@@ -297,8 +254,7 @@ class DcpJob(ElasticJob):
         if self.state_replicated:
             self.wrap()
         else:
-            step, staged = self.state.step, self._staged
-            self._staged = None
+            step, staged = self.state.step, self.shards.take_staged()
             if not from_commit and staged is None:
                 raise RuntimeError(f"rank {self.ctx.rank} holds no staged state to reshard from")
             # free the old model first (the checkpointer holds it too); a grow's old shards
@@ -311,7 +267,7 @@ class DcpJob(ElasticJob):
             if from_commit:
                 self.resume()
                 return self.last_committed.step if self.last_committed else None
-            self._fill(staged)
+            self.shards.fill(staged)
             del staged
         self.last_committed = last  # type: ignore[assignment]
         if self.ckpt is not None:
@@ -319,37 +275,8 @@ class DcpJob(ElasticJob):
         return None
 
     def resize_report(self) -> dict[str, Any]:
-        """The last peer-to-peer reshard's bytes on this rank (sent, received, copied in place)
-        and the bytes of its new shards."""
-        if self.traffic is None or self.state_replicated:
-            return {}
-        t, self.traffic = self.traffic, None
-        shard = sum(x.numel() * x.element_size() for x in self._local_shards()[1])
-        return {"reshard_sent_bytes": t.sent_bytes, "reshard_received_bytes": t.received_bytes,
-                "reshard_copied_bytes": t.copied_bytes, "shard_bytes": shard}
-
-    def _fill(self, staged: dict[str, Any]) -> None:
-        """The new shards, from what :meth:`stage_state` left (see :meth:`reshard`)."""
-        if staged["optim_step"] is not None:
-            self._create_optimizer_state()
-        names, new, rows = self._local_shards()
-        if staged["names"] is not None and staged["names"] != names:
-            raise RuntimeError("the model or optimizer's tensors differ from the old layout's: cannot reshard")
-        with torch.no_grad():
-            if "new" in staged:  # a shrink's survivor: its rows arrived in stage_state
-                for into, got in zip(new, staged["new"]):
-                    into.copy_(got)
-            else:  # a grow: the old ranks hold the old shards, the joiners nothing
-                old_world, world = staged["old_world"], self.ctx.world_size
-                old = staged["old"] or [None] * len(new)
-                self.traffic = exchange(plan(rows, old_world, world), old, new, rows=rows, old_world=old_world,
-                                        new_world=world, holders=list(range(old_world)), takers=list(range(world)))
-        for st in self.state.optimizer.state.values():
-            if "step" in st:
-                st["step"] = (torch.full_like(st["step"], staged["optim_step"]) if torch.is_tensor(st["step"])
-                              else staged["optim_step"])
-        for group, saved in zip(self.state.optimizer.param_groups, staged["groups"]):
-            group.update(saved)
+        """The last peer-to-peer exchange's bytes on this rank, and its new shards' (FSDP2)."""
+        return {} if self.state_replicated else self.shards.report()
 
     # -- commits
 

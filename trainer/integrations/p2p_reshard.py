@@ -23,7 +23,8 @@ new shard ``j``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ class Traffic:
     copied_bytes: int = 0
     sends: int = 0
     receives: int = 0
+    seconds: float = 0.0  # in the exchange, this rank
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -92,8 +94,8 @@ def plan(rows: Sequence[int], old_world: int, new_world: int) -> list[Piece]:
     return out
 
 
-def exchange(pieces: Sequence[Piece], old: Sequence[torch.Tensor | None], new: Sequence[torch.Tensor | None], *,
-             rows: Sequence[int], old_world: int, new_world: int, holders: Sequence[int],
+def exchange(pieces: Sequence[Piece], old: Mapping[int, Sequence[torch.Tensor]], new: Sequence[torch.Tensor] | None,
+             *, rows: Sequence[int], old_world: int, new_world: int, holders: Sequence[int],
              takers: Sequence[int]) -> Traffic:
     """Carry out ``pieces`` (of :func:`plan` over ``rows``) on this rank of the default group:
     send the rows of its old shards others need, receive the rows its new shards need, copy
@@ -106,9 +108,12 @@ def exchange(pieces: Sequence[Piece], old: Sequence[torch.Tensor | None], new: S
     send it waits on was posted by its peer in the same batch (no cycle of waits).
 
     Args:
-        old: tensor ``t``'s old local shard on this rank, rows first (None: it holds no old shard).
-        new: tensor ``t``'s new local shard on this rank, allocated, written here (None: it takes none).
-        holders: ``holders[i]``: the rank holding old shard ``i`` (``len == old_world``).
+        old: ``old[i][t]``: tensor ``t`` of old shard ``i``, rows first, for each old shard this
+            rank holds (its own; after a loss, also a lost rank's, from its replica).
+        new: ``new[t]``: tensor ``t``'s new local shard on this rank, allocated, written here
+            (None: it takes none).
+        holders: ``holders[i]``: the rank holding old shard ``i`` (``len == old_world``; a rank
+            may hold several).
         takers: ``takers[j]``: the rank taking new shard ``j`` (``len == new_world``).
 
     Returns:
@@ -121,18 +126,17 @@ def exchange(pieces: Sequence[Piece], old: Sequence[torch.Tensor | None], new: S
     if len(holders) != old_world or len(takers) != new_world:
         raise ValueError(f"{len(holders)} holders for {old_world} old shards, {len(takers)} takers for {new_world}")
     me = dist.get_rank()
-    mine_old = holders.index(me) if me in holders else None
-    mine_new = takers.index(me) if me in takers else None
-    for label, shards, which, world in (("old", old, mine_old, old_world), ("new", new, mine_new, new_world)):
-        if which is None:
-            continue
+    checks = [(f"old shard {i}", old.get(i), i, old_world) for i, r in enumerate(holders) if r == me]
+    if me in takers:
+        checks.append(("new shard", new, takers.index(me), new_world))
+    for label, shards, which, world in checks:
         for t, n in enumerate(rows):
             want = chunk_rows(n, world, which)[1]
-            got = shards[t]
+            got = None if shards is None or t >= len(shards) else shards[t]
             if got is None or got.dim() == 0 or got.shape[0] != want:
-                raise ValueError(f"tensor {t}: this rank's {label} shard has shape "
+                raise ValueError(f"tensor {t}: this rank's {label} has shape "
                                  f"{None if got is None else tuple(got.shape)}, the plan gives it {want} rows")
-    traffic = Traffic()
+    traffic, t0 = Traffic(), time.perf_counter()
     for first in range(0, len(pieces), MAX_IN_FLIGHT):
         ops: list[dist.P2POp] = []
         for tag, p in enumerate(pieces[first:first + MAX_IN_FLIGHT], start=first):
@@ -141,7 +145,7 @@ def exchange(pieces: Sequence[Piece], old: Sequence[torch.Tensor | None], new: S
                 continue
             if me == src:
                 s0 = chunk_rows(rows[p.tensor], old_world, p.src)[0]
-                view = old[p.tensor].narrow(0, p.start - s0, p.rows)  # type: ignore[union-attr]
+                view = old[p.src][p.tensor].narrow(0, p.start - s0, p.rows)
             if me == dst:
                 d0 = chunk_rows(rows[p.tensor], new_world, p.dst)[0]
                 into = new[p.tensor].narrow(0, p.start - d0, p.rows)  # type: ignore[union-attr]
@@ -159,4 +163,5 @@ def exchange(pieces: Sequence[Piece], old: Sequence[torch.Tensor | None], new: S
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+    traffic.seconds = time.perf_counter() - t0
     return traffic

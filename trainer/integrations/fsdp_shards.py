@@ -1,0 +1,225 @@
+"""An FSDP2 job's shards through an in-process resize and a loss: moved peer to peer, and
+copied to another node after every step when asked.
+
+:class:`ShardMover` is what :class:`trainer.examples.fsdp_dcp.DcpJob` delegates to; it
+reads the job's ``state`` (model, optimizer, step), ``ctx`` and ``args``. The order of
+events on every rank (:mod:`trainer.resize`, :mod:`trainer.recovery`)::
+
+    shrink   stage(keep)     old group: the exchange runs now (the leaving ranks send)
+             (the group changes)
+             fill()          new model: copy in the rows received
+    grow     stage(keep)     old group: keep this rank's shards, move nothing
+             (the group changes; the joiners take metadata(): old world, AdamW's step)
+             fill()          new group: the exchange runs now (the joiners receive)
+    loss     restage_after_loss(old_rank, old_world)
+                             new group: own shards + the copies of the lost ranks'
+             fill()          new group: the exchange, holders from the copies
+
+``fill`` runs after the job built the new model on the meta device, sharded and
+allocated it: it creates AdamW's state (a step on zero gradients), fills every shard,
+and sets AdamW's step count and hyperparameters back. The tensors move in one order
+every rank computes alike (:meth:`ShardMover.local_shards`); the plan is
+:mod:`trainer.integrations.p2p_reshard`'s, the copies :mod:`trainer.integrations.replicas`'.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from trainer.exchange import all_gather_json
+from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
+from trainer.integrations.replicas import BuddyReplica, recovery_holders
+
+__all__ = ["ShardMover"]
+
+log = logging.getLogger("trainer.examples.fsdp_dcp")
+
+
+class ShardMover:
+    """One FSDP2 job's shards across its resizes (module docstring). Every method is
+    collective over the group it runs in, except :meth:`metadata` and :meth:`report`."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        #: between a stage and its fill: the layout and the shards (a shrink's new ones, a grow's old ones)
+        self.staged: dict[str, Any] | None = None
+        #: this rank's bytes moved by the last exchange
+        self.traffic: Traffic | None = None
+        #: the copy of another node's shards this rank keeps (``--replicate-shards``)
+        self.replica = BuddyReplica()
+        self.prime_s = 0.0  # the last fill's creation of the optimizer's state (s)
+
+    # -- what every rank computes alike
+
+    def local_shards(self) -> tuple[list[str], list[torch.Tensor], list[int]]:
+        """This rank's shards of the whole state: for each parameter, itself, then each
+        optimizer state of its shape (AdamW's moments), by key. Returns (their names, the
+        local tensors, each one's global row count)."""
+        from torch.distributed.tensor import DTensor
+
+        names: list[str] = []
+        local: list[torch.Tensor] = []
+        rows: list[int] = []
+        opt_state = self.job.state.optimizer.state
+        for name, p in self.job.state.model.named_parameters():
+            st = opt_state.get(p, {})
+            tensors = [("", p)] + [(k, st[k]) for k in sorted(st)
+                                   if torch.is_tensor(st[k]) and st[k].dim() > 0 and st[k].shape == p.shape]
+            for key, t in tensors:
+                names.append(f"{name}:{key}" if key else name)
+                local.append((t.to_local() if isinstance(t, DTensor) else t).detach())
+                rows.append(int(t.shape[0]))
+        return names, local, rows
+
+    def _layout(self, old_world: int) -> dict[str, Any]:
+        """What a fill needs besides the shards: the old world size, AdamW's step count (None
+        before its first step) and its param groups' hyperparameters."""
+        opt = self.job.state.optimizer
+        steps = {int(st["step"]) for st in opt.state.values() if "step" in st}
+        if len(steps) > 1:
+            raise RuntimeError(f"the optimizer's parameters are at different steps {sorted(steps)}")
+        return {"old_world": old_world, "optim_step": next(iter(steps), None),
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+
+    @staticmethod
+    def per_node() -> int:
+        """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): a copy goes this many ranks on."""
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    # -- the resizes
+
+    def stage(self, keep: list[int]) -> None:
+        """Every rank of the old group, before it changes (``keep[j]`` becomes new rank ``j``).
+        A shrink (ranks leave): the exchange runs now, the leaving ranks sending; each
+        survivor keeps the rows of its new shards until :meth:`fill`. A grow (all stay):
+        each rank keeps its own shards for the exchange in the new group."""
+        job = self.job
+        names, local, rows = self.local_shards()
+        world, me = job.ctx.world_size, job.ctx.rank
+        staged = {**self._layout(world), "names": names}
+        if len(keep) == world:
+            self.staged = {**staged, "old": {me: local}, "holders": list(range(world))}
+            return
+        new_world, new = len(keep), None
+        if me in keep:
+            j = keep.index(me)
+            new = [torch.empty((chunk_rows(n, new_world, j)[1], *t.shape[1:]), dtype=t.dtype, device=t.device)
+                   for t, n in zip(local, rows)]
+        self.traffic = exchange(plan(rows, world, new_world), {me: local}, new, rows=rows, old_world=world,
+                                new_world=new_world, holders=list(range(world)), takers=keep)
+        self.staged = {**staged, "new": new} if me in keep else None
+
+    def metadata(self) -> dict[str, Any]:
+        """Rank 0 to a grow's joiners: the staged layout (a few values, no tensor).
+
+        Raises:
+            RuntimeError: nothing is staged (a grow that skipped :meth:`stage`).
+        """
+        if self.staged is None:
+            raise RuntimeError("rank 0 holds no staged layout to send (a grow that skipped stage_state)")
+        return {k: self.staged[k] for k in ("old_world", "optim_step", "groups")}
+
+    def take_metadata(self, meta: dict[str, Any]) -> None:
+        """A joiner: rank 0's :meth:`metadata`; it holds no old shard."""
+        self.staged = {**meta, "names": None, "old": None}
+
+    def take_staged(self) -> dict[str, Any] | None:
+        """What the next :meth:`fill` needs, handed to the job before it drops the old model
+        (a grow's old shards stay referenced by it); the copy kept is forgotten: the layout changes."""
+        staged, self.staged = self.staged, None
+        self.replica.forget()
+        return staged
+
+    def fill(self, staged: dict[str, Any]) -> None:
+        """The new model's shards, from ``staged`` (:meth:`take_staged`), on every rank of the
+        new group; the new model and optimizer are the job's, allocated and sharded.
+
+        Raises:
+            RuntimeError: the model or optimizer's tensors are not the old layout's.
+        """
+        job = self.job
+        t0 = time.perf_counter()
+        if staged["optim_step"] is not None:
+            self._create_optimizer_state()
+        self.prime_s = time.perf_counter() - t0
+        names, new, rows = self.local_shards()
+        if staged["names"] is not None and staged["names"] != names:
+            raise RuntimeError("the model or optimizer's tensors differ from the old layout's: cannot reshard")
+        with torch.no_grad():
+            if "new" in staged:  # a shrink's survivor: its rows arrived in stage()
+                for into, got in zip(new, staged["new"]):
+                    into.copy_(got)
+            else:  # a grow, a loss: the holders send, in the new group
+                old_world, world = staged["old_world"], job.ctx.world_size
+                self.traffic = exchange(plan(rows, old_world, world), staged["old"] or {}, new, rows=rows,
+                                        old_world=old_world, new_world=world,
+                                        holders=staged.get("holders") or list(range(old_world)),
+                                        takers=list(range(world)))
+        opt = job.state.optimizer
+        for st in opt.state.values():
+            if "step" in st:
+                st["step"] = (torch.full_like(st["step"], staged["optim_step"]) if torch.is_tensor(st["step"])
+                              else staged["optim_step"])
+        for group, saved in zip(opt.param_groups, staged["groups"]):
+            group.update(saved)
+
+    def _create_optimizer_state(self) -> None:
+        """AdamW creates its state on its first step: one on zero gradients over the new
+        shards (the moments and the parameters it moves are overwritten next)."""
+        opt = self.job.state.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in params:
+            p.grad = None
+
+    def report(self) -> dict[str, Any]:
+        """The last exchange's bytes on this rank (sent, received, copied in place) and the
+        bytes of its new shards, once (then empty until the next exchange)."""
+        if self.traffic is None:
+            return {}
+        t, self.traffic = self.traffic, None
+        shard = sum(x.numel() * x.element_size() for x in self.local_shards()[1])
+        return {"reshard_sent_bytes": t.sent_bytes, "reshard_received_bytes": t.received_bytes,
+                "reshard_copied_bytes": t.copied_bytes, "shard_bytes": shard,
+                "exchange_s": round(t.seconds, 4), "optimizer_state_s": round(self.prime_s, 4)}
+
+    # -- the copies and a loss
+
+    def after_step(self) -> None:
+        """Copy this rank's shards, as of the step just taken, to its buddy (and take its
+        predecessor's); the caller decides whether this job replicates."""
+        job = self.job
+        self.replica.replicate(self.local_shards()[1], step=job.state.step, rank=job.ctx.rank,
+                               world=job.ctx.world_size, per_node=self.per_node())
+
+    def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
+        """The survivors' new group, after a loss: stage the old layout put back together from
+        the survivors' own shards and the copies of the lost ranks'
+        (:func:`~trainer.integrations.replicas.recovery_holders`). False, with one warning line
+        on rank 0, when the copies cannot rebuild it (the survivors reload the newest commit)."""
+        job, copy = self.job, self.replica.copy
+        survivors = all_gather_json({"old": old_rank, "step": job.state.step,
+                                     "copy": [copy.of, copy.step] if copy is not None else None})
+        holders = recovery_holders(survivors, old_world, self.per_node())
+        if isinstance(holders, str):
+            if job.ctx.is_leader:
+                log.warning("the shards lost cannot be rebuilt from their copies (%s): reloading the newest commit",
+                            holders)
+            return False
+        names, local, _ = self.local_shards()
+        old = {old_rank: local}
+        if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
+            old[copy.of] = copy.tensors
+        self.staged = {**self._layout(old_world), "names": names, "old": old, "holders": holders}
+        if job.ctx.is_leader:
+            lost = sorted(set(range(old_world)) - {int(s["old"]) for s in survivors})
+            log.warning("rebuilding the shards of old rank(s) %s from their copies (step %d)",
+                        ",".join(map(str, lost)), job.state.step)
+        return True
