@@ -95,16 +95,20 @@ def test_a_sharded_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_
 
 
 
-def test_a_sharded_job_with_replicated_shards_loses_no_step_to_a_kill(tmp_path: Path, rdzv) -> None:
+@pytest.mark.parametrize("where", ["before_the_step", "in_the_forward_pass"])
+def test_a_sharded_job_with_replicated_shards_loses_no_step_to_a_kill(tmp_path: Path, rdzv, where: str) -> None:
     """As above, with ``--replicate-shards``: each rank's shards are copied to the next
     node's rank after every step. node2 (old rank 2) is SIGKILLed before its step 7; the
     copy of its shards on node0 (its buddy, (2 + 1) % 3) puts the old layout back together,
     which moves peer to peer to world 2. No commit is loaded and every step is trained
-    exactly once (step 7 failed at world 3 before anyone completed it, and is trained at 2)."""
+    exactly once (step 7 failed at world 3 before anyone completed it, and is trained at 2).
+    node2 dies before its step 7, or inside its forward pass (the others then wait in a
+    collective with some of their modules' parameters gathered, not sharded)."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt,
-                    (*KILL_NODE2, "--record-step", "6"), ("--checkpoint-interval", "4", "--replicate-shards"))
-             for r in range(3)]
+    # in the forward pass: the survivors' modules past the first are unsharded when it fails
+    job = (*KILL_NODE2, "--record-step", "6", *(("--kill-in-forward",) if where == "in_the_forward_pass" else ()))
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
     for node in ("node0", "node1"):

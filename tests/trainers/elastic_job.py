@@ -56,6 +56,9 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL",
                    help="KILL: the worker is gone; STOP: it stops dead, its connections open and silent "
                         "(a powered-off instance's)")
+    p.add_argument("--kill-in-forward", action="store_true",
+                   help="--kill-node dies in the forward pass of the step after --kill-at, once its last "
+                        "transformer block has run (the others are then inside that step's collectives)")
     p.add_argument("--kill-in-commit", choices=("entering", "after-manifest"), default=None,
                    help="--kill-node dies in the commit of step --kill-at instead: on entering it (the "
                         "others wait in its collectives), or (rank 0) right after it wrote the manifest, "
@@ -142,7 +145,11 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
         def train_step(self):
             if (opts.kill_at is not None and self.state.step == opts.kill_at and node == opts.kill_node
                     and opts.kill_in_commit is None):
-                os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
+                if opts.kill_in_forward:
+                    self.state.model.transformer.h[-1].register_forward_hook(
+                        lambda *_: os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal)))
+                else:
+                    os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
             if node == opts.slow_node and opts.slow_at in (None, self.state.step):
                 time.sleep(opts.slow_s)  # computes that much longer (a straggler)
             out = super().train_step()

@@ -76,6 +76,19 @@ class ShardMover:
                 rows.append(int(t.shape[0]))
         return names, local, rows
 
+    def reshard_modules(self) -> None:
+        """Put every FSDP2 module's sharded parameters back in place (``FSDPModule.reshard``:
+        local, no collective). A collective that failed mid-step (a peer lost in a forward's
+        all-gather or a backward's reduce-scatter) leaves the modules it had reached
+        unsharded: their registered parameters are then the gathered full tensors, not the
+        shards the optimizer holds. Their shards themselves are as the last step left them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self.job.state.model
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def _layout(self, old_world: int) -> dict[str, Any]:
         """What a fill needs besides the shards: the old world size, AdamW's step count (None
         before its first step) and its param groups' hyperparameters."""
@@ -205,6 +218,7 @@ class ShardMover:
         (:func:`~trainer.integrations.replicas.recovery_holders`). False, with one warning line
         on rank 0, when the copies cannot rebuild it (the survivors reload the newest commit)."""
         job, copy = self.job, self.replica.copy
+        self.reshard_modules()  # the failed step may have left parameters unsharded
         survivors = all_gather_json({"old": old_rank, "step": job.state.step,
                                      "copy": [copy.of, copy.step] if copy is not None else None})
         holders = recovery_holders(survivors, old_world, self.per_node())
