@@ -44,3 +44,26 @@ def test_a_joiner_beside_a_group_still_training_is_no_stall() -> None:
 def test_nodes_still_starting_beside_one_that_exited_are_no_stall() -> None:
     # at the job's start nobody reported an attempt yet: a torchrun that exited early is not the job's end
     assert _stalled_after(_pool((X, ""), (R, ""), (R, "")), 60.0) is None
+
+
+def test_joiners_alone_in_the_job_after_the_group_left_it_are_a_stall() -> None:
+    # the FSDP demo's kill, before the survivors could rebuild in-process: the killed node
+    # was lost, the survivors (in-process joiners once) exited 1 and were drained, and the
+    # replacements admitted meanwhile wait for an admission nobody is left to give
+    gone = tuple(a.NodeView(id=f"g{i}", state=st, gpus=1, created_at=0.0, trainer=X, attempt="a1", ordinal=10 + i)
+                 for i, st in enumerate((NodeState.LOST, NodeState.TERMINATED, NodeState.TERMINATED)))
+    joiners = _pool((R, ""), (R, ""))
+    s = a.PoolState(nodes=gone + joiners.nodes, job=JobState.RUNNING, attempt="a1", target_nodes=3)
+    assert _stalled_after(_pool((R, ""), (R, "")), 60.0) is None  # no evidence the group is gone: no stall
+    assert _stalled_after(s, 5.0) is None  # the grace
+    assert _stalled_after(s, 11.0) == "trainers_exited"
+    p = observe(observe(Progress(since=T0), s, step=40, now=T0), s, step=40, now=T0 + 11.0)
+    stall = check(p, s, now=T0 + 11.0, rules=RULES, exit_codes={})
+    assert stall is not None and "2 joiner(s) wait for a group that is gone" in stall.message
+
+
+def test_nodes_starting_a_job_that_never_reported_an_attempt_are_no_orphans() -> None:
+    views = tuple(a.NodeView(id=f"n{i}", state=NodeState.RUNNING, gpus=1, created_at=0.0, trainer=R, ordinal=i)
+                  for i in (1, 2))
+    s = a.PoolState(nodes=views, job=JobState.RUNNING, attempt="", target_nodes=2)
+    assert _stalled_after(s, 60.0) is None

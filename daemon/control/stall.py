@@ -165,6 +165,18 @@ def _joining(n: NodeView) -> bool:
     return n.trainer is TrainerState.RUNNING and not n.attempt
 
 
+def _orphaned(s: PoolState, in_job: list[NodeView]) -> bool:
+    """Every node left in the job is a joiner, and the nodes that reported the job's running
+    attempt have all left it (lost, or drained: an in-process joiner whose trainer exited
+    non-zero leaves, :func:`daemon.control.reactions.on_trainer_exit`): no group is left to
+    admit the joiners. Only on that evidence: a node whose attempt is not known (a daemon
+    that restarted, a job starting) is never taken for an orphan."""
+    if not (s.attempt and in_job and all(_joining(n) for n in in_job)):
+        return False
+    inside = {n.id for n in in_job}
+    return any(n.attempt == s.attempt and n.id not in inside for n in s.nodes)
+
+
 def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progress:
     """``p`` after one look at the pool ``s`` and the job's newest step (``step``) at ``now``.
 
@@ -176,7 +188,8 @@ def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progr
     trained = [n for n in in_job if not _joining(n)]
     exited = bool(in_job) and (all(n.trainer is TrainerState.EXITED for n in in_job)
                                or (any(n.attempt for n in trained)
-                                   and all(n.trainer is TrainerState.EXITED for n in trained)))
+                                   and all(n.trainer is TrainerState.EXITED for n in trained))
+                               or _orphaned(s, in_job))
     exited_since = (now if p.exited_since is None else p.exited_since) if exited else None
     if s.attempt != p.attempt or training != p.training or (step is not None and p.step is not None and step < p.step):
         return replace(p, since=now, attempt=s.attempt, step=step, training=training, last_step_at=None,
@@ -216,6 +229,10 @@ def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_code
             failed = sorted({exit_codes.get(n.id) for n in in_job if exit_codes.get(n.id) != 0},
                             key=lambda c: (c is None, c))
             codes = ", ".join("unknown" if c is None else str(c) for c in failed)
+            if _orphaned(s, in_job):
+                return Stall("trainers_exited", idle, grace,
+                             f"every trainer that trained exited and left the job {now - p.exited_since:.0f} s ago; "
+                             f"{len(in_job)} joiner(s) wait for a group that is gone")
             return Stall("trainers_exited", idle, grace,
                          f"every trainer of the job exited (status {codes}) {now - p.exited_since:.0f} s ago")
     bound = p.bound_s(rules)
