@@ -37,6 +37,7 @@ from trainer.guard import Decision
 from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
 from trainer.integrations.deepspeed_resize import FullState, gather_full_state, release_engine, set_full_state
+from trainer.integrations.meta import materialize, rebuild_optimizer
 from trainer.loop import ElasticJob, loaded, run_job
 from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
@@ -133,8 +134,10 @@ class DeepSpeedJob(ElasticJob):
             keep=self.args.keep_checkpoints,
         )
 
-    def build_state(self) -> TrainState:
-        return build_state(self.args, self.ctx.device)  # the reference GPT-2 + AdamW
+    def build_state(self, device: torch.device | None = None) -> TrainState:
+        """The reference GPT-2 + AdamW on ``device`` (default the rank's; ``meta``: shapes
+        only, nothing initialised, for a model whose state is set next)."""
+        return build_state(self.args, device or self.ctx.device)
 
     def resume(self) -> None:
         if self.engine is None:
@@ -181,7 +184,14 @@ class DeepSpeedJob(ElasticJob):
         step = self.state.step
         release_engine(self.engine)
         self.engine = self.ckpt = self.ddp = None  # type: ignore[assignment]
-        self.state = self.build_state()
+        if from_commit:  # initialised: there may be no commit
+            self.state = self.build_state()
+        else:  # every value is set from the staged state: allocate, do not initialise
+            self.state = self.build_state(torch.device("meta"))
+            model = self.state.model
+            names = {id(p): n for n, p in model.named_parameters()}
+            materialize(model, self.ctx.device)
+            self.state.optimizer = rebuild_optimizer(self.state.optimizer, names, dict(model.named_parameters()))
         self.ddp = self.state.model
         self.state.step = step
         self.build_engine()

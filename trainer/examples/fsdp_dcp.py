@@ -49,6 +49,7 @@ from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
 from trainer.integrations.fsdp_shards import ShardMover
+from trainer.integrations.meta import materialize, rebuild_optimizer
 from trainer.runtime import (
     DistContext,
     scratch_dir,
@@ -74,44 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FSDP2: after every step, copy each rank's shards to a rank on the next node, so a "
                         "node lost without notice costs no step (off: the survivors reload the last commit)")
     return p
-
-
-def _rebuild_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
-                       params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The same optimizer (class, groups, every group's hyperparameters) over new parameter objects.
-
-    ``names`` maps ``id(old parameter)`` to its name; ``params`` maps the name to the new one.
-
-    Raises:
-        ValueError: the optimizer already has state (it must be rebuilt before its first step).
-    """
-    if opt.state:
-        raise ValueError("the optimizer has state already: shard the model before the first step")
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [params[names[id(p)]] for p in g["params"]]}
-        for g in opt.param_groups
-    ]
-    return type(opt)(groups)
-
-
-def materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """Allocate a meta-device ``model`` (built without initialisation) on ``device``,
-    uninitialised, in place, keeping tied parameters tied (``Module.to_empty`` gives each
-    module its own copy of a parameter two modules share, e.g. GPT-2's ``lm_head`` and
-    ``wte``; FSDP2's sharded parameters stay shared)."""
-    first: dict[int, str] = {}
-    aliases: list[tuple[str, str]] = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases.append((name, first[id(p)]))
-        else:
-            first[id(p)] = name
-    model.to_empty(device=device)
-    for alias, name in aliases:
-        owner, _, attr = alias.rpartition(".")
-        shared = model.get_parameter(name)
-        if model.get_parameter(alias) is not shared:
-            setattr(model.get_submodule(owner), attr, shared)
 
 
 class DcpJob(ElasticJob):
@@ -194,7 +157,7 @@ class DcpJob(ElasticJob):
         if self.wrapping == "fsdp" or on_meta:
             # fully_shard swapped every parameter for a DTensor shard (to_empty for a new
             # tensor): the optimizer must hold those.
-            self.state.optimizer = _rebuild_optimizer(self.state.optimizer, names, dict(model.named_parameters()))
+            self.state.optimizer = rebuild_optimizer(self.state.optimizer, names, dict(model.named_parameters()))
         if self.wrapping == "fsdp":
             self.ddp = model
         else:  # DDP when world > 1, else the model itself
