@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port
-from worker_procs import finish, joiner_env, member_env, start_worker, status_lines, trained, wait_for_status
+from worker_procs import finish, joiner_env, member_env, start_sharded, status_lines, trained, wait_for_status
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,7 @@ KILL_NODE2 = (*RECORDED, "--kill-at", "6", "--kill-node", "node2")
 
 def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, job: tuple[str, ...],
            extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables),
-    running the elastic test job on DeepSpeedJob with the flags ``job``."""
-    argv = [*job, "--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
-            "--target-steps", "12", "--global-batch-size", str(G), "--micro-batch-size", "2",
-            "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3", *extra]
-    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="deepspeed")
+    return start_sharded(tmp_path, name, env, rdzv_port, ckpt, job, extra, run_id="deepspeed")
 
 
 def _started(tmp_path: Path, node: str) -> list[tuple]:

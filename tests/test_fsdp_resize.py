@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port
-from worker_procs import finish, joiner_env, member_env, start_worker, status_lines, trained, wait_for_status
+from worker_procs import finish, joiner_env, member_env, start_sharded, status_lines, trained, wait_for_status
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +31,7 @@ KILL_NODE2 = (*RECORDED, "--kill-at", "6", "--kill-node", "node2")
 
 def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, job: tuple[str, ...],
            extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables),
-    running the elastic test job with the flags ``job``."""
-    argv = [*job, "--checkpoint-uri", ckpt, "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
-            "--target-steps", "12", "--global-batch-size", str(G), "--micro-batch-size", "2",
-            "--pg-timeout-s", "60", "--join-timeout-s", "120", "--hold-timeout-s", "3", "--wrap", "fsdp", *extra]
-    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="fsdp")
+    return start_sharded(tmp_path, name, env, rdzv_port, ckpt, job, ("--wrap", "fsdp", *extra), run_id="fsdp")
 
 
 def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(tmp_path: Path, rdzv) -> None:
@@ -104,11 +99,20 @@ def test_a_sharded_job_with_replicated_shards_loses_no_step_to_a_kill(tmp_path: 
     exactly once (step 7 failed at world 3 before anyone completed it, and is trained at 2).
     node2 dies before its step 7, or inside its forward pass (the others then wait in a
     collective with some of their modules' parameters gathered, not sharded)."""
-    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     # in the forward pass: the survivors' modules past the first are unsharded when it fails
     job = (*KILL_NODE2, "--record-step", "6", *(("--kill-in-forward",) if where == "in_the_forward_pass" else ()))
+    got = _rebuilt_from_copies(tmp_path, rdzv, job, ("--replicate-shards",))
+    assert {s: sorted(p) for s, p in got.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+
+
+def _rebuilt_from_copies(tmp_path: Path, rdzv, job: tuple[str, ...], flags: tuple[str, ...]) -> dict[int, list[int]]:
+    """Three FSDP2 workers with ``job``'s events and ``flags``, a commit every 4 steps;
+    node2 is killed. Asserts the two survivors rebuilt the state of step 6 from the copies
+    (bit-identical to step 6's at world 3, recorded by ``--record-step 6``) and went on at
+    world 2 without loading a commit. Returns the positions trained, by step."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt, job,
-                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
+                    ("--checkpoint-interval", "4", *flags)) for r in range(3)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
     for node in ("node0", "node1"):
@@ -117,9 +121,20 @@ def test_a_sharded_job_with_replicated_shards_loses_no_step_to_a_kill(tmp_path: 
                    for x in lines if x["event"] == "started"]
         assert started == [(0, None, 3, None, None), (6, "in_process", 2, None, True)], "\n".join(outs)
         assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
-    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
-        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
-    # the whole state the survivors rebuilt at world 2 is the one of step 6 at world 3
     before = (tmp_path / "step-6.txt").read_text().split()
     after = (tmp_path / "after-6.txt").read_text().split()
     assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "2"), (before, after)
+    return trained(tmp_path)
+
+
+def test_shards_copied_every_two_steps_cost_a_kill_at_most_one_step(tmp_path: Path, rdzv) -> None:
+    """``--replicate-every 2``: copies after steps 1 (the first), 2, 4 and 6, and each rank
+    keeps a snapshot of its own shards as of each copy. node2 is SIGKILLed before its step
+    8: the survivors are at step 7, the copy of node2's shards is of step 6, so they go back
+    to their snapshots of step 6, rebuild the old layout there (bit-identical to step 6's)
+    and train step 7 again at world 2: the only step lost, no commit loaded."""
+    job = (*RECORDED, "--kill-at", "7", "--kill-node", "node2", "--record-step", "6")
+    got = _rebuilt_from_copies(tmp_path, rdzv, job, ("--replicate-shards", "--replicate-every", "2"))
+    want = {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    assert sorted(got[7]) == sorted(want[7] * 2)  # at world 3 before the loss, at 2 after
+    assert {s: sorted(p) for s, p in got.items() if s != 7} == {s: p for s, p in want.items() if s != 7}

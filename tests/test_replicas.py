@@ -10,23 +10,24 @@ from hypothesis import strategies as st
 from trainer.integrations.replicas import buddy, recovery_holders
 
 
-def _survivors(world: int, per_node: int, lost: set[int], step: int = 6, copy_step: int = 6) -> list[dict]:
+def _survivors(world: int, per_node: int, lost: set[int], step: int = 6, copy_step: int = 6,
+               snap: int | None = None) -> list[dict]:
     out = []
     for r in range(world):
         if r in lost:
             continue
         frm = (r - per_node) % world
-        out.append({"old": r, "step": step, "copy": [frm, copy_step] if world > per_node else None})
+        out.append({"old": r, "step": step, "snap": snap, "copy": [frm, copy_step] if world > per_node else None})
     return out
 
 
 def test_one_node_lost_is_rebuilt_from_its_buddy() -> None:
-    assert recovery_holders(_survivors(3, 1, {2}), 3, 1) == [0, 1, 0]  # old rank 2's copy is on old rank 0
+    assert recovery_holders(_survivors(3, 1, {2}), 3, 1) == ([0, 1, 0], 6)  # old rank 2's copy is on old rank 0
 
 
 def test_a_node_of_two_ranks_lost_is_rebuilt_from_the_next_node() -> None:
     # nodes (0, 1) (2, 3) (4, 5); node (2, 3) lost: copies on ranks 4, 5 = new ranks 2, 3
-    assert recovery_holders(_survivors(6, 2, {2, 3}), 6, 2) == [0, 1, 2, 3, 2, 3]
+    assert recovery_holders(_survivors(6, 2, {2, 3}), 6, 2) == ([0, 1, 2, 3, 2, 3], 6)
 
 
 def test_two_neighbouring_nodes_lost_cannot_be_rebuilt() -> None:
@@ -34,15 +35,18 @@ def test_two_neighbouring_nodes_lost_cannot_be_rebuilt() -> None:
     assert got == "old rank 1 and the rank keeping its copy (2) are both gone"
 
 
-def test_a_copy_a_step_behind_cannot_be_used() -> None:
-    got = recovery_holders(_survivors(3, 1, {1}, step=6, copy_step=5), 3, 1)
-    assert got == "the copy of old rank 1 is of step 5, the survivors are at step 6"
+def test_a_copy_a_step_behind_is_used_only_with_a_snapshot_of_that_step() -> None:
+    got = recovery_holders(_survivors(3, 1, {1}, step=7, copy_step=6), 3, 1)
+    assert got == "the copies are of step 6, old rank 0 is at step 7 and keeps no snapshot"
+    assert recovery_holders(_survivors(3, 1, {1}, step=7, copy_step=6, snap=6), 3, 1) == ([0, 1, 1], 6)
+    got = recovery_holders(_survivors(3, 1, {1}, step=7, copy_step=4, snap=6), 3, 1)
+    assert got == "the copies are of step 4, old rank 0 is at step 7 and keeps a snapshot of step 6"
 
 
-def test_survivors_at_different_steps_reload() -> None:
+def test_survivors_at_another_step_than_the_copies_reload() -> None:
     s = _survivors(3, 1, {1})
     s[0]["step"] = 7
-    assert recovery_holders(s, 3, 1) == "the survivors are at different steps [6, 7]"
+    assert recovery_holders(s, 3, 1) == "the copies are of step 6, old rank 0 is at step 7 and keeps no snapshot"
 
 
 def test_a_single_node_job_has_no_copy() -> None:
@@ -57,8 +61,10 @@ def test_any_one_node_lost_is_rebuilt_each_shard_from_its_owner_or_its_buddy(nod
     node = data.draw(st.integers(0, nodes - 1))
     lost = set(range(node * per_node, (node + 1) * per_node))
     survivors = _survivors(world, per_node, lost)
-    holders = recovery_holders(survivors, world, per_node)
-    assert isinstance(holders, list) and len(holders) == world
+    got = recovery_holders(survivors, world, per_node)
+    assert isinstance(got, tuple) and got[1] == 6
+    holders = got[0]
+    assert len(holders) == world
     new_of = {s["old"]: n for n, s in enumerate(survivors)}
     for i, h in enumerate(holders):
         assert h == (new_of[i] if i not in lost else new_of[buddy(i, world, per_node)])

@@ -54,6 +54,21 @@ def start_worker(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+#: the sharded jobs' resize tests (test_fsdp_resize.py, test_deepspeed_resize.py): a 2-layer GPT-2,
+#: 12 steps of a global batch of 12 in micro batches of 2
+SHARDED_JOB = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--target-steps", "12",
+               "--global-batch-size", "12", "--micro-batch-size", "2", "--pg-timeout-s", "60",
+               "--join-timeout-s", "120", "--hold-timeout-s", "3")
+
+
+def start_sharded(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str,
+                  job: tuple[str, ...], extra: tuple[str, ...], *, run_id: str) -> subprocess.Popen:
+    """One worker of node ``name`` (``env``: torchrun's variables) running the elastic test job
+    with the events ``job`` on :data:`SHARDED_JOB`, committing to ``ckpt``, plus ``extra``."""
+    return start_worker(tmp_path, name, env, rdzv_port, [*job, "--checkpoint-uri", ckpt, *SHARDED_JOB, *extra],
+                        run_id=run_id)
+
+
 def member_env(rank: int, world: int, master_port: int, run: str, **extra: str) -> dict[str, str]:
     """torchrun's variables for rank ``rank`` of a group of ``world`` one-worker nodes (run id ``run``)."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank), "MASTER_PORT": str(master_port),

@@ -52,6 +52,7 @@ from trainer.integrations.fsdp_shards import ShardMover
 from trainer.integrations.meta import materialize, rebuild_optimizer
 from trainer.runtime import (
     DistContext,
+    positive_int,
     scratch_dir,
 )
 
@@ -72,8 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wrap", choices=WRAPS, default="fsdp",
                    help="with more than one rank: shard with FSDP2 (default) or replicate with DDP")
     p.add_argument("--replicate-shards", action="store_true",
-                   help="FSDP2: after every step, copy each rank's shards to a rank on the next node, so a "
-                        "node lost without notice costs no step (off: the survivors reload the last commit)")
+                   help="FSDP2: copy each rank's shards to a rank on the next node (every --replicate-every "
+                        "steps), so a node lost without notice costs at most --replicate-every - 1 steps "
+                        "(off: the survivors reload the last commit)")
+    p.add_argument("--replicate-every", type=positive_int, default=1, metavar="STEPS",
+                   help="with --replicate-shards: copy after every STEPS steps (default 1: a loss costs no step; "
+                        "more: less traffic, and each rank also keeps a snapshot of its own shards)")
     return p
 
 
@@ -109,8 +114,9 @@ class DcpJob(ElasticJob):
 
     def train_step(self) -> tuple[float, float, list[int]]:
         out = causal_lm_step(self)
-        if self.replicating:
-            self.shards.after_step()
+        every = getattr(self.args, "replicate_every", 1)
+        if self.replicating and (self.state.step % every == 0 or self.shards.replica.copy is None):
+            self.shards.after_step(snapshot=every > 1)
         return out
 
     @property

@@ -205,35 +205,55 @@ class ShardMover:
 
     # -- the copies and a loss
 
-    def after_step(self) -> None:
+    def after_step(self, *, snapshot: bool) -> None:
         """Copy this rank's shards, as of the step just taken, to its buddy (and take its
-        predecessor's); the caller decides whether this job replicates."""
+        predecessor's); ``snapshot`` (copies not every step): keep its own as of this step
+        too. The caller decides whether and when this job replicates."""
         job = self.job
-        self.replica.replicate(self.local_shards()[1], step=job.state.step, rank=job.ctx.rank,
-                               world=job.ctx.world_size, per_node=self.per_node())
+        local = self.local_shards()[1]
+        self.replica.replicate(local, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
+                               per_node=self.per_node())
+        if snapshot:
+            self.replica.keep_snapshot(local, step=job.state.step, rank=job.ctx.rank)
 
     def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
         """The survivors' new group, after a loss: stage the old layout put back together from
-        the survivors' own shards and the copies of the lost ranks'
-        (:func:`~trainer.integrations.replicas.recovery_holders`). False, with one warning line
-        on rank 0, when the copies cannot rebuild it (the survivors reload the newest commit)."""
-        job, copy = self.job, self.replica.copy
+        the survivors' own shards (or their snapshots, going back to the copies' step) and the
+        copies of the lost ranks' (:func:`~trainer.integrations.replicas.recovery_holders`).
+        False, with one warning line on rank 0, when the copies cannot rebuild it, or going
+        back would pass the newest commit or a stream's position: the survivors reload the
+        newest commit."""
+        job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
         self.reshard_modules()  # the failed step may have left parameters unsharded
         survivors = all_gather_json({"old": old_rank, "step": job.state.step,
+                                     "snap": snap.step if snap is not None else None,
                                      "copy": [copy.of, copy.step] if copy is not None else None})
-        holders = recovery_holders(survivors, old_world, self.per_node())
-        if isinstance(holders, str):
+        got = recovery_holders(survivors, old_world, self.per_node())
+        if isinstance(got, tuple) and got[1] != job.state.step:
+            back = got[1]
+            if job.committed_step is not None and job.committed_step >= back:
+                got = f"the newest commit (step {job.committed_step}) is as new as the copies (step {back})"
+            elif job.streaming:
+                got = f"a stream's position cannot go back to the copies' step {back}"
+        if isinstance(got, str):
             if job.ctx.is_leader:
                 log.warning("the shards lost cannot be rebuilt from their copies (%s): reloading the newest commit",
-                            holders)
+                            got)
             return False
+        holders, step = got
         names, local, _ = self.local_shards()
+        layout = self._layout(old_world)
+        if step != job.state.step:  # back to the copies' step: this rank's own shards from its snapshot
+            assert snap is not None and snap.step == step
+            local = snap.tensors
+            layout["optim_step"] = step
+            job.state.step = step
         old = {old_rank: local}
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
             old[copy.of] = copy.tensors
-        self.staged = {**self._layout(old_world), "names": names, "old": old, "holders": holders}
+        self.staged = {**layout, "names": names, "old": old, "holders": holders}
         if job.ctx.is_leader:
             lost = sorted(set(range(old_world)) - {int(s["old"]) for s in survivors})
             log.warning("rebuilding the shards of old rank(s) %s from their copies (step %d)",
-                        ",".join(map(str, lost)), job.state.step)
+                        ",".join(map(str, lost)), step)
         return True

@@ -1,25 +1,30 @@
 """A second copy of each rank's shards on another node, so that a sharded job survives a
 node lost without notice in its running processes, without going back to its last commit.
 
-After every step (``--replicate-shards``), right after the optimizer step, rank ``r`` sends its
-shards (every parameter's and AdamW's moments, the rows it holds) to its *buddy*
-``(r + L) % W`` and receives those of ``(r - L) % W`` (``L``: ranks per node, so the buddy
-is on the next node; torchrun numbers a node's ranks contiguously), into host memory
-(:class:`BuddyReplica`). A copy replaces the one before only once it has wholly arrived,
-so a peer lost in the middle of the exchange leaves the previous copy intact.
+Every ``--replicate-every`` steps (with ``--replicate-shards``), right after the optimizer
+step, rank ``r`` sends its shards (every parameter's and AdamW's moments, the rows it
+holds) to its *buddy* ``(r + L) % W`` and receives those of ``(r - L) % W`` (``L``: ranks
+per node, so the buddy is on the next node; torchrun numbers a node's ranks
+contiguously), into host memory (:class:`BuddyReplica`). A copy replaces the one before
+only once it has wholly arrived, so a peer lost in the middle of the exchange leaves the
+previous copy intact. Copying every ``N > 1`` steps, each rank also keeps a snapshot of
+its own shards as of the copy's step.
 
 After a loss the survivors re-form (:mod:`trainer.recovery`), tell each other their old
-rank, their step and the copy they hold (:func:`recovery_holders`: pure), and when
-every lost rank's shards are in a surviving buddy's copy *at the survivors' step*, the
-old layout is whole again: each old shard is held by its owner or by the owner's buddy.
-:mod:`trainer.integrations.p2p_reshard` then moves it to the new, smaller layout, and the
-step that failed is trained again: no step lost. Otherwise (two neighbouring nodes lost
-at once, a copy a step behind, survivors at different steps) the answer is a reason,
-and the survivors load the newest commit as before.
+rank, their step, their snapshot's step and the copy they hold (:func:`recovery_holders`:
+pure). When every lost rank's shards are in a surviving buddy's copy, all of one step,
+and every survivor holds its own shards as of that step (they are at it, or keep a
+snapshot of it), the old layout is whole again at that step: each old shard is held by
+its owner or by the owner's buddy. :mod:`trainer.integrations.p2p_reshard` then moves it
+to the new, smaller layout, and training goes on from that step: no step lost when the
+copies are of the survivors' step, at most ``N - 1`` otherwise. Else (two neighbouring
+nodes lost at once, a copy from before the last one, survivors that cannot go back) the
+answer is a reason, and the survivors load the newest commit as before.
 
-Measured costs (``bench.resize_scaling`` and bench/README.md): the exchange moves each
-rank's shard once per replicated step over the same links as training, and each rank
-holds two buffers of its predecessor's shard (the copy, and the one arriving).
+Measured costs (``bench.replica_overhead``, bench/README.md): the exchange moves each
+rank's shard once per copy over the same links as training; each rank holds two buffers
+of its predecessor's shard (the copy, and the one arriving), and with ``N > 1`` a
+snapshot of its own.
 """
 
 from __future__ import annotations
@@ -54,25 +59,28 @@ class Copy:
     tensors: list[torch.Tensor]
 
 
-def recovery_holders(survivors: Sequence[dict[str, Any]], old_world: int, per_node: int) -> list[int] | str:
-    """Which new rank holds each old shard after a loss, or why the replicas cannot rebuild it.
+def recovery_holders(survivors: Sequence[dict[str, Any]], old_world: int,
+                     per_node: int) -> tuple[list[int], int] | str:
+    """Which new rank holds each old shard after a loss, and the step they are all of; or
+    why the copies cannot rebuild the old layout.
 
     Args:
-        survivors: one entry per rank of the new group, in new-rank order:
-            ``{"old": old rank, "step": its step, "copy": [of, step] or None}``.
+        survivors: one entry per rank of the new group, in new-rank order: ``{"old": old
+            rank, "step": the step its shards are at, "snap": the step of the snapshot of
+            its own shards it keeps or None, "copy": [of, step] or None}``.
         old_world: ranks before the loss.
         per_node: ranks per node (the buddy offset).
 
     Returns:
-        ``holders``, ``holders[i]`` the new rank holding old shard ``i`` (its owner, or its
-        buddy's copy); or a one-line reason the survivors must reload the newest commit.
+        ``(holders, step)``: ``holders[i]`` the new rank holding old shard ``i`` as of
+        ``step`` (its owner, from its shards or their snapshot, or its buddy's copy of it),
+        ``step`` the step of the lost ranks' copies (every survivor goes back to it when it
+        is behind theirs: at most the copies' interval); or a one-line reason the survivors
+        must reload the newest commit.
     """
-    steps = sorted({int(s["step"]) for s in survivors})
-    if len(steps) != 1:
-        return f"the survivors are at different steps {steps}"
-    step = steps[0]
     by_old = {int(s["old"]): new for new, s in enumerate(survivors)}
     holders: list[int] = []
+    copy_steps: set[int] = set()
     for i in range(old_world):
         if i in by_old:
             holders.append(by_old[i])
@@ -83,10 +91,19 @@ def recovery_holders(survivors: Sequence[dict[str, Any]], old_world: int, per_no
         copy = survivors[by_old[keeper]].get("copy")
         if not copy or int(copy[0]) != i:
             return f"old rank {keeper} holds no copy of old rank {i}"
-        if int(copy[1]) != step:
-            return f"the copy of old rank {i} is of step {copy[1]}, the survivors are at step {step}"
+        copy_steps.add(int(copy[1]))
         holders.append(by_old[keeper])
-    return holders
+    if not copy_steps:  # nobody was lost
+        steps = sorted({int(s["step"]) for s in survivors})
+        return (holders, steps[0]) if len(steps) == 1 else f"the survivors are at different steps {steps}"  # type: ignore[return-value]
+    if len(copy_steps) > 1:
+        return f"the copies of the lost ranks are of different steps {sorted(copy_steps)}"
+    step = next(iter(copy_steps))
+    for s in survivors:
+        if int(s["step"]) != step and s.get("snap") != step:
+            kept = "no snapshot" if s.get("snap") is None else f"a snapshot of step {s['snap']}"
+            return f"the copies are of step {step}, old rank {s['old']} is at step {s['step']} and keeps {kept}"
+    return holders, step  # type: ignore[return-value]
 
 
 class BuddyReplica:
@@ -98,12 +115,27 @@ class BuddyReplica:
 
     def __init__(self) -> None:
         self.copy: Copy | None = None
+        #: this rank's own shards as of the copy's step, when copies are not made every step
+        self.snapshot: Copy | None = None
         self._spare: list[torch.Tensor] | None = None  # the buffer the next copy arrives in
         self.bytes_sent = 0
 
     def forget(self) -> None:
-        """Drop the copy and buffers (the layout changed: a resize)."""
-        self.copy = self._spare = None
+        """Drop the copy, the snapshot and the buffers (the layout changed: a resize)."""
+        self.copy = self.snapshot = self._spare = None
+
+    def keep_snapshot(self, shards: Sequence[torch.Tensor], *, step: int, rank: int) -> None:
+        """Keep a copy of this rank's own ``shards`` as of ``step`` in host memory (into the
+        last snapshot's buffers when it has one): with copies every N steps, the survivors of
+        a loss go back to the copies' step with it."""
+        old = self.snapshot
+        if old is not None and len(old.tensors) == len(shards) and all(
+                a.shape == b.shape for a, b in zip(old.tensors, shards)):
+            for into, t in zip(old.tensors, shards):
+                into.copy_(t)
+            self.snapshot = Copy(rank, step, old.tensors)
+        else:
+            self.snapshot = Copy(rank, step, [t.detach().clone() for t in shards])
 
     def replicate(self, shards: Sequence[torch.Tensor], *, step: int, rank: int, world: int, per_node: int) -> None:
         """Send ``shards`` (this rank's, as of ``step``) to its buddy and take its predecessor's.
