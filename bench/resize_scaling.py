@@ -1,6 +1,6 @@
 """How an in-process resize grows with the model, beside the checkpoint-reload path.
 
-``python -m bench.resize_scaling [--sizes 3m,50m,200m] [--wraps ddp,fsdp] [--json OUT]``
+``python -m bench.resize_scaling [--sizes 3m,50m,200m] [--wraps ddp,fsdp,deepspeed] [--json OUT]``
 
 For each size of the reference trainer's GPT-2 (byte-level; ``ddp``: ``trainer.run``,
 replicated; ``fsdp``: ``trainer.examples.fsdp_dcp``, FSDP2 shards and DCP commits) it runs
@@ -50,7 +50,7 @@ from trainer.credential import Authority
 SIZES = {"3m": (4, 256, 4), "50m": (8, 720, 12), "200m": (16, 1024, 16)}
 
 #: --wraps choice -> (the job tests/trainers/elastic_job.py runs, extra trainer flags)
-WRAPS = {"ddp": ("reference", ()), "fsdp": ("dcp", ("--wrap", "fsdp"))}
+WRAPS = {"ddp": ("reference", ()), "fsdp": ("dcp", ("--wrap", "fsdp")), "deepspeed": ("deepspeed", ())}
 
 #: the elastic test job (``python -m trainers.elastic_job``, ``tests/`` on PYTHONPATH): rank 0
 #: waits after step 2 for the joiner's ticket, so the grow lands at step 2; the joiner's node
@@ -119,11 +119,71 @@ def run_size(name: str, workdir: Path, wrap: str = "ddp") -> dict[str, Any]:
     last_before = max(r["time"] for r in _steps(workdir / "node0") if r["time"] < grown["time"])
     joiner = next(x for x in _lines(workdir / "node2" / "status.jsonl") if x["event"] == "started")
     commit = next(x for x in s0 if x["event"] == "checkpoint_committed" and x.get("reason") == "notice")
-    load_s, params = (_load_dcp_time if wrap == "fsdp" else _load_time)(argv, ckpt, workdir)
+    load = {"fsdp": _load_dcp_time, "deepspeed": _load_deepspeed_time}.get(wrap, _load_time)
+    load_s, params = load(argv, ckpt, workdir)
     return {"size": name, "wrap": wrap, "params": params, "state_bytes": commit["bytes"],
             "grow_pause_s": round(grown["time"] - last_before, 3), "grow_resize_s": grown["resize_s"],
             "joiner_resize_s": joiner["resize_s"], "shrink_resize_s": shrunk["resize_s"],
-            "shrink_stage_s": shrunk.get("stage_s", 0.0), "commit_s": commit["seconds"], "load_s": round(load_s, 3)}
+            "shrink_stage_s": shrunk.get("stage_s", 0.0), "commit_s": commit["seconds"], "load_s": round(load_s, 3),
+            **_traffic(workdir)}
+
+
+def _traffic(workdir: Path) -> dict[str, Any]:
+    """What each rank's resize ``started`` lines say it moved and held (a peer-to-peer reshard's
+    figures; empty for a job without them): the largest bytes any one rank sent or received
+    in the grow and in the shrink (the leaving rank's sends are what the survivors received
+    beyond what they sent each other), rank 0's own, and the largest peak extra memory over
+    that rank's new shard."""
+    def first(node: str, grow: bool) -> dict[str, Any] | None:
+        return next((x for x in _lines(workdir / node / "status.jsonl") if x["event"] == "started"
+                     and x.get("resized") == "in_process" and bool(x.get("joined")) == grow), None)
+
+    grow = [x for x in (first(n, True) for n in ("node0", "node1", "node2")) if x]
+    shrink = [x for x in (first(n, False) for n in ("node0", "node1")) if x]
+    if not all("reshard_received_bytes" in x for x in grow + shrink):
+        return {}
+    def most(lines: list[dict[str, Any]]) -> int:
+        return max(max(x["reshard_sent_bytes"], x["reshard_received_bytes"]) for x in lines)
+
+    leaver_sent = sum(x["reshard_received_bytes"] for x in shrink) - sum(x["reshard_sent_bytes"] for x in shrink)
+    memory = [x["peak_extra_bytes"] / x["shard_bytes"] for x in grow + shrink
+              if x.get("peak_extra_bytes") is not None and x.get("shard_bytes")]
+    return {"grow_max_bytes": most(grow), "shrink_max_bytes": max(most(shrink), leaver_sent),
+            "rank0_grow_bytes": grow[0]["reshard_sent_bytes"] + grow[0]["reshard_received_bytes"],
+            "rank0_shrink_bytes": shrink[0]["reshard_sent_bytes"] + shrink[0]["reshard_received_bytes"],
+            "peak_extra_over_shard": round(max(memory), 2) if memory else None}
+
+
+def _link_worker(rank: int, tmp: str, nbytes: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/link-store", rank=rank, world_size=2)
+    buf = torch.ones(nbytes // 4) if rank == 0 else torch.empty(nbytes // 4)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+        else:
+            dist.recv(buf, 0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        Path(out).write_text(json.dumps(min(times)))
+    dist.destroy_process_group()
+
+
+def link_rate(nbytes: int = 256 << 20) -> float:
+    """Bytes per second one gloo send moves from one worker process to another on this
+    machine (the best of three of ``nbytes``): the link every resize here runs over."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="spotvisor-link-") as tmp:
+        out = os.path.join(tmp, "seconds.json")
+        mp.start_processes(_link_worker, args=(tmp, nbytes, out), nprocs=2, start_method="spawn")
+        return nbytes / json.loads(Path(out).read_text())
 
 
 def _load_time(argv: list[str], ckpt: str, workdir: Path) -> tuple[float, int]:
@@ -166,19 +226,67 @@ def _load_dcp_time(argv: list[str], ckpt: str, workdir: Path) -> tuple[float, in
     return time.perf_counter() - t0, sum(p.numel() for p in state.model.parameters())
 
 
+#: run in a fresh interpreter by :func:`_load_deepspeed_time`: a world of one resumes the newest commit
+_DS_RELOAD = """
+import json, sys
+from trainer.examples.deepspeed_zero2 import DeepSpeedJob, _prepare_environment, build_parser
+from trainer.batch import ElasticBatch
+from trainer.runtime import setup_distributed, teardown_distributed
+from trainer.data import load_data, as_samples
+_prepare_environment()
+args = build_parser().parse_args(sys.argv[1:])
+ctx = setup_distributed(300)
+job = DeepSpeedJob(args, ctx, ElasticBatch(args.global_batch_size, args.micro_batch_size).plan(1),
+                   as_samples(load_data(args), args.seq_len))
+job.resume()
+r = job.ckpt.last_resume
+print(json.dumps({"load_s": r.fetch_s + r.convert_s + r.upload_s + r.load_s, "universal": r.universal,
+                  "params": sum(p.numel() for p in job.state.model.parameters())}))
+teardown_distributed(ctx)
+"""
+
+
+def _load_deepspeed_time(argv: list[str], ckpt: str, workdir: Path) -> tuple[float, int]:
+    """Seconds a restarted DeepSpeed job spends resuming the newest commit (written at DP 3)
+    at another world size: fetch, the universal conversion, its upload to the store, and
+    ``engine.load_checkpoint``; and the parameter count. In a fresh interpreter (a world of one)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPOTVISOR_SCRATCH_DIR": str(workdir / "reload")}
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, "-c", _DS_RELOAD, *argv, "--data", str(Path(__file__))], env=env,
+                         cwd=workdir, capture_output=True, text=True, timeout=3600)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"the DeepSpeed reload exited {out.returncode}: {out.stderr[-2000:]}")
+    got = json.loads(lines[-1])
+    if not got["universal"]:
+        raise RuntimeError("the DeepSpeed reload did not go through the universal checkpoint")
+    return float(got["load_s"]), int(got["params"])
+
+
+def pick(flag: str, text: str, known: Any) -> list[str]:
+    """The comma-separated names of ``text``, each one of ``known``.
+
+    Raises:
+        ValueError: one line naming ``flag``, the unknown names and the known ones.
+    """
+    got = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in got if x not in known]
+    if bad or not got:
+        raise ValueError(f"{flag}: unknown {', '.join(bad) or 'empty'} (use {', '.join(known)})")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.resize_scaling", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="3m,50m,200m", help=f"comma-separated, of {', '.join(SIZES)}")
-    p.add_argument("--wraps", default="ddp,fsdp", help=f"comma-separated, of {', '.join(WRAPS)}")
+    p.add_argument("--wraps", default="ddp,fsdp,deepspeed", help=f"comma-separated, of {', '.join(WRAPS)}")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    wraps = [w.strip() for w in args.wraps.split(",") if w.strip()]
-    for flag, got, known in (("--sizes", sizes, SIZES), ("--wraps", wraps, WRAPS)):
-        bad = [s for s in got if s not in known]
-        if bad or not got:
-            print(f"error: {flag}: unknown {', '.join(bad) or 'empty'} (use {', '.join(known)})", file=sys.stderr)
-            return 2
+    try:
+        sizes, wraps = pick("--sizes", args.sizes, SIZES), pick("--wraps", args.wraps, WRAPS)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="spotvisor-scaling-") as tmp:
         for w in wraps:
@@ -190,9 +298,29 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         shrink = f"{r['shrink_resize_s']:.2f} s"
         if r["shrink_stage_s"]:
-            shrink = f"{r['shrink_stage_s'] + r['shrink_resize_s']:.2f} s ({r['shrink_stage_s']:.2f} gather)"
+            shrink = f"{r['shrink_stage_s'] + r['shrink_resize_s']:.2f} s ({r['shrink_stage_s']:.2f} stage)"
         print(f"| {r['wrap']} | {r['params'] / 1e6:.1f} M | {r['state_bytes'] / 1e6:,.0f} | {r['grow_pause_s']:.2f} s "
               f"| {r['joiner_resize_s']:.2f} s | {shrink} | {r['commit_s']:.2f} s | {r['load_s']:.2f} s |")
+    moved = [r for r in rows if "grow_max_bytes" in r]
+    if moved:
+        rate = link_rate()
+        print(f"\npeer-to-peer reshard, against this machine's link (gloo send between two processes: "
+              f"{rate / 1e6:,.0f} MB/s):\n")
+        head = ("trainer", "params", "grow: most bytes one rank moved", "grow: pause / link floor",
+                "shrink: most bytes", "shrink / link floor", "rank 0's own bytes (grow, shrink)",
+                "peak extra memory / shard")
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for r in moved:
+            grow_floor, shrink_floor = r["grow_max_bytes"] / rate, r["shrink_max_bytes"] / rate
+            shrink_s = r["shrink_stage_s"] + r["shrink_resize_s"]
+            r.update(link_bytes_per_s=rate, grow_over_floor=round(r["grow_pause_s"] / grow_floor, 2),
+                     shrink_over_floor=round(shrink_s / shrink_floor, 2))
+            print(f"| {r['wrap']} | {r['params'] / 1e6:.1f} M | {r['grow_max_bytes'] / 1e6:,.1f} MB "
+                  f"| {r['grow_pause_s']:.2f} s / {grow_floor:.2f} s = {r['grow_over_floor']:.2f} "
+                  f"| {r['shrink_max_bytes'] / 1e6:,.1f} MB "
+                  f"| {shrink_s:.2f} s / {shrink_floor:.2f} s = {r['shrink_over_floor']:.2f} "
+                  f"| {r['rank0_grow_bytes'] / 1e6:,.1f} MB, {r['rank0_shrink_bytes'] / 1e6:,.1f} MB "
+                  f"| {r['peak_extra_over_shard']} |")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
