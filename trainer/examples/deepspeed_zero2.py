@@ -2,10 +2,18 @@
 
 The reference trainer's job (:mod:`trainer.run`: byte-level GPT-2, constant global
 batch, the same step-boundary loop, status lines, step logs and exit codes) with the
-model and optimizer inside a DeepSpeed engine (ZeRO stage 2) and checkpoints
-committed and resumed by :class:`~trainer.integrations.deepspeed.DeepSpeedCheckpointer`.
-A resume at another world size goes through DeepSpeed's universal checkpoint,
-converted once and cached in the checkpoint store.
+model and optimizer inside a DeepSpeed engine (ZeRO stage 2, or 1 with
+``--zero-stage 1``) and checkpoints committed and resumed by
+:class:`~trainer.integrations.deepspeed.DeepSpeedCheckpointer`.
+
+In-process resizes (``--resize in-process``, the default, with the daemon's rendezvous
+store): the ranks that stay never restart. Before the group changes every rank gathers
+the whole state over ZeRO's partitions; after, each builds a new engine at the new
+data-parallel size and sets it (:mod:`trainer.integrations.deepspeed_resize`); a joiner
+takes the state from rank 0 and reads no commit. A rank lost without notice took its
+partition of the optimizer's state: the survivors rebuild the engine and load the newest
+commit in their processes. A resume at another world size (that one, or a restart) goes
+through DeepSpeed's universal checkpoint, converted once and cached in the store.
 
 The daemon starts it exactly like ``trainer.run`` (``module: trainer.examples.deepspeed_zero2``
 in the job config; same command-line flags). On a machine without CUDA it runs on
