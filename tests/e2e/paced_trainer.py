@@ -25,30 +25,46 @@ the repository root, and the tests put ``tests/`` on ``PYTHONPATH``).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from trainer.loop import run_job
 from trainer.run import ReferenceJob, build_parser
 
 
-class PacedJob(ReferenceJob):
-    def train_step(self) -> tuple[float, float, list[int]]:
-        t0 = time.monotonic()
-        held = bool(self.args.pace_file) and os.path.exists(self.args.pace_file)
-        if self.ctx.world_size < self.args.full_world or held:
-            time.sleep(self.args.pace_s)
-        out = super().train_step()
-        time.sleep(max(0.0, self.args.min_step_s - (time.monotonic() - t0)))
-        return out
+def paced(base: type) -> type:
+    """``base`` (an :class:`~trainer.loop.ElasticJob`) with the pacing of the module docstring."""
+
+    class Paced(base):  # type: ignore[valid-type,misc]
+        def train_step(self) -> tuple[float, float, list[int]]:
+            t0 = time.monotonic()
+            held = bool(self.args.pace_file) and os.path.exists(self.args.pace_file)
+            if self.ctx.world_size < self.args.full_world or held:
+                time.sleep(self.args.pace_s)
+            out = super().train_step()
+            time.sleep(max(0.0, self.args.min_step_s - (time.monotonic() - t0)))
+            return out
+
+    return Paced
+
+
+PacedJob = paced(ReferenceJob)
 
 
 def main() -> int:
-    p = build_parser()
+    deepspeed = "--deepspeed" in sys.argv
+    if deepspeed:  # the DeepSpeed example's job, paced the same way (configs/local-deepspeed.yaml's e2e)
+        from trainer.examples.deepspeed_zero2 import DeepSpeedJob, _prepare_environment
+        from trainer.examples.deepspeed_zero2 import build_parser as ds_parser
+        p, job, prepare = ds_parser(), paced(DeepSpeedJob), _prepare_environment
+    else:
+        p, job, prepare = build_parser(), PacedJob, None
+    p.add_argument("--deepspeed", action="store_true", help="pace trainer.examples.deepspeed_zero2's job")
     p.add_argument("--full-world", type=int, required=True, help="the world size of the full pool")
     p.add_argument("--pace-s", type=float, default=0.5, help="sleep before each step while the world is smaller")
     p.add_argument("--pace-file", default=None, help="also sleep before each step while this file exists")
     p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (seconds)")
-    return run_job(None, job_cls=PacedJob, parser=p)
+    return run_job(None, job_cls=job, parser=p, prepare=prepare)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,11 @@ def test_deepspeed_demo_shrinks_and_grows_back_without_a_restart(run_config_demo
     raw = yaml.safe_load((ROOT / "configs" / "local-deepspeed.yaml").read_text())
     job = raw["job"]
     assert job["grow"] == "in_process"
-    # As shipped: the replacement is held until the job has trained 5 steps at world size 2.
-    s = run_config_demo("configs/local-deepspeed.yaml", timeout_s=300)
+    # As shipped (the replacement is held until the job has trained 5 steps at world size 2),
+    # paced while the world is short of 3 (e2e.paced_trainer): the job trains on while the
+    # replacement imports DeepSpeed and joins, and a loaded CI machine must not end it first
+    s = run_config_demo("configs/local-deepspeed.yaml", timeout_s=300, job={
+        "module": "e2e.paced_trainer", "args": [*job["args"], "--deepspeed", "--full-world", "3", "--pace-s", "0.3"]})
 
     assert s["steps_completed"] == s["target_steps"] == job["target_steps"]
     assert s["lost_steps_on_notice"] == 0
