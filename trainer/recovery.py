@@ -18,10 +18,13 @@ join the new group; the ranks a
 step behind take the state from the most advanced survivor (a rank whose optimizer step
 completed before its last collective failed). Then a new attempt at that step: the step
 that failed is trained again at the smaller world, with the same global batch. That is
-for replicated state (DDP); a sharded job (``state_replicated`` False) lost the peer's
-shards, so its survivors reload the newest commit in these processes (the job's
+for replicated state (DDP). A sharded job (``state_replicated`` False) lost the peer's
+shards: when its ranks keep copies of each other's (FSDP2 with ``--replicate-shards``:
+the job's ``restage_after_loss``), the survivors rebuild the old layout from them and
+move it to the new one, losing no step (at most ``--replicate-every`` - 1); otherwise
+they reload the newest commit in these processes (the job's
 ``reshard(from_commit=True)``) and train on from there: the steps since that commit are
-lost, no worker restarts.
+lost. No worker restarts either way.
 """
 
 from __future__ import annotations
