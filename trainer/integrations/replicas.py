@@ -135,7 +135,6 @@ class BuddyReplica:
         #: this rank's own shards as of the copy's step, when copies are not made every step
         self.snapshot: Copy | None = None
         self._spare: list[torch.Tensor] | None = None  # the buffer the next copy arrives in
-        self.bytes_sent = 0
 
     def forget(self) -> None:
         """Drop the copy, the snapshot and the buffers (the layout changed: a resize)."""
@@ -174,7 +173,6 @@ class BuddyReplica:
         old = self.copy
         self.copy = Copy(frm, step, spare)
         self._spare = old.tensors if old is not None and old.of == frm else None
-        self.bytes_sent = sum(t.numel() * t.element_size() for t in shards)
 
     @staticmethod
     def _buffers_for(shards: Sequence[torch.Tensor], to: int, frm: int) -> list[torch.Tensor]:
