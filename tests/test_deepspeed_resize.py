@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port
-from worker_procs import finish, joiner_env, member_env, start_sharded, status_lines, trained, wait_for_status
+from worker_procs import (finish, joiner_env, member_env, sharded_events, start_sharded, status_lines, trained,
+                          wait_for_status)
 
 pytestmark = pytest.mark.slow
 
 G = 12
-
-# rank 0 writes the whole state's digest before stage_state and after reshard (a
-# collective gather, costs a test only)
-RECORDED = ("--job", "deepspeed", "--record-resizes")
-# rank 0 waits after step 5 for the joiner, so the grow lands at step 5; node0 (old rank 0:
-# its staged state is not the new rank 0's own) gets a notice at step 8
-GROW_AND_SHRINK = (*RECORDED, "--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0")
-# node2 is SIGKILLed before its step 6
-KILL_NODE2 = (*RECORDED, "--kill-at", "6", "--kill-node", "node2")
+RECORDED, GROW_AND_SHRINK, KILL_NODE2 = sharded_events("deepspeed")  # worker_procs.sharded_events
 
 
 def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, job: tuple[str, ...],

@@ -61,6 +61,17 @@ SHARDED_JOB = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len",
                "--join-timeout-s", "120", "--hold-timeout-s", "3")
 
 
+def sharded_events(job: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The sharded resize tests' scripted events for the elastic test job ``--job job``:
+    ``recorded`` (rank 0 writes the whole state's digest before stage_state and after
+    reshard: a collective gather, a test's cost only), ``grow_and_shrink`` (rank 0 waits
+    after step 5 for the joiner, so the grow lands at step 5; node0, old rank 0, gets a
+    notice at step 8) and ``kill_node2`` (node2 SIGKILLs itself before its step 7)."""
+    recorded = ("--job", job, "--record-resizes")
+    return (recorded, (*recorded, "--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0"),
+            (*recorded, "--kill-at", "6", "--kill-node", "node2"))
+
+
 def start_sharded(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str,
                   job: tuple[str, ...], extra: tuple[str, ...], *, run_id: str) -> subprocess.Popen:
     """One worker of node ``name`` (``env``: torchrun's variables) running the elastic test job
