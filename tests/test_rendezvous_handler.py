@@ -59,6 +59,34 @@ def test_torchrun_finds_the_backend_by_its_entry_point(store: StoreProcess) -> N
     handler.shutdown()
 
 
+def _listening(port: int) -> list[str]:
+    """The local addresses a TCP socket of this machine listens on at ``port``."""
+    import psutil
+
+    return [c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+
+
+def test_rank_0s_agent_hosts_a_new_group_store_each_round_bound_to_its_address(store: StoreProcess) -> None:
+    """The workers' MASTER_ADDR:MASTER_PORT: a store rank 0's agent already listens on
+    when the round is handed to torchrun (no port picked free and bound later by a
+    worker: taken meanwhile, it failed EADDRINUSE), on exactly this node's address (it
+    has no authentication), and a new one each round (a joiner never reads the keys of a
+    round before it: pytorch#135712)."""
+    from torch.distributed import TCPStore
+
+    handler = _handler(store, "group")
+    assert handler.use_agent_store  # torchrun tells the workers: TORCHELASTIC_USE_AGENT_STORE=True
+    first = handler.next_rendezvous().bootstrap_store_info
+    assert first.master_addr == "127.0.0.1" and _listening(first.master_port) == ["127.0.0.1"]
+    TCPStore(first.master_addr, first.master_port, is_master=False).set("worker/key", b"round 1")
+    second = handler.next_rendezvous().bootstrap_store_info  # torchrun's next round (a restart)
+    assert second.master_port != first.master_port
+    assert _listening(first.master_port) == [] and _listening(second.master_port) == ["127.0.0.1"]
+    assert not TCPStore(second.master_addr, second.master_port, is_master=False).check(["worker/key"])
+    handler.shutdown()
+    assert _listening(second.master_port) == []
+
+
 def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: StoreProcess,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     first = _handler(store, "restart")
@@ -177,7 +205,10 @@ def test_an_interpreter_without_the_entry_point_runs_the_backend_through_trainer
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(_NO_ENTRY_POINT)
     script = tmp_path / "work.py"
-    script.write_text("import os\nprint('worker', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # a plain script's own init_process_group(): a client of the agent's group store
+    script.write_text("import os\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "print('worker', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],\n"
+                      "      'agent store', os.environ['TORCHELASTIC_USE_AGENT_STORE'])\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
     proc = subprocess.run(
         [sys.executable, "-m", launcher, "--nnodes=1:1", "--nproc-per-node=1", "--rdzv-backend=spotvisor",
@@ -186,7 +217,7 @@ def test_an_interpreter_without_the_entry_point_runs_the_backend_through_trainer
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
     if launcher == "trainer.torchrun":
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "worker 0 of 1" in proc.stdout
+        assert "worker 0 of 1 agent store True" in proc.stdout
     else:  # the hidden entry point is really hidden: torch's registry has no such backend
         assert proc.returncode != 0 and "spotvisor" in proc.stderr, proc.stderr[-3000:]
         assert "worker 0 of 1" not in proc.stdout

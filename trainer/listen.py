@@ -4,9 +4,10 @@ A c10d ``TCPStore`` server listens on every interface of its machine, and it has
 authentication: whoever reaches its port can read and write the job's rendezvous. Given a
 socket already bound (``master_listen_fd``, torch 2.13) it listens on that address only.
 Both stores spotvisor hosts are bound so: the control node's rendezvous store
-(:mod:`daemon.controlnode.rendezvous`) and each worker group's store on its rank 0
-(:func:`trainer.runtime.setup_distributed`, at the address the rendezvous gave rank 0's
-node: :func:`address_toward` the rendezvous store, its address on the job's network).
+(:mod:`daemon.controlnode.rendezvous`) and each worker group's store, which rank 0's
+torchrun agent hosts (:mod:`trainer.rendezvous`; :func:`trainer.runtime.group_store`
+on rank 0's worker under another launcher), at rank 0's node's address:
+:func:`address_toward` the rendezvous store, its address on the job's network.
 
 No torch import here: the control node's ``[control]`` install has none.
 """

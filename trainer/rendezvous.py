@@ -6,8 +6,8 @@ the agent dies with that store: every monitor interval it asks the store how man
 wait (``num_nodes_waiting``), a store error there ends the agent, and the agent's end
 kills its workers (``SimpleElasticAgent._invoke_run``, torch 2.13). Yet the running
 workers never touch this store: their collectives go peer to peer, their group's own
-store is on their rank 0 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Only membership
-changes need it, and those can wait for it to come back.
+store is on rank 0's node (below). Only membership changes need it, and those can wait
+for it to come back.
 
 ``--rdzv-backend=spotvisor`` is the same rendezvous (c10d's
 ``DynamicRendezvousHandler``, every setting of ``--rdzv-conf`` as c10d reads it) with
@@ -31,6 +31,18 @@ the store's loss survivable:
   client of the old address is dropped for one of the new, which gets the last state
   as a store back empty does.
 
+And the workers' group store (their ``MASTER_ADDR:MASTER_PORT``) is hosted by rank 0's
+agent, a new one each round, bound to exactly this node's address (:func:`trainer.listen.
+listen_socket`) on a port the kernel picked and that stays bound from then on; the
+workers are its clients (``TORCHELASTIC_USE_AGENT_STORE=True``). c10d's own choices both
+fail here: without sharing (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which every node
+still runs with) rank 0's agent picks a port that is free *now* and closes it, and its
+rank 0 worker binds it seconds later, by which time anything else on the node may have
+taken it (the worker then fails ``EADDRINUSE``, seen twice in one run of the plain-script
+demo under load); with sharing, one store server lives through every round, on every
+interface, and a node that joins at a later round reads a previous round's keys
+(pytorch#135712: torch's worker-side client assumes a new store per round, as here).
+
 Registered with torchrun through the ``torchrun.handlers`` entry point
 (``pyproject.toml``, :mod:`trainer.torchrun_plugin`; torch's
 ``torch/distributed/elastic/rendezvous/registry.py`` loads the group when
@@ -48,12 +60,12 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousHandler, RendezvousInfo,
-                                                  RendezvousParameters)
+                                                  RendezvousParameters, RendezvousStoreInfo)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from trainer.listen import address_toward
+from trainer.listen import address_toward, listen_socket
 from trainer.store_retry import PROBE_S, current_endpoint, store_reachable
 
 __all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S"]
@@ -65,6 +77,8 @@ BACKEND = "spotvisor"
 #: first retry comes after 0.5 s, each next one twice as late.
 MAX_RETRY_S = 4.0
 DEFAULT_PORT = 29400
+# a round's key (c10d prefixes it with the run and the round): rank 0's group store, "host port"
+_GROUP_STORE_KEY = "spotvisor_group_store"
 
 
 class ReconnectingBackend(RendezvousBackend):
@@ -204,16 +218,20 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
     see the module's docstring for what changes. ``join_timeout_s``: how long
     :meth:`next_rendezvous` waits for a store that is down."""
 
-    def __init__(self, inner: Any, backend: ReconnectingBackend, *, join_timeout_s: float) -> None:
+    def __init__(self, inner: Any, backend: ReconnectingBackend, *, join_timeout_s: float,
+                 local_addr: str) -> None:
         self._inner, self._backend, self._join_timeout_s = inner, backend, join_timeout_s
         self._generation = backend.generation
+        self._local_addr = local_addr
+        self._group_store: dist.TCPStore | None = None  # this round's, while this node holds rank 0
 
     def get_backend(self) -> str:
         return BACKEND
 
     @property
     def use_agent_store(self) -> bool:
-        return self._inner.use_agent_store
+        """True: the workers' group store is this agent's (:meth:`_round_group_store`)."""
+        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         """c10d's next round, once the store can be reached (up to ``join_timeout_s``).
@@ -227,13 +245,36 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
             try:
                 self._backend.connect()
                 self._follow_store()
-                return self._inner.next_rendezvous()
+                return self._round_group_store(self._inner.next_rendezvous())
             except (RendezvousConnectionError, dist.DistNetworkError) as exc:
                 self._backend.lost(exc)
                 if time.monotonic() >= deadline:
                     raise RendezvousConnectionError(
                         f"the rendezvous store stayed out of reach for {self._join_timeout_s:.0f} s") from exc
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _round_group_store(self, info: RendezvousInfo) -> RendezvousInfo:
+        """``info`` with the workers' group store of this round: on rank 0 a new
+        ``TCPStore`` server, listening on this node's address and a port the kernel picks
+        (the previous round's server closed first: its workers are stopped by now), its
+        ``host port`` put in the round's own keys of the rendezvous store; on the other
+        nodes read from there (waiting for rank 0 up to the store's read timeout, as
+        c10d's own ``RendezvousStoreInfo.build`` does).
+
+        Raises:
+            OSError: rank 0 cannot listen on its address.
+            torch.distributed.DistStoreError: rank 0 did not say within the read timeout.
+        """
+        self._group_store = None  # the previous round's server stops with its last reference
+        if info.rank == 0:
+            sock = listen_socket(self._local_addr, 0)
+            host, port = sock.getsockname()[:2]
+            # c10d owns the descriptor from here on (it closes it with the store)
+            self._group_store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                              master_listen_fd=sock.detach())
+            info.store.set(_GROUP_STORE_KEY, f"{host} {port}")
+        host, port = info.store.get(_GROUP_STORE_KEY).decode().rsplit(" ", 1)
+        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
 
     def is_closed(self) -> bool:
         try:
@@ -255,6 +296,7 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        self._group_store = None
         try:
             return self._inner.shutdown()
         except RendezvousConnectionError:
@@ -303,6 +345,7 @@ def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
     inner = create_handler(backend.store, backend, params)
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(_QuietWhileDown(backend))
     join_timeout = params.get_as_int("join_timeout", 600) or 600
-    return SpotvisorRendezvousHandler(inner, backend, join_timeout_s=float(join_timeout))
+    return SpotvisorRendezvousHandler(inner, backend, join_timeout_s=float(join_timeout),
+                                      local_addr=params.local_addr)
 
 

@@ -185,10 +185,10 @@ def group_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore | No
     to exactly ``MASTER_ADDR`` (:func:`trainer.listen.listen_socket`) instead of every
     interface: it has no authentication. ``None`` (torch's own ``env://`` path) when
     ``MASTER_ADDR`` is not an IP literal (a name may resolve here to an address the other
-    nodes cannot reach, e.g. 127.0.1.1), or torchrun's agent hosts the store. Under
-    ``--rdzv-backend=spotvisor`` ``MASTER_ADDR`` is rank 0's node's address on the job's
-    network (:func:`trainer.rendezvous.create`). Raises ``OSError`` when rank 0 cannot bind
-    it (the port taken meanwhile), as ``env://`` would."""
+    nodes cannot reach, e.g. 127.0.1.1), or torchrun's agent hosts the store (always
+    under ``--rdzv-backend=spotvisor``: rank 0's agent, on its node's address on the job's
+    network, :mod:`trainer.rendezvous`). Raises ``OSError`` when rank 0 cannot bind it
+    (the port taken meanwhile), as ``env://`` would."""
     import ipaddress
 
     from trainer.listen import listen_socket

@@ -112,7 +112,8 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     torchrun = ["-m", "trainer.torchrun"] if job.python else list(TORCHRUN_ARGV)
     argv = [*torchrun, *launcher, "--monitor-interval=0.5", *trainer]
     env = {
-        # pytorch#135712: a node joining a surviving group otherwise deadlocks
+        # c10d's own store sharing off (pytorch#135712: a node joining a surviving group otherwise
+        # deadlocks); the spotvisor rendezvous has rank 0's agent host a new one each round instead
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
