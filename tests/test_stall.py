@@ -84,6 +84,49 @@ def test_some_trainers_still_running_is_not_the_exit_stall() -> None:
     assert run.stall({"n1": 1}) is None
 
 
+def test_a_scripts_torchrun_that_exits_nonzero_while_others_run_is_a_stall() -> None:
+    """The user's own script reports no step, so no ``no_step`` bound can see it hang. A
+    node's torchrun that exits non-zero has closed the rendezvous (torch's launcher does
+    on any end but a signal): the others can only exit too or hang where they wait for
+    it. Seen in CI: one node's first round failed, the others sat in their group set-up,
+    and nothing happened for 10 minutes. Now: a stall after the exit grace."""
+    run = Run(pool(R, R, R), step=None)
+    run.look(30.0)
+    run.look(1.0, s=pool(X, R, R))
+    run.look(9.0)
+    assert run.stall({"n1": 1}, steps_expected=False) is None  # inside the grace: they may exit on their own
+    run.look(1.0)
+    stall = run.stall({"n1": 1}, steps_expected=False)
+    assert stall is not None and stall.reason == "rendezvous_closed" and stall.bound_s == 10.0
+    assert "n1 (status 1)" in stall.message and "2 trainer(s) still run" in stall.message
+    # recovered: a new wait, the restarted trainers get the grace anew (doubled: no progress came)
+    run.p = run.p.recovered(run.now)
+    run.look(1.0, s=pool(R, R, R))
+    run.look(1.0, s=pool(R, X, R))
+    run.look(19.0)
+    assert run.stall({"n2": 1}, steps_expected=False) is None
+    run.look(1.0)
+    assert run.stall({"n2": 1}, steps_expected=False).bound_s == 20.0
+
+
+def test_a_scripts_torchrun_that_exits_zero_first_is_its_end_not_a_stall() -> None:
+    """A node whose script finished before the others' (exit 0): they finish too."""
+    run = Run(pool(R, R, R), step=None)
+    run.look(1.0, s=pool(X, R, R))
+    run.look(120.0)
+    assert run.stall({"n1": 0}, steps_expected=False) is None
+    # the same for a trainer that reports steps: its no_step bound watches it instead
+    assert run.stall({"n1": 1}, steps_expected=True) is None
+
+
+def test_a_script_whose_torchruns_all_exit_is_the_exit_stall() -> None:
+    run = Run(pool(R, R), step=None)
+    run.look(1.0, s=pool(X, R))
+    run.look(2.0, s=pool(X, X))
+    run.look(10.0)
+    assert run.stall({"n1": 1, "n2": 1}, steps_expected=False).reason == "trainers_exited"
+
+
 def test_a_restart_into_a_store_still_down_backs_off() -> None:
     """Each recovery that brought no step doubles the exit grace (10, 20, 40 s ...), so a
     store that stays down for minutes is reported a few times, not every 10 s."""

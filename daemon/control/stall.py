@@ -27,6 +27,16 @@ three signs:
     - once steps come: ``max(floor_s, step_factor x the median of the last``
       :data:`STEP_WINDOW` ``intervals between steps)``. With the defaults (300 s,
       20): 0.5 s steps → 300 s; 30 s steps → 600 s.
+``rendezvous_closed``
+    The user's own script (``job.command``: it reports no step, so ``no_step`` cannot
+    see it): a node's torchrun exited non-zero while others still run, for the exit
+    grace. torchrun exits so only past its own restarts, and its launcher then shuts
+    the rendezvous down for good (torch 2.13, ``launcher.api.launch_agent``: any end but
+    a signal), so no trainer of the job can re-form: the others exit too (then it is
+    ``trainers_exited``) or hang where they wait for the gone node (a worker in
+    ``init_process_group`` waits torch's 30 minutes for a store nobody serves). Seen in
+    CI: the job's first round failed on one node, the others sat in their set-up, and
+    nothing bounded it.
 ``not_started``
     The job has been pending (waiting for its nodes) for ``first_step_s``: reported
     only, the planner and admission are what can start it.
@@ -104,6 +114,7 @@ class Progress:
     a change of who trains, a recovery); ``last_step_at``: the newest step seen since
     then (None: none yet); ``intervals``: seconds per step, newest last, at most
     :data:`STEP_WINDOW`; ``exited_since``: every trainer of the job has exited since
+    then; ``partly_exited_since``: some trainer of the job, not all, has exited since
     then; ``recoveries``: recoveries since the last step.
     """
 
@@ -114,6 +125,7 @@ class Progress:
     last_step_at: float | None = None
     intervals: tuple[float, ...] = ()
     exited_since: float | None = None
+    partly_exited_since: float | None = None
     recoveries: int = 0
 
     def step_s(self) -> float | None:
@@ -138,13 +150,14 @@ class Progress:
 
     def recovered(self, now: float) -> Progress:
         """A recovery (or a report) at ``now``: a new wait for the first step begins."""
-        return replace(self, since=now, last_step_at=None, exited_since=None, recoveries=self.recoveries + 1)
+        return replace(self, since=now, last_step_at=None, exited_since=None, partly_exited_since=None,
+                       recoveries=self.recoveries + 1)
 
 
 @dataclass(frozen=True, slots=True)
 class Stall:
-    """Why the job is stalled: ``reason`` (``trainers_exited``, ``no_step``,
-    ``not_started``), seconds with no step (``idle_s``) against the ``bound_s`` that
+    """Why the job is stalled: ``reason`` (``trainers_exited``, ``rendezvous_closed``,
+    ``no_step``, ``not_started``), seconds with no step (``idle_s``) against the ``bound_s`` that
     applied, and one line for a person (``message``)."""
 
     reason: str
@@ -191,16 +204,20 @@ def observe(p: Progress, s: PoolState, *, step: int | None, now: float) -> Progr
                                    and all(n.trainer is TrainerState.EXITED for n in trained))
                                or _orphaned(s, in_job))
     exited_since = (now if p.exited_since is None else p.exited_since) if exited else None
+    partly = not exited and any(n.trainer is TrainerState.EXITED for n in in_job)
+    partly_since = (now if p.partly_exited_since is None else p.partly_exited_since) if partly else None
     if s.attempt != p.attempt or training != p.training or (step is not None and p.step is not None and step < p.step):
         return replace(p, since=now, attempt=s.attempt, step=step, training=training, last_step_at=None,
-                       exited_since=exited_since)
+                       exited_since=exited_since, partly_exited_since=partly_since)
     if step is not None and (p.step is None or step > p.step):
         intervals = p.intervals
         if p.last_step_at is not None and p.step is not None:
             intervals = (*intervals, (now - p.last_step_at) / (step - p.step))[-STEP_WINDOW:]
         return replace(p, step=step, last_step_at=now, intervals=intervals, exited_since=exited_since,
-                       recoveries=0)
-    return p if exited_since == p.exited_since else replace(p, exited_since=exited_since)
+                       partly_exited_since=partly_since, recoveries=0)
+    if (exited_since, partly_since) == (p.exited_since, p.partly_exited_since):
+        return p
+    return replace(p, exited_since=exited_since, partly_exited_since=partly_since)
 
 
 def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_codes: Mapping[str, int],
@@ -210,7 +227,8 @@ def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_code
     ``exit_codes``: node id → its trainer's last exit status, where known (a node
     missing counts as a failure). ``migrating``: a whole-job migration is in flight.
     ``steps_expected``: False for a trainer that has never reported a step (the user's
-    own script, ``job.command``): its silence is no ``no_step`` stall (its exits still are)."""
+    own script, ``job.command``): its silence is no ``no_step`` stall (its exits still
+    are, one node's included: ``rendezvous_closed``)."""
     if s.job.is_terminal() or s.job is JobState.PAUSED or s.paused or migrating:
         return None
     idle = p.idle_s(now)
@@ -235,6 +253,17 @@ def check(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_code
                              f"{len(in_job)} joiner(s) wait for a group that is gone")
             return Stall("trainers_exited", idle, grace,
                          f"every trainer of the job exited (status {codes}) {now - p.exited_since:.0f} s ago")
+    if not steps_expected and p.partly_exited_since is not None:
+        failed = {n.id: exit_codes.get(n.id) for n in in_job
+                  if n.trainer is TrainerState.EXITED and exit_codes.get(n.id) != 0}
+        grace = min(rules.first_step_s, rules.exit_grace_s * 2 ** p.recoveries)
+        if failed and now - p.partly_exited_since >= grace:
+            gone = ", ".join(f"{node} (status {'unknown' if code is None else code})"
+                             for node, code in sorted(failed.items()))
+            running = sum(n.trainer is TrainerState.RUNNING for n in in_job)
+            return Stall("rendezvous_closed", idle, grace,
+                         f"the torchrun of {gone} exited {now - p.partly_exited_since:.0f} s ago, which closes "
+                         f"the rendezvous; {running} trainer(s) still run and cannot re-form")
     bound = p.bound_s(rules)
     if idle >= bound and steps_expected:
         what = "no first step" if p.last_step_at is None else f"no step after step {p.step}"
