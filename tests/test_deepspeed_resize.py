@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 resizes in-process (``trainer.examples.deepspeed_zero2.DeepSpeedJob``:
+"""DeepSpeed ZeRO-1/2/3 resizes in-process (``trainer.examples.deepspeed_zero2.DeepSpeedJob``:
 ``stage_state`` / ``reshard`` over :mod:`trainer.integrations.deepspeed_resize`): a new
 node's worker joins a running job, a notice shrinks it, a peer killed without notice
 makes the survivors reload the newest commit; no worker restarts, and across each planned
@@ -33,7 +33,7 @@ def _started(tmp_path: Path, node: str) -> list[tuple]:
             for x in status_lines(tmp_path, node) if x["event"] == "started"]
 
 
-@pytest.mark.parametrize("zero_stage", ["1", "2"])
+@pytest.mark.parametrize("zero_stage", ["1", "2", "3"])
 def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(
         tmp_path: Path, rdzv, zero_stage: str) -> None:
     """ZeRO at world 2; a third worker joins at step 5 (world 3); node0, old rank 0, gets a
@@ -66,15 +66,17 @@ def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state
         assert after[0] == before[0] and after[-1] == str(world), (step, before, after)
 
 
-def test_a_deepspeed_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_path: Path, rdzv) -> None:
-    """ZeRO-2 at world 3, a commit every 4 steps; node2's worker is SIGKILLed at step 6 (no
+@pytest.mark.parametrize("zero_stage", ["2", "3"])
+def test_a_deepspeed_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_path: Path, rdzv,
+                                                                              zero_stage: str) -> None:
+    """ZeRO-2 (and ZeRO-3) at world 3, a commit every 4 steps; node2's worker is SIGKILLed at step 6 (no
     notice: its partition of the optimizer's state is gone). The two survivors re-form the
     group in their own processes, rebuild the engine at world 2, load step 4 from the commit
     (through DeepSpeed's universal checkpoint) and train on to step 12: steps 5 and 6 are
     trained again (the only loss), every later step once."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, KILL_NODE2,
-                    ("--checkpoint-interval", "4")) for r in range(3)]
+                    ("--checkpoint-interval", "4", "--zero-stage", zero_stage)) for r in range(3)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
     for node in ("node0", "node1"):

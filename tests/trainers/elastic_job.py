@@ -93,7 +93,7 @@ def write_notice(node: str) -> None:
 
 
 def deepspeed_state_digest(job: ElasticJob) -> str:
-    """sha256 of the full state of a DeepSpeed ZeRO-1/2 job (a collective: every rank calls it):
+    """sha256 of the full state of a DeepSpeed ZeRO job (a collective: every rank calls it):
     the fp32 master copies, the optimizer's moments and step, the engine's counters, and the
     model's own parameters (what the forward pass reads)."""
     from trainer.integrations.deepspeed_resize import gather_full_state
@@ -107,8 +107,13 @@ def deepspeed_state_digest(job: ElasticJob) -> str:
             h.update(key.encode())
             h.update(t.numpy().tobytes())
     h.update(repr((state["optim_step"], sorted(state["counters"].items()))).encode())
-    for name, p in job.state.model.named_parameters():
-        h.update(p.detach().float().cpu().numpy().tobytes())
+    import deepspeed
+
+    params = list(job.state.model.parameters())
+    # ZeRO-3 partitions the model's own parameters too: gathered whole for the hash
+    with deepspeed.zero.GatheredParameters(params, enabled=job.engine.zero_optimization_stage() == 3):
+        for p in params:
+            h.update(p.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 

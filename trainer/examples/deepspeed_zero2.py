@@ -2,8 +2,8 @@
 
 The reference trainer's job (:mod:`trainer.run`: byte-level GPT-2, constant global
 batch, the same step-boundary loop, status lines, step logs and exit codes) with the
-model and optimizer inside a DeepSpeed engine (ZeRO stage 2, or 1 with
-``--zero-stage 1``) and checkpoints committed and resumed by
+model and optimizer inside a DeepSpeed engine (ZeRO stage 2, or 1 or 3 with
+``--zero-stage``) and checkpoints committed and resumed by
 :class:`~trainer.integrations.deepspeed.DeepSpeedCheckpointer`.
 
 In-process resizes (``--resize in-process``, the default, with the daemon's rendezvous
@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _run_parser()
     p.prog = "python -m trainer.examples.deepspeed_zero2"
     p.description = "spotvisor example: byte-level GPT-2 with DeepSpeed ZeRO-2, committed checkpoints, any world size."
-    p.add_argument("--zero-stage", type=int, choices=(1, 2), default=ZERO_STAGE,
-                   help="ZeRO stage: 1 partitions the optimizer's state, 2 its gradients too (default 2)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=ZERO_STAGE,
+                   help="ZeRO stage: 1 partitions the optimizer's state, 2 its gradients too, 3 the "
+                        "parameters too (default 2)")
     return p
 
 

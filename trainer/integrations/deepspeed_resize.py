@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO-1/2 engine rebuilt at another data-parallel size in its running processes.
+"""A DeepSpeed ZeRO engine (stage 1, 2 or 3) rebuilt at another data-parallel size in its running processes.
 
 What :class:`trainer.examples.deepspeed_zero2.DeepSpeedJob` does around an in-process
 resize (shrink, grow; :mod:`trainer.resize`), on every rank::
@@ -18,10 +18,14 @@ The gather and the set go through DeepSpeed's public ZeRO API
 (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` and their
 ``safe_set_full_*``; https://deepspeed.readthedocs.io/en/latest/zero3.html, "Debugging"):
 for ZeRO-1/2 each get is an all-reduce of the ranks' fragments over the data-parallel
-group, so every rank of the old group holds the whole state in host memory (12 bytes per
-parameter with AdamW) for the moment of the resize. ZeRO-1/2 keep the whole model (the
-low-precision parameters) on every rank; they are set from the master copy directly.
-ZeRO-3 partitions the parameters too and is refused here (:class:`ValueError`).
+group, for ZeRO-3 an all-gather of the partitions, so every rank of the old group holds
+the whole state in host memory (12 bytes per parameter with AdamW) for the moment of the
+resize. ZeRO-1/2 keep the whole model (the low-precision parameters) on every rank; they
+are set from the master copy directly. ZeRO-3 partitions the parameters too: each rank
+sets its own partition of each (``safe_set_local_fp32_param`` and
+``safe_set_local_optimizer_state``: the full setters of DeepSpeed 0.19 slice the last
+rank's partition past the end of a tensor whose size the world does not divide), and its
+partition of the low-precision parameter (``param.ds_tensor``) from the same slice.
 
 The state is a tree of tensors and plain values (:data:`FullState`), so
 :func:`trainer.runtime.broadcast_state` can send it to a joiner as it is.
@@ -54,11 +58,29 @@ def zero_stage(engine: Any) -> int:
     return int(engine.zero_optimization_stage())
 
 
-def _check_stage(engine: Any) -> None:
+def _check_stage(engine: Any) -> int:
     stage = zero_stage(engine)
-    if stage not in (1, 2):
-        raise ValueError(f"an in-process resize of a DeepSpeed engine needs ZeRO stage 1 or 2, this one runs "
-                         f"stage {stage} (set --resize restart, or zero_optimization.stage 1 or 2)")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"an in-process resize of a DeepSpeed engine needs ZeRO stage 1, 2 or 3, this one runs "
+                         f"stage {stage} (set --resize restart, or zero_optimization.stage 1, 2 or 3)")
+    return stage
+
+
+def _local_slice(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """ZeRO-3: this rank's partition of ``full`` (a tensor of ``param``'s whole shape), as
+    DeepSpeed lays it out: the flat tensor cut into equal partitions of
+    ``param.ds_tensor.ds_numel`` elements in the order of the ranks of the parameter's
+    group, the last one zero-padded."""
+    import torch.distributed as dist
+
+    size = int(param.ds_tensor.ds_numel)
+    start = dist.get_rank(group=param.ds_process_group) * size
+    flat = full.reshape(-1)
+    part = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+    if start < flat.numel():
+        piece = flat[start:start + size]
+        part[:piece.numel()] = piece
+    return part
 
 
 def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
@@ -70,7 +92,7 @@ def gather_full_state(engine: Any, model: torch.nn.Module) -> FullState:
     """Collective over the engine's data-parallel group: the whole training state, on every rank.
 
     Args:
-        engine: a ``DeepSpeedEngine`` with ZeRO stage 1 or 2, at a step boundary.
+        engine: a ``DeepSpeedEngine`` with ZeRO stage 1, 2 or 3, at a step boundary.
         model: the module the engine was built on (its parameters name the state).
 
     Returns:
@@ -78,7 +100,7 @@ def gather_full_state(engine: Any, model: torch.nn.Module) -> FullState:
         parameter's full shape): about 12 bytes per parameter with AdamW.
 
     Raises:
-        ValueError: the engine runs ZeRO stage 0 or 3.
+        ValueError: the engine runs ZeRO stage 0.
     """
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -107,13 +129,27 @@ def gather_full_state(engine: Any, model: torch.nn.Module) -> FullState:
     }
 
 
-def _create_optimizer_state(engine: Any) -> None:
+def _create_optimizer_state(engine: Any, stage: int) -> None:
     """Have the engine's torch optimizer create its per-partition state (torch optimizers
-    create it on their first step): one step on zero gradients, then link each parameter's
-    fragment of it, as ZeRO's own first step does (``_lazy_init_hp_params_optimizer_state``,
-    which the ``safe_set_full_optimizer_state`` below writes through). The step moves the
-    partitions (weight decay) and leaves moments: :func:`set_full_state` overwrites both."""
+    create it on their first step): one step on zero gradients, then, for ZeRO-1/2, link
+    each parameter's fragment of it, as ZeRO's own first step does
+    (``_lazy_init_hp_params_optimizer_state``, which ``safe_set_full_optimizer_state``
+    writes through). ZeRO-3 steps its optimizer one sub-group at a time, the group's
+    ``params`` set to that flat partition only for the step (``_optimizer_step``), and
+    reads the state directly: the same here. The step moves the partitions (weight
+    decay) and leaves moments: :func:`set_full_state` overwrites both."""
     base = _base_optimizer(engine)
+    if stage == 3:  # ZeRO-3 hands the optimizer one flat partition at a time (its sub-groups)
+        z3 = engine.optimizer
+        for sub, flat in enumerate(z3.fp32_partitioned_groups_flat):
+            group = base.param_groups[z3.sub_group_to_group_id[sub]]
+            params, grad = group["params"], flat.grad
+            group["params"], flat.grad = [flat], torch.zeros_like(flat)
+            try:
+                base.step()
+            finally:
+                group["params"], flat.grad = params, grad
+        return
     params = [p for g in base.param_groups for p in g["params"]]
     saved = [p.grad for p in params]
     for p in params:
@@ -133,23 +169,31 @@ def set_full_state(engine: Any, model: torch.nn.Module, state: FullState) -> Non
 
     Every rank of the engine's group calls it with the same ``state``; nothing is exchanged:
     each rank copies its own fragments of the fp32 master copies and moments, and the whole
-    low-precision model (ZeRO-1/2 keep it on every rank).
+    low-precision model (ZeRO-1/2 keep it on every rank) or its own partition of it (ZeRO-3).
 
     Raises:
-        ValueError: the engine runs ZeRO stage 0 or 3.
+        ValueError: the engine runs ZeRO stage 0.
         KeyError: ``state`` lacks a parameter of ``model`` (another model).
     """
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
+                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
 
-    _check_stage(engine)
+    stage = _check_stage(engine)
     base = _base_optimizer(engine)
     if state["optim_step"] is not None and not base.state:
-        _create_optimizer_state(engine)
+        _create_optimizer_state(engine, stage)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
             full = state["params"][name]
+            if stage == 3:
+                part = _local_slice(p, full.to(p.ds_tensor.device))
+                safe_set_local_fp32_param(p, part)
+                for key, value in state["optim"][name].items():
+                    safe_set_local_optimizer_state(p, _local_slice(p, value.to(part.device)), key)
+                p.ds_tensor.data.copy_(part.to(p.ds_tensor.dtype))
+                continue
             safe_set_full_fp32_param(p, full.to(p.device))
             for key, value in state["optim"][name].items():
                 safe_set_full_optimizer_state(p, value.to(p.device), key)
@@ -171,7 +215,8 @@ def release_engine(engine: Any) -> None:
     """Before a new engine is built in this process: take ``engine``'s hooks off its model
     (``DeepSpeedEngine.destroy``) and drop DeepSpeed's process-global communication state,
     built over the group that is gone (its comm backend ``deepspeed.comm.comm.cdb`` and the
-    groups ``deepspeed.utils.groups`` cloned from the old world): the next
+    groups ``deepspeed.utils.groups`` cloned from the old world), and restart ZeRO-3's
+    parameter and module numbering (:func:`_restart_zero3_ids`): the next
     ``deepspeed.initialize`` builds them again over the new default group. The default
     group itself is torch's (:func:`trainer.runtime.regroup` replaces it)."""
     import deepspeed.comm.comm as ds_comm
@@ -191,4 +236,21 @@ def release_engine(engine: Any) -> None:
             with contextlib.suppress(AttributeError):
                 setattr(ds_groups, name, None)
     ds_comm.cdb = None
+    _restart_zero3_ids()
     gc.collect()
+
+
+def _restart_zero3_ids() -> None:
+    """ZeRO-3 numbers parameters and modules from process-global counters (``Init.param_id``
+    and the mutable default ``count`` of ``DeepSpeedZeRoOffload._register_deepspeed_module``,
+    DeepSpeed 0.19) and checks at each forward that every rank traced the same module ids
+    (``assert_ints_same_as_other_ranks``). A joiner's process numbers its first engine from
+    0; the survivors' rebuilt one would go on from their old engine's last id: both start
+    again from 0, so every rank of the new group numbers the same model alike."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    defaults = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
+    if defaults and isinstance(defaults[0], list) and defaults[0]:
+        defaults[0][0] = 0
