@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-1/2/3 resizes in-process (``trainer.examples.deepspeed_zero2.DeepSpeedJob``:
 ``stage_state`` / ``reshard`` over :mod:`trainer.integrations.deepspeed_resize`): a new
 node's worker joins a running job, a notice shrinks it, a peer killed without notice
-makes the survivors reload the newest commit; no worker restarts, and across each planned
+makes the survivors reload the newest commit, or, with ``--replicate-shards``, rebuild its
+partitions from their copy on the next node; no worker restarts, and across each planned
 resize the whole state (fp32 master copies, AdamW's moments and step, the engine's
 counters, the model's own parameters) is bit-identical before and after, although the
 engine was rebuilt at another data-parallel size and every rank's partition changed."""
@@ -89,3 +90,32 @@ def test_a_deepspeed_job_that_loses_a_peer_reloads_the_last_commit_in_process(tm
         assert sorted(got[s]) == sorted(want[s] * 2)
     assert {s: sorted(p) for s, p in got.items() if s not in (5, 6)} == {
         s: p for s, p in want.items() if s not in (5, 6)}
+
+
+@pytest.mark.parametrize("zero_stage", ["2", "3"])
+def test_a_deepspeed_job_with_replicated_partitions_loses_no_step_to_a_kill(tmp_path: Path, rdzv,
+                                                                            zero_stage: str) -> None:
+    """As above with ``--replicate-shards``: after every step each rank's ZeRO partitions
+    (fp32 masters and AdamW's moments) are copied to the next node's rank. node2 (old rank
+    2) is SIGKILLed before its step 7; its partitions' copy on node0 (its buddy, (2 + 1) %
+    3) and the survivors' own put the whole state of step 6 back together, bit-identical to
+    step 6's at world 3, and the engine is rebuilt at world 2 from it: no commit loaded, no
+    step lost (step 7 failed before anyone completed it and is trained once, at world 2)."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = (*KILL_NODE2, "--record-step", "6")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--zero-stage", zero_stage, "--replicate-shards"))
+             for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+    for node in ("node0", "node1"):
+        lines = status_lines(tmp_path, node)
+        started = [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"), x.get("from_replicas"))
+                   for x in lines if x["event"] == "started"]
+        assert started == [(0, None, 3, None, None), (6, "in_process", 2, None, True)], "\n".join(outs)
+        assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
+    before = (tmp_path / "step-6.txt").read_text().split()
+    after = (tmp_path / "after-6.txt").read_text().split()
+    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "2"), (before, after)
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}

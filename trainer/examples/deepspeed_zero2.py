@@ -44,8 +44,10 @@ from trainer.batch import BatchPlan
 from trainer.guard import Decision
 from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
+from trainer.integrations.deepspeed_replicas import DeepSpeedReplicas
 from trainer.integrations.deepspeed_resize import FullState, gather_full_state, release_engine, set_full_state
 from trainer.integrations.meta import materialize, rebuild_optimizer
+from trainer.integrations.replicas import add_replica_flags
 from trainer.loop import ElasticJob, loaded, run_job
 from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=ZERO_STAGE,
                    help="ZeRO stage: 1 partitions the optimizer's state, 2 its gradients too, 3 the "
                         "parameters too (default 2)")
+    add_replica_flags(p, "ZeRO partitions")
     return p
 
 
@@ -100,8 +103,9 @@ class DeepSpeedJob(ElasticJob):
     #: (:mod:`trainer.integrations.deepspeed_resize`): every rank of the old group gathers the
     #: whole state first (ZeRO partitions the optimizer's), so a resize moves no commit.
     in_process_resize = True
-    #: ZeRO-1/2 partition the optimizer's state: a peer lost without notice took its part,
-    #: so the survivors reload the newest commit (in these processes).
+    #: ZeRO partitions the optimizer's state: a peer lost without notice took its part, so
+    #: the survivors rebuild it from its copy on the next node (``--replicate-shards``) or
+    #: reload the newest commit (in these processes).
     state_replicated = False
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
@@ -114,6 +118,8 @@ class DeepSpeedJob(ElasticJob):
         self.ckpt: DeepSpeedCheckpointer | None = None
         #: during a resize, on the ranks that stay and the joiners: the whole state (host memory)
         self._staged: FullState | None = None
+        #: with --replicate-shards: the copy of the previous node's partitions this rank keeps
+        self.replicas = DeepSpeedReplicas(self)
 
     def build_engine(self) -> None:
         """``deepspeed.initialize`` over ``self.state`` at the group's data-parallel size, and
@@ -167,6 +173,16 @@ class DeepSpeedJob(ElasticJob):
         state = gather_full_state(self.engine, self.state.model)
         self._staged = state if self.ctx.rank in keep else None
 
+    def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
+        """After a loss (:class:`~trainer.recovery.Recovery`, in the survivors' new group):
+        the whole state rebuilt from the survivors' partitions and the copies of the lost
+        ranks', staged for :meth:`reshard`; False without ``--replicate-shards`` or when the
+        copies cannot (:meth:`DeepSpeedReplicas.restage_after_loss`): reload the newest commit."""
+        if not getattr(self.args, "replicate_shards", False):  # the same flags on every rank
+            return False
+        self._staged = self.replicas.restage_after_loss(old_rank, old_world)
+        return self._staged is not None
+
     def peer_state(self) -> dict[str, Any]:
         """Rank 0 to a joiner: the whole state it staged, and the step."""
         if self._staged is None:
@@ -192,6 +208,7 @@ class DeepSpeedJob(ElasticJob):
             raise RuntimeError(f"rank {self.ctx.rank} holds no staged state to rebuild the engine from")
         step = self.state.step
         release_engine(self.engine)
+        self.replicas.forget()  # of the old layout
         self.engine = self.ckpt = self.ddp = None  # type: ignore[assignment]
         if from_commit:  # initialised: there may be no commit
             self.state = self.build_state()
@@ -242,6 +259,10 @@ class DeepSpeedJob(ElasticJob):
             raise RuntimeError(f"DeepSpeed counts {engine.global_steps} optimizer steps after step {step + 1}")
         glob, local = mean_loss(self.ctx, total, len(micro))
         self.state.step += 1
+        every = getattr(self.args, "replicate_every", 1)
+        if getattr(self.args, "replicate_shards", False) and (self.state.step % every == 0
+                                                              or self.replicas.replica.copy is None):
+            self.replicas.after_step(snapshot=every > 1)
         return glob, local, [p for mb in micro for p in mb]
 
 

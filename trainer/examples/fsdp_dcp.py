@@ -50,9 +50,9 @@ from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
 from trainer.integrations.fsdp_shards import ShardMover
 from trainer.integrations.meta import materialize, rebuild_optimizer
+from trainer.integrations.replicas import add_replica_flags
 from trainer.runtime import (
     DistContext,
-    positive_int,
     scratch_dir,
 )
 
@@ -72,13 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "DCP checkpoints committed manifest-last, resumed at any world size.")
     p.add_argument("--wrap", choices=WRAPS, default="fsdp",
                    help="with more than one rank: shard with FSDP2 (default) or replicate with DDP")
-    p.add_argument("--replicate-shards", action="store_true",
-                   help="FSDP2: copy each rank's shards to a rank on the next node (every --replicate-every "
-                        "steps), so a node lost without notice costs at most --replicate-every - 1 steps "
-                        "(off: the survivors reload the last commit)")
-    p.add_argument("--replicate-every", type=positive_int, default=1, metavar="STEPS",
-                   help="with --replicate-shards: copy after every STEPS steps (default 1: a loss costs no step; "
-                        "more: less traffic, and each rank also keeps a snapshot of its own shards)")
+    add_replica_flags(p, "FSDP2 shards")
     return p
 
 

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FullState", "gather_full_state", "set_full_state", "release_engine", "zero_stage"]
+__all__ = ["FullState", "gather_full_state", "optimizer_step", "release_engine", "scalars", "set_full_state",
+           "zero_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +109,6 @@ def gather_full_state(engine: Any, model: torch.nn.Module) -> FullState:
     base = _base_optimizer(engine)
     keys = sorted({k for st in base.state.values() for k, v in st.items()
                    if k != "step" and torch.is_tensor(v) and v.dim() > 0})
-    steps = {int(st["step"]) for st in base.state.values() if "step" in st}
-    if len(steps) > 1:
-        raise RuntimeError(f"the optimizer's partitions are at different steps {sorted(steps)}")
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in model.named_parameters():
@@ -118,11 +116,29 @@ def gather_full_state(engine: Any, model: torch.nn.Module) -> FullState:
             continue
         params[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
         optim[name] = {k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in keys}
+    return {"params": params, "optim": optim, **scalars(engine)}
+
+
+def optimizer_step(engine: Any) -> int | None:
+    """The torch optimizer's step count over this rank's partitions (None: no state yet).
+
+    Raises:
+        RuntimeError: the partitions are at different steps.
+    """
+    steps = {int(st["step"]) for st in _base_optimizer(engine).state.values() if "step" in st}
+    if len(steps) > 1:
+        raise RuntimeError(f"the optimizer's partitions are at different steps {sorted(steps)}")
+    return next(iter(steps)) if steps else None
+
+
+def scalars(engine: Any) -> dict[str, Any]:
+    """The state's values other than tensors, the same on every rank: ``optim_step``
+    (:func:`optimizer_step`), ``groups`` (the param groups' hyperparameters),
+    ``lr_scheduler`` (its state dict, or None) and ``counters`` (the engine's)."""
+    base = _base_optimizer(engine)
     sched = getattr(engine, "lr_scheduler", None)
     return {
-        "params": params,
-        "optim": optim,
-        "optim_step": next(iter(steps)) if steps else None,
+        "optim_step": optimizer_step(engine),
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
         "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
         "counters": {c: int(getattr(engine, c)) for c in _COUNTERS if hasattr(engine, c)},

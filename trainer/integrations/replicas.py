@@ -40,9 +40,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BuddyReplica", "Copy", "buddy", "recovery_holders"]
+__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "buddy", "recovery_holders"]
 
 log = logging.getLogger(__name__)
+
+
+def add_replica_flags(parser: Any, what: str) -> None:
+    """``--replicate-shards`` and ``--replicate-every`` on a sharded trainer's ``parser``
+    (an ``argparse.ArgumentParser``); ``what``: what is copied, for the help."""
+    from trainer.runtime import positive_int
+
+    parser.add_argument("--replicate-shards", action="store_true",
+                        help=f"copy each rank's {what} to a rank on the next node (every --replicate-every "
+                             "steps), so a node lost without notice costs at most --replicate-every - 1 steps "
+                             "(off: the survivors reload the last commit)")
+    parser.add_argument("--replicate-every", type=positive_int, default=1, metavar="STEPS",
+                        help="with --replicate-shards: copy after every STEPS steps (default 1: a loss costs no "
+                             f"step; more: less traffic, and each rank also keeps a snapshot of its own {what})")
 
 
 def buddy(rank: int, world: int, per_node: int) -> int | None:

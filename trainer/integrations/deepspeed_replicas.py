@@ -1,0 +1,228 @@
+"""DeepSpeed's partitions copied to another node, so that a ZeRO job survives a node lost
+without notice in its running processes without going back to its last commit.
+
+ZeRO-1/2/3 partition the optimizer's state (ZeRO-3 the parameters too): a rank lost
+without notice took its partition, and the survivors had to reload the newest commit.
+With ``--replicate-shards`` each rank, every ``--replicate-every`` steps right after the
+optimizer step, sends its partitions (the flat fp32 master partitions of each parameter
+group and the optimizer's state of each, as DeepSpeed holds them) to its buddy on the next
+node and keeps its predecessor's, through :class:`~trainer.integrations.replicas.BuddyReplica`
+(host memory, a copy replaced only once wholly arrived), with a small table that says
+where each parameter's fragment lies in them (:func:`partitions`): that table is all a
+survivor needs to read a lost rank's partitions, whose layout it cannot compute.
+
+After a loss (:meth:`DeepSpeedReplicas.restage_after_loss`, called by
+:mod:`trainer.recovery` in the survivors' new group) the survivors agree which of them
+holds each old rank's partitions (:func:`~trainer.integrations.replicas.recovery_holders`,
+as for FSDP2: its owner, or its buddy's copy), each holder broadcasts the partitions it
+holds, and every survivor puts the whole state together, every parameter's fp32 master
+and moments, as :func:`~trainer.integrations.deepspeed_resize.gather_full_state` would
+have gathered it before the loss: the engine is then rebuilt at the new size from it, as
+for a planned resize. The state's scalars (AdamW's step, the LR scheduler, the engine's
+counters) are the survivors' own, of the copies' step (kept with the snapshot when copies
+are not made every step).
+
+Fails closed (the survivors reload the newest commit, one warning line): two
+neighbouring nodes lost, copies of different steps, a survivor that cannot go back to the
+copies' step, or whose optimizer had already stepped past its job's step when the peer
+was lost (the loss came inside ZeRO's optimizer step: its partitions are of the next step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.exchange import all_gather_json
+from trainer.integrations.deepspeed_resize import FullState, optimizer_step, scalars, zero_stage
+from trainer.integrations.replicas import BuddyReplica, recovery_holders
+
+__all__ = ["DeepSpeedReplicas", "partitions"]
+
+log = logging.getLogger(__name__)
+
+
+def _flat_groups(engine: Any) -> list[torch.Tensor]:
+    """The engine's flat fp32 master partitions, one per parameter group (ZeRO-3: sub-group)."""
+    opt = engine.optimizer
+    return list(opt.fp32_partitioned_groups_flat if zero_stage(engine) == 3 else opt.single_partition_of_fp32_groups)
+
+
+def _fragment(engine: Any, p: torch.nn.Parameter, rank: int) -> tuple[torch.Tensor | None, int]:
+    """This rank's fp32 fragment of ``p`` (a view into a flat partition; None: it holds
+    none) and where it starts in the flattened parameter. ``rank``: this rank's in the
+    engine's data-parallel group (ZeRO-3's partition index)."""
+    if zero_stage(engine) == 3:
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        size = int(p.ds_tensor.ds_numel)
+        start = rank * size
+        numel = max(0, min(size, p.ds_numel - start))
+        return (safe_get_local_fp32_param(p).narrow(0, 0, numel) if numel else None), start
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:
+        return None, 0
+    return mapping.get_hp_fragment(), int(mapping.lp_fragment_address.start)
+
+
+def partitions(engine: Any, model: torch.nn.Module, rank: int) -> tuple[list[str], list[torch.Tensor]]:
+    """This rank's whole part of the training state, as tensors to copy: ``(keys, tensors)``.
+    ``rank``: this rank's in the engine's data-parallel group (the whole world here; after
+    a loss, its rank in the old group, which is gone).
+
+    ``tensors[0]``: an int64 table, one row per trainable parameter of ``model`` in
+    ``named_parameters`` order, ``(partition index, offset in it, start in the flattened
+    parameter, elements)`` (``-1, 0, 0, 0`` where this rank holds none of it); then the
+    flat fp32 master partitions, one per group; then, for each optimizer state key in
+    ``keys`` (sorted), that state of each group's partition. The partitions are
+    DeepSpeed's own tensors (no copy). Raises ``RuntimeError`` when a fragment lies in none
+    of them (another DeepSpeed's layout)."""
+    flats = _flat_groups(engine)
+    base = engine.optimizer.optimizer
+    keys = sorted({k for st in base.state.values() for k, v in st.items()
+                   if k != "step" and torch.is_tensor(v) and v.dim() > 0})
+    rows = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        frag, start = _fragment(engine, p, rank)
+        if frag is None:
+            rows.append((-1, 0, 0, 0))
+            continue
+        at = frag.data_ptr()
+        for i, flat in enumerate(flats):
+            base_ptr = flat.data_ptr()
+            if base_ptr <= at < base_ptr + flat.numel() * flat.element_size():
+                rows.append((i, (at - base_ptr) // flat.element_size(), start, frag.numel()))
+                break
+        else:
+            raise RuntimeError(f"{name}'s fp32 fragment lies in none of the engine's flat partitions")
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    state = [base.state[flat][k] for k in keys for flat in flats]
+    return keys, [table, *flats, *state]
+
+
+def _assemble(model: torch.nn.Module, keys: list[str], parts: list[torch.Tensor], into: FullState) -> None:
+    """Write one old rank's fragments (``parts``, as :func:`partitions` returned them) into
+    the whole tensors of ``into["params"]`` and ``into["optim"]``."""
+    table, rest = parts[0].tolist(), parts[1:]
+    groups = len(rest) // (1 + len(keys))
+    named = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, (i, offset, start, numel) in zip(named, table):
+        if i < 0:
+            continue
+        into["params"][name].view(-1)[start:start + numel] = rest[i][offset:offset + numel]
+        for j, key in enumerate(keys):
+            into["optim"][name][key].view(-1)[start:start + numel] = rest[groups * (1 + j) + i][offset:offset + numel]
+
+
+class DeepSpeedReplicas:
+    """One rank's copies of its buddy's DeepSpeed partitions (``--replicate-shards``), and
+    the rebuild of the whole state from them after a loss. ``job``: the
+    :class:`~trainer.examples.deepspeed_zero2.DeepSpeedJob` (its ``engine``, ``state``,
+    ``ctx``, ``committed_step``, ``streaming``)."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.replica = BuddyReplica()
+        self._keys: list[str] = []
+        #: the scalars of the state as of the snapshot's step (copies not made every step)
+        self._snapshot_scalars: dict[str, Any] | None = None
+
+    @staticmethod
+    def per_node() -> int:
+        """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): a copy goes this many ranks on."""
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def forget(self) -> None:
+        """The layout changed (a resize): the copies and the snapshot are of the old one."""
+        self.replica.forget()
+        self._snapshot_scalars = None
+
+    def after_step(self, *, snapshot: bool) -> None:
+        """Copy this rank's partitions, as of the step just taken, to its buddy (and take its
+        predecessor's); ``snapshot``: keep its own as of this step too, with the scalars."""
+        job = self.job
+        self._keys, parts = partitions(job.engine, job.state.model, job.ctx.rank)
+        self.replica.replicate(parts, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
+                               per_node=self.per_node())
+        if snapshot:
+            self.replica.keep_snapshot(parts, step=job.state.step, rank=job.ctx.rank)
+            self._snapshot_scalars = scalars(job.engine)
+
+    def restage_after_loss(self, old_rank: int, old_world: int) -> FullState | None:
+        """The survivors' new group, after a loss (collective): the whole state put back
+        together from the survivors' partitions (or their snapshots, going back to the
+        copies' step) and the copies of the lost ranks'; None, with one warning line on
+        rank 0, when the copies cannot rebuild it, or going back would pass the newest
+        commit or a stream's position: the survivors reload the newest commit."""
+        job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
+        # a loss inside ZeRO's optimizer step (in its all-gather of the new parameters) leaves
+        # this rank's partitions a step ahead of the engine's count: not a state to rebuild from
+        moved = optimizer_step(job.engine) not in (None, job.engine.global_steps)
+        survivors = all_gather_json({"old": old_rank, "step": job.state.step, "moved": moved,
+                                     "snap": snap.step if snap is not None else None,
+                                     "copy": [copy.of, copy.step] if copy is not None else None})
+        got = recovery_holders(survivors, old_world, self.per_node())
+        if isinstance(got, tuple) and got[1] != job.state.step:
+            back = got[1]
+            if job.committed_step is not None and job.committed_step >= back:
+                got = f"the newest commit (step {job.committed_step}) is as new as the copies (step {back})"
+            elif job.streaming:
+                got = f"a stream's position cannot go back to the copies' step {back}"
+        if isinstance(got, tuple) and got[1] == job.state.step and any(s["moved"] for s in survivors):
+            torn = [s["old"] for s in survivors if s["moved"]]
+            got = f"old rank(s) {torn} had stepped their optimizer past step {got[1]} when the peer was lost"
+        if isinstance(got, str):
+            if job.ctx.is_leader:
+                log.warning("the partitions lost cannot be rebuilt from their copies (%s): reloading the newest "
+                            "commit", got)
+            return None
+        holders, step = got
+        if step != job.state.step:  # back to the copies' step: this rank's partitions from its snapshot
+            assert snap is not None and snap.step == step and self._snapshot_scalars is not None
+            own, values = snap.tensors, self._snapshot_scalars
+        else:
+            self._keys, own = partitions(job.engine, job.state.model, old_rank)
+            values = scalars(job.engine)
+        held = {old_rank: own}
+        if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
+            held[copy.of] = copy.tensors
+        state = self._whole(held, holders, old_world, values)
+        if job.ctx.is_leader:
+            lost = sorted(set(range(old_world)) - {int(s["old"]) for s in survivors})
+            log.warning("rebuilding the partitions of old rank(s) %s from their copies (step %d)",
+                        ",".join(map(str, lost)), step)
+        job.state.step = step
+        return state
+
+    def _whole(self, held: dict[int, list[torch.Tensor]], holders: list[int], old_world: int,
+               values: dict[str, Any]) -> FullState:
+        """Every old rank's partitions broadcast by the survivor holding them (``held``: this
+        rank's), assembled into :data:`FullState` on every rank."""
+        model, keys, device = self.job.state.model, self._keys, self.job.ctx.device
+        like = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        shape = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in like}
+        state: FullState = {"params": {n: torch.zeros(shape[n]) for n, _ in like},
+                            "optim": {n: {k: torch.zeros(shape[n]) for k in keys} for n, _ in like}, **values}
+        for i in range(old_world):
+            src = holders[i]
+            mine = held.get(i) if src == self.job.ctx.rank else None
+            sizes = torch.tensor([t.numel() for t in mine], dtype=torch.int64) if mine is not None else None
+            count = torch.tensor([len(mine) if mine is not None else 0], dtype=torch.int64, device=device)
+            dist.broadcast(count, src=src)
+            sizes = sizes.to(device) if sizes is not None else torch.empty(int(count), dtype=torch.int64,
+                                                                          device=device)
+            dist.broadcast(sizes, src=src)
+            parts = []
+            for j, n in enumerate(sizes.tolist()):
+                t = (mine[j].reshape(-1).to(device).contiguous() if mine is not None
+                     else torch.empty(n, dtype=torch.int64 if j == 0 else torch.float32, device=device))
+                dist.broadcast(t, src=src)
+                parts.append(t.cpu().view(-1, 4) if j == 0 else t.cpu())
+            _assemble(model, keys, parts, state)
+        return state
