@@ -34,7 +34,7 @@ def _started(tmp_path: Path, node: str) -> list[tuple]:
             for x in status_lines(tmp_path, node) if x["event"] == "started"]
 
 
-@pytest.mark.parametrize("zero_stage", ["1", "2", "3"])
+@pytest.mark.parametrize("zero_stage", ["2", "3"])  # ZeRO-1: the loss cell below
 def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(
         tmp_path: Path, rdzv, zero_stage: str) -> None:
     """ZeRO at world 2; a third worker joins at step 5 (world 3); node0, old rank 0, gets a
@@ -67,10 +67,10 @@ def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state
         assert after[0] == before[0] and after[-1] == str(world), (step, before, after)
 
 
-@pytest.mark.parametrize("zero_stage", ["2", "3"])
+@pytest.mark.parametrize("zero_stage", ["1", "3"])
 def test_a_deepspeed_job_that_loses_a_peer_reloads_the_last_commit_in_process(tmp_path: Path, rdzv,
                                                                               zero_stage: str) -> None:
-    """ZeRO-2 (and ZeRO-3) at world 3, a commit every 4 steps; node2's worker is SIGKILLed at step 6 (no
+    """ZeRO-1 (and ZeRO-3) at world 3, a commit every 4 steps; node2's worker is SIGKILLed at step 6 (no
     notice: its partition of the optimizer's state is gone). The two survivors re-form the
     group in their own processes, rebuild the engine at world 2, load step 4 from the commit
     (through DeepSpeed's universal checkpoint) and train on to step 12: steps 5 and 6 are
