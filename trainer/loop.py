@@ -171,10 +171,13 @@ def check_compatible(job: ElasticJob, manifest: Manifest) -> None:
 def loaded(job: ElasticJob, manifest: Manifest | None, costs: dict[str, Any] | None) -> None:
     """After a framework's resume (DCP, DeepSpeed): ``job`` at ``manifest``'s step, its
     ``checkpoint_loaded`` status line (``costs``: the resume's, e.g. ``fetch_s``), and the
-    data position; or at step 0 when nothing is committed (``manifest`` None)."""
+    data position; or at step 0 when nothing is committed (``manifest`` None): also for the
+    survivors of a loss that reload with nothing committed yet, whose fresh model is of step
+    0 whatever step they had reached (a sharded job's state went with the lost peer)."""
     if manifest is None:
         if job.ctx.is_leader:
             log.info("no committed checkpoint in %s: starting at step 0", job.store.uri)
+        job.state.step = 0
     else:
         job.state.step = manifest.step
         job.status.emit("checkpoint_loaded", manifest.step, **{k: v for k, v in (costs or {}).items() if k != "step"})
