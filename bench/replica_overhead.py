@@ -1,10 +1,12 @@
-"""What copying each rank's FSDP2 shards to another node after every step costs in steady state.
+"""What copying each rank's FSDP2 shards (or DeepSpeed ZeRO partitions) to another node
+after every step costs in steady state.
 
-``python -m bench.replica_overhead [--sizes 200m] [--every 1,2] [--steps 10] [--json OUT]``
+``python -m bench.replica_overhead [--job dcp|deepspeed] [--sizes 200m] [--every 1,2] [--steps 10] [--json OUT]``
 
 For each size of the reference GPT-2 (``bench.resize_scaling.SIZES``), two worker
-processes, one per "node", train ``trainer.examples.fsdp_dcp`` (FSDP2, gloo on CPU, the
-job's rendezvous store on 127.0.0.1): without ``--replicate-shards``, then with it at each
+processes, one per "node", train ``trainer.examples.fsdp_dcp`` (FSDP2; ``--job
+deepspeed``: ``trainer.examples.deepspeed_zero2``, ZeRO-2) on gloo and the CPU, the
+job's rendezvous store on 127.0.0.1: without ``--replicate-shards``, then with it at each
 ``--replicate-every`` of ``--every``. Measured from rank 0's step log: the mean seconds
 between consecutive steps after the first two (set-up and the first copy's buffers
 excluded; the mean, since with copies every N steps every Nth step is the slower one), and the overhead ``with / without - 1``; and the bytes each rank copies per
@@ -29,7 +31,7 @@ from bench.ports import free_port
 from bench.resize_scaling import SIZES, TESTS, _steps, pick
 
 
-def run(name: str, workdir: Path, *, every: int, steps: int) -> dict[str, Any]:
+def run(name: str, workdir: Path, *, every: int, steps: int, job: str = "dcp") -> dict[str, Any]:
     """Two workers train ``steps`` steps, copying every ``every`` steps (0: no copies);
     returns rank 0's mean step seconds."""
     from torch.distributed import TCPStore
@@ -37,9 +39,10 @@ def run(name: str, workdir: Path, *, every: int, steps: int) -> dict[str, Any]:
     n_layer, n_embd, n_head = SIZES[name]
     rdzv = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     master, ckpt = free_port(), (workdir / "ckpt").as_uri()
-    argv = ["--job", "dcp", "--checkpoint-uri", ckpt, "--n-layer", str(n_layer), "--n-embd", str(n_embd),
+    argv = ["--job", job, "--checkpoint-uri", ckpt, "--n-layer", str(n_layer), "--n-embd", str(n_embd),
             "--n-head", str(n_head), "--seq-len", "16", "--target-steps", str(steps), "--checkpoint-interval", "0",
-            "--global-batch-size", "6", "--micro-batch-size", "1", "--pg-timeout-s", "300", "--wrap", "fsdp",
+            "--global-batch-size", "6", "--micro-batch-size", "1", "--pg-timeout-s", "300",
+            *(["--wrap", "fsdp"] if job == "dcp" else []),
             *(["--replicate-shards", "--replicate-every", str(every)] if every else [])]
     procs = []
     for r in range(2):
@@ -65,6 +68,8 @@ def run(name: str, workdir: Path, *, every: int, steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replica_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--job", choices=("dcp", "deepspeed"), default="dcp",
+                   help="FSDP2 (dcp, the default) or DeepSpeed ZeRO-2 (deepspeed)")
     p.add_argument("--sizes", default="200m", help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--every", default="1,2", help="comma-separated --replicate-every values to run")
     p.add_argument("--steps", type=int, default=10, help="steps per run (the first two are not timed)")
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             for every in (0, *everies):
                 print(f"{s} {'--replicate-every ' + str(every) if every else 'no copies'}: running ...", flush=True)
                 t0 = time.perf_counter()
-                got = run(s, Path(tmp) / f"{s}-{every}", every=every, steps=args.steps)
+                got = run(s, Path(tmp) / f"{s}-{every}", every=every, steps=args.steps, job=args.job)
                 row[f"every_{every}"] = {**got, "wall_s": round(time.perf_counter() - t0, 1)}
             # each rank's shards: half of every parameter's rows, and AdamW's two moments of them
             import torch
