@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port
-from worker_procs import (finish, joiner_env, member_env, sharded_events, start_sharded, status_lines, trained,
-                          wait_for_status)
+from worker_procs import (assert_rebuilt_from_copies, finish, joiner_env, member_env, sharded_events, start_sharded,
+                          status_lines, trained, wait_for_status)
 
 pytestmark = pytest.mark.slow
 
@@ -105,17 +105,7 @@ def _rebuilt_from_copies(tmp_path: Path, rdzv, job: tuple[str, ...], flags: tupl
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt, job,
                     ("--checkpoint-interval", "4", *flags)) for r in range(3)]
-    outs = finish(procs)
-    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
-    for node in ("node0", "node1"):
-        lines = status_lines(tmp_path, node)
-        started = [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"), x.get("from_replicas"))
-                   for x in lines if x["event"] == "started"]
-        assert started == [(0, None, 3, None, None), (6, "in_process", 2, None, True)], "\n".join(outs)
-        assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
-    before = (tmp_path / "step-6.txt").read_text().split()
-    after = (tmp_path / "after-6.txt").read_text().split()
-    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "2"), (before, after)
+    assert_rebuilt_from_copies(tmp_path, procs, finish(procs), 6)
     return trained(tmp_path)
 
 

@@ -80,6 +80,23 @@ def start_sharded(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int
                         run_id=run_id)
 
 
+def assert_rebuilt_from_copies(tmp_path: Path, procs: list[subprocess.Popen], outs: list[str], step: int) -> None:
+    """A sharded job of three workers whose node2 was killed: node0 and node1 went on at
+    world 2 from ``step`` rebuilt from the copies (their ``started`` line says
+    ``from_replicas``), loaded no commit, and the rebuilt state hashes as step ``step``'s
+    did at world 3 (``--record-step`` and ``--record-resizes``)."""
+    assert [p.returncode for p in procs] == [0, 0, -9], "\n".join(outs)
+    for node in ("node0", "node1"):
+        lines = status_lines(tmp_path, node)
+        started = [(x["step"], x.get("resized"), x["world_size"], x.get("resumed_from"), x.get("from_replicas"))
+                   for x in lines if x["event"] == "started"]
+        assert started == [(0, None, 3, None, None), (step, "in_process", 2, None, True)], "\n".join(outs)
+        assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
+    before = (tmp_path / f"step-{step}.txt").read_text().split()
+    after = (tmp_path / f"after-{step}.txt").read_text().split()
+    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "2"), (before, after)
+
+
 def member_env(rank: int, world: int, master_port: int, run: str, **extra: str) -> dict[str, str]:
     """torchrun's variables for rank ``rank`` of a group of ``world`` one-worker nodes (run id ``run``)."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank), "MASTER_PORT": str(master_port),

@@ -13,7 +13,7 @@ survivor needs to read a lost rank's partitions, whose layout it cannot compute.
 
 After a loss (:meth:`DeepSpeedReplicas.restage_after_loss`, called by
 :mod:`trainer.recovery` in the survivors' new group) the survivors agree which of them
-holds each old rank's partitions (:func:`~trainer.integrations.replicas.recovery_holders`,
+holds each old rank's partitions (:func:`~trainer.integrations.replicas.agree_on_holders`,
 as for FSDP2: its owner, or its buddy's copy), each holder broadcasts the partitions it
 holds, and every survivor puts the whole state together, every parameter's fp32 master
 and moments, as :func:`~trainer.integrations.deepspeed_resize.gather_full_state` would
@@ -37,9 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.exchange import all_gather_json
 from trainer.integrations.deepspeed_resize import FullState, optimizer_step, scalars, zero_stage
-from trainer.integrations.replicas import BuddyReplica, recovery_holders
+from trainer.integrations.replicas import BuddyReplica, agree_on_holders
 
 __all__ = ["DeepSpeedReplicas", "partitions"]
 
@@ -164,16 +163,7 @@ class DeepSpeedReplicas:
         # a loss inside ZeRO's optimizer step (in its all-gather of the new parameters) leaves
         # this rank's partitions a step ahead of the engine's count: not a state to rebuild from
         moved = optimizer_step(job.engine) not in (None, job.engine.global_steps)
-        survivors = all_gather_json({"old": old_rank, "step": job.state.step, "moved": moved,
-                                     "snap": snap.step if snap is not None else None,
-                                     "copy": [copy.of, copy.step] if copy is not None else None})
-        got = recovery_holders(survivors, old_world, self.per_node())
-        if isinstance(got, tuple) and got[1] != job.state.step:
-            back = got[1]
-            if job.committed_step is not None and job.committed_step >= back:
-                got = f"the newest commit (step {job.committed_step}) is as new as the copies (step {back})"
-            elif job.streaming:
-                got = f"a stream's position cannot go back to the copies' step {back}"
+        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, self.per_node(), moved=moved)
         if isinstance(got, tuple) and got[1] == job.state.step and any(s["moved"] for s in survivors):
             torn = [s["old"] for s in survivors if s["moved"]]
             got = f"old rank(s) {torn} had stepped their optimizer past step {got[1]} when the peer was lost"

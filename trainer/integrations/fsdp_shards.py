@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from trainer.exchange import all_gather_json
 from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
-from trainer.integrations.replicas import BuddyReplica, recovery_holders
+from trainer.integrations.replicas import BuddyReplica, agree_on_holders
 
 __all__ = ["ShardMover"]
 
@@ -225,16 +224,7 @@ class ShardMover:
         newest commit."""
         job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
         self.reshard_modules()  # the failed step may have left parameters unsharded
-        survivors = all_gather_json({"old": old_rank, "step": job.state.step,
-                                     "snap": snap.step if snap is not None else None,
-                                     "copy": [copy.of, copy.step] if copy is not None else None})
-        got = recovery_holders(survivors, old_world, self.per_node())
-        if isinstance(got, tuple) and got[1] != job.state.step:
-            back = got[1]
-            if job.committed_step is not None and job.committed_step >= back:
-                got = f"the newest commit (step {job.committed_step}) is as new as the copies (step {back})"
-            elif job.streaming:
-                got = f"a stream's position cannot go back to the copies' step {back}"
+        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, self.per_node())
         if isinstance(got, str):
             if job.ctx.is_leader:
                 log.warning("the shards lost cannot be rebuilt from their copies (%s): reloading the newest commit",

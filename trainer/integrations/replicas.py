@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "buddy", "recovery_holders"]
+__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "agree_on_holders", "buddy", "recovery_holders"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,30 @@ def recovery_holders(survivors: Sequence[dict[str, Any]], old_world: int,
             kept = "no snapshot" if s.get("snap") is None else f"a snapshot of step {s['snap']}"
             return f"the copies are of step {step}, old rank {s['old']} is at step {s['step']} and keeps {kept}"
     return holders, step  # type: ignore[return-value]
+
+
+def agree_on_holders(job: Any, replica: "BuddyReplica", old_rank: int, old_world: int, per_node: int,
+                     **mine: Any) -> tuple[tuple[list[int], int] | str, list[dict[str, Any]]]:
+    """Collective over the survivors' new group, after a loss: every survivor's ``{"old",
+    "step", "snap", "copy"}`` (and ``mine``, for the caller's own checks) exchanged as
+    JSON, and :func:`recovery_holders` over them, then refused (a reason) where going
+    back to the copies' step would pass the newest commit (``job.committed_step``) or a
+    stream's position (``job.streaming``). Returns ``(holders and step, or a reason;
+    the survivors' entries)``."""
+    from trainer.exchange import all_gather_json
+
+    copy, snap = replica.copy, replica.snapshot
+    survivors = all_gather_json({"old": old_rank, "step": job.state.step,
+                                 "snap": snap.step if snap is not None else None,
+                                 "copy": [copy.of, copy.step] if copy is not None else None, **mine})
+    got = recovery_holders(survivors, old_world, per_node)
+    if isinstance(got, tuple) and got[1] != job.state.step:
+        back = got[1]
+        if job.committed_step is not None and job.committed_step >= back:
+            got = f"the newest commit (step {job.committed_step}) is as new as the copies (step {back})"
+        elif job.streaming:
+            got = f"a stream's position cannot go back to the copies' step {back}"
+    return got, survivors
 
 
 def _host_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
