@@ -117,6 +117,9 @@ async def test_the_standby_takes_over_a_killed_leader_without_buying_twice(ha_pa
     assert after[:len(before)] == before  # a's log, in order, unchanged
     assert [e["seq"] for e in after] == list(range(1, len(after) + 1))  # b continues the seq, no gap, no reuse
     assert not [e for e in after[len(before):] if e["kind"] == "node_terminated"]
+    # the proxy records a request as it arrives, before EC2 (moto) has answered it: node 3's
+    # instance may be a moment behind its RunInstances (CI once looked in between)
+    await until(lambda: f"{pool}-3" in per_node(instances(ec2, pool)), "node 3's instance at EC2", daemons=(b,))
     assert per_node(instances(ec2, pool)) == {f"{pool}-1": 1, f"{pool}-2": 1, f"{pool}-3": 1}
     assert "checked_in_standby=True" in b.log.read_text()  # its first act did not wait for a cloud check
     print(f"takeover: control-b led {led_s:.2f} s and bought {acted_s:.2f} s after control-a's SIGKILL (lease 4 s)")
