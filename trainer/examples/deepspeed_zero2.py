@@ -11,8 +11,9 @@ store): the ranks that stay never restart. Before the group changes every rank g
 the whole state over ZeRO's partitions; after, each builds a new engine at the new
 data-parallel size and sets it (:mod:`trainer.integrations.deepspeed_resize`); a joiner
 takes the state from rank 0 and reads no commit. A rank lost without notice took its
-partition of the optimizer's state: the survivors rebuild the engine and load the newest
-commit in their processes. A resume at another world size (that one, or a restart) goes
+partition of the optimizer's state: with ``--replicate-shards`` the survivors rebuild it
+from its copy on the next node (:mod:`trainer.integrations.deepspeed_replicas`), else
+they rebuild the engine and load the newest commit, in their processes either way. A resume at another world size (that one, or a restart) goes
 through DeepSpeed's universal checkpoint, converted once and cached in the store.
 
 The daemon starts it exactly like ``trainer.run`` (``module: trainer.examples.deepspeed_zero2``
