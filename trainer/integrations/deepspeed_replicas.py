@@ -160,9 +160,13 @@ class DeepSpeedReplicas:
         rank 0, when the copies cannot rebuild it, or going back would pass the newest
         commit or a stream's position: the survivors reload the newest commit."""
         job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
-        # a loss inside ZeRO's optimizer step (in its all-gather of the new parameters) leaves
-        # this rank's partitions a step ahead of the engine's count: not a state to rebuild from
-        moved = optimizer_step(job.engine) not in (None, job.engine.global_steps)
+        # a loss inside ZeRO's optimizer step (in its all-gather of the new parameters, or
+        # between ZeRO-3's sub-groups) leaves this rank's partitions ahead of the engine's
+        # count, or at two steps: not a state to rebuild from
+        try:
+            moved = optimizer_step(job.engine) not in (None, job.engine.global_steps)
+        except RuntimeError:  # partitions at different steps
+            moved = True
         got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, self.per_node(), moved=moved)
         if isinstance(got, tuple) and got[1] == job.state.step and any(s["moved"] for s in survivors):
             torn = [s["old"] for s in survivors if s["moved"]]
