@@ -31,14 +31,13 @@ was lost (the loss came inside ZeRO's optimizer step: its partitions are of the 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainer.integrations.deepspeed_resize import FullState, optimizer_step, scalars, zero_stage
-from trainer.integrations.replicas import BuddyReplica, agree_on_holders
+from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
 
 __all__ = ["DeepSpeedReplicas", "partitions"]
 
@@ -132,11 +131,6 @@ class DeepSpeedReplicas:
         #: the scalars of the state as of the snapshot's step (copies not made every step)
         self._snapshot_scalars: dict[str, Any] | None = None
 
-    @staticmethod
-    def per_node() -> int:
-        """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): a copy goes this many ranks on."""
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
     def forget(self) -> None:
         """The layout changed (a resize): the copies and the snapshot are of the old one."""
         self.replica.forget()
@@ -148,7 +142,7 @@ class DeepSpeedReplicas:
         job = self.job
         self._keys, parts = partitions(job.engine, job.state.model, job.ctx.rank)
         self.replica.replicate(parts, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
-                               per_node=self.per_node())
+                               per_node=per_node())
         if snapshot:
             self.replica.keep_snapshot(parts, step=job.state.step, rank=job.ctx.rank)
             self._snapshot_scalars = scalars(job.engine)
@@ -167,7 +161,7 @@ class DeepSpeedReplicas:
             moved = optimizer_step(job.engine) not in (None, job.engine.global_steps)
         except RuntimeError:  # partitions at different steps
             moved = True
-        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, self.per_node(), moved=moved)
+        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, per_node(), moved=moved)
         if isinstance(got, tuple) and got[1] == job.state.step and any(s["moved"] for s in survivors):
             torn = [s["old"] for s in survivors if s["moved"]]
             got = f"old rank(s) {torn} had stepped their optimizer past step {got[1]} when the peer was lost"
@@ -203,14 +197,12 @@ class DeepSpeedReplicas:
         shape = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in like}
         state: FullState = {"params": {n: torch.zeros(shape[n]) for n, _ in like},
                             "optim": {n: {k: torch.zeros(shape[n]) for k in keys} for n, _ in like}, **values}
+        count = len(next(iter(held.values())))  # every old rank's parts: as many as this rank's own
         for i in range(old_world):
             src = holders[i]
             mine = held.get(i) if src == self.job.ctx.rank else None
-            sizes = torch.tensor([t.numel() for t in mine], dtype=torch.int64) if mine is not None else None
-            count = torch.tensor([len(mine) if mine is not None else 0], dtype=torch.int64, device=device)
-            dist.broadcast(count, src=src)
-            sizes = sizes.to(device) if sizes is not None else torch.empty(int(count), dtype=torch.int64,
-                                                                          device=device)
+            sizes = (torch.tensor([t.numel() for t in mine], dtype=torch.int64, device=device) if mine is not None
+                     else torch.empty(count, dtype=torch.int64, device=device))
             dist.broadcast(sizes, src=src)
             parts = []
             for j, n in enumerate(sizes.tolist()):

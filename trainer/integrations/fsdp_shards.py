@@ -25,14 +25,13 @@ every rank computes alike (:meth:`ShardMover.local_shards`); the plan is
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 
 from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
-from trainer.integrations.replicas import BuddyReplica, agree_on_holders
+from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
 
 __all__ = ["ShardMover"]
 
@@ -97,11 +96,6 @@ class ShardMover:
             raise RuntimeError(f"the optimizer's parameters are at different steps {sorted(steps)}")
         return {"old_world": old_world, "optim_step": next(iter(steps), None),
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
-
-    @staticmethod
-    def per_node() -> int:
-        """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): a copy goes this many ranks on."""
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     # -- the resizes
 
@@ -211,7 +205,7 @@ class ShardMover:
         job = self.job
         local = self.local_shards()[1]
         self.replica.replicate(local, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
-                               per_node=self.per_node())
+                               per_node=per_node())
         if snapshot:
             self.replica.keep_snapshot(local, step=job.state.step, rank=job.ctx.rank)
 
@@ -224,7 +218,7 @@ class ShardMover:
         newest commit."""
         job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
         self.reshard_modules()  # the failed step may have left parameters unsharded
-        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, self.per_node())
+        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, per_node())
         if isinstance(got, str):
             if job.ctx.is_leader:
                 log.warning("the shards lost cannot be rebuilt from their copies (%s): reloading the newest commit",

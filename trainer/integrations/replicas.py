@@ -34,13 +34,15 @@ import dataclasses
 import logging
 import math
 import mmap
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "agree_on_holders", "buddy", "recovery_holders"]
+__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "agree_on_holders", "buddy", "per_node",
+           "recovery_holders"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,11 @@ def add_replica_flags(parser: Any, what: str) -> None:
     parser.add_argument("--replicate-every", type=positive_int, default=1, metavar="STEPS",
                         help="with --replicate-shards: copy after every STEPS steps (default 1: a loss costs no "
                              f"step; more: less traffic, and each rank also keeps a snapshot of its own {what})")
+
+
+def per_node() -> int:
+    """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): a copy goes this many ranks on."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def buddy(rank: int, world: int, per_node: int) -> int | None:
