@@ -26,8 +26,13 @@ ALL = frozenset({"n1", "n2", "n3"})
     (StartReport("n2", "a2", 0, 2), "n1", frozenset({"n2", "n3"}), [StartReport("n3", "a2", 1, 2)], Verdict.ACCEPT),
     # the only admitted node: the survivor of a shrink
     (StartReport("n2", "a2", 0, 1), "n1", frozenset({"n2"}), [], Verdict.ACCEPT),
-    # a claimant that is not admitted (leaving) never leads a new attempt by rules 2 and 3
-    (StartReport("n2", "a2", 0, 1), "n1", frozenset({"n3"}), [StartReport("n3", "a2", 1, 1)], Verdict.WAIT),
+    # a claimant that is leaving leads on an admitted node's word (two notices at once: rank 0
+    # of the survivors' attempt on the second noticed node), never on its own
+    (StartReport("n2", "a2", 0, 2), "n1", frozenset({"n3"}), [StartReport("n3", "a2", 1, 2)], Verdict.ACCEPT),
+    (StartReport("n2", "a2", 0, 1), "n1", frozenset({"n3"}), [], Verdict.WAIT),
+    (StartReport("n2", "a2", 0, 1), "n1", frozenset(), [StartReport("n3", "a2", 1, 1)], Verdict.WAIT),
+    # ... nor while the admitted running leader has not vouched
+    (StartReport("n2", "a2", 0, 2), "n1", frozenset({"n1", "n3"}), [StartReport("n3", "a2", 1, 2)], Verdict.WAIT),
     # two claims to one attempt: neither, unless one is the running leader
     (StartReport("n2", "a2", 0, 2), None, ALL, [StartReport("n3", "a2", 0, 2), StartReport("n1", "a2", 1, 2)],
      Verdict.CONFLICT),

@@ -434,11 +434,12 @@ def test_the_survivor_of_a_shrink_resumes_after_the_leavers_commit() -> None:
     assert t.state.record.attempt == "a2" and t.state.record.world_size == 1 and not t.state.flushes
 
 
-def test_a_resume_overtaken_while_it_waited_for_its_commit_does_not_move_the_job_back() -> None:
+def test_a_start_held_for_its_commit_holds_its_nodes_later_starts_behind_it() -> None:
     """n2 leads a2, resumed from 40, whose commit report is late: held. Meanwhile the job
-    grows in-process (a3 at step 45, from rank 0 on n2, no commit needed): recorded at
-    once. When the commit of 40 arrives, a2's resume is recorded too (it happened, after
-    its commit), but the job stays on a3, its step and world."""
+    grows in-process (a3 at step 45, from rank 0 on n2, no commit needed): a3 waits behind
+    a2, so the log never shows a3 and then a2's older resume (which reads as the job
+    going back to a commit it had passed). When the store settles 40, both go on, in
+    their order, and the job is on a3, its step and world."""
     t = Tracker({"n2": NodeState.RUNNING}, target=100)
     t.status("n2", _line("started", "a2", 40, world_size=1, resumed_from=40))
     assert [h.line.attempt for h in t.state.held] == ["a2"]
@@ -446,14 +447,55 @@ def test_a_resume_overtaken_while_it_waited_for_its_commit_does_not_move_the_job
     grow = dataclasses.replace(_line("started", "a3", 45, world_size=2), resized="in_process")
     t.status("n2", grow)
     t.status("n1", dataclasses.replace(grow, rank=1))
-    assert t.state.record.attempt == "a3"
+    assert [h.line.attempt for h in t.state.held] == ["a2", "a3"] and not t.of(j.ResumeRecorded)
     t.now += j.RESUME_HOLD_S + 1  # its leaver's report of 40 is lost: the pass reads the store
-    [read] = [x for x in t.send(j.CheckHolds()) if isinstance(x, j.ReadCommit)]
+    [read] = [x for x in t.send(j.CheckHolds()) if isinstance(x, j.ReadCommit)]  # 40 only: a3 waits on nothing
     t.send(j.CommitRead(read.step, _line("checkpoint_committed", "a1", 40, world_size=2)))
     resumes = [(r.line.attempt, r.line.step) for r in t.of(j.ResumeRecorded)]
-    assert resumes == [("a3", 45), ("a2", 40)] and not t.state.held
+    assert resumes == [("a2", 40), ("a3", 45)] and not t.state.held
     assert (t.state.record.attempt, t.state.record.step, t.state.record.world_size) == ("a3", 45, 2)
-    assert t.state.record.attempts >= {"a2", "a3"}
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_a_start_behind_a_dropped_or_unconfirmed_one_goes_on(found: bool) -> None:
+    """n2's a2 (resumed from 40) commits 45; a3 resumes from 45 behind it. The commit a2
+    was held for is not committed (``found``: a2 dropped, and its commit of 45 recorded
+    on its leader's word at the next pass), or the store stays out of reach (a2 recorded
+    ``commit_unconfirmed``, 45 with it): a3 goes on after 45 either way."""
+    t = Tracker({"n2": NodeState.RUNNING}, target=100)
+    t.status("n2", _line("started", "a1", 0, world_size=1))
+    t.status("n2", _line("started", "a2", 40, world_size=1, resumed_from=40))
+    t.status("n2", _line("checkpoint_committed", "a2", 45, world_size=1))  # early: a2's start is held
+    t.status("n2", _line("started", "a3", 45, world_size=1, resumed_from=45))
+    for _ in range(t.state.settings.confirm_attempts + 1):
+        t.now += j.RESUME_HOLD_S + 1
+        reads = [x.step for x in t.send(j.CheckHolds()) if isinstance(x, j.ReadCommit)]
+        assert reads in ([40], [])  # 45 is known, and goes with a2's start
+        for r in reads:
+            t.send(j.CommitRead(r, None) if found else j.CommitRead(r, error="store unreachable"))
+    resumes = [(r.line.attempt, r.commit_unconfirmed) for r in t.of(j.ResumeRecorded)]
+    assert resumes == ([("a1", False), ("a3", False)] if found else [("a1", False), ("a2", True), ("a3", False)])
+    log = [type(a).__name__ for a in t.actions if isinstance(a, (j.ResumeRecorded, j.CommitRecorded))]
+    assert log[-2:] == ["CommitRecorded", "ResumeRecorded"]  # 45, then a3
+    assert t.state.held == () == t.state.early and t.state.record.attempt == "a3"
+
+
+def test_a_start_waiting_for_a_commit_of_an_attempt_behind_it_is_settled_by_the_store() -> None:
+    """A leader's lines that no honest trainer sends: a2 resumes from 50, a commit of a3,
+    whose start comes after a2's. a3 waits behind a2, a2 for 50, 50 for a3's start: the
+    pass reads 50 from the store instead of waiting for good."""
+    t = Tracker({"n1": NodeState.RUNNING}, target=100)
+    t.status("n1", _line("started", "a1", 0, world_size=1))
+    t.status("n1", _line("started", "a2", 50, world_size=1, resumed_from=50))
+    t.status("n1", _line("checkpoint_committed", "a3", 50, world_size=1))
+    t.status("n1", _line("started", "a3", 40, world_size=1))
+    assert [h.line.attempt for h in t.state.held] == ["a2", "a3"] and len(t.state.early) == 1
+    t.now += j.RESUME_HOLD_S + 1
+    reads = [x.step for x in t.send(j.CheckHolds()) if isinstance(x, j.ReadCommit)]
+    assert reads == [50]
+    t.send(j.CommitRead(50, None))  # not committed: a2 dropped, a3 goes on with its commit
+    assert [r.line.attempt for r in t.of(j.ResumeRecorded)] == ["a1", "a3"]
+    assert [c.line.step for c in t.of(j.CommitRecorded)] == [50] and t.state.held == () == t.state.early
 
 
 def test_a_line_of_an_attempt_nobody_leads_waits_then_goes() -> None:
@@ -479,3 +521,52 @@ def test_a_line_from_a_node_not_in_the_job_is_dropped() -> None:
     t.nodes["n3"] = NodeState.READY
     t.status("n3", _line("checkpoint_committed", "a1", 5, rank=None, world_size=3, notice_ids=("n3:x",)))
     assert t.of(j.Drop)[-1].problem == "node is ready, not in the job" and not t.of(j.CommitRecorded)
+
+
+def _two_notices_at_once(*, late_commit: bool) -> Tracker:
+    """The chaos cell's run (tests/chaos/test_mass_notice.py), line by line: d2 leads a0
+    (w3); d2 and d3 are noticed in one instant; d2 commits 44 and leaves; the survivors
+    d1 d3 shrink to a1 (w2, rank 0 on the noticed d3, resumed from 44); d3 commits 45 for
+    its own notice; d1 alone shrinks to a2 (w1, resumed from 45) while the replacements
+    d4 d5 are admitted, then grows in-process to a3 (w2, with d4) and a4 (w3, with d5)
+    and commits 75. ``late_commit``: d3's report of 45 arrives only after d4's start of a3."""
+    t = Tracker({n: NodeState.RUNNING for n in ("d1", "d2", "d3")}, target=150)
+    for rank, n in enumerate(("d2", "d1", "d3")):
+        t.status(n, _line("started", "a0", 0, rank=rank, world_size=3))
+    t.status("d2", _line("checkpoint_committed", "a0", 25, world_size=3))
+    t.nodes["d2"] = t.nodes["d3"] = NodeState.DRAINING
+    t.send(j.CheckHolds())
+    t.status("d2", _line("checkpoint_committed", "a0", 44, world_size=3, notice_ids=("d2:x",)))
+    t.nodes["d2"] = NodeState.TERMINATED
+    t.nodes["d4"] = t.nodes["d5"] = NodeState.RUNNING
+    t.send(j.CheckHolds())
+    t.status("d3", _line("started", "a1", 44, world_size=2, resumed_from=44))
+    t.status("d1", _line("started", "a1", 44, rank=1, world_size=2, resumed_from=44))
+    commit_45 = _line("checkpoint_committed", "a1", 45, world_size=2, notice_ids=("d3:x",))
+    if not late_commit:
+        t.status("d3", commit_45)
+    t.status("d1", _line("started", "a2", 45, world_size=1, resumed_from=45))
+    grow = dataclasses.replace(_line("started", "a3", 53, world_size=2), resized="in_process")
+    t.status("d1", grow)
+    t.status("d4", dataclasses.replace(grow, rank=1))
+    if late_commit:
+        t.status("d3", commit_45)
+    grow = dataclasses.replace(_line("started", "a4", 53, world_size=3), resized="in_process")
+    for rank, n in enumerate(("d1", "d4", "d5")):
+        t.status(n, dataclasses.replace(grow, rank=rank))
+    t.status("d1", _line("checkpoint_committed", "a4", 75, world_size=3))
+    return t
+
+
+@pytest.mark.parametrize("late_commit", [False, True])
+def test_two_notices_at_once_are_logged_in_the_order_they_happened(late_commit: bool) -> None:
+    """Every attempt is recorded, in its order, each resume right after the commit it
+    resumed from: a resume recorded after a newer commit reads as a commit lost."""
+    t = _two_notices_at_once(late_commit=late_commit)
+    log = [(type(a).__name__, a.line.attempt if isinstance(a, j.ResumeRecorded) else a.line.step)
+           for a in t.actions if isinstance(a, (j.ResumeRecorded, j.CommitRecorded))]
+    assert log == [("ResumeRecorded", "a0"), ("CommitRecorded", 25), ("CommitRecorded", 44),
+                   ("ResumeRecorded", "a1"), ("CommitRecorded", 45), ("ResumeRecorded", "a2"),
+                   ("ResumeRecorded", "a3"), ("ResumeRecorded", "a4"), ("CommitRecorded", 75)]
+    assert t.state.leader_of["a1"] == "d3" and t.state.record.attempt == "a4" and t.state.record.world_size == 3
+    assert not t.of(j.Drop) and t.state.held == () and t.state.early == ()

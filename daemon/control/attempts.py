@@ -20,10 +20,13 @@ A node's claim to lead attempt ``A`` at world size ``W`` (its ``started`` line w
    node that held it can hand it over, so no number of other tokens can take the job
    from a leader that is still there), else any admitted node;
 
-provided the claimant itself is admitted (rules 2 and 3) and no other admitted node
-claims rank 0 of ``A`` too (then neither is taken: one of them lies, and the daemon
-cannot tell which; the running attempt's leader is never blocked this way, by rule 1). Otherwise the claim waits for its corroboration (a later
-line, or a node leaving) and changes nothing.
+provided no other admitted node claims rank 0 of ``A`` too (then neither is taken: one
+of them lies, and the daemon cannot tell which; the running attempt's leader is never
+blocked this way, by rule 1). A claimant that is leaving (noticed, draining) may lead
+by rule 3: two notices at once put rank 0 of the survivors' attempt on the second
+noticed node, and its commit answering its own notice is that attempt's; a leaving
+node's own word (rule 2) never suffices. Otherwise the claim waits for its
+corroboration (a later line, or a node leaving) and changes nothing.
 
 What one token can still do: withhold its own workers' ``started`` line, so a leader
 change that only it could corroborate waits (the job trains on, the daemon's view of it
@@ -80,7 +83,8 @@ def claim_verdict(claim: StartReport, *, running_leader: str | None, admitted: f
             lines of other nodes before this).
         running_leader: the node that leads the attempt the job runs now (None: none
             recorded yet).
-        admitted: the nodes admitted to the job and not leaving (``NodeState.RUNNING``).
+        admitted: the nodes admitted to the job and not leaving (``NodeState.RUNNING``);
+            the claimant may be leaving (a member draining).
         reports: the other ``started`` lines the daemon kept (any node, any attempt;
             the claim itself may be among them).
 
@@ -89,8 +93,6 @@ def claim_verdict(claim: StartReport, *, running_leader: str | None, admitted: f
     """
     if claim.node == running_leader:
         return Verdict.ACCEPT
-    if claim.node not in admitted:
-        return Verdict.WAIT
     reports = list(reports)
     if leaders_claimed(claim.attempt, reports, admitted) - {claim.node}:
         return Verdict.CONFLICT

@@ -24,6 +24,10 @@ attempt's leader, and only forward.
 Causal order, both ways: a resume (``started`` with ``resumed_from``) whose commit is not
 recorded yet is held until it is, and so is a completion whose final commit is not
 verified; a commit of an attempt whose start is not recorded yet waits for that start.
+A node's starts are recorded in its order: a start taken while an earlier one of its
+node is held waits behind it, and a claim taken takes its node's earlier waiting claims
+first (rule 1 would take them right after; recorded after their successor, an older
+resume would read as the job going back to a commit it had passed).
 Holds end: a held resume or completion after :data:`RESUME_HOLD_S` asks for its commit's
 manifest (:class:`ReadCommit`): found, the commit is recorded (``source: "store"``) and
 the line goes on; not committed, the line is dropped; the store out of reach
@@ -195,11 +199,24 @@ class _Run:
                 self.claim(node, line)
 
     def take(self, node: str, line: StatusLine) -> None:
+        """``node`` leads ``line.attempt``; its own earlier claims nobody took go first, in
+        its order (rule 1 would take them right after this one: the log keeps the node's
+        order instead of recording its older attempts after their successor)."""
+        mine = self.starts.get(node, ())
+        before = mine[:max((i for i, s in enumerate(mine) if s == line), default=0)]
+        for older in before:
+            if older.rank == 0 and older.attempt not in self.leader_of and older.attempt != line.attempt:
+                self.lead(node, older)
+        self.lead(node, line)
+
+    def lead(self, node: str, line: StatusLine) -> None:
         """``node`` leads ``line.attempt``: its start is recorded (after the commit it
-        resumes from), and the lines of that attempt that waited for a leader go on."""
+        resumes from, and after the node's earlier starts still held), and the lines of
+        that attempt that waited for a leader go on."""
         self.leader_of = {**self.leader_of, line.attempt: node}
         if not (line.attempt in self.record.attempts or any(h.line.attempt == line.attempt for h in self.held)):
-            if line.resumed_from is not None and line.resumed_from not in self.record.commit_steps:
+            if ((line.resumed_from is not None and line.resumed_from not in self.record.commit_steps)
+                    or any(h.node == node and h.line.event == "started" for h in self.held)):
                 self.hold(node, line)
             else:
                 self.resume(node, line)
@@ -326,10 +343,15 @@ class _Run:
         self.actions.append(CompletionRecorded(node, line.step, line.attempt))
 
     def release_held(self) -> None:
-        """The held lines whose commit is now recorded (verified, for a completion) go on."""
-        for held in [h for h in self.held if waits_on(h.line) in self.record.commit_steps]:
-            if held not in self.held or (held.line.event == "completed" and not self.settled(held.line.step)):
-                continue  # gone already (a resume released above released it), or not verified yet
+        """The held lines whose commit is now recorded (verified, for a completion), and
+        that wait behind no start of their node, go on; until none is left to go."""
+        while True:
+            ready = [h for h in self.held if (waits_on(h.line) is None or waits_on(h.line) in self.record.commit_steps)
+                     and not _behind(self.held, h)
+                     and not (h.line.event == "completed" and not self.settled(h.line.step))]
+            if not ready:
+                return
+            held = ready[0]
             self.held = _without(self.held, held)
             if held.line.event == "completed":
                 self.complete(held.node, held.line)
@@ -358,46 +380,75 @@ class _Run:
             # a commit reported early is known: it goes on with its attempt's start, unless
             # that start is this held line (its survivors committed again at the step they
             # resumed from, answering a notice): then only the store can settle it
+            # (nor is a commit whose attempt's start waits behind this very line: neither
+            # would ever go; the store settles it)
             reported = {e.line.step for e in self.early
-                        if e.line.attempt != held.line.attempt or held.line.event != "started"}
-            if now - held.since < RESUME_HOLD_S or waited is None or waited in self.confirming | reported:
+                        if (e.line.attempt != held.line.attempt or held.line.event != "started")
+                        and e.line.attempt not in _queued_behind(self.held, held)}
+            if now - held.since < RESUME_HOLD_S or waited is None or waited in self.confirming | reported or (
+                    held.line.event == "started" and waited in self.record.commit_steps):  # only behind another
                 continue
             self.confirming |= {waited}
             self.actions.append(ReadCommit(waited))
 
-    def commit_read(self, m: CommitRead) -> None:
-        self.confirming -= {m.step}
-        mine = [h for h in self.held if waits_on(h.line) == m.step]
-        if m.error is not None:
-            return self.read_failed(m.step, mine, m.error)
-        if m.line is None:
-            self.held = tuple(h for h in self.held if h not in mine)
-            for h in mine:
-                self.drop(h.node, f"{h.line.event} at step {m.step}, which is not committed", h.line.event)
-            return None
-        if m.step in self.record.commit_steps:
-            if m.step in self.unconfirmed:
-                self.unconfirmed -= {m.step}  # verified after all: a completion waiting on it goes on
-                self.release_held()
-            return None
-        return self.commit(None, m.line, source="store")
 
-    def read_failed(self, step_: int, mine: list[Held], error: str) -> None:
-        failures = self.confirm_failures.get(step_, 0) + 1
-        self.confirm_failures = {**self.confirm_failures, step_: failures}
+def _commit_read(run: _Run, m: CommitRead) -> None:
+    """A held line's commit read from the store: recorded, the line dropped, or read again."""
+    run.confirming -= {m.step}
+    mine = [h for h in run.held if waits_on(h.line) == m.step]
+    if m.error is not None:
+        return _read_failed(run, m.step, mine, m.error)
+    if m.line is None:
+        run.held = tuple(h for h in run.held if h not in mine)
         for h in mine:
-            self.held = _without(self.held, h)
-            if failures < self.settings.confirm_attempts or h.line.event == "completed":
-                # fail closed: an unverifiable completion is never a completion; read again later
-                self.held += (Held(h.node, h.line, self.world.now),)
-                if (h.line.event == "completed" and failures >= self.settings.confirm_attempts
-                        and step_ not in self.said_unverified):
-                    self.said_unverified |= {step_}  # the operator's reason the job is not over yet
-                    self.actions.append(CompletionUnverified(h.node, step_, h.line.attempt, failures, error))
-            else:  # availability over order: the job's view must not freeze with the store out of reach
-                self.resume(h.node, h.line, commit_unconfirmed=True)
+            run.drop(h.node, f"{h.line.event} at step {m.step}, which is not committed", h.line.event)
+        run.release_held()  # the starts that waited behind them
+        return None
+    if m.step in run.record.commit_steps:
+        if m.step in run.unconfirmed:
+            run.unconfirmed -= {m.step}  # verified after all: a completion waiting on it goes on
+            run.release_held()
+        return None
+    return run.commit(None, m.line, source="store")
 
 
+def _read_failed(run: _Run, step_: int, mine: list[Held], error: str) -> None:
+    """The store out of reach for a held line's commit: read again later, or (a start,
+    after ``confirm_attempts`` failures, behind no other) recorded ``commit_unconfirmed``."""
+    failures = run.confirm_failures.get(step_, 0) + 1
+    run.confirm_failures = {**run.confirm_failures, step_: failures}
+    for h in mine:
+        if failures < run.settings.confirm_attempts or h.line.event == "completed" or _behind(run.held, h):
+            # fail closed: an unverifiable completion is never a completion; read again later
+            # (in its place: a start of its node held behind it stays behind it)
+            run.held = tuple(Held(h.node, h.line, run.world.now) if x is h else x for x in run.held)
+            if (h.line.event == "completed" and failures >= run.settings.confirm_attempts
+                    and step_ not in run.said_unverified):
+                run.said_unverified |= {step_}  # the operator's reason the job is not over yet
+                run.actions.append(CompletionUnverified(h.node, step_, h.line.attempt, failures, error))
+        else:  # availability over order: the job's view must not freeze with the store out of reach
+            run.held = _without(run.held, h)
+            run.resume(h.node, h.line, commit_unconfirmed=True)
+    run.release_held()  # the starts that waited behind them
+
+
+def _behind(held: tuple[Held, ...], one: Held) -> bool:
+    """``one``, a held start, waits behind an earlier held start of its own node (a node's
+    starts are recorded in the order it reported them)."""
+    if one.line.event != "started":
+        return False
+    for h in held:
+        if h is one:
+            return False
+        if h.node == one.node and h.line.event == "started":
+            return True
+    return False
+
+
+def _queued_behind(held: tuple[Held, ...], one: Held) -> set[str]:
+    """The attempts whose held start waits behind ``one`` (its node's, after it)."""
+    after = held[held.index(one) + 1:]
+    return {h.line.attempt for h in after if h.node == one.node and h.line.event == "started"}
 
 
 def _heartbeat(run: _Run, m: Heartbeat) -> None:
@@ -469,7 +520,7 @@ _HANDLERS = {
     Status: lambda run, m: run.status(m.node, m.line),
     Heartbeat: _heartbeat,
     Verified: _Run.verified,
-    CommitRead: _Run.commit_read,
+    CommitRead: _commit_read,
     WatchFlush: _watch_flush,
     CheckFlushes: lambda run, m: _check_flushes(run),
     CheckHolds: lambda run, m: run.check_holds(),
