@@ -221,7 +221,7 @@ def test_goodput_is_also_given_against_the_run_without_preemptions() -> None:
 
 
 def test_policies_are_registered_with_spotvisor_first() -> None:
-    assert policy_names() == [DEFAULT_POLICY, "deadline_aware", "elastic_only", "notice_no_rejoin",
+    assert policy_names() == [DEFAULT_POLICY, "deadline_aware", "elastic_only", "home_zone", "notice_no_rejoin",
                               "restart_on_preemption"]
     assert type(get_policy(DEFAULT_POLICY)) is Spotvisor and get_policy(DEFAULT_POLICY).acts_on_notices
     assert not get_policy("elastic_only").acts_on_notices and not get_policy("restart_on_preemption").acts_on_notices

@@ -38,6 +38,7 @@ from typing import Any
 
 from daemon.control import actions as a
 from daemon.control.admission import Rules
+from daemon.control.availability import Availability
 from daemon.control import migration as mig
 from daemon.control.deadline import Progress, in_markets, narrow
 from daemon.control.lifecycle import ADMITTED, LIVE, JobState, NodeState, TrainerState, training
@@ -245,6 +246,7 @@ class Replay:
         self.migrations = self.migrations_failed = 0
         self.egress = 0.0
         self.losses: list[tuple[float, str]] = []  # (time, domain) of each node the market took
+        self.availability = Availability()  # what the daemon has seen of each domain's spot capacity
         self.domain_hours: dict[str, float] = {}
         cap = target_nodes or trace.max_nodes or 1
         self.target = cap
@@ -415,7 +417,8 @@ class Replay:
         move = self.policy.migrate(s, views, self.domain, history, now=self.now, plan=self.migration,
                                    starved_since=self.starved, checkpoint_bytes=int(self.job.checkpoint_bytes),
                                    last_move_ended_at=self.last_move_end, gpus=gpus,
-                                   failed_moves=self.failed_moves)
+                                   failed_moves=self.failed_moves, progress=self.progress_now(),
+                                   availability=self.availability)
         if move is not None:
             self.move = _Move(move.source, move.target, move.reason, self.now, markets=move.markets)
 
@@ -526,8 +529,11 @@ class Replay:
         if cap is not None and held >= cap:
             self.failures[offer] = self.failures.get(offer, 0) + 1
             self.backoff[offer] = self.now + capacity_backoff_s(self.failures[offer], self.rng)
+            self.availability = self.availability.observe(o.region, False, self.now)
             return
         self.failures.pop(offer, None)
+        if not o.on_demand:
+            self.availability = self.availability.observe(o.region, True, self.now)
         n = _Node(nid, o.zone, offer, self.seq, self.now, o.gpus_per_node, o.on_demand, domain=o.region)
         self.nodes[nid] = n
         self._schedule(self.now + self.job.boot_s, "ready", nid)
@@ -652,6 +658,8 @@ class Replay:
                     self._notice(n)
             elif kind == "taken" and not n.state.is_terminal():
                 self.losses.append((self.now, n.domain))
+                if not n.on_demand:
+                    self.availability = self.availability.observe(n.domain, False, self.now)
                 in_job = n.state in ADMITTED or n.trainer is TrainerState.RUNNING
                 self._end(n, NodeState.LOST if not n.noticed else NodeState.TERMINATED)
                 if in_job and not self.policy.acts_on_notices and self.policy.name != "restart_on_preemption":

@@ -66,7 +66,7 @@ SKYNOMAD_JOB = TickJob(task_s=JOB_H * 3600, deadline_s=DEADLINE_H * 3600, overhe
 OUR_JOB = TickJob(task_s=JOB.target_steps * JOB.step_s, deadline_s=DEADLINE_H * 3600,
                   overhead_s=JOB.boot_s + JOB.restart_s + JOB.load_s(1), checkpoint_gb=JOB.checkpoint_bytes / 1e9,
                   copy_gb_s=0.5, egress_usd_per_gb=0.02)
-POLICIES = (ON_DEMAND, "restart_on_preemption", DEFAULT_POLICY, "deadline_aware")
+POLICIES = (ON_DEMAND, "restart_on_preemption", DEFAULT_POLICY, "deadline_aware", "home_zone")
 # the artifact's README, `--config v100`: mean cost (USD) over the five windows
 PUBLISHED = {"Optimal (DP oracle)": 37.37, "SkyNomad": 41.73, "SkyNomad (oracle lifetimes)": 41.99,
              "UP(S) (Uniform Progress, eager failover)": 47.02, "UP(A) (probe availability)": 49.09,

@@ -38,10 +38,13 @@ from typing import ClassVar, Iterable, Mapping, Sequence
 
 from daemon.control.actions import Action, Admit, PoolState, RestartJob, Terminate
 from daemon.control.admission import Rules, admit, largest_valid
+from daemon.control.availability import Availability
 from daemon.control.lifecycle import ADMITTED, JobState, NodeState, leaving
-from daemon.control.deadline import SPOT_ONLY, Progress
+from daemon.control.deadline import ON_DEMAND_ONLY, SPOT_ONLY, Progress
 from daemon.control.deadline import back_to_spot
 from daemon.control.deadline import markets as deadline_markets
+from daemon.control import homezone
+from daemon.control.homezone import HomeDecision
 from daemon.control.migration import DomainView, Move, Plan
 from daemon.control.migration import decide as decide_move
 from daemon.control.offers import History
@@ -54,6 +57,7 @@ __all__ = [
     "ElasticOnly",
     "NoticeNoRejoin",
     "DeadlineAware",
+    "HomeZone",
     "DEFAULT_POLICY",
     "register",
     "get_policy",
@@ -100,14 +104,24 @@ class RecoveryPolicy:
     def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
                 now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
                 last_move_ended_at: float | None, gpus: int,
-                failed_moves: Mapping[str, float] | None = None) -> Move | None:
+                failed_moves: Mapping[str, float] | None = None, progress: Progress | None = None,
+                availability: Availability | None = None) -> Move | None:
         """Whether to move the whole job from domain ``current`` to another, and where; None:
         stay. By default :func:`daemon.control.migration.decide` (starved past the patience,
         or cheaper by ``plan.min_saving_fraction``; the cheapest usable domain after its
-        recent losses and the copy's egress; not where a move failed within the cooldown)."""
+        recent losses and the copy's egress; not where a move failed within the cooldown).
+        ``progress``: where the job stands against its deadline (None: no deadline);
+        ``availability``: what the daemon has seen of each domain's capacity."""
         return decide_move(s, domains, current, history, now=now, plan=plan, starved_since=starved_since,
                            checkpoint_bytes=checkpoint_bytes, last_move_ended_at=last_move_ended_at, gpus=gpus,
                            failed_moves=failed_moves)
+
+    def placement(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
+                  now: float, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,
+                  progress: Progress | None, availability: Availability) -> HomeDecision | None:
+        """Why the job is where it is, for ``spotctl status`` and the feed (None: this
+        policy says nothing beyond its moves)."""
+        return None
 
 
 def register(cls: type[RecoveryPolicy]) -> type[RecoveryPolicy]:
@@ -272,7 +286,8 @@ class DeadlineAware(Spotvisor):
     def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
                 now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
                 last_move_ended_at: float | None, gpus: int,
-                failed_moves: Mapping[str, float] | None = None) -> Move | None:
+                failed_moves: Mapping[str, float] | None = None, progress: Progress | None = None,
+                availability: Availability | None = None) -> Move | None:
         """The default's moves, and one more: when the job's domain has no usable spot
         offer while spot and on-demand are allowed (the job is behind its line: on-demand
         would fill in here), the job moves at once to a domain whose spot is at least
@@ -293,3 +308,64 @@ class DeadlineAware(Spotvisor):
         # built from spot only: if the target has none either, the move fails at once
         # (migration.target_out) and on-demand fills in where the job is
         return None if move is None else replace(move, reason="spot_elsewhere", markets=SPOT_ONLY)
+
+
+@register
+class HomeZone(DeadlineAware):
+    """Spending to ``job.deadline`` with a home: the job stays in its domain and spends the
+    slack on that domain's outages, moving only when an outage outlasts the slack
+    (:mod:`daemon.control.homezone`, from what the daemon has seen of each domain:
+    :mod:`daemon.control.availability`). Spot only until the rest of the job barely fits,
+    then on-demand only (the safety net of :func:`daemon.control.deadline.markets`): no
+    on-demand fill-in while the slack lasts, which is what a wait spends. Without a
+    deadline it is the default.
+
+    Example (one node, 30 h of work, 50 h to the deadline): the home's spot runs out; by
+    its record its outages last 3 h and its rate is 0.8: waiting finishes in 40.5 h, and
+    50 h ≥ 1.2 × 40.5 h: the job waits, buys nothing, and ``spotctl status`` says why.
+    An hour later the outage has lasted longer than any before it: the estimate outgrows
+    the slack and the job moves to the cheapest domain with spot that fits.
+    """
+
+    name = "home_zone"
+    description = "spot in the job's home domain; waits out its outages on the deadline's slack, moves when it cannot"
+    margin: ClassVar[float] = homezone.MARGIN
+
+    def markets(self, progress: Progress | None, *, now: float,
+                previous: frozenset[str] | None = None) -> frozenset[str] | None:
+        if progress is None:
+            return None
+        return ON_DEMAND_ONLY if deadline_markets(progress, now, previous=previous) == ON_DEMAND_ONLY else SPOT_ONLY
+
+    def placement(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
+                  now: float, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,
+                  progress: Progress | None, availability: Availability,
+                  avoid: frozenset[str] = frozenset()) -> HomeDecision | None:
+        if progress is None or s.job.is_terminal() or s.paused or len(domains) < 2:
+            return None
+        return homezone.decide(progress, domains, current, history, availability, now=now,
+                               starved=starved_since is not None, checkpoint_bytes=checkpoint_bytes, gpus=gpus,
+                               avoid=avoid, margin=self.margin)
+
+    def migrate(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
+                now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None,
+                last_move_ended_at: float | None, gpus: int,
+                failed_moves: Mapping[str, float] | None = None, progress: Progress | None = None,
+                availability: Availability | None = None) -> Move | None:
+        """Without a deadline, the default's moves. With one, a move only when
+        :func:`daemon.control.homezone.decide` says so (never within the cooldown of the
+        last move, nor to a domain a move to which failed within it), built from spot
+        only (``home_out``); never for price alone."""
+        if progress is None:
+            return super().migrate(s, domains, current, history, now=now, plan=plan, starved_since=starved_since,
+                                   checkpoint_bytes=checkpoint_bytes, last_move_ended_at=last_move_ended_at,
+                                   gpus=gpus, failed_moves=failed_moves)
+        if last_move_ended_at is not None and now - last_move_ended_at < plan.cooldown_s:
+            return None
+        avoid = frozenset(d for d, t in (failed_moves or {}).items() if now - t < plan.cooldown_s)
+        d = self.placement(s, domains, current, history, now=now, starved_since=starved_since,
+                           checkpoint_bytes=checkpoint_bytes, gpus=gpus, progress=progress,
+                           availability=availability or Availability(), avoid=avoid)
+        if d is None or d.action != "move" or d.target is None:
+            return None
+        return Move(current, d.target, "home_out", d.to_dict(), markets=SPOT_ONLY)

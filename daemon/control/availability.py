@@ -1,0 +1,131 @@
+"""What the daemon has seen of each placement domain's spot capacity, and what it predicts.
+
+A domain is **up** from an observation that it has spot capacity (a spot node launched
+there, or one is training there) until one that it has none (a spot launch there
+failed for capacity, or a spot node there was preempted: its interruption notice, or
+its loss), and **down** from then until the next up. The edge observes
+(``daemon.controlnode.migrator`` from the events it records, ``bench.replay.sim`` from
+its simulated cloud); :class:`Availability` keeps the changes, per domain, for the last
+:data:`MEMORY_S` seconds; the estimates below read them. A domain the pool has not tried
+has no record: nothing is assumed about it.
+
+The estimates are those the home-zone policy needs (``bench/replay/homezone.py`` in
+the tick model; :class:`daemon.control.policies.HomeZone` here):
+
+- :func:`progress_rate`: training seconds per wall second a job gets in the domain if
+  it starts at the beginning of each up-run and pays one restart (``overhead_s``) in
+  each, over the record;
+- :func:`rest_of_run`: how much longer the domain's current run (up or down) is
+  expected to last: the mean of its past runs of that state longer than the current
+  one's age, less that age; the age itself when no past run was longer.
+
+Example: us-east-1 was up 10 h, down 2 h, up 4 h, and has been down 1 h now: the rate
+with a 720 s restart and the 6 h prior is (10 h - 0.2 h + 4 h - 0.2 h + 6 h) / (17 h + 6 h)
+= 0.85; the rest of the outage is 2 h - 1 h = 1 h.
+
+Bounds: :data:`MAX_CHANGES` per domain (the oldest go first); the caller names only the
+domains of its config. Pure: no clock (``now`` is passed in), no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+__all__ = ["MAX_CHANGES", "MEMORY_S", "PRIOR_S", "Availability", "Runs", "progress_rate", "rest_of_run"]
+
+#: how far back the record goes (seconds): two days, what the tick model's policy found
+#: best on the V100 trace (bench/README.md: 24 h and 96 h did worse)
+MEMORY_S = 48 * 3600.0
+#: the changes kept per domain (the oldest dropped first)
+MAX_CHANGES = 1024
+#: the unbroken capacity assumed before a domain's record (seconds): the weight of the
+#: benefit of the doubt in :func:`progress_rate`
+PRIOR_S = 6 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """A domain's record as runs: the lengths (seconds) of its completed up-runs and
+    down-runs, oldest first; its current state and that state's age (seconds); and the
+    span the record covers (seconds, the first change to ``now``)."""
+
+    up: tuple[float, ...]
+    down: tuple[float, ...]
+    current_up: bool
+    age_s: float
+    span_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Per domain, its changes of state, oldest first: ``(unix s, up)``, each state unlike
+    the one before. Frozen; :meth:`observe` returns a new record."""
+
+    changes: Mapping[str, tuple[tuple[float, bool], ...]] = field(default_factory=dict)
+
+    def observe(self, domain: str, up: bool, now: float, *, memory_s: float = MEMORY_S) -> Availability:
+        """The record with ``domain`` seen ``up`` (or down) at ``now`` (unix s). An
+        observation that agrees with the domain's state, or is older than its last
+        change, changes nothing; changes older than ``memory_s`` go (the last one before
+        that is kept, moved to the cut, so the state there stays known)."""
+        seen = self.changes.get(domain, ())
+        if seen and (seen[-1][1] == up or now < seen[-1][0]):
+            kept = seen
+        else:
+            kept = (*seen, (now, up))
+        cut = now - memory_s
+        old = [i for i, (t, _) in enumerate(kept) if t <= cut]
+        if old:
+            last = old[-1]
+            kept = ((max(kept[last][0], cut), kept[last][1]), *kept[last + 1:])
+        kept = kept[-MAX_CHANGES:]
+        if kept == seen:
+            return self
+        return Availability({**self.changes, domain: kept})
+
+    def known(self, domain: str) -> bool:
+        """Whether anything was seen of ``domain``."""
+        return bool(self.changes.get(domain))
+
+    def is_up(self, domain: str) -> bool | None:
+        """The domain's state as last seen (None: never seen)."""
+        seen = self.changes.get(domain)
+        return seen[-1][1] if seen else None
+
+    def runs(self, domain: str, now: float) -> Runs | None:
+        """The domain's record as :class:`Runs` up to ``now`` (None: never seen)."""
+        seen = self.changes.get(domain)
+        if not seen:
+            return None
+        up: list[float] = []
+        down: list[float] = []
+        for (t0, state), (t1, _) in zip(seen, seen[1:]):
+            (up if state else down).append(t1 - t0)
+        t, state = seen[-1]
+        return Runs(tuple(up), tuple(down), state, max(0.0, now - t), max(0.0, now - seen[0][0]))
+
+
+def progress_rate(record: Availability, domain: str, now: float, overhead_s: float, *,
+                  prior_s: float = PRIOR_S) -> float | None:
+    """Training seconds per wall second in ``domain`` over its record (0..1), for a job
+    that starts at the beginning of each up-run and pays ``overhead_s`` seconds of restart
+    in each (the current run counts with its age), as if ``prior_s`` seconds of unbroken
+    capacity came before the record: a record of minutes says little, and one capacity
+    error at the start must not read as a domain that never trains. None: never seen."""
+    r = record.runs(domain, now)
+    if r is None:
+        return None
+    ups = [*r.up, *([r.age_s] if r.current_up else [])]
+    return (sum(max(0.0, n - overhead_s) for n in ups) + prior_s) / (r.span_s + prior_s)
+
+
+def rest_of_run(record: Availability, domain: str, now: float) -> float | None:
+    """Seconds the domain's current run (up or down) is expected to last still: the mean
+    of its past runs of that state longer than the current age, less the age; the age
+    itself when none was longer. None: never seen."""
+    r = record.runs(domain, now)
+    if r is None:
+        return None
+    longer = [n for n in (r.up if r.current_up else r.down) if n > r.age_s]
+    return sum(longer) / len(longer) - r.age_s if longer else r.age_s

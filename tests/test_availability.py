@@ -1,0 +1,126 @@
+"""What the daemon has seen of each domain's capacity (daemon/control/availability.py)
+and the home-zone decision made of it (daemon/control/homezone.py, policies.HomeZone)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.control.actions import PoolState
+from daemon.control.availability import MAX_CHANGES, MEMORY_S, Availability, progress_rate, rest_of_run
+from daemon.control.deadline import ON_DEMAND_ONLY, SPOT_ONLY, Progress
+from daemon.control.homezone import decide
+from daemon.control.lifecycle import JobState
+from daemon.control.migration import DomainView, Plan
+from daemon.control.offers import History, Offer
+from daemon.control.policies import get_policy
+
+H = 3600.0
+
+
+def _record(*runs: tuple[bool, float], domain: str = "east", t0: float = 0.0) -> tuple[Availability, float]:
+    """A record of consecutive runs ``(up, hours)``; returns it and the time at its end."""
+    av, t = Availability(), t0
+    for up, hours in runs:
+        av = av.observe(domain, up, t)
+        t += hours * H
+    return av, t
+
+
+def test_the_docstrings_example() -> None:
+    av, now = _record((True, 10), (False, 2), (True, 4), (False, 1))
+    assert progress_rate(av, "east", now, 720.0) == pytest.approx((9.8 + 3.8 + 6) / 23)
+    assert rest_of_run(av, "east", now) == pytest.approx(1 * H)
+    assert progress_rate(av, "west", now, 720.0) is None and rest_of_run(av, "west", now) is None
+
+
+def test_an_outage_longer_than_any_before_is_expected_to_last_as_long_again() -> None:
+    av, now = _record((True, 5), (False, 1), (True, 5), (False, 3))
+    assert rest_of_run(av, "east", now) == pytest.approx(3 * H)
+    up, now_up = _record((True, 5), (False, 1), (True, 2))
+    assert rest_of_run(up, "east", now_up) == pytest.approx(3 * H)  # the past up-run of 5 h, 2 h in
+
+
+def test_one_capacity_error_at_the_start_is_not_a_domain_that_never_trains() -> None:
+    av = Availability().observe("east", False, 0.0)
+    assert progress_rate(av, "east", 60.0, 720.0) == pytest.approx(6 * H / (6 * H + 60))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 20 * H), st.booleans()), max_size=400))
+def test_the_record_stays_bounded_and_alternates(steps) -> None:
+    """Any observations, any gaps: at most MAX_CHANGES per domain, none older than the
+    memory (but the one that says the state at its cut), each change unlike the one
+    before, in time order; the rate stays in [0, 1] and the rest of a run non-negative."""
+    av, t = Availability(), 0.0
+    for gap, up in steps:
+        t += gap
+        av = av.observe("east", up, t)
+        seen = av.changes["east"]
+        assert len(seen) <= MAX_CHANGES
+        assert all(a[1] != b[1] and a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+        assert seen[0][0] >= t - MEMORY_S and seen[-1][1] == up
+        assert 0.0 <= progress_rate(av, "east", t, 720.0) <= 1.0 + 1e-9
+        assert rest_of_run(av, "east", t) >= 0.0
+
+
+def test_an_observation_older_than_the_last_change_changes_nothing() -> None:
+    av = Availability().observe("east", True, 100.0).observe("east", False, 200.0)
+    assert av.observe("east", True, 150.0) is av and av.observe("east", False, 300.0) is av
+
+
+# -- the decision -----------------------------------------------------------------------------
+
+
+def _domains(west_price: float = 1.0) -> list[DomainView]:
+    east = DomainView("east", (Offer(0, "aws", "us-east-1", "us-east-1a", "p3", 1, False, 1.0),),
+                      egress_usd_per_gb=0.02)
+    west = DomainView("west", (Offer(1, "aws", "us-west-2", "us-west-2a", "p3", 1, False, west_price),))
+    return [east, west]
+
+
+def _progress(work_h: float, left_h: float, now: float) -> Progress:
+    return Progress(step=0, target_steps=int(work_h * 3600), started_at=0.0, deadline=now + left_h * H,
+                    step_s=1.0, restart_s=720.0)
+
+
+def test_the_home_waits_while_the_slack_covers_its_outage_then_moves() -> None:
+    """The module's example: 30 h of work, 50 h left; home out 10 min, its outages 3 h
+    long, rate 0.8 or so: wait. With 40 h left it cannot: move west (it fits)."""
+    av, now = _record((True, 12), (False, 3), (True, 12), (False, 3), (True, 12), (False, 1 / 6))
+    rate = progress_rate(av, "east", now, 720.0)
+    d = decide(_progress(30, 50, now), _domains(), "east", History(), av, now=now, starved=True,
+               checkpoint_bytes=int(50e9), gpus=1)
+    assert d.action == "wait" and d.wait_s == pytest.approx((3 - 1 / 6) * H + 720 + 30 * H / rate)
+    d = decide(_progress(30, 40, now), _domains(), "east", History(), av, now=now, starved=True,
+               checkpoint_bytes=int(50e9), gpus=1)
+    assert (d.action, d.target) == ("move", "west") and d.move_s == pytest.approx(720 + 100 + 30 * H)
+    assert decide(_progress(30, 40, now), _domains(), "east", History(), av, now=now, starved=False,
+                  checkpoint_bytes=None, gpus=1).action == "stay"
+
+
+def test_no_move_to_a_domain_that_would_finish_later_than_waiting() -> None:
+    """West is known to be down for good and slow: nothing finishes sooner than waiting."""
+    av, now = _record((True, 12), (False, 3), (True, 12), (False, 1))
+    av = av.observe("west", True, 0.0).observe("west", False, 1 * H)
+    d = decide(_progress(30, 33, now), _domains(), "east", History(), av, now=now, starved=True,
+               checkpoint_bytes=int(50e9), gpus=1)
+    assert d.action == "wait" and d.reason == "no domain finishes sooner than waiting"
+
+
+def test_the_policy_moves_only_on_the_decision_and_buys_on_demand_only_at_the_safety_net() -> None:
+    p = get_policy("home_zone")
+    av, now = _record((True, 12), (False, 3), (True, 12), (False, 1 / 6))
+    s = PoolState(nodes=(), job=JobState.RUNNING, desired_nodes=1, target_nodes=1)
+    kw = dict(now=now, plan=Plan(), starved_since=now - 600, checkpoint_bytes=int(50e9), last_move_ended_at=None,
+              gpus=1, availability=av)
+    assert p.migrate(s, _domains(), "east", History(), progress=_progress(30, 50, now), **kw) is None  # waits
+    move = p.migrate(s, _domains(), "east", History(), progress=_progress(30, 40, now), **kw)
+    assert (move.target, move.reason, move.markets) == ("west", "home_out", SPOT_ONLY)
+    assert move.why["action"] == "move" and move.why["home"] == "east"
+    cooled = {**kw, "last_move_ended_at": now - 60}
+    assert p.migrate(s, _domains(), "east", History(), progress=_progress(30, 40, now), **cooled) is None
+    assert p.markets(_progress(30, 50, now), now=now) == SPOT_ONLY
+    assert p.markets(_progress(30, 30.1, now), now=now) == ON_DEMAND_ONLY
+    assert p.markets(None, now=now) is None
