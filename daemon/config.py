@@ -276,6 +276,10 @@ class JobSpec(_Spec):
     # finish by then at the least cost (the deadline_aware policy): hours from the job's
     # submission (its first launch request), or a time (ISO 8601, UTC when no offset)
     deadline: float | datetime | None = None
+    # how the deadline is spent: deadline_aware (Uniform Progress: on-demand fills in when the
+    # job falls behind its line) or home_zone (the job waits out its domain's outages on the
+    # slack and moves only when one outlasts it: daemon/control/homezone.py)
+    deadline_policy: Literal["deadline_aware", "home_zone"] = "deadline_aware"
     # seconds per step at the pool's target size, on the offers' GPUs: what the deadline
     # plans with (needed with a deadline; measure it with a short run)
     step_s: float | None = Field(None, gt=0)

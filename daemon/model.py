@@ -114,6 +114,9 @@ class EventKind(str, Enum):
     MIGRATION_FAILED = "migration_failed"
     # spending to a deadline: the markets the pool may buy from changed (daemon/control/deadline.py)
     MARKET_CHANGED = "market_changed"
+    # the job's domain is out of spot capacity and the policy waits for it on the deadline's slack
+    # (home_zone: daemon/control/homezone.py), once per outage: its figures say why
+    PLACEMENT_WAITING = "placement_waiting"
     # the trainer reported the job complete, but its final commit cannot be read from the store (yet):
     # an unverifiable completion is never a completion; the daemon keeps reading (job_tracker.py)
     COMPLETION_UNVERIFIED = "completion_unverified"

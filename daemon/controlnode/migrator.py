@@ -37,8 +37,10 @@ import structlog
 from daemon.config import Config
 from daemon.control import migration
 from daemon.control.actions import Action, Drain, PoolState
+from daemon.control.availability import MEMORY_S, Availability
 from daemon.control.deadline import in_markets, narrow
 from daemon.control.lifecycle import ADMITTED
+from daemon.control.homezone import HomeDecision
 from daemon.control.migration import Migration, MigrationState, Phase
 from daemon.control.policies import RecoveryPolicy
 from daemon.controlnode.core import Core
@@ -54,6 +56,9 @@ log = structlog.get_logger("spotvisor.daemon")
 # events that count against a placement domain when choosing where a move goes
 _LOSSES = frozenset({EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value,
                      EventKind.NODE_LAUNCH_FAILED.value})
+# events the availability record is made of (daemon/control/availability.py)
+_SEEN = frozenset({EventKind.NODE_LAUNCHED.value, EventKind.NODE_LAUNCH_FAILED.value,
+                   EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value})
 _PREEMPTION_WINDOW_S = 3600.0  # recent preemptions / capacity failures per domain: this window (seconds)
 _HELD = frozenset({Phase.COMMITTING, Phase.COPYING, Phase.STARTING})  # the source's nodes are kept
 _WAKES = frozenset({Phase.BOOTING, Phase.COMMITTING, Phase.STARTING})  # a pass at once: the pool changes
@@ -79,6 +84,8 @@ class Migrator:
         self.state = MigrationState(domain=self.domains[0].name)
         self._copy: asyncio.Task[_Copied] | None = None  # the move's checkpoint copy (its result: the message)
         self._losses: list[tuple[float, str]] = []  # (time, domain) of preemptions and capacity failures
+        self.availability = Availability()  # what the events say of each domain's spot capacity
+        self.decision: HomeDecision | None = None  # the policy's word on where the job is (spotctl status)
         self._pending: list[Action] = []  # releases decided at restore, carried out by the first pass
         m = cfg.migration
         self.plan = migration.Plan(patience_s=m.patience_s, boot_timeout_s=m.boot_timeout_s,
@@ -94,6 +101,10 @@ class Migrator:
         domain = stored if isinstance(stored, str) and stored in {d.name for d in self.domains} else self.domain
         self.state = MigrationState(domain, completed=int(core.store.get("migrations_completed", 0) or 0),
                                     failed=int(core.store.get("migrations_failed", 0) or 0))
+        since = core.clock() - MEMORY_S
+        for ev in core.store.events(kinds=sorted(_SEEN)):
+            if ev.time >= since:
+                self._seen(ev)
         raw = core.store.get("migration")
         if not isinstance(raw, dict):
             return
@@ -138,14 +149,26 @@ class Migrator:
 
     def on_event(self, ev: Event) -> None:
         """A listener: a notice, a lost node or a failed launch weighs against its domain
-        when choosing where a move goes."""
+        when choosing where a move goes; a spot node launched, or one noticed, lost or
+        refused for capacity, is what the availability record is made of."""
         if ev.kind in _LOSSES and ev.node is not None and ev.node in self.core.nodes:
             self._losses.append((ev.time, self.core.domain_of(self.core.nodes[ev.node])))
+        self._seen(ev)
+
+    def _seen(self, ev: Event) -> None:
+        node = self.core.nodes.get(ev.node) if ev.node is not None else None
+        if ev.kind not in _SEEN or node is None or node.market != "spot":
+            return
+        if ev.kind == EventKind.NODE_LAUNCH_FAILED.value and ev.data.get("error") != "capacity":
+            return  # (a bad image, a quota, a daemon restart: nothing said of the capacity)
+        up = ev.kind == EventKind.NODE_LAUNCHED.value
+        self.availability = self.availability.observe(self.core.domain_of(node), up, ev.time)
 
     def status(self) -> dict[str, Any]:
         st, m = self.state, self.move
         return {"domain": st.domain, "migrations": st.completed, "migrations_failed": st.failed,
                 "starved_since": st.starved_since, "deadline": self.placement.status(self.core.clock()),
+                "placement": None if self.decision is None else self.decision.to_dict(),
                 "migration": None if m is None else {"id": m.id, "from": m.source, "to": m.target,
                                                      "phase": m.phase.value, "reason": m.reason,
                                                      "started_at": m.started_at}}
@@ -257,9 +280,18 @@ class Migrator:
         since = migration.starved_since(st.starved_since, s, here, history, now=now)
         self.state = st = replace(st, starved_since=since)
         gpus = max(1, sum(n.gpus for n in s.nodes if n.state in ADMITTED and n.domain == st.domain))
+        progress = self.placement.progress(now)
+        decision = self.policy.placement(s, views, st.domain, history, now=now, starved_since=since,
+                                         checkpoint_bytes=core.job.last_commit_bytes, gpus=gpus, progress=progress,
+                                         availability=self.availability)
+        if decision is not None and decision.action == "wait" and (
+                self.decision is None or self.decision.action != "wait"):
+            core.record(EventKind.PLACEMENT_WAITING, None, **decision.to_dict())  # once per outage: the feed's
+        self.decision = decision
         move = self.policy.migrate(s, views, st.domain, history, now=now, plan=self.plan, starved_since=since,
                                    checkpoint_bytes=core.job.last_commit_bytes, last_move_ended_at=st.last_ended_at,
-                                   gpus=gpus, failed_moves=st.failed_moves)
+                                   gpus=gpus, failed_moves=st.failed_moves, progress=progress,
+                                   availability=self.availability)
         return None if move is None else migration.Begin(move, f"mig-{secrets.token_hex(4)}", core.job.step)
 
     def _booting(self, now: float, s: PoolState, m: Migration) -> migration.Message | None:

@@ -92,7 +92,7 @@ class Supervisor:
                  on_crash: Callable[[asyncio.Task[Any], BaseException], bool] | None = None) -> None:
         self.config, self.store, self.clock, self.pool = config, store, clock, config.pool.name
         self.on_crash = on_crash  # an owned task's crash: True when handled (HA: Deposed ends the daemon)
-        self.policy = policy or get_policy("deadline_aware" if config.job.deadline else DEFAULT_POLICY)  # recovery
+        self.policy = policy or get_policy(config.job.deadline_policy if config.job.deadline else DEFAULT_POLICY)  # recovery
         rng = rng or random.Random()
         self.job = JobView()
         self.nodes: dict[str, Node] = {}

@@ -98,6 +98,7 @@ EMOJI: dict[str, str] = {
     "migration_completed": "🏁",
     "migration_failed": "🛑",
     "market_changed": "💱",
+    "placement_waiting": "🏠",
     "completion_unverified": "❓",
     "code_published": "📤",
     "node_setup_failed": "🧰",

@@ -165,6 +165,12 @@ def _placement(p: dict[str, Any]) -> str:
             slack = d.get("slack_h") or 0.0
             out += f", expected to finish {at} ({slack:g} h {'to spare' if slack >= 0 else 'LATE'})"
         out += f", buying {'+'.join(d['markets'] or ['any'])}"
+    h = p.get("placement")
+    if h and h.get("action") in ("wait", "move"):
+        left, wait = h.get("left_s"), h.get("wait_s")
+        out += f"  {h['action']}: {h.get('reason', '')}"
+        if _num(left) and _num(wait):
+            out += f" ({left / 3600:.1f} h left, {wait / 3600:.1f} h to finish waiting)"
     return out
 
 

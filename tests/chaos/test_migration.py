@@ -368,3 +368,36 @@ async def test_a_job_behind_its_deadline_buys_on_demand_and_goes_back_to_spot_wh
         await sim.until(lambda: len(sim.events("market_changed")) == 2, what="back to spot")
         assert sim.events("market_changed")[-1].data["new"] == ["spot"]
         await sim.until(lambda: od.replacing, what="the on-demand node marked for a spot replacement")
+
+
+async def test_home_zone_waits_for_its_domain_on_the_slack_and_says_why(make_sim, tmp_path: Path) -> None:
+    """``job.deadline_policy: home_zone``: AWS has room for one node of two and the
+    deadline leaves hours of slack. Past the patience the job stays (no move), the feed
+    gets one ``placement_waiting`` with its figures, and ``spotctl status`` says why; the
+    availability record holds what the daemon saw of AWS (up at the launch, down at the
+    refusal)."""
+    from daemon.interfaces.ctl_render import _placement
+
+    provider = RegionProvider({"us-east-1": 1})
+    overrides = _overrides(tmp_path)
+    overrides["job"].update({"target_steps": 3600, "deadline": 10.0, "step_s": 1.0, "deadline_policy": "home_zone"})
+    overrides["pool"]["on_demand_fallback"] = True
+    overrides["offers"].append({**overrides["offers"][0], "market": "on_demand"})
+    async with make_sim(provider=provider, **overrides) as sim:
+        assert sim.sup.policy.name == "home_zone"
+        n1 = await sim.launched(1)
+        sim.boot(n1)
+        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
+        for i in range(3):  # past the patience (60 s) and every backoff
+            sim.clock.advance(500)
+            sim.sup.wake()
+            await sim.until(lambda: len(provider.refused) > i + 1, what="another launch attempt")
+        assert not sim.events("migration_started")
+        [waiting] = sim.events("placement_waiting")
+        assert waiting.data["action"] == "wait" and waiting.data["home"] == "aws-use1"
+        assert waiting.data["left_s"] > 1.2 * waiting.data["wait_s"]
+        placement = sim.sup.status()["placement"]
+        assert placement["placement"]["action"] == "wait"
+        assert "wait: the slack covers aws-use1's outage" in _placement(placement)
+        assert sim.sup.migrator.availability.is_up("aws-use1") is False
+        assert sim.sup.migrator.availability.runs("aws-use1", sim.clock()).up  # up, then down
