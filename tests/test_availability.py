@@ -48,21 +48,35 @@ def test_one_capacity_error_at_the_start_is_not_a_domain_that_never_trains() -> 
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 20 * H), st.booleans()), max_size=400))
+@given(st.lists(st.tuples(st.floats(0, 20 * H), st.sampled_from([True, False, None])), max_size=400))
 def test_the_record_stays_bounded_and_alternates(steps) -> None:
-    """Any observations, any gaps: at most MAX_CHANGES per domain, none older than the
-    memory (but the one that says the state at its cut), each change unlike the one
-    before, in time order; the rate stays in [0, 1] and the rest of a run non-negative."""
+    """Any observations (up, down, unwatched), any gaps: at most MAX_CHANGES per domain,
+    none older than the memory (but the one that says the state at its cut), each change
+    unlike the one before, in time order; the rate stays in [0, 1] and the rest of a run
+    is non-negative, or unknown exactly while the domain is not watched."""
     av, t = Availability(), 0.0
     for gap, up in steps:
         t += gap
         av = av.observe("east", up, t)
+        if not av.known("east"):
+            assert up is None and progress_rate(av, "east", t, 720.0) is None
+            continue
         seen = av.changes["east"]
         assert len(seen) <= MAX_CHANGES
         assert all(a[1] != b[1] and a[0] <= b[0] for a, b in zip(seen, seen[1:]))
         assert seen[0][0] >= t - MEMORY_S and seen[-1][1] == up
         assert 0.0 <= progress_rate(av, "east", t, 720.0) <= 1.0 + 1e-9
-        assert rest_of_run(av, "east", t) >= 0.0
+        rest = rest_of_run(av, "east", t)
+        assert (rest is None) == (up is None) and (rest is None or rest >= 0.0)
+
+
+def test_the_time_a_domain_is_not_watched_counts_neither_way() -> None:
+    """The job was in east 10 h (up 8 h, down 2 h), then moved away for 30 h: east's rate
+    is that of its 10 watched hours, and its current state is unknown."""
+    av, t = _record((True, 8), (False, 2))
+    av = av.observe("east", None, t)
+    assert progress_rate(av, "east", t + 30 * H, 720.0) == pytest.approx((8 * H - 720 + 6 * H) / (10 * H + 6 * H))
+    assert av.is_up("east") is None and rest_of_run(av, "east", t + 30 * H) is None
 
 
 def test_an_observation_older_than_the_last_change_changes_nothing() -> None:

@@ -24,7 +24,9 @@ def test_deadline_aware_meets_every_deadline_on_demand_meets_on_every_window(pat
     sm = summary(rows)
     assert sm["windows"] >= 8 and sm["on_demand_met"] == sm["windows"]
     assert sm["deadline_aware_missed"] == 0, sm["missed_at_h"]
+    assert sm["home_zone_missed"] == 0, sm["home_zone_missed_at_h"]
     assert sm["deadline_aware_cost_vs_on_demand"] < 0.9  # and it saves money doing so
+    assert sm["home_zone_cost_vs_on_demand"] < 0.9
     # each window's cost is above the lower bound on any pool's cost there
     assert all(r.optimum <= min(r.deadline_aware[0], r.on_demand[0]) for r in rows)
     assert all(r.optimum <= r.spot[0] for r in rows if r.spot[1])
@@ -35,4 +37,4 @@ def test_deadline_aware_meets_every_deadline_on_demand_meets_on_every_window(pat
 def test_every_window_of_the_45_day_v100_trace() -> None:
     setting = next(s for s in SETTINGS if s.path.startswith("skynomad"))
     sm = summary(check(load_trace(SHARED / setting.path), setting, 1.5))
-    assert sm["windows"] == 18 and sm["deadline_aware_missed"] == 0, sm
+    assert sm["windows"] == 18 and sm["deadline_aware_missed"] == 0 and sm["home_zone_missed"] == 0, sm

@@ -392,6 +392,7 @@ class Replay:
                 self._move_failed(m)
         elif m.phase is mig.Phase.COPYING and m.switch_at is not None and now >= m.switch_at:
             m.phase, self.domain = mig.Phase.STARTING, m.target  # the job's domain is the target now
+            self.availability = self.availability.observe(m.source, None, now)  # left: no longer watched
             if self.job_state is JobState.RUNNING:
                 self.job_state = JobState.PENDING
             self.first_ready_at = None

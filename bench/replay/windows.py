@@ -2,13 +2,13 @@
 
 The deadline property over every window of every public trace: for each trace, each
 deadline ratio and each window (the trace cut into windows of the deadline's length,
-one starting every ``stride``), it replays always-on-demand and ``deadline_aware``
-(and spot alone, ``spotvisor``, for scale) and checks that ``deadline_aware`` meets
-every deadline that on-demand meets. It prints one row per trace and ratio: windows,
-deadlines on-demand met, deadlines ``deadline_aware`` missed among those (the property
-says 0), its mean cost relative to on-demand and to a lower bound on any pool's cost
-(:func:`bench.replay.optimum.pool_bound`: spot first, no restarts; so above 1), and how
-often spot alone met them.
+one starting every ``stride``), it replays always-on-demand, ``deadline_aware`` and
+``home_zone`` (and spot alone, ``spotvisor``, for scale) and checks that both deadline
+policies meet every deadline that on-demand meets. It prints one row per trace and
+ratio: windows, deadlines on-demand met, deadlines each policy missed among those (the
+property says 0), its mean cost relative to on-demand and to a lower bound on any pool's
+cost (:func:`bench.replay.optimum.pool_bound`: spot first, no restarts; so above 1), and
+how often spot alone met them.
 
 The traces and their settings (:data:`SETTINGS`): Bamboo's p3 and g4dn groups (cap 32
 and 24 nodes, a 2-hour job at the cap), and the 9-zone V100 data at SkyNomad's setting
@@ -70,6 +70,7 @@ class Row:
     deadline_aware: tuple[float, bool]
     spot: tuple[float, bool]
     optimum: float = float("nan")
+    home_zone: tuple[float, bool] = (float("nan"), False)
 
 
 def windows(trace: Trace, length_s: float, stride_s: float) -> Iterator[tuple[float, Trace]]:
@@ -99,19 +100,26 @@ def check(trace: Trace, s: Setting, ratio: float) -> list[Row]:
                            node_s=job.target_steps * job.step_s * job.ref_gpus, deadline_s=deadline,
                            on_demand_usd_h=Market.on_demand_usd_h, spot_usd_h=Market.spot_usd_h)
         rows.append(Row(start / 3600, run("spotvisor", Market(on_demand=True)), run("deadline_aware", Market()),
-                        run("spotvisor", Market()), bound))
+                        run("spotvisor", Market()), bound, run("home_zone", Market())))
     return rows
 
 
 def summary(rows: list[Row]) -> dict[str, object]:
+    """Per deadline policy (``deadline_aware``, ``home_zone``): the deadlines it missed
+    among those on-demand met, and its mean cost relative to on-demand and to the bound."""
     met = [r for r in rows if r.on_demand[1]]
-    missed = [r.start_h for r in met if not r.deadline_aware[1]]
-    rel = [r.deadline_aware[0] / r.on_demand[0] for r in met if r.on_demand[0] > 0]
-    opt = [r.deadline_aware[0] / r.optimum for r in met if r.deadline_aware[1] and r.optimum > 0]
-    return {"windows": len(rows), "on_demand_met": len(met), "deadline_aware_missed": len(missed),
-            "missed_at_h": missed, "deadline_aware_cost_vs_on_demand": round(sum(rel) / len(rel), 3) if rel else None,
-            "deadline_aware_cost_vs_optimum": round(sum(opt) / len(opt), 3) if opt else None,
-            "spot_alone_met": sum(1 for r in met if r.spot[1])}
+    out: dict[str, object] = {"windows": len(rows), "on_demand_met": len(met)}
+    for name in ("deadline_aware", "home_zone"):
+        runs = [(r, getattr(r, name)) for r in met]
+        missed = [r.start_h for r, (_, ok) in runs if not ok]
+        rel = [cost / r.on_demand[0] for r, (cost, _) in runs if r.on_demand[0] > 0]
+        opt = [cost / r.optimum for r, (cost, ok) in runs if ok and r.optimum > 0]
+        out.update({f"{name}_missed": len(missed), f"{name}_missed_at_h": missed,
+                    f"{name}_cost_vs_on_demand": round(sum(rel) / len(rel), 3) if rel else None,
+                    f"{name}_cost_vs_optimum": round(sum(opt) / len(opt), 3) if opt else None})
+    out["missed_at_h"] = out["deadline_aware_missed_at_h"]
+    out["spot_alone_met"] = sum(1 for r in met if r.spot[1])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,17 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.replay.windows: {exc}", file=sys.stderr)
         return 2
     out, bad = {}, 0
-    head = ["TRACE", "RATIO", "WINDOWS", "OD MET", "DA MISSED", "DA COST/OD", "DA COST/OPT", "SPOT ALONE MET", "S"]
+    head = ["TRACE", "RATIO", "WINDOWS", "OD MET", "DA MISSED", "DA COST/OD", "DA COST/OPT", "HZ MISSED",
+            "HZ COST/OD", "HZ COST/OPT", "SPOT ALONE MET", "S"]
     table = [head]
     for s, trace in traces:
         for ratio in ratios:
             t0 = time.perf_counter()
             sm = summary(check(trace, s, ratio))
             out[f"{s.path}@{ratio}"] = sm
-            bad += int(sm["deadline_aware_missed"])  # type: ignore[call-overload]
+            bad += int(sm["deadline_aware_missed"]) + int(sm["home_zone_missed"])  # type: ignore[call-overload]
             table.append([s.path, f"{ratio:g}", str(sm["windows"]), str(sm["on_demand_met"]),
                           str(sm["deadline_aware_missed"]), str(sm["deadline_aware_cost_vs_on_demand"]),
-                          str(sm["deadline_aware_cost_vs_optimum"]),
+                          str(sm["deadline_aware_cost_vs_optimum"]), str(sm["home_zone_missed"]),
+                          str(sm["home_zone_cost_vs_on_demand"]), str(sm["home_zone_cost_vs_optimum"]),
                           f"{sm['spot_alone_met']}/{sm['on_demand_met']}", f"{time.perf_counter() - t0:.0f}"])
     print(render(table))
     if args.json:

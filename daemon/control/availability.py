@@ -3,7 +3,9 @@
 A domain is **up** from an observation that it has spot capacity (a spot node launched
 there, or one is training there) until one that it has none (a spot launch there
 failed for capacity, or a spot node there was preempted: its interruption notice, or
-its loss), and **down** from then until the next up. The edge observes
+its loss), and **down** from then until the next up; **unwatched** once the job has
+left it (a move elsewhere): the daemon tries nothing there, so that time counts
+neither way, and the domain's current state is unknown. The edge observes
 (``daemon.controlnode.migrator`` from the events it records, ``bench.replay.sim`` from
 its simulated cloud); :class:`Availability` keeps the changes, per domain, for the last
 :data:`MEMORY_S` seconds; the estimates below read them. A domain the pool has not tried
@@ -62,15 +64,17 @@ class Availability:
     """Per domain, its changes of state, oldest first: ``(unix s, up)``, each state unlike
     the one before. Frozen; :meth:`observe` returns a new record."""
 
-    changes: Mapping[str, tuple[tuple[float, bool], ...]] = field(default_factory=dict)
+    changes: Mapping[str, tuple[tuple[float, bool | None], ...]] = field(default_factory=dict)
 
-    def observe(self, domain: str, up: bool, now: float, *, memory_s: float = MEMORY_S) -> Availability:
-        """The record with ``domain`` seen ``up`` (or down) at ``now`` (unix s). An
-        observation that agrees with the domain's state, or is older than its last
-        change, changes nothing; changes older than ``memory_s`` go (the last one before
-        that is kept, moved to the cut, so the state there stays known)."""
+    def observe(self, domain: str, up: bool | None, now: float, *, memory_s: float = MEMORY_S) -> Availability:
+        """The record with ``domain`` seen ``up`` (or down) at ``now`` (unix s); ``None``:
+        no longer watched from ``now`` (the job left it: what it does next is unknown, and
+        counts neither way). An observation that agrees with the domain's state, or is
+        older than its last change, changes nothing; changes older than ``memory_s`` go
+        (the last one before that is kept, moved to the cut, so the state there stays
+        known)."""
         seen = self.changes.get(domain, ())
-        if seen and (seen[-1][1] == up or now < seen[-1][0]):
+        if (seen and (seen[-1][1] == up or now < seen[-1][0])) or (not seen and up is None):
             kept = seen
         else:
             kept = (*seen, (now, up))
@@ -89,21 +93,27 @@ class Availability:
         return bool(self.changes.get(domain))
 
     def is_up(self, domain: str) -> bool | None:
-        """The domain's state as last seen (None: never seen)."""
+        """The domain's state as last seen (None: never seen, or not watched now)."""
         seen = self.changes.get(domain)
         return seen[-1][1] if seen else None
 
     def runs(self, domain: str, now: float) -> Runs | None:
-        """The domain's record as :class:`Runs` up to ``now`` (None: never seen)."""
+        """The domain's record as :class:`Runs` up to ``now``, its unwatched spans left
+        out (None: never seen). Not watched now: the current run is a down-run of age 0
+        (:func:`rest_of_run` says nothing of it), and the span ends where watching did."""
         seen = self.changes.get(domain)
         if not seen:
             return None
         up: list[float] = []
         down: list[float] = []
+        span = 0.0
         for (t0, state), (t1, _) in zip(seen, seen[1:]):
-            (up if state else down).append(t1 - t0)
+            if state is not None:
+                (up if state else down).append(t1 - t0)
+                span += t1 - t0
         t, state = seen[-1]
-        return Runs(tuple(up), tuple(down), state, max(0.0, now - t), max(0.0, now - seen[0][0]))
+        age = max(0.0, now - t) if state is not None else 0.0
+        return Runs(tuple(up), tuple(down), bool(state), age, span + age)
 
 
 def progress_rate(record: Availability, domain: str, now: float, overhead_s: float, *,
@@ -123,9 +133,9 @@ def progress_rate(record: Availability, domain: str, now: float, overhead_s: flo
 def rest_of_run(record: Availability, domain: str, now: float) -> float | None:
     """Seconds the domain's current run (up or down) is expected to last still: the mean
     of its past runs of that state longer than the current age, less the age; the age
-    itself when none was longer. None: never seen."""
+    itself when none was longer. None: never seen, or not watched now."""
     r = record.runs(domain, now)
-    if r is None:
+    if r is None or record.is_up(domain) is None:
         return None
     longer = [n for n in (r.up if r.current_up else r.down) if n > r.age_s]
     return sum(longer) / len(longer) - r.age_s if longer else r.age_s

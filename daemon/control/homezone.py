@@ -83,7 +83,7 @@ def decide(progress: Progress, domains: Sequence[DomainView], home: str, history
 
     def finish_s(domain: str, extra_s: float) -> float:
         rate = progress_rate(record, domain, now, restart)
-        rest = rest_of_run(record, domain, now) if record.is_up(domain) is False else 0.0
+        rest = rest_of_run(record, domain, now) if record.is_up(domain) is False else None
         return (rest or 0.0) + restart + extra_s + work / max(rate if rate is not None else 1.0, 1e-3)
 
     wait_s = finish_s(home, 0.0)

@@ -330,12 +330,14 @@ class HomeZone(DeadlineAware):
     name = "home_zone"
     description = "spot in the job's home domain; waits out its outages on the deadline's slack, moves when it cannot"
     margin: ClassVar[float] = homezone.MARGIN
+    safety_restarts: ClassVar[float] = 5.0
 
     def markets(self, progress: Progress | None, *, now: float,
                 previous: frozenset[str] | None = None) -> frozenset[str] | None:
         if progress is None:
             return None
-        return ON_DEMAND_ONLY if deadline_markets(progress, now, previous=previous) == ON_DEMAND_ONLY else SPOT_ONLY
+        net = deadline_markets(progress, now, previous=previous, margin=self.safety_restarts)
+        return ON_DEMAND_ONLY if net == ON_DEMAND_ONLY else SPOT_ONLY
 
     def placement(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
                   now: float, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,

@@ -58,7 +58,8 @@ _LOSSES = frozenset({EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.va
                      EventKind.NODE_LAUNCH_FAILED.value})
 # events the availability record is made of (daemon/control/availability.py)
 _SEEN = frozenset({EventKind.NODE_LAUNCHED.value, EventKind.NODE_LAUNCH_FAILED.value,
-                   EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value})
+                   EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value,
+                   EventKind.MIGRATION_COMPLETED.value})
 _PREEMPTION_WINDOW_S = 3600.0  # recent preemptions / capacity failures per domain: this window (seconds)
 _HELD = frozenset({Phase.COMMITTING, Phase.COPYING, Phase.STARTING})  # the source's nodes are kept
 _WAKES = frozenset({Phase.BOOTING, Phase.COMMITTING, Phase.STARTING})  # a pass at once: the pool changes
@@ -156,6 +157,10 @@ class Migrator:
         self._seen(ev)
 
     def _seen(self, ev: Event) -> None:
+        if ev.kind == EventKind.MIGRATION_COMPLETED.value and isinstance(ev.data.get("source"), str):
+            # the job left it: nothing is tried there any more, so nothing is seen of it
+            self.availability = self.availability.observe(ev.data["source"], None, ev.time)
+            return
         node = self.core.nodes.get(ev.node) if ev.node is not None else None
         if ev.kind not in _SEEN or node is None or node.market != "spot":
             return
