@@ -151,7 +151,7 @@ def test_cli_table_json_and_errors(tmp_path: Path, capsys) -> None:
     table = capsys.readouterr().out
     assert "spotvisor" in table and "on_demand" in table and "USD/STEP" in table
     body = json.loads(out.read_text())
-    assert set(body) == {"on_demand", "restart_on_preemption", "elastic_only", "spotvisor", "deadline_aware"}
+    assert set(body) == {"on_demand", "restart_on_preemption", "elastic_only", "spotvisor", "deadline_aware", "home_zone"}
     assert body["deadline_aware"]["deadline_met"] is None  # no --job-hours: no deadline
     assert body["on_demand"]["lost_steps"] == 0 and body["spotvisor"]["cost_usd"] < body["on_demand"]["cost_usd"]
     assert main(["--trace", str(tmp_path / "missing.csv")]) == 2

@@ -93,3 +93,20 @@ def test_on_skynomads_v100_windows_it_is_within_5_percent_of_the_optimum() -> No
         costs.append(r.cost_usd)
         bounds.append(optimum(m, SKYNOMAD_JOB).cost_usd)
     assert sum(costs) / sum(bounds) <= 1.05 and sum(costs) / 5 < 41.73
+
+
+def test_the_daemons_home_zone_gains_from_what_it_has_seen_of_every_region() -> None:
+    """Our cost model, window 7 of the V100 data: the daemon's home_zone (its record made
+    of the pool's own launches) meets the deadline; given every region watched for the
+    48 h before and probed each 10 min after (bench.replay.skynomad_v100's variants), it
+    meets it cheaper. The record handed over holds each region up to the window's start."""
+    from bench.replay.skynomad_v100 import run_window, seen_before
+
+    trace = load_trace(V100)
+    blind, both = run_window(trace, 7, ("home_zone", "home_zone both"))
+    assert blind.deadline_met and both.deadline_met
+    assert both.cost_usd < blind.cost_usd
+    seen = seen_before(trace, 7, 48.0)
+    assert seen.is_up("us-east-1") is not None and seen.is_up("us-east-2") is None  # only the job's region after 0
+    r = seen.runs("us-east-2", 0.0)
+    assert r is not None and 47.9 * 3600 <= r.span_s <= 48 * 3600

@@ -38,7 +38,7 @@ from daemon.control.migration import Plan
 from daemon.control.policies import DEFAULT_POLICY, get_policy, policy_names
 
 ON_DEMAND = "on_demand"
-DEFAULT_POLICIES = (ON_DEMAND, "restart_on_preemption", "elastic_only", DEFAULT_POLICY, "deadline_aware")
+DEFAULT_POLICIES = (ON_DEMAND, "restart_on_preemption", "elastic_only", DEFAULT_POLICY, "deadline_aware", "home_zone")
 
 
 class _Parser(argparse.ArgumentParser):

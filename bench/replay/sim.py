@@ -231,7 +231,8 @@ class Replay:
                  pass_s: float = 60.0, seed: int = 0, zones: list[str] | None = None,
                  deadline_s: float | None = None, domains: dict[str, str] | None = None,
                  migration: mig.Plan | None = mig.Plan(), egress_usd_per_gb: float = 0.02,
-                 copy_bytes_s: float = 0.5e9) -> None:
+                 copy_bytes_s: float = 0.5e9, probe_s: float | None = None,
+                 availability: Availability | None = None) -> None:
         self.trace, self.policy, self.job, self.market = trace, policy, job, market
         self.zones = zones or sorted(trace.zones)
         self.domain_of = {z: (domains or {}).get(z, "all" if domains is None else z) for z in self.zones}
@@ -246,7 +247,11 @@ class Replay:
         self.migrations = self.migrations_failed = 0
         self.egress = 0.0
         self.losses: list[tuple[float, str]] = []  # (time, domain) of each node the market took
-        self.availability = Availability()  # what the daemon has seen of each domain's spot capacity
+        # what the daemon has seen of each domain's spot capacity (``availability``: a record
+        # from before the window); ``probe_s``: every domain is also looked at this often, as a
+        # capacity probe would (None: only what the pool's own launches and losses show)
+        self.availability = availability or Availability()
+        self.probe_s, self._probed_at = probe_s, -math.inf
         self.domain_hours: dict[str, float] = {}
         cap = target_nodes or trace.max_nodes or 1
         self.target = cap
@@ -332,7 +337,18 @@ class Replay:
                            target_nodes=self.target, rejoin=rj, first_ready_at=self.first_ready_at,
                            domain=self.domain if len(self.domain_names) > 1 else "")
 
+    def _probe(self) -> None:
+        """Every domain's spot capacity as a probe would see it (``probe_s``): up while any
+        of its zones has any."""
+        if self.probe_s is None or self.now - self._probed_at < self.probe_s:
+            return
+        self._probed_at = self.now
+        for d in self.domain_names:
+            caps = [self.trace.zones[z].capacity_at(self.now) for z in self.zones if self.domain_of[z] == d]
+            self.availability = self.availability.observe(d, any(c is None or c > 0 for c in caps), self.now)
+
     def _reconcile(self) -> None:
+        self._probe()
         # the nodes in the job at the end of the last pass (the daemon takes them before it
         # observes the cloud): those the market took since are this pass's losses
         members = self._in_job | {n.id for n in self.nodes.values() if n.state in ADMITTED}

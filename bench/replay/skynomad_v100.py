@@ -48,6 +48,7 @@ from bench.replay.optimum import optimal, optimum
 from bench.replay.sim import JobModel, Market, Replay, Result
 from bench.replay.tickmodel import OnDemand, TickJob, TickMarket, TickResult, UniformProgress, simulate
 from bench.replay.traces import Trace, TraceError, load_trace
+from daemon.control.availability import Availability
 from daemon.control.migration import Plan
 from daemon.control.policies import DEFAULT_POLICY, get_policy
 
@@ -66,7 +67,12 @@ SKYNOMAD_JOB = TickJob(task_s=JOB_H * 3600, deadline_s=DEADLINE_H * 3600, overhe
 OUR_JOB = TickJob(task_s=JOB.target_steps * JOB.step_s, deadline_s=DEADLINE_H * 3600,
                   overhead_s=JOB.boot_s + JOB.restart_s + JOB.load_s(1), checkpoint_gb=JOB.checkpoint_bytes / 1e9,
                   copy_gb_s=0.5, egress_usd_per_gb=0.02)
-POLICIES = (ON_DEMAND, "restart_on_preemption", DEFAULT_POLICY, "deadline_aware", "home_zone")
+# home_zone with more to go on than the pool's own launches: every region probed each 10 min
+# from the window's start (as a capacity probe would), watched for the 48 h before it (as a
+# daemon that outlives its jobs would have; the tick model's policies are given as much), or both
+VARIANTS = {"home_zone probed": {"probe_s": 600.0}, "home_zone seen 48 h": {"past_h": 48.0},
+            "home_zone both": {"probe_s": 600.0, "past_h": 48.0}}
+POLICIES = (ON_DEMAND, "restart_on_preemption", DEFAULT_POLICY, "deadline_aware", "home_zone", *VARIANTS)
 # the artifact's README, `--config v100`: mean cost (USD) over the five windows
 PUBLISHED = {"Optimal (DP oracle)": 37.37, "SkyNomad": 41.73, "SkyNomad (oracle lifetimes)": 41.99,
              "UP(S) (Uniform Progress, eager failover)": 47.02, "UP(A) (probe availability)": 49.09,
@@ -80,14 +86,38 @@ def window(trace: Trace, w: int) -> Trace:
     return trace.window(start, start + WINDOW_TICKS * TICK_S)
 
 
+def seen_before(trace: Trace, w: int, hours: float, *, watched_after: bool = False) -> Availability:
+    """The availability record of a daemon that watched every region for ``hours`` before
+    window ``w`` (one look per tick, at times before the window's 0), as the tick model's
+    policies are given the windows before; unless ``watched_after``, every region but the
+    job's first is unwatched from the window's start (the daemon launches only there)."""
+    start = trace.zones[ZONES[0]].times[w * WINDOW_TICKS]
+    regions = domains_for(ZONES, "region")
+    av, t = Availability(), -hours * 3600
+    while t < 0:
+        if start + t >= 0:
+            for z in ZONES:
+                cap = trace.zones[z].capacity_at(start + t)
+                av = av.observe(regions[z], cap is None or cap > 0, t)
+        t += TICK_S
+    for z in ZONES[1:] if not watched_after else ():
+        av = av.observe(regions[z], None, 0.0)
+    return av
+
+
 def run_window(trace: Trace, w: int, policies=POLICIES, *, migration: bool = True) -> list[Result]:
     t = window(trace, w)
     out = []
     for name in policies:
-        r = Replay(t, get_policy(DEFAULT_POLICY if name == ON_DEMAND else name), job=JOB,
+        extra = dict(VARIANTS.get(name, {}))
+        past_h = extra.pop("past_h", None)
+        policy = DEFAULT_POLICY if name == ON_DEMAND else "home_zone" if name in VARIANTS else name
+        r = Replay(t, get_policy(policy), job=JOB,
                    market=Market(on_demand=name == ON_DEMAND), target_nodes=1, zones=list(ZONES),
                    deadline_s=DEADLINE_H * 3600, domains=domains_for(ZONES, "region"),
-                   migration=Plan() if migration else None).run()
+                   migration=Plan() if migration else None,
+                   availability=None if past_h is None else seen_before(
+                       trace, w, past_h, watched_after="probe_s" in extra), **extra).run()
         r.policy = name
         out.append(r)
     return out
