@@ -315,6 +315,29 @@ async def test_spot_price_newest_cached_and_none_when_empty(fake, make_provider)
     assert await provider.spot_price(_offer(itype="ecs.unknown")) is None
 
 
+async def test_spot_stock_reads_the_zones_stock_and_agrees_with_the_launch(fake, make_provider, node_spec) -> None:
+    """DescribeAvailableResource for the offer's zone and type with the spot strategy:
+    in stock, True; sold out, False (and a spot launch there is refused for capacity);
+    an offer without a zone, None (its region's zones may differ)."""
+    import dataclasses
+
+    from daemon.providers.base import CapacityError
+
+    provider, offer = make_provider(), _offer()
+    assert await provider.spot_stock(offer) is True
+    params = fake.calls("DescribeAvailableResource")[0]
+    assert (params["DestinationResource"], params["ZoneId"], params["InstanceType"], params["InstanceChargeType"],
+            params["SpotStrategy"]) == ("InstanceType", "cn-hangzhou-g", offer.instance_type, "PostPaid",
+                                        provider.spec.spot_strategy)
+    fake.spot_sold_out.add(("cn-hangzhou-g", offer.instance_type))
+    assert await provider.spot_stock(offer) is False
+    with pytest.raises(CapacityError):
+        await provider.launch(offer, node_spec())
+    fake.available = set()  # not sold in the zone at all
+    assert await provider.spot_stock(offer) is False
+    assert await provider.spot_stock(dataclasses.replace(offer, zone="")) is None
+
+
 async def test_spot_price_in_cny_is_returned_as_is(fake, make_provider) -> None:
     fake.currency = "CNY"
     fake.prices[("ecs.gn7i-c8g1.2xlarge", "cn-hangzhou-g")] = [("2026-11-30T10:00:00Z", 6.5)]

@@ -42,6 +42,7 @@ from typing import Any
 import structlog
 from aliyunsdkcore.request import RpcRequest
 from aliyunsdkecs.request.v20140526.DeleteInstancesRequest import DeleteInstancesRequest
+from aliyunsdkecs.request.v20140526.DescribeAvailableResourceRequest import DescribeAvailableResourceRequest
 from aliyunsdkecs.request.v20140526.DescribeInstancesRequest import DescribeInstancesRequest
 from aliyunsdkecs.request.v20140526.DescribeSpotPriceHistoryRequest import DescribeSpotPriceHistoryRequest
 from aliyunsdkecs.request.v20140526.RunInstancesRequest import RunInstancesRequest
@@ -98,6 +99,34 @@ def _parse_time(text: str | None) -> float | None:
             return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc).timestamp()
         except ValueError:
             continue
+    return None
+
+
+def available_request(offer: Offer, strategy: str) -> RpcRequest:
+    """DescribeAvailableResource for ``offer``'s type (in its zone when it has one),
+    pay-as-you-go with spot ``strategy`` (``NoSpot`` for on-demand)."""
+    req = DescribeAvailableResourceRequest()
+    req.set_DestinationResource("InstanceType")
+    req.set_InstanceChargeType("PostPaid")
+    req.set_SpotStrategy(strategy)
+    req.set_InstanceType(offer.instance_type)
+    if offer.zone:
+        req.set_ZoneId(offer.zone)
+    return req
+
+
+def stock_item(body: dict[str, Any], zone: str, instance_type: str) -> dict[str, Any] | None:
+    """The ``SupportedResource`` entry (``Value``, ``Status``: ``Available`` or ``SoldOut``,
+    ``StatusCategory``: ``WithStock``, ``ClosedWithStock``, ``WithoutStock``) that
+    DescribeAvailableResource's answer ``body`` gives ``instance_type`` in ``zone`` (any
+    zone when empty); None: not listed."""
+    for z in body.get("AvailableZones", {}).get("AvailableZone", []):
+        if zone and z.get("ZoneId") != zone:
+            continue
+        for res in z.get("AvailableResources", {}).get("AvailableResource", []):
+            for item in res.get("SupportedResources", {}).get("SupportedResource", []):
+                if item.get("Value") == instance_type:
+                    return item
     return None
 
 
@@ -290,6 +319,20 @@ class AliyunProvider(Provider):
                     break
                 page += 1
         return out
+
+    async def spot_stock(self, offer: Offer) -> bool | None:
+        """The offer's spot stock from DescribeAvailableResource
+        (api-ecs-2014-05-26-describeavailableresource, "queries the stock status of
+        resources in a zone"): ``DestinationResource=InstanceType``, the offer's zone and
+        type, ``InstanceChargeType=PostPaid``, the provider's spot strategy. True when the
+        type is listed with ``Status: Available``; False when it is listed ``SoldOut`` or
+        not listed (the zone does not sell it now); None for an offer without a zone (a
+        region's zones may differ). Raises AuthError, TransientError."""
+        if not offer.zone:
+            return None
+        item = stock_item(await self.api.call(offer.region, lambda: available_request(
+            offer, "NoSpot" if offer.on_demand else self.spec.spot_strategy)), offer.zone, offer.instance_type)
+        return item is not None and item.get("Status") == "Available"
 
     async def spot_price(self, offer: Offer) -> float | None:
         """Newest ``SpotPrice`` from DescribeSpotPriceHistory (vpc, SpotDuration 0), cached

@@ -32,14 +32,13 @@ from collections.abc import Callable
 from typing import Any
 
 from aliyunsdkcore.request import RpcRequest
-from aliyunsdkecs.request.v20140526.DescribeAvailableResourceRequest import DescribeAvailableResourceRequest
 from aliyunsdkecs.request.v20140526.DescribeImagesRequest import DescribeImagesRequest
 from aliyunsdkecs.request.v20140526.DescribeSecurityGroupsRequest import DescribeSecurityGroupsRequest
 
 from daemon.config import Config
 from daemon.control.pool import Offer
 from daemon.controlnode.cloud_check import CheckResult, failed, passed
-from daemon.providers.aliyun import AliyunProvider
+from daemon.providers.aliyun import AliyunProvider, available_request, stock_item
 from daemon.providers.base import AuthError, NodeSpec, ProviderError
 
 __all__ = ["check_aliyun"]
@@ -152,27 +151,13 @@ async def _available(provider: AliyunProvider, offer: Offer, name: str) -> Check
     zone = offer.zone or ""
     strategy = "NoSpot" if offer.on_demand else provider.spec.spot_strategy
 
-    def build() -> RpcRequest:
-        req = DescribeAvailableResourceRequest()
-        req.set_DestinationResource("InstanceType")
-        req.set_InstanceChargeType("PostPaid")
-        req.set_SpotStrategy(strategy)
-        req.set_InstanceType(offer.instance_type)
-        if zone:
-            req.set_ZoneId(zone)
-        return req
-
     try:
-        body = await provider.api.call(offer.region, build)
+        body = await provider.api.call(offer.region, lambda: available_request(offer, strategy))
     except ProviderError as exc:
         return _failure(f"{name}: available", exc, "DescribeAvailableResource", [offer.index])
-    for z in body.get("AvailableZones", {}).get("AvailableZone", []):
-        if zone and z.get("ZoneId") != zone:
-            continue
-        for res in z.get("AvailableResources", {}).get("AvailableResource", []):
-            for item in res.get("SupportedResources", {}).get("SupportedResource", []):
-                if item.get("Value") == offer.instance_type and item.get("Status") == "Available":
-                    return passed(f"{name}: available", item.get("StatusCategory", "Available"))
+    item = stock_item(body, zone, offer.instance_type)
+    if item is not None and item.get("Status") == "Available":
+        return passed(f"{name}: available", item.get("StatusCategory", "Available"))
     return failed(f"{name}: available", f"{offer.instance_type} is not sold as {strategy} in {zone or offer.region}",
                   f"offers.{offer.index}.instance_type / offers.{offer.index}.zone: a type and zone "
                   "DescribeAvailableResource lists", [offer.index])

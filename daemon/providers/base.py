@@ -151,6 +151,14 @@ class Provider(abc.ABC):
     async def spot_price(self, offer: Offer) -> float | None:
         """Current spot price of ``offer`` in USD/hour, or None when unknown."""
 
+    async def spot_stock(self, offer: Offer) -> bool | None:
+        """Whether the cloud says ``offer``'s spot capacity is in stock now, without buying
+        any: True in stock, False sold out, None when this provider cannot tell (the
+        default). A recommendation, not a promise: a launch may still be refused. Read by
+        the availability record (:mod:`daemon.control.availability`) for every domain the
+        job could move to. Raises ProviderError subclasses."""
+        return None
+
     async def aclose(self) -> None:
         """Release the provider's own resources (clients, helper tasks). Idempotent."""
 

@@ -62,7 +62,10 @@ It follows the documents (and the SDK source where the documents are silent):
   [{"SecurityGroupId", "VpcId", ...}]}, "TotalCount"}``.
   DescribeAvailableResource (api-ecs-2014-05-26-describeavailableresource):
   ``DestinationResource`` required (``InstanceType`` here), ``ZoneId``,
-  ``InstanceType``, ``InstanceChargeType``, ``SpotStrategy``; ``{"AvailableZones":
+  ``InstanceType``, ``InstanceChargeType``, ``SpotStrategy``; a type listed with
+  ``Status`` ``Available`` / ``SoldOut`` and ``StatusCategory`` ``WithStock`` /
+  ``ClosedWithStock`` / ``WithoutStock`` ("queries the stock status of resources in a
+  zone"); ``{"AvailableZones":
   {"AvailableZone": [{"RegionId", "ZoneId", "Status", "StatusCategory",
   "AvailableResources": {"AvailableResource": [{"Type": "InstanceType",
   "SupportedResources": {"SupportedResource": [{"Value", "Status", "StatusCategory"}]}}]}}]}}``.
@@ -100,7 +103,10 @@ answer late -- a client timeout after the request reached ECS; :meth:`FakeEcs.re
 answers the held calls at once), :attr:`FakeEcs.prices`
 (``(instance_type, zone) -> [(timestamp, price)]``), :attr:`FakeEcs.currency`,
 :attr:`FakeEcs.ram_roles` (the account's RAM role names; None: any name exists),
-:meth:`FakeEcs.reclaim` (ECS releases a spot instance), and the logs
+:attr:`FakeEcs.spot_sold_out` (``(zone, instance_type)`` whose spot stock is out:
+DescribeAvailableResource lists it ``SoldOut`` for a spot strategy, and a spot
+RunInstances there fails ``OperationDenied.NoStock``), :meth:`FakeEcs.reclaim` (ECS
+releases a spot instance), and the logs
 :attr:`FakeEcs.requests` (every signed request's parameters, by action) and
 :attr:`FakeEcs.instances`.
 
@@ -270,6 +276,7 @@ class FakeEcs(LocalServer):
         self.images: dict[str, set[str]] = {}  # region -> image ids (no entry: any id launches)
         self.security_groups: dict[str, set[str]] = {}  # region -> security group ids (likewise)
         self.available: set[tuple[str, str]] | None = None  # (zone, instance type) for sale; None: all
+        self.spot_sold_out: set[tuple[str, str]] = set()  # (zone, instance type) with no spot stock now
         self.denied: set[str] = set()  # actions answered Forbidden.RAM
         self._tokens: dict[tuple[str, str], tuple[str, list[str]]] = {}  # (region, token) -> (digest, ids)
         self._faults: dict[str, list[_Fault]] = {}
@@ -448,6 +455,9 @@ class FakeEcs(LocalServer):
         duration = int(p.get("SpotDuration", "1"))
         if not 0 <= duration <= 6:
             raise _ApiError("InvalidParameter", "The specified SpotDuration is not valid.")
+        if strategy != "NoSpot" and (zone, itype) in self.spot_sold_out:
+            raise _ApiError("OperationDenied.NoStock", "The requested resource is sold out in the specified "
+                            "zone; try other types of resources or other regions and zones.")
         user_data = ""
         if p.get("UserData"):
             if len(p["UserData"]) > 32 * 1024:
@@ -615,7 +625,10 @@ class FakeEcs(LocalServer):
         ok = self.available is None or (zone, itype) in self.available
         if not ok:
             return {"AvailableZones": {"AvailableZone": []}}
-        item = {"Value": itype, "Status": "Available", "StatusCategory": "WithStock"}
+        spot = p.get("SpotStrategy", "NoSpot") != "NoSpot"
+        item = ({"Value": itype, "Status": "SoldOut", "StatusCategory": "WithoutStock"}
+                if spot and (zone, itype) in self.spot_sold_out else
+                {"Value": itype, "Status": "Available", "StatusCategory": "WithStock"})
         return {"AvailableZones": {"AvailableZone": [{
             "RegionId": p["RegionId"], "ZoneId": zone, "Status": "Available", "StatusCategory": "WithStock",
             "AvailableResources": {"AvailableResource": [
