@@ -79,6 +79,9 @@ class RecoveryPolicy:
     name: ClassVar[str]
     acts_on_notices: ClassVar[bool] = True
     description: ClassVar[str] = ""
+    #: its decisions read the availability record: the daemon then asks the providers for
+    #: every domain's spot stock with the prices (``Provider.spot_stock``)
+    reads_availability: ClassVar[bool] = False
 
     def admit(self, s: PoolState, rules: Rules, *, now: float) -> list[Action]:
         """Actions that move ready nodes into the job (:func:`daemon.control.admission.admit`)."""
@@ -330,6 +333,7 @@ class HomeZone(DeadlineAware):
     name = "home_zone"
     description = "spot in the job's home domain; waits out its outages on the deadline's slack, moves when it cannot"
     margin: ClassVar[float] = homezone.MARGIN
+    reads_availability = True
     safety_restarts: ClassVar[float] = 5.0
 
     def markets(self, progress: Progress | None, *, now: float,

@@ -57,6 +57,11 @@ class Fleet:
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
         self._listed: set[str] = set()  # live nodes' instance ids a listing has shown (observe)
+        # spot_stock's word per spot offer, (unix s, in stock), asked with the prices when the
+        # recovery policy reads the availability record (the supervisor sets probe_stock)
+        self.stock: dict[int, tuple[float, bool]] = {}
+        self.probe_stock = False
+        self._no_stock: set[str] = set()  # providers whose spot_stock said None: they cannot tell
         d = core.config.daemon
         # the agent's wheel for nodes that install it at boot; a URL lives a bit over the
         # slowest offer's launch timeout (a node fetches it while it boots)
@@ -138,11 +143,31 @@ class Fleet:
         return None if deadline is None or lead is None else deadline - lead
 
     async def refresh_prices(self) -> None:
+        """Every offer's spot price; and, with :attr:`probe_stock`, every spot offer's stock."""
         for i, o in enumerate(self.core.config.offers):
             try:
                 self.book.prices[i] = await self.provider_for(o.provider).spot_price(self.offer(i))
             except ProviderError as exc:
                 log.warning("spot_price_failed", offer=self.offer(i).key, error=str(exc))
+        if self.probe_stock:
+            await self.refresh_stock()
+
+    async def refresh_stock(self) -> None:
+        """Ask each spot offer's provider whether its capacity is in stock now
+        (:meth:`Provider.spot_stock`; a provider that cannot tell is not asked again):
+        what the availability record knows of domains the pool does not launch in."""
+        for i, o in enumerate(self.core.config.offers):
+            if o.market != "spot" or i in self.unusable or o.provider in self._no_stock:
+                continue
+            try:
+                ok = await self.provider_for(o.provider).spot_stock(self.offer(i))
+            except ProviderError as exc:
+                log.warning("spot_stock_failed", offer=self.offer(i).key, error=str(exc)[:200])
+                continue
+            if ok is None:
+                self._no_stock.add(o.provider)
+            else:
+                self.stock[i] = (self.core.clock(), ok)
 
     async def price_loop(self) -> None:
         while True:

@@ -86,6 +86,8 @@ class Migrator:
         self._copy: asyncio.Task[_Copied] | None = None  # the move's checkpoint copy (its result: the message)
         self._losses: list[tuple[float, str]] = []  # (time, domain) of preemptions and capacity failures
         self.availability = Availability()  # what the events say of each domain's spot capacity
+        self._stock_read = float("-inf")  # the newest spot_stock answer already in the record
+        fleet.probe_stock = policy.reads_availability and len(self.domains) > 1  # asked with the prices
         self.decision: HomeDecision | None = None  # the policy's word on where the job is (spotctl status)
         self._pending: list[Action] = []  # releases decided at restore, carried out by the first pass
         m = cfg.migration
@@ -277,8 +279,20 @@ class Migrator:
                                             preemptions=losses))
         return out
 
+    def _read_stock(self) -> None:
+        """The providers' newest word on each domain's spot stock (:attr:`Fleet.stock`) into
+        the record: up when any of its spot offers is in stock, down when all are out."""
+        stock = self.fleet.stock
+        for d in self.domains:
+            fresh = [stock[i] for i in d.offers if i in stock and stock[i][0] > self._stock_read]
+            if fresh:
+                at = max(t for t, _ in fresh)
+                self.availability = self.availability.observe(d.name, any(ok for _, ok in fresh), at)
+        self._stock_read = max((t for t, _ in stock.values()), default=self._stock_read)
+
     def _maybe_start(self, now: float, s: PoolState) -> migration.Begin | None:
         core, st = self.core, self.state
+        self._read_stock()
         views = self._views(now)
         history = self.fleet.history(now)
         here = next(v for v in views if v.name == st.domain)

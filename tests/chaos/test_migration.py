@@ -41,6 +41,11 @@ class RegionProvider(ChaosProvider):
             self.capacity[offer.region] = left - 1
         return await super().launch(offer, node)
 
+    async def spot_stock(self, offer):  # type: ignore[override]
+        """In stock while the region has launches left (as DescribeAvailableResource would say)."""
+        left = self.capacity.get(offer.region)
+        return left is None or left > 0
+
 
 def _overrides(tmp_path: Path, **migration: Any) -> dict[str, Any]:
     return {
@@ -401,3 +406,6 @@ async def test_home_zone_waits_for_its_domain_on_the_slack_and_says_why(make_sim
         assert "wait: the slack covers aws-use1's outage" in _placement(placement)
         assert sim.sup.migrator.availability.is_up("aws-use1") is False
         assert sim.sup.migrator.availability.runs("aws-use1", sim.clock()).up  # up, then down
+        # the providers' stock, asked with the prices: Alibaba in stock, though never launched in
+        assert sim.sup.fleet.probe_stock and sim.sup.migrator.availability.is_up("aliyun-hz") is True
+        assert not [n for n in sim.sup.nodes.values() if sim.sup.domain_of(n) == "aliyun-hz"]
