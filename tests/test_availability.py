@@ -94,8 +94,9 @@ def _domains(west_price: float = 1.0) -> list[DomainView]:
     return [east, west]
 
 
-def _progress(work_h: float, left_h: float, now: float) -> Progress:
-    return Progress(step=0, target_steps=int(work_h * 3600), started_at=0.0, deadline=now + left_h * H,
+def _progress(work_h: float, left_h: float, now: float, *, step: int = 1) -> Progress:
+    """``work_h`` hours of work left after ``step`` steps of 1 s (1: the job has trained)."""
+    return Progress(step=step, target_steps=step + int(work_h * 3600), started_at=0.0, deadline=now + left_h * H,
                     step_s=1.0, restart_s=720.0)
 
 
@@ -132,9 +133,22 @@ def test_the_policy_moves_only_on_the_decision_and_buys_on_demand_only_at_the_sa
     assert p.migrate(s, _domains(), "east", History(), progress=_progress(30, 50, now), **kw) is None  # waits
     move = p.migrate(s, _domains(), "east", History(), progress=_progress(30, 40, now), **kw)
     assert (move.target, move.reason, move.markets) == ("west", "home_out", SPOT_ONLY)
-    assert move.why["action"] == "move" and move.why["home"] == "east"
+    assert move.why["decision"] == "east's outage outlasts the slack; west fits it" and move.why["left_s"] == 40 * H
     cooled = {**kw, "last_move_ended_at": now - 60}
     assert p.migrate(s, _domains(), "east", History(), progress=_progress(30, 40, now), **cooled) is None
     assert p.markets(_progress(30, 50, now), now=now) == SPOT_ONLY
     assert p.markets(_progress(30, 30.1, now), now=now) == ON_DEMAND_ONLY
     assert p.markets(None, now=now) is None
+
+
+def test_before_the_job_trained_a_starved_home_is_left_for_a_region_with_spot() -> None:
+    """Nothing trained yet: the home is only where the job started and a move copies
+    nothing, so a starved home is left at once for a region with spot, though the slack
+    would cover the wait; once the job has trained, the same outage is waited out."""
+    av = Availability().observe("east", True, 0.0).observe("east", False, 60.0)
+    d = decide(_progress(30, 50, 120.0, step=0), _domains(), "east", History(), av, now=120.0, starved=True,
+               checkpoint_bytes=None, gpus=1)
+    assert (d.action, d.target) == ("move", "west") and "before the job trained" in d.reason
+    d = decide(_progress(30, 50, 120.0), _domains(), "east", History(), av, now=120.0, starved=True,
+               checkpoint_bytes=int(50e9), gpus=1)
+    assert d.action == "wait"

@@ -7,14 +7,17 @@ moves (bench/README.md, SkyNomad's V100 setting). So the job keeps a **home**, t
 domain its checkpoint is in, and spends the slack to its deadline on the home's outages:
 
 1. the home has capacity (not starved): **stay**;
-2. it is starved and the time left is at least ``margin`` × (the rest of its outage +
+2. it is starved before the job has trained a step: the home is only where the job
+   started and a move copies nothing, so **move** to the region with spot that would
+   finish soonest (its rate, the cheaper on a tie) when that is sooner than waiting;
+3. it is starved and the time left is at least ``margin`` × (the rest of its outage +
    a restart + the work left / its progress rate), all from what the daemon has seen of
    it (:mod:`daemon.control.availability`): **wait** (nothing is bought meanwhile);
-3. else **move** to another domain with usable spot, the cheapest in egress and spot
+4. else **move** to another domain with usable spot, the cheapest in egress and spot
    price for the work left among those whose own estimate (a restart + the copy + the
    work left / its rate) fits the same test; if none fits, the one that finishes soonest,
    and only when that is sooner than waiting for home;
-4. nothing sooner: **wait**. The deadline's safety net (on-demand only once the rest of
+5. nothing sooner: **wait**. The deadline's safety net (on-demand only once the rest of
    the job barely fits: :func:`daemon.control.deadline.markets`) keeps the deadline.
 
 A domain the daemon has never seen gets the benefit of the doubt: rate 1, no outage.
@@ -60,11 +63,16 @@ class HomeDecision:
     move_s: float | None = None
 
     def to_dict(self) -> dict[str, object]:
-        """The decision as ``spotctl status`` and an event carry it (seconds rounded)."""
+        """The decision as ``spotctl status`` and ``placement_waiting`` carry it (seconds rounded)."""
+        return {"action": self.action, "reason": self.reason, "home": self.home, "target": self.target,
+                **self.figures()}
+
+    def figures(self) -> dict[str, object]:
+        """What a move's ``migration_started`` adds to its own fields: the decision's line
+        (``decision``) and its figures (seconds rounded)."""
         def r(x: float | None) -> float | None:
             return None if x is None else round(x, 1)
-        return {"action": self.action, "reason": self.reason, "home": self.home, "target": self.target,
-                "left_s": r(self.left_s), "wait_s": r(self.wait_s), "move_s": r(self.move_s)}
+        return {"decision": self.reason, "left_s": r(self.left_s), "wait_s": r(self.wait_s), "move_s": r(self.move_s)}
 
 
 def decide(progress: Progress, domains: Sequence[DomainView], home: str, history: History, record: Availability, *,
@@ -87,13 +95,18 @@ def decide(progress: Progress, domains: Sequence[DomainView], home: str, history
         return (rest or 0.0) + restart + extra_s + work / max(rate if rate is not None else 1.0, 1e-3)
 
     wait_s = finish_s(home, 0.0)
+    up = [d for d in domains if d.name != home and d.name not in avoid and d.usable(history, now)
+          and any(not o.on_demand for o in d.usable(history, now))]
+    if progress.step == 0 and up:  # nothing trained: the home is only where it started, and moving is free
+        to = min(up, key=lambda d: (finish_s(d.name, 0.0), d.usd_per_gpu_h(history, now), d.name))
+        if finish_s(to.name, 0.0) < wait_s:
+            return HomeDecision("move", f"{home} is out before the job trained; {to.name} has spot", home, to.name,
+                                left, wait_s, finish_s(to.name, 0.0))
     if left >= margin * wait_s:
         return HomeDecision("wait", f"the slack covers {home}'s outage", home, left_s=left, wait_s=wait_s)
     source = next((d for d in domains if d.name == home), None)
     egress = move_cost_usd(checkpoint_bytes, source) if source is not None else 0.0
     copy_s = (checkpoint_bytes or 0) / COPY_BYTES_S
-    up = [d for d in domains if d.name != home and d.name not in avoid and d.usable(history, now)
-          and any(not o.on_demand for o in d.usable(history, now))]
     if not up:
         return HomeDecision("wait", "no other domain has spot", home, left_s=left, wait_s=wait_s)
     move_s = {d.name: finish_s(d.name, copy_s) for d in up}

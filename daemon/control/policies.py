@@ -374,4 +374,4 @@ class HomeZone(DeadlineAware):
                            availability=availability or Availability(), avoid=avoid)
         if d is None or d.action != "move" or d.target is None:
             return None
-        return Move(current, d.target, "home_out", d.to_dict(), markets=SPOT_ONLY)
+        return Move(current, d.target, "home_out", d.figures(), markets=SPOT_ONLY)

@@ -392,6 +392,12 @@ async def test_home_zone_waits_for_its_domain_on_the_slack_and_says_why(make_sim
         assert sim.sup.policy.name == "home_zone"
         n1 = await sim.launched(1)
         sim.boot(n1)
+        await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
+        sim.clock.advance(31)  # past rejoin_timeout_s: the job starts on min_nodes
+        sim.sup.wake()
+        await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
+        sim.start([n1], step=0)
+        sim.beat(n1, step=10)  # it has trained: AWS is its home now (before, a move would be free)
         await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
         for i in range(3):  # past the patience (60 s) and every backoff
             sim.clock.advance(500)
@@ -409,3 +415,24 @@ async def test_home_zone_waits_for_its_domain_on_the_slack_and_says_why(make_sim
         # the providers' stock, asked with the prices: Alibaba in stock, though never launched in
         assert sim.sup.fleet.probe_stock and sim.sup.migrator.availability.is_up("aliyun-hz") is True
         assert not [n for n in sim.sup.nodes.values() if sim.sup.domain_of(n) == "aliyun-hz"]
+
+
+async def test_home_zone_leaves_a_starved_domain_at_once_before_the_job_trained(make_sim, tmp_path: Path) -> None:
+    """The same, but the job has not trained a step: the home is only where it started
+    and a move copies nothing, so the job moves to Alibaba (in stock, as the provider
+    says) at once, without waiting out the patience."""
+    provider = RegionProvider({"us-east-1": 1})
+    overrides = _overrides(tmp_path, patience_s=3600)
+    overrides["job"].update({"target_steps": 3600, "deadline": 10.0, "step_s": 1.0, "deadline_policy": "home_zone"})
+    overrides["pool"]["on_demand_fallback"] = True
+    overrides["offers"].append({**overrides["offers"][0], "market": "on_demand"})
+    async with make_sim(provider=provider, **overrides) as sim:
+        n1 = await sim.launched(1)
+        sim.boot(n1)
+        await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
+        sim.sup.wake()
+        await sim.until(lambda: sim.events("migration_started"), what="the move")
+        [started] = sim.events("migration_started")
+        assert (started.data["source"], started.data["target"], started.data["reason"]) == \
+            ("aws-use1", "aliyun-hz", "home_out")
+        assert "before the job trained" in started.data["decision"]
