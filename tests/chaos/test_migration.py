@@ -415,6 +415,12 @@ async def test_home_zone_waits_for_its_domain_on_the_slack_and_says_why(make_sim
         # the providers' stock, asked with the prices: Alibaba in stock, though never launched in
         assert sim.sup.fleet.probe_stock and sim.sup.migrator.availability.is_up("aliyun-hz") is True
         assert not [n for n in sim.sup.nodes.values() if sim.sup.domain_of(n) == "aliyun-hz"]
+        seen = sim.sup.migrator.availability.changes["aws-use1"]
+    async with make_sim(provider=provider, **overrides) as sim:  # the daemon restarted
+        # the record is rebuilt from the store's events: AWS up at the launch, down at the refusal
+        # (the stock answers are not events: a restarted daemon asks again)
+        after = sim.sup.migrator.availability.changes["aws-use1"]
+        assert [up for _, up in after[:2]] == [True, False] and after[1] == seen[1]
 
 
 async def test_home_zone_leaves_a_starved_domain_at_once_before_the_job_trained(make_sim, tmp_path: Path) -> None:
