@@ -466,6 +466,7 @@ class Replay:
             self._end(n, NodeState.TERMINATED)
         self.migrations_failed += 1
         self.failed_moves[m.target] = self.now
+        self.availability = self.availability.observe(m.target, None, self.now)  # given up: no longer watched
         self.move = None
 
     def progress_now(self) -> Progress | None:

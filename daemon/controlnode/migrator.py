@@ -59,7 +59,7 @@ _LOSSES = frozenset({EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.va
 # events the availability record is made of (daemon/control/availability.py)
 _SEEN = frozenset({EventKind.NODE_LAUNCHED.value, EventKind.NODE_LAUNCH_FAILED.value,
                    EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value,
-                   EventKind.MIGRATION_COMPLETED.value})
+                   EventKind.MIGRATION_COMPLETED.value, EventKind.MIGRATION_FAILED.value})
 _PREEMPTION_WINDOW_S = 3600.0  # recent preemptions / capacity failures per domain: this window (seconds)
 _HELD = frozenset({Phase.COMMITTING, Phase.COPYING, Phase.STARTING})  # the source's nodes are kept
 _WAKES = frozenset({Phase.BOOTING, Phase.COMMITTING, Phase.STARTING})  # a pass at once: the pool changes
@@ -159,9 +159,12 @@ class Migrator:
         self._seen(ev)
 
     def _seen(self, ev: Event) -> None:
-        if ev.kind == EventKind.MIGRATION_COMPLETED.value and isinstance(ev.data.get("source"), str):
-            # the job left it: nothing is tried there any more, so nothing is seen of it
-            self.availability = self.availability.observe(ev.data["source"], None, ev.time)
+        left = {EventKind.MIGRATION_COMPLETED.value: "source", EventKind.MIGRATION_FAILED.value: "target"}.get(ev.kind)
+        if left is not None:
+            # the job left it (or gave a move there up): nothing is tried there any more, so
+            # nothing is seen of it until a probe or a launch says
+            if isinstance(ev.data.get(left), str):
+                self.availability = self.availability.observe(ev.data[left], None, ev.time)
             return
         node = self.core.nodes.get(ev.node) if ev.node is not None else None
         if ev.kind not in _SEEN or node is None or node.market != "spot":

@@ -239,6 +239,10 @@ async def test_a_target_out_of_capacity_fails_the_move_at_once(make_sim, tmp_pat
         assert failed.data["reason"] == "target_out_of_capacity" and failed.data["phase"] == "booting"
         assert failed.time - sim.events("migration_started")[0].time < 3600  # long before the boot timeout
         assert n1.state is NodeState.RUNNING and sim.sup.domain == "aws-use1"  # never drained
+        # the availability record: Alibaba seen down at the refusal, then unwatched (the job
+        # tries nothing there any more: a stale "down" must not condemn it for good)
+        [*_, (t_down, down), (t_left, unwatched)] = sim.sup.migrator.availability.changes["aliyun-hz"]
+        assert (down, unwatched) == (False, None) and t_left == failed.time >= t_down
 
 
 async def test_a_failed_copy_never_starts_the_job_on_a_torn_checkpoint(make_sim, tmp_path) -> None:
