@@ -88,6 +88,28 @@ def _one_domain_in_the_job(sim: Sim, bad: list[str]) -> None:
     sim.sup.subscribe(check)
 
 
+async def _training_on_one_node(sim: Sim, provider: RegionProvider) -> Node:
+    """Node 1 boots, node 2 is refused for capacity; past ``rejoin_timeout_s`` the job
+    starts on node 1 alone. Returns node 1."""
+    n1 = await sim.launched(1)
+    sim.boot(n1)
+    await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
+    sim.clock.advance(31)  # past rejoin_timeout_s: the job starts on min_nodes
+    sim.sup.wake()
+    await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
+    return n1
+
+
+def _home_zone(tmp_path: Path, **migration: Any) -> dict[str, Any]:
+    """:func:`_overrides` with a deadline spent by ``home_zone`` (and the on-demand offer
+    a deadline needs)."""
+    overrides = _overrides(tmp_path, **migration)
+    overrides["job"].update({"target_steps": 3600, "deadline": 10.0, "step_s": 1.0, "deadline_policy": "home_zone"})
+    overrides["pool"]["on_demand_fallback"] = True
+    overrides["offers"].append({**overrides["offers"][0], "market": "on_demand"})
+    return overrides
+
+
 def test_offers_of_two_providers_without_domains_are_refused(tmp_path: Path) -> None:
     """Today's configs/multi-cloud.yaml shape (offers in AWS and Alibaba, no domains) made
     one job of both clouds; it is now refused with a line that says what to do."""
@@ -114,12 +136,7 @@ async def test_replacements_come_from_the_jobs_domain_only(make_sim, tmp_path: P
     async with make_sim(provider=provider, **_overrides(tmp_path, enabled=False)) as sim:
         bad: list[str] = []
         _one_domain_in_the_job(sim, bad)
-        n1 = await sim.launched(1)
-        sim.boot(n1)
-        await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
-        sim.clock.advance(31)  # past rejoin_timeout_s: the job starts on min_nodes
-        sim.sup.wake()
-        await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
+        n1 = await _training_on_one_node(sim, provider)
         for i in range(5):  # past every backoff and any patience: capacity never comes back
             sim.clock.advance(500)  # past the longest capacity backoff (300 s + 40 % jitter)
             sim.sup.wake()
@@ -388,18 +405,10 @@ async def test_home_zone_waits_for_its_domain_on_the_slack_and_says_why(make_sim
     from daemon.interfaces.ctl_render import _placement
 
     provider = RegionProvider({"us-east-1": 1})
-    overrides = _overrides(tmp_path)
-    overrides["job"].update({"target_steps": 3600, "deadline": 10.0, "step_s": 1.0, "deadline_policy": "home_zone"})
-    overrides["pool"]["on_demand_fallback"] = True
-    overrides["offers"].append({**overrides["offers"][0], "market": "on_demand"})
+    overrides = _home_zone(tmp_path)
     async with make_sim(provider=provider, **overrides) as sim:
         assert sim.sup.policy.name == "home_zone"
-        n1 = await sim.launched(1)
-        sim.boot(n1)
-        await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
-        sim.clock.advance(31)  # past rejoin_timeout_s: the job starts on min_nodes
-        sim.sup.wake()
-        await sim.until(lambda: n1.state is NodeState.RUNNING, what="job start on node 1")
+        n1 = await _training_on_one_node(sim, provider)
         sim.start([n1], step=0)
         sim.beat(n1, step=10)  # it has trained: AWS is its home now (before, a move would be free)
         await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
@@ -432,11 +441,7 @@ async def test_home_zone_leaves_a_starved_domain_at_once_before_the_job_trained(
     and a move copies nothing, so the job moves to Alibaba (in stock, as the provider
     says) at once, without waiting out the patience."""
     provider = RegionProvider({"us-east-1": 1})
-    overrides = _overrides(tmp_path, patience_s=3600)
-    overrides["job"].update({"target_steps": 3600, "deadline": 10.0, "step_s": 1.0, "deadline_policy": "home_zone"})
-    overrides["pool"]["on_demand_fallback"] = True
-    overrides["offers"].append({**overrides["offers"][0], "market": "on_demand"})
-    async with make_sim(provider=provider, **overrides) as sim:
+    async with make_sim(provider=provider, **_home_zone(tmp_path, patience_s=3600)) as sim:
         n1 = await sim.launched(1)
         sim.boot(n1)
         await sim.until(lambda: provider.refused, what="us-east-1 out of capacity")
