@@ -4,8 +4,8 @@ A domain is **up** from an observation that it has spot capacity (a spot node la
 there, or one is training there) until one that it has none (a spot launch there
 failed for capacity, or a spot node there was preempted: its interruption notice, or
 its loss), and **down** from then until the next up; **unwatched** once the job has
-left it (a move elsewhere): the daemon tries nothing there, so that time counts
-neither way, and the domain's current state is unknown. The edge observes
+left it (a move elsewhere) or given a move to it up: the daemon tries nothing there,
+so that time counts neither way, and the domain's current state is unknown. The edge observes
 (``daemon.controlnode.migrator`` from the events it records, ``bench.replay.sim`` from
 its simulated cloud); :class:`Availability` keeps the changes, per domain, for the last
 :data:`MEMORY_S` seconds; the estimates below read them. A domain the pool has not tried
