@@ -136,6 +136,8 @@ def test_the_policy_moves_only_on_the_decision_and_buys_on_demand_only_at_the_sa
     assert move.why["decision"] == "east's outage outlasts the slack; west fits it" and move.why["left_s"] == 40 * H
     cooled = {**kw, "last_move_ended_at": now - 60}
     assert p.migrate(s, _domains(), "east", History(), progress=_progress(30, 40, now), **cooled) is None
+    shown = p.placement(s, _domains(), "east", History(), progress=_progress(30, 40, now), **cooled)
+    assert (shown.action, shown.reason) == ("wait", "a move ended within the cooldown")  # what status says
     assert p.markets(_progress(30, 50, now), now=now) == SPOT_ONLY
     assert p.markets(_progress(30, 30.1, now), now=now) == ON_DEMAND_ONLY
     assert p.markets(None, now=now) is None

@@ -120,10 +120,11 @@ class RecoveryPolicy:
                            failed_moves=failed_moves)
 
     def placement(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
-                  now: float, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,
-                  progress: Progress | None, availability: Availability) -> HomeDecision | None:
+                  now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,
+                  progress: Progress | None, availability: Availability, last_move_ended_at: float | None = None,
+                  failed_moves: Mapping[str, float] | None = None) -> HomeDecision | None:
         """Why the job is where it is, for ``spotctl status`` and the feed (None: this
-        policy says nothing beyond its moves)."""
+        policy says nothing beyond its moves); the arguments are :meth:`migrate`'s."""
         return None
 
 
@@ -344,11 +345,16 @@ class HomeZone(DeadlineAware):
         return ON_DEMAND_ONLY if net == ON_DEMAND_ONLY else SPOT_ONLY
 
     def placement(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,
-                  now: float, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,
-                  progress: Progress | None, availability: Availability,
-                  avoid: frozenset[str] = frozenset()) -> HomeDecision | None:
+                  now: float, plan: Plan, starved_since: float | None, checkpoint_bytes: int | None, gpus: int,
+                  progress: Progress | None, availability: Availability, last_move_ended_at: float | None = None,
+                  failed_moves: Mapping[str, float] | None = None) -> HomeDecision | None:
+        """:func:`daemon.control.homezone.decide`, never moving within the cooldown of the
+        last move, nor to a domain a move to which failed within it (None: no deadline)."""
         if progress is None or s.job.is_terminal() or s.paused or len(domains) < 2:
             return None
+        if starved_since is not None and last_move_ended_at is not None and now - last_move_ended_at < plan.cooldown_s:
+            return HomeDecision("wait", "a move ended within the cooldown", current)
+        avoid = frozenset(d for d, t in (failed_moves or {}).items() if now - t < plan.cooldown_s)
         return homezone.decide(progress, domains, current, history, availability, now=now,
                                starved=starved_since is not None, checkpoint_bytes=checkpoint_bytes, gpus=gpus,
                                avoid=avoid, margin=self.margin)
@@ -359,19 +365,15 @@ class HomeZone(DeadlineAware):
                 failed_moves: Mapping[str, float] | None = None, progress: Progress | None = None,
                 availability: Availability | None = None) -> Move | None:
         """Without a deadline, the default's moves. With one, a move only when
-        :func:`daemon.control.homezone.decide` says so (never within the cooldown of the
-        last move, nor to a domain a move to which failed within it), built from spot
-        only (``home_out``); never for price alone."""
+        :meth:`placement` says so, built from spot only (``home_out``); never for price alone."""
         if progress is None:
             return super().migrate(s, domains, current, history, now=now, plan=plan, starved_since=starved_since,
                                    checkpoint_bytes=checkpoint_bytes, last_move_ended_at=last_move_ended_at,
                                    gpus=gpus, failed_moves=failed_moves)
-        if last_move_ended_at is not None and now - last_move_ended_at < plan.cooldown_s:
-            return None
-        avoid = frozenset(d for d, t in (failed_moves or {}).items() if now - t < plan.cooldown_s)
-        d = self.placement(s, domains, current, history, now=now, starved_since=starved_since,
+        d = self.placement(s, domains, current, history, now=now, plan=plan, starved_since=starved_since,
                            checkpoint_bytes=checkpoint_bytes, gpus=gpus, progress=progress,
-                           availability=availability or Availability(), avoid=avoid)
+                           availability=availability or Availability(), last_move_ended_at=last_move_ended_at,
+                           failed_moves=failed_moves)
         if d is None or d.action != "move" or d.target is None:
             return None
         return Move(current, d.target, "home_out", d.figures(), markets=SPOT_ONLY)

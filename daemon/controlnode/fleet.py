@@ -58,7 +58,7 @@ class Fleet:
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
         self._listed: set[str] = set()  # live nodes' instance ids a listing has shown (observe)
         # spot_stock's word per spot offer, (unix s, in stock), asked with the prices when the
-        # recovery policy reads the availability record (the supervisor sets probe_stock)
+        # recovery policy reads the availability record (the migrator sets probe_stock)
         self.stock: dict[int, tuple[float, bool]] = {}
         self.probe_stock = False
         self._no_stock: set[str] = set()  # providers whose spot_stock said None: they cannot tell

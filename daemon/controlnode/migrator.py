@@ -303,9 +303,10 @@ class Migrator:
         self.state = st = replace(st, starved_since=since)
         gpus = max(1, sum(n.gpus for n in s.nodes if n.state in ADMITTED and n.domain == st.domain))
         progress = self.placement.progress(now)
-        decision = self.policy.placement(s, views, st.domain, history, now=now, starved_since=since,
+        decision = self.policy.placement(s, views, st.domain, history, now=now, plan=self.plan, starved_since=since,
                                          checkpoint_bytes=core.job.last_commit_bytes, gpus=gpus, progress=progress,
-                                         availability=self.availability)
+                                         availability=self.availability, last_move_ended_at=st.last_ended_at,
+                                         failed_moves=st.failed_moves)
         if decision is not None and decision.action == "wait" and (
                 self.decision is None or self.decision.action != "wait"):
             core.record(EventKind.PLACEMENT_WAITING, None, **decision.to_dict())  # once per outage: the feed's
