@@ -98,10 +98,11 @@ def decide(progress: Progress, domains: Sequence[DomainView], home: str, history
     up = [d for d in domains if d.name != home and d.name not in avoid and d.usable(history, now)
           and any(not o.on_demand for o in d.usable(history, now))]
     if progress.step == 0 and up:  # nothing trained: the home is only where it started, and moving is free
-        to = min(up, key=lambda d: (finish_s(d.name, 0.0), d.usd_per_gpu_h(history, now), d.name))
-        if finish_s(to.name, 0.0) < wait_s:
+        fresh = {d.name: finish_s(d.name, 0.0) for d in up}
+        to = min(up, key=lambda d: (fresh[d.name], d.usd_per_gpu_h(history, now), d.name))
+        if fresh[to.name] < wait_s:
             return HomeDecision("move", f"{home} is out before the job trained; {to.name} has spot", home, to.name,
-                                left, wait_s, finish_s(to.name, 0.0))
+                                left, wait_s, fresh[to.name])
     if left >= margin * wait_s:
         return HomeDecision("wait", f"the slack covers {home}'s outage", home, left_s=left, wait_s=wait_s)
     source = next((d for d in domains if d.name == home), None)
