@@ -16,7 +16,7 @@ events on every rank (:mod:`trainer.resize`, :mod:`trainer.recovery`)::
              fill()          new group: the exchange, holders from the copies
 
 ``fill`` runs after the job built the new model on the meta device, sharded and
-allocated it: it creates AdamW's state (a step on zero gradients), fills every shard,
+allocated it: it allocates AdamW's state (uncomputed: it is overwritten), fills every shard,
 and sets AdamW's step count and hyperparameters back. The tensors move in one order
 every rank computes alike (:meth:`ShardMover.local_shards`); the plan is
 :mod:`trainer.integrations.p2p_reshard`'s, the copies :mod:`trainer.integrations.replicas`'.
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from trainer.integrations.meta import allocate_optimizer_state
 from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
 from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
 
@@ -175,9 +176,13 @@ class ShardMover:
             group.update(saved)
 
     def _create_optimizer_state(self) -> None:
-        """AdamW creates its state on its first step: one on zero gradients over the new
-        shards (the moments and the parameters it moves are overwritten next)."""
+        """The optimizer's state as its first step would create it, allocated and not
+        computed (:func:`~trainer.integrations.meta.allocate_optimizer_state`: every tensor
+        of it is overwritten next); for an optimizer whose state is of another form, the
+        first step itself, on zero gradients over the new shards."""
         opt = self.job.state.optimizer
+        if allocate_optimizer_state(opt):
+            return
         params = [p for g in opt.param_groups for p in g["params"]]
         for p in params:
             p.grad = torch.zeros_like(p)
