@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import gc
 import logging
 import math
 import os
@@ -522,6 +523,11 @@ def run_job(
     if prepare is not None:
         prepare()
     ctx = joiner_context() if join else setup_distributed(args.pg_timeout_s)
+    # What exists now (imports: some 300,000 objects with torch) lives as long as the
+    # process; out of the collector's sight, a resize's gc.collect() (the old model's
+    # cycles, freed before the new one is allocated) scans only the job's own objects:
+    # 0.3 s less per resize on 2 busy cores. The job's first model is built after this.
+    gc.freeze()
     job = None
     try:
         job = job_cls(args, ctx, plan, samples)
