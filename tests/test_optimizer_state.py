@@ -80,3 +80,12 @@ def test_an_optimizer_with_state_already_is_left_alone() -> None:
     assert {id(p): dict(st) for p, st in stepped.state.items()} == before
     adagrad = torch.optim.Adagrad(_params(1))  # makes its state when constructed
     assert not allocate_optimizer_state(adagrad)
+
+
+def test_zeroed_state_is_zeros() -> None:
+    params = _params(0)
+    opt = torch.optim.AdamW(params)
+    assert allocate_optimizer_state(opt, zeroed=True)
+    for p in params:
+        assert torch.count_nonzero(opt.state[p]["exp_avg"]) == 0
+        assert torch.count_nonzero(opt.state[p]["exp_avg_sq"]) == 0

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from trainer.integrations.meta import allocate_optimizer_state
+
 __all__ = ["FullState", "gather_full_state", "optimizer_step", "release_engine", "scalars", "set_full_state",
            "zero_stage"]
 
@@ -153,7 +155,10 @@ def _create_optimizer_state(engine: Any, stage: int) -> None:
     writes through). ZeRO-3 steps its optimizer one sub-group at a time, the group's
     ``params`` set to that flat partition only for the step (``_optimizer_step``), and
     reads the state directly: the same here. The step moves the partitions (weight
-    decay) and leaves moments: :func:`set_full_state` overwrites both."""
+    decay) and leaves moments: :func:`set_full_state` overwrites both. ZeRO-1/2's
+    state is allocated in the step's form instead, zeroed (the partitions' padding is no
+    parameter's: nothing overwrites it), where the optimizer allows it
+    (:func:`~trainer.integrations.meta.allocate_optimizer_state`)."""
     base = _base_optimizer(engine)
     if stage == 3:  # ZeRO-3 hands the optimizer one flat partition at a time (its sub-groups)
         z3 = engine.optimizer
@@ -166,13 +171,14 @@ def _create_optimizer_state(engine: Any, stage: int) -> None:
             finally:
                 group["params"], flat.grad = params, grad
         return
-    params = [p for g in base.param_groups for p in g["params"]]
-    saved = [p.grad for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    base.step()
-    for p, g in zip(params, saved):
-        p.grad = g
+    if not allocate_optimizer_state(base, zeroed=True):  # its form, without the step's arithmetic
+        params = [p for g in base.param_groups for p in g["params"]]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        base.step()
+        for p, g in zip(params, saved):
+            p.grad = g
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is None:
         raise RuntimeError(f"this DeepSpeed's {type(engine.optimizer).__name__} cannot link its optimizer state "

@@ -47,7 +47,7 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
             setattr(model.get_submodule(owner), attr, shared)
 
 
-def allocate_optimizer_state(opt: torch.optim.Optimizer) -> bool:
+def allocate_optimizer_state(opt: torch.optim.Optimizer, *, zeroed: bool = False) -> bool:
     """Give every parameter of ``opt`` the state its optimizer's first step would create,
     allocated and not computed, for state about to be overwritten (a resize's): each
     tensor of a parameter's shape ``torch.empty_like`` it (uninitialised; a DTensor for a
@@ -62,7 +62,9 @@ def allocate_optimizer_state(opt: torch.optim.Optimizer) -> bool:
     shard and its zero gradients (0.8-1.0 s per rank at 200 M parameters on 2 CPU cores).
 
     An optimizer that has state already (Adagrad creates it when constructed) is left
-    alone too, and False returned.
+    alone too, and False returned. ``zeroed``: the tensors are zeros, not uninitialised,
+    for state of which only a part is overwritten (ZeRO's flat partitions: the padding
+    after the last parameter's fragment is no parameter's).
     """
     from torch.distributed.tensor import DTensor
 
@@ -93,8 +95,9 @@ def allocate_optimizer_state(opt: torch.optim.Optimizer) -> bool:
             else:
                 return False
         forms.append(form)
+    make = torch.zeros_like if zeroed else torch.empty_like
     for group, form in zip(opt.param_groups, forms):
         for p in group["params"]:
-            opt.state[p] = {key: (torch.empty_like(p, dtype=value.dtype) if like else value.clone())
+            opt.state[p] = {key: (make(p, dtype=value.dtype) if like else value.clone())
                             for key, value, like in form}
     return True
