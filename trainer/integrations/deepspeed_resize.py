@@ -42,8 +42,8 @@ import torch
 
 from trainer.integrations.meta import allocate_optimizer_state
 
-__all__ = ["FullState", "gather_full_state", "optimizer_step", "release_engine", "scalars", "set_full_state",
-           "zero_stage"]
+__all__ = ["FullState", "create_optimizer_state", "gather_full_state", "optimizer_step", "release_engine",
+           "scalars", "set_full_state", "set_scalars", "zero_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def scalars(engine: Any) -> dict[str, Any]:
     }
 
 
-def _create_optimizer_state(engine: Any, stage: int) -> None:
+def create_optimizer_state(engine: Any, stage: int) -> None:
     """Have the engine's torch optimizer create its per-partition state (torch optimizers
     create it on their first step): one step on zero gradients, then, for ZeRO-1/2, link
     each parameter's fragment of it, as ZeRO's own first step does
@@ -203,7 +203,7 @@ def set_full_state(engine: Any, model: torch.nn.Module, state: FullState) -> Non
     stage = _check_stage(engine)
     base = _base_optimizer(engine)
     if state["optim_step"] is not None and not base.state:
-        _create_optimizer_state(engine, stage)
+        create_optimizer_state(engine, stage)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -220,6 +220,14 @@ def set_full_state(engine: Any, model: torch.nn.Module, state: FullState) -> Non
             for key, value in state["optim"][name].items():
                 safe_set_full_optimizer_state(p, value.to(p.device), key)
             p.data.copy_(full.view_as(p).to(p.device, p.dtype))
+    set_scalars(engine, state)
+
+
+def set_scalars(engine: Any, state: dict[str, Any]) -> None:
+    """Set a rebuilt engine's values other than tensors from ``state`` (:func:`scalars`):
+    AdamW's step count on every partition, the param groups' hyperparameters, the LR
+    scheduler and the engine's counters."""
+    base = _base_optimizer(engine)
     if state["optim_step"] is not None:
         for st in base.state.values():
             st["step"] = (torch.full_like(st["step"], state["optim_step"]) if torch.is_tensor(st["step"])

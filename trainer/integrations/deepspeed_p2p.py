@@ -1,0 +1,280 @@
+"""ZeRO-1/2's partitions moved peer to peer at an in-process resize: each rank of the new
+data-parallel size receives exactly the elements of its new partitions it lacks, from the
+ranks that hold them; nothing is gathered whole anywhere.
+
+ZeRO-1/2 flatten each parameter group and cut it into one partition per rank; each
+parameter's fp32 master copy and its optimizer state lie in one or two ranks'
+partitions as *fragments* (:func:`~trainer.integrations.deepspeed_replicas.partitions`
+gives a rank's table: per parameter, its partition index, the fragment's offset in it,
+where the fragment starts in the flattened parameter, its elements). Another world size
+cuts the same flattened parameters at other places, and pads differently at the end: so
+the plan is made per parameter, from both layouts' tables, as overlaps of intervals of
+the flattened parameter (:func:`plan`, pure). The new layout's tables come from the new
+engine itself (built, its state allocated, then all-gathered: a few integers per
+parameter), never from re-implementing DeepSpeed's alignment rules.
+
+Only the fp32 master partitions and the optimizer's moments move. The low-precision
+model, which ZeRO-1/2 keep whole on every rank, is then made from the new masters by
+DeepSpeed's own ``update_lp_params`` (each rank casts its partition, then an all-gather
+over the data-parallel group), exactly as after an optimizer step: every rank, a joiner
+too, receives the model's other partitions from their holders, not from one host.
+
+A grow exchanges in the new group (the joiners are there); a shrink first hands each
+leaving rank's partitions whole to one survivor, in the old group (:func:`hand_over`),
+then exchanges in the new group from the holders, as after a loss. ZeRO-3 (partitions of
+each parameter, not of flat groups) keeps the gather
+(:func:`~trainer.integrations.deepspeed_resize.gather_full_state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.integrations.p2p_reshard import MAX_IN_FLIGHT, Traffic
+
+__all__ = ["Fragment", "Piece", "exchange", "fill", "hand_over", "metadata", "plan", "slot", "stage"]
+
+#: one parameter's fragment on one rank: ``(partition index, offset in it, start in the
+#: flattened parameter, elements)``; ``(-1, 0, 0, 0)``: the rank holds none of it
+Fragment = tuple[int, int, int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """Elements ``[lo, hi)`` of flattened parameter ``param``, which old rank ``src``
+    holds and new rank ``dst`` needs."""
+
+    param: int
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+def plan(old: Sequence[Sequence[Fragment]], new: Sequence[Sequence[Fragment]]) -> list[Piece]:
+    """The pieces that carry every new rank's fragments from the old ranks' (pure).
+
+    Args:
+        old: ``old[i][p]``: old rank ``i``'s fragment of parameter ``p``.
+        new: ``new[j][p]``: new rank ``j``'s.
+
+    Returns:
+        Pieces ordered by parameter, then new rank, then old rank: every element of every
+        new fragment in exactly one piece, from the old rank holding it.
+
+    Raises:
+        ValueError: the layouts do not have the same parameters, or an element a new
+            fragment needs is in no old fragment (another model's layout).
+    """
+    counts = {len(t) for t in (*old, *new)}
+    if len(counts) > 1:
+        raise ValueError(f"the layouts' tables list different numbers of parameters {sorted(counts)}")
+    params = counts.pop() if counts else 0
+    pieces: list[Piece] = []
+    for p in range(params):
+        held = sorted((f[2], f[2] + f[3], i) for i, t in enumerate(old) if (f := t[p])[0] >= 0 and f[3] > 0)
+        for j, t in enumerate(new):
+            part, _, lo, n = t[p]
+            if part < 0 or n <= 0:
+                continue
+            at, hi = lo, lo + n
+            for s0, s1, i in held:
+                if s1 <= at or s0 >= hi:
+                    continue
+                if s0 > at:
+                    break
+                end = min(s1, hi)
+                pieces.append(Piece(p, i, j, at, end))
+                at = end
+                if at == hi:
+                    break
+            if at != hi:
+                raise ValueError(f"parameter {p}: elements {at}..{hi} of new rank {j}'s fragment are in no old "
+                                 "rank's partitions")
+    return pieces
+
+
+def slot(parts: Sequence[torch.Tensor], keys: int, s: int, group: int) -> torch.Tensor:
+    """In a rank's ``parts`` (``[table, *flats, *state of key 0 per group, ...]``, as
+    :func:`~trainer.integrations.deepspeed_replicas.partitions` lists them, ``keys``
+    optimizer state keys): slot ``s`` of partition ``group`` (0: the fp32 master, ``k +
+    1``: the state of key ``k``)."""
+    groups = (len(parts) - 1) // (1 + keys)
+    return parts[1 + s * groups + group]
+
+
+def exchange(pieces: Sequence[Piece], old: Sequence[Sequence[Fragment]], new: Sequence[Sequence[Fragment]], *,
+             held: Mapping[int, Sequence[torch.Tensor]], into: Sequence[torch.Tensor] | None, keys: int,
+             holders: Sequence[int], takers: Sequence[int]) -> Traffic:
+    """Carry out ``pieces`` (:func:`plan` of ``old`` and ``new``) on this rank of the default
+    group, for the fp32 masters and each of ``keys`` optimizer states: send what it holds
+    that others take, receive what it takes, copy what it both holds and takes.
+
+    Collective over the default group: every rank calls it with the same pieces and
+    tables. The operations go in batches of :data:`MAX_IN_FLIGHT`, the same on every
+    rank, each batch waited for before the next is posted (no cycle of waits).
+
+    Args:
+        held: ``held[i]``: old rank ``i``'s parts, for each old rank whose parts this rank
+            holds (its own; after a shrink's :func:`hand_over`, a leaver's too).
+        into: this rank's new parts (the new engine's own tensors), or None (it takes none).
+        holders: ``holders[i]``: the rank holding old rank ``i``'s parts.
+        takers: ``takers[j]``: the rank taking new rank ``j``'s parts.
+
+    Raises:
+        ValueError: ``holders`` or ``takers`` of the wrong length; this rank lacks parts
+            the plan says it holds or takes (before any send).
+    """
+    if len(holders) != len(old) or len(takers) != len(new):
+        raise ValueError(f"{len(holders)} holders for {len(old)} old ranks, {len(takers)} takers for {len(new)}")
+    me = dist.get_rank()
+    for i, r in enumerate(holders):
+        if r == me and i not in held:
+            raise ValueError(f"this rank holds old rank {i}'s partitions by the plan, and has none")
+    if me in takers and into is None:
+        raise ValueError("this rank takes a new partition by the plan, and has none allocated")
+    # every operation numbered over the whole plan, alike on every rank: its tag, and its
+    # batch (number // MAX_IN_FLIGHT), so both ends of a transfer post it in the same batch
+    mine: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
+    n = 0
+    for pc in pieces:
+        src, dst = holders[pc.src], takers[pc.dst]
+        if me not in (src, dst):
+            n += 1 + keys
+            continue
+        fo, fn = old[pc.src][pc.param], new[pc.dst][pc.param]
+        for s in range(1 + keys):
+            view = (slot(held[pc.src], keys, s, fo[0]).narrow(0, fo[1] + pc.lo - fo[2], pc.hi - pc.lo)
+                    if me == src else None)
+            out = (slot(into, keys, s, fn[0]).narrow(0, fn[1] + pc.lo - fn[2], pc.hi - pc.lo)  # type: ignore[arg-type]
+                   if me == dst else None)
+            mine.append((n, src, dst, view, out))
+            n += 1
+    traffic, t0 = Traffic(), time.perf_counter()
+    batches: dict[int, list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]] = {}
+    for op in mine:
+        batches.setdefault(op[0] // MAX_IN_FLIGHT, []).append(op)
+    for b in range(-(-n // MAX_IN_FLIGHT)):
+        ops: list[dist.P2POp] = []
+        for tag, src, dst, view, out in batches.get(b, []):
+            if src == dst:
+                out.copy_(view)  # type: ignore[union-attr]
+                traffic.copied_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
+            elif me == src:
+                ops.append(dist.P2POp(dist.isend, view.contiguous(), dst, tag=tag))  # type: ignore[union-attr]
+                traffic.sent_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
+                traffic.sends += 1
+            else:
+                ops.append(dist.P2POp(dist.irecv, out, src, tag=tag))  # type: ignore[arg-type]
+                traffic.received_bytes += out.numel() * out.element_size()  # type: ignore[union-attr]
+                traffic.receives += 1
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+    traffic.seconds = time.perf_counter() - t0
+    return traffic
+
+
+def hand_over(parts: Sequence[torch.Tensor] | None, sizes: Sequence[Sequence[int]], keep: Sequence[int],
+              dtypes: Sequence[torch.dtype]) -> tuple[list[int], dict[int, list[torch.Tensor]]]:
+    """A shrink, in the old group before it changes: each leaving rank sends its parts whole
+    to one survivor (the ``k``-th leaver to ``keep[k % len(keep)]``), which keeps them for
+    the exchange in the new group. Collective over the old group.
+
+    Args:
+        parts: this rank's parts (every old rank has its own).
+        sizes: ``sizes[i]``: the element count of each of old rank ``i``'s parts (all-gathered).
+        keep: the old ranks that stay (``keep[j]`` becomes new rank ``j``).
+        dtypes: the dtype of each part (the same on every rank: an int64 table, then fp32).
+
+    Returns:
+        ``(holders, received)``: ``holders[i]`` the *new* rank holding old rank ``i``'s
+        parts; ``received`` the leavers' parts this rank now holds, by old rank.
+    """
+    me, world = dist.get_rank(), len(sizes)
+    leavers = [i for i in range(world) if i not in keep]
+    to = {leaver: keep[k % len(keep)] for k, leaver in enumerate(leavers)}
+    holders = [keep.index(to.get(i, i)) for i in range(world)]
+    ops: list[dist.P2POp] = []
+    received: dict[int, list[torch.Tensor]] = {}
+    for leaver in leavers:
+        if me == leaver:
+            assert parts is not None
+            ops += [dist.P2POp(dist.isend, t.reshape(-1).contiguous(), to[leaver], tag=n) for n, t in enumerate(parts)]
+        elif me == to[leaver]:
+            bufs = [torch.empty(n, dtype=dtypes[k]) for k, n in enumerate(sizes[leaver])]
+            ops += [dist.P2POp(dist.irecv, b, leaver, tag=n) for n, b in enumerate(bufs)]
+            received[leaver] = [bufs[0].view(-1, 4), *bufs[1:]]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return holders, received
+
+
+def stage(engine: Any, model: torch.nn.Module, keep: Sequence[int]) -> dict[str, Any] | None:
+    """Every rank of the old group, before it changes (``keep[j]`` becomes new rank ``j``):
+    the old layout's tables all-gathered (a few integers per parameter), this rank's own
+    parts kept (DeepSpeed's own tensors, no copy) and, for a shrink, the leavers' parts
+    handed over whole to the survivors (:func:`hand_over`). Returns what :func:`fill`
+    needs (None on a leaving rank), and the engine's scalars of this step."""
+    from trainer.exchange import all_gather_json
+    from trainer.integrations.deepspeed_replicas import partitions
+    from trainer.integrations.deepspeed_resize import scalars
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    keys, parts = partitions(engine, model, me)
+    info = all_gather_json({"table": parts[0].tolist(), "sizes": [t.numel() for t in parts]})
+    staged: dict[str, Any] = {"p2p": True, "old": [[tuple(f) for f in x["table"]] for x in info], "keys": keys,
+                              **scalars(engine)}
+    if len(keep) == world:
+        return {**staged, "held": {me: parts}, "holders": list(range(world))}
+    holders, received = hand_over(parts, [x["sizes"] for x in info], keep, [t.dtype for t in parts])
+    handed = sum(t.numel() * t.element_size() for got in received.values() for t in got)
+    return {**staged, "held": {me: parts, **received}, "holders": holders, "handed_bytes": handed} \
+        if me in keep else None
+
+
+def metadata(staged: dict[str, Any]) -> dict[str, Any]:
+    """What a grow's joiners take from rank 0: the staged layout without any tensor."""
+    return {k: v for k, v in staged.items() if k != "held"}
+
+
+def fill(engine: Any, model: torch.nn.Module, staged: dict[str, Any]) -> Traffic:
+    """Every rank of the new group, its new engine built (not stepped): the optimizer's
+    state allocated, the new layout's tables all-gathered, every new partition filled from
+    the holders (:func:`exchange`), the low-precision model made from them
+    (``update_lp_params``: a cast and an all-gather, as after a step), and the scalars set.
+    Returns this rank's traffic, a shrink's hand-over received included.
+
+    Raises:
+        RuntimeError: the new engine's optimizer state has other keys than the old one's,
+            or the layouts are not of the same parameters.
+    """
+    from trainer.exchange import all_gather_json
+    from trainer.integrations.deepspeed_replicas import partitions
+    from trainer.integrations.deepspeed_resize import create_optimizer_state, set_scalars, zero_stage
+
+    base = engine.optimizer.optimizer
+    if staged["optim_step"] is not None and not base.state:
+        create_optimizer_state(engine, zero_stage(engine))
+    keys, into = partitions(engine, model, dist.get_rank())
+    if keys != staged["keys"]:
+        raise RuntimeError(f"the new engine's optimizer state has keys {keys}, the old one's {staged['keys']}")
+    new = [[tuple(f) for f in t] for t in all_gather_json(into[0].tolist())]
+    try:
+        pieces = plan(staged["old"], new)
+    except ValueError as exc:
+        raise RuntimeError(f"cannot move the partitions to the new layout: {exc}") from exc
+    with torch.no_grad():
+        traffic = exchange(pieces, staged["old"], new, held=staged.get("held") or {}, into=into, keys=len(keys),
+                           holders=staged["holders"], takers=list(range(dist.get_world_size())))
+        engine.optimizer.update_lp_params()
+    set_scalars(engine, staged)
+    traffic.received_bytes += staged.get("handed_bytes", 0)  # a shrink's leavers' parts, in the old group
+    return traffic
