@@ -1,7 +1,9 @@
 """A DeepSpeed ZeRO engine (stage 1, 2 or 3) rebuilt at another data-parallel size in its running processes.
 
 What :class:`trainer.examples.deepspeed_zero2.DeepSpeedJob` does around an in-process
-resize (shrink, grow; :mod:`trainer.resize`), on every rank::
+resize (shrink, grow; :mod:`trainer.resize`) for ZeRO-3, on every rank (ZeRO-1/2 move
+their partitions peer to peer instead of the gather and the set,
+:mod:`trainer.integrations.deepspeed_p2p`; the release and the rebuild are the same)::
 
     old group   gather_full_state(engine, model)   every parameter's full fp32 master copy,
                                                    its optimizer moments, AdamW's step, the
