@@ -47,8 +47,7 @@ from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
 from trainer.integrations.deepspeed_replicas import DeepSpeedReplicas, partitions
 from trainer.integrations import deepspeed_p2p
-from trainer.integrations.deepspeed_resize import (FullState, gather_full_state, release_engine, set_full_state,
-                                                   zero_stage)
+from trainer.integrations.deepspeed_resize import FullState, release_engine, set_full_state
 from trainer.integrations.meta import materialize, rebuild_optimizer
 from trainer.integrations.p2p_reshard import Traffic
 from trainer.integrations.replicas import add_replica_flags
@@ -104,9 +103,8 @@ class DeepSpeedJob(ElasticJob):
     """
 
     #: The engine is rebuilt at the new data-parallel size in these processes
-    #: (:mod:`trainer.integrations.deepspeed_resize`), so a resize moves no commit: ZeRO-1/2's
-    #: partitions go peer to peer (:mod:`trainer.integrations.deepspeed_p2p`); for ZeRO-3
-    #: every rank of the old group gathers the whole state first.
+    #: (:mod:`trainer.integrations.deepspeed_resize`), so a resize moves no commit: ZeRO's
+    #: partitions go peer to peer (:mod:`trainer.integrations.deepspeed_p2p`).
     in_process_resize = True
     #: ZeRO partitions the optimizer's state: a peer lost without notice took its part, so
     #: the survivors rebuild it from its copy on the next node (``--replicate-shards``) or
@@ -121,8 +119,8 @@ class DeepSpeedJob(ElasticJob):
         disable_jit_ops()  # CPU: no C++ build of DeepSpeed's shared-memory comm op
         self.engine: Any = None  # built by resume() (it loads into it), or after a joiner joins
         self.ckpt: DeepSpeedCheckpointer | None = None
-        #: during a resize, on the ranks that stay and the joiners: ZeRO-1/2, the old layout
-        #: and the partitions this rank holds (deepspeed_p2p.stage); ZeRO-3, the whole state
+        #: during a resize, on the ranks that stay and the joiners: the old layout and the
+        #: partitions this rank holds (deepspeed_p2p.stage); after a loss, the whole state
         self._staged: FullState | None = None
         self._traffic: Traffic | None = None  # the last exchange's, this rank
         #: with --replicate-shards: the copy of the previous node's partitions this rank keeps
@@ -174,16 +172,11 @@ class DeepSpeedJob(ElasticJob):
     # -- in-process resizes (trainer.resize.Resizer, trainer.recovery.Recovery)
 
     def stage_state(self, keep: list[int]) -> None:
-        """Every rank of the old group. ZeRO-1/2: keep this rank's partitions and learn the old
-        layout; a shrink's leavers hand theirs to the survivors
-        (:func:`~trainer.integrations.deepspeed_p2p.stage`). ZeRO-3: gather the whole state
-        (:func:`~trainer.integrations.deepspeed_resize.gather_full_state`). The ranks in
-        ``keep`` hold it for :meth:`reshard`, the leaving ones drop it."""
-        if zero_stage(self.engine) in (1, 2):
-            self._staged = deepspeed_p2p.stage(self.engine, self.state.model, keep)
-            return
-        state = gather_full_state(self.engine, self.state.model)
-        self._staged = state if self.ctx.rank in keep else None
+        """Every rank of the old group: keep this rank's partitions and learn the old layout;
+        a shrink's leavers hand theirs to the survivors
+        (:func:`~trainer.integrations.deepspeed_p2p.stage`). The ranks in ``keep`` hold
+        them for :meth:`reshard`, the leaving ones drop them."""
+        self._staged = deepspeed_p2p.stage(self.engine, self.state.model, keep)
 
     def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
         """After a loss (:class:`~trainer.recovery.Recovery`, in the survivors' new group):
@@ -196,13 +189,11 @@ class DeepSpeedJob(ElasticJob):
         return self._staged is not None
 
     def peer_state(self) -> dict[str, Any]:
-        """Rank 0 to a joiner: ZeRO-1/2, the old layout (metadata: the partitions go peer to
-        peer in :meth:`reshard`); ZeRO-3, the whole state it staged; and the step."""
+        """Rank 0 to a joiner: the old layout (metadata: the partitions go peer to peer in
+        :meth:`reshard`), and the step."""
         if self._staged is None:
             raise RuntimeError("rank 0 holds no staged state to send (a grow that skipped stage_state)")
-        if self._staged.get("p2p"):
-            return {"deepspeed": deepspeed_p2p.metadata(self._staged), "step": self.state.step}
-        return {"deepspeed": self._staged, "step": self.state.step}
+        return {"deepspeed": deepspeed_p2p.metadata(self._staged), "step": self.state.step}
 
     def load_peer_state(self, state: dict[str, Any]) -> None:
         self._staged = tree_map_only(torch.Tensor, lambda t: t.cpu(), state["deepspeed"])
@@ -252,7 +243,7 @@ class DeepSpeedJob(ElasticJob):
         return None
 
     def resize_report(self) -> dict[str, Any]:
-        """The last peer-to-peer exchange's bytes on this rank (ZeRO-1/2), once, and the
+        """The last peer-to-peer exchange's bytes on this rank, once, and the
         bytes of its new partitions (fp32 masters and optimizer state)."""
         t, self._traffic = self._traffic, None
         if t is None:

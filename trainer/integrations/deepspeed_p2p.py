@@ -1,9 +1,10 @@
-"""ZeRO-1/2's partitions moved peer to peer at an in-process resize: each rank of the new
+"""ZeRO's partitions moved peer to peer at an in-process resize: each rank of the new
 data-parallel size receives exactly the elements of its new partitions it lacks, from the
 ranks that hold them; nothing is gathered whole anywhere.
 
-ZeRO-1/2 flatten each parameter group and cut it into one partition per rank; each
-parameter's fp32 master copy and its optimizer state lie in one or two ranks'
+ZeRO-1/2 flatten each parameter group and cut it into one partition per rank (ZeRO-3
+cuts each parameter, and flattens each rank's pieces into its sub-groups); each
+parameter's fp32 master copy and its optimizer state lie in one or more ranks'
 partitions as *fragments* (:func:`~trainer.integrations.deepspeed_replicas.partitions`
 gives a rank's table: per parameter, its partition index, the fragment's offset in it,
 where the fragment starts in the flattened parameter, its elements). Another world size
@@ -14,16 +15,16 @@ engine itself (built, its state allocated, then all-gathered: a few integers per
 parameter), never from re-implementing DeepSpeed's alignment rules.
 
 Only the fp32 master partitions and the optimizer's moments move. The low-precision
-model, which ZeRO-1/2 keep whole on every rank, is then made from the new masters by
-DeepSpeed's own ``update_lp_params`` (each rank casts its partition, then an all-gather
-over the data-parallel group), exactly as after an optimizer step: every rank, a joiner
-too, receives the model's other partitions from their holders, not from one host.
+model is then made from the new masters as after an optimizer step
+(:func:`_update_low_precision`): ZeRO-1/2, which keep it whole on every rank, by
+DeepSpeed's ``update_lp_params`` (each rank casts its partition, then an all-gather
+over the data-parallel group: a joiner too receives the model's other partitions from
+their holders, not from one host); ZeRO-3 casts each rank's own partition of each
+parameter.
 
 A grow exchanges in the new group (the joiners are there); a shrink first hands each
 leaving rank's partitions whole to one survivor, in the old group (:func:`hand_over`),
-then exchanges in the new group from the holders, as after a loss. ZeRO-3 (partitions of
-each parameter, not of flat groups) keeps the gather
-(:func:`~trainer.integrations.deepspeed_resize.gather_full_state`).
+then exchanges in the new group from the holders, as after a loss.
 """
 
 from __future__ import annotations
@@ -274,7 +275,23 @@ def fill(engine: Any, model: torch.nn.Module, staged: dict[str, Any]) -> Traffic
     with torch.no_grad():
         traffic = exchange(pieces, staged["old"], new, held=staged.get("held") or {}, into=into, keys=len(keys),
                            holders=staged["holders"], takers=list(range(dist.get_world_size())))
-        engine.optimizer.update_lp_params()
+        _update_low_precision(engine)
     set_scalars(engine, staged)
     traffic.received_bytes += staged.get("handed_bytes", 0)  # a shrink's leavers' parts, in the old group
     return traffic
+
+
+def _update_low_precision(engine: Any) -> None:
+    """The model's low-precision parameters made from the new fp32 masters, as ZeRO's
+    optimizer step makes them. ZeRO-1/2 (``update_lp_params``): each rank casts its
+    partition, then an all-gather gives every rank the whole model. ZeRO-3
+    (``_reassign_or_swap_out_partitioned_parameters``, per sub-group): each rank casts
+    its partition of each parameter into ``ds_tensor``; the forward gathers them."""
+    from trainer.integrations.deepspeed_resize import zero_stage
+
+    opt = engine.optimizer
+    if zero_stage(engine) != 3:
+        opt.update_lp_params()
+        return
+    for sub in range(len(opt.fp32_partitioned_groups_flat)):
+        opt._reassign_or_swap_out_partitioned_parameters(sub)

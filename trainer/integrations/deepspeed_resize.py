@@ -1,9 +1,12 @@
 """A DeepSpeed ZeRO engine (stage 1, 2 or 3) rebuilt at another data-parallel size in its running processes.
 
-What :class:`trainer.examples.deepspeed_zero2.DeepSpeedJob` does around an in-process
-resize (shrink, grow; :mod:`trainer.resize`) for ZeRO-3, on every rank (ZeRO-1/2 move
-their partitions peer to peer instead of the gather and the set,
-:mod:`trainer.integrations.deepspeed_p2p`; the release and the rebuild are the same)::
+The engine rebuilt at another size, and the whole state around it. A planned resize
+(shrink, grow; :mod:`trainer.resize`) moves the partitions peer to peer
+(:mod:`trainer.integrations.deepspeed_p2p`) around :func:`release_engine` and a new
+``deepspeed.initialize``; the survivors of a loss rebuild the whole state from the
+copies (:mod:`trainer.integrations.deepspeed_replicas`) and set it. The whole-state
+path, as :class:`trainer.examples.deepspeed_zero2.DeepSpeedJob` used it for every
+resize before, on every rank::
 
     old group   gather_full_state(engine, model)   every parameter's full fp32 master copy,
                                                    its optimizer moments, AdamW's step, the
