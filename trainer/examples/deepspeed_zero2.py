@@ -7,10 +7,12 @@ model and optimizer inside a DeepSpeed engine (ZeRO stage 2, or 1 or 3 with
 :class:`~trainer.integrations.deepspeed.DeepSpeedCheckpointer`.
 
 In-process resizes (``--resize in-process``, the default, with the daemon's rendezvous
-store): the ranks that stay never restart. Before the group changes every rank gathers
-the whole state over ZeRO's partitions; after, each builds a new engine at the new
-data-parallel size and sets it (:mod:`trainer.integrations.deepspeed_resize`); a joiner
-takes the state from rank 0 and reads no commit. A rank lost without notice took its
+store): the ranks that stay never restart. Before the group changes every rank keeps
+its ZeRO partitions and learns the old layout; after, each builds a new engine at the
+new data-parallel size (:mod:`trainer.integrations.deepspeed_resize`) and receives
+only what its new partitions lack from the ranks holding it
+(:mod:`trainer.integrations.deepspeed_p2p`); a joiner takes a few values from rank 0
+and reads no commit. A rank lost without notice took its
 partition of the optimizer's state: with ``--replicate-shards`` the survivors rebuild it
 from its copy on the next node (:mod:`trainer.integrations.deepspeed_replicas`), else
 they rebuild the engine and load the newest commit, in their processes either way. A resume at another world size (that one, or a restart) goes
@@ -47,7 +49,7 @@ from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
 from trainer.integrations.deepspeed_replicas import DeepSpeedReplicas, partitions
 from trainer.integrations import deepspeed_p2p
-from trainer.integrations.deepspeed_resize import FullState, release_engine, set_full_state
+from trainer.integrations.deepspeed_resize import release_engine
 from trainer.integrations.meta import materialize, rebuild_optimizer
 from trainer.integrations.p2p_reshard import Traffic
 from trainer.integrations.replicas import add_replica_flags
@@ -120,8 +122,8 @@ class DeepSpeedJob(ElasticJob):
         self.engine: Any = None  # built by resume() (it loads into it), or after a joiner joins
         self.ckpt: DeepSpeedCheckpointer | None = None
         #: during a resize, on the ranks that stay and the joiners: the old layout and the
-        #: partitions this rank holds (deepspeed_p2p.stage); after a loss, the whole state
-        self._staged: FullState | None = None
+        #: partitions this rank holds (deepspeed_p2p.stage; after a loss, the replicas')
+        self._staged: dict[str, Any] | None = None
         self._traffic: Traffic | None = None  # the last exchange's, this rank
         #: with --replicate-shards: the copy of the previous node's partitions this rank keeps
         self.replicas = DeepSpeedReplicas(self)
@@ -180,8 +182,8 @@ class DeepSpeedJob(ElasticJob):
 
     def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
         """After a loss (:class:`~trainer.recovery.Recovery`, in the survivors' new group):
-        the whole state rebuilt from the survivors' partitions and the copies of the lost
-        ranks', staged for :meth:`reshard`; False without ``--replicate-shards`` or when the
+        the old layout staged from the survivors' partitions and the copies of the lost
+        ranks', for :meth:`reshard` to move peer to peer; False without ``--replicate-shards`` or when the
         copies cannot (:meth:`DeepSpeedReplicas.restage_after_loss`): reload the newest commit."""
         if not getattr(self.args, "replicate_shards", False):  # the same flags on every rank
             return False
@@ -231,10 +233,7 @@ class DeepSpeedJob(ElasticJob):
         if from_commit:
             self.resume()
             return self.last_committed.step if self.last_committed else None
-        if staged.get("p2p"):
-            self._traffic = deepspeed_p2p.fill(self.engine, self.state.model, staged)
-        else:
-            set_full_state(self.engine, self.state.model, staged)
+        self._traffic = deepspeed_p2p.fill(self.engine, self.state.model, staged)
         del staged
         if self.engine.global_steps != step:
             raise RuntimeError(f"the staged state is at optimizer step {self.engine.global_steps}, the job at {step}")

@@ -14,11 +14,10 @@ survivor needs to read a lost rank's partitions, whose layout it cannot compute.
 After a loss (:meth:`DeepSpeedReplicas.restage_after_loss`, called by
 :mod:`trainer.recovery` in the survivors' new group) the survivors agree which of them
 holds each old rank's partitions (:func:`~trainer.integrations.replicas.agree_on_holders`,
-as for FSDP2: its owner, or its buddy's copy), each holder broadcasts the partitions it
-holds, and every survivor puts the whole state together, every parameter's fp32 master
-and moments, as :func:`~trainer.integrations.deepspeed_resize.gather_full_state` would
-have gathered it before the loss: the engine is then rebuilt at the new size from it, as
-for a planned resize. The state's scalars (AdamW's step, the LR scheduler, the engine's
+as for FSDP2: its owner, or its buddy's copy), learn every old rank's fragment table from
+its holder, and the engine is rebuilt at the new size and filled peer to peer from the
+holders, as for a planned resize (:mod:`trainer.integrations.deepspeed_p2p`): nothing is
+gathered whole. The state's scalars (AdamW's step, the LR scheduler, the engine's
 counters) are the survivors' own, of the copies' step (kept with the snapshot when copies
 are not made every step).
 
@@ -34,9 +33,9 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from trainer.integrations.deepspeed_resize import FullState, optimizer_step, scalars, zero_stage
+from trainer.exchange import all_gather_json
+from trainer.integrations.deepspeed_resize import optimizer_step, scalars, zero_stage
 from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
 
 __all__ = ["DeepSpeedReplicas", "partitions"]
@@ -104,20 +103,6 @@ def partitions(engine: Any, model: torch.nn.Module, rank: int) -> tuple[list[str
     return keys, [table, *flats, *state]
 
 
-def _assemble(model: torch.nn.Module, keys: list[str], parts: list[torch.Tensor], into: FullState) -> None:
-    """Write one old rank's fragments (``parts``, as :func:`partitions` returned them) into
-    the whole tensors of ``into["params"]`` and ``into["optim"]``."""
-    table, rest = parts[0].tolist(), parts[1:]
-    groups = len(rest) // (1 + len(keys))
-    named = [n for n, p in model.named_parameters() if p.requires_grad]
-    for name, (i, offset, start, numel) in zip(named, table):
-        if i < 0:
-            continue
-        into["params"][name].view(-1)[start:start + numel] = rest[i][offset:offset + numel]
-        for j, key in enumerate(keys):
-            into["optim"][name][key].view(-1)[start:start + numel] = rest[groups * (1 + j) + i][offset:offset + numel]
-
-
 class DeepSpeedReplicas:
     """One rank's copies of its buddy's DeepSpeed partitions (``--replicate-shards``), and
     the rebuild of the whole state from them after a loss. ``job``: the
@@ -147,12 +132,15 @@ class DeepSpeedReplicas:
             self.replica.keep_snapshot(parts, step=job.state.step, rank=job.ctx.rank)
             self._snapshot_scalars = scalars(job.engine)
 
-    def restage_after_loss(self, old_rank: int, old_world: int) -> FullState | None:
-        """The survivors' new group, after a loss (collective): the whole state put back
-        together from the survivors' partitions (or their snapshots, going back to the
-        copies' step) and the copies of the lost ranks'; None, with one warning line on
-        rank 0, when the copies cannot rebuild it, or going back would pass the newest
-        commit or a stream's position: the survivors reload the newest commit."""
+    def restage_after_loss(self, old_rank: int, old_world: int) -> dict[str, Any] | None:
+        """The survivors' new group, after a loss (collective): the old layout staged as a
+        planned resize stages it (:func:`~trainer.integrations.deepspeed_p2p.stage`), from
+        the survivors' partitions (or their snapshots, going back to the copies' step) and
+        the copies of the lost ranks', each held by its survivor, with every old rank's
+        fragment table (all-gathered from the holders); the new engine's partitions are
+        then filled peer to peer. None, with one warning line on rank 0, when the copies
+        cannot rebuild it, or going back would pass the newest commit or a stream's
+        position: the survivors reload the newest commit."""
         job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
         # a loss inside ZeRO's optimizer step (in its all-gather of the new parameters, or
         # between ZeRO-3's sub-groups) leaves this rank's partitions ahead of the engine's
@@ -180,35 +168,14 @@ class DeepSpeedReplicas:
         held = {old_rank: own}
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
             held[copy.of] = copy.tensors
-        state = self._whole(held, holders, old_world, values)
+        # every old rank's fragment table, from the survivor holding its parts: the old layout
+        tables: dict[str, list] = {}
+        for got_tables in all_gather_json({str(i): parts[0].tolist() for i, parts in held.items()}):
+            tables.update(got_tables)
         if job.ctx.is_leader:
             lost = sorted(set(range(old_world)) - {int(s["old"]) for s in survivors})
             log.warning("rebuilding the partitions of old rank(s) %s from their copies (step %d)",
                         ",".join(map(str, lost)), step)
         job.state.step = step
-        return state
-
-    def _whole(self, held: dict[int, list[torch.Tensor]], holders: list[int], old_world: int,
-               values: dict[str, Any]) -> FullState:
-        """Every old rank's partitions broadcast by the survivor holding them (``held``: this
-        rank's), assembled into :data:`FullState` on every rank."""
-        model, keys, device = self.job.state.model, self._keys, self.job.ctx.device
-        like = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        shape = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in like}
-        state: FullState = {"params": {n: torch.zeros(shape[n]) for n, _ in like},
-                            "optim": {n: {k: torch.zeros(shape[n]) for k in keys} for n, _ in like}, **values}
-        count = len(next(iter(held.values())))  # every old rank's parts: as many as this rank's own
-        for i in range(old_world):
-            src = holders[i]
-            mine = held.get(i) if src == self.job.ctx.rank else None
-            sizes = (torch.tensor([t.numel() for t in mine], dtype=torch.int64, device=device) if mine is not None
-                     else torch.empty(count, dtype=torch.int64, device=device))
-            dist.broadcast(sizes, src=src)
-            parts = []
-            for j, n in enumerate(sizes.tolist()):
-                t = (mine[j].reshape(-1).to(device).contiguous() if mine is not None
-                     else torch.empty(n, dtype=torch.int64 if j == 0 else torch.float32, device=device))
-                dist.broadcast(t, src=src)
-                parts.append(t.cpu().view(-1, 4) if j == 0 else t.cpu())
-            _assemble(model, keys, parts, state)
-        return state
+        return {"p2p": True, "old": [[tuple(f) for f in tables[str(i)]] for i in range(old_world)],
+                "keys": self._keys, **values, "held": held, "holders": holders}

@@ -1,39 +1,28 @@
 """A DeepSpeed ZeRO engine (stage 1, 2 or 3) rebuilt at another data-parallel size in its running processes.
 
-The engine rebuilt at another size, and the whole state around it. A planned resize
-(shrink, grow; :mod:`trainer.resize`) moves the partitions peer to peer
-(:mod:`trainer.integrations.deepspeed_p2p`) around :func:`release_engine` and a new
-``deepspeed.initialize``; the survivors of a loss rebuild the whole state from the
-copies (:mod:`trainer.integrations.deepspeed_replicas`) and set it. The whole-state
-path, as :class:`trainer.examples.deepspeed_zero2.DeepSpeedJob` used it for every
-resize before, on every rank::
+What :class:`trainer.examples.deepspeed_zero2.DeepSpeedJob` does around an in-process
+resize (shrink, grow; :mod:`trainer.resize`) or a loss's rebuild from the copies
+(:mod:`trainer.integrations.deepspeed_replicas`), on every rank::
 
-    old group   gather_full_state(engine, model)   every parameter's full fp32 master copy,
-                                                   its optimizer moments, AdamW's step, the
-                                                   param groups' hyperparameters, the LR
-                                                   scheduler and the engine's counters
-    (the group changes: trainer.runtime.regroup; a joiner takes the state from rank 0)
+    old group   deepspeed_p2p.stage(...)           each rank keeps its partitions, the
+                                                   old layout's tables all-gathered, the
+                                                   scalars (AdamW's step, the param groups'
+                                                   hyperparameters, the LR scheduler, the
+                                                   engine's counters: :func:`scalars`)
+    (the group changes: trainer.runtime.regroup; a joiner takes the tables from rank 0)
     new group   release_engine(engine)             its hooks off the model, DeepSpeed's
                                                    process-global groups of the old world dropped
                 deepspeed.initialize(...)          a new model and optimizer at the new size
-                set_full_state(engine, model, s)   the optimizer's state created, then every
-                                                   tensor and counter set from ``s``
+                deepspeed_p2p.fill(...)            the optimizer's state created
+                                                   (:func:`create_optimizer_state`), every
+                                                   partition filled peer to peer, the model
+                                                   made from it, the scalars set (:func:`set_scalars`)
 
-The gather and the set go through DeepSpeed's public ZeRO API
-(``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` and their
-``safe_set_full_*``; https://deepspeed.readthedocs.io/en/latest/zero3.html, "Debugging"):
-for ZeRO-1/2 each get is an all-reduce of the ranks' fragments over the data-parallel
-group, for ZeRO-3 an all-gather of the partitions, so every rank of the old group holds
-the whole state in host memory (12 bytes per parameter with AdamW) for the moment of the
-resize. ZeRO-1/2 keep the whole model (the low-precision parameters) on every rank; they
-are set from the master copy directly. ZeRO-3 partitions the parameters too: each rank
-sets its own partition of each (``safe_set_local_fp32_param`` and
-``safe_set_local_optimizer_state``: the full setters of DeepSpeed 0.19 slice the last
-rank's partition past the end of a tensor whose size the world does not divide), and its
-partition of the low-precision parameter (``param.ds_tensor``) from the same slice.
-
-The state is a tree of tensors and plain values (:data:`FullState`), so
-:func:`trainer.runtime.broadcast_state` can send it to a joiner as it is.
+:func:`gather_full_state` gives the whole state on every rank through DeepSpeed's public
+ZeRO API (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``;
+https://deepspeed.readthedocs.io/en/latest/zero3.html, "Debugging": an all-reduce of the
+ranks' fragments per tensor for ZeRO-1/2, an all-gather for ZeRO-3; 12 bytes per parameter
+with AdamW): the tests hash it before and after a resize. No resize uses it.
 """
 
 from __future__ import annotations
@@ -48,7 +37,7 @@ import torch
 from trainer.integrations.meta import allocate_optimizer_state
 
 __all__ = ["FullState", "create_optimizer_state", "gather_full_state", "optimizer_step", "release_engine",
-           "scalars", "set_full_state", "set_scalars", "zero_stage"]
+           "scalars", "set_scalars", "zero_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +61,6 @@ def _check_stage(engine: Any) -> int:
         raise ValueError(f"an in-process resize of a DeepSpeed engine needs ZeRO stage 1, 2 or 3, this one runs "
                          f"stage {stage} (set --resize restart, or zero_optimization.stage 1, 2 or 3)")
     return stage
-
-
-def _local_slice(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """ZeRO-3: this rank's partition of ``full`` (a tensor of ``param``'s whole shape), as
-    DeepSpeed lays it out: the flat tensor cut into equal partitions of
-    ``param.ds_tensor.ds_numel`` elements in the order of the ranks of the parameter's
-    group, the last one zero-padded."""
-    import torch.distributed as dist
-
-    size = int(param.ds_tensor.ds_numel)
-    start = dist.get_rank(group=param.ds_process_group) * size
-    flat = full.reshape(-1)
-    part = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-    if start < flat.numel():
-        piece = flat[start:start + size]
-        part[:piece.numel()] = piece
-    return part
 
 
 def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
@@ -189,43 +161,6 @@ def create_optimizer_state(engine: Any, stage: int) -> None:
         raise RuntimeError(f"this DeepSpeed's {type(engine.optimizer).__name__} cannot link its optimizer state "
                            "to the parameters before a step: use --resize restart")
     link()
-
-
-def set_full_state(engine: Any, model: torch.nn.Module, state: FullState) -> None:
-    """Set a freshly built engine (any data-parallel size) to ``state`` of :func:`gather_full_state`.
-
-    Every rank of the engine's group calls it with the same ``state``; nothing is exchanged:
-    each rank copies its own fragments of the fp32 master copies and moments, and the whole
-    low-precision model (ZeRO-1/2 keep it on every rank) or its own partition of it (ZeRO-3).
-
-    Raises:
-        ValueError: the engine runs ZeRO stage 0.
-        KeyError: ``state`` lacks a parameter of ``model`` (another model).
-    """
-    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
-                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
-
-    stage = _check_stage(engine)
-    base = _base_optimizer(engine)
-    if state["optim_step"] is not None and not base.state:
-        create_optimizer_state(engine, stage)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            full = state["params"][name]
-            if stage == 3:
-                part = _local_slice(p, full.to(p.ds_tensor.device))
-                safe_set_local_fp32_param(p, part)
-                for key, value in state["optim"][name].items():
-                    safe_set_local_optimizer_state(p, _local_slice(p, value.to(part.device)), key)
-                p.ds_tensor.data.copy_(part.to(p.ds_tensor.dtype))
-                continue
-            safe_set_full_fp32_param(p, full.to(p.device))
-            for key, value in state["optim"][name].items():
-                safe_set_full_optimizer_state(p, value.to(p.device), key)
-            p.data.copy_(full.view_as(p).to(p.device, p.dtype))
-    set_scalars(engine, state)
 
 
 def set_scalars(engine: Any, state: dict[str, Any]) -> None:
