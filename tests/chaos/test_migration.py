@@ -136,7 +136,7 @@ async def test_replacements_come_from_the_jobs_domain_only(make_sim, tmp_path: P
     async with make_sim(provider=provider, **_overrides(tmp_path, enabled=False)) as sim:
         bad: list[str] = []
         _one_domain_in_the_job(sim, bad)
-        n1 = await _training_on_one_node(sim, provider)
+        await _training_on_one_node(sim, provider)
         for i in range(5):  # past every backoff and any patience: capacity never comes back
             sim.clock.advance(500)  # past the longest capacity backoff (300 s + 40 % jitter)
             sim.sup.wake()
