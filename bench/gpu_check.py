@@ -19,6 +19,11 @@ built from:
 - **loss**: one rank is killed with SIGKILL in the middle of the run (no notice); the
   survivors' next all-reduce fails (gloo: connection closed; NCCL: the group's timeout,
   ``--loss-timeout-s``), they abort the group and re-form it without the dead rank;
+- **optimizer state for a reshard**: on one rank's device, AdamW's state allocated for a
+  resize (:func:`trainer.integrations.meta.allocate_optimizer_state`, the FSDP2 and ZeRO
+  paths) against the state a real step creates, for the foreach and the fused kernels
+  (fused keeps ``step`` on the device): the same form, and once the values are set the
+  next step bit-identical;
 - **NVML**: what the node agent reports per GPU (:class:`daemon.gpunode.gpu.NvmlSampler`).
 
 Without CUDA it runs the same steps on gloo and the CPU (a dry run: the test suite runs
@@ -170,6 +175,46 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def optimizer_state_check(device) -> str:
+    """The reshard's allocated AdamW state on ``device`` (module docstring): ``"ok"`` for
+    each kernel, or what differed."""
+    import torch
+
+    from trainer.integrations.meta import allocate_optimizer_state
+
+    verdicts = []
+    for kernel in ("foreach", "fused"):
+        flags = {"foreach": True} if kernel == "foreach" else {"fused": True}
+        g = torch.Generator(device="cpu").manual_seed(0)
+        trained = [torch.nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in ((64, 32), (32,))]
+        ref = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, **flags)
+        grads = [[torch.randn(p.shape, generator=g).to(device) for p in trained] for _ in range(2)]
+        for p, gr in zip(trained, grads[0]):
+            p.grad = gr
+        ref.step()
+        resized = [torch.nn.Parameter(torch.empty_like(p)) for p in trained]
+        opt = torch.optim.AdamW(resized, lr=1e-2, weight_decay=0.1, **flags)
+        if not allocate_optimizer_state(opt):
+            verdicts.append(f"{kernel}: not allocated")
+            continue
+        same = all(list(opt.state[q]) == list(ref.state[p]) and all(
+            (opt.state[q][k].shape, opt.state[q][k].dtype, opt.state[q][k].device)
+            == (ref.state[p][k].shape, ref.state[p][k].dtype, ref.state[p][k].device) for k in ref.state[p])
+            for p, q in zip(trained, resized))
+        with torch.no_grad():
+            for p, q in zip(trained, resized):
+                q.copy_(p)
+                for k in ref.state[p]:
+                    opt.state[q][k].copy_(ref.state[p][k])
+        for o, params in ((ref, trained), (opt, resized)):
+            for p, gr in zip(params, grads[1]):
+                p.grad = gr
+            o.step()
+        exact = all(torch.equal(p, q) for p, q in zip(trained, resized))
+        verdicts.append(f"{kernel}: {'ok' if same and exact else 'form differs' if not same else 'step differs'}")
+    return ", ".join(verdicts)
+
+
 def nvml_rows() -> list[tuple[str, str]]:
     try:
         from daemon.gpunode.gpu import NvmlSampler
@@ -227,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.gpu_check: timed out after {args.timeout_s:g} s", file=sys.stderr)
         return 1
     del store
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    try:
+        optim_state = optimizer_state_check(device)
+    except Exception as exc:  # a kernel this device lacks: say so in the table, fail the check
+        optim_state = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     wall = time.perf_counter() - t0
     lines = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
     r0 = next((x for x in lines if x["rank"] == 0), None)
@@ -251,12 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         (f"loss: group re-formed without it, {ranks} -> {ranks - 1} (s)", f"{r0['loss_reform_s']:.3f}"),
         ("every collective summed exactly", str(all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact",
                                                                      "loss_exact")))),
+        (f"optimizer state allocated for a reshard ({device.type})", optim_state),
         *nvml_rows(),
         ("wall (s)", f"{wall:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
-    ok = r0["loss_detected"] and all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact", "loss_exact"))
+    ok = r0["loss_detected"] and all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact", "loss_exact")) \
+        and optim_state == "foreach: ok, fused: ok"
     return 0 if ok else 1
 
 
