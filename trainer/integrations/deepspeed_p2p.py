@@ -30,14 +30,13 @@ then exchanges in the new group from the holders, as after a loss.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainer.integrations.p2p_reshard import MAX_IN_FLIGHT, Traffic
+from trainer.integrations.p2p_reshard import Traffic, Transfer, transfer
 
 __all__ = ["Fragment", "Piece", "exchange", "fill", "hand_over", "metadata", "plan", "slot", "stage"]
 
@@ -118,8 +117,8 @@ def exchange(pieces: Sequence[Piece], old: Sequence[Sequence[Fragment]], new: Se
     that others take, receive what it takes, copy what it both holds and takes.
 
     Collective over the default group: every rank calls it with the same pieces and
-    tables. The operations go in batches of :data:`MAX_IN_FLIGHT`, the same on every
-    rank, each batch waited for before the next is posted (no cycle of waits).
+    tables. The transfers are numbered alike on every rank and carried out by
+    :func:`~trainer.integrations.p2p_reshard.transfer` (batches, no cycle of waits).
 
     Args:
         held: ``held[i]``: old rank ``i``'s parts, for each old rank whose parts this rank
@@ -140,9 +139,8 @@ def exchange(pieces: Sequence[Piece], old: Sequence[Sequence[Fragment]], new: Se
             raise ValueError(f"this rank holds old rank {i}'s partitions by the plan, and has none")
     if me in takers and into is None:
         raise ValueError("this rank takes a new partition by the plan, and has none allocated")
-    # every operation numbered over the whole plan, alike on every rank: its tag, and its
-    # batch (number // MAX_IN_FLIGHT), so both ends of a transfer post it in the same batch
-    mine: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
+    # every transfer numbered over the whole plan, alike on every rank
+    mine: list[Transfer] = []
     n = 0
     for pc in pieces:
         src, dst = holders[pc.src], takers[pc.dst]
@@ -157,29 +155,7 @@ def exchange(pieces: Sequence[Piece], old: Sequence[Sequence[Fragment]], new: Se
                    if me == dst else None)
             mine.append((n, src, dst, view, out))
             n += 1
-    traffic, t0 = Traffic(), time.perf_counter()
-    batches: dict[int, list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]] = {}
-    for op in mine:
-        batches.setdefault(op[0] // MAX_IN_FLIGHT, []).append(op)
-    for b in range(-(-n // MAX_IN_FLIGHT)):
-        ops: list[dist.P2POp] = []
-        for tag, src, dst, view, out in batches.get(b, []):
-            if src == dst:
-                out.copy_(view)  # type: ignore[union-attr]
-                traffic.copied_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
-            elif me == src:
-                ops.append(dist.P2POp(dist.isend, view.contiguous(), dst, tag=tag))  # type: ignore[union-attr]
-                traffic.sent_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
-                traffic.sends += 1
-            else:
-                ops.append(dist.P2POp(dist.irecv, out, src, tag=tag))  # type: ignore[arg-type]
-                traffic.received_bytes += out.numel() * out.element_size()  # type: ignore[union-attr]
-                traffic.receives += 1
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-    traffic.seconds = time.perf_counter() - t0
-    return traffic
+    return transfer(mine, n)
 
 
 def hand_over(parts: Sequence[torch.Tensor] | None, sizes: Sequence[Sequence[int]], keep: Sequence[int],

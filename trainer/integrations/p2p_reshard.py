@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Shard
 
-__all__ = ["Piece", "Traffic", "chunk_rows", "plan", "exchange"]
+__all__ = ["Piece", "Traffic", "Transfer", "chunk_rows", "plan", "exchange", "transfer"]
 
 #: pieces in flight at once (each a pending send or receive): bounds the transport's queues
 MAX_IN_FLIGHT = 256
@@ -59,6 +59,11 @@ class Traffic:
     sends: int = 0
     receives: int = 0
     seconds: float = 0.0  # in the exchange, this rank
+
+
+#: one transfer of a plan on this rank: ``(its number in the plan, source rank, destination
+#: rank, the view it sends or None, the tensor it receives into or None)``
+Transfer = tuple[int, int, int, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -136,29 +141,48 @@ def exchange(pieces: Sequence[Piece], old: Mapping[int, Sequence[torch.Tensor]],
             if got is None or got.dim() == 0 or got.shape[0] != want:
                 raise ValueError(f"tensor {t}: this rank's {label} has shape "
                                  f"{None if got is None else tuple(got.shape)}, the plan gives it {want} rows")
+    mine: list[Transfer] = []
+    for tag, p in enumerate(pieces):
+        src, dst = holders[p.src], takers[p.dst]
+        if me not in (src, dst):
+            continue
+        view = into = None
+        if me == src:
+            s0 = chunk_rows(rows[p.tensor], old_world, p.src)[0]
+            view = old[p.src][p.tensor].narrow(0, p.start - s0, p.rows)
+        if me == dst:
+            d0 = chunk_rows(rows[p.tensor], new_world, p.dst)[0]
+            into = new[p.tensor].narrow(0, p.start - d0, p.rows)  # type: ignore[union-attr]
+        mine.append((tag, src, dst, view, into))
+    return transfer(mine, len(pieces))
+
+
+def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
+    """This rank's part of a plan of ``total`` transfers numbered alike on every rank:
+    each one it both sends and receives copied in place, the others sent or received
+    (the number is the tag). They go in batches of :data:`MAX_IN_FLIGHT` consecutive
+    numbers, the same batches on every rank; a rank posts its part of a batch once its
+    part of the one before is done, so every send it waits on was posted by its peer in
+    the same batch (no cycle of waits). Collective over the default group. Returns this
+    rank's :class:`Traffic`."""
+    me = dist.get_rank()
+    batches: dict[int, list[Transfer]] = {}
+    for t in mine:
+        batches.setdefault(t[0] // MAX_IN_FLIGHT, []).append(t)
     traffic, t0 = Traffic(), time.perf_counter()
-    for first in range(0, len(pieces), MAX_IN_FLIGHT):
+    for b in range(-(-total // MAX_IN_FLIGHT)):
         ops: list[dist.P2POp] = []
-        for tag, p in enumerate(pieces[first:first + MAX_IN_FLIGHT], start=first):
-            src, dst = holders[p.src], takers[p.dst]
-            if me not in (src, dst):
-                continue
-            if me == src:
-                s0 = chunk_rows(rows[p.tensor], old_world, p.src)[0]
-                view = old[p.src][p.tensor].narrow(0, p.start - s0, p.rows)
-            if me == dst:
-                d0 = chunk_rows(rows[p.tensor], new_world, p.dst)[0]
-                into = new[p.tensor].narrow(0, p.start - d0, p.rows)  # type: ignore[union-attr]
+        for tag, src, dst, view, into in batches.get(b, []):
             if src == dst:
-                into.copy_(view)
-                traffic.copied_bytes += view.numel() * view.element_size()
+                into.copy_(view)  # type: ignore[union-attr, arg-type]
+                traffic.copied_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
             elif me == src:
-                ops.append(dist.P2POp(dist.isend, view.contiguous(), dst, tag=tag))
-                traffic.sent_bytes += view.numel() * view.element_size()
+                ops.append(dist.P2POp(dist.isend, view.contiguous(), dst, tag=tag))  # type: ignore[union-attr]
+                traffic.sent_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
                 traffic.sends += 1
             else:
-                ops.append(dist.P2POp(dist.irecv, into, src, tag=tag))
-                traffic.received_bytes += into.numel() * into.element_size()
+                ops.append(dist.P2POp(dist.irecv, into, src, tag=tag))  # type: ignore[arg-type]
+                traffic.received_bytes += into.numel() * into.element_size()  # type: ignore[union-attr]
                 traffic.receives += 1
         if ops:
             for work in dist.batch_isend_irecv(ops):
