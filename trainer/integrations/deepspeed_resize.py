@@ -132,7 +132,8 @@ def create_optimizer_state(engine: Any, stage: int) -> None:
     writes through). ZeRO-3 steps its optimizer one sub-group at a time, the group's
     ``params`` set to that flat partition only for the step (``_optimizer_step``), and
     reads the state directly: the same here. The step moves the partitions (weight
-    decay) and leaves moments: :func:`set_full_state` overwrites both. ZeRO-1/2's
+    decay) and leaves moments: the peer-to-peer fill overwrites both
+    (:func:`trainer.integrations.deepspeed_p2p.fill`). ZeRO-1/2's
     state is allocated in the step's form instead, zeroed (the partitions' padding is no
     parameter's: nothing overwrites it), where the optimizer allows it
     (:func:`~trainer.integrations.meta.allocate_optimizer_state`)."""
