@@ -45,10 +45,10 @@ from torch.utils._pytree import tree_map_only
 
 from trainer.batch import BatchPlan
 from trainer.guard import Decision
+from trainer.integrations import deepspeed_p2p
 from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
 from trainer.integrations.deepspeed_replicas import DeepSpeedReplicas, partitions
-from trainer.integrations import deepspeed_p2p
 from trainer.integrations.deepspeed_resize import release_engine
 from trainer.integrations.meta import materialize, rebuild_optimizer
 from trainer.integrations.p2p_reshard import Traffic
@@ -183,8 +183,9 @@ class DeepSpeedJob(ElasticJob):
     def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
         """After a loss (:class:`~trainer.recovery.Recovery`, in the survivors' new group):
         the old layout staged from the survivors' partitions and the copies of the lost
-        ranks', for :meth:`reshard` to move peer to peer; False without ``--replicate-shards`` or when the
-        copies cannot (:meth:`DeepSpeedReplicas.restage_after_loss`): reload the newest commit."""
+        ranks', for :meth:`reshard` to move peer to peer; False without
+        ``--replicate-shards`` or when the copies cannot
+        (:meth:`DeepSpeedReplicas.restage_after_loss`): reload the newest commit."""
         if not getattr(self.args, "replicate_shards", False):  # the same flags on every rank
             return False
         self._staged = self.replicas.restage_after_loss(old_rank, old_world)

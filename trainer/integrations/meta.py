@@ -58,8 +58,9 @@ def allocate_optimizer_state(opt: torch.optim.Optimizer, *, zeroed: bool = False
     nothing of it is assumed. An optimizer whose state holds anything else (a tensor of
     another shape, a value other than ``step``: Adafactor's factored moments) is left
     untouched and False returned: the caller then takes the step on zero gradients
-    itself, as it does for a group whose parameters differ in dtype or device. Creating AdamW's state this way skips the step's arithmetic over the whole
-    shard and its zero gradients (0.8-1.0 s per rank at 200 M parameters on 2 CPU cores).
+    itself, as it does for a group whose parameters differ in dtype or device. Creating
+    AdamW's state this way skips the step's arithmetic over the whole shard and its zero
+    gradients (0.8-1.0 s per rank at 200 M parameters on 2 CPU cores).
 
     An optimizer that has state already (Adagrad creates it when constructed) is left
     alone too, and False returned. ``zeroed``: the tensors are zeros, not uninitialised,
