@@ -199,16 +199,21 @@ def stage(engine: Any, model: torch.nn.Module, keep: Sequence[int]) -> dict[str,
     the old layout's tables all-gathered (a few integers per parameter), this rank's own
     parts kept (DeepSpeed's own tensors, no copy) and, for a shrink, the leavers' parts
     handed over whole to the survivors (:func:`hand_over`). Returns what :func:`fill`
-    needs (None on a leaving rank), and the engine's scalars of this step."""
+    needs (None on a leaving rank), and the engine's scalars of this step. ZeRO-1/2: the
+    rank's low-precision model too (views of the old engine's buffers, kept alive until
+    the fill), which every rank of the old group holds whole: the new model is copied
+    from it, and only a joiner receives it."""
     from trainer.exchange import all_gather_json
     from trainer.integrations.deepspeed_replicas import partitions
-    from trainer.integrations.deepspeed_resize import scalars
+    from trainer.integrations.deepspeed_resize import scalars, zero_stage
 
     me, world = dist.get_rank(), dist.get_world_size()
     keys, parts = partitions(engine, model, me)
     info = all_gather_json({"table": parts[0].tolist(), "sizes": [t.numel() for t in parts]})
     staged: dict[str, Any] = {"p2p": True, "old": [[tuple(f) for f in x["table"]] for x in info], "keys": keys,
                               **scalars(engine)}
+    if zero_stage(engine) != 3:
+        staged["lp"] = [p.detach() for p in model.parameters() if p.requires_grad]
     if len(keep) == world:
         return {**staged, "held": {me: parts}, "holders": list(range(world))}
     holders, received = hand_over(parts, [x["sizes"] for x in info], keep, [t.dtype for t in parts])
@@ -219,15 +224,14 @@ def stage(engine: Any, model: torch.nn.Module, keep: Sequence[int]) -> dict[str,
 
 def metadata(staged: dict[str, Any]) -> dict[str, Any]:
     """What a grow's joiners take from rank 0: the staged layout without any tensor."""
-    return {k: v for k, v in staged.items() if k != "held"}
+    return {k: v for k, v in staged.items() if k not in ("held", "lp")}
 
 
 def fill(engine: Any, model: torch.nn.Module, staged: dict[str, Any]) -> Traffic:
     """Every rank of the new group, its new engine built (not stepped): the optimizer's
     state allocated, the new layout's tables all-gathered, every new partition filled from
-    the holders (:func:`exchange`), the low-precision model made from them
-    (``update_lp_params``: a cast and an all-gather, as after a step), and the scalars set.
-    Returns this rank's traffic, a shrink's hand-over received included.
+    the holders (:func:`exchange`), the low-precision model made (:func:`_low_precision`),
+    and the scalars set. Returns this rank's traffic, a shrink's hand-over received included.
 
     Raises:
         RuntimeError: the new engine's optimizer state has other keys than the old one's,
@@ -243,7 +247,8 @@ def fill(engine: Any, model: torch.nn.Module, staged: dict[str, Any]) -> Traffic
     keys, into = partitions(engine, model, dist.get_rank())
     if keys != staged["keys"]:
         raise RuntimeError(f"the new engine's optimizer state has keys {keys}, the old one's {staged['keys']}")
-    new = [[tuple(f) for f in t] for t in all_gather_json(into[0].tolist())]
+    info = all_gather_json({"table": into[0].tolist(), "lp": staged.get("lp") is not None})
+    new = [[tuple(f) for f in x["table"]] for x in info]
     try:
         pieces = plan(staged["old"], new)
     except ValueError as exc:
@@ -251,10 +256,45 @@ def fill(engine: Any, model: torch.nn.Module, staged: dict[str, Any]) -> Traffic
     with torch.no_grad():
         traffic = exchange(pieces, staged["old"], new, held=staged.get("held") or {}, into=into, keys=len(keys),
                            holders=staged["holders"], takers=list(range(dist.get_world_size())))
-        _update_low_precision(engine)
+        lp = _low_precision(engine, model, staged.get("lp"), [bool(x["lp"]) for x in info])
     set_scalars(engine, staged)
-    traffic.received_bytes += staged.get("handed_bytes", 0)  # a shrink's leavers' parts, in the old group
+    traffic.received_bytes += staged.get("handed_bytes", 0) + lp.received_bytes  # and a shrink's hand-over
+    traffic.sent_bytes += lp.sent_bytes
     return traffic
+
+
+def _low_precision(engine: Any, model: torch.nn.Module, old: list[torch.Tensor] | None,
+                   holding: list[bool]) -> Traffic:
+    """The new model's low-precision parameters, as after an optimizer step. ZeRO-1/2 at a
+    planned resize, where the ranks of the old group hold the old model whole (``old``;
+    ``holding[r]``: rank ``r`` does): each copies its own, and each rank that holds none
+    (a joiner) receives every parameter from one holder (parameter ``k`` from the
+    ``k``-th holder, round the holders): the joiner alone receives the model. Otherwise
+    (after a loss, whose copies may be of an earlier step than the survivors' models;
+    ZeRO-3) from the new masters (:func:`_update_low_precision`). Returns this rank's
+    traffic for it."""
+    from trainer.integrations.deepspeed_resize import zero_stage
+
+    keepers = [r for r, h in enumerate(holding) if h]
+    if zero_stage(engine) == 3 or not keepers:  # the same branch on every rank: ``holding`` is all-gathered
+        _update_low_precision(engine)
+        return Traffic()
+    new = [p for p in model.parameters() if p.requires_grad]
+    if old is not None and [t.shape for t in old] != [p.shape for p in new]:
+        raise RuntimeError("the old model's parameters are not the new model's: cannot copy them")
+    me, lacking = dist.get_rank(), [r for r, h in enumerate(holding) if not h]
+    mine: list[Transfer] = []
+    n = 0
+    for k, p in enumerate(new):
+        src = keepers[k % len(keepers)]
+        if old is not None:
+            p.data.copy_(old[k])
+        for dst in lacking:
+            if me in (src, dst):
+                mine.append((n, src, dst, old[k].reshape(-1) if me == src else None,  # type: ignore[index]
+                             p.data.view(-1) if me == dst else None))
+            n += 1
+    return transfer(mine, n)
 
 
 def _update_low_precision(engine: Any) -> None:
