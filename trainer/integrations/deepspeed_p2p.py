@@ -14,13 +14,13 @@ the flattened parameter (:func:`plan`, pure). The new layout's tables come from 
 engine itself (built, its state allocated, then all-gathered: a few integers per
 parameter), never from re-implementing DeepSpeed's alignment rules.
 
-Only the fp32 master partitions and the optimizer's moments move. The low-precision
-model is then made from the new masters as after an optimizer step
-(:func:`_update_low_precision`): ZeRO-1/2, which keep it whole on every rank, by
-DeepSpeed's ``update_lp_params`` (each rank casts its partition, then an all-gather
-over the data-parallel group: a joiner too receives the model's other partitions from
-their holders, not from one host); ZeRO-3 casts each rank's own partition of each
-parameter.
+Only the fp32 master partitions and the optimizer's moments move by the plan. The
+low-precision model (:func:`_low_precision`): ZeRO-1/2 keep it whole on every rank, so
+at a planned resize the ranks of the old group copy their own into the new model and a
+joiner receives it, each parameter from one of them in turn; after a loss (whose copies
+may be of an earlier step) it is made from the new masters as after an optimizer step,
+by DeepSpeed's ``update_lp_params`` (a cast and an all-gather); ZeRO-3 casts each rank's
+own partition of each parameter.
 
 A grow exchanges in the new group (the joiners are there); a shrink first hands each
 leaving rank's partitions whole to one survivor, in the old group (:func:`hand_over`),
