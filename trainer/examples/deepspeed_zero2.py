@@ -32,6 +32,7 @@ anything else non-zero for a failure torchrun should restart (a peer left).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
@@ -119,6 +120,11 @@ class DeepSpeedJob(ElasticJob):
 
         ds_logger.setLevel(logging.WARNING)
         disable_jit_ops()  # CPU: no C++ build of DeepSpeed's shared-memory comm op
+        # DeepSpeed imports its Muon optimizer at the first engine built in a process (to keep
+        # `import deepspeed` fast), and that import loads torch's compiler: 1.3 s. Paid here,
+        # before a joiner queues up, it is not paid inside a grow while the survivors wait.
+        with contextlib.suppress(ImportError):
+            import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
         self.engine: Any = None  # built by resume() (it loads into it), or after a joiner joins
         self.ckpt: DeepSpeedCheckpointer | None = None
         #: during a resize, on the ranks that stay and the joiners: the old layout and the
