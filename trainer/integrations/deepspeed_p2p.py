@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from trainer.integrations.p2p_reshard import Traffic, Transfer, transfer
 
-__all__ = ["Fragment", "Piece", "exchange", "fill", "hand_over", "metadata", "plan", "slot", "stage"]
+__all__ = ["Fragment", "Piece", "exchange", "fill", "hand_over", "hand_over_targets", "metadata", "plan", "slot",
+           "stage"]
 
 #: one parameter's fragment on one rank: ``(partition index, offset in it, start in the
 #: flattened parameter, elements)``; ``(-1, 0, 0, 0)``: the rank holds none of it
@@ -158,11 +159,46 @@ def exchange(pieces: Sequence[Piece], old: Sequence[Sequence[Fragment]], new: Se
     return transfer(mine, n)
 
 
+def hand_over_targets(world: int, keep: Sequence[int]) -> dict[int, int]:
+    """Which survivor each leaving rank of a shrink hands its partitions to (pure): the one
+    whose new partition overlaps the leaver's old one most, on the even split that ZeRO
+    makes of each flat group (ZeRO-1/2) or each parameter (ZeRO-3) into one partition per
+    rank (alignment padding aside), so the fewest elements travel a second time, from
+    that holder to their new owner, in the exchange. A leaver's partition (``1/world`` of
+    the split) spans at most two of the larger new ones: the holder owns at least half of
+    it. Ties go to the survivor holding fewer leavers' partitions so far, then the lower
+    new rank.
+
+    Args:
+        world: the old data-parallel size.
+        keep: the old ranks that stay, in new-rank order (``keep[j]`` becomes new rank ``j``).
+
+    Returns:
+        ``{leaving old rank: the old rank of its holder}``; empty when nobody leaves.
+
+    Raises:
+        ValueError: ``keep`` is empty, repeats a rank, or names one outside ``[0, world)``.
+    """
+    if not keep or len(set(keep)) != len(keep) or not all(0 <= k < world for k in keep):
+        raise ValueError(f"keep {list(keep)} must be distinct ranks of the old world of {world}")
+    new = len(keep)
+    held = dict.fromkeys(keep, 0)
+    out: dict[int, int] = {}
+    for i in (r for r in range(world) if r not in held):
+        # on a common scale of world * new elements: old rank i holds [i*new, (i+1)*new),
+        # new rank j [j*world, (j+1)*world)
+        overlap = [max(0, min((i + 1) * new, (j + 1) * world) - max(i * new, j * world)) for j in range(new)]
+        j = min(range(new), key=lambda j: (-overlap[j], held[keep[j]], j))
+        out[i] = keep[j]
+        held[keep[j]] += 1
+    return out
+
+
 def hand_over(parts: Sequence[torch.Tensor] | None, sizes: Sequence[Sequence[int]], keep: Sequence[int],
               dtypes: Sequence[torch.dtype]) -> tuple[list[int], dict[int, list[torch.Tensor]]]:
     """A shrink, in the old group before it changes: each leaving rank sends its parts whole
-    to one survivor (the ``k``-th leaver to ``keep[k % len(keep)]``), which keeps them for
-    the exchange in the new group. Collective over the old group.
+    to one survivor (:func:`hand_over_targets`: the one that will own most of them), which
+    keeps them for the exchange in the new group. Collective over the old group.
 
     Args:
         parts: this rank's parts (every old rank has its own).
@@ -175,8 +211,8 @@ def hand_over(parts: Sequence[torch.Tensor] | None, sizes: Sequence[Sequence[int
         parts; ``received`` the leavers' parts this rank now holds, by old rank.
     """
     me, world = dist.get_rank(), len(sizes)
-    leavers = [i for i in range(world) if i not in keep]
-    to = {leaver: keep[k % len(keep)] for k, leaver in enumerate(leavers)}
+    to = hand_over_targets(world, keep)
+    leavers = list(to)
     holders = [keep.index(to.get(i, i)) for i in range(world)]
     ops: list[dist.P2POp] = []
     received: dict[int, list[torch.Tensor]] = {}
