@@ -39,9 +39,9 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreProcess]:
         yield proc
 
 
-def _handler(store: StoreProcess, run: str, **conf: object) -> SpotvisorRendezvousHandler:
+def _handler(store: StoreProcess, run: str, min_nodes: int = 1, **conf: object) -> SpotvisorRendezvousHandler:
     params = RendezvousParameters(backend="spotvisor", endpoint=f"127.0.0.1:{store.port}", run_id=run,
-                                  min_nodes=1, max_nodes=2, is_host="false", last_call_timeout=1,
+                                  min_nodes=min_nodes, max_nodes=2, is_host="false", last_call_timeout=1,
                                   keep_alive_interval=2, keep_alive_max_attempt=5, join_timeout=60, **conf)
     handler = rendezvous_handler_registry.create_handler(params)
     assert isinstance(handler, SpotvisorRendezvousHandler)
@@ -85,6 +85,45 @@ def test_rank_0s_agent_hosts_a_new_group_store_each_round_bound_to_its_address(s
     assert not TCPStore(second.master_addr, second.master_port, is_master=False).check(["worker/key"])
     handler.shutdown()
     assert _listening(second.master_port) == []
+
+
+def test_a_rounds_rank_assignment_and_exit_barrier_need_only_rank_0s_node(store: StoreProcess) -> None:
+    """What torchrun's agent does with the round's store once the round is formed (its
+    workers' ranks assigned through it, ``SimpleElasticAgent._assign_worker_ranks``; the
+    exit barrier when they end) goes to rank 0's group store: it works on both nodes with
+    the rendezvous store SIGKILLed right after the round (a leader's control node lost
+    during a migration's first round: before, the agent died in ``multi_get``)."""
+    from torch.distributed.elastic.utils.store import barrier
+
+    handlers = [_handler(store, "assign", min_nodes=2) for _ in range(2)]
+    infos: list = [None, None]
+
+    def join(i: int) -> None:
+        infos[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(infos), infos
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    store.kill()  # the control node's store gone: the round's store is rank 0's node's
+    first, second = sorted(infos, key=lambda i: i.rank)
+    for info in (first, second):
+        info.store.set(f"torchelastic/role_info/{info.rank}", f"node {info.rank}".encode())
+    assert first.store.multi_get(["torchelastic/role_info/0", "torchelastic/role_info/1"]) == [b"node 0", b"node 1"]
+    first.store.multi_set(["torchelastic/assigned_ranks/1"], ["[1, 2]"])
+    assert second.store.get("torchelastic/assigned_ranks/1") == b"[1, 2]"
+    ends = [threading.Thread(target=barrier, args=(i.store, 2, "torchelastic/agent/terminal_state", 30))
+            for i in infos]
+    for t in ends:
+        t.start()
+    for t in ends:
+        t.join(40)
+    assert not any(t.is_alive() for t in ends)
+    for h in handlers:
+        h.shutdown()
 
 
 def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: StoreProcess,

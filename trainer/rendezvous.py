@@ -34,7 +34,9 @@ the store's loss survivable:
 And the workers' group store (their ``MASTER_ADDR:MASTER_PORT``) is hosted by rank 0's
 agent, a new one each round, bound to exactly this node's address (:func:`trainer.listen.
 listen_socket`) on a port the kernel picked and that stays bound from then on; the
-workers are its clients (``TORCHELASTIC_USE_AGENT_STORE=True``). c10d's own choices both
+workers are its clients (``TORCHELASTIC_USE_AGENT_STORE=True``), and so is every
+node's agent for what it does after the round (assigning its workers' ranks, the exit
+barrier): once a round is formed, nothing of it needs the control node. c10d's own choices both
 fail here: without sharing (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which every node
 still runs with) rank 0's agent picks a port that is free *now* and closes it, and its
 rank 0 worker binds it seconds later, by which time anything else on the node may have
@@ -223,7 +225,8 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
         self._inner, self._backend, self._join_timeout_s = inner, backend, join_timeout_s
         self._generation = backend.generation
         self._local_addr = local_addr
-        self._group_store: dist.TCPStore | None = None  # this round's, while this node holds rank 0
+        # this round's group store: the server while this node holds rank 0, else a client of rank 0's
+        self._group_store: dist.TCPStore | None = None
 
     def get_backend(self) -> str:
         return BACKEND
@@ -261,20 +264,32 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
         nodes read from there (waiting for rank 0 up to the store's read timeout, as
         c10d's own ``RendezvousStoreInfo.build`` does).
 
+        The round's store handed to torchrun is that group store too, not the rendezvous
+        store: what the agent does with it from here on (its workers' ranks assigned
+        through it, ``SimpleElasticAgent._assign_worker_ranks``; the exit barrier when
+        they end) then needs only rank 0's node, not the control node, whose store may be
+        SIGKILLed at that very moment (a leader's control node lost during a migration's
+        first round: the agent died in ``multi_get`` and took its node out of the job).
+        Those keys (``torchelastic/...``) never meet the workers' (``/worker/attempt_N/...``,
+        torch's prefix for an agent's store).
+
         Raises:
             OSError: rank 0 cannot listen on its address.
             torch.distributed.DistStoreError: rank 0 did not say within the read timeout.
         """
-        self._group_store = None  # the previous round's server stops with its last reference
+        self._group_store = None  # the previous round's server (or client) goes with its last reference
+        timeout = timedelta(seconds=self._backend.read_timeout_s)
         if info.rank == 0:
             sock = listen_socket(self._local_addr, 0)
             host, port = sock.getsockname()[:2]
             # c10d owns the descriptor from here on (it closes it with the store)
             self._group_store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                              master_listen_fd=sock.detach())
+                                              master_listen_fd=sock.detach(), timeout=timeout)
             info.store.set(_GROUP_STORE_KEY, f"{host} {port}")
         host, port = info.store.get(_GROUP_STORE_KEY).decode().rsplit(" ", 1)
-        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
+        if info.rank != 0:
+            self._group_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        return RendezvousInfo(self._group_store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
 
     def is_closed(self) -> bool:
         try:
