@@ -13,8 +13,8 @@ from daemon.control.actions import Drain, NodeView, PoolState, Terminate
 from daemon.control.lifecycle import IllegalTransition, JobState, NodeState, TrainerState
 from daemon.control.migration import (PHASE_TRANSITIONS, Begin, BootFailed, Booted, CopyDone, CopyFailed, GiveUp,
                                       Migration, MigrationState, Move, Phase, Record, ResetStart, SourceLeft,
-                                      StartCopy, TrainedThere, check_phase_transition, source_left, step, strays,
-                                      trained_there)
+                                      StartCopy, TrainedThere, check_phase_transition, source_left, start_overdue,
+                                      step, strays, trained_there)
 
 T = 1_000_000.0
 MOVE = Move("a", "b", "capacity", {"starved_s": 61.0})
@@ -232,6 +232,31 @@ def test_a_switched_move_is_done_once_the_job_steps_past_the_copy_after_resuming
     assert not trained_there(m, JobState.RUNNING, 26, T + 1)  # resumed before the copy: not from it
     assert not trained_there(m, JobState.PENDING, 30, T + 10)
     assert trained_there(m, JobState.COMPLETED, None, None)
+
+
+def test_a_switched_move_past_its_deadline_hands_the_job_back_to_the_stall_rules() -> None:
+    """The job's domain is the target, its trainers started there, and no step is
+    recorded (one trainer died in the first round; the other's claim to rank 0 waits for
+    its word): the move can do no more. Until its boot timeout after the copy the move
+    answers for the job; past it the stall rules do, and restart the target's trainers
+    in place (before, the move waited for good and logged each reconcile pass)."""
+    from daemon.control.actions import JobStalled
+    from daemon.control.stall import Progress, StallRules, check, recover
+
+    m = Migration("mig-1", "a", "b", "capacity", T, Phase.STARTING, commit_step=25, committed_at=T + 5,
+                  replicated_at=T + 9)
+    assert not start_overdue(m, T + 9 + 240, 240) and start_overdue(m, T + 9 + 241, 240)
+    assert not start_overdue(replace(m, phase=Phase.COPYING), T + 10_000, 240)  # before the switch: its own deadlines
+    s = PoolState(nodes=(node(1, "b", NodeState.RUNNING), node(2, "b", NodeState.RUNNING)), job=JobState.RUNNING,
+                  target_nodes=2, domain="b")
+    rules = StallRules(first_step_s=120, floor_s=60, step_factor=10, exit_grace_s=30)
+    waiting = Progress(since=T + 10)
+    for now in (T + 200, T + 249):  # the move holds the job: no stall, however long the silence
+        assert check(waiting, s, now=now, rules=rules, exit_codes={}, migrating=not start_overdue(m, now, 240)) is None
+    stall = check(waiting, s, now=T + 250, rules=rules, exit_codes={}, migrating=not start_overdue(m, T + 250, 240))
+    assert stall is not None and stall.reason == "no_step"
+    [stalled] = [a for a in recover(s, stall, frozenset({1, 2})) if isinstance(a, JobStalled)]
+    assert stalled.restart == ("b1", "b2")
 
 
 def test_nodes_outside_the_domains_a_job_uses_are_released() -> None:

@@ -332,6 +332,17 @@ def trained_there(m: "Migration", job: JobState, step: int | None, resumed_at: f
             and resumed_at is not None and resumed_at >= (m.replicated_at or m.committed_at or 0))
 
 
+def start_overdue(m: "Migration", now: float, boot_timeout_s: float) -> bool:
+    """A switched move (``starting``) has waited longer than ``boot_timeout_s`` (seconds)
+    since its commit reached the target for the job to train there. The move can do no
+    more (the job's domain is the target already): from then on the job is held to the
+    stall rules again (:func:`daemon.control.stall.check`), whose recovery restarts its
+    trainers in place there, instead of waiting on the move for good (a trainer that
+    died in the first round, with the claim to rank 0 waiting for its word, held the job
+    and the move ten minutes in an HA trial)."""
+    return m.phase is Phase.STARTING and now - (m.replicated_at or m.committed_at or now) > boot_timeout_s
+
+
 # -- a move in flight ---------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

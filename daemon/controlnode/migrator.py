@@ -87,6 +87,7 @@ class Migrator:
         self._losses: list[tuple[float, str]] = []  # (time, domain) of preemptions and capacity failures
         self.availability = Availability()  # what the events say of each domain's spot capacity
         self._stock_read = float("-inf")  # the newest spot_stock answer already in the record
+        self._overdue_said: str | None = None  # the move whose overdue start was logged (once a move)
         fleet.probe_stock = policy.reads_availability and len(self.domains) > 1  # asked with the prices
         self.decision: HomeDecision | None = None  # the policy's word on where the job is (spotctl status)
         self._pending: list[Action] = []  # releases decided at restore, carried out by the first pass
@@ -264,9 +265,16 @@ class Migrator:
         j = core.job
         if migration.trained_there(m, j.state, j.step, j.resumed_at):
             return migration.TrainedThere(j.step)
-        if now - (m.replicated_at or m.committed_at or now) > self.plan.boot_timeout_s:
-            log.warning("migration_slow_start", migration=m.id)
+        if migration.start_overdue(m, now, self.plan.boot_timeout_s) and self._overdue_said != m.id:
+            self._overdue_said = m.id  # once a move: the stall rules act from here (holds_job)
+            log.warning("migration_slow_start", migration=m.id, commit_step=m.commit_step, then="the stall rules")
         return None
+
+    def holds_job(self) -> bool:
+        """A move in flight answers for the job (no stall rules), until it waits past its
+        deadline for a step in the target (:func:`daemon.control.migration.start_overdue`)."""
+        m = self.move
+        return m is not None and not migration.start_overdue(m, self.core.clock(), self.plan.boot_timeout_s)
 
     def _views(self, now: float, markets: frozenset[str] | None = None) -> list[migration.DomainView]:
         self._losses = [(t, d) for t, d in self._losses if now - t < _PREEMPTION_WINDOW_S]

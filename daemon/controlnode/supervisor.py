@@ -116,7 +116,7 @@ class Supervisor:
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
-        self.stall = StallWatch(self, migrating=lambda: self.migrator.move is not None)
+        self.stall = StallWatch(self, migrating=self.migrator.holds_job)
         self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
         self._wake, self._event_added, self._released, self._completed = (asyncio.Event() for _ in range(4))
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -100,6 +100,19 @@ async def _training_on_one_node(sim: Sim, provider: RegionProvider) -> Node:
     return n1
 
 
+async def _moved_at_step_25(sim: Sim, n1: Node, a2: str, target: tuple[Node, ...], tmp_path: Path) -> None:
+    """The target's nodes boot; the job, drained in AWS for the move, commits step 25
+    there (the drain's request answered) and node 1's trainer exits."""
+    for h in target:
+        sim.boot(h)
+    await sim.until(lambda: n1.state is NodeState.DRAINING, what="the job drained in AWS for the move")
+    [drain] = [e for e in sim.events("checkpoint_requested") if e.data.get("why") == "migration"]
+    _checkpoint(f"file://{tmp_path}/use1", 25, 1)
+    sim.beat(n1, step=25)
+    sim.commit(n1, a2, 25, ids=(drain.data["request_id"],), kinds=("interruption",))
+    sim.exit(n1)
+
+
 def _home_zone(tmp_path: Path, **migration: Any) -> dict[str, Any]:
     """:func:`_overrides` with a deadline spent by ``home_zone`` (and the on-demand offer
     a deadline needs)."""
@@ -193,14 +206,7 @@ async def test_a_starved_domain_moves_the_whole_job(make_sim, tmp_path: Path) ->
         h1, h2 = await sim.launched(4), await sim.launched(5)
         assert {sim.sup.domain_of(h1), sim.sup.domain_of(h2)} == {"aliyun-hz"}
         assert n1.state is NodeState.RUNNING
-        sim.boot(h1)
-        sim.boot(h2)
-        await sim.until(lambda: n1.state is NodeState.DRAINING, what="the job drained in AWS for the move")
-        [drain] = [e for e in sim.events("checkpoint_requested") if e.data.get("why") == "migration"]
-        _checkpoint(f"file://{tmp_path}/use1", 25, 1)
-        sim.beat(n1, step=25)
-        sim.commit(n1, a2, 25, ids=(drain.data["request_id"],), kinds=("interruption",))
-        sim.exit(n1)
+        await _moved_at_step_25(sim, n1, a2, (h1, h2), tmp_path)
         await sim.until(lambda: sim.events("checkpoint_replicated"), what="checkpoint copied")
         [copied] = sim.events("checkpoint_replicated")
         assert copied.data["step"] == 25 and copied.data["shards_copied"] == 1
@@ -226,6 +232,38 @@ async def test_a_starved_domain_moves_the_whole_job(make_sim, tmp_path: Path) ->
         assert sim.sup.status()["placement"]["domain"] == "aliyun-hz"
         assert sim.sup.job.state is JobState.RUNNING
         assert bad == []
+
+
+async def test_a_move_whose_job_never_steps_in_the_target_is_stalled_there_after_boot_timeout_s(
+        make_sim, tmp_path: Path) -> None:
+    """The job switched to Alibaba and its trainers started there, but no step is ever
+    recorded (in an HA trial one trainer died in the first round and the other's claim to
+    rank 0 waited for its word). The move can do no more: up to ``boot_timeout_s`` after
+    the copy it answers for the job (no stall), then the stall rules do: ``job_stalled``
+    and the target's trainers restarted in place. One ``migration_slow_start`` line, not
+    one per reconcile pass."""
+    provider = RegionProvider({"us-east-1": 2})
+    overrides = _overrides(tmp_path, boot_timeout_s=300)
+    # no first step for 120 s would be a stall: the move's hold is what keeps it off until 300 s
+    overrides["daemon"] = {"stall": {"first_step_s": 120, "floor_s": 60}}
+    async with make_sim(provider=provider, **overrides) as sim:
+        n1, a2 = await _starved_on_one_node(sim, provider, tmp_path)
+        h1, h2 = await sim.launched(4), await sim.launched(5)
+        await _moved_at_step_25(sim, n1, a2, (h1, h2), tmp_path)
+        await sim.until(lambda: h1.state is NodeState.RUNNING and h2.state is NodeState.RUNNING,
+                        what="the job starts in Alibaba")
+        sim.exit(h2)  # its first round failed; h1's trainer runs on, and no step is recorded
+        for _ in range(5):  # within boot_timeout_s of the copy: the move holds the job
+            sim.clock.advance(55)
+            sim.sup.wake()
+            await sim.until(lambda: sim.sup.migrator.move is not None, what="the move in flight")
+        assert not sim.events("job_stalled")
+        sim.clock.advance(60)  # past it
+        sim.sup.wake()
+        await sim.until(lambda: sim.events("job_stalled"), what="the stall rules take the job back")
+        [stalled] = sim.events("job_stalled")
+        assert sim.sup.domain_of(h1) == "aliyun-hz" and stalled.data["restart"] == sorted([h1.id, h2.id]), \
+            stalled.data
 
 
 async def test_a_target_that_never_boots_gives_the_move_up_and_the_job_trains_on(make_sim, tmp_path) -> None:
