@@ -255,10 +255,10 @@ async def test_a_move_whose_job_never_steps_in_the_target_is_stalled_there_after
         sim.exit(h2)  # its first round failed; h1's trainer runs on, and no step is recorded
         for _ in range(5):  # within boot_timeout_s of the copy: the move holds the job
             sim.clock.advance(55)
-            sim.sup.wake()
-            await sim.until(lambda: sim.sup.migrator.move is not None, what="the move in flight")
-        assert not sim.events("job_stalled")
+            await sim.sup.reconcile_once()  # a whole pass at this time, the stall check included
+            assert sim.sup.migrator.holds_job() and not sim.events("job_stalled")
         sim.clock.advance(60)  # past it
+        assert not sim.sup.migrator.holds_job()
         sim.sup.wake()
         await sim.until(lambda: sim.events("job_stalled"), what="the stall rules take the job back")
         [stalled] = sim.events("job_stalled")
