@@ -93,20 +93,13 @@ def test_a_rounds_rank_assignment_and_exit_barrier_need_only_rank_0s_node(store:
     exit barrier when they end) goes to rank 0's group store: it works on both nodes with
     the rendezvous store SIGKILLed right after the round (a leader's control node lost
     during a migration's first round: before, the agent died in ``multi_get``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from torch.distributed.elastic.utils.store import barrier
 
     handlers = [_handler(store, "assign", min_nodes=2) for _ in range(2)]
-    infos: list = [None, None]
-
-    def join(i: int) -> None:
-        infos[i] = handlers[i].next_rendezvous()
-
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(infos), infos
+    with ThreadPoolExecutor(2) as pool:  # the two nodes' agents at once (a round of 2 needs both)
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers, timeout=60))
     assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
     store.kill()  # the control node's store gone: the round's store is rank 0's node's
     first, second = sorted(infos, key=lambda i: i.rank)
@@ -115,13 +108,8 @@ def test_a_rounds_rank_assignment_and_exit_barrier_need_only_rank_0s_node(store:
     assert first.store.multi_get(["torchelastic/role_info/0", "torchelastic/role_info/1"]) == [b"node 0", b"node 1"]
     first.store.multi_set(["torchelastic/assigned_ranks/1"], ["[1, 2]"])
     assert second.store.get("torchelastic/assigned_ranks/1") == b"[1, 2]"
-    ends = [threading.Thread(target=barrier, args=(i.store, 2, "torchelastic/agent/terminal_state", 30))
-            for i in infos]
-    for t in ends:
-        t.start()
-    for t in ends:
-        t.join(40)
-    assert not any(t.is_alive() for t in ends)
+    with ThreadPoolExecutor(2) as pool:  # the exit barrier of both; an error in either is raised here
+        list(pool.map(lambda i: barrier(i.store, 2, "torchelastic/agent/terminal_state", 30), infos, timeout=40))
     for h in handlers:
         h.shutdown()
 
