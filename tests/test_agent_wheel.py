@@ -279,3 +279,30 @@ def test_the_source_digest_follows_the_code_and_ignores_bytecode(tmp_path: Path)
     assert changed != base
     (src / "pyproject.toml").write_text("# changed\n")
     assert source_digest(src, "1.0") not in (base, changed)
+
+
+def test_two_builds_of_one_checkout_at_once_leave_it_as_it_was(tmp_path: Path) -> None:
+    """Two daemons with caches of their own build the same checkout at once (the suite's
+    workers did, and one build failed): each builds a private copy of exactly the files
+    the digest hashes, so both succeed, a stale ``build/lib`` module (left by an old in-tree
+    build) never reaches a wheel, and the checkout gains no ``build/`` or ``*.egg-info``."""
+    import zipfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from daemon.providers.agent_wheel import _build_from_source
+
+    src = tmp_path / "src"
+    files = {"pyproject.toml": '[project]\nname = "spotvisor"\nversion = "0.0.1"\n'
+                               '[tool.setuptools.packages.find]\ninclude = ["daemon*", "trainer*"]\n',
+             "daemon/__init__.py": "", "daemon/x.py": "X = 1\n", "trainer/__init__.py": "",
+             "build/lib/daemon/stale.py": "GONE = 1\n"}
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    before = sorted(p.relative_to(src).as_posix() for p in src.rglob("*"))
+    with ThreadPoolExecutor(2) as pool:
+        wheels = list(pool.map(lambda out: _build_from_source(src, tmp_path / out), ("a", "b")))
+    for wheel in wheels:
+        names = {n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n}
+        assert names == {"daemon/__init__.py", "daemon/x.py", "trainer/__init__.py"}, (wheel, names)
+    assert sorted(p.relative_to(src).as_posix() for p in src.rglob("*")) == before

@@ -152,14 +152,24 @@ def source_digest(source: Path, version: str) -> str:
     files (:data:`_BUILD_INPUTS`) and every file under the packages but ``__pycache__``,
     each as its path relative to ``source`` and its bytes. Blocking (about 170 files)."""
     h = hashlib.sha256(f"spotvisor-agent-wheel/1 {version}\n".encode())
-    files = [source / name for name in _BUILD_INPUTS if (source / name).is_file()]
-    for pkg in _PACKAGES:
-        files += [f for f in (source / pkg).rglob("*") if f.is_file() and "__pycache__" not in f.parts]
-    for f in sorted(files):
+    for f in _source_files(source):
         data = f.read_bytes()
         h.update(f"{f.relative_to(source).as_posix()}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
+
+
+def _source_files(source: Path) -> list[Path]:
+    """What a wheel of ``source`` is built from, sorted: the build files
+    (:data:`_BUILD_INPUTS`) and every file under the packages but ``__pycache__``.
+
+    Raises:
+        OSError: ``source`` cannot be read.
+    """
+    files = [source / name for name in _BUILD_INPUTS if (source / name).is_file()]
+    for pkg in _PACKAGES:
+        files += [f for f in (source / pkg).rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    return sorted(files)
 
 
 def cache_dir() -> Path:
@@ -240,16 +250,26 @@ def _kept(cache: Path, digest: str, source: Path) -> Path:
 
 
 def _build_from_source(source: Path, out_dir: Path) -> Path:
+    """A wheel of ``source`` built in ``out_dir`` from a private copy of exactly the files
+    :func:`source_digest` hashes: setuptools writes ``build/`` and ``*.egg-info`` into the
+    tree it builds, so two builds of one checkout at once (two daemons, each with its own
+    cache) would race there, a stale ``build/lib`` could put a deleted module into the
+    wheel, and the user's checkout would get files it did not have."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tree, wheels = Path(tmp) / "src", Path(tmp) / "wheel"
         env = {**os.environ, "SOURCE_DATE_EPOCH": _REPRODUCIBLE_EPOCH, "PIP_NO_INDEX": "1"}
         try:
+            for f in _source_files(source):
+                copy = tree / f.relative_to(source)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, copy)  # the mode too: the wheel records it
             r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                                "--wheel-dir", tmp, str(source)], env=env, capture_output=True, text=True,
+                                "--wheel-dir", str(wheels), str(tree)], env=env, capture_output=True, text=True,
                                timeout=_BUILD_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise AgentWheelError(f"building the agent wheel from {source}: {exc}") from exc
-        built = sorted(Path(tmp).glob("*.whl"))
+        built = sorted(wheels.glob("*.whl"))
         if r.returncode != 0 or len(built) != 1:
             last = (r.stderr.strip().splitlines() or ["no wheel"])[-1][:300]
             raise AgentWheelError(f"building the agent wheel from {source} failed: {last} (set daemon.agent_wheel "
