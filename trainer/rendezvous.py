@@ -22,7 +22,16 @@ the store's loss survivable:
 - a store that came back empty (a restarted process) gets this rendezvous' last state
   back (its round, its participants, their heartbeats refreshed): a node that arrives
   later is put on the wait list of the running round, as before the loss, rather than
-  forming a round of its own next to the running one;
+  forming a round of its own next to the running one. The nodes' copies can differ (a
+  node whose last write was lost with the store holds the round as it was before that
+  write), so a node that finds an older state than its own there, by (round, complete),
+  puts its own in its place, and no round completes until every live node has had time
+  to do so (:attr:`ReconnectingBackend.settle_s`, the time c10d gives a node's heartbeat
+  before it counts the node dead, plus the longest retry): a round completed just
+  before the loss, whose workers train, is never completed a second time with other
+  members by a node that did not see it complete (seen: a migration's first round, the
+  store SIGKILLed mid-round; one node trained at world 1 while the other waited a
+  minute for a rank 0 that was not in its round, and died);
 - ``next_rendezvous`` (a worker failed, a node joins with ``job.grow: restart``) waits
   for the store up to the rendezvous' ``join_timeout``, then fails as c10d's would.
 - the store that moved (an HA takeover: the new leader serves it from its own control
@@ -55,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from base64 import b64decode
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -81,13 +91,26 @@ MAX_RETRY_S = 4.0
 DEFAULT_PORT = 29400
 # a round's key (c10d prefixes it with the run and the round): rank 0's group store, "host port"
 _GROUP_STORE_KEY = "spotvisor_group_store"
+# beside c10d's state key: no round completes before this time (epoch seconds), after a store back empty
+_SETTLE_SUFFIX = ".spotvisor_settle_until"
+
+
+def _order(state: bytes) -> tuple[int, bool] | None:
+    """A c10d rendezvous state's place in time, (round, complete); None if unreadable."""
+    try:
+        s = pickle.loads(state)
+        return int(s.round), bool(s.complete)
+    except Exception:  # another torch's state
+        return None
 
 
 class ReconnectingBackend(RendezvousBackend):
     """c10d's ``C10dRendezvousBackend`` over a store client that is rebuilt after a loss.
 
     ``endpoint``: the store's ``(host, port)``; ``run_id``: the rendezvous; ``read_timeout_s``:
-    each store call's bound once connected; ``clock``: monotonic seconds (tests).
+    each store call's bound once connected; ``settle_s``: after a store back empty, how
+    long no round may complete (seconds; module docstring); ``clock``: monotonic seconds
+    (tests); ``wall``: epoch seconds, which the nodes share as c10d's deadlines assume.
     :meth:`get_state` / :meth:`set_state` raise ``RendezvousConnectionError`` at once
     while the store is down (as c10d's do when a call fails), and :attr:`store` is the
     client now in use. :attr:`generation` counts the clients built (1 after the first).
@@ -95,10 +118,12 @@ class ReconnectingBackend(RendezvousBackend):
     """
 
     def __init__(self, endpoint: tuple[str, int], run_id: str, *, read_timeout_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.endpoint, self.run_id, self.read_timeout_s = endpoint, run_id, read_timeout_s
+                 settle_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.endpoint, self.run_id, self.read_timeout_s, self.settle_s = endpoint, run_id, read_timeout_s, settle_s
         self._at = endpoint  # where the client in use connects (the store may move: current_endpoint)
-        self._clock = clock
+        self._clock, self._wall = clock, wall
+        self._settle_key = f"torch.rendezvous.{run_id}{_SETTLE_SUFFIX}"
         self._lock = threading.RLock()
         self._inner: C10dRendezvousBackend | None = None
         self.store: dist.Store | None = None
@@ -158,7 +183,49 @@ class ReconnectingBackend(RendezvousBackend):
         return self._call(lambda b: b.get_state())
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        return self._call(lambda b: b.set_state(state, token))
+        return self._call(lambda b: b.set_state(self._settled(state, token), token))
+
+    def _settled(self, state: bytes, token: Token | None) -> bytes:
+        """``state`` as it may be written now: a write that completes a round (the state it
+        replaces, ``token``'s, had that round incomplete) before the settle time a store back
+        empty was given is written with the round still open and its last call at that
+        time (c10d's join then completes it there, itself). Raises
+        ``RendezvousConnectionError`` when the store fails."""
+        if self.settle_s <= 0:
+            return state
+        try:
+            new = pickle.loads(state)
+            old = pickle.loads(b64decode(token)) if isinstance(token, bytes) else None
+            completes = new.complete and not (old is not None and old.complete and old.round == new.round)
+        except Exception:  # another torch's state: written as it is
+            return state
+        if not completes:
+            return state
+        until = self._settle_until()
+        if until is None or self._wall() >= until:
+            return state
+        new.complete, new.deadline = False, datetime.fromtimestamp(until, timezone.utc)
+        for node in new.participants:
+            new.participants[node] = 0  # ranks are given at completion
+        return pickle.dumps(new)
+
+    def _settle_until(self) -> float | None:
+        if not self._store_call(lambda st: st.check([self._settle_key])):
+            return None
+        try:
+            return float(self._store_call(lambda st: st.get(self._settle_key)).decode())
+        except ValueError:  # not ours: no settle time
+            return None
+
+    def _store_call(self, fn: Callable[[dist.Store], Any]) -> Any:
+        """``fn(store)`` on the client in use; ``RendezvousConnectionError`` when it fails."""
+        store = self.store
+        if store is None:
+            raise RendezvousConnectionError(f"the rendezvous store {self._where()} is out of reach")
+        try:
+            return fn(store)
+        except (ValueError, RuntimeError) as exc:
+            raise RendezvousConnectionError(f"the rendezvous store {self._where()} failed: {exc}") from exc
 
     def lost(self, exc: BaseException) -> None:
         """The client in use failed (a call outside this backend: the bootstrap store):
@@ -192,12 +259,14 @@ class ReconnectingBackend(RendezvousBackend):
         self._retry_s = min(self._retry_s * 2, MAX_RETRY_S)
 
     def _republish(self, inner: C10dRendezvousBackend) -> None:
-        """A store back empty: put the last state this node saw back, every heartbeat
-        renewed to now (the nodes lost meanwhile miss their next ones and are dropped as
-        c10d drops any dead node). Compare-and-set against an empty state: the first
-        node's copy wins, the others keep it."""
-        if self._last is None or inner.get_state() is not None:
-            return  # the store kept its state (a network blip), or there was none
+        """A new client: when the store is empty (a restarted process) or holds an older
+        state than the last this node saw (by :func:`_order`: another node put its older
+        copy back first), put this node's in its place, every heartbeat renewed to now
+        (the nodes lost meanwhile miss their next ones and are dropped as c10d drops any
+        dead node), after the settle time (:meth:`_settled`). Compare-and-set: of two
+        copies the newer stays."""
+        if self._last is None:
+            return
         try:
             state = pickle.loads(self._last)
             now = datetime.now(timezone.utc)
@@ -205,11 +274,21 @@ class ReconnectingBackend(RendezvousBackend):
                 state.last_heartbeats[node] = now
             data = pickle.dumps(state)
         except Exception:  # another torch's state: re-published as it was
-            data = self._last
-        result = inner.set_state(data)
-        if result is not None and result[2]:
-            log.warning("rendezvous store %s was empty: re-published round %s of rendezvous %s", self._where(),
-                        getattr(state, "round", "?"), self.run_id)
+            state, data = None, self._last
+        for _ in range(3):  # a copy that lands between the read and the write is read again
+            current = inner.get_state()
+            if current is not None and not (
+                    (mine := _order(self._last)) is not None and (theirs := _order(current[0])) is not None
+                    and mine > theirs):
+                return  # the store kept its state (a network blip), or holds one as new as ours
+            if self.settle_s > 0:  # first: a round completed between the two writes would be missed
+                self._store_call(lambda st: st.set(self._settle_key, f"{self._wall() + self.settle_s:.3f}"))
+            result = inner.set_state(data, current[1] if current is not None else None)
+            if result is not None and result[2]:
+                log.warning("rendezvous store %s %s: re-published round %s of rendezvous %s", self._where(),
+                            "was empty" if current is None else "held an older state",
+                            getattr(state, "round", "?"), self.run_id)
+                return
 
     def _where(self) -> str:
         return f"{self._at[0]}:{self._at[1]}"
@@ -355,7 +434,12 @@ def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
     if not params.local_addr:  # torchrun's --local-addr, else this node's address on the job's network
         params.local_addr = address_toward(host, port)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
-    backend = ReconnectingBackend((host, port), params.run_id, read_timeout_s=float(read_timeout))
+    # c10d counts a node dead whose heartbeat is older than interval x attempts; a live
+    # node reaches a store back within that, or its next retry (MAX_RETRY_S)
+    settle = (params.get_as_int("keep_alive_interval", 5) or 5) * (params.get_as_int("keep_alive_max_attempt", 3)
+                                                                   or 3) + MAX_RETRY_S
+    backend = ReconnectingBackend((host, port), params.run_id, read_timeout_s=float(read_timeout),
+                                  settle_s=float(settle))
     backend.connect(first=True)
     inner = create_handler(backend.store, backend, params)
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(_QuietWhileDown(backend))
