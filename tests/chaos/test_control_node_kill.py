@@ -45,24 +45,29 @@ from trainer.checkpoint import FileStore, list_committed
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 TARGET_STEPS = 70
-#: the notice cell's job (paced while the world is short of 2: the replacement grows it
+#: the HA notice cells' and trials' job (paced while the world is short of 2: the replacement grows it
 #: back before the end, however fast the survivor trains). The notice comes at step ~20
 #: and the grow lands by step ~55 (~90 at half speed): 220 leaves the survivor ~100 s at
 #: 0.5 s a step for two daemon restarts and a replacement's boot, and no more steps after
 #: the grow than the check needs (400 spent ~40 s of both cores on them)
 NOTICE_TARGET_STEPS = 220
+#: the notice cell's own target: its last 60 steps wait for the world of 2 (the paced
+#: trainer's --hold-last), so it ends a few steps after the grow, however late the grow
+#: lands (220 left ~17 s of both cores after it); the HA trials keep NOTICE_TARGET_STEPS
+NOTICE_CELL_STEPS, NOTICE_CELL_HOLD = 120, 60
 GLOBAL_BATCH = 12
 SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "2"]
 
 
 def _config(tmp_path: Path, proxy_url: str, store_port: int,
             target_steps: int = TARGET_STEPS, paced: bool = False,
-            pace_file: Path | None = None) -> tuple[Path, dict[str, Any]]:
+            pace_file: Path | None = None, hold_last: int = 0) -> tuple[Path, dict[str, Any]]:
     """The daemon's config file and its content: a 2-node pool of 1-GPU EC2 instances (moto)
     running the reference trainer (a small GPT-2) to ``target_steps``; with ``paced``, under
     ``e2e.paced_trainer``: 0.5 s a step while the world is short of 2, so the job cannot end
     before its replacement has grown it back, however fast the survivor trains; with
-    ``pace_file``, also while that file exists."""
+    ``pace_file``, also while that file exists; with ``hold_last``, its last steps wait
+    for the world of 2 (``--hold-last``)."""
     pool = f"cn-{uuid.uuid4().hex[:8]}"
     sockdir = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
     raw = {
@@ -85,7 +90,8 @@ def _config(tmp_path: Path, proxy_url: str, store_port: int,
     if paced or pace_file is not None:
         raw["job"].update(module="e2e.paced_trainer", preload=["trainer.run"],
                           args=[*raw["job"]["args"], "--full-world", "2", "--pace-s", "0.5",
-                                *(["--pace-file", str(pace_file)] if pace_file is not None else [])],
+                                *(["--pace-file", str(pace_file)] if pace_file is not None else []),
+                                *(["--hold-last", str(hold_last)] if hold_last else [])],
                           env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # tests/: e2e.paced_trainer
     cfg = tmp_path / "spotvisord.yaml"
     cfg.write_text(yaml.safe_dump(raw))
@@ -133,8 +139,9 @@ async def test_a_control_node_kill_costs_no_step_and_no_worker_restart(
     the third daemon sees the grow land in process. 0 lost steps, no worker restart."""
     store = StoreProcess("127.0.0.1", free_port())
     await asyncio.to_thread(store.start)
-    target = NOTICE_TARGET_STEPS if moment == "right_after_a_notice" else TARGET_STEPS
-    cfg, raw = _config(tmp_path, faults.url, store.port, target, paced=moment == "right_after_a_notice")
+    notice = moment == "right_after_a_notice"
+    target = NOTICE_CELL_STEPS if notice else TARGET_STEPS
+    cfg, raw = _config(tmp_path, faults.url, store.port, target, paced=notice, hold_last=NOTICE_CELL_HOLD * notice)
     pool = raw["pool"]["name"]
     instances = tmp_path / "instances"
     log = tmp_path / "spotvisord.log"

@@ -52,16 +52,18 @@ PACED = {"module": "e2e.paced_trainer",
 
 def _run(tmp_path: Path, chaos: list[dict[str, Any]], *, target_steps: int = 150, timeout_s: float = 400,
          pg_timeout_s: float | None = None, join_timeout_s: float | None = None, paced: bool = True,
-         ) -> tuple[dict[str, Any], list[Event], Path]:
+         hold_last: int = 0) -> tuple[dict[str, Any], list[Event], Path]:
     """configs/local.yaml's job with ``chaos``: with ``paced``, the small model paced
     (:data:`PACED`); without, the config's own model (a few tenths of a second a step
     here, so the store is back long before the end). ``pg_timeout_s``: the trainer's
     ``--pg-timeout-s`` (how long a new group waits for the store); ``join_timeout_s``:
-    torchrun's rendezvous ``join_timeout``."""
+    torchrun's rendezvous ``join_timeout``; ``hold_last``: the paced trainer's last steps
+    wait for the world of 3 (``--hold-last``: a cell that needs the replacement's grow
+    before the end ends a few steps after it, not after slack steps sized for a slow day)."""
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     job = PACED if paced else {"args": raw["job"]["args"]}
     raw["job"].update({**job, "target_steps": target_steps, "args": [
-        *job["args"], "--keep-checkpoints", "1000",
+        *job["args"], "--keep-checkpoints", "1000", *(["--hold-last", str(hold_last)] if hold_last else []),
         *(["--pg-timeout-s", f"{pg_timeout_s:g}"] if pg_timeout_s else [])]})
     if join_timeout_s:
         raw["rendezvous"]["join_timeout_s"] = join_timeout_s
@@ -156,7 +158,7 @@ def test_a_store_killed_during_a_notice_commit_costs_no_step(tmp_path: Path, mat
     s, stored, run_dir = _run(tmp_path, [
         {"action": "notice", "node": 2, "at_step": 30, "lead_s": 30},
         {"action": "kill_store", "at_step": 30, "restart_after_s": 3, "wait_full_pool": False},
-    ], target_steps=80)
+    ], target_steps=50, hold_last=15)  # the grow lands about 10 steps after the notice (80: 17 s after it)
     _record(matrix, "rendezvous store SIGKILLed during a notice's commit (real demo, 3 nodes)", s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
     restarted = _first(stored, "chaos_injected", action="store_restarted")
@@ -181,7 +183,7 @@ def test_a_store_killed_during_a_grow_costs_no_step(tmp_path: Path, matrix: Matr
     s, stored, run_dir = _run(tmp_path, [
         {"action": "notice", "node": 2, "at_step": 20, "lead_s": 30},
         {"action": "kill_store", "at_step": 26, "restart_after_s": 6, "wait_full_pool": False},
-    ], target_steps=90)  # the grow lands 9-13 s after the kill, about 20 steps on
+    ], target_steps=55, hold_last=20)  # the grow lands 9-13 s after the kill, about 15 steps on (90: 22 s after)
     _record(matrix, "rendezvous store SIGKILLed during a replacement's grow (real demo, 3 nodes)",
             s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")

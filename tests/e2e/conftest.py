@@ -19,11 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = ["--seq-len", "64", "--n-layer", "2", "--n-embd", "128", "--n-head", "4"]
 
 
-def paced(full_world: int, pace_s: float = 0.5) -> dict[str, Any]:
+def paced(full_world: int, pace_s: float = 0.5, hold_last: int = 0) -> dict[str, Any]:
     """Job fields that run the small model under ``e2e.paced_trainer``: slowed while the world
-    is smaller than ``full_world``, so a run cannot end before its replacements have joined."""
+    is smaller than ``full_world``, so a run cannot end before its replacements have joined;
+    with ``hold_last``, its last steps wait for the whole world (``--hold-last``), so a
+    cell's target can end a few steps after its last grow."""
     return {"module": "e2e.paced_trainer",
-            "args": [*SMALL_MODEL, "--full-world", str(full_world), "--pace-s", str(pace_s)]}
+            "args": [*SMALL_MODEL, "--full-world", str(full_world), "--pace-s", str(pace_s),
+                     "--hold-last", str(hold_last)]}
 
 
 def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float, *,

@@ -12,6 +12,14 @@ a fixed number of steps sized for the slowest day.
 hold the job in training across a fault it then checks the recovery of (the store's move
 to a new leader's control node), and let it finish at full speed once it has seen it.
 
+``--hold-last K``: the last ``K`` steps are not trained while the world is short of
+``--full-world``: every rank holds at the step boundary (``--pace-s`` a pass, the
+boundary's decision taken again each time, so a grow, a notice or a loss is handled
+there as at any step) until the world is whole. A cell whose check needs the job to end
+at its full world then needs no slack steps after the last grow: the run ends a few
+steps after it, however long the grow took (the hold stays far below the daemon's
+``stall.floor_s``, 300 s).
+
 ``--min-step-s``: every step lasts at least this long at any world size (the rank
 sleeps what its computation left of it), as a GPU step does to the CPU that waits on
 it: a cell that needs the job to train on across a fault of some seconds gets those
@@ -45,6 +53,14 @@ def paced(base: type) -> type:
             time.sleep(max(0.0, self.args.min_step_s - (time.monotonic() - t0)))
             return out
 
+        def _train(self) -> bool:
+            # the same on every rank (the world size and the step are), so no rank trains alone
+            if (self.ctx.world_size < self.args.full_world
+                    and self.state.step >= self.args.target_steps - self.args.hold_last):
+                time.sleep(self.args.pace_s)
+                return True
+            return super()._train()
+
     return Paced
 
 
@@ -64,6 +80,8 @@ def main() -> int:
     p.add_argument("--pace-s", type=float, default=0.5, help="sleep before each step while the world is smaller")
     p.add_argument("--pace-file", default=None, help="also sleep before each step while this file exists")
     p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (seconds)")
+    p.add_argument("--hold-last", type=int, default=0,
+                   help="hold before each of the last K steps until the world is whole")
     return run_job(None, job_cls=job, parser=p, prepare=prepare)
 
 
