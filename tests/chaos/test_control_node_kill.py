@@ -261,13 +261,16 @@ async def test_a_leader_lost_mid_training_costs_no_step(
     10 s after the cut; a ticket queued in control-a's store follows the move:
     ``tests/test_store_address.py``)."""
     notice = moment != "mid_training"
-    target = NOTICE_TARGET_STEPS if notice else TARGET_STEPS
+    # with a notice: the last 60 steps wait for the world of 2 (the grow), and the ~115 steps
+    # after the fault, paced until the store has moved, leave the takeover ~55 s
+    target = NOTICE_CELL_STEPS + 20 if notice else TARGET_STEPS
     store = StoreProcess("127.0.0.1", free_port())
     store_b = StoreProcess("127.0.0.1", free_port())  # control-b's node's
     await asyncio.to_thread(store.start)
     partition = await Partition(etcd_cluster.endpoints).start()
     pace = tmp_path / "pace"
-    cfg, raw = _config(tmp_path, faults.url, store.port, target, paced=notice, pace_file=pace)
+    cfg, raw = _config(tmp_path, faults.url, store.port, target, paced=notice, pace_file=pace,
+                       hold_last=NOTICE_CELL_HOLD * notice)
     pool, instances = raw["pool"]["name"], tmp_path / "instances"
     configs = {}
     ports = {"control-a": free_port(), "control-b": free_port()}
