@@ -124,9 +124,10 @@ def _timeline(stored: list[Event], killed: Event, restarted: Event, **more: Even
 
 
 def test_a_store_restart_costs_no_step_and_no_worker_restart(tmp_path: Path, matrix: Matrix) -> None:
-    # 80 steps: 35 after the kill, long past the store's return (about 10 s)
-    s, stored, run_dir = _run(tmp_path, [{"action": "kill_store", "at_step": 45, "restart_after_s": 3}],
-                              target_steps=80, paced=False)  # the run: configs/local.yaml's model
+    # 60 steps: 35 after the kill, long past the store's return (about 10 s); the kill after
+    # the commit at step 20
+    s, stored, run_dir = _run(tmp_path, [{"action": "kill_store", "at_step": 25, "restart_after_s": 3}],
+                              target_steps=60, paced=False)  # the run: configs/local.yaml's model
     _record(matrix, "rendezvous store SIGKILLed mid-training, back empty 3 s later (real demo, 3 nodes)",
             s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
@@ -210,9 +211,9 @@ def test_a_store_down_longer_than_every_timeout_with_a_node_lost_meanwhile_costs
     # waited, a split that ended in a restart, or in a group re-formed from the commit), so
     # once the store is back they re-form together, in process, at the step they hold.
     s, stored, run_dir = _run(tmp_path, [
-        {"action": "kill_store", "at_step": 45, "restart_after_s": 25},
-        {"action": "kill", "node": 3, "at_step": 45, "wait_full_pool": False},
-    ], pg_timeout_s=8, join_timeout_s=5, target_steps=70)  # about 25 steps past the re-form
+        {"action": "kill_store", "at_step": 25, "restart_after_s": 25},
+        {"action": "kill", "node": 3, "at_step": 25, "wait_full_pool": False},
+    ], pg_timeout_s=8, join_timeout_s=5, target_steps=50)  # about 25 steps past the re-form
     _record(matrix, "rendezvous store down 25 s with a node lost meanwhile (real demo, 3 nodes)", s, stored, run_dir)
     killed = _first(stored, "chaos_injected", action="kill_store")
     restarted = _first(stored, "chaos_injected", action="store_restarted")
