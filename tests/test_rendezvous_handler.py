@@ -145,10 +145,11 @@ def test_a_node_whose_last_write_went_with_the_store_cannot_complete_a_round_twi
     completes the round alone (its last call passed) and trains. The store is SIGKILLed
     before b's join lands and comes back empty; b reaches it first and puts its copy back,
     round 0 still open. b's join would now complete round 0 with a and b (max_nodes 2)
-    while a trains in a round 0 of its own: it is written with the round held open until
-    the settle time instead, a puts its newer copy (round 0 complete, a alone) in its
-    place, and b's next write finds that. (Seen in a migration's first round: b waited a
-    minute for a rank 0 that was not in its round, then died.)"""
+    while a trains in a round 0 of its own: the write waits for the settle time instead,
+    a reaches the store meanwhile and puts its newer copy (round 0 complete, a alone) in
+    place of b's, and b's write then fails against it, as c10d's join needs to see. (Seen
+    in a migration's first round: b waited a minute for a rank 0 that was not in its
+    round, then died.)"""
     import pickle
     from datetime import datetime, timezone
 
@@ -157,18 +158,27 @@ def test_a_node_whose_last_write_went_with_the_store_cannot_complete_a_round_twi
 
     from trainer.rendezvous import ReconnectingBackend
 
-    clock, wall = [0.0], [1000.0]
-    a, b = (ReconnectingBackend(("127.0.0.1", store.port), "twice", settle_s=5.0, clock=lambda: clock[0],
-                                wall=lambda: wall[0]) for _ in range(2))
-    a.connect(first=True), b.connect(first=True)
+    clock, wall, waits = [0.0], [1000.0], []
     na, nb = _NodeDesc("10.0.0.1", 1, 0), _NodeDesc("10.0.0.2", 1, 0)
 
-    def state(complete: bool, *nodes: _NodeDesc) -> bytes:
+    def state(complete: bool, *nodes: _NodeDesc, round_: int = 0) -> bytes:
         s = _RendezvousState()
-        s.complete, s.participants = complete, {n: i for i, n in enumerate(nodes)}
+        s.round, s.complete, s.participants = round_, complete, {n: i for i, n in enumerate(nodes)}
         s.last_heartbeats = {n: datetime.now(timezone.utc) for n in nodes}
         return pickle.dumps(s)
 
+    def a_meanwhile(seconds: float) -> None:  # b waits: a reaches the store, its newer copy goes back
+        waits.append(seconds)
+        with pytest.raises(RendezvousConnectionError):
+            a.get_state()  # a's old client finds it gone
+        clock[0] += 1.0
+        kept = pickle.loads(a.get_state()[0])
+        assert a.generation == 2 and kept.complete and kept.participants == {na: 0}
+        wall[0] += seconds
+
+    a, b = (ReconnectingBackend(("127.0.0.1", store.port), "twice", settle_s=5.0, clock=lambda: clock[0],
+                                wall=lambda: wall[0], sleep=a_meanwhile) for _ in range(2))
+    a.connect(first=True), b.connect(first=True)
     _, token, ok = a.set_state(state(False, na))
     stale_token = b.get_state()[1]  # b's copy: round 0 open, a in it
     assert ok and a.set_state(state(True, na), token)[2]  # a completes it alone
@@ -180,26 +190,12 @@ def test_a_node_whose_last_write_went_with_the_store_cannot_complete_a_round_twi
     current, token = b.get_state()  # b first: its copy goes back
     assert b.generation == 2 and not pickle.loads(current).complete
     written, token, ok = b.set_state(state(True, na, nb), token)  # b's join, which completes round 0
-    held = pickle.loads(written)
-    assert ok and not held.complete and set(held.participants) == {na, nb}
-    assert held.deadline == datetime.fromtimestamp(1005.0, timezone.utc)  # its last call: the settle time
-    with pytest.raises(RendezvousConnectionError):
-        a.get_state()
-    clock[0] += 1.0
-    current, _ = a.get_state()  # a: its newer copy takes the place of b's
-    kept = pickle.loads(current)
-    assert a.generation == 2 and kept.complete and kept.participants == {na: 0}
+    assert waits == [5.0] and not ok and pickle.loads(written).participants == {na: 0}  # a's round stands
     assert any("held an older state: re-published round 0" in r.getMessage() for r in caplog.records)
-    written, _, ok = b.set_state(state(True, na, nb), token)  # b's next write reads a's round, as c10d's join does
-    assert not ok and pickle.loads(written).participants == {na: 0}
-    assert b.set_state(state(True, na, nb), stale_token)[2] is False  # and no token of before the loss wins
-    wall[0] = 1005.0  # the settle time passed: a round completes as written
-    fresh = pickle.loads(written)
-    fresh.round, fresh.complete, fresh.participants = 1, False, {na: 0, nb: 0}
-    _, token, ok = b.set_state(pickle.dumps(fresh), b.get_state()[1])
-    fresh.complete, fresh.participants = True, {na: 0, nb: 1}
-    written, _, ok = b.set_state(pickle.dumps(fresh), token)
-    assert ok and pickle.loads(written).complete
+    assert b.set_state(state(True, na, nb), stale_token)[2] is False  # no token of before the loss wins
+    # the settle time passed: the next round completes at once
+    _, token, ok = b.set_state(state(False, na, nb, round_=1), token)
+    assert ok and b.set_state(state(True, na, nb, round_=1), token)[2] and waits == [5.0]
 
 
 def test_an_agent_follows_the_store_to_a_new_leaders_control_node(store: StoreProcess, tmp_path: Path,

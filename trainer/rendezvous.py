@@ -110,7 +110,8 @@ class ReconnectingBackend(RendezvousBackend):
     ``endpoint``: the store's ``(host, port)``; ``run_id``: the rendezvous; ``read_timeout_s``:
     each store call's bound once connected; ``settle_s``: after a store back empty, how
     long no round may complete (seconds; module docstring); ``clock``: monotonic seconds
-    (tests); ``wall``: epoch seconds, which the nodes share as c10d's deadlines assume.
+    (tests); ``wall``: epoch seconds, which the nodes share as c10d's deadlines assume;
+    ``sleep``: the wait for the settle time (tests).
     :meth:`get_state` / :meth:`set_state` raise ``RendezvousConnectionError`` at once
     while the store is down (as c10d's do when a call fails), and :attr:`store` is the
     client now in use. :attr:`generation` counts the clients built (1 after the first).
@@ -119,10 +120,10 @@ class ReconnectingBackend(RendezvousBackend):
 
     def __init__(self, endpoint: tuple[str, int], run_id: str, *, read_timeout_s: float = 60.0,
                  settle_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
         self.endpoint, self.run_id, self.read_timeout_s, self.settle_s = endpoint, run_id, read_timeout_s, settle_s
         self._at = endpoint  # where the client in use connects (the store may move: current_endpoint)
-        self._clock, self._wall = clock, wall
+        self._clock, self._wall, self._sleep = clock, wall, sleep
         self._settle_key = f"torch.rendezvous.{run_id}{_SETTLE_SUFFIX}"
         self._lock = threading.RLock()
         self._inner: C10dRendezvousBackend | None = None
@@ -186,11 +187,13 @@ class ReconnectingBackend(RendezvousBackend):
         return self._call(lambda b: b.set_state(self._settled(state, token), token))
 
     def _settled(self, state: bytes, token: Token | None) -> bytes:
-        """``state`` as it may be written now: a write that completes a round (the state it
-        replaces, ``token``'s, had that round incomplete) before the settle time a store back
-        empty was given is written with the round still open and its last call at that
-        time (c10d's join then completes it there, itself). Raises
-        ``RendezvousConnectionError`` when the store fails."""
+        """``state``, once it may be written: a write that completes a round (the state it
+        replaces, ``token``'s, had that round open) waits until the settle time a store back
+        empty was given (at most ``settle_s``), and is then tried as it is, against the same
+        token: if a node put a newer copy back meanwhile, the compare-and-set fails and
+        c10d's join reads that copy. (Not written with the round held open instead: a round
+        open with ``max_nodes`` participants takes one more, and then never completes.)
+        Raises ``RendezvousConnectionError`` when the store fails."""
         if self.settle_s <= 0:
             return state
         try:
@@ -199,15 +202,11 @@ class ReconnectingBackend(RendezvousBackend):
             completes = new.complete and not (old is not None and old.complete and old.round == new.round)
         except Exception:  # another torch's state: written as it is
             return state
-        if not completes:
-            return state
-        until = self._settle_until()
-        if until is None or self._wall() >= until:
-            return state
-        new.complete, new.deadline = False, datetime.fromtimestamp(until, timezone.utc)
-        for node in new.participants:
-            new.participants[node] = 0  # ranks are given at completion
-        return pickle.dumps(new)
+        if completes and (until := self._settle_until()) is not None and (wait := until - self._wall()) > 0:
+            log.info("rendezvous store %s came back %.1f s ago: round %s completes in %.1f s, once every live "
+                     "node has put its copy back", self._where(), self.settle_s - wait, new.round, wait)
+            self._sleep(min(wait, self.settle_s))
+        return state
 
     def _settle_until(self) -> float | None:
         if not self._store_call(lambda st: st.check([self._settle_key])):
