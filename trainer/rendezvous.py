@@ -64,9 +64,9 @@ from __future__ import annotations
 
 import logging
 import pickle
-from base64 import b64decode
 import threading
 import time
+from base64 import b64decode
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -203,8 +203,8 @@ class ReconnectingBackend(RendezvousBackend):
         except Exception:  # another torch's state: written as it is
             return state
         if completes and (until := self._settle_until()) is not None and (wait := until - self._wall()) > 0:
-            log.info("rendezvous store %s came back %.1f s ago: round %s completes in %.1f s, once every live "
-                     "node has put its copy back", self._where(), self.settle_s - wait, new.round, wait)
+            log.info("rendezvous store %s came back empty: round %s completes in %.1f s, once every live node "
+                     "has had the time to put its copy back", self._where(), new.round, wait)
             self._sleep(min(wait, self.settle_s))
         return state
 
