@@ -196,15 +196,14 @@ class ReconnectingBackend(RendezvousBackend):
         Raises ``RendezvousConnectionError`` when the store fails."""
         if self.settle_s <= 0:
             return state
-        try:
-            new = pickle.loads(state)
-            old = pickle.loads(b64decode(token)) if isinstance(token, bytes) else None
-            completes = new.complete and not (old is not None and old.complete and old.round == new.round)
-        except Exception:  # another torch's state: written as it is
-            return state
-        if completes and (until := self._settle_until()) is not None and (wait := until - self._wall()) > 0:
+        mine = _order(state)
+        if mine is None or not mine[1]:
+            return state  # not a completion (a keep-alive, a join), or another torch's state
+        if isinstance(token, bytes) and _order(b64decode(token)) == mine:
+            return state  # the round was complete already: a keep-alive of a running round
+        if (until := self._settle_until()) is not None and (wait := until - self._wall()) > 0:
             log.info("rendezvous store %s came back empty: round %s completes in %.1f s, once every live node "
-                     "has had the time to put its copy back", self._where(), new.round, wait)
+                     "has had the time to put its copy back", self._where(), mine[0], wait)
             self._sleep(min(wait, self.settle_s))
         return state
 
@@ -274,11 +273,11 @@ class ReconnectingBackend(RendezvousBackend):
             data = pickle.dumps(state)
         except Exception:  # another torch's state: re-published as it was
             state, data = None, self._last
+        mine = _order(self._last)
         for _ in range(3):  # a copy that lands between the read and the write is read again
             current = inner.get_state()
             if current is not None and not (
-                    (mine := _order(self._last)) is not None and (theirs := _order(current[0])) is not None
-                    and mine > theirs):
+                    mine is not None and (theirs := _order(current[0])) is not None and mine > theirs):
                 return  # the store kept its state (a network blip), or holds one as new as ours
             if self.settle_s > 0:  # first: a round completed between the two writes would be missed
                 self._store_call(lambda st: st.set(self._settle_key, f"{self._wall() + self.settle_s:.3f}"))
