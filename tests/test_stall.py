@@ -6,10 +6,12 @@ from its step time, is reported and its trainers restarted in place; never silen
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemon.control import actions as a
 from daemon.control.lifecycle import JobState, NodeState, TrainerState
-from daemon.control.stall import STEP_WINDOW, Progress, Stall, StallRules, check, observe, recover
+from daemon.control.stall import STEP_WINDOW, Progress, Stall, StallRules, check, left_behind, observe, recover
 
 T0 = 100_000.0
 RULES = StallRules(first_step_s=900.0, floor_s=300.0, step_factor=20.0, exit_grace_s=10.0)
@@ -41,6 +43,9 @@ class Run:
 
     def stall(self, codes: dict[str, int] | None = None, **kw) -> Stall | None:
         return check(self.p, self.s, now=self.now, rules=RULES, exit_codes=codes or {}, **kw)
+
+    def behind(self, codes: dict[str, int], **kw) -> list[a.Action]:
+        return left_behind(self.p, self.s, now=self.now, rules=RULES, exit_codes=codes, **kw)
 
     def train(self, steps: int, step_s: float) -> None:
         for _ in range(steps):
@@ -272,3 +277,71 @@ def test_recovery_ends_a_grow_in_flight() -> None:
 def test_nothing_to_restart_is_reported_only() -> None:
     s = pool(X, states=(NodeState.LOST,))
     assert recover(s, STALL, VALID) == [a.JobStalled("trainers_exited", STALL.message, 12.0, 10.0)]
+
+
+# -- a job that trains on without a node ------------------------------------------------------------------
+
+def test_a_node_whose_torchrun_exited_while_the_job_trains_on_leaves() -> None:
+    """n3's torchrun agent died (exit 1: a store blip in a rendezvous round) and its workers
+    with it; n1 and n2 shrank in-process and train on. n3's instance is up and heartbeats,
+    so it counts as capacity and nobody would replace it: the job would train short for
+    good. It leaves (the planner replaces it) once the exit grace has passed with a step
+    after the exit."""
+    run = Run(pool(R, R, R))
+    run.train(40, 0.5)
+    run.look(1.0, s=pool(R, R, X))
+    run.look(1.0, step=run.step + 1)  # trained on without it
+    assert run.behind({"n3": 1}) == []  # inside the grace
+    run.look(9.0)
+    assert run.behind({"n3": 1}) == [a.Leave("n3", "its torchrun exited 1 and the job trains on without it")]
+    # a status the daemon never heard (it restarted since): not known to be the end either
+    assert [x.node_id for x in run.behind({})] == ["n3"]
+
+
+def test_without_a_step_after_the_exit_nothing_leaves() -> None:
+    """No step since the exit: the job may be failing as a whole (its torchruns ending one
+    after another) and replacing a node would only buy an instance. That is the stall
+    rules' to judge (:func:`check`)."""
+    run = Run(pool(R, R, R))
+    run.train(40, 0.5)
+    run.look(1.0, s=pool(R, X, R))
+    run.look(600.0)
+    assert run.behind({"n2": 1}) == []
+
+
+@pytest.mark.parametrize("case", ["exit_0", "paused", "migrating", "completed", "all_exited"])
+def test_the_jobs_end_a_pause_or_a_move_leaves_every_node_in_place(case: str) -> None:
+    run = Run(pool(R, R))
+    run.train(10, 0.5)
+    run.look(1.0, s=pool(R, X, job=JobState.COMPLETED) if case == "completed"
+             else pool(X, X) if case == "all_exited" else pool(R, X, paused=case == "paused"))
+    run.look(20.0, step=run.step + 5)
+    codes = {"n2": 0} if case == "exit_0" else {"n1": 1, "n2": 1}
+    assert run.behind(codes, migrating=case == "migrating") == []
+
+
+TRAINER_STATES = st.sampled_from([R, X, N])
+
+
+@settings(max_examples=300, deadline=None)
+@given(looks=st.lists(st.tuples(st.floats(0.1, 30.0), st.integers(0, 2),
+                                st.lists(TRAINER_STATES, min_size=1, max_size=4)), min_size=1, max_size=12),
+       codes=st.dictionaries(st.sampled_from(["n1", "n2", "n3", "n4"]), st.integers(-15, 2), max_size=4))
+def test_only_a_node_that_failed_while_others_trained_on_ever_leaves(looks, codes) -> None:
+    """Over any history of passes (trainers starting and exiting, steps or none): a node
+    left behind is one in the job whose trainer exited with a status other than 0, while
+    another trainer of the job ran, and a step came at least the exit grace after the
+    first exit was seen and after it."""
+    run = Run(pool(R, R, R, R))
+    for dt, steps, trainers in looks:
+        run.look(dt, step=run.step + steps, s=pool(*trainers))
+        out = run.behind(codes)
+        states = {n.id: n.trainer for n in run.s.nodes}
+        for action in out:
+            assert isinstance(action, a.Leave)
+            assert states[action.node_id] is X and codes.get(action.node_id) != 0
+        if out:
+            assert any(t is not X for t in states.values())
+            p = run.p
+            assert p.last_step_at is not None and p.partly_exited_since is not None
+            assert p.last_step_at > p.partly_exited_since and run.now - p.partly_exited_since >= RULES.exit_grace_s

@@ -41,6 +41,13 @@ three signs:
     The job has been pending (waiting for its nodes) for ``first_step_s``: reported
     only, the planner and admission are what can start it.
 
+Not a stall, but never silent either: a job that trains on without one of its nodes.
+:func:`left_behind` finds, in a job whose joiners join in-process (``job.grow:
+in_process``), the nodes whose torchrun exited non-zero while the others went on
+training (a step came after the exit): their instances are up, their agents heartbeat,
+and they count as capacity, but they hold no rank. Each leaves (:class:`Leave`), and
+the planner replaces it; the replacement joins the running group in-process.
+
 A paused job (the operator's doing), an ended one (completed, failed, cancelled) and one in the middle of a
 whole-job migration (which has its own deadlines and events) never stall.
 
@@ -72,7 +79,7 @@ from daemon.control.actions import Action, EndRejoin, JobStalled, Leave, NodeVie
 from daemon.control.admission import largest_valid
 from daemon.control.lifecycle import ADMITTED, MEMBERS, JobState, NodeState, TrainerState
 
-__all__ = ["STEP_WINDOW", "StallRules", "Progress", "Stall", "observe", "check", "recover"]
+__all__ = ["STEP_WINDOW", "StallRules", "Progress", "Stall", "observe", "check", "recover", "left_behind"]
 
 #: the step time is the median of this many recent intervals between steps
 STEP_WINDOW = 20
@@ -290,4 +297,44 @@ def recover(s: PoolState, stall: Stall, valid_world_sizes: frozenset[int]) -> li
     if ids:
         out += [Leave(n.id, "job stalled: its world size cannot share the global batch")
                 for n in running[len(chosen):]]
+    return out
+
+
+def left_behind(p: Progress, s: PoolState, *, now: float, rules: StallRules, exit_codes: Mapping[str, int],
+                migrating: bool = False) -> list[Action]:
+    """The nodes a job with in-process joiners (``job.grow: in_process``) trains on
+    without: each one whose torchrun exited non-zero (or with a status the daemon never
+    heard) leaves, and the planner replaces it.
+
+    Evidence, all of it: the job is running, not paused and not migrating; some of its
+    trainers, not all, have exited for ``rules.exit_grace_s``; and a step came after
+    that (``p.last_step_at`` after ``p.partly_exited_since``), so the others trained on
+    without them. Without that step it is for :func:`check` (the job may be failing as
+    a whole, its torchruns ending one after another). The node's instance is up and its
+    agent answers, so it counts as capacity and the pool would never replace it; its
+    torchrun ended past its own restarts (or its agent died: a store blip in a
+    rendezvous round), and nothing starts it again. Its rendezvous is closed, which a
+    torchrun joiner would need, so this is only for in-process joiners (the caller
+    passes nothing else here).
+
+    Example: n1 n2 n3 train at world size 3; n3's torchrun agent dies (exit 1) and its
+    workers with it; n1 and n2 shrink in-process and train step 41 at world size 2.
+    10 s (``exit_grace_s``) after n3's exit was seen, with step 41 after it:
+    ``[Leave("n3", "its torchrun exited 1 and the job trains on without it")]``.
+
+    Returns:
+        One :class:`Leave` per such node, oldest first; ``[]`` when the evidence is short.
+    """
+    if s.job is not JobState.RUNNING or s.paused or migrating or p.partly_exited_since is None:
+        return []
+    if now - p.partly_exited_since < rules.exit_grace_s:
+        return []
+    if p.last_step_at is None or p.last_step_at <= p.partly_exited_since:
+        return []
+    out: list[Action] = []
+    for n in _in_job(s):
+        code = exit_codes.get(n.id)
+        if n.trainer is TrainerState.EXITED and code != 0:
+            how = "with a status never heard" if code is None else str(code)
+            out.append(Leave(n.id, f"its torchrun exited {how} and the job trains on without it"))
     return out

@@ -5,7 +5,9 @@ each pass with the supervisor's view (the job's step and attempt, each node's
 trainer), and each node's last trainer exit status (from the ``trainer_exited``
 events). A stall becomes the actions of :func:`~daemon.control.stall.recover`, which
 the actuator carries out (``job_stalled``, then the trainers restarted in place:
-:meth:`daemon.controlnode.actuator.Actuator.act`).
+:meth:`daemon.controlnode.actuator.Actuator.act`). Short of a stall, in a job whose
+joiners join in-process, the nodes the job trains on without
+(:func:`~daemon.control.stall.left_behind`) leave, to be replaced.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from daemon.control.actions import Action, JobStalled, PoolState
 from daemon.control.changes import CompleteJob
 from daemon.control.lifecycle import ADMITTED
 from daemon.control.reactions import script_completed
-from daemon.control.stall import Progress, StallRules, check, observe, recover
+from daemon.control.stall import Progress, StallRules, check, left_behind, observe, recover
 from daemon.controlnode.core import Core
 from daemon.model import Event, EventKind
 
@@ -59,11 +61,19 @@ class StallWatch:
             self._complete_script(s)
             return []
         progress = observe(self.progress or Progress(since=now, attempt=s.attempt), s, step=core.job.step, now=now)
+        migrating = self._migrating()
         stall = check(progress, s, now=now, rules=self.rules, exit_codes=self.exit_codes,
-                      migrating=self._migrating(), steps_expected=not script or core.job.step is not None)
+                      migrating=migrating, steps_expected=not script or core.job.step is not None)
         if stall is None:
             self.progress = progress
-            return []
+            if core.config.job.grow != "in_process":
+                return []
+            leave = left_behind(progress, s, now=now, rules=self.rules, exit_codes=self.exit_codes,
+                                migrating=migrating)
+            for action in leave:
+                log.warning("node_left_behind", pool=core.pool, node_id=action.node_id, reason=action.reason,
+                            step=core.job.step)
+            return leave
         self.progress = progress.recovered(now)  # the next report, if it lasts, one bound later
         actions = recover(s, stall, frozenset(core.config.valid_world_sizes()))
         for action in actions:
