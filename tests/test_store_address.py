@@ -93,7 +93,7 @@ def test_the_loss_watch_moves_to_the_new_store_while_the_old_one_still_answers(
     monkeypatch.setattr(LossWatch, "WAIT_S", 0.5)
     watch = LossWatch(("127.0.0.1", old.port), "r")
     watch._shut = lambda fds, pg: setattr(watch, "unblocked", watch.unblocked + 1)  # no group here to shut
-    watch.follow("a1", 0, set())
+    watch.follow("a1", 0)
     try:
         write_endpoint_file(path, f"127.0.0.1:{new.port}")
         assert until(lambda: watch._client_at == ("127.0.0.1", new.port), 15), "the watch stayed on the old store"

@@ -103,7 +103,7 @@ def test_the_loss_watch_waits_for_the_store_with_backoff_and_is_woken_after(
     monkeypatch.setattr(membership, "store_reachable", lambda *a, **k: tries.append(time.monotonic()) or real(*a, **k))
     watch = LossWatch(("127.0.0.1", store.port), "r")
     watch._shut = lambda fds, pg: setattr(watch, "unblocked", watch.unblocked + 1)  # no group here to shut
-    watch.follow("a1", 0, set())
+    watch.follow("a1", 0)
     try:
         store.kill()
         assert _until(lambda: watch._retry.failed_before, 10), "the loss watch did not see the store go"

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer import group_sockets
 from trainer.contract import JOIN_ENV, RUN_ID_ENV
 from trainer.credential import CredentialRefused, NodeCredential, Verifier
 from trainer.store_retry import PROBE_S, StoreRetry, current_endpoint, store_reachable
@@ -610,10 +611,12 @@ class LossWatch:
     thread also follows the store to a new address: an HA takeover whose deposed leader's
     store still answers would otherwise keep it there). When it comes and this
     worker is not re-forming already, the thread aborts the group (NCCL) and shuts down
-    the group's connected sockets (gloo: the descriptors its ``init_process_group`` opened,
-    never the listener), so the blocked collective fails at once and the worker joins
-    the round. It answers the round first (``alive/<rank>``): the survivors wait for a
-    rank that answered, and presume lost only one that does not (:class:`SurvivorRound`).
+    the connected sockets of every process group the worker made (gloo: the descriptors
+    :mod:`trainer.group_sockets` recorded and that still name those sockets, never the
+    listener; a DeepSpeed or FSDP2 subgroup's too), so the blocked collective fails at
+    once and the worker joins the round. It answers the round first (``alive/<rank>``):
+    the survivors wait for a rank that answered, and presume lost only one that does not
+    (:class:`SurvivorRound`).
     A worker wakes its own thread the same way when its attempt changes
     (:meth:`follow`) or it ends (:meth:`stop`).
     """
@@ -629,7 +632,6 @@ class LossWatch:
         self._changed = threading.Event()
         self._watching: tuple[str, int] | None = None  # (attempt, rank)
         self._waiting_on: tuple[str, int] | None = None  # what the thread waits for now
-        self._fds: set[int] = set()
         self._pg: Any = None
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -650,10 +652,10 @@ class LossWatch:
     def _key(self, attempt: str, rank: int) -> str:
         return f"spotvisor/{self._run}/loss/{attempt}/wake/{rank}"
 
-    def follow(self, attempt: str, rank: int, group_fds: set[int]) -> None:
-        """Watch ``attempt`` as ``rank``, whose default group opened ``group_fds``."""
+    def follow(self, attempt: str, rank: int) -> None:
+        """Watch ``attempt`` as ``rank``."""
         with self._lock:
-            self._watching, self._fds = (attempt, rank), set(group_fds)
+            self._watching = (attempt, rank)
             self._pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
             stale = self._waiting_on if self._waiting_on != self._watching else None  # its own wake reads as a loss
         if self._thread is None:
@@ -668,7 +670,7 @@ class LossWatch:
     def pause(self) -> None:
         """This worker re-forms its group itself: nothing to unblock until :meth:`follow`."""
         with self._lock:
-            self._watching, self._fds, self._pg = None, set(), None
+            self._watching, self._pg = None, None
 
     def stop(self) -> None:
         """End the thread (the worker ends): it is woken and joined, never left in a C++ wait."""
@@ -716,10 +718,10 @@ class LossWatch:
                     return
                 if self._watching != target:
                     continue  # woken by its own worker: the attempt changed
-                fds, pg = self._fds, self._pg
-                self._watching, self._fds, self._pg = None, set(), None
+                pg = self._pg
+                self._watching, self._pg = None, None
                 self._answer(*target)
-                self._shut(fds, pg)
+                self._shut(group_sockets.live(), pg)
 
     def _answer(self, attempt: str, rank: int) -> None:
         """Tell the loss round this rank is alive and coming (:class:`SurvivorRound`),

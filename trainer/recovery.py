@@ -90,7 +90,7 @@ class Recovery:
             endpoint = rendezvous_endpoint()
             assert endpoint is not None
             self._watch = LossWatch(endpoint, run_id())
-        self._watch.follow(job.attempt, job.ctx.rank, set(job.ctx.group_fds))
+        self._watch.follow(job.attempt, job.ctx.rank)
 
     def stop(self) -> None:
         if self._watch is not None:
@@ -119,11 +119,11 @@ class Recovery:
                         "restart from the newest commit", job.args.store_wait_s)
             raise SystemExit(1)
         node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
+        if self._watch is not None:
+            self._watch.pause()  # before any socket of the round opens: nothing may shut this group's now
         try:
             survivors = SurvivorRound(endpoint, run_id(), job.attempt, old_rank, old_world,
                                       timeout_s=job.args.pg_timeout_s)
-            if self._watch is not None:
-                self._watch.pause()  # before its entry: nothing may shut this group's sockets now
             survivors.coming()  # dropping the group can take a while (gc of the failed step)
             self._drop_group()
             rank, world, prefix = survivors.settle(settle_s=job.args.loss_settle_s, credential=job.credential,

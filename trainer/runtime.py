@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from trainer import group_sockets
 from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
 from trainer.exchange import all_gather_json, broadcast_json
 from trainer.store_retry import current_endpoint, parse_endpoint
@@ -43,7 +44,6 @@ __all__ = [
     "env_world",
     "setup_distributed",
     "joiner_context",
-    "socket_fds",
     "teardown_distributed",
     "rendezvous_endpoint",
     "shrink_process_group",
@@ -136,7 +136,6 @@ class DistContext:
     backend: str | None
     device: torch.device
     initialized: bool
-    group_fds: frozenset[int] = frozenset()  # the sockets its default group opened (trainer.membership.LossWatch)
 
     @property
     def is_leader(self) -> bool:
@@ -171,13 +170,12 @@ def setup_distributed(timeout_s: float = 120.0) -> DistContext:
     if "RANK" not in os.environ:
         return DistContext(0, 0, 1, None, device, False)
     backend = "nccl" if cuda else "gloo"
-    before = socket_fds()
     store = group_store(rank, world, timedelta(seconds=timeout_s))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                            **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
-                            **({"device_id": device} if cuda else {}))
-    return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True,
-                       frozenset(socket_fds() - before))
+    with group_sockets.making_group():  # its sockets, and every later group's (the loss watch shuts them)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                                **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
+                                **({"device_id": device} if cuda else {}))
+    return DistContext(dist.get_rank(), local_rank, dist.get_world_size(), backend, device, True)
 
 
 def group_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore | None:
@@ -206,23 +204,6 @@ def group_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore | No
     # c10d owns the descriptor from here on (it closes it with the store)
     return dist.TCPStore(addr, sock.getsockname()[1], world, is_master=True, timeout=timeout,
                          wait_for_workers=False, master_listen_fd=sock.detach())
-
-
-def socket_fds() -> set[int]:
-    """This process's open socket file descriptors (Linux ``/proc/self/fd``; empty elsewhere)."""
-    out: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                out.add(int(name))
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor among them)
-    return out
-
 
 
 def joiner_context() -> DistContext:
@@ -320,11 +301,11 @@ def regroup(ctx: DistContext, rank: int, world_size: int, key: str, endpoint: tu
     backend = ctx.backend or ("nccl" if ctx.device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
     client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
-    before = socket_fds()
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(key, client), rank=rank,
-                            world_size=world_size, timeout=timeout,
-                            **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
-    new = DistContext(rank, ctx.local_rank, world_size, backend, ctx.device, True, frozenset(socket_fds() - before))
+    with group_sockets.making_group():
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(key, client), rank=rank,
+                                world_size=world_size, timeout=timeout,
+                                **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
+    new = DistContext(rank, ctx.local_rank, world_size, backend, ctx.device, True)
     publish_world_env(new, node_key=node_key)
     return new
 
