@@ -20,10 +20,12 @@ R, X, N = TrainerState.RUNNING, TrainerState.EXITED, TrainerState.NOT_STARTED
 
 
 def pool(*trainers: TrainerState, job: JobState = JobState.RUNNING, attempt: str = "a1",
-         states: tuple[NodeState, ...] = (), **kw) -> a.PoolState:
-    """Nodes n1, n2, ... running (or ``states``) with these trainers."""
+         states: tuple[NodeState, ...] = (), started: tuple[str, ...] = (), **kw) -> a.PoolState:
+    """Nodes n1, n2, ... running (or ``states``) with these trainers (and the attempts their
+    workers last started, ``started``)."""
     nodes = tuple(a.NodeView(id=f"n{i}", state=states[i - 1] if states else NodeState.RUNNING, gpus=1,
-                             created_at=0.0, trainer=t, ordinal=i) for i, t in enumerate(trainers, 1))
+                             created_at=0.0, trainer=t, ordinal=i, attempt=started[i - 1] if started else "")
+                  for i, t in enumerate(trainers, 1))
     return a.PoolState(nodes=nodes, job=job, attempt=attempt, target_nodes=len(trainers), **kw)
 
 
@@ -293,9 +295,26 @@ def test_a_node_whose_torchrun_exited_while_the_job_trains_on_leaves() -> None:
     run.look(1.0, step=run.step + 1)  # trained on without it
     assert run.behind({"n3": 1}) == []  # inside the grace
     run.look(9.0)
-    assert run.behind({"n3": 1}) == [a.Leave("n3", "its torchrun exited 1 and the job trains on without it")]
+    assert run.behind({"n3": 1}) == [a.Leave("n3", "its torchrun exited 1 and the job goes on without it")]
     # a status the daemon never heard (it restarted since): not known to be the end either
     assert [x.node_id for x in run.behind({})] == ["n3"]
+
+
+def test_a_node_the_others_started_an_attempt_without_leaves_before_any_step() -> None:
+    """n2's torchrun agent died in the first round; n1 formed it alone (world size 1) and
+    its claim to rank 0 waits for n2's word, which never comes: no step is recorded. The
+    attempt n1 started without n2 is the evidence; n2 leaves, and n1's claim stands alone."""
+    run = Run(pool(R, R))
+    run.look(1.0, s=pool(R, X, started=("a2", "")))
+    run.look(9.0)
+    assert run.behind({"n2": 1}) == []  # inside the grace
+    run.look(1.0)
+    assert [x.node_id for x in run.behind({"n2": 1})] == ["n2"]
+    # the exited node had started that attempt too: no evidence it goes on without it
+    run = Run(pool(R, R, started=("a2", "a2")))
+    run.look(1.0, s=pool(R, X, started=("a2", "a2")))
+    run.look(600.0)
+    assert run.behind({"n2": 1}) == []
 
 
 def test_without_a_step_after_the_exit_nothing_leaves() -> None:
@@ -323,25 +342,32 @@ def test_the_jobs_end_a_pause_or_a_move_leaves_every_node_in_place(case: str) ->
 TRAINER_STATES = st.sampled_from([R, X, N])
 
 
+NODE = st.tuples(TRAINER_STATES, st.sampled_from(["", "a1", "a2"]))
+
+
 @settings(max_examples=300, deadline=None)
-@given(looks=st.lists(st.tuples(st.floats(0.1, 30.0), st.integers(0, 2),
-                                st.lists(TRAINER_STATES, min_size=1, max_size=4)), min_size=1, max_size=12),
+@given(looks=st.lists(st.tuples(st.floats(0.1, 30.0), st.integers(0, 2), st.lists(NODE, min_size=1, max_size=4)),
+                      min_size=1, max_size=12),
        codes=st.dictionaries(st.sampled_from(["n1", "n2", "n3", "n4"]), st.integers(-15, 2), max_size=4))
-def test_only_a_node_that_failed_while_others_trained_on_ever_leaves(looks, codes) -> None:
-    """Over any history of passes (trainers starting and exiting, steps or none): a node
-    left behind is one in the job whose trainer exited with a status other than 0, while
-    another trainer of the job ran, and a step came at least the exit grace after the
-    first exit was seen and after it."""
+def test_only_a_node_that_failed_while_others_went_on_ever_leaves(looks, codes) -> None:
+    """Over any history of passes (trainers starting and exiting, attempts started, steps
+    or none): a node left behind is one in the job whose trainer exited with a status
+    other than 0, while another trainer of the job ran, at least the exit grace after
+    the first exit was seen, and either a step came after it or a running node started
+    an attempt the node never reported."""
     run = Run(pool(R, R, R, R))
-    for dt, steps, trainers in looks:
-        run.look(dt, step=run.step + steps, s=pool(*trainers))
+    for dt, steps, nodes in looks:
+        run.look(dt, step=run.step + steps, s=pool(*(t for t, _ in nodes), started=tuple(x for _, x in nodes)))
         out = run.behind(codes)
-        states = {n.id: n.trainer for n in run.s.nodes}
+        view = {n.id: n for n in run.s.nodes}
+        running = {n.attempt for n in run.s.nodes if n.trainer is R and n.attempt}
+        p = run.p
         for action in out:
             assert isinstance(action, a.Leave)
-            assert states[action.node_id] is X and codes.get(action.node_id) != 0
+            n = view[action.node_id]
+            assert n.trainer is X and codes.get(n.id) != 0
+            assert p.partly_exited_since is not None and run.now - p.partly_exited_since >= RULES.exit_grace_s
+            stepped = p.last_step_at is not None and p.last_step_at > p.partly_exited_since
+            assert stepped or running - {n.attempt}
         if out:
-            assert any(t is not X for t in states.values())
-            p = run.p
-            assert p.last_step_at is not None and p.partly_exited_since is not None
-            assert p.last_step_at > p.partly_exited_since and run.now - p.partly_exited_since >= RULES.exit_grace_s
+            assert any(n.trainer is R for n in view.values())

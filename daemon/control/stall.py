@@ -44,9 +44,10 @@ three signs:
 Not a stall, but never silent either: a job that trains on without one of its nodes.
 :func:`left_behind` finds, in a job whose joiners join in-process (``job.grow:
 in_process``), the nodes whose torchrun exited non-zero while the others went on
-training (a step came after the exit): their instances are up, their agents heartbeat,
-and they count as capacity, but they hold no rank. Each leaves (:class:`Leave`), and
-the planner replaces it; the replacement joins the running group in-process.
+training (a step came after the exit, or they started an attempt without it): their
+instances are up, their agents heartbeat, and they count as capacity, but they hold
+no rank. Each leaves (:class:`Leave`), and the planner replaces it; the replacement
+joins the running group in-process.
 
 A paused job (the operator's doing), an ended one (completed, failed, cancelled) and one in the middle of a
 whole-job migration (which has its own deadlines and events) never stall.
@@ -306,21 +307,28 @@ def left_behind(p: Progress, s: PoolState, *, now: float, rules: StallRules, exi
     without: each one whose torchrun exited non-zero (or with a status the daemon never
     heard) leaves, and the planner replaces it.
 
-    Evidence, all of it: the job is running, not paused and not migrating; some of its
-    trainers, not all, have exited for ``rules.exit_grace_s``; and a step came after
-    that (``p.last_step_at`` after ``p.partly_exited_since``), so the others trained on
-    without them. Without that step it is for :func:`check` (the job may be failing as
-    a whole, its torchruns ending one after another). The node's instance is up and its
-    agent answers, so it counts as capacity and the pool would never replace it; its
-    torchrun ended past its own restarts (or its agent died: a store blip in a
-    rendezvous round), and nothing starts it again. Its rendezvous is closed, which a
-    torchrun joiner would need, so this is only for in-process joiners (the caller
-    passes nothing else here).
+    Evidence: the job is running, not paused and not migrating; some of its trainers
+    have exited for ``rules.exit_grace_s`` and another one runs; and the others went on
+    without them, seen either way:
 
-    Example: n1 n2 n3 train at world size 3; n3's torchrun agent dies (exit 1) and its
-    workers with it; n1 and n2 shrink in-process and train step 41 at world size 2.
-    10 s (``exit_grace_s``) after n3's exit was seen, with step 41 after it:
-    ``[Leave("n3", "its torchrun exited 1 and the job trains on without it")]``.
+    - a step came after the exit (``p.last_step_at`` after ``p.partly_exited_since``);
+    - a node of the job whose trainer runs started an attempt the exited node's workers
+      never reported (an in-process shrink, or a first round formed without it). Its
+      claim to rank 0 may wait for this node's word, which never comes, so no step is
+      recorded: in an HA trial a move's target started at world size 1 after the other
+      node's torchrun agent died, and only the stall rules ended the wait.
+
+    Short of that it is for :func:`check` (the job may be failing as a whole, its
+    torchruns ending one after another). The node's instance is up and its agent
+    answers, so it counts as capacity and the pool would never replace it; its torchrun
+    ended past its own restarts (or its agent died: a store blip in a rendezvous round),
+    and nothing starts it again. Its rendezvous is closed, which a torchrun joiner would
+    need, so this is only for in-process joiners (the caller passes nothing else here).
+
+    Example: n1 n2 n3 train attempt a1 at world size 3; n3's torchrun agent dies (exit 1)
+    and its workers with it; n1 and n2 shrink in-process to attempt a2. 10 s
+    (``exit_grace_s``) after n3's exit was seen: ``[Leave("n3", "its torchrun exited 1
+    and the job goes on without it")]``.
 
     Returns:
         One :class:`Leave` per such node, oldest first; ``[]`` when the evidence is short.
@@ -329,12 +337,16 @@ def left_behind(p: Progress, s: PoolState, *, now: float, rules: StallRules, exi
         return []
     if now - p.partly_exited_since < rules.exit_grace_s:
         return []
-    if p.last_step_at is None or p.last_step_at <= p.partly_exited_since:
+    in_job = _in_job(s)
+    running = [n for n in in_job if n.trainer is TrainerState.RUNNING]
+    if not running:  # a step is no evidence that anyone goes on now
         return []
+    stepped = p.last_step_at is not None and p.last_step_at > p.partly_exited_since
+    started = {n.attempt for n in running if n.attempt}
     out: list[Action] = []
-    for n in _in_job(s):
+    for n in in_job:
         code = exit_codes.get(n.id)
-        if n.trainer is TrainerState.EXITED and code != 0:
+        if n.trainer is TrainerState.EXITED and code != 0 and (stepped or started - {n.attempt}):
             how = "with a status never heard" if code is None else str(code)
-            out.append(Leave(n.id, f"its torchrun exited {how} and the job trains on without it"))
+            out.append(Leave(n.id, f"its torchrun exited {how} and the job goes on without it"))
     return out

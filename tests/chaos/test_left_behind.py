@@ -1,4 +1,4 @@
-"""Chaos cell: one node's torchrun exits non-zero and the job trains on without it.
+"""Chaos cell: one node's torchrun exits non-zero and the job goes on without it.
 
 In an in-process job (``job.grow: in_process``) the others shrink and go on, while the
 node's instance stays up and its agent heartbeats: it counts as capacity, so the pool
@@ -58,7 +58,7 @@ async def test_a_node_whose_torchrun_exited_while_the_job_trains_on_is_replaced(
         await _passes(sim, n1, seconds=8, step=20)  # inside the exit grace (10 s)
         assert n2.state is NodeState.RUNNING
         await _passes(sim, n1, seconds=4, step=24)
-        assert n2.state is NodeState.DRAINING and "trains on without it" in n2.detail, n2.detail
+        assert n2.state is NodeState.DRAINING and "goes on without it" in n2.detail, n2.detail
         n3 = await sim.launched(3)  # its replacement, which will join in-process
         await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
         assert n1.state is NodeState.RUNNING and not sim.events("job_stalled")
@@ -80,3 +80,26 @@ async def test_without_a_step_since_or_for_torchrun_joiners_the_node_stays(make_
         await _passes(sim, n1, seconds=60, step=None if case == "no_step_since" else 20)
         assert n2.state is NodeState.RUNNING
         assert len(sim.provider.launched) == 2
+
+
+async def test_a_first_round_formed_without_a_dead_node_is_led_once_that_node_leaves(make_sim) -> None:
+    """Seen in an HA trial: node 2's torchrun agent died in the first rendezvous round and
+    node 1 formed it alone. Node 1's claim to rank 0 of that attempt (world size 1) waits
+    for another node's word, and node 2 will never give it: no step is recorded, so no
+    step can be the evidence. The attempt node 1 started without node 2 is: node 2
+    leaves, node 1's claim then stands alone, and its steps count."""
+    async with make_sim(job=IN_PROCESS) as sim:
+        n1, n2 = await sim.launched(1), await sim.launched(2)
+        sim.boot(n1)
+        sim.boot(n2)
+        await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+        sim.beat(n1, step=0)
+        sim._status(n1, "started", 0, attempt="alone", world_size=1, resumed_from=None, rank=0)
+        await sim.sup.reconcile_once()
+        assert not sim.events("job_resumed") and sim.sup.job.attempt != "alone"  # waits for a second word
+        _torchrun_exits(sim, n2, 1)
+        await _passes(sim, n1, seconds=12, step=0)
+        assert n2.state is NodeState.DRAINING, n2.detail
+        await sim.until(lambda: sim.sup.job.attempt == "alone", what="node 1's claim taken")
+        sim.beat(n1, step=5)
+        assert sim.sup.job.step == 5
