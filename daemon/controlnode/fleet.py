@@ -308,10 +308,13 @@ class Fleet:
                 await self.provider_for(node.provider).terminate(node.instance_id)
         elif isinstance(action, Terminate):
             node = core.nodes[action.node_id]
+            # why a drained node left (its notice, an operator's drain, its torchrun dead while
+            # the job went on): its detail, which the terminal state's replaces
+            left = {"left": node.detail} if node.state is NodeState.DRAINING and node.detail else {}
             if node.instance_id:
                 await self.provider_for(node.provider).terminate(node.instance_id)
             core.set_state(node, action.final_state, action.reason)
-            core.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason, **dict(action.context))
+            core.record(EventKind.NODE_TERMINATED, node.id, reason=action.reason, **left, **dict(action.context))
 
     def launch(self, offer_index: int, reason: str) -> Node:
         """Record a new node of offer ``offer_index`` and start its launch call (an owned task)."""

@@ -201,6 +201,7 @@ _KNOWN: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("decision_to_first_step_s", "Decision to first step", _secs),
     ("egress_usd", "Egress", _usd),
     ("reason", "Reason", _plain),
+    ("left", "Left because", _plain),
     ("error", "Error", _plain),
     ("message", "Message", _plain),
     ("failures", "Failures", _count),

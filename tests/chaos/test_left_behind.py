@@ -61,6 +61,8 @@ async def test_a_node_whose_torchrun_exited_while_the_job_trains_on_is_replaced(
         assert n2.state is NodeState.DRAINING and "goes on without it" in n2.detail, n2.detail
         n3 = await sim.launched(3)  # its replacement, which will join in-process
         await sim.until(lambda: n2.state is NodeState.TERMINATED, what="node 2 released")
+        [gone] = [e for e in sim.events("node_terminated") if e.node == n2.id]  # the operator's record of why
+        assert gone.data["reason"] == "drained" and "goes on without it" in gone.data["left"], gone.data
         assert n1.state is NodeState.RUNNING and not sim.events("job_stalled")
         matrix.row("a node's torchrun exits, the job trains on", job_completed=None, lost_checkpoints=0,
                    leaked_instances=len([i for i in sim.provider.live() if i.id == n2.instance_id]),
