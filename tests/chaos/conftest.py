@@ -224,6 +224,14 @@ class Sim:
                                      for n in self.sup.nodes.values()), what=f"node #{ordinal} launching")
         return self.node(ordinal)
 
+    async def two_running(self) -> tuple[Node, Node]:
+        """Nodes 1 and 2 launch and boot, and both are admitted (``running``)."""
+        n1, n2 = await self.launched(1), await self.launched(2)
+        self.boot(n1)
+        self.boot(n2)
+        await self.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+        return n1, n2
+
     def boot(self, node: Node) -> None:
         self.sup.agents.on_register(node)
         self.sup.wake()

@@ -24,10 +24,7 @@ IN_PROCESS = {"grow": "in_process"}
 
 
 async def _two_node_job(sim: Sim) -> tuple[Node, Node, str]:
-    n1, n2 = await sim.launched(1), await sim.launched(2)
-    sim.boot(n1)
-    sim.boot(n2)
-    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    n1, n2 = await sim.two_running()
     attempt = sim.start([n1, n2], step=0)
     sim.beat(n1, step=20)
     sim.beat(n2, step=20)
@@ -91,10 +88,7 @@ async def test_a_first_round_formed_without_a_dead_node_is_led_once_that_node_le
     step can be the evidence. The attempt node 1 started without node 2 is: node 2
     leaves, node 1's claim then stands alone, and its steps count."""
     async with make_sim(job=IN_PROCESS) as sim:
-        n1, n2 = await sim.launched(1), await sim.launched(2)
-        sim.boot(n1)
-        sim.boot(n2)
-        await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+        n1, n2 = await sim.two_running()
         sim.beat(n1, step=0)
         sim._status(n1, "started", 0, attempt="alone", world_size=1, resumed_from=None, rank=0)
         await sim.sup.reconcile_once()
