@@ -4,8 +4,9 @@ In an in-process job (``job.grow: in_process``) the others shrink and go on, whi
 node's instance stays up and its agent heartbeats: it counts as capacity, so the pool
 would never replace it, and the job would train short for good. The stall rules cannot
 see it (steps keep coming). :func:`daemon.control.stall.left_behind` makes the node
-leave once the exit grace has passed with a step after the exit; the planner releases it
-and launches a replacement.
+leave once the exit grace has passed and the others went on without it (a step after
+the exit, or an attempt started without it); the planner releases it and launches a
+replacement.
 
 In-process (:class:`~chaos.conftest.Sim`): the real Supervisor on a ManualClock; the
 test plays the agents and the trainer.
