@@ -18,10 +18,7 @@ pytestmark = pytest.mark.chaos
 
 async def _two_node_job(sim: Sim) -> tuple[Node, Node, str]:
     """Nodes 1 and 2 boot and start the job together at world size 2; returns (n1, n2, attempt)."""
-    n1, n2 = await sim.launched(1), await sim.launched(2)
-    sim.boot(n1)
-    sim.boot(n2)
-    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    n1, n2 = await sim.two_running()
     return n1, n2, sim.start([n1, n2], step=0)
 
 

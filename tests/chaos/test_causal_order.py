@@ -14,16 +14,12 @@ import pytest
 
 from chaos.conftest import Sim
 from daemon.controlnode.job_tracker import RESUME_HOLD_S
-from daemon.model import NodeState
 
 pytestmark = pytest.mark.chaos
 
 
 async def _two_running(sim: Sim):
-    n1, n2 = await sim.launched(1), await sim.launched(2)
-    sim.boot(n1)
-    sim.boot(n2)
-    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    n1, n2 = await sim.two_running()
     sim.start([n1, n2], step=0)
     return n1, n2
 

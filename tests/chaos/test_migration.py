@@ -164,10 +164,7 @@ async def _starved_on_one_node(sim: Sim, provider: RegionProvider, tmp_path: Pat
     """The job runs on two AWS nodes; node 2 is noticed at step 10 (the survivor commits
     and resumes alone) and AWS has no capacity left; no move before ``patience_s`` (60 s),
     one after it. Returns (node 1, its attempt)."""
-    n1, n2 = await sim.launched(1), await sim.launched(2)
-    sim.boot(n1)
-    sim.boot(n2)
-    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    n1, n2 = await sim.two_running()
     a1 = sim.start([n1, n2], step=0)
     sim.beat(n1, step=10)
     nid = sim.notice(n2)

@@ -28,10 +28,7 @@ pytestmark = pytest.mark.chaos
 
 
 async def _two_running(sim: Sim) -> tuple:
-    n1, n2 = await sim.launched(1), await sim.launched(2)
-    sim.boot(n1)
-    sim.boot(n2)
-    await sim.until(lambda: n1.state is NodeState.RUNNING and n2.state is NodeState.RUNNING, what="job start")
+    n1, n2 = await sim.two_running()
     return n1, n2
 
 
