@@ -25,6 +25,7 @@ import structlog
 
 from conftest import UNTIL_TIMEOUT_S, DaemonHarness, RecordingProvider
 from daemon.control.bounds import MAX_AGENT_BODY_BYTES, ConnectionCaps
+from daemon.interfaces import api as api_mod
 from daemon.interfaces import listener as listener_mod
 from test_api import running_node
 
@@ -188,6 +189,40 @@ async def test_a_connection_without_a_request_head_in_time_is_closed_and_a_serve
         finally:
             for _, w in (agent, idle, slow):
                 w.close()
+
+
+async def test_a_request_stalled_in_its_body_does_not_hold_the_daemons_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that sends a request head and stalls in its body holds a handler (the body
+    has ``BODY_READ_S``, made an hour here); stopping the API cancels it after its own
+    ``SHUTDOWN_S`` (1 s), and the connection is closed. Before, the agent port kept
+    aiohttp's default, 60 s: a demo stopped with Ctrl-C, or a unit stopped by systemd,
+    waited on whatever stray client was mid-request."""
+    monkeypatch.setattr(api_mod, "BODY_READ_S", 3600.0)
+    in_flight = asyncio.Event()
+    started = listener_mod.AgentListener.request_started
+
+    def request_started(transport: Any) -> None:
+        started(transport)
+        in_flight.set()
+
+    monkeypatch.setattr(listener_mod.AgentListener, "request_started", staticmethod(request_started))
+    async with own_daemon(tmp_path, caps=ConnectionCaps(total=16, per_peer=16), first_request_s=60.0) as h:
+        host, port = agent_addr(h)
+        reader, writer = await asyncio.open_connection(host, port, local_addr=(ATTACKER, 0))
+        try:
+            writer.write(b"POST /v1/agent/heartbeat HTTP/1.1\r\nHost: daemon\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # and no more of the body
+            await writer.drain()
+            async with asyncio.timeout(UNTIL_TIMEOUT_S):
+                await in_flight.wait()  # its handler is reading the body
+            closing = asyncio.create_task(h.api.aclose())  # type: ignore[attr-defined]
+            done, _ = await asyncio.wait([closing], timeout=20.0)  # 1 s to spare, 60 s before
+            assert done, "the API's close waited on a request stalled in its body"
+            closing.result()
+            assert await until_closed(reader), "the stalled connection was left open"
+        finally:
+            writer.close()
 
 
 async def test_accept_failures_for_want_of_descriptors_are_logged_once_and_counted(

@@ -23,7 +23,8 @@
   sized from ``RLIMIT_NOFILE`` (:mod:`daemon.interfaces.listener`); a request's head within
   ``FIRST_REQUEST_S`` of connecting, its body within ``BODY_READ_S`` and at most
   :data:`~daemon.control.bounds.MAX_AGENT_BODY_BYTES` (413 beyond); an idle connection closed after ``KEEPALIVE_S``;
-  reports per node by rate, per POST by count (:mod:`daemon.controlnode.report_limits`).
+  reports per node by rate, per POST by count (:mod:`daemon.controlnode.report_limits`); a
+  stopping daemon waits ``SHUTDOWN_S`` (1 s) for a request in flight, then cancels it.
 - **Control socket** (unix, mode 0660): what ``spotctl`` uses. Errors are
   ``{"error": "<one line>"}`` with 400 (bad request), 404 (unknown node) or 409
   (not possible now); spotctl prints the line and exits 2. ``{id}`` is a node id of the
@@ -85,8 +86,8 @@ from daemon.controlnode.job_secrets import private_channel
 from daemon.controlnode.progress_view import job_progress
 from daemon.controlnode.store import NotLeading
 from daemon.controlnode.supervisor import Supervisor
-from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, METRICS_CAPS, AgentListener,
-                                        LoopAcceptErrors, agent_connection_caps)
+from daemon.interfaces.listener import (BODY_READ_S, FIRST_REQUEST_S, KEEPALIVE_S, METRICS_CAPS, SHUTDOWN_S,
+                                        AgentListener, LoopAcceptErrors, agent_connection_caps)
 
 __all__ = ["agent_app", "control_app", "ApiServer"]
 
@@ -507,7 +508,8 @@ class ApiServer:
         listener cannot bind."""
         caps = self.caps if self.caps is not None else agent_connection_caps(self.sup.config.pool.max_nodes)
         self._accept_errors.install()
-        agent = web.AppRunner(agent_app(self.sup), access_log=None, keepalive_timeout=KEEPALIVE_S)
+        agent = web.AppRunner(agent_app(self.sup), access_log=None, keepalive_timeout=KEEPALIVE_S,
+                              shutdown_timeout=SHUTDOWN_S)
         await agent.setup()
         self._runners.append(agent)
         assert agent.server is not None
@@ -518,7 +520,7 @@ class ApiServer:
         self.metrics.registry.register(self.sup.intake.limiter)  # type: ignore[arg-type]
         self.agent_url = f"{'http' if self.ssl_context is None else 'https'}://{self.agent_host}:{port}"
 
-        control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=1.0)
+        control = web.AppRunner(control_app(self.sup, self.metrics), access_log=None, shutdown_timeout=SHUTDOWN_S)
         await control.setup()
         self._runners.append(control)
         clear_stale_socket(Path(self.socket_path))  # a killed daemon's; anything else there is refused
@@ -527,7 +529,7 @@ class ApiServer:
 
         spec = self.sup.config.daemon
         if spec.metrics_port is not None:  # loopback or a private address (the config refuses any other)
-            runner = web.AppRunner(metrics_app(self.metrics), access_log=None, shutdown_timeout=1.0,
+            runner = web.AppRunner(metrics_app(self.metrics), access_log=None, shutdown_timeout=SHUTDOWN_S,
                                    keepalive_timeout=KEEPALIVE_S)
             await runner.setup()
             self._runners.append(runner)

@@ -51,7 +51,7 @@ from daemon.control.bounds import ConnectionCaps, connection_caps
 from daemon.controlnode.core import wait_event
 
 __all__ = ["AgentListener", "LoopAcceptErrors", "nofile_limit", "agent_connection_caps", "FIRST_REQUEST_S",
-           "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S", "METRICS_CAPS"]
+           "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S", "METRICS_CAPS", "SHUTDOWN_S"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
@@ -61,6 +61,11 @@ BODY_READ_S = 30.0  # a request's body, once its head is in (seconds; read by th
 # (daemon.gpunode.daemon_link.KEEPALIVE_S, 660 s), so the agent closes first and never sends on a
 # connection the daemon is closing; aiohttp's default is 3,630 s
 KEEPALIVE_S = 720.0
+# a stopping daemon's wait for a request still in flight on any of its listeners (seconds),
+# then the handler is cancelled: aiohttp's default is 60 s, and a peer stalled in its body
+# would hold the stop (and the unit's TimeoutStopSec=) for BODY_READ_S; an agent whose
+# request is cut off sends it again, to this daemon's successor
+SHUTDOWN_S = 1.0
 LOG_EVERY_S = 10.0  # at most one line per kind of trouble this often (seconds)
 _ACCEPT_RETRY_S = 1.0  # after EMFILE, accept again once a connection closes, or after this long
 _BACKLOG = 1024  # the listen queue (the kernel caps it at net.core.somaxconn)
