@@ -230,8 +230,8 @@ def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockd
         [sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config",
          str(_config(tmp_path, tmp_path / "state", sockdir / "demo.sock")),
          "--rendezvous-port", str(free_port()), "--timeout-s", "600"],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},  # SIGABRT: its stacks
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         head = demo.stdout.readline()  # "spotvisor demo: pool sd, ..., state in RUN_DIR", once it is up
         assert " state in " in head, (head, demo.poll())
@@ -247,9 +247,16 @@ def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockd
             os.killpg(demo.pid, signal.SIGINT)
         try:
             demo.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # what it was doing goes into the failure (seen once in CI)
-            os.killpg(demo.pid, signal.SIGKILL)
-            pytest.fail(f"the demo did not exit within 60 s of SIGINT; its stderr:\n{demo.communicate()[1][-4000:]}")
+        except subprocess.TimeoutExpired:  # what it was doing goes into the failure (seen twice in full runs)
+            alive = demo.poll() is None
+            os.killpg(demo.pid, signal.SIGABRT)  # faulthandler writes every thread's stack, then it ends
+            try:
+                err = demo.communicate(timeout=30)[1]
+            except subprocess.TimeoutExpired:
+                os.killpg(demo.pid, signal.SIGKILL)
+                err = demo.communicate()[1]
+            pytest.fail(f"the demo did not exit within 60 s of SIGINT (alive: {alive}); its stderr, "
+                        f"stacks last:\n{err[-12000:]}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
