@@ -247,7 +247,8 @@ def test_a_daemon_on_a_live_demos_run_directory_is_refused(tmp_path: Path, sockd
             os.killpg(demo.pid, signal.SIGINT)
         try:
             demo.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # what it was doing goes into the failure (seen twice in full runs)
+        except subprocess.TimeoutExpired:  # what it was doing goes into the failure (seen twice in full runs,
+            # when this worker had SIGINT ignored: tests/test_demo_signals.py)
             alive = demo.poll() is None
             os.killpg(demo.pid, signal.SIGABRT)  # faulthandler writes every thread's stack, then it ends
             try:

@@ -45,12 +45,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import functools
 import os
+import signal
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import structlog
 
@@ -339,6 +341,42 @@ def _short(v: object) -> str:
     return str(v)
 
 
+async def _stopped_by_signal(run: Awaitable[int], out: Callable[[str], None]) -> int:
+    """``run``'s exit code, or 128 + the signal's number once SIGINT or SIGTERM stopped it:
+    the first cancels it (its cleanup runs: the store, the nodes, the lock), a second
+    leaves at once (``KeyboardInterrupt``, as Python's own second Ctrl-C).
+
+    The handlers are installed whatever this process inherited: a command started in the
+    background of a non-interactive shell (``cmd &``, a CI runner, a test harness) gets
+    SIGINT ignored, Python then installs no ``KeyboardInterrupt`` for it, and a demo sent
+    SIGINT by pid ran on to its ``--timeout-s`` (``spotvisord run`` handles both signals the
+    same way, :mod:`daemon.interfaces.service`). Without handlers, SIGTERM ended the demo
+    at once, its cleanup skipped."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    got: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        if got:
+            raise KeyboardInterrupt  # the second: out of the loop, past any cleanup still running
+        got.append(sig)
+        task.cancel()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await run
+    except asyncio.CancelledError:
+        if not got or task.uncancel() > 0:
+            raise  # not ours: someone else cancelled it
+        out(f"spotvisor demo: stopped by {signal.Signals(got[0]).name}")
+        return 128 + got[0]
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
 async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                 out: Callable[[str], None], *, redactor: Redactor | None = None,
                 config_path: str | None = None) -> int:
@@ -551,8 +589,6 @@ async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float 
     """Wait until ``ha`` leads (True) or SIGTERM/SIGINT (False), pinging systemd's watchdog
     meanwhile (serve() pings once this daemon leads). ``entering``: the daemon's start,
     running meanwhile; its error ends the wait (raised here)."""
-    import signal
-
     async def pings(interval_s: float) -> None:
         while True:
             notifier.send(WATCHDOG=1)
@@ -745,8 +781,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spotvisord demo: {_state_dir_problem(config, exc)}", file=sys.stderr)
             return 2
         try:
-            return asyncio.run(_demo(config, args.summary_json, args.timeout_s, lambda s: print(s, flush=True),
-                                     redactor=redactor, config_path=path))
+            out = functools.partial(print, flush=True)
+            return asyncio.run(_stopped_by_signal(_demo(config, args.summary_json, args.timeout_s, out,
+                                                        redactor=redactor, config_path=path), out))
         except SecretError as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return exc.exit_code
