@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.control.actions import PoolState
-from daemon.control.availability import MAX_CHANGES, MEMORY_S, Availability, progress_rate, rest_of_run
+from daemon.control.availability import MAX_CHANGES, MEMORY_S, Availability, progress_rate, rest_of_run, seeded
 from daemon.control.deadline import ON_DEMAND_ONLY, SPOT_ONLY, Progress
 from daemon.control.homezone import decide
 from daemon.control.lifecycle import JobState
@@ -82,6 +82,68 @@ def test_the_time_a_domain_is_not_watched_counts_neither_way() -> None:
 def test_an_observation_older_than_the_last_change_changes_nothing() -> None:
     av = Availability().observe("east", True, 100.0).observe("east", False, 200.0)
     assert av.observe("east", True, 150.0) is av and av.observe("east", False, 300.0) is av
+
+
+# -- the past: what other pools saw (seeded) ------------------------------------------------
+
+
+def test_a_new_pool_reads_the_newest_other_pools_past_before_its_own_first_word() -> None:
+    """Pool A watched west until 10 h (up 6 h, down 4 h), pool B until 12 h (up 12 h): at
+    13 h a new pool has west's past from B (the newest last change) and east's from A. It
+    launched in east (up) at 12.5 h: east reads A's down then up, and from 12.5 h its own
+    word only; what it sees next adds to that."""
+    a = {"west": [(0.0, True), (6 * H, False), (10 * H, None)], "east": [(0.0, False), (1 * H, True), (12.8 * H, False)]}
+    b = {"west": [(0.0, True), (12 * H, None)]}
+    own = Availability().observe("east", True, 12.5 * H)
+    out = seeded(own, [a, b], 13 * H)
+    assert out.changes["west"] == ((0.0, True), (12 * H, None))
+    assert out.changes["east"] == ((0.0, False), (1 * H, True))  # A's later "down" is not taken: its own "up" stands
+    assert progress_rate(out, "west", 13 * H, 720.0) == pytest.approx((12 * H - 720 + 6 * H) / (12 * H + 6 * H))
+    later = out.observe("west", False, 13.5 * H)
+    assert later.changes["west"][-1] == (13.5 * H, False) and rest_of_run(later, "west", 14 * H) == 0.5 * H
+    assert seeded(own, [], 13 * H) is own and seeded(own, [{"east": [(13 * H, False)]}], 13 * H) is own
+
+
+def test_the_docstrings_seeding_example() -> None:
+    own = Availability().observe("west", True, 9 * H)
+    out = seeded(own, [{"west": [(0.0, True), (6 * H, False), (10 * H, True)]}], 11 * H)
+    assert out.changes["west"] == ((0.0, True), (6 * H, False), (9 * H, True))
+
+
+def test_a_seed_keeps_only_the_memory_and_nothing_after_now() -> None:
+    other = {"west": [(0.0, True), (10 * H, False), (60 * H, True), (100 * H, False)]}
+    out = seeded(Availability(), [other], 70 * H)
+    assert out.changes["west"] == ((70 * H - MEMORY_S, False), (60 * H, True))
+
+
+def _state_at(changes, t: float):
+    states = [up for at, up in changes if at <= t]
+    return states[-1] if states else "none"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["east", "west", "north"]),
+                                st.lists(st.tuples(st.floats(0, 100 * H), st.sampled_from([True, False, None])),
+                                         max_size=30), max_size=3), max_size=4),
+       st.lists(st.tuples(st.sampled_from(["east", "west", "north"]), st.floats(0, 50 * H),
+                          st.sampled_from([True, False, None])), max_size=20),
+       st.floats(50 * H, 100 * H))
+def test_a_seed_is_a_well_formed_record_that_never_overrides_the_pools_own_word(others, observed, now) -> None:
+    """Any other pools' records, in any order, with changes after ``now`` or repeated, and
+    any own record: every domain's record alternates, in time order, within the memory
+    before ``now``; from the pool's own first observation of a domain on, its state at
+    every own change and at ``now`` is the pool's own."""
+    own = Availability()
+    for domain, t, up in sorted(observed, key=lambda o: o[1]):
+        own = own.observe(domain, up, t)
+    out = seeded(own, others, now)
+    for d, seen in out.changes.items():
+        assert all(a[1] != b[1] and a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+        assert seen[-1][0] <= now and (seen == own.changes.get(d) or now - MEMORY_S <= seen[0][0])
+        mine = own.changes.get(d, ())
+        for t in [*(c[0] for c in mine), now]:
+            if mine and t >= mine[0][0]:
+                assert _state_at(seen, t) == _state_at(mine, t), (d, t)
 
 
 # -- the decision -----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ failed for capacity, or a spot node there was preempted: its interruption notice
 its loss), and **down** from then until the next up; **unwatched** once the job has
 left it (a move elsewhere) or given a move to it up: the daemon tries nothing there,
 so that time counts neither way, and the domain's current state is unknown. The edge observes
-(``daemon.controlnode.migrator`` from the events it records, ``bench.replay.sim`` from
+(``daemon.controlnode.capacity_record`` from the events it records, ``bench.replay.sim`` from
 its simulated cloud); :class:`Availability` keeps the changes, per domain, for the last
 :data:`MEMORY_S` seconds; the estimates below read them. A domain the pool has not tried
 has no record: nothing is assumed about it.
@@ -32,9 +32,9 @@ domains of its config. Pure: no clock (``now`` is passed in), no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping, Sequence
 
-__all__ = ["MAX_CHANGES", "MEMORY_S", "PRIOR_S", "Availability", "Runs", "progress_rate", "rest_of_run"]
+__all__ = ["MAX_CHANGES", "MEMORY_S", "PRIOR_S", "Availability", "Runs", "progress_rate", "rest_of_run", "seeded"]
 
 #: how far back the record goes (seconds): two days, what the tick model's policy found
 #: best on the V100 trace (bench/README.md: 24 h and 96 h did worse)
@@ -78,12 +78,7 @@ class Availability:
             kept = seen
         else:
             kept = (*seen, (now, up))
-        cut = now - memory_s
-        old = [i for i, (t, _) in enumerate(kept) if t <= cut]
-        if old:
-            last = old[-1]
-            kept = ((max(kept[last][0], cut), kept[last][1]), *kept[last + 1:])
-        kept = kept[-MAX_CHANGES:]
+        kept = _cut(kept, now - memory_s)
         if kept == seen:
             return self
         return Availability({**self.changes, domain: kept})
@@ -114,6 +109,52 @@ class Availability:
         t, state = seen[-1]
         age = max(0.0, now - t) if state is not None else 0.0
         return Runs(tuple(up), tuple(down), bool(state), age, span + age)
+
+
+Changes = tuple[tuple[float, bool | None], ...]
+
+
+def _cut(kept: Changes, cut: float) -> Changes:
+    """``kept`` without the changes at or before ``cut`` (unix s) but the last of them,
+    moved to the cut (the state there stays known); at most :data:`MAX_CHANGES`."""
+    old = [i for i, (t, _) in enumerate(kept) if t <= cut]
+    if old:
+        last = old[-1]
+        kept = ((max(kept[last][0], cut), kept[last][1]), *kept[last + 1:])
+    return kept[-MAX_CHANGES:]
+
+
+def seeded(own: Availability, others: Iterable[Mapping[str, Sequence[tuple[float, bool | None]]]], now: float, *,
+           memory_s: float = MEMORY_S) -> Availability:
+    """``own`` with the past other pools saw (:mod:`daemon.controlnode.market_memory`):
+    for each domain, the one of ``others`` (records by this pool's domain names, changes
+    ``(unix s, up)``) whose last change is the newest gives what happened there before this
+    pool's own first observation of it; from that observation on, the pool's own record
+    stands (others' later word is not taken). Changes read in time order as
+    :meth:`Availability.observe` reads them (a repeated state is no change), none after
+    ``now``, cut to ``memory_s``. A domain no other record has keeps what ``own`` has. Pure.
+
+    Example: pool A saw west up from 0 h to 6 h, down to 10 h; this pool launched there
+    (up) at 9 h: west reads up 0-6 h, down 6-9 h, up from 9 h."""
+    best: dict[str, list[tuple[float, bool | None]]] = {}
+    for record in others:
+        for domain, changes in record.items():
+            usable = sorted(((float(t), up) for t, up in changes if t <= now), key=lambda c: c[0])
+            if usable and (domain not in best or usable[-1][0] > best[domain][-1][0]):
+                best[domain] = usable
+    out = dict(own.changes)
+    for domain, changes in best.items():
+        mine = own.changes.get(domain, ())
+        before = [c for c in changes if not mine or c[0] < mine[0][0]]
+        if not before or (mine and mine[0][0] <= now - memory_s):
+            continue  # (nothing before the pool's own first word, or its own covers the whole memory)
+        record = Availability()
+        for t, up in (*before, *mine):
+            record = record.observe(domain, up, t, memory_s=memory_s)
+        kept = _cut(record.changes.get(domain, ()), now - memory_s)
+        if kept:  # (a past of nothing but "unwatched" says nothing: what own had stays)
+            out[domain] = kept
+    return own if out == own.changes else Availability(out)
 
 
 def progress_rate(record: Availability, domain: str, now: float, overhead_s: float, *,
