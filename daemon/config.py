@@ -691,6 +691,12 @@ class DaemonSpec(_Spec):
     # a job with no progress (every trainer exited, or no step for a bound from its step
     # time) is reported (job_stalled) and its trainers restarted in place (daemon/control/stall.py)
     stall: StallSpec = StallSpec()
+    # a directory the daemons of one control node share (same uid): each whose deadline
+    # policy reads the availability record (home_zone) writes there what it has seen of
+    # each market's spot capacity, and starts from the others' record of a market it has
+    # not seen itself (daemon/controlnode/market_memory.py). Absent: each pool has only
+    # its own past (its event store's 48 h)
+    market_dir: str | None = None
 
     @field_validator("state_dir")
     @classmethod
@@ -777,6 +783,9 @@ class DaemonSpec(_Spec):
 
     def state_path(self) -> Path:
         return Path(os.path.expanduser(self.state_dir)).resolve()
+
+    def market_path(self) -> Path | None:
+        return None if self.market_dir is None else Path(os.path.expanduser(self.market_dir)).resolve()
 
     def socket_path(self) -> Path:
         if self.socket:

@@ -37,14 +37,16 @@ import structlog
 from daemon.config import Config
 from daemon.control import migration
 from daemon.control.actions import Action, Drain, PoolState
-from daemon.control.availability import MEMORY_S, Availability
+from daemon.control.availability import Availability
 from daemon.control.deadline import in_markets, narrow
 from daemon.control.lifecycle import ADMITTED
 from daemon.control.homezone import HomeDecision
 from daemon.control.migration import Migration, MigrationState, Phase
 from daemon.control.policies import RecoveryPolicy
+from daemon.controlnode.capacity_record import SEEN, CapacityRecord
 from daemon.controlnode.core import Core
 from daemon.controlnode.fleet import Fleet
+from daemon.controlnode.market_memory import MarketMemory
 from daemon.controlnode.placement import Placement
 from daemon.model import Event, EventKind, Node
 from daemon.state_dir import private_dir
@@ -56,10 +58,6 @@ log = structlog.get_logger("spotvisor.daemon")
 # events that count against a placement domain when choosing where a move goes
 _LOSSES = frozenset({EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value,
                      EventKind.NODE_LAUNCH_FAILED.value})
-# events the availability record is made of (daemon/control/availability.py)
-_SEEN = frozenset({EventKind.NODE_LAUNCHED.value, EventKind.NODE_LAUNCH_FAILED.value,
-                   EventKind.INTERRUPTION_NOTICE.value, EventKind.NODE_LOST.value,
-                   EventKind.MIGRATION_COMPLETED.value, EventKind.MIGRATION_FAILED.value})
 _PREEMPTION_WINDOW_S = 3600.0  # recent preemptions / capacity failures per domain: this window (seconds)
 _HELD = frozenset({Phase.COMMITTING, Phase.COPYING, Phase.STARTING})  # the source's nodes are kept
 _WAKES = frozenset({Phase.BOOTING, Phase.COMMITTING, Phase.STARTING})  # a pass at once: the pool changes
@@ -85,10 +83,10 @@ class Migrator:
         self.state = MigrationState(domain=self.domains[0].name)
         self._copy: asyncio.Task[_Copied] | None = None  # the move's checkpoint copy (its result: the message)
         self._losses: list[tuple[float, str]] = []  # (time, domain) of preemptions and capacity failures
-        self.availability = Availability()  # what the events say of each domain's spot capacity
-        self._stock_read = float("-inf")  # the newest spot_stock answer already in the record
+        reads = policy.reads_availability and len(self.domains) > 1
+        fleet.probe_stock = reads  # asked with the prices; the record, with the other pools' past
+        self.capacity = CapacityRecord(core, memory=MarketMemory.for_config(cfg) if reads else None)
         self._overdue_said: str | None = None  # the move whose overdue start was logged (once a move)
-        fleet.probe_stock = policy.reads_availability and len(self.domains) > 1  # asked with the prices
         self.decision: HomeDecision | None = None  # the policy's word on where the job is (spotctl status)
         self._pending: list[Action] = []  # releases decided at restore, carried out by the first pass
         m = cfg.migration
@@ -105,10 +103,9 @@ class Migrator:
         domain = stored if isinstance(stored, str) and stored in {d.name for d in self.domains} else self.domain
         self.state = MigrationState(domain, completed=int(core.store.get("migrations_completed", 0) or 0),
                                     failed=int(core.store.get("migrations_failed", 0) or 0))
-        since = core.clock() - MEMORY_S
-        for ev in core.store.events(kinds=sorted(_SEEN)):
-            if ev.time >= since:
-                self._seen(ev)
+        self.capacity.restore(core.store.events(kinds=sorted(SEEN)))
+        if self.capacity.memory is not None:
+            core.spawn(self.capacity.share(), "market")
         raw = core.store.get("migration")
         if not isinstance(raw, dict):
             return
@@ -157,23 +154,12 @@ class Migrator:
         refused for capacity, is what the availability record is made of."""
         if ev.kind in _LOSSES and ev.node is not None and ev.node in self.core.nodes:
             self._losses.append((ev.time, self.core.domain_of(self.core.nodes[ev.node])))
-        self._seen(ev)
+        self.capacity.seen(ev)
 
-    def _seen(self, ev: Event) -> None:
-        left = {EventKind.MIGRATION_COMPLETED.value: "source", EventKind.MIGRATION_FAILED.value: "target"}.get(ev.kind)
-        if left is not None:
-            # the job left it (or gave a move there up): nothing is tried there any more, so
-            # nothing is seen of it until a probe or a launch says
-            if isinstance(ev.data.get(left), str):
-                self.availability = self.availability.observe(ev.data[left], None, ev.time)
-            return
-        node = self.core.nodes.get(ev.node) if ev.node is not None else None
-        if ev.kind not in _SEEN or node is None or node.market != "spot":
-            return
-        if ev.kind == EventKind.NODE_LAUNCH_FAILED.value and ev.data.get("error") != "capacity":
-            return  # (a bad image, a quota, a daemon restart: nothing said of the capacity)
-        up = ev.kind == EventKind.NODE_LAUNCHED.value
-        self.availability = self.availability.observe(self.core.domain_of(node), up, ev.time)
+    @property
+    def availability(self) -> Availability:
+        """What this pool's own events and probes say of each domain's spot capacity."""
+        return self.capacity.own
 
     def status(self) -> dict[str, Any]:
         st, m = self.state, self.move
@@ -290,20 +276,10 @@ class Migrator:
                                             preemptions=losses))
         return out
 
-    def _read_stock(self) -> None:
-        """The providers' newest word on each domain's spot stock (:attr:`Fleet.stock`) into
-        the record: up when any of its spot offers is in stock, down when all are out."""
-        stock = self.fleet.stock
-        for d in self.domains:
-            fresh = [stock[i] for i in d.offers if i in stock and stock[i][0] > self._stock_read]
-            if fresh:
-                at = max(t for t, _ in fresh)
-                self.availability = self.availability.observe(d.name, any(ok for _, ok in fresh), at)
-        self._stock_read = max((t for t, _ in stock.values()), default=self._stock_read)
-
     def _maybe_start(self, now: float, s: PoolState) -> migration.Begin | None:
         core, st = self.core, self.state
-        self._read_stock()
+        self.capacity.read_stock(self.fleet.stock, [(d.name, d.offers) for d in self.domains])
+        record = self.capacity.view(now)  # with the other pools' past of the domains this one has not seen
         views = self._views(now)
         history = self.fleet.history(now)
         here = next(v for v in views if v.name == st.domain)
@@ -313,7 +289,7 @@ class Migrator:
         progress = self.placement.progress(now)
         decision = self.policy.placement(s, views, st.domain, history, now=now, plan=self.plan, starved_since=since,
                                          checkpoint_bytes=core.job.last_commit_bytes, gpus=gpus, progress=progress,
-                                         availability=self.availability, last_move_ended_at=st.last_ended_at,
+                                         availability=record, last_move_ended_at=st.last_ended_at,
                                          failed_moves=st.failed_moves)
         if decision is not None and decision.action == "wait" and (
                 self.decision is None or self.decision.action != "wait"):
@@ -322,7 +298,7 @@ class Migrator:
         move = self.policy.migrate(s, views, st.domain, history, now=now, plan=self.plan, starved_since=since,
                                    checkpoint_bytes=core.job.last_commit_bytes, last_move_ended_at=st.last_ended_at,
                                    gpus=gpus, failed_moves=st.failed_moves, progress=progress,
-                                   availability=self.availability)
+                                   availability=record)
         return None if move is None else migration.Begin(move, f"mig-{secrets.token_hex(4)}", core.job.step)
 
     def _booting(self, now: float, s: PoolState, m: Migration) -> migration.Message | None:

@@ -9,6 +9,9 @@ cn-hangzhou (where it moves).
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from daemon.control.lifecycle import ADMITTED
 from daemon.model import Event, JobState, Node, NodeState
 from daemon.providers.base import CapacityError
 from trainer.checkpoint import Manifest, commit, latest_committed, open_store, write_shard
+
+H = 3600.0
 
 pytestmark = pytest.mark.chaos
 
@@ -486,3 +491,44 @@ async def test_home_zone_leaves_a_starved_domain_at_once_before_the_job_trained(
         assert (started.data["source"], started.data["target"], started.data["reason"]) == \
             ("aws-use1", "aliyun-hz", "home_out")
         assert "before the job trained" in started.data["decision"]
+
+
+async def test_home_zone_leaves_at_once_where_another_pool_saw_long_outages(
+        make_sim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiting case above, with ``daemon.market_dir`` holding another pool's record of
+    the same AWS market (daemon/controlnode/market_memory.py): its outages there lasted
+    20 h each, in the 48 h before this pool started. The job has trained and AWS refuses
+    again: the outage is expected to outlast the 10 h deadline, so the job moves to
+    Alibaba at once, where the blind pool waited. Every share period the pool writes its
+    own record (what it saw of AWS, not what it took) for the next pool."""
+    from daemon.controlnode import capacity_record
+
+    monkeypatch.setattr(capacity_record, "SHARE_S", 0.01)
+    market = tmp_path / "market"
+    market.mkdir(mode=0o700)
+    t0 = time.time()
+    (market / "other.json").write_text(json.dumps({"version": 1, "pool": "other", "written_at": t0 - 60, "markets": {
+        "aws/us-east-1/-/us-east-1a:g5.12xlarge": [[t0 - 46 * H, False], [t0 - 26 * H, True], [t0 - 25 * H, False],
+                                                   [t0 - 5 * H, True]]}}))
+    os.chmod(market / "other.json", 0o600)
+    provider = RegionProvider({"us-east-1": 1})
+    overrides = _home_zone(tmp_path)
+    overrides["daemon"] = {**overrides.get("daemon", {}), "market_dir": str(market)}
+    async with make_sim(provider=provider, **overrides) as sim:
+        n1 = await _training_on_one_node(sim, provider)
+        sim.start([n1], step=0)
+        sim.beat(n1, step=10)
+        await sim.until(lambda: sim.sup.migrator.starved_since is not None, what="AWS seen starved")
+        for i in range(3):
+            if sim.events("migration_started"):
+                break
+            sim.clock.advance(500)
+            sim.sup.wake()
+            await sim.until(lambda: len(provider.refused) > i + 1 or sim.events("migration_started"), what="a pass")
+        [started] = sim.events("migration_started")
+        assert (started.data["source"], started.data["target"]) == ("aws-use1", "aliyun-hz"), started.data
+        assert not sim.events("placement_waiting")
+        assert sim.sup.migrator.availability.changes["aws-use1"][0][0] >= t0  # its own: nothing taken in
+        await sim.until(lambda: (market / "chaos.json").exists(), what="its own record written")
+        written = json.loads((market / "chaos.json").read_text())["markets"]["aws/us-east-1/-/us-east-1a:g5.12xlarge"]
+        assert written[0][0] >= t0 and [up for _, up in written[:2]] == [True, False]
