@@ -110,3 +110,19 @@ def test_the_daemons_home_zone_gains_from_what_it_has_seen_of_every_region() -> 
     assert seen.is_up("us-east-1") is not None and seen.is_up("us-east-2") is None  # only the job's region after 0
     r = seen.runs("us-east-2", 0.0)
     assert r is not None and 47.9 * 3600 <= r.span_s <= 48 * 3600
+
+
+def test_a_pool_after_another_job_starts_from_what_that_pool_saw() -> None:
+    """Our cost model, window 5: the pool of window 4 ran home_zone and wrote its record
+    (daemon.market_dir); the pool of window 5 starts from it (availability.seeded) and
+    meets the deadline cheaper than the blind pool. The record handed over lies in the
+    48 h before the window, and a region ends unwatched where that job stopped looking."""
+    from bench.replay.skynomad_v100 import after_a_job, run_window
+
+    trace = load_trace(V100)
+    blind, after = run_window(trace, 5, ("home_zone", "home_zone after a job"))
+    assert blind.deadline_met and after.deadline_met
+    assert after.cost_usd < blind.cost_usd
+    past = after_a_job(trace, 5)
+    assert past.changes and all(-48 * 3600 <= t <= 0 for seen in past.changes.values() for t, _ in seen)
+    assert all(seen[-1][1] is None for seen in past.changes.values())  # that job ended: nobody looks now

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from bench.replay.__main__ import _Parser, render, ON_DEMAND, domains_for
 from bench.replay.homezone import HomeZone
@@ -48,7 +48,7 @@ from bench.replay.optimum import optimal, optimum
 from bench.replay.sim import JobModel, Market, Replay, Result
 from bench.replay.tickmodel import OnDemand, TickJob, TickMarket, TickResult, UniformProgress, simulate
 from bench.replay.traces import Trace, TraceError, load_trace
-from daemon.control.availability import Availability
+from daemon.control.availability import Availability, seeded
 from daemon.control.migration import Plan
 from daemon.control.policies import DEFAULT_POLICY, get_policy
 
@@ -68,10 +68,12 @@ OUR_JOB = TickJob(task_s=JOB.target_steps * JOB.step_s, deadline_s=DEADLINE_H * 
                   overhead_s=JOB.boot_s + JOB.restart_s + JOB.load_s(1), checkpoint_gb=JOB.checkpoint_bytes / 1e9,
                   copy_gb_s=0.5, egress_usd_per_gb=0.02)
 # home_zone with more to go on than the pool's own launches: every region probed each 10 min
-# from the window's start (as a capacity probe would), watched for the 48 h before it (as a
-# daemon that outlives its jobs would have; the tick model's policies are given as much), or both
+# from the window's start (as a capacity probe would), watched for the 48 h before it
+# (as a daemon that outlives its jobs would have; the tick model's policies are given as much),
+# or both; or, "after a job", what the pool of the window before saw of its own run, taken
+# as daemon.market_dir gives it to the next pool (availability.seeded)
 VARIANTS = {"home_zone probed": {"probe_s": 600.0}, "home_zone seen 48 h": {"past_h": 48.0},
-            "home_zone both": {"probe_s": 600.0, "past_h": 48.0}}
+            "home_zone both": {"probe_s": 600.0, "past_h": 48.0}, "home_zone after a job": {"after_job": True}}
 POLICIES = (ON_DEMAND, "restart_on_preemption", DEFAULT_POLICY, "deadline_aware", "home_zone", *VARIANTS)
 # the artifact's README, `--config v100`: mean cost (USD) over the five windows
 PUBLISHED = {"Optimal (DP oracle)": 37.37, "SkyNomad": 41.73, "SkyNomad (oracle lifetimes)": 41.99,
@@ -105,19 +107,39 @@ def seen_before(trace: Trace, w: int, hours: float, *, watched_after: bool = Fal
     return av
 
 
+def _replay(trace: Trace, w: int, policy: str, *, migration: bool, on_demand: bool = False,
+            availability: Availability | None = None, **extra: Any) -> Replay:
+    return Replay(window(trace, w), get_policy(policy), job=JOB, market=Market(on_demand=on_demand), target_nodes=1,
+                  zones=list(ZONES), deadline_s=DEADLINE_H * 3600, domains=domains_for(ZONES, "region"),
+                  migration=Plan() if migration else None, availability=availability, **extra)
+
+
+def after_a_job(trace: Trace, w: int, *, migration: bool = True) -> Availability:
+    """What a pool starting window ``w`` takes from ``daemon.market_dir`` when the pool before
+    it ran home_zone over window ``w - 1`` (its own record, in window ``w``'s time: the window
+    before ends at 0), that pool's word ending where it stopped writing (its job's end), as
+    :mod:`daemon.controlnode.market_memory` reads a record no longer rewritten."""
+    if w == 0:
+        return Availability()  # nothing ran before the trace's first window
+    before = _replay(trace, w - 1, "home_zone", migration=migration)
+    before.run()
+    shift = WINDOW_TICKS * TICK_S
+    record = {d: [(t - shift, up) for t, up in changes] + ([(before.now - shift, None)] if changes[-1][1] is not None
+                                                            else [])
+              for d, changes in before.availability.changes.items()}
+    return seeded(Availability(), [record], 0.0)
+
+
 def run_window(trace: Trace, w: int, policies=POLICIES, *, migration: bool = True) -> list[Result]:
-    t = window(trace, w)
     out = []
     for name in policies:
         extra = dict(VARIANTS.get(name, {}))
-        past_h = extra.pop("past_h", None)
+        past_h, after_job = extra.pop("past_h", None), extra.pop("after_job", False)
         policy = DEFAULT_POLICY if name == ON_DEMAND else "home_zone" if name in VARIANTS else name
-        r = Replay(t, get_policy(policy), job=JOB,
-                   market=Market(on_demand=name == ON_DEMAND), target_nodes=1, zones=list(ZONES),
-                   deadline_s=DEADLINE_H * 3600, domains=domains_for(ZONES, "region"),
-                   migration=Plan() if migration else None,
-                   availability=None if past_h is None else seen_before(
-                       trace, w, past_h, watched_after="probe_s" in extra), **extra).run()
+        past = (seen_before(trace, w, past_h, watched_after="probe_s" in extra) if past_h is not None
+                else after_a_job(trace, w, migration=migration) if after_job else None)
+        r = _replay(trace, w, policy, migration=migration, on_demand=name == ON_DEMAND, availability=past,
+                    **extra).run()
         r.policy = name
         out.append(r)
     return out
