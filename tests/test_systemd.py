@@ -27,7 +27,7 @@ from conftest import RecordingProvider
 from daemon.interfaces import cli
 from daemon.interfaces.cli import running_daemon
 from daemon.config import Config
-from daemon.interfaces.service import SdNotifier, serve, watchdog_interval_s
+from daemon.interfaces.service import SdNotifier, dump_tasks, on_usr1_dump_tasks, serve, watchdog_interval_s
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_EXPOSURE = 3.0
@@ -146,6 +146,44 @@ async def _capturing(cm, box: list) -> AsyncIterator[object]:
     async with cm as sup:
         box.append(sup)
         yield sup
+
+
+async def test_sigusr1_logs_every_task_and_the_await_chain_it_sits_in() -> None:
+    """``kill -USR1`` (what ``spotvisord run`` installs): one ``tasks_dumped`` line, each
+    task with the frames it waits through, down to the innermost coroutine and the async
+    generator it iterates."""
+    import structlog
+
+    gate = asyncio.Event()
+
+    async def events():
+        await gate.wait()
+        yield 1
+
+    async def inner() -> None:
+        async for _ in events():
+            pass
+
+    async def outer() -> None:
+        await inner()
+
+    stuck = asyncio.create_task(outer(), name="stuck")
+    await asyncio.sleep(0)
+    on_usr1_dump_tasks()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(100):  # the handler runs on the loop (add_signal_handler): a few turns
+                if logs:
+                    break
+                await asyncio.sleep(0.01)
+            dump_tasks()
+    finally:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
+        stuck.cancel()
+    assert [e["event"] for e in logs] == ["tasks_dumped", "tasks_dumped"]
+    [chain] = [v for k, v in logs[0]["tasks"].items() if k.startswith("stuck#")]
+    assert [frame.rsplit(" ", 1)[1] for frame in chain] == ["outer", "inner", "events", "wait"], chain
 
 
 async def test_a_blocked_event_loop_or_a_dead_reconciler_stops_the_pings(tmp_path: Path, sockdir: Path) -> None:

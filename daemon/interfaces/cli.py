@@ -487,8 +487,9 @@ def _move_line(m: dict) -> str:
 async def _run(config: Config, watchdog_s: float | None, *, redactor: Redactor | None = None) -> int:
     """The service: READY=1 once up, WATCHDOG=1 from this loop, STOPPING=1 on SIGTERM
     or once the pool is released (:mod:`daemon.interfaces.service`); the job is left running."""
-    from daemon.interfaces.service import SdNotifier, serve
+    from daemon.interfaces.service import SdNotifier, on_usr1_dump_tasks, serve
 
+    on_usr1_dump_tasks()  # kill -USR1: every task and what it waits on, in the log
     log.info("spotvisord_starting", pool=config.pool.name, socket=str(config.daemon.socket_path()))
     notifier = SdNotifier.from_env()
     if config.ha is None:

@@ -28,6 +28,8 @@ ignored when ``$WATCHDOG_PID`` names another process.
 from __future__ import annotations
 
 import asyncio
+import gc
+import inspect
 import os
 import signal
 import socket
@@ -144,6 +146,34 @@ def status_line(sup: "Supervisor") -> str:
     step = "-" if job.step is None else str(job.step)
     return (f"pool {sup.pool}: job {job.state.value} at step {step}/{sup.config.job.target_steps}, "
             f"{live} live node(s), target {sup.desired_nodes}")
+
+
+def awaiting(coro: object) -> list[str]:
+    """``coro``'s await chain, outermost first: ``file:line function`` of each coroutine,
+    generator or async generator it waits through (what a task is stuck on)."""
+    out = []
+    while coro is not None:
+        if type(coro).__name__ in ("async_generator_asend", "async_generator_athrow"):  # `async for`, aclose():
+            coro = next((g for g in gc.get_referents(coro) if inspect.isasyncgen(g)), None)  # its generator
+            continue
+        frame = next((f for a in ("cr_frame", "gi_frame", "ag_frame") if (f := getattr(coro, a, None))), None)
+        if frame is not None:
+            out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = next((c for a in ("cr_await", "gi_yieldfrom", "ag_await") if (c := getattr(coro, a, None))), None)
+    return out
+
+
+def dump_tasks() -> None:
+    """Log every task of the running loop and what it waits on (``kill -USR1`` on a daemon
+    that seems stuck: the line ``tasks_dumped``, one entry per task)."""
+    tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+    log.warning("tasks_dumped", count=len(tasks),
+                tasks={f"{t.get_name()}#{i}": awaiting(t.get_coro()) for i, t in enumerate(tasks)})
+
+
+def on_usr1_dump_tasks() -> None:
+    """From now on SIGUSR1 logs the running loop's tasks (:func:`dump_tasks`)."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
 
 
 async def _watchdog(notifier: SdNotifier, interval_s: float, *, healthy: Callable[[], bool],
