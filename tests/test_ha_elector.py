@@ -131,3 +131,83 @@ async def test_a_leader_whose_keepalives_are_answered_late_keeps_leading(clients
         assert a.may_act()
     finally:
         await a.aclose()
+
+
+class _LosesOneCancel:
+    """An aetcd watch as a lost cancel leaves it: its iterator swallows the first
+    ``CancelledError`` and waits on for events (what the partition cell's ``tasks_dumped``
+    showed: the deposed daemon's key watch still in ``async for``, the daemon never ending)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.lost = inner, 0
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        it = self.inner.__aiter__()
+        while True:
+            try:
+                event = await it.__anext__()
+            except asyncio.CancelledError:
+                if self.lost:
+                    raise
+                self.lost += 1
+                await asyncio.Event().wait()  # waits on, as if for the next event
+            yield event
+
+    async def cancel(self) -> None:
+        await self.inner.cancel()
+
+
+async def test_a_key_watch_that_loses_a_cancel_does_not_hold_the_step_down(clients, monkeypatch) -> None:
+    """The leader's key watch swallows the first cancel: ``aclose`` cancels it again and
+    returns (before, it waited on the watch for ever)."""
+    client = clients()
+    real = client.watch
+    watches: list[_LosesOneCancel] = []
+
+    async def watch(*args, **kwargs):
+        watches.append(_LosesOneCancel(await real(*args, **kwargs)))
+        return watches[-1]
+
+    monkeypatch.setattr(client, "watch", watch)
+    a = Elector(client, pool="p", name="a", cfg=SLOW_POLL).start()
+    await _role(a, ld.Role.LEADER, 15)
+    async with asyncio.timeout(10):
+        await a.watching.wait()
+    watch_task = a._watch_task
+    assert watch_task is not None
+    closing = asyncio.create_task(a.aclose())
+    done, _ = await asyncio.wait([closing], timeout=15)  # not a cancel: that would be a second one, and end it
+    assert done and watch_task.done(), "aclose waited on the watch that lost its cancel"
+    assert [w.lost for w in watches] == [1] and not a.may_act()
+
+
+async def test_stop_tasks_repeats_the_cancel_and_gives_up_on_a_task_that_ignores_every_one() -> None:
+    from daemon.ha.client import stop_tasks
+
+    async def swallows(limit: list[int], swallowed: list[int]) -> None:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if len(swallowed) >= limit[0]:
+                    raise
+                swallowed.append(1)
+
+    twice: list[int] = []
+    always: list[int] = []
+    never = [10**9]
+    t2 = asyncio.create_task(swallows([2], twice), name="twice")
+    forever = asyncio.create_task(swallows(never, always), name="forever")
+    await asyncio.sleep(0)  # both waiting
+    with structlog.testing.capture_logs() as logs:
+        await stop_tasks([t2, forever, None], every_s=0.01, bound_s=0.5)
+    assert t2.cancelled() and len(twice) == 2
+    assert not forever.done() and len(always) >= 2
+    assert [(e["event"], e["task"]) for e in logs] == [("task_ignored_cancel", "forever")]
+    never[0] = 0  # its next cancel is raised
+    forever.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await forever

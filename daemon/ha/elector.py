@@ -38,7 +38,7 @@ import structlog
 from aetcd.exceptions import RevisionCompactedError
 
 from daemon.control import leadership as ld
-from daemon.ha.client import EtcdClient
+from daemon.ha.client import EtcdClient, stop_tasks
 
 __all__ = ["Elector", "leader_key", "pool_prefix"]
 
@@ -117,14 +117,7 @@ class Elector:
             return
         task, self._loop_task = self._loop_task, None
         watch, self._watch_task = self._watch_task, None
-        for t in (task, watch):
-            if t is not None:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks([task, watch, *self._tasks])  # cancelled again while one runs on (aetcd can lose one)
         out = ld.decide(self.state, ld.Stop(), self.clock(), self.cfg)
         self.state = out.state
         for action in out.actions:
@@ -146,12 +139,15 @@ class Elector:
         a broken stream is opened again ``retry_s`` later from the next revision unseen."""
         start = 0  # the first revision not yet seen (0: read the key first)
         failures = 0
+        me = asyncio.current_task()
         while True:
             watch = None
             try:
                 if not start:
                     start = (await self.client.range_page(self.key)).header.revision + 1
                 watch = await self.client.watch(self.key, start_revision=start)
+                if me is not None and me.cancelling():  # a cancel aetcd's watch() lost (3.11's wait_for)
+                    raise asyncio.CancelledError
                 self.watching.set()
                 async for event in watch:
                     failures = 0

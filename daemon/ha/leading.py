@@ -34,7 +34,7 @@ from aetcd.utils import prefix_range_end
 
 from daemon.control import leadership as ld
 from daemon.controlnode.core import leaves
-from daemon.ha.client import EtcdClient
+from daemon.ha.client import EtcdClient, stop_tasks
 from daemon.ha.elector import Elector, pool_prefix
 from daemon.ha.fence import Deposed, Fence
 from daemon.ha.modes import leader_renew_s
@@ -211,12 +211,7 @@ class Leadership:
         supervisor closed), before slower closes (the feed's drain, the API's): a step-down
         is not a loss (:attr:`lost` stays as it is). Writes made after it stay in the
         mirror, never in etcd. Idempotent; the client stays open."""
-        for task in (self._leading, self._watch):
-            if task is not None and not task.done():
-                task.cancel()
-            if task is not None:
-                with contextlib.suppress(BaseException):  # noqa: BLE001  its error was its caller's
-                    await task
+        await stop_tasks([self._leading, self._watch])  # their errors were their callers'; aetcd can lose a cancel
         self._watch = None
         if self.store is not None:
             store, self.store = self.store, None

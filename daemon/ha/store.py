@@ -42,6 +42,7 @@ from typing import Any, Callable
 import structlog
 
 from daemon.controlnode.store import Store
+from daemon.ha.client import stop_tasks
 from daemon.ha.elector import pool_prefix
 from aetcd.utils import prefix_range_end
 
@@ -317,8 +318,7 @@ class EtcdStore(Store):
         if task is not None:
             async with self._lock:  # the flush's sync holds it while its txn is on the wire
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_tasks([task])  # (cancelled again if an aetcd call lost the cancel)
         with contextlib.suppress(Exception):
             await self.sync()
 
