@@ -74,5 +74,9 @@ def test_a_leader_cut_off_from_etcd_stops_fail_closed_and_leads_again_with_no_st
     assert completed.data["attempt"] == started.data["attempt"]
     assert [a for a, t in _attempts(run_dir).items() if t > cut.time] == []
     assert not [e for e in stored if e.kind in ("job_stalled", "trainer_exited", "node_lost")]
-    assert s["steps_completed"] == 60 and s["lost_steps_total"] == 0 and s["restarts"] == 0
+    # nothing resumed after the cut, so no step lost to it (the run's totals also count the
+    # job's start: on a loaded machine torchrun can form the first world without its slowest
+    # node and restart for it, losing the steps before step 20's first commit)
+    assert [e for e in stored if e.kind == "job_resumed" and e.seq > cut.seq] == []
+    assert s["steps_completed"] == 60
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
