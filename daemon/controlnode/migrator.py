@@ -166,6 +166,8 @@ class Migrator:
         return {"domain": st.domain, "migrations": st.completed, "migrations_failed": st.failed,
                 "starved_since": st.starved_since, "deadline": self.placement.status(self.core.clock()),
                 "placement": None if self.decision is None else self.decision.to_dict(),
+                # other pools whose record the decisions read (daemon.market_dir; None: no directory)
+                "market_past": None if self.capacity.memory is None else len(self.capacity.past),
                 "migration": None if m is None else {"id": m.id, "from": m.source, "to": m.target,
                                                      "phase": m.phase.value, "reason": m.reason,
                                                      "started_at": m.started_at}}

@@ -171,6 +171,9 @@ def _placement(p: dict[str, Any]) -> str:
         out += f"  {h['action']}: {h.get('reason', '')}"
         if _num(left) and _num(wait):
             out += f" ({left / 3600:.1f} h left, {wait / 3600:.1f} h to finish waiting)"
+    past = p.get("market_past")
+    if _num(past) and past > 0:
+        out += f"  with the past of {past:g} other pool{'s' if past != 1 else ''} (daemon.market_dir)"
     return out
 
 

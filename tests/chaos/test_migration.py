@@ -502,6 +502,7 @@ async def test_home_zone_leaves_at_once_where_another_pool_saw_long_outages(
     Alibaba at once, where the blind pool waited. Every share period the pool writes its
     own record (what it saw of AWS, not what it took) for the next pool."""
     from daemon.controlnode import capacity_record
+    from daemon.interfaces.ctl_render import _placement
 
     monkeypatch.setattr(capacity_record, "SHARE_S", 0.01)
     market = tmp_path / "market"
@@ -529,6 +530,9 @@ async def test_home_zone_leaves_at_once_where_another_pool_saw_long_outages(
         assert (started.data["source"], started.data["target"]) == ("aws-use1", "aliyun-hz"), started.data
         assert not sim.events("placement_waiting")
         assert sim.sup.migrator.availability.changes["aws-use1"][0][0] >= t0  # its own: nothing taken in
+        placement = sim.sup.status()["placement"]
+        assert placement["market_past"] == 1
+        assert "with the past of 1 other pool (daemon.market_dir)" in _placement(placement)
         await sim.until(lambda: (market / "chaos.json").exists(), what="its own record written")
         written = json.loads((market / "chaos.json").read_text())["markets"]["aws/us-east-1/-/us-east-1a:g5.12xlarge"]
         assert written[0][0] >= t0 and [up for _, up in written[:2]] == [True, False]
