@@ -5,11 +5,16 @@ chaos schedule's ``kill_store``): rank 0's join check never makes a step boundar
 while the store is down and finds joiners again once it is back; a joiner whose ticket
 the restart lost queues again and is admitted; the loss watch waits for the store with
 backoff (a handful of connect tries, never a spin) and is woken through the new store; a
-survivor of a loss waits for the store on a fixed beat, bounded, where it is now.
+survivor of a loss waits for the store on a fixed beat, bounded, where it is now; the
+members of a group being formed (a shrink's survivors, a grow's) whose store is killed
+under them wait for it and form the group in the new one, with a member that only ever
+knew the new store.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -161,3 +166,71 @@ def test_a_survivor_waiting_for_a_killed_store_goes_on_once_it_is_back(store: St
     store.start()  # empty, on the same port
     t.join(timeout=30)
     assert got == [("127.0.0.1", store.port)]
+
+
+
+def _regroup_worker(index: int, first: int, port: int, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainer.runtime import DistContext, regroup
+
+    rank = first + index
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": "3",
+                       "LOCAL_RANK": "0"})
+    ctx = DistContext(0, 0, 1, "gloo", torch.device("cpu"), False)
+    new = regroup(ctx, rank, 3, "test/regroup/1", ("127.0.0.1", port), 60.0, store_wait_s=60.0)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps({"rank": new.rank, "world": dist.get_world_size(),
+                                                         "sum": t.item()}))
+    dist.destroy_process_group()
+
+
+def _waiting_in(port: int, ranks: int) -> bool:
+    """Whether ``ranks`` members have written their addresses under the test's key in the
+    store at ``port`` (gloo's ``<prefix>/0//cpu//0/<rank>``) and so wait there for the rest."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        keys = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5)).list_keys()
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+    return sum(k.startswith("test/regroup/1/") and k.endswith(tuple(f"//cpu//0/{r}" for r in range(3)))
+               for k in keys) >= ranks
+
+
+def _joined(procs, deadline: float) -> None:
+    while not procs.join(timeout=max(0.0, deadline - time.monotonic())):  # raises if a member failed
+        assert time.monotonic() < deadline, "the members did not form their group in time"
+
+
+@pytest.mark.timeout(300)
+def test_members_forming_a_group_ride_out_a_store_killed_under_them(store: StoreProcess, tmp_path: Path) -> None:
+    # two of three members meet in the store and wait there for the third; the store is
+    # SIGKILLed and started again, empty, on the same port (what a control node's kill
+    # does to a shrink's survivors, or a grow's members, mid-regroup); the third member
+    # arrives after, and knows only the new store: all three form the group
+    import torch.multiprocessing as mp
+
+    first = mp.start_processes(_regroup_worker, args=(0, store.port, str(tmp_path)), nprocs=2, join=False,
+                               start_method="spawn")
+    late = None
+    try:
+        assert _until(lambda: _waiting_in(store.port, 2), 120.0)
+        store.kill()
+        store.start()
+        late = mp.start_processes(_regroup_worker, args=(2, store.port, str(tmp_path)), nprocs=1, join=False,
+                                  start_method="spawn")
+        deadline = time.monotonic() + 120.0
+        _joined(first, deadline)
+        _joined(late, deadline)
+    finally:
+        for p in first.processes + (late.processes if late is not None else []):
+            if p.is_alive():
+                p.kill()
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1, 2)]
+    assert [g["rank"] for g in got] == [0, 1, 2]
+    assert all(g["world"] == 3 and g["sum"] == 6.0 for g in got)

@@ -141,7 +141,8 @@ class Recovery:
             log.warning("the global batch %d cannot be split over the %d surviving ranks; exiting for a restart",
                         job.G, world)
             raise SystemExit(1)
-        job.ctx = regroup(job.ctx, rank, world, prefix, endpoint, job.args.pg_timeout_s)
+        job.ctx = regroup(job.ctx, rank, world, prefix, endpoint, job.args.pg_timeout_s,
+                          store_wait_s=job.args.store_wait_s)
         self._catch_up(old_rank, old_world, t0, step)
 
     def learn_commit(self) -> bool:

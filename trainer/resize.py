@@ -126,7 +126,7 @@ class Resizer:
         # run_id(): the same on a node that joined in-process (its launcher's own torchrun
         # has another TORCHELASTIC_RUN_ID; the first bench run hung here for the pg timeout)
         job.ctx = shrink_process_group(job.ctx, survivors, f"spotvisor/{run_id()}/shrink/{job.attempt}/{step}",
-                                       endpoint, job.args.pg_timeout_s)
+                                       endpoint, job.args.pg_timeout_s, store_wait_s=job.args.store_wait_s)
         self.restart_attempt(old_world, t0, "shrunk", resumed_from=step,
                              **({} if job.state_replicated else {"stage_s": round(self.stage_s, 4)}))
 
@@ -201,7 +201,8 @@ class Resizer:
             log.info("admitting %d joining worker(s) of node(s) %s at step %d", joiners,
                      ",".join(dict.fromkeys(t.node for t in self._pick)), step)
         job.ddp = job.state.model  # drop DDP's hooks on the old group before it goes
-        job.ctx = regroup(job.ctx, job.ctx.rank, world, prefix, endpoint, job.args.pg_timeout_s)
+        job.ctx = regroup(job.ctx, job.ctx.rank, world, prefix, endpoint, job.args.pg_timeout_s,
+                          store_wait_s=job.args.store_wait_s)
         self.send_state(0, list(range(old_world, world)))
         self.restart_attempt(old_world, t0, "grew", resumed_from=None, joined=joiners)
 
@@ -237,7 +238,7 @@ class Resizer:
         t0 = time.perf_counter()
         job.ddp = job.state.model
         job.ctx = regroup(job.ctx, admission.rank, admission.world_size, admission.prefix, endpoint,
-                          job.args.pg_timeout_s, node_key=f"joined:{node}")
+                          job.args.pg_timeout_s, node_key=f"joined:{node}", store_wait_s=job.args.store_wait_s)
         self.send_state(0, list(range(admission.first_rank, admission.world_size)))
         self.restart_attempt(admission.first_rank, t0, "joined", resumed_from=None,
                              joined=admission.world_size - admission.first_rank)

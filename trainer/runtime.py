@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from trainer import group_sockets
 from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
 from trainer.exchange import all_gather_json, broadcast_json
-from trainer.store_retry import current_endpoint, parse_endpoint
+from trainer.store_retry import current_endpoint, parse_endpoint, wait_for_store
 
 __all__ = [
     "exit_process",
@@ -48,6 +48,8 @@ __all__ = [
     "rendezvous_endpoint",
     "shrink_process_group",
     "regroup",
+    "store_id",
+    "REGROUP_TRIES",
     "broadcast_state",
     "new_attempt_id",
     "barrier",
@@ -60,6 +62,12 @@ __all__ = [
     "configure_logging",
 ]
 
+log = logging.getLogger("trainer.runtime")
+
+#: How many times :func:`regroup` meets the others when the rendezvous store breaks off.
+REGROUP_TRIES = 3
+#: The key of the store's id (:func:`store_id`), outside every job's prefix.
+STORE_ID_KEY = "spotvisor/store-id"
 
 
 # --------------------------------------------------------------------------- the daemon's flags
@@ -115,9 +123,10 @@ def add_job_arguments(p: argparse.ArgumentParser, *, global_batch_size: int = 32
                         "survivors' round before it is presumed lost (seconds; the round then waits for "
                         "every rank that answered)")
     p.add_argument("--store-wait-s", type=float, default=300.0,
-                   help="after a peer is lost without notice, how long a survivor waits for a rendezvous store "
-                        "that is out of reach (restarting, or moving to a new HA leader) before it exits for a "
-                        "restart from the newest commit (seconds; the survivors' round needs the store)")
+                   help="how long a worker re-forming its group in-process (a survivors' round after a peer "
+                        "is lost without notice, a shrink, a grow) waits for a rendezvous store that is out of "
+                        "reach (restarting, or moving to a new HA leader) before it exits for a restart from the "
+                        "newest commit (seconds; the group is formed in the store)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=keep_checkpoints,
                    help="committed checkpoints kept by gc")
     return p
@@ -255,7 +264,7 @@ def rendezvous_endpoint() -> tuple[str, int] | None:
 
 
 def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpoint: tuple[str, int],
-                         timeout_s: float) -> DistContext:
+                         timeout_s: float, *, store_wait_s: float = 300.0) -> DistContext:
     """Re-form the default process group over ``survivors`` (old ranks, ascending), in place.
 
     For a *planned* leave (an interruption notice): the leaving ranks are still alive
@@ -272,7 +281,7 @@ def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpo
     Returns the new context (same local rank, backend and device; ``world_size ==
     len(survivors)``), and rewrites torchrun's variables to match
     (:func:`publish_world_env`). About 10 ms for gloo on one machine: no process starts, nothing
-    is loaded.
+    is loaded. A store lost meanwhile is waited for (``store_wait_s``, :func:`regroup`).
 
     Raises:
         ValueError: this rank is not among ``survivors``, or ``ctx`` has no process group.
@@ -282,32 +291,81 @@ def shrink_process_group(ctx: DistContext, survivors: list[int], key: str, endpo
     """
     if not ctx.initialized or ctx.rank not in survivors:
         raise ValueError(f"rank {ctx.rank} cannot shrink into {survivors}")
-    return regroup(ctx, survivors.index(ctx.rank), len(survivors), key, endpoint, timeout_s)
+    return regroup(ctx, survivors.index(ctx.rank), len(survivors), key, endpoint, timeout_s,
+                   store_wait_s=store_wait_s)
 
 
 def regroup(ctx: DistContext, rank: int, world_size: int, key: str, endpoint: tuple[str, int],
-            timeout_s: float, *, node_key: str | None = None) -> DistContext:
+            timeout_s: float, *, node_key: str | None = None, store_wait_s: float = 300.0) -> DistContext:
     """Destroy this process's default group (if any) and join a new one of ``world_size``
-    ranks as ``rank``, through ``PrefixStore(key, TCPStore client of endpoint)``: the
-    shrink's survivors, and an in-process grow's survivors and joiners
+    ranks as ``rank``, through ``PrefixStore(key/<store id>, TCPStore client of
+    endpoint)``: the shrink's survivors, and an in-process grow's survivors and joiners
     (:mod:`trainer.membership`). Rewrites torchrun's variables (:func:`publish_world_env`;
     ``node_key`` names this process's node there, default its ``GROUP_RANK``).
 
+    The rendezvous store can be lost while the members meet in it (SIGKILLed with its
+    control node, restarted empty on the same port, or moved to a new HA leader): a
+    member whose connection to it breaks (``DistNetworkError``) waits for it to answer
+    again (:func:`trainer.store_retry.wait_for_store`, at most ``store_wait_s`` seconds,
+    where it is now) and meets the others again there. The ``<store id>`` in the prefix
+    is the store's own (:func:`store_id`: the first client of a store sets it), so every
+    member that reaches the same store meets under the same keys, whether or not it saw
+    the loss: one that connected only to the new store is not left alone under the old
+    prefix. At most :data:`REGROUP_TRIES` tries.
+
     Raises:
         RuntimeError / DistStoreError: (torch) a member did not join within ``timeout_s``.
+        DistNetworkError: (torch) the store broke off :data:`REGROUP_TRIES` times, or did
+            not answer again within ``store_wait_s``.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
     backend = ctx.backend or ("nccl" if ctx.device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
-    client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
-    with group_sockets.making_group():
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(key, client), rank=rank,
-                                world_size=world_size, timeout=timeout,
-                                **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
+    for tries in range(1, REGROUP_TRIES + 1):
+        try:
+            client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
+            prefix = f"{key}/{store_id(client)}"
+            with group_sockets.making_group():
+                dist.init_process_group(backend=backend, store=dist.PrefixStore(prefix, client), rank=rank,
+                                        world_size=world_size, timeout=timeout,
+                                        **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}))
+            break
+        except dist.DistNetworkError as exc:
+            _forget_failed_group()
+            if tries == REGROUP_TRIES:
+                raise
+            log.warning("the rendezvous store broke off while the group re-formed (%s): waiting for it to meet "
+                        "again", (str(exc).splitlines() or ["no answer"])[0][:200])
+            found = wait_for_store(endpoint, store_wait_s, what="the group's re-forming")
+            if found is None:
+                raise
+            endpoint = found
     new = DistContext(rank, ctx.local_rank, world_size, backend, ctx.device, True)
     publish_world_env(new, node_key=node_key)
     return new
+
+
+def _forget_failed_group() -> None:
+    """After an ``init_process_group`` that failed: what ``destroy_process_group()`` does
+    for the default group, so the next try names its group as the other members do.
+    c10d names a default group by a process-wide count (its store keys are
+    ``<name>/...``) that a failed init has moved on and only a destroy sets back to 0
+    (torch 2.13, ``distributed_c10d._process_group_name``): a member that retried met
+    under ``1/`` while one that tried once waited under ``0/``."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
+def store_id(client: dist.Store) -> str:
+    """The rendezvous store's id: set by the first client that asks a store started
+    empty (a random hex string, ``compare_set`` on ``spotvisor/store-id``: atomic on the
+    server), read by every later one. Tells one incarnation of the store from the next."""
+    return client.compare_set(STORE_ID_KEY, "", uuid.uuid4().hex).decode()
 
 
 def broadcast_state(state: Any, *, src: int, device: torch.device, group: Any = None) -> Any:
