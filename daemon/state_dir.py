@@ -40,7 +40,7 @@ import structlog
 
 __all__ = ["LOCK_NAME", "StateDirError", "StateDirBusy", "UnsafeStatePath", "prepare_state_dir", "state_dir_lock",
            "serving", "open_private", "check_private", "private_dir", "chmod_private", "clear_stale_socket",
-           "chmod_socket"]
+           "chmod_socket", "write_private"]
 
 log = structlog.get_logger("spotvisor.state_dir")
 
@@ -224,6 +224,21 @@ def open_private(path: Path, flags: int, mode: int = 0o600) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def write_private(path: Path, data: bytes, *, atomic: bool = False) -> None:
+    """Write ``path`` (0600) in the state directory, never through a planted link; with
+    ``atomic``, through a temporary file renamed over it (a reader sees the old or the new)."""
+    target = path.with_name(path.name + ".tmp") if atomic else path
+    fd = open_private(target, os.O_WRONLY | os.O_CREAT)
+    with os.fdopen(fd, "wb") as f:
+        f.truncate(0)
+        f.write(data)
+        if atomic:
+            f.flush()
+            os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
 
 
 def check_private(path: Path) -> bool:

@@ -185,7 +185,7 @@ async def test_a_key_watch_that_loses_a_cancel_does_not_hold_the_step_down(clien
 
 
 async def test_stop_tasks_repeats_the_cancel_and_gives_up_on_a_task_that_ignores_every_one() -> None:
-    from daemon.ha.client import stop_tasks
+    from daemon.controlnode.core import stop_tasks
 
     async def swallows(limit: list[int], swallowed: list[int]) -> None:
         while True:

@@ -41,8 +41,7 @@ import structlog
 
 from daemon.config import Config, Domain
 from daemon.control.availability import MAX_CHANGES, Availability
-from daemon.providers.local_instance import write_private
-from daemon.state_dir import UnsafeStatePath, open_private, prepare_state_dir
+from daemon.state_dir import UnsafeStatePath, open_private, prepare_state_dir, write_private
 
 __all__ = ["MAX_FILES", "MAX_FILE_BYTES", "SHARE_S", "STALE_S", "MarketMemory", "market_key"]
 

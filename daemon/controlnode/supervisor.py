@@ -53,7 +53,7 @@ from daemon.controlnode.actuator import Actuator
 from daemon.controlnode.agent_link import AgentLink
 from daemon.controlnode.cloud_check import CheckResult
 from daemon.controlnode.code_delivery import CodeDelivery
-from daemon.controlnode.core import wait_event
+from daemon.controlnode.core import stop_tasks, wait_event
 from daemon.controlnode.fleet import Fleet
 from daemon.controlnode.intake import Intake
 from daemon.controlnode.job_life import JobLife
@@ -155,12 +155,7 @@ class Supervisor:
             return
         self._closed = True
         self.agents.close()  # held long-polls answer now
-        for t in (tasks := list(self._tasks)):
-            t.cancel()
-        if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=10.0)
-            for t in stuck:
-                log.error("task_ignored_cancel", task=t.get_name())
+        await stop_tasks(list(self._tasks))  # cancelled again while one runs on, 10 s at most
         for p in self.fleet.all_providers():
             await p.aclose()
 

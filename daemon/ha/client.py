@@ -13,48 +13,13 @@ The gRPC target syntax: https://github.com/grpc/grpc/blob/master/doc/naming.md
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
 import aetcd
-import structlog
 import grpc
 from aetcd import exceptions, rpc, watcher
 
-__all__ = ["EtcdClient", "LeaseCompare", "stop_tasks", "target_of"]
-
-log = structlog.get_logger("spotvisor.daemon")
-
-#: seconds between the cancels :func:`stop_tasks` repeats, and its bound in all
-RECANCEL_S = 0.5
-STOP_BOUND_S = 10.0
-
-
-async def stop_tasks(tasks: Iterable["asyncio.Task[Any] | None"], *, every_s: float = RECANCEL_S,
-                     bound_s: float = STOP_BOUND_S) -> None:
-    """Cancel ``tasks`` and wait until each has ended, cancelling again every ``every_s``
-    seconds while one runs on, for ``bound_s`` seconds at most (then ``task_ignored_cancel``
-    is logged and it is left). What each raised is theirs (not raised here).
-
-    A task that calls aetcd and gRPC can lose a cancel: Python 3.11's ``asyncio.wait_for``
-    (in aetcd's ``Watcher.add_callback``) returns the inner result when a cancel lands as it
-    completes, and aetcd's ``_terminate_stream`` swallows ``CancelledError``. One such lost
-    cancel left a deposed daemon's key watch running, and the daemon stopping for ever
-    (the partition chaos cell, under load: its ``tasks_dumped`` showed the watch in
-    ``async for``); a cancel repeated reaches it at its next await."""
-    given = [t for t in tasks if t is not None]
-    pending = {t for t in given if not t.done()}
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    while pending and loop.time() < deadline:
-        for t in pending:
-            t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=min(every_s, max(0.0, deadline - loop.time())))
-    for t in pending:
-        log.error("task_ignored_cancel", task=t.get_name(), waited_s=bound_s)
-    for t in given:
-        if t.done() and not t.cancelled():
-            t.exception()  # retrieved: theirs, and not "never retrieved" at collection
+__all__ = ["EtcdClient", "LeaseCompare", "target_of"]
 
 
 def target_of(endpoints: Sequence[str]) -> str:

@@ -38,7 +38,8 @@ import structlog
 from aetcd.exceptions import RevisionCompactedError
 
 from daemon.control import leadership as ld
-from daemon.ha.client import EtcdClient, stop_tasks
+from daemon.ha.client import EtcdClient
+from daemon.controlnode.core import stop_tasks
 
 __all__ = ["Elector", "leader_key", "pool_prefix"]
 

@@ -34,7 +34,8 @@ from aetcd.utils import prefix_range_end
 
 from daemon.control import leadership as ld
 from daemon.controlnode.core import leaves
-from daemon.ha.client import EtcdClient, stop_tasks
+from daemon.ha.client import EtcdClient
+from daemon.controlnode.core import stop_tasks
 from daemon.ha.elector import Elector, pool_prefix
 from daemon.ha.fence import Deposed, Fence
 from daemon.ha.modes import leader_renew_s

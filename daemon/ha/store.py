@@ -42,7 +42,7 @@ from typing import Any, Callable
 import structlog
 
 from daemon.controlnode.store import Store
-from daemon.ha.client import stop_tasks
+from daemon.controlnode.core import stop_tasks
 from daemon.ha.elector import pool_prefix
 from aetcd.utils import prefix_range_end
 

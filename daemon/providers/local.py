@@ -59,12 +59,11 @@ from daemon.providers.local_instance import (
     live_records,
     outer_lifeline_fd,
     process_alive,
-    write_private,
 )
 from daemon.providers.local_metadata import make_fake
 from daemon.control.pool import Offer
 from daemon.providers.base import CapacityError, Instance, NodeSpec, Provider, ProviderError, register_provider
-from daemon.state_dir import UnsafeStatePath, open_private, private_dir
+from daemon.state_dir import UnsafeStatePath, open_private, private_dir, write_private
 
 __all__ = ["LocalProvider"]
 

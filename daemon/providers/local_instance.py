@@ -27,11 +27,10 @@ from typing import Any
 import psutil
 import structlog
 
-from daemon.state_dir import StateDirError, open_private
+from daemon.state_dir import StateDirError, open_private, write_private
 
 __all__ = ["INSTANCE_ENV", "INSTANCE_INIT", "LIFELINE_FD_ENV", "STORE_PID_FILE_ENV", "RECORD_FILE", "ADMIN_TOKEN_FILE",
-           "InstanceRecord", "kill_instance_processes", "live_records", "outer_lifeline_fd", "process_alive",
-           "write_private"]
+           "InstanceRecord", "kill_instance_processes", "live_records", "outer_lifeline_fd", "process_alive"]
 
 log = structlog.get_logger("spotvisor.provider.local")
 
@@ -190,21 +189,6 @@ def process_alive(pid: int, create_time: float) -> bool:
         return abs(proc.create_time() - create_time) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def write_private(path: Path, data: bytes, *, atomic: bool = False) -> None:
-    """Write ``path`` (0600) in the state directory, never through a planted link; with
-    ``atomic``, through a temporary file renamed over it (a reader sees the old or the new)."""
-    target = path.with_name(path.name + ".tmp") if atomic else path
-    fd = open_private(target, os.O_WRONLY | os.O_CREAT)
-    with os.fdopen(fd, "wb") as f:
-        f.truncate(0)
-        f.write(data)
-        if atomic:
-            f.flush()
-            os.fsync(f.fileno())
-    if atomic:
-        os.replace(target, path)
 
 
 @dataclass(frozen=True, slots=True)
