@@ -50,7 +50,7 @@ from trainer.credential import CredentialError, NodeCredential
 from trainer.data import DataError, MapSamples, as_samples, load_data
 from trainer.guard import Decision, PreemptionGuard
 from trainer.membership import joining, run_id
-from trainer.recovery import Recovery, first_line
+from trainer.recovery import Recovery, first_line, raised_in
 from trainer.resize import Resizer, can_shrink
 from trainer.sampler import ElasticSampler
 from trainer.stream import StreamSamples
@@ -417,7 +417,7 @@ class ElasticJob:
         except RuntimeError as exc:
             if not self.recovery.lost_a_peer(exc):
                 raise
-            failure = first_line(exc)
+            failure = f"{first_line(exc)}; raised in {raised_in(exc)}"
         self.recover(failure)  # out of the except clause: its traceback no longer holds the old group
         return None
 

@@ -48,7 +48,7 @@ from trainer.runtime import regroup, rendezvous_endpoint
 from trainer.storage import ObjectNotFoundError, StorageError
 from trainer.store_retry import wait_for_store
 
-__all__ = ["Recovery", "first_line"]
+__all__ = ["Recovery", "first_line", "raised_in"]
 
 log = logging.getLogger("trainer.run")
 
@@ -60,6 +60,16 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read err
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (at most 200 characters), or its type's name."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def raised_in(exc: BaseException, frames: int = 6) -> str:
+    """Where ``exc`` was raised: its innermost ``frames`` Python frames, innermost first,
+    as ``file:line function`` joined by `` < `` (which collective of which step part
+    failed: a timeout alone does not say). Empty without a traceback."""
+    import traceback
+
+    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(tb))
 
 
 class Recovery:
