@@ -485,6 +485,12 @@ class RendezvousSpec(_Spec):
     30 s, keep-alive 5 s x 3: torch.distributed.elastic.rendezvous.dynamic_rendezvous,
     https://pytorch.org/docs/stable/elastic/rendezvous.html).
 
+    ``start_wait_s``: at the job's start, how long the torchruns of the nodes admitted
+    together wait for each other before their first round (:mod:`trainer.rendezvous`,
+    "start cohort"): without it the first round forms ``last_call_timeout_s`` after the
+    first torchrun arrives, with whoever came by then, and the job restarts for each
+    late one (a torchrun's start-up differs by seconds to tens of seconds between nodes).
+
     ``host``: where the store listens and every node's torchrun connects. The store
     has no authentication, and torchrun's dynamic rendezvous unpickles the state it
     reads there, so whoever can reach the port can run code on every node. An IP
@@ -505,6 +511,7 @@ class RendezvousSpec(_Spec):
     keep_alive_max_attempt: int = Field(3, ge=1)
     join_timeout_s: PositiveS = 600.0
     max_restarts: int = Field(1000, ge=0)
+    start_wait_s: float = Field(60.0, ge=0, le=MAX_DURATION_S)  # 0: no wait (the first round as c10d forms it)
 
     @field_validator("host")
     @classmethod

@@ -184,6 +184,10 @@ class Node:
     ended_at: float | None = None  # when it reached a terminal state (terminated / lost / failed)
     market: str = "spot"  # the offer's market: spot or on_demand
     joins_running: bool = False  # admitted into a running job in-process (job.grow: in_process)
+    # admitted at the job's start with start_cohort - 1 others: its torchrun waits for theirs
+    # until start_until (unix s) before the first round (trainer.rendezvous); 0: no wait
+    start_cohort: int = 0
+    start_until: float | None = None
     code_version: str = ""  # the job.workdir sha256 its agent was handed ("" none), kept for its life
     # the agent process whose numbered reports were applied, and the highest number applied:
     # a batch sent again (its answer lost with a daemon) is applied once (daemon.control.reports.fresh)

@@ -221,9 +221,11 @@ async def started_daemon(config: "object", provider: Provider, store: "object", 
 
 
 @contextlib.asynccontextmanager
-async def spot_harness(tmp_path: Path, provider: Provider, **daemon: object) -> AsyncIterator[DaemonHarness]:
+async def spot_harness(tmp_path: Path, provider: Provider, *, pool: dict | None = None,
+                       rendezvous: dict | None = None, **daemon: object) -> AsyncIterator[DaemonHarness]:
     """Store + ``provider`` + Supervisor + ApiServer, started; pool target 1 (max 2), the
-    tests' agents told a 0.05 s heartbeat interval; ``daemon``: more ``daemon`` fields.
+    tests' agents told a 0.05 s heartbeat interval; ``daemon``: more ``daemon`` fields;
+    ``pool``, ``rendezvous``: fields of those sections.
 
     The control socket lives in a short ``/tmp`` directory (unix socket paths are
     limited to ~100 characters).
@@ -234,8 +236,9 @@ async def spot_harness(tmp_path: Path, provider: Provider, **daemon: object) -> 
     sockdir = tempfile.mkdtemp(prefix="sv-", dir="/tmp")
     socket_path = f"{sockdir}/d.sock"
     config = Config.model_validate({
-        "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2},
+        "pool": {"name": "test", "min_nodes": 1, "target_nodes": 1, "max_nodes": 2, **(pool or {})},
         "job": {"id": "job1", "module": "standin_trainer", "target_steps": 1_000_000},  # stand-ins step on and on
+        **({"rendezvous": rendezvous} if rendezvous else {}),
         "agent": {"heartbeat_interval_s": 0.05},  # the daemon tells the tests' agents this interval
         "daemon": {"verify_commits": False, "state_dir": str(tmp_path / "state"), "socket": socket_path,
                    "reconcile_interval_s": 0.05, **daemon},

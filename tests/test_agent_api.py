@@ -271,3 +271,32 @@ async def test_a_report_batch_sent_again_is_applied_once_and_answered_only_once_
     for bad in ("A1", "x" * 65, 7, ""):
         status, text = await agent.post("/v1/agent/events", events=batch, agent=bad)
         assert status == 400 and "agent" in text
+
+
+@pytest.mark.parametrize("wait_s", [60.0, 0.0])
+async def test_the_nodes_started_together_are_told_to_wait_for_each_other(tmp_path, wait_s: float) -> None:
+    """The nodes admitted together at the job's start are each told how many they are and
+    until when their torchruns wait for each other (``rendezvous.start_wait_s``,
+    trainer.rendezvous); ``start_wait_s: 0`` tells them nothing."""
+    from conftest import RecordingProvider, spot_harness
+
+    async with spot_harness(tmp_path, RecordingProvider(), pool={"target_nodes": 2},
+                            rendezvous={"start_wait_s": wait_s}) as h:
+        await h.until(lambda: sum(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()) == 2,
+                      what="two launches")
+        t0 = time.time()
+        replies = []
+        for node in list(h.sup.nodes.values()):
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
+                await Agent(h, node, s).register()
+        await h.until(lambda: all(n.state is NodeState.RUNNING for n in h.sup.nodes.values()), what="the start")
+        for node in list(h.sup.nodes.values()):
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
+                replies.append(await Agent(h, node, s).heartbeat("not_started"))
+        assert all(r["start_trainer"] for r in replies)
+        if wait_s:
+            assert [r["start_cohort"]["nodes"] for r in replies] == [2, 2]
+            assert all(t0 + wait_s - 5 < r["start_cohort"]["until"] <= time.time() + wait_s for r in replies)
+        else:
+            assert not [r for r in replies if "start_cohort" in r]
+

@@ -114,6 +114,42 @@ def test_a_rounds_rank_assignment_and_exit_barrier_need_only_rank_0s_node(store:
         h.shutdown()
 
 
+@pytest.mark.parametrize("late", [True, False], ids=["late_node_waited_for", "lost_node_waited_until"])
+def test_the_first_round_waits_for_the_nodes_started_together(store: StoreProcess, monkeypatch: pytest.MonkeyPatch,
+                                                             late: bool) -> None:
+    """``$SPOTVISOR_START_COHORT`` (the daemon admitted these nodes together at the job's
+    start): a torchrun that arrives later than the last call (1 s here) is in the first
+    round, not on its wait list (where its arrival would restart every worker); one that
+    never comes is waited for only until the cohort's deadline."""
+    until = time.time() + (60.0 if late else 2.0)
+    monkeypatch.setenv("SPOTVISOR_START_COHORT", f"2@{until:.3f}")
+    first, second = _handler(store, f"cohort-{late}"), _handler(store, f"cohort-{late}")
+    infos: dict[str, object] = {}
+    a = threading.Thread(target=lambda: infos.update(a=first.next_rendezvous()), daemon=True)
+    a.start()
+    a.join(timeout=3.0)  # past c10d's last call: without the cohort, its round of one is complete
+    if late:
+        assert a.is_alive() and not infos
+        b = threading.Thread(target=lambda: infos.update(b=second.next_rendezvous()), daemon=True)
+        b.start()
+        b.join(timeout=60)
+        a.join(timeout=60)
+        assert {infos["a"].world_size, infos["b"].world_size} == {2}  # type: ignore[attr-defined]
+        assert sorted([infos["a"].rank, infos["b"].rank]) == [0, 1]  # type: ignore[attr-defined]
+    else:
+        a.join(timeout=60)
+        assert infos["a"].world_size == 1 and time.time() >= until  # type: ignore[attr-defined]
+    for h in (first, second):
+        h.shutdown()
+
+
+def test_the_start_cohort_variable() -> None:
+    from trainer.rendezvous import parse_cohort
+
+    assert parse_cohort("3@1767225600.5") == (3, 1767225600.5)
+    assert [parse_cohort(x) for x in (None, "", "1@1767225600", "3", "x@1", "3@-1", "3@nan?")] == [None] * 7
+
+
 def test_an_agent_rides_out_a_store_restart_and_the_round_survives_it(store: StoreProcess,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     first = _handler(store, "restart")

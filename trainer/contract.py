@@ -33,6 +33,9 @@ The agent starts ``torchrun`` with these in the environment:
 :data:`JOIN_CREDENTIAL_ENV`   this node's join credential (:mod:`trainer.credential`), from the
                               daemon when it admitted the node: a secret, read once and
                               removed from the workers' environment
+:data:`START_COHORT_ENV`      ``N@UNTIL``: admitted at the job's start with N - 1 other nodes;
+                              torchrun's first round waits for theirs until UNTIL (unix s)
+                              (:mod:`trainer.rendezvous`); absent: no wait
 ============================  ==============================================================
 
 The plain notice (``job.command``: the user's own script, unchanged)
@@ -79,6 +82,7 @@ __all__ = [
     "RUN_ID_ENV",
     "JOIN_ENV",
     "JOIN_CREDENTIAL_ENV",
+    "START_COHORT_ENV",
     "CHECKPOINT_URI_ENV",
     "NOTICE_ENV",
     "SHUTDOWN_TIMEOUT_ENV",
@@ -111,6 +115,7 @@ RDZV_ENDPOINT_FILE_ENV = "SPOTVISOR_RDZV_ENDPOINT_FILE"
 RUN_ID_ENV = "SPOTVISOR_RUN_ID"
 JOIN_ENV = "SPOTVISOR_JOIN"
 JOIN_CREDENTIAL_ENV = "SPOTVISOR_JOIN_CREDENTIAL"
+START_COHORT_ENV = "SPOTVISOR_START_COHORT"
 # job.command (the user's own script, no flag added): the node's domain's checkpoint
 # store (file://, s3://, oss://), where spotvisor's integrations commit (the HF callback)
 CHECKPOINT_URI_ENV = "SPOTVISOR_CHECKPOINT_URI"

@@ -34,6 +34,14 @@ the store's loss survivable:
   minute for a rank 0 that was not in its round, and died);
 - ``next_rendezvous`` (a worker failed, a node joins with ``job.grow: restart``) waits
   for the store up to the rendezvous' ``join_timeout``, then fails as c10d's would.
+- the job's first round waits for the nodes the daemon admitted together at its start
+  (``$SPOTVISOR_START_COHORT``, :func:`wait_for_cohort`): each node counts itself in the
+  store and waits, at most until the daemon's ``rendezvous.start_wait_s`` has passed,
+  until every one has, so all of them enter c10d's join within a poll of each other. c10d
+  completes a round ``last_call_timeout`` after ``min_nodes`` have joined, with whoever
+  came by then; a torchrun that starts seconds later than the others (an import on a
+  slower disk, a loaded machine) would find the job running without it, and its arrival
+  restarts every worker, losing the steps since the start (seen under load: 17).
 - the store that moved (an HA takeover: the new leader serves it from its own control
   node; the agent writes the address to ``$SPOTVISOR_RDZV_ENDPOINT_FILE``) is followed:
   each call checks where it is now (:func:`trainer.store_retry.current_endpoint`) and a
@@ -63,6 +71,7 @@ Registered with torchrun through the ``torchrun.handlers`` entry point
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
@@ -77,10 +86,12 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from trainer.contract import START_COHORT_ENV
 from trainer.listen import address_toward, listen_socket
 from trainer.store_retry import PROBE_S, current_endpoint, store_reachable
 
-__all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S"]
+__all__ = ["BACKEND", "COHORT_POLL_S", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S",
+           "parse_cohort", "wait_for_cohort"]
 
 log = logging.getLogger("spotvisor.rendezvous")
 
@@ -292,14 +303,56 @@ class ReconnectingBackend(RendezvousBackend):
         return f"{self._at[0]}:{self._at[1]}"
 
 
+#: How often a node of the start cohort reads the count of those arrived (seconds).
+COHORT_POLL_S = 0.2
+
+
+def parse_cohort(raw: str | None) -> tuple[int, float] | None:
+    """``$SPOTVISOR_START_COHORT`` (``N@UNTIL``) as ``(N, until)``; None when absent or malformed."""
+    nodes, _, until = (raw or "").partition("@")
+    try:
+        parsed = int(nodes), float(until)
+    except ValueError:
+        return None
+    return parsed if parsed[0] > 1 and parsed[1] > 0 else None
+
+
+def wait_for_cohort(store: dist.Store, run_id: str, nodes: int, until: float, *,
+                    clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                    poll_s: float = COHORT_POLL_S) -> int:
+    """Count this node in the job's start cohort (``spotvisor/<run_id>/start_cohort`` in the
+    rendezvous store, an ``add``) and wait until ``nodes`` have counted themselves, or until
+    ``until`` (unix seconds) has passed; a read every ``poll_s``. Returns the count seen
+    last. A store error ends the wait (c10d's join then meets the store's loss as usual):
+    the cohort only shortens the start, it is never needed to form a round."""
+    key = f"spotvisor/{run_id}/start_cohort"
+    try:
+        count = store.add(key, 1)
+        if count < nodes and clock() < until:
+            log.info("waiting for the nodes started with this one: %d of %d here (at most %.0f s more)", count,
+                     nodes, until - clock())
+        while count < nodes and clock() < until:
+            sleep(max(0.0, min(poll_s, until - clock())))
+            count = store.add(key, 0)
+    except (dist.DistError, RuntimeError) as exc:  # the store out of reach: c10d's join deals with it
+        log.warning("the start cohort could not be counted (%s): joining the rendezvous now",
+                    (str(exc).splitlines() or ["no answer"])[0][:200])
+        return 0
+    if count < nodes:
+        log.warning("%d of the %d nodes started together arrived in time: the first round goes on without "
+                    "the others (they join it later)", count, nodes)
+    return count
+
+
 class SpotvisorRendezvousHandler(RendezvousHandler):
     """c10d's ``DynamicRendezvousHandler`` (``inner``) over a :class:`ReconnectingBackend`;
     see the module's docstring for what changes. ``join_timeout_s``: how long
     :meth:`next_rendezvous` waits for a store that is down."""
 
     def __init__(self, inner: Any, backend: ReconnectingBackend, *, join_timeout_s: float,
-                 local_addr: str) -> None:
+                 local_addr: str, cohort: tuple[int, float] | None = None) -> None:
         self._inner, self._backend, self._join_timeout_s = inner, backend, join_timeout_s
+        self._cohort = cohort  # (nodes, until) before the first round only (wait_for_cohort)
         self._generation = backend.generation
         self._local_addr = local_addr
         # this round's group store: the server while this node holds rank 0, else a client of rank 0's
@@ -325,6 +378,9 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
             try:
                 self._backend.connect()
                 self._follow_store()
+                cohort, self._cohort = self._cohort, None
+                if cohort is not None and self._backend.store is not None:
+                    wait_for_cohort(self._backend.store, self._backend.run_id, *cohort)
                 return self._round_group_store(self._inner.next_rendezvous())
             except (RendezvousConnectionError, dist.DistNetworkError) as exc:
                 self._backend.lost(exc)
@@ -443,6 +499,7 @@ def create(params: RendezvousParameters) -> SpotvisorRendezvousHandler:
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(_QuietWhileDown(backend))
     join_timeout = params.get_as_int("join_timeout", 600) or 600
     return SpotvisorRendezvousHandler(inner, backend, join_timeout_s=float(join_timeout),
-                                      local_addr=params.local_addr)
+                                      local_addr=params.local_addr,
+                                      cohort=parse_cohort(os.environ.get(START_COHORT_ENV)))
 
 

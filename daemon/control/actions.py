@@ -165,6 +165,9 @@ class MarkLost:
 class Admit:
     node_id: str
     reason: str  # job_start | rejoin | no_survivors | join_running | elastic_join | restart (job.command)
+    #: job_start: how many nodes are admitted together, whose torchruns wait for each other
+    #: before the first round (``rendezvous.start_wait_s``, :mod:`trainer.rendezvous`); 0 otherwise
+    cohort: int = 0
 
 
 @dataclass(frozen=True, slots=True)

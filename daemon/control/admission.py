@@ -178,7 +178,7 @@ def _start(s: PoolState, rules: Rules, ready: list[NodeView], now: float) -> lis
     if enough or (waited and len(ready) >= rules.min_nodes):
         chosen = largest_valid(ready, 0, rules.valid_world_sizes)
         if chosen:
-            out += [Admit(n.id, "job_start") for n in chosen]
+            out += [Admit(n.id, "job_start", len(chosen)) for n in chosen]
             out.append(StartJob("enough nodes" if enough else f"min_nodes after {rules.rejoin_timeout_s:g} s"))
     return out
 

@@ -121,6 +121,9 @@ class Actuator:
     def _admit(self, action: a.Admit) -> None:
         sup, node = self.core, self.core.nodes[action.node_id]
         node.joins_running = action.reason == "join_running"  # its agent starts the join spec
+        wait_s = sup.config.domain(sup.domain_of(node)).rendezvous.start_wait_s
+        node.start_cohort = action.cohort if action.cohort > 1 and wait_s > 0 else 0
+        node.start_until = sup.clock() + wait_s if node.start_cohort else None
         sup.set_state(node, NodeState.RUNNING)
         sup.record(EventKind.NODE_ADMITTED, action.node_id, reason=action.reason)
 

@@ -242,6 +242,9 @@ class AgentLink:
             reply["join_credential"] = self.credential(node)  # the workers' proof that the daemon admitted it
         if start and node.joins_running:
             reply["join"] = True  # start the job spec's "join" launcher: into the running group
+        elif start and node.start_cohort and node.start_until is not None:
+            # admitted at the job's start with others: its torchrun waits for theirs first
+            reply["start_cohort"] = {"nodes": node.start_cohort, "until": node.start_until}
         return reply
 
     def withdraw(self, node: Node, reply: dict[str, Any]) -> None:

@@ -276,7 +276,8 @@ class NodeAgent:
                 and self._interruption is None and self.runner.prepared):
             credential = reply.get("join_credential")  # the daemon's, for the workers' environment only
             await self.runner.start(join=bool(reply.get("join")),
-                                    credential=credential if isinstance(credential, str) else None)
+                                    credential=credential if isinstance(credential, str) else None,
+                                    cohort=start_cohort(reply.get("start_cohort")))
 
     async def _follow_store(self, endpoint: Any) -> None:
         """The leading daemon's rendezvous endpoint (``host:port``) into the node's file when
@@ -364,6 +365,18 @@ class NodeAgent:
                 if self._notice is not None:
                     # Azure: tell the platform it may act now (only after the commit); others: nothing
                     self._own(asyncio.ensure_future(self.watch.acknowledge(self._notice)))
+
+
+def start_cohort(raw: Any) -> tuple[int, float] | None:
+    """The daemon's ``start_cohort`` (``{"nodes": N, "until": unix s}``) as ``(N, until)``;
+    None when absent or malformed (no wait: the first round as c10d forms it)."""
+    if not isinstance(raw, dict):
+        return None
+    nodes, until = raw.get("nodes"), raw.get("until")
+    if (type(nodes) is not int or not 1 < nodes <= 100_000 or not isinstance(until, (int, float))
+            or isinstance(until, bool) or not 0 < until < 1e11):
+        return None
+    return nodes, float(until)
 
 
 def _version() -> str:

@@ -28,8 +28,8 @@ from daemon.gpunode.zygote import MODULE_ENV as ZYGOTE_MODULE_ENV
 from daemon.gpunode.zygote import entry_module
 from daemon.model import TORCHRUN_ARGV
 from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_ENV, NOTICE_FILE_ENV,
-                              RDZV_ENDPOINT_FILE_ENV, SCRATCH_DIR_ENV, STATUS_FILE_ENV, TRAINER_PYTHONPATH_ENV,
-                              write_plain_notice)
+                              RDZV_ENDPOINT_FILE_ENV, SCRATCH_DIR_ENV, START_COHORT_ENV, STATUS_FILE_ENV,
+                              TRAINER_PYTHONPATH_ENV, write_plain_notice)
 
 __all__ = ["TrainerProcess", "DRAIN_GRACE_S"]
 
@@ -135,6 +135,7 @@ class TrainerProcess:
         env = dict(os.environ)
         env.pop("SPOTVISOR_AGENT_TOKEN", None)
         env.pop(JOIN_CREDENTIAL_ENV, None)
+        env.pop(START_COHORT_ENV, None)
         return env
 
     @property
@@ -262,19 +263,24 @@ class TrainerProcess:
             return False
         return True
 
-    async def start(self, *, join: bool = False, credential: str | None = None) -> None:
+    async def start(self, *, join: bool = False, credential: str | None = None,
+                    cohort: tuple[int, float] | None = None) -> None:
         """Start the job: torchrun's command, or with ``join`` the job's ``"join"`` spec
         (its workers join the running group in-process; the daemon says so when it admits
         this node into a running job with ``job.grow: in_process``). ``credential``: the
         node's join credential from the daemon's reply, for the workers'
         ``$SPOTVISOR_JOIN_CREDENTIAL``: in their environment only (a prewarmed launcher
-        gets it on its standard input), never on a command line or in a log line."""
+        gets it on its standard input), never on a command line or in a log line.
+        ``cohort``: ``(nodes, until)`` when the daemon admitted this node at the job's start
+        with others (``$SPOTVISOR_START_COHORT``: torchrun's first round waits for theirs)."""
         spec = self.job.get("join") if join and self.job.get("join") else self.job
         self.plain_notice_path.unlink(missing_ok=True)  # a notice file there is from no notice of this trainer
         env = self.job_env()
         env.update(spec.get("env", {}))
         if credential:
             env[JOIN_CREDENTIAL_ENV] = credential
+        if cohort is not None and spec is self.job:
+            env[START_COHORT_ENV] = f"{cohort[0]}@{cohort[1]:.3f}"
         argv = list(spec["argv"])
         importing = self.state is TrainerState.WARMING
         warm, self.warm = self.warm, None
