@@ -52,14 +52,19 @@ class CapacityRecord:
         return seeded(self.own, self.past, now) if self.past else self.own
 
     def restore(self, events: Iterable[Event]) -> None:
-        """The record from the store's events of the last 48 h, and the others' from the
-        market directory (read here, at start: the first decision has them)."""
+        """The record from the store's events of the last 48 h (the others' are read by
+        :meth:`read_past`, awaited at start: the first decision has them)."""
         since = self.core.clock() - MEMORY_S
         for ev in events:
             if ev.time >= since:
                 self.seen(ev)
+
+    async def read_past(self) -> None:
+        """The other pools' records from the market directory, read in a thread (up to
+        :data:`~daemon.controlnode.market_memory.MAX_FILES` files of a MiB: never on the loop,
+        which serves the agents' API meanwhile). Nothing without a market directory."""
         if self.memory is not None:
-            self.past = self.memory.read_others(self.core.clock())
+            self.past = await asyncio.to_thread(self.memory.read_others, self.core.clock())
 
     def seen(self, ev: Event) -> None:
         """A spot node launched (up), noticed, lost or refused for capacity (down) in its
@@ -92,7 +97,7 @@ class CapacityRecord:
         the others' in. A write that fails is logged once; the pool goes on with its own."""
         assert self.memory is not None
         while True:
-            await asyncio.sleep(SHARE_S)  # a period, not synchronisation (restore() read the first)
+            await asyncio.sleep(SHARE_S)  # a period, not synchronisation (read_past() read the first)
             now = self.core.clock()
             try:
                 await asyncio.to_thread(self.memory.write, self.own, now)

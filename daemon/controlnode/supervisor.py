@@ -138,6 +138,7 @@ class Supervisor:
         self.operator.restore()
         self.life.restore()  # a failed or cancelled job stays so
         self.migrator.restore()
+        await self.migrator.capacity.read_past()  # the other pools' records, before the first decision
         await self.fleet.refresh_prices()
         await self.fleet.preflight(checked)  # and the cloud check: nothing is bought before it ran, nor what it failed
         await self.code.publish()  # job.workdir packed, uploaded and pinned for this run (WorkdirError)
