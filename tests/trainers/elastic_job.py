@@ -94,8 +94,8 @@ def write_notice(node: str) -> None:
 
 def deepspeed_state_digest(job: ElasticJob) -> str:
     """sha256 of the full state of a DeepSpeed ZeRO job (a collective: every rank calls it):
-    the fp32 master copies, the optimizer's moments and step, the engine's counters, and the
-    model's own parameters (what the forward pass reads)."""
+    the fp32 master copies, the optimizer's moments and step, the engine's counters (but
+    ``micro_steps``), and the model's own parameters (what the forward pass reads)."""
     from trainer.integrations.deepspeed_resize import gather_full_state
 
     state = gather_full_state(job.engine, job.state.model)
@@ -106,7 +106,9 @@ def deepspeed_state_digest(job: ElasticJob) -> str:
         for key, t in sorted(state["optim"][name].items()):
             h.update(key.encode())
             h.update(t.numpy().tobytes())
-    h.update(repr((state["optim_step"], sorted(state["counters"].items()))).encode())
+    # micro_steps is the world size's own (global_steps x its accumulation steps: set_scalars)
+    counters = sorted((k, v) for k, v in state["counters"].items() if k != "micro_steps")
+    h.update(repr((state["optim_step"], counters)).encode())
     import deepspeed
 
     params = list(job.state.model.parameters())

@@ -274,7 +274,7 @@ class DeepSpeedJob(ElasticJob):
         engine = self.engine
         engine.train()
         total = torch.zeros((), device=self.ctx.device)
-        for mb in micro:
+        for i, mb in enumerate(micro, 1):
             x, y = self.batch(mb)
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             logits = engine(input_ids=x, use_cache=False).logits
@@ -282,8 +282,12 @@ class DeepSpeedJob(ElasticJob):
             engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps inside
             engine.step()  # steps the optimizer at the accumulation boundary only
             total += loss.detach()
-        if engine.global_steps != step + 1:
-            raise RuntimeError(f"DeepSpeed counts {engine.global_steps} optimizer steps after step {step + 1}")
+            # the boundary is DeepSpeed's own count of micro-batches (micro_steps): one that is not
+            # the job's last micro-batch of the step mixes two steps' batches in one update
+            if engine.global_steps != step + (i == len(micro)):
+                raise RuntimeError(f"DeepSpeed's optimizer is at step {engine.global_steps} after micro-batch {i} "
+                                   f"of {len(micro)} of step {step + 1}: its gradient accumulation boundary is not "
+                                   "the step's")
         glob, local = mean_loss(self.ctx, total, len(micro))
         self.state.step += 1
         every = getattr(self.args, "replicate_every", 1)

@@ -167,7 +167,16 @@ def create_optimizer_state(engine: Any, stage: int) -> None:
 def set_scalars(engine: Any, state: dict[str, Any]) -> None:
     """Set a rebuilt engine's values other than tensors from ``state`` (:func:`scalars`):
     AdamW's step count on every partition, the param groups' hyperparameters, the LR
-    scheduler and the engine's counters."""
+    scheduler and the engine's counters.
+
+    ``micro_steps`` is set to ``global_steps`` times the new engine's gradient accumulation
+    steps, not carried over: DeepSpeed takes the accumulation boundary from it
+    (``(micro_steps + 1) % gradient_accumulation_steps() == 0``), and a count made at
+    another world size (another number of micro-batches per step) is mostly not a
+    multiple of the new one. Carried over, the optimizer stepped after the first
+    micro-batch of each step and took the rest into the next step's update (a grow from
+    2 to 3 ranks at step 5 of a global batch of 12 in micro-batches of 2: 15 micro-steps,
+    2 per step from then on)."""
     base = _base_optimizer(engine)
     if state["optim_step"] is not None:
         for st in base.state.values():
@@ -180,6 +189,8 @@ def set_scalars(engine: Any, state: dict[str, Any]) -> None:
         sched.load_state_dict(state["lr_scheduler"])
     for name, value in state["counters"].items():
         setattr(engine, name, value)
+    if hasattr(engine, "micro_steps"):  # the next micro-batch is the first of a step (a resize is at a boundary)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
 
 
 def release_engine(engine: Any) -> None:
