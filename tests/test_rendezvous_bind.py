@@ -227,3 +227,30 @@ def test_a_one_shot_runs_store_ends_with_it_even_on_sigkill() -> None:
         assert _refuses("127.0.0.1", port)
     finally:
         parent.kill()
+
+
+async def test_a_one_shot_runs_stores_start_and_stop_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``spotvisord demo`` starts and stops its stores (a wait of up to 30 s and 10 s each)
+    in a thread: its event loop serves signals and the daemon meanwhile. Each patched
+    call waits for the loop to run a callback; on the loop itself it never could."""
+    import asyncio
+    import threading
+
+    from daemon.config import Config
+    from daemon.controlnode.rendezvous import StoreProcess
+    from daemon.interfaces.cli import rendezvous_stores
+
+    loop = asyncio.get_running_loop()
+    served: list[bool] = []
+
+    def while_the_loop_runs(self: StoreProcess, *args: object) -> None:
+        ran = threading.Event()
+        loop.call_soon_threadsafe(ran.set)
+        served.append(ran.wait(timeout=5))
+
+    monkeypatch.setattr(StoreProcess, "start", while_the_loop_runs)
+    monkeypatch.setattr(StoreProcess, "stop", while_the_loop_runs)
+    config = Config.model_validate({"pool": {"name": "p"}, "job": {"id": "j", "module": "m", "target_steps": 1}})
+    async with rendezvous_stores(config) as store:
+        assert isinstance(store, StoreProcess)
+    assert served == [True, True]

@@ -313,6 +313,19 @@ def rendezvous_process(config: Config):
         yield procs[0]  # the first domain's
 
 
+@contextlib.asynccontextmanager
+async def rendezvous_stores(config: Config):
+    """:func:`rendezvous_process` from a coroutine: the stores' start (a wait of up to
+    30 s for each to listen) and stop (up to 10 s each) run in a thread, never on the
+    event loop, which serves signals and the daemon meanwhile."""
+    stores = rendezvous_process(config)
+    store = await asyncio.to_thread(stores.__enter__)
+    try:
+        yield store
+    finally:
+        await asyncio.shield(asyncio.to_thread(stores.__exit__, None, None, None))
+
+
 @contextlib.contextmanager
 def _rendezvous_process(rdzv):
     from daemon.controlnode.rendezvous import StoreProcess
@@ -393,7 +406,7 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
             return 2
     if config_path is not None and needs_runner(config):  # the chaos kills the daemon: it runs as our child
         return await _demo_outside(config, config_path, summary_json, timeout_s, out, t0)
-    with rendezvous_process(config) as store:
+    async with rendezvous_stores(config) as store:
         async with contextlib.AsyncExitStack() as stack:
             ha = None
             if config.ha is not None:  # as `run`: stand by until it leads, end (1) once it leads no more
@@ -431,7 +444,7 @@ async def _demo_outside(config: Config, config_path: str, summary_json: Path | N
     from daemon.interfaces.demo_runner import run_outside, with_fixed_agent_port
 
     config = with_fixed_agent_port(config)
-    with rendezvous_process(config) as store:
+    async with rendezvous_stores(config) as store:
         out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
             f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}; "
             "the daemon runs as a child (its chaos kills it), its log in daemon.log there")
