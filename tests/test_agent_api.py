@@ -299,4 +299,18 @@ async def test_the_nodes_started_together_are_told_to_wait_for_each_other(tmp_pa
             assert all(t0 + wait_s - 5 < r["start_cohort"]["until"] <= time.time() + wait_s for r in replies)
         else:
             assert not [r for r in replies if "start_cohort" in r]
+        # a stalled job's trainers restart together under a new rendezvous id: a new cohort
+        from daemon.control.actions import JobStalled
+
+        first = [r.get("start_cohort") for r in replies]
+        h.sup.act(JobStalled("no_step", "no step", 900.0, 900.0, restart=tuple(h.sup.nodes)))
+        again = []
+        for node in list(h.sup.nodes.values()):
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {node.token}"}) as s:
+                again.append((await Agent(h, node, s).heartbeat("not_started")).get("start_cohort"))
+        if wait_s:
+            assert [c["nodes"] for c in again] == [2, 2]
+            assert all(c["until"] > f["until"] for c, f in zip(again, first))
+        else:
+            assert again == [None, None]
 

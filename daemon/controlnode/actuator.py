@@ -121,11 +121,18 @@ class Actuator:
     def _admit(self, action: a.Admit) -> None:
         sup, node = self.core, self.core.nodes[action.node_id]
         node.joins_running = action.reason == "join_running"  # its agent starts the join spec
-        wait_s = sup.config.domain(sup.domain_of(node)).rendezvous.start_wait_s
-        node.start_cohort = action.cohort if action.cohort > 1 and wait_s > 0 else 0
-        node.start_until = sup.clock() + wait_s if node.start_cohort else None
+        self._join_cohort(node, action.cohort)
         sup.set_state(node, NodeState.RUNNING)
         sup.record(EventKind.NODE_ADMITTED, action.node_id, reason=action.reason)
+
+    def _join_cohort(self, node: Node, nodes: int) -> None:
+        """``node`` starts its torchrun with ``nodes - 1`` others, whose first round waits for
+        every one of them until ``rendezvous.start_wait_s`` from now (told in the reply that
+        starts it, :meth:`AgentLink.reply`; :mod:`trainer.rendezvous`); 0 or 1: no wait."""
+        sup = self.core
+        wait_s = sup.config.domain(sup.domain_of(node)).rendezvous.start_wait_s
+        node.start_cohort = nodes if nodes > 1 and wait_s > 0 else 0
+        node.start_until = sup.clock() + wait_s if node.start_cohort else None
 
     def _start_job(self, action: a.StartJob) -> None:
         sup = self.core
@@ -224,9 +231,10 @@ class Actuator:
         rid = f"restart-{secrets.token_hex(4)}"
         for node in sup.nodes.values():
             if node.id in action.restart or node.state in (NodeState.READY, NodeState.ADMITTING):
-                if node.joins_running:  # restarted with the job's torchrun command, not the join one
-                    node.joins_running = False
-                    sup.store.put_node(node)
+                node.joins_running = False  # restarted with the job's torchrun command, not the join one
+                if node.id in action.restart:  # they start the new rendezvous together, as at the job's start
+                    self._join_cohort(node, len(action.restart))
+                sup.store.put_node(node)
                 sup.send(node.id, {"kind": "restart", "id": rid, "job": sup.job_spec(node)})
         log.info("trainers_restarting", request_id=rid, nodes=list(action.restart), run_nonce=sup.run_nonce)
         sup.wake()
