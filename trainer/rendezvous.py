@@ -37,9 +37,9 @@ the store's loss survivable:
 - the job's first round waits for the nodes the daemon admitted together at its start
   (``$SPOTVISOR_START_COHORT``, :func:`wait_for_cohort`): each node counts itself in the
   store and waits, at most until the daemon's ``rendezvous.start_wait_s`` has passed,
-  until every one has, so all of them enter c10d's join within a poll of each other. c10d
-  completes a round ``last_call_timeout`` after ``min_nodes`` have joined, with whoever
-  came by then; a torchrun that starts seconds later than the others (an import on a
+  until every one has (the last sets a key the others wait for), so all of them enter
+  c10d's join together. c10d completes a round ``last_call_timeout`` after ``min_nodes``
+  have joined, with whoever came by then; a torchrun that starts seconds later than the others (an import on a
   slower disk, a loaded machine) would find the job running without it, and its arrival
   restarts every worker, losing the steps since the start (seen under load: 17).
 - the store that moved (an HA takeover: the new leader serves it from its own control
@@ -90,7 +90,7 @@ from trainer.contract import START_COHORT_ENV
 from trainer.listen import address_toward, listen_socket
 from trainer.store_retry import PROBE_S, current_endpoint, store_reachable
 
-__all__ = ["BACKEND", "COHORT_POLL_S", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S",
+__all__ = ["BACKEND", "ReconnectingBackend", "SpotvisorRendezvousHandler", "create", "MAX_RETRY_S",
            "parse_cohort", "wait_for_cohort"]
 
 log = logging.getLogger("spotvisor.rendezvous")
@@ -303,10 +303,6 @@ class ReconnectingBackend(RendezvousBackend):
         return f"{self._at[0]}:{self._at[1]}"
 
 
-#: How often a node of the start cohort reads the count of those arrived (seconds).
-COHORT_POLL_S = 0.2
-
-
 def parse_cohort(raw: str | None) -> tuple[int, float] | None:
     """``$SPOTVISOR_START_COHORT`` (``N@UNTIL``) as ``(N, until)``; None when absent or malformed."""
     nodes, _, until = (raw or "").partition("@")
@@ -318,29 +314,36 @@ def parse_cohort(raw: str | None) -> tuple[int, float] | None:
 
 
 def wait_for_cohort(store: dist.Store, run_id: str, nodes: int, until: float, *,
-                    clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                    poll_s: float = COHORT_POLL_S) -> int:
+                    clock: Callable[[], float] = time.time) -> int:
     """Count this node in the job's start cohort (``spotvisor/<run_id>/start_cohort`` in the
     rendezvous store, an ``add``) and wait until ``nodes`` have counted themselves, or until
-    ``until`` (unix seconds) has passed; a read every ``poll_s``. Returns the count seen
-    last. A store error ends the wait (c10d's join then meets the store's loss as usual):
-    the cohort only shortens the start, it is never needed to form a round."""
+    ``until`` (unix seconds) has passed. The node that completes the count sets
+    ``.../start_cohort_full``, which the others wait for (``TCPStore.wait``: no polling).
+    Returns the count seen last. A store error ends the wait (c10d's join then meets the
+    store's loss as usual): the cohort only shortens the start, it is never needed to
+    form a round."""
     key = f"spotvisor/{run_id}/start_cohort"
+    full = f"{key}_full"
     try:
         count = store.add(key, 1)
-        if count < nodes and clock() < until:
-            log.info("waiting for the nodes started with this one: %d of %d here (at most %.0f s more)", count,
-                     nodes, until - clock())
-        while count < nodes and clock() < until:
-            sleep(max(0.0, min(poll_s, until - clock())))
+        if count >= nodes:
+            store.set(full, str(count))
+            return count
+        left = until - clock()
+        if left <= 0:
+            return count
+        log.info("waiting for the nodes started with this one: %d of %d here (at most %.0f s)", count, nodes, left)
+        try:
+            store.wait([full], timedelta(seconds=left))
+            return nodes
+        except dist.DistStoreError:  # the deadline: go on with whoever came
             count = store.add(key, 0)
     except (dist.DistError, RuntimeError) as exc:  # the store out of reach: c10d's join deals with it
         log.warning("the start cohort could not be counted (%s): joining the rendezvous now",
                     (str(exc).splitlines() or ["no answer"])[0][:200])
         return 0
-    if count < nodes:
-        log.warning("%d of the %d nodes started together arrived in time: the first round goes on without "
-                    "the others (they join it later)", count, nodes)
+    log.warning("%d of the %d nodes started together arrived in time: the first round goes on without "
+                "the others (they join it later)", count, nodes)
     return count
 
 
