@@ -243,6 +243,30 @@ def test_a_zygote_whose_imports_started_a_thread_forks_nothing(tmp_path: Path) -
         _end_host(host)
 
 
+def test_a_variable_the_zygotes_imports_set_refuses_no_worker_and_reaches_each(tmp_path: Path) -> None:
+    """DeepSpeed's import sets ``$PYTORCH_NVML_BASED_CUDA_CHECK`` (``os.environ.setdefault``).
+    A zygote that preloads such a module still forks the workers, whose environment does
+    not name the variable (it is not a difference they asked for), and each sees it, as
+    the same import in a fresh interpreter would have set it; a worker that sets it to
+    another value starts fresh (the module loaded with the zygote's)."""
+    (tmp_path / "setter.py").write_text("import os\nos.environ.setdefault('PYTORCH_SPOTVISOR_PROBE', '1')\n")
+    host = _start_host(tmp_path, None, SPOTVISOR_ZYGOTE_PRELOAD="setter", PYTHONPATH=str(tmp_path))
+    try:
+        script = _write(tmp_path, "probe.py", "import json, os, sys\n"
+                        "json.dump([\"setter\" in sys.modules, os.environ.get(\"PYTORCH_SPOTVISOR_PROBE\")], "
+                        "open(os.environ[\"PROBE_OUT\"], \"w\"))\n")
+        seen = []
+        for name, own in (("plain", {}), ("other", {"PYTORCH_SPOTVISOR_PROBE": "0"})):
+            proc = host.client(["-u", str(script)], tmp_path, PROBE_OUT=str(tmp_path / name), **own)
+            _, stderr = proc.communicate(b"", timeout=120)
+            assert proc.returncode == 0, stderr
+            seen.append(json.loads((tmp_path / name).read_text()))
+        assert seen == [[True, "1"], [False, "0"]], stderr
+        assert b"$PYTORCH_SPOTVISOR_PROBE differs from the zygote's" in stderr, stderr
+    finally:
+        _end_host(host)
+
+
 def test_a_malformed_request_is_dropped_and_the_zygote_serves_the_next(host: Host, tmp_path: Path) -> None:
     for payload in (struct.pack("!I", 1 << 30), struct.pack("!I", 5) + b"nope!", b"\x00"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -179,11 +179,15 @@ class Worker:
                 return f"${key}={value!r} is not a thread count"
         return None
 
-    def become(self, base_path: list[str], base_pythonpath: list[str]) -> None:
+    def become(self, base_path: list[str], base_pythonpath: list[str],
+               set_by_imports: dict[str, str] | None = None) -> None:
         """In the forked child: take this worker's environment, directory, ``sys.path`` and
-        thread counts (the session and streams are set by the zygote before)."""
+        thread counts (the session and streams are set by the zygote before).
+        ``set_by_imports``: the variables the zygote's imports set (``os.environ.setdefault``
+        as DeepSpeed's does); the worker keeps each one its own environment does not name,
+        as the same import in a fresh interpreter would have left it."""
         os.environ.clear()
-        os.environ.update(self.env)
+        os.environ.update({**(set_by_imports or {}), **self.env})
         os.chdir(self.cwd)
         kind, name, _ = self.entry() or ("module", "", [])
         first = os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(name))
@@ -302,6 +306,7 @@ class _Server:
         self.control_r = control_r
         self.workers: dict[int, socket.socket] = {}  # worker pid -> its client's connection
         self.unsafe: str | None = None  # why nothing may be forked here (its imports started threads or CUDA)
+        self.set_by_imports: dict[str, str] = {}  # the environment variables the preloads set
         self.sel = selectors.DefaultSelector()
 
     def serve(self, entry_module: str | None, ready_w: int) -> Worker:
@@ -315,6 +320,7 @@ class _Server:
         listener.listen(64)
         os.write(ready_w, b"ok")
         os.close(ready_w)
+        started_with = dict(os.environ)  # the job's environment, as the launcher gave it: what workers compare with
         # NumPy's OpenBLAS starts its thread pool when it loads and stops it around each fork
         # itself (pthread_atfork, OpenBLAS's memory.c): those threads are no hazard
         _load(["numpy"])
@@ -327,7 +333,11 @@ class _Server:
             self.unsafe = (f"unsafe to fork: {threads - baseline} thread(s) started by its imports" if threads > baseline
                            else "unsafe to fork: CUDA initialised by its imports")
             print(f"spotvisor zygote: {self.unsafe}; every worker starts fresh", file=sys.stderr, flush=True)
-        base_env, base_path = dict(os.environ), list(sys.path)
+        # what the imports themselves set (DeepSpeed's import sets $PYTORCH_NVML_BASED_CUDA_CHECK):
+        # not a difference a worker could have asked for, and in a fresh interpreter the
+        # same import would set it where the worker's environment does not
+        self.set_by_imports = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
+        base_env, base_path = started_with, list(sys.path)
         base_pythonpath = [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
         listener.setblocking(False)
         wake_r, wake_w = socket.socketpair()
@@ -345,7 +355,7 @@ class _Server:
                     if spec is not None:  # in the worker now
                         worker, conn, fds = spec
                         self._become_child(worker, fds, [listener, wake_r, wake_w, conn])
-                        worker.become(base_path, base_pythonpath)
+                        worker.become(base_path, base_pythonpath, self.set_by_imports)
                         return worker
                 elif key.data == "control":
                     self._end()
