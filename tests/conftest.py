@@ -381,6 +381,14 @@ async def spotctl(*args: str, timeout_s: float = 20.0) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_zygote_ended() -> Iterator[None]:
+    """The resize tests' zygote (tests/worker_procs.py), if this process started one, ends with the session."""
+    yield
+    if "worker_procs" in sys.modules:
+        sys.modules["worker_procs"].stop_worker_zygote()
+
+
 @pytest.fixture
 def rdzv():
     """The job's rendezvous store, as the control node runs it (a TCPStore on 127.0.0.1)."""

@@ -22,10 +22,9 @@ from trainer.tokens import TokenWindows, pack_to_file
 from worker_procs import finish, joiner_env, member_env, status_lines
 
 # the grow tests' job (test_grow.GROW_AT_FIVE) on the user's data (--data-kind): a grow at
-# step 5, node0's notice at step 8; the joiner is admitted at step 5, not before (it boots
-# faster than a model loads); every sample each worker reads is recorded (position,
+# step 5, node0's notice at step 8; every sample each worker reads is recorded (position,
 # input_ids, labels)
-JOB = (*GROW_AT_FIVE, "--admit-from", "5", "--record-samples")
+JOB = (*GROW_AT_FIVE, "--record-samples")
 
 SEQ = 16
 
@@ -107,11 +106,11 @@ def test_a_stream_resumes_from_its_commit_at_the_next_sample(tmp_path: Path, rdz
     assert second.returncode == 0, out
     assert [x["resumed_from"] for x in status_lines(tmp_path, "node1") if x["event"] == "started"] == [4]
     _assert_every_batch_once(tmp_path, 8)
-    second_reads = [json.loads(x)[0] for x in (tmp_path / f"samples-{second.pid}.jsonl").read_text().splitlines()]
+    second_reads = [json.loads(x)[0] for x in (tmp_path / "samples-node1.jsonl").read_text().splitlines()]
     assert sorted(second_reads) == list(range(4 * 12, 8 * 12))  # nothing re-read from the start
     assert _assert_samples_are_the_datas(tmp_path, _expected(lm, "stream", tmp_path)) == 8 * 12
     assert np.all(np.diff(second_reads) > 0)
     # the resumed worker tokenized the examples of steps 5 .. 8 only (plus the one it resumed
     # inside): it did not read the stream from its start to find sample 4 x G
-    first_examples, second_examples = (int((tmp_path / f"examples-{p.pid}").read_text()) for p in (first, second))
+    first_examples, second_examples = (int((tmp_path / f"examples-{node}").read_text()) for node in ("node0", "node1"))
     assert second_examples <= 1.2 * first_examples + 1, (first_examples, second_examples)

@@ -223,24 +223,28 @@ def test_a_loss_round_closes_at_its_bound_without_a_rank_that_answered_and_died(
 # -- the whole grow, in real worker processes --------------------------------------------------
 
 # the grow tests' job (tests/trainers/elastic_job.py): rank 0 waits after step 5 until every
-# expected ticket is queued (--joiners), so a grow lands at step 5; node0 (rank 0, the
+# expected ticket is queued (--joiners), and admits nobody before (a joiner forked from a
+# zygote queues within a step or two), so a grow lands at step 5; node0 (rank 0, the
 # committer) gets an interruption notice at step 8; the workers that finish write a digest
 # of their model and AdamW state
-GROW_AT_FIVE = ("--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0", "--digest-at-end")
+GROW_AT_FIVE = ("--wait-joiners-at", "5", "--admit-from", "5", "--notice-at", "8", "--notice-node", "node0",
+                "--digest-at-end")
 
 G = 12
 
 
 def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt: str, *,
            job: tuple[str, ...] = GROW_AT_FIVE, joiners: int = 1,
-           extra: tuple[str, ...] = ("--join-timeout-s", "120", "--hold-timeout-s", "3")) -> subprocess.Popen:
+           extra: tuple[str, ...] = ("--join-timeout-s", "120", "--hold-timeout-s", "3"),
+           fork: bool = True) -> subprocess.Popen:
     """One worker of node ``name`` as its launcher starts it (``env``: torchrun's variables),
-    running the elastic test job with the flags ``job`` (``joiners``: the tickets rank 0 waits for)."""
+    running the elastic test job with the flags ``job`` (``joiners``: the tickets rank 0 waits
+    for; ``fork``: :func:`worker_procs.start_worker`'s)."""
     argv = [*job, "--joiners", str(joiners),
             "--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
             "--target-steps", "12", "--checkpoint-interval", "0", "--global-batch-size", str(G),
             "--micro-batch-size", "2", "--pg-timeout-s", "60", *extra]
-    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="grow")
+    return start_worker(tmp_path, name, env, rdzv_port, argv, run_id="grow", fork=fork)
 
 
 def _assert_every_batch_once(tmp_path: Path, steps: int) -> None:
@@ -286,7 +290,7 @@ def test_a_new_node_joins_the_running_group_without_a_restart(tmp_path: Path, rd
 
 
 # the grow at step 5 without the notice: the world goes 2 -> 3 and stays
-OUTSIDER_JOB = ("--wait-joiners-at", "5", "--digest-at-end")
+OUTSIDER_JOB = ("--wait-joiners-at", "5", "--admit-from", "5", "--digest-at-end")
 
 
 @pytest.mark.slow
@@ -540,7 +544,8 @@ def test_the_daemon_wakes_the_survivors_of_a_silent_node(tmp_path: Path, rdzv) -
     from trainer.membership import wake_survivors
 
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "silent"), rdzv.port, ckpt, job=SILENT_JOB)
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "silent"), rdzv.port, ckpt, job=SILENT_JOB,
+                    fork=False)  # a fresh interpreter: the test reads the worker's own state in /proc
              for r in range(3)]
     try:
         deadline = time.monotonic() + 120

@@ -23,7 +23,7 @@ from trainer.run import ReferenceJob
 from trainer.contract import NODE_ID_ENV, RDZV_ENDPOINT_ENV
 from trainer.runtime import DistContext, rendezvous_endpoint, shrink_process_group
 from bench.ports import free_port
-from worker_procs import pythonpath
+from worker_procs import pythonpath, worker_zygote
 
 
 def _gone(port: int, timeout_s: float) -> bool:
@@ -173,8 +173,9 @@ def test_a_notice_on_a_periodic_step_shrinks_and_goes_on(tmp_path: Path) -> None
         argv = ["--checkpoint-uri", ckpt, "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
                 "--target-steps", "14", "--checkpoint-interval", "10", "--global-batch-size", "12",
                 "--micro-batch-size", "2", "--hold-timeout-s", "3", "--pg-timeout-s", "60"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainers.elastic_job", *NOTICE_AT_10, *argv], env=env,
-                                      cwd=tmp_path,
+        forked = worker_zygote()  # forked from the zygote, as torchrun's workers are on a node without a GPU
+        procs.append(subprocess.Popen([forked.get("PYTHON_EXEC", sys.executable), "-m", "trainers.elastic_job",
+                                       *NOTICE_AT_10, *argv], env={**env, **forked}, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs[1:]] == [0, 0], outs[1] + outs[2]

@@ -34,13 +34,55 @@ def pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
 
 
+#: What the zygote imports before it forks: the test job and what its ``--job`` choices
+#: import lazily (torch, transformers' GPT-2, DeepSpeed, DCP)
+ZYGOTE_PRELOAD = ("trainers.elastic_job", "trainer.run", "trainer.data", "trainer.examples.deepspeed_zero2",
+                  "trainer.examples.fsdp_dcp", "trainer.integrations.deepspeed_resize", "deepspeed",
+                  "torch.distributed.checkpoint.state_dict")
+
+_zygote: subprocess.Popen | None = None  # this test process's zygote host (tests/zygote_host.py)
+_zygote_env: dict[str, str] = {}  # what a worker's client needs to reach it
+
+
+def worker_zygote() -> dict[str, str]:
+    """The variables that make a worker's command fork from this test process's zygote,
+    started on first use: the product's own (:mod:`daemon.gpunode.zygote`, as a node's
+    launcher forks one), preloaded with :data:`ZYGOTE_PRELOAD`. A worker started fresh
+    spends about 4 CPU-s importing them; forked, about 0.1 s. Empty if it did not start
+    (each worker then starts fresh). Ended by :func:`stop_worker_zygote` (conftest.py, at
+    the session's end) or with this process (its host reads our pipe to its end)."""
+    global _zygote, _zygote_env
+    if _zygote is None or _zygote.poll() is not None:
+        from daemon.gpunode.zygote import PRELOAD_ENV
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(), PRELOAD_ENV: ",".join(ZYGOTE_PRELOAD)}
+        _zygote = subprocess.Popen([sys.executable, str(TESTS / "zygote_host.py")], env=env, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        assert _zygote.stdout is not None
+        info = json.loads(_zygote.stdout.readline() or "null")
+        _zygote_env = {} if info is None else info["env"]
+    return _zygote_env
+
+
+def stop_worker_zygote() -> None:
+    """End the zygote (its host's input closed: the zygote SIGKILLs any worker left)."""
+    global _zygote
+    if _zygote is not None:
+        _zygote.stdin.close()  # type: ignore[union-attr]
+        _zygote.wait(timeout=30)
+        _zygote = None
+
+
 def start_worker(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, argv: list[str], *,
-                 run_id: str) -> subprocess.Popen:
+                 run_id: str, fork: bool = True) -> subprocess.Popen:
     """``python -m trainers.elastic_job *argv`` as node ``name``'s only worker (``argv``: the
     job's flags, then the trainer's; ``env``: torchrun's variables); its status file, step
     logs, notices and scratch are under ``tmp_path/name``, ``$OUT`` is ``tmp_path``; its join
     credential is :data:`AUTHORITY`'s for ``name`` in ``run_id`` unless ``env`` sets one.
-    Output captured (text)."""
+    Output captured (text). ``fork``: forked from :func:`worker_zygote`, as torchrun's
+    workers are on a node without a GPU; the process returned is then the zygote's client
+    (its exit status and its signals are the worker's; its pid is not), else a fresh
+    interpreter."""
     node = tmp_path / name
     node.mkdir()
     full = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), RUN_ID_ENV: run_id, NODE_ID_ENV: name,
@@ -50,8 +92,10 @@ def start_worker(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int,
             "SPOTVISOR_LOG_DIR": str(node / "logs"), "SPOTVISOR_SCRATCH_DIR": str(node / "scratch"),
             RDZV_ENDPOINT_ENV: f"127.0.0.1:{rdzv_port}",
             "PYTHONPATH": pythonpath()}
-    return subprocess.Popen([sys.executable, "-m", "trainers.elastic_job", *argv], env=full, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    forked = worker_zygote() if fork else {}
+    return subprocess.Popen([forked.get("PYTHON_EXEC", sys.executable), "-m", "trainers.elastic_job", *argv],
+                            env={**full, **forked}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 #: the sharded jobs' resize tests (test_fsdp_resize.py, test_deepspeed_resize.py): a 2-layer GPT-2,
@@ -65,10 +109,12 @@ def sharded_events(job: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[st
     """The sharded resize tests' scripted events for the elastic test job ``--job job``:
     ``recorded`` (rank 0 writes the whole state's digest before stage_state and after
     reshard: a collective gather, a test's cost only), ``grow_and_shrink`` (rank 0 waits
-    after step 5 for the joiner, so the grow lands at step 5; node0, old rank 0, gets a
-    notice at step 8) and ``kill_node2`` (node2 SIGKILLs itself before its step 7)."""
+    after step 5 for the joiner and admits nobody before, so the grow lands at step 5;
+    node0, old rank 0, gets a notice at step 8) and ``kill_node2`` (node2 SIGKILLs itself
+    before its step 7)."""
     recorded = ("--job", job, "--record-resizes")
-    return (recorded, (*recorded, "--wait-joiners-at", "5", "--notice-at", "8", "--notice-node", "node0"),
+    return (recorded, (*recorded, "--wait-joiners-at", "5", "--admit-from", "5", "--notice-at", "8",
+                       "--notice-node", "node0"),
             (*recorded, "--kill-at", "6", "--kill-node", "node2"))
 
 

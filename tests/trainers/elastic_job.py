@@ -10,9 +10,9 @@ the job flags below are read first, every other flag goes to the trainer's own p
 :class:`trainer.loop.ElasticJob` (``train_step``, ``batch``, ``stage_state``,
 ``reshard``, ``close``, ``_joiners_waiting``) and writes what it records under ``$OUT``.
 
-Example, the grow tests' job (test_grow.py): ``--wait-joiners-at 5 --notice-at 8
---notice-node node0 --digest-at-end``: rank 0 waits after step 5 until a joiner has
-queued its ticket, so the grow lands at step 5; node0 (rank 0, the committer) gets an
+Example, the grow tests' job (test_grow.py): ``--wait-joiners-at 5 --admit-from 5
+--notice-at 8 --notice-node node0 --digest-at-end``: rank 0 admits nobody before step 5
+and waits after it until a joiner has queued its ticket, so the grow lands at step 5; node0 (rank 0, the committer) gets an
 interruption notice after step 8, so the survivors shrink there; every worker that
 reaches the target writes ``final-<pid>.json``, a digest of its model and AdamW state.
 """
@@ -69,8 +69,8 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--digest-at-end", action="store_true",
                    help="a worker that reaches the target writes $OUT/final-<pid>.json: its model and AdamW digest")
     p.add_argument("--record-samples", action="store_true",
-                   help="append every sample read to $OUT/samples-<pid>.jsonl ([position, input_ids, labels]); "
-                        "a stream's examples tokenized so far to $OUT/examples-<pid>")
+                   help="append every sample read to $OUT/samples-<node>.jsonl ([position, input_ids, labels]); "
+                        "a stream's examples tokenized so far to $OUT/examples-<node>")
     p.add_argument("--record-resizes", action="store_true",
                    help="rank 0 writes $OUT/before-<step>.txt and after-<step>.txt: the full state's sha256 "
                         "before stage_state and after reshard, and the world size")
@@ -197,11 +197,11 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
         def batch(self, positions):
             x, y = super().batch(positions)
             if opts.record_samples:
-                with open(os.path.join(out_dir, "samples-%d.jsonl" % os.getpid()), "a") as f:
+                with open(os.path.join(out_dir, "samples-%s.jsonl" % node), "a") as f:
                     for p, a, b in zip(positions, x.tolist(), y.tolist()):
                         f.write(json.dumps([p, a, b]) + "\n")
                 if self.streaming:  # how many examples this worker has tokenized so far
-                    with open(os.path.join(out_dir, "examples-%d" % os.getpid()), "w") as f:
+                    with open(os.path.join(out_dir, "examples-%s" % node), "w") as f:
                         f.write(str(self.dataset.examples_read))
             return x, y
 
