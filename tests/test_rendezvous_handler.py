@@ -40,9 +40,10 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreProcess]:
 
 
 def _handler(store: StoreProcess, run: str, min_nodes: int = 1, **conf: object) -> SpotvisorRendezvousHandler:
+    conf = {"is_host": "false", "last_call_timeout": 1, "keep_alive_interval": 2, "keep_alive_max_attempt": 5,
+            "join_timeout": 60, **conf}
     params = RendezvousParameters(backend="spotvisor", endpoint=f"127.0.0.1:{store.port}", run_id=run,
-                                  min_nodes=min_nodes, max_nodes=2, is_host="false", last_call_timeout=1,
-                                  keep_alive_interval=2, keep_alive_max_attempt=5, join_timeout=60, **conf)
+                                  min_nodes=min_nodes, max_nodes=2, **conf)
     handler = rendezvous_handler_registry.create_handler(params)
     assert isinstance(handler, SpotvisorRendezvousHandler)
     return handler
@@ -259,7 +260,9 @@ def test_an_agent_follows_the_store_to_a_new_leaders_control_node(store: StorePr
 
 
 def test_a_new_round_waits_for_the_store_within_the_join_timeout(store: StoreProcess) -> None:
-    handler = _handler(store, "wait")
+    # a store back empty holds a round's completion for the heartbeats' dead time
+    # (interval x attempts) + MAX_RETRY_S: 6 s here, 14 s with the other tests' settings
+    handler = _handler(store, "wait", keep_alive_interval=1, keep_alive_max_attempt=2)
     handler.next_rendezvous()
     store.kill()
     assert handler.num_nodes_waiting() == 0  # the loss noticed
