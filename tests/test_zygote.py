@@ -247,8 +247,10 @@ def test_a_variable_the_zygotes_imports_set_refuses_no_worker_and_reaches_each(t
     """DeepSpeed's import sets ``$PYTORCH_NVML_BASED_CUDA_CHECK`` (``os.environ.setdefault``).
     A zygote that preloads such a module still forks the workers, whose environment does
     not name the variable (it is not a difference they asked for), and each sees it, as
-    the same import in a fresh interpreter would have set it; a worker that sets it to
-    another value starts fresh (the module loaded with the zygote's)."""
+    the same import in a fresh interpreter would have set it, as is a worker that sets it
+    to that value (a parent process that imported DeepSpeed after the zygote started
+    passes it on); a worker that sets it to another value starts fresh (the module loaded
+    with the zygote's)."""
     (tmp_path / "setter.py").write_text("import os\nos.environ.setdefault('PYTORCH_SPOTVISOR_PROBE', '1')\n")
     host = _start_host(tmp_path, None, SPOTVISOR_ZYGOTE_PRELOAD="setter", PYTHONPATH=str(tmp_path))
     try:
@@ -256,12 +258,13 @@ def test_a_variable_the_zygotes_imports_set_refuses_no_worker_and_reaches_each(t
                         "json.dump([\"setter\" in sys.modules, os.environ.get(\"PYTORCH_SPOTVISOR_PROBE\")], "
                         "open(os.environ[\"PROBE_OUT\"], \"w\"))\n")
         seen = []
-        for name, own in (("plain", {}), ("other", {"PYTORCH_SPOTVISOR_PROBE": "0"})):
+        for name, own in (("plain", {}), ("same", {"PYTORCH_SPOTVISOR_PROBE": "1"}),
+                          ("other", {"PYTORCH_SPOTVISOR_PROBE": "0"})):
             proc = host.client(["-u", str(script)], tmp_path, PROBE_OUT=str(tmp_path / name), **own)
             _, stderr = proc.communicate(b"", timeout=120)
             assert proc.returncode == 0, stderr
             seen.append(json.loads((tmp_path / name).read_text()))
-        assert seen == [[True, "1"], [False, "0"]], stderr
+        assert seen == [[True, "1"], [True, "1"], [False, "0"]], stderr
         assert b"$PYTORCH_SPOTVISOR_PROBE differs from the zygote's" in stderr, stderr
     finally:
         _end_host(host)

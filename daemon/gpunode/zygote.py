@@ -164,12 +164,17 @@ class Worker:
             return "script", argv[0], argv[1:]
         return None
 
-    def refusal(self, base_env: dict[str, str]) -> str | None:
-        """Why this worker cannot be forked from a zygote started with ``base_env``, or None."""
+    def refusal(self, base_env: dict[str, str], set_by_imports: dict[str, str] | None = None) -> str | None:
+        """Why this worker cannot be forked from a zygote started with ``base_env``, whose
+        imports then set ``set_by_imports``, or None. A variable the imports set may be
+        absent from the worker's environment or hold the value they gave it."""
         if self.entry() is None:
             return f"interpreter options {self.argv[:3]} other than -u"
+        imported = set_by_imports or {}
         for key in sorted(set(base_env) | set(self.env)):
-            if key.startswith(LOAD_TIME_ENV) and key not in FORKABLE_ENV and base_env.get(key) != self.env.get(key):
+            mine = self.env.get(key)
+            if (key.startswith(LOAD_TIME_ENV) and key not in FORKABLE_ENV and mine != base_env.get(key)
+                    and not (key in imported and mine == imported[key])):
                 return f"${key} differs from the zygote's (read when a library loads)"
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             value = self.env.get(key)
@@ -381,7 +386,7 @@ class _Server:
             conn.setblocking(True)
             conn.settimeout(REQUEST_TIMEOUT_S)
             worker, fds = _read_request(conn)
-            why = self.unsafe or worker.refusal(base_env)
+            why = self.unsafe or worker.refusal(base_env, self.set_by_imports)
             if why is not None:
                 conn.sendall(json.dumps({"fallback": why}).encode() + b"\n")
                 raise ValueError(why)
