@@ -162,11 +162,9 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
             out = super().train_step()
             if (self.state.step == opts.wait_joiners_at and self.ctx.rank == 0 and not self.joined_in_process):
                 q = JoinQueue(rendezvous_endpoint(), run_id())
-                # a joiner takes its number (add) before it writes its ticket (set): until the
-                # entries are there, this boundary's check would see a number and no ticket
-                while ((n := int(q.store.add("tickets", 0))) < opts.joiners
-                       or not q.store.check([f"t/{i}" for i in range(1, n + 1)])):
-                    time.sleep(0.05)  # polling another process's tickets
+                # the tickets themselves, not only their numbers: a joiner takes its number (add)
+                # before it writes its ticket (set), and this boundary's check needs the ticket
+                q.store.wait([f"t/{i}" for i in range(1, opts.joiners + 1)])
             if self.state.step == opts.notice_at and node == opts.notice_node:
                 write_notice(node)
             if self.state.step == opts.record_step:
