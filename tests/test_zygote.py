@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from daemon.gpunode.zygote import FORKABLE_ENV, LOAD_TIME_ENV, Worker, enabled, entry_module, preloads
+from zygote_host import start_host
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,10 +69,7 @@ class Host:
 
 def _start_host(cwd: Path, module: str | None, **more: str) -> Host:
     env = {"PATH": "/usr/bin:/bin", **more}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote_host.py"), *([module] if module else [])],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd)
-    assert proc.stdout is not None
-    info = json.loads(proc.stdout.readline())
+    proc, info = start_host(env, cwd, module)
     assert info is not None, "the zygote did not start"
     h = Host(proc, info)
     h.base_env = env

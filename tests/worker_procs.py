@@ -56,10 +56,9 @@ def worker_zygote() -> dict[str, str]:
         from daemon.gpunode.zygote import PRELOAD_ENV
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(), PRELOAD_ENV: ",".join(ZYGOTE_PRELOAD)}
-        _zygote = subprocess.Popen([sys.executable, str(TESTS / "zygote_host.py")], env=env, stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True)
-        assert _zygote.stdout is not None
-        info = json.loads(_zygote.stdout.readline() or "null")
+        from zygote_host import start_host
+
+        _zygote, info = start_host(env)
         _zygote_env = {} if info is None else info["env"]
     return _zygote_env
 
