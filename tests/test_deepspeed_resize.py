@@ -46,7 +46,9 @@ def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state
     the state at most, not all of it), and the survivors of the shrink only what the
     leaver held and what their new partitions lack."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
-    extra = ("--checkpoint-interval", "0", "--zero-stage", zero_stage)
+    # a periodic commit every 5 steps: the grow is at one, as a demo's may be (the old ranks
+    # commit step 5, admit the joiner, and the new group must not commit step 5 again)
+    extra = ("--checkpoint-interval", "5", "--zero-stage", zero_stage)
     procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "deepspeed"), rdzv.port, ckpt, GROW_AND_SHRINK,
                     extra) for r in range(2)]
     wait_for_status(tmp_path, "node0", procs[0], '"event":"step"')

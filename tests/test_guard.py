@@ -167,8 +167,9 @@ def _two_rank_worker(rank: int, init: str, tmp: str) -> None:
                 _write(notice_file, [_notice("c-0", "checkpoint")])
             if rank == 1 and step == 4:
                 _write(notice_file, [_notice("c-1", "checkpoint")])
-            d = guard.check()
-            out.append([step, d.checkpoint, d.hold, list(d.notice_ids), list(d.kinds)])
+            # one rank alone due a periodic commit (a joiner's loop and the old ranks' differ)
+            d = guard.check(periodic=(rank, step) in ((0, 2), (1, 3)))
+            out.append([step, d.checkpoint, d.hold, list(d.notice_ids), list(d.kinds), d.periodic])
             guard.mark_handled(d.notice_ids)
         t0 = time.monotonic()
         guard.hold(0.6, poll_s=0.05)
@@ -184,12 +185,12 @@ def test_two_ranks_decide_at_the_same_step(tmp_path: Path) -> None:
     r1 = json.loads((tmp_path / "result-1.json").read_text())
     assert r0["decisions"] == r1["decisions"]
     by_step = {d[0]: d[1:] for d in r0["decisions"]}
-    assert by_step[0] == [False, False, [], []]
-    assert by_step[1] == [False, False, [], []]
-    assert by_step[2] == [True, True, ["n-1"], ["interruption"]]
-    assert by_step[3] == [False, False, [], []]  # handled
-    assert by_step[4] == [True, False, ["c-0", "c-1"], ["checkpoint", "checkpoint"]]  # union, rank order
-    assert by_step[5] == [False, False, [], []]
+    assert by_step[0] == [False, False, [], [], False]
+    assert by_step[1] == [False, False, [], [], False]
+    assert by_step[2] == [True, True, ["n-1"], ["interruption"], True]  # rank 0's periodic, with a notice
+    assert by_step[3] == [False, False, [], [], True]  # handled; rank 1's periodic: both commit
+    assert by_step[4] == [True, False, ["c-0", "c-1"], ["checkpoint", "checkpoint"], False]  # union, rank order
+    assert by_step[5] == [False, False, [], [], False]
     for r in (r0, r1):
         assert 0.55 <= r["held"] < 5.0
 

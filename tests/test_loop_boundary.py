@@ -1,10 +1,13 @@
 """What a step boundary of :class:`trainer.loop.ElasticJob` does, decided from the guard's
 decision alone (``ElasticJob._boundary``): when it commits, for what reason, and when the
-survivors of a notice shrink in these processes instead of holding for a restart."""
+survivors of a notice shrink in these processes instead of holding for a restart; and when
+a rank's loop is due a periodic commit (``trainer.loop.periodic_due``: the guard makes one
+rank's due every rank's)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from trainer.batch import ElasticBatch
 from trainer.contract import RDZV_ENDPOINT_ENV
 from trainer.guard import Decision
-from trainer.loop import Boundary
+from trainer.loop import Boundary, periodic_due
 from trainer.run import ReferenceJob
 from trainer.runtime import DistContext
 
@@ -31,6 +34,11 @@ def _job(step: int, *, committed: int | None = None, interval: int = 10, target:
     return job
 
 
+def _due(job: ReferenceJob, start: int) -> bool:
+    """This rank's view of a periodic commit, as ``ElasticJob._decide`` hands it to the guard."""
+    return periodic_due(job.state.step, job.args.checkpoint_interval, start, job.committed_step)
+
+
 @pytest.mark.parametrize("step, committed, decision, commit, shrink", [
     (7, None, Decision(), None, False),  # a plain step: train
     (10, None, Decision(), "periodic", False),  # every --checkpoint-interval steps
@@ -42,16 +50,39 @@ def _job(step: int, *, committed: int | None = None, interval: int = 10, target:
 def test_what_a_boundary_does(monkeypatch: pytest.MonkeyPatch, step: int, committed: int | None,
                               decision: Decision, commit: str | None, shrink: bool) -> None:
     monkeypatch.setenv(RDZV_ENDPOINT_ENV, "127.0.0.1:29400")
-    at = _job(step, committed=committed)._boundary(decision, start=0)
-    assert at == Boundary(decision, final=step >= 40, commit=commit, shrink=shrink)
+    job = _job(step, committed=committed)
+    agreed = dataclasses.replace(decision, periodic=_due(job, 0))  # the guard's, one rank alone
+    assert job._boundary(agreed) == Boundary(agreed, final=step >= 40, commit=commit, shrink=shrink)
 
 
 def test_no_periodic_commit_at_the_step_it_resumed_from() -> None:
-    assert _job(10)._boundary(Decision(), start=10).commit is None
+    assert not _due(_job(10), 10)
+
+
+def test_a_periodic_commit_any_rank_is_due_is_every_ranks() -> None:
+    """Whether to enter a commit's collectives is the agreed decision's, not this rank's view."""
+    job = _job(10, committed=10)  # this rank: step 10 is committed already
+    assert not _due(job, 0)
+    assert job._boundary(Decision(periodic=True)).commit == "periodic"  # another rank was due: commit with it
 
 
 def test_with_resize_restart_a_notice_holds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(RDZV_ENDPOINT_ENV, "127.0.0.1:29400")
     job = _job(7)
     job.args.resize = "restart"
-    assert not job.resizes_in_process and not job._boundary(NOTICE, start=0).shrink
+    assert not job.resizes_in_process and not job._boundary(NOTICE).shrink
+
+
+def test_a_step_the_boundary_committed_is_not_committed_again_when_the_group_changes_there() -> None:
+    """A grow at step 10, a periodic commit's step: the old ranks commit, admit the joiner,
+    and the new group decides step 10 again. The old ranks must not commit it again: the
+    joiner, whose loop starts at step 10, does not, and trains instead (the ranks' collectives
+    would not match: the DeepSpeed e2e demo hung 120 s in its first step at world 3). The loop
+    records the step, whatever the job's own ``commit`` does."""
+    job = _job(10)
+    commits: list[str] = []
+    job.commit = lambda *, reason, decision: commits.append(reason)  # records nothing itself (DeepSpeedJob's did not)
+    assert _due(job, 0)
+    assert job.commit_if_asked(job._boundary(Decision(periodic=True))) and commits == ["periodic"]
+    assert not _due(job, 0)  # an old rank, the group grown
+    assert not _due(job, 10)  # the joiner (its loop starts at step 10)

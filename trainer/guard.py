@@ -57,7 +57,9 @@ class Decision:
     own node has an interruption notice (they read it from their node's notice file),
     ascending; the rest of the world survives the preemption. ``joiners``: how many
     workers rank 0 found waiting to join (:mod:`trainer.membership`); not a reason to
-    commit: they get the state from a peer.
+    commit: they get the state from a peer. ``periodic``: some rank's loop is due a
+    periodic commit of this step, so every rank commits it (whether to enter a commit's
+    collectives is never a rank's own conclusion).
     """
 
     checkpoint: bool = False
@@ -66,6 +68,7 @@ class Decision:
     kinds: tuple[str, ...] = ()
     leaving_ranks: tuple[int, ...] = ()
     joiners: int = 0
+    periodic: bool = False
 
     def __bool__(self) -> bool:
         return self.checkpoint or self.hold
@@ -174,13 +177,14 @@ class PreemptionGuard:
             self._warned = True
             log.warning("%s", message)
 
-    def check(self, joiners: int = 0) -> Decision:
+    def check(self, joiners: int = 0, periodic: bool = False) -> Decision:
         """Decide, on every rank alike, whether to commit and whether to hold.
 
-        Collective (one all-reduce of three ints; plus an all-gather of the notices,
+        Collective (one all-reduce of four ints; plus an all-gather of the notices,
         as JSON, only when some rank has a notice). Blocks until every rank has called it.
         ``joiners``: rank 0's count of workers waiting to join (0 elsewhere); every rank
-        gets it back as ``Decision.joiners``.
+        gets it back as ``Decision.joiners``. ``periodic``: this rank's loop is due a
+        periodic commit; ``Decision.periodic`` is true on every rank when it is on any.
 
         Raises:
             RuntimeError: (from torch.distributed) a peer left; let it propagate.
@@ -190,7 +194,7 @@ class PreemptionGuard:
         need_hold = int(any(n.kind.needs_hold for n in local))
         if _dist_world() <= 1:
             if not local:
-                return Decision(joiners=joiners)
+                return Decision(joiners=joiners, periodic=periodic)
             return Decision(
                 checkpoint=True,
                 hold=bool(need_hold),
@@ -198,12 +202,15 @@ class PreemptionGuard:
                 kinds=tuple(n.kind.value for n in local),
                 leaving_ranks=(0,) if any(n.kind is NoticeKind.INTERRUPTION for n in local) else (),
                 joiners=joiners,
+                periodic=periodic,
             )
-        flags = torch.tensor([need_ckpt, need_hold, joiners], dtype=torch.int64, device=_collective_device())
+        flags = torch.tensor([need_ckpt, need_hold, joiners, int(periodic)], dtype=torch.int64,
+                             device=_collective_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        need_ckpt, need_hold, joiners = (int(v) for v in flags.tolist())
+        need_ckpt, need_hold, joiners, agreed = (int(v) for v in flags.tolist())
+        periodic = bool(agreed)
         if not need_ckpt:
-            return Decision(joiners=joiners)
+            return Decision(joiners=joiners, periodic=periodic)
         # with the node (torchrun's GROUP_RANK): every local rank of a noticed node leaves,
         # even one that read the notice file a moment before the agent wrote it
         node = os.environ.get("GROUP_RANK", str(dist.get_rank()))
@@ -223,6 +230,7 @@ class PreemptionGuard:
             kinds=tuple(union.values()),
             leaving_ranks=tuple(leaving),
             joiners=joiners,
+            periodic=periodic,
         )
 
     def hold_for_restart(self, timeout_s: float, step: int) -> None:

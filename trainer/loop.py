@@ -141,6 +141,16 @@ class Progress:
             self.reset()
 
 
+def periodic_due(step: int, every: int, start: int, committed: int | None) -> bool:
+    """Whether one rank's loop is due a periodic commit of ``step``: every ``every`` steps
+    (0: never) since ``start`` (the step its loop started at: a joiner's is the step it
+    joined at), and not ``committed`` already (the survivors of an in-process shrink are
+    back at the notice's step: committing it again at their world size would be a second,
+    different manifest for one step). Ranks' views can differ (a DeepSpeed grow at a
+    commit's step hung on it): the guard agrees on one, ``Decision.periodic``."""
+    return every > 0 and step > start and step != committed and step % every == 0
+
+
 def check_compatible(job: ElasticJob, manifest: Manifest) -> None:
     """Refuse a checkpoint whose data position would not be exact for ``job``; take its seed.
 
@@ -350,8 +360,8 @@ class ElasticJob:
         start = self._announce()
         fresh = True  # the progress window starts again before the next step trained
         while True:
-            decision = self._collective(self._decide)
-            at = None if decision is None else self._boundary(decision, start)
+            decision = self._collective(lambda: self._decide(start))
+            at = None if decision is None else self._boundary(decision)
             if at is not None and at.shrink:
                 self.resizer.stage(decision)
             if at is None or not self.commit_if_asked(at):  # a peer lost without notice: the survivors
@@ -368,26 +378,28 @@ class ElasticJob:
             fresh = self._collective(self._train) is None
         self._complete()
 
-    def _decide(self) -> Decision:
-        """Collective: the guard's decision at this boundary (rank 0 adds the joiners waiting)."""
-        return self.guard.check(self._joiners_waiting() if self.state.step < self.args.target_steps else 0)
+    def _decide(self, start: int) -> Decision:
+        """Collective: the guard's decision at this boundary (rank 0 adds the joiners waiting;
+        every rank whether its loop is due a periodic commit, :func:`periodic_due`)."""
+        step = self.state.step
+        return self.guard.check(self._joiners_waiting() if step < self.args.target_steps else 0,
+                                periodic=periodic_due(step, self.args.checkpoint_interval, start, self.committed_step))
 
-    def _boundary(self, decision: Decision, start: int) -> Boundary:
-        """What this boundary does: commit (the last step; a notice; every
-        ``--checkpoint-interval`` steps since ``start``) and whether the survivors shrink."""
-        step, every = self.state.step, self.args.checkpoint_interval
-        final = step >= self.args.target_steps
-        # not a step committed already (the survivors of an in-process shrink are back at
-        # the notice's step: committing it again at their world size would be a second,
-        # different manifest for one step)
-        periodic = every > 0 and step > start and step != self.committed_step and step % every == 0
-        reason = "final" if final else "notice" if decision.checkpoint else "periodic" if periodic else None
+    def _boundary(self, decision: Decision) -> Boundary:
+        """What this boundary does, from the decision every rank agreed on: commit (the last
+        step; a notice; ``decision.periodic``) and whether the survivors shrink."""
+        final = self.state.step >= self.args.target_steps
+        reason = "final" if final else "notice" if decision.checkpoint else "periodic" if decision.periodic else None
         return Boundary(decision, final, reason, not final and decision.hold and self._can_shrink(decision))
 
     def commit_if_asked(self, at: Boundary) -> bool:
         """Commit this step when the boundary asks (:meth:`commit`, the job's); False when a peer
-        was lost in it: the survivors re-formed, and learnt whether it landed (:meth:`Recovery.learn_commit`)."""
-        if at.commit is None or self._collective(lambda: self.commit(reason=at.commit, decision=at.decision) or 1):
+        was lost in it: the survivors re-formed, and learnt whether it landed (:meth:`Recovery.learn_commit`).
+        The loop records the step committed, whatever the job's ``commit`` does (a grow decides it again)."""
+        if at.commit is None:
+            return True
+        if self._collective(lambda: self.commit(reason=at.commit, decision=at.decision) or 1):
+            self.committed_step = self.state.step
             return True
         return self.recovery.learn_commit()
 
