@@ -122,6 +122,23 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_ChaosMatrixRows(), "spotvisor-chaos-matrix")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test that ran ``spotvisord demo`` under its ``tmp_path`` (the e2e and chaos
+    cells) gets a report section of what the run did (:func:`e2e.conftest.run_evidence`:
+    each node's warnings and errors, every rank's ``started`` lines): CI keeps no run
+    directory, and an assertion's message shows only 240 characters of a summary."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and isinstance(tmp, Path) and any((tmp / "state").glob("demo-*")):
+        from e2e.conftest import run_evidence
+        try:
+            report.sections.append(("spotvisor demo run", run_evidence(tmp)))
+        except OSError as exc:  # the evidence is a help, never a second failure
+            report.sections.append(("spotvisor demo run", f"not readable: {exc}"))
+
+
 # -- a real daemon (Supervisor + ApiServer) in the test's event loop -------------------------
 
 import asyncio  # noqa: E402

@@ -69,6 +69,29 @@ def _run_demo_config(raw: dict[str, Any], tmp_path: Path, timeout_s: float, *,
     return summary
 
 
+#: trainer-log lines worth reading when a run's check fails (warnings of ours, errors, tracebacks)
+_NOTEWORTHY = (" WARNING ", " ERROR ", "Traceback", "Error:", "Timed out")
+
+
+def run_evidence(tmp_path: Path, *, lines: int = 40) -> str:
+    """What a failed check of a demo run under ``tmp_path`` should print (CI keeps no run
+    directory; ``tests/conftest.py`` adds it to every such failure's report): each node's
+    trainer-log lines that warn or fail (the last ``lines`` of them in all, the collective
+    and where it failed among them), and every rank's ``started`` status lines (attempt,
+    world sizes, step, resize figures)."""
+    out = []
+    for log in sorted((tmp_path / "state").glob("demo-*/nodes/*/trainer.log")):
+        hits = [ln[:400] for ln in log.read_text(errors="replace").splitlines()
+                if any(m in ln for m in _NOTEWORTHY) and "FutureWarning" not in ln]
+        out += [f"{log.parent.name}: {ln}" for ln in hits]
+    out = out[-lines:]
+    for path in sorted((tmp_path / "state").glob("demo-*/nodes/*/status.jsonl")):
+        for raw in path.read_text().splitlines():
+            if '"started"' in raw:
+                out.append(f"{path.parent.name}: {raw[:400]}")
+    return "\n".join(out)
+
+
 @pytest.fixture
 def run_config_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     """``run_config_demo("configs/X.yaml", timeout_s=...)`` → the summary of ``spotvisord demo``
