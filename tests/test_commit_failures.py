@@ -4,7 +4,9 @@ Two real ranks (gloo, two processes). A failure on rank 0 alone, in the format's
 in the put that records the notices a reused commit now answers, must reach the other
 rank as a CheckpointError naming rank 0: before, rank 0 raised alone and its peer waited
 in the next collective until rank 0's process died, then took that for a lost peer and
-trained on without it, as if the step were committed.
+trained on without it, as if the step were committed. Whether a step is committed
+already (only its notices recorded, nothing saved) is rank 0's word: a rank without the
+manifest in memory (one that joined in process since) takes the same path.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def _worker(rank: int, tmp: str) -> None:
 
     attempt("save fails on rank 0", 3, fail_rank=0)
     attempt("a good commit", 4, fail_rank=None)
+    if rank == 1:
+        committer.last_committed = None  # as a rank that joined in process since: not in its memory
+    asked = Decision(checkpoint=True, notice_ids=("c:1",), kinds=("checkpoint",))
+    attempt("step 4 again, rank 1 without its manifest", 4, fail_rank=None, decision=asked)
+    out["rank 1's manifest after it"] = str(committer.last_committed.step if committer.last_committed else None)
     if rank == 0:
         store.broken = True
     notice = Decision(checkpoint=True, hold=True, notice_ids=("n2:1",), kinds=("interruption",))
@@ -93,7 +100,10 @@ def test_a_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
     assert outs[1]["save fails on rank 0"].startswith("step 3 not committed: rank 0: save failed: OSError")
     for out in outs:
         assert out["a good commit"] == "committed"
+        # rank 0's word: both record the notice on step 4's manifest, and neither saves it again
+        assert out["step 4 again, rank 1 without its manifest"] == "committed"
+        assert out["rank 1's manifest after it"] == "4"
         assert "notices it answers were not recorded: rank 0: OSError" in out["the re-answer's put fails on rank 0"]
     store = FileStore(str(tmp_path / "ckpt"))
     assert latest_committed(store).step == 4  # the failed save left no manifest of step 3
-    assert latest_committed(store).extra["notice_ids"] == []  # the re-answer's put never landed
+    assert latest_committed(store).extra["notice_ids"] == ["c:1"]  # the last re-answer's put never landed

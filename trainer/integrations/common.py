@@ -265,7 +265,10 @@ class Committer:
         start = time.perf_counter()
         self.guard.mark_handled(list(decision.notice_ids) if decision else [])
         last = self.last_committed
-        if last is not None and last.step == step:
+        # rank 0's word on whether the step is committed already, not each rank's: a rank that
+        # joined in process since may not hold the manifest in memory, and a rank that took
+        # the reuse path while another saved would wait in a collective the other never makes
+        if broadcast_object(self.ctx, last is not None and last.step == step):
             return self._reuse(last, decision, reason, extra or {}, start)
         writer = self.writer(save)
         writer.prepare(step)
@@ -335,13 +338,15 @@ class Committer:
             return None, f"rank 0: {type(exc).__name__}: {exc}"
         return manifest, None
 
-    def _reuse(self, last: Manifest, decision: Decision | None, reason: str, extra: dict,
+    def _reuse(self, last: Manifest | None, decision: Decision | None, reason: str, extra: dict,
                start: float) -> CommitResult:
-        """The step is committed already: record the notices it answers now (with
-        ``extra`` and ``reason``, so a commit read back from the store names this attempt),
-        nothing saved. Rank 0 puts the manifest; every rank gets its word on it."""
+        """The step is committed already (rank 0's ``last``; another rank's may be None):
+        record the notices it answers now (with ``extra`` and ``reason``, so a commit read
+        back from the store names this attempt), nothing saved. Rank 0 puts the manifest;
+        every rank gets its word on it."""
         outcome: tuple[Manifest | None, str | None] = (last, None)
         if self.ctx.is_leader:
+            assert last is not None  # rank 0 chose this path from its own
             try:
                 outcome = (record_answered(self.store, last, self.guard.handled_ids,
                                            extra={**extra, "reason": reason}), None)
