@@ -91,6 +91,8 @@ class Ec2Sim:
         self.standin = STANDIN  # training: STANDIN_LEDGER is in trainer_env
         workdir.mkdir(parents=True, exist_ok=True)
         self.agents: dict[str, tuple[asyncio.Task[None], FakeImds, str]] = {}  # instance → (agent, imds, node)
+        #: agents told to end whose end nobody has seen yet (a _down cut short by the watch's cancel)
+        self._ending: dict[asyncio.Task[None], FakeImds] = {}
         self._booting: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
@@ -126,6 +128,9 @@ class Ec2Sim:
                 await t
         for iid in list(self.agents):
             await self._down(iid)
+        for task in list(self._ending):  # a _down the watch was in when cancelled: its agent is still ending
+            await asyncio.wait({task})
+            await self._ended(task)
 
     async def _watch(self) -> None:
         while True:
@@ -157,19 +162,22 @@ class Ec2Sim:
         self._booting.discard(iid)
 
     async def _down(self, iid: str) -> None:
+        """The VM is gone: so is its agent, and everything the agent started (its shutdown
+        stops its torchrun and its prewarmed launcher). The agent is cancelled once and
+        waited for without cancelling it again: a second cancel would cut its shutdown
+        short and leave those processes running. When this wait is itself cancelled (the
+        watch loop's end), ``__aexit__`` waits for the agent instead."""
         task, imds, _ = self.agents.pop(iid)
+        self._ending[task] = imds
         task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            # the agent's end, or this task's own cancel (the watch loop cancelled while it
-            # waits here): only the agent's may be swallowed, or the loop never ends
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-        except Exception:  # noqa: BLE001  the agent's own failure: the VM is gone either way
-            pass
-        finally:
+        await asyncio.wait({task})
+        await self._ended(task)
+
+    async def _ended(self, task: asyncio.Task[None]) -> None:
+        imds = self._ending.pop(task, None)
+        if not task.cancelled():
+            task.exception()  # the agent's own failure, if any: the VM is gone either way
+        if imds is not None:
             await imds.aclose()
 
     def notice(self, node_id: str, *, lead_s: float) -> None:
