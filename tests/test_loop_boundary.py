@@ -11,6 +11,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainer.batch import ElasticBatch
 from trainer.contract import RDZV_ENDPOINT_ENV
@@ -86,3 +88,37 @@ def test_a_step_the_boundary_committed_is_not_committed_again_when_the_group_cha
     assert job.commit_if_asked(job._boundary(Decision(periodic=True))) and commits == ["periodic"]
     assert not _due(job, 0)  # an old rank, the group grown
     assert not _due(job, 10)  # the joiner (its loop starts at step 10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(interval=st.integers(1, 7), target=st.integers(1, 40),
+       grows=st.lists(st.integers(0, 40), max_size=4), decisions_again=st.lists(st.integers(0, 40), max_size=3))
+def test_each_periodic_step_is_committed_once_wherever_the_group_changes(
+        interval: int, target: int, grows: list[int], decisions_again: list[int]) -> None:
+    """The boundary protocol over a whole run: ranks decide together (the guard's MAX of
+    their views), commit through ``commit_if_asked`` with a ``commit`` that records
+    nothing itself (as DeepSpeed's), and at a grow's step a joiner arrives (its loop starts
+    there; it takes ``committed_step`` from rank 0, as ``Resizer.send_state`` gives it) and
+    the step is decided again; at other steps a shrink's survivors decide it again. Every
+    multiple of the interval before the target is committed exactly once, and no other."""
+    ranks: list[tuple[ReferenceJob, int]] = []  # (job, the step its loop started at)
+    commits: list[int] = []
+
+    def rank(start: int, committed: int | None) -> tuple[ReferenceJob, int]:
+        job = _job(start, committed=committed, interval=interval, target=target)
+        job.commit = lambda *, reason, decision: commits.append(job.state.step) if job.ctx.is_leader else None
+        job.ctx = DistContext(len(ranks), 0, 3, "gloo", torch.device("cpu"), True)
+        return job, start
+
+    ranks.append(rank(0, None))
+    for step in range(target):
+        rounds = 1 + grows.count(step) + decisions_again.count(step)
+        for n in range(rounds):
+            if 0 < n <= grows.count(step):  # a joiner, admitted at the previous round of this step
+                ranks.append(rank(step, ranks[0][0].committed_step))
+            for job, _ in ranks:
+                job.state.step = step
+            agreed = Decision(periodic=any(_due(job, start) for job, start in ranks))
+            for job, _ in ranks:
+                assert job.commit_if_asked(job._boundary(agreed))
+    assert commits == [s for s in range(1, target) if s % interval == 0]
