@@ -61,6 +61,9 @@ def test_a_deepspeed_job_grows_and_shrinks_without_a_restart_and_keeps_its_state
 
     assert _started(tmp_path, "node1") == [(0, None, 2, None), (5, "in_process", 3, None),
                                            (8, "in_process", 2, 8)], "\n".join(outs)
+    # each step committed once: step 5 before the grow, not again by the grown group
+    assert [x["step"] for x in status_lines(tmp_path, "node1") if x["event"] == "checkpoint_committed"] == [
+        5, 8, 10, 12]
     joiner = status_lines(tmp_path, "node2")
     assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 2), (8, 1)]
     assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from its peers

@@ -34,11 +34,11 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
     resizes the full state (every parameter, AdamW's moments) hashes the same before the
     group changed and after it was resharded at the new world."""
     master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    every5 = ("--checkpoint-interval", "5")  # the grow is at a periodic commit's step
     procs = [_start(tmp_path, f"node{r}", member_env(r, 2, master, "fsdp"), rdzv.port, ckpt, GROW_AND_SHRINK,
-                    ("--checkpoint-interval", "0")) for r in range(2)]
+                    every5) for r in range(2)]
     wait_for_status(tmp_path, "node0", procs[0], '"event":"step"')
-    procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt, GROW_AND_SHRINK,
-                        ("--checkpoint-interval", "0")))
+    procs.append(_start(tmp_path, "node2", joiner_env(), rdzv.port, ckpt, GROW_AND_SHRINK, every5))
     # node0's agent stops it as soon as its notice is answered by a commit, as a real one does
     wait_for_status(tmp_path, "node0", procs[0], '"reason":"notice"')
     procs[0].terminate()
@@ -48,6 +48,9 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
     started = [(x["step"], x.get("resized"), x["world_size"]) for x in status_lines(tmp_path, "node1")
                if x["event"] == "started"]
     assert started == [(0, None, 2), (5, "in_process", 3), (8, "in_process", 2)], "\n".join(outs)
+    # each step committed once: step 5 before the grow, not again by the grown group
+    assert [x["step"] for x in status_lines(tmp_path, "node1") if x["event"] == "checkpoint_committed"] == [
+        5, 8, 10, 12]
     joiner = status_lines(tmp_path, "node2")
     assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 2), (8, 1)]
     assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from rank 0
