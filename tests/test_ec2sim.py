@@ -31,7 +31,7 @@ class _Sim(Ec2Sim):
         super().__init__("http://127.0.0.1:9", "pool", tmp_path, None)  # never called: instances() is the dict's
         self.state = {"i-1": "running"}
         self.shutdown_s = shutdown_s
-        self.shutting, self.ended = asyncio.Event(), asyncio.Event()
+        self.booted, self.shutting, self.ended = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     def instances(self) -> list[dict[str, Any]]:
         return [{"InstanceId": i, "State": {"Name": s}} for i, s in self.state.items()]
@@ -50,13 +50,13 @@ class _Sim(Ec2Sim):
 
         self.agents[iid] = (asyncio.create_task(agent(), name=f"agent:{iid}"), _Imds(), "node-1")  # type: ignore[arg-type]
         self._booting.discard(iid)
+        self.booted.set()
 
 
 async def test_the_sims_exit_waits_for_an_agent_it_was_stopping(tmp_path: Path) -> None:
     sim = _Sim(tmp_path, shutdown_s=0.5)
     async with sim:
-        while "i-1" not in sim.agents:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(sim.booted.wait(), 10)  # the watch loop booted the instance's agent
         sim.state["i-1"] = "terminated"  # the harness terminates the instance ...
         await asyncio.wait_for(sim.shutting.wait(), 10)  # ... the watch loop is stopping its agent ...
     # ... and the sim exits meanwhile: its exit returns only once the agent's shutdown is done
