@@ -259,8 +259,7 @@ class DcpJob(ElasticJob):
         self.ckpt.commit(step, reason=reason, decision=decision, global_batch_size=self.G,
                          data_position=self.data_position(step),
                          extra={"attempt": self.attempt, "wrap": self.wrapping})
-        self.last_committed = self.ckpt.last_committed
-        self.committed_step = step
+        self.last_committed = self.ckpt.last_committed  # the loop records committed_step
 
 
 def main(argv: Sequence[str] | None = None, *, job_cls: type[DcpJob] = DcpJob) -> int:
