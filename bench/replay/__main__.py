@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--egress-usd-per-gb", type=float, default=0.02,
                    help="what copying the checkpoint out of a domain costs (AWS inter-region: $0.02/GB)")
     p.add_argument("--copy-gb-s", type=float, default=0.5, help="the checkpoint copy's throughput between domains")
+    p.add_argument("--grow", choices=("restart", "in_process"), default="restart",
+                   help="how a running job takes new nodes (job.grow): a rejoin commit and a restart (default), "
+                   "or in-process, the state sent from a survivor (the daemon's policies only: the baselines "
+                   "restart as torchrun does)")
+    p.add_argument("--peer-gb-s", type=float, default=JobModel.peer_bytes_s / 1e9,
+                   help="node to node, an in-process grow's state to its joiners")
     p.add_argument("--json", type=Path, help="write the figures here, keyed by policy")
     p.add_argument("--png", type=Path, help="draw world size, spend and progress over time (needs matplotlib)")
     return p
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     steps = 10**12 if args.job_hours is None else max(1, round(args.job_hours * 3600 / args.step_s))
     job = JobModel(target_steps=steps, step_s=args.step_s, ref_gpus=ref,
                    checkpoint_bytes=args.checkpoint_gb * 1e9, checkpoint_every_steps=args.checkpoint_every,
-                   boot_s=args.boot_s, restart_s=args.restart_s)
+                   boot_s=args.boot_s, restart_s=args.restart_s, peer_bytes_s=args.peer_gb_s * 1e9)
     deadline = None if args.job_hours is None else args.job_hours * args.deadline_x * 3600
     domains = domains_for(zones or sorted(trace.zones), args.domains)
     out = []
@@ -121,7 +127,8 @@ def run(args: argparse.Namespace) -> list[Result]:
         policy = get_policy(DEFAULT_POLICY if name == ON_DEMAND else name)
         r = Replay(trace, policy, job=job, market=market, target_nodes=target, zones=zones,
                    deadline_s=deadline, domains=domains, migration=None if args.no_migration else Plan(),
-                   egress_usd_per_gb=args.egress_usd_per_gb, copy_bytes_s=args.copy_gb_s * 1e9).run(
+                   egress_usd_per_gb=args.egress_usd_per_gb, copy_bytes_s=args.copy_gb_s * 1e9,
+                   grow_in_process=args.grow == "in_process").run(
             until_s=None if args.hours is None else args.hours * 3600)
         r.policy = name
         horizon = deadline if r.deadline_met else r.hours * 3600

@@ -20,7 +20,9 @@ a simulated job:
   takes ``checkpoint_bytes / (nodes × upload_bytes_s)``; periodic commits every
   ``checkpoint_every_steps``; a restart (a torchrun restart, a grow, a restart of the
   whole pool) costs ``restart_s`` plus loading the checkpoint; an in-process shrink
-  after a notice costs ``resize_s``. A policy that acts on notices commits at the next
+  after a notice costs ``resize_s``; with ``grow_in_process`` (``job.grow: in_process``)
+  a grow is in-process too: the survivors pause :meth:`JobModel.grow_s` while the
+  joiners take the state from one of them, and nothing restarts. A policy that acts on notices commits at the next
   step boundary after one and loses nothing; one that does not loses what was trained
   since the last periodic commit when the node is taken.
 
@@ -71,7 +73,8 @@ class JobModel:
     parameter), 1 GB/s per node to the store, a 120 s boot (an EC2 GPU instance to its
     agent's registration), 60 s of restart (torchrun's re-rendezvous, process start,
     CUDA and NCCL init: bench/README's restart_on_preemption figures scaled to a GPU
-    node), 2 s of in-process shrink (bench/README: notice → resume, max 1.4 s here).
+    node), 2 s of in-process shrink (bench/README: notice → resume, max 1.4 s here),
+    1.25 GB/s from node to node (a p3.2xlarge's 10 Gb/s) for an in-process grow's state.
     """
 
     target_steps: int = 10_000
@@ -86,6 +89,15 @@ class JobModel:
     restart_s: float = 60.0
     resize_s: float = 2.0
     lead_s: float = 120.0
+    peer_bytes_s: float = 1.25e9  # node to node: an in-process grow's state to its joiners
+
+    def grow_s(self) -> float:
+        """An in-process grow's pause of the survivors (``job.grow: in_process``): the group
+        re-formed (``resize_s``) and the state (``checkpoint_bytes``: weights, fp32 masters,
+        Adam's moments) broadcast from one survivor to the joiners at ``peer_bytes_s``
+        (``trainer.resize``'s ``send_state``; a broadcast, so one copy's time for any
+        number of joiners). Seconds."""
+        return self.resize_s + self.checkpoint_bytes / self.peer_bytes_s
 
     def step_time(self, gpus: int) -> float:
         return self.step_s * (self.ref_gpus / max(1, gpus)) ** self.scaling
@@ -232,7 +244,7 @@ class Replay:
                  deadline_s: float | None = None, domains: dict[str, str] | None = None,
                  migration: mig.Plan | None = mig.Plan(), egress_usd_per_gb: float = 0.02,
                  copy_bytes_s: float = 0.5e9, probe_s: float | None = None,
-                 availability: Availability | None = None) -> None:
+                 availability: Availability | None = None, grow_in_process: bool = False) -> None:
         self.trace, self.policy, self.job, self.market = trace, policy, job, market
         self.zones = zones or sorted(trace.zones)
         self.domain_of = {z: (domains or {}).get(z, "all" if domains is None else z) for z in self.zones}
@@ -270,7 +282,7 @@ class Replay:
                                   price_usd_h=market.on_demand_usd_h) for i, z in enumerate(self.zones)]
         self.deadline_s = deadline_s
         self.rules = Rules(min_nodes=min_nodes, valid_world_sizes=frozenset(range(1, cap * market.gpus_per_node + 1)),
-                           rejoin_timeout_s=90.0, prewarm_wait_s=60.0)
+                           rejoin_timeout_s=90.0, prewarm_wait_s=60.0, grow_in_process=grow_in_process)
         self.nodes: dict[str, _Node] = {}  # live nodes
         self.ended: dict[str, _Node] = {}
         self.seq = 0
@@ -374,7 +386,12 @@ class Replay:
             self._apply(act)
             if isinstance(act, a.Admit) and act.reason != "job_start":
                 grew.append(act.reason)
-        if grew and self.job_state is JobState.RUNNING:  # torchrun restarts the group with the new nodes
+        if grew and self.job_state is JobState.RUNNING and set(grew) == {"join_running"}:
+            # in-process (job.grow: in_process): the running group takes the joiners in at a
+            # step boundary and one survivor sends them the state; nobody restarts
+            self.resizes += 1
+            self.busy_until = max(self.busy_until, self.now) + self.job.grow_s()
+        elif grew and self.job_state is JobState.RUNNING:  # torchrun restarts the group with the new nodes
             # a rejoin resumes from the commit it asked for; an elastic join, or nodes starting
             # a job nobody is in, from the newest commit (what was trained since is lost)
             self._restart(lose="rejoin" not in grew)
