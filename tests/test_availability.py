@@ -3,6 +3,9 @@ and the home-zone decision made of it (daemon/control/homezone.py, policies.Home
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,6 +206,42 @@ def test_the_policy_moves_only_on_the_decision_and_buys_on_demand_only_at_the_sa
     assert p.markets(_progress(30, 50, now), now=now) == SPOT_ONLY
     assert p.markets(_progress(30, 30.1, now), now=now) == ON_DEMAND_ONLY
     assert p.markets(None, now=now) is None
+
+
+def test_the_safety_net_keeps_fewer_restarts_where_a_lost_node_costs_a_pause() -> None:
+    """30 h of work, 30.8 h left: 4 restarts' worth of slack (720 s each). A pool whose
+    replacements restart it keeps 5 in hand: on-demand only now. One that grows in-process
+    (``Progress.grows_in_process``: a lost node is a shrink and a grow, no restart) keeps 3:
+    spot still."""
+    p, now = get_policy("home_zone"), 100 * H
+    tight = _progress(30, 30.8, now)
+    assert p.markets(tight, now=now) == ON_DEMAND_ONLY
+    assert p.markets(dataclasses.replace(tight, grows_in_process=True), now=now) == SPOT_ONLY
+    assert p.markets(dataclasses.replace(_progress(30, 30.5, now), grows_in_process=True), now=now) == ON_DEMAND_ONLY
+
+
+def test_the_daemon_counts_a_pool_of_several_in_process_growers_as_such() -> None:
+    """``Progress.grows_in_process`` from the config: ``job.grow: in_process`` and a target
+    of more than one node (one node lost is the whole job: a restart)."""
+    from daemon.config import Config
+    from daemon.controlnode.placement import Placement
+
+    def progress(grow: str, target: int) -> Progress:
+        config = Config.model_validate({
+            "pool": {"name": "t", "min_nodes": 1, "target_nodes": target, "max_nodes": 4, "on_demand_fallback": True},
+            "job": {"id": "j", "module": "standin_trainer", "target_steps": 3600, "deadline": 2.0, "step_s": 1.0,
+                    "grow": grow},
+            "offers": [{"provider": "local", "gpus_per_node": 1},
+                       {"provider": "local", "gpus_per_node": 1, "market": "on_demand"}]})
+        core = SimpleNamespace(config=config, job=SimpleNamespace(step=10), target_nodes=target,
+                               store=SimpleNamespace(events=lambda **kw: [SimpleNamespace(time=100.0)]))
+        got = Placement(core, usable_offers=lambda: [], building=lambda: ("local", None)).progress(200.0)  # type: ignore[arg-type]
+        assert got is not None
+        return got
+
+    assert progress("in_process", 2).grows_in_process
+    assert not progress("in_process", 1).grows_in_process
+    assert not progress("restart", 2).grows_in_process
 
 
 def test_before_the_job_trained_a_starved_home_is_left_for_a_region_with_spot() -> None:

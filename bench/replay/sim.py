@@ -495,7 +495,8 @@ class Replay:
         step_s = self.job.step_time(world) + self.job.save_s(self.target) / max(1, self.job.checkpoint_every_steps)
         return Progress(step=int(self.progress), target_steps=self.job.target_steps, started_at=0.0,
                         deadline=self.deadline_s, step_s=step_s,
-                        restart_s=self.job.boot_s + self.job.restart_s + self.job.load_s(self.target))
+                        restart_s=self.job.boot_s + self.job.restart_s + self.job.load_s(self.target),
+                        grows_in_process=self.rules.grow_in_process and self.target > 1)
 
     def _after_loss(self, members: set[str]) -> None:
         lost = lost_from_job(members, {n.id: n.state for n in self.nodes.values()})

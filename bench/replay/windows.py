@@ -1,4 +1,4 @@
-"""``python -m bench.replay.windows [--traces DIR] [--ratios 1.2,1.5,2] [--json OUT]``
+"""``python -m bench.replay.windows [--traces DIR] [--ratios 1.2,1.5,2] [--grow in_process] [--json OUT]``
 
 The deadline property over every window of every public trace: for each trace, each
 deadline ratio and each window (the trace cut into windows of the deadline's length,
@@ -81,8 +81,9 @@ def windows(trace: Trace, length_s: float, stride_s: float) -> Iterator[tuple[fl
         start += stride_s
 
 
-def check(trace: Trace, s: Setting, ratio: float) -> list[Row]:
-    """The three policies on every window of ``trace`` at deadline ``ratio × s.job_h``."""
+def check(trace: Trace, s: Setting, ratio: float, *, grow_in_process: bool = False) -> list[Row]:
+    """The three policies on every window of ``trace`` at deadline ``ratio × s.job_h``
+    (``grow_in_process``: ``job.grow: in_process``, :class:`bench.replay.sim.Replay`)."""
     job = JobModel(target_steps=max(1, round(s.job_h * 3600 / s.step_s)), step_s=s.step_s, ref_gpus=s.target,
                    checkpoint_bytes=s.checkpoint_gb * 1e9, restart_s=s.restart_s,
                    checkpoint_every_steps=max(1, round(1800 / s.step_s)))
@@ -93,7 +94,7 @@ def check(trace: Trace, s: Setting, ratio: float) -> list[Row]:
     for start, w in windows(trace, deadline, deadline if s.stride_h is None else s.stride_h * 3600):
         def run(name: str, market: Market) -> tuple[float, bool]:
             r = Replay(w, get_policy(name), job=job, market=market, target_nodes=s.target, zones=zones,
-                       deadline_s=deadline, domains=domains).run()
+                       deadline_s=deadline, domains=domains, grow_in_process=grow_in_process).run()
             return r.cost_usd, bool(r.deadline_met)
 
         bound = pool_bound(w, zones or sorted(w.zones), target=s.target,
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replay.windows", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=SHARED, help="the shared traces folder")
     p.add_argument("--ratios", default="1.2,1.5,2.0", help="deadlines as multiples of the job's length")
+    p.add_argument("--grow", choices=("restart", "in_process"), default="restart",
+                   help="how a running job takes new nodes (job.grow; python -m bench.replay --help)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     try:
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for s, trace in traces:
         for ratio in ratios:
             t0 = time.perf_counter()
-            sm = summary(check(trace, s, ratio))
+            sm = summary(check(trace, s, ratio, grow_in_process=args.grow == "in_process"))
             out[f"{s.path}@{ratio}"] = sm
             bad += int(sm["deadline_aware_missed"]) + int(sm["home_zone_missed"])  # type: ignore[call-overload]
             table.append([s.path, f"{ratio:g}", str(sm["windows"]), str(sm["on_demand_met"]),

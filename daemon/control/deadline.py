@@ -42,7 +42,10 @@ class Progress:
     """Where the job stands against its deadline. Unix seconds, seconds, steps.
 
     ``step_s``: seconds per step at the pool's target size (measured, or the job model's);
-    ``restart_s``: what one restart costs the job (a boot, torchrun's restart, the load).
+    ``restart_s``: what one restart costs the job (a boot, torchrun's restart, the load);
+    ``grows_in_process``: the pool has more than one node and a node that joins the
+    running job does not restart it (``job.grow: in_process``), so a spot node lost and
+    replaced costs the job a pause (an in-process shrink, then a grow), not a restart.
     """
 
     step: int
@@ -51,6 +54,7 @@ class Progress:
     deadline: float
     step_s: float
     restart_s: float
+    grows_in_process: bool = False
 
     def remaining_s(self) -> float:
         """Seconds of training left at the target size."""

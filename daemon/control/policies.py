@@ -335,13 +335,19 @@ class HomeZone(DeadlineAware):
     description = "spot in the job's home domain; waits out its outages on the deadline's slack, moves when it cannot"
     margin: ClassVar[float] = homezone.MARGIN
     reads_availability = True
+    #: the restarts the safety net keeps in hand: 5 where each spot node lost and replaced
+    #: restarts the pool (deadline_aware's 3 missed 4 of Bamboo's deadlines: a pool that
+    #: does not fill in with on-demand meets the net with more spot nodes to lose); 3 where
+    #: it costs a pause (``Progress.grows_in_process``; bench/README.md, "A pool's levers")
     safety_restarts: ClassVar[float] = 5.0
+    in_process_restarts: ClassVar[float] = 3.0
 
     def markets(self, progress: Progress | None, *, now: float,
                 previous: frozenset[str] | None = None) -> frozenset[str] | None:
         if progress is None:
             return None
-        net = deadline_markets(progress, now, previous=previous, margin=self.safety_restarts)
+        margin = self.in_process_restarts if progress.grows_in_process else self.safety_restarts
+        net = deadline_markets(progress, now, previous=previous, margin=margin)
         return ON_DEMAND_ONLY if net == ON_DEMAND_ONLY else SPOT_ONLY
 
     def placement(self, s: PoolState, domains: Sequence[DomainView], current: str, history: History, *,

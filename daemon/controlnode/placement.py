@@ -84,7 +84,8 @@ class Placement:
     def progress(self, now: float) -> Progress | None:
         """Where the job stands against ``job.deadline`` (None: no deadline). The job was
         submitted at its first launch request; ``restart_s`` is what the config allows for
-        a start (:data:`daemon.config.DEADLINE_START_S`)."""
+        a start (:data:`daemon.config.DEADLINE_START_S`); a pool of several nodes whose job
+        grows in-process (``job.grow: in_process``) loses a node without a restart."""
         job = self.core.config.job
         if job.deadline is None or job.step_s is None:
             return None
@@ -97,7 +98,8 @@ class Placement:
         assert deadline is not None
         step = self.core.job.step or 0
         return Progress(step=step, target_steps=job.target_steps, started_at=self._submitted_at,
-                        deadline=deadline, step_s=job.step_s, restart_s=DEADLINE_START_S)
+                        deadline=deadline, step_s=job.step_s, restart_s=DEADLINE_START_S,
+                        grows_in_process=job.grow == "in_process" and self.core.target_nodes > 1)
 
     def check_markets(self, now: float) -> list[Action]:
         """The markets the policy allows now, kept for :meth:`offers_in`; ``market_changed``
