@@ -207,6 +207,9 @@ def test_the_zygotes_end_ends_its_workers_and_their_clients(tmp_path: Path) -> N
     assert proc.returncode != 0
     _until(lambda: not psutil.pid_exists(host.pid) or psutil.Process(host.pid).status() == psutil.STATUS_ZOMBIE,
            "the zygote ended")
+    # its directory (the socket and the clients' executable) goes with it: one was left in
+    # /tmp per node start before, thousands on a machine that ran the suite for a while
+    assert not Path(host.env["PYTHON_EXEC"]).parent.exists()
 
 
 @pytest.mark.parametrize("args,env", [(["-u", "-X", "dev"], {}), (["-u"], {"LD_PRELOAD": ""}),

@@ -44,6 +44,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import stat
@@ -267,6 +268,7 @@ def fork_server(entry_module: str | None, close_fds: tuple[int, ...] = ()) -> Zy
     directory = tempfile.mkdtemp(prefix="spotvisor-zygote-")  # 0700
     client = _client_file(directory)
     if client is None:
+        shutil.rmtree(directory, ignore_errors=True)
         print("spotvisor launcher: no zygote: the interpreter's path cannot be a shebang", file=sys.stderr, flush=True)
         return None
     path = os.path.join(directory, "sock")
@@ -298,6 +300,7 @@ def fork_server(entry_module: str | None, close_fds: tuple[int, ...] = ()) -> Zy
               flush=True)
         os.close(control_w)
         os.waitpid(pid, 0)
+        shutil.rmtree(directory, ignore_errors=True)
         return None
     return Zygote(pid, path, control_w, client)
 
@@ -462,11 +465,7 @@ class _Server:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-        try:
-            os.unlink(self.path)
-            os.rmdir(os.path.dirname(self.path))
-        except OSError:
-            pass
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)  # the socket and the client's copy
         os._exit(0)
 
 
