@@ -18,7 +18,8 @@
   and every instance is released.
 - ``spotvisord demo --config FILE [--summary-json PATH]`` — run the job to its
   target on the local provider with its chaos schedule, print events as they
-  happen and a summary at the end (``make demo``). A schedule that ends the daemon
+  happen and a summary at the end (``make demo``); exit 1 as soon as the job failed
+  or was cancelled and its pool is released. A schedule that ends the daemon
   (``kill_daemon``, ``kill_control_node``, ``partition_leader``) runs it as a child,
   ``spotvisord run``, and restarts it as systemd would (:mod:`daemon.interfaces.demo_runner`).
 - ``spotvisord rendezvous --host H --port P`` — the c10d rendezvous store
@@ -393,7 +394,7 @@ async def _stopped_by_signal(run: Awaitable[int], out: Callable[[str], None]) ->
 async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                 out: Callable[[str], None], *, redactor: Redactor | None = None,
                 config_path: str | None = None) -> int:
-    from daemon.interfaces.demo_runner import needs_runner
+    from daemon.interfaces.demo_runner import gave_up, needs_runner
 
     t0 = time.time()
     if config.ha is not None:  # a demo starts from nothing: an old pool in etcd would be resumed, not started
@@ -415,19 +416,31 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
                 ha = await stack.enter_async_context(Leadership(
                     config.ha, config.pool.name, on_standby=lambda line: out(f"spotvisor demo: {line}")))
             sup = await stack.enter_async_context(running_daemon(config, rendezvous=store, redactor=redactor, ha=ha))
-            sup.subscribe(lambda ev: out(format_event(ev, t0)))
+            ended = asyncio.Event()  # the job failed or was cancelled, its pool released
+
+            def show(ev: Event) -> None:
+                out(format_event(ev, t0))
+                if gave_up(ev):
+                    ended.set()
+
+            sup.subscribe(show)
             out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
                 f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
             job = asyncio.create_task(_completed(sup), name="demo:job")
             lost = asyncio.create_task(ha.lost.wait() if ha is not None else asyncio.Event().wait(), name="demo:lost")
+            gone = asyncio.create_task(ended.wait(), name="demo:ended")
             try:
-                await asyncio.wait([job, lost], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([job, lost, gone], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for t in (job, lost):
+                for t in (job, lost, gone):
                     t.cancel()
-                await asyncio.gather(job, lost, return_exceptions=True)
+                await asyncio.gather(job, lost, gone, return_exceptions=True)
             if ha is not None and ha.lost.is_set():
                 out(f"spotvisor demo: {ha.reason}; stopped (fail closed: another daemon leads)")
+                return 1
+            if ended.is_set():
+                out(f"spotvisor demo: the job ended without completing (the lines above say why); "
+                    f"see {config.daemon.state_path()}/nodes/*/trainer.log")
                 return 1
             if not job.done() or job.cancelled():
                 out(f"spotvisor demo: the job did not complete within {timeout_s:g} s "

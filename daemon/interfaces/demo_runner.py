@@ -193,6 +193,14 @@ class EtcdEventLog:
             await self.client.close()
 
 
+def gave_up(ev: Event) -> bool:
+    """Whether ``ev`` says the job ended without completing and its pool is released (it
+    failed, or ``spotctl down`` cancelled it): a demo ends there, exit 1. The daemon itself
+    stays up (``spotctl relaunch`` or ``up`` may start the job again); a demo has no one to
+    ask it."""
+    return ev.kind == EventKind.POOL_RELEASED.value and ev.data.get("reason") in ("job_failed", "job_cancelled")
+
+
 def _show(events: list[Event], line: Callable[[Event], None], seen: list[int]) -> None:
     """Print the events after ``seen[0]``, the last seq printed, and move it on."""
     for ev in events:
@@ -331,6 +339,13 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
     tasks: list[asyncio.Task[None]] = []
     handled: set[int] = set()
     proc: asyncio.subprocess.Process | None = None
+    ended = asyncio.Event()  # the job failed or was cancelled, its pool released (gave_up)
+
+    def show(ev: Event) -> None:
+        line(ev)
+        if gave_up(ev):
+            ended.set()
+
     try:
         if _partitioned(config):
             from daemon.ha.partition import Partition
@@ -339,7 +354,7 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
             partition = _PartitionKeeper(await Partition(config.ha.endpoints).start(), out)
         write_pid(pid_file, store.pid or 0)
         keeper = _StoreKeeper(store, events, pid_file, out)
-        tasks += [asyncio.create_task(_tail(events, line, seen, partition), name="demo:tail"),
+        tasks += [asyncio.create_task(_tail(events, show, seen, partition), name="demo:tail"),
                   asyncio.create_task(keeper.run(), name="demo:store")]
         while True:
             env = {**os.environ, LIFELINE_FD_ENV: str(lifeline_r), STORE_PID_FILE_ENV: str(pid_file)}
@@ -348,17 +363,27 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
                     stderr=asyncio.subprocess.STDOUT, pass_fds=(lifeline_r,), env=env)
+            exited = asyncio.create_task(proc.wait(), name="demo:daemon")
+            gone = asyncio.create_task(ended.wait(), name="demo:ended")
             try:
-                rc = await asyncio.wait_for(proc.wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                out(f"spotvisor demo: the job did not complete within {timeout_s:g} s; see {log_path}")
+                await asyncio.wait([exited, gone], timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not exited.done():
+                exited.cancel()
+                if ended.is_set():  # the daemon stays up for a relaunch: stopped below (finally)
+                    out(f"spotvisor demo: the job ended without completing (the lines above say why); see {log_path}")
+                else:
+                    out(f"spotvisor demo: the job did not complete within {timeout_s:g} s; see {log_path}")
                 return 1, await events.read()
+            rc = exited.result()
             if rc == 0:
                 break
             stored = await events.read()
             if partition is not None:
                 partition.saw(stored)
-            _show(stored, line, seen)  # the daemon's last events before what we say of its end
+            _show(stored, show, seen)  # the daemon's last events before what we say of its end
             fault = None
             if rc == -signal.SIGKILL:
                 fault = restart_for(stored, handled, ("kill_daemon", "kill_control_node"))
@@ -383,7 +408,7 @@ async def run_outside(config: Config, config_path: str, *, store: "StoreProcess"
                 out(f"spotvisor demo: the rendezvous store is not back {STORE_BACK_WAIT_S:g} s after the outage; "
                     "starting the daemon without it")
         done = await events.read()
-        _show(done, line, seen)  # what the tail had not printed yet
+        _show(done, show, seen)  # what the tail had not printed yet
         return 0, done
     finally:
         for task in tasks:

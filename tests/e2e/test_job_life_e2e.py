@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +37,10 @@ CRASH = 'import sys\nprint("loading the dataset from /data/shards", flush=True)\
 
 
 def _config(tmp_path: Path, job: dict[str, Any]) -> Config:
+    return Config.model_validate(_raw(tmp_path, job))
+
+
+def _raw(tmp_path: Path, job: dict[str, Any]) -> dict[str, Any]:
     raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     raw["pool"].update({"target_nodes": 1, "max_nodes": 1})
     raw["job"] = {**{k: raw["job"][k] for k in ("id", "global_batch_size", "micro_batch_size", "checkpoint_uri")},
@@ -44,7 +50,7 @@ def _config(tmp_path: Path, job: dict[str, Any]) -> Config:
                           "rejoin_timeout_s": 30})
     raw["providers"]["local"]["launch_delay_s"] = 0.2
     raw["chaos"] = []
-    return Config.model_validate(raw)
+    return raw
 
 
 async def _until(sup: Supervisor, cond: Callable[[], Any], what: str, timeout_s: float = 90.0) -> Any:
@@ -60,6 +66,28 @@ def _events(sup: Supervisor, kind: str) -> list[Event]:
 
 def _instances(sup: Supervisor) -> set[str]:
     return {e.data["instance_id"] for e in _events(sup, "node_launched")}
+
+
+@pytest.mark.parametrize("runner", ["in_process", "outside"])
+def test_a_demo_whose_job_fails_exits_1_once_the_pool_is_released(tmp_path: Path, runner: str) -> None:
+    """``spotvisord demo`` of a script that cannot start ends with exit 1 as soon as the job
+    failed and its pool is released, in the demo's own process and as the outside runner
+    (a chaos schedule that kills the daemon, never reached here). It waited for a
+    completion that could not come, to its ``--timeout-s`` (900 s by default)."""
+    script = tmp_path / "train.py"
+    script.write_text(CRASH)
+    raw = _raw(tmp_path, {"command": [str(script)], "target_steps": 100})
+    if runner == "outside":
+        raw["chaos"] = [{"action": "kill_daemon", "at_step": 50, "restart_after_s": 1}]
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "demo", "--config", str(path),
+                           "--timeout-s", "600"], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "job_failed" in proc.stdout and "pool_released" in proc.stdout, proc.stdout[-3000:]
+    assert "the job ended without completing" in proc.stdout and "did not complete within" not in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 async def test_a_crash_looping_script_fails_after_three_tries_and_releases_everything(tmp_path: Path) -> None:
