@@ -165,11 +165,12 @@ async def test_a_process_the_init_spawned_during_the_kill_sweep_dies_too(tmp_pat
     late: list[subprocess.Popen] = []
     real_sweep = local_mod.kill_instance_processes
 
-    def sweep(root_pid: int, instance_id: str) -> None:
-        real_sweep(root_pid, instance_id)
+    def sweep(root_pid: int, instance_id: str) -> list:
+        killed = real_sweep(root_pid, instance_id)
         if not late:  # spawned "by the init" just after the sweep read /proc
             late.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                          env={**os.environ, INSTANCE_ENV: instance_id}, start_new_session=True))
+        return killed
 
     monkeypatch.setattr(local_mod, "kill_instance_processes", sweep)
     try:

@@ -59,6 +59,7 @@ from daemon.providers.local_instance import (
     live_records,
     outer_lifeline_fd,
     process_alive,
+    wait_gone,
 )
 from daemon.providers.local_metadata import make_fake
 from daemon.control.pool import Offer
@@ -68,6 +69,8 @@ from daemon.state_dir import UnsafeStatePath, open_private, private_dir, write_p
 __all__ = ["LocalProvider"]
 
 log = structlog.get_logger("spotvisor.provider.local")
+#: seconds an instance's SIGKILLed processes get to be gone before its end is called done
+KILL_WAIT_S = 10.0
 
 # the names this module had before the instance's side moved out (tests import them here)
 _INSTANCE_ENV, _INSTANCE_INIT, _kill_instance_processes = INSTANCE_ENV, INSTANCE_INIT, kill_instance_processes
@@ -359,9 +362,7 @@ class LocalProvider(Provider):
         for t in [t for t in inst.tasks if t is not asyncio.current_task()]:
             t.cancel()
         if inst.proc is not None and inst.proc.returncode is None:
-            kill_instance_processes(inst.proc.pid, inst.id)
-            await inst.proc.wait()  # then again: what the init spawned during the sweep was not in /proc yet
-            kill_instance_processes(inst.proc.pid, inst.id)
+            await _end_processes(inst.proc, inst.id)
         elif inst.proc is None and inst.pid is not None and process_alive(inst.pid, inst.create_time):
             await asyncio.to_thread(_kill_adopted, inst.pid, inst.id)
         if inst.imds is not None:
@@ -400,6 +401,19 @@ def _read_private(path: Path) -> str:
         return f.read(4096).decode().strip()
 
 
+async def _end_processes(init: asyncio.subprocess.Process, instance_id: str) -> None:
+    """SIGKILL every process of an instance whose init is this process's child, and return
+    once they are gone, as a reclaimed VM's are (a SIGKILLed process runs on until it is
+    scheduled: a moment on a busy host; :data:`KILL_WAIT_S` at most, then a warning).
+    The sweeps read every process's environment: off the event loop."""
+    victims = await asyncio.to_thread(kill_instance_processes, init.pid, instance_id)
+    await init.wait()  # then again: what the init spawned during the sweep was not in /proc yet
+    victims += await asyncio.to_thread(kill_instance_processes, init.pid, instance_id)
+    alive = await asyncio.to_thread(wait_gone, victims, KILL_WAIT_S)
+    if alive:
+        log.warning("instance_processes_alive", instance_id=instance_id, pids=[p.pid for p in alive][:20])
+
+
 def _kill_adopted(pid: int, instance_id: str) -> None:
     """SIGKILL an adopted instance (not this process's child) and wait, 10 s at most, until
     its processes are gone."""
@@ -407,5 +421,5 @@ def _kill_adopted(pid: int, instance_id: str) -> None:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         procs = []
-    kill_instance_processes(pid, instance_id)
-    psutil.wait_procs(procs, timeout=10)
+    procs += kill_instance_processes(pid, instance_id)
+    wait_gone(procs, KILL_WAIT_S)

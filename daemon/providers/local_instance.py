@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ import structlog
 from daemon.state_dir import StateDirError, open_private, write_private
 
 __all__ = ["INSTANCE_ENV", "INSTANCE_INIT", "LIFELINE_FD_ENV", "STORE_PID_FILE_ENV", "RECORD_FILE", "ADMIN_TOKEN_FILE",
-           "InstanceRecord", "kill_instance_processes", "live_records", "outer_lifeline_fd", "process_alive"]
+           "InstanceRecord", "kill_instance_processes", "live_records", "outer_lifeline_fd", "process_alive",
+           "wait_gone"]
 
 log = structlog.get_logger("spotvisor.provider.local")
 
@@ -129,8 +131,10 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
-def kill_instance_processes(root_pid: int, instance_id: str) -> None:
-    """SIGKILL every process of a local instance at once, as a VM being reclaimed.
+def kill_instance_processes(root_pid: int, instance_id: str) -> list[psutil.Process]:
+    """SIGKILL every process of a local instance at once, as a VM being reclaimed; returns
+    those signalled (a SIGKILLed process may run on a moment: :func:`wait_gone`). Blocking
+    (it reads every process's environment): call it off the event loop.
 
     torchrun starts its workers in sessions of their own (``start_new_session``),
     so killing the instance's process group is not enough: collect the instance
@@ -159,7 +163,29 @@ def kill_instance_processes(root_pid: int, instance_id: str) -> None:
             proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+    return list(victims.values())
 
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait, up to ``timeout_s`` seconds, until none of ``procs`` runs; returns those that
+    still do. A zombie runs nothing and counts as gone (its parent may be gone too, and an
+    init that never reaps would keep it for good: ``psutil.wait_procs`` waits for it to
+    leave the process table). Blocking: call it off the event loop."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while True:
+        alive = [p for p in alive if _runs(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)  # a poll of the kernel's process table: no event tells of another process's end
+
+
+def _runs(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def outer_lifeline_fd() -> int | None:
