@@ -468,6 +468,16 @@ class JobSpec(_Spec):
             max_world_size
         )
 
+    @property
+    def failures_seen_at_exit_only(self) -> bool:
+        """A script that reports nothing (``command``) on another interpreter than the
+        agent's (``python``): its torchrun runs without spotvisor's launcher, which reports
+        each failure of its workers (``workers_failed``), so they are seen only when it
+        exits, and it gets ``max_restarts_on_errors - 1`` restarts of its own
+        (daemon/control/tries.py). Elsewhere torchrun keeps its large budget, which a
+        preemption's worker failures (a peer gone mid-collective) must not use up."""
+        return self.command is not None and self.python is not None
+
     def deadline_at(self, submitted_at: float) -> float | None:
         """The deadline in unix seconds for a job submitted at ``submitted_at`` (None: none)."""
         if self.deadline is None:

@@ -152,6 +152,9 @@ class Event:
 
 # the job command an agent can prewarm: python -m torch.distributed.run ...
 TORCHRUN_ARGV = ("-m", "torch.distributed.run")
+# the job spec's --max-restarts for a torchrun started without spotvisor's launcher (its
+# prewarm died), which reports its workers' failures only by its exit (daemon/control/tries.py)
+UNREPORTED_MAX_RESTARTS_KEY = "unreported_max_restarts"
 
 
 @dataclass(slots=True)

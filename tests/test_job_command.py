@@ -36,6 +36,31 @@ def test_the_script_and_its_own_flags_follow_torchruns_and_nothing_else() -> Non
         assert join[join.index("--monitor-interval=0.5") + 1:] == argv[argv.index("--monitor-interval=0.5") + 1:]
 
 
+def test_a_preemption_does_not_use_up_the_scripts_restart_budget() -> None:
+    """Each notice fails the survivors' workers mid-collective (their peer left), and
+    torchrun counts that against ``--max-restarts``: the old budget of
+    ``max_restarts_on_errors - 1`` (2) ended the survivors' torchrun at the third notice.
+    Where the launcher reports every failure of the workers (the agent's interpreter), the
+    budget is the large one; the daemon counts a crash loop from those reports. Only a
+    torchrun nobody reports for keeps the small one: on another interpreter
+    (``job.python``), and where the node's launcher died (the spec's fallback)."""
+    from daemon.gpunode.trainer_process import unreported
+    from daemon.model import UNREPORTED_MAX_RESTARTS_KEY
+
+    base = load_config("configs/local.yaml")
+    budget = base.rendezvous.max_restarts
+    spec = job_spec(_with_job(base, command="train.py --max-restarts=7"), NODE, "abc")
+    assert f"--max-restarts={budget}" in spec["argv"] and budget >= 100
+    assert spec[UNREPORTED_MAX_RESTARTS_KEY] == base.job.max_restarts_on_errors - 1 == 2
+    plain = unreported(spec["argv"], spec[UNREPORTED_MAX_RESTARTS_KEY])
+    assert "--max-restarts=2" in plain and f"--max-restarts={budget}" not in plain
+    assert plain[-2:] == ["train.py", "--max-restarts=7"]  # the script's own words are its own
+    foreign = job_spec(_with_job(base, command="train.py", python="/opt/conda/bin/python"), NODE, "abc")
+    assert "--max-restarts=2" in foreign["argv"] and UNREPORTED_MAX_RESTARTS_KEY not in foreign
+    module = job_spec(base, NODE, "abc")
+    assert f"--max-restarts={budget}" in module["argv"] and UNREPORTED_MAX_RESTARTS_KEY not in module
+
+
 def test_a_module_job_keeps_its_flags_and_no_uri_in_the_env() -> None:
     config = load_config("configs/local.yaml")
     spec = job_spec(config, NODE, "abc")

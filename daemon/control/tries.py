@@ -14,11 +14,16 @@ is ``failed`` (:func:`gives_up`).
 How the tries reach the daemon: a status-reporting trainer (``trainer.run``, the HF
 callback) names each torchrun restart of its workers in a ``started`` line, so its
 torchrun keeps its large restart budget and every try is seen. A trainer that reports
-nothing (``job.command``) is seen only when its torchrun exits; its torchrun is given
-``--max-restarts`` of ``max_failures - 1`` (:mod:`daemon.controlnode.jobspec`), so one
-exit is ``max_failures`` tries (:class:`Ended` ``tries``), and with no step to go by, a
-try that lasted ``long_s`` (``daemon.stall.first_step_s``: the time a first step may
-take) counts as progress.
+nothing (``job.command``) keeps it too where spotvisor's launcher runs its torchrun (the
+agent's own interpreter): each failure of its workers comes as ``workers_failed``
+(below). Only on another interpreter (``job.python``: no launcher there) is it seen
+when its torchrun exits alone; that torchrun is given ``--max-restarts`` of
+``max_failures - 1`` (:mod:`daemon.controlnode.jobspec`), so one exit is
+``max_failures`` tries (:class:`Ended` ``tries``). A small budget anywhere else would
+be used up by preemptions: each notice's peer leaving fails the survivors' workers
+mid-collective, and torchrun counts that against it. With no step to go by, a try that
+lasted ``long_s`` (``daemon.stall.first_step_s``: the time a first step may take)
+counts as progress.
 
 A worker that fails before its trainer writes its first ``started`` line (an import
 error, a bad NCCL set-up, an out-of-memory building the model) makes no attempt, and
@@ -29,11 +34,13 @@ counts per node, so a crash loop is counted even with no try running: ``failed``
 never less than the failures any one node reported in a row. Every node of the job
 failing in one round is one failure, not one per node.
 
-Example (``max_failures`` 3, a script that exits 1 at start, reporting nothing, torchrun
-given ``--max-restarts=2``): the job starts (``Began``, t=0); torchrun runs the script
-three times and exits 1 at t=9 (``Ended(tries=3)``): ``failed`` is 3, :func:`gives_up`.
-The same with a notice at t=4 (``Disturbed``): the try does not count; the stall
-restart begins the next one.
+Example (``max_failures`` 3, a script that exits 1 at start, reporting nothing): the
+job starts (``Began``, t=0); the launcher reports its workers failed at t=3, 6 and 9
+(``Crashed``): ``failed`` is 3 at t=9, :func:`gives_up`. The same with a notice at t=4
+(``Disturbed``): the count starts again, and each node's first failure after the
+notice is the notice's doing. On another interpreter (torchrun given
+``--max-restarts=2``): torchrun runs the script three times and exits 1 at t=9
+(``Ended(tries=3)``): ``failed`` is 3.
 """
 
 from __future__ import annotations

@@ -62,9 +62,10 @@ class JobLife:
         self.core = core
         self.max_failures = core.config.job.max_restarts_on_errors
         self.long_s = core.config.daemon.stall.first_step_s
-        # a trainer that reports nothing is seen only when its torchrun, given max_failures - 1
-        # restarts of its own (daemon/controlnode/jobspec.py), exits: that exit is max_failures tries
-        self.tries_per_exit = self.max_failures if core.config.job.command is not None else 1
+        # a trainer that reports nothing, on an interpreter without spotvisor's launcher, is seen only
+        # when its torchrun, given max_failures - 1 restarts of its own (daemon/controlnode/jobspec.py),
+        # exits: that exit is max_failures tries
+        self.tries_per_exit = self.max_failures if core.config.job.failures_seen_at_exit_only else 1
         self.tries = Tries()
         self._logs, self._launching = logs, launching
         self._give_up_at: float | None = None  # gives_up decided: job_failed once the log is in

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from daemon.config import Config
 from daemon.controlnode.workdir import CodePin
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
-from daemon.model import TORCHRUN_ARGV, Node
+from daemon.model import TORCHRUN_ARGV, UNREPORTED_MAX_RESTARTS_KEY, Node
 from trainer.contract import (CHECKPOINT_URI_ENV, HOLD_TIMEOUT_ENV, JOIN_ENV, OSS_ENDPOINT_ENV, OSS_RAM_ROLE_ENV,
                               RDZV_ENDPOINT_ENV, RUN_ID_ENV, S3_ENDPOINT_ENV, SHUTDOWN_TIMEOUT_ENV, ZYGOTE_PRELOAD_ENV)
 
@@ -86,9 +86,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
         f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
         f"--rdzv-id={run_id(config, run_nonce)}",
         f"--rdzv-conf={rdzv_conf}",
-        # a script that reports nothing (job.command) is seen failing only when its torchrun exits:
-        # after job.max_restarts_on_errors tries of its own (daemon/control/tries.py)
-        f"--max-restarts={rdzv.max_restarts if job.command is None else job.max_restarts_on_errors - 1}",
+        # a script that reports nothing on another interpreter (no launcher to report its workers'
+        # failures) is seen failing only when its torchrun exits: after job.max_restarts_on_errors
+        # tries of its own (daemon/control/tries.py)
+        f"--max-restarts={job.max_restarts_on_errors - 1 if job.failures_seen_at_exit_only else rdzv.max_restarts}",
     ]
     hf_launch = [*(["--output-dir", job.output_dir] if job.output_dir else []),
                  *(["--accelerate-config", job.accelerate_config] if job.accelerate_config else [])]
@@ -140,6 +141,10 @@ def job_spec(config: Config, node: Node, run_nonce: str, domain: str | None = No
     spec: dict[str, Any] = {"argv": argv, "env": env}
     if job.command is not None:  # a notice is a SIGTERM to the script (daemon/gpunode/trainer_process.py)
         spec["notice_signal"] = True
+        if not job.failures_seen_at_exit_only:
+            # the node's torchrun started without the launcher (its prewarm died) reports nothing
+            # but its exit: it gets the small budget there (daemon/control/tries.py)
+            spec[UNREPORTED_MAX_RESTARTS_KEY] = job.max_restarts_on_errors - 1
     if code is not None:
         spec["workdir"] = code.spec(d.name)
     if job.setup:

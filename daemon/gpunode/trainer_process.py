@@ -26,7 +26,7 @@ from daemon.gpunode.launcher import READY_FD_ENV
 from daemon.gpunode.proctree import kill_tree
 from daemon.gpunode.zygote import MODULE_ENV as ZYGOTE_MODULE_ENV
 from daemon.gpunode.zygote import entry_module
-from daemon.model import TORCHRUN_ARGV
+from daemon.model import TORCHRUN_ARGV, UNREPORTED_MAX_RESTARTS_KEY
 from trainer.contract import (JOIN_CREDENTIAL_ENV, LOG_DIR_ENV, NODE_ID_ENV, NOTICE_ENV, NOTICE_FILE_ENV,
                               RDZV_ENDPOINT_FILE_ENV, SCRATCH_DIR_ENV, START_COHORT_ENV, STATUS_FILE_ENV,
                               TRAINER_PYTHONPATH_ENV, write_plain_notice)
@@ -38,6 +38,22 @@ log = structlog.get_logger("spotvisor.agent")
 # job.command, a drain (the daemon's, no cloud deadline): the script's SIGTERM handler has
 # this long (seconds) before what still runs is SIGKILLed; AWS's documented notice lead
 DRAIN_GRACE_S = 120.0
+
+
+def unreported(argv: list[str], max_restarts: int | None) -> list[str]:
+    """``argv`` for a torchrun started without the launcher, whose workers' failures nobody
+    reports: its ``--max-restarts`` set to ``max_restarts`` (the spec's
+    :data:`~daemon.model.UNREPORTED_MAX_RESTARTS_KEY`; None: ``argv`` as it is), so that a
+    crash loop ends in its exit, which the daemon sees, and not in hours of restarts."""
+    if max_restarts is None or tuple(argv[:2]) != TORCHRUN_ARGV:
+        return argv
+    out = list(argv)
+    for i in range(2, len(out)):  # torchrun's own options (the spec's are --name=value), up to the script
+        if not out[i].startswith("--"):
+            break
+        if out[i].startswith("--max-restarts="):
+            out[i] = f"--max-restarts={max_restarts}"
+    return out
 
 
 class TrainerProcess:
@@ -288,7 +304,8 @@ class TrainerProcess:
                 and await self._go(warm, argv, env):
             self.proc = warm
         else:
-            self.proc = await self._spawn(argv, env, asyncio.subprocess.DEVNULL)
+            self.proc = await self._spawn(unreported(argv, spec.get(UNREPORTED_MAX_RESTARTS_KEY)), env,
+                                          asyncio.subprocess.DEVNULL)
         self._to(TrainerState.RUNNING)
         # prewarmed: torchrun's process was already started (imported: and done importing,
         # else it goes on from where its import is)

@@ -99,12 +99,15 @@ async def test_a_crash_looping_script_fails_after_three_tries_and_releases_every
         async with running_daemon(config, rendezvous=store, with_chaos=False) as sup:
             (failed,) = await _until(sup, lambda: _events(sup, "job_failed"), "job_failed")
             await _until(sup, lambda: _events(sup, "pool_released"), "pool_released")
-            assert failed.data["failed_tries"] == 3 and failed.data["exit_code"] == 1
-            assert "3 tries without progress" in failed.data["why"]
+            assert failed.data["failed_tries"] == 3
+            # each failure of the workers came from the node's launcher (torchrun keeps its large budget,
+            # which preemptions must not use up), the last one's error line with it
+            assert "3 tries without progress" in failed.data["why"] and "the last workers_failed" in failed.data["why"]
+            assert "FileNotFoundError: /data/shards" in failed.data["why"], failed.data["why"]
             assert any("FileNotFoundError: /data/shards" in ln for ln in failed.data["log_tail"]), failed.data["log_tail"]
             assert len(failed.data["log_tail"]) <= 20 and all(len(ln) <= 240 for ln in failed.data["log_tail"])
             # torchrun ran the script three times (its own restarts), then the daemon gave up: one node, once
-            assert len(_instances(sup)) == 1 and len(_events(sup, "trainer_exited")) == 1
+            assert len(_instances(sup)) == 1 and len(_events(sup, "workers_failed")) >= 3
             assert _instance_processes(_instances(sup)) == [] and all(n.state.is_terminal() for n in sup.nodes.values())
             rc, out, err = await spotctl(*sock, "status")
             assert rc == 0 and "FAILED: 3 tries without progress" in out, out + err

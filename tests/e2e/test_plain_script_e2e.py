@@ -146,6 +146,14 @@ def test_an_unmodified_ddp_script_survives_a_notice_and_a_kill(run_demo, tmp_pat
         assert after and after[0]["step"] == s["step"], (s, after[:1])
     assert starts[0]["world_size"] == 3 and starts[-1]["world_size"] >= 2, starts
 
+    # the faults failed the survivors' workers (their peer gone mid-collective), and torchrun
+    # counts each failure against --max-restarts: those are not the script's errors and must
+    # not use up a budget (2 before: the third notice ended the survivors' torchrun, and the
+    # job came back only through the daemon's restart of a stalled job)
+    failures = [e for e in events if e.kind == "workers_failed"]
+    assert failures and all(e.data["restarts_left"] >= 100 for e in failures), [e.data for e in failures]
+    assert "job_stalled" not in kinds
+
     # nothing left running or billing
     released = next(e for e in events if e.kind == "pool_released")
     assert released.data["reason"] == "job_completed"
