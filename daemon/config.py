@@ -1326,6 +1326,19 @@ class Config(_Spec):
         return self
 
     @model_validator(mode="after")
+    def _local_output_dir(self) -> "Config":
+        """The local provider's nodes are processes of one machine: an absolute
+        ``job.output_dir`` would be every node's, and their saves and restores of
+        ``checkpoint-N`` collide (``save failed: FileNotFoundError``). A relative one is
+        under each node's own working directory."""
+        out = self.job.output_dir
+        if out is not None and os.path.isabs(out) and any(o.provider == "local" for o in self.offers):
+            raise ValueError(f"job.output_dir: {out!r} would be shared by every local node (they run on this one "
+                             "machine) and their checkpoint saves would collide; give a path relative to the job's "
+                             "working directory, which each node has its own of (e.g. output_dir: out)")
+        return self
+
+    @model_validator(mode="after")
     def _launch_specs(self) -> "Config":
         """Every cloud domain resolves to a launch spec (an image at least), and no
         region-scoped id is shared by two regions: an AMI id, a security group id, an

@@ -75,6 +75,8 @@ def test_a_module_job_keeps_its_flags_and_no_uri_in_the_env() -> None:
         ({"command": "train.py 'unclosed"}, "job.command: No closing quotation"),
         ({"command": "train.py", "module": "x.y"}, "job: command: give either job.command"),
         ({"command": ["train.py", "a\0b"]}, "job.command: item 1 contains a NUL"),
+        # the local provider's nodes share one machine: one absolute output_dir for all collides
+        ({"command": "train.py", "output_dir": "/tmp/hfout"}, "job.output_dir: '/tmp/hfout' would be shared"),
     ],
 )
 def test_a_bad_command_is_one_line_naming_the_field(tmp_path, job: dict, needle: str) -> None:
@@ -83,6 +85,11 @@ def test_a_bad_command_is_one_line_naming_the_field(tmp_path, job: dict, needle:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert any(line.startswith(needle) for line in err.value.problems), err.value.problems
+
+
+def test_a_relative_output_dir_is_each_local_nodes_own() -> None:
+    config = _with_job(load_config("configs/local.yaml"), command="train.py", output_dir="out")
+    assert config.job.output_dir == "out"
 
 
 def test_job_preload_reaches_the_nodes_zygote_through_the_spec() -> None:
