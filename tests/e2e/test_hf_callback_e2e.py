@@ -54,12 +54,13 @@ def _job(tmp_path: Path, *, accelerate: bool) -> dict[str, Any]:
     return job
 
 
-#: the demo's schedule: the second notice hits node 2's replacement
+#: the demo's schedule: the second notice hits node 2's replacement. A lead of a minute:
+#: the noticed node leaves once its commit is in, not when it is taken (its workers held for
+#: a restart their stopping torchrun would never start: the whole lead, idle)
+LEAD_S = 60
 CHAOS = [
-    # notice -> commit takes a fraction of a second here; the rest of a lead is the node
-    # holding until it is taken, which only makes the test longer
-    {"action": "notice", "node": 2, "at_step": 12, "lead_s": 8},
-    {"action": "notice", "node": 3, "at_step": 28, "lead_s": 8},
+    {"action": "notice", "node": 2, "at_step": 12, "lead_s": LEAD_S},
+    {"action": "notice", "node": 3, "at_step": 28, "lead_s": LEAD_S},
     {"action": "kill", "node": 1, "at_step": 45},
 ]
 
@@ -100,6 +101,8 @@ def _check(s: dict[str, Any], tmp_path: Path, *, notices: int) -> None:
     assert s["lost_steps_on_notice"] == 0
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
     assert len(s["notice_to_commit_s"]) == notices and all(t < 10 for t in s["notice_to_commit_s"])
+    # resumed with the replacement well before the noticed node was taken
+    assert len(s["notice_to_resume_s"]) == notices and all(t < LEAD_S * 2 / 3 for t in s["notice_to_resume_s"]), out
     fed, twice, never = _rows_fed_once(tmp_path / "state")
     assert (fed, twice, never) == (STEPS * GLOBAL_BATCH, 0, 0)  # what the model saw, not what was logged
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -421,6 +422,8 @@ class SpotvisorCallback(TrainerCallback):
                                  data_position=self._data_position(step),
                                  extra={"format": HF_FORMAT}, presave_s=trainer_save_s or 0.0)
         if decision is not None and decision.hold and not final:
+            if self._signals is not None and self._signals.received_at is not None:
+                self._leave(step)
             self._hold(step, decision)
             if self._stopped_for_hold:
                 control.should_training_stop = False  # no restart came: train on, like trainer.run
@@ -446,6 +449,18 @@ class SpotvisorCallback(TrainerCallback):
         return control
 
     # -- helpers
+
+    def _leave(self, step: int) -> None:
+        """This worker was sent SIGTERM (its node's torchrun forwards the agent's, on the
+        node's notice, and is stopping): the commit of ``step`` answered it, so the worker
+        ends now, status 143, instead of holding for a restart its own torchrun will never
+        start. Its node then leaves the job at once, not when the cloud takes it (the whole
+        notice lead, up to minutes, of a held job): the peers' hold fails, their torchrun
+        restarts them from that commit, and the replacement joins. Never status 0 mid-job
+        (that closes the rendezvous for good, pytorch#123678)."""
+        if self.ctx.is_local_leader:
+            log.warning("SIGTERM answered by the commit of step %d: this node's workers end", step)
+        raise SystemExit(128 + signal.SIGTERM)
 
     def _hold(self, step: int, decision: Decision) -> None:
         self.status.emit("holding", step, notice_ids=list(decision.notice_ids), kinds=list(decision.kinds),
