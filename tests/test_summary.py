@@ -144,3 +144,16 @@ def test_resumes_before_their_commit_counts_an_inverted_log() -> None:
                 ev(3, "checkpoint_committed", step=26)]
     assert resumes_before_their_commit(causal) == 0
     assert resumes_before_their_commit(inverted) == 1
+
+
+def test_a_script_that_reports_nothing_leaves_its_figures_unknown_not_zero(tmp_path: Path) -> None:
+    """``job.command``: no step log, no status line. Zero steps, zero restarts and zero
+    notices read as "nothing happened" after a run with a notice and torchrun restarts."""
+    (tmp_path / "nodes" / "n1").mkdir(parents=True)
+    events = [Event(1, 10.0, "interruption_notice", "n1", {"notice_id": "x"}),
+              Event(2, 20.0, "node_lost", "n2", {})]
+    s = summarize(tmp_path / "nodes", events, target_steps=100, global_batch_size=G)
+    assert s["steps_completed"] is None and s["restarts"] is None and s["samples_skipped"] is None
+    assert s["target_steps"] is None and s["world_sizes"] is None
+    assert s["preemptions_with_notice"] == 1 and s["nodes_lost_without_notice"] == 1
+    assert "reports no steps" in s["trainer_reports"]

@@ -55,7 +55,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, global_batch_size: int,
               wall_s: float | None = None) -> dict[str, Any]:
-    """Build the demo summary (keys: see README "make demo")."""
+    """Build the demo summary (keys: see README "make demo"). A trainer that wrote nothing
+    (a ``job.command`` script) leaves its figures null, not zero, with ``trainer_reports``
+    saying so; ``preemptions_with_notice`` is then the notices the daemon delivered."""
     events = list(events)
     steps: list[dict[str, Any]] = []
     status: list[dict[str, Any]] = []
@@ -150,9 +152,22 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "resumes_before_their_commit": resumes_before_their_commit(events),
         **migrations(events),
     }
+    if not steps and not status:
+        # nothing written by the trainer (a job.command script reports no step, no commit): what
+        # the trainer did is unknown, not zero; the notices are the daemon's own events
+        summary.update(dict.fromkeys(_FROM_THE_TRAINER))
+        summary["preemptions_with_notice"] = len(notices)
+        summary["trainer_reports"] = "none (job.command: the script reports no steps); its figures are null"
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)
     return summary
+
+
+#: the summary's figures read from the trainer's own step logs and status lines
+_FROM_THE_TRAINER = ("target_steps", "steps_completed", "lost_steps_on_notice", "lost_steps_total", "world_sizes",
+                     "checkpoints_committed", "notice_to_commit_s", "notice_to_resume_s", "loss_first", "loss_last",
+                     "global_batch_sizes", "samples_seen_twice", "samples_skipped", "samples_unlogged", "restarts",
+                     "resizes_in_process")
 
 
 _TIMELINE = ("boot_s", "commit_s", "copy_s", "first_step_s", "decision_to_first_step_s", "paused_s")

@@ -425,7 +425,7 @@ async def _demo(config: Config, summary_json: Path | None, timeout_s: float,
 
             sup.subscribe(show)
             out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
-                f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}")
+                f"target {_target(config)}, state in {config.daemon.state_path()}")
             job = asyncio.create_task(_completed(sup), name="demo:job")
             lost = asyncio.create_task(ha.lost.wait() if ha is not None else asyncio.Event().wait(), name="demo:lost")
             gone = asyncio.create_task(ended.wait(), name="demo:ended")
@@ -459,13 +459,21 @@ async def _demo_outside(config: Config, config_path: str, summary_json: Path | N
     config = with_fixed_agent_port(config)
     async with rendezvous_stores(config) as store:
         out(f"spotvisor demo: pool {config.pool.name}, {config.pool.target_nodes} nodes, "
-            f"target {config.job.target_steps} steps, state in {config.daemon.state_path()}; "
+            f"target {_target(config)}, state in {config.daemon.state_path()}; "
             "the daemon runs as a child (its chaos kills it), its log in daemon.log there")
         code, events = await run_outside(config, config_path, store=store, timeout_s=timeout_s, out=out,
                                          line=lambda ev: out(format_event(ev, t0)))
     if code != 0:
         return code
     return _summary(config, events, t0, summary_json, out)
+
+
+def _target(config: Config) -> str:
+    """The demo's header's target: a ``job.command`` script without ``job.target_steps``
+    has its own (spotvisor reads no step of it)."""
+    if config.job.command is not None and "target_steps" not in config.job.model_fields_set:
+        return "the script's own"
+    return f"{config.job.target_steps} steps"
 
 
 def _summary(config: Config, events: list[Event], t0: float, summary_json: Path | None,
