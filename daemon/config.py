@@ -14,11 +14,13 @@ check-config`` prints them and exits 2.
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 import string
 from datetime import datetime, timezone
 from pathlib import Path
+import typing
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -1591,8 +1593,35 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in text.lower()).strip("-")[:63] or "default"
 
 
-def format_problems(exc: ValidationError) -> list[str]:
-    """One line per pydantic error: ``field.path: message``."""
+def _known_keys(model: type[BaseModel] | None, path: tuple[Any, ...]) -> list[str]:
+    """The field names of the section at ``path`` under ``model`` (list indexes and dict
+    keys are stepped over), or [] where the path leaves the models."""
+    for part in path:
+        if model is None:
+            return []
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``X | None``, ``list[X]``, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """One line per pydantic error: ``field.path: message``. ``model``: the validated
+    model, for an unknown key's nearest known name."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
@@ -1600,7 +1629,9 @@ def format_problems(exc: ValidationError) -> list[str]:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling against configs/local.yaml)"
+            near = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(model, tuple(err["loc"][:-1])), n=1)
+            msg = (f"unknown key (did you mean {near[0]!r}?)" if near
+                   else "unknown key (check the spelling against configs/local.yaml)")
         elif err["type"] == "finite_number":
             msg = f"must be a finite number, got {err.get('input')!r} (give a number, e.g. 30)"
         elif err["type"] == "missing":
@@ -1646,7 +1677,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_problems(exc)) from None
+        raise ConfigError(format_problems(exc, Config)) from None
     except RecursionError:  # aliases nesting each other: flat events, a deep document
         raise ConfigError([f"{p}: nested too deeply (a config is a few levels deep; check its anchors)"]) from None
 

@@ -284,6 +284,8 @@ def test_load_config_raises_config_error_with_problems(tmp_path: Path) -> None:
     problems = info.value.problems
     assert len(problems) == 2
     assert any(p.startswith("job.chekpoint_uri: unknown key") for p in problems)
+    # the nearest known name of the same section, where one is near
+    assert "job.chekpoint_uri: unknown key (did you mean 'checkpoint_uri'?)" in problems
     assert any(p.startswith("pool.min_nodes: ") for p in problems)
 
 
@@ -578,3 +580,18 @@ def test_a_deadline_is_hours_from_submission_or_a_time() -> None:
     assert c.job.deadline_at(1000.0) == 1000.0 + 36_000
     c = Config.model_validate({**_DEADLINE_BASE, "job": {"deadline": "2026-12-05T00:00:00", "step_s": 1.0}})
     assert c.job.deadline_at(0.0) == 1796428800.0  # no offset: UTC
+
+
+def test_an_unknown_key_names_the_nearest_known_one_of_its_own_section(tmp_path: Path) -> None:
+    """A typo gets the name it was likely meant as, looked up in its own section (an offer
+    in a list, a nested section); a key nothing is near keeps the pointer to local.yaml."""
+    path = tmp_path / "c.yaml"
+    path.write_text("pool: {target_nodez: 2}\noffers:\n  - {provider: local, gpus_per_nodes: 1}\n"
+                    "daemon: {stall: {first_step_ss: 60}}\nzzz: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert sorted(err.value.problems) == sorted([
+        "pool.target_nodez: unknown key (did you mean 'target_nodes'?)",
+        "offers.0.gpus_per_nodes: unknown key (did you mean 'gpus_per_node'?)",
+        "daemon.stall.first_step_ss: unknown key (did you mean 'first_step_s'?)",
+        "zzz: unknown key (check the spelling against configs/local.yaml)"])
