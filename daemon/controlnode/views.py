@@ -37,7 +37,8 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
         "pool": {"name": config.pool.name, "target_nodes": target_nodes, "desired_nodes": desired_nodes,
                  "min_nodes": config.pool.min_nodes, "max_nodes": config.pool.max_nodes, "paused": paused},
         "job": {
-            "id": config.job.id, "state": job.state.value, "step": job.step,
+            # the newest step heard: a commit's report can come before the heartbeat that carries its step
+            "id": config.job.id, "state": job.state.value, "step": _newest_step(job.step, job.last_commit_step),
             "target_steps": config.job.target_steps, "world_size": job.world_size,
             "last_commit_step": job.last_commit_step, "last_commit_time": job.last_commit_time,
             "restarts": max(0, len(job.attempts) - 1 - job.resizes_in_process),
@@ -59,3 +60,13 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
         "checks": checks or {},
         "code": code or {},
     }
+
+
+def _newest_step(step: int | None, committed: int | None) -> int | None:
+    """The job's step for ``spotctl status``: the newest heartbeat's, or the newest commit's
+    when that is ahead (the commit's report came first: status showed ``STEP 582`` beside
+    ``LAST COMMIT step 600``). A resumed job starts at its newest commit, so no step below it
+    is ever current."""
+    if step is None or committed is None:
+        return step if committed is None else committed
+    return max(step, committed)
