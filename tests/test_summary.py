@@ -157,3 +157,14 @@ def test_a_script_that_reports_nothing_leaves_its_figures_unknown_not_zero(tmp_p
     assert s["target_steps"] is None and s["world_sizes"] is None
     assert s["preemptions_with_notice"] == 1 and s["nodes_lost_without_notice"] == 1
     assert "reports no steps" in s["trainer_reports"]
+
+
+def test_the_trainers_own_global_batch_counts_when_the_config_says_another(tmp_path: Path) -> None:
+    """An HF script's Trainer arguments make its global batch (4 here) whatever
+    ``job.global_batch_size`` says (6): its steps' samples are not skipped for that
+    (a fresh-clone user trial read ``samples_skipped 240`` after a clean 60-step run)."""
+    n = tmp_path / "nodes" / "n1"
+    _write(n, "a", 2, range(1, 11), 100.0, status=[{"event": "started", "time": 99.0, "step": 0}])
+    s = summarize(tmp_path / "nodes", [], target_steps=10, global_batch_size=6)
+    assert s["steps_completed"] == 10 and s["global_batch_sizes"] == [G]
+    assert s["samples_skipped"] == 0 and s["samples_seen_twice"] == 0 and s["samples_unlogged"] == 0

@@ -85,6 +85,13 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         last_exec[step] = attempt
     lineage_steps = sorted(last_exec)
 
+    # the global batch the trainer trained on: the config's, unless every step all its ranks
+    # logged says otherwise (an HF script's own Trainer arguments make its batch, whatever
+    # job.global_batch_size says: the config's would count its steps' samples as skipped)
+    whole = {len(e["positions"]) for e in execs.values() if len(e["ranks"]) >= (e.get("world_size") or 0)}
+    if len(whole) == 1 and global_batch_size not in whole and 0 not in whole:
+        global_batch_size = whole.pop()
+
     lost_by_attempt: Counter[str] = Counter(a for (a, s) in execs if last_exec.get(s) != a)
     ended_on_notice = _attempts_ended_on_notice(status, execs)
     lost_total = sum(lost_by_attempt.values())
