@@ -182,3 +182,22 @@ async def test_a_process_the_init_spawned_during_the_kill_sweep_dies_too(tmp_pat
             if p.poll() is None:
                 p.kill()
         await provider.aclose()
+
+
+async def test_an_instance_has_its_own_tmpdir_and_it_goes_with_it(tmp_path: Path) -> None:
+    """A VM's /tmp goes with the VM. Each local instance's processes get a TMPDIR of their
+    own, removed when the instance ends: torchrun's log directories and the zygote's socket
+    and client were left in the host's /tmp by every node start (4,733 torchelastic_* and
+    163 spotvisor-zygote-* entries after the suite's runs on this machine)."""
+    provider = LocalProvider(spec=LocalProviderSpec(launch_delay_s=0), state_dir=prepare_state_dir(tmp_path / "s"))
+    try:
+        pid = await _launched(provider, "n1")
+        tmp = Path(psutil.Process(pid).environ()["TMPDIR"])
+        assert tmp.is_dir() and tmp.name.startswith("spotvisor-vm-") and (tmp.stat().st_mode & 0o777) == 0o700
+        agent = next(c for c in psutil.Process(pid).children() if "daemon.gpunode.agent" in " ".join(c.cmdline()))
+        assert agent.environ()["TMPDIR"] == str(tmp)  # what the instance runs inherits it
+        (tmp / "torchelastic_x").mkdir()  # as torchrun would leave it
+        await provider.terminate(next(iter(provider._instances)))
+        assert not tmp.exists()
+    finally:
+        await provider.aclose()

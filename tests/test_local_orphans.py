@@ -138,13 +138,17 @@ def test_booted_local_instances_end_with_the_daemon(daemon: _Daemon, sig: signal
     """Both agents registered (and importing torch for the job): the daemon ends, and so
     does every process of its instances."""
     daemon.until(lambda evs: sum(k == "node_ready" for k, _ in evs) == 2, "both nodes ready", 60)
-    ids = set()
+    ids, tmps = set(), set()
     for p in _instance_processes(daemon.prefix).values():
         with contextlib.suppress(psutil.Error):
-            ids.add(p.environ()[_ID])
-    assert len(ids) == 2, ids
+            env = p.environ()
+            ids.add(env[_ID])
+            tmps.add(env["TMPDIR"])
+    assert len(ids) == 2 and len(tmps) == 2 and all(Path(t).is_dir() for t in tmps), (ids, tmps)
     alive = daemon.end(sig)
     assert not alive, f"instance processes outlived the daemon ({sig.name}): {_describe(alive)}"
+    # each instance's own TMPDIR went with it, however the daemon ended (its init removes it)
+    assert not [t for t in tmps if Path(t).exists()], tmps
 
 
 @pytest.mark.slow  # real torchrun on two nodes: ~30 s on two loaded cores

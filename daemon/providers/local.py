@@ -3,7 +3,9 @@
 Each instance is a node agent (``python -m daemon.gpunode.agent run``) started by a small init
 (:data:`daemon.providers.local_instance.INSTANCE_INIT`), in a session of their own (killed as a
 whole, like a VM being reclaimed), with its own working directory under
-``<state_dir>/nodes/<node_id>/`` and its own metadata endpoint on 127.0.0.1 speaking one of
+``<state_dir>/nodes/<node_id>/``, its own ``TMPDIR`` (removed when it ends, as a VM's
+``/tmp`` goes with the VM: torchrun's log directories, the zygote's socket) and its own
+metadata endpoint on 127.0.0.1 speaking one of
 `provider.metadata_dialects` (AWS IMDSv2 by default:
 :class:`daemon.providers.local_metadata.aws.FakeImds`; the others in
 :mod:`daemon.providers.local_metadata`).
@@ -34,8 +36,10 @@ import asyncio
 import dataclasses
 import os
 import secrets
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +97,7 @@ class _LocalInstance:
     published_at: float | None = None  # the current notice's, as the instance's own endpoint answered
     state: str = "pending"  # pending | running | gone
     gpus: str | None = None  # its CUDA_VISIBLE_DEVICES (daemon/providers/local_gpus.py); None: left as it was
+    tmp: str | None = None  # its own TMPDIR, removed with it, as a VM's /tmp goes with the VM
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -272,7 +277,7 @@ class LocalProvider(Provider):
             node = NodeSpec(node_id=rec.node_id, pool=rec.pool, token="", daemon_url="")
             inst = _LocalInstance(rec.id, node, Offer(**rec.offer), self.state_dir / "nodes" / rec.node_id,
                                   rec.launched_at, dialect=rec.dialect, imds_url=rec.imds_url, pid=rec.pid,
-                                  create_time=rec.create_time, state="running", gpus=rec.gpus)
+                                  create_time=rec.create_time, state="running", gpus=rec.gpus, tmp=rec.tmp)
             self._instances[rec.id] = inst
             if rec.gpus:  # still in use by it: never handed to another instance
                 self._gpus.hold(rec.id, rec.gpus)
@@ -301,6 +306,7 @@ class LocalProvider(Provider):
             env = {k: v for k, v in os.environ.items() if k not in _RUNNER_ENV}
             env["SPOTVISOR_AGENT_TOKEN"] = inst.node.token
             env[INSTANCE_ENV] = inst.id  # marks every process of this "VM", see kill_instance_processes
+            env["TMPDIR"] = inst.tmp = inst.tmp or await asyncio.to_thread(tempfile.mkdtemp, prefix="spotvisor-vm-")
             env.setdefault("PYTHONUNBUFFERED", "1")
             inst.gpus = self._gpus.take(inst.id, inst.offer.gpus_per_node)
             if inst.gpus is not None:
@@ -350,7 +356,7 @@ class LocalProvider(Provider):
         InstanceRecord(id=inst.id, node_id=inst.node.node_id, pool=inst.node.pool, pid=inst.pid or 0,
                        create_time=inst.create_time, imds_url=inst.imds_url or "", dialect=inst.dialect,
                        offer=dataclasses.asdict(inst.offer), launched_at=inst.launched_at,
-                       gpus=inst.gpus).write(inst.workdir)
+                       gpus=inst.gpus, tmp=inst.tmp).write(inst.workdir)
 
     async def _kill_at(self, inst: _LocalInstance, delay_s: float) -> None:
         await asyncio.sleep(delay_s)  # the notice's lead time, as the cloud gives it
@@ -365,6 +371,7 @@ class LocalProvider(Provider):
             await _end_processes(inst.proc, inst.id)
         elif inst.proc is None and inst.pid is not None and process_alive(inst.pid, inst.create_time):
             await asyncio.to_thread(_kill_adopted, inst.pid, inst.id)
+        await asyncio.to_thread(_remove_tmp, inst.tmp)  # nothing of it runs any more
         if inst.imds is not None:
             await inst.imds.aclose()
         if inst.pid is not None and self._outer_lifeline is not None:
@@ -412,6 +419,13 @@ async def _end_processes(init: asyncio.subprocess.Process, instance_id: str) -> 
     alive = await asyncio.to_thread(wait_gone, victims, KILL_WAIT_S)
     if alive:
         log.warning("instance_processes_alive", instance_id=instance_id, pids=[p.pid for p in alive][:20])
+
+
+def _remove_tmp(path: str | None) -> None:
+    """An ended instance's TMPDIR (torchrun's log directories, the zygote's socket, what
+    its workers put there): gone with it. Nothing when it had none (an older record)."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_adopted(pid: int, instance_id: str) -> None:

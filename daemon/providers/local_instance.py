@@ -63,6 +63,9 @@ INSTANCE_ENV = "SPOTVISOR_LOCAL_INSTANCE_ID"
 # - the agent exits (the provider then lists the instance gone: nothing of it may train on);
 # - SIGTERM, SIGHUP or SIGINT (the metadata endpoint sends SIGTERM at a notice's deadline).
 #
+# Once every descendant is gone it removes the instance's own TMPDIR (``spotvisor-vm-*``,
+# made by the provider), as a VM's /tmp goes with the VM.
+#
 # It is the instance's child subreaper (PR_SET_CHILD_SUBREAPER): a process of the instance
 # whose parent dies (torchrun's workers run in sessions of their own) is re-parented to it,
 # never to the system's init, so "every process of the instance" is exactly its
@@ -126,6 +129,10 @@ while True:  # the instance ends: kill every descendant, reap, until none is lef
         break
     if pid == agent and status is None:
         status = st
+tmp = os.environ.get("TMPDIR", "")
+if os.path.basename(tmp).startswith("spotvisor-vm-"):  # the instance's own /tmp (the provider made it): gone with it
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
 code = os.waitstatus_to_exitcode(status) if status is not None else 128 + signal.SIGKILL
 sys.exit(code if code >= 0 else 128 - code)
 """
@@ -238,6 +245,7 @@ class InstanceRecord:
     offer: dict[str, Any]
     launched_at: float
     gpus: str | None = None  # its CUDA_VISIBLE_DEVICES when the provider pinned GPUs to it
+    tmp: str | None = None  # its own TMPDIR (removed when it ends)
 
     def write(self, workdir: Path) -> None:
         """Write it, atomically, as ``workdir/instance.json`` (0600)."""
