@@ -134,6 +134,10 @@ class EventKind(str, Enum):
     # a quota or auth error at launch: that offer family (aws/us-east-1/p5; the provider, for auth) sits
     # out a backoff (daemon/control/quota.py); the event says when it is tried again
     OFFER_FAMILY_BACKOFF = "offer_family_backoff"
+    # the job's rendezvous store did not answer the control node's probes for a while (no node can
+    # start training), and answered again (daemon/control/rendezvous_health.py): one of each per outage
+    RENDEZVOUS_UNREACHABLE = "rendezvous_unreachable"
+    RENDEZVOUS_RECOVERED = "rendezvous_recovered"
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,7 @@ from daemon.controlnode.job_tracker import JobTracker
 from daemon.controlnode.jobspec import job_spec
 from daemon.controlnode.migrator import Migrator
 from daemon.controlnode.operator import Operator
+from daemon.controlnode.rendezvous_watch import RendezvousWatch
 from daemon.controlnode.stall_watch import StallWatch
 from daemon.controlnode.store import Store
 from daemon.controlnode.views import spot_cost, status
@@ -118,6 +119,7 @@ class Supervisor:
         self.domain_of = self.placement.domain_of  # a node's placement domain
         self.stall = StallWatch(self, migrating=self.migrator.holds_job)
         self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
+        self.rendezvous = RendezvousWatch(self)  # does the job's rendezvous store answer
         self._wake, self._event_added, self._released, self._completed = (asyncio.Event() for _ in range(4))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event, self.stall.on_event, self.life.on_event]
@@ -146,6 +148,7 @@ class Supervisor:
         if self.config.daemon.verify_commits:
             self.spawn(self.tracker.verify_commits(), "verify-commits")
         self.spawn(self.fleet.price_loop(), "prices")
+        self.spawn(self.rendezvous.run(), "rendezvous-probe")
         log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
 
     async def aclose(self) -> None:
@@ -343,4 +346,5 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return status(self.config, self.job, self.nodes.values(), target_nodes=self.target_nodes,
                       desired_nodes=self.desired_nodes, paused=self.paused, now=self.clock(), code=self.code.status(),
-                      placement=self.migrator.status(), domain_of=self.domain_of, checks=self.fleet.checks.status())
+                      placement=self.migrator.status(), domain_of=self.domain_of, checks=self.fleet.checks.status(),
+                      rendezvous=self.rendezvous.status())

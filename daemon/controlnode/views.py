@@ -27,12 +27,14 @@ def spot_cost(nodes: Iterable[Node], now: float) -> dict[str, Any]:
 def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes: int, desired_nodes: int,
            paused: bool, now: float, placement: dict[str, Any] | None = None,
            domain_of: Callable[[Node], str] | None = None, checks: dict[str, Any] | None = None,
-           code: dict[str, Any] | None = None) -> dict[str, Any]:
+           code: dict[str, Any] | None = None, rendezvous: dict[str, Any] | None = None) -> dict[str, Any]:
     """``GET /v1/status``: the pool, the job, every node (oldest first, with its placement
     domain and the ``job.workdir`` version it runs), ``placement``: the job's domain, the
     migration in flight, the counts, ``checks``: the cloud check
     (:meth:`daemon.controlnode.check_gate.CheckGate.status`), and ``code``: the version this
-    daemon run pins, and the line saying the buying halted over ``job.setup`` failures ("" while it buys)."""
+    daemon run pins, and the line saying the buying halted over ``job.setup`` failures ("" while it buys),
+    ``rendezvous``: the job's rendezvous store not answering, while it does not
+    (:meth:`daemon.controlnode.rendezvous_watch.RendezvousWatch.status`; ``{}`` otherwise)."""
     return {
         "pool": {"name": config.pool.name, "target_nodes": target_nodes, "desired_nodes": desired_nodes,
                  "min_nodes": config.pool.min_nodes, "max_nodes": config.pool.max_nodes, "paused": paused},
@@ -59,6 +61,7 @@ def status(config: Config, job: JobView, nodes: Iterable[Node], *, target_nodes:
         "placement": placement or {},
         "checks": checks or {},
         "code": code or {},
+        "rendezvous": rendezvous or {},
     }
 
 

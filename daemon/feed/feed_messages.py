@@ -106,6 +106,8 @@ EMOJI: dict[str, str] = {
     "cloud_check_failed": "🔒",
     "cloud_check_passed": "🔓",
     "offer_family_backoff": "🧮",
+    "rendezvous_unreachable": "🔌",
+    "rendezvous_recovered": "🤝",
 }
 _DEFAULT_EMOJI = "🔔"
 

@@ -102,6 +102,7 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         line += f"  code {code['version'][:12]}"
     if code.get("halted"):  # job.setup failed on node after node: nothing is bought until a restart
         line += "\nNOT BUYING: " + code["halted"]
+    line += _rendezvous(status.get("rendezvous") or {}, now)
     if job["state"] in ("failed", "cancelled"):  # why (daemon/controlnode/job_life.py)
         line += f"\n{job['state'].upper()}: {job.get('why') or 'no reason recorded'}"
     progress = _progress(job.get("progress") or {}, now)
@@ -145,6 +146,16 @@ def _checks(c: dict[str, Any], now: float) -> str:
     offers = ", ".join(f"offers.{i}" for i in c.get("blocked_offers") or []) or "none"
     out = f"\n  not buying {offers}: the cloud check failed (spotvisord check CONFIG){retry}"
     return out + "".join(f"\n    {line}" for line in c.get("failed") or [])
+
+
+def _rendezvous(r: dict[str, Any], now: float) -> str:
+    """The line saying the job's rendezvous store does not answer (``""`` while it does):
+    no node can start training until it does (:mod:`daemon.control.rendezvous_health`)."""
+    if not r.get("endpoint"):
+        return ""
+    since = f" for {_duration(max(0.0, now - r['since']))}" if _num(r.get("since")) else ""
+    return (f"\nRENDEZVOUS STORE NOT ANSWERING at {r['endpoint']} (domain {r.get('domain', '?')}){since}: "
+            f"{r.get('error') or 'no answer'}; no node can start training until it does; {r.get('fix') or ''}")
 
 
 def _placement(p: dict[str, Any]) -> str:
