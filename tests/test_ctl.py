@@ -299,7 +299,7 @@ async def test_pause_commits_releases_and_resume_relaunches(spot_daemon, monkeyp
         assert rc == 0 and "(applies at resume: the job is paused)" in out
         rc, out, err = await spotctl(*sock, "resume", "--json")
         assert rc == 0, err
-        assert json.loads(out) == {"state": "pending", "target_nodes": 2, "resume_from_step": 4}
+        assert json.loads(out) == {"state": "pending", "target_nodes": 2, "resume_from_step": 4, "trainer_reports": True}
         await h.until(lambda: sum(n.state is NodeState.LAUNCHING for n in h.sup.nodes.values()) == 2,
                       what="two nodes relaunched")
         (unpaused,) = h.events("job_unpaused")
@@ -457,6 +457,52 @@ async def test_an_answer_of_another_shape_is_one_line_exit_1(sockdir: str, argv:
     line = one_line(err)
     assert line.startswith(f"spotctl: unexpected answer from spotvisord at {sock}: "), line
     assert "same version" in line
+
+
+@pytest.mark.parametrize(("argv", "answer", "said"), [
+    (["checkpoint"], {"request_id": "manual-1", "trainer_reports": True}, "the job commits at its next step boundary"),
+    (["checkpoint"], {"request_id": "manual-1", "trainer_reports": False},
+     "has reported no step, so a commit may not follow"),
+    (["resume"], {"state": "pending", "target_nodes": 2, "resume_from_step": None, "trainer_reports": True},
+     "the job resumes from its last commit (the start)"),
+    (["resume"], {"state": "pending", "target_nodes": 2, "resume_from_step": None, "trainer_reports": False},
+     "the job's script (job.command) resumes from what it saved itself"),
+])
+async def test_checkpoint_and_resume_promise_no_commit_a_silent_script_cannot_make(
+        sockdir: str, argv: list[str], answer: Any, said: str) -> None:
+    """A ``job.command`` script that reports nothing may not commit on request, and what it
+    resumes from is its own: spotctl says so, and the step-boundary promise only otherwise."""
+    from aiohttp import web
+
+    app = web.Application()
+    async def reply(request: web.Request) -> web.Response:
+        return web.json_response(answer)
+
+    app.router.add_route("*", "/{tail:.*}", reply)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = f"{sockdir}/said.sock"
+    await web.UnixSite(runner, sock).start()
+    try:
+        rc, out, err = await spotctl("--socket", sock, *argv)
+    finally:
+        await runner.cleanup()
+    assert rc == 0, err
+    assert said in out and ("step boundary" in out) == (said == "the job commits at its next step boundary")
+
+
+def test_the_daemon_says_whether_the_trainer_reports_what_a_commit_needs() -> None:
+    from types import SimpleNamespace
+
+    from daemon.interfaces.api import _trainer_reports
+
+    def sup(command: str | None, step: int | None, commit: int | None) -> Any:
+        return SimpleNamespace(config=SimpleNamespace(job=SimpleNamespace(command=command)),
+                               job=SimpleNamespace(step=step, last_commit_step=commit))
+
+    assert _trainer_reports(sup(None, None, None))  # spotvisor's own trainer: before its first step too
+    assert not _trainer_reports(sup("train.py", None, None))  # a script that said nothing
+    assert _trainer_reports(sup("train.py", 12, None)) and _trainer_reports(sup("train.py", None, 10))  # HF callback
 
 
 # -- hostile values: one line, or rendered (issue 25, item 9) ----------------------------------

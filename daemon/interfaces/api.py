@@ -342,11 +342,21 @@ async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
     return body if isinstance(body, dict) else _error(400, "the request body must be a JSON object")
 
 
+def _trainer_reports(sup: Any) -> bool:
+    """False for a ``job.command`` script that has reported no step and no commit: the
+    daemon cannot tell that it commits on request, or what it resumes from (a plain
+    script reads neither spotvisor's requests nor its store; one with the HF callback
+    or the trainer library reports both)."""
+    job = sup.job
+    return sup.config.job.command is None or job.step is not None or job.last_commit_step is not None
+
+
 async def _checkpoint(request: web.Request) -> web.Response:
-    rid = request.app[SUPERVISOR].operator.request_checkpoint("manual")
+    sup = request.app[SUPERVISOR]
+    rid = sup.operator.request_checkpoint("manual")
     if rid is None:
         return _error(409, "no node is running the job's trainer; nothing to checkpoint")
-    return web.json_response({"request_id": rid})
+    return web.json_response({"request_id": rid, "trainer_reports": _trainer_reports(sup)})
 
 
 async def _drain(request: web.Request) -> web.Response:
@@ -383,9 +393,8 @@ async def _pause(request: web.Request) -> web.Response:
 async def _resume(request: web.Request) -> web.Response:
     sup = request.app[SUPERVISOR]
     try:  # a failed or cancelled job is the job life's (daemon/controlnode/job_life.py); a paused one the operator's
-        if sup.job.state in (JobState.FAILED, JobState.CANCELLED):
-            return web.json_response(sup.life.resume())
-        return web.json_response(sup.operator.resume())
+        reply = sup.life.resume() if sup.job.state in (JobState.FAILED, JobState.CANCELLED) else sup.operator.resume()
+        return web.json_response({**reply, "trainer_reports": _trainer_reports(sup)})
     except ValueError as exc:
         return _error(409, str(exc))
 

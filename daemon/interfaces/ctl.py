@@ -260,8 +260,10 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
             print(f"spotctl: {args.node}: the daemon ended the log (the node has terminated)", file=sys.stderr)
     elif c == "checkpoint":
         reply = await _request(sock, "/v1/checkpoint", method="POST")
-        _emit(as_json, reply, lambda: f"checkpoint requested ({reply['request_id']}): "
-                                      "the job commits at its next step boundary")
+        said = ("the job commits at its next step boundary" if reply.get("trainer_reports", True) else
+                "the job's script (job.command) has reported no step, so a commit may not follow: only a script "
+                "with spotvisor's HF callback or trainer library commits on request; a plain one keeps its own schedule")
+        _emit(as_json, reply, lambda: f"checkpoint requested ({reply['request_id']}): {said}")
     elif c == "drain":
         reply = await _request(sock, _node_path(args.node, "drain"), method="POST")
         _emit(as_json, reply, lambda: f"{reply['node']}: {reply['state']} "
@@ -281,8 +283,9 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
         r = await _request(sock, "/v1/resume", method="POST")
         frm = "the start" if r["resume_from_step"] is None else f"step {r['resume_from_step']}"
         was = f" the {r['was']} job" if r.get("was") else ""
-        _emit(as_json, r, lambda: f"resuming{was}: launching {r['target_nodes']} nodes; "
-                                  f"the job resumes from its last commit ({frm})")
+        frm = (f"the job resumes from its last commit ({frm})" if r.get("trainer_reports", True) else
+               "the job's script (job.command) resumes from what it saved itself (it reported no commit)")
+        _emit(as_json, r, lambda: f"resuming{was}: launching {r['target_nodes']} nodes; {frm}")
     elif c == "down":
         r = await _request(sock, "/v1/down", method="POST")
         who = (f"the job commits a checkpoint ({', '.join(r['committing'])})" if r["committing"]
