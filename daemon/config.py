@@ -440,6 +440,11 @@ class JobSpec(_Spec):
             given = " and ".join(f"job.{f}" for f in ("module", "args") if f in self.model_fields_set)
             raise ValueError(f"command: give either job.command (your own script, unchanged) or {given} "
                              "(a trainer that takes spotvisor's flags), not both")
+        script = None if self.command is None or self.command[0] == "-m" else self.command[0]
+        if script is not None and self.workdir is not None and not os.path.isabs(script) \
+                and not (Path(self.workdir) / script).is_file():
+            raise ValueError(f"command: {script} is not a file in job.workdir ({self.workdir}), where every node "
+                             "runs it (give its path relative to job.workdir, e.g. command: train.py --lr 3e-4)")
         if self.command is not None and self.grow == "in_process":
             raise ValueError("grow: in_process needs spotvisor's elastic trainer (trainer.loop.ElasticJob) to take "
                              "a new node in its running workers; job.command runs your own script, which torchrun "

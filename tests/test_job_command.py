@@ -107,3 +107,27 @@ def test_a_preload_that_is_not_a_module_name_is_one_line_naming_the_field(tmp_pa
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert any(line.startswith("job.preload: item 0") for line in err.value.problems), err.value.problems
+
+
+def test_a_script_missing_from_the_workdir_is_refused_before_anything_is_bought(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    work = tmp_path / "my-job"
+    (work / "scripts").mkdir(parents=True)
+    (work / "scripts" / "train.py").write_text("print('hi')\n")
+    path = tmp_path / "c.yaml"
+
+    def check(command: str) -> subprocess.CompletedProcess[str]:
+        path.write_text("daemon: {state_dir: %s}\njob: %s\n"
+                        % (tmp_path / "state", json.dumps({"command": command, "workdir": str(work)})))
+        return subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "check-config", str(path)],
+                              capture_output=True, text=True, timeout=120)
+
+    bad = check("train.py --lr 3e-4")  # the user forgot it is under scripts/
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == (f"{path}: job: command: train.py is not a file in job.workdir ({work}), where "
+                                  "every node runs it (give its path relative to job.workdir, e.g. command: "
+                                  "train.py --lr 3e-4)")
+    assert check("scripts/train.py --lr 3e-4").returncode == 0
+    assert check("-m scripts.train").returncode == 0  # a module may come from job.setup's installs: not judged
