@@ -38,6 +38,7 @@ from daemon.launchspec import (AliyunDomainLaunch, AliyunLaunchSpec, AwsDomainLa
 __all__ = [
     "ConfigError",
     "Config",
+    "new_job_deadline_problem",
     "PoolSpec",
     "JobSpec",
     "ModelSpec",
@@ -1643,6 +1644,25 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
             msg = "required (add it)"
         lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
+
+
+def new_job_deadline_problem(config: Config, now: float) -> str | None:
+    """Why a job submitted at ``now`` (unix s) cannot meet its ``job.deadline`` even on
+    on-demand nodes, or None. A deadline in hours is judged at load
+    (:meth:`Config._check_deadline`); an absolute one only against a clock: the daemon asks
+    this before a job's first launch (a daemon restarted for a job already under way,
+    now late, keeps supervising it)."""
+    job = config.job
+    if not isinstance(job.deadline, datetime) or job.step_s is None:
+        return None
+    left_h = (job.deadline_at(now) - now) / 3600.0  # type: ignore[operator]
+    need_h = (job.target_steps * job.step_s + DEADLINE_START_S) / 3600.0
+    if left_h >= need_h:
+        return None
+    when = f"{-left_h:,.1f} h in the past" if left_h < 0 else f"{left_h:,.2f} h from now"
+    return (f"job.deadline: {job.deadline.isoformat()} is {when}, and the job needs {need_h:.2f} h even on "
+            f"on-demand nodes ({job.target_steps} steps x {job.step_s:g} s + {DEADLINE_START_S / 60:.0f} min to "
+            "start); give a later time, or hours from the job's submission (e.g. deadline: 72)")
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 import yaml
 
-from daemon.config import Config, ConfigError, DaemonSpec, JobSpec, load_config
+from daemon.config import Config, ConfigError, DaemonSpec, JobSpec, load_config, new_job_deadline_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -595,3 +598,65 @@ def test_an_unknown_key_names_the_nearest_known_one_of_its_own_section(tmp_path:
         "offers.0.gpus_per_nodes: unknown key (did you mean 'gpus_per_node'?)",
         "daemon.stall.first_step_ss: unknown key (did you mean 'first_step_s'?)",
         "zzz: unknown key (check the spelling against configs/local.yaml)"])
+
+
+def test_an_absolute_deadline_is_judged_against_the_clock_a_new_job_starts_at() -> None:
+    at = datetime(2026, 12, 5, tzinfo=timezone.utc).timestamp()
+    c = Config.model_validate({**_DEADLINE_BASE, "job": {"deadline": "2026-12-05T00:00:00Z", "step_s": 1.0,
+                                                         "target_steps": 3600}})
+    assert new_job_deadline_problem(c, at - 2 * 3600) is None  # 2 h left, 1.17 h needed
+    near = new_job_deadline_problem(c, at - 3600)
+    assert near is not None and near.startswith("job.deadline: 2026-12-05T00:00:00+00:00 is 1.00 h from now, and "
+                                                 "the job needs 1.17 h even on on-demand nodes")
+    past = new_job_deadline_problem(c, at + 90 * 3600)
+    assert past is not None and "is 90.0 h in the past" in past and past.endswith("(e.g. deadline: 72)")
+    hours = Config.model_validate({**_DEADLINE_BASE, "job": {"deadline": 10, "step_s": 1.0}})
+    assert new_job_deadline_problem(hours, at) is None  # from the submission: judged at load
+
+
+def test_run_refuses_a_new_job_whose_deadline_has_passed_and_buys_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "late.yaml"
+    state = tmp_path / "st"
+    path.write_text(yaml.safe_dump({
+        "pool": {"on_demand_fallback": True},
+        "offers": [{"provider": "local"}, {"provider": "local", "market": "on_demand"}],
+        "job": {"deadline": "2020-01-01T00:00:00Z", "step_s": 0.5},
+        "daemon": {"state_dir": str(state), "socket": str(tmp_path / "d.sock")},
+    }))
+    check = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "check-config", str(path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0  # the unit's ExecStartPre: a late job already under way must restart
+    assert "deadline: a new job is refused: job.deadline: 2020-01-01T00:00:00+00:00 is " in check.stdout
+    r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("spotvisord run: ")]
+    assert line.startswith("spotvisord run: job.deadline: 2020-01-01T00:00:00+00:00 is ") and "in the past" in line
+    assert "Traceback" not in r.stderr
+    from daemon.controlnode.store import Store
+
+    with contextlib.closing(Store(state / "spotvisord.db").open()) as store:
+        assert store.events(kinds=["node_launch_requested"]) == []  # nothing bought
+
+
+async def test_a_job_already_under_way_is_supervised_on_past_its_deadline(tmp_path: Path, sockdir) -> None:
+    """Its daemon restarted after the deadline passed: refusing would leave the job unwatched."""
+    from conftest import RecordingProvider, started_daemon
+    from daemon.controlnode.placement import DeadlineError
+    from daemon.controlnode.store import Store
+
+    config = Config.model_validate({
+        "pool": {"on_demand_fallback": True},
+        "offers": [{"provider": "local"}, {"provider": "local", "market": "on_demand"}],
+        "job": {"deadline": "2020-01-01T00:00:00Z", "step_s": 0.5},
+        "daemon": {"state_dir": str(tmp_path / "st"), "socket": str(sockdir / "d.sock"), "verify_commits": False},
+    })
+    with contextlib.closing(Store(tmp_path / "st" / "spotvisord.db").open()) as store:
+        with pytest.raises(DeadlineError, match="in the past"):
+            async with started_daemon(config, RecordingProvider(), store, str(sockdir / "d.sock")):
+                pass
+        store.append_event("node_launch_requested", "n1", {"offer": 0})  # the job was submitted before the restart
+        async with started_daemon(config, RecordingProvider(), store, str(sockdir / "d.sock")) as (sup, _api):
+            await sup.reconcile_once()
+            assert sup.status()["placement"]["deadline"]["hours_to_deadline"] < 0  # shown late, not refused
+

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from daemon.config import DEADLINE_START_S
+from daemon.config import DEADLINE_START_S, new_job_deadline_problem
 from daemon.control.actions import Action
 from daemon.control.deadline import Progress, deadline_status, in_markets, market_change, markets_for
 from daemon.control.offers import Offer
 from daemon.controlnode.core import Core
 from daemon.model import EventKind, Node
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "DeadlineError"]
+
+
+class DeadlineError(ValueError):
+    """A new job whose absolute ``job.deadline`` cannot be met even on on-demand nodes
+    (:func:`daemon.config.new_job_deadline_problem`): the daemon refuses to start
+    it, before anything is bought. The message is one line naming the field and the fix."""
 
 
 class Placement:
@@ -81,6 +87,22 @@ class Placement:
                 and (dom.mix_gpu_types or gpu is None or specs[o.index].gpu_type == gpu)]
 
     # -- spending to a deadline -------------------------------------------------------------------
+    def refuse_a_late_start(self, now: float) -> None:
+        """Before the job's first launch request, refuse an absolute ``job.deadline`` it
+        cannot meet from ``now`` (unix s). A job already submitted is supervised on, late
+        (``spotctl status`` says by how much): stopping its daemon would leave it unwatched.
+
+        Raises:
+            DeadlineError: the deadline, how far off it is, what the job needs, the fix.
+        """
+        core = self.core
+        if core.config.job.deadline is None or core.store.events(kinds=[EventKind.NODE_LAUNCH_REQUESTED.value],
+                                                                 limit=1):
+            return
+        problem = new_job_deadline_problem(core.config, now)
+        if problem is not None:
+            raise DeadlineError(problem)
+
     def progress(self, now: float) -> Progress | None:
         """Where the job stands against ``job.deadline`` (None: no deadline). The job was
         submitted at its first launch request; ``restart_s`` is what the config allows for

@@ -130,6 +130,7 @@ class Supervisor:
     async def start(self, *, agent_url: str, agent_ca_pem: str | None = None,
                     job_secrets: Mapping[str, str] | None = None,
                     checked: list[CheckResult] | None = None) -> None:  # checked: an HA standby's run
+        self.placement.refuse_a_late_start(self.clock())  # DeadlineError: a new job that cannot meet it
         self.agent_url, self.agent_ca_pem, self.secrets = agent_url, agent_ca_pem, dict(job_secrets or {})
         self.agents.node_logs.mask(self.secrets.values())  # a trainer that prints one: spotctl tail shows ***
         self.run_nonce = self.store.get("run_nonce") or secrets.token_hex(4)
@@ -270,8 +271,7 @@ class Supervisor:
 
     async def _after_loss(self, members: set[str], now: float) -> None:
         """The policy's decision once nodes that were in the job (``members``) have ended."""
-        lost = lost_from_job(members, {n.id: n.state for n in self.nodes.values()})
-        if lost:
+        if lost := lost_from_job(members, {n.id: n.state for n in self.nodes.values()}):
             await self.actuator.act_all(self.policy.after_loss(self.state(), lost, now=now))
 
     def act(self, action: a.Action | Change) -> None:

@@ -69,6 +69,7 @@ from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.job_secrets import SecretError
 from daemon.controlnode.store import Store
 from daemon.controlnode.workdir import WorkdirError
+from daemon.controlnode.placement import DeadlineError
 from daemon.state_dir import StateDirBusy, StateDirError, prepare_state_dir, serving, state_dir_lock
 
 if TYPE_CHECKING:  # for annotations only; running_daemon imports it when it runs
@@ -794,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
             except SecretError as exc:  # one line naming the secret and its source, never its value
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return exc.exit_code
-            except (StateDirError, WorkdirError) as exc:  # a file planted in the state dir
+            except (StateDirError, WorkdirError, DeadlineError) as exc:  # a file planted in the state dir
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
@@ -822,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         except SecretError as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return exc.exit_code
-        except (StateDirError, WorkdirError) as exc:
+        except (StateDirError, WorkdirError, DeadlineError) as exc:
             print(f"spotvisord demo: {exc}", file=sys.stderr)
             return 2
         except (RuntimeError, OSError) as exc:

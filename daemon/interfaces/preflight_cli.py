@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any, Callable
 
 from pydantic import ValidationError
 
 from daemon.catalog import PRESETS, UnknownGpuError, gpu_memory_gib
 from daemon.controlnode import preflight as pf
-from daemon.config import Config, ConfigError, ModelSpec, format_problems, load_config
+from daemon.config import (Config, ConfigError, ModelSpec, format_problems, load_config,
+                           new_job_deadline_problem)
 from daemon.gpunode.metadata.registry import DOCUMENTED_LEAD_S
 
 __all__ = ["memory_lines", "deadline_lines", "check_config_report", "add_parser", "run"]
@@ -66,8 +68,10 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 def check_config_report(config: Config) -> tuple[list[str], str | None]:
     """Lines for stdout, and the one problem line (exit 2) when no offer can hold the job."""
+    late = new_job_deadline_problem(config, time.time())
+    head = [] if late is None else [f"deadline: a new job is refused: {late} (one under way runs on, late)"]
     if config.job.model is None:
-        return ["pre-flight: skipped (no job.model section; add one to check GPU memory and flush time)"], None
+        return [*head, "pre-flight: skipped (no job.model section; add one to check GPU memory and flush time)"], None
     job = config.job
     setup = pf.resolve(job.model)
     fits = pf.offer_fits(config)
@@ -82,7 +86,7 @@ def check_config_report(config: Config) -> tuple[list[str], str | None]:
             out.append(f"  at risk: {pf.REMEDY}")
     else:
         out.append("checkpoint flush: no notice window to compare (a local pool without chaos notices)")
-    return out, pf.no_fit_message(fits)
+    return [*head, *out], pf.no_fit_message(fits)
 
 
 def add_parser(sub: Any) -> None:
