@@ -21,7 +21,7 @@ import string
 from datetime import datetime, timezone
 from pathlib import Path
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Iterable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -38,6 +38,7 @@ from daemon.launchspec import (AliyunDomainLaunch, AliyunLaunchSpec, AwsDomainLa
 __all__ = [
     "ConfigError",
     "Config",
+    "loopback_problem",
     "new_job_deadline_problem",
     "PoolSpec",
     "JobSpec",
@@ -1644,6 +1645,36 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
             msg = "required (add it)"
         lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
+
+
+def loopback_problem(config: Config, faked: Iterable[str] = ()) -> str | None:
+    """Why the nodes of a cloud domain cannot reach the control node, or None: a cloud
+    node is another machine, and reaches neither the daemon's agent port nor a
+    rendezvous store on this machine's loopback, so it would never register, be billed
+    until ``daemon.launch_timeout_s``, and be bought again (a config begun from
+    local.yaml keeps 127.0.0.1). Not judged for a provider whose endpoint is a local
+    fake whose "instances" run on this machine: the config's ``endpoint_url`` /
+    ``endpoint``, or one of ``faked`` (the caller's reading of the environment, e.g.
+    ``AWS_ENDPOINT_URL``). Judged by ``check-config``, ``check``, ``run`` and ``demo``,
+    not at load: a test builds such configs for its local fakes."""
+    faked = set(faked)
+    if config.providers.aws is not None and config.providers.aws.endpoint_url:
+        faked.add("aws")
+    if config.providers.aliyun is not None and config.providers.aliyun.endpoint:
+        faked.add("aliyun")
+    for d in config.domains_resolved():
+        if d.provider == "local" or d.provider in faked:
+            continue
+        where = f"the {d.provider} nodes of domain {d.name!r}"
+        if is_loopback(config.daemon.agent_host):
+            return (f"daemon.agent_host: {config.daemon.agent_host} is loopback, which {where} cannot reach (give "
+                    "the control node's private address, e.g. agent_host: 10.0.0.10)")
+        if is_loopback(d.rendezvous.host):
+            own = d.index not in (None, 0) and config.domains[d.index].rendezvous is not None
+            field = f"domains.{d.index}.rendezvous.host" if own else "rendezvous.host"
+            return (f"{field}: {d.rendezvous.host} is loopback, which {where} cannot reach (give the private "
+                    "address of the host its store runs on, e.g. 10.0.0.10)")
+    return None
 
 
 def new_job_deadline_problem(config: Config, now: float) -> str | None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.config import Config, ConfigError, DaemonSpec, JobSpec, load_config, new_job_deadline_problem
+from daemon.config import (Config, ConfigError, DaemonSpec, JobSpec, load_config, loopback_problem,
+                           new_job_deadline_problem)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -660,3 +661,35 @@ async def test_a_job_already_under_way_is_supervised_on_past_its_deadline(tmp_pa
             await sup.reconcile_once()
             assert sup.status()["placement"]["deadline"]["hours_to_deadline"] < 0  # shown late, not refused
 
+
+_CLOUD = {"providers": {"aws": {"image_id": "ami-0123456789abcdef0"}},
+          "offers": [{"provider": "aws", "region": "us-east-1", "instance_type": "p4d.24xlarge"}]}
+
+
+@pytest.mark.parametrize("raw, problem", [
+    ({"daemon": {"agent_host": "127.0.0.1"}, "rendezvous": {"host": "10.0.0.10"}},
+     "daemon.agent_host: 127.0.0.1 is loopback, which the aws nodes of domain 'aws-us-east-1' cannot reach"),
+    ({"daemon": {"agent_host": "10.0.0.10"}, "rendezvous": {"host": "localhost"}},
+     "rendezvous.host: localhost is loopback, which the aws nodes of domain 'aws-us-east-1' cannot reach"),
+], ids=["agent_host", "rendezvous_host"])
+def test_a_cloud_pool_with_a_loopback_address_its_nodes_cannot_reach_is_refused(tmp_path: Path, raw, problem) -> None:
+    """A config started from local.yaml keeps 127.0.0.1: every node bought would try to reach
+    itself, never register, and be billed until the launch timeout, again and again."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**_CLOUD, **raw}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+    for verb in (["check-config", str(path)], ["run", "--config", str(path)]):
+        r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", *verb], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.startswith(f"{path}: {problem}"), (verb, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_cloud_faked_on_this_machine_may_use_loopback() -> None:
+    c = Config.model_validate(_CLOUD)
+    assert loopback_problem(c) is not None
+    assert loopback_problem(c, faked={"aws"}) is None  # AWS_ENDPOINT_URL: its "instances" run here (moto, ec2sim)
+    c = Config.model_validate({**_CLOUD, "providers": {"aws": {"image_id": "ami-0123456789abcdef0",
+                                                               "endpoint_url": "http://127.0.0.1:5000"}}})
+    assert loopback_problem(c) is None
+    assert loopback_problem(Config.model_validate({})) is None  # the local provider's nodes are this machine

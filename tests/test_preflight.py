@@ -219,6 +219,8 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 OFFERS_YAML = """
 pool: {min_nodes: 1, target_nodes: 1, max_nodes: 2}
+daemon: {agent_host: 10.0.0.10}
+rendezvous: {host: 10.0.0.10}
 job:
   global_batch_size: 16
   micro_batch_size: 1

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mappi
 import structlog
 
 from daemon.interfaces import preflight_cli
-from daemon.config import Config, ConfigError, load_config
+from daemon.config import Config, ConfigError, load_config, loopback_problem
 from daemon.logs import configure_logging
 from daemon.interfaces.pipes import quiet_broken_pipe
 from daemon.model import Event
@@ -709,6 +709,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _faked_clouds(env: Mapping[str, str]) -> set[str]:
+    """The clouds whose API this process reaches at a local fake, by boto3's own setting
+    (``AWS_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_EC2``): their "instances" run on this machine."""
+    return {"aws"} if env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_EC2") else set()
+
+
 def _importable(name: str) -> bool:
     """Whether ``name`` can be imported here, without importing it."""
     import importlib.util
@@ -741,6 +747,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         for line in exc.problems:  # file-level problems already name the file
             print(line if line.startswith(f"{path}:") else f"{path}: {line}", file=sys.stderr)
+        return 2
+    unreachable = loopback_problem(config, _faked_clouds(os.environ))
+    if unreachable is not None:  # every node bought would be billed without ever registering
+        print(f"{path}: {unreachable}", file=sys.stderr)
         return 2
     if args.cmd == "check":
         return _cloud_check(config, args.timeout_s, lambda s: print(s, flush=True))
