@@ -124,3 +124,24 @@ def test_a_gpu_node_runs_without_the_daemons_packages() -> None:
     assert got["imported"] == NODE_MODULES and got["loaded"] == []
     code, out, err = got["commands"]["spotvisor-agent --help"]
     assert code == 0 and "usage:" in out, err
+
+
+def test_the_daemon_without_the_control_extra_says_what_to_install() -> None:
+    """A bare ``pip install spotvisor`` (a walkthrough step that left ``[control]`` out) ran
+    ``check-config`` and then died in ``run`` with a traceback (``No module named
+    'prometheus_client.metrics_core'``). ``check-config`` and ``check`` need none of the
+    extra; ``run`` and ``demo`` say what to install, in one line."""
+    blocked = _modules_of("control")
+    got = _run_without(blocked, ["daemon.interfaces.cli"], {
+        "check-config": ("daemon.interfaces.cli", "main", ["check-config", "configs/local.yaml"]),
+        "run": ("daemon.interfaces.cli", "main", ["run", "--config", "configs/local.yaml"]),
+        "demo": ("daemon.interfaces.cli", "main", ["demo", "--config", "configs/local.yaml"]),
+    })
+    code, out, err = got["commands"]["check-config"]
+    assert code == 0 and "configs/local.yaml: ok" in out, err
+    for verb in ("run", "demo"):
+        code, out, err = got["commands"][verb]
+        assert code == 2 and out == "", (verb, err)
+        (line,) = err.strip().splitlines()
+        assert line.startswith(f"spotvisord {verb}: the control node's packages are not installed here (")
+        assert line.endswith("install them: pip install 'spotvisor[control]'") and "prometheus_client" in line

@@ -62,9 +62,7 @@ from daemon.config import Config, ConfigError, load_config, loopback_problem
 from daemon.logs import configure_logging
 from daemon.interfaces.pipes import quiet_broken_pipe
 from daemon.model import Event
-from daemon.feed.notify import Notifier
 from daemon.feed.redaction import Redactor
-from daemon.feed.sinks import resolve_sinks
 from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.job_secrets import SecretError
 from daemon.controlnode.store import Store
@@ -186,6 +184,8 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
         providers = ha.fenced(providers)  # no launch or terminate but after a fenced commit
     sup = Supervisor(config, providers=providers, store=store, policy=policy,
                      on_crash=None if ha is None else ha.on_task_crash)
+    from daemon.feed.notify import Notifier  # the control extra's (main checked it is installed)
+
     notifier = Notifier(store, config.notify, pool=config.pool.name, redactor=redactor)  # the feed (daemon/feed/notify.py): its own thread
     sup.subscribe(notifier.wake)  # record() hands a wake to the feed's loop; it never waits for a sink
     def new_api() -> ApiServer:
@@ -715,6 +715,11 @@ def _faked_clouds(env: Mapping[str, str]) -> set[str]:
     return {"aws"} if env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_EC2") else set()
 
 
+#: the modules of the control extra (pyproject.toml) that running the daemon imports: the
+#: feed's Slack sink, /metrics, the local provider's process trees
+CONTROL_PACKAGES = ("slack_sdk", "prometheus_client", "psutil")
+
+
 def _importable(name: str) -> bool:
     """Whether ``name`` can be imported here, without importing it."""
     import importlib.util
@@ -771,6 +776,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "check-config":
         return 0
+    missing = [m for m in CONTROL_PACKAGES if not _importable(m)]
+    if missing:  # a bare `pip install spotvisor` (a GPU node's, or a walkthrough step that left the extra out)
+        print(f"spotvisord {args.cmd}: the control node's packages are not installed here ({', '.join(missing)}); "
+              "install them: pip install 'spotvisor[control]'", file=sys.stderr)
+        return 2
+    from daemon.feed.sinks import resolve_sinks
+
     redactor = Redactor()  # this process's secrets: the feed's URLs, then the job's values
     try:
         resolve_sinks(config.notify, redactor=redactor)  # the feed's URLs and keys come from the environment
