@@ -35,9 +35,10 @@ from daemon.interfaces.cli import main as spotvisord_main
 from daemon.config import SLACK_MAX_BATCH, WEBHOOK_MAX_BATCH, Config, ConfigError, SinkSpec, load_config
 from daemon.model import Event, EventKind, Node, NodeState
 from daemon.feed import feed_messages, notify, sinks
-from daemon.feed.feed_messages import (EMOJI, SLACK_FIELD_MAX_CHARS, SLACK_HEADER_MAX_CHARS, SLACK_MAX_BLOCKS,
-                                       SLACK_MAX_FIELDS, SLACK_SECTION_MAX_CHARS, SLACK_TEXT_MAX_CHARS, render_text,
-                                       slack_digest, slack_message, webhook_batch_body)
+from daemon.feed.feed_messages import (EMOJI, SLACK_FIELD_MAX_CHARS, SLACK_HEADER_MAX_CHARS, SLACK_LOG_LINES,
+                                       SLACK_MAX_BLOCKS, SLACK_MAX_FIELDS, SLACK_SECTION_MAX_CHARS,
+                                       SLACK_TEXT_MAX_CHARS, render_text, slack_digest, slack_message,
+                                       webhook_batch_body)
 from daemon.feed.notify import CURSOR_KEY, Notifier
 from daemon.feed.redaction import Redactor
 from daemon.feed.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
@@ -633,7 +634,8 @@ def _rich_event(kind: str, seq: int = 42) -> Event:
     data = {"step": 18200, "last_step": 18150, "world_size": 7, "old": 8, "new": 7, "seconds": 4.1,
             "bytes": 3 * 1024**3, "boot_s": 121.0, "detection_latency_s": 0.8, "price_usd_h": 0.52,
             "cost_usd": 1234.5, "savings_usd": 2900.0, "reason": "spot_reclaimed <&>",
-            "error": "capacity", "message": "x" * 5000, "deadline": 1_700_000_120.0, "provider": "aliyun"}
+            "error": "capacity", "message": "x" * 5000, "deadline": 1_700_000_120.0, "provider": "aliyun",
+            "log_tail": ["```<&> " + "z" * 3000] * 30 + [7, None]}
     return Event(seq=seq, time=1_700_000_000.0, kind=kind, node="demo-3", data=data)
 
 
@@ -681,6 +683,25 @@ def test_slack_fields_carry_the_key_numbers() -> None:
                                data={"reason": "gone <&>"}), pool="demo")
     assert "n&lt;1&gt;" in lost.text and "gone &lt;&amp;&gt;" in lost.text  # event text is escaped for Slack
     assert {"type": "mrkdwn", "text": "*Reason*\ngone &lt;&amp;&gt;"} in lost.to_dict()["blocks"][1]["fields"]
+
+
+def test_a_failed_job_says_why_and_its_last_log_lines() -> None:
+    """``job_failed``: the reason in the text (the one line a phone shows) and the failing
+    node's last log lines in the Slack message, escaped; the webhook's data has them all."""
+    why = "3 tries without progress (job.max_restarts_on_errors 3); the last workers_failed on n2: OSError: <bad>"
+    tail = [f"line {i}" for i in range(14)] + ["a ``` fence", "FileNotFoundError: 'train.py' & <co>"]
+    ev = Event(seq=9, time=1_700_000_000.0, kind="job_failed", node="n2",
+               data={"why": why, "failed_tries": 3, "exit_code": 1, "step": None, "last_commit_step": 40,
+                     "log_tail": tail})
+    text = render_text(ev, pool="demo")
+    assert text.startswith("💥 Job failed · n2: why 3 tries without progress") and "last commit 40" in text
+    msg = slack_message(ev, pool="demo")
+    assert "why 3 tries without progress" in msg.text and "&lt;bad&gt;" in msg.text
+    (logs,) = [b for b in msg.blocks if isinstance(b, SectionBlock) and b.text and "Last log lines" in b.text.text]
+    shown = logs.text.text.split("```")[1].splitlines()
+    assert shown == [*tail[-SLACK_LOG_LINES:-2], "a ` ` ` fence", "FileNotFoundError: 'train.py' &amp; &lt;co&gt;"]
+    for block in msg.blocks:
+        block.validate_json()
 
 
 @pytest.fixture

@@ -182,6 +182,7 @@ def _plain(v: Any) -> str:
 
 # data key → (label, formatter), in the order they are shown
 _KNOWN: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
+    ("why", "Why", _plain),  # job_failed's, first: the one-line text keeps six fields
     ("step", "Step", _count),
     ("last_step", "Last step", _count),
     ("resumed_from", "Resumed from step", _count),
@@ -438,9 +439,28 @@ def slack_message(ev: Event, *, pool: str, node: Node | None = None, template: s
                                    fields=fields or None))
     else:
         blocks.append(SectionBlock(fields=fields))
+    tail = _log_tail(ev)
+    if tail:  # job_failed: the failing node's last lines, as a person reads them first
+        blocks.append(SectionBlock(text=MarkdownTextObject(text=clip(
+            "*Last log lines*\n```" + slack_escape("\n".join(tail)) + "```", SLACK_SECTION_MAX_CHARS))))
     blocks.append(ContextBlock(elements=[MarkdownTextObject(
         text=f"pool *{slack_escape(pool)}* · seq {ev.seq} · {_slack_when(ev.time)}")]))
     return SlackMessage(text=text, blocks=blocks)
+
+
+#: the last lines of a ``log_tail`` a Slack message shows (the webhook's data carries all of it)
+SLACK_LOG_LINES = 8
+
+
+def _log_tail(ev: Event) -> list[str]:
+    """The event's ``log_tail`` (job_failed: masked, each line cut by the daemon), its last
+    :data:`SLACK_LOG_LINES` lines of text; ``[]`` when it has none."""
+    lines = _data(ev).get("log_tail")
+    if not isinstance(lines, list):
+        return []
+    # a line's own ``` would end the code block the lines are shown in
+    return [clip(ln.replace("```", "` ` `"), 240) for ln in lines if isinstance(ln, str) and ln.strip()][
+        -SLACK_LOG_LINES:]
 
 
 def _slack_when(t: float) -> str:
