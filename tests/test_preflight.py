@@ -286,6 +286,10 @@ def test_preflight_command_answers_for_7b_on_8_and_32_nodes(capsys: pytest.Captu
     (["--params", "7e9"], "hidden_size, num_layers, num_heads required"),
     (["--preset", "gpt2", "--gpu", "MI300"], "--gpu: gpu_type 'MI300'"),
     (["--preset", "gpt2", "--nodes", "0"], "--nodes must be >= 1"),
+    # 0 is a value, not "not given" (it once fell back to the default 1.0 GB/s in silence)
+    (["--preset", "gpt2", "--throughput-gbs", "0"], "--throughput-gbs, --save-gbs and --safety-factor must be > 0"),
+    (["--preset", "gpt2", "--save-gbs", "0"], "--throughput-gbs, --save-gbs and --safety-factor must be > 0"),
+    (["--preset", "gpt2", "--safety-factor", "0"], "--throughput-gbs, --save-gbs and --safety-factor must be > 0"),
 ])
 def test_preflight_command_bad_input_is_one_line_exit_2(argv: list[str], needle: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

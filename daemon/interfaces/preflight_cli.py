@@ -150,9 +150,11 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print,
             err(f"spotvisord preflight: {line}")
         return 2
     job = config.job if config is not None else None
-    upload = args.throughput_gbs * 1e9 if args.throughput_gbs else (job.upload_throughput_bytes_s if job else 1e9)
-    save = args.save_gbs * 1e9 if args.save_gbs else (job.save_throughput_bytes_s if job else 2e9)
-    safety = args.safety_factor or (job.flush_safety_factor if job else 2.0)
+    # a flag given as 0 is that value (refused below), not "not given"
+    upload = args.throughput_gbs * 1e9 if args.throughput_gbs is not None else (
+        job.upload_throughput_bytes_s if job else 1e9)
+    save = args.save_gbs * 1e9 if args.save_gbs is not None else (job.save_throughput_bytes_s if job else 2e9)
+    safety = args.safety_factor if args.safety_factor is not None else (job.flush_safety_factor if job else 2.0)
     if min(upload, save, safety) <= 0:
         err("spotvisord preflight: --throughput-gbs, --save-gbs and --safety-factor must be > 0")
         return 2
