@@ -298,7 +298,7 @@ class JobSpec(_Spec):
     workdir_max_bytes: int = Field(WORKDIR_MAX_BYTES, ge=1, le=16 * 2**30)  # the files' total size
     # shell commands run once per node (bash -c, in the workdir, with the job's environment)
     # after the workdir is unpacked and before the trainer starts; their output goes to the
-    # node's trainer.log (spotctl logs NODE). A failure (non-zero exit, or past setup_timeout_s)
+    # node's trainer.log (spotctl tail NODE). A failure (non-zero exit, or past setup_timeout_s)
     # fails the node, which is replaced; setup_max_failures failures in a row stop the buying
     setup: list[str] = []
     setup_timeout_s: PositiveS = 1800.0

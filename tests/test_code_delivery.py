@@ -210,7 +210,7 @@ async def test_a_real_agent_runs_setup_then_the_trainer_in_the_unpacked_workdir(
             (ready,) = h.events("node_ready")
             assert ready.data["code_version"] == sha and ready.data["setup_s"] >= 0
             await h.until(lambda: any("setting up" in ln.line for ln in h.sup.agents.node_logs.tail(ready.node, 50)),
-                          what="the setup's output in spotctl logs")
+                          what="the setup's output in spotctl tail")
 
 
 async def test_a_real_agent_whose_setup_fails_never_starts_the_trainer(tmp_path, sockdir, monkeypatch) -> None:

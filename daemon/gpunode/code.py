@@ -14,7 +14,7 @@ and unpacked, then ``job.setup`` run. The agent's side of :mod:`daemon.controlno
 3. **Setup** (:func:`run_setup`): each command of ``"setup": {"commands", "timeout_s"}`` by
    ``bash -c``, in order, in the unpacked workdir, with the trainer's environment; their
    output is appended to the node's ``trainer.log`` (shipped to the daemon with the
-   heartbeats: ``spotctl logs NODE``). The first non-zero exit fails it; so does the
+   heartbeats: ``spotctl tail NODE``). The first non-zero exit fails it; so does the
    whole setup running past ``timeout_s`` (its process group is killed).
 
 Every failure is a :class:`PrepareError` naming its stage (``fetch``, ``verify``,
