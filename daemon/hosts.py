@@ -7,10 +7,11 @@ and the node agent's daemon URL (:mod:`daemon.gpunode.agent`).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 
-__all__ = ["address_of", "exposed_address", "is_loopback", "is_wildcard"]
+__all__ = ["address_of", "bind_fix", "exposed_address", "is_loopback", "is_wildcard"]
 
 _PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
 _WILDCARD = "a wildcard address (every interface)"
@@ -69,3 +70,16 @@ def is_loopback(host: str) -> bool:
         return True
     addr = _address(text)
     return addr is not None and addr.is_loopback
+
+
+#: what to do when a listener cannot bind, by errno
+_BIND_FIXES = {
+    errno.EADDRNOTAVAIL: "no interface of this machine has that address (give one of its own: ip -brief address)",
+    errno.EADDRINUSE: "another process holds the port (ss -ltnp), or give another port",
+    errno.EACCES: "a port below 1024 needs privileges this process does not have (give one above 1024)",
+}
+
+
+def bind_fix(code: int | None) -> str:
+    """What to do about a listener's bind that failed with errno ``code``, for a person."""
+    return _BIND_FIXES.get(code or 0, "see the error")

@@ -72,3 +72,34 @@ async def test_a_scraper_cannot_hold_more_than_its_share(spot_daemon) -> None:
             w.close()
         await api.aclose()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_a_listener_that_cannot_bind_names_its_fields_and_the_fix(tmp_path: Path) -> None:
+    """``spotvisord run`` printed ``[Errno 99] Cannot assign requested address`` and nothing
+    more for the shipped placeholder agent_host: now the address, the fields and the fix
+    (exit 1 still: at boot the address may come a moment later, and the unit retries)."""
+    import socket
+    import subprocess
+    import sys
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cases = [  # 192.0.2.1: TEST-NET-1, assigned to no machine; the taken port: held here
+        (f"daemon: {{agent_host: 192.0.2.1, agent_port: 7480, state_dir: {tmp_path / 'a'}}}\n",
+         "cannot listen on 192.0.2.1:7480 (daemon.agent_host and agent_port): ", "no interface of this machine"),
+        (f"daemon: {{metrics_port: {port}, state_dir: {tmp_path / 'b'}}}\n",
+         f"cannot listen on 127.0.0.1:{port} (daemon.metrics_host and metrics_port): ", "another process holds"),
+    ]
+    try:
+        for i, (text, head, fix) in enumerate(cases):
+            path = tmp_path / f"c{i}.yaml"
+            path.write_text(text)
+            r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(path)],
+                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+            (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("spotvisord run: ")]
+            assert r.returncode == 1 and line.startswith("spotvisord run: " + head) and fix in line, r.stderr
+            assert "Errno" not in line and "Traceback" not in r.stderr
+    finally:
+        taken.close()

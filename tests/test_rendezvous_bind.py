@@ -152,6 +152,7 @@ def test_a_taken_port_is_one_line_and_exit_1(loopback_store: _Store) -> None:
     assert r.returncode == 1
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and f"127.0.0.1:{loopback_store.port}" in err[0], r.stderr
+    assert err[0].endswith("another process holds the port (ss -ltnp), or give another port")
 
 
 # -- what ships: the unit and the cloud configs ----------------------------------------------

@@ -33,7 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-from daemon.hosts import is_wildcard
+from daemon.hosts import bind_fix, is_wildcard
 from trainer.listen import listen_socket  # re-exported: the control node's store binds with it
 
 __all__ = ["DEFAULT_HOST", "RunnerStore", "StoreProcess", "listen_socket", "read_pid", "serve", "wait_until_listening",
@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (OSError, RuntimeError) as exc:  # the port is taken, the address is not this machine's
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        print(f"spotvisor-rendezvous: cannot listen on {shown}:{args.port}: {reason}", file=sys.stderr)
+        fix = bind_fix(exc.errno if isinstance(exc, OSError) else None)
+        print(f"spotvisor-rendezvous: cannot listen on {shown}:{args.port}: {reason}; {fix}", file=sys.stderr)
         return 1
     return 0
 

@@ -49,8 +49,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from daemon.control.bounds import ConnectionCaps, connection_caps
 from daemon.controlnode.core import wait_event
+from daemon.hosts import bind_fix
 
-__all__ = ["AgentListener", "LoopAcceptErrors", "nofile_limit", "agent_connection_caps", "FIRST_REQUEST_S",
+__all__ = ["AgentListener", "ListenError", "LoopAcceptErrors", "nofile_limit", "agent_connection_caps", "FIRST_REQUEST_S",
            "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S", "METRICS_CAPS", "SHUTDOWN_S"]
 
 log = structlog.get_logger("spotvisor.daemon")
@@ -165,6 +166,21 @@ class _Guarded(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
 
+class ListenError(OSError):
+    """A listener that cannot bind, said in one line naming its config fields and the fix
+    (``daemon.agent_host``/``agent_port``, or ``daemon.metrics_host``/``metrics_port``);
+    ``errno`` is the bind's own (a takeover waits out ``EADDRINUSE``)."""
+
+    def __init__(self, name: str, host: str, port: int, cause: OSError) -> None:
+        fields = "daemon.metrics_host and metrics_port" if name == "metrics" else "daemon.agent_host and agent_port"
+        why = cause.strerror or str(cause)
+        fix = bind_fix(cause.errno)
+        super().__init__(cause.errno, f"cannot listen on {host}:{port} ({fields}): {why}; {fix}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class AgentListener:
     """The agent port's sockets and accept loops (module docstring). Constructor does no I/O.
 
@@ -210,10 +226,13 @@ class AgentListener:
         same for all) and start accepting. Returns the port.
 
         Raises:
-            OSError: the address cannot be bound (taken, not local).
+            ListenError: the address cannot be bound (taken, not local), one line naming the fields.
         """
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError as exc:
+            raise ListenError(self.name, host, port, exc) from None
         seen: set[tuple[Any, ...]] = set()
         try:
             for family, type_, proto, _, addr in infos:
@@ -230,9 +249,9 @@ class AgentListener:
                 sock.bind(addr)
                 sock.listen(_BACKLOG)
                 sock.setblocking(False)
-        except OSError:
+        except OSError as exc:
             self._close_sockets()
-            raise
+            raise ListenError(self.name, host, port, exc) from None
         for sock in self._sockets:
             self._spawn(self._accept_loop(sock), f"{self.name}-accept:{sock.getsockname()[1]}")
         return int(self._sockets[0].getsockname()[1])
