@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shlex
 import string
 from datetime import datetime, timezone
@@ -897,6 +898,15 @@ class ProvidersSpec(_Spec):
     aliyun: AliyunProviderSpec | None = None
 
 
+#: a cloud region's name: AWS ``us-east-1``, ``us-gov-west-1``, ``cn-north-1``, ``eu-isoe-west-1``
+#: (docs.aws.amazon.com/global-infrastructure/latest/regions/aws-regions.html); Alibaba ``cn-hangzhou``,
+#: ``ap-southeast-1``, ``cn-shanghai-finance-1`` (alibabacloud.com/help/en/ecs/regions-and-zones)
+_REGION_SHAPES = {
+    "aws": (r"[a-z]{2}(-gov|-iso[a-z]*)?-[a-z]+-\d+", "us-east-1"),
+    "aliyun": (r"[a-z]{2}-[a-z]+(-[a-z0-9]+)*", "cn-hangzhou"),
+}
+
+
 class OfferSpec(_Spec):
     """One way to buy a node: provider, place, instance type, GPUs, price cap."""
 
@@ -918,6 +928,24 @@ class OfferSpec(_Spec):
     # from its launch request to its agent registering (seconds), else the node is
     # terminated as launch_timeout; absent: daemon.launch_timeout_s (600 s, why: see there)
     launch_timeout_s: PositiveS | None = None
+
+    @model_validator(mode="after")
+    def _place(self) -> "OfferSpec":
+        """A cloud region's and zone's names have a documented shape, and a zone's name
+        begins with its region's (AWS: ``us-east-1`` and ``us-east-1a``, a Local Zone
+        ``us-west-2-lax-1a``; Alibaba: ``cn-hangzhou`` and ``cn-hangzhou-h``, ``ap-southeast-1a``). A typo in
+        either passed check-config, and the daemon then asked the wrong region, or
+        launched into a zone its subnets do not serve."""
+        shape = _REGION_SHAPES.get(self.provider)
+        if shape is None or "region" not in self.model_fields_set:  # no region: the config says it is required
+            return self
+        pattern, example = shape
+        if not re.fullmatch(pattern, self.region):
+            raise ValueError(f"region: {self.region!r} is not an {self.provider} region's name (e.g. {example})")
+        if self.zone is not None and not self.zone.startswith(self.region):
+            raise ValueError(f"zone: {self.zone!r} is not in region {self.region} (a zone's name begins with its "
+                             "region's; fix the zone or the region)")
+        return self
 
     def memory_gib(self) -> float | None:
         """GiB of memory per GPU: ``gpu_memory_gib``, else from ``gpu_type`` (None: no GPU).

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.config import (Config, ConfigError, DaemonSpec, JobSpec, load_config, loopback_problem,
+from daemon.config import (Config, ConfigError, DaemonSpec, JobSpec, OfferSpec, load_config, loopback_problem,
                            new_job_deadline_problem)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -693,3 +693,31 @@ def test_a_cloud_faked_on_this_machine_may_use_loopback() -> None:
                                                                "endpoint_url": "http://127.0.0.1:5000"}}})
     assert loopback_problem(c) is None
     assert loopback_problem(Config.model_validate({})) is None  # the local provider's nodes are this machine
+
+
+@pytest.mark.parametrize("offer, problem", [
+    ({"provider": "aws", "region": "us-east1", "instance_type": "p4d.24xlarge"},
+     "offers.0: region: 'us-east1' is not an aws region's name (e.g. us-east-1)"),
+    ({"provider": "aliyun", "region": "hangzhou", "instance_type": "ecs.gn7i-c8g1.2xlarge"},
+     "offers.0: region: 'hangzhou' is not an aliyun region's name (e.g. cn-hangzhou)"),
+    ({"provider": "aws", "region": "us-east-1", "zone": "us-west-2a", "instance_type": "p4d.24xlarge"},
+     "offers.0: zone: 'us-west-2a' is not in region us-east-1"),
+    ({"provider": "aliyun", "region": "cn-hangzhou", "zone": "cn-beijing-h", "instance_type": "ecs.gn7i-c8g1.2xlarge"},
+     "offers.0: zone: 'cn-beijing-h' is not in region cn-hangzhou"),
+], ids=["aws-region", "aliyun-region", "aws-zone", "aliyun-zone"])
+def test_a_region_or_zone_typo_is_one_line_naming_the_offer(tmp_path: Path, offer, problem) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"offers": [offer]}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize("provider, region, zone", [
+    ("aws", "us-gov-west-1", "us-gov-west-1a"), ("aws", "us-west-2", "us-west-2-lax-1a"), ("aws", "cn-north-1", None),
+    ("aliyun", "cn-shanghai-finance-1", "cn-shanghai-finance-1z"), ("aliyun", "ap-southeast-1", "ap-southeast-1a"),
+])
+def test_the_documented_shapes_of_regions_and_zones_pass(provider: str, region: str, zone: str | None) -> None:
+    offer = OfferSpec.model_validate({"provider": provider, "region": region, "zone": zone, "instance_type": "x"})
+    assert (offer.region, offer.zone) == (region, zone)
+
