@@ -15,6 +15,8 @@ check-config`` prints them and exits 2.
 from __future__ import annotations
 
 import difflib
+import functools
+import operator
 import os
 import re
 import shlex
@@ -1337,15 +1339,8 @@ class Config(_Spec):
                 f"{self.job.micro_batch_size} allows no world size up to {max_world} "
                 "(make global_batch_size a multiple of micro_batch_size x world size)"
             )
-        counts = self.valid_node_counts()
-        target = self.pool.target_nodes
-        if counts is not None and target not in counts:
-            g = self.offers[0].gpus_per_node
-            raise ValueError(
-                f"pool.target_nodes: {target} nodes (world size {target * g}) cannot share job.global_batch_size "
-                f"{self.job.global_batch_size} in micro batches of {self.job.micro_batch_size} (node counts that "
-                f"can: {', '.join(map(str, counts)) or 'none'}; set target_nodes to one of them)"
-            )
+        if (problem := _target_problem(self, valid)) is not None:
+            raise ValueError(problem)
         self._check_deadline()
         names = [s.name for s in self.notify]
         for i, name in enumerate(names):
@@ -1673,6 +1668,33 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
             msg = "required (add it)"
         lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
+
+
+def _target_problem(config: Config, valid: list[int]) -> str | None:
+    """Why ``pool.target_nodes`` nodes cannot split the global batch, or None. ``valid``:
+    the world sizes that split it, ascending. With offers alike in ``gpus_per_node``, the
+    node counts that can are named. With offers that differ, the world size depends on
+    which offers are bought (every sum of that many nodes' GPUs): None when at least one
+    of those sums is valid (admission picks one), else the job could never start."""
+    counts, target, job = config.valid_node_counts(), config.pool.target_nodes, config.job
+    if counts is not None:
+        if target in counts:
+            return None
+        return (f"pool.target_nodes: {target} nodes (world size {target * config.offers[0].gpus_per_node}) cannot "
+                f"share job.global_batch_size {job.global_batch_size} in micro batches of {job.micro_batch_size} ("
+                + (f"node counts that can: {', '.join(map(str, counts))}; set target_nodes to one of them)" if counts
+                   else "no node count in pool.min_nodes..max_nodes can; change job.global_batch_size)"))
+    gpus = sorted({o.gpus_per_node for o in config.offers})
+    cap = valid[-1]
+    sums = 1  # bit w set: w GPUs is a sum of the nodes counted so far (bounded by the largest valid size)
+    for _ in range(target):
+        sums = functools.reduce(operator.or_, (sums << g for g in gpus)) & ((1 << (cap + 1)) - 1)
+    if any(sums >> w & 1 for w in valid):
+        return None
+    return (f"pool.target_nodes: no world size {target} nodes of these offers make ({', '.join(map(str, gpus))} "
+            f"GPUs per node) shares job.global_batch_size {config.job.global_batch_size} in micro batches of "
+            f"{config.job.micro_batch_size} (world sizes that can: {', '.join(map(str, valid))}; change "
+            "target_nodes, the offers or global_batch_size)")
 
 
 def loopback_problem(config: Config, faked: Iterable[str] = ()) -> str | None:

@@ -721,3 +721,33 @@ def test_the_documented_shapes_of_regions_and_zones_pass(provider: str, region: 
     offer = OfferSpec.model_validate({"provider": provider, "region": region, "zone": zone, "instance_type": "x"})
     assert (offer.region, offer.zone) == (region, zone)
 
+
+def _mixed(batch: int, target: int = 4) -> dict:
+    return {"pool": {"min_nodes": 1, "target_nodes": target, "max_nodes": 4},
+            "job": {"global_batch_size": batch, "micro_batch_size": 2},
+            "providers": {"aws": {"image_id": "ami-0123456789abcdef0"}},
+            "offers": [{"provider": "aws", "region": "us-east-1", "instance_type": "p4d.24xlarge", "gpus_per_node": 8},
+                       {"provider": "aws", "region": "us-east-1", "instance_type": "g5.12xlarge", "gpus_per_node": 4}]}
+
+
+def test_offers_of_mixed_sizes_whose_every_world_size_misses_the_batch_are_refused() -> None:
+    """4 nodes of 4 or 8 GPUs make 16..32 ranks in steps of 4, and none of them splits 100
+    samples in micro batches of 2: the job could never start (check-config said ok)."""
+    with pytest.raises(ValueError, match=r"pool.target_nodes: no world size 4 nodes of these offers make \(4, 8 GPUs "
+                                         r"per node\) shares job.global_batch_size 100 .*world sizes that can: "
+                                         r"1, 2, 5, 10, 25; change"):
+        Config.model_validate(_mixed(100))
+    assert Config.model_validate(_mixed(256)).pool.target_nodes == 4  # 16 and 32 split it
+    assert Config.model_validate(_mixed(40, target=1)).pool.target_nodes == 1  # one node of 4 GPUs: 40 / (2 x 4)
+    # 36 ranks only as 4 + 4 + 4 + 8 + 8 + 8: a sum no one offer makes alone
+    assert Config.model_validate({**_mixed(72), "pool": {"min_nodes": 1, "target_nodes": 6, "max_nodes": 6}})
+
+
+def test_a_target_no_node_count_can_make_says_so_without_a_list_of_none() -> None:
+    raw = {"pool": {"min_nodes": 2, "target_nodes": 2, "max_nodes": 3}, "job": {"global_batch_size": 10,
+                                                                             "micro_batch_size": 1},
+           "offers": [{"provider": "local", "gpus_per_node": 4}], "providers": {"local": {"max_nodes": 4}}}
+    with pytest.raises(ValueError, match="no node count in pool.min_nodes..max_nodes can; change "
+                                         "job.global_batch_size") as info:
+        Config.model_validate(raw)
+    assert "one of them" not in str(info.value)
