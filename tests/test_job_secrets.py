@@ -291,6 +291,27 @@ def test_the_daemon_stops_before_buying_when_a_secret_cannot_be_read(tmp_path: P
     assert not list((tmp_path / "state").rglob("instance.log"))
 
 
+def test_check_reads_every_secret_as_the_daemon_would_and_shows_no_value(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``spotvisord check`` said "all checks ok" for a config whose secret did not exist, and
+    ``run`` then refused it: the check tries what the daemon's start does, secrets too."""
+    value = _secret()
+    good = _private_file(tmp_path / "job.env", f"HF_TOKEN={value}\n")
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(
+        f"job: {{secrets: {{HF_TOKEN: 'file:{good}#HF_TOKEN', WANDB_API_KEY: 'file:{tmp_path}/none'}}}}\n"
+        f"daemon: {{state_dir: '{tmp_path / 'state'}'}}\n")
+    assert cli.main(["check", str(cfg)]) == 1
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert f"ok   job.secrets.HF_TOKEN (file:{good}#HF_TOKEN): read (its value is not shown)" in lines
+    (bad,) = [ln for ln in lines if ln.startswith("FAIL job.secrets.WANDB_API_KEY")]
+    assert bad.startswith(f"FAIL job.secrets.WANDB_API_KEY (file:{tmp_path}/none): read: ")
+    assert bad.endswith("; fix: job.secrets.WANDB_API_KEY: a source that exists, and the control node's permission "
+                        "to read it")
+    assert lines[-1].startswith("1 of ") and value not in out
+
+
 # -- a value that reaches a log anyway is masked -----------------------------------------------------
 
 async def test_a_resolved_value_is_masked_in_structlog_and_stdlib_lines(tmp_path: Path,

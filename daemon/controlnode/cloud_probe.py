@@ -4,6 +4,7 @@ timeout (the verdicts: :mod:`daemon.controlnode.cloud_check`).
 - each cloud provider the offers name: :func:`daemon.providers.aws_check.check_aws`,
   :func:`daemon.providers.aliyun_check.check_aliyun` (credentials, images, the exact
   launch request dry-run, quotas, availability);
+- ``job.secrets``, for ``spotvisord check`` only (:func:`check_secrets`);
 - each placement domain's checkpoint store (``config.checkpoint_uri(domain)``): put a
   small probe object, get it back and compare the bytes, delete it
   (:func:`probe_store`); the ``local`` provider has only this check.
@@ -25,7 +26,7 @@ from daemon.control.offers import Offer
 from daemon.controlnode.cloud_check import CheckResult, failed, passed
 from daemon.providers.base import NODE_TAG, POOL_TAG, NodeSpec, Provider
 
-__all__ = ["run_checks", "probe_store", "check_node", "CHECK_TIMEOUT_S"]
+__all__ = ["run_checks", "check_secrets", "probe_store", "check_node", "CHECK_TIMEOUT_S"]
 
 log = structlog.get_logger("spotvisor.check")
 
@@ -97,6 +98,27 @@ async def _store_check(config: Config, index: int, timeout_s: float) -> list[Che
                        f"{field}: a bucket and prefix the control node can write, or grant it {grant} there",
                        domain.offers)]
     return [passed(name)]
+
+
+async def check_secrets(config: Config, timeout_s: float = CHECK_TIMEOUT_S) -> list[CheckResult]:
+    """Each ``job.secrets`` value read as the daemon's start reads it
+    (:func:`daemon.controlnode.job_secrets.resolve_secrets`), one result per secret; the
+    value is dropped at once, never shown. Run by ``spotvisord check``, not by the
+    daemon's own check (its start has read them already, and refuses to start without)."""
+    from daemon.controlnode.job_secrets import SecretError, resolve_secrets
+
+    async def one(name: str, source: str) -> CheckResult:
+        what = f"job.secrets.{name} ({source}): read"
+        single = config.model_copy(update={"job": config.job.model_copy(update={"secrets": {name: source}})})
+        try:
+            await resolve_secrets(single, timeout_s=timeout_s)
+        except SecretError as exc:
+            detail = str(exc).removeprefix(f"job.secrets.{name}: {source}: ")
+            return failed(what, detail, f"job.secrets.{name}: a source that exists, and the control node's "
+                                        "permission to read it")
+        return passed(what, "its value is not shown")
+
+    return list(await asyncio.gather(*(one(n, s) for n, s in config.job.secrets.items())))
 
 
 def _offers(config: Config, provider: str) -> list[Offer]:

@@ -870,14 +870,15 @@ def _cloud_kwargs(config: Config, name: str) -> dict[str, Any]:
 def _cloud_check(config: Config, timeout_s: float, out: Callable[[str], None]) -> int:
     """``spotvisord check``: every check's line, then exit 0 (all ok) or 1 (any FAIL)."""
     from daemon.controlnode.cloud_check import render_all
-    from daemon.controlnode.cloud_probe import run_checks
+    from daemon.controlnode.cloud_probe import check_secrets, run_checks
 
     async def checks() -> list:
         clouds = {name: create_provider(name, spec=getattr(config.providers, name), agent_args=[],
                                         **_cloud_kwargs(config, name))
                   for name in sorted({o.provider for o in config.offers} & {"aws", "aliyun"})}
         try:
-            return await run_checks(config, lambda name: clouds.get(name), timeout_s=timeout_s)  # type: ignore[arg-type,return-value]
+            return [*await run_checks(config, lambda name: clouds.get(name), timeout_s=timeout_s),  # type: ignore[arg-type]
+                    *await check_secrets(config, timeout_s)]
         finally:
             for p in clouds.values():
                 await p.aclose()
