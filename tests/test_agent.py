@@ -630,3 +630,25 @@ async def test_a_job_whose_trainers_all_exited_is_reported_and_restarted_in_plac
         assert node.state is NodeState.RUNNING and len(h.sup.nodes) == 1  # the same node: nothing relaunched
         status = [json.loads(x) for x in agent.status_path.read_text().splitlines()]
         assert [x["event"] for x in status] == ["started", "started"]
+
+
+async def test_a_stall_while_the_rendezvous_store_is_silent_says_so(spot_daemon, fake, clock, monkeypatch) -> None:
+    """A trainer that exits because its store is gone stalls the job as ``trainers_exited``
+    or ``rendezvous_closed``: said alone, both point at the trainer. While the rendezvous
+    watch's alarm holds, the stall's message names the store, since when, and the fix."""
+    from daemon.control.rendezvous_health import StoreHealth
+
+    h = spot_daemon
+    h.sup.stall.rules = dataclasses.replace(h.sup.stall.rules, exit_grace_s=0.2)
+    h.sup.rendezvous.interval_s = 3600.0  # this test sets the watch's verdict itself
+    h.sup.rendezvous.health = StoreHealth("east", "10.0.0.10:29400", failures=3, since=0.0,
+                                          error="ConnectionRefusedError: Connection refused", alarmed=True)
+    marker = h.tmp_path / "failed-once"
+    async with running_agent(h, fake, clock, monkeypatch, env={"STANDIN_FAIL_ONCE": str(marker)}) as agent:
+        await h.until(lambda: h.events("job_stalled") and trainer_running(agent), timeout_s=30, what="the stall")
+        (stalled,) = h.events("job_stalled")
+        assert stalled.data["message"].endswith(
+            "; the rendezvous store at 10.0.0.10:29400 (domain east) has not answered since 00:00:00 UTC: "
+            "ConnectionRefusedError: Connection refused (start it on 10.0.0.10 (systemctl start spotvisor-rendezvous, "
+            "or spotvisord rendezvous --host 10.0.0.10 --port 29400), and let the control node and the job's nodes "
+            "reach port 29400 there)")

@@ -91,4 +91,6 @@ class RendezvousWatch:
         """``spotctl status``'s ``rendezvous``: the alarm that holds, or ``{}``
         (:func:`daemon.control.rendezvous_health.alarm`)."""
         h = self.health
-        return alarm(h, local=h is not None and self._domain(h.domain).provider == "local")
+        local = h is not None and any(d.name == h.domain and d.provider == "local"
+                                      for d in self.core.config.domains_resolved())
+        return alarm(h, local=local)

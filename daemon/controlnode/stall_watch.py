@@ -12,7 +12,9 @@ joiners join in-process, the nodes the job trains on without
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import time
+from typing import Any, Callable
 
 import structlog
 
@@ -33,10 +35,16 @@ class StallWatch:
     """Watches one job for a stall (see the module docstring). Constructor does no I/O.
 
     ``migrating``: whether a whole-job migration is in flight (no stall then: the
-    migration has its own deadlines and events)."""
+    migration has its own deadlines and events). ``store_alarm``: the rendezvous store's
+    alarm while it holds (:meth:`daemon.controlnode.rendezvous_watch.RendezvousWatch.status`,
+    ``{}`` otherwise): a stall while the store does not answer says so, for its message
+    alone (a torchrun that exits over it reads as ``rendezvous_closed``) would send the
+    operator the wrong way."""
 
-    def __init__(self, core: Core, *, migrating: Callable[[], bool]) -> None:
+    def __init__(self, core: Core, *, migrating: Callable[[], bool],
+                 store_alarm: Callable[[], dict[str, Any]] = dict) -> None:
         self.core = core
+        self._store_alarm = store_alarm
         spec = core.config.daemon.stall
         self.rules = StallRules(first_step_s=spec.first_step_s, floor_s=spec.floor_s,
                                 step_factor=spec.step_factor, exit_grace_s=spec.exit_grace_s)
@@ -76,6 +84,12 @@ class StallWatch:
             return leave
         self.progress = progress.recovered(now)  # the next report, if it lasts, one bound later
         actions = recover(s, stall, frozenset(core.config.valid_world_sizes()))
+        alarm = self._store_alarm()
+        if alarm:
+            said = (f"; the rendezvous store at {alarm['endpoint']} (domain {alarm['domain']}) has not answered "
+                    f"since {_clock(alarm['since'])}: {alarm['error']} ({alarm['fix']})")
+            actions = [dataclasses.replace(a, message=a.message + said) if isinstance(a, JobStalled) else a
+                       for a in actions]
         for action in actions:
             if isinstance(action, JobStalled):
                 for node_id in action.restart:  # their next exit is the restarted trainer's
@@ -90,3 +104,11 @@ class StallWatch:
         nodes = sorted(n.id for n in s.in_domain().in_state(*ADMITTED))
         core.act(CompleteJob(context=(("how", "every_trainer_exited_0"), ("nodes", nodes))))  # job_completed
         log.info("job_completed", pool=core.pool, how="every_trainer_exited_0", nodes=nodes)
+
+
+def _clock(t: Any) -> str:
+    """Unix seconds as ``HH:MM:SS`` UTC, for a message; ``?`` when it is not a time."""
+    try:
+        return time.strftime("%H:%M:%S UTC", time.gmtime(float(t)))
+    except (TypeError, ValueError, OverflowError):
+        return "?"

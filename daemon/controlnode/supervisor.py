@@ -117,9 +117,9 @@ class Supervisor:
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
         self.placement = self.migrator.placement
         self.domain_of = self.placement.domain_of  # a node's placement domain
-        self.stall = StallWatch(self, migrating=self.migrator.holds_job)
-        self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
         self.rendezvous = RendezvousWatch(self)  # does the job's rendezvous store answer
+        self.stall = StallWatch(self, migrating=self.migrator.holds_job, store_alarm=self.rendezvous.status)
+        self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
         self._wake, self._event_added, self._released, self._completed = (asyncio.Event() for _ in range(4))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event, self.stall.on_event, self.life.on_event]
