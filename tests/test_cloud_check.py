@@ -210,6 +210,22 @@ def test_spot_quota_below_the_need(aws, capsys) -> None:
     assert "--quota-code L-7212CCBC --desired-value 384" in line and "pool.max_nodes" in line
 
 
+def test_a_misspelled_instance_type_is_named_not_taken_for_a_missing_permission(aws, capsys) -> None:
+    cfg = yaml.safe_load(aws.config().read_text())
+    cfg["offers"][2]["instance_type"] = "p4d.24xlarg"
+    path = aws.config().with_name("typo.yaml")
+    path.write_text(yaml.safe_dump(cfg))
+    rc = main(["check", str(path), "--timeout-s", "30"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in out + err
+    assert "aws_unknown_instance_type" not in out  # no log line among the check's lines
+    quota = [line for line in out.splitlines() if line.startswith("FAIL aws us-west-2: quota")]
+    assert len(quota) == 1 and "p4d.24xlarg" in quota[0], out
+    assert quota[0].endswith("fix: offers.2.instance_type: a type EC2 offers in us-west-2 "
+                             "(aws ec2 describe-instance-types)")
+    assert "ec2:DescribeInstanceTypes" not in out
+
+
 def test_unwritable_bucket(aws, capsys) -> None:
     denied = '<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
     outer = aws.proxy._responder

@@ -758,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: {unreachable}", file=sys.stderr)
         return 2
     if args.cmd == "check":
+        configure_logging(level="WARNING")  # on stderr: the check's own lines alone on stdout
         return _cloud_check(config, args.timeout_s, lambda s: print(s, flush=True))
     if args.cmd == "run":
         config = _runner_overrides(config, args)
