@@ -41,10 +41,12 @@ PRESETS: dict[str, Architecture] = {
 # Memory per GPU in GiB, by gpu_type, as the vendor markets it (NVIDIA data sheets).
 # nvidia-smi reports up to ~6 % less on GDDR parts (ECC, reserved); set an offer's
 # gpu_memory_gib for the exact figure. A gpu_type with a size suffix ("A100-40GB",
-# "V100-32G") uses the suffix.
+# "V100-32G") uses the suffix. A name sold in several sizes means its smallest (V100:
+# 16 of 16/32; A100, A800: 40 of 40/80): a job judged to fit must fit on whichever the
+# cloud hands out (a p4d.24xlarge's A100s have 40 GB; say A100-80GB for a p4de's).
 GPU_MEMORY_GIB: dict[str, float] = {
     "T4": 16, "V100": 16, "A10": 24, "A10G": 24, "L4": 24, "3090": 24, "4090": 24,
-    "L40S": 48, "A100": 80, "A800": 80, "H100": 80, "H800": 80, "H200": 141,
+    "L40S": 48, "A100": 40, "A800": 40, "H100": 80, "H800": 80, "H200": 141,
 }
 _NO_GPU = frozenset({"NONE", "CPU", ""})
 _SIZE_SUFFIX = re.compile(r"^(?P<base>.+?)[-_ ](?P<gib>\d+(?:\.\d+)?)\s*G(?:I?B)?$")

@@ -121,7 +121,8 @@ def test_activations_follow_korthikanti_and_recomputation_cuts_them() -> None:
 
 def test_gpu_memory_table_and_size_suffix() -> None:
     assert gpu_memory_gib("A100-40GB") == 40
-    assert gpu_memory_gib("A100") == 80
+    assert gpu_memory_gib("A100") == 40  # sold as 40 and 80 GB: the smaller, unless the size is given
+    assert gpu_memory_gib("A100-80GB") == 80
     assert gpu_memory_gib("V100-32G") == 32
     assert gpu_memory_gib("A10G-24GB") == 24
     assert gpu_memory_gib("NVIDIA H200") == 141
