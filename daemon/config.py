@@ -1649,6 +1649,12 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+#: keys other tools' configs use for one of ours, where spelling alone would point elsewhere
+#: (a sink's ``kind:`` read as ``kinds``, the event filter, not ``type``)
+_SYNONYMS = {"kind": "type", "webhook_url": "url_env", "instance": "instance_type",
+             "gpus": "gpus_per_node", "price": "max_price_usd_h"}
+
+
 def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
     """One line per pydantic error: ``field.path: message``. ``model``: the validated
     model, for an unknown key's nearest known name."""
@@ -1659,7 +1665,10 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         if err["type"] == "extra_forbidden":
-            near = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(model, tuple(err["loc"][:-1])), n=1)
+            known = _known_keys(model, tuple(err["loc"][:-1]))
+            key = str(err["loc"][-1])
+            near = [_SYNONYMS[key]] if _SYNONYMS.get(key) in known else []  # a word other tools use for it
+            near = near or difflib.get_close_matches(key, known, n=1)
             msg = (f"unknown key (did you mean {near[0]!r}?)" if near
                    else "unknown key (check the spelling against configs/local.yaml)")
         elif err["type"] == "finite_number":

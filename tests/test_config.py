@@ -751,3 +751,14 @@ def test_a_target_no_node_count_can_make_says_so_without_a_list_of_none() -> Non
                                          "job.global_batch_size") as info:
         Config.model_validate(raw)
     assert "one of them" not in str(info.value)
+
+
+def test_a_key_other_tools_use_names_ours_not_the_nearest_spelling(tmp_path: Path) -> None:
+    """A sink's ``kind: slack`` was answered "did you mean 'kinds'?" (the event filter): the key
+    meant is ``type``; a word other tools use for one of ours names ours."""
+    path = tmp_path / "c.yaml"
+    path.write_text("notify: [{name: ops, kind: slack, url_env: SLACK_URL}]\noffers: [{provider: local, gpus: 2}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "notify.0.kind: unknown key (did you mean 'type'?)" in err.value.problems
+    assert "offers.0.gpus: unknown key (did you mean 'gpus_per_node'?)" in err.value.problems
