@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import operator
 import os
 import re
@@ -413,6 +414,25 @@ class JobSpec(_Spec):
             if problem is not None:
                 raise ValueError(problem)
         return secrets
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _deadline_text(cls, v: Any) -> Any:
+        """A deadline written as text must read as hours or an ISO time: pydantic's own
+        answer to ``72h`` is one line per member of the union, naming neither form."""
+        if not isinstance(v, str):
+            return v
+        try:
+            float(v)
+            return v
+        except ValueError:
+            pass
+        try:
+            datetime.fromisoformat(v.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+            return v
+        except ValueError:
+            raise ValueError(f"{v!r} is neither hours nor a time: give hours from the job's submission as a number "
+                             "(deadline: 72) or an ISO time (deadline: 2026-12-10T18:00:00Z)") from None
 
     @field_validator("python")
     @classmethod
@@ -1655,6 +1675,15 @@ _SYNONYMS = {"kind": "type", "webhook_url": "url_env", "instance": "instance_typ
              "gpus": "gpus_per_node", "price": "max_price_usd_h"}
 
 
+def _whole(v: Any) -> int | None:
+    """``v``, text such as ``1e4`` or ``1_000``, as the whole number it says; else None."""
+    try:
+        f = float(v) if isinstance(v, str) else None
+    except ValueError:
+        return None
+    return int(f) if f is not None and math.isfinite(f) and f == int(f) else None
+
+
 def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
     """One line per pydantic error: ``field.path: message``. ``model``: the validated
     model, for an unknown key's nearest known name."""
@@ -1671,6 +1700,8 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
             near = near or difflib.get_close_matches(key, known, n=1)
             msg = (f"unknown key (did you mean {near[0]!r}?)" if near
                    else "unknown key (check the spelling against configs/local.yaml)")
+        elif err["type"] == "int_parsing" and _whole(err.get("input")) is not None:  # YAML reads 1e4 as text
+            msg = f"{err['input']!r} is text to YAML, not a number (write it out: {_whole(err['input'])})"
         elif err["type"] == "finite_number":
             msg = f"must be a finite number, got {err.get('input')!r} (give a number, e.g. 30)"
         elif err["type"] == "missing":

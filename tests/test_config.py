@@ -762,3 +762,17 @@ def test_a_key_other_tools_use_names_ours_not_the_nearest_spelling(tmp_path: Pat
         load_config(path)
     assert "notify.0.kind: unknown key (did you mean 'type'?)" in err.value.problems
     assert "offers.0.gpus: unknown key (did you mean 'gpus_per_node'?)" in err.value.problems
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('job: {deadline: "72h"}', "job.deadline: '72h' is neither hours nor a time: give hours from the job's "
+                               "submission as a number (deadline: 72) or an ISO time (deadline: 2026-12-10T18:00:00Z)"),
+    ("job: {target_steps: 1e4}", "job.target_steps: '1e4' is text to YAML, not a number (write it out: 10000)"),
+], ids=["deadline-72h", "steps-1e4"])
+def test_a_number_written_as_other_tools_write_it_is_one_line_with_the_form_to_use(tmp_path: Path, text,
+                                                                                   problem) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.problems == [problem]
