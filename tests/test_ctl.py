@@ -423,6 +423,27 @@ async def test_a_node_id_never_reaches_another_route(spot_daemon) -> None:
     assert rc == 0 and out.startswith("test-1: draining"), err
 
 
+async def _spotctl_against(sock: str, answer: Any, argv: list[str]) -> tuple[int, str, str]:
+    """spotctl ``argv`` against a stand-in daemon on ``sock`` that gives every request
+    ``answer`` (JSON; a string ending in a newline: an NDJSON stream as it is)."""
+    from aiohttp import web
+
+    async def reply(request: web.Request) -> web.Response:
+        if isinstance(answer, str) and answer.endswith("\n"):
+            return web.Response(text=answer, content_type="application/x-ndjson")
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", reply)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, sock).start()
+    try:
+        return await spotctl("--socket", sock, *argv)
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize(("argv", "answer"), [
     (["drain", "test-1"], {"request_id": "manual-1"}),  # what the path-confused request got back
     (["checkpoint"], {"node": "test-1"}),
@@ -436,23 +457,8 @@ async def test_a_node_id_never_reaches_another_route(spot_daemon) -> None:
     (["tail", "test-1"], "{}\n"),
 ])
 async def test_an_answer_of_another_shape_is_one_line_exit_1(sockdir: str, argv: list[str], answer: Any) -> None:
-    from aiohttp import web
-
-    async def reply(request: web.Request) -> web.Response:
-        if isinstance(answer, str) and answer.endswith("\n"):
-            return web.Response(text=answer, content_type="application/x-ndjson")
-        return web.json_response(answer)
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", reply)
-    runner = web.AppRunner(app)
-    await runner.setup()
     sock = f"{sockdir}/odd.sock"
-    await web.UnixSite(runner, sock).start()
-    try:
-        rc, out, err = await spotctl("--socket", sock, *argv)
-    finally:
-        await runner.cleanup()
+    rc, out, err = await _spotctl_against(sock, answer, argv)
     assert rc == 1, (argv, out, err)
     line = one_line(err)
     assert line.startswith(f"spotctl: unexpected answer from spotvisord at {sock}: "), line
@@ -472,21 +478,7 @@ async def test_checkpoint_and_resume_promise_no_commit_a_silent_script_cannot_ma
         sockdir: str, argv: list[str], answer: Any, said: str) -> None:
     """A ``job.command`` script that reports nothing may not commit on request, and what it
     resumes from is its own: spotctl says so, and the step-boundary promise only otherwise."""
-    from aiohttp import web
-
-    app = web.Application()
-    async def reply(request: web.Request) -> web.Response:
-        return web.json_response(answer)
-
-    app.router.add_route("*", "/{tail:.*}", reply)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = f"{sockdir}/said.sock"
-    await web.UnixSite(runner, sock).start()
-    try:
-        rc, out, err = await spotctl("--socket", sock, *argv)
-    finally:
-        await runner.cleanup()
+    rc, out, err = await _spotctl_against(f"{sockdir}/said.sock", answer, argv)
     assert rc == 0, err
     assert said in out and ("step boundary" in out) == (said == "the job commits at its next step boundary")
 
