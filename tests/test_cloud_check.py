@@ -253,6 +253,29 @@ def test_no_credentials_is_one_line_not_a_traceback(aws, capsys, monkeypatch) ->
     assert len(creds) == 1 and "NoCredentialsError" in creds[0] and "never in the config" in creds[0]
 
 
+async def test_a_store_probe_without_credentials_asks_for_credentials_not_a_grant(monkeypatch, tmp_path) -> None:
+    """Nothing signed the probe: "grant s3:PutObject" would send the operator to IAM for a
+    missing instance role or env file."""
+    import botocore.exceptions
+
+    from daemon.config import Config
+    from daemon.controlnode import cloud_probe
+
+    def unsigned(uri: str, **_: object) -> None:
+        try:
+            raise botocore.exceptions.NoCredentialsError()
+        except botocore.exceptions.NoCredentialsError as exc:
+            raise RuntimeError("put failed") from exc  # as a store wraps what botocore raised
+
+    monkeypatch.setattr(cloud_probe, "probe_store", unsigned)
+    config = Config.model_validate({"job": {"checkpoint_uri": "s3://ckpt/job"}, "daemon": {"state_dir": str(tmp_path)}})
+    (result,) = await cloud_probe.run_checks(config, lambda name: None, timeout_s=10)
+    line = render(result)
+    assert line.startswith("FAIL store s3://ckpt/job (domain ") and "s3:PutObject" not in line
+    assert line.endswith("fix: the control node's credentials (its instance role, AWS_PROFILE, or AWS_ACCESS_KEY_ID "
+                         "and AWS_SECRET_ACCESS_KEY in /etc/spotvisor/spotvisord.env); never in the config")
+
+
 # ---------------------------------------------------------------------------- Alibaba, against the fakes
 
 AK_ID, AK_SECRET = "LTAI-check-id", "check-secret-value"

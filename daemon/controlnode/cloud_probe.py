@@ -94,10 +94,31 @@ async def _store_check(config: Config, index: int, timeout_s: float) -> list[Che
         scheme = uri.split("://", 1)[0]
         grant = {"s3": "s3:PutObject, s3:GetObject and s3:DeleteObject", "oss": "oss:PutObject, oss:GetObject and "
                  "oss:DeleteObject", "file": "write access"}.get(scheme, "access")
+        if _no_credentials(exc):  # not a permission: nothing signed the request
+            return [failed(name, f"{step} failed: {type(exc).__name__}: {str(exc)[:300]}",
+                           "the control node's credentials (its instance role, AWS_PROFILE, or AWS_ACCESS_KEY_ID "
+                           "and AWS_SECRET_ACCESS_KEY in /etc/spotvisor/spotvisord.env); never in the config",
+                           domain.offers)]
         return [failed(name, f"{step} failed: {type(exc).__name__}: {str(exc)[:300]}",
                        f"{field}: a bucket and prefix the control node can write, or grant it {grant} there",
                        domain.offers)]
     return [passed(name)]
+
+
+#: botocore's errors for a request nothing could sign (botocore.exceptions)
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is botocore's for missing credentials."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if type(e).__name__ in _NO_CREDENTIALS:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 async def check_secrets(config: Config, timeout_s: float = CHECK_TIMEOUT_S) -> list[CheckResult]:
