@@ -69,6 +69,8 @@ UNITDIR ?= /etc/systemd/system
 SYSUSERSDIR ?= /etc/sysusers.d
 install-systemd:
 	@test -x $(BINDIR)/spotvisord || { echo "install-systemd: no $(BINDIR)/spotvisord; pip install '.[control,rendezvous]' first, or set BINDIR=" >&2; exit 2; }
+	@if [ -z "$(DESTDIR)" ]; then case "$$(realpath -m $(BINDIR))/" in /tmp/*|/var/tmp/*|/home/*|/root/*) \
+		echo "install-systemd: BINDIR $(BINDIR) is under /tmp, /var/tmp, /home or /root, which the units hide (PrivateTmp=, ProtectHome=); install into a venv elsewhere, e.g. /opt/spotvisor" >&2; exit 2;; esac; fi
 	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR)
 	for unit in systemd/*.service; do \
 		sed 's|/usr/local/bin/|$(BINDIR)/|g' $$unit > $(DESTDIR)$(UNITDIR)/$$(basename $$unit) && \
