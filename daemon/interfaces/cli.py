@@ -878,8 +878,8 @@ def _cloud_check(config: Config, timeout_s: float, out: Callable[[str], None]) -
                                         **_cloud_kwargs(config, name))
                   for name in sorted({o.provider for o in config.offers} & {"aws", "aliyun"})}
         try:
-            return [*await run_checks(config, lambda name: clouds.get(name), timeout_s=timeout_s),  # type: ignore[arg-type]
-                    *await check_secrets(config, timeout_s)]
+            found = await run_checks(config, clouds.get, timeout_s=timeout_s)  # type: ignore[arg-type]
+            return [*found, *await check_secrets(config, timeout_s)]
         finally:
             for p in clouds.values():
                 await p.aclose()

@@ -262,7 +262,8 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
         reply = await _request(sock, "/v1/checkpoint", method="POST")
         said = ("the job commits at its next step boundary" if reply.get("trainer_reports", True) else
                 "the job's script (job.command) has reported no step, so a commit may not follow: only a script "
-                "with spotvisor's HF callback or trainer library commits on request; a plain one keeps its own schedule")
+                "with spotvisor's HF callback or trainer library commits on request; a plain one keeps its own "
+                "schedule")
         _emit(as_json, reply, lambda: f"checkpoint requested ({reply['request_id']}): {said}")
     elif c == "drain":
         reply = await _request(sock, _node_path(args.node, "drain"), method="POST")

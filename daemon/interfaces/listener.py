@@ -51,8 +51,8 @@ from daemon.control.bounds import ConnectionCaps, connection_caps
 from daemon.controlnode.core import wait_event
 from daemon.hosts import bind_fix
 
-__all__ = ["AgentListener", "ListenError", "LoopAcceptErrors", "nofile_limit", "agent_connection_caps", "FIRST_REQUEST_S",
-           "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S", "METRICS_CAPS", "SHUTDOWN_S"]
+__all__ = ["AgentListener", "ListenError", "LoopAcceptErrors", "nofile_limit", "agent_connection_caps",
+           "FIRST_REQUEST_S", "BODY_READ_S", "KEEPALIVE_S", "LOG_EVERY_S", "METRICS_CAPS", "SHUTDOWN_S"]
 
 log = structlog.get_logger("spotvisor.daemon")
 

@@ -310,7 +310,8 @@ async def _quota(config: Config, clients: _Clients, region: str, code: str, grou
         described = await clients.call("ec2", region, "describe_instance_types", InstanceTypes=types)
         vcpus = {t["InstanceType"]: int(t["VCpuInfo"]["DefaultVCpus"]) for t in described.get("InstanceTypes", [])}
     except Exception as exc:  # noqa: BLE001
-        if isinstance(exc, botocore.exceptions.ClientError) and _code(exc) == "InvalidInstanceType":  # a typo, not a permission (e.g. p4d.24xlarg)
+        # a typo (p4d.24xlarg), not a missing permission
+        if isinstance(exc, botocore.exceptions.ClientError) and _code(exc) == "InvalidInstanceType":
             fields = ", ".join(f"offers.{o.index}.instance_type" for o in group)
             return [failed(name, f"DescribeInstanceTypes: {_message(exc)}",
                            f"{fields}: a type EC2 offers in {region} (aws ec2 describe-instance-types)", idx)]
