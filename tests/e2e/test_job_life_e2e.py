@@ -171,7 +171,7 @@ async def test_down_commits_releases_and_resume_continues_from_the_commit(tmp_pa
             rc, out, err = await spotctl(*sock, "resume", "--json")
             assert rc == 0, err
             assert json.loads(out) == {"state": "pending", "was": "cancelled", "target_nodes": 1,
-                                       "resume_from_step": commit}
+                                       "resume_from_step": commit, "trainer_reports": True}
             resumed = await _until(sup, lambda: [e for e in _events(sup, "job_resumed") if e.seq > cancelled.seq],
                                    "job_resumed", timeout_s=120)
             assert resumed[0].data["resumed_from"] == commit and resumed[0].data["step"] == commit
