@@ -152,6 +152,7 @@ async def test_first_pool_on_alibaba_runs_as_written(tmp_path: Path, oss_server,
     import yaml
 
     from fakes.ecs import FakeEcs
+    from fakes.kms import FakeKms
 
     bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
     oss_server.create_bucket(bucket)
@@ -180,7 +181,10 @@ async def test_first_pool_on_alibaba_runs_as_written(tmp_path: Path, oss_server,
     config_path = ws / "qwen-sft.yaml"
     cfg = yaml.safe_load(config_path.read_text())
     assert cfg["domains"][0]["launch"]["image_id"] == "m-bp1walkthrough0000"
-    async with FakeEcs(access_key_id=_ALI_AK, access_key_secret=_ALI_SK) as ecs:
+    async with FakeEcs(access_key_id=_ALI_AK, access_key_secret=_ALI_SK) as ecs, \
+            FakeKms(access_key_id=_ALI_AK, access_key_secret=_ALI_SK) as kms:
+        kms.put("qwen-sft-hf-token", "hf_" + uuid.uuid4().hex)  # the doc's job.secrets.HF_TOKEN, which check reads
+        env["SPOTVISOR_KMS_ENDPOINT"] = kms.endpoint
         ecs.images["cn-hangzhou"] = {env["IMAGE"]}
         ecs.security_groups["cn-hangzhou"] = {env["SG"]}
         ecs.ram_roles = {"spotvisor-node"}
@@ -194,6 +198,8 @@ async def test_first_pool_on_alibaba_runs_as_written(tmp_path: Path, oss_server,
         checks = [ln for ln in out.splitlines() if ln.startswith(("ok ", "FAIL"))]
         assert checks and not [ln for ln in checks if ln.startswith("FAIL")], "\n".join(checks)
         assert any(f"store oss://{bucket}/qwen-sft" in ln for ln in checks)
+        assert "ok   job.secrets.HF_TOKEN (kms:qwen-sft-hf-token?region=cn-hangzhou): read" in "\n".join(checks)
+        assert [r["SecretName"] for r in kms.requests] == ["qwen-sft-hf-token"]
         dry = ecs.calls("RunInstances", dry_run=True)
         assert len(dry) == 2 and all(p["RamRoleName"] == "spotvisor-node" and p["ImageId"] == env["IMAGE"]
                                      and p["SystemDisk.Category"] == "cloud_essd" for p in dry)

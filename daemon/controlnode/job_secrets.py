@@ -131,13 +131,20 @@ def _json_field(text: str, key: str) -> str:
     return doc[key]
 
 
+#: KMS's endpoint, ``host:port`` over plain HTTP: a local fake of KMS standing in for the cloud's
+#: (boto3 reads AWS_ENDPOINT_URL for SSM and Secrets Manager; Alibaba's SDK has no such setting)
+KMS_ENDPOINT_ENV = "SPOTVISOR_KMS_ENDPOINT"
+
+
 def fetcher(endpoints: Mapping[str, str] | None = None, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> Fetch:
     """The blocking reader of every source scheme. ``endpoints``: scheme → endpoint
-    (``ssm``, ``secretsmanager``: a URL; ``kms``: ``host:port`` over plain HTTP), for tests
-    and VPC endpoints; absent: the SDK's own."""
+    (``ssm``, ``secretsmanager``: a URL; ``kms``: ``host:port`` over plain HTTP), for tests;
+    absent: ``$SPOTVISOR_KMS_ENDPOINT`` for ``kms``, else the SDK's own."""
     from daemon.providers import cloud_secrets as cloud
 
     ends = dict(endpoints or {})
+    if "kms" not in ends and os.environ.get(KMS_ENDPOINT_ENV):  # a local fake of KMS (the walkthrough's test)
+        ends["kms"] = os.environ[KMS_ENDPOINT_ENV]
     call_s = max(1.0, timeout_s / 3)  # each SDK call's connect / read timeout, within the whole
 
     def fetch(ref: SecretRef, region: str | None) -> str:
