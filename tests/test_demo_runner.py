@@ -167,3 +167,37 @@ def test_the_daemon_says_when_the_runner_starts_no_new_store(tmp_path: Path) -> 
     side.kill()  # gone already: nothing to do
     with pytest.raises(RuntimeError, match=f"no new rendezvous store within 0.3 s .*{pid_file.name}"):
         side.start(0.3)
+
+
+async def test_a_daemon_fault_waits_for_a_store_restart_in_flight() -> None:
+    """Overdue events fire back to back (a restarted daemon catching up on its schedule): a
+    kill_control_node 1 s after a kill_store found the store dead, killed nothing, and took
+    the daemon that was to record the store's restart with it. A daemon fault now waits
+    for the store restarts in flight, whose records come first."""
+    from types import SimpleNamespace
+
+    from daemon.config import ChaosEvent
+    from daemon.model import JobState
+    from daemon.providers import chaos
+
+    recorded: list[dict] = []
+    started = asyncio.Event()
+
+    class Store:  # the rendezvous store: killed now, started again after its outage
+        def kill(self) -> None:
+            pass
+
+        def start(self) -> None:
+            started.set()
+
+    sup = SimpleNamespace(
+        store=SimpleNamespace(events=lambda **_: []), clock=lambda: 100.0, nodes={},
+        job=SimpleNamespace(started_at=0.0, step=40, state=JobState.RUNNING, resumed_at=None, world_size=1),
+        fleet=SimpleNamespace(provider=SimpleNamespace(publish_interruption=None, kill=None, name="stand-in")),
+        record=lambda kind, node=None, **data: recorded.append(data))
+    events = [ChaosEvent(action="kill_store", at_step=20, restart_after_s=0.2, wait_full_pool=False),
+              ChaosEvent(action="kill_daemon", at_step=12, restart_after_s=2, wait_full_pool=False)]  # skipped: no runner
+    await chaos.run_chaos(sup, events, tick_s=0.01, rendezvous=Store())  # type: ignore[arg-type]
+    assert started.is_set()
+    assert [(r["index"], r["action"]) for r in recorded] == [(0, "kill_store"), (0, "store_restarted"),
+                                                               (1, "kill_daemon")]

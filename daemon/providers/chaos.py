@@ -142,6 +142,11 @@ async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float,
             _partition_leader(sup, i, ev, provider)  # the runner cuts once it reads the event in etcd
             continue
         if ev.action in DAEMON_FAULTS:
+            # a store restart in flight ends first: it is this daemon that records it, and a
+            # control-node kill reads the store's pid, which would name the dead store (seen
+            # under load: overdue events fired 1 s apart, store_restarted was never recorded,
+            # and the runner waited 30 s for a restart the control-node kill never caused)
+            await asyncio.gather(*restarts)
             _kill_daemon(sup, i, ev, provider)  # returns only when skipped
             continue
         if ev.action == "capacity_out":
