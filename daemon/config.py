@@ -1675,6 +1675,23 @@ _SYNONYMS = {"kind": "type", "webhook_url": "url_env", "instance": "instance_typ
              "gpus": "gpus_per_node", "price": "max_price_usd_h"}
 
 
+#: each ``pattern=`` a config field has, in words, with an example (pydantic's own message
+#: quotes the regular expression)
+_PATTERN_WORDS = {
+    r"^[a-z0-9][a-z0-9-]{0,62}$": "lowercase letters, digits and '-', starting with a letter or digit, at most 63 "
+                                  "characters (e.g. llama-ft)",
+    r"^[a-z0-9][a-z0-9_-]{0,62}$": "lowercase letters, digits, '_' and '-', starting with a letter or digit, at most "
+                                   "63 characters (e.g. ops-slack)",
+    r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$": "letters, digits, '_', '.' and '-', starting with a letter or digit, at "
+                                          "most 64 characters (e.g. llama-ft-2)",
+    r"^ami-[0-9a-f]+$": "an AMI id: ami- and hex digits (e.g. ami-0123456789abcdef0)",
+    r"^sg-[0-9a-z]+$": "a security group id: sg- and letters or digits (e.g. sg-bp1abc)",
+    r"^[A-Za-z0-9.-]{1,64}$": "a RAM role name: letters, digits, '.' and '-', at most 64 characters",
+    r"^https?://\S+$": "an http:// or https:// URL without spaces",
+    r"^[A-Za-z_][A-Za-z0-9_]*$": "an environment variable's name (e.g. SLACK_WEBHOOK_URL)",
+}
+
+
 def _whole(v: Any) -> int | None:
     """``v``, text such as ``1e4`` or ``1_000``, as the whole number it says; else None."""
     try:
@@ -1702,6 +1719,8 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
                    else "unknown key (check the spelling against configs/local.yaml)")
         elif err["type"] == "int_parsing" and _whole(err.get("input")) is not None:  # YAML reads 1e4 as text
             msg = f"{err['input']!r} is text to YAML, not a number (write it out: {_whole(err['input'])})"
+        elif err["type"] == "string_pattern_mismatch" and (err.get("ctx") or {}).get("pattern") in _PATTERN_WORDS:
+            msg = f"must be {_PATTERN_WORDS[err['ctx']['pattern']]}; got {err.get('input')!r}"
         elif err["type"] == "finite_number":
             msg = f"must be a finite number, got {err.get('input')!r} (give a number, e.g. 30)"
         elif err["type"] == "missing":

@@ -776,3 +776,20 @@ def test_a_number_written_as_other_tools_write_it_is_one_line_with_the_form_to_u
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.problems == [problem]
+
+
+def test_every_pattern_a_field_has_is_said_in_words(tmp_path: Path) -> None:
+    """pool.name: My Pool! was answered with the regular expression; every ``pattern=`` of a
+    config field now has words and an example, and a new one without them fails here."""
+    import re as re_
+
+    from daemon.config import _PATTERN_WORDS
+
+    patterns = {m for p in (ROOT / "daemon").rglob("*.py") for m in re_.findall(r'pattern=r"([^"]+)"', p.read_text())}
+    assert patterns and patterns <= set(_PATTERN_WORDS), patterns - set(_PATTERN_WORDS)
+    path = tmp_path / "c.yaml"
+    path.write_text("pool: {name: My Pool!}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.problems == ["pool.name: must be lowercase letters, digits and '-', starting with a letter or "
+                                  "digit, at most 63 characters (e.g. llama-ft); got 'My Pool!'"]

@@ -924,7 +924,7 @@ def _problems(tmp_path: Path, notify_yaml: str) -> list[str]:
     ("  - {name: ops, type: slack, url: 'https://h/x', secret_env: K}",
      "notify.0: secret_env: Slack incoming webhooks are not signed"),
     ("  - {name: Ops Feed, type: slack, url: 'https://h/x'}",
-     "notify.0.name: String should match pattern"),
+     "notify.0.name: must be lowercase letters, digits, '_' and '-', starting with a letter or digit"),
     ("  - {name: ops, type: teams, url: 'https://h/x'}",
      "notify.0.type: Input should be 'slack' or 'webhook'"),
     ("  - {name: ops, type: slack, url: 'https://h/x'}\n  - {name: ops, type: slack, url: 'https://h/y'}",
