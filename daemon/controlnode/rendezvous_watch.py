@@ -16,6 +16,7 @@ raised then, and one that held is dropped without an event.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import structlog
@@ -24,7 +25,7 @@ from daemon.control.rendezvous_health import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, 
 from daemon.controlnode.core import Core
 from daemon.model import EventKind
 
-__all__ = ["RendezvousWatch", "probe"]
+__all__ = ["RendezvousWatch", "probe", "store_sentence"]
 
 log = structlog.get_logger("spotvisor.daemon")
 
@@ -56,16 +57,13 @@ class RendezvousWatch:
         self.interval_s = interval_s
         self.health: StoreHealth | None = None
 
-    def _domain(self, name: str) -> Any:
-        return next(d for d in self.core.config.domains_resolved() if d.name == name)
-
     async def probe_once(self) -> None:
         """One probe, when the pool wants nodes; records the event :func:`observe` says."""
         core = self.core
         if core.desired_nodes <= 0:
             self.health = None
             return
-        d = self._domain(core.domain)
+        d = core.config.domain(core.domain)
         domain, host, port = d.name, d.rendezvous.host, d.rendezvous.port
         error = await probe(host, port)
         endpoint = f"{host}:{port}"
@@ -91,6 +89,19 @@ class RendezvousWatch:
         """``spotctl status``'s ``rendezvous``: the alarm that holds, or ``{}``
         (:func:`daemon.control.rendezvous_health.alarm`)."""
         h = self.health
-        local = h is not None and any(d.name == h.domain and d.provider == "local"
-                                      for d in self.core.config.domains_resolved())
+        try:
+            local = h is not None and self.core.config.domain(h.domain).provider == "local"
+        except KeyError:  # a domain this config no longer has: its fix is the cloud's
+            local = False
         return alarm(h, local=local)
+
+
+def store_sentence(shown: dict[str, Any]) -> str:
+    """The alarm of :func:`alarm` as one clause for another message (a ``job_stalled``'s):
+    the endpoint, its domain, since when (UTC), the error and the fix."""
+    try:
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(float(shown["since"])))
+    except (TypeError, ValueError, OverflowError, KeyError):
+        since = "?"
+    return (f"the rendezvous store at {shown.get('endpoint')} (domain {shown.get('domain')}) has not answered "
+            f"since {since}: {shown.get('error')} ({shown.get('fix')})")

@@ -13,7 +13,6 @@ joiners join in-process, the nodes the job trains on without
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable
 
 import structlog
@@ -24,6 +23,7 @@ from daemon.control.lifecycle import ADMITTED
 from daemon.control.reactions import script_completed
 from daemon.control.stall import Progress, StallRules, check, left_behind, observe, recover
 from daemon.controlnode.core import Core
+from daemon.controlnode.rendezvous_watch import store_sentence
 from daemon.model import Event, EventKind
 
 __all__ = ["StallWatch"]
@@ -86,8 +86,7 @@ class StallWatch:
         actions = recover(s, stall, frozenset(core.config.valid_world_sizes()))
         alarm = self._store_alarm()
         if alarm:
-            said = (f"; the rendezvous store at {alarm['endpoint']} (domain {alarm['domain']}) has not answered "
-                    f"since {_clock(alarm['since'])}: {alarm['error']} ({alarm['fix']})")
+            said = "; " + store_sentence(alarm)
             actions = [dataclasses.replace(a, message=a.message + said) if isinstance(a, JobStalled) else a
                        for a in actions]
         for action in actions:
@@ -105,10 +104,3 @@ class StallWatch:
         core.act(CompleteJob(context=(("how", "every_trainer_exited_0"), ("nodes", nodes))))  # job_completed
         log.info("job_completed", pool=core.pool, how="every_trainer_exited_0", nodes=nodes)
 
-
-def _clock(t: Any) -> str:
-    """Unix seconds as ``HH:MM:SS`` UTC, for a message; ``?`` when it is not a time."""
-    try:
-        return time.strftime("%H:%M:%S UTC", time.gmtime(float(t)))
-    except (TypeError, ValueError, OverflowError):
-        return "?"
