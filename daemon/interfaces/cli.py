@@ -818,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
             except SecretError as exc:  # one line naming the secret and its source, never its value
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return exc.exit_code
-            except (StateDirError, WorkdirError, DeadlineError) as exc:  # a file planted in the state dir
+            except (StateDirError, WorkdirError, DeadlineError) as exc:  # a planted file, a workdir, a late deadline
                 print(f"spotvisord run: {exc}", file=sys.stderr)
                 return 2
             except OSError as exc:  # e.g. the agent port is taken, the socket's directory is not writable
