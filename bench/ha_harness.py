@@ -178,10 +178,15 @@ def ha_configs(root: Path, sockdir: str, *, pool: str, endpoints: list[str], ec2
     return daemons
 
 
-def instances(ec2: Any, pool: str) -> list[dict[str, Any]]:
-    """Every instance tagged ``spotvisor-pool=pool``, in any state (boto3 EC2 client ``ec2``)."""
+def instances(ec2: Any, pool: str, states: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every instance tagged ``spotvisor-pool=pool``, in any state (boto3 EC2 client ``ec2``);
+    only those in ``states`` if given (EC2's ``instance-state-name`` filter: moto then
+    serializes only those, where a pool's whole history grows with every replacement)."""
+    filters = [{"Name": f"tag:{POOL_TAG}", "Values": [pool]}]
+    if states:
+        filters.append({"Name": "instance-state-name", "Values": list(states)})
     out = []
-    for page in ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": [pool]}]):
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
         for r in page["Reservations"]:
             out += r["Instances"]
     return out

@@ -168,10 +168,10 @@ class _TwoRegionSim(Ec2Sim):
         self.clients = {r: boto3.client("ec2", endpoint_url=endpoint, region_name=r) for r in _REGIONS}
         self.region_of: dict[str, str] = {}
 
-    def instances(self) -> list[dict[str, Any]]:
+    def instances(self, states: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         out = []
         for region, client in self.clients.items():
-            for inst in instances(client, self.pool):
+            for inst in instances(client, self.pool, states):
                 self.region_of[inst["InstanceId"]] = region
                 out.append(inst)
         return out

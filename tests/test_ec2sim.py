@@ -33,8 +33,8 @@ class _Sim(Ec2Sim):
         self.shutdown_s = shutdown_s
         self.booted, self.shutting, self.ended = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    def instances(self) -> list[dict[str, Any]]:
-        return [{"InstanceId": i, "State": {"Name": s}} for i, s in self.state.items()]
+    def instances(self, states: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        return [{"InstanceId": i, "State": {"Name": s}} for i, s in self.state.items() if not states or s in states]
 
     async def _boot(self, iid: str) -> None:
         async def shutdown() -> None:

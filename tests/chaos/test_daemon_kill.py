@@ -51,9 +51,10 @@ from daemon.gpunode.agent import NodeAgent
 from daemon.gpunode.metadata.aws import AwsImds
 from daemon.providers.local_metadata.aws import FakeImds
 from daemon.model import Event
-from daemon.providers.base import NODE_TAG, POOL_TAG
+from daemon.providers.base import NODE_TAG
 from fakes.aws_faults import AwsFaultProxy
 from trainers import STANDIN
+from bench.ha_harness import instances
 from bench.ports import free_port
 
 pytestmark = pytest.mark.chaos
@@ -98,17 +99,13 @@ class Ec2Sim:
         self._loop: asyncio.Task[None] | None = None
 
     # -- the cloud's view ------------------------------------------------------------------
-    def instances(self) -> list[dict[str, Any]]:
-        """Every instance of the pool moto knows, terminated ones included."""
-        out = []
-        for page in self.ec2.get_paginator("describe_instances").paginate(
-                Filters=[{"Name": f"tag:{POOL_TAG}", "Values": [self.pool]}]):
-            for r in page["Reservations"]:
-                out += r["Instances"]
-        return out
+    def instances(self, states: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        """Every instance of the pool moto knows, terminated ones included; only those in
+        ``states`` if given (:func:`bench.ha_harness.instances`)."""
+        return instances(self.ec2, self.pool, states)
 
     def live(self) -> list[dict[str, Any]]:
-        return [i for i in self.instances() if i["State"]["Name"] in _LIVE]
+        return self.instances(_LIVE)
 
     @staticmethod
     def node_of(inst: dict[str, Any]) -> str:
@@ -133,17 +130,21 @@ class Ec2Sim:
             await self._ended(task)
 
     async def _watch(self) -> None:
+        # the live instances only, 4 times a second: a listing of every instance the pool
+        # ever had, 10 times a second, was a third of the test process's CPU (moto's XML
+        # serializer), taken from the daemons and trainers it runs beside on 2 cores
         while True:
-            for inst in await asyncio.to_thread(self.instances):
-                iid, state = inst["InstanceId"], inst["State"]["Name"]
-                if state in _LIVE and iid not in self.agents and iid not in self._booting:
+            live = {inst["InstanceId"] for inst in await asyncio.to_thread(self.live)}
+            for iid in sorted(live):
+                if iid not in self.agents and iid not in self._booting:
                     self._booting.add(iid)
                     t = asyncio.create_task(self._boot(iid), name=f"boot:{iid}")
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)
-                elif state not in _LIVE and iid in self.agents:
+            for iid in [i for i in self.agents if i not in live]:
+                if iid in self.agents:  # not taken down meanwhile
                     await self._down(iid)  # the VM is gone: so is everything on it
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.25)
 
     async def _boot(self, iid: str) -> None:
         await asyncio.sleep(self.boot_s)
