@@ -224,8 +224,9 @@ def side_of(path: str) -> str:
     return NODE if path.startswith(("daemon/gpunode/", "trainer/")) else CONTROL
 
 
-def _imports(tree: ast.AST, mod: str, is_pkg: bool, known: set[str]) -> set[str]:
-    """Project modules ``tree`` imports anywhere (function bodies too), with their parent packages."""
+def _imported_names(tree: ast.AST, mod: str, is_pkg: bool) -> set[str]:
+    """Every dotted name ``tree`` imports anywhere (function bodies too), with its parents:
+    the project's modules among them are its edges in the import graph."""
     found: set[str] = set()
     for node in ast.walk(tree):
         names: list[str] = []
@@ -241,9 +242,7 @@ def _imports(tree: ast.AST, mod: str, is_pkg: bool, known: set[str]) -> set[str]
         for name in names:
             parts = name.split(".")
             for i in range(1, len(parts) + 1):
-                cand = ".".join(parts[:i])
-                if cand in known:
-                    found.add(cand)
+                found.add(".".join(parts[:i]))
     return found
 
 
@@ -290,12 +289,27 @@ def _client_service(call: ast.Call) -> str | None:
     return svc if svc in boto_services() else None
 
 
+@functools.lru_cache(maxsize=None)
+def _scan(path: str, text: str) -> _ModuleScan:
+    """One module's scan, made once per text: the tests derive the whole tree a dozen times
+    with one module added or edited, and a scan was 80 % of a derivation's 3 CPU-s."""
+    return _ModuleScan(path, text)
+
+
+@functools.lru_cache(maxsize=None)
+def _calls(scan: _ModuleScan, services: frozenset[str]) -> tuple[Call, ...]:
+    return tuple(scan.calls(set(services)))
+
+
 class _ModuleScan:
-    """What one module holds: clients it creates, oss2 buckets, and candidate call sites."""
+    """What one module holds: clients it creates, oss2 buckets, and candidate call sites.
+    Not changed after it is made (:func:`_scan` shares one between derivations)."""
 
     def __init__(self, path: str, text: str) -> None:
         self.path = path
         self.tree = ast.parse(text, filename=path)
+        mod = module_name(path)
+        self.imported_names = frozenset(_imported_names(self.tree, mod, path.endswith("__init__.py")))
         self.services: set[str] = set()
         # dotted target -> every service assigned to that name in the module (two functions'
         # ``client`` variables are one name here: a call on it may be either's)
@@ -448,11 +462,10 @@ def derive(sources: Mapping[str, str]) -> list[Call]:
         DeriveError: a call that cannot be mapped to an action (an unknown oss2 method, an
             operation name two services in reach share, an RPC request without literals).
     """
-    scans = {p: _ModuleScan(p, t) for p, t in sources.items()}
+    scans = {p: _scan(p, t) for p, t in sources.items()}
     mods = {module_name(p): p for p in scans}
     known = set(mods)
-    graph = {module_name(p): _imports(s.tree, module_name(p), p.endswith("__init__.py"), known)
-             for p, s in scans.items()}
+    graph = {module_name(p): s.imported_names & known for p, s in scans.items()}
     reach = {m: _closure([m], graph) for m in graph}
     sides = {side: _closure([module_name(p) for p in scans if side_of(p) == side], graph)
              for side in (CONTROL, NODE)}
@@ -461,6 +474,6 @@ def derive(sources: Mapping[str, str]) -> list[Call]:
         mod = module_name(path)
         services = set().union(*(scans[mods[m]].services for m in reach[mod]))
         on = frozenset(side for side, members in sides.items() if mod in members)
-        for call in scan.calls(services):
+        for call in _calls(scan, frozenset(services)):
             out.append(Call(call.action, call.cloud, call.path, call.line, call.via, on))
     return sorted(out, key=lambda c: (c.action, c.path, c.line))
