@@ -57,7 +57,9 @@ def s3_server() -> Iterator[str]:
 
 SLOW_LANES = ("slow-a", "slow-b")  # the xdist groups the slow tests are split into
 #: Each slow test's measured seconds (a run of ``-m slow -n 2 --dist loadgroup --durations=0``
-#: on 2 idle cores; refresh with ``python tests/slow_costs.py < that run's output``)
+#: on 2 idle cores, or its lanes' lines of the whole suite's run under ``-n 3``, as last taken;
+#: refresh with ``python tests/slow_costs.py < that run's output``). Relative weights: the
+#: whole suite's run on 2 cores took each 1.3-3 x its idle time.
 SLOW_COSTS = json.loads((Path(__file__).with_name("slow_costs.json")).read_text())
 
 

@@ -3,6 +3,9 @@
     .venv/bin/python -m pytest -q -m slow -n 2 --dist loadgroup --durations=0 | tee slow.txt
     .venv/bin/python tests/slow_costs.py < slow.txt
 
+or, from the whole suite's run (``-n 3 --dist loadgroup --durations=0``), its lanes' lines
+only: ``grep '@slow-' whole.txt | .venv/bin/python tests/slow_costs.py``.
+
 Each slow test's ``call`` seconds (its set-up and teardown added), rounded to a tenth, by
 its id without xdist's ``@<lane>`` suffix: what tests/conftest.py balances the lanes on.
 """
