@@ -93,6 +93,15 @@ def run_evidence(tmp_path: Path, *, lines: int = 40) -> str:
 
 
 @pytest.fixture
+def plain_script_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that is not the reference trainer (a user's plain script, one that crashes):
+    its nodes' zygotes preload torch only, as a user's would without ``job.preload``.
+    tests/conftest.py has every other job's zygotes preload ``trainer.run`` (with GPT-2 from
+    transformers, 3.4 CPU-s a node boot), which such a script never imports."""
+    monkeypatch.delenv("SPOTVISOR_ZYGOTE_PRELOAD", raising=False)
+
+
+@pytest.fixture
 def run_config_demo(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     """``run_config_demo("configs/X.yaml", timeout_s=...)`` → the summary of ``spotvisord demo``
     on that shipped config as written (job, providers, chaos); ``job``: job fields to

@@ -68,6 +68,7 @@ def _instances(sup: Supervisor) -> set[str]:
     return {e.data["instance_id"] for e in _events(sup, "node_launched")}
 
 
+@pytest.mark.usefixtures("plain_script_job")
 @pytest.mark.parametrize("runner", ["in_process", "outside"])
 def test_a_demo_whose_job_fails_exits_1_once_the_pool_is_released(tmp_path: Path, runner: str) -> None:
     """``spotvisord demo`` of a script that cannot start ends with exit 1 as soon as the job
@@ -90,6 +91,7 @@ def test_a_demo_whose_job_fails_exits_1_once_the_pool_is_released(tmp_path: Path
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.usefixtures("plain_script_job")
 async def test_a_crash_looping_script_fails_after_three_tries_and_releases_everything(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(CRASH)
@@ -123,6 +125,7 @@ async def test_a_crash_looping_script_fails_after_three_tries_and_releases_every
             assert sup.job.state is not JobState.FAILED and sup.store.get("job_end") is None
 
 
+@pytest.mark.usefixtures("plain_script_job")
 async def test_workers_failing_before_they_report_fail_the_job_at_the_third_failure(tmp_path: Path) -> None:
     """A status-reporting job whose workers fail before their first started line (here a
     module that does not import; on the H200 trial of 2026-12-04, NCCL refusing two ranks

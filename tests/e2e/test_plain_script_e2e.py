@@ -98,6 +98,7 @@ def _chaos_by_the_scripts_own_progress(save_dir: Path, tmp_path: Path) -> Callab
     return during
 
 
+@pytest.mark.usefixtures("plain_script_job")
 def test_an_unmodified_ddp_script_survives_a_notice_and_a_kill(run_demo, tmp_path: Path) -> None:
     save_dir = tmp_path / "ckpt"
     run_demo(
