@@ -90,4 +90,3 @@ def alarm(health: StoreHealth | None, *, local: bool) -> dict[str, Any]:
         return {}
     return {"domain": health.domain, "endpoint": health.endpoint, "since": health.since, "failures": health.failures,
             "error": health.error, "fix": fix(health.endpoint, local=local)}
-

@@ -103,4 +103,3 @@ class StallWatch:
         nodes = sorted(n.id for n in s.in_domain().in_state(*ADMITTED))
         core.act(CompleteJob(context=(("how", "every_trainer_exited_0"), ("nodes", nodes))))  # job_completed
         log.info("job_completed", pool=core.pool, how="every_trainer_exited_0", nodes=nodes)
-
