@@ -126,11 +126,31 @@ async def test_a_leader_whose_keepalives_are_answered_late_keeps_leading(clients
             return replies()
 
         client.leasestub.LeaseKeepAlive = slow  # type: ignore[method-assign]
-        with pytest.raises(TimeoutError):  # no change of role for two TTLs
-            await _role(a, ld.Role.FOLLOWER, 2 * a.cfg.ttl_s)
+        with structlog.testing.capture_logs() as logs:
+            with pytest.raises(TimeoutError):  # no change of role for two TTLs
+                await _role(a, ld.Role.FOLLOWER, 2 * a.cfg.ttl_s)
         assert a.may_act()
     finally:
         await a.aclose()
+    # the operator hears of it before it costs the lead: once per streak, not each time
+    slow_lines = [e for e in logs if e["event"] == "ha_keepalive_slow"]
+    assert len(slow_lines) == 1 and slow_lines[0]["round_trip_s"] >= 2.5, slow_lines
+
+
+async def test_a_leader_whose_own_loop_blocks_past_its_deadline_says_so(clients) -> None:
+    """A blocking call holds the leader's event loop past its lease's deadline (4.25 s of
+    a 5 s TTL): it stops leading, and its reason names its own stalled loop, not etcd
+    (CI once showed only "no keepalive answered in time" and no way to tell them apart)."""
+    a = Elector(clients(), pool="p", name="a", cfg=ld.LeaderConfig(ttl_s=5.0)).start()
+    try:
+        await _role(a, ld.Role.LEADER, 15)
+        with structlog.testing.capture_logs() as logs:
+            time.sleep(5.0)  # the blocking call under test (on the loop, on purpose)
+            await _role(a, ld.Role.FOLLOWER, 10)
+    finally:
+        await a.aclose()
+    assert "this daemon's own loop had not run for 5." in a.lost_because, a.lost_because
+    assert [e["stalled_s"] >= 5.0 for e in logs if e["event"] == "ha_loop_stalled"] == [True], logs
 
 
 class _LosesOneCancel:

@@ -227,6 +227,17 @@ def test_every_way_a_leader_stops_leading_is_said_in_words() -> None:
     assert "fence 9" in said["FenceRejected"] and "revision 12" in said["LeaderKeyGone"]
 
 
+def test_a_lost_lease_says_whether_etcd_or_the_daemon_itself_was_late() -> None:
+    """Deposed on a Tick: a keepalive in flight and unanswered points at etcd or the
+    network; a step of the daemon's own loop that came seconds late points at this host
+    (a blocking call, a starved or paused process), which no etcd tuning mends."""
+    state = ld.LeaderState(role=ld.Role.LEADER, lease_id=7, ttl_s=4.0, confirmed_at=10.0, fence=9, asked_at=12.0)
+    etcd_late = ld.why_lost(state, ld.Tick(), 13.4, stalled_s=0.1)
+    assert "none answered since, the last sent 1.4 s ago" in etcd_late and "own loop" not in etcd_late
+    host_late = ld.why_lost(state, ld.Tick(), 13.4, stalled_s=ld.STALL_S + 1.9)
+    assert "this daemon's own loop had not run for 2.9 s" in host_late and "answered since" not in host_late
+
+
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 2**32), pause_at=st.floats(5, 20))
 def test_someone_leads_and_a_paused_leader_is_replaced_within_the_ttl_and_a_bit(seed, pause_at) -> None:

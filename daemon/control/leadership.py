@@ -46,7 +46,7 @@ __all__ = [
     "Role", "LeaderConfig", "LeaderState", "Observation", "Tick", "LeaseGranted", "LeaseRenewed",
     "LeaseLost", "CampaignWon", "CampaignLost", "LeaderKeyGone", "FenceRejected", "Failed", "Stop",
     "Action", "GrantLease", "Campaign", "KeepAlive", "RevokeLease", "Decision", "decide", "may_act", "why_lost",
-    "deadline", "INITIAL",
+    "deadline", "INITIAL", "STALL_S",
 ]
 
 
@@ -95,6 +95,10 @@ class LeaderState:
 
 
 INITIAL = LeaderState()
+
+#: seconds without a step of the edge's loop (idle tick ~0.1 s) that mean the daemon's own
+#: process was blocked or starved, not etcd slow (:func:`why_lost`, the edge's warning)
+STALL_S = 1.0
 
 
 # -- what the edge observed -------------------------------------------------------
@@ -255,10 +259,13 @@ def _tick(state: LeaderState, now: float, cfg: LeaderConfig) -> Decision:
     return Decision(new, tuple(acts), may_act(new, now, cfg))
 
 
-def why_lost(state: LeaderState, obs: Observation, now: float) -> str:
+def why_lost(state: LeaderState, obs: Observation, now: float, *, stalled_s: float = 0.0) -> str:
     """Why a leader in ``state`` stops leading on ``obs`` at ``now``, in words for the
     operator's log (the deposition's reason; a loss on a ``Tick`` is otherwise silent:
-    no request failed, its answers were just too late)."""
+    no request failed, its answers were just too late). ``stalled_s``: how long the
+    edge's loop had not run before this step (seconds; its idle tick is ~0.1 s): at
+    ``STALL_S`` or more the daemon's own process was blocked or starved, which no etcd
+    tuning mends, and the words say so."""
     ago = f"{now - state.confirmed_at:.1f} s ago" if state.confirmed_at is not None else "never"
     if isinstance(obs, LeaseRenewed):
         return "etcd no longer knows the lease (it expired there)"
@@ -276,7 +283,13 @@ def why_lost(state: LeaderState, obs: Observation, now: float) -> str:
     # passed): on a Tick no request failed, its answers were too late; on a Failed the
     # requests themselves failed (a partition: etcd out of reach)
     failed = "; the last request to etcd failed" if isinstance(obs, Failed) else ""
-    return (f"no keepalive answered in time (lease {state.ttl_s:g} s, last confirmed {ago}{failed}): "
+    if stalled_s >= STALL_S:
+        return (f"no keepalive answered in time (lease {state.ttl_s:g} s, last confirmed {ago}{failed}; "
+                f"this daemon's own loop had not run for {stalled_s:.1f} s): this host too slow, "
+                "or this process paused or blocked")
+    pending = (f"; none answered since, the last sent {now - state.asked_at:.1f} s ago"
+               if state.asked_at is not None and not failed else "")
+    return (f"no keepalive answered in time (lease {state.ttl_s:g} s, last confirmed {ago}{failed}{pending}): "
             "etcd or this host too slow, or etcd out of reach")
 
 

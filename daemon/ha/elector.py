@@ -85,6 +85,8 @@ class Elector:
         self._watch_task: asyncio.Task[None] | None = None
         self.watching = asyncio.Event()  # set while the key's watch stream is open (tests)
         self.lost_because = ""  # why it last stopped leading (leadership.why_lost), for the deposition's line
+        self._stepped_at: float | None = None  # the clock at the loop's last step (a stall shows as a gap)
+        self._slow = 0  # keepalives answered later than a renewal period, in a row
 
     # -- what the daemon reads --------------------------------------------------
     def may_act(self) -> bool:
@@ -173,6 +175,12 @@ class Elector:
 
     def _step(self, obs: ld.Observation) -> None:
         before, now = self.state, self.clock()
+        stalled_s = now - self._stepped_at if self._stepped_at is not None else 0.0
+        self._stepped_at = now
+        if stalled_s >= ld.STALL_S and before.role is ld.Role.LEADER:
+            log.warning("ha_loop_stalled", pool=self.pool, name=self.name, stalled_s=round(stalled_s, 2),
+                        lease_s=before.ttl_s, note="this daemon's event loop did not run: a blocking call, "
+                        "or the host starved it of CPU; the lease is at risk")
         out = ld.decide(before, obs, now, self.cfg)
         self.state = out.state
         if out.state.role is not before.role:
@@ -180,7 +188,7 @@ class Elector:
                      was=before.role.value, fence=out.state.fence, lease=out.state.lease_id,
                      on=type(obs).__name__)  # what changed it (Tick: a deadline passed)
             if before.role is ld.Role.LEADER:
-                self.lost_because = ld.why_lost(before, obs, now)
+                self.lost_because = ld.why_lost(before, obs, now, stalled_s=stalled_s)
             self.changed.set()
         for action in out.actions:
             self._spawn(self._carry_out(action), f"ha:{type(action).__name__}:{self.pool}")
@@ -220,11 +228,25 @@ class Elector:
                                                 confirmed_at=0.0), self.cfg) or 0.0
             wait_s = max(self.client.timeout_s, span_s)
             reply = await self.client.keepalive(action.lease_id, timeout_s=wait_s)
+            self._note_round_trip(self.clock() - sent)
             return ld.LeaseRenewed(action.lease_id, float(reply.TTL) if reply is not None else -1.0, sent)
         if isinstance(action, ld.Campaign):
             return await self._campaign(action.lease_id)
         await self._revoke(action.lease_id)
         return None
+
+    def _note_round_trip(self, rtt_s: float) -> None:
+        """Warn when keepalives come back later than a renewal period (the 1st, 10th and
+        every 100th of a streak): the margin to the lease's deadline is being eaten, and
+        the operator learns it before a deposition does."""
+        if rtt_s < self.cfg.renew_every_s:
+            self._slow = 0
+            return
+        self._slow += 1
+        if self._slow in (1, 10) or self._slow % 100 == 0:
+            log.warning("ha_keepalive_slow", pool=self.pool, name=self.name, round_trip_s=round(rtt_s, 2),
+                        renew_every_s=self.cfg.renew_every_s, lease_s=self.state.ttl_s or self.cfg.ttl_s,
+                        in_a_row=self._slow, note="etcd, the network to it, or this host slow")
 
     async def _campaign(self, lease_id: int) -> ld.Observation:
         tx = self.client.transactions
