@@ -53,7 +53,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
@@ -137,6 +137,10 @@ async def _daemon_in(config: Config, state: Path, *, with_chaos: bool, providers
                      rendezvous: "StoreProcess | RunnerStore | None", redactor: Redactor,
                      ha: "Leadership | None" = None) -> AsyncIterator["Supervisor"]:
     """:func:`running_daemon` in ``state``, its locked state directory."""
+    # these imports (boto3, aiohttp, the supervisor: ~0.6 s of CPU, seconds on a loaded
+    # host) off the loop: a caller's own tasks run on it meanwhile (with ha: a lease, once a
+    # campaign runs; spotvisord run campaigns only after this start, _stand_by)
+    await asyncio.to_thread(_import_all, _START_MODULES)
     from daemon.interfaces.api import ApiServer
     from daemon.providers.chaos import run_chaos
     from daemon.controlnode.supervisor import Supervisor
@@ -288,17 +292,27 @@ async def _check_while_standing_by(config: Config, providers: Mapping[str, Any],
         await asyncio.sleep(STANDBY_CHECK_EVERY_S)  # a refresh period, not synchronisation
 
 
+#: what :func:`_daemon_in` imports when it runs (the feed's Notifier among them: the control
+#: extra, checked by main before the daemon starts)
+_START_MODULES = ("daemon.interfaces.api", "daemon.providers.chaos", "daemon.controlnode.supervisor",
+                  "daemon.controlnode.tls", "daemon.controlnode.job_secrets", "daemon.feed.notify")
+
+
+def _import_all(names: Sequence[str]) -> None:
+    import importlib
+
+    for name in names:
+        importlib.import_module(name)
+
+
 def _takeover_imports(config: Config) -> None:
     """Import what a new leader's start would import lazily (the pre-flight, the cloud
     check of each provider configured), so a takeover spends no CPU on it: on a loaded
     host that CPU is what stands between the lead and the first act."""
-    import importlib
-
     names = ["daemon.controlnode.preflight"]
     kinds = {o.provider for o in config.offers}
     names += [f"daemon.providers.{k}_check" for k in ("aws", "aliyun") if k in kinds]
-    for name in names:
-        importlib.import_module(name)
+    _import_all(names)
 
 
 @contextlib.contextmanager
