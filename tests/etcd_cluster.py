@@ -30,9 +30,11 @@ Members never outlive the test process, however it ends (pytest SIGKILLed includ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -292,6 +294,42 @@ class EtcdCluster:
         for i in range(len(self.members)):
             self.kill(i, signal.SIGTERM)
 
+    def strain(self) -> str:
+        """What the members logged of being slow (etcd 3.4's warnings: "apply request took
+        too long", "leader failed to send out heartbeat on time", "slow fdatasync", timed
+        out reads, lost peer streams), counted per message; "" when nothing. A deposition
+        under CI's load is then told apart: etcd struggling, or the daemon's host."""
+        counts: dict[str, int] = {}
+        longest: dict[str, float] = {}  # seconds, of the warnings that say how long ("took")
+        for m in self.members:
+            with contextlib.suppress(OSError):
+                for raw in m.log_path.read_text(errors="replace").splitlines():
+                    with contextlib.suppress(ValueError, AttributeError):
+                        entry = json.loads(raw)
+                        msg = str(entry.get("msg", ""))
+                        if not any(w in msg for w in STRAIN_WORDS):
+                            continue
+                        key = f"{m.name}: {msg}"
+                        counts[key] = counts.get(key, 0) + 1
+                        took = _go_duration_s(str(entry.get("took", "")))
+                        if took is not None and took > longest.get(key, -1.0):
+                            longest[key] = took
+        return "; ".join(f"{n}x {key}" + (f" (longest {longest[key]:.3f} s)" if key in longest else "")
+                         for key, n in sorted(counts.items()))
+
+
+def _go_duration_s(text: str) -> float | None:
+    """A Go duration as etcd logs it ("1.2345s", "345.6ms", "1m2.5s") in seconds; None if not one."""
+    parts = re.findall(r"([0-9.]+)(h|ms|us|µs|ns|m|s)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+#: words of the etcd warnings that mean a member was slow (see :meth:`EtcdCluster.strain`)
+STRAIN_WORDS = ("took too long", "slow", "heartbeat on time", "timed out", "lost TCP streaming")
+
 
 @pytest.fixture
 def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
@@ -301,5 +339,7 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         yield cluster.start()
     finally:
         cluster.stop()
+        if said := cluster.strain():  # shown with a failed test's report (captured at teardown)
+            print(f"etcd under strain: {said}")
 
 

@@ -161,3 +161,24 @@ async def test_the_sweep_kills_members_whose_owner_is_gone_and_no_others(etcd_cl
         if orphan.poll() is None:
             orphan.kill()
             orphan.wait()
+
+
+def test_strain_counts_what_the_members_said_of_being_slow(tmp_path: Path) -> None:
+    """A failed HA test's report says whether etcd struggled (the fixture prints this at
+    teardown): etcd's slow-request warnings, counted per member and message, the longest
+    of each; its routine warnings (a peer stream established) and non-JSON lines left out."""
+    import json
+
+    cluster = EtcdCluster(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    lines = [{"level": "warn", "msg": "apply request took too long", "took": "1.5s"},
+             {"level": "warn", "msg": "apply request took too long", "took": "900ms"},
+             {"level": "warn", "msg": "established TCP streaming connection with remote peer"},
+             {"level": "warn", "msg": "leader failed to send out heartbeat on time; took too long, leader is "
+                                      "overloaded likely from slow disk"}]
+    cluster.members[0].log_path.write_text("\n".join(json.dumps(x) for x in lines[:3]) + "\nnot json\n")
+    cluster.members[2].log_path.write_text(json.dumps(lines[3]) + "\n")
+    said = cluster.strain()
+    assert said.startswith(f"2x {cluster.members[0].name}: apply request took too long (longest 1.500 s); "), said
+    assert f"1x {cluster.members[2].name}: leader failed to send out heartbeat" in said
+    assert "established" not in said and EtcdCluster(tmp_path / "quiet").strain() == ""
