@@ -277,7 +277,8 @@ async def test_a_leader_lost_mid_training_costs_no_step(
     agent_urls = [f"http://127.0.0.1:{port}" for port in ports.values()]
     for name in ("control-a", "control-b"):
         mine = yaml.safe_load(yaml.safe_dump(raw))
-        endpoints = partition.endpoints if name == "control-a" else etcd_cluster.endpoints
+        # only a cut needs the forwarders: a killed control node reaches etcd as a node does
+        endpoints = partition.endpoints if name == "control-a" and fault == "cut_off" else etcd_cluster.endpoints
         mine["ha"] = {"name": name, "lease_s": 4, "endpoints": endpoints, "agent_urls": agent_urls}
         mine["daemon"].update(state_dir=str(tmp_path / name), socket=raw["daemon"]["socket"].replace("d.sock",
                                                                                                    f"{name}.sock"),
