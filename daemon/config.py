@@ -285,9 +285,11 @@ class JobSpec(_Spec):
     # submission (its first launch request), or a time (ISO 8601, UTC when no offset)
     deadline: float | datetime | None = None
     # how the deadline is spent: deadline_aware (Uniform Progress: on-demand fills in when the
-    # job falls behind its line) or home_zone (the job waits out its domain's outages on the
-    # slack and moves only when one outlasts it: daemon/control/homezone.py)
-    deadline_policy: Literal["deadline_aware", "home_zone"] = "deadline_aware"
+    # job falls behind its line), home_zone (the job waits out its domain's outages on the
+    # slack and moves only when one outlasts it: daemon/control/homezone.py), or auto:
+    # home_zone for a pool of several nodes with grow: in_process, deadline_aware otherwise
+    # (what the replays measured: daemon.control.policies.deadline_policy)
+    deadline_policy: Literal["auto", "deadline_aware", "home_zone"] = "auto"
     # seconds per step at the pool's target size, on the offers' GPUs: what the deadline
     # plans with (needed with a deadline; measure it with a short run)
     step_s: float | None = Field(None, gt=0)
@@ -1525,6 +1527,14 @@ class Config(_Spec):
         ``{state_dir}`` filled in."""
         uri = self.domain(domain).checkpoint_uri
         return uri.replace("{state_dir}", str(self.daemon.state_path()))
+
+    def spending_policy(self) -> str:
+        """The name of the recovery policy the daemon runs: ``job.deadline_policy`` resolved
+        (:func:`daemon.control.policies.deadline_policy`) with a deadline, the default without."""
+        from daemon.control.policies import DEFAULT_POLICY, deadline_policy
+        if self.job.deadline is None:
+            return DEFAULT_POLICY
+        return deadline_policy(self.job.deadline_policy, target_nodes=self.pool.target_nodes, grow=self.job.grow)
 
     def domains_resolved(self) -> list[Domain]:
         """The placement domains, in config order (the first is where a job starts)."""

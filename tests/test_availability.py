@@ -17,7 +17,7 @@ from daemon.control.homezone import decide
 from daemon.control.lifecycle import JobState
 from daemon.control.migration import DomainView, Plan
 from daemon.control.offers import History, Offer
-from daemon.control.policies import get_policy
+from daemon.control.policies import DEFAULT_POLICY, deadline_policy, get_policy
 
 H = 3600.0
 
@@ -242,6 +242,39 @@ def test_the_daemon_counts_a_pool_of_several_in_process_growers_as_such() -> Non
     assert progress("in_process", 2).grows_in_process
     assert not progress("in_process", 1).grows_in_process
     assert not progress("restart", 2).grows_in_process
+
+
+@pytest.mark.parametrize("requested, target, grow, runs", [
+    ("auto", 2, "in_process", "home_zone"),  # never above deadline_aware in the replays' windows
+    ("auto", 6, "in_process", "home_zone"),
+    ("auto", 1, "in_process", "deadline_aware"),  # one node: no survivor to grow into
+    ("auto", 3, "restart", "deadline_aware"),  # Parcae's HH window: each grow a restart cost it
+    ("deadline_aware", 3, "in_process", "deadline_aware"),  # what the operator asked for
+    ("home_zone", 1, "restart", "home_zone"),
+])
+def test_the_daemon_spends_a_deadline_with_the_policy_its_pool_is_measured_best_with(
+        requested: str, target: int, grow: str, runs: str) -> None:
+    """``job.deadline_policy`` (default ``auto``) resolved from the config, and run by the
+    daemon's supervisor; no deadline: the default policy, whatever is asked."""
+    from daemon.config import Config
+
+    def config(deadline: float | None) -> Config:
+        return Config.model_validate({
+            "pool": {"name": "t", "min_nodes": 1, "target_nodes": target, "max_nodes": 8, "on_demand_fallback": True},
+            "job": {"id": "j", "module": "standin_trainer", "target_steps": 3600, "deadline": deadline,
+                    "step_s": 1.0, "grow": grow, "deadline_policy": requested},
+            "offers": [{"provider": "local", "gpus_per_node": 1},
+                       {"provider": "local", "gpus_per_node": 1, "market": "on_demand"}]})
+
+    from daemon.interfaces.preflight_cli import spending_line
+
+    assert config(2.0).spending_policy() == runs
+    assert config(None).spending_policy() == DEFAULT_POLICY
+    line = spending_line(config(2.0))  # check-config's line: which one, and why
+    assert line.startswith(f"deadline: spent by {runs} (job.deadline_policy"), line
+    assert (f"{target} nodes that grow in process" in line) == (requested == "auto" and runs == "home_zone"), line
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        deadline_policy("nope", target_nodes=target, grow=grow)
 
 
 def test_before_the_job_trained_a_starved_home_is_left_for_a_region_with_spot() -> None:

@@ -628,6 +628,8 @@ def test_run_refuses_a_new_job_whose_deadline_has_passed_and_buys_nothing(tmp_pa
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0  # the unit's ExecStartPre: a late job already under way must restart
     assert "deadline: a new job is refused: job.deadline: 2020-01-01T00:00:00+00:00 is " in check.stdout
+    # which policy would spend it, and why (the default pool: one node)
+    assert "deadline: spent by deadline_aware (job.deadline_policy auto: one node)" in check.stdout.splitlines()
     r = subprocess.run([sys.executable, "-m", "daemon.interfaces.cli", "run", "--config", str(path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr

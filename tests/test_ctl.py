@@ -770,5 +770,6 @@ def test_the_pool_line_shows_the_deadline_and_the_expected_finish() -> None:
     assert "deadline in 10 h, 12.5 h of work left, expected to finish" in line
     assert "(-2.5 h LATE), buying on_demand" in line
     ok = _placement({"domain": "d", "deadline": {"deadline": now, "hours_to_deadline": 5, "hours_of_work_left": 1,
-                                                 "expected_finish": now + 3600, "slack_h": 4, "markets": None}})
-    assert "(4 h to spare), buying any" in ok
+                                                 "expected_finish": now + 3600, "slack_h": 4, "markets": None,
+                                                 "policy": "home_zone"}})
+    assert ok.endswith("(4 h to spare), buying any (home_zone)"), ok  # which policy spends it

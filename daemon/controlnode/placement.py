@@ -139,4 +139,4 @@ class Placement:
         """``spotctl status``'s deadline line (:func:`~daemon.control.deadline.deadline_status`;
         None: no deadline)."""
         p = self.progress(now)
-        return None if p is None else deadline_status(p, self.allowed, now=now)
+        return None if p is None else {**deadline_status(p, self.allowed, now=now), "policy": self.core.policy.name}

@@ -45,7 +45,7 @@ from daemon.control import actions as a
 from daemon.control.admission import Rules
 from daemon.control.changes import Change
 from daemon.control.lifecycle import ADMITTED, NodeState, check_transition
-from daemon.control.policies import DEFAULT_POLICY, RecoveryPolicy, get_policy, lost_from_job
+from daemon.control.policies import RecoveryPolicy, get_policy, lost_from_job
 from daemon.control.pool import Desired, Timeouts, plan
 from daemon.control.reports import Limits
 from daemon.control.state import JobView, Rejoin
@@ -93,7 +93,7 @@ class Supervisor:
                  on_crash: Callable[[asyncio.Task[Any], BaseException], bool] | None = None) -> None:
         self.config, self.store, self.clock, self.pool = config, store, clock, config.pool.name
         self.on_crash = on_crash  # an owned task's crash: True when handled (HA: Deposed ends the daemon)
-        self.policy = policy or get_policy(config.job.deadline_policy if config.job.deadline else DEFAULT_POLICY)  # recovery
+        self.policy = policy or get_policy(config.spending_policy())  # recovery
         rng = rng or random.Random()
         self.job = JobView()
         self.nodes: dict[str, Node] = {}
@@ -150,7 +150,7 @@ class Supervisor:
             self.spawn(self.tracker.verify_commits(), "verify-commits")
         self.spawn(self.fleet.price_loop(), "prices")
         self.spawn(self.rendezvous.run(), "rendezvous-probe")
-        log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes))
+        log.info("supervisor_started", pool=self.pool, nodes=len(self.nodes), policy=self.policy.name)
 
     async def aclose(self) -> None:
         """Stop the daemon's tasks and close the providers' clients. Idempotent. Never terminates an

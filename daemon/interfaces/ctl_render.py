@@ -176,6 +176,8 @@ def _placement(p: dict[str, Any]) -> str:
             slack = d.get("slack_h") or 0.0
             out += f", expected to finish {at} ({slack:g} h {'to spare' if slack >= 0 else 'LATE'})"
         out += f", buying {'+'.join(d['markets'] or ['any'])}"
+        if d.get("policy"):  # the spending policy (job.deadline_policy, auto resolved)
+            out += f" ({d['policy']})"
     h = p.get("placement")
     if h and h.get("action") in ("wait", "move"):
         left, wait = h.get("left_s"), h.get("wait_s")

@@ -66,10 +66,26 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
                              for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
+def spending_line(config: Config) -> str:
+    """``deadline: spent by P (why)``: the policy a job with ``job.deadline`` runs
+    (:meth:`~daemon.config.Config.spending_policy`), and why that one."""
+    job, nodes = config.job, config.pool.target_nodes
+    name = config.spending_policy()
+    if job.deadline_policy != "auto":
+        why = "job.deadline_policy"
+    elif name == "home_zone":
+        why = f"job.deadline_policy auto: {nodes} nodes that grow in process"
+    else:
+        why = "job.deadline_policy auto: " + ("one node" if nodes == 1 else "each grow restarts the pool (job.grow)")
+    return f"deadline: spent by {name} ({why})"
+
+
 def check_config_report(config: Config) -> tuple[list[str], str | None]:
     """Lines for stdout, and the one problem line (exit 2) when no offer can hold the job."""
     late = new_job_deadline_problem(config, time.time())
     head = [] if late is None else [f"deadline: a new job is refused: {late} (one under way runs on, late)"]
+    if config.job.deadline is not None:
+        head.append(spending_line(config))
     if config.job.model is None:
         return [*head, "pre-flight: skipped (no job.model section; add one to check GPU memory and flush time)"], None
     job = config.job
