@@ -101,6 +101,7 @@ class Leadership:
         self._watch: asyncio.Task[None] | None = None
         self._prepared: EtcdStore | None = None  # the mirror opened before the lead (prepare_store)
         self._leading: asyncio.Task[None] | None = None  # the one wait of lead()
+        self.campaigning = asyncio.Event()  # set once lead() was first called: the election runs
 
     async def __aenter__(self) -> "Leadership":
         return self
@@ -117,6 +118,7 @@ class Leadership:
         cancels only its own wait (:meth:`step_down` ends the shared one)."""
         if self._leading is None:
             self._leading = asyncio.create_task(self._lead(), name=f"ha:lead:{self.pool}")
+            self.campaigning.set()
         await asyncio.shield(self._leading)
 
     async def _lead(self) -> None:

@@ -638,7 +638,11 @@ async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float 
                     entering: "asyncio.Task[Any] | None" = None) -> bool:
     """Wait until ``ha`` leads (True) or SIGTERM/SIGINT (False), pinging systemd's watchdog
     meanwhile (serve() pings once this daemon leads). ``entering``: the daemon's start,
-    running meanwhile; its error ends the wait (raised here)."""
+    running meanwhile; its error ends the wait (raised here). With ``entering`` the
+    election starts when the start asks to lead (:func:`_daemon_in`, once its imports,
+    cloud clients and mirror are ready): a daemon that won first and prepared after held
+    its lease through seconds of that work (``ha_loop_stalled`` under load, ``ha_serving``
+    6-9 s after the lead)."""
     async def pings(interval_s: float) -> None:
         while True:
             notifier.send(WATCHDOG=1)
@@ -648,7 +652,12 @@ async def _stand_by(ha: "Leadership", notifier: "SdNotifier", watchdog_s: float 
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
-    lead = asyncio.create_task(ha.lead(), name="ha:lead")
+    async def led() -> None:
+        if entering is not None:
+            await ha.campaigning.wait()  # the start's own lead() (the one shared wait)
+        await ha.lead()
+
+    lead = asyncio.create_task(led(), name="ha:lead")
     others = [asyncio.create_task(stop.wait(), name="ha:signal")]
     if watchdog_s is not None:
         others.append(asyncio.create_task(pings(watchdog_s), name="ha:standby-pings"))
