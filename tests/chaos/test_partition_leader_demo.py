@@ -72,7 +72,9 @@ def test_a_leader_cut_off_from_etcd_stops_fail_closed_and_leads_again_with_no_st
          "job_completed_s": round(completed.time - cut.time, 1)}))
     # the nodes trained on: the worker group of the cut to the end, nothing lost
     assert completed.data["attempt"] == started.data["attempt"]
-    assert [a for a, t in _attempts(run_dir).items() if t > cut.time] == []
+    # no other worker group trained after the cut (the cut's own may take its first step
+    # after it: under load its world can form, the third node late, just before the cut)
+    assert [a for a, t in _attempts(run_dir).items() if t > cut.time and a != started.data["attempt"]] == []
     assert not [e for e in stored if e.kind in ("job_stalled", "trainer_exited", "node_lost")]
     # nothing resumed after the cut, so no step lost to it (the run's totals also count the
     # job's start: on a loaded machine torchrun can form the first world without its slowest
