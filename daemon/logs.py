@@ -60,7 +60,11 @@ def configure_logging(level: str | None = None, *, stream=None, redactor: Redact
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=out),
-        cache_logger_on_first_use=True,
+        # not cached: a module's logger (a lazy proxy) that cached its first configuration kept
+        # that processor list for the process's life, so a later configure, or structlog's
+        # capture_logs, never reached it (a test that read a module's line after an in-process
+        # `check` and a reset saw it printed instead); the daemon logs too little for the cache to pay
+        cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=lvl, stream=out, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if redactor is not None:
