@@ -795,3 +795,21 @@ def test_every_pattern_a_field_has_is_said_in_words(tmp_path: Path) -> None:
         load_config(path)
     assert err.value.problems == ["pool.name: must be lowercase letters, digits and '-', starting with a letter or "
                                   "digit, at most 63 characters (e.g. llama-ft); got 'My Pool!'"]
+
+
+def test_check_config_says_a_slack_webhook_url_in_the_file_is_a_credential() -> None:
+    """A Slack incoming webhook's URL is its only credential: written inline (``url``) it is
+    readable by whoever reads the config; check-config says so, and how to keep it out
+    (``url_env``). A signed webhook's URL is not a secret (its key is in ``secret_env``)."""
+    from daemon.interfaces.preflight_cli import check_config_report
+
+    def report(sinks: list[dict]) -> list[str]:
+        config = Config.model_validate({"offers": [{"provider": "local"}], "notify": sinks})
+        return [line for line in check_config_report(config)[0] if line.startswith("feed:")]
+
+    inline = {"name": "ops", "type": "slack", "url": "https://hooks.slack.com/services/T0/B0/x"}
+    assert report([inline]) == [
+        "feed: notify.0 (ops): its Slack webhook URL is written in this file, and whoever reads the file can post "
+        "to the channel; keep it out with url_env (the name of a variable holding it)"]
+    assert report([{"name": "ops", "type": "slack", "url_env": "SLACK_URL"}]) == []
+    assert report([{"name": "hook", "type": "webhook", "url": "https://example.com/h", "secret_env": "KEY"}]) == []

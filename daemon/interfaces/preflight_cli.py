@@ -86,6 +86,9 @@ def check_config_report(config: Config) -> tuple[list[str], str | None]:
     head = [] if late is None else [f"deadline: a new job is refused: {late} (one under way runs on, late)"]
     if config.job.deadline is not None:
         head.append(spending_line(config))
+    head += [f"feed: notify.{i} ({sink.name}): its Slack webhook URL is written in this file, and whoever reads "
+             "the file can post to the channel; keep it out with url_env (the name of a variable holding it)"
+             for i, sink in enumerate(config.notify) if sink.type == "slack" and sink.url is not None]
     if config.job.model is None:
         return [*head, "pre-flight: skipped (no job.model section; add one to check GPU memory and flush time)"], None
     job = config.job
