@@ -1534,7 +1534,7 @@ class Config(_Spec):
         from daemon.control.policies import DEFAULT_POLICY, deadline_policy
         if self.job.deadline is None:
             return DEFAULT_POLICY
-        return deadline_policy(self.job.deadline_policy, target_nodes=self.pool.target_nodes, grow=self.job.grow)
+        return deadline_policy(self.job.deadline_policy, target_nodes=self.pool.target_nodes, grow=self.job.grow)[0]
 
     def domains_resolved(self) -> list[Domain]:
         """The placement domains, in config order (the first is where a job starts)."""

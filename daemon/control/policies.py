@@ -154,8 +154,9 @@ def get_policy(name: str) -> RecoveryPolicy:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}") from None
 
 
-def deadline_policy(requested: str, *, target_nodes: int, grow: str) -> str:
-    """The policy that spends to ``job.deadline``: ``requested`` (``job.deadline_policy``)
+def deadline_policy(requested: str, *, target_nodes: int, grow: str) -> tuple[str, str]:
+    """The policy that spends to ``job.deadline`` and why, in words (``check-config``'s
+    line): ``requested`` (``job.deadline_policy``)
     unless it is ``auto``, which takes ``home_zone`` for a pool of more than one node
     (``target_nodes``) that grows in process (``grow``: ``job.grow``), ``deadline_aware``
     otherwise. What the replays measured (bench/README.md, "A pool's levers"): growing in
@@ -166,8 +167,11 @@ def deadline_policy(requested: str, *, target_nodes: int, grow: str) -> str:
     against 1.44). Raises ValueError for an unknown name."""
     if requested != "auto":
         get_policy(requested)  # ValueError: unknown
-        return requested
-    return "home_zone" if grow == "in_process" and target_nodes > 1 else "deadline_aware"
+        return requested, "job.deadline_policy"
+    if grow == "in_process" and target_nodes > 1:
+        return "home_zone", f"job.deadline_policy auto: {target_nodes} nodes that grow in process"
+    return "deadline_aware", "job.deadline_policy auto: " + (
+        "one node" if target_nodes == 1 else "each grow restarts the pool (job.grow)")
 
 
 def policy_names() -> list[str]:

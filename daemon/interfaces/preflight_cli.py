@@ -67,16 +67,12 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 
 def spending_line(config: Config) -> str:
-    """``deadline: spent by P (why)``: the policy a job with ``job.deadline`` runs
-    (:meth:`~daemon.config.Config.spending_policy`), and why that one."""
-    job, nodes = config.job, config.pool.target_nodes
-    name = config.spending_policy()
-    if job.deadline_policy != "auto":
-        why = "job.deadline_policy"
-    elif name == "home_zone":
-        why = f"job.deadline_policy auto: {nodes} nodes that grow in process"
-    else:
-        why = "job.deadline_policy auto: " + ("one node" if nodes == 1 else "each grow restarts the pool (job.grow)")
+    """``deadline: spent by P (why)``: the policy a job with ``job.deadline`` runs, and why
+    that one (:func:`daemon.control.policies.deadline_policy`)."""
+    from daemon.control.policies import deadline_policy
+
+    name, why = deadline_policy(config.job.deadline_policy, target_nodes=config.pool.target_nodes,
+                                grow=config.job.grow)
     return f"deadline: spent by {name} ({why})"
 
 
