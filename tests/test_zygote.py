@@ -171,6 +171,25 @@ def test_torchruns_sigterm_to_the_clients_group_reaches_the_worker(host: Host, t
     assert proc.returncode == 0 and out.read_text() == "sigterm"
 
 
+def test_a_workers_group_exists_when_its_pid_is_answered(host: Host, tmp_path: Path) -> None:
+    """torchrun's SIGTERM can reach the client before the zygote's answer (a round ended while
+    its workers were being forked); the client relays it to the worker's group the instant
+    it reads the pid. That group must exist by then, or the stop is lost and the worker
+    trains on until torchrun's SIGKILL (seen under load: 11 steps of a stale world)."""
+    script = _write(tmp_path, "pause.py", "import signal\nsignal.pause()\n")
+    body = json.dumps({"argv": ["-u", str(script)], "env": {"PATH": "/usr/bin:/bin", **host.base_env},
+                       "cwd": str(tmp_path)}).encode()
+    for _ in range(10):  # the fork and the answer race; each try is a fresh worker
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, open(os.devnull, "rb") as null:
+            s.connect(host.env["SPOTVISOR_ZYGOTE_SOCKET"])
+            socket.send_fds(s, [struct.pack("!I", len(body)) + body], [null.fileno()] * 3)
+            s.settimeout(120)  # the first request waits for the zygote's preload (slow under load)
+            replies = s.makefile("rb")
+            pid = json.loads(replies.readline())["pid"]
+            os.killpg(pid, signal.SIGTERM)  # what the client does with a SIGTERM it held
+            assert json.loads(replies.readline()) == {"exit": -signal.SIGTERM}
+
+
 def test_a_worker_killed_by_a_signal_kills_its_client_by_that_signal(host: Host, tmp_path: Path) -> None:
     script = _write(tmp_path, "waiter.py", WAITER)
     out = tmp_path / "w.out"

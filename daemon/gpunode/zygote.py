@@ -361,8 +361,8 @@ class _Server:
                 if key.data == "accept":
                     spec = self._accept(listener, base_env)
                     if spec is not None:  # in the worker now
-                        worker, conn, fds = spec
-                        self._become_child(worker, fds, [listener, wake_r, wake_w, conn])
+                        worker, conn, fds, grouped = spec
+                        self._become_child(worker, fds, [listener, wake_r, wake_w, conn], grouped)
                         worker.become(base_path, base_pythonpath, self.set_by_imports)
                         return worker
                 elif key.data == "control":
@@ -376,7 +376,18 @@ class _Server:
                 else:  # a client's connection: readable means it closed (it sends nothing after the request)
                     self._client_gone(key.data)
 
-    def _accept(self, listener: socket.socket, base_env: dict[str, str]) -> tuple[Worker, socket.socket, list[int]] | None:
+    def _accept(self, listener: socket.socket,
+                base_env: dict[str, str]) -> tuple[Worker, socket.socket, list[int], int] | None:
+        """Serve one request: fork its worker and answer its pid, or refuse it. In the forked
+        worker: ``(worker, connection, its three descriptors, grouped)``, ``grouped`` the
+        descriptor to close once it has its own session (:meth:`_become_child`); None here.
+
+        The pid is answered only once the worker's process group exists (it closes
+        ``grouped`` right after ``setsid``, or dies): the client relays torchrun's signals
+        to that group, and a SIGTERM sent the instant the pid is known, to a group that did
+        not exist yet, was lost (``killpg``: no such process): the worker of a round
+        torchrun had already ended trained on until torchrun's SIGKILL 30 s later (seen
+        under load: 11 steps of a stale world, the stop's wait for nothing)."""
         try:
             conn, _ = listener.accept()
         except BlockingIOError:
@@ -398,11 +409,24 @@ class _Server:
                 os.close(fd)
             conn.close()
             return None
-        pid = os.fork()
+        grouped_r, grouped_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (*fds, grouped_r, grouped_w):
+                os.close(fd)
+            conn.close()
+            return None
         if pid == 0:
-            return worker, conn, fds
+            os.close(grouped_r)
+            return worker, conn, fds, grouped_w
+        os.close(grouped_w)
         for fd in fds:
             os.close(fd)
+        try:
+            os.read(grouped_r, 1)  # end of file: the worker has its own group now, or is gone
+        finally:
+            os.close(grouped_r)
         try:
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         except OSError:  # the client is gone already: so is its worker
@@ -412,7 +436,7 @@ class _Server:
         self.sel.register(conn, selectors.EVENT_READ, pid)
         return None
 
-    def _become_child(self, worker: Worker, fds: list[int], close: list[socket.socket]) -> None:
+    def _become_child(self, worker: Worker, fds: list[int], close: list[socket.socket], grouped: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.sel.close()
@@ -422,6 +446,7 @@ class _Server:
             conn.close()
         os.close(self.control_r)
         os.setsid()  # a session and group of its own: torchrun's killpg reaches it and its children
+        os.close(grouped)  # the zygote may answer its pid now (_accept)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in fds:
