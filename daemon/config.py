@@ -530,8 +530,9 @@ class RendezvousSpec(_Spec):
     https://pytorch.org/docs/stable/elastic/rendezvous.html).
 
     ``start_wait_s``: at the job's start, how long the torchruns of the nodes admitted
-    together wait for each other before their first round (:mod:`trainer.rendezvous`,
-    "start cohort"): without it the first round forms ``last_call_timeout_s`` after the
+    together wait for each other before their first round, and that round is not
+    completed without one of them until then (:mod:`trainer.rendezvous`, "start
+    cohort"): without it the first round forms ``last_call_timeout_s`` after the
     first torchrun arrives, with whoever came by then, and the job restarts for each
     late one (a torchrun's start-up differs by seconds to tens of seconds between nodes).
 

@@ -235,6 +235,86 @@ def test_a_node_whose_last_write_went_with_the_store_cannot_complete_a_round_twi
     assert ok and b.set_state(state(True, na, nb, round_=1), token)[2] and waits == [5.0]
 
 
+def test_the_first_round_is_not_completed_short_of_the_nodes_started_together(store: StoreProcess,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Entering c10d's join together is not enough on a loaded host: each join is a
+    compare-and-set of the one state every participant also rewrites with its keep-alive,
+    and a joiner beaten past the last call found the round complete without it (seen:
+    five of five loaded runs of tests/chaos/test_mass_notice.py, the third node's four
+    writes each beaten by a peer's). Node a's completion with a and b of a cohort of 3
+    waits: c's join lands meanwhile and a's write fails against it; with nobody writing,
+    a's heartbeat is renewed every keep-alive interval instead (c10d would drop a silent
+    participant) and the round stays open; past the cohort's deadline it completes."""
+    import logging
+    import pickle
+    from datetime import datetime, timezone
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from trainer.rendezvous import ReconnectingBackend
+
+    caplog.set_level(logging.INFO, logger="spotvisor.rendezvous")
+    na, nb, nc = (_NodeDesc(f"10.0.0.{i}", 1, 0) for i in (1, 2, 3))
+    long_ago = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def state(complete: bool, *nodes: _NodeDesc) -> bytes:
+        s = _RendezvousState()
+        s.complete, s.participants = complete, {n: i for i, n in enumerate(nodes)}
+        s.last_heartbeats = {n: long_ago for n in nodes}
+        return pickle.dumps(s)
+
+    clock, wall, meanwhile = [0.0], [1000.0], []
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        wall[0] += seconds
+        if meanwhile:
+            meanwhile.pop(0)()
+
+    def backends(run: str) -> tuple[ReconnectingBackend, ReconnectingBackend]:
+        a, c = (ReconnectingBackend(("127.0.0.1", store.port), run, clock=lambda: clock[0], wall=lambda: wall[0],
+                                    sleep=sleep) for _ in range(2))
+        a.connect(first=True), c.connect(first=True)
+        return a, c
+
+    # c joins while a's completion waits
+    a, c = backends("held-joined")
+    _, token, _ = a.set_state(state(False, na, nb))
+    a.hold_first_round((3, wall[0] + 10.0), na, 1.0)
+
+    def c_joins() -> None:
+        assert c.set_state(state(False, na, nb, nc), c.get_state()[1])[2]
+
+    meanwhile.append(c_joins)
+    written, token, ok = a.set_state(state(True, na, nb), token)
+    assert not ok and set(pickle.loads(written).participants) == {na, nb, nc}  # c10d reads c's join
+    t0 = clock[0]
+    written, _, ok = a.set_state(state(True, na, nb, nc), token)  # the whole cohort: at once
+    assert ok and pickle.loads(written).complete and clock[0] == t0
+
+    # nobody comes: a stays alive in the open round until the deadline, then completes it
+    a, _ = backends("held-alone")
+    _, token, _ = a.set_state(state(False, na, nb))
+    until = wall[0] + 3.0
+    a.hold_first_round((3, until), na, 1.0)
+    written, token, ok = a.set_state(state(True, na, nb), token)
+    kept = pickle.loads(written)
+    assert ok and not kept.complete and kept.last_heartbeats[na] > long_ago == kept.last_heartbeats[nb]
+    while not (written := a.set_state(state(True, na, nb), token))[2] or not pickle.loads(written[0]).complete:
+        token = written[1]
+        assert wall[0] < until + 1.0
+    assert wall[0] >= until and sum("2 of the 3 nodes started together joined the first round by its deadline"
+                                    in r.getMessage() for r in caplog.records) == 1
+
+    # not the first round (the hold is lifted once it is formed): no wait
+    a, _ = backends("not-held")
+    _, token, _ = a.set_state(state(False, na, nb))
+    a.hold_first_round((3, wall[0] + 10.0), na, 1.0)
+    a.hold_first_round(None)
+    t0 = clock[0]
+    assert a.set_state(state(True, na, nb), token)[2] and clock[0] == t0
+
+
 def test_an_agent_follows_the_store_to_a_new_leaders_control_node(store: StoreProcess, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:

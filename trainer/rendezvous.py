@@ -42,6 +42,15 @@ the store's loss survivable:
   have joined, with whoever came by then; a torchrun that starts seconds later than the others (an import on a
   slower disk, a loaded machine) would find the job running without it, and its arrival
   restarts every worker, losing the steps since the start (seen under load: 17).
+  Entering together is not enough: each join is a compare-and-set of the one state
+  every participant also rewrites with its keep-alive (``keep_alive_interval``, 1 s by
+  default), and on a loaded host a joiner lost that race for longer than the last call
+  (seen: three nodes released within 30 ms, the third's four writes each beaten by a
+  peer's, the round complete at two 5.6 s later; five of five loaded runs). So until the
+  cohort's deadline this node does not complete the first round short of its cohort
+  (:meth:`ReconnectingBackend.hold_first_round`): the write waits until the state
+  changes (a joiner's write) and is then tried as it was, which fails against the newer
+  state for c10d to read again.
 - the store that moved (an HA takeover: the new leader serves it from its own control
   node; the agent writes the address to ``$SPOTVISOR_RDZV_ENDPOINT_FILE``) is followed:
   each call checks where it is now (:func:`trainer.store_retry.current_endpoint`) and a
@@ -100,6 +109,8 @@ BACKEND = "spotvisor"
 #: first retry comes after 0.5 s, each next one twice as late.
 MAX_RETRY_S = 4.0
 DEFAULT_PORT = 29400
+#: How often a completion held for the start cohort reads the store (seconds).
+HOLD_POLL_S = 0.2
 # a round's key (c10d prefixes it with the run and the round): rank 0's group store, "host port"
 _GROUP_STORE_KEY = "spotvisor_group_store"
 # beside c10d's state key: no round completes before this time (epoch seconds), after a store back empty
@@ -144,6 +155,8 @@ class ReconnectingBackend(RendezvousBackend):
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._retry_s = 0.5
+        self._cohort: tuple[int, float, Any, float] | None = None  # hold_first_round
+        self._holding = False  # told the operator of the hold (once per first round)
 
     @property
     def name(self) -> str:
@@ -195,7 +208,61 @@ class ReconnectingBackend(RendezvousBackend):
         return self._call(lambda b: b.get_state())
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        return self._call(lambda b: b.set_state(self._settled(state, token), token))
+        return self._call(lambda b: b.set_state(self._settled(self._held(b, state, token), token), token))
+
+    def hold_first_round(self, cohort: tuple[int, float] | None, node: Any = None, heartbeat_s: float = 1.0) -> None:
+        """``cohort``, ``(nodes, until)``: while this node (c10d's ``_NodeDesc``, ``node``)
+        joins the job's first round, a write of its that completes a round with fewer than
+        ``nodes`` participants waits, up to ``until`` (unix seconds), for the state in the
+        store to change, renewing this node's heartbeat in it every ``heartbeat_s``
+        (c10d's ``keep_alive_interval``; :meth:`_held`). None: no longer (the round is
+        formed)."""
+        if cohort is None and self._holding and self._cohort is not None:
+            log.info("the first round is formed")
+        self._cohort = None if cohort is None else (cohort[0], cohort[1], node, heartbeat_s)
+        self._holding = False
+
+    def _held(self, inner: C10dRendezvousBackend, state: bytes, token: Token | None) -> bytes:
+        """What to write for ``state``: a completion short of the start cohort
+        (:meth:`hold_first_round`) first waits, reading the store every
+        :data:`HOLD_POLL_S`: once another node has written (its token no longer
+        ``token``: a joiner, or a peer's keep-alive) it is tried as it is and fails
+        against the newer state, which c10d reads and decides on again; after a
+        heartbeat interval with no write, the store's state with this node's heartbeat
+        renewed is written instead (a waiting node is not taken for dead: c10d drops a
+        participant silent for ``keep_alive_interval`` x ``keep_alive_max_attempt``), and
+        c10d, finding its round still open and its last call past, completes it again;
+        once the cohort's deadline has passed, it is written. Raises
+        ``RendezvousConnectionError`` when the store fails."""
+        if self._cohort is None:
+            return state
+        nodes, until, node, heartbeat_s = self._cohort
+        try:
+            mine = pickle.loads(state)
+            short, round_ = bool(mine.complete) and len(mine.participants) < nodes, int(mine.round)
+        except Exception:  # another torch's state
+            return state
+        if not short or (isinstance(token, bytes) and _order(b64decode(token)) == (round_, True)):
+            return state  # a full round, or a keep-alive of one complete already
+        beat_at = self._clock() + heartbeat_s
+        while (left := until - self._wall()) > 0:
+            current = inner.get_state()
+            if current is None or current[1] != token:
+                return state  # a node wrote: this write fails against it, and c10d reads it
+            if not self._holding:
+                self._holding = True
+                log.info("round %d complete with %d of the %d nodes started together: waiting up to %.0f s for "
+                         "the others to join it", round_, len(mine.participants), nodes, left)
+            if self._clock() >= beat_at:
+                renewed = _renewed(current[0], node)
+                if renewed is not None:
+                    return renewed
+            self._sleep(min(HOLD_POLL_S, left))
+        if self._holding:
+            log.warning("%d of the %d nodes started together joined the first round by its deadline: it goes on "
+                        "without the others (they join it later)", len(mine.participants), nodes)
+            self._holding = False
+        return state
 
     def _settled(self, state: bytes, token: Token | None) -> bytes:
         """``state``, once it may be written: a write that completes a round (the state it
@@ -303,6 +370,19 @@ class ReconnectingBackend(RendezvousBackend):
         return f"{self._at[0]}:{self._at[1]}"
 
 
+def _renewed(state: bytes, node: Any) -> bytes | None:
+    """c10d's ``state`` with ``node``'s heartbeat set to now; None when ``node`` is not a
+    participant there (or the state is not this torch's)."""
+    try:
+        s = pickle.loads(state)
+        if node not in s.participants:
+            return None
+        s.last_heartbeats[node] = datetime.now(timezone.utc)
+        return pickle.dumps(s)
+    except Exception:  # another torch's state
+        return None
+
+
 def parse_cohort(raw: str | None) -> tuple[int, float] | None:
     """``$SPOTVISOR_START_COHORT`` (``N@UNTIL``) as ``(N, until)``; None when absent or malformed."""
     nodes, _, until = (raw or "").partition("@")
@@ -384,7 +464,14 @@ class SpotvisorRendezvousHandler(RendezvousHandler):
                 cohort, self._cohort = self._cohort, None
                 if cohort is not None and self._backend.store is not None:
                     wait_for_cohort(self._backend.store, self._backend.run_id, *cohort)
-                return self._round_group_store(self._inner.next_rendezvous())
+                    # c10d's own: this node in the rendezvous' state, and its keep-alive interval
+                    self._backend.hold_first_round(cohort, getattr(self._inner, "_this_node", None),
+                                                   self._inner.settings.keep_alive_interval.total_seconds())
+                try:
+                    info = self._inner.next_rendezvous()
+                finally:
+                    self._backend.hold_first_round(None)
+                return self._round_group_store(info)
             except (RendezvousConnectionError, dist.DistNetworkError) as exc:
                 self._backend.lost(exc)
                 if time.monotonic() >= deadline:
