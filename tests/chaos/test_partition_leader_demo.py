@@ -77,8 +77,9 @@ def test_a_leader_cut_off_from_etcd_stops_fail_closed_and_leads_again_with_no_st
     assert [a for a, t in _attempts(run_dir).items() if t > cut.time and a != started.data["attempt"]] == []
     assert not [e for e in stored if e.kind in ("job_stalled", "trainer_exited", "node_lost")]
     # nothing resumed after the cut, so no step lost to it (the run's totals also count the
-    # job's start: on a loaded machine torchrun can form the first world without its slowest
-    # node and restart for it, losing the steps before step 20's first commit)
+    # job's start: a node whose torchrun comes past the start cohort's deadline, 60 s after
+    # the admission, finds the first world formed without it and restarts it, losing the
+    # steps before step 20's first commit)
     assert [e for e in stored if e.kind == "job_resumed" and e.seq > cut.seq] == []
     assert s["steps_completed"] == 60
     assert s["samples_seen_twice"] == 0 and s["samples_skipped"] == 0
