@@ -38,3 +38,21 @@ def test_every_window_of_the_45_day_v100_trace() -> None:
     setting = next(s for s in SETTINGS if s.path.startswith("skynomad"))
     sm = summary(check(load_trace(SHARED / setting.path), setting, 1.5))
     assert sm["windows"] == 18 and sm["deadline_aware_missed"] == 0 and sm["home_zone_missed"] == 0, sm
+
+
+_OTHERS = [s.path for s in SETTINGS if not s.path.startswith(("skynomad", "bamboo/p3", "bamboo/g4dn"))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED.exists(), reason="the shared traces are not beside this checkout")
+@pytest.mark.parametrize("path", _OTHERS)
+def test_every_window_of_every_other_shared_trace(path: str) -> None:
+    """GCP's A100 and V100 groups, Parcae's copy of the p3 trace and its four windows,
+    Oobleck's synthetic and rescaled traces: both deadline policies meet every deadline
+    on-demand meets, and no window is cheaper than its bound."""
+    setting = next(s for s in SETTINGS if s.path == path)
+    rows = check(load_trace(SHARED / path), setting, 1.5)
+    sm = summary(rows)
+    assert sm["windows"] >= 2 and sm["on_demand_met"] == sm["windows"], sm
+    assert sm["deadline_aware_missed"] == 0 and sm["home_zone_missed"] == 0, sm
+    assert all(r.optimum <= min(r.deadline_aware[0], r.home_zone[0], r.on_demand[0]) + 1e-9 for r in rows)

@@ -13,7 +13,12 @@ how often spot alone met them.
 The traces and their settings (:data:`SETTINGS`): Bamboo's p3 and g4dn groups (cap 32
 and 24 nodes, a 2-hour job at the cap), and the 9-zone V100 data at SkyNomad's setting
 (the three zones of its V100 experiment, one region each, a 39.9-hour job; every
-window of the 45 days). Sources and licences: shared/traces/README.md.
+window of the 45 days); and every other shared trace: GCP's A100 and V100 groups (a
+2-hour job of 32 nodes), Parcae's copy of the p3 trace (the same) and its four one-hour
+windows (a 0.4-hour job of 32 nodes, a window every 6 minutes), Oobleck's synthetic
+traces (30 nodes, one removed every 5 minutes to 6 hours; a job of 24 nodes, half an
+hour to 2 hours as the trace allows) and its rescaled p3 and GCP traces. Sources and
+licences: shared/traces/README.md. All of it: about 5 minutes on one core.
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ SETTINGS = (
     Setting("bamboo/g4dn-trace.csv", target=24, job_h=2.0, stride_h=1.0),
     Setting("skynomad/v100-9zone", target=1, job_h=39.94, stride_h=None, zones=("us-east-1c", "us-east-2b", "us-west-2a"),
             step_s=60.0, checkpoint_gb=50.0, restart_s=550.0),
+    # the rest of the shared traces: GCP's A100 and V100 groups (Bamboo's, up to 64 and 80
+    # instances), the p3 trace as Parcae keeps it and its four one-hour windows, and
+    # Oobleck's (30 nodes, one removed every interval; the p3 and GCP traces rescaled)
+    Setting("bamboo/gcloud/a100x1-east1b.txt", target=32, job_h=2.0, stride_h=1.0),
+    Setting("bamboo/gcloud/v100x1-east1c.txt", target=32, job_h=2.0, stride_h=1.0),
+    Setting("parcae/p3-alive.csv", target=32, job_h=2.0, stride_h=1.0),
+    *(Setting(f"parcae/gpt-6.7b/{name}.txt", target=32, job_h=0.4, stride_h=0.1)
+      for name in ("trace_hh_55_65", "trace_hl_15_25", "trace_lh_80_90", "trace_ll_10_11")),
+    *(Setting(f"oobleck/every-{every}.csv", target=24, job_h=job_h, stride_h=job_h / 2)
+      for every, job_h in (("5m", 0.5), ("10m", 1.0), ("30m", 2.0), ("1h", 2.0), ("3h", 2.0), ("6h", 2.0))),
+    Setting("oobleck/scale_p3-trace.csv", target=24, job_h=2.0, stride_h=1.0),
+    Setting("oobleck/scale_gcp-trace.csv", target=24, job_h=2.0, stride_h=1.0),
 )
 
 
