@@ -57,6 +57,29 @@ async def test_a_provider_whose_listing_is_the_truth_loses_a_missing_instance_at
         await h.until(lambda: h.events("node_lost"), what="the node lost")
 
 
+async def test_passes_woken_by_events_list_the_instances_once_a_period(tmp_path: Path) -> None:
+    """EC2 meters DescribeInstances per account; a pass woken by an event (a heartbeat, a
+    launch done) within the reconcile period of the last listing keeps that listing. A
+    pass asked for directly (tests, the scale bench) lists anew."""
+    provider = LaggingListing(lag_s=0.0)
+    async with spot_harness(tmp_path, provider, reconcile_interval_s=300.0) as h:
+        await h.until(lambda: provider.launched and provider.listings, what="the launch")
+        passes: list[dict] = []
+        run = h.sup.reconcile_once
+
+        async def counted(**kw: float) -> None:
+            passes.append(kw)
+            await run(**kw)
+
+        h.sup.reconcile_once = counted  # type: ignore[method-assign]
+        listed = provider.listings
+        for i in range(5):  # woken until it runs (a wake during a pass is cleared with it)
+            await h.until(lambda: h.sup.wake() or len(passes) > i, what=f"woken pass {i + 1}")
+        assert provider.listings == listed and {p["listing_age_s"] for p in passes} == {300.0}
+        await run()
+        assert provider.listings == listed + 1
+
+
 @given(listed=st.booleans(), requested_at=st.integers(0, 2**31), age=st.integers(0, 10_000), lag=st.integers(0, 1_000))
 def test_an_absent_instance_is_gone_only_once_seen_or_past_the_lag(
         listed: bool, requested_at: int, age: int, lag: int) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import random
 import secrets
+import time
 from typing import Any, Mapping
 
 import structlog
@@ -57,6 +58,7 @@ class Fleet:
         self.unusable: frozenset[int] = frozenset()  # offers whose GPUs cannot hold the job: never bought
         self._released_unowned: set[str] = set()  # instance ids settle_unowned terminated
         self._listed: set[str] = set()  # live nodes' instance ids a listing has shown (observe)
+        self._listed_at = float("-inf")  # time.monotonic() of the last whole listing (observe)
         # spot_stock's word per spot offer, (unix s, in stock), asked with the prices when the
         # recovery policy reads the availability record (the migrator sets probe_stock)
         self.stock: dict[int, tuple[float, bool]] = {}
@@ -91,10 +93,8 @@ class Fleet:
         return p
 
     def all_providers(self) -> list[Provider]:
-        seen: dict[int, Provider] = {}
-        for p in [*self.providers.values(), *([self._default] if self._default else [])]:
-            seen.setdefault(id(p), p)
-        return list(seen.values())
+        every = [*self.providers.values(), *([self._default] if self._default else [])]
+        return list({id(p): p for p in every}.values())  # each once: the default may be one of them
 
     async def preflight(self, checked: list[CheckResult] | None = None) -> None:
         """The pre-flight at start (pure: GPU memory per offer, estimated flush per notice
@@ -175,9 +175,10 @@ class Fleet:
             await self.refresh_prices()
 
     # -- observe ----------------------------------------------------------------------------------
-    async def observe(self) -> None:
+    async def observe(self, max_age_s: float = 0.0) -> None:
         """List the pool's instances; a live node whose instance is gone ended (terminated
-        after a notice, lost without one).
+        after a notice, lost without one); not within ``max_age_s`` of the last listing (the
+        loop's period: EC2 meters DescribeInstances per account; woken passes listed 3.6/s).
 
         Only a node whose instance was known before the listing was asked for can be
         found gone: a launch that lands while the listing is in flight (a concurrent
@@ -187,10 +188,13 @@ class Fleet:
         known = {n.id: n.instance_id for n in core.nodes.values() if n.state in LIVE and n.instance_id is not None}
         alive: dict[int, set[str]] = {}
         found: list[tuple[Provider, Instance]] = []
+        if (started := time.monotonic()) - self._listed_at < max_age_s:
+            return
         for p in self.all_providers():
             instances = await p.describe(core.pool)
             alive[id(p)] = {i.id for i in instances}
             found += [(p, i) for i in instances]
+        self._listed_at = started
         now = core.clock()
         live_ids = {n.instance_id for n in core.nodes.values() if n.state in LIVE}
         self._listed = (self._listed & live_ids) | {i.id for _, i in found}  # bounded by the pool's live nodes

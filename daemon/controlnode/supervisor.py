@@ -227,7 +227,7 @@ class Supervisor:
     async def _reconcile_loop(self) -> None:
         while True:
             try:
-                await self.reconcile_once()
+                await self.reconcile_once(listing_age_s=self.periodic_pass_s())
             except ProviderError as exc:
                 log.error("reconcile_provider_error", error=str(exc))
             self._wake.clear()
@@ -235,16 +235,16 @@ class Supervisor:
 
     def periodic_pass_s(self) -> float:
         """Seconds between two passes when nothing wakes the loop: ``daemon.reconcile_interval_s``,
-        or a quarter of the pool's heartbeat interval when that is longer (a pass lists the
-        pool's instances and plans over every node; nothing it finds is fresher than the
-        heartbeats: bench/scale.py). Events (a report, a launch done, spotctl) wake a pass at once."""
+        or a quarter of the pool's heartbeat interval when that is longer (a pass plans over
+        every node; nothing it finds is fresher than the heartbeats: bench/scale.py), and the
+        least age of a listing a pass takes anew. Events (a report, a launch done) wake a pass."""
         return max(self.config.daemon.reconcile_interval_s, self.agents.heartbeat_interval_s / 4)
 
-    async def reconcile_once(self) -> None:
-        """One pass: observe, decide, act, record (the module docstring)."""
+    async def reconcile_once(self, *, listing_age_s: float = 0.0) -> None:
+        """One pass: observe (a listing younger than ``listing_age_s`` stands), decide, act, record."""
         now = self.clock()
         members = {n.id for n in self.nodes.values() if n.state in ADMITTED}
-        await self.fleet.observe()
+        await self.fleet.observe(listing_age_s)
         await self._after_loss(members, now)
         self.agents.rescale_heartbeat()
         await self.actuator.act_all(self.migrator.check(now))  # a move's next step; nodes outside the job's domain
