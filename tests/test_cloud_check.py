@@ -210,6 +210,30 @@ def test_spot_quota_below_the_need(aws, capsys) -> None:
     assert "--quota-code L-7212CCBC --desired-value 384" in line and "pool.max_nodes" in line
 
 
+def test_a_quota_service_quotas_has_no_value_for_is_not_checked_and_not_shown_passed(aws, capsys) -> None:
+    """Service Quotas answers NoSuchResourceException for a quota it holds neither an
+    applied nor a default value of (seen in newer regions): nothing to check against, so
+    the line says ``skip``, not ``ok``, and the count says so; it blocks no offer."""
+    outer = aws.proxy._responder
+
+    def respond(seen: Seen) -> tuple[int, str, str] | None:
+        if seen.action in ("GetServiceQuota", "GetAWSDefaultServiceQuota") and seen.region == "us-east-1" \
+                and seen.params["QuotaCode"] == "L-7212CCBC":
+            return 400, json.dumps({"__type": "NoSuchResourceException", "message": "The request failed because "
+                                    "the specified service quota does not exist."}), "application/x-amz-json-1.1"
+        return outer(seen)
+
+    aws.proxy.answer(respond)
+    rc = main(["check", str(aws.config()), "--timeout-s", "30"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in out + err
+    (line,) = [x for x in out.splitlines() if "quota L-7212CCBC" in x and "us-east-1" in x]
+    assert line.startswith("skip aws us-east-1: quota L-7212CCBC") and line.endswith(
+        "(not checked: Service Quotas has no value for it in us-east-1; the pool needs 384 vCPUs)"), line
+    n = sum(x.startswith(("ok", "skip", "FAIL")) for x in out.splitlines())
+    assert out.splitlines()[-1] == f"{n - 1} checks ok, 1 not checked"
+
+
 def test_a_misspelled_instance_type_is_named_not_taken_for_a_missing_permission(aws, capsys) -> None:
     cfg = yaml.safe_load(aws.config().read_text())
     cfg["offers"][2]["instance_type"] = "p4d.24xlarg"

@@ -117,12 +117,16 @@ def test_first_pool_on_aws_runs_as_written(tmp_path: Path, account: str) -> None
     assert f"image: {ami}" in done.stdout
     config = (ws / "llama-ft.yaml").read_text()
     assert f"image_id: {ami}" in config and "$" not in config  # every variable was filled in
-    checks = [ln for ln in done.stdout.splitlines() if ln.startswith(("ok ", "FAIL"))]
+    checks = [ln for ln in done.stdout.splitlines() if ln.startswith(("ok ", "skip ", "FAIL"))]
     assert checks and not [ln for ln in checks if ln.startswith("FAIL")], "\n".join(checks)
     for what in ("credentials resolve", f"image {ami}", "dry-run launch of offers.0", "dry-run launch of offers.1",
                  "store s3://spotvisor-ckpt-123456789012/llama-ft"):
-        assert any(what in ln for ln in checks), (what, checks)
-    assert re.search(r"^all \d+ checks ok$", done.stdout, re.M)
+        assert any(what in ln and ln.startswith("ok ") for ln in checks), (what, checks)
+    # moto's Service Quotas holds no EC2 quota (AWS's does): that one line is not checked, and not shown passed
+    assert [ln for ln in checks if ln.startswith("skip ")] == [
+        "skip aws us-east-1: quota L-7212CCBC (All P Spot Instance Requests, vCPUs) (not checked: Service Quotas "
+        "has no value for it in us-east-1; the pool needs 192 vCPUs)"], checks
+    assert re.search(rf"^{len(checks) - 1} checks ok, 1 not checked$", done.stdout, re.M)
     assert token not in out  # the secret went to SSM, not to any output
 
     import boto3

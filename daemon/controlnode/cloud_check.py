@@ -40,7 +40,9 @@ class CheckResult:
     ``ok``: it passed. ``detail``: why it failed (the cloud's error code and message, or
     the numbers that do not add up); may say something on success too. ``fix``: what to
     change, naming the config field (``providers.aws.image_id: ...``). ``offers``: the
-    indices into ``config.offers`` a failure blocks; empty: every offer.
+    indices into ``config.offers`` a failure blocks; empty: every offer. ``checked``:
+    False when the cloud has nothing to check against (:func:`unchecked`): it blocks
+    nothing, and is never shown as passed.
     """
 
     name: str
@@ -48,6 +50,7 @@ class CheckResult:
     detail: str = ""
     fix: str = ""
     offers: frozenset[int] = frozenset()
+    checked: bool = True
 
 
 def passed(name: str, detail: str = "", offers: Iterable[int] = ()) -> CheckResult:
@@ -58,9 +61,18 @@ def failed(name: str, detail: str, fix: str, offers: Iterable[int] = ()) -> Chec
     return CheckResult(name, False, detail, fix, frozenset(offers))
 
 
+def unchecked(name: str, detail: str) -> CheckResult:
+    """A check the cloud gives nothing to check against (``detail`` says what): shown as
+    ``skip``, neither passed nor failed; the launch itself will tell."""
+    return CheckResult(name, True, detail, "", frozenset(), checked=False)
+
+
 def render(r: CheckResult) -> str:
-    """``ok   <name>`` (`` (<detail>)`` when there is one), or
-    ``FAIL <name>: <detail>; fix: <fix>``: one line, whatever the cloud's message held."""
+    """``ok   <name>`` (`` (<detail>)`` when there is one), ``skip <name> (<detail>)`` for
+    one not checked, or ``FAIL <name>: <detail>; fix: <fix>``: one line, whatever the
+    cloud's message held."""
+    if not r.checked:
+        return "skip " + _one_line(f"{r.name} (not checked: {r.detail})")
     if r.ok:
         return "ok   " + _one_line(r.name + (f" ({r.detail})" if r.detail else ""))
     return "FAIL " + _one_line(f"{r.name}: {r.detail or 'failed'}; fix: {r.fix or 'see the detail'}")

@@ -42,7 +42,7 @@ Endpoints: ``providers.aws.endpoint_url`` (a test's moto, which serves every ser
 on one endpoint) when set, for EC2, STS and Service Quotas alike; otherwise boto3's own
 resolution (``AWS_ENDPOINT_URL_STS``, ``AWS_ENDPOINT_URL_SERVICE_QUOTAS``, the regional
 endpoints). A quota Service Quotas has no value for (``NoSuchResourceException`` for the
-applied and the default value) is reported as not checked, not as a failure.
+applied and the default value) is reported as not checked (a ``skip`` line), neither failed nor passed.
 Blocking: every boto3 call runs in a worker thread. Errors: none raised; every failure
 is a failed result (the caller bounds the time).
 """
@@ -60,7 +60,7 @@ import botocore.exceptions
 
 from daemon.config import Config
 from daemon.control.pool import Offer
-from daemon.controlnode.cloud_check import CheckResult, failed, passed
+from daemon.controlnode.cloud_check import CheckResult, failed, passed, unchecked
 from daemon.providers.aws import AwsProvider
 from daemon.providers.base import NodeSpec, ProviderError
 
@@ -330,7 +330,7 @@ async def _quota(config: Config, clients: _Clients, region: str, code: str, grou
             return [failed(name, f"cannot read it: {_message(exc)}",
                            "grant the control node's IAM role servicequotas:GetServiceQuota"
                            if _code(exc) == "AccessDeniedException" else "see the Service Quotas error", idx)]
-        return [passed(name, f"not checked: Service Quotas has no value for it in {region}; the pool needs {need}")]
+        return [unchecked(name, f"Service Quotas has no value for it in {region}; the pool needs {need} vCPUs")]
     except Exception as exc:  # noqa: BLE001
         denied = isinstance(exc, botocore.exceptions.ClientError) and _code(exc) == "AccessDeniedException"
         return [failed(name, f"cannot read it: {_message(exc)}",
