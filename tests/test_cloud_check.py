@@ -145,7 +145,7 @@ def _check(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[st
     rc = main(["check", str(path), "--timeout-s", "30"])
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
-    return rc, [line for line in out.splitlines() if line.startswith(("ok", "FAIL"))]
+    return rc, [line for line in out.splitlines() if line.startswith(("ok", "skip", "FAIL"))]
 
 
 def _fails(lines: list[str]) -> list[str]:
@@ -181,6 +181,10 @@ def test_wrong_image_in_one_region(aws, capsys) -> None:
     (line,) = _fails(lines)
     assert "us-west-2" in line and "InvalidAMIID" in line and "fix: domains.1.launch.image_id" in line
     assert any(ln.startswith("ok") and "us-east-1: image" in ln for ln in lines)
+    # the wrong image's offer is not dry-run (it would only repeat the failure), and a line says so
+    assert [ln for ln in lines if ln.startswith("skip")] == [
+        "skip aws us-west-2: dry-run launch of offers.2 (p4d.24xlarge in us-west-2a) (not checked: its image "
+        "failed above; it is tried once that passes)"], lines
 
 
 def test_missing_iam_permission(aws, capsys) -> None:
@@ -345,7 +349,7 @@ async def _acheck(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, 
     rc = await asyncio.to_thread(main, ["check", str(path), "--timeout-s", "30"])  # the fake serves on this loop
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
-    return rc, [line for line in out.splitlines() if line.startswith(("ok", "FAIL"))]
+    return rc, [line for line in out.splitlines() if line.startswith(("ok", "skip", "FAIL"))]
 
 
 @pytest.fixture
@@ -371,6 +375,8 @@ async def test_aliyun_wrong_image(ecs, oss_server, bucket, tmp_path, capsys) -> 
     assert rc == 1
     (line,) = _fails(lines)
     assert "image m-elsewhere" in line and "not found in cn-hangzhou" in line and "fix: providers.aliyun.image_id" in line
+    skipped = [ln for ln in lines if ln.startswith("skip")]  # its two offers, not dry-run, each said
+    assert len(skipped) == 2 and all("not checked: its image or security group failed above" in ln for ln in skipped)
 
 
 async def test_aliyun_missing_permission(ecs, oss_server, bucket, tmp_path, capsys) -> None:

@@ -37,7 +37,7 @@ from aliyunsdkecs.request.v20140526.DescribeSecurityGroupsRequest import Describ
 
 from daemon.config import Config
 from daemon.control.pool import Offer
-from daemon.controlnode.cloud_check import CheckResult, failed, passed
+from daemon.controlnode.cloud_check import CheckResult, failed, passed, unchecked
 from daemon.providers.aliyun import AliyunProvider, available_request, stock_item
 from daemon.providers.base import AuthError, NodeSpec, ProviderError
 
@@ -99,9 +99,10 @@ async def check_aliyun(config: Config, provider: AliyunProvider, offers: list[Of
                                          config.launch_field(by_index[idx[0]], "security_group_id")))
     done = {i for r in out if not r.ok for i in r.offers}  # already failed: a dry run would only repeat it
     for o, build, problem in builds:
-        if o.index in done:
-            continue
         name = f"aliyun {o.region}: offers.{o.index} ({o.instance_type} in {o.zone or o.region})"
+        if o.index in done:
+            out.append(unchecked(name, "its image or security group failed above; it is tried once those pass"))
+            continue
         if build is None:
             out.append(failed(name, problem, f"{config.launch_field(o, 'vswitch_ids')}: a vSwitch for the offer's zone",
                               [o.index]))

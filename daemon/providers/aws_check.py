@@ -189,6 +189,8 @@ async def _check(config: Config, provider: AwsProvider, offers: list[Offer], nod
         except (ValueError, ProviderError) as exc:
             requests.append((o, None, str(exc)))
     done = {i for r in out if not r.ok for i in r.offers}  # a wrong image: its dry run would only repeat it
+    out += [unchecked(f"aws {o.region}: dry-run launch of offers.{o.index} ({o.instance_type} in {o.zone or o.region})",
+                      "its image failed above; it is tried once that passes") for o in offers if o.index in done]
     dry_runs = [_dry_run(config, provider, clients, o, req, problem) for o, req, problem in requests
                 if o.index not in done]
     quotas = [_quota(config, clients, region, code, group) for (region, code), group in _quota_groups(offers).items()]
