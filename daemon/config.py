@@ -1820,7 +1820,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config.
 
     Raises:
-        ConfigError: the file is missing, not YAML, nested deeper than
+        ConfigError: the file is missing, empty, not YAML, nested deeper than
             :data:`MAX_NESTING` levels, or fails the schema; ``problems`` has one line
             per problem naming the field path and the fix.
     """
@@ -1839,8 +1839,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             raise ConfigError([f"{p}: line {deep_line} nested deeper than {MAX_NESTING} levels "
                                "(a config is a few levels deep; check the brackets)"])
         raw = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
-        if raw is None:  # an empty file (or only comments): all defaults; but [] / 0 / "" are not mappings
-            raw = {}
+        if raw is None:  # an empty file, or only comments: most likely the wrong file, not the local demo pool
+            raise ConfigError([f"{p}: empty (no section in it); give a config, e.g. a copy of configs/local.yaml"])
     except _BadScalar as exc:
         line = exc.problem_mark.line + 1 if exc.problem_mark is not None else "?"
         raise ConfigError([f"{p}: line {line}: {exc.problem}"]) from None

@@ -112,6 +112,11 @@ BAD = [
         ["not valid YAML", "line "],
     ),
     (
+        "empty_file",  # the wrong file, most likely: not the local demo pool its defaults would make
+        "# nothing but a comment\n\n",
+        ["empty (no section in it)", "configs/local.yaml"],
+    ),
+    (
         "top_level_list",
         "- pool\n- job\n",
         ["top level must be a mapping"],
@@ -271,13 +276,15 @@ def test_cli_offer_without_provider_section(tmp_path: Path) -> None:
     _assert_problem_output(check_config(path), path, [["offers.0.provider", "providers.local"]])
 
 
-def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
+def test_an_empty_file_is_refused_not_taken_for_the_local_defaults(tmp_path: Path) -> None:
+    """Its defaults are the local demo pool (processes on this machine): an empty file is
+    more likely the wrong path or a truncated config than a wish for that (check-config's
+    exit 2 and its one line: the "empty_file" case of test_cli_bad_file)."""
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing but a comment\n")
-    assert load_config(path) == Config()
-    r = check_config(path)
-    assert r.returncode == 0, r.stderr
-    assert ": ok" in r.stdout
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [f"{path}: empty (no section in it); give a config, e.g. a copy of configs/local.yaml"]
 
 
 def test_load_config_raises_config_error_with_problems(tmp_path: Path) -> None:
