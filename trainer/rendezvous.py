@@ -234,16 +234,12 @@ class ReconnectingBackend(RendezvousBackend):
         c10d, finding its round still open and its last call past, completes it again;
         once the cohort's deadline has passed, it is written. Raises
         ``RendezvousConnectionError`` when the store fails."""
-        if self._cohort is None:
+        if self._cohort is None or (round_ := _completes(state, token)) is None:
             return state
         nodes, until, node, heartbeat_s = self._cohort
-        try:
-            mine = pickle.loads(state)
-            short, round_ = bool(mine.complete) and len(mine.participants) < nodes, int(mine.round)
-        except Exception:  # another torch's state
-            return state
-        if not short or (isinstance(token, bytes) and _order(b64decode(token)) == (round_, True)):
-            return state  # a full round, or a keep-alive of one complete already
+        mine = pickle.loads(state)  # this torch's (_completes read it)
+        if len(mine.participants) >= nodes:
+            return state  # the whole cohort: complete it
         beat_at = self._clock() + heartbeat_s
         while (left := until - self._wall()) > 0:
             current = inner.get_state()
@@ -272,16 +268,11 @@ class ReconnectingBackend(RendezvousBackend):
         c10d's join reads that copy. (Not written with the round held open instead: a round
         open with ``max_nodes`` participants takes one more, and then never completes.)
         Raises ``RendezvousConnectionError`` when the store fails."""
-        if self.settle_s <= 0:
+        if self.settle_s <= 0 or (round_ := _completes(state, token)) is None:
             return state
-        mine = _order(state)
-        if mine is None or not mine[1]:
-            return state  # not a completion (a keep-alive, a join), or another torch's state
-        if isinstance(token, bytes) and _order(b64decode(token)) == mine:
-            return state  # the round was complete already: a keep-alive of a running round
         if (until := self._settle_until()) is not None and (wait := until - self._wall()) > 0:
             log.info("rendezvous store %s came back empty: round %s completes in %.1f s, once every live node "
-                     "has had the time to put its copy back", self._where(), mine[0], wait)
+                     "has had the time to put its copy back", self._where(), round_, wait)
             self._sleep(min(wait, self.settle_s))
         return state
 
@@ -368,6 +359,18 @@ class ReconnectingBackend(RendezvousBackend):
 
     def _where(self) -> str:
         return f"{self._at[0]}:{self._at[1]}"
+
+
+def _completes(state: bytes, token: Token | None) -> int | None:
+    """The round that writing ``state`` over ``token``'s state completes; None when it
+    completes none: not complete (a join, a keep-alive), complete already in ``token``'s
+    state (a keep-alive of a running round), or another torch's state."""
+    mine = _order(state)
+    if mine is None or not mine[1]:
+        return None
+    if isinstance(token, bytes) and _order(b64decode(token)) == mine:
+        return None
+    return mine[0]
 
 
 def _renewed(state: bytes, node: Any) -> bytes | None:
