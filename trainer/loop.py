@@ -234,7 +234,7 @@ class ElasticJob:
             args.vocab_size = getattr(self.dataset, "vocab_size", None)
         self.sampler: ElasticSampler | None = None  # map-style data's order: set by start_data
         self.seed = args.seed
-        self.state = self.build_state()
+        self.state = self.first_state()
         self.last_committed: Manifest | None = None  # rank 0's copy of the newest commit
         self.committed_step: int | None = None  # every rank: the newest step this run committed or resumed from
         self.guard = PreemptionGuard()
@@ -252,6 +252,10 @@ class ElasticJob:
     def build_state(self) -> Any:
         """The model and optimizer on ``self.ctx.device``, with a ``step`` counter (0)."""
         raise NotImplementedError
+
+    def first_state(self) -> Any:
+        """This process's first state: :meth:`build_state` (a sharded job's joiner: on meta)."""
+        return self.build_state()
 
     def wrap(self) -> None:
         """Spread the model over the world (DDP, FSDP, an engine); sets ``self.ddp``."""
@@ -481,11 +485,7 @@ class ElasticJob:
             ConfigError: no ``$SPOTVISOR_RDZV_ENDPOINT``, or no ``$SPOTVISOR_JOIN_CREDENTIAL``.
             SystemExit(1): nobody admitted it in time, or rank 0 refused its ticket (one warning line).
         """
-        if rendezvous_endpoint() is None:
-            raise ConfigError("SPOTVISOR_JOIN=1 needs $SPOTVISOR_RDZV_ENDPOINT (host:port of the rendezvous store)")
-        if self.credential is None:
-            raise ConfigError(f"SPOTVISOR_JOIN=1 needs ${JOIN_CREDENTIAL_ENV}: the daemon gives it to each node it "
-                              "admits (a running group admits no ticket without it)")
+        _check_can_join(self.credential)
         node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
         self.resizer.join(node, self.ctx.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.joined_in_process = True
@@ -497,6 +497,16 @@ class ElasticJob:
         # (GIL released) rather than the reducer's dealloc at exit, where gloo's worker
         # thread can wait for the GIL that dealloc holds (seen once in tests/test_shrink.py)
         self.ddp = self.state.model
+
+
+def _check_can_join(credential: Any) -> None:
+    """Raises :class:`ConfigError` when this worker cannot join a running group: no
+    ``$SPOTVISOR_RDZV_ENDPOINT``, or no join credential."""
+    if rendezvous_endpoint() is None:
+        raise ConfigError("SPOTVISOR_JOIN=1 needs $SPOTVISOR_RDZV_ENDPOINT (host:port of the rendezvous store)")
+    if credential is None:
+        raise ConfigError(f"SPOTVISOR_JOIN=1 needs ${JOIN_CREDENTIAL_ENV}: the daemon gives it to each node it "
+                          "admits (a running group admits no ticket without it)")
 
 
 def run_job(

@@ -51,10 +51,11 @@ from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
 from trainer.integrations.deepspeed_replicas import DeepSpeedReplicas, partitions
 from trainer.integrations.deepspeed_resize import release_engine
-from trainer.integrations.meta import materialize, rebuild_optimizer
+from trainer.integrations.meta import materialize, on_meta, rebuild_optimizer
 from trainer.integrations.p2p_reshard import Traffic
 from trainer.integrations.replicas import add_replica_flags
 from trainer.loop import ElasticJob, loaded, run_job
+from trainer.membership import joining
 from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
 from trainer.runtime import (
@@ -167,6 +168,11 @@ class DeepSpeedJob(ElasticJob):
         only, nothing initialised, for a model whose state is set next)."""
         return build_state(self.args, device or self.ctx.device)
 
+    def first_state(self) -> TrainState:
+        """A joiner builds its model on the meta device: nothing of it is allocated or
+        initialised while it waits to be admitted; :meth:`reshard` allocates it."""
+        return self.build_state(torch.device("meta") if joining() else None)
+
     def resume(self) -> None:
         if self.engine is None:
             self.build_engine()
@@ -228,7 +234,8 @@ class DeepSpeedJob(ElasticJob):
         if from_commit:  # initialised: there may be no commit
             self.state = self.build_state()
         else:  # every value is set from the staged state: allocate, do not initialise
-            self.state = self.build_state(torch.device("meta"))
+            if not on_meta(self.state.model):  # a joiner's first model is on meta already
+                self.state = self.build_state(torch.device("meta"))
             model = self.state.model
             names = {id(p): n for n, p in model.named_parameters()}
             materialize(model, self.ctx.device)

@@ -49,8 +49,9 @@ from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
 from trainer.integrations.fsdp_shards import ShardMover
-from trainer.integrations.meta import materialize, rebuild_optimizer
+from trainer.integrations.meta import materialize, on_meta, rebuild_optimizer
 from trainer.integrations.replicas import add_replica_flags
+from trainer.membership import joining
 from trainer.runtime import (
     DistContext,
     scratch_dir,
@@ -100,6 +101,12 @@ class DcpJob(ElasticJob):
         only, nothing initialised, for a model whose state comes from a peer)."""
         return build_state(self.args, device or self.ctx.device)
 
+    def first_state(self) -> TrainState:
+        """A joiner of the sharded job builds its model on the meta device: nothing of it
+        is allocated or initialised while it waits to be admitted (at 7 B, 28 GB of
+        parameters it would drop unused), and :meth:`reshard` allocates only its shards."""
+        return self.build_state(torch.device("meta") if joining() and not self.state_replicated else None)
+
     @property
     def state_replicated(self) -> bool:  # type: ignore[override]
         """``--wrap ddp`` replicates the state; FSDP2 shards it (even at a world of one,
@@ -138,7 +145,7 @@ class DcpJob(ElasticJob):
         A meta-device model (:meth:`reshard`) is allocated on the rank's device after sharding."""
         model = self.state.model
         names = {id(p): n for n, p in model.named_parameters()}
-        on_meta = any(p.is_meta for p in model.parameters())
+        unallocated = on_meta(model)
         if self.wrapping == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -152,9 +159,9 @@ class DcpJob(ElasticJob):
             for block in model.transformer.h:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)  # the rest: embeddings (tied with lm_head), final norm
-        if on_meta:
+        if unallocated:
             materialize(model, self.ctx.device)
-        if self.wrapping == "fsdp" or on_meta:
+        if self.wrapping == "fsdp" or unallocated:
             # fully_shard swapped every parameter for a DTensor shard (to_empty for a new
             # tensor): the optimizer must hold those.
             self.state.optimizer = rebuild_optimizer(self.state.optimizer, names, dict(model.named_parameters()))
@@ -220,11 +227,12 @@ class DcpJob(ElasticJob):
             step, staged = self.state.step, self.shards.take_staged()
             if not from_commit and staged is None:
                 raise RuntimeError(f"rank {self.ctx.rank} holds no staged state to reshard from")
-            # free the old model first (the checkpointer holds it too); a grow's old shards
-            # stay referenced by `staged` until the exchange
-            self.ddp = self.state.model = self.ckpt = None  # type: ignore[assignment]
-            self.state = self.build_state(torch.device("meta") if not from_commit else None)
-            gc.collect()
+            if from_commit or not on_meta(self.state.model):  # a joiner's first model is on meta already
+                # free the old model first (the checkpointer holds it too); a grow's old shards
+                # stay referenced by `staged` until the exchange
+                self.ddp = self.state.model = self.ckpt = None  # type: ignore[assignment]
+                self.state = self.build_state(torch.device("meta") if not from_commit else None)
+                gc.collect()
             self.state.step = step
             self.wrap()
             if from_commit:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["allocate_optimizer_state", "materialize", "rebuild_optimizer"]
+__all__ = ["allocate_optimizer_state", "materialize", "on_meta", "rebuild_optimizer"]
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is built on the meta device (shapes only, nothing allocated)."""
+    return any(p.is_meta for p in model.parameters())
 
 
 def rebuild_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
