@@ -163,8 +163,10 @@ def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
     (the number is the tag). They go in batches of :data:`MAX_IN_FLIGHT` consecutive
     numbers, the same batches on every rank; a rank posts its part of a batch once its
     part of the one before is done, so every send it waits on was posted by its peer in
-    the same batch (no cycle of waits). Collective over the default group. Returns this
-    rank's :class:`Traffic`."""
+    the same batch (no cycle of waits); its in-place copies of a batch run after its sends
+    and receives are posted, while the transport carries them (a peer waiting on this
+    rank's send does not wait for them too). Collective over the default group. Returns
+    this rank's :class:`Traffic`."""
     me = dist.get_rank()
     batches: dict[int, list[Transfer]] = {}
     for t in mine:
@@ -172,9 +174,10 @@ def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
     traffic, t0 = Traffic(), time.perf_counter()
     for b in range(-(-total // MAX_IN_FLIGHT)):
         ops: list[dist.P2POp] = []
+        local: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tag, src, dst, view, into in batches.get(b, []):
             if src == dst:
-                into.copy_(view)  # type: ignore[union-attr, arg-type]
+                local.append((into, view))  # type: ignore[arg-type]
                 traffic.copied_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
             elif me == src:
                 ops.append(dist.P2POp(dist.isend, view.contiguous(), dst, tag=tag))  # type: ignore[union-attr]
@@ -184,8 +187,10 @@ def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
                 ops.append(dist.P2POp(dist.irecv, into, src, tag=tag))  # type: ignore[arg-type]
                 traffic.received_bytes += into.numel() * into.element_size()  # type: ignore[union-attr]
                 traffic.receives += 1
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for into, view in local:  # while the transport moves this batch's bytes
+            into.copy_(view)
+        for work in works:
+            work.wait()
     traffic.seconds = time.perf_counter() - t0
     return traffic
