@@ -27,7 +27,7 @@ def _start(tmp_path: Path, name: str, env: dict[str, str], rdzv_port: int, ckpt:
 
 
 def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_exact(tmp_path: Path, rdzv) -> None:
-    """FSDP2 at world 2; a third worker joins at step 5 (world 3); node0, old rank 0, gets
+    """FSDP2 at world 2; a third worker joins at step 5 (world 3, as rank 1); node0, rank 0, gets
     a notice at step 8, is stopped the moment its commit is written (as its agent does),
     and the other two go on (world 2) to step 12. Nobody restarts, the
     joiner reads no commit, every step's global batch is trained exactly once, and at both
@@ -51,8 +51,15 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
     # each step committed once: step 5 before the grow, not again by the grown group
     assert [x["step"] for x in status_lines(tmp_path, "node1") if x["event"] == "checkpoint_committed"] == [
         5, 8, 10, 12]
+    # the joiner sits between the old ranks, where it takes rows from both (grow_ranks):
+    # node1, old rank 1, becomes rank 2 and holds its new shard already, receiving nothing
     joiner = status_lines(tmp_path, "node2")
-    assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 2), (8, 1)]
+    assert [(x["step"], x["rank"]) for x in joiner if x["event"] == "started"] == [(5, 1), (8, 0)]
+    grown = {n: [x for x in status_lines(tmp_path, n) if x["event"] == "started"][1] for n in ("node0", "node1")}
+    assert (grown["node1"]["rank"], grown["node1"]["reshard_received_bytes"]) == (2, 0), grown
+    sent = [grown[n]["reshard_sent_bytes"] for n in ("node0", "node1")]  # about half the joiner's shard each
+    assert sum(sent) == next(x for x in joiner if x["event"] == "started")["reshard_received_bytes"], grown
+    assert min(sent) > 0.4 * sum(sent), sent
     assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from rank 0
     assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
         s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}

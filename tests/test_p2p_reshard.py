@@ -6,6 +6,7 @@ ranks carry it out for a shrink (in the old group, the leaving ranks sending) an
 
 from __future__ import annotations
 
+import itertools
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.integrations.p2p_reshard import chunk_rows, plan
+from trainer.integrations.p2p_reshard import chunk_rows, grow_ranks, kept_bytes, plan
 
 
 @settings(max_examples=300, deadline=None)
@@ -43,6 +44,58 @@ def test_the_pieces_tile_every_new_shard_from_within_the_old_ones(rows: list[int
 def test_a_bad_world_size_is_refused() -> None:
     with pytest.raises(ValueError, match="world sizes"):
         plan([4], 0, 2)
+    with pytest.raises(ValueError, match="a grow of 0 ranks by 1"):
+        grow_ranks([4], [4], 0, 1)
+
+
+def _kept(kept: list[list[int]], ranks: list[int]) -> int:
+    return sum(kept[i][r] for i, r in enumerate(ranks[:len(kept)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.integers(0, 60), min_size=1, max_size=4), row_bytes=st.lists(st.integers(1, 9), min_size=4,
+       max_size=4), old_nodes=st.integers(1, 4), joining_nodes=st.integers(0, 3), per_node=st.integers(1, 2))
+def test_a_grow_places_its_joiners_where_the_fewest_bytes_move(rows: list[int], row_bytes: list[int], old_nodes: int,
+                                                                 joining_nodes: int, per_node: int) -> None:
+    """Rank 0 stays 0, everyone gets one rank, a node's ranks stay consecutive, the old
+    nodes keep their order, and no placement of the old nodes among the new ones (node 0
+    pinned) that keeps their order keeps more bytes in place: checked against every one.
+    (One that breaks the order can keep more, e.g. where old shards are empty: a tensor
+    of 5 rows over 4 ranks grown to 5.)"""
+    old, world = old_nodes * per_node, (old_nodes + joining_nodes) * per_node
+    ranks = grow_ranks(rows, row_bytes, old, world - old, per_node)
+    assert sorted(ranks) == list(range(world)) and ranks[0] == 0
+    assert ranks[:old] == sorted(ranks[:old]) and ranks[old:] == sorted(ranks[old:])
+    assert all(ranks[r] - ranks[r - r % per_node] == r % per_node for r in range(world))  # whole nodes
+
+    def spread(nodes: tuple[int, ...]) -> list[int]:  # old node n at new node nodes[n]
+        return [nodes[r // per_node] * per_node + r % per_node for r in range(old)]
+
+    kept = kept_bytes(rows, row_bytes, old, world)
+    best = max(_kept(kept, spread((0, *p))) for p in itertools.combinations(range(1, world // per_node),
+                                                                            old_nodes - 1))  # in order
+    assert _kept(kept, ranks) == best >= _kept(kept, list(range(world)))
+    if _kept(kept, list(range(world))) == best:
+        assert ranks == list(range(world))  # nothing to gain: the joiners are appended
+
+
+def test_a_grow_of_part_of_a_node_appends_its_joiners() -> None:
+    assert grow_ranks([100], [4], 3, 1, per_node=2) == [0, 1, 2, 3]
+    assert grow_ranks([100], [4], 4, 2, per_node=2) == [0, 1, 4, 5, 2, 3]  # node 1 after the joining one
+
+
+def test_doubling_a_world_moves_half_the_state_not_nearly_all_of_it() -> None:
+    """8 ranks grow to 16 (a second node of 8): each joiner sits beside the old rank whose
+    rows it takes. Appended, 15/16 of the state would move and old rank 7 would send its
+    whole shard; placed, half moves and no rank sends more than half its shard."""
+    rows, row_bytes = [16 * 1000], [4]
+    ranks = grow_ranks(rows, row_bytes, 8, 8)
+    assert ranks == [0, 2, 4, 6, 8, 10, 12, 14] + [1, 3, 5, 7, 9, 11, 13, 15]
+    total = rows[0] * row_bytes[0]
+    kept = kept_bytes(rows, row_bytes, 8, 16)
+    assert total - _kept(kept, ranks) == total // 2
+    assert total - _kept(kept, list(range(16))) == total * 15 // 16
+    assert grow_ranks(rows, row_bytes, 2, 1) == [0, 2, 1]  # from 2 to 3: 1/3 moves, not 1/2
 
 
 SHAPES = [(10, 3), (7,), (1, 4), (0, 2), (33, 5)]

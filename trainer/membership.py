@@ -131,12 +131,15 @@ class Ticket:
 @dataclass(frozen=True, slots=True)
 class Admission:
     """Where a joiner goes: the new group's store prefix, its rank and the world size;
-    ``first_rank``: the first joiner's rank (the group's size before the grow)."""
+    ``first_rank``: the group's size before the grow; ``ranks``: every joiner's rank in
+    the new group (``first_rank .. world_size - 1`` unless the grow placed them among
+    the old ranks: :func:`trainer.integrations.p2p_reshard.grow_ranks`)."""
 
     prefix: str
     rank: int
     world_size: int
     first_rank: int
+    ranks: tuple[int, ...] = ()
 
 
 class JoinQueue:
@@ -310,7 +313,9 @@ class JoinQueue:
             raise JoinRefused(f"the running group refused node {ticket.node}'s ticket {ticket.number} "
                               f"({raw[len(REFUSED):].lstrip(': ')[:200]})")
         body = json.loads(raw)
-        return Admission(str(body["prefix"]), int(body["rank"]), int(body["world_size"]), int(body["first_rank"]))
+        first, world = int(body["first_rank"]), int(body["world_size"])
+        ranks = tuple(int(r) for r in body.get("ranks", range(first, world)))
+        return Admission(str(body["prefix"]), int(body["rank"]), world, first, ranks)
 
     # -- rank 0's side
 
@@ -355,13 +360,18 @@ class JoinQueue:
                 pick = list(chosen)
         return pick
 
-    def admit(self, tickets: list[Ticket], *, prefix: str, first_rank: int, world_size: int) -> None:
-        """Admit ``tickets`` (from :meth:`ready`) as ranks ``first_rank, first_rank + 1, ...``
-        of the group ``prefix`` of ``world_size`` ranks. A withdrawn ticket (impossible
-        outside the expiry margin) raises ``RuntimeError``: the group would wait for it."""
-        for i, t in enumerate(tickets):
-            body = json.dumps({"prefix": prefix, "rank": first_rank + i, "world_size": world_size,
-                               "first_rank": first_rank})
+    def admit(self, tickets: list[Ticket], *, prefix: str, first_rank: int, world_size: int,
+              ranks: list[int] | None = None) -> None:
+        """Admit ``tickets`` (from :meth:`ready`) as ranks ``ranks`` (default ``first_rank,
+        first_rank + 1, ...``) of the group ``prefix`` of ``world_size`` ranks, grown from
+        ``first_rank``. A withdrawn ticket (impossible outside the expiry margin) raises
+        ``RuntimeError``: the group would wait for it."""
+        ranks = list(range(first_rank, first_rank + len(tickets))) if ranks is None else ranks
+        if len(ranks) != len(tickets):
+            raise ValueError(f"{len(ranks)} ranks for {len(tickets)} tickets")
+        for t, rank in zip(tickets, ranks):
+            body = json.dumps({"prefix": prefix, "rank": rank, "world_size": world_size,
+                               "first_rank": first_rank, "ranks": ranks})
             won = self.store.compare_set(f"a/{t.number}", "", body).decode()
             if won != body:
                 raise RuntimeError(f"ticket {t.number} of node {t.node} was withdrawn while being admitted")

@@ -182,9 +182,10 @@ class Resizer:
 
         Called on every rank of the group; rank 0 found them (:meth:`joiners_waiting`)
         and writes their admissions. Every rank joins the new group (old ranks keep their
-        numbers, the joiners follow), rank 0 sends the whole state to the joiners
-        (:meth:`send_state`: a broadcast over rank 0 and them only), and a new attempt
-        starts at the same step. Nothing is committed or loaded. If anything fails here
+        numbers and the joiners follow; a sharded job's ``grow_ranks`` may place the
+        joiners among them, rank 0 staying 0), rank 0 sends its state (a sharded job's:
+        metadata) to the joiners (:meth:`send_state`: a broadcast over rank 0 and them
+        only), and a new attempt starts at the same step. Nothing is committed or loaded. If anything fails here
         the worker exits non-zero and torchrun restarts the group from the last commit.
         """
         job = self.job
@@ -195,15 +196,20 @@ class Resizer:
         prefix = f"spotvisor/{run_id()}/grow/{job.attempt}/{step}"
         with self.memory.track():
             job.stage_state(list(range(old_world)))
+        # the new rank of each old rank, then of each joiner: a sharded job places its
+        # joiners where the fewest bytes move (the same on every old rank), others append them
+        place = getattr(job, "grow_ranks", None)
+        ranks = place(joiners) if place is not None else list(range(world))
         if job.ctx.is_leader:
             assert self._queue is not None and len(self._pick) == joiners
-            self._queue.admit(self._pick, prefix=prefix, first_rank=old_world, world_size=world)
+            self._queue.admit(self._pick, prefix=prefix, first_rank=old_world, world_size=world,
+                              ranks=ranks[old_world:])
             log.info("admitting %d joining worker(s) of node(s) %s at step %d", joiners,
                      ",".join(dict.fromkeys(t.node for t in self._pick)), step)
         job.ddp = job.state.model  # drop DDP's hooks on the old group before it goes
-        job.ctx = regroup(job.ctx, job.ctx.rank, world, prefix, endpoint, job.args.pg_timeout_s,
+        job.ctx = regroup(job.ctx, ranks[job.ctx.rank], world, prefix, endpoint, job.args.pg_timeout_s,
                           store_wait_s=job.args.store_wait_s)
-        self.send_state(0, list(range(old_world, world)))
+        self.send_state(0, sorted(ranks[old_world:]))
         self.restart_attempt(old_world, t0, "grew", resumed_from=None, joined=joiners)
 
     def join(self, node: str, local_rank: int, local_world: int) -> None:
@@ -239,9 +245,8 @@ class Resizer:
         job.ddp = job.state.model
         job.ctx = regroup(job.ctx, admission.rank, admission.world_size, admission.prefix, endpoint,
                           job.args.pg_timeout_s, node_key=f"joined:{node}", store_wait_s=job.args.store_wait_s)
-        self.send_state(0, list(range(admission.first_rank, admission.world_size)))
-        self.restart_attempt(admission.first_rank, t0, "joined", resumed_from=None,
-                             joined=admission.world_size - admission.first_rank)
+        self.send_state(0, sorted(admission.ranks))
+        self.restart_attempt(admission.first_rank, t0, "joined", resumed_from=None, joined=len(admission.ranks))
 
     def complete(self) -> None:
         """Rank 0, the target step committed: nobody waits to join a job that has ended."""

@@ -408,10 +408,10 @@ def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
     """Rewrite torchrun's worker variables in this process for the group ``ctx`` after an
     in-process resize, so that code reading them (a user's script, a library) sees the new
     world: ``RANK`` and ``ROLE_RANK``, ``WORLD_SIZE`` and ``ROLE_WORLD_SIZE``, and
-    ``GROUP_RANK`` / ``GROUP_WORLD_SIZE``, the remaining nodes numbered in their old order
+    ``GROUP_RANK`` / ``GROUP_WORLD_SIZE``, the nodes numbered in the order of their ranks
     (one all-gather, as JSON: :func:`trainer.exchange.all_gather_json`, of the old
-    ``GROUP_RANK``, or of ``node_key``: a joiner's node, numbered after the survivors' as
-    its ranks are). ``LOCAL_RANK`` and
+    ``GROUP_RANK``, or of ``node_key``: a joiner's node, whose ranks follow the survivors'
+    or, in a sharded job's grow, sit among them). ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` do not change; ``MASTER_ADDR`` / ``MASTER_PORT`` still name the
     old group's store, which may be gone. Called on every rank of ``ctx``'s group.
 
@@ -419,7 +419,7 @@ def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
     """
     old_node = node_key if node_key is not None else os.environ.get("GROUP_RANK", str(ctx.rank))
     nodes = all_gather_json(old_node)  # a joiner's word: parsed, never unpickled
-    # a node's ranks are contiguous and in node order (torchrun's numbering, kept by every resize)
+    # a node's ranks are contiguous (torchrun's numbering, kept by every resize)
     order = list(dict.fromkeys(n for n in nodes if n is not None))
     os.environ.update({
         "RANK": str(ctx.rank), "ROLE_RANK": str(ctx.rank),

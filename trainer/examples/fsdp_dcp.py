@@ -200,6 +200,15 @@ class DcpJob(ElasticJob):
             self.shards.take_metadata(state["fsdp"])
         self.state.step = int(state["step"])
 
+    def grow_ranks(self, joiners: int) -> list[int]:
+        """A grow by ``joiners``, after :meth:`stage_state`: the new rank of each old rank,
+        then of each joiner (:class:`~trainer.resize.Resizer`). FSDP2 places the joiners
+        where the fewest bytes of the shards move (:meth:`ShardMover.grow_ranks`); DDP,
+        which moves the whole state to them anyway, appends them."""
+        if self.state_replicated:
+            return list(range(self.ctx.world_size + joiners))
+        return self.shards.grow_ranks(joiners)
+
     def stage_state(self, keep: list[int]) -> None:
         """FSDP2, on every rank of the old group, before it changes (``keep``: the old ranks
         that stay, ``keep[j]`` becoming new rank ``j``): a shrink's exchange runs now, the

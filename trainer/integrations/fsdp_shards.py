@@ -9,7 +9,9 @@ events on every rank (:mod:`trainer.resize`, :mod:`trainer.recovery`)::
              (the group changes)
              fill()          new model: copy in the rows received
     grow     stage(keep)     old group: keep this rank's shards, move nothing
-             (the group changes; the joiners take metadata(): old world, AdamW's step)
+             grow_ranks(k)   old group: where the joiners go (the fewest bytes move)
+             (the group changes; the joiners take metadata(): old world, AdamW's step,
+             the old shards' holders)
              fill()          new group: the exchange runs now (the joiners receive)
     loss     restage_after_loss(old_rank, old_world)
                              new group: own shards + the copies of the lost ranks'
@@ -25,13 +27,14 @@ every rank computes alike (:meth:`ShardMover.local_shards`); the plan is
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
 import torch
 
 from trainer.integrations.meta import allocate_optimizer_state
-from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, plan
+from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, grow_ranks, plan
 from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
 
 __all__ = ["ShardMover"]
@@ -110,7 +113,7 @@ class ShardMover:
         world, me = job.ctx.world_size, job.ctx.rank
         staged = {**self._layout(world), "names": names}
         if len(keep) == world:
-            self.staged = {**staged, "old": {me: local}, "holders": list(range(world))}
+            self.staged = {**staged, "old": {me: local}, "holders": list(range(world)), "rows": rows}
             return
         new_world, new = len(keep), None
         if me in keep:
@@ -121,6 +124,24 @@ class ShardMover:
                                 new_world=new_world, holders=list(range(world)), takers=keep)
         self.staged = {**staged, "new": new} if me in keep else None
 
+    def grow_ranks(self, joiners: int) -> list[int]:
+        """Every old rank, after its :meth:`stage` of a grow by ``joiners``: the new rank of
+        each old rank, then of each joiner, where the fewest bytes move
+        (:func:`~trainer.integrations.p2p_reshard.grow_ranks`, from the shapes alone: the
+        same on every rank; a node's ranks stay consecutive); the old shards' holders in
+        the new group are staged with it.
+
+        Raises:
+            RuntimeError: nothing is staged (a grow that skipped :meth:`stage`).
+        """
+        if self.staged is None:
+            raise RuntimeError("no staged layout to place a grow's joiners by (a grow that skipped stage_state)")
+        local = next(iter(self.staged["old"].values()))
+        row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in local]
+        ranks = grow_ranks(self.staged["rows"], row_bytes, self.staged["old_world"], joiners, per_node())
+        self.staged["holders"] = ranks[:self.staged["old_world"]]
+        return ranks
+
     def metadata(self) -> dict[str, Any]:
         """Rank 0 to a grow's joiners: the staged layout (a few values, no tensor).
 
@@ -129,7 +150,7 @@ class ShardMover:
         """
         if self.staged is None:
             raise RuntimeError("rank 0 holds no staged layout to send (a grow that skipped stage_state)")
-        return {k: self.staged[k] for k in ("old_world", "optim_step", "groups")}
+        return {k: self.staged[k] for k in ("old_world", "optim_step", "groups", "holders")}
 
     def take_metadata(self, meta: dict[str, Any]) -> None:
         """A joiner: rank 0's :meth:`metadata`; it holds no old shard."""
