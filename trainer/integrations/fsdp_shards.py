@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,16 +68,38 @@ class ShardMover:
         names: list[str] = []
         local: list[torch.Tensor] = []
         rows: list[int] = []
+        for name, key, t, _ in self._slots():
+            names.append(f"{name}:{key}" if key else name)
+            local.append((t.to_local() if isinstance(t, DTensor) else t).detach())
+            rows.append(int(t.shape[0]))
+        return names, local, rows
+
+    def _slots(self) -> Iterator[tuple[str, str, torch.Tensor, dict[str, Any] | None]]:
+        """:meth:`local_shards`' order: ``(parameter name, "" or the optimizer state's key,
+        the tensor, the state dict holding it or None for the parameter)``."""
         opt_state = self.job.state.optimizer.state
         for name, p in self.job.state.model.named_parameters():
+            yield name, "", p, None
             st = opt_state.get(p, {})
-            tensors = [("", p)] + [(k, st[k]) for k in sorted(st)
-                                   if torch.is_tensor(st[k]) and st[k].dim() > 0 and st[k].shape == p.shape]
-            for key, t in tensors:
-                names.append(f"{name}:{key}" if key else name)
-                local.append((t.to_local() if isinstance(t, DTensor) else t).detach())
-                rows.append(int(t.shape[0]))
-        return names, local, rows
+            for k in sorted(st):
+                if torch.is_tensor(st[k]) and st[k].dim() > 0 and st[k].shape == p.shape:
+                    yield name, k, st[k], st
+
+    def _take_rows(self, got: list[torch.Tensor]) -> None:
+        """A shrink's survivor, in :meth:`fill`: its new shards' rows, received in :meth:`stage`
+        in :meth:`local_shards`' order. The parameters' are copied into FSDP2's storage; the
+        optimizer's state takes the received tensors themselves (AdamW's moments, 2/3 of
+        the bytes: no second copy of them into fresh memory, and no second allocation)."""
+        from torch.distributed.tensor import DTensor
+
+        for (_, key, t, st), rows in zip(self._slots(), got, strict=True):
+            if st is None:
+                (t.to_local() if isinstance(t, DTensor) else t).detach().copy_(rows)
+            elif isinstance(t, DTensor):
+                st[key] = DTensor.from_local(rows, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                             stride=t.stride())
+            else:
+                st[key] = rows
 
     def reshard_modules(self) -> None:
         """Put every FSDP2 module's sharded parameters back in place (``FSDPModule.reshard``:
@@ -180,8 +203,7 @@ class ShardMover:
             raise RuntimeError("the model or optimizer's tensors differ from the old layout's: cannot reshard")
         with torch.no_grad():
             if "new" in staged:  # a shrink's survivor: its rows arrived in stage()
-                for into, got in zip(new, staged["new"]):
-                    into.copy_(got)
+                self._take_rows(staged["new"])
             else:  # a grow, a loss: the holders send, in the new group
                 old_world, world = staged["old_world"], job.ctx.world_size
                 self.traffic = exchange(plan(rows, old_world, world), staged["old"] or {}, new, rows=rows,
