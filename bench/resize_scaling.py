@@ -12,12 +12,12 @@ rendezvous store on 127.0.0.1:
    launcher) and joins at step 2: the **grow**. Measured: the survivors' pause (rank 0's
    last step before the grow to the grown attempt's ``started`` line: the new group, the
    model, AdamW state and progress sent to the joiner tensor by tensor, the DDP re-wrap;
-   FSDP2: the shards gathered on rank 0, the model rebuilt on the meta device, sharded
-   at 3 and filled from rank 0), and the joiner's own time from its admission to its
-   ``started`` line;
+   FSDP2: the model rebuilt on the meta device, sharded at 3 and filled peer to peer,
+   the joiner placed between the old ranks; DeepSpeed: a new engine, filled peer to
+   peer), and the joiner's own time from its admission to its ``started`` line;
 2. at step 4 the joiner's node gets an interruption notice: every rank commits, the
    joiner leaves and the two survivors re-form their group: the **shrink** (its
-   ``resize_s``, plus FSDP2's gather before the commit, ``stage_s``; the notice commit
+   ``resize_s``, plus the sharded jobs' exchange before the commit, ``stage_s``; the notice commit
    is its own column);
 3. the **reload path**, what a restart pays for the state alone: the commit just made
    (save and upload, from its status line) and loading it back into a fresh model and
