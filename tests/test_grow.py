@@ -67,9 +67,33 @@ def test_admission_reaches_the_joiner_and_the_queue_moves_on(rdzv) -> None:
     pick = leader.ready(2, lambda w: True)
     leader.admit(pick, prefix="p/grow/1", first_rank=2, world_size=3)
     a = joiner.wait(t)
-    assert (a.prefix, a.rank, a.world_size, a.first_rank) == ("p/grow/1", 2, 3, 2)
+    assert (a.prefix, a.rank, a.world_size, a.first_rank, a.ranks) == ("p/grow/1", 2, 3, 2, (2,))
     assert leader.ready(3, lambda w: True) == []  # admitted once
     assert _queue(rdzv).ready(3, lambda w: True) == []  # also for a new rank 0 (after a shrink)
+
+
+def test_a_joiner_placed_among_the_old_ranks_learns_every_joiners_rank(rdzv) -> None:
+    """A sharded job's grow places its joiners where the fewest bytes move
+    (p2p_reshard.grow_ranks): each admission names every joiner's rank, which the joiners
+    need to meet rank 0 over a group of just them."""
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    tickets = [joiner.register(n, 0, 1, wait_s=300, credential=_cred(n)) for n in ("n3", "n4")]
+    leader.admit(leader.ready(2, lambda w: True), prefix="p/grow/1", first_rank=2, world_size=4, ranks=[1, 3])
+    assert [(a.rank, a.ranks) for a in map(joiner.wait, tickets)] == [(1, (1, 3)), (3, (1, 3))]
+
+
+@pytest.mark.parametrize(("rank", "ranks"), [(0, [0]), (2, [2, 2]), (5, [5]), (2, "x"), (2, [1])])
+def test_an_admission_naming_ranks_no_grow_has_is_refused(rdzv, rank, ranks) -> None:
+    """What rank 0 never writes (rank 0 taken, a rank twice, past the world, not a list,
+    without the joiner's own): the joiner refuses it in one line and exits, it does not
+    join a group it cannot meet."""
+    joiner, leader = _queue(rdzv), _queue(rdzv)
+    t = joiner.register("n3", 0, 1, wait_s=300, credential=_cred("n3"))
+    leader.admit(leader.ready(2, lambda w: True), prefix="p/grow/1", first_rank=2, world_size=3)
+    body = json.loads(leader.store.get(f"a/{t.number}"))
+    leader.store.set(f"a/{t.number}", json.dumps({**body, "rank": rank, "ranks": ranks}))
+    with pytest.raises(JoinRefused, match="not a grow this worker can join"):
+        joiner.wait(t)
 
 
 def test_a_ticket_near_its_expiry_is_left_and_its_joiner_withdraws(rdzv) -> None:

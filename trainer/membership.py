@@ -114,7 +114,8 @@ class JoinTimeout(RuntimeError):
 
 
 class JoinRefused(RuntimeError):
-    """Rank 0 refused this joiner's ticket (its proof did not hold). ``str()`` is one line."""
+    """Rank 0 refused this joiner's ticket (its proof did not hold), or its admission names
+    ranks it cannot join as. ``str()`` is one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,29 @@ class Admission:
     world_size: int
     first_rank: int
     ranks: tuple[int, ...] = ()
+
+
+def _admission(ticket: Ticket, raw: str) -> Admission:
+    """The admission rank 0 wrote for ``ticket`` (``raw``, from the store).
+
+    Raises:
+        JoinRefused: rank 0 refused the ticket, or the admission names ranks no grow has
+            (rank 0, a rank twice, one past the world, not this joiner's own): the joiner
+            would wait on a group that never forms.
+    """
+    if raw.startswith(REFUSED):
+        raise JoinRefused(f"the running group refused node {ticket.node}'s ticket {ticket.number} "
+                          f"({raw[len(REFUSED):].lstrip(': ')[:200]})")
+    body = json.loads(raw)
+    rank, first, world = int(body["rank"]), int(body["first_rank"]), int(body["world_size"])
+    try:
+        ranks = tuple(int(r) for r in list(body.get("ranks", range(first, world)))[:world])
+    except (TypeError, ValueError):
+        ranks = ()
+    if rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 < r < world for r in ranks):
+        raise JoinRefused(f"node {ticket.node}'s admission names ranks {list(ranks)[:16]} for rank {rank} of "
+                          f"{world}: not a grow this worker can join")
+    return Admission(str(body["prefix"]), rank, world, first, ranks)
 
 
 class JoinQueue:
@@ -190,7 +214,7 @@ class JoinQueue:
         if old is not None:
             try:
                 if old.check([key]):
-                    return ticket, self._admission(ticket, old.get(key).decode())
+                    return ticket, _admission(ticket, old.get(key).decode())
             except dist.DistError:  # the old store is gone with its control node: nothing was admitted there
                 pass
         self._store = None
@@ -273,7 +297,7 @@ class JoinQueue:
                 # above and a read here would switch stores with the ticket left behind
                 store, key = self._store if self._store is not None else self.store, f"a/{ticket.number}"
                 if store.check([key]):
-                    return self._admission(ticket, store.get(key).decode())
+                    return _admission(ticket, store.get(key).decode())
                 if store.check(["completed"]):
                     raise JobCompleted(f"the job completed at step {store.get('completed').decode()} "
                                        f"before node {ticket.node} joined")
@@ -290,7 +314,7 @@ class JoinQueue:
             raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) before its "
                               "wait ended (the rendezvous store out of reach)") from None
         if won != WITHDRAWN:  # rank 0 admitted (or refused) it at the last moment
-            return self._admission(ticket, won)
+            return _admission(ticket, won)
         raise JoinTimeout(f"no running group admitted node {ticket.node} (ticket {ticket.number}) "
                           f"before its wait ended")
 
@@ -306,16 +330,6 @@ class JoinQueue:
         log.warning("node %s's join ticket %d was gone from the rendezvous store (restarted or moved): queued "
                     "again as ticket %d", ticket.node, ticket.number, again.number)
         return again
-
-    @staticmethod
-    def _admission(ticket: Ticket, raw: str) -> Admission:
-        if raw.startswith(REFUSED):
-            raise JoinRefused(f"the running group refused node {ticket.node}'s ticket {ticket.number} "
-                              f"({raw[len(REFUSED):].lstrip(': ')[:200]})")
-        body = json.loads(raw)
-        first, world = int(body["first_rank"]), int(body["world_size"])
-        ranks = tuple(int(r) for r in body.get("ranks", range(first, world)))
-        return Admission(str(body["prefix"]), int(body["rank"]), world, first, ranks)
 
     # -- rank 0's side
 

@@ -185,8 +185,9 @@ class Resizer:
         numbers and the joiners follow; a sharded job's ``grow_ranks`` may place the
         joiners among them, rank 0 staying 0), rank 0 sends its state (a sharded job's:
         metadata) to the joiners (:meth:`send_state`: a broadcast over rank 0 and them
-        only), and a new attempt starts at the same step. Nothing is committed or loaded. If anything fails here
-        the worker exits non-zero and torchrun restarts the group from the last commit.
+        only), and a new attempt starts at the same step. Nothing is committed or
+        loaded. If anything fails here the worker exits non-zero and torchrun restarts
+        the group from the last commit.
         """
         job = self.job
         step, old_world, t0 = job.state.step, job.ctx.world_size, time.perf_counter()
