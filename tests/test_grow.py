@@ -178,23 +178,25 @@ def test_a_loss_round_leaves_out_an_outsiders_and_a_copied_entry(rdzv) -> None:
 
     from torch.distributed import PrefixStore
 
-    from trainer.membership import settle_survivors
+    from trainer.membership import SurvivorRound, settle_survivors
 
     endpoint = ("127.0.0.1", rdzv.port)
     store = PrefixStore("spotvisor/r/loss/a7", TCPStore("127.0.0.1", rdzv.port, is_master=False,
                                                         timeout=timedelta(seconds=30)))
     store.set(f"m/{int(store.add('count', 1))}", json.dumps({"rank": 1, "node": "intruder"}))
     out: dict[str, object] = {}
+    rounds = {node: SurvivorRound(endpoint, "r", "a7", rank, 3, timeout_s=30) for node, rank in (("n1", 0), ("n3", 2))}
+    for r in rounds.values():  # both said they are coming: n1's settle waits for n3 however slow its thread is
+        r.coming()
 
-    def survivor(node: str, rank: int) -> None:
-        out[node] = settle_survivors(endpoint, "r", "a7", rank, 3, settle_s=3.0, credential=_cred(node),
-                                     node=node, timeout_s=30)
+    def survivor(node: str) -> None:
+        out[node] = rounds[node].settle(settle_s=3.0, credential=_cred(node), node=node)
 
-    first = threading.Thread(target=survivor, args=("n1", 0))
+    first = threading.Thread(target=survivor, args=("n1",))
     first.start()
     store.wait(["m/2"])
     store.set(f"m/{int(store.add('count', 1))}", store.get("m/2"))  # n1's entry again, under a new number
-    second = threading.Thread(target=survivor, args=("n3", 2))
+    second = threading.Thread(target=survivor, args=("n3",))
     second.start()
     first.join()
     second.join()
