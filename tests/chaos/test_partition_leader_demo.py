@@ -75,7 +75,11 @@ def test_a_leader_cut_off_from_etcd_stops_fail_closed_and_leads_again_with_no_st
     # no other worker group trained after the cut (the cut's own may take its first step
     # after it: under load its world can form, the third node late, just before the cut)
     assert [a for a, t in _attempts(run_dir).items() if t > cut.time and a != started.data["attempt"]] == []
-    assert not [e for e in stored if e.kind in ("job_stalled", "trainer_exited", "node_lost")]
+    # and no trainer failed: its exit 0 at the target is the job's end, recorded when the
+    # agents report it before the pool is released (here: the job can end while the
+    # restarted daemon is still taking over, 20.9 s after a cut it came back from at 20.5)
+    assert not [e for e in stored if e.kind in ("job_stalled", "node_lost")
+                or e.kind == "trainer_exited" and e.data.get("exit_code") != 0]
     # nothing resumed after the cut, so no step lost to it (the run's totals also count the
     # job's start: a node whose torchrun comes past the start cohort's deadline, 60 s after
     # the admission, finds the first world formed without it and restarts it, losing the
