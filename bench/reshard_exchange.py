@@ -11,8 +11,9 @@ the joiners either *appended* (ranks ``old .. new - 1``, as a grow placed them b
 or *placed* (:func:`trainer.integrations.p2p_reshard.grow_ranks`). The two alternate,
 ``--reps`` times each; the table gives each one's median and fastest exchange (barrier
 to barrier), the bytes it moved over the link in all, the busiest rank's (sent or
-received), and that rank's bytes over a gloo send between two processes measured in
-the same run (:func:`bench.resize_scaling.link_rate`): the link's floor. Nothing else
+received), and that rank's bytes over a gloo send from rank 0 to rank 1 timed by the
+same processes after the exchanges (:func:`bench.resize_scaling.send_seconds`, as
+:func:`~bench.resize_scaling.link_rate` times it): the link's floor. Nothing else
 of a resize is in it (the new group, the model's rebuild: :mod:`bench.resize_scaling`).
 
 Prints a table; ``--json`` writes the figures.
@@ -30,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.resize_scaling import SIZES, link_rate, pick
+from bench.resize_scaling import SIZES, pick, send_seconds
 
 MODES = ("appended", "placed")
+LINK_BYTES = 256 << 20  # the send the link is timed with, as bench.resize_scaling.link_rate
 
 
 def shapes(size: str) -> list[tuple[int, ...]]:
@@ -65,7 +67,7 @@ def parse_grows(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _worker(rank: int, tmp: str, size: str, old: int, new: int, reps: int) -> None:
+def _worker(rank: int, tmp: str, tensors: list[tuple[int, ...]], old: int, new: int, reps: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -73,7 +75,6 @@ def _worker(rank: int, tmp: str, size: str, old: int, new: int, reps: int) -> No
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=new)
-    tensors = shapes(size)
     rows = [s[0] for s in tensors]
     row_bytes = [4 * (int(torch.Size(s[1:]).numel())) for s in tensors]
     pieces = plan(rows, old, new)
@@ -92,18 +93,20 @@ def _worker(rank: int, tmp: str, size: str, old: int, new: int, reps: int) -> No
             out[mode].append({"seconds": time.perf_counter() - t0, "sent": t.sent_bytes,
                               "received": t.received_bytes})
             del mine, fresh
-    Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+    link_s = send_seconds(rank, LINK_BYTES)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps({**out, "link_s": link_s}))
     dist.destroy_process_group()
 
 
 def run_grow(size: str, old: int, new: int, reps: int) -> dict[str, Any]:
-    """One size and grow, both modes (module docstring). Seconds, bytes."""
+    """One size and grow, both modes (module docstring). Seconds, bytes, bytes per second."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="spotvisor-exchange-") as tmp:
-        mp.start_processes(_worker, args=(tmp, size, old, new, reps), nprocs=new, start_method="spawn")
+        mp.start_processes(_worker, args=(tmp, shapes(size), old, new, reps), nprocs=new, start_method="spawn")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(new)]
-    row: dict[str, Any] = {"size": size, "old": old, "new": new, "reps": reps}
+    row: dict[str, Any] = {"size": size, "old": old, "new": new, "reps": reps,
+                           "link_bytes_per_s": round(LINK_BYTES / ranks[1]["link_s"])}
     for mode in MODES:
         seconds = [max(r[mode][i]["seconds"] for r in ranks) for i in range(reps)]
         first = [r[mode][0] for r in ranks]
@@ -133,20 +136,21 @@ def main(argv: list[str] | None = None) -> int:
         for old, new in grows:
             print(f"{size} {old} -> {new}: running ...", flush=True)
             rows.append(run_grow(size, old, new, args.reps))
-    rate = link_rate()
-    print(f"\nexchange of a grow, {args.reps} each (link: a gloo send between two processes, {rate / 1e6:,.0f} MB/s)\n")
+    links = ", ".join(f"{r['link_bytes_per_s'] / 1e6:,.0f}" for r in rows)
+    print(f"\nexchange of a grow, {args.reps} each (link: a gloo send from rank 0 to rank 1, "
+          f"timed in each run: {links} MB/s)\n")
     head = ("size", "grow", "joiners", "median", "fastest", "moved in all", "busiest rank", "median / link floor")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         for mode in MODES:
             m = r[mode]
-            floor = m["busiest_bytes"] / rate
+            floor = m["busiest_bytes"] / r["link_bytes_per_s"]
             m["over_floor"] = round(m["median_s"] / floor, 2)
             print(f"| {r['size']} | {r['old']} -> {r['new']} | {mode} | {m['median_s']:.2f} s | {m['min_s']:.2f} s "
                   f"| {m['moved_bytes'] / 1e6:,.0f} MB | {m['busiest_bytes'] / 1e6:,.0f} MB "
                   f"| {m['median_s']:.2f} s / {floor:.2f} s = {m['over_floor']:.2f} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"link_bytes_per_s": rate, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -154,24 +154,34 @@ def _traffic(workdir: Path) -> dict[str, Any]:
             "peak_extra_over_shard": round(max(memory), 2) if memory else None}
 
 
-def _link_worker(rank: int, tmp: str, nbytes: int, out: str) -> None:
+def send_seconds(rank: int, nbytes: int) -> float:
+    """The best of three: seconds one gloo send of ``nbytes`` takes from rank 0 to rank 1
+    of the default group, barrier to barrier. Collective: every rank of the group calls
+    it (the others only wait at its barriers)."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/link-store", rank=rank, world_size=2)
-    buf = torch.ones(nbytes // 4) if rank == 0 else torch.empty(nbytes // 4)
+    buf = torch.ones(nbytes // 4) if rank == 0 else torch.empty(nbytes // 4 if rank == 1 else 0)
     times = []
     for _ in range(3):
         dist.barrier()
         t0 = time.perf_counter()
         if rank == 0:
             dist.send(buf, 1)
-        else:
+        elif rank == 1:
             dist.recv(buf, 0)
         dist.barrier()
         times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _link_worker(rank: int, tmp: str, nbytes: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/link-store", rank=rank, world_size=2)
+    seconds = send_seconds(rank, nbytes)
     if rank == 1:
-        Path(out).write_text(json.dumps(min(times)))
+        Path(out).write_text(json.dumps(seconds))
     dist.destroy_process_group()
 
 
