@@ -732,6 +732,43 @@ def test_no_daemon_one_line_exit_1() -> None:
         assert sock in one_line(p.stderr) and p.stdout == ""
 
 
+def test_events_after_a_demo_has_ended_shows_what_it_recorded(tmp_path: Path) -> None:
+    """``make demo`` has ended by the time one asks what it did: with no daemon answering,
+    ``spotctl events`` (run where the demo ran, no socket named) prints the newest demo
+    run's recorded events, saying so on stderr, filtered as asked; elsewhere, or with a
+    socket named, it is the one-line ``cannot reach`` and exit 1."""
+    import subprocess
+
+    from daemon.controlnode.store import Store
+
+    for run, kinds in (("demo-20261207-100000", ["pool_started"]),
+                       ("demo-20261207-110000", ["pool_started", "interruption_notice", "job_completed"])):
+        store = Store(tmp_path / ".spotvisor" / run / "spotvisord.db").open()
+        for kind in kinds:
+            store.append_event(kind, "demo-2" if kind == "interruption_notice" else None, {"step": 7})
+        store.close()
+
+    def ctl(*argv: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "SPOTVISOR_SOCKET"}
+        env["PYTHONPATH"] = str(REPO)
+        return subprocess.run([sys.executable, "-m", "daemon.interfaces.ctl", *argv], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    p = ctl("events")
+    assert p.returncode == 0, p.stderr
+    assert "demo-20261207-110000" in one_line(p.stderr) and "no spotvisord answers" in p.stderr
+    assert [line.split()[3] for line in p.stdout.splitlines()] == ["pool_started", "interruption_notice",
+                                                                    "job_completed"], p.stdout
+    p = ctl("events", "--json", "--kind", "interruption_notice", "-f")
+    assert p.returncode == 0 and "nothing more to follow" in p.stderr, p.stderr
+    [ev] = [json.loads(line) for line in p.stdout.splitlines()]
+    assert (ev["seq"], ev["kind"], ev["node"], ev["data"]) == (2, "interruption_notice", "demo-2", {"step": 7})
+    p = ctl("events", "--since", "2")
+    assert [line.split()[3] for line in p.stdout.splitlines()] == ["job_completed"], p.stdout
+    for p in (ctl("events", "--socket", str(tmp_path / "none.sock")), ctl("events", cwd=tmp_path / ".spotvisor")):
+        assert p.returncode == 1 and "cannot reach spotvisord" in one_line(p.stderr) and p.stdout == "", p.stderr
+
+
 def test_the_shell_prompt_needs_no_http_client() -> None:
     """The shell's prompt (and ``-h``, and a usage error) loads no aiohttp, pydantic or torch: the
     HTTP client was about two thirds of spotctl's start-up, and the shell needs it only for a verb."""

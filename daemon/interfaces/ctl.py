@@ -20,6 +20,10 @@ The socket is ``--socket PATH``, else ``$SPOTVISOR_SOCKET``, else the daemon
 socket of ``--config FILE``, else ``.spotvisor/spotvisord.sock`` (the local
 default) if it exists, else ``/run/spotvisor/spotvisord.sock`` (systemd).
 
+With no daemon answering, ``events`` prints what the newest ``spotvisord demo`` run
+under ``.spotvisor/`` recorded, if any (the socket not named otherwise), saying so on
+stderr: the demo has ended by the time one asks what it did.
+
 Exit codes: 0 ok, 1 daemon unreachable or its answer unreadable (one line naming the
 socket), 2 usage error (one line: a bad argument, or a request the daemon refused, e.g.
 an unknown node). A node id goes into the URL percent-quoted, and only in the form
@@ -305,11 +309,42 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
     return 0
 
 
+def _last_demo_db(args: argparse.Namespace) -> Path | None:
+    """The event database of the newest ``spotvisord demo`` run under the local default
+    state directory (``.spotvisor/demo-<time>/spotvisord.db``), when no socket was named
+    (``--socket``, ``$SPOTVISOR_SOCKET``, ``--config``); else None."""
+    if getattr(args, "socket", None) or os.environ.get("SPOTVISOR_SOCKET") or getattr(args, "config", None):
+        return None
+    runs = sorted(_LOCAL_SOCKET.parent.glob("demo-*/spotvisord.db"))  # named by their start time
+    return runs[-1] if runs else None
+
+
+def _recorded_events(args: argparse.Namespace, sock: Path, db: Path) -> int:
+    """``spotctl events`` with no daemon answering and a demo run recorded here: that
+    run's events, read-only, as the daemon would have sent them (``--since``, ``--kind``,
+    ``--json``); a follow ends at the last one. Exit 0."""
+    from daemon.interfaces.demo_runner import read_events
+
+    print(f"spotctl: no spotvisord answers at {sock}; the events the last demo run recorded ({db.parent}):",
+          file=sys.stderr, flush=True)
+    for ev in read_events(db, args.since):
+        if not args.kind or ev.kind in args.kind:
+            print(json.dumps(ev.to_dict()) if args.json else render_event(ev.to_dict()), flush=True)
+    if args.follow:
+        print("spotctl: that run has ended: nothing more to follow", file=sys.stderr)
+    return 0
+
+
 def run_verb(args: argparse.Namespace, sock: Path) -> int:
-    """Run one parsed verb; the exit code (errors printed as one line on stderr)."""
+    """Run one parsed verb; the exit code (errors printed as one line on stderr). With no
+    daemon answering, ``events`` shows the last local demo run's record if there is one
+    (:func:`_recorded_events`): ``make demo`` has ended by the time one asks what it did."""
     try:
         return asyncio.run(_amain(args, sock))
     except Unreachable as exc:
+        db = _last_demo_db(args) if args.cmd == "events" else None
+        if db is not None:
+            return _recorded_events(args, sock, db)
         print(f"spotctl: {exc}", file=sys.stderr)
         return 1
     except Refused as exc:
