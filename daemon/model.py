@@ -84,8 +84,10 @@ class EventKind(str, Enum):
     CHAOS_INJECTED = "chaos_injected"
     TRAINER_EXITED = "trainer_exited"
     # a node's torchrun saw its workers fail and restarts them (daemon/gpunode/launcher.py):
-    # ``restarts_left``, ``last_line`` (the newest exception in its log); counted by
-    # daemon/control/tries.py, so a crash loop ends in job_failed, not in hours unseen
+    # ``failed_tries`` (the job's count then, daemon/control/tries.py; absent when it does not
+    # count) of ``max_restarts_on_errors``, ``torchrun_restarts_left`` (torchrun's own budget,
+    # 1000 for a status-reporting trainer, not the job's), ``last_line`` (the newest exception
+    # in its log): a crash loop ends in job_failed, not in hours unseen
     WORKERS_FAILED = "workers_failed"
     METADATA_UNREACHABLE = "metadata_unreachable"  # alarm: a streak of failed metadata polls
     METADATA_RECOVERED = "metadata_recovered"

@@ -38,8 +38,10 @@ class Intake:
 
     def __init__(self, core: Core, *, seen: Callable[[Node], None], on_status: Callable[[Node, StatusLine], None],
                  code: CodeDelivery, published_at: Callable[[Node, str | None, float | None], float | None],
-                 redact: Callable[[str], str] = str) -> None:
+                 redact: Callable[[str], str] = str,
+                 failure_count: Callable[[Node, float], dict[str, int]] = lambda node, at: {}) -> None:
         self.core = core
+        self._failure_count = failure_count  # JobLife.workers_failed_count: what a workers_failed counts
         self._redact = redact  # NodeLogs.redact: the job's secrets in a line a node sends
         self._seen = seen  # AgentLink.seen: a report is a sign of life
         self._on_status = on_status  # JobTracker.on_status
@@ -98,9 +100,9 @@ class Intake:
                 self._code.on_ready(node, msg)
             elif isinstance(msg, SetupFailed):  # (the agent masked the secrets it knows; so does the daemon)
                 self._code.on_setup_failed(node, replace(msg, last_line=self._redact(msg.last_line)))
-            elif isinstance(msg, WorkersFailed):
-                core.record(EventKind.WORKERS_FAILED, node.id, restarts_left=msg.restarts_left,
-                            last_line=self._redact(msg.last_line))
+            elif isinstance(msg, WorkersFailed):  # the job's count of failed tries, then torchrun's budget
+                core.record(EventKind.WORKERS_FAILED, node.id, **self._failure_count(node, core.clock()),
+                            torchrun_restarts_left=msg.restarts_left, last_line=self._redact(msg.last_line))
             elif isinstance(msg, TrainerExited):
                 node.trainer = TrainerState.EXITED
                 core.store.put_node(node)

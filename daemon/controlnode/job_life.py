@@ -36,7 +36,7 @@ from daemon.control.tries import Began, Crashed, Disturbed, Ended, Observation, 
 from daemon.controlnode.actuator import JOB_END_KEY
 from daemon.controlnode.core import Core
 from daemon.controlnode.node_logs import NodeLogs
-from daemon.model import Event, EventKind, JobState
+from daemon.model import Event, EventKind, JobState, Node
 
 __all__ = ["JobLife", "TAIL_LINES", "TAIL_LINE_CHARS", "LOG_WAIT_S"]
 
@@ -96,12 +96,30 @@ class JobLife:
                           else Crashed(ev.time, node.id, data["exit_code"]))
         elif k == EventKind.WORKERS_FAILED.value:
             node = self.core.nodes.get(ev.node or "")
-            if node is not None and node.state in ADMITTED and not node.joins_running:
+            if self._counts_failures_of(node):
+                assert node is not None
                 self._error_line = (node.id, str(data.get("last_line") or ""))
                 self._see(Crashed(ev.time, node.id))
         elif k in _DISTURBING or (k == EventKind.CHECKPOINT_REQUESTED.value
                                   and data.get("reason") in ("drain", "rejoin")):
             self._see(Disturbed(k))
+
+    def _counts_failures_of(self, node: Node | None) -> bool:
+        """Whether a failure of ``node``'s workers is one of the job's tries: a node of
+        the running job's world (a node joining it in-process has its own exit path)."""
+        return node is not None and node.state in ADMITTED and not node.joins_running
+
+    def workers_failed_count(self, node: Node, at: float) -> dict[str, int]:
+        """What a ``workers_failed`` of ``node`` at ``at`` (unix s) will make of the job's
+        count (:func:`daemon.control.tries.observe`, as :meth:`on_event` will apply it):
+        ``failed_tries`` in a row then, and ``max_restarts_on_errors``, at which the job
+        is failed; empty when it does not count (the job has ended or its failure is
+        decided, or the node is not of the running world). torchrun's own budget (1000
+        restarts for a status-reporting trainer) is not the job's."""
+        if self.core.job.state.is_terminal() or self._give_up_at is not None or not self._counts_failures_of(node):
+            return {}
+        after = observe(self.tries, Crashed(at, node.id), long_s=self.long_s)
+        return {"failed_tries": after.failed, "max_restarts_on_errors": self.max_failures}
 
     def _see(self, obs: Observation) -> None:
         if self._give_up_at is not None:

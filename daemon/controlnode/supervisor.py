@@ -110,16 +110,16 @@ class Supervisor:
         self.tracker = JobTracker(self)
         self.agents = AgentLink(self, rng=rng, on_step=self.tracker.on_step, leader=self.tracker.running_leader)
         self.operator, self.code = Operator(self), CodeDelivery(self, terminate=self.fleet.apply)
+        self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
         self.intake = Intake(self, seen=self.agents.seen, on_status=self.tracker.on_status, code=self.code,
-                             published_at=self.fleet.notice_published_at, redact=self.agents.node_logs.redact)
+                             published_at=self.fleet.notice_published_at, redact=self.agents.node_logs.redact,
+                             failure_count=self.life.workers_failed_count)
         self.actuator = Actuator(self, provider_call=self.fleet.apply, drain=self.operator.drain,  # the apply arm
                                  avoid_zone=self.fleet.avoid_zone_of, watch_flush=self.tracker.watch_flush)
         self.migrator = Migrator(self, fleet=self.fleet, drain=self.operator.drain, policy=self.policy)
-        self.placement = self.migrator.placement
-        self.domain_of = self.placement.domain_of  # a node's placement domain
+        self.placement, self.domain_of = self.migrator.placement, self.migrator.placement.domain_of  # a node's domain
         self.rendezvous = RendezvousWatch(self)  # does the job's rendezvous store answer
         self.stall = StallWatch(self, migrating=self.migrator.holds_job, store_alarm=self.rendezvous.status)
-        self.life = JobLife(self, logs=self.agents.node_logs, launching=lambda: bool(self.fleet.launching))  # fail/down
         self._wake, self._event_added, self._released, self._completed = (asyncio.Event() for _ in range(4))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listeners: list[Callable[[Event], None]] = [self.migrator.on_event, self.stall.on_event, self.life.on_event]

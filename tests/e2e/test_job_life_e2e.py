@@ -136,7 +136,8 @@ async def test_workers_failing_before_they_report_fail_the_job_at_the_third_fail
         async with running_daemon(config, rendezvous=store, with_chaos=False) as sup:
             (failed,) = await _until(sup, lambda: _events(sup, "job_failed"), "job_failed")
             reports = _events(sup, "workers_failed")
-            assert [r.data["restarts_left"] for r in reports[:3]] == [999, 998, 997]
+            assert [(r.data["failed_tries"], r.data["max_restarts_on_errors"], r.data["torchrun_restarts_left"])
+                    for r in reports[:3]] == [(1, 3, 999), (2, 3, 998), (3, 3, 997)]
             assert "No module named trainer.no_such_module" in reports[0].data["last_line"], reports[0].data
             assert failed.data["failed_tries"] == 3 and "the last workers_failed" in failed.data["why"], failed.data
             assert not _events(sup, "job_stalled")

@@ -152,7 +152,7 @@ def test_an_unmodified_ddp_script_survives_a_notice_and_a_kill(run_demo, tmp_pat
     # not use up a budget (2 before: the third notice ended the survivors' torchrun, and the
     # job came back only through the daemon's restart of a stalled job)
     failures = [e for e in events if e.kind == "workers_failed"]
-    assert failures and all(e.data["restarts_left"] >= 100 for e in failures), [e.data for e in failures]
+    assert failures and all(e.data["torchrun_restarts_left"] >= 100 for e in failures), [e.data for e in failures]
     assert "job_stalled" not in kinds
 
     # nothing left running or billing
