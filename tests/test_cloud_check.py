@@ -203,6 +203,10 @@ def test_missing_iam_permission(aws, capsys) -> None:
     (line,) = _fails(lines)  # three offers denied alike: one line
     assert "UnauthorizedOperation" in line and "fix: grant the control node's IAM role ec2:RunInstances" in line
     assert "offers.0" in line and "offers.1" in line and "offers.2" in line
+    assert "PassRole" not in line  # no instance profile: the launch passes no role
+    rc, lines = _check(aws.config(iam_instance_profile="spotvisor-node"), capsys)
+    (line,) = _fails(lines)
+    assert "and iam:PassRole on the role of providers.aws.iam_instance_profile (spotvisor-node)" in line, line
 
 
 def test_spot_quota_below_the_need(aws, capsys) -> None:

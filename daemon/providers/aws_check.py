@@ -225,10 +225,13 @@ async def _image(config: Config, every: list[Offer], clients: _Clients, region: 
 def _dry_run_problem(config: Config, code: str, message: str, offer: Offer, what: str) -> tuple[str, str]:
     """(detail, fix) for an EC2 error answering a dry run."""
     zone = offer.zone or "-"
-    if code == "UnauthorizedOperation":
+    if code == "UnauthorizedOperation":  # iam:PassRole only where the launch passes a role (an instance profile)
+        profile = getattr(config.launch_spec(offer), "iam_instance_profile", None)
+        field = config.launch_field(offer, "iam_instance_profile")
         return (f"UnauthorizedOperation: the control node may not call {what}",
-                f"grant the control node's IAM role ec2:{what}, ec2:CreateTags and iam:PassRole on the role of "
-                f"{config.launch_field(offer, 'iam_instance_profile')} (decode the reason with `aws sts decode-authorization-message`)")
+                f"grant the control node's IAM role ec2:{what}, ec2:CreateTags"
+                + (f" and iam:PassRole on the role of {field} ({profile})" if profile else "")
+                + " (decode the reason with `aws sts decode-authorization-message`)")
     if code.startswith("InvalidAMIID"):
         return (f"{code} in {offer.region}", f"{config.launch_field(offer, 'image_id')}: an AMI that exists in {offer.region}")
     if code.startswith(("InvalidSubnetID", "InvalidSubnet")):
