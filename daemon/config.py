@@ -98,6 +98,9 @@ class _Spec(BaseModel):
 # The longest duration any setting may give (seconds): 30 days. A timeout of 1e308 s is
 # finite, yet waits on it overflow (threading's TIMEOUT_MAX is about 9.2e9 s here).
 MAX_DURATION_S = 30 * 86400.0
+# a price per node (USD/hour) above which a value is a slip of the decimal point, not an
+# instance: the dearest cloud instances list at a few hundred USD/hour on demand
+MAX_PRICE_USD_H = 1000.0
 # job.workdir's default cap: its files' total size (bytes)
 WORKDIR_MAX_BYTES = 256 * 2**20
 PositiveS = Annotated[float, Field(gt=0, le=MAX_DURATION_S)]
@@ -858,7 +861,7 @@ class LocalProviderSpec(_Spec):
     # each simulated node's metadata endpoint speaks one cloud's dialect, cycled
     # over the nodes in launch order (e.g. [aws, aliyun, gcp, azure] mixes clouds)
     metadata_dialects: list[Literal["aws", "aliyun", "gcp", "azure"]] = Field(["aws"], min_length=1)
-    spot_price_usd_h: float = Field(0.0, ge=0)
+    spot_price_usd_h: float = Field(0.0, ge=0, le=MAX_PRICE_USD_H)
 
 
 class AwsProviderSpec(_Spec):
@@ -943,13 +946,13 @@ class OfferSpec(_Spec):
     instance_type: str = "local.cpu"
     gpu_type: str = "none"
     gpus_per_node: int = Field(1, ge=1, le=64)
-    max_price_usd_h: float | None = Field(None, ge=0)
+    max_price_usd_h: float | None = Field(None, ge=0, le=MAX_PRICE_USD_H)
     # GiB per GPU; absent: from gpu_type (daemon.controlnode.preflight.GPU_MEMORY_GIB; "none" = no GPU, no limit)
     gpu_memory_gib: float | None = Field(None, gt=0)
     market: Literal["spot", "on_demand"] = "spot"
     # the on-demand list price of this instance type here (USD/hour), for ``spotctl cost``'s
     # on-demand equivalent and savings; absent: that node's savings are shown as unknown
-    on_demand_price_usd_h: float | None = Field(None, ge=0)
+    on_demand_price_usd_h: float | None = Field(None, ge=0, le=MAX_PRICE_USD_H)
     # from its launch request to its agent registering (seconds), else the node is
     # terminated as launch_timeout; absent: daemon.launch_timeout_s (600 s, why: see there)
     launch_timeout_s: PositiveS | None = None
@@ -1736,6 +1739,9 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
             msg = f"must be a finite number, got {err.get('input')!r} (give a number, e.g. 30)"
         elif err["type"] == "missing":
             msg = "required (add it)"
+        elif err["type"] == "less_than_equal" and loc.endswith("_usd_h"):
+            msg = (f"{err.get('input')!r} USD/hour is more than any instance costs (at most {MAX_PRICE_USD_H:g}; "
+                   "a slipped decimal point?)")
         lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
 

@@ -415,6 +415,22 @@ def test_non_finite_numbers_are_refused(tmp_path: Path, text: str, field: str) -
 
 
 @pytest.mark.parametrize(("text", "field"), [
+    ("offers:\n  - {max_price_usd_h: 2500}\n", "offers.0.max_price_usd_h"),  # meant 2.5
+    ("offers:\n  - {on_demand_price_usd_h: 9832}\n", "offers.0.on_demand_price_usd_h"),  # meant 98.32
+    ("providers:\n  local: {spot_price_usd_h: 1e4}\n", "providers.local.spot_price_usd_h"),
+])
+def test_a_price_no_instance_costs_is_refused_naming_the_field(tmp_path: Path, text: str, field: str) -> None:
+    problem = one_problem(tmp_path, text)  # a slipped decimal point would lift the price cap or skew the cost
+    assert problem.startswith(f"{field}: ") and "USD/hour is more than any instance costs (at most 1000" in problem
+
+
+def test_a_price_at_the_bound_is_taken(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("offers:\n  - {max_price_usd_h: 1000, on_demand_price_usd_h: 98.32}\n")
+    assert load_config(path).offers[0].max_price_usd_h == 1000
+
+
+@pytest.mark.parametrize(("text", "field"), [
     ("daemon:\n  heartbeat_timeout_s: 1e308\n", "daemon.heartbeat_timeout_s"),
     ("job:\n  hold_timeout_s: 1e300\n", "job.hold_timeout_s"),
     ("chaos:\n  - {action: notice, node: 1, at_s: 5, lead_s: 1e200}\n", "chaos.0.lead_s"),
