@@ -50,7 +50,7 @@ from trainer.integrations import deepspeed_p2p
 from trainer.integrations.common import broadcast_object
 from trainer.integrations.deepspeed import DeepSpeedCheckpointer, disable_jit_ops, ds_config
 from trainer.integrations.deepspeed_replicas import DeepSpeedReplicas, partitions
-from trainer.integrations.deepspeed_resize import release_engine
+from trainer.integrations.deepspeed_resize import no_model_broadcast, release_engine
 from trainer.integrations.meta import materialize, on_meta, rebuild_optimizer
 from trainer.integrations.p2p_reshard import Traffic
 from trainer.integrations.replicas import add_replica_flags
@@ -135,9 +135,11 @@ class DeepSpeedJob(ElasticJob):
         #: with --replicate-shards: the copy of the previous node's partitions this rank keeps
         self.replicas = DeepSpeedReplicas(self)
 
-    def build_engine(self) -> None:
+    def build_engine(self, *, broadcast: bool = True) -> None:
         """``deepspeed.initialize`` over ``self.state`` at the group's data-parallel size, and
-        the checkpointer over the engine."""
+        the checkpointer over the engine. ``broadcast=False``: without DeepSpeed's broadcast
+        of rank 0's parameters, for a model whose every value is set after (a resize's:
+        :func:`~trainer.integrations.deepspeed_resize.no_model_broadcast`)."""
         import deepspeed
 
         config = ds_config(
@@ -148,9 +150,10 @@ class DeepSpeedJob(ElasticJob):
             bf16=self.ctx.device.type == "cuda",
             gradient_clipping=1.0,
         )
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.state.model, optimizer=self.state.optimizer, config=config
-        )
+        with contextlib.nullcontext() if broadcast else no_model_broadcast():
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=self.state.model, optimizer=self.state.optimizer, config=config
+            )
         key = hashlib.sha256(self.args.checkpoint_uri.encode()).hexdigest()[:10]
         self.ckpt = DeepSpeedCheckpointer(
             self.engine,
@@ -242,7 +245,7 @@ class DeepSpeedJob(ElasticJob):
             self.state.optimizer = rebuild_optimizer(self.state.optimizer, names, dict(model.named_parameters()))
         self.ddp = self.state.model
         self.state.step = step
-        self.build_engine()
+        self.build_engine(broadcast=from_commit)  # else fill() below sets every value on every rank
         assert self.ckpt is not None
         if from_commit:
             self.resume()

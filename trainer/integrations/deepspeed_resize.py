@@ -12,7 +12,9 @@ resize (shrink, grow; :mod:`trainer.resize`) or a loss's rebuild from the copies
     (the group changes: trainer.runtime.regroup; a joiner takes the tables from rank 0)
     new group   release_engine(engine)             its hooks off the model, DeepSpeed's
                                                    process-global groups of the old world dropped
-                deepspeed.initialize(...)          a new model and optimizer at the new size
+                deepspeed.initialize(...)          a new model and optimizer at the new size,
+                                                   without DeepSpeed's broadcast of rank 0's
+                                                   parameters (:func:`no_model_broadcast`)
                 deepspeed_p2p.fill(...)            the optimizer's state created
                                                    (:func:`create_optimizer_state`), every
                                                    partition filled peer to peer, the model
@@ -30,14 +32,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from trainer.integrations.meta import allocate_optimizer_state
 
-__all__ = ["FullState", "create_optimizer_state", "gather_full_state", "optimizer_step", "release_engine",
-           "scalars", "set_scalars", "zero_stage"]
+__all__ = ["FullState", "create_optimizer_state", "gather_full_state", "no_model_broadcast", "optimizer_step",
+           "release_engine", "scalars", "set_scalars", "zero_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +194,30 @@ def set_scalars(engine: Any, state: dict[str, Any]) -> None:
         setattr(engine, name, value)
     if hasattr(engine, "micro_steps"):  # the next micro-batch is the first of a step (a resize is at a boundary)
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+
+
+@contextlib.contextmanager
+def no_model_broadcast() -> Iterator[None]:
+    """``deepspeed.initialize`` inside it skips the engine's broadcast of every parameter
+    from the data-parallel group's first rank: ``DeepSpeedEngine._configure_distributed_model``
+    calls ``_broadcast_model`` for any model not built under ``zero.Init`` (DeepSpeed
+    0.19.8, runtime/engine.py), so a resize's engine, over a model allocated and not
+    initialised, sent rank 0's garbage to every rank (807 MB each at 200 M parameters in
+    fp32) before :func:`deepspeed_p2p.fill <trainer.integrations.deepspeed_p2p.fill>` set
+    every value anyway. Only for an engine whose every parameter is set after it. Patches
+    the class for the block (one thread builds engines); a DeepSpeed without that method
+    is left alone, and then broadcasts, slower but right."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine.__dict__.get("_broadcast_model")
+    if original is None:
+        yield
+        return
+    DeepSpeedEngine._broadcast_model = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model = original  # type: ignore[method-assign]
 
 
 def release_engine(engine: Any) -> None:
