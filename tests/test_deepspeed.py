@@ -134,6 +134,29 @@ def test_example_refuses_an_impossible_batch_with_one_line_and_exit_2(tmp_path: 
     ]
 
 
+def test_frozen_parameters_with_in_process_resizes_are_refused_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A model with frozen parameters (a frozen embedding here, as an adapter's base
+    weights are): an in-process DeepSpeed resize carries ZeRO's partitions of the trained
+    parameters and the model made from them, so a frozen one would come out of the
+    resize uninitialised on every rank. The job refuses to start that way, naming the fix."""
+    code = ("import sys\nfrom trainer.examples.deepspeed_zero2 import DeepSpeedJob, main\n"
+            "class Frozen(DeepSpeedJob):\n"
+            "    def build_state(self, device=None):\n"
+            "        state = super().build_state(device)\n"
+            "        state.model.transformer.wte.weight.requires_grad_(False)\n"
+            "        return state\n"
+            "sys.exit(main(sys.argv[1:], job_cls=Frozen))\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--target-steps", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+         "--checkpoint-uri", str(tmp_path / "c")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: --resize in-process: 1 frozen parameter(s) (transformer.wte.weight, ...)"), line
+    assert line.endswith("pass --resize restart") and "Traceback" not in proc.stderr
+
+
 # --------------------------------------------------------------------------- slow: real torchrun
 
 

@@ -54,7 +54,7 @@ from trainer.integrations.deepspeed_resize import no_model_broadcast, release_en
 from trainer.integrations.meta import materialize, on_meta, rebuild_optimizer
 from trainer.integrations.p2p_reshard import Traffic
 from trainer.integrations.replicas import add_replica_flags
-from trainer.loop import ElasticJob, loaded, run_job
+from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.membership import joining
 from trainer.run import build_parser as _run_parser
 from trainer.run import TrainState, build_state
@@ -117,6 +117,11 @@ class DeepSpeedJob(ElasticJob):
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, plan: BatchPlan, data: Any) -> None:
         super().__init__(args, ctx, plan, data)  # store, status, step log, data, build_state(), guard
+        frozen = [n for n, p in self.state.model.named_parameters() if not p.requires_grad]
+        if frozen and self.resizes_in_process:  # fail closed: a resize would leave them uninitialised
+            raise ConfigError(f"--resize in-process: {len(frozen)} frozen parameter(s) ({frozen[0]}, ...), and an "
+                              "in-process DeepSpeed resize carries only the trained ones (ZeRO's partitions and "
+                              "the model made from them); pass --resize restart")
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
