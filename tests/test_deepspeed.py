@@ -157,6 +157,31 @@ def test_frozen_parameters_with_in_process_resizes_are_refused_with_one_line_and
     assert line.endswith("pass --resize restart") and "Traceback" not in proc.stderr
 
 
+def test_a_resize_engine_skips_deepspeeds_model_broadcast_and_only_inside_its_block() -> None:
+    """A resize's engine is built inside ``no_model_broadcast``: DeepSpeed's broadcast of rank
+    0's parameters (its uninitialised copy, at a resize) is a no-op there, as it would
+    raise here with no process group; outside the block, and after an error in it, the
+    engine broadcasts again (an engine built at start must: every rank takes rank 0's
+    initialised model)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from trainer.integrations.deepspeed_resize import no_model_broadcast
+
+    class Probe:  # what _broadcast_model reads first: a broadcast would go through torch.distributed
+        dist_backend = "gloo"
+        module = torch.nn.Linear(2, 2)
+
+    original = DeepSpeedEngine._broadcast_model
+    with no_model_broadcast():
+        assert DeepSpeedEngine._broadcast_model(Probe()) is None  # type: ignore[arg-type]
+    assert DeepSpeedEngine._broadcast_model is original
+    with pytest.raises(RuntimeError), no_model_broadcast():
+        raise RuntimeError("the engine failed to build")
+    assert DeepSpeedEngine._broadcast_model is original
+    with pytest.raises(Exception):  # noqa: B017 - the real broadcast, with no process group here
+        DeepSpeedEngine._broadcast_model(Probe())  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- slow: real torchrun
 
 
