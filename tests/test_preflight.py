@@ -226,7 +226,8 @@ job:
   global_batch_size: 16
   micro_batch_size: 1
   model: {preset: llama-7b}
-providers: {aws: {image_id: ami-0123}}
+  checkpoint_uri: s3://ckpt-bucket/llama
+providers: {aws: {image_id: ami-0123, iam_instance_profile: spotvisor-node}}
 offers:
   - {provider: aws, region: us-east-1, zone: us-east-1a, instance_type: g6e.xlarge, gpu_type: L40S, gpus_per_node: 1}
 """

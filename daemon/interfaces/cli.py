@@ -59,6 +59,7 @@ import structlog
 
 from daemon.interfaces import preflight_cli
 from daemon.config import Config, ConfigError, load_config, loopback_problem
+from daemon.store_access import mount_type, store_access_problem
 from daemon.logs import configure_logging
 from daemon.interfaces.pipes import quiet_broken_pipe
 from daemon.model import Event
@@ -779,6 +780,10 @@ def main(argv: list[str] | None = None) -> int:
     unreachable = loopback_problem(config, _faked_clouds(os.environ))
     if unreachable is not None:  # every node bought would be billed without ever registering
         print(f"{path}: {unreachable}", file=sys.stderr)
+        return 2
+    no_store = store_access_problem(config, _faked_clouds(os.environ), fs_type=mount_type)
+    if no_store is not None:  # every node bought would fail its first commit
+        print(f"{path}: {no_store}", file=sys.stderr)
         return 2
     if args.cmd == "check":
         configure_logging(level="WARNING")  # on stderr: the check's own lines alone on stdout
