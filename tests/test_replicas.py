@@ -4,10 +4,18 @@ newest commit) whenever a copy is missing, stale, or lost with its owner."""
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.integrations.replicas import buddy, recovery_holders
+from trainer.integrations.replicas import buddy, recovery_holders, rounds
 
 
 def _survivors(world: int, per_node: int, lost: set[int], step: int = 6, copy_step: int = 6,
@@ -69,3 +77,66 @@ def test_any_one_node_lost_is_rebuilt_each_shard_from_its_owner_or_its_buddy(nod
     for i, h in enumerate(holders):
         assert h == (new_of[i] if i not in lost else new_of[buddy(i, world, per_node)])
         assert survivors[h]["old"] not in lost
+
+
+@given(shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), max_size=6),
+       sizes=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=6, max_size=6), max_bytes=st.integers(8, 200))
+def test_a_copy_through_a_staging_area_moves_every_element_once_within_the_area(
+        shapes: list[list[int]], sizes: list[int], max_bytes: int) -> None:
+    sizes = sizes[:len(shapes)]
+    plan = rounds(shapes, sizes, max_bytes)
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for pieces in plan:
+        assert pieces, "no empty round"
+        at = 0
+        for t, start, n in pieces:
+            assert n > 0 and at % 16 == 0 and at + n * sizes[t] <= max_bytes
+            at = -(-(at + n * sizes[t]) // 16) * 16
+            seen.setdefault(t, []).append((start, n))
+    for t, shape in enumerate(shapes):
+        numel = torch.Size(shape).numel()
+        got = sorted(seen.get(t, []))
+        assert sum(n for _, n in got) == numel
+        assert all(a + n == b for (a, n), (b, _) in zip(got, got[1:])) and (not got or got[0][0] == 0)
+
+
+def test_a_staging_area_smaller_than_an_element_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds no 8-byte element"):
+        rounds([(3,)], [8], 4)
+
+
+def _shards(rank: int, step: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s shards at ``step``: uneven rows across ranks, three dtypes."""
+    rows = 5 if rank == 0 else 4
+    base = 1000 * rank + 100 * step
+    return [torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + base,
+            (torch.arange(rows * 7, dtype=torch.float32) / 8 + base).to(torch.bfloat16).reshape(rows, 7),
+            torch.arange(rank + 2, dtype=torch.int64) + base]
+
+
+def _replica_worker(rank: int, tmp: str, world: int) -> None:
+    from trainer.integrations.replicas import BuddyReplica
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    frm, ok = (rank - 1) % world, {}
+    for mode, staging in (("direct", None), ("staged", 40)):
+        replica = BuddyReplica(staging_bytes=staging)
+        for step in (1, 2):  # the second copy arrives in the first one's spare buffers
+            replica.replicate(_shards(rank, step), step=step, rank=rank, world=world, per_node=1)
+        copy = replica.copy
+        ok[mode] = (copy is not None and copy.of == frm and copy.step == 2
+                    and all(torch.equal(a, b) for a, b in zip(copy.tensors, _shards(frm, 2), strict=True)))
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(ok))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_each_rank_keeps_its_predecessors_shards_whether_direct_or_through_a_staging_area(tmp_path: Path) -> None:
+    """A GPU's copy arrives through a staging area on the device into host memory; on the
+    CPU the same path runs when a staging size is given (here 40 bytes: many rounds, pieces
+    cut inside tensors, a round mixing dtypes), and must keep what the direct path keeps."""
+    world = 3
+    mp.start_processes(_replica_worker, args=(str(tmp_path), world), nprocs=world, start_method="spawn")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert got == [{"direct": True, "staged": True}] * world

@@ -36,7 +36,7 @@ import torch
 
 from trainer.exchange import all_gather_json
 from trainer.integrations.deepspeed_resize import optimizer_step, scalars, zero_stage
-from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
+from trainer.integrations.replicas import BuddyReplica, agree_on_holders, on_device, per_node
 
 __all__ = ["DeepSpeedReplicas", "partitions"]
 
@@ -161,13 +161,13 @@ class DeepSpeedReplicas:
         holders, step = got
         if step != job.state.step:  # back to the copies' step: this rank's partitions from its snapshot
             assert snap is not None and snap.step == step and self._snapshot_scalars is not None
-            own, values = snap.tensors, self._snapshot_scalars
+            own, values = on_device(snap.tensors, job.ctx.device), self._snapshot_scalars
         else:
             self._keys, own = partitions(job.engine, job.state.model, old_rank)
             values = scalars(job.engine)
         held = {old_rank: own}
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
-            held[copy.of] = copy.tensors
+            held[copy.of] = on_device(copy.tensors, job.ctx.device)  # held in host memory
         # every old rank's fragment table, from the survivor holding its parts: the old layout
         tables: dict[str, list] = {}
         for got_tables in all_gather_json({str(i): parts[0].tolist() for i, parts in held.items()}):

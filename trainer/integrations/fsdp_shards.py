@@ -36,7 +36,7 @@ import torch
 
 from trainer.integrations.meta import allocate_optimizer_state
 from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, grow_ranks, plan
-from trainer.integrations.replicas import BuddyReplica, agree_on_holders, per_node
+from trainer.integrations.replicas import BuddyReplica, agree_on_holders, on_device, per_node
 
 __all__ = ["ShardMover"]
 
@@ -277,12 +277,12 @@ class ShardMover:
         layout = self._layout(old_world)
         if step != job.state.step:  # back to the copies' step: this rank's own shards from its snapshot
             assert snap is not None and snap.step == step
-            local = snap.tensors
+            local = on_device(snap.tensors, job.ctx.device)
             layout["optim_step"] = step
             job.state.step = step
         old = {old_rank: local}
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
-            old[copy.of] = copy.tensors
+            old[copy.of] = on_device(copy.tensors, job.ctx.device)  # held in host memory
         self.staged = {**layout, "names": names, "old": old, "holders": holders}
         if job.ctx.is_leader:
             lost = sorted(set(range(old_world)) - {int(s["old"]) for s in survivors})

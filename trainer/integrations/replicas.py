@@ -24,8 +24,11 @@ answer is a reason, and the survivors load the newest commit as before.
 Measured costs (``bench.replica_overhead``, bench/README.md): the exchange moves each
 rank's shard once per copy over the same links as training; each rank holds two buffers
 of its predecessor's shard (the copy, and the one arriving), and with ``N > 1`` a
-snapshot of its own, each in a mapping of its own (:func:`_host_buffer`). At 200 M on two
-CPU cores, copying every step costs +4.8 % of a step (+6.0 % in an earlier run).
+snapshot of its own, each in a mapping of its own in host memory (:func:`_host_buffer`),
+also where the shards are on a GPU: there the predecessor's shards arrive piece by piece
+through a staging area of :data:`STAGING_BYTES` on the device (:func:`rounds`), so a
+GPU holds no copy. At 200 M on two CPU cores, copying every step costs +4.8 % of a step
+(+6.0 % in an earlier run).
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "agree_on_holders", "buddy", "per_node",
-           "recovery_holders"]
+__all__ = ["BuddyReplica", "Copy", "add_replica_flags", "agree_on_holders", "buddy", "on_device", "per_node",
+           "recovery_holders", "rounds", "STAGING_BYTES"]
 
 log = logging.getLogger(__name__)
+
+#: device memory a copy borrows while it arrives where the shards are on a GPU (bytes): the
+#: predecessor's shards pass through it, a round at a time, into host memory (a copy and
+#: the spare it arrives in would otherwise be two more shards on the GPU)
+STAGING_BYTES = 256 << 20
 
 
 def add_replica_flags(parser: Any, what: str) -> None:
@@ -154,15 +162,57 @@ def agree_on_holders(job: Any, replica: "BuddyReplica", old_rank: int, old_world
     return got, survivors
 
 
+def rounds(shapes: Sequence[Sequence[int]], itemsizes: Sequence[int],
+           max_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """How a copy of tensors of ``shapes`` (elements of ``itemsizes`` bytes) passes through a
+    staging area of ``max_bytes``: rounds of ``(tensor, first element, elements)`` pieces of
+    the flattened tensors, in order, each round's pieces laid end to end at 16-byte aligned
+    offsets within ``max_bytes``; every element in exactly one piece. Pure: the sender and
+    its buddy compute it alike from the sender's shapes.
+
+    Raises:
+        ValueError: ``max_bytes`` holds no element of some tensor.
+    """
+    out: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    used = 0
+    for t, (shape, size) in enumerate(zip(shapes, itemsizes, strict=True)):
+        left, start = math.prod(shape), 0
+        while left > 0:
+            fit = (max_bytes - used) // size
+            if fit <= 0:
+                if not cur:
+                    raise ValueError(f"a staging area of {max_bytes} bytes holds no {size}-byte element")
+                out.append(cur)
+                cur, used = [], 0
+                continue
+            n = min(left, fit)
+            cur.append((t, start, n))
+            start, left = start + n, left - n
+            used = -(-(used + n * size) // 16) * 16
+    if cur:
+        out.append(cur)
+    return out
+
+
+def on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (a copy or a snapshot, in host memory) where the job's shards are, for the
+    exchange that rebuilds the old layout after a loss (NCCL sends device memory); the
+    same tensors where that is the CPU."""
+    return [t if t.device == device else t.to(device) for t in tensors]
+
+
 def _host_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    """A long-lived buffer for a copy of ``like``'s kind, uninitialised. On the CPU, in an
-    anonymous mapping of its own (``mmap``), outside the allocator's heap: kept in the heap,
-    gigabytes of copies made every training step's temporaries page-fault afresh (+12 % of
-    a 200 M step here, ``bench.replica_overhead``, against +2.6 % at 50 M mapped apart).
-    Where the shards are on a GPU, there (NCCL sends device memory)."""
+    """A long-lived host-memory buffer for a copy of a tensor of ``like``'s dtype,
+    uninitialised, wherever ``like`` lives: in an anonymous mapping of its own (``mmap``),
+    outside the allocator's heap: kept in the heap, gigabytes of copies made every training
+    step's temporaries page-fault afresh (+12 % of a 200 M step here,
+    ``bench.replica_overhead``, against +2.6 % at 50 M mapped apart). Not pinned: a device
+    copies into it synchronously (torch's pinned allocator rounds each block up to a power
+    of two and keeps freed blocks; not measured on a GPU yet)."""
     numel = math.prod(shape)
-    if like.device.type != "cpu" or numel == 0:
-        return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=like.dtype)
     itemsize = torch.empty((), dtype=like.dtype).element_size()
     area = mmap.mmap(-1, numel * itemsize)  # the tensor keeps it alive (torch.frombuffer)
     return torch.frombuffer(area, dtype=like.dtype, count=numel).view(tuple(shape))
@@ -175,7 +225,10 @@ class BuddyReplica:
     steps with its own shards (the same tensors' shapes as at the last call, or new ones
     after a resize: :meth:`forget`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, staging_bytes: int | None = None) -> None:
+        #: the staging area's size (bytes) where the shards are on a device; given, the copy
+        #: goes through a staging area on the CPU too (the same path, tested without a GPU)
+        self.staging_bytes = staging_bytes
         self.copy: Copy | None = None
         #: this rank's own shards as of the copy's step, when copies are not made every step
         self.snapshot: Copy | None = None
@@ -211,24 +264,59 @@ class BuddyReplica:
         spare = self._spare
         if spare is None:  # the predecessor's shards have this rank's shapes only when rows split
             spare = self._buffers_for(shards, to, frm)  # evenly: ask for them (a few bytes per tensor)
-        ops = [dist.P2POp(dist.isend, t.contiguous(), to, tag=i) for i, t in enumerate(shards)]
-        ops += [dist.P2POp(dist.irecv, b, frm, tag=i) for i, b in enumerate(spare)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        if self.staging_bytes is None and all(t.device.type == "cpu" for t in shards):
+            ops = [dist.P2POp(dist.isend, t.contiguous(), to, tag=i) for i, t in enumerate(shards)]
+            ops += [dist.P2POp(dist.irecv, b, frm, tag=i) for i, b in enumerate(spare)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        else:
+            self._through_staging(shards, spare, to, frm)
         old = self.copy
         self.copy = Copy(frm, step, spare)
         self._spare = old.tensors if old is not None and old.of == frm else None
 
+    def _through_staging(self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor], to: int,
+                         frm: int) -> None:
+        """The copy through a staging area on the shards' device, a round at a time
+        (:func:`rounds`): this rank's pieces sent straight from its shards, its
+        predecessor's received into the staging area and copied from there into ``into``
+        (host memory) before the next round reuses it."""
+        limit = self.staging_bytes or STAGING_BYTES
+        out = [t.contiguous().view(-1) for t in shards]
+        sends = rounds([t.shape for t in shards], [t.element_size() for t in shards], limit)
+        takes = rounds([b.shape for b in into], [b.element_size() for b in into], limit)
+        area = torch.empty(limit, dtype=torch.uint8, device=shards[0].device if shards else "cpu")
+        sent = taken = 0  # each piece's tag: its number in the plan, the same at both ends
+        for i in range(max(len(sends), len(takes))):
+            ops = []
+            for t, start, n in (sends[i] if i < len(sends) else []):
+                ops.append(dist.P2POp(dist.isend, out[t].narrow(0, start, n), to, tag=sent))
+                sent += 1
+            landed, at = [], 0
+            for t, start, n in (takes[i] if i < len(takes) else []):
+                size = n * into[t].element_size()
+                piece = area.narrow(0, at, size).view(into[t].dtype)
+                ops.append(dist.P2POp(dist.irecv, piece, frm, tag=taken))
+                taken += 1
+                landed.append((into[t].view(-1).narrow(0, start, n), piece))
+                at = -(-(at + size) // 16) * 16
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+            for dst, piece in landed:
+                dst.copy_(piece)  # into pageable host memory: synchronous, so the next round may reuse the area
+
     @staticmethod
     def _buffers_for(shards: Sequence[torch.Tensor], to: int, frm: int) -> list[torch.Tensor]:
-        """Buffers shaped like the predecessor's shards: each rank sends its shapes to its buddy."""
-        mine = torch.tensor([d for t in shards for d in (t.dim(), *t.shape)], dtype=torch.int64)
-        n = torch.tensor([mine.numel()], dtype=torch.int64)
-        theirs_n = torch.empty(1, dtype=torch.int64)
+        """Buffers shaped like the predecessor's shards: each rank sends its shapes to its buddy
+        (small tensors on the shards' device: NCCL sends device memory)."""
+        device = shards[0].device if shards else torch.device("cpu")
+        mine = torch.tensor([d for t in shards for d in (t.dim(), *t.shape)], dtype=torch.int64, device=device)
+        n = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+        theirs_n = torch.empty(1, dtype=torch.int64, device=device)
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, n, to, tag=1 << 20),
                                             dist.P2POp(dist.irecv, theirs_n, frm, tag=1 << 20)]):
             work.wait()
-        theirs = torch.empty(int(theirs_n), dtype=torch.int64)
+        theirs = torch.empty(int(theirs_n), dtype=torch.int64, device=device)
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, to, tag=(1 << 20) + 1),
                                             dist.P2POp(dist.irecv, theirs, frm, tag=(1 << 20) + 1)]):
             work.wait()
