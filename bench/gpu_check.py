@@ -24,6 +24,11 @@ built from:
   paths) against the state a real step creates, for the foreach and the fused kernels
   (fused keeps ``step`` on the device): the same form, and once the values are set the
   next step bit-identical;
+- **buddy copy to host memory**: the device half of a ``--replicate-shards`` copy's
+  arrival (:class:`trainer.integrations.replicas.BuddyReplica`'s staged path, without the
+  peer): the shard of a ``--params-m`` model with AdamW (12 bytes a parameter) through a
+  staging area of ``STAGING_BYTES`` on the device into host memory, unpinned (as built)
+  and pinned (not built: whether it would pay), GB/s each and whether the bytes arrived;
 - **NVML**: what the node agent reports per GPU (:class:`daemon.gpunode.gpu.NvmlSampler`).
 
 Without CUDA it runs the same steps on gloo and the CPU (a dry run: the test suite runs
@@ -215,6 +220,37 @@ def optimizer_state_check(device) -> str:
     return ", ".join(verdicts)
 
 
+def replica_copy_check(device, mb: float) -> tuple[str, bool]:
+    """``mb`` MB of fp32 on ``device`` through a staging area there into host memory, round
+    by round as a buddy copy arrives (module docstring): the rate unpinned and, on CUDA,
+    pinned, and whether every byte arrived both times."""
+    import torch
+
+    from trainer.integrations.replicas import STAGING_BYTES, _host_buffer, rounds
+
+    n = max(1, int(mb * 1e6 / 4))
+    src = torch.arange(n, dtype=torch.float32, device=device)
+    area = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device)
+    want, out, exact = src.cpu(), [], True
+    for pinned in (False, True) if device.type == "cuda" else (False,):
+        host = torch.empty(n, dtype=torch.float32, pin_memory=True) if pinned else _host_buffer((n,), src)
+        _sync(device)
+        t0 = time.perf_counter()
+        for pieces in rounds([src.shape], [4], STAGING_BYTES):
+            at = 0
+            for _, start, k in pieces:
+                piece = area.narrow(0, at, k * 4).view(torch.float32)
+                piece.copy_(src.narrow(0, start, k))  # where the peer's send lands
+                host.narrow(0, start, k).copy_(piece, non_blocking=pinned)
+                at = -(-(at + k * 4) // 16) * 16
+        _sync(device)
+        dt = time.perf_counter() - t0
+        same = torch.equal(host, want)
+        exact = exact and same
+        out.append(f"{'pinned' if pinned else 'unpinned'} {n * 4 / dt / 1e9:.2f} GB/s{'' if same else ' (bytes differ)'}")
+    return ", ".join(out), exact
+
+
 def nvml_rows() -> list[tuple[str, str]]:
     try:
         from daemon.gpunode.gpu import NvmlSampler
@@ -277,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         optim_state = optimizer_state_check(device)
     except Exception as exc:  # a kernel this device lacks: say so in the table, fail the check
         optim_state = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    replica_mb = args.params_m * 12
+    try:
+        replica_copy, replica_ok = replica_copy_check(device, replica_mb)
+    except Exception as exc:  # the device's memory or copy engine: say so in the table, fail the check
+        replica_copy, replica_ok = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", False
     wall = time.perf_counter() - t0
     lines = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
     r0 = next((x for x in lines if x["rank"] == 0), None)
@@ -302,13 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         ("every collective summed exactly", str(all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact",
                                                                      "loss_exact")))),
         (f"optimizer state allocated for a reshard ({device.type})", optim_state),
+        (f"buddy copy: {replica_mb:g} MB {device.type} -> host through staging", replica_copy),
         *nvml_rows(),
         ("wall (s)", f"{wall:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
     ok = r0["loss_detected"] and all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact", "loss_exact")) \
-        and optim_state == "foreach: ok, fused: ok"
+        and optim_state == "foreach: ok, fused: ok" and replica_ok
     return 0 if ok else 1
 
 
