@@ -147,9 +147,13 @@ def test_resumes_before_their_commit_counts_an_inverted_log() -> None:
 
 
 def test_a_script_that_reports_nothing_leaves_its_figures_unknown_not_zero(tmp_path: Path) -> None:
-    """``job.command``: no step log, no status line. Zero steps, zero restarts and zero
-    notices read as "nothing happened" after a run with a notice and torchrun restarts."""
+    """``job.command``: no step log, no status line of the trainer's (only its launcher's
+    ``workers_failed``, torchrun restarting it after the notice's SIGTERM). Zero steps,
+    zero restarts and zero notices read as "nothing happened" after a run with a notice
+    and torchrun restarts (a fresh-clone user trial read exactly that)."""
     (tmp_path / "nodes" / "n1").mkdir(parents=True)
+    (tmp_path / "nodes" / "n1" / "status.jsonl").write_text(
+        json.dumps({"event": "workers_failed", "time": 12.0, "restarts_left": 99, "state": "failed"}) + "\n")
     events = [Event(1, 10.0, "interruption_notice", "n1", {"notice_id": "x"}),
               Event(2, 20.0, "node_lost", "n2", {})]
     s = summarize(tmp_path / "nodes", events, target_steps=100, global_batch_size=G)

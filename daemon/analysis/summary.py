@@ -159,9 +159,10 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "resumes_before_their_commit": resumes_before_their_commit(events),
         **migrations(events),
     }
-    if not steps and not status:
-        # nothing written by the trainer (a job.command script reports no step, no commit): what
-        # the trainer did is unknown, not zero; the notices are the daemon's own events
+    if not steps and all(s.get("event") in LAUNCHER_LINES for s in status):
+        # nothing written by the trainer (a job.command script reports no step, no commit; its
+        # node's launcher may have written torchrun's restarts): what the trainer did is
+        # unknown, not zero; the notices are the daemon's own events
         summary.update(dict.fromkeys(_FROM_THE_TRAINER))
         summary["preemptions_with_notice"] = len(notices)
         summary["trainer_reports"] = "none (job.command: the script reports no steps); its figures are null"
@@ -169,6 +170,10 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         summary["wall_s"] = round(wall_s, 1)
     return summary
 
+
+#: the status lines a node's launcher writes beside the trainer's (daemon/gpunode/launcher.py
+#: ``failure_sink``: each failure torchrun restarts): not the trainer's own report
+LAUNCHER_LINES = frozenset({"workers_failed"})
 
 #: the summary's figures read from the trainer's own step logs and status lines
 _FROM_THE_TRAINER = ("target_steps", "steps_completed", "lost_steps_on_notice", "lost_steps_total", "world_sizes",
