@@ -39,9 +39,13 @@ from daemon.controlnode.supervisor import Supervisor
 if TYPE_CHECKING:
     from daemon.controlnode.rendezvous import RunnerStore, StoreProcess
 
-__all__ = ["run_chaos", "ready_to_fire", "events_left", "kills_unanswered"]
+__all__ = ["run_chaos", "ready_to_fire", "silent_trainer", "events_left", "kills_unanswered"]
 
 log = structlog.get_logger("spotvisor.chaos")
+
+#: seconds after the job started before an ``at_step`` event waiting on a script that
+#: reports nothing is said to wait for steps that may never come
+SILENT_WARN_S = 60.0
 
 
 def events_left(stored: Iterable[Event], n: int) -> list[int]:
@@ -65,20 +69,32 @@ def kills_unanswered(stored: Iterable[Event]) -> list[Event]:
             and e.data.get("index") not in answered]
 
 
+def silent_trainer(sup: Supervisor) -> bool:
+    """Whether the job's trainer has reported nothing: a ``job.command`` script with no
+    ``started`` line yet (a plain script never sends one; one with the HF callback or
+    the trainer library does). The daemon then knows neither its step, nor its world
+    size, nor when it resumed. Pure."""
+    return sup.job.world_size is None and sup.job.step is None and sup.config.job.command is not None
+
+
 def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tuple[float, str] | None = None) -> bool:
     """Pure check of an event's trigger against the supervisor's view.
 
     ``previous``: (time, node id) of the last event fired. With ``wait_full_pool``
     the next event also waits until that one is absorbed: its node is gone and the
-    job resumed after it, so two faults never land in one resize by accident.
+    job resumed after it, so two faults never land in one resize by accident. For a
+    trainer that reports nothing (:func:`silent_trainer`) the pool is what can be
+    seen: the target number of nodes running, none joining, the previous event's node
+    gone; an ``at_step`` event waits for steps it never reports (:func:`_fire_all` says so).
     """
     job = sup.job
     if job.started_at is None or job.state.is_terminal():
         return False
+    silent = silent_trainer(sup)
     if ev.wait_full_pool and previous is not None:
         fired_at, node_id = previous
         prev = sup.nodes.get(node_id)
-        if (prev is not None and not prev.state.is_terminal()) or (job.resumed_at or 0) <= fired_at:
+        if (prev is not None and not prev.state.is_terminal()) or (not silent and (job.resumed_at or 0) <= fired_at):
             return False
     if ev.at_step is not None and (job.step is None or job.step < ev.at_step):
         return False
@@ -86,9 +102,11 @@ def ready_to_fire(ev: ChaosEvent, sup: Supervisor, now: float, *, previous: tupl
         return False
     if ev.wait_full_pool:
         # The whole target pool is in the job: every running node counted in the
-        # world size, nobody joining, and no node still in the job while draining.
+        # world size (when the trainer reports one), nobody joining, and no node still
+        # in the job while draining.
         running = [n for n in sup.nodes.values() if n.state is NodeState.RUNNING]
-        if len(running) < sup.config.pool.target_nodes or job.world_size != sum(n.gpus for n in running):
+        if len(running) < sup.config.pool.target_nodes or (
+                not silent and job.world_size != sum(n.gpus for n in running)):
             return False
         if any(n.state in (NodeState.READY, NodeState.ADMITTING) for n in sup.nodes.values()):
             return False
@@ -130,9 +148,15 @@ async def _fire_all(sup: Supervisor, events: list[ChaosEvent], tick_s: float,
         log.info("chaos_resumed", fired=len(events) - len(left), left=left)
     for i in left:
         ev = events[i]
+        said = False
         while not ready_to_fire(ev, sup, sup.clock(), previous=previous):
             if sup.job.state.is_terminal():
                 return
+            if not said and ev.at_step is not None and silent_trainer(sup) and sup.job.started_at is not None \
+                    and sup.clock() - sup.job.started_at > SILENT_WARN_S:
+                said = True  # the schedule is not stuck without a word: it waits for steps nobody reports
+                log.warning("chaos_waits_for_steps", index=i, at_step=ev.at_step,
+                            reason="the job.command script reports no steps; give this event at_s instead")
             await asyncio.sleep(tick_s)  # polling the job's progress, not synchronising
         if ev.action == "kill_store":
             if (restart := await _kill_store(sup, i, ev, rendezvous)) is not None:
