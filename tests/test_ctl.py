@@ -767,6 +767,14 @@ def test_events_after_a_demo_has_ended_shows_what_it_recorded(tmp_path: Path) ->
     assert [line.split()[3] for line in p.stdout.splitlines()] == ["job_completed"], p.stdout
     for p in (ctl("events", "--socket", str(tmp_path / "none.sock")), ctl("events", cwd=tmp_path / ".spotvisor")):
         assert p.returncode == 1 and "cannot reach spotvisord" in one_line(p.stderr) and p.stdout == "", p.stderr
+    # a demo of one's own config (`spotvisord demo --config mine.yaml`) records under its state_dir
+    store = Store(tmp_path / ".spotvisor-mine" / "demo-20261207-120000" / "spotvisord.db").open()
+    store.append_event("job_completed", None, {"step": 60})
+    store.close()
+    (tmp_path / "mine.yaml").write_text("daemon: {state_dir: .spotvisor-mine}\n")
+    p = ctl("--config", "mine.yaml", "events")
+    assert p.returncode == 0 and ".spotvisor-mine/demo-20261207-120000" in one_line(p.stderr), p.stderr
+    assert [line.split()[3] for line in p.stdout.splitlines()] == ["job_completed"], p.stdout
 
 
 def test_the_shell_prompt_needs_no_http_client() -> None:

@@ -310,12 +310,21 @@ async def _amain(args: argparse.Namespace, sock: Path) -> int:
 
 
 def _last_demo_db(args: argparse.Namespace) -> Path | None:
-    """The event database of the newest ``spotvisord demo`` run under the local default
-    state directory (``.spotvisor/demo-<time>/spotvisord.db``), when no socket was named
-    (``--socket``, ``$SPOTVISOR_SOCKET``, ``--config``); else None."""
-    if getattr(args, "socket", None) or os.environ.get("SPOTVISOR_SOCKET") or getattr(args, "config", None):
+    """The event database of the newest ``spotvisord demo`` run (``<state_dir>/demo-<time>/
+    spotvisord.db``) under ``--config``'s state directory, or the local default's
+    (``.spotvisor``) when no config is named; None when a socket is named (``--socket``,
+    ``$SPOTVISOR_SOCKET``: that daemon is the one asked about)."""
+    if getattr(args, "socket", None) or os.environ.get("SPOTVISOR_SOCKET"):
         return None
-    runs = sorted(_LOCAL_SOCKET.parent.glob("demo-*/spotvisord.db"))  # named by their start time
+    root = _LOCAL_SOCKET.parent
+    if getattr(args, "config", None):
+        from daemon.config import ConfigError, load_config
+
+        try:
+            root = load_config(args.config).daemon.state_path()
+        except ConfigError:  # _socket_path said so already
+            return None
+    runs = sorted(root.glob("demo-*/spotvisord.db"))  # named by their start time
     return runs[-1] if runs else None
 
 
