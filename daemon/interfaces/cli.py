@@ -62,7 +62,7 @@ from daemon.config import Config, ConfigError, load_config, loopback_problem
 from daemon.store_access import mount_type, store_access_problem
 from daemon.logs import configure_logging
 from daemon.interfaces.pipes import quiet_broken_pipe
-from daemon.model import Event
+from daemon.model import Event, EventKind
 from daemon.feed.redaction import Redactor
 from daemon.providers.base import Provider, create_provider
 from daemon.controlnode.job_secrets import SecretError
@@ -499,6 +499,9 @@ def _summary(config: Config, events: list[Event], t0: float, summary_json: Path 
 
     summary = summarize(config.daemon.state_path() / "nodes", events, target_steps=config.job.target_steps,
                         global_batch_size=config.job.global_batch_size, wall_s=time.time() - t0)
+    released = next((e for e in reversed(events) if e.kind == EventKind.POOL_RELEASED.value), None)
+    if released is not None and "cost_usd" in released.data:  # the pool's spot price x hours, at its release
+        summary["spot_cost_usd"] = round(float(released.data["cost_usd"]), 4)
     out("summary:")
     for k, v in summary.items():
         if k == "migration_timeline":
@@ -512,6 +515,10 @@ def _summary(config: Config, events: list[Event], t0: float, summary_json: Path 
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         tmp.replace(summary_json)
         out(f"summary written to {summary_json}")
+    # a demo's state is a run dir under the configured one (_with_run_dir): spotctl looks under .spotvisor
+    own = config.daemon.state_path().parent != Path(".spotvisor").resolve()
+    out(f"logs: {config.daemon.state_path()}/nodes/<node>/trainer.log; the run's events: "
+        f"spotctl {'--config <this config> ' if own else ''}events")
     # job.command: the user's script reports no step; its job completed (every torchrun exited 0)
     return 0 if config.job.command is not None or summary["steps_completed"] == config.job.target_steps else 1
 

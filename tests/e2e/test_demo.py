@@ -50,3 +50,5 @@ def test_shortened_demo_survives_notices_and_a_kill(run_demo) -> None:
     assert s["lost_steps_total"] == 0
     assert s["resizes_in_process"] >= 6  # 2 shrinks, 3 grows, 1 loss (a survivor late to its round: one more)
     assert s["resumes_before_their_commit"] == 0  # the event log is causal (from the store)
+    assert s["spot_cost_usd"] >= 0  # the pool's spot price x hours, as its release recorded it
+    assert "/nodes/<node>/trainer.log; the run's events: spotctl --config <this config> events" in s["_stdout"]
