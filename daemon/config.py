@@ -1715,6 +1715,23 @@ def _whole(v: Any) -> int | None:
     return int(f) if f is not None and math.isfinite(f) and f == int(f) else None
 
 
+#: what each mapping field of the config looks like, for an error that got another shape
+_MAPPING_EXAMPLES = {"subnet_ids": "subnet_ids: {us-east-1a: subnet-0abc12345}",
+                     "vswitch_ids": "vswitch_ids: {cn-hangzhou-h: vsw-bp1abc}", "env": "env: {NAME: value}",
+                     "secrets": "secrets: {HF_TOKEN: 'ssm:/team/hf-token'}"}
+
+
+def _example_config(loc: tuple[Any, ...]) -> str:
+    """The shipped config that shows the section at ``loc``: configs/aws.yaml for AWS's,
+    aliyun.yaml for Alibaba's, ha.yaml for ``ha``, multi-cloud.yaml for ``domains``,
+    else local.yaml."""
+    parts = {str(p) for p in loc}
+    for key, name in (("aws", "aws.yaml"), ("aliyun", "aliyun.yaml"), ("ha", "ha.yaml"), ("domains", "multi-cloud.yaml")):
+        if key in parts:
+            return f"configs/{name}"
+    return "configs/local.yaml"
+
+
 def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
     """One line per pydantic error: ``field.path: message``. ``model``: the validated
     model, for an unknown key's nearest known name."""
@@ -1730,7 +1747,15 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
             near = [_SYNONYMS[key]] if _SYNONYMS.get(key) in known else []  # a word other tools use for it
             near = near or difflib.get_close_matches(key, known, n=1)
             msg = (f"unknown key (did you mean {near[0]!r}?)" if near
-                   else "unknown key (check the spelling against configs/local.yaml)")
+                   else f"unknown key (check the spelling against {_example_config(err['loc'])})")
+        elif err["type"] == "model_type":
+            got = "nothing" if err.get("input") is None else f"a {type(err.get('input')).__name__}"
+            msg = f"a section of keys, got {got} (give its keys indented under it, or remove the line)"
+        elif err["type"] == "dict_type":
+            example = _MAPPING_EXAMPLES.get(str(err["loc"][-1]), "{key: value}")
+            msg = f"a mapping, got a {type(err.get('input')).__name__} (e.g. {example})"
+        elif err["type"] == "list_type":
+            msg = f"a list, got a {type(err.get('input')).__name__} (one '- ' item per entry)"
         elif err["type"] == "int_parsing" and _whole(err.get("input")) is not None:  # YAML reads 1e4 as text
             msg = f"{err['input']!r} is text to YAML, not a number (write it out: {_whole(err['input'])})"
         elif err["type"] == "string_pattern_mismatch" and (err.get("ctx") or {}).get("pattern") in _PATTERN_WORDS:

@@ -10,10 +10,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+import pydantic
 import yaml
 
-from daemon.config import (Config, ConfigError, DaemonSpec, JobSpec, OfferSpec, load_config, loopback_problem,
-                           new_job_deadline_problem)
+from daemon.config import (Config, ConfigError, DaemonSpec, JobSpec, OfferSpec, format_problems, load_config,
+                           loopback_problem, new_job_deadline_problem)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -836,3 +837,20 @@ def test_check_config_says_a_slack_webhook_url_in_the_file_is_a_credential() -> 
         "to the channel; keep it out with url_env (the name of a variable holding it)"]
     assert report([{"name": "ops", "type": "slack", "url_env": "SLACK_URL"}]) == []
     assert report([{"name": "hook", "type": "webhook", "url": "https://example.com/h", "secret_env": "KEY"}]) == []
+
+
+@pytest.mark.parametrize("raw, line", [
+    ({"daemon": None}, "daemon: a section of keys, got nothing (give its keys indented under it, or remove the line)"),
+    ({"providers": {"aws": {"image_id": "ami-0123456789abcdef0", "subnet_ids": ["subnet-0abc12345"]}}},
+     "providers.aws.subnet_ids: a mapping, got a list (e.g. subnet_ids: {us-east-1a: subnet-0abc12345})"),
+    ({"providers": {"aws": {"image_id": "ami-0123456789abcdef0", "zzzz": 1}}},
+     "providers.aws.zzzz: unknown key (check the spelling against configs/aws.yaml)"),
+    ({"offers": {"provider": "local"}}, "offers: a list, got a dict (one '- ' item per entry)"),
+], ids=["empty-section", "list-for-a-mapping", "aws-key-points-at-aws-yaml", "mapping-for-a-list"])
+def test_a_section_of_the_wrong_shape_is_said_in_the_configs_words(raw: dict, line: str) -> None:
+    """A fresh-clone user trial read "Input should be a valid dictionary or instance of
+    DaemonSpec" for an empty ``daemon:``, and was sent to configs/local.yaml, which has no
+    aws section, for a misspelt aws key."""
+    with pytest.raises(pydantic.ValidationError) as exc:
+        Config.model_validate(raw)
+    assert format_problems(exc.value, Config) == [line]
