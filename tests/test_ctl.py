@@ -793,16 +793,19 @@ def test_status_shows_a_migration_in_flight_and_the_counts() -> None:
     from daemon.interfaces.ctl import render_status
 
     status = {
-        "job": {"id": "j", "state": "running", "step": 40, "target_steps": 100, "world_size": 2},
+        "job": {"id": "j", "state": "running", "step": 40, "target_steps": 100, "world_size": 2, "restarts": 0,
+                "resizes_in_process": 4},
         "pool": {"name": "p", "target_nodes": 3, "min_nodes": 1, "max_nodes": 3},
         "nodes": [{"id": "p-1", "domain": "aws-use1", "provider": "aws", "zone": "us-east-1a",
                    "instance_type": "g5", "gpus": 4, "state": "running"}],
         "placement": {"domain": "aws-use1", "migrations": 1, "migrations_failed": 0,
                       "migration": {"from": "aws-use1", "to": "aliyun-hz", "phase": "booting", "reason": "capacity"}},
     }
-    pool = render_status(status, now=0.0).splitlines()[2]
+    head, row, pool = render_status(status, now=0.0).splitlines()[:3]
     assert pool.endswith("domain aws-use1 (1 migrations, 0 failed)  migrating aws-use1 -> aliyun-hz "
                          "(booting, capacity)"), pool
+    # 0 worker-group restarts, and the in-process resizes said as such (a user read "0+4" as a puzzle)
+    assert dict(zip(re.split(r"\s{2,}", head), re.split(r"\s{2,}", row)))["RESTARTS"] == "0 (+4 in-process)"
 
 
 def test_the_pool_line_shows_the_deadline_and_the_expected_finish() -> None:

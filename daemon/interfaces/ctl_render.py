@@ -67,7 +67,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     SUBMITTED: the first launch request; TOT. DURATION: since then; JOB DURATION: since
     the trainer first started, minus time paused; #RECOVERIES: job members lost (with or
     without notice) that the job carried on without; RESTARTS: worker-group restarts by
-    torchrun, then ``+N`` in-process resizes (survivors of a notice that went on without one).
+    torchrun, then ``(+N in-process)``: resizes in the running workers (a shrink, a grow,
+    a loss's rebuild), which restart nothing.
     """
     now = time.time() if now is None else now
     job, pool = status["job"], status["pool"]
@@ -83,7 +84,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         [str(job["id"]), job["state"].upper(), f"{step}/{job['target_steps']}", str(job.get("world_size") or "-"),
          "-" if submitted is None else f"{_duration(now - submitted)} ago", _duration(job.get("total_s")),
          _duration(job.get("running_s")), str(job.get("recoveries", 0)),
-         str(job.get("restarts", 0)) + (f"+{job['resizes_in_process']}" if job.get("resizes_in_process") else ""),
+         str(job.get("restarts", 0)) + (f" (+{job['resizes_in_process']} in-process)" if job.get("resizes_in_process")
+                                        else ""),
          commit],
     ])
     live = [n for n in status["nodes"] if n["state"] not in ("terminated", "lost", "failed")]
