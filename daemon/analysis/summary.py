@@ -147,8 +147,8 @@ def summarize(nodes_dir: Path, events: Iterable[Event], *, target_steps: int, gl
         "checkpoints_committed": len(commits),
         "notice_to_commit_s": to_commit,
         "notice_to_resume_s": to_resume,
-        "loss_first": first["loss"] if first else None,
-        "loss_last": last["loss"] if last else None,
+        "loss_first": round(first["loss"], 4) if first else None,  # a float32's digits, not a float64's
+        "loss_last": round(last["loss"], 4) if last else None,
         # samples per optimizer step over the trained lineage: one value, the global batch, across resizes and moves
         "global_batch_sizes": sorted({len(execs[(last_exec[st], st)]["positions"]) for st in lineage_steps}),
         "samples_seen_twice": twice,
