@@ -328,6 +328,13 @@ def _last_demo_db(args: argparse.Namespace) -> Path | None:
     return runs[-1] if runs else None
 
 
+#: where an ended demo run keeps what ``tail`` and ``cost`` show while it runs
+_AFTER_THE_RUN = {"tail": "node logs are files now: {run}/nodes/<node>/trainer.log (unmasked: the daemon's "
+                          "copy masked the job's secrets)",
+                  "cost": "spot cost is in its summary (spot_cost_usd) and in `spotctl events --kind pool_released` "
+                          "(cost_usd, node_hours)"}
+
+
 def _recorded_events(args: argparse.Namespace, sock: Path, db: Path) -> int:
     """``spotctl events`` with no daemon answering and a demo run recorded here: that
     run's events, read-only, as the daemon would have sent them (``--since``, ``--kind``,
@@ -351,10 +358,12 @@ def run_verb(args: argparse.Namespace, sock: Path) -> int:
     try:
         return asyncio.run(_amain(args, sock))
     except Unreachable as exc:
-        db = _last_demo_db(args) if args.cmd == "events" else None
-        if db is not None:
+        db = _last_demo_db(args) if args.cmd in ("events", "tail", "cost") else None
+        if db is not None and args.cmd == "events":
             return _recorded_events(args, sock, db)
-        print(f"spotctl: {exc}", file=sys.stderr)
+        # an ended demo run: where what the verb would have shown lies now
+        after = "" if db is None else f"; the last demo run's {_AFTER_THE_RUN[args.cmd].format(run=db.parent)}"
+        print(f"spotctl: {exc}{after}", file=sys.stderr)
         return 1
     except Refused as exc:
         print(f"spotctl: {exc}", file=sys.stderr)
