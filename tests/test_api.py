@@ -108,6 +108,26 @@ async def test_status_without_daemon() -> None:
     assert "Traceback" not in err
 
 
+async def test_a_stopped_daemon_takes_its_socket_with_it(tmp_path: Path) -> None:
+    """aiohttp leaves the socket file: an ended demo left ``.spotvisor/spotvisord.sock``,
+    and spotctl found a socket and no daemon (a fresh-clone user trial). A socket bound
+    at that path since (a successor's) is not the stopped daemon's to remove."""
+    import os
+
+    from conftest import RecordingProvider, spot_harness
+
+    async with spot_harness(tmp_path, RecordingProvider()) as h:
+        assert Path(h.socket_path).is_socket()
+    assert not Path(h.socket_path).exists()
+    async with spot_harness(tmp_path / "again", RecordingProvider()) as h:
+        os.unlink(h.socket_path)  # a successor binds the path meanwhile
+        import socket
+        with socket.socket(socket.AF_UNIX) as successor:
+            successor.bind(h.socket_path)
+            await h.api.aclose()
+            assert Path(h.socket_path).is_socket()  # left for its owner
+
+
 async def test_events_follow_streams_new_events(spot_daemon) -> None:
     h = spot_daemon
     await running_node(h)

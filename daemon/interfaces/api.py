@@ -67,7 +67,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import ssl
 import time
 from pathlib import Path
@@ -510,6 +512,7 @@ class ApiServer:
         self._accept_errors = LoopAcceptErrors()
         self.agent_url: str | None = None
         self.metrics_url: str | None = None
+        self._socket_ino: int | None = None
 
     async def start(self) -> None:
         """Bind the listeners. Raises ValueError: the open-file limit is too low for the
@@ -535,6 +538,7 @@ class ApiServer:
         clear_stale_socket(Path(self.socket_path))  # a killed daemon's; anything else there is refused
         await web.UnixSite(control, self.socket_path).start()
         chmod_socket(Path(self.socket_path), 0o660)
+        self._socket_ino = os.lstat(self.socket_path).st_ino  # aclose removes this socket, not a successor's
 
         spec = self.sup.config.daemon
         if spec.metrics_port is not None:  # loopback or a private address (the config refuses any other)
@@ -556,3 +560,9 @@ class ApiServer:
         while self._runners:
             await self._runners.pop().cleanup()
         self._accept_errors.uninstall()
+        # the control socket goes with the daemon (aiohttp leaves the file): spotctl then says
+        # no daemon runs, and an ended demo's record is found; a socket bound there since is left
+        with contextlib.suppress(OSError):
+            if self._socket_ino is not None and os.lstat(self.socket_path).st_ino == self._socket_ino:
+                os.unlink(self.socket_path)
+        self._socket_ino = None
