@@ -1385,15 +1385,8 @@ class Config(_Spec):
 
     @model_validator(mode="after")
     def _local_output_dir(self) -> "Config":
-        """The local provider's nodes are processes of one machine: an absolute
-        ``job.output_dir`` would be every node's, and their saves and restores of
-        ``checkpoint-N`` collide (``save failed: FileNotFoundError``). A relative one is
-        under each node's own working directory."""
-        out = self.job.output_dir
-        if out is not None and os.path.isabs(out) and any(o.provider == "local" for o in self.offers):
-            raise ValueError(f"job.output_dir: {out!r} would be shared by every local node (they run on this one "
-                             "machine) and their checkpoint saves would collide; give a path relative to the job's "
-                             "working directory, which each node has its own of (e.g. output_dir: out)")
+        if (problem := _local_output_dir_problem(self)) is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -1769,6 +1762,27 @@ def format_problems(exc: ValidationError, model: type[BaseModel] | None = None) 
                    "a slipped decimal point?)")
         lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
+
+
+def _local_output_dir_problem(config: Config) -> str | None:
+    """Why ``job.output_dir`` would be shared by the local provider's nodes, or None. They
+    are processes of one machine: an absolute ``output_dir`` would be every node's, and
+    their saves and restores of ``checkpoint-N`` collide (``save failed:
+    FileNotFoundError``). A relative one is under each node's own working directory: its
+    copy of ``job.workdir``; without one, the directory the daemon was started in, which
+    every local node shares (a fresh-clone user trial's three nodes all saved into ``./out``)."""
+    out = config.job.output_dir
+    if out is None or not any(o.provider == "local" for o in config.offers):
+        return None
+    if os.path.isabs(out):
+        return (f"job.output_dir: {out!r} would be shared by every local node (they run on this one machine) and "
+                "their checkpoint saves would collide; give a path relative to the job's working directory, which "
+                "each node has its own of (e.g. output_dir: out)")
+    if config.job.workdir is None:
+        return (f"job.output_dir: {out!r} is relative to the directory every local node shares without job.workdir "
+                "(they run on this one machine) and their checkpoint saves would collide; add job.workdir: the "
+                "directory holding your script (each node runs in its own copy)")
+    return None
 
 
 def _target_problem(config: Config, valid: list[int]) -> str | None:

@@ -53,11 +53,13 @@ def _job(**job: object) -> Config:
 def test_output_dir_and_accelerate_config_run_the_script_through_the_restore() -> None:
     node = Node(id="n1", ordinal=1, provider="local", region="local", zone=None, instance_type="t", gpus=2,
                 price_usd_h=0.0, token="x")
-    config = _job(command="train.py --lr 3e-4", output_dir="out", accelerate_config="ds.yaml", hold_timeout_s=45)
+    # job.workdir: each local node runs in its own copy of it, so "out" is each node's own
+    config = _job(command="train.py --lr 3e-4", output_dir="out", accelerate_config="ds_zero2.yaml",
+                  hold_timeout_s=45, workdir=str(USER))
     spec = job_spec(config, node, "abc")
     argv = spec["argv"]
     assert argv[argv.index("--monitor-interval=0.5") + 1:] == [
-        "-m", "trainer.integrations.hf_launch", "--output-dir", "out", "--accelerate-config", "ds.yaml", "--",
+        "-m", "trainer.integrations.hf_launch", "--output-dir", "out", "--accelerate-config", "ds_zero2.yaml", "--",
         "train.py", "--lr", "3e-4"]
     assert spec["env"][HOLD_TIMEOUT_ENV] == "45"
     plain = job_spec(_job(command="train.py"), node, "abc")["argv"]  # no HF field: the script alone

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import json
+from pathlib import Path
 
 from daemon.config import Config, ConfigError, load_config
 from daemon.controlnode.jobspec import job_spec
@@ -87,9 +88,17 @@ def test_a_bad_command_is_one_line_naming_the_field(tmp_path, job: dict, needle:
     assert any(line.startswith(needle) for line in err.value.problems), err.value.problems
 
 
-def test_a_relative_output_dir_is_each_local_nodes_own() -> None:
-    config = _with_job(load_config("configs/local.yaml"), command="train.py", output_dir="out")
+def test_a_relative_output_dir_is_each_local_nodes_own_with_a_workdir(tmp_path: Path) -> None:
+    """Each local node runs in its own copy of job.workdir; without one they share the
+    daemon's directory, and three nodes saving into one ./out failed (a user trial)."""
+    (tmp_path / "train.py").write_text("print('training')\n")
+    config = _with_job(load_config("configs/local.yaml"), command="train.py", output_dir="out",
+                       workdir=str(tmp_path))
     assert config.job.output_dir == "out"
+    with pytest.raises((ValueError, ConfigError)) as err:
+        _with_job(load_config("configs/local.yaml"), command="train.py", output_dir="out")
+    assert "job.output_dir: 'out' is relative to the directory every local node shares without job.workdir" \
+        in str(err.value)
 
 
 def test_job_preload_reaches_the_nodes_zygote_through_the_spec() -> None:
