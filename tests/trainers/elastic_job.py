@@ -59,6 +59,9 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-in-forward", action="store_true",
                    help="--kill-node dies in the forward pass of the step after --kill-at, once its last "
                         "transformer block has run (the others are then inside that step's collectives)")
+    p.add_argument("--kill-in-copy", action="store_true",
+                   help="--kill-node dies after the optimizer step of the step after --kill-at, entering its "
+                        "--replicate-shards copy (the others are then in that copy's exchange)")
     p.add_argument("--kill-in-commit", choices=("entering", "after-manifest"), default=None,
                    help="--kill-node dies in the commit of step --kill-at instead: on entering it (the "
                         "others wait in its collectives), or (rank 0) right after it wrote the manifest, "
@@ -155,6 +158,8 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
                 if opts.kill_in_forward:
                     self.state.model.transformer.h[-1].register_forward_hook(
                         lambda *_: os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal)))
+                elif opts.kill_in_copy:
+                    self.shards.after_step = lambda **_: os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
                 else:
                     os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
             if node == opts.slow_node and opts.slow_at in (None, self.state.step):
