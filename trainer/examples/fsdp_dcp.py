@@ -236,18 +236,22 @@ class DcpJob(ElasticJob):
             step, staged = self.state.step, self.shards.take_staged()
             if not from_commit and staged is None:
                 raise RuntimeError(f"rank {self.ctx.rank} holds no staged state to reshard from")
+            old: list[torch.Tensor] = []  # the old model's shards, freed once no longer read
             if from_commit or not on_meta(self.state.model):  # a joiner's first model is on meta already
-                # free the old model first (the checkpointer holds it too); a grow's old shards
-                # stay referenced by `staged` until the exchange
+                old = [] if from_commit else [*self.shards.local_shards()[1], *_local_grads(self.state.model)]
                 self.ddp = self.state.model = self.ckpt = None  # type: ignore[assignment]
+                if from_commit:  # the old model's memory back before the new one is allocated and loaded
+                    gc.collect()
+                elif "new" in staged:  # a shrink's rows arrived in stage_state: the old shards are read no more
+                    old = _release(old)
                 self.state = self.build_state(torch.device("meta") if not from_commit else None)
-                gc.collect()
             self.state.step = step
             self.wrap()
             if from_commit:
                 self.resume()
                 return self.last_committed.step if self.last_committed else None
             self.shards.fill(staged)
+            _release(old)  # a grow's or a loss's: the exchange read them
             del staged
         self.last_committed = last  # type: ignore[assignment]
         if self.ckpt is not None:
@@ -277,6 +281,27 @@ class DcpJob(ElasticJob):
                          data_position=self.data_position(step),
                          extra={"attempt": self.attempt, "wrap": self.wrapping})
         self.last_committed = self.ckpt.last_committed  # the loop records committed_step
+
+
+def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients the last step left on ``model``'s parameters (each rank's shard of
+    them: the next step's ``zero_grad`` would have dropped them)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(g.to_local() if isinstance(g, DTensor) else g) for p in model.parameters() if (g := p.grad) is not None]
+
+
+def _release(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Free the storage of the old model's shards and gradients (``resize_(0)``: FSDP2's own
+    way to drop a parameter's memory) now, not when the collector gets to the old modules'
+    reference cycles (FSDP2's modules, states and hooks refer to each other): a resize
+    used to ``gc.collect()`` for that, 0.1 s of each survivor's pause at 200 M on 2 busy
+    cores. Nothing may read them after. Returns ``[]``."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+    return []
 
 
 def main(argv: Sequence[str] | None = None, *, job_cls: type[DcpJob] = DcpJob) -> int:
