@@ -123,10 +123,43 @@ def test_a_deepspeed_job_with_replicated_partitions_loses_no_step_to_a_kill(tmp_
         s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
 
 
+def test_a_kill_inside_a_deepspeed_copy_costs_one_step(tmp_path: Path, rdzv) -> None:
+    """ZeRO-2, a copy after every step: node2 dies after its step 7's optimizer step,
+    entering that step's copy. The survivors, at step 7, hold node2's partitions of step 6
+    and each a snapshot of its own of step 6 (with the scalars), taken before step 7's
+    update: they rebuild the state of step 6 (bit-identical to step 6's at world 3), load
+    no commit, and train step 7 again at world 2."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = (*RECORDED, "--kill-at", "6", "--kill-node", "node2", "--kill-in-copy", "--record-step", "6")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
+    assert_rebuilt_from_copies(tmp_path, procs, finish(procs), 6)
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+
+
+def test_a_kill_inside_zeros_optimizer_step_goes_back_to_the_snapshots(tmp_path: Path, rdzv) -> None:
+    """ZeRO-2, a copy after every step: node2 dies inside step 7's optimizer step, right
+    after updating its own partitions; the survivors have updated theirs too (their
+    engines still count step 6) and find the peer gone in ZeRO's all-gather of the new
+    parameters. Their partitions are of no step they can name, but each keeps a snapshot
+    of step 6 (taken before the update) and node0 the copy of node2's: they rebuild step 6
+    (bit-identical to step 6's at world 3), load no commit and train step 7 at world 2."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = (*RECORDED, "--kill-at", "6", "--kill-node", "node2", "--kill-in-update", "--record-step", "6")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
+    outs = finish(procs)
+    assert_rebuilt_from_copies(tmp_path, procs, outs, 6)
+    assert "stepped their optimizer" not in "".join(outs)
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+
+
 def test_deepspeed_partitions_copied_every_two_steps_cost_a_kill_at_most_one_step(tmp_path: Path, rdzv) -> None:
     """``--replicate-every 2`` at ZeRO-2: copies after steps 1 (the first), 2, 4 and 6, each
     rank keeping a snapshot of its own partitions and of the state's scalars (AdamW's step,
-    the engine's counters) as of each copy. node2 is SIGKILLed before its step 8: the
+    the engine's counters) as of each copy (taken before the next update). node2 is SIGKILLed before its step 8: the
     survivors are at step 7 and the copy of node2's partitions is of step 6, so they go back
     to their snapshots, rebuild the state of step 6 (bit-identical to step 6's at world 3)
     and train step 7 again at world 2: the only step lost, no commit loaded."""

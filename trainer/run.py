@@ -276,10 +276,13 @@ def wrap_ddp(ctx: DistContext, model: torch.nn.Module, *, in_sync: bool = False)
     return model
 
 
-def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
+def causal_lm_step(job: ElasticJob,
+                   before_update: Callable[[], object] | None = None) -> tuple[float, float, list[int]]:
     """One optimizer step of a transformers causal LM (``job.ddp``: DDP, FSDP2 or the bare
-    model): ``grad_accum_steps`` micro batches, gradients synced on the last. Returns
-    (global mean loss, this rank's mean loss, the sample positions it trained on)."""
+    model): ``grad_accum_steps`` micro batches, gradients synced on the last;
+    ``before_update`` runs after the step's last collective, before the optimizer changes
+    the state (a snapshot of the step before). Returns (global mean loss, this rank's mean
+    loss, the sample positions it trained on)."""
     step = job.state.step
     micro = ElasticSampler.positions_for(step, job.plan, job.ctx.rank)
     model, opt = job.ddp, job.state.optimizer
@@ -300,6 +303,8 @@ def causal_lm_step(job: ElasticJob) -> tuple[float, float, list[int]]:
     # a peer lost in any of them leaves every survivor at the same state, the step not taken
     glob, local = mean_loss(job.ctx, total, len(micro))
     torch.nn.utils.clip_grad_norm_(job.state.model.parameters(), 1.0)
+    if before_update is not None:
+        before_update()
     opt.step()
     job.state.step += 1
     return glob, local, [p for mb in micro for p in mb]

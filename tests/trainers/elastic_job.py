@@ -62,6 +62,10 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-in-copy", action="store_true",
                    help="--kill-node dies after the optimizer step of the step after --kill-at, entering its "
                         "--replicate-shards copy (the others are then in that copy's exchange)")
+    p.add_argument("--kill-in-update", action="store_true",
+                   help="(--job deepspeed) --kill-node dies inside ZeRO's optimizer step of the step after "
+                        "--kill-at, right after its own partitions' update (the others are then in ZeRO's "
+                        "all-gather of the new parameters, their partitions a step ahead of their engine)")
     p.add_argument("--kill-in-commit", choices=("entering", "after-manifest"), default=None,
                    help="--kill-node dies in the commit of step --kill-at instead: on entering it (the "
                         "others wait in its collectives), or (rank 0) right after it wrote the manifest, "
@@ -158,8 +162,18 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
                 if opts.kill_in_forward:
                     self.state.model.transformer.h[-1].register_forward_hook(
                         lambda *_: os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal)))
-                elif opts.kill_in_copy:
-                    self.shards.after_step = lambda **_: os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
+                elif opts.kill_in_update:
+                    base = self.engine.optimizer.optimizer  # ZeRO's torch optimizer over the partitions
+                    update = base.step
+
+                    def update_then_die(*args, **kwargs):
+                        update(*args, **kwargs)
+                        os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
+
+                    base.step = update_then_die
+                elif opts.kill_in_copy:  # FSDP2's shards, or DeepSpeed's partitions
+                    copier = self.replicas if opts.job == "deepspeed" else self.shards
+                    copier.after_step = lambda: os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
                 else:
                     os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
             if node == opts.slow_node and opts.slow_at in (None, self.state.step):

@@ -286,7 +286,7 @@ class DeepSpeedJob(ElasticJob):
         """One optimizer step (``grad_accum_steps`` micro batches). Returns (global loss, local loss, positions)."""
         step = self.state.step
         micro = ElasticSampler.positions_for(step, self.plan, self.ctx.rank)
-        engine = self.engine
+        engine, replicating = self.engine, bool(getattr(self.args, "replicate_shards", False))
         engine.train()
         total = torch.zeros((), device=self.ctx.device)
         for i, mb in enumerate(micro, 1):
@@ -295,6 +295,8 @@ class DeepSpeedJob(ElasticJob):
             logits = engine(input_ids=x, use_cache=False).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
             engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps inside
+            if i == len(micro) and replicating:  # the step's gradients reduced, the update not made
+                self.replicas.before_update()
             engine.step()  # steps the optimizer at the accumulation boundary only
             total += loss.detach()
             # the boundary is DeepSpeed's own count of micro-batches (micro_steps): one that is not
@@ -306,9 +308,8 @@ class DeepSpeedJob(ElasticJob):
         glob, local = mean_loss(self.ctx, total, len(micro))
         self.state.step += 1
         every = getattr(self.args, "replicate_every", 1)
-        if getattr(self.args, "replicate_shards", False) and (self.state.step % every == 0
-                                                              or self.replicas.replica.copy is None):
-            self.replicas.after_step(snapshot=every > 1)
+        if replicating and (self.state.step % every == 0 or self.replicas.replica.copy is None):
+            self.replicas.after_step()
         return glob, local, [p for mb in micro for p in mb]
 
 

@@ -114,10 +114,10 @@ class DcpJob(ElasticJob):
         return self.args.wrap != "fsdp"
 
     def train_step(self) -> tuple[float, float, list[int]]:
-        out = causal_lm_step(self)
+        out = causal_lm_step(self, self.shards.before_update if self.replicating else None)
         every = getattr(self.args, "replicate_every", 1)
         if self.replicating and (self.state.step % every == 0 or self.shards.replica.copy is None):
-            self.shards.after_step(snapshot=every > 1)
+            self.shards.after_step()
         return out
 
     @property

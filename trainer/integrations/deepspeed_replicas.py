@@ -18,13 +18,16 @@ as for FSDP2: its owner, or its buddy's copy), learn every old rank's fragment t
 its holder, and the engine is rebuilt at the new size and filled peer to peer from the
 holders, as for a planned resize (:mod:`trainer.integrations.deepspeed_p2p`): nothing is
 gathered whole. The state's scalars (AdamW's step, the LR scheduler, the engine's
-counters) are the survivors' own, of the copies' step (kept with the snapshot when copies
-are not made every step).
+counters) are the survivors' own, of the copies' step (kept with each snapshot, which
+every rank takes of its partitions right before the engine's optimizer step that follows
+a copy, :meth:`DeepSpeedReplicas.before_update`). A survivor whose optimizer had already
+stepped past its job's step when the peer was lost (the loss came inside ZeRO's optimizer
+step, which has collectives of its own: its partitions are of the next step, or of two)
+goes back to that snapshot too.
 
 Fails closed (the survivors reload the newest commit, one warning line): two
-neighbouring nodes lost, copies of different steps, a survivor that cannot go back to the
-copies' step, or whose optimizer had already stepped past its job's step when the peer
-was lost (the loss came inside ZeRO's optimizer step: its partitions are of the next step).
+neighbouring nodes lost, copies of different steps, or a survivor that cannot go back to
+the copies' step.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class DeepSpeedReplicas:
         self.job = job
         self.replica = BuddyReplica()
         self._keys: list[str] = []
-        #: the scalars of the state as of the snapshot's step (copies not made every step)
+        #: the scalars of the state as of the snapshot's step
         self._snapshot_scalars: dict[str, Any] | None = None
 
     def forget(self) -> None:
@@ -121,15 +124,21 @@ class DeepSpeedReplicas:
         self.replica.forget()
         self._snapshot_scalars = None
 
-    def after_step(self, *, snapshot: bool) -> None:
+    def after_step(self) -> None:
         """Copy this rank's partitions, as of the step just taken, to its buddy (and take its
-        predecessor's); ``snapshot``: keep its own as of this step too, with the scalars."""
+        predecessor's)."""
         job = self.job
         self._keys, parts = partitions(job.engine, job.state.model, job.ctx.rank)
         self.replica.replicate(parts, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
                                per_node=per_node())
-        if snapshot:
-            self.replica.keep_snapshot(parts, step=job.state.step, rank=job.ctx.rank)
+
+    def before_update(self) -> None:
+        """Right before the engine's optimizer step, the step's gradients reduced: keep a
+        snapshot of this rank's partitions, with the scalars, when the last copy is of this
+        step (:meth:`~trainer.integrations.replicas.BuddyReplica.snapshot_before_update`)."""
+        job = self.job
+        _, parts = partitions(job.engine, job.state.model, job.ctx.rank)
+        if self.replica.snapshot_before_update(parts, step=job.state.step, rank=job.ctx.rank):
             self._snapshot_scalars = scalars(job.engine)
 
     def restage_after_loss(self, old_rank: int, old_world: int) -> dict[str, Any] | None:
@@ -141,31 +150,29 @@ class DeepSpeedReplicas:
         then filled peer to peer. None, with one warning line on rank 0, when the copies
         cannot rebuild it, or going back would pass the newest commit or a stream's
         position: the survivors reload the newest commit."""
-        job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
+        job, snap = self.job, self.replica.snapshot
         # a loss inside ZeRO's optimizer step (in its all-gather of the new parameters, or
         # between ZeRO-3's sub-groups) leaves this rank's partitions ahead of the engine's
-        # count, or at two steps: not a state to rebuild from
+        # count, or at two steps: not a state to rebuild from, only its snapshot is
         try:
             moved = optimizer_step(job.engine) not in (None, job.engine.global_steps)
         except RuntimeError:  # partitions at different steps
             moved = True
-        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, per_node(), moved=moved)
-        if isinstance(got, tuple) and got[1] == job.state.step and any(s["moved"] for s in survivors):
-            torn = [s["old"] for s in survivors if s["moved"]]
-            got = f"old rank(s) {torn} had stepped their optimizer past step {got[1]} when the peer was lost"
+        got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, per_node(), torn=moved)
         if isinstance(got, str):
             if job.ctx.is_leader:
                 log.warning("the partitions lost cannot be rebuilt from their copies (%s): reloading the newest "
                             "commit", got)
             return None
         holders, step = got
-        if step != job.state.step:  # back to the copies' step: this rank's partitions from its snapshot
+        if step != job.state.step or moved:  # back to the copies' step: this rank's partitions from its snapshot
             assert snap is not None and snap.step == step and self._snapshot_scalars is not None
             own, values = on_device(snap.tensors, job.ctx.device), self._snapshot_scalars
         else:
             self._keys, own = partitions(job.engine, job.state.model, old_rank)
             values = scalars(job.engine)
         held = {old_rank: own}
+        copy = self.replica.held(step)  # the last copy, or the one before (a loss inside a copy)
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
             held[copy.of] = on_device(copy.tensors, job.ctx.device)  # held in host memory
         # every old rank's fragment table, from the survivor holding its parts: the old layout

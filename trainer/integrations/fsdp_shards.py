@@ -246,16 +246,19 @@ class ShardMover:
 
     # -- the copies and a loss
 
-    def after_step(self, *, snapshot: bool) -> None:
+    def after_step(self) -> None:
         """Copy this rank's shards, as of the step just taken, to its buddy (and take its
-        predecessor's); ``snapshot`` (copies not every step): keep its own as of this step
-        too. The caller decides whether and when this job replicates."""
+        predecessor's). The caller decides whether and when this job replicates."""
         job = self.job
-        local = self.local_shards()[1]
-        self.replica.replicate(local, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
-                               per_node=per_node())
-        if snapshot:
-            self.replica.keep_snapshot(local, step=job.state.step, rank=job.ctx.rank)
+        self.replica.replicate(self.local_shards()[1], step=job.state.step, rank=job.ctx.rank,
+                               world=job.ctx.world_size, per_node=per_node())
+
+    def before_update(self) -> None:
+        """Right before the optimizer step, after the step's collectives: keep a snapshot of
+        this rank's shards when the last copy is of this step
+        (:meth:`~trainer.integrations.replicas.BuddyReplica.snapshot_before_update`)."""
+        job = self.job
+        self.replica.snapshot_before_update(self.local_shards()[1], step=job.state.step, rank=job.ctx.rank)
 
     def restage_after_loss(self, old_rank: int, old_world: int) -> bool:
         """The survivors' new group, after a loss: stage the old layout put back together from
@@ -264,7 +267,7 @@ class ShardMover:
         False, with one warning line on rank 0, when the copies cannot rebuild it, or going
         back would pass the newest commit or a stream's position: the survivors reload the
         newest commit."""
-        job, copy, snap = self.job, self.replica.copy, self.replica.snapshot
+        job, snap = self.job, self.replica.snapshot
         self.reshard_modules()  # the failed step may have left parameters unsharded
         got, survivors = agree_on_holders(job, self.replica, old_rank, old_world, per_node())
         if isinstance(got, str):
@@ -281,6 +284,7 @@ class ShardMover:
             layout["optim_step"] = step
             job.state.step = step
         old = {old_rank: local}
+        copy = self.replica.held(step)  # the last copy, or the one before (a loss inside a copy)
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
             old[copy.of] = on_device(copy.tensors, job.ctx.device)  # held in host memory
         self.staged = {**layout, "names": names, "old": old, "holders": holders}

@@ -7,28 +7,36 @@ holds) to its *buddy* ``(r + L) % W`` and receives those of ``(r - L) % W`` (``L
 per node, so the buddy is on the next node; torchrun numbers a node's ranks
 contiguously), into host memory (:class:`BuddyReplica`). A copy replaces the one before
 only once it has wholly arrived, so a peer lost in the middle of the exchange leaves the
-previous copy intact. Copying every ``N > 1`` steps, each rank also keeps a snapshot of
-its own shards as of the copy's step.
+previous copy intact; once replaced, the previous copy stays whole in its buffer until
+the next copy starts arriving there.
+
+Each rank also keeps a snapshot of its own shards as of the last copy's step, taken right
+before the next optimizer step (:meth:`BuddyReplica.snapshot_before_update`): by then the
+step's collectives have run, so every rank has its copy of that step, and the snapshot it
+replaces (of the copy before) is no longer needed. A peer lost *inside* a copy's exchange
+leaves the survivors a step past the copies, some holding the new copy and some only the
+one before: with the snapshot, the old layout is whole again at the copies' step.
 
 After a loss the survivors re-form (:mod:`trainer.recovery`), tell each other their old
-rank, their step, their snapshot's step and the copy they hold (:func:`recovery_holders`:
-pure). When every lost rank's shards are in a surviving buddy's copy, all of one step,
-and every survivor holds its own shards as of that step (they are at it, or keep a
-snapshot of it), the old layout is whole again at that step: each old shard is held by
-its owner or by the owner's buddy. :mod:`trainer.integrations.p2p_reshard` then moves it
-to the new, smaller layout, and training goes on from that step: no step lost when the
-copies are of the survivors' step, at most ``N - 1`` otherwise. Else (two neighbouring
-nodes lost at once, a copy from before the last one, survivors that cannot go back) the
-answer is a reason, and the survivors load the newest commit as before.
+rank, their step, their snapshot's step and the copies they hold (:func:`recovery_holders`:
+pure), and take the newest step at which a surviving buddy holds a copy of each lost
+rank's shards (its last copy or the one before) and every survivor holds its own (it is
+at that step, or keeps a snapshot of it): the old layout is whole again there, each old
+shard held by its owner or by the owner's buddy. :mod:`trainer.integrations.p2p_reshard`
+then moves it to the new, smaller layout, and training goes on from that step: no step
+lost when the copies are of the survivors' step, one when the loss fell inside a copy, at
+most ``N`` with copies every ``N`` steps. Else (two neighbouring nodes lost at once, a copy from
+before the last one, survivors that cannot go back) the answer is a reason, and the
+survivors load the newest commit as before.
 
 Measured costs (``bench.replica_overhead``, bench/README.md): the exchange moves each
 rank's shard once per copy over the same links as training; each rank holds two buffers
-of its predecessor's shard (the copy, and the one arriving), and with ``N > 1`` a
-snapshot of its own, each in a mapping of its own in host memory (:func:`_host_buffer`),
-also where the shards are on a GPU: there the predecessor's shards arrive piece by piece
-through a staging area of :data:`STAGING_BYTES` on the device (:func:`rounds`), so a
-GPU holds no copy. At 200 M on two CPU cores, copying every step costs +4.8 % of a step
-(+6.0 % in an earlier run).
+of its predecessor's shard (the copy, and the one arriving) and a snapshot of its own,
+each in a mapping of its own in host memory (:func:`_host_buffer`), also where the shards
+are on a GPU: there the predecessor's shards arrive piece by piece through a staging area
+of :data:`STAGING_BYTES` on the device (:func:`rounds`), so a GPU holds no copy. At 200 M
+on two CPU cores, copying every step costs +4.8 % of a step (+6.0 % in an earlier run);
+the snapshot 0.13-0.18 s of a 15.5 s step (+5.1 % for both, in one run).
 """
 
 from __future__ import annotations
@@ -62,11 +70,13 @@ def add_replica_flags(parser: Any, what: str) -> None:
 
     parser.add_argument("--replicate-shards", action="store_true",
                         help=f"copy each rank's {what} to a rank on the next node (every --replicate-every "
-                             "steps), so a node lost without notice costs at most --replicate-every - 1 steps "
-                             "(off: the survivors reload the last commit)")
+                             "steps), and keep a snapshot of its own as of the copy, so a node lost without "
+                             "notice costs at most --replicate-every steps (off: the survivors reload the last "
+                             "commit)")
     parser.add_argument("--replicate-every", type=positive_int, default=1, metavar="STEPS",
                         help="with --replicate-shards: copy after every STEPS steps (default 1: a loss costs no "
-                             f"step; more: less traffic, and each rank also keeps a snapshot of its own {what})")
+                             "step, or one when it falls inside a copy; more: less traffic, a loss costs up to "
+                             "STEPS)")
 
 
 def per_node() -> int:
@@ -98,21 +108,23 @@ def recovery_holders(survivors: Sequence[dict[str, Any]], old_world: int,
 
     Args:
         survivors: one entry per rank of the new group, in new-rank order: ``{"old": old
-            rank, "step": the step its shards are at, "snap": the step of the snapshot of
-            its own shards it keeps or None, "copy": [of, step] or None}``.
+            rank, "step": the step its shards are at (None: at none, torn by the loss),
+            "snap": the step of the snapshot of its own shards it keeps or None, "copy":
+            [of, step] or None, "prev": the copy before it, [of, step] or None}``.
         old_world: ranks before the loss.
         per_node: ranks per node (the buddy offset).
 
     Returns:
         ``(holders, step)``: ``holders[i]`` the new rank holding old shard ``i`` as of
         ``step`` (its owner, from its shards or their snapshot, or its buddy's copy of it),
-        ``step`` the step of the lost ranks' copies (every survivor goes back to it when it
-        is behind theirs: at most the copies' interval); or a one-line reason the survivors
-        must reload the newest commit.
+        ``step`` the newest step at which the lost ranks' copies and every survivor's own
+        shards are all held (a survivor past it goes back to its snapshot: a loss inside a
+        copy's exchange, or copies not made every step); or a one-line reason the
+        survivors must reload the newest commit.
     """
     by_old = {int(s["old"]): new for new, s in enumerate(survivors)}
     holders: list[int] = []
-    copy_steps: set[int] = set()
+    held: dict[int, set[int]] = {}  # each lost rank's: the steps its buddy holds a copy of
     for i in range(old_world):
         if i in by_old:
             holders.append(by_old[i])
@@ -120,38 +132,47 @@ def recovery_holders(survivors: Sequence[dict[str, Any]], old_world: int,
         keeper = buddy(i, old_world, per_node)
         if keeper is None or keeper not in by_old:
             return f"old rank {i} and the rank keeping its copy ({keeper}) are both gone"
-        copy = survivors[by_old[keeper]].get("copy")
-        if not copy or int(copy[0]) != i:
+        kept = survivors[by_old[keeper]]
+        held[i] = {int(c[1]) for c in (kept.get("copy"), kept.get("prev")) if c and int(c[0]) == i}
+        if not held[i]:
             return f"old rank {keeper} holds no copy of old rank {i}"
-        copy_steps.add(int(copy[1]))
         holders.append(by_old[keeper])
-    if not copy_steps:  # nobody was lost
-        steps = sorted({int(s["step"]) for s in survivors})
-        return (holders, steps[0]) if len(steps) == 1 else f"the survivors are at different steps {steps}"  # type: ignore[return-value]
-    if len(copy_steps) > 1:
-        return f"the copies of the lost ranks are of different steps {sorted(copy_steps)}"
-    step = next(iter(copy_steps))
-    for s in survivors:
-        if int(s["step"]) != step and s.get("snap") != step:
-            kept = "no snapshot" if s.get("snap") is None else f"a snapshot of step {s['snap']}"
-            return f"the copies are of step {step}, old rank {s['old']} is at step {s['step']} and keeps {kept}"
-    return holders, step  # type: ignore[return-value]
+    if not held:  # nobody was lost
+        at = sorted({s["step"] for s in survivors}, key=lambda x: (x is None, x))
+        return (holders, at[0]) if len(at) == 1 and at[0] is not None else \
+            f"the survivors are at different steps {at}"  # type: ignore[return-value]
+    steps = sorted(set.intersection(*held.values()), reverse=True)
+    if not steps:
+        return "the copies of the lost ranks are of different steps " + \
+            ", ".join(f"{sorted(v)} (old rank {i})" for i, v in sorted(held.items()))
+    for step in steps:
+        if all(s["step"] == step or s.get("snap") == step for s in survivors):
+            return holders, step  # type: ignore[return-value]
+    s = next(s for s in survivors if s["step"] != steps[0] and s.get("snap") != steps[0])
+    kept = "no snapshot" if s.get("snap") is None else f"a snapshot of step {s['snap']}"
+    at = "torn by the loss" if s["step"] is None else f"at step {s['step']}"
+    return f"the copies are of step {steps[0]}, old rank {s['old']} is {at} and keeps {kept}"
 
 
-def agree_on_holders(job: Any, replica: "BuddyReplica", old_rank: int, old_world: int, per_node: int,
-                     **mine: Any) -> tuple[tuple[list[int], int] | str, list[dict[str, Any]]]:
+def agree_on_holders(job: Any, replica: "BuddyReplica", old_rank: int, old_world: int, per_node: int, *,
+                     torn: bool = False, **mine: Any) -> tuple[tuple[list[int], int] | str, list[dict[str, Any]]]:
     """Collective over the survivors' new group, after a loss: every survivor's ``{"old",
-    "step", "snap", "copy"}`` (and ``mine``, for the caller's own checks) exchanged as
-    JSON, and :func:`recovery_holders` over them, then refused (a reason) where going
+    "step", "snap", "copy", "prev"}`` (and ``mine``, for the caller's own checks) exchanged
+    as JSON, and :func:`recovery_holders` over them, then refused (a reason) where going
     back to the copies' step would pass the newest commit (``job.committed_step``) or a
-    stream's position (``job.streaming``). Returns ``(holders and step, or a reason;
-    the survivors' entries)``."""
+    stream's position (``job.streaming``). ``torn``: this rank's own shards are at no one
+    step (the loss fell inside an optimizer step that has collectives of its own, as
+    ZeRO's): it can only go back to its snapshot. Returns ``(holders and step, or a
+    reason; the survivors' entries)``."""
     from trainer.exchange import all_gather_json
 
-    copy, snap = replica.copy, replica.snapshot
-    survivors = all_gather_json({"old": old_rank, "step": job.state.step,
+    def held(c: Copy | None) -> list[int] | None:
+        return [c.of, c.step] if c is not None else None
+
+    snap = replica.snapshot
+    survivors = all_gather_json({"old": old_rank, "step": None if torn else job.state.step,
                                  "snap": snap.step if snap is not None else None,
-                                 "copy": [copy.of, copy.step] if copy is not None else None, **mine})
+                                 "copy": held(replica.copy), "prev": held(replica.previous), **mine})
     got = recovery_holders(survivors, old_world, per_node)
     if isinstance(got, tuple) and got[1] != job.state.step:
         back = got[1]
@@ -230,18 +251,37 @@ class BuddyReplica:
         #: goes through a staging area on the CPU too (the same path, tested without a GPU)
         self.staging_bytes = staging_bytes
         self.copy: Copy | None = None
-        #: this rank's own shards as of the copy's step, when copies are not made every step
+        #: the copy before :attr:`copy`, whole in the buffer the next copy will arrive in
+        #: (None from the moment that copy starts arriving)
+        self.previous: Copy | None = None
+        #: this rank's own shards as of the last copy's step (:meth:`snapshot_before_update`)
         self.snapshot: Copy | None = None
         self._spare: list[torch.Tensor] | None = None  # the buffer the next copy arrives in
 
     def forget(self) -> None:
-        """Drop the copy, the snapshot and the buffers (the layout changed: a resize)."""
-        self.copy = self.snapshot = self._spare = None
+        """Drop the copies, the snapshot and the buffers (the layout changed: a resize)."""
+        self.copy = self.previous = self.snapshot = self._spare = None
+
+    def held(self, step: int) -> Copy | None:
+        """The copy this rank holds of ``step`` (the last, or the one before), if any."""
+        return next((c for c in (self.copy, self.previous) if c is not None and c.step == step), None)
+
+    def snapshot_before_update(self, shards: Sequence[torch.Tensor], *, step: int, rank: int) -> bool:
+        """Right before an optimizer step (``shards``: this rank's own, at ``step``, after
+        the step's collectives): keep a snapshot of them when the last copy is of ``step``
+        and none is kept yet. The collectives prove that every rank has its copy of
+        ``step`` (each finished it before the step began), so the snapshot it replaces, of
+        the copy before, is needed no more; a peer lost inside the next copy leaves the
+        survivors a step past every copy they are sure to hold, and this snapshot takes
+        them back. Returns whether it kept one."""
+        if self.copy is None or self.copy.step != step or (self.snapshot is not None and self.snapshot.step == step):
+            return False
+        self.keep_snapshot(shards, step=step, rank=rank)
+        return True
 
     def keep_snapshot(self, shards: Sequence[torch.Tensor], *, step: int, rank: int) -> None:
         """Keep a copy of this rank's own ``shards`` as of ``step`` in host memory (into the
-        last snapshot's buffers when it has one): with copies every N steps, the survivors of
-        a loss go back to the copies' step with it."""
+        last snapshot's buffers when it has one)."""
         old = self.snapshot
         if old is not None and len(old.tensors) == len(shards) and all(
                 a.shape == b.shape for a, b in zip(old.tensors, shards)):
@@ -261,7 +301,7 @@ class BuddyReplica:
         if to is None:
             return
         frm = (rank - per_node) % world
-        spare = self._spare
+        spare, self.previous = self._spare, None  # the copy before is overwritten from here on
         if spare is None:  # the predecessor's shards have this rank's shapes only when rows split
             spare = self._buffers_for(shards, to, frm)  # evenly: ask for them (a few bytes per tensor)
         if self.staging_bytes is None and all(t.device.type == "cpu" for t in shards):
@@ -273,7 +313,8 @@ class BuddyReplica:
             self._through_staging(shards, spare, to, frm)
         old = self.copy
         self.copy = Copy(frm, step, spare)
-        self._spare = old.tensors if old is not None and old.of == frm else None
+        self.previous = old if old is not None and old.of == frm else None
+        self._spare = self.previous.tensors if self.previous is not None else None
 
     def _through_staging(self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor], to: int,
                          frm: int) -> None:
