@@ -156,6 +156,28 @@ def test_a_kill_inside_zeros_optimizer_step_goes_back_to_the_snapshots(tmp_path:
         s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
 
 
+def test_a_second_deepspeed_node_lost_right_after_a_rebuild_costs_no_step(tmp_path: Path, rdzv) -> None:
+    """ZeRO-2: node2 is SIGKILLed before its step 7, the survivors rebuild step 6 at world
+    2 from the copies, copy their new partitions to each other before training on, and
+    node1 dies in the forward pass of that step: node0 rebuilds step 6 again, alone,
+    bit-identical to step 6's at world 3, and trains every step exactly once."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = (*KILL_NODE2, "--record-step", "6", "--kill-again", "node1")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, -9, -9], "\n".join(outs)
+    lines = status_lines(tmp_path, "node0")
+    assert [(x["step"], x["world_size"], x.get("from_replicas")) for x in lines if x["event"] == "started"] == [
+        (0, 3, None), (6, 2, True), (6, 1, True)], "\n".join(outs)
+    assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
+    before = (tmp_path / "step-6.txt").read_text().split()
+    after = (tmp_path / "after-6.txt").read_text().split()
+    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "1"), (before, after)
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+
+
 def test_deepspeed_partitions_copied_every_two_steps_cost_a_kill_at_most_one_step(tmp_path: Path, rdzv) -> None:
     """``--replicate-every 2`` at ZeRO-2: copies after steps 1 (the first), 2, 4 and 6, each
     rank keeping a snapshot of its own partitions and of the state's scalars (AdamW's step,

@@ -142,6 +142,31 @@ def test_a_kill_inside_a_copy_costs_one_step(tmp_path: Path, rdzv) -> None:
     assert {s: sorted(p) for s, p in got.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
 
 
+def test_a_second_node_lost_right_after_a_rebuild_costs_no_step(tmp_path: Path, rdzv) -> None:
+    """Losses come in waves: node2 is SIGKILLed before its step 7 and the survivors rebuild
+    step 6 at world 2; then node1 dies in the forward pass of the first step it trains
+    there. The two copied their new shards to each other right after the rebuild, before
+    that step (a copy made only after it would not exist yet), so node0 rebuilds step 6
+    again, alone, from its own shards and node1's copy: no commit loaded, every step
+    trained exactly once, the state bit-identical to step 6's at world 3."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    job = (*KILL_NODE2, "--record-step", "6", "--kill-again", "node1")
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "fsdp"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, -9, -9], "\n".join(outs)
+    lines = status_lines(tmp_path, "node0")
+    started = [(x["step"], x.get("resized"), x["world_size"], x.get("from_replicas"))
+               for x in lines if x["event"] == "started"]
+    assert started == [(0, None, 3, None), (6, "in_process", 2, True), (6, "in_process", 1, True)], "\n".join(outs)
+    assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
+    before = (tmp_path / "step-6.txt").read_text().split()
+    after = (tmp_path / "after-6.txt").read_text().split()
+    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "1"), (before, after)
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {s: list(range((s - 1) * G, s * G))
+                                                                      for s in range(1, 13)}
+
+
 def test_shards_copied_every_two_steps_cost_a_kill_at_most_one_step(tmp_path: Path, rdzv) -> None:
     """``--replicate-every 2``: copies after steps 1 (the first), 2, 4 and 6, and each rank
     keeps a snapshot of its own shards as of each copy. node2 is SIGKILLed before its step

@@ -62,6 +62,9 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-in-copy", action="store_true",
                    help="--kill-node dies after the optimizer step of the step after --kill-at, entering its "
                         "--replicate-shards copy (the others are then in that copy's exchange)")
+    p.add_argument("--kill-again", default=None, metavar="NODE",
+                   help="NODE dies in the forward pass of the first step it trains after the job lost a node "
+                        "(at the smaller world, its shards copied again or not)")
     p.add_argument("--kill-in-update", action="store_true",
                    help="(--job deepspeed) --kill-node dies inside ZeRO's optimizer step of the step after "
                         "--kill-at, right after its own partitions' update (the others are then in ZeRO's "
@@ -156,7 +159,13 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
     out_dir = os.environ.get("OUT", ".")
 
     class Scripted(base):  # type: ignore[valid-type,misc]
+        first_world: int | None = None
+
         def train_step(self):
+            self.first_world = self.first_world or self.ctx.world_size
+            if opts.kill_again == node and self.ctx.world_size < self.first_world:
+                self.state.model.transformer.h[-1].register_forward_hook(
+                    lambda *_: os.kill(os.getpid(), signal.SIGKILL))
             if (opts.kill_at is not None and self.state.step == opts.kill_at and node == opts.kill_node
                     and opts.kill_in_commit is None):
                 if opts.kill_in_forward:

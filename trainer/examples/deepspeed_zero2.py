@@ -287,6 +287,8 @@ class DeepSpeedJob(ElasticJob):
         step = self.state.step
         micro = ElasticSampler.positions_for(step, self.plan, self.ctx.rank)
         engine, replicating = self.engine, bool(getattr(self.args, "replicate_shards", False))
+        if replicating and self.replicas.replica.copy is None and step > 0:
+            self.replicas.after_step()  # no copy since a resize or a rebuild: one now, before a loss can come
         engine.train()
         total = torch.zeros((), device=self.ctx.device)
         for i, mb in enumerate(micro, 1):

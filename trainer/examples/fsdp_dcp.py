@@ -114,6 +114,8 @@ class DcpJob(ElasticJob):
         return self.args.wrap != "fsdp"
 
     def train_step(self) -> tuple[float, float, list[int]]:
+        if self.replicating and self.shards.replica.copy is None and self.state.step > 0:
+            self.shards.after_step()  # no copy since a resize or a rebuild: one now, before a loss can come
         out = causal_lm_step(self, self.shards.before_update if self.replicating else None)
         every = getattr(self.args, "replicate_every", 1)
         if self.replicating and (self.state.step % every == 0 or self.shards.replica.copy is None):

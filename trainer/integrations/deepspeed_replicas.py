@@ -125,8 +125,9 @@ class DeepSpeedReplicas:
         self._snapshot_scalars = None
 
     def after_step(self) -> None:
-        """Copy this rank's partitions, as of the step just taken, to its buddy (and take its
-        predecessor's)."""
+        """Copy this rank's partitions, as of its step, to its buddy (and take its
+        predecessor's): after a step, or before one when there is no copy since a resize or
+        a rebuild."""
         job = self.job
         self._keys, parts = partitions(job.engine, job.state.model, job.ctx.rank)
         self.replica.replicate(parts, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,

@@ -247,8 +247,9 @@ class ShardMover:
     # -- the copies and a loss
 
     def after_step(self) -> None:
-        """Copy this rank's shards, as of the step just taken, to its buddy (and take its
-        predecessor's). The caller decides whether and when this job replicates."""
+        """Copy this rank's shards, as of its step, to its buddy (and take its predecessor's):
+        after a step, or before one when there is no copy since a resize or a rebuild. The
+        caller decides whether and when this job replicates."""
         job = self.job
         self.replica.replicate(self.local_shards()[1], step=job.state.step, rank=job.ctx.rank,
                                world=job.ctx.world_size, per_node=per_node())

@@ -8,7 +8,9 @@ per node, so the buddy is on the next node; torchrun numbers a node's ranks
 contiguously), into host memory (:class:`BuddyReplica`). A copy replaces the one before
 only once it has wholly arrived, so a peer lost in the middle of the exchange leaves the
 previous copy intact; once replaced, the previous copy stays whole in its buffer until
-the next copy starts arriving there.
+the next copy starts arriving there. After a resize or a rebuild (a new layout, no copy
+of it yet) the jobs copy before their next step, not after it: a second loss in that step
+(losses come in waves) finds the new layout copied already.
 
 Each rank also keeps a snapshot of its own shards as of the last copy's step, taken right
 before the next optimizer step (:meth:`BuddyReplica.snapshot_before_update`): by then the
@@ -302,8 +304,10 @@ class BuddyReplica:
             return
         frm = (rank - per_node) % world
         spare, self.previous = self._spare, None  # the copy before is overwritten from here on
-        if spare is None:  # the predecessor's shards have this rank's shapes only when rows split
-            spare = self._buffers_for(shards, to, frm)  # evenly: ask for them (a few bytes per tensor)
+        # the predecessor's shards have this rank's shapes only when rows split evenly: ask for
+        # them (a few bytes per tensor), again when there are more (an optimizer's state since)
+        if spare is None or len(spare) != len(shards):
+            spare = self._buffers_for(shards, to, frm)
         if self.staging_bytes is None and all(t.device.type == "cpu" for t in shards):
             ops = [dist.P2POp(dist.isend, t.contiguous(), to, tag=i) for i, t in enumerate(shards)]
             ops += [dist.P2POp(dist.irecv, b, frm, tag=i) for i, b in enumerate(spare)]
