@@ -142,6 +142,24 @@ def test_a_kill_inside_a_copy_costs_one_step(tmp_path: Path, rdzv) -> None:
     assert {s: sorted(p) for s, p in got.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
 
 
+def test_a_copy_whose_peer_failed_elsewhere_does_not_wait_out_the_group_timeout(tmp_path: Path, rdzv) -> None:
+    """node2 dies in the middle of step 7's copy, its sends and receives under way. node0's
+    receive from it fails at once; node1's send to it is left waiting by gloo until the
+    group's timeout (60 s here; 120 s in an FSDP demo of 2026-12-07), and neither shutting
+    node1's sockets down nor aborting its group ends that wait. node1's copy gives up as
+    soon as node0's loss round wakes it: both rebuild step 6 from the copies and snapshots
+    well inside the timeout."""
+    job = (*RECORDED, "--kill-at", "6", "--kill-node", "node2", "--kill-in-copy", "--kill-mid-copy",
+           "--record-step", "6")
+    # shards of 13 MB a rank (the FSDP demo's): more than the sockets buffer (a small send completes unseen)
+    got = _rebuilt_from_copies(tmp_path, rdzv, job,
+                               ("--replicate-shards", "--n-layer", "4", "--n-embd", "256", "--n-head", "4"))
+    assert {s: sorted(p) for s, p in got.items()} == {s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    for node in ("node0", "node1"):
+        rebuilt = [x for x in status_lines(tmp_path, node) if x["event"] == "started"][1]
+        assert rebuilt["resize_s"] < 30, rebuilt  # not the group's timeout
+
+
 def test_a_second_node_lost_right_after_a_rebuild_costs_no_step(tmp_path: Path, rdzv) -> None:
     """Losses come in waves: node2 is SIGKILLed before its step 7 and the survivors rebuild
     step 6 at world 2; then node1 dies in the forward pass of the first step it trains

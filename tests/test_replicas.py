@@ -5,6 +5,7 @@ newest commit) whenever a copy is missing, stale, or lost with its owner."""
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.integrations.replicas import BuddyReplica, Copy, buddy, recovery_holders, rounds
+from trainer.integrations.replicas import BuddyReplica, Copy, _wait, buddy, recovery_holders, rounds
 
 
 def _survivors(world: int, per_node: int, lost: set[int], step: int = 6, copy_step: int = 6,
@@ -196,6 +197,40 @@ def test_a_copy_through_a_staging_area_moves_every_element_once_within_the_area(
 def test_a_staging_area_smaller_than_an_element_is_refused() -> None:
     with pytest.raises(ValueError, match="holds no 8-byte element"):
         rounds([(3,)], [8], 4)
+
+
+class _Work:
+    """A point-to-point operation's handle that completes (or fails) when told to."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.release, self.error = threading.Event(), error
+
+    def wait(self) -> bool:
+        self.release.wait(30)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_copy_stops_waiting_once_the_loss_round_wakes_its_worker() -> None:
+    """gloo may leave a copy's send waiting until the group's timeout after its peer died:
+    the wait gives up (DistError: a lost peer, to recovery) as soon as the loss watch's
+    event is set, and otherwise returns once every operation completed, or raises the
+    first one's error."""
+    stuck, woken = [_Work(), _Work()], threading.Event()
+    woken.set()
+    with pytest.raises(dist.DistError, match="re-form the group"):
+        _wait(stuck, woken)
+    for w in stuck:  # the abandoned wait's thread ends
+        w.release.set()
+    done = [_Work(), _Work()]
+    for w in done:
+        w.release.set()
+    _wait(done, threading.Event())  # completed: no interrupt needed
+    failed = _Work(RuntimeError("Connection closed by peer"))
+    failed.release.set()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        _wait([failed], threading.Event())
 
 
 def _shards(rank: int, step: int) -> list[torch.Tensor]:

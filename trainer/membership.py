@@ -662,6 +662,9 @@ class LossWatch:
         self._client: Any = None
         self._retry = StoreRetry()
         self.unblocked = 0  # how many times it shut a blocked group down
+        #: set when the round woke this worker (until it follows its next attempt): a wait
+        #: that no socket ends (a gloo send or receive whose peer failed elsewhere) watches it
+        self.woken = threading.Event()
 
     def _connect(self) -> Any:
         """A new client of the store (a c10d client never reconnects). Raises
@@ -681,6 +684,7 @@ class LossWatch:
         with self._lock:
             self._watching = (attempt, rank)
             self._pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+            self.woken.clear()
             stale = self._waiting_on if self._waiting_on != self._watching else None  # its own wake reads as a loss
         if self._thread is None:
             try:
@@ -744,6 +748,7 @@ class LossWatch:
                     continue  # woken by its own worker: the attempt changed
                 pg = self._pg
                 self._watching, self._pg = None, None
+                self.woken.set()
                 self._answer(*target)
                 self._shut(group_sockets.live(), pg)
 

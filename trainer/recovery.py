@@ -34,6 +34,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -105,6 +106,12 @@ class Recovery:
     def stop(self) -> None:
         if self._watch is not None:
             self._watch.stop()
+
+    @property
+    def woken(self) -> threading.Event | None:
+        """Set once the other survivors of a lost peer woke this worker to re-form (None
+        before the loss watch starts): a wait no socket ends watches it."""
+        return self._watch.woken if self._watch is not None else None
 
     def recover(self, failure: str) -> None:
         """Re-form the group without the lost peer, in these processes, and start a new

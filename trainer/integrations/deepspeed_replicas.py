@@ -131,7 +131,7 @@ class DeepSpeedReplicas:
         job = self.job
         self._keys, parts = partitions(job.engine, job.state.model, job.ctx.rank)
         self.replica.replicate(parts, step=job.state.step, rank=job.ctx.rank, world=job.ctx.world_size,
-                               per_node=per_node())
+                               per_node=per_node(), interrupt=job.recovery.woken)
 
     def before_update(self) -> None:
         """Right before the engine's optimizer step, the step's gradients reduced: keep a

@@ -252,7 +252,7 @@ class ShardMover:
         caller decides whether and when this job replicates."""
         job = self.job
         self.replica.replicate(self.local_shards()[1], step=job.state.step, rank=job.ctx.rank,
-                               world=job.ctx.world_size, per_node=per_node())
+                               world=job.ctx.world_size, per_node=per_node(), interrupt=job.recovery.woken)
 
     def before_update(self) -> None:
         """Right before the optimizer step, after the step's collectives: keep a snapshot of

@@ -48,6 +48,7 @@ import logging
 import math
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -241,6 +242,45 @@ def _host_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(area, dtype=like.dtype, count=numel).view(tuple(shape))
 
 
+def _wait(works: Sequence[Any], interrupt: threading.Event | None) -> None:
+    """Wait for ``works`` (a copy's sends and receives); with ``interrupt`` (the loss
+    watch's, :class:`trainer.membership.LossWatch`), give up once it is set: the other
+    survivors of a lost peer are re-forming the group.
+
+    gloo leaves a point-to-point operation waiting until the group's timeout when the
+    peer it waits on failed another exchange or died (measured with torch 2.13: a rank
+    whose buddy died after sending its own copy waited the whole 120 s in its send while
+    the others re-formed), and neither shutting its sockets down nor aborting the group
+    ends that wait. So a worker thread waits, and this one follows the interrupt too; the
+    abandoned wait ends at the group's timeout (its buffers keep their transport alive).
+
+    Raises:
+        torch.distributed.DistError: interrupted (a peer is lost).
+        whatever the transport raises when a peer is gone.
+    """
+    if interrupt is None:
+        for work in works:
+            work.wait()
+        return
+    done, failed = threading.Event(), []
+
+    def wait_all() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait_all, name="spotvisor-copy-wait", daemon=True).start()
+    while not done.wait(0.01):
+        if interrupt.is_set():
+            raise dist.DistError("the survivors of a lost peer re-form the group: the buddy copy is abandoned")
+    if failed:
+        raise failed[0]
+
+
 class BuddyReplica:
     """This rank's side of the buddy exchange: what it sends, and the copy it keeps.
 
@@ -293,12 +333,18 @@ class BuddyReplica:
         else:
             self.snapshot = Copy(rank, step, [_host_buffer(t.shape, t).copy_(t) for t in shards])
 
-    def replicate(self, shards: Sequence[torch.Tensor], *, step: int, rank: int, world: int, per_node: int) -> None:
+    def replicate(self, shards: Sequence[torch.Tensor], *, step: int, rank: int, world: int, per_node: int,
+                  interrupt: threading.Event | None = None) -> None:
         """Send ``shards`` (this rank's, as of ``step``) to its buddy and take its predecessor's.
+        ``interrupt``: set when the other survivors of a lost peer re-form the group (the
+        loss watch's); the copy then gives up at once (shards in host memory: gloo).
 
         Raises:
-            whatever the transport raises when a peer is gone (the copy held stays the previous one).
+            whatever the transport raises when a peer is gone, or
+            torch.distributed.DistError: interrupted (the copy held stays the previous one).
         """
+        if not all(t.device.type == "cpu" for t in shards):
+            interrupt = None  # NCCL's wait blocks no thread; the loss watch aborts its kernels
         to = buddy(rank, world, per_node)
         if to is None:
             return
@@ -311,17 +357,16 @@ class BuddyReplica:
         if self.staging_bytes is None and all(t.device.type == "cpu" for t in shards):
             ops = [dist.P2POp(dist.isend, t.contiguous(), to, tag=i) for i, t in enumerate(shards)]
             ops += [dist.P2POp(dist.irecv, b, frm, tag=i) for i, b in enumerate(spare)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            _wait(dist.batch_isend_irecv(ops), interrupt)
         else:
-            self._through_staging(shards, spare, to, frm)
+            self._through_staging(shards, spare, to, frm, interrupt)
         old = self.copy
         self.copy = Copy(frm, step, spare)
         self.previous = old if old is not None and old.of == frm else None
         self._spare = self.previous.tensors if self.previous is not None else None
 
     def _through_staging(self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor], to: int,
-                         frm: int) -> None:
+                         frm: int, interrupt: threading.Event | None = None) -> None:
         """The copy through a staging area on the shards' device, a round at a time
         (:func:`rounds`): this rank's pieces sent straight from its shards, its
         predecessor's received into the staging area and copied from there into ``into``
@@ -345,8 +390,7 @@ class BuddyReplica:
                 taken += 1
                 landed.append((into[t].view(-1).narrow(0, start, n), piece))
                 at = -(-(at + size) // 16) * 16
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
+            _wait(dist.batch_isend_irecv(ops) if ops else [], interrupt)
             for dst, piece in landed:
                 dst.copy_(piece)  # into pageable host memory: synchronous, so the next round may reuse the area
 
