@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port
-from worker_procs import (assert_rebuilt_from_copies, finish, joiner_env, member_env, sharded_events, start_sharded,
-                          status_lines, trained, wait_for_status)
+from worker_procs import (assert_rebuilt_from_copies, assert_rebuilt_twice, finish, joiner_env, member_env,
+                          sharded_events, start_sharded, status_lines, trained, wait_for_status)
 
 pytestmark = pytest.mark.slow
 
@@ -123,19 +123,29 @@ def test_a_deepspeed_job_with_replicated_partitions_loses_no_step_to_a_kill(tmp_
         s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
 
 
+def _replicating(tmp_path: Path, rdzv, job: tuple[str, ...]) -> tuple[list[subprocess.Popen], list[str]]:
+    """Three ZeRO-2 workers with ``job``'s events, a commit every 4 steps and their
+    partitions copied after every step, run to the end: the processes and their output."""
+    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
+    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
+                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
+    return procs, finish(procs)
+
+
+def _each_step_trained_once(tmp_path: Path) -> None:
+    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
+        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+
+
 def test_a_kill_inside_a_deepspeed_copy_costs_one_step(tmp_path: Path, rdzv) -> None:
     """ZeRO-2, a copy after every step: node2 dies after its step 7's optimizer step,
     entering that step's copy. The survivors, at step 7, hold node2's partitions of step 6
     and each a snapshot of its own of step 6 (with the scalars), taken before step 7's
     update: they rebuild the state of step 6 (bit-identical to step 6's at world 3), load
     no commit, and train step 7 again at world 2."""
-    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     job = (*RECORDED, "--kill-at", "6", "--kill-node", "node2", "--kill-in-copy", "--record-step", "6")
-    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
-                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
-    assert_rebuilt_from_copies(tmp_path, procs, finish(procs), 6)
-    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
-        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    assert_rebuilt_from_copies(tmp_path, *_replicating(tmp_path, rdzv, job), 6)
+    _each_step_trained_once(tmp_path)
 
 
 def test_a_kill_inside_zeros_optimizer_step_goes_back_to_the_snapshots(tmp_path: Path, rdzv) -> None:
@@ -145,15 +155,11 @@ def test_a_kill_inside_zeros_optimizer_step_goes_back_to_the_snapshots(tmp_path:
     parameters. Their partitions are of no step they can name, but each keeps a snapshot
     of step 6 (taken before the update) and node0 the copy of node2's: they rebuild step 6
     (bit-identical to step 6's at world 3), load no commit and train step 7 at world 2."""
-    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     job = (*RECORDED, "--kill-at", "6", "--kill-node", "node2", "--kill-in-update", "--record-step", "6")
-    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
-                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
-    outs = finish(procs)
+    procs, outs = _replicating(tmp_path, rdzv, job)
     assert_rebuilt_from_copies(tmp_path, procs, outs, 6)
     assert "stepped their optimizer" not in "".join(outs)
-    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
-        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    _each_step_trained_once(tmp_path)
 
 
 def test_a_second_deepspeed_node_lost_right_after_a_rebuild_costs_no_step(tmp_path: Path, rdzv) -> None:
@@ -161,21 +167,9 @@ def test_a_second_deepspeed_node_lost_right_after_a_rebuild_costs_no_step(tmp_pa
     2 from the copies, copy their new partitions to each other before training on, and
     node1 dies in the forward pass of that step: node0 rebuilds step 6 again, alone,
     bit-identical to step 6's at world 3, and trains every step exactly once."""
-    master, ckpt = free_port(), (tmp_path / "ckpt").as_uri()
     job = (*KILL_NODE2, "--record-step", "6", "--kill-again", "node1")
-    procs = [_start(tmp_path, f"node{r}", member_env(r, 3, master, "deepspeed"), rdzv.port, ckpt, job,
-                    ("--checkpoint-interval", "4", "--replicate-shards")) for r in range(3)]
-    outs = finish(procs)
-    assert [p.returncode for p in procs] == [0, -9, -9], "\n".join(outs)
-    lines = status_lines(tmp_path, "node0")
-    assert [(x["step"], x["world_size"], x.get("from_replicas")) for x in lines if x["event"] == "started"] == [
-        (0, 3, None), (6, 2, True), (6, 1, True)], "\n".join(outs)
-    assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
-    before = (tmp_path / "step-6.txt").read_text().split()
-    after = (tmp_path / "after-6.txt").read_text().split()
-    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "1"), (before, after)
-    assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
-        s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}
+    assert_rebuilt_twice(tmp_path, *_replicating(tmp_path, rdzv, job), 6)
+    _each_step_trained_once(tmp_path)
 
 
 def test_deepspeed_partitions_copied_every_two_steps_cost_a_kill_at_most_one_step(tmp_path: Path, rdzv) -> None:

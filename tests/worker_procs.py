@@ -142,6 +142,23 @@ def assert_rebuilt_from_copies(tmp_path: Path, procs: list[subprocess.Popen], ou
     assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "2"), (before, after)
 
 
+def assert_rebuilt_twice(tmp_path: Path, procs: list[subprocess.Popen], outs: list[str], step: int) -> None:
+    """A sharded job of three workers whose node2 was killed, then node1 at the smaller
+    world: node0 went on from ``step`` rebuilt from the copies at world 2, then again at
+    world 1, loaded no commit, and the state it rebuilt last hashes as step ``step``'s did
+    at world 3 (``--record-step`` and ``--record-resizes``)."""
+    assert [p.returncode for p in procs] == [0, -9, -9], "\n".join(outs)
+    lines = status_lines(tmp_path, "node0")
+    started = [(x["step"], x.get("resized"), x["world_size"], x.get("from_replicas"))
+               for x in lines if x["event"] == "started"]
+    assert started == [(0, None, 3, None), (step, "in_process", 2, True), (step, "in_process", 1, True)], \
+        "\n".join(outs)
+    assert not [x for x in lines if x["event"] == "checkpoint_loaded"]
+    before = (tmp_path / f"step-{step}.txt").read_text().split()
+    after = (tmp_path / f"after-{step}.txt").read_text().split()
+    assert after[0] == before[0] and (before[-1], after[-1]) == ("3", "1"), (before, after)
+
+
 def member_env(rank: int, world: int, master_port: int, run: str, **extra: str) -> dict[str, str]:
     """torchrun's variables for rank ``rank`` of a group of ``world`` one-worker nodes (run id ``run``)."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank), "MASTER_PORT": str(master_port),

@@ -67,8 +67,8 @@ def job_parser() -> argparse.ArgumentParser:
                    help="NODE dies in the forward pass of the first step it trains after the job lost a node "
                         "(at the smaller world, its shards copied again or not)")
     p.add_argument("--kill-mid-copy", action="store_true",
-                   help="with --kill-in-copy (--job dcp): post the copy's sends and receives, then die at once, "
-                        "with both under way")
+                   help="with --kill-in-copy (--job dcp): post the copy's receive from its predecessor, then die "
+                        "at once, with the predecessor's send under way (its own buddy receives nothing)")
     p.add_argument("--kill-in-update", action="store_true",
                    help="(--job deepspeed) --kill-node dies inside ZeRO's optimizer step of the step after "
                         "--kill-at, right after its own partitions' update (the others are then in ZeRO's "
@@ -189,15 +189,12 @@ def scripted(base: type[ElasticJob], opts: argparse.Namespace) -> type[ElasticJo
 
                     def die_in_copy():
                         if opts.kill_mid_copy:
-                            from trainer.integrations.replicas import buddy, per_node
+                            from trainer.integrations.replicas import per_node
 
                             rank, world, held = self.ctx.rank, self.ctx.world_size, self.shards.replica.copy
-                            to, frm = buddy(rank, world, per_node()), (rank - per_node()) % world
-                            dist.batch_isend_irecv(
-                                [dist.P2POp(dist.isend, t.contiguous(), to, tag=i)
-                                 for i, t in enumerate(self.shards.local_shards()[1])]
-                                + [dist.P2POp(dist.irecv, torch.empty_like(t), frm, tag=i)
-                                   for i, t in enumerate(held.tensors)])
+                            frm = (rank - per_node()) % world
+                            dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty_like(t), frm, tag=i)
+                                                    for i, t in enumerate(held.tensors)])
                         os.kill(os.getpid(), getattr(signal, "SIG" + opts.kill_signal))
 
                     copier.after_step = die_in_copy
