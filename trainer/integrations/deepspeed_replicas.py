@@ -138,9 +138,11 @@ class DeepSpeedReplicas:
         snapshot of this rank's partitions, with the scalars, when the last copy is of this
         step (:meth:`~trainer.integrations.replicas.BuddyReplica.snapshot_before_update`)."""
         job = self.job
+        if not self.replica.wants_snapshot(job.state.step):
+            return  # (listing the partitions walks every parameter's fragment)
         _, parts = partitions(job.engine, job.state.model, job.ctx.rank)
-        if self.replica.snapshot_before_update(parts, step=job.state.step, rank=job.ctx.rank):
-            self._snapshot_scalars = scalars(job.engine)
+        self.replica.snapshot_before_update(parts, step=job.state.step, rank=job.ctx.rank)
+        self._snapshot_scalars = scalars(job.engine)
 
     def restage_after_loss(self, old_rank: int, old_world: int) -> dict[str, Any] | None:
         """The survivors' new group, after a loss (collective): the old layout staged as a

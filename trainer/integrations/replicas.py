@@ -316,10 +316,16 @@ class BuddyReplica:
         the copy before, is needed no more; a peer lost inside the next copy leaves the
         survivors a step past every copy they are sure to hold, and this snapshot takes
         them back. Returns whether it kept one."""
-        if self.copy is None or self.copy.step != step or (self.snapshot is not None and self.snapshot.step == step):
+        if not self.wants_snapshot(step):
             return False
         self.keep_snapshot(shards, step=step, rank=rank)
         return True
+
+    def wants_snapshot(self, step: int) -> bool:
+        """Whether :meth:`snapshot_before_update` at ``step`` keeps one (a caller whose
+        shards cost something to list asks first)."""
+        return self.copy is not None and self.copy.step == step and (self.snapshot is None
+                                                                     or self.snapshot.step != step)
 
     def keep_snapshot(self, shards: Sequence[torch.Tensor], *, step: int, rank: int) -> None:
         """Keep a copy of this rank's own ``shards`` as of ``step`` in host memory (into the
