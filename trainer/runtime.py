@@ -560,14 +560,36 @@ def configure_threads() -> None:
     torch.set_num_threads(max(1, n))
 
 
+class _CurrentRank(logging.Filter):
+    """Stamps each record with the worker's rank *now* (``%(rank)s``) and lets INFO and
+    below through only on rank 0: a resize renumbers the ranks, and a survivor that
+    becomes rank 0 must log the job's progress (set once at the start, the first rank 0's
+    leaving took the progress lines out of every node's log)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank  # the last rank known: between two groups, the one before
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:  # another thread may be destroying the group meanwhile (a resize)
+            if dist.is_available() and dist.is_initialized():
+                self.rank = dist.get_rank()
+        except (RuntimeError, ValueError):
+            pass
+        record.rank = self.rank
+        return record.levelno >= logging.WARNING or self.rank == 0
+
+
 def configure_logging(rank: int) -> None:
-    """stderr logging, INFO on rank 0 and WARNING elsewhere; structlog (used by
-    :mod:`trainer.checkpoint`) goes through the same handlers and levels."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    """stderr logging, INFO on the current rank 0 and WARNING elsewhere, each line naming
+    the rank the worker has when it writes it (:class:`_CurrentRank`; ``rank``: the one it
+    starts with); structlog (used by :mod:`trainer.checkpoint`) goes through the same
+    handlers."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _CurrentRank) for f in handler.filters):
+            handler.addFilter(_CurrentRank(rank))
     import structlog
 
     structlog.configure(
