@@ -323,5 +323,9 @@ class Resizer:
         job.start_data(info["data"])
         if job.ctx.is_local_leader:
             nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
-            log.warning("took the state of step %d from rank %d (%d bytes in %.2f s)", job.state.step, src, nbytes,
-                        time.perf_counter() - t0)
+            if nbytes:
+                log.warning("took the state of step %d from rank %d (%d bytes in %.2f s)", job.state.step, src,
+                            nbytes, time.perf_counter() - t0)
+            else:  # a sharded job: its shards come in the reshard, peer to peer from their holders
+                log.warning("took step %d's progress from rank %d; the shards come from the ranks holding them",
+                            job.state.step, src)
