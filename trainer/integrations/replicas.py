@@ -349,7 +349,8 @@ class BuddyReplica:
             whatever the transport raises when a peer is gone, or
             torch.distributed.DistError: interrupted (the copy held stays the previous one).
         """
-        if not all(t.device.type == "cpu" for t in shards):
+        on_cpu = all(t.device.type == "cpu" for t in shards)
+        if not on_cpu:
             interrupt = None  # NCCL's wait blocks no thread; the loss watch aborts its kernels
         to = buddy(rank, world, per_node)
         if to is None:
@@ -360,7 +361,7 @@ class BuddyReplica:
         # them (a few bytes per tensor), again when there are more (an optimizer's state since)
         if spare is None or len(spare) != len(shards):
             spare = self._buffers_for(shards, to, frm)
-        if self.staging_bytes is None and all(t.device.type == "cpu" for t in shards):
+        if self.staging_bytes is None and on_cpu:
             ops = [dist.P2POp(dist.isend, t.contiguous(), to, tag=i) for i, t in enumerate(shards)]
             ops += [dist.P2POp(dist.irecv, b, frm, tag=i) for i, b in enumerate(spare)]
             _wait(dist.batch_isend_irecv(ops), interrupt)
