@@ -61,6 +61,14 @@ def test_a_sharded_job_grows_and_shrinks_without_a_restart_and_keeps_its_state_e
     sent = [grown[n]["reshard_sent_bytes"] for n in ("node0", "node1")]  # about half the joiner's shard each
     assert sum(sent) == next(x for x in joiner if x["event"] == "started")["reshard_received_bytes"], grown
     assert min(sent) > 0.4 * sum(sent), sent
+    # rank 0's new shard lies within its old one: the new model and optimizer take that very
+    # memory (nothing copied, nothing allocated); node1's parameters are the ones FSDP2 pads at 3
+    assert grown["node0"]["reshard_in_place_bytes"] == grown["node0"]["shard_bytes"], grown
+    assert grown["node0"]["reshard_copied_bytes"] == 0, grown
+    # the shrink back to 2: node1's new rows (old rank 1's at world 2) are in the memory it kept;
+    # the rows it had stay in place and the ones it lacks arrive into that memory
+    shrunk = [x for x in status_lines(tmp_path, "node1") if x["event"] == "started"][2]
+    assert shrunk["reshard_in_place_bytes"] > 0 and shrunk["reshard_received_bytes"] > 0, shrunk
     assert not any(x["event"] == "checkpoint_loaded" for x in joiner)  # the state came from rank 0
     assert {s: sorted(p) for s, p in trained(tmp_path).items()} == {
         s: list(range((s - 1) * G, s * G)) for s in range(1, 13)}

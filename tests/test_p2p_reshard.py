@@ -108,34 +108,52 @@ def _full(t: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32).reshape(SHAPES[t]) + 1000 * t
 
 
-def _worker(rank: int, tmp: str, world: int, holders: list[int], takers: list[int]) -> None:
+def _worker(rank: int, tmp: str, world: int, holders: list[int], takers: list[int], in_memory: bool) -> None:
+    from trainer.integrations.fsdp_shards import within
     from trainer.integrations.p2p_reshard import exchange
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     rows = [s[0] for s in SHAPES]
     old_world, new_world = len(holders), len(takers)
-    old = {i: [_full(t).narrow(0, *chunk_rows(n, old_world, i)).clone() for t, n in enumerate(rows)]
-           for i, r in enumerate(holders) if r == rank}
+    old: dict[int, list[torch.Tensor]] = {}
+    for i in (i for i, r in enumerate(holders) if r == rank):
+        if in_memory:  # each old shard a view of memory spanning every row (stale beyond its own: -7)
+            memory = [torch.full(s, -7.0) for s in SHAPES]
+            for t, n in enumerate(rows):
+                own = chunk_rows(n, old_world, i)
+                memory[t].narrow(0, *own).copy_(_full(t).narrow(0, *own))
+            old[i] = [memory[t].narrow(0, *chunk_rows(n, old_world, i)) for t, n in enumerate(rows)]
+        else:
+            old[i] = [_full(t).narrow(0, *chunk_rows(n, old_world, i)).clone() for t, n in enumerate(rows)]
     new = None
     if rank in takers:
         j = takers.index(rank)
         new = [torch.full((chunk_rows(n, new_world, j)[1], *SHAPES[t][1:]), -1.0) for t, n in enumerate(rows)]
+        if in_memory and old:  # its new shards in the memory of the old one it holds (ShardMover's way)
+            i = holders.index(rank)
+            views = [within(old[i][t], chunk_rows(n, new_world, j)[0] - chunk_rows(n, old_world, i)[0],
+                            chunk_rows(n, new_world, j)[1]) for t, n in enumerate(rows)]
+            new = [v if v is not None else fresh for v, fresh in zip(views, new)]
     traffic = exchange(plan(rows, old_world, new_world), old, new, rows=rows, old_world=old_world,
                        new_world=new_world, holders=holders, takers=takers)
     ok = None
     if rank in takers:
         j = takers.index(rank)
         ok = all(torch.equal(new[t], _full(t).narrow(0, *chunk_rows(n, new_world, j))) for t, n in enumerate(rows))
+    intact = all(torch.equal(shard[t], _full(t).narrow(0, *chunk_rows(n, old_world, i)))  # what it sent from
+                 for i, shard in old.items() for t, n in enumerate(rows))
     Path(tmp, f"rank{rank}.json").write_text(json.dumps({"ok": ok, "sent": traffic.sent_bytes,
                                                          "received": traffic.received_bytes,
-                                                         "copied": traffic.copied_bytes}))
+                                                         "copied": traffic.copied_bytes,
+                                                         "in_place": traffic.in_place_bytes, "intact": intact}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, world: int, holders: list[int], takers: list[int]) -> list[dict]:
-    mp.start_processes(_worker, args=(str(tmp_path), world, holders, takers), nprocs=world, start_method="spawn")
+def _run(tmp_path: Path, world: int, holders: list[int], takers: list[int], in_memory: bool = False) -> list[dict]:
+    mp.start_processes(_worker, args=(str(tmp_path), world, holders, takers, in_memory), nprocs=world,
+                       start_method="spawn")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -185,3 +203,23 @@ def test_a_rank_holding_a_lost_peers_replica_sends_both_shards(tmp_path: Path) -
     assert got[0]["received"] == _bytes_lacking(0, 3, 2, holder_of, 0)
     assert got[1]["received"] == 0  # its new rows all lie in the two old shards it holds
     assert got[1]["sent"] == got[0]["received"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("old_world,holders,takers", [(3, [0, 1, 2], [0, 2]), (2, [0, 2], [0, 1, 2])],
+                         ids=["shrink-3-2", "grow-2-3-placed"])
+def test_new_shards_in_the_memory_of_the_old_ones_move_only_the_rows_lacking(
+        tmp_path: Path, old_world: int, holders: list[int], takers: list[int]) -> None:
+    """A rank whose old shard is a view of memory that spans its new rows (as a grow's
+    survivor keeps it, and FSDP2's padding) takes its new shard as a view of that same
+    memory: the rows it holds are neither copied nor moved, the rows it lacks land
+    beside them, and the rows it sends are untouched by what it receives."""
+    world = max(len(takers), old_world)
+    got = _run(tmp_path, world, holders, takers, in_memory=True)
+    assert all(g["ok"] in (True, None) and g["intact"] for g in got), got
+    for j, r in enumerate(takers):
+        if r in holders:
+            i = holders.index(r)
+            assert got[r]["copied"] == 0 and got[r]["in_place"] > 0, got[r]
+            assert got[r]["received"] == _bytes_lacking(j, old_world, len(takers), {r: i}, r), got[r]
+    assert sum(g["sent"] for g in got) == sum(g["received"] for g in got)

@@ -245,7 +245,7 @@ class DcpJob(ElasticJob):
                 if from_commit:  # the old model's memory back before the new one is allocated and loaded
                     gc.collect()
                 elif "new" in staged:  # a shrink's rows arrived in stage_state: the old shards are read no more
-                    old = _release(old)
+                    old = _release(old, keep=staged["new"])  # whose memory the new shards may use
                 self.state = self.build_state(torch.device("meta") if not from_commit else None)
             self.state.step = step
             self.wrap()
@@ -253,7 +253,7 @@ class DcpJob(ElasticJob):
                 self.resume()
                 return self.last_committed.step if self.last_committed else None
             self.shards.fill(staged)
-            _release(old)  # a grow's or a loss's: the exchange read them
+            _release(old, keep=self.shards.in_place)  # a grow's or a loss's: the exchange read them
             del staged
         self.last_committed = last  # type: ignore[assignment]
         if self.ckpt is not None:
@@ -293,15 +293,17 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [(g.to_local() if isinstance(g, DTensor) else g) for p in model.parameters() if (g := p.grad) is not None]
 
 
-def _release(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _release(tensors: list[torch.Tensor], keep: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
     """Free the storage of the old model's shards and gradients (``resize_(0)``: FSDP2's own
     way to drop a parameter's memory) now, not when the collector gets to the old modules'
     reference cycles (FSDP2's modules, states and hooks refer to each other): a resize
     used to ``gc.collect()`` for that, 0.1 s of each survivor's pause at 200 M on 2 busy
-    cores. Nothing may read them after. Returns ``[]``."""
+    cores. Nothing may read them after, except the storage of those in ``keep`` (the new
+    model's views of them), left alone. Returns ``[]``."""
+    held = {k.untyped_storage().data_ptr() for k in keep}
     for t in tensors:
         storage = t.untyped_storage()
-        if storage.resizable():
+        if storage.resizable() and storage.data_ptr() not in held:
             storage.resize_(0)
     return []
 

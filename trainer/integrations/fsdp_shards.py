@@ -38,7 +38,7 @@ from trainer.integrations.meta import allocate_optimizer_state
 from trainer.integrations.p2p_reshard import Traffic, chunk_rows, exchange, grow_ranks, plan
 from trainer.integrations.replicas import BuddyReplica, agree_on_holders, on_device, per_node
 
-__all__ = ["ShardMover"]
+__all__ = ["ShardMover", "adopt", "fsdp_params", "within"]
 
 log = logging.getLogger("trainer.examples.fsdp_dcp")
 
@@ -56,6 +56,8 @@ class ShardMover:
         #: the copy of another node's shards this rank keeps (``--replicate-shards``)
         self.replica = BuddyReplica()
         self.prime_s = 0.0  # the last fill's creation of the optimizer's state (s)
+        #: the old shards whose memory the last fill's new ones use (:meth:`_keep_in_place`): not to be freed
+        self.in_place: list[torch.Tensor] = []
 
     # -- what every rank computes alike
 
@@ -87,19 +89,20 @@ class ShardMover:
 
     def _take_rows(self, got: list[torch.Tensor]) -> None:
         """A shrink's survivor, in :meth:`fill`: its new shards' rows, received in :meth:`stage`
-        in :meth:`local_shards`' order. The parameters' are copied into FSDP2's storage; the
-        optimizer's state takes the received tensors themselves (AdamW's moments, 2/3 of
-        the bytes: no second copy of them into fresh memory, and no second allocation)."""
-        from torch.distributed.tensor import DTensor
-
-        for (_, key, t, st), rows in zip(self._slots(), got, strict=True):
-            if st is None:
-                (t.to_local() if isinstance(t, DTensor) else t).detach().copy_(rows)
-            elif isinstance(t, DTensor):
-                st[key] = DTensor.from_local(rows, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                             stride=t.stride())
+        in :meth:`local_shards`' order, become the new model's and optimizer's tensors
+        themselves (:func:`adopt`); a parameter FSDP2 pads gets them copied into its storage."""
+        params, copied, used = fsdp_params(self.job.state.model), [], set()
+        for slot, rows in zip(self._slots(), got, strict=True):
+            if adopt(slot, rows, params):
+                used.add(rows.untyped_storage().data_ptr())
             else:
-                st[key] = rows
+                t = slot[2]
+                (t.to_local() if _is_dtensor(t) else t).detach().copy_(rows)
+                copied.append(rows)
+        for rows in copied:  # their memory now, not when the collector reaches the old model's
+            storage = rows.untyped_storage()
+            if storage.data_ptr() not in used and storage.resizable():
+                storage.resize_(0)
 
     def reshard_modules(self) -> None:
         """Put every FSDP2 module's sharded parameters back in place (``FSDPModule.reshard``:
@@ -136,13 +139,17 @@ class ShardMover:
         world, me = job.ctx.world_size, job.ctx.rank
         staged = {**self._layout(world), "names": names}
         if len(keep) == world:
-            self.staged = {**staged, "old": {me: local}, "holders": list(range(world)), "rows": rows}
+            self.staged = {**staged, "old": {me: local}, "own": me, "holders": list(range(world)), "rows": rows}
             return
         new_world, new = len(keep), None
         if me in keep:
             j = keep.index(me)
-            new = [torch.empty((chunk_rows(n, new_world, j)[1], *t.shape[1:]), dtype=t.dtype, device=t.device)
-                   for t, n in zip(local, rows)]
+            new = []
+            for t, n in zip(local, rows):  # in the memory of the old shard where it spans the new rows
+                (start, size), first = chunk_rows(n, new_world, j), chunk_rows(n, world, me)[0]
+                view = within(t, start - first, size)
+                new.append(view if view is not None else torch.empty((size, *t.shape[1:]), dtype=t.dtype,
+                                                                     device=t.device))
         self.traffic = exchange(plan(rows, world, new_world), {me: local}, new, rows=rows, old_world=world,
                                 new_world=new_world, holders=list(range(world)), takers=keep)
         self.staged = {**staged, "new": new} if me in keep else None
@@ -201,11 +208,15 @@ class ShardMover:
         names, new, rows = self.local_shards()
         if staged["names"] is not None and staged["names"] != names:
             raise RuntimeError("the model or optimizer's tensors differ from the old layout's: cannot reshard")
+        self.in_place = []
         with torch.no_grad():
             if "new" in staged:  # a shrink's survivor: its rows arrived in stage()
                 self._take_rows(staged["new"])
             else:  # a grow, a loss: the holders send, in the new group
                 old_world, world = staged["old_world"], job.ctx.world_size
+                if staged.get("own") is not None:
+                    self.in_place = self._keep_in_place(staged["old"][staged["own"]], staged["own"], old_world, rows)
+                    new = self.local_shards()[1]
                 self.traffic = exchange(plan(rows, old_world, world), staged["old"] or {}, new, rows=rows,
                                         old_world=old_world, new_world=world,
                                         holders=staged.get("holders") or list(range(old_world)),
@@ -217,6 +228,28 @@ class ShardMover:
                               else staged["optim_step"])
         for group, saved in zip(opt.param_groups, staged["groups"]):
             group.update(saved)
+
+    def _keep_in_place(self, old: list[torch.Tensor], own: int, old_world: int,
+                       rows: list[int]) -> list[torch.Tensor]:
+        """A grow's (or a loss's) rank, in :meth:`fill`: where the memory of its old shard of a
+        tensor spans the rows of its new one (:func:`within`: each old rank of a grow whose
+        joiners sit beside it, :meth:`grow_ranks`; a shrink's survivor growing back), the
+        new model and optimizer take a view of that memory (:func:`adopt`) instead of
+        fresh memory to copy into. The rows it holds are then in place (the exchange copies
+        none of them) and the rows it receives land in memory it holds already. Nothing is
+        allocated: no first touch of fresh pages (0.35 s per 808 MB here, against 0.04 s to
+        rewrite them), and the rank never holds more than it did before. ``old``: this
+        rank's old shards (old shard ``own`` of ``old_world``), its live model's (never a
+        copy's or a snapshot's: their buffers are written again). Returns the old tensors
+        whose memory the new ones use (not to be freed)."""
+        world, me, kept = self.job.ctx.world_size, self.job.ctx.rank, []
+        params = fsdp_params(self.job.state.model)
+        for slot, src, n in zip(self._slots(), old, rows, strict=True):
+            o_start, n_start = chunk_rows(n, old_world, own)[0], chunk_rows(n, world, me)[0]
+            view = within(src, n_start - o_start, chunk_rows(n, world, me)[1])
+            if view is not None and adopt(slot, view, params):
+                kept.append(src)
+        return kept
 
     def _create_optimizer_state(self) -> None:
         """The optimizer's state as its first step would create it, allocated and not
@@ -241,7 +274,8 @@ class ShardMover:
         t, self.traffic = self.traffic, None
         shard = sum(x.numel() * x.element_size() for x in self.local_shards()[1])
         return {"reshard_sent_bytes": t.sent_bytes, "reshard_received_bytes": t.received_bytes,
-                "reshard_copied_bytes": t.copied_bytes, "shard_bytes": shard,
+                "reshard_copied_bytes": t.copied_bytes, "reshard_in_place_bytes": t.in_place_bytes,
+                "shard_bytes": shard,
                 "exchange_s": round(t.seconds, 4), "optimizer_state_s": round(self.prime_s, 4)}
 
     # -- the copies and a loss
@@ -278,19 +312,82 @@ class ShardMover:
             return False
         holders, step = got
         names, local, _ = self.local_shards()
-        layout = self._layout(old_world)
+        layout, own = self._layout(old_world), old_rank  # own: the live model's shards, kept in place where they can
         if step != job.state.step:  # back to the copies' step: this rank's own shards from its snapshot
             assert snap is not None and snap.step == step
             local = on_device(snap.tensors, job.ctx.device)
             layout["optim_step"] = step
-            job.state.step = step
+            job.state.step, own = step, None  # the snapshot's buffers are taken again by the next one
         old = {old_rank: local}
         copy = self.replica.held(step)  # the last copy, or the one before (a loss inside a copy)
         if copy is not None and holders[copy.of] == job.ctx.rank and copy.of != old_rank:
             old[copy.of] = on_device(copy.tensors, job.ctx.device)  # held in host memory
-        self.staged = {**layout, "names": names, "old": old, "holders": holders}
+        self.staged = {**layout, "names": names, "old": old, "own": own, "holders": holders}
         if job.ctx.is_leader:
             lost = sorted(set(range(old_world)) - {int(s["old"]) for s in survivors})
             log.warning("rebuilding the shards of old rank(s) %s from their copies (step %d)",
                         ",".join(map(str, lost)), step)
         return True
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def within(t: torch.Tensor, first: int, rows: int) -> torch.Tensor | None:
+    """Rows ``first .. first + rows`` of ``t`` counted from its first row, as a view of the
+    memory ``t`` is a view of, where that memory spans them (``first`` may be negative
+    and the rows may run past ``t``'s own: a shard that is a view of a larger one, or
+    FSDP2's padded storage); None where it does not, or ``t`` is not laid out row after
+    row. Rows outside ``t``'s own are whatever that memory holds (nobody's: the caller
+    writes them). ``rows`` 0: None (nothing to keep)."""
+    if rows <= 0 or t.dim() == 0 or not t.is_contiguous():
+        return None
+    row = math.prod(t.shape[1:])
+    offset = t.storage_offset() + first * row
+    if offset < 0 or (offset + rows * row) * t.element_size() > t.untyped_storage().nbytes():
+        return None
+    return t.as_strided((rows, *t.shape[1:]), t.stride(), offset)
+
+
+def fsdp_params(model: torch.nn.Module) -> dict[int, Any]:
+    """FSDP2's record of each sharded parameter of ``model``, by the parameter's
+    ``id`` (empty where the model is not FSDP2's, or torch keeps it elsewhere)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params: dict[int, Any] = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            for fp in getattr(group, "fsdp_params", None) or []:
+                params[id(fp.sharded_param)] = fp
+    return params
+
+
+def adopt(slot: tuple[str, str, torch.Tensor, dict[str, Any] | None], rows: torch.Tensor,
+          params: dict[int, Any]) -> bool:
+    """Make ``rows`` the tensor the new model or optimizer holds at ``slot`` (one of
+    :meth:`ShardMover._slots`; ``rows``: this rank's new shard there, filled or about to
+    be; ``params``: :func:`fsdp_params` of the model), without a copy. An optimizer's
+    state takes it as it is; a parameter too, through FSDP2's own step for a sharded
+    parameter whose tensor changed (``FSDPParam.reset_sharded_param``: the all-gather's
+    input becomes it), where FSDP2 needs no padding of it (``rows`` of its padded
+    shape). False, nothing changed, where it cannot: the caller copies."""
+    from torch.distributed.tensor import DTensor
+
+    _, key, t, st = slot
+    if st is None:
+        fp = params.get(id(t))
+        if (fp is None or not isinstance(t, DTensor) or rows.dtype != t.dtype or rows.device != t.device
+                or tuple(rows.shape) != tuple(fp.padded_sharded_param_size)):
+            return False
+        t._local_tensor = rows
+        fp.reset_sharded_param()
+    elif isinstance(t, DTensor):
+        st[key] = DTensor.from_local(rows, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                     stride=t.stride())
+    else:
+        st[key] = rows
+    return True

@@ -51,11 +51,13 @@ class Piece:
 @dataclasses.dataclass(slots=True)
 class Traffic:
     """What one rank moved in an :func:`exchange`: bytes sent to and received from other ranks
-    (a piece it holds and takes itself is ``copied``), and the number of each."""
+    (a piece it holds and takes itself is ``copied``, or ``in_place`` where its new shard
+    is a view of the old one's rows), and the number of each."""
 
     sent_bytes: int = 0
     received_bytes: int = 0
     copied_bytes: int = 0
+    in_place_bytes: int = 0  # where the new shard is a view of the old one's rows: not moved at all
     sends: int = 0
     receives: int = 0
     seconds: float = 0.0  # in the exchange, this rank
@@ -234,8 +236,9 @@ def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
     part of the one before is done, so every send it waits on was posted by its peer in
     the same batch (no cycle of waits); its in-place copies of a batch run after its sends
     and receives are posted, while the transport carries them (a peer waiting on this
-    rank's send does not wait for them too). Collective over the default group. Returns
-    this rank's :class:`Traffic`."""
+    rank's send does not wait for them too); one whose destination is its source's very
+    memory (a new shard made a view of the old one's rows) is not copied at all.
+    Collective over the default group. Returns this rank's :class:`Traffic`."""
     me = dist.get_rank()
     batches: dict[int, list[Transfer]] = {}
     for t in mine:
@@ -245,7 +248,9 @@ def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
         ops: list[dist.P2POp] = []
         local: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tag, src, dst, view, into in batches.get(b, []):
-            if src == dst:
+            if src == dst and _aliases(into, view):  # type: ignore[arg-type]
+                traffic.in_place_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
+            elif src == dst:
                 local.append((into, view))  # type: ignore[arg-type]
                 traffic.copied_bytes += view.numel() * view.element_size()  # type: ignore[union-attr]
             elif me == src:
@@ -263,3 +268,10 @@ def transfer(mine: Sequence[Transfer], total: int) -> Traffic:
             work.wait()
     traffic.seconds = time.perf_counter() - t0
     return traffic
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
