@@ -767,12 +767,15 @@ def test_events_after_a_demo_has_ended_shows_what_it_recorded(tmp_path: Path) ->
     assert [line.split()[3] for line in p.stdout.splitlines()] == ["job_completed"], p.stdout
     for p in (ctl("events", "--socket", str(tmp_path / "none.sock")), ctl("events", cwd=tmp_path / ".spotvisor")):
         assert p.returncode == 1 and "cannot reach spotvisord" in one_line(p.stderr) and p.stdout == "", p.stderr
-    # tail and cost need the daemon; after the run they say where its logs and its cost are
+    # tail, cost and status need the daemon; after the run they say where its logs, cost and figures are
     p = ctl("tail", "demo-2")
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "cannot reach spotvisord" in p.stderr and ".spotvisor/demo-20261207-110000/nodes/<node>/trainer.log" in p.stderr
     p = ctl("cost")
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "spot_cost_usd" in p.stderr, p.stderr
+    p = ctl("status")  # the first thing one types after `make demo`
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "demo-summary.json" in p.stderr and "spotctl events" in p.stderr, p.stderr
     # a demo of one's own config (`spotvisord demo --config mine.yaml`) records under its state_dir
     store = Store(tmp_path / ".spotvisor-mine" / "demo-20261207-120000" / "spotvisord.db").open()
     store.append_event("job_completed", None, {"step": 60})

@@ -332,7 +332,9 @@ def _last_demo_db(args: argparse.Namespace) -> Path | None:
 _AFTER_THE_RUN = {"tail": "node logs are files now: {run}/nodes/<node>/trainer.log (unmasked: the daemon's "
                           "copy masked the job's secrets)",
                   "cost": "spot cost is in its summary (spot_cost_usd) and in `spotctl events --kind pool_released` "
-                          "(cost_usd, node_hours)"}
+                          "(cost_usd, node_hours)",
+                  "status": "figures are in its summary (`make demo`: demo-summary.json) and its record in "
+                            "`spotctl events` (resumes: --kind job_resumed)"}
 
 
 def _recorded_events(args: argparse.Namespace, sock: Path, db: Path) -> int:
@@ -358,7 +360,7 @@ def run_verb(args: argparse.Namespace, sock: Path) -> int:
     try:
         return asyncio.run(_amain(args, sock))
     except Unreachable as exc:
-        db = _last_demo_db(args) if args.cmd in ("events", "tail", "cost") else None
+        db = _last_demo_db(args) if args.cmd in ("events", *_AFTER_THE_RUN) else None
         if db is not None and args.cmd == "events":
             return _recorded_events(args, sock, db)
         # an ended demo run: where what the verb would have shown lies now
