@@ -830,3 +830,16 @@ def test_the_pool_line_shows_the_deadline_and_the_expected_finish() -> None:
                                                  "expected_finish": now + 3600, "slack_h": 4, "markets": None,
                                                  "policy": "home_zone"}})
     assert ok.endswith("(4 h to spare), buying any (home_zone)"), ok  # which policy spends it
+
+
+def test_an_exit_by_signal_reads_as_the_signal() -> None:
+    """A trainer the agent stopped after its notice's commit exits -15: the event line names
+    SIGTERM, so it does not read as a crash; a plain exit status stays as it is."""
+    from daemon.interfaces.ctl_render import render_event
+
+    stopped = render_event({"seq": 9, "time": 0.0, "kind": "trainer_exited", "node": "demo-2",
+                            "data": {"exit_code": -15}})
+    assert "exit_code=-15 (SIGTERM)" in stopped, stopped
+    failed = render_event({"seq": 10, "time": 0.0, "kind": "trainer_exited", "node": "demo-2",
+                           "data": {"exit_code": 1}})
+    assert "exit_code=1" in failed and "(" not in failed.split("exit_code=")[1], failed

@@ -359,8 +359,21 @@ def format_event(ev: Event, t0: float) -> str:
     """One readable line for a person watching a run."""
     d = dict(ev.data)
     skip = {"trainer_time", "seen_at", "raw", "notice_published_at", "notice_seen_at"}
-    fields = " ".join(f"{k}={_short(v)}" for k, v in d.items() if k not in skip and v not in (None, [], ""))
+    fields = " ".join(f"{k}={_short(v)}{_signal_name(k, v)}" for k, v in d.items()
+                      if k not in skip and v not in (None, [], ""))
     return f"[{ev.time - t0:7.1f}s] #{ev.seq:<4} {ev.kind:<24} {ev.node or '':<10} {fields}"
+
+
+def _signal_name(key: str, value: object) -> str:
+    """`` (SIGTERM)`` after a negative ``exit_code`` (a process a signal ended, as Python's
+    ``returncode`` says it: an agent stopping a node after its notice's commit is -15),
+    else empty."""
+    if key != "exit_code" or not isinstance(value, int) or isinstance(value, bool) or value >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-value).name})"
+    except ValueError:
+        return ""
 
 
 def _short(v: object) -> str:
