@@ -29,6 +29,8 @@ built from:
   peer): the shard of a ``--params-m`` model with AdamW (12 bytes a parameter) through a
   staging area of ``STAGING_BYTES`` on the device into host memory, unpinned (as built)
   and pinned (not built: whether it would pay), GB/s each and whether the bytes arrived;
+- **FSDP2 shards in memory held**: :func:`adopt_check`, the new shards of a resize taken
+  as views of memory the rank holds (the grow's survivors, a shrink back);
 - **NVML**: what the node agent reports per GPU (:class:`daemon.gpunode.gpu.NvmlSampler`).
 
 Without CUDA it runs the same steps on gloo and the CPU (a dry run: the test suite runs
@@ -220,6 +222,67 @@ def optimizer_state_check(device) -> str:
     return ", ".join(verdicts)
 
 
+def adopt_check(device) -> str:
+    """A resize's new shards in memory a rank holds already (:func:`trainer.integrations.
+    fsdp_shards.adopt`), on ``device``: an FSDP2 model over a group of one takes views of
+    larger memory holding other values as its parameters and AdamW's moments. ``"ok"``
+    when every tensor was taken, the forward computes with that memory's values and
+    AdamW's step updates it in place (the rows around the views untouched, the
+    parameters still reading it after); else what differed. Sets up and destroys its
+    own process group (NCCL on CUDA, else gloo) through a file store."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.integrations.fsdp_shards import ShardMover, adopt, fsdp_params
+
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1, timeout=timedelta(seconds=60), **({"device_id": device} if cuda else {}))
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(device)
+            fully_shard(model, mesh=init_device_mesh(device.type, (1,)))
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            x = torch.randn((5, 4), generator=g).to(device)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mover = ShardMover(argparse.Namespace(state=argparse.Namespace(model=model, optimizer=opt)))
+            params, memories, taken = fsdp_params(model), [], []
+            for slot in list(mover._slots()):
+                t = slot[2]
+                local = t.to_local() if hasattr(t, "to_local") else t
+                memory = torch.full((local.shape[0] + 4, *local.shape[1:]), -7.0, device=device)
+                view = memory.narrow(0, 2, local.shape[0])  # rows 2.. of a larger, older shard's memory
+                view.copy_(local.detach() * 2)  # other values than the model's: the forward must read them
+                taken.append(adopt(slot, view, params))
+                memories.append(memory)
+            if not all(taken):
+                return f"not taken: {taken.count(False)} of {len(taken)} tensors"
+            w1, b1, w2, b2 = (m[2:-2] for m in (memories[0], memories[3], memories[6], memories[9]))
+            if not torch.allclose(model(x), torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b1), w2, b2)):
+                return "the forward reads other memory"
+            before = [m.clone() for m in memories]
+            model(x).sum().backward()
+            opt.step()
+            _sync(device)
+            if not all(not torch.equal(m[2:-2], b[2:-2]) for m, b in zip(memories, before)):
+                return "AdamW's step did not update the memory taken"
+            if not all(torch.equal(m[:2], b[:2]) and torch.equal(m[-2:], b[-2:]) for m, b in zip(memories, before)):
+                return "the step wrote past the views"
+            if not all(torch.equal(p.to_local().detach(), memories[i][2:-2])
+                       for i, p in zip((0, 3, 6, 9), model.parameters())):
+                return "a parameter no longer reads the memory taken"
+            return "ok"
+        finally:
+            dist.destroy_process_group()
+
+
 def replica_copy_check(device, mb: float) -> tuple[str, bool]:
     """``mb`` MB of fp32 on ``device`` through a staging area there into host memory, round
     by round as a buddy copy arrives (module docstring): the rate unpinned and, on CUDA,
@@ -313,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         optim_state = optimizer_state_check(device)
     except Exception as exc:  # a kernel this device lacks: say so in the table, fail the check
         optim_state = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    try:
+        adopted = adopt_check(device)
+    except Exception as exc:  # FSDP2's internals moved (another torch): say so in the table, fail the check
+        adopted = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     replica_mb = args.params_m * 12
     try:
         replica_copy, replica_ok = replica_copy_check(device, replica_mb)
@@ -344,13 +411,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "loss_exact")))),
         (f"optimizer state allocated for a reshard ({device.type})", optim_state),
         (f"buddy copy: {replica_mb:g} MB {device.type} -> host through staging", replica_copy),
+        (f"FSDP2 shards in memory held, forward and AdamW ({device.type})", adopted),
         *nvml_rows(),
         ("wall (s)", f"{wall:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
     ok = r0["loss_detected"] and all(r0[k] for k in ("allreduce_exact", "shrink_exact", "grow_exact", "loss_exact")) \
-        and optim_state == "foreach: ok, fused: ok" and replica_ok
+        and optim_state == "foreach: ok, fused: ok" and replica_ok and adopted == "ok"
     return 0 if ok else 1
 
 
