@@ -33,3 +33,15 @@ def test_the_failure_names_the_innermost_frames_first() -> None:
 
 def test_an_exception_never_raised_has_no_place() -> None:
     assert raised_in(RuntimeError("x")) == ""
+
+
+def test_gloos_failure_reads_whole_and_short() -> None:
+    """gloo's message leads with the C++ source path of the build machine and runs past
+    200 characters: the line keeps the file's name and ends at a word, not mid-word."""
+    exc = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                       "[127.0.0.1]:19681: Connection reset by peer. This is typically caused by a remote worker "
+                       "hanging or bugs in the application code. " + "More detail follows here. " * 6)
+    line = first_line(exc)
+    assert line.startswith("[pair.cc:537] Read error [127.0.0.1]:19681: Connection reset by peer."), line
+    assert len(line) <= 200 and line.endswith("…") and line[:-1].endswith(("follows", "here.", "More", "detail")), line
+    assert first_line(RuntimeError("")) == "RuntimeError"

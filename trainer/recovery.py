@@ -58,9 +58,17 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read err
               "Timed out waiting", "Broken pipe", "Socket closed")
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (at most 200 characters), or its type's name."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of ``exc``'s message, or its type's name. A leading C++ source
+    location (gloo's ``[/__w/pytorch/.../gloo/transport/tcp/pair.cc:537] ``) is cut to
+    its file's name; a line longer than ``limit`` characters ends at a word, with "…"."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if line.startswith("[") and "]" in line:
+        where, rest = line[1:].split("]", 1)
+        line = f"[{os.path.basename(where)}]{rest}"
+    if len(line) > limit:
+        line = line[:limit - 1].rsplit(" ", 1)[0] + "…"
+    return line
 
 
 def raised_in(exc: BaseException, frames: int = 6) -> str:
