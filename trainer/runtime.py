@@ -27,7 +27,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainer import group_sockets
 from trainer.contract import RDZV_ENDPOINT_ENV, SCRATCH_DIR_ENV
@@ -371,37 +370,49 @@ def store_id(client: dist.Store) -> str:
 def broadcast_state(state: Any, *, src: int, device: torch.device, group: Any = None) -> Any:
     """``state`` of rank ``src`` (nested dicts, lists and tuples of tensors and plain
     values: a ``state_dict``) on every rank of ``group`` (default: the default group).
-    Collective. The structure (torch's pytree spec) and each leaf, a tensor's shape and
-    dtype in its place, go with one ``broadcast_object_list``; then each tensor with
-    ``broadcast`` on ``device`` (NCCL needs the GPU), into a tensor the receiver
-    allocates: nothing is pickled but the structure, and each side holds the state once.
-    Returns ``state`` on ``src`` and the received copy (tensors on ``device``) elsewhere;
-    ``state`` is ignored there."""
+    Collective. The structure, each tensor's shape and dtype in its place, goes as JSON
+    (:func:`trainer.exchange.encode_tree`: never pickled, so a peer's bytes are parsed,
+    not run; at most :data:`STATE_STRUCTURE_BYTES`); then each tensor with ``broadcast``
+    on ``device`` (NCCL needs the GPU), into a tensor the receiver allocates: each side
+    holds the state once. Returns ``state`` on ``src`` and the received copy (tensors on
+    ``device``) elsewhere; ``state`` is ignored there.
+
+    Raises:
+        trainer.exchange.TreeError: (every rank) ``state`` holds a value that cannot be
+            sent (a namedtuple, a set, an object), named with where it is; or a receiver
+            was sent an encoding it refuses.
+    """
+    from trainer.exchange import TreeError, broadcast_json, decode_tree, encode_tree
+
     is_src = dist.get_rank() == src  # src is a global rank, as broadcast takes it
-    leaves, spec = tree_flatten(state) if is_src else ([], None)
-    box = [(spec, [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _Plain(x) for x in leaves])
-           if is_src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    spec, metas = box[0]
-    out: list[Any] = []
-    for i, meta in enumerate(metas):
-        if isinstance(meta, _Plain):
-            out.append(meta.value)
-            continue
-        if is_src:
-            buf = leaves[i].detach().to(device)  # no copy when it is there already
-        else:
-            buf = torch.empty(meta[0], dtype=meta[1], device=device)
+    leaves: list[torch.Tensor] = []
+    payload: Any = None
+    if is_src:
+        try:
+            payload = {"tree": encode_tree(state, leaves)}
+        except TreeError as exc:  # every rank hears of it: none waits for tensors that never come
+            payload = {"error": str(exc)}
+    got = broadcast_json(payload, src=src, group=group, limit=STATE_STRUCTURE_BYTES)
+    if not isinstance(got, dict) or ("tree" not in got and "error" not in got):
+        raise TreeError(f"rank {src} sent no state structure")
+    if "error" in got:
+        raise TreeError(f"rank {src} cannot send its state: {got['error']}")
+    if is_src:
+        for t in leaves:
+            dist.broadcast(t.detach().to(device), src=src, group=group)  # no copy when it is there already
+        return state
+
+    def receive(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(buf, src=src, group=group)
-        out.append(buf)
-    return state if is_src else tree_unflatten(out, spec)
+        return buf
+
+    return decode_tree(got["tree"], receive)
 
 
-@dataclass(frozen=True, slots=True)
-class _Plain:
-    """A leaf of a broadcast state that is not a tensor: sent as it is (:func:`broadcast_state`)."""
-
-    value: Any
+#: The largest structure of a state (bytes of JSON) a rank takes from a peer: some
+#: hundred bytes per tensor; a state_dict of 10,000 tensors fits
+STATE_STRUCTURE_BYTES = 64 << 20
 
 
 def publish_world_env(ctx: DistContext, *, node_key: str | None = None) -> None:
