@@ -48,7 +48,7 @@ from trainer.integrations.dcp import DcpCheckpointer, DcpError, ForeignCheckpoin
 from trainer.loop import ConfigError, ElasticJob, loaded, run_job
 from trainer.run import TrainState, build_state, causal_lm_step, wrap_ddp
 from trainer.run import build_parser as _run_parser
-from trainer.integrations.fsdp_shards import ShardMover
+from trainer.integrations.fsdp_shards import ShardMover, release
 from trainer.integrations.meta import materialize, on_meta, rebuild_optimizer
 from trainer.integrations.replicas import add_replica_flags
 from trainer.membership import joining
@@ -245,7 +245,7 @@ class DcpJob(ElasticJob):
                 if from_commit:  # the old model's memory back before the new one is allocated and loaded
                     gc.collect()
                 elif "new" in staged:  # a shrink's rows arrived in stage_state: the old shards are read no more
-                    old = _release(old, keep=staged["new"])  # whose memory the new shards may use
+                    old = release(old, keep=staged["new"])  # whose memory the new shards may use
                 self.state = self.build_state(torch.device("meta") if not from_commit else None)
             self.state.step = step
             self.wrap()
@@ -253,7 +253,7 @@ class DcpJob(ElasticJob):
                 self.resume()
                 return self.last_committed.step if self.last_committed else None
             self.shards.fill(staged)
-            _release(old, keep=self.shards.in_place)  # a grow's or a loss's: the exchange read them
+            release(old, keep=self.shards.in_place)  # a grow's or a loss's: the exchange read them
             del staged
         self.last_committed = last  # type: ignore[assignment]
         if self.ckpt is not None:
@@ -291,21 +291,6 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return [(g.to_local() if isinstance(g, DTensor) else g) for p in model.parameters() if (g := p.grad) is not None]
-
-
-def _release(tensors: list[torch.Tensor], keep: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
-    """Free the storage of the old model's shards and gradients (``resize_(0)``: FSDP2's own
-    way to drop a parameter's memory) now, not when the collector gets to the old modules'
-    reference cycles (FSDP2's modules, states and hooks refer to each other): a resize
-    used to ``gc.collect()`` for that, 0.1 s of each survivor's pause at 200 M on 2 busy
-    cores. Nothing may read them after, except the storage of those in ``keep`` (the new
-    model's views of them), left alone. Returns ``[]``."""
-    held = {k.untyped_storage().data_ptr() for k in keep}
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.resizable() and storage.data_ptr() not in held:
-            storage.resize_(0)
-    return []
 
 
 def main(argv: Sequence[str] | None = None, *, job_cls: type[DcpJob] = DcpJob) -> int:
